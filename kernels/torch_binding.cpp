@@ -1,0 +1,138 @@
+// torch_binding.cpp -- PyTorch entry points for the fused Linear -> scale ->
+// BatchNorm1d forward.  Passed to load_inline as cpp_sources (torch/extension.h
+// is prepended there); the kernels in kernels/*.cu take raw pointers only.
+//
+// Each entry point checks every tensor (device, dtype, shape, contiguity),
+// takes a device guard for x's GPU, launches on that GPU's current stream, and
+// turns any launch error into a RuntimeError.  Nothing here synchronises.
+//
+//   forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+//                 running_var, num_batches_tracked, momentum, eps) -> out (M, N)
+//       z = x @ weight^T with per-tile statistics      (sm80_gemm_3xtf32_bn.cu)
+//       merge statistics, update running stats, coefs  (bn_finalize.cu)
+//       out = (z - mean_z) * a + bn_bias, in place      (bn_apply.cu)
+//     momentum < 0 means momentum=None (cumulative average).  The caller
+//     increments num_batches_tracked first, as nn.BatchNorm1d does.
+//   forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+//                running_var, eps) -> out (M, N)
+//       one GEMM launch with the folded per-feature affine epilogue.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+int sm80_gemm_block_m();
+cudaError_t sm80_gemm_3xtf32_train(const float* x, const float* w, float* out, float* part_mean,
+                                   float* part_m2, int M, int N, int K, cudaStream_t stream);
+cudaError_t sm80_gemm_3xtf32_eval(const float* x, const float* w, float* out, const float* bias,
+                                  const float* scale, const float* bn_weight, const float* bn_bias,
+                                  const float* running_mean, const float* running_var, float eps, int M,
+                                  int N, int K, cudaStream_t stream);
+cudaError_t bn_finalize(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
+                        int N, const float* bias, const float* scale, const float* bn_weight,
+                        const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
+                        float* running_var, float* coef_a, float* coef_mean, cudaStream_t stream);
+cudaError_t bn_apply(float* z, const float* coef_mean, const float* coef_a, const float* bn_bias, int M, int N,
+                     cudaStream_t stream);
+
+namespace {
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
+}
+
+void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x,
+                  c10::ScalarType dtype = torch::kFloat32) {
+  TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, name, " must have shape (", n, "), got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Checks x and weight and returns (M, N, K).  x may be non-contiguous; the
+// kernel reads a contiguous copy (the caller's tensor is never written).
+std::tuple<int, int, int> check_gemm_operands(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "x must have shape (batch, in_features), got ", x.sizes());
+  TORCH_CHECK(weight.device() == x.device(), "gemm.weight must be on ", x.device(), ", got ", weight.device());
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32, "gemm.weight must be float32, got ", weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "gemm.weight must have shape (out_features, ",
+              x.size(1), "), got ", weight.sizes());
+  TORCH_CHECK(weight.is_contiguous(), "gemm.weight must be contiguous");
+  TORCH_CHECK(x.size(0) <= INT32_MAX && weight.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX,
+              "sizes must fit in int32, got x ", x.sizes(), " and gemm.weight ", weight.sizes());
+  const auto props = at::cuda::getDeviceProperties(x.get_device());
+  TORCH_CHECK(props->major >= 8, "fused_gemm_bn needs compute capability >= 8.0 (tensor-core TF32), got ",
+              props->major, ".", props->minor, " on ", props->name);
+  return {static_cast<int>(x.size(0)), static_cast<int>(weight.size(0)), static_cast<int>(x.size(1))};
+}
+
+}  // namespace
+
+torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+                            torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
+                            torch::Tensor running_var, torch::Tensor num_batches_tracked, double momentum,
+                            double eps) {
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
+              torch::IntArrayRef({M, N}));
+  check_vector(bias, "gemm.bias", N, x);
+  check_vector(scale, "scale", N, x);
+  check_vector(bn_weight, "bn.weight", N, x);
+  check_vector(bn_bias, "bn.bias", N, x);
+  check_vector(running_mean, "bn.running_mean", N, x);
+  check_vector(running_var, "bn.running_var", N, x);
+  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
+                  num_batches_tracked.numel() == 1,
+              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  const int block_m = sm80_gemm_block_m();
+  const int num_m_tiles = (M + block_m - 1) / block_m;
+  // One allocation for all scratch: part_mean, part_m2 (num_m_tiles x N each), coef_a, coef_mean (N each).
+  torch::Tensor scratch = torch::empty({(2 * static_cast<int64_t>(num_m_tiles) + 2) * N}, x.options());
+  float* part_mean = scratch.data_ptr<float>();
+  float* part_m2 = part_mean + static_cast<int64_t>(num_m_tiles) * N;
+  float* coef_a = part_m2 + static_cast<int64_t>(num_m_tiles) * N;
+  float* coef_mean = coef_a + N;
+
+  check_launch(sm80_gemm_3xtf32_train(xc.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
+                                      part_mean, part_m2, M, N, K, stream),
+               "sm80_gemm_3xtf32_train");
+  check_launch(bn_finalize(part_mean, part_m2, num_m_tiles, block_m, M, N, bias.data_ptr<float>(),
+                           scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
+                           num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
+                           static_cast<float>(eps), running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
+                           coef_a, coef_mean, stream),
+               "bn_finalize");
+  check_launch(bn_apply(out.data_ptr<float>(), coef_mean, coef_a, bn_bias.data_ptr<float>(), M, N, stream),
+               "bn_apply");
+  return out;
+}
+
+torch::Tensor forward_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+                           torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
+                           torch::Tensor running_var, double eps) {
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_vector(bias, "gemm.bias", N, x);
+  check_vector(scale, "scale", N, x);
+  check_vector(bn_weight, "bn.weight", N, x);
+  check_vector(bn_bias, "bn.bias", N, x);
+  check_vector(running_mean, "bn.running_mean", N, x);
+  check_vector(running_var, "bn.running_var", N, x);
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  check_launch(sm80_gemm_3xtf32_eval(xc.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
+                                     bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
+                                     bn_bias.data_ptr<float>(), running_mean.data_ptr<float>(),
+                                     running_var.data_ptr<float>(), static_cast<float>(eps), M, N, K, stream),
+               "sm80_gemm_3xtf32_eval");
+  return out;
+}

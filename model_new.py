@@ -1,0 +1,302 @@
+"""Drop-in replacement for KernelBench level 2 problem 33 (`reference.Model`):
+Linear -> multiply by a per-feature `scale` -> BatchNorm1d, float32.
+
+Names: M = batch, N = out_features, K = in_features.  x is (M, K) row-major,
+gemm.weight is (N, K) row-major (both K-major); the output is (M, N).
+
+Data path of `ModelNew.forward` on a CUDA tensor (float32):
+
+  Model.forward step            kernel file                      launcher / binding
+  ----------------------------  -------------------------------  -----------------------------------
+  gemm(x) = x W^T + b           kernels/sm80_gemm_3xtf32_bn.cu   sm80_gemm_3xtf32_train / _eval
+  * scale, bn (training):       (the GEMM epilogue writes z = x W^T and per-tile mean / M2)
+    batch statistics, running   kernels/bn_finalize.cu           bn_finalize
+    statistics, coefficients
+    normalise + affine          kernels/bn_apply.cu              bn_apply (in place over z)
+  * scale, bn (eval)            folded into the GEMM epilogue    sm80_gemm_3xtf32_eval
+  input checks, device guard,   kernels/torch_binding.cpp        forward_train / forward_eval
+  current stream
+
+Algebra (training): with z = x W^T, u = scale * (z + b) has batch mean
+scale * (mean_z + b) and biased variance scale^2 var_z, so
+    out = (z - mean_z) * a + bn.bias,   a = scale * bn.weight / sqrt(scale^2 var_z + eps):
+the Linear bias cancels from the output and only enters running_mean.
+Eval: out = a z + c with a = scale * bn.weight / sqrt(running_var + eps) and
+c = bn.bias + (scale * b - running_mean) * bn.weight / sqrt(running_var + eps).
+
+The GEMM is float32-accurate 3xTF32 on tensor cores (header of the .cu file:
+split, rounding, expected error).  CPU tensors take `_cpu_forward`, the same
+decomposed math in plain PyTorch (per-tile partial statistics merged with
+Chan's formula), in the module's dtype.  Tests: test_equivalence.py.
+
+The CUDA extension is compiled at import when a GPU is visible (never on a
+machine without CUDA).  Kernel sources are read from the `kernels/` folder next
+to this file, or from $FUSED_GEMM_BN_KERNEL_DIR.
+"""
+import hashlib
+import math
+import os
+import sys
+
+import torch
+from torch import nn
+
+# ---------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------
+
+_KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
+
+
+def _kernel_dir():
+    env = os.environ.get(_KERNEL_DIR_ENV)
+    if env:
+        return env
+    if "__file__" in globals():
+        return os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
+    raise RuntimeError(
+        f"model_new.py was executed without __file__; set ${_KERNEL_DIR_ENV} to the kernels/ folder"
+    )
+
+
+def _read_sources(kernel_dir):
+    """Returns (cuda_sources, cpp_sources): kernels/*.cu and kernels/*.cpp, sorted by name."""
+    if not os.path.isdir(kernel_dir):
+        raise RuntimeError(f"kernel folder not found: {kernel_dir} (set ${_KERNEL_DIR_ENV})")
+    names = sorted(os.listdir(kernel_dir))
+
+    def read(suffix):
+        out = []
+        for name in names:
+            if name.endswith(suffix):
+                with open(os.path.join(kernel_dir, name)) as f:
+                    out.append(f.read())
+        return out
+
+    return read(".cu"), read(".cpp")
+
+
+def _arch_flags():
+    """-gencode flags for every visible GPU.  Passed explicitly so that
+    TORCH_CUDA_ARCH_LIST (often set by harnesses to another GPU) is not used;
+    Hopper gets sm_90a, the target with wgmma and setmaxnreg."""
+    flags = []
+    for major, minor in sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}):
+        arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    return flags
+
+
+def _load_extension():
+    from torch.utils.cpp_extension import load_inline
+
+    cuda_sources, cpp_sources = _read_sources(_kernel_dir())
+    cuda_flags = ["-O3", "-std=c++17"] + _arch_flags()
+    digest = hashlib.sha256(
+        "\0".join(cuda_sources + cpp_sources + cuda_flags + [torch.__version__]).encode()
+    ).hexdigest()[:16]
+    print(f"model_new: compiling CUDA kernels (fused_gemm_bn_{digest}); the first build takes about a minute",
+          file=sys.stderr)
+    return load_inline(
+        name=f"fused_gemm_bn_{digest}",
+        cpp_sources=cpp_sources,
+        cuda_sources=cuda_sources,
+        functions=["forward_train", "forward_eval"],
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=cuda_flags,
+        verbose=os.environ.get("FUSED_GEMM_BN_VERBOSE_BUILD") == "1",
+    )
+
+
+_ext = _load_extension() if torch.cuda.is_available() else None
+
+# ---------------------------------------------------------------------------
+# Parameters: same names, shapes and random draws as nn.Linear / nn.BatchNorm1d
+# ---------------------------------------------------------------------------
+
+
+class _LinearParams(nn.Module):
+    """gemm.weight (N, K) and gemm.bias (N), initialised exactly as nn.Linear."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+        nn.init.uniform_(self.bias, -bound, bound)
+
+
+class _BatchNormState(nn.Module):
+    """bn.weight, bn.bias and the running-statistics buffers of nn.BatchNorm1d
+    (affine=True, track_running_stats=True).  `eps` and `momentum` are read at
+    every call; momentum=None selects the cumulative average."""
+
+    def __init__(self, num_features, eps, momentum):
+        super().__init__()
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------
+# CPU path: the kernels' decomposed math in plain PyTorch
+# ---------------------------------------------------------------------------
+
+_CPU_STATS_BLOCK_M = 128  # rows per partial-statistics tile, as the GEMM's BLOCK_M
+
+
+def _cpu_batch_stats(z):
+    """Per-feature mean and biased/unbiased variance of z (M, N), from per-tile
+    mean / M2 merged with Chan's pairwise formula in float64 (bn_finalize.cu)."""
+    count = mean = m2 = None
+    for tile in z.split(_CPU_STATS_BLOCK_M):
+        n_b = float(tile.shape[0])
+        mean_b = tile.mean(0)
+        m2_b = ((tile - mean_b) ** 2).sum(0)
+        mean_b, m2_b = mean_b.double(), m2_b.double()
+        if count is None:
+            count, mean, m2 = n_b, mean_b, m2_b
+            continue
+        n = count + n_b
+        delta = mean_b - mean
+        mean = mean + delta * (n_b / n)
+        m2 = m2 + m2_b + delta * delta * (count * n_b / n)
+        count = n
+    return mean, m2 / count, m2 / (count - 1.0)
+
+
+def _cpu_forward(x, weight, bias, scale, bn, training, factor):
+    z = x @ weight.t()
+    if training:
+        mean, var_biased, var_unbiased = _cpu_batch_stats(z)
+        s = scale.double()
+        a = s * bn.weight.double() / torch.sqrt(s * s * var_biased + bn.eps)
+        with torch.no_grad():
+            bn.running_mean.copy_((1.0 - factor) * bn.running_mean.double() + factor * s * (mean + bias.double()))
+            bn.running_var.copy_((1.0 - factor) * bn.running_var.double() + factor * s * s * var_unbiased)
+        return (z - mean.to(z.dtype)) * a.to(z.dtype) + bn.bias
+    gw = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+    return z * (scale * gw) + (bn.bias + (scale * bias - bn.running_mean) * gw)
+
+
+# ---------------------------------------------------------------------------
+# Module
+# ---------------------------------------------------------------------------
+
+
+class _NoBackward(torch.autograd.Function):
+    """Runs the fused CUDA forward; backward is not implemented yet and says so."""
+
+    @staticmethod
+    def forward(ctx, fn, *tensors):
+        return fn()
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        raise RuntimeError(
+            "ModelNew: the fused CUDA forward has no backward yet; use reference.Model for training "
+            "with gradients, or call ModelNew under torch.no_grad()"
+        )
+
+
+class ModelNew(nn.Module):
+    """Linear(in_features, out_features) -> * scale -> BatchNorm1d(out_features, eps, momentum).
+
+    Same constructor, parameter/buffer names, random draws and train/eval
+    behaviour as `reference.Model`.  forward(x): x (M, in_features), float32 on
+    CUDA (compute capability >= 8.0) or any float dtype on CPU, matching the
+    parameters' dtype; returns (M, out_features).  Training mode updates
+    bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
+
+    Raises ValueError for M == 1 in training (PyTorch's message), and
+    RuntimeError for a wrong rank, feature count, dtype or device; a rejected
+    call leaves every buffer unchanged.
+    """
+
+    def __init__(self, in_features, out_features, scale_shape, eps=1e-5, momentum=0.1):
+        super().__init__()
+        self.gemm = _LinearParams(in_features, out_features)
+        self.scale = nn.Parameter(torch.randn(scale_shape))
+        self.bn = _BatchNormState(out_features, eps=eps, momentum=momentum)
+
+    def _check_input(self, x):
+        weight = self.gemm.weight
+        n, k = weight.shape
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"ModelNew expects a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2:
+            raise RuntimeError(f"ModelNew expects x of shape (batch, {k}), got {tuple(x.shape)}")
+        if x.shape[1] != k:
+            raise RuntimeError(
+                f"mat1 and mat2 shapes cannot be multiplied ({x.shape[0]}x{x.shape[1]} and {k}x{n}): "
+                f"ModelNew expects x of shape (batch, {k})"
+            )
+        if x.device != weight.device:
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found x on {x.device} "
+                f"and the parameters on {weight.device}"
+            )
+        if x.dtype != weight.dtype:
+            raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
+        if x.is_cuda and x.dtype != torch.float32:
+            raise RuntimeError(f"ModelNew's CUDA path supports float32 only, got {x.dtype}")
+        if self.training and x.shape[0] <= 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size {torch.Size([x.shape[0], n])}"
+            )
+
+    def _scale_vector(self):
+        n = self.gemm.out_features
+        s = self.scale
+        return s if s.shape == (n,) else s.expand(n).contiguous()
+
+    def forward(self, x):
+        self._check_input(x)
+        bn = self.bn
+        momentum = bn.momentum
+        if self.training:
+            bn.num_batches_tracked.add_(1)
+        if not x.is_cuda:
+            factor = momentum if momentum is not None else 1.0 / float(bn.num_batches_tracked)
+            return _cpu_forward(x, self.gemm.weight, self.gemm.bias, self.scale, bn, self.training, factor)
+        if _ext is None:
+            raise RuntimeError("ModelNew: CUDA tensor given but the extension was not built (no GPU at import)")
+
+        params = (self.gemm.weight, self.gemm.bias, self._scale_vector(), bn.weight, bn.bias)
+        if self.training:
+            def run():
+                return _ext.forward_train(x, *params, bn.running_mean, bn.running_var, bn.num_batches_tracked,
+                                          -1.0 if momentum is None else float(momentum), float(bn.eps))
+        else:
+            def run():
+                return _ext.forward_eval(x, *params, bn.running_mean, bn.running_var, float(bn.eps))
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            return _NoBackward.apply(run, x, *params)
+        return run()
+
+
+# ---------------------------------------------------------------------------
+# KernelBench interface (sizes default to the original's; names already set in
+# the namespace, e.g. by a reference executed first, keep their values)
+# ---------------------------------------------------------------------------
+
+batch_size = globals().get("batch_size", 1024)
+in_features = globals().get("in_features", 8192)
+out_features = globals().get("out_features", 8192)
+scale_shape = globals().get("scale_shape", (out_features,))
+
+
+def get_inputs():
+    return [torch.rand(batch_size, in_features)]
+
+
+def get_init_inputs():
+    return [in_features, out_features, scale_shape]

@@ -1,0 +1,257 @@
+"""Forward-pass benchmark: ModelNew (fused Linear -> scale -> BatchNorm1d on
+3xTF32 tensor cores) against reference.Model in eager mode and under
+torch.compile, all float32 on one CUDA GPU, in one process.
+
+How it measures: each side's forward call is bracketed by a pair of CUDA events.
+Before every call, outside the events, a 256 MB buffer is zeroed to flush L2,
+and the input rotates among 4 pre-generated torch.rand tensors.  The sides are
+interleaved (each repetition calls every side once, the order rotated by one per
+repetition).  After --warmup untimed repetitions, --iters timed ones give the
+median (the reported figure) and the minimum.  Building the CUDA extension
+(importing model_new) and torch.compile's compilation (its first call) happen
+before timing and are excluded.  Calls run under torch.no_grad() unless --grad.
+
+Reported per side: median and min ms; GEMM TFLOP/s = 2*M*N*K / median time (the
+scale and BatchNorm work is not counted); speedup = eager_ms / ms; time ratio =
+ms / eager_ms; relative error ||y - y64||_F / ||y64||_F against reference.Model
+copied to float64 with the same parameters and state, on one fresh input.
+Exit status: 0 ok; 1 ModelNew not allclose(atol=rtol=1e-4) to the eager Model;
+2 no CUDA GPU.  M = batch, K = in_features, N = out_features.
+"""
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from reference import Model
+
+DEVICE = "cuda"
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+NUM_INPUTS = 4
+EVAL_TRAIN_STEPS = 3  # training steps before --mode eval, so the running statistics are not 0 / 1
+ATOL = RTOL = 1e-4
+
+
+def _parse_shape(text):
+    try:
+        m, k, n = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected M,K,N (three integers), got {text!r}") from None
+    if min(m, k, n) < 1:
+        raise argparse.ArgumentTypeError(f"M, K and N must be positive, got {text!r}")
+    return m, k, n
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", type=_parse_shape, default=(1024, 8192, 8192), metavar="M,K,N",
+                   help="batch, in_features, out_features (default: KernelBench's 1024,8192,8192)")
+    p.add_argument("--mode", choices=("train", "eval", "both"), default="train",
+                   help="BatchNorm mode of every side (default: train)")
+    p.add_argument("--iters", type=int, default=50, help="timed repetitions per side (default: 50)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed repetitions per side first (default: 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed for parameters and inputs (default: 0)")
+    p.add_argument("--json", default=os.path.join("results", "bench.json"), metavar="PATH",
+                   help="where to write the results (default: results/bench.json)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile(Model) side")
+    p.add_argument("--grad", action="store_true", help="time with autograd enabled instead of torch.no_grad()")
+    args = p.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.shape[0] < 2:  # also eval: EVAL_TRAIN_STEPS training steps come first
+        p.error("BatchNorm1d training needs a batch M >= 2")
+    return args
+
+
+def build_models(model_new_cls, shape, mode, seed):
+    """(Model, ModelNew) on DEVICE with bit-identical parameters (the same seed
+    before each constructor).  For mode "eval", both first take EVAL_TRAIN_STEPS
+    training steps on the same inputs, then switch to eval."""
+    m, k, n = shape
+    models = []
+    for cls in (Model, model_new_cls):
+        torch.manual_seed(seed)
+        models.append(cls(k, n, (n,)).to(DEVICE).train())
+    ref, new = models
+    ref_state, new_state = ref.state_dict(), new.state_dict()
+    if ref_state.keys() != new_state.keys() or not all(torch.equal(v, new_state[key]) for key, v in ref_state.items()):
+        raise RuntimeError("Model and ModelNew built from the same seed differ in parameters or buffers")
+    if mode == "eval":
+        with torch.no_grad():
+            for _ in range(EVAL_TRAIN_STEPS):
+                x = torch.rand(m, k, device=DEVICE)
+                ref(x)
+                new(x)
+        ref.eval()
+        new.eval()
+    return ref, new
+
+
+def _reset_dynamo():
+    try:
+        import torch._dynamo
+        torch._dynamo.reset()
+    except Exception:
+        pass
+
+
+def try_compile(model, x):
+    """torch.compile(model) after its first call (the compilation, excluded from
+    the timings), or None with a printed note if unavailable or failing."""
+    if not hasattr(torch, "compile"):
+        print("note: this torch has no torch.compile; skipping the compile side")
+        return None
+    try:
+        compiled = torch.compile(model)
+        t0 = time.perf_counter()
+        compiled(x)
+        torch.cuda.synchronize()
+    except Exception as e:  # a compile failure must not end the bench
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        print(f"note: torch.compile failed, skipping the compile side: {type(e).__name__}: {first_line}")
+        _reset_dynamo()
+        return None
+    print(f"torch.compile: first call (compilation) took {time.perf_counter() - t0:.1f} s, excluded")
+    return compiled
+
+
+def check_accuracy(sides, ref, x):
+    """Relative Frobenius error of each side against `ref` copied to float64
+    (same parameters and state) on x, plus ModelNew vs eager max |diff| and allclose.
+    Calls the timed models themselves: in train mode that advances their running
+    statistics by one step, which the train-mode output and the timings do not depend on."""
+    ref64 = copy.deepcopy(ref).double()
+    with torch.no_grad():
+        y64 = ref64(x.double())
+    outs = {name: fn(x).detach() for name, fn in sides.items()}
+    with torch.no_grad():
+        errors = {name: ((y.double() - y64).norm() / y64.norm()).item() for name, y in outs.items()}
+        y_ref, y_new = outs["eager"], outs["ModelNew"]
+        check = {"max_abs_diff_vs_eager": (y_new - y_ref).abs().max().item(),
+                 "allclose_vs_eager": bool(torch.allclose(y_new, y_ref, atol=ATOL, rtol=RTOL))}
+    return errors, check
+
+
+def time_fn(fns, inputs, iters, warmup):
+    """CUDA-event times in ms of every callable in `fns` (name -> fn(x)), interleaved:
+    each repetition calls every side once on the same input, in an order rotated by
+    one per repetition; L2 is flushed before each call, outside its events."""
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
+    names = list(fns)
+    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(iters)] for name in names}
+    for rep in range(warmup + iters):
+        x = inputs[rep % len(inputs)]
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            flush.zero_()
+            if rep < warmup:
+                fns[name](x)
+                continue
+            start, end = events[name][rep - warmup]
+            start.record()
+            fns[name](x)
+            end.record()
+    torch.cuda.synchronize()
+    return {name: [start.elapsed_time(end) for start, end in events[name]] for name in names}
+
+
+def bench_mode(model_new_cls, args, mode):
+    """Builds, checks and times every side in one BatchNorm mode; returns (rows, check)."""
+    m, k, n = args.shape
+    ref, new = build_models(model_new_cls, args.shape, mode, args.seed)
+    inputs = [torch.rand(m, k, device=DEVICE) for _ in range(NUM_INPUTS)]
+    x_check = torch.rand(m, k, device=DEVICE)
+    with torch.set_grad_enabled(args.grad):
+        sides = {"eager": ref}
+        compiled = None if args.no_compile else try_compile(ref, inputs[0])
+        if compiled is not None:
+            sides["compile"] = compiled
+        sides["ModelNew"] = new
+        errors, check = check_accuracy(sides, ref, x_check)
+        times = time_fn(sides, inputs, args.iters, args.warmup)
+    eager_ms = statistics.median(times["eager"])
+    rows = []
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        rows.append({"mode": mode, "side": name, "median_ms": ms, "min_ms": min(ts),
+                     "gemm_tflops": 2.0 * m * n * k / (ms * 1e-3) / 1e12,
+                     "speedup_vs_eager": eager_ms / ms, "time_ratio_vs_eager": ms / eager_ms,
+                     "rel_err_vs_fp64": errors[name]})
+    return rows, dict(check, mode=mode)
+
+
+def _git_revision():
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def print_table(rows, check, grad):
+    print(f"\nmode={check['mode']}, grad={'enabled' if grad else 'disabled (torch.no_grad)'}")
+    print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}"
+          f"{'time/eager':>12}{'rel err vs fp64':>17}")
+    for r in rows:
+        print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
+              f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}{r['rel_err_vs_fp64']:>17.2e}")
+    print(f"ModelNew vs eager: max |diff| {check['max_abs_diff_vs_eager']:.2e}, "
+          f"allclose(atol=rtol={ATOL:g}): {'yes' if check['allclose_vs_eager'] else 'NO'}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.py: a CUDA GPU is needed (torch.cuda.is_available() is False); nothing was measured.",
+              file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 GEMMs in eager and compiled sides (the default)
+    t0 = time.perf_counter()
+    from model_new import ModelNew  # builds the CUDA extension at import
+    build_s = time.perf_counter() - t0
+
+    m, k, n = args.shape
+    env = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "git": _git_revision(), "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+           "extension_import_s": build_s, "l2_flush_bytes": L2_FLUSH_BYTES, "num_inputs": NUM_INPUTS}
+    print(f"device {env['device']} (capability {env['capability'][0]}.{env['capability'][1]}), "
+          f"torch {env['torch']}, CUDA {env['cuda']}, python {env['python']}, git {env['git']}")
+    print(f"shape M={m} (batch), K={k} (in_features), N={n} (out_features), float32; mode {args.mode}; "
+          f"seed {args.seed}; {args.warmup} warm-up + {args.iters} timed repetitions; "
+          f"extension import {build_s:.1f} s (excluded)")
+
+    modes = ["train", "eval"] if args.mode == "both" else [args.mode]
+    rows, checks = [], []
+    for mode in modes:
+        mode_rows, check = bench_mode(ModelNew, args, mode)
+        print_table(mode_rows, check, args.grad)
+        rows += mode_rows
+        checks.append(check)
+        _reset_dynamo()
+        torch.cuda.empty_cache()
+
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"env": env, "args": dict(vars(args), shape=list(args.shape)), "rows": rows, "checks": checks},
+                  f, indent=2)
+    print(f"\nwrote {args.json}")
+
+    failed = [c for c in checks if not c["allclose_vs_eager"]]
+    for c in failed:
+        print(f"WARNING: ModelNew is not allclose(atol=rtol={ATOL:g}) to reference Model in {c['mode']} mode "
+              f"(max |diff| {c['max_abs_diff_vs_eager']:.2e})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,8 @@
 //              c = bn_bias + (scale * bias - running_mean) * bn_weight * inv_std
 //
 // Tensors (all float32, contiguous, row-major)
-//   x    (M, K)   K-major  == mma "row" A operand
+//   x_big, x_small  (M, K_pad)  K-major, TF32 parts of x from split_tf32.cu
+//                   (K_pad = round_up(K, 4), zero-padded) == mma "row" A operand
 //   w    (N, K)   K-major  == mma "col" B operand (nn.Linear weight layout)
 //   out  (M, N)   row-major
 //   part_mean, part_m2  (ceil(M / BLOCK_M), N)
@@ -24,29 +25,39 @@
 // precision accuracy from Tensor Cores while surpassing the FP32 theoretical
 // peak performance", IJHPCA 2022)
 //   Each fp32 operand v is split as v = big + small with
-//     big   = cvt.rna.tf32(v)            (round to nearest, ties away: 11-bit significand)
-//     small = cvt.rna.tf32(v - big)      (v - big is exact in fp32; |v - big| <= 2^-11 |v|)
-//   and a*b ~= a_small*b_big + a_big*b_small + a_big*b_big, accumulated in fp32
-//   by the tensor core, small products first.  Dropped: a_small*b_small
-//   (<= 2^-22 |ab|) and the rounding of the small parts (<= 2^-22 |ab|), so each
-//   product carries ~2^-21 relative error before accumulation, below fp32 FMA
-//   accumulation error over K.  Expected ||z - z64|| / ||z64|| ~ 1e-7..1e-6.
+//     big   = v rounded to TF32 (nearest, ties away: 11-bit significand)
+//     small = v - big               (exact in fp32; |small| <= 2^-11 |v|)
+//   x is split by the pre-pass (small rounded to TF32 with cvt.rna); w is split
+//   here in registers with two integer ops and one FADD (round_tf32 below), and
+//   its small part goes to the tensor core as raw fp32 (the TF32 MMA reads only
+//   the top 19 bits, i.e. truncates it: <= 2^-21 |w| lost).
+//   a*b ~= a_small*b_big + a_big*b_small + a_big*b_big; dropped: a_small*b_small
+//   (<= 2^-22 |ab|).  Each product carries <= ~2^-20.5 relative error.
+//
+//   Accumulation: the tensor core adds into its fp32 accumulator without
+//   round-to-nearest (measured on H200: a 3072-MMA chain over K = 8192 gave 10x
+//   eager's error, growing linearly with K).  So each (mma tile, half slab of
+//   16 k) accumulates its 6 MMAs into a zeroed register quad, which is added to
+//   the main accumulator with an ordinary round-to-nearest FADD (the promotion
+//   that DeepGEMM uses for FP8).  Expected ||z - z64|| / ||z64|| below eager
+//   FP32 SGEMM's (docs/perf.md has the measurements).
 //   Non-finite inputs: inf - inf = NaN in the split, so an inf operand yields NaN.
 //
 // Tiling: BLOCK_M x BLOCK_N x BLOCK_K = 128 x 128 x 32 per CTA, 8 warps in a
 // 2 x 4 grid of 64 x 32 warp tiles, mma.sync.m16n8k8 (PTX ISA 9.7.13.4.13,
 // "Matrix Fragments for mma.m16n8k8", .tf32), kNumStages-deep cp.async ring
-// (PTX ISA 9.7.9.25).  Shared-memory rows are padded to BLOCK_K + 4 floats so
+// (PTX ISA 9.7.9.25) holding x_big, x_small and w slabs.  Shared-memory rows are padded to BLOCK_K + 4 floats so
 // that both the 16-byte cp.async stores and the 16-byte fragment loads are
 // bank-conflict free.
 //
-// K permutation: within one BLOCK_K slab, mma k-step s and fragment column kl
-// read shared column 8 * (kl % 4) + 2 * s + kl / 4.  The same bijection is used
-// for A and B, so the dot product is unchanged, and every thread reads its
-// fragments for two k-steps with one 16-byte load per row.
+// K permutation: within one BLOCK_K slab, mma k-step s (0..3) and fragment
+// column kl (0..7) read shared column 8 * (kl % 4) + 2 * s + kl / 4.  The same
+// bijection is used for A and B, so the dot product is unchanged, and every
+// thread reads its fragments for two k-steps with one 16-byte load per row.
 //
-// Preconditions: M, N, K >= 1; x, w 4-byte aligned.  The 16-byte load path
-// (kVec16) additionally needs K % 4 == 0 and 16-byte aligned x and w.
+// Preconditions: M, N >= 1, K >= 0; x_big / x_small 16-byte aligned with row
+// pitch K_pad; w 4-byte aligned.  The 16-byte w load path (kVec16) needs
+// K % 4 == 0 and a 16-byte aligned w.
 // Rows past M and columns past K/N are zero-filled and masked out of the
 // statistics; nothing is written past M or N.
 //
@@ -73,9 +84,10 @@ struct Sm80GemmTraits {
   static constexpr int kNumThreads = WARPS_M * WARPS_N * 32;
   static constexpr int kNumStages = 4;
   static constexpr int SMEM_ROW_ELEMS = BLOCK_K + 4;
-  static constexpr int A_STAGE_ELEMS = BLOCK_M * SMEM_ROW_ELEMS;
+  static constexpr int A_STAGE_ELEMS = BLOCK_M * SMEM_ROW_ELEMS;  // one of x_big / x_small
   static constexpr int B_STAGE_ELEMS = BLOCK_N * SMEM_ROW_ELEMS;
-  static constexpr int SMEM_BYTES = kNumStages * (A_STAGE_ELEMS + B_STAGE_ELEMS) * 4;
+  static constexpr int STAGE_ELEMS = 2 * A_STAGE_ELEMS + B_STAGE_ELEMS;
+  static constexpr int SMEM_BYTES = kNumStages * STAGE_ELEMS * 4;
 
   static_assert(BLOCK_K == 32, "the K permutation assumes 4 mma k-steps per slab");
   static_assert(WARP_M % MMA_M == 0 && WARP_N % MMA_N == 0, "warp tile must be whole mma tiles");
@@ -109,11 +121,12 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
-// Splits v into TF32 big and small parts (see header).
+// Splits v into a TF32 big part (round to nearest, ties away; identical to
+// cvt.rna.tf32.f32 for finite v) and the exact fp32 remainder.  Two integer ops
+// and one FADD; the remainder is truncated to TF32 by the MMA itself.
 __device__ __forceinline__ void split_tf32(float v, uint32_t& big, uint32_t& small) {
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(big) : "f"(v));
-  const float rest = v - __uint_as_float(big);
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(small) : "f"(rest));
+  big = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+  small = __float_as_uint(v - __uint_as_float(big));
 }
 
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -167,10 +180,11 @@ __device__ __forceinline__ float warp_sum_over_rows(float v) {
 }  // namespace sm80
 
 struct Sm80GemmBnArgs {
-  const float* x;
+  const float* x_big;
+  const float* x_small;
   const float* w;
   float* out;
-  int M, N, K;
+  int M, N, K, K_pad;
   // kTrain
   float* part_mean;
   float* part_m2;
@@ -191,8 +205,7 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
   using T = Sm80GemmTraits;
   using namespace sm80;
   extern __shared__ __align__(16) float smem[];
-  float* smem_a = smem;
-  float* smem_b = smem + T::kNumStages * T::A_STAGE_ELEMS;
+  // Stage layout: [x_big slab | x_small slab | w slab], each (rows x SMEM_ROW_ELEMS).
 
   const int M = args.M, N = args.N, K = args.K;
   // blockIdx.x walks M fastest, so the CTAs that share one W tile run together
@@ -219,10 +232,11 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
   const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;
 
   auto load_stage = [&](int k_tile) {
-    const int stage = k_tile % T::kNumStages;
+    float* stage = smem + (k_tile % T::kNumStages) * T::STAGE_ELEMS;
     const int k0 = k_tile * T::BLOCK_K;
-    load_slab<T::BLOCK_M, kVec16>(smem_a + stage * T::A_STAGE_ELEMS, args.x, m0, M, k0, K);
-    load_slab<T::BLOCK_N, kVec16>(smem_b + stage * T::B_STAGE_ELEMS, args.w, n0, N, k0, K);
+    load_slab<T::BLOCK_M, true>(stage, args.x_big, m0, M, k0, args.K_pad);
+    load_slab<T::BLOCK_M, true>(stage + T::A_STAGE_ELEMS, args.x_small, m0, M, k0, args.K_pad);
+    load_slab<T::BLOCK_N, kVec16>(stage + 2 * T::A_STAGE_ELEMS, args.w, n0, N, k0, K);
   };
 
 #pragma unroll
@@ -239,48 +253,51 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
     if (k_tile + T::kNumStages - 1 < num_k_tiles) load_stage(k_tile + T::kNumStages - 1);
     cp_async_commit();
 
-    const int stage = k_tile % T::kNumStages;
-    const float* As = smem_a + stage * T::A_STAGE_ELEMS + (wm * T::WARP_M + g) * T::SMEM_ROW_ELEMS + 8 * t;
-    const float* Bs = smem_b + stage * T::B_STAGE_ELEMS + (wn * T::WARP_N + g) * T::SMEM_ROW_ELEMS + 8 * t;
+    const float* stage = smem + (k_tile % T::kNumStages) * T::STAGE_ELEMS;
+    const float* a_big_s = stage + (wm * T::WARP_M + g) * T::SMEM_ROW_ELEMS + 8 * t;
+    const float* a_small_s = a_big_s + T::A_STAGE_ELEMS;
+    const float* b_s = stage + 2 * T::A_STAGE_ELEMS + (wn * T::WARP_N + g) * T::SMEM_ROW_ELEMS + 8 * t;
 
+    // The slab is consumed in two halves of kStepsPerHalf k-steps.  Thread (g, t)
+    // reads shared columns 8t + 4 * half .. +3 of its rows; k-step `step` of the
+    // half uses elements 2 * step (k = t) and 2 * step + 1 (k = t + 4).
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float4 a_lo[T::kMmaTilesM], a_hi[T::kMmaTilesM], b_raw[T::kMmaTilesN];
+      // w fragments of this half, split once and reused by every mi.
+      uint32_t b_big[T::kMmaTilesN][4], b_small[T::kMmaTilesN][4];
 #pragma unroll
-      for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
-        a_lo[mi] = *reinterpret_cast<const float4*>(As + (mi * T::MMA_M) * T::SMEM_ROW_ELEMS + 4 * half);
-        a_hi[mi] = *reinterpret_cast<const float4*>(As + (mi * T::MMA_M + 8) * T::SMEM_ROW_ELEMS + 4 * half);
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
+        const float4 v = *reinterpret_cast<const float4*>(b_s + ni * T::MMA_N * T::SMEM_ROW_ELEMS + 4 * half);
+        split_tf32(v.x, b_big[ni][0], b_small[ni][0]);
+        split_tf32(v.y, b_big[ni][1], b_small[ni][1]);
+        split_tf32(v.z, b_big[ni][2], b_small[ni][2]);
+        split_tf32(v.w, b_big[ni][3], b_small[ni][3]);
       }
 #pragma unroll
-      for (int ni = 0; ni < T::kMmaTilesN; ++ni)
-        b_raw[ni] = *reinterpret_cast<const float4*>(Bs + (ni * T::MMA_N) * T::SMEM_ROW_ELEMS + 4 * half);
-
-#pragma unroll
-      for (int step = 0; step < 2; ++step) {
-        uint32_t a_big[T::kMmaTilesM][4], a_small[T::kMmaTilesM][4];
-        uint32_t b_big[T::kMmaTilesN][2], b_small[T::kMmaTilesN][2];
-#pragma unroll
-        for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
-          // a0: (row g, k t), a1: (row g+8, k t), a2: (row g, k t+4), a3: (row g+8, k t+4)
-          split_tf32(step == 0 ? a_lo[mi].x : a_lo[mi].z, a_big[mi][0], a_small[mi][0]);
-          split_tf32(step == 0 ? a_hi[mi].x : a_hi[mi].z, a_big[mi][1], a_small[mi][1]);
-          split_tf32(step == 0 ? a_lo[mi].y : a_lo[mi].w, a_big[mi][2], a_small[mi][2]);
-          split_tf32(step == 0 ? a_hi[mi].y : a_hi[mi].w, a_big[mi][3], a_small[mi][3]);
-        }
+      for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
+        // x fragments: rows g (lo) and g + 8 (hi).
+        const int off = mi * T::MMA_M * T::SMEM_ROW_ELEMS + 4 * half;
+        const uint4 xb_lo = *reinterpret_cast<const uint4*>(a_big_s + off);
+        const uint4 xb_hi = *reinterpret_cast<const uint4*>(a_big_s + off + 8 * T::SMEM_ROW_ELEMS);
+        const uint4 xs_lo = *reinterpret_cast<const uint4*>(a_small_s + off);
+        const uint4 xs_hi = *reinterpret_cast<const uint4*>(a_small_s + off + 8 * T::SMEM_ROW_ELEMS);
+        // a0: (row g, k t), a1: (row g+8, k t), a2: (row g, k t+4), a3: (row g+8, k t+4)
+        const uint32_t a_big[2][4] = {{xb_lo.x, xb_hi.x, xb_lo.y, xb_hi.y}, {xb_lo.z, xb_hi.z, xb_lo.w, xb_hi.w}};
+        const uint32_t a_small[2][4] = {{xs_lo.x, xs_hi.x, xs_lo.y, xs_hi.y}, {xs_lo.z, xs_hi.z, xs_lo.w, xs_hi.w}};
 #pragma unroll
         for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
-          // b0: (k t, col g), b1: (k t+4, col g)
-          split_tf32(step == 0 ? b_raw[ni].x : b_raw[ni].z, b_big[ni][0], b_small[ni][0]);
-          split_tf32(step == 0 ? b_raw[ni].y : b_raw[ni].w, b_big[ni][1], b_small[ni][1]);
-        }
+          float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int mi = 0; mi < T::kMmaTilesM; ++mi)
-#pragma unroll
-          for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
-            mma_tf32(acc[mi][ni], a_small[mi], b_big[ni]);
-            mma_tf32(acc[mi][ni], a_big[mi], b_small[ni]);
-            mma_tf32(acc[mi][ni], a_big[mi], b_big[ni]);
+          for (int step = 0; step < 2; ++step) {
+            const uint32_t bb[2] = {b_big[ni][2 * step], b_big[ni][2 * step + 1]};
+            const uint32_t bs[2] = {b_small[ni][2 * step], b_small[ni][2 * step + 1]};
+            mma_tf32(part, a_small[step], bb);
+            mma_tf32(part, a_big[step], bs);
+            mma_tf32(part, a_big[step], bb);
           }
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[mi][ni][r] += part[r];  // round-to-nearest promotion
+        }
       }
     }
   }
@@ -395,9 +412,7 @@ static cudaError_t launch_sm80_gemm(const Sm80GemmBnArgs& args, cudaStream_t str
   return cudaGetLastError();
 }
 
-static bool vec16_ok(const float* x, const float* w, int K) {
-  return K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
-}
+static bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0; }
 
 }  // namespace fused_gemm_bn
 
@@ -408,26 +423,31 @@ static bool vec16_ok(const float* x, const float* w, int K) {
 int sm80_gemm_block_m() { return fused_gemm_bn::Sm80GemmTraits::BLOCK_M; }
 
 // z = x @ w^T into `out`, and per-(M tile, column) mean / M2 of z.
-cudaError_t sm80_gemm_3xtf32_train(const float* x, const float* w, float* out, float* part_mean,
-                                   float* part_m2, int M, int N, int K, cudaStream_t stream) {
+// x is given as its TF32 parts (split_tf32), rows of pitch K_pad.
+cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, int K_pad, const float* w,
+                                   float* out, float* part_mean, float* part_m2, int M, int N, int K,
+                                   cudaStream_t stream) {
   using namespace fused_gemm_bn;
   Sm80GemmBnArgs args{};
-  args.x = x; args.w = w; args.out = out; args.M = M; args.N = N; args.K = K;
+  args.x_big = x_big; args.x_small = x_small; args.K_pad = K_pad;
+  args.w = w; args.out = out; args.M = M; args.N = N; args.K = K;
   args.part_mean = part_mean; args.part_m2 = part_m2;
-  return vec16_ok(x, w, K) ? launch_sm80_gemm<Epilogue::kTrain, true>(args, stream)
+  return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kTrain, true>(args, stream)
                            : launch_sm80_gemm<Epilogue::kTrain, false>(args, stream);
 }
 
 // out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm.
-cudaError_t sm80_gemm_3xtf32_eval(const float* x, const float* w, float* out, const float* bias,
+cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, int K_pad, const float* w,
+                                  float* out, const float* bias,
                                   const float* scale, const float* bn_weight, const float* bn_bias,
                                   const float* running_mean, const float* running_var, float eps, int M,
                                   int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   Sm80GemmBnArgs args{};
-  args.x = x; args.w = w; args.out = out; args.M = M; args.N = N; args.K = K;
+  args.x_big = x_big; args.x_small = x_small; args.K_pad = K_pad;
+  args.w = w; args.out = out; args.M = M; args.N = N; args.K = K;
   args.bias = bias; args.scale = scale; args.bn_weight = bn_weight; args.bn_bias = bn_bias;
   args.running_mean = running_mean; args.running_var = running_var; args.eps = eps;
-  return vec16_ok(x, w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
+  return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
                            : launch_sm80_gemm<Epilogue::kEval, false>(args, stream);
 }

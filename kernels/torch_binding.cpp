@@ -8,6 +8,7 @@
 //
 //   forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                 running_var, num_batches_tracked, momentum, eps) -> out (M, N)
+//       x -> TF32 big / small parts                     (split_tf32.cu)
 //       z = x @ weight^T with per-tile statistics      (sm80_gemm_3xtf32_bn.cu)
 //       merge statistics, update running stats, coefs  (bn_finalize.cu)
 //       out = (z - mean_z) * a + bn_bias, in place      (bn_apply.cu)
@@ -15,16 +16,21 @@
 //     increments num_batches_tracked first, as nn.BatchNorm1d does.
 //   forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                running_var, eps) -> out (M, N)
-//       one GEMM launch with the folded per-feature affine epilogue.
+//       split pre-pass, then one GEMM launch with the folded per-feature
+//       affine epilogue.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
 int sm80_gemm_block_m();
-cudaError_t sm80_gemm_3xtf32_train(const float* x, const float* w, float* out, float* part_mean,
-                                   float* part_m2, int M, int N, int K, cudaStream_t stream);
-cudaError_t sm80_gemm_3xtf32_eval(const float* x, const float* w, float* out, const float* bias,
+cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, int K_pad,
+                       float* big, float* small, cudaStream_t stream);
+cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, int K_pad, const float* w,
+                                   float* out, float* part_mean, float* part_m2, int M, int N, int K,
+                                   cudaStream_t stream);
+cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, int K_pad, const float* w,
+                                  float* out, const float* bias,
                                   const float* scale, const float* bn_weight, const float* bn_bias,
                                   const float* running_mean, const float* running_var, float eps, int M,
                                   int N, int K, cudaStream_t stream);
@@ -49,8 +55,8 @@ void check_vector(const torch::Tensor& t, const char* name, int64_t n, const tor
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// Checks x and weight and returns (M, N, K).  x may be non-contiguous; the
-// kernel reads a contiguous copy (the caller's tensor is never written).
+// Checks x and weight and returns (M, N, K).  x may have any strides: the
+// split pre-pass reads it in place (the caller's tensor is never written).
 std::tuple<int, int, int> check_gemm_operands(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32, got ", x.scalar_type());
@@ -66,6 +72,24 @@ std::tuple<int, int, int> check_gemm_operands(const torch::Tensor& x, const torc
   TORCH_CHECK(props->major >= 8, "fused_gemm_bn needs compute capability >= 8.0 (tensor-core TF32), got ",
               props->major, ".", props->minor, " on ", props->name);
   return {static_cast<int>(x.size(0)), static_cast<int>(weight.size(0)), static_cast<int>(x.size(1))};
+}
+
+// x split into TF32 big / small parts, (M, K_pad) each, K_pad = round_up(K, 4).
+struct SplitX {
+  torch::Tensor storage;
+  const float* big;
+  const float* small;
+  int K_pad;
+};
+
+SplitX split_x(const torch::Tensor& x, int M, int K, cudaStream_t stream) {
+  const int K_pad = (K + 3) / 4 * 4;
+  torch::Tensor storage = torch::empty({2, M, K_pad}, x.options());
+  float* big = storage.data_ptr<float>();
+  float* small = big + static_cast<int64_t>(M) * K_pad;
+  check_launch(split_tf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, K_pad, big, small, stream),
+               "split_tf32");
+  return {storage, big, small, K_pad};
 }
 
 }  // namespace
@@ -89,7 +113,7 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
-  const torch::Tensor xc = x.contiguous();
+  const SplitX xs = split_x(x, M, K, stream);
   torch::Tensor out = torch::empty({M, N}, x.options());
   const int block_m = sm80_gemm_block_m();
   const int num_m_tiles = (M + block_m - 1) / block_m;
@@ -100,7 +124,7 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
   float* coef_a = part_m2 + static_cast<int64_t>(num_m_tiles) * N;
   float* coef_mean = coef_a + N;
 
-  check_launch(sm80_gemm_3xtf32_train(xc.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
+  check_launch(sm80_gemm_3xtf32_train(xs.big, xs.small, xs.K_pad, weight.data_ptr<float>(), out.data_ptr<float>(),
                                       part_mean, part_m2, M, N, K, stream),
                "sm80_gemm_3xtf32_train");
   check_launch(bn_finalize(part_mean, part_m2, num_m_tiles, block_m, M, N, bias.data_ptr<float>(),
@@ -127,9 +151,10 @@ torch::Tensor forward_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor 
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
-  const torch::Tensor xc = x.contiguous();
   torch::Tensor out = torch::empty({M, N}, x.options());
-  check_launch(sm80_gemm_3xtf32_eval(xc.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
+  if (M == 0 || N == 0) return out;
+  const SplitX xs = split_x(x, M, K, stream);
+  check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, xs.K_pad, weight.data_ptr<float>(), out.data_ptr<float>(),
                                      bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
                                      bn_bias.data_ptr<float>(), running_mean.data_ptr<float>(),
                                      running_var.data_ptr<float>(), static_cast<float>(eps), M, N, K, stream),

@@ -14,8 +14,9 @@
 //              c = bn_bias + (scale * bias - running_mean) * bn_weight * inv_std
 //
 // Tensors (all float32, contiguous, row-major)
-//   x_big, x_small  (M, K_pad)  K-major, TF32 parts of x from split_tf32.cu
-//                   (K_pad = round_up(K, 4), zero-padded) == mma "row" A operand
+//   x_big, x_small  TF32 parts of x from split_tf32.cu, zero-padded to
+//                   (round_up(M, 16), round_up(K, 32)) and stored in mma A-fragment
+//                   order (layout in split_tf32.cu) == mma "row" A operand
 //   w    (N, K)   K-major  == mma "col" B operand (nn.Linear weight layout)
 //   out  (M, N)   row-major
 //   part_mean, part_m2  (ceil(M / BLOCK_M), N)
@@ -36,8 +37,8 @@
 //
 //   Accumulation: the tensor core adds into its fp32 accumulator without
 //   round-to-nearest (measured on H200: a 3072-MMA chain over K = 8192 gave 10x
-//   eager's error, growing linearly with K).  So each (mma tile, half slab of
-//   16 k) accumulates its 6 MMAs into a zeroed register quad, which is added to
+//   eager's error, growing linearly with K).  So each (mma tile, BLOCK_K slab)
+//   accumulates its 12 MMAs into a zeroed register quad, which is added to
 //   the main accumulator with an ordinary round-to-nearest FADD (the promotion
 //   that DeepGEMM uses for FP8).  Expected ||z - z64|| / ||z64|| below eager
 //   FP32 SGEMM's (docs/perf.md has the measurements).
@@ -46,17 +47,20 @@
 // Tiling: BLOCK_M x BLOCK_N x BLOCK_K = 128 x 128 x 32 per CTA, 8 warps in a
 // 2 x 4 grid of 64 x 32 warp tiles, mma.sync.m16n8k8 (PTX ISA 9.7.13.4.13,
 // "Matrix Fragments for mma.m16n8k8", .tf32), kNumStages-deep cp.async ring
-// (PTX ISA 9.7.9.25) holding x_big, x_small and w slabs.  Shared-memory rows are padded to BLOCK_K + 4 floats so
-// that both the 16-byte cp.async stores and the 16-byte fragment loads are
-// bank-conflict free.
+// (PTX ISA 9.7.9.25) holding x_big, x_small and w slabs.  x slabs arrive in
+// fragment order, so one 16-byte shared load is one mma A operand (no register
+// shuffles; the row-major v2 spent more issue slots on MOVs than on HMMAs).
+// w's shared rows are padded to BLOCK_K + 4 floats so that the 16-byte
+// cp.async stores and fragment loads are bank-conflict free.
 //
 // K permutation: within one BLOCK_K slab, mma k-step s (0..3) and fragment
 // column kl (0..7) read shared column 8 * (kl % 4) + 2 * s + kl / 4.  The same
-// bijection is used for A and B, so the dot product is unchanged, and every
-// thread reads its fragments for two k-steps with one 16-byte load per row.
+// bijection is used for A (applied by split_tf32.cu) and B, so the dot product
+// is unchanged, and every thread reads its w fragments for two k-steps with one
+// 16-byte load.
 //
-// Preconditions: M, N >= 1, K >= 0; x_big / x_small 16-byte aligned with row
-// pitch K_pad; w 4-byte aligned.  The 16-byte w load path (kVec16) needs
+// Preconditions: M, N >= 1, K >= 0; x_big / x_small 16-byte aligned; w 4-byte
+// aligned.  The 16-byte w load path (kVec16) needs
 // K % 4 == 0 and a 16-byte aligned w.
 // Rows past M and columns past K/N are zero-filled and masked out of the
 // statistics; nothing is written past M or N.
@@ -84,7 +88,8 @@ struct Sm80GemmTraits {
   static constexpr int kNumThreads = WARPS_M * WARPS_N * 32;
   static constexpr int kNumStages = 4;
   static constexpr int SMEM_ROW_ELEMS = BLOCK_K + 4;
-  static constexpr int A_STAGE_ELEMS = BLOCK_M * SMEM_ROW_ELEMS;  // one of x_big / x_small
+  static constexpr int FRAG_BLOCK_ELEMS = MMA_M * BLOCK_K;  // one (16 x 32) fragment-order block of x
+  static constexpr int A_STAGE_ELEMS = BLOCK_M * BLOCK_K;    // one of x_big / x_small, fragment order
   static constexpr int B_STAGE_ELEMS = BLOCK_N * SMEM_ROW_ELEMS;
   static constexpr int STAGE_ELEMS = 2 * A_STAGE_ELEMS + B_STAGE_ELEMS;
   static constexpr int SMEM_BYTES = kNumStages * STAGE_ELEMS * 4;
@@ -169,6 +174,26 @@ __device__ __forceinline__ void load_slab(float* stage, const float* __restrict_
   }
 }
 
+// Loads the (BLOCK_M x BLOCK_K) slab `slab` of a fragment-order x part: BLOCK_M / 16
+// contiguous 2 KB blocks, copied linearly.
+__device__ __forceinline__ void load_frag_slab(float* stage, const float* __restrict__ g, int mb0, int num_mb,
+                                               int slab, int num_slabs) {
+  using T = Sm80GemmTraits;
+  constexpr int kChunksPerBlock = T::FRAG_BLOCK_ELEMS / 4;
+  constexpr int kChunks = (T::BLOCK_M / T::MMA_M) * kChunksPerBlock;
+  static_assert(kChunks % T::kNumThreads == 0, "slab must split evenly over threads");
+#pragma unroll
+  for (int i = 0; i < kChunks / T::kNumThreads; ++i) {
+    const int c = threadIdx.x + i * T::kNumThreads;
+    const int blk = c / kChunksPerBlock;
+    const int within = (c % kChunksPerBlock) * 4;
+    const bool valid = mb0 + blk < num_mb;
+    const float* src =
+        valid ? g + (static_cast<size_t>(mb0 + blk) * num_slabs + slab) * T::FRAG_BLOCK_ELEMS + within : g;
+    cp_async<16>(stage + blk * T::FRAG_BLOCK_ELEMS + within, src, valid);
+  }
+}
+
 __device__ __forceinline__ float warp_sum_over_rows(float v) {
   // Lanes that share lane % 4 hold the same accumulator columns (rows differ).
   v += __shfl_xor_sync(0xffffffffu, v, 4);
@@ -184,7 +209,7 @@ struct Sm80GemmBnArgs {
   const float* x_small;
   const float* w;
   float* out;
-  int M, N, K, K_pad;
+  int M, N, K;
   // kTrain
   float* part_mean;
   float* part_m2;
@@ -229,14 +254,15 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[mi][ni][r] = 0.f;
 
-  const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;
+  const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;  // == slabs of the x parts
+  const int num_mb = (M + T::MMA_M - 1) / T::MMA_M;             // 16-row blocks of the x parts
+  const int mb0 = m0 / T::MMA_M;
 
   auto load_stage = [&](int k_tile) {
     float* stage = smem + (k_tile % T::kNumStages) * T::STAGE_ELEMS;
-    const int k0 = k_tile * T::BLOCK_K;
-    load_slab<T::BLOCK_M, true>(stage, args.x_big, m0, M, k0, args.K_pad);
-    load_slab<T::BLOCK_M, true>(stage + T::A_STAGE_ELEMS, args.x_small, m0, M, k0, args.K_pad);
-    load_slab<T::BLOCK_N, kVec16>(stage + 2 * T::A_STAGE_ELEMS, args.w, n0, N, k0, K);
+    load_frag_slab(stage, args.x_big, mb0, num_mb, k_tile, num_k_tiles);
+    load_frag_slab(stage + T::A_STAGE_ELEMS, args.x_small, mb0, num_mb, k_tile, num_k_tiles);
+    load_slab<T::BLOCK_N, kVec16>(stage + 2 * T::A_STAGE_ELEMS, args.w, n0, N, k_tile * T::BLOCK_K, K);
   };
 
 #pragma unroll
@@ -254,13 +280,24 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
     cp_async_commit();
 
     const float* stage = smem + (k_tile % T::kNumStages) * T::STAGE_ELEMS;
-    const float* a_big_s = stage + (wm * T::WARP_M + g) * T::SMEM_ROW_ELEMS + 8 * t;
+    // This warp's fragment blocks; block mi, k-step s, lane l at ((mi * 4 + s) * 32 + l) * 4.
+    const float* a_big_s = stage + (wm * T::kMmaTilesM) * T::FRAG_BLOCK_ELEMS + lane * 4;
     const float* a_small_s = a_big_s + T::A_STAGE_ELEMS;
     const float* b_s = stage + 2 * T::A_STAGE_ELEMS + (wn * T::WARP_N + g) * T::SMEM_ROW_ELEMS + 8 * t;
 
-    // The slab is consumed in two halves of kStepsPerHalf k-steps.  Thread (g, t)
-    // reads shared columns 8t + 4 * half .. +3 of its rows; k-step `step` of the
-    // half uses elements 2 * step (k = t) and 2 * step + 1 (k = t + 4).
+    // Partial sums of this slab for every mma tile: 16 independent 12-deep MMA
+    // chains, so the tensor pipe always has independent work.
+    float part[T::kMmaTilesM][T::kMmaTilesN][4];
+#pragma unroll
+    for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) part[mi][ni][r] = 0.f;
+
+    // The slab is consumed in two halves of two k-steps.  Thread (g, t) reads w's
+    // shared columns 8t + 4 * half .. +3; k-step `step` of the half uses elements
+    // 2 * step (b0: k = t) and 2 * step + 1 (b1: k = t + 4).
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       // w fragments of this half, split once and reused by every mi.
@@ -274,32 +311,40 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
         split_tf32(v.w, b_big[ni][3], b_small[ni][3]);
       }
 #pragma unroll
-      for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
-        // x fragments: rows g (lo) and g + 8 (hi).
-        const int off = mi * T::MMA_M * T::SMEM_ROW_ELEMS + 4 * half;
-        const uint4 xb_lo = *reinterpret_cast<const uint4*>(a_big_s + off);
-        const uint4 xb_hi = *reinterpret_cast<const uint4*>(a_big_s + off + 8 * T::SMEM_ROW_ELEMS);
-        const uint4 xs_lo = *reinterpret_cast<const uint4*>(a_small_s + off);
-        const uint4 xs_hi = *reinterpret_cast<const uint4*>(a_small_s + off + 8 * T::SMEM_ROW_ELEMS);
-        // a0: (row g, k t), a1: (row g+8, k t), a2: (row g, k t+4), a3: (row g+8, k t+4)
-        const uint32_t a_big[2][4] = {{xb_lo.x, xb_hi.x, xb_lo.y, xb_hi.y}, {xb_lo.z, xb_hi.z, xb_lo.w, xb_hi.w}};
-        const uint32_t a_small[2][4] = {{xs_lo.x, xs_hi.x, xs_lo.y, xs_hi.y}, {xs_lo.z, xs_hi.z, xs_lo.w, xs_hi.w}};
+      for (int step = 0; step < 2; ++step) {
+        const uint32_t bb[T::kMmaTilesN][2] = {{b_big[0][2 * step], b_big[0][2 * step + 1]},
+                                               {b_big[1][2 * step], b_big[1][2 * step + 1]},
+                                               {b_big[2][2 * step], b_big[2][2 * step + 1]},
+                                               {b_big[3][2 * step], b_big[3][2 * step + 1]}};
+        const uint32_t bs[T::kMmaTilesN][2] = {{b_small[0][2 * step], b_small[0][2 * step + 1]},
+                                               {b_small[1][2 * step], b_small[1][2 * step + 1]},
+                                               {b_small[2][2 * step], b_small[2][2 * step + 1]},
+                                               {b_small[3][2 * step], b_small[3][2 * step + 1]}};
+        static_assert(T::kMmaTilesN == 4, "bb / bs initialisers list kMmaTilesN tiles");
 #pragma unroll
-        for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
-          float part[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
+          // x fragments: one 16-byte load each is one A operand
+          // (a0: row g, k t; a1: row g+8, k t; a2: row g, k t+4; a3: row g+8, k t+4).
+          const int off = (mi * 4 + 2 * half + step) * 32 * 4;
+          const uint4 xb = *reinterpret_cast<const uint4*>(a_big_s + off);
+          const uint4 xs = *reinterpret_cast<const uint4*>(a_small_s + off);
+          const uint32_t a_big[4] = {xb.x, xb.y, xb.z, xb.w};
+          const uint32_t a_small[4] = {xs.x, xs.y, xs.z, xs.w};
 #pragma unroll
-          for (int step = 0; step < 2; ++step) {
-            const uint32_t bb[2] = {b_big[ni][2 * step], b_big[ni][2 * step + 1]};
-            const uint32_t bs[2] = {b_small[ni][2 * step], b_small[ni][2 * step + 1]};
-            mma_tf32(part, a_small[step], bb);
-            mma_tf32(part, a_big[step], bs);
-            mma_tf32(part, a_big[step], bb);
+          for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
+            mma_tf32(part[mi][ni], a_small, bb[ni]);
+            mma_tf32(part[mi][ni], a_big, bs[ni]);
+            mma_tf32(part[mi][ni], a_big, bb[ni]);
           }
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[mi][ni][r] += part[r];  // round-to-nearest promotion
         }
       }
     }
+#pragma unroll
+    for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[mi][ni][r] += part[mi][ni][r];  // round-to-nearest promotion
   }
   cp_async_wait<0>();
 
@@ -423,13 +468,13 @@ static bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_c
 int sm80_gemm_block_m() { return fused_gemm_bn::Sm80GemmTraits::BLOCK_M; }
 
 // z = x @ w^T into `out`, and per-(M tile, column) mean / M2 of z.
-// x is given as its TF32 parts (split_tf32), rows of pitch K_pad.
-cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, int K_pad, const float* w,
+// x is given as its TF32 parts in fragment order (split_tf32).
+cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
                                    float* out, float* part_mean, float* part_m2, int M, int N, int K,
                                    cudaStream_t stream) {
   using namespace fused_gemm_bn;
   Sm80GemmBnArgs args{};
-  args.x_big = x_big; args.x_small = x_small; args.K_pad = K_pad;
+  args.x_big = x_big; args.x_small = x_small;
   args.w = w; args.out = out; args.M = M; args.N = N; args.K = K;
   args.part_mean = part_mean; args.part_m2 = part_m2;
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kTrain, true>(args, stream)
@@ -437,14 +482,14 @@ cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, int
 }
 
 // out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm.
-cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, int K_pad, const float* w,
+cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
                                   float* out, const float* bias,
                                   const float* scale, const float* bn_weight, const float* bn_bias,
                                   const float* running_mean, const float* running_var, float eps, int M,
                                   int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   Sm80GemmBnArgs args{};
-  args.x_big = x_big; args.x_small = x_small; args.K_pad = K_pad;
+  args.x_big = x_big; args.x_small = x_small;
   args.w = w; args.out = out; args.M = M; args.N = N; args.K = K;
   args.bias = bias; args.scale = scale; args.bn_weight = bn_weight; args.bn_bias = bn_bias;
   args.running_mean = running_mean; args.running_var = running_var; args.eps = eps;

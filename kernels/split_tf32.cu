@@ -1,15 +1,25 @@
-// split_tf32.cu -- pre-pass: split x into TF32 big and small parts once per forward.
+// split_tf32.cu -- pre-pass: split x into TF32 big and small parts once per
+// forward, written in the mma.m16n8k8 A-fragment order that the GEMM reads.
 //
-//   big[m, k]   = cvt.rna.tf32(x[m, k])                 (round to nearest, ties away)
-//   small[m, k] = cvt.rna.tf32(x[m, k] - big[m, k])     (the difference is exact in fp32)
-//   for k < K; columns K <= k < K_pad are written as 0.
+//   big   = cvt.rna.tf32(x)          (round to nearest, ties away)
+//   small = cvt.rna.tf32(x - big)    (the difference is exact in fp32)
 //
 // x: (M, K) float32 with arbitrary element strides (row_stride, col_stride), so a
 // non-contiguous caller tensor is read in place and never copied or written.
-// big, small: (M, K_pad) float32, row-major, contiguous, K_pad = round_up(K, 4):
-// every row starts 16-byte aligned, which the GEMM's cp.async loads need.
-// Memory-bound: reads M*K floats, writes 2*M*K_pad.  The GEMM (sm80_gemm_3xtf32_bn.cu)
-// then needs no split arithmetic for its x operand.
+//
+// Output layout (big and small alike), "fragment-native":
+//   [M_pad / 16][K_pad / 32][4 k-steps][32 lanes][4 registers], float32,
+//   M_pad = round_up(M, 16), K_pad = round_up(K, 32), zero outside (M, K).
+// Block (mb, slab) holds rows 16 mb .. +15 and columns 32 slab .. +31.  Lane
+// l = 4 g + t, k-step s, register r holds
+//   r = 0: x[16 mb + g,     32 slab + 8 t + 2 s]      (mma a0: row g,   k t)
+//   r = 1: x[16 mb + g + 8, 32 slab + 8 t + 2 s]      (mma a1: row g+8, k t)
+//   r = 2: x[16 mb + g,     32 slab + 8 t + 2 s + 1]  (mma a2: row g,   k t+4)
+//   r = 3: x[16 mb + g + 8, 32 slab + 8 t + 2 s + 1]  (mma a3: row g+8, k t+4)
+// i.e. mma k-step s of the slab sees logical column kl at physical column
+// 8 (kl % 4) + 2 s + kl / 4, the permutation the GEMM applies to w (see
+// sm80_gemm_3xtf32_bn.cu).  One 16-byte shared load is then one A operand.
+// Memory-bound: reads M*K floats, writes 2*M_pad*K_pad.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -17,6 +27,8 @@
 namespace fused_gemm_bn {
 
 constexpr int kSplitThreads = 256;
+constexpr int kFragRows = 16;   // rows of one fragment block (MMA_M)
+constexpr int kFragSlabK = 32;  // columns of one fragment block (the GEMM's BLOCK_K)
 
 __device__ __forceinline__ void split_rna_tf32(float v, float& big, float& small) {
   uint32_t b, s;
@@ -26,46 +38,53 @@ __device__ __forceinline__ void split_rna_tf32(float v, float& big, float& small
   small = __uint_as_float(s);
 }
 
-// One thread per 4 consecutive output columns of one row.
+// One thread per output float4 (one lane's registers for one k-step).
 __global__ void __launch_bounds__(kSplitThreads)
     split_tf32_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int M, int K,
-                      int K_pad, float* __restrict__ big, float* __restrict__ small) {
+                      int num_slabs, int64_t num_quads, float* __restrict__ big, float* __restrict__ small) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const int quads_per_row = K_pad / 4;
   const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (q >= static_cast<int64_t>(M) * quads_per_row) return;
-  const int m = static_cast<int>(q / quads_per_row);
-  const int k0 = static_cast<int>(q % quads_per_row) * 4;
-  const float* row = x + m * row_stride;
-  float v[4];
-  const bool vec = col_stride == 1 && k0 + 4 <= K && (reinterpret_cast<uintptr_t>(row + k0) % 16 == 0);
-  if (vec) {
-    const float4 f = *reinterpret_cast<const float4*>(row + k0);
-    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = k0 + i < K ? row[(k0 + i) * col_stride] : 0.f;
-  }
+  if (q >= num_quads) return;
+  const int lane = static_cast<int>(q % 32);
+  const int step = static_cast<int>((q / 32) % 4);
+  const int64_t block = q / 128;
+  const int slab = static_cast<int>(block % num_slabs);
+  const int mb = static_cast<int>(block / num_slabs);
+  const int g = lane / 4, t = lane % 4;
+  const int row0 = mb * kFragRows + g;
+  const int col0 = slab * kFragSlabK + 8 * t + 2 * step;
+  const int rows[4] = {row0, row0 + 8, row0, row0 + 8};
+  const int cols[4] = {col0, col0, col0 + 1, col0 + 1};
   float b[4], s[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) split_rna_tf32(v[i], b[i], s[i]);
-  const size_t o = static_cast<size_t>(m) * K_pad + k0;
-  *reinterpret_cast<float4*>(big + o) = make_float4(b[0], b[1], b[2], b[3]);
-  *reinterpret_cast<float4*>(small + o) = make_float4(s[0], s[1], s[2], s[3]);
+  for (int r = 0; r < 4; ++r) {
+    const float v = rows[r] < M && cols[r] < K ? x[rows[r] * row_stride + cols[r] * col_stride] : 0.f;
+    split_rna_tf32(v, b[r], s[r]);
+  }
+  reinterpret_cast<float4*>(big)[q] = make_float4(b[0], b[1], b[2], b[3]);
+  reinterpret_cast<float4*>(small)[q] = make_float4(s[0], s[1], s[2], s[3]);
 #endif
 }
 
 }  // namespace fused_gemm_bn
 
-cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, int K_pad,
-                       float* big, float* small, cudaStream_t stream) {
+// Number of floats in each of big / small for an (M, K) input.
+int64_t split_tf32_elems(int M, int K) {
   using namespace fused_gemm_bn;
-  if (K_pad % 4 != 0 || K_pad < K) return cudaErrorInvalidValue;
-  const int64_t quads = static_cast<int64_t>(M) * (K_pad / 4);
-  const int64_t blocks = (quads + kSplitThreads - 1) / kSplitThreads;
+  const int64_t m_pad = (static_cast<int64_t>(M) + kFragRows - 1) / kFragRows * kFragRows;
+  const int64_t k_pad = (static_cast<int64_t>(K) + kFragSlabK - 1) / kFragSlabK * kFragSlabK;
+  return m_pad * k_pad;
+}
+
+cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
+                       float* small, cudaStream_t stream) {
+  using namespace fused_gemm_bn;
+  const int num_slabs = (K + kFragSlabK - 1) / kFragSlabK;
+  const int64_t num_quads = split_tf32_elems(M, K) / 4;
+  const int64_t blocks = (num_quads + kSplitThreads - 1) / kSplitThreads;
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  split_tf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(x, row_stride, col_stride, M, K,
-                                                                                K_pad, big, small);
+  split_tf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
+      x, row_stride, col_stride, M, K, num_slabs, num_quads, big, small);
   return cudaGetLastError();
 }

@@ -24,12 +24,13 @@
 #include <cuda_runtime_api.h>
 
 int sm80_gemm_block_m();
-cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, int K_pad,
-                       float* big, float* small, cudaStream_t stream);
-cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, int K_pad, const float* w,
+int64_t split_tf32_elems(int M, int K);
+cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
+                       float* small, cudaStream_t stream);
+cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
                                    float* out, float* part_mean, float* part_m2, int M, int N, int K,
                                    cudaStream_t stream);
-cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, int K_pad, const float* w,
+cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
                                   float* out, const float* bias,
                                   const float* scale, const float* bn_weight, const float* bn_bias,
                                   const float* running_mean, const float* running_var, float eps, int M,
@@ -74,22 +75,20 @@ std::tuple<int, int, int> check_gemm_operands(const torch::Tensor& x, const torc
   return {static_cast<int>(x.size(0)), static_cast<int>(weight.size(0)), static_cast<int>(x.size(1))};
 }
 
-// x split into TF32 big / small parts, (M, K_pad) each, K_pad = round_up(K, 4).
+// x split into TF32 big / small parts in mma fragment order (split_tf32.cu).
 struct SplitX {
   torch::Tensor storage;
   const float* big;
   const float* small;
-  int K_pad;
 };
 
 SplitX split_x(const torch::Tensor& x, int M, int K, cudaStream_t stream) {
-  const int K_pad = (K + 3) / 4 * 4;
-  torch::Tensor storage = torch::empty({2, M, K_pad}, x.options());
+  const int64_t elems = split_tf32_elems(M, K);
+  torch::Tensor storage = torch::empty({2 * elems}, x.options());
   float* big = storage.data_ptr<float>();
-  float* small = big + static_cast<int64_t>(M) * K_pad;
-  check_launch(split_tf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, K_pad, big, small, stream),
-               "split_tf32");
-  return {storage, big, small, K_pad};
+  float* small = big + elems;
+  check_launch(split_tf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, big, small, stream), "split_tf32");
+  return {storage, big, small};
 }
 
 }  // namespace
@@ -124,7 +123,7 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
   float* coef_a = part_m2 + static_cast<int64_t>(num_m_tiles) * N;
   float* coef_mean = coef_a + N;
 
-  check_launch(sm80_gemm_3xtf32_train(xs.big, xs.small, xs.K_pad, weight.data_ptr<float>(), out.data_ptr<float>(),
+  check_launch(sm80_gemm_3xtf32_train(xs.big, xs.small, weight.data_ptr<float>(), out.data_ptr<float>(),
                                       part_mean, part_m2, M, N, K, stream),
                "sm80_gemm_3xtf32_train");
   check_launch(bn_finalize(part_mean, part_m2, num_m_tiles, block_m, M, N, bias.data_ptr<float>(),
@@ -154,7 +153,7 @@ torch::Tensor forward_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor 
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const SplitX xs = split_x(x, M, K, stream);
-  check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, xs.K_pad, weight.data_ptr<float>(), out.data_ptr<float>(),
+  check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, weight.data_ptr<float>(), out.data_ptr<float>(),
                                      bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
                                      bn_bias.data_ptr<float>(), running_mean.data_ptr<float>(),
                                      running_var.data_ptr<float>(), static_cast<float>(eps), M, N, K, stream),

@@ -216,6 +216,8 @@ class ModelNew(nn.Module):
     parameters' dtype; returns (M, out_features).  Training mode updates
     bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
 
+    M == 0 gives an empty output (num_batches_tracked still counts the call in
+    training, running statistics are untouched), as nn.BatchNorm1d.
     Raises ValueError for M == 1 in training (PyTorch's message), and
     RuntimeError for a wrong rank, feature count, dtype or device; a rejected
     call leaves every buffer unchanged.
@@ -248,7 +250,7 @@ class ModelNew(nn.Module):
             raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
         if x.is_cuda and x.dtype != torch.float32:
             raise RuntimeError(f"ModelNew's CUDA path supports float32 only, got {x.dtype}")
-        if self.training and x.shape[0] <= 1:
+        if self.training and x.shape[0] == 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size {torch.Size([x.shape[0], n])}"
             )
@@ -264,6 +266,8 @@ class ModelNew(nn.Module):
         momentum = bn.momentum
         if self.training:
             bn.num_batches_tracked.add_(1)
+        if x.shape[0] == 0:  # as nn.BatchNorm1d: empty output, running statistics untouched
+            return x.new_empty((0, self.gemm.out_features))
         if not x.is_cuda:
             factor = momentum if momentum is not None else 1.0 / float(bn.num_batches_tracked)
             return _cpu_forward(x, self.gemm.weight, self.gemm.bias, self.scale, bn, self.training, factor)

@@ -30,7 +30,7 @@
 
 namespace fused_gemm_bn {
 
-constexpr int kFinalizeThreads = 256;
+constexpr int kFinalizeThreads = 64;  // small blocks: N = 8192 features spread over 128 SMs
 
 __global__ void __launch_bounds__(kFinalizeThreads)
     bn_finalize_kernel(const float* __restrict__ part_mean, const float* __restrict__ part_m2,

@@ -47,11 +47,12 @@
 // Tiling: BLOCK_M x BLOCK_N x BLOCK_K = 128 x 128 x 32 per CTA, 8 warps in a
 // 2 x 4 grid of 64 x 32 warp tiles, mma.sync.m16n8k8 (PTX ISA 9.7.13.4.13,
 // "Matrix Fragments for mma.m16n8k8", .tf32), kNumStages-deep cp.async ring
-// (PTX ISA 9.7.9.25) holding x_big, x_small and w slabs.  x slabs arrive in
+// (PTX ISA 9.7.9.25; 4 / 3 / 2 stages of 48 KB by the device's shared memory)
+// holding x_big, x_small and w slabs.  x slabs arrive in
 // fragment order, so one 16-byte shared load is one mma A operand (no register
 // shuffles; the row-major v2 spent more issue slots on MOVs than on HMMAs).
-// w's shared rows are padded to BLOCK_K + 4 floats so that the 16-byte
-// cp.async stores and fragment loads are bank-conflict free.
+// w's shared rows are XOR-swizzled in 16-byte chunks (w_smem_offset) so that
+// the 16-byte cp.async stores and fragment loads are bank-conflict free.
 //
 // K permutation: within one BLOCK_K slab, mma k-step s (0..3) and fragment
 // column kl (0..7) read shared column 8 * (kl % 4) + 2 * s + kl / 4.  The same
@@ -86,17 +87,20 @@ struct Sm80GemmTraits {
   static constexpr int kMmaTilesM = WARP_M / MMA_M;  // 4
   static constexpr int kMmaTilesN = WARP_N / MMA_N;  // 4
   static constexpr int kNumThreads = WARPS_M * WARPS_N * 32;
-  static constexpr int kNumStages = 4;
-  static constexpr int SMEM_ROW_ELEMS = BLOCK_K + 4;
   static constexpr int FRAG_BLOCK_ELEMS = MMA_M * BLOCK_K;  // one (16 x 32) fragment-order block of x
   static constexpr int A_STAGE_ELEMS = BLOCK_M * BLOCK_K;    // one of x_big / x_small, fragment order
-  static constexpr int B_STAGE_ELEMS = BLOCK_N * SMEM_ROW_ELEMS;
+  static constexpr int B_STAGE_ELEMS = BLOCK_N * BLOCK_K;    // w, 16-byte chunks XOR-swizzled per row
   static constexpr int STAGE_ELEMS = 2 * A_STAGE_ELEMS + B_STAGE_ELEMS;
-  static constexpr int SMEM_BYTES = kNumStages * STAGE_ELEMS * 4;
+  static constexpr int STAGE_BYTES = STAGE_ELEMS * 4;  // 48 KB
+  // Pipeline depth is chosen at launch from the opt-in shared-memory limit:
+  // 4 stages (192 KB) on Hopper, 3 (144 KB) on A100, 2 (96 KB) on sm_86 / sm_89.
+  static constexpr int kMaxStages = 4;
+  static constexpr int kMinStages = 2;
+  static constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES; }
 
   static_assert(BLOCK_K == 32, "the K permutation assumes 4 mma k-steps per slab");
   static_assert(WARP_M % MMA_M == 0 && WARP_N % MMA_N == 0, "warp tile must be whole mma tiles");
-  static_assert((SMEM_ROW_ELEMS / 4) % 2 == 1, "odd 16-byte row pitch keeps LDS.128 conflict free");
+  static_assert(BLOCK_K / 4 == 8, "the w swizzle permutes the 8 16-byte chunks of a row");
   static_assert(BLOCK_N <= kNumThreads, "epilogue uses one thread per tile column");
 };
 
@@ -141,7 +145,15 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Loads one (rows x BLOCK_K) slab of a K-major matrix into a padded stage.
+// Float offset of element (row, col) of a w slab in shared memory.  Each row is
+// 8 chunks of 16 bytes; chunk c of row r is stored at chunk c ^ (r % 8), so the
+// 16-byte fragment loads (8 lanes: rows g, g+1 x chunks 2t + half) and the
+// cp.async stores (8 lanes: one row's 8 chunks) are bank-conflict free.
+__device__ __forceinline__ int w_smem_offset(int row, int col) {
+  return row * Sm80GemmTraits::BLOCK_K + ((((col / 4) ^ row) % 8) * 4) + col % 4;
+}
+
+// Loads one (rows x BLOCK_K) slab of the K-major w into a swizzled stage.
 template <int kRows, bool kVec16>
 __device__ __forceinline__ void load_slab(float* stage, const float* __restrict__ g, int row0, int rows,
                                           int k0, int K) {
@@ -157,19 +169,21 @@ __device__ __forceinline__ void load_slab(float* stage, const float* __restrict_
       const int col = (c % kChunksPerRow) * 4;
       const bool valid = (row0 + r < rows) && (k0 + col < K);
       const float* src = valid ? g + static_cast<size_t>(row0 + r) * K + (k0 + col) : g;
-      cp_async<16>(stage + r * T::SMEM_ROW_ELEMS + col, src, valid);
+      cp_async<16>(stage + w_smem_offset(r, col), src, valid);
     }
   } else {
     constexpr int kElems = kRows * T::BLOCK_K;
     static_assert(kElems % T::kNumThreads == 0, "slab must split evenly over threads");
-#pragma unroll
+    // Rolled: 16 unrolled 4-byte copies cost the registers that make the
+    // train kernel spill.  This path only serves K % 4 != 0.
+#pragma unroll 1
     for (int i = 0; i < kElems / T::kNumThreads; ++i) {
       const int e = threadIdx.x + i * T::kNumThreads;
       const int r = e / T::BLOCK_K;
       const int col = e % T::BLOCK_K;
       const bool valid = (row0 + r < rows) && (k0 + col < K);
       const float* src = valid ? g + static_cast<size_t>(row0 + r) * K + (k0 + col) : g;
-      cp_async<4>(stage + r * T::SMEM_ROW_ELEMS + col, src, valid);
+      cp_async<4>(stage + w_smem_offset(r, col), src, valid);
     }
   }
 }
@@ -223,14 +237,14 @@ struct Sm80GemmBnArgs {
   float eps;
 };
 
-template <Epilogue kEpilogue, bool kVec16>
+template <Epilogue kEpilogue, bool kVec16, int kNumStages>
 __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
     sm80_gemm_3xtf32_bn_kernel(const Sm80GemmBnArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using T = Sm80GemmTraits;
   using namespace sm80;
   extern __shared__ __align__(16) float smem[];
-  // Stage layout: [x_big slab | x_small slab | w slab], each (rows x SMEM_ROW_ELEMS).
+  // Stage layout: [x_big slab | x_small slab | w slab] (fragment order, fragment order, swizzled).
 
   const int M = args.M, N = args.N, K = args.K;
   // blockIdx.x walks M fastest, so the CTAs that share one W tile run together
@@ -259,31 +273,32 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
   const int mb0 = m0 / T::MMA_M;
 
   auto load_stage = [&](int k_tile) {
-    float* stage = smem + (k_tile % T::kNumStages) * T::STAGE_ELEMS;
+    float* stage = smem + (k_tile % kNumStages) * T::STAGE_ELEMS;
     load_frag_slab(stage, args.x_big, mb0, num_mb, k_tile, num_k_tiles);
     load_frag_slab(stage + T::A_STAGE_ELEMS, args.x_small, mb0, num_mb, k_tile, num_k_tiles);
     load_slab<T::BLOCK_N, kVec16>(stage + 2 * T::A_STAGE_ELEMS, args.w, n0, N, k_tile * T::BLOCK_K, K);
   };
 
 #pragma unroll
-  for (int s = 0; s < T::kNumStages - 1; ++s) {
+  for (int s = 0; s < kNumStages - 1; ++s) {
     if (s < num_k_tiles) load_stage(s);
     cp_async_commit();
   }
 
   for (int k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
-    cp_async_wait<T::kNumStages - 2>();
+    cp_async_wait<kNumStages - 2>();
     // Makes stage k_tile visible to all warps, and frees the stage that the
     // next load overwrites (it was consumed in iteration k_tile - 1).
     __syncthreads();
-    if (k_tile + T::kNumStages - 1 < num_k_tiles) load_stage(k_tile + T::kNumStages - 1);
+    if (k_tile + kNumStages - 1 < num_k_tiles) load_stage(k_tile + kNumStages - 1);
     cp_async_commit();
 
-    const float* stage = smem + (k_tile % T::kNumStages) * T::STAGE_ELEMS;
+    const float* stage = smem + (k_tile % kNumStages) * T::STAGE_ELEMS;
     // This warp's fragment blocks; block mi, k-step s, lane l at ((mi * 4 + s) * 32 + l) * 4.
     const float* a_big_s = stage + (wm * T::kMmaTilesM) * T::FRAG_BLOCK_ELEMS + lane * 4;
     const float* a_small_s = a_big_s + T::A_STAGE_ELEMS;
-    const float* b_s = stage + 2 * T::A_STAGE_ELEMS + (wn * T::WARP_N + g) * T::SMEM_ROW_ELEMS + 8 * t;
+    const float* b_s = stage + 2 * T::A_STAGE_ELEMS;
+    const int b_row = wn * T::WARP_N + g;  // + ni * MMA_N; row % 8 == g
 
     // Partial sums of this slab for every mma tile: 16 independent 12-deep MMA
     // chains, so the tensor pipe always has independent work.
@@ -304,7 +319,8 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
       uint32_t b_big[T::kMmaTilesN][4], b_small[T::kMmaTilesN][4];
 #pragma unroll
       for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
-        const float4 v = *reinterpret_cast<const float4*>(b_s + ni * T::MMA_N * T::SMEM_ROW_ELEMS + 4 * half);
+        const float4 v =
+            *reinterpret_cast<const float4*>(b_s + w_smem_offset(b_row + ni * T::MMA_N, 8 * t + 4 * half));
         split_tf32(v.x, b_big[ni][0], b_small[ni][0]);
         split_tf32(v.y, b_big[ni][1], b_small[ni][1]);
         split_tf32(v.z, b_big[ni][2], b_small[ni][2]);
@@ -445,16 +461,32 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
 #endif  // __CUDA_ARCH__ >= 800
 }
 
-template <Epilogue kEpilogue, bool kVec16>
-static cudaError_t launch_sm80_gemm(const Sm80GemmBnArgs& args, cudaStream_t stream) {
+template <Epilogue kEpilogue, bool kVec16, int kNumStages>
+static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStream_t stream) {
   using T = Sm80GemmTraits;
-  auto kernel = sm80_gemm_3xtf32_bn_kernel<kEpilogue, kVec16>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
+  auto kernel = sm80_gemm_3xtf32_bn_kernel<kEpilogue, kVec16, kNumStages>;
+  constexpr int kSmemBytes = T::smem_bytes(kNumStages);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid((args.M + T::BLOCK_M - 1) / T::BLOCK_M, (args.N + T::BLOCK_N - 1) / T::BLOCK_N);
   if (grid.y > 65535u) return cudaErrorInvalidConfiguration;
-  kernel<<<grid, T::kNumThreads, T::SMEM_BYTES, stream>>>(args);
+  kernel<<<grid, T::kNumThreads, kSmemBytes, stream>>>(args);
   return cudaGetLastError();
+}
+
+// Picks the deepest pipeline that fits the current device's shared memory.
+template <Epilogue kEpilogue, bool kVec16>
+static cudaError_t launch_sm80_gemm(const Sm80GemmBnArgs& args, cudaStream_t stream) {
+  using T = Sm80GemmTraits;
+  int device = 0, smem_optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  if (smem_optin >= T::smem_bytes(4)) return launch_sm80_gemm_stages<kEpilogue, kVec16, 4>(args, stream);
+  if (smem_optin >= T::smem_bytes(3)) return launch_sm80_gemm_stages<kEpilogue, kVec16, 3>(args, stream);
+  if (smem_optin >= T::smem_bytes(2)) return launch_sm80_gemm_stages<kEpilogue, kVec16, 2>(args, stream);
+  return cudaErrorInvalidConfiguration;
 }
 
 static bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0; }

@@ -346,12 +346,14 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
           const uint4 xs = *reinterpret_cast<const uint4*>(a_small_s + off);
           const uint32_t a_big[4] = {xb.x, xb.y, xb.z, xb.w};
           const uint32_t a_small[4] = {xs.x, xs.y, xs.z, xs.w};
+          // Term-major over ni: consecutive MMAs write different accumulators,
+          // so none waits on the one before it (ncu: "wait" stalls).
 #pragma unroll
-          for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
-            mma_tf32(part[mi][ni], a_small, bb[ni]);
-            mma_tf32(part[mi][ni], a_big, bs[ni]);
-            mma_tf32(part[mi][ni], a_big, bb[ni]);
-          }
+          for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part[mi][ni], a_small, bb[ni]);
+#pragma unroll
+          for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part[mi][ni], a_big, bs[ni]);
+#pragma unroll
+          for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part[mi][ni], a_big, bb[ni]);
         }
       }
     }

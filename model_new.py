@@ -8,12 +8,16 @@ Data path of `ModelNew.forward` on a CUDA tensor (float32):
 
   Model.forward step            kernel file                      launcher / binding
   ----------------------------  -------------------------------  -----------------------------------
+  x -> TF32 big/small parts     kernels/split_tf32.cu            split_tf32 (pre-pass, fragment order)
   gemm(x) = x W^T + b           kernels/sm80_gemm_3xtf32_bn.cu   sm80_gemm_3xtf32_train / _eval
-  * scale, bn (training):       (the GEMM epilogue writes z = x W^T and per-tile mean / M2)
-    batch statistics, running   kernels/bn_finalize.cu           bn_finalize
-    statistics, coefficients
+  * scale, bn (training),       the same GEMM, cluster-launched: sm90_gemm_3xtf32_train_fused
+    sm_90 and batch <= 1024     statistics merged over DSMEM, output written once
+  * scale, bn (training),       (the GEMM epilogue writes z = x W^T and per-tile mean / M2)
+    otherwise: batch stats,     kernels/bn_finalize.cu           bn_finalize
+    running stats, coefs
     normalise + affine          kernels/bn_apply.cu              bn_apply (in place over z)
   * scale, bn (eval)            folded into the GEMM epilogue    sm80_gemm_3xtf32_eval
+  statistics math (Chan merge)  kernels/bn_stats.cuh             shared by both training paths
   input checks, device guard,   kernels/torch_binding.cpp        forward_train / forward_eval
   current stream
 
@@ -60,7 +64,9 @@ def _kernel_dir():
 
 
 def _read_sources(kernel_dir):
-    """Returns (cuda_sources, cpp_sources): kernels/*.cu and kernels/*.cpp, sorted by name."""
+    """Returns (cuda_sources, cpp_sources, headers): the text of kernels/*.cu,
+    kernels/*.cpp and kernels/*.cuh, each sorted by name (the .cu files include
+    the headers; their text is part of the build hash)."""
     if not os.path.isdir(kernel_dir):
         raise RuntimeError(f"kernel folder not found: {kernel_dir} (set ${_KERNEL_DIR_ENV})")
     names = sorted(os.listdir(kernel_dir))
@@ -73,7 +79,7 @@ def _read_sources(kernel_dir):
                     out.append(f.read())
         return out
 
-    return read(".cu"), read(".cpp")
+    return read(".cu"), read(".cpp"), read(".cuh")
 
 
 def _arch_flags():
@@ -90,10 +96,11 @@ def _arch_flags():
 def _load_extension():
     from torch.utils.cpp_extension import load_inline
 
-    cuda_sources, cpp_sources = _read_sources(_kernel_dir())
+    kernel_dir = _kernel_dir()
+    cuda_sources, cpp_sources, headers = _read_sources(kernel_dir)
     cuda_flags = ["-O3", "-std=c++17"] + _arch_flags()
     digest = hashlib.sha256(
-        "\0".join(cuda_sources + cpp_sources + cuda_flags + [torch.__version__]).encode()
+        "\0".join(cuda_sources + cpp_sources + headers + cuda_flags + [torch.__version__]).encode()
     ).hexdigest()[:16]
     print(f"model_new: compiling CUDA kernels (fused_gemm_bn_{digest}); the first build takes about a minute",
           file=sys.stderr)
@@ -104,6 +111,7 @@ def _load_extension():
         functions=["forward_train", "forward_eval"],
         extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=cuda_flags,
+        extra_include_paths=[kernel_dir],
         verbose=os.environ.get("FUSED_GEMM_BN_VERBOSE_BUILD") == "1",
     )
 

@@ -544,7 +544,7 @@ CU_FILES = sorted(glob.glob(os.path.join(KERNEL_DIR, "*.cu")))
 def test_ptxas_no_spills_no_stack(cu_file, tmp_path):
     cmd = [shutil.which("nvcc"), "-c", "-std=c++17", "-O3", "-Xptxas", "-v",
            "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_80,code=sm_80",
-           "-o", str(tmp_path / "kernel.o"), cu_file]
+           "-I", os.path.dirname(cu_file), "-o", str(tmp_path / "kernel.o"), cu_file]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
     log = proc.stdout
     assert proc.returncode == 0, f"nvcc failed:\n{log}"

@@ -19,14 +19,15 @@
 //   (the Linear bias cancels: u = scale * (z + bias) has mean scale * (mean_z + bias)
 //   and variance scale^2 * var_z, var_z biased).
 //
-// Numerics: tiles are merged with Chan et al.'s pairwise update ("Updating
-// formulae and a pairwise algorithm for computing sample variances", 1979) in
-// float64, so no E[z^2] - E[z]^2 cancellation; coefficients are rounded to
-// float32 once.  One thread per feature; the work is O(num_m_tiles * N).
+// Numerics: tiles are merged with Chan et al.'s pairwise update in float64
+// (bn_stats.cuh), so no E[z^2] - E[z]^2 cancellation; coefficients are rounded
+// to float32 once.  One thread per feature; the work is O(num_m_tiles * N).
 // Precondition: M >= 2 (the caller raises PyTorch's error for M == 1).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "bn_stats.cuh"
 
 namespace fused_gemm_bn {
 
@@ -43,30 +44,15 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   if (j >= N) return;
 
   double count = 0.0, mean = 0.0, m2 = 0.0;
+#pragma unroll 8
   for (int t = 0; t < num_m_tiles; ++t) {
-    const double n_b = static_cast<double>(min(block_m, M - t * block_m));
-    const double mean_b = part_mean[static_cast<size_t>(t) * N + j];
-    const double m2_b = part_m2[static_cast<size_t>(t) * N + j];
-    const double n = count + n_b;
-    const double delta = mean_b - mean;
-    mean += delta * (n_b / n);
-    m2 += m2_b + delta * delta * (count * n_b / n);
-    count = n;
+    merge_chan(count, mean, m2, static_cast<double>(min(block_m, M - t * block_m)),
+               part_mean[static_cast<size_t>(t) * N + j], part_m2[static_cast<size_t>(t) * N + j]);
   }
-  const double var_biased = m2 / count;
-  const double var_unbiased = m2 / (count - 1.0);
-
-  const double s = scale[j];
-  const double a = s * bn_weight[j] / sqrt(s * s * var_biased + static_cast<double>(eps));
-  coef_a[j] = static_cast<float>(a);
+  coef_a[j] = bn_train_slope(m2, count, scale[j], bn_weight[j], eps);
   coef_mean[j] = static_cast<float>(mean);
-
-  const double f = momentum >= 0.f ? static_cast<double>(momentum)
-                                   : 1.0 / static_cast<double>(*num_batches_tracked);
-  const double batch_mean_u = s * (mean + static_cast<double>(bias[j]));
-  const double batch_var_u = s * s * var_unbiased;
-  running_mean[j] = static_cast<float>((1.0 - f) * running_mean[j] + f * batch_mean_u);
-  running_var[j] = static_cast<float>((1.0 - f) * running_var[j] + f * batch_var_u);
+  bn_update_running(mean, m2, count, bias[j], scale[j], momentum, num_batches_tracked, running_mean + j,
+                    running_var + j);
 }
 
 }  // namespace fused_gemm_bn

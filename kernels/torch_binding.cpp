@@ -9,6 +9,9 @@
 //   forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                 running_var, num_batches_tracked, momentum, eps) -> out (M, N)
 //       x -> TF32 big / small parts                     (split_tf32.cu)
+//     sm_90 and M <= 1024: one cluster-launched GEMM with the whole BatchNorm
+//       in its epilogue                                 (sm80_gemm_3xtf32_bn.cu, kTrainFused)
+//     otherwise:
 //       z = x @ weight^T with per-tile statistics      (sm80_gemm_3xtf32_bn.cu)
 //       merge statistics, update running stats, coefs  (bn_finalize.cu)
 //       out = (z - mean_z) * a + bn_bias, in place      (bn_apply.cu)
@@ -35,6 +38,11 @@ cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, cons
                                   const float* scale, const float* bn_weight, const float* bn_bias,
                                   const float* running_mean, const float* running_var, float eps, int M,
                                   int N, int K, cudaStream_t stream);
+cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_small, const float* w, float* out,
+                                         const float* bias, const float* scale, const float* bn_weight,
+                                         const float* bn_bias, float* running_mean, float* running_var,
+                                         const int64_t* num_batches_tracked, float momentum, float eps, int M,
+                                         int N, int K, cudaStream_t stream);
 cudaError_t bn_finalize(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
                         int N, const float* bias, const float* scale, const float* bn_weight,
                         const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
@@ -114,6 +122,19 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
   const SplitX xs = split_x(x, M, K, stream);
   torch::Tensor out = torch::empty({M, N}, x.options());
+
+  // Hopper, M <= 8 * BLOCK_M: one cluster-launched kernel does everything.
+  const cudaError_t fused = sm90_gemm_3xtf32_train_fused(
+      xs.big, xs.small, weight.data_ptr<float>(), out.data_ptr<float>(), bias.data_ptr<float>(),
+      scale.data_ptr<float>(), bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(), running_mean.data_ptr<float>(),
+      running_var.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
+      static_cast<float>(eps), M, N, K, stream);
+  if (fused != cudaErrorNotSupported) {
+    check_launch(fused, "sm90_gemm_3xtf32_train_fused");
+    return out;
+  }
+
+  // Multi-pass path: z and per-tile statistics, merge, normalise in place.
   const int block_m = sm80_gemm_block_m();
   const int num_m_tiles = (M + block_m - 1) / block_m;
   // One allocation for all scratch: part_mean, part_m2 (num_m_tiles x N each), coef_a, coef_mean (N each).

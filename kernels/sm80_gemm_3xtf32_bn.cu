@@ -98,10 +98,9 @@ struct Sm80GemmTraits {
   // Pipeline depth is chosen at launch from the opt-in shared-memory limit:
   // 4 stages (192 KB) on Hopper, 3 (144 KB) on A100, 2 (96 KB) on sm_86 / sm_89.
   static constexpr int kMaxStages = 4;
-  static constexpr int kMinStages = 2;
   static constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES; }
 
-  static_assert(BLOCK_K == 32, "the K permutation assumes 4 mma k-steps per slab");
+  static_assert(BLOCK_K == 4 * MMA_K, "the K permutation assumes 4 mma k-steps per slab");
   static_assert(WARP_M % MMA_M == 0 && WARP_N % MMA_N == 0, "warp tile must be whole mma tiles");
   static_assert(BLOCK_K / 4 == 8, "the w swizzle permutes the 8 16-byte chunks of a row");
   static_assert(BLOCK_N <= kNumThreads, "epilogue uses one thread per tile column");
@@ -605,6 +604,20 @@ static cudaError_t launch_sm90_gemm_train_fused(const Sm80GemmBnArgs& args, cuda
   return cudaGetLastError();
 }
 
+// Arguments common to every epilogue; the caller fills the epilogue's fields.
+static Sm80GemmBnArgs gemm_args(const float* x_big, const float* x_small, const float* w, float* out, int M, int N,
+                                int K) {
+  Sm80GemmBnArgs args{};
+  args.x_big = x_big;
+  args.x_small = x_small;
+  args.w = w;
+  args.out = out;
+  args.M = M;
+  args.N = N;
+  args.K = K;
+  return args;
+}
+
 static bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0; }
 
 }  // namespace fused_gemm_bn
@@ -621,9 +634,7 @@ cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, con
                                    float* out, float* part_mean, float* part_m2, int M, int N, int K,
                                    cudaStream_t stream) {
   using namespace fused_gemm_bn;
-  Sm80GemmBnArgs args{};
-  args.x_big = x_big; args.x_small = x_small;
-  args.w = w; args.out = out; args.M = M; args.N = N; args.K = K;
+  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
   args.part_mean = part_mean; args.part_m2 = part_m2;
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kTrain, true>(args, stream)
                            : launch_sm80_gemm<Epilogue::kTrain, false>(args, stream);
@@ -636,9 +647,7 @@ cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, cons
                                   const float* running_mean, const float* running_var, float eps, int M,
                                   int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn;
-  Sm80GemmBnArgs args{};
-  args.x_big = x_big; args.x_small = x_small;
-  args.w = w; args.out = out; args.M = M; args.N = N; args.K = K;
+  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
   args.bias = bias; args.scale = scale; args.bn_weight = bn_weight; args.bn_bias = bn_bias;
   args.running_mean = running_mean; args.running_var = running_var; args.eps = eps;
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
@@ -655,9 +664,7 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
                                          const int64_t* num_batches_tracked, float momentum, float eps, int M,
                                          int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn;
-  Sm80GemmBnArgs args{};
-  args.x_big = x_big; args.x_small = x_small;
-  args.w = w; args.out = out; args.M = M; args.N = N; args.K = K;
+  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
   args.bias = bias; args.scale = scale; args.bn_weight = bn_weight; args.bn_bias = bn_bias;
   args.eps = eps; args.running_mean_out = running_mean; args.running_var_out = running_var;
   args.num_batches_tracked = num_batches_tracked; args.momentum = momentum;

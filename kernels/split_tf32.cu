@@ -66,6 +66,25 @@ __global__ void __launch_bounds__(kSplitThreads)
 #endif
 }
 
+// Hopper path (sm90_gemm_3xtf32_bn.cu): the tensor core reads x itself as the
+// truncated big part, so only the remainder is materialised:
+//   x_small = x - tf32_trunc(x)   (exact in fp32; tf32_trunc clears the low 13 bits)
+// x and x_small: (M, K) float32, contiguous, same layout.  n4 = M*K/4 float4s
+// (the caller guarantees 16-byte alignment and K % 4 == 0).
+__global__ void __launch_bounds__(kSplitThreads)
+    split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += stride) {
+    const float4 v = x[i];
+    float4 r;
+    r.x = v.x - __uint_as_float(__float_as_uint(v.x) & 0xffffe000u);
+    r.y = v.y - __uint_as_float(__float_as_uint(v.y) & 0xffffe000u);
+    r.z = v.z - __uint_as_float(__float_as_uint(v.z) & 0xffffe000u);
+    r.w = v.w - __uint_as_float(__float_as_uint(v.w) & 0xffffe000u);
+    x_small[i] = r;
+  }
+}
+
 }  // namespace fused_gemm_bn
 
 // Number of floats in each of big / small for an (M, K) input.
@@ -86,5 +105,21 @@ cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, i
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   split_tf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
       x, row_stride, col_stride, M, K, num_slabs, num_quads, big, small);
+  return cudaGetLastError();
+}
+
+// x_small = x - tf32_trunc(x) over a contiguous (M, K) x with K % 4 == 0.
+cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, cudaStream_t stream) {
+  using namespace fused_gemm_bn;
+  const int64_t n4 = static_cast<int64_t>(M) * K / 4;
+  if (n4 == 0) return cudaSuccess;
+  int device = 0, num_sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  const int64_t wanted = (n4 + kSplitThreads - 1) / kSplitThreads;
+  const int blocks = static_cast<int>(wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
+  split_tf32_remainder_kernel<<<blocks, kSplitThreads, 0, stream>>>(reinterpret_cast<const float4*>(x),
+                                                                     reinterpret_cast<float4*>(x_small), n4);
   return cudaGetLastError();
 }

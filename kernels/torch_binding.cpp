@@ -8,25 +8,40 @@
 //
 //   forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                 running_var, num_batches_tracked, momentum, eps) -> out (M, N)
-//       x -> TF32 big / small parts                     (split_tf32.cu)
-//     sm_90 and M <= 1024: one cluster-launched GEMM with the whole BatchNorm
-//       in its epilogue                                 (sm80_gemm_3xtf32_bn.cu, kTrainFused)
+//     Hopper (sm_90a build, K % 4 == 0):
+//       x_small = x - tf32_trunc(x)                     (split_tf32.cu, remainder)
+//       z = x @ weight^T with per-tile statistics      (sm90_gemm_3xtf32_bn.cu)
 //     otherwise:
-//       z = x @ weight^T with per-tile statistics      (sm80_gemm_3xtf32_bn.cu)
+//       x -> TF32 big / small parts, fragment order     (split_tf32.cu)
+//       sm_90 and M <= 1024 where it costs no extra wave: one cluster-launched
+//         GEMM with the whole BatchNorm in its epilogue (sm80_gemm_3xtf32_bn.cu, kTrainFused)
+//       else z = x @ weight^T with per-tile statistics (sm80_gemm_3xtf32_bn.cu)
+//     then (both multi-pass paths):
 //       merge statistics, update running stats, coefs  (bn_finalize.cu)
 //       out = (z - mean_z) * a + bn_bias, in place      (bn_apply.cu)
 //     momentum < 0 means momentum=None (cumulative average).  The caller
 //     increments num_batches_tracked first, as nn.BatchNorm1d does.
 //   forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                running_var, eps) -> out (M, N)
-//       split pre-pass, then one GEMM launch with the folded per-feature
-//       affine epilogue.
+//       split pre-pass (as above), then one GEMM launch (Hopper or portable)
+//       with the folded per-feature affine epilogue.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+
 int sm80_gemm_block_m();
+int sm90_gemm_block_m();
+bool sm90_gemm_supported(const float* w, int M, int N, int K);
+cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, cudaStream_t stream);
+cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
+                                   float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream);
+cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
+                                  const float* bias, const float* scale, const float* bn_weight,
+                                  const float* bn_bias, const float* running_mean, const float* running_var,
+                                  float eps, int M, int N, int K, cudaStream_t stream);
 int64_t split_tf32_elems(int M, int K);
 cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
                        float* small, cudaStream_t stream);
@@ -99,6 +114,48 @@ SplitX split_x(const torch::Tensor& x, int M, int K, cudaStream_t stream) {
   return {storage, big, small};
 }
 
+// The Hopper kernel where it applies.  FUSED_GEMM_BN_PORTABLE=1 forces the
+// portable kernel, so both paths can be tested on one Hopper GPU.
+bool use_sm90(const float* w, int M, int N, int K) {
+  const char* force_portable = std::getenv("FUSED_GEMM_BN_PORTABLE");
+  if (force_portable != nullptr && force_portable[0] == '1') return false;
+  return sm90_gemm_supported(w, M, N, K);
+}
+
+// x and its TF32 remainder for the Hopper kernel, whose TMA loads need
+// contiguous, 16-byte aligned rows: the caller's x is used in place when it is
+// so, otherwise copied (never written).
+struct RemainderX {
+  torch::Tensor x;
+  torch::Tensor small;
+};
+
+RemainderX remainder_x(const torch::Tensor& x, int M, int K, cudaStream_t stream) {
+  const bool ready = x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  torch::Tensor xc = ready ? x : x.clone(at::MemoryFormat::Contiguous);
+  torch::Tensor small = torch::empty({M, K}, x.options());
+  check_launch(split_tf32_remainder(xc.data_ptr<float>(), M, K, small.data_ptr<float>(), stream),
+               "split_tf32_remainder");
+  return {xc, small};
+}
+
+// Scratch for the multi-pass training path: part_mean, part_m2 (num_m_tiles x N
+// each), coef_a, coef_mean (N each), one allocation.
+struct TrainScratch {
+  torch::Tensor storage;
+  float *part_mean, *part_m2, *coef_a, *coef_mean;
+};
+
+TrainScratch train_scratch(const torch::Tensor& x, int num_m_tiles, int N) {
+  TrainScratch s;
+  s.storage = torch::empty({(2 * static_cast<int64_t>(num_m_tiles) + 2) * N}, x.options());
+  s.part_mean = s.storage.data_ptr<float>();
+  s.part_m2 = s.part_mean + static_cast<int64_t>(num_m_tiles) * N;
+  s.coef_a = s.part_m2 + static_cast<int64_t>(num_m_tiles) * N;
+  s.coef_mean = s.coef_a + N;
+  return s;
+}
+
 }  // namespace
 
 torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
@@ -120,40 +177,47 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
-  const SplitX xs = split_x(x, M, K, stream);
   torch::Tensor out = torch::empty({M, N}, x.options());
+  const float* w = weight.data_ptr<float>();
 
-  // Hopper, M <= 8 * BLOCK_M: one cluster-launched kernel does everything.
-  const cudaError_t fused = sm90_gemm_3xtf32_train_fused(
-      xs.big, xs.small, weight.data_ptr<float>(), out.data_ptr<float>(), bias.data_ptr<float>(),
-      scale.data_ptr<float>(), bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(), running_mean.data_ptr<float>(),
-      running_var.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-      static_cast<float>(eps), M, N, K, stream);
-  if (fused != cudaErrorNotSupported) {
-    check_launch(fused, "sm90_gemm_3xtf32_train_fused");
-    return out;
+  int block_m = 0;
+  TrainScratch scratch;
+  if (use_sm90(w, M, N, K)) {
+    block_m = sm90_gemm_block_m();
+    scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
+    const RemainderX xr = remainder_x(x, M, K, stream);
+    check_launch(sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w,
+                                        out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, M, N, K, stream),
+                 "sm90_gemm_3xtf32_train");
+  } else {
+    const SplitX xs = split_x(x, M, K, stream);
+    // Hopper with M <= 8 * BLOCK_M: one cluster-launched kernel does everything.
+    const cudaError_t fused = sm90_gemm_3xtf32_train_fused(
+        xs.big, xs.small, w, out.data_ptr<float>(), bias.data_ptr<float>(), scale.data_ptr<float>(),
+        bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(), running_mean.data_ptr<float>(),
+        running_var.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
+        static_cast<float>(eps), M, N, K, stream);
+    if (fused != cudaErrorNotSupported) {
+      check_launch(fused, "sm90_gemm_3xtf32_train_fused");
+      return out;
+    }
+    block_m = sm80_gemm_block_m();
+    scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
+    check_launch(sm80_gemm_3xtf32_train(xs.big, xs.small, w, out.data_ptr<float>(), scratch.part_mean,
+                                        scratch.part_m2, M, N, K, stream),
+                 "sm80_gemm_3xtf32_train");
   }
 
-  // Multi-pass path: z and per-tile statistics, merge, normalise in place.
-  const int block_m = sm80_gemm_block_m();
+  // Multi-pass tail: merge the per-tile statistics, normalise in place.
   const int num_m_tiles = (M + block_m - 1) / block_m;
-  // One allocation for all scratch: part_mean, part_m2 (num_m_tiles x N each), coef_a, coef_mean (N each).
-  torch::Tensor scratch = torch::empty({(2 * static_cast<int64_t>(num_m_tiles) + 2) * N}, x.options());
-  float* part_mean = scratch.data_ptr<float>();
-  float* part_m2 = part_mean + static_cast<int64_t>(num_m_tiles) * N;
-  float* coef_a = part_m2 + static_cast<int64_t>(num_m_tiles) * N;
-  float* coef_mean = coef_a + N;
-
-  check_launch(sm80_gemm_3xtf32_train(xs.big, xs.small, weight.data_ptr<float>(), out.data_ptr<float>(),
-                                      part_mean, part_m2, M, N, K, stream),
-               "sm80_gemm_3xtf32_train");
-  check_launch(bn_finalize(part_mean, part_m2, num_m_tiles, block_m, M, N, bias.data_ptr<float>(),
+  check_launch(bn_finalize(scratch.part_mean, scratch.part_m2, num_m_tiles, block_m, M, N, bias.data_ptr<float>(),
                            scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
                            num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
                            static_cast<float>(eps), running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
-                           coef_a, coef_mean, stream),
+                           scratch.coef_a, scratch.coef_mean, stream),
                "bn_finalize");
-  check_launch(bn_apply(out.data_ptr<float>(), coef_mean, coef_a, bn_bias.data_ptr<float>(), M, N, stream),
+  check_launch(bn_apply(out.data_ptr<float>(), scratch.coef_mean, scratch.coef_a, bn_bias.data_ptr<float>(), M, N,
+                        stream),
                "bn_apply");
   return out;
 }
@@ -173,11 +237,21 @@ torch::Tensor forward_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
+  const float* w = weight.data_ptr<float>();
+  if (use_sm90(w, M, N, K)) {
+    const RemainderX xr = remainder_x(x, M, K, stream);
+    check_launch(sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w, out.data_ptr<float>(),
+                                       bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
+                                       bn_bias.data_ptr<float>(), running_mean.data_ptr<float>(),
+                                       running_var.data_ptr<float>(), static_cast<float>(eps), M, N, K, stream),
+                 "sm90_gemm_3xtf32_eval");
+    return out;
+  }
   const SplitX xs = split_x(x, M, K, stream);
-  check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, weight.data_ptr<float>(), out.data_ptr<float>(),
-                                     bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
-                                     bn_bias.data_ptr<float>(), running_mean.data_ptr<float>(),
-                                     running_var.data_ptr<float>(), static_cast<float>(eps), M, N, K, stream),
+  check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), bias.data_ptr<float>(),
+                                     scale.data_ptr<float>(), bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+                                     running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
+                                     static_cast<float>(eps), M, N, K, stream),
                "sm80_gemm_3xtf32_eval");
   return out;
 }

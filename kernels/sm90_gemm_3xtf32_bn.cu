@@ -1,0 +1,422 @@
+// sm90_gemm_3xtf32_bn.cu -- float32-accurate GEMM on Hopper tensor cores
+// (3xTF32 through wgmma, TMA, warp specialisation) with the BatchNorm epilogues.
+// Needs sm_90a (H100 / H200); other GPUs take sm80_gemm_3xtf32_bn.cu.
+//
+// Formula (the same two epilogues as the portable kernel)
+//   z[m, n] = sum_k x[m, k] * w[n, k]                     (z = x @ W^T, no bias)
+//   kTrain: out = z; part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
+//           deviations of z[:, n] over the rows of M tile mt (BLOCK_M rows; the
+//           last tile holds the rest).  bn_finalize.cu / bn_apply.cu finish.
+//   kEval:  out = a[n] * z + c[n]   (Linear -> scale -> BatchNorm(eval) folded:
+//           a = scale * bn_weight / sqrt(running_var + eps),
+//           c = bn_bias + (scale * bias - running_mean) * bn_weight / sqrt(running_var + eps))
+//
+// Tensors (float32, row-major, contiguous, 16-byte aligned, K % 4 == 0: TMA
+// needs 16-byte global strides)
+//   x        (M, K)  K-major: the caller's input, read raw by TMA
+//   x_small  (M, K)  K-major: x - tf32_trunc(x), from split_tf32_remainder
+//   w        (N, K)  K-major: nn.Linear weight
+//   out      (M, N);  part_mean, part_m2 (ceil(M / BLOCK_M), N);  vectors (N)
+//
+// Swapped product.  The kernel computes the transposed tile z^T = W x^T: wgmma's
+// M dimension runs over output features (w is operand A), its N dimension over
+// batch rows (x is operand B).  Operand A may come from registers, so w's small
+// part is made there from the shared tile (two ALU ops per element) and never
+// touches memory; x's small part is made once per forward by the pre-pass
+// (M*K floats against the N*K of w).  Each accumulator row is one feature, so
+// the BatchNorm statistics are row reductions inside one warp.
+//
+// Numerics (3xTF32: CUTLASS example 27; Ootomo & Yokota, IJHPCA 2022)
+//   wgmma .tf32 reads the top 19 bits of each fp32 operand (truncation), so a
+//   raw fp32 tile in shared memory acts as its truncated big part.  The split
+//   is v = big + small with big = tf32_trunc(v), small = v - big (exact in
+//   fp32, |small| < 2^-10 |v|; the tensor core truncates small again, losing
+//   < 2^-20 |v|).  Per k-step: w_big*x_big + w_big*x_small + w_small*x_big;
+//   dropped: w_small * x_small (< 2^-20 |wx|).
+//   Accumulation: the tensor core does not round to nearest when it adds into
+//   its fp32 accumulator (docs/perf.md, v1: error linear in K).  Each BLOCK_K
+//   slab's 12 wgmmas therefore go into a fresh register tile `part`, which is
+//   added to `acc` with ordinary round-to-nearest FADDs (DeepGEMM's FP8
+//   promotion).  Expected ||z - z64|| / ||z64|| below eager FP32's.
+//   Non-finite inputs: small = inf - inf = NaN, so an inf operand gives NaN.
+//
+// Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor; DeepGEMM's
+// sm90 GEMMs were read for the warp-specialised pattern)
+//   CTA tile BLOCK_N (features) x BLOCK_M (batch) = 128 x 128, BLOCK_K = 32.
+//   Warpgroups 0, 1: consumers, 64 features each (wgmma m64n128k8), registers
+//   raised to kConsumerRegs.  Warpgroup 2: producer; one thread issues the
+//   TMA loads of w, x, x_small into a kNumStages ring of 48 KB stages guarded by
+//   full (TMA bytes) and empty (one arrive per consumer warp) mbarriers.
+//   Tiles are 128-byte swizzled by TMA and read in place by wgmma.
+//   Grid: one CTA per tile, M tiles fastest, so the CTAs sharing a w tile run
+//   together and w is read from DRAM about once.
+//
+// Launchers return cudaErrorNotSupported (launching nothing) when this kernel
+// does not apply (not compute capability 9.0, no sm_90a image, K % 4 != 0,
+// misaligned pointers); the caller then takes the portable kernel.
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "sm90_primitives.cuh"
+
+namespace fused_gemm_bn {
+namespace sm90 {
+
+struct Sm90GemmTraits {
+  static constexpr int BLOCK_N = 128;  // features per CTA (wgmma M, over the consumer warpgroups)
+  static constexpr int BLOCK_M = 128;  // batch rows per CTA (wgmma N)
+  static constexpr int BLOCK_K = 32;   // one 128-byte swizzle row of fp32
+  static constexpr int WGMMA_M = 64;
+  static constexpr int WGMMA_N = 128;
+  static constexpr int WGMMA_K = 8;
+  static constexpr int kKSteps = BLOCK_K / WGMMA_K;
+  static constexpr int kNumConsumers = BLOCK_N / WGMMA_M;
+  static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
+  static constexpr int kNumStages = 4;
+  static constexpr int kAccRegs = WGMMA_M * WGMMA_N / 128;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int W_TILE_BYTES = BLOCK_N * BLOCK_K * 4;
+  static constexpr int X_TILE_BYTES = BLOCK_M * BLOCK_K * 4;
+  static constexpr int STAGE_BYTES = W_TILE_BYTES + 2 * X_TILE_BYTES;
+  static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;  // + barriers, alignment
+
+  static_assert(BLOCK_K * 4 == 128, "tiles are rows of one 128-byte swizzle span");
+  static_assert(WGMMA_N == BLOCK_M && kAccRegs == 64, "wgmma wrappers are m64n128k8");
+  static_assert(W_TILE_BYTES % 1024 == 0 && X_TILE_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
+  static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
+};
+
+enum class Epilogue { kTrain, kEval };
+
+struct Sm90GemmBnArgs {
+  int M, N, K;
+  float* out;
+  float* part_mean;  // kTrain
+  float* part_m2;
+  const float* bias;  // kEval
+  const float* scale;
+  const float* bn_weight;
+  const float* bn_bias;
+  const float* running_mean;
+  const float* running_var;
+  float eps;
+};
+
+// Byte offset of element (row, col) of a 128-byte-swizzled K-major tile.
+__device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
+  return static_cast<uint32_t>(row * 128 + ((((col >> 2) ^ row) & 7) << 4) + (col & 3) * 4);
+}
+
+template <Epilogue kEpilogue>
+__global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
+    sm90_gemm_3xtf32_bn_kernel(const __grid_constant__ CUtensorMap tmap_w,
+                               const __grid_constant__ CUtensorMap tmap_x,
+                               const __grid_constant__ CUtensorMap tmap_x_small, const Sm90GemmBnArgs args) {
+#if FUSED_GEMM_BN_SM90A
+  using T = Sm90GemmTraits;
+  extern __shared__ uint8_t smem_raw[];
+  // 128-byte swizzle atoms must start on 1024-byte boundaries.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + T::kNumStages * T::STAGE_BYTES);
+  uint64_t* empty_bar = full_bar + T::kNumStages;
+
+  const int M = args.M, N = args.N;
+  const int m_tiles = (M + T::BLOCK_M - 1) / T::BLOCK_M;
+  const int m_tile = static_cast<int>(blockIdx.x) % m_tiles;
+  const int n_tile = static_cast<int>(blockIdx.x) / m_tiles;
+  const int m0 = m_tile * T::BLOCK_M, n0 = n_tile * T::BLOCK_N;
+  const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < T::kNumStages; ++s) {
+      mbar_init(&full_bar[s], 1);
+      mbar_init(&empty_bar[s], T::kNumConsumers * 4);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warpgroup == T::kNumConsumers) {
+    // Producer warpgroup: one thread streams the k slabs through the ring.
+    setmaxnreg_dec<T::kProducerRegs>();
+    if (threadIdx.x == T::kNumConsumers * 128) {
+      tma_prefetch_descriptor(&tmap_w);
+      tma_prefetch_descriptor(&tmap_x);
+      tma_prefetch_descriptor(&tmap_x_small);
+      for (int kb = 0; kb < num_k_blocks; ++kb) {
+        const int s = kb % T::kNumStages;
+        mbar_wait(&empty_bar[s], ((kb / T::kNumStages) & 1) ^ 1);
+        uint8_t* stage = smem + s * T::STAGE_BYTES;
+        mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
+        const int k0 = kb * T::BLOCK_K;
+        tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
+        tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x, &full_bar[s], k0, m0);
+        tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_small, &full_bar[s], k0, m0);
+      }
+    }
+    return;
+  }
+
+  // Consumer warpgroups: 64 features each.
+  setmaxnreg_inc<T::kConsumerRegs>();
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int w_row = warpgroup * T::WGMMA_M + warp * 16 + g;  // this thread's first A row in the w tile
+
+  float acc[T::kAccRegs];
+  float part[T::kAccRegs];
+#pragma unroll
+  for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
+
+  for (int kb = 0; kb < num_k_blocks; ++kb) {
+    const int s = kb % T::kNumStages;
+    mbar_wait(&full_bar[s], (kb / T::kNumStages) & 1);
+    const uint8_t* w_tile = smem + s * T::STAGE_BYTES;
+    const uint8_t* x_tile = w_tile + T::W_TILE_BYTES;
+    const uint8_t* x_small_tile = x_tile + T::X_TILE_BYTES;
+
+    // w's small part for this slab, in the tf32 A-fragment layout.
+    uint32_t a_small[T::kKSteps][4];
+#pragma unroll
+    for (int j = 0; j < T::kKSteps; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = w_row + 8 * (r & 1);
+        const int col = j * T::WGMMA_K + t + 4 * (r >> 1);
+        const float v = *reinterpret_cast<const float*>(w_tile + sw128_offset(row, col));
+        const float big = __uint_as_float(__float_as_uint(v) & 0xffffe000u);
+        a_small[j][r] = __float_as_uint(v - big);
+      }
+    }
+
+    wgmma_fence();
+    const uint8_t* w_rows = w_tile + warpgroup * T::WGMMA_M * 128;
+#pragma unroll
+    for (int j = 0; j < T::kKSteps; ++j) {
+      const uint64_t desc_w = desc_kmajor_sw128(w_rows, j * T::WGMMA_K * 4);
+      const uint64_t desc_x = desc_kmajor_sw128(x_tile, j * T::WGMMA_K * 4);
+      const uint64_t desc_x_small = desc_kmajor_sw128(x_small_tile, j * T::WGMMA_K * 4);
+      wgmma_m64n128k8_ss(part, desc_w, desc_x, j > 0);
+      wgmma_m64n128k8_ss(part, desc_w, desc_x_small, true);
+      wgmma_m64n128k8_rs(part, a_small[j], desc_x, true);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < T::kAccRegs; ++i) fence_operand(part[i]);
+#pragma unroll
+    for (int j = 0; j < T::kKSteps; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_operand(a_small[j][r]);
+    }
+    if (lane == 0) mbar_arrive(&empty_bar[s]);
+#pragma unroll
+    for (int i = 0; i < T::kAccRegs; ++i) acc[i] += part[i];
+  }
+
+  // Accumulator element 4 i + 2 h + e holds z[b, f] with
+  //   f = n0 + w_row + 8 h            (feature: one row of the wgmma tile)
+  //   b = m0 + 8 i + 2 t + e          (batch row)
+  // so each feature's 128 batch values live in the 4 lanes of one quad.
+  const int f_base = n0 + w_row;
+  if constexpr (kEpilogue == Epilogue::kEval) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int f = f_base + 8 * h;
+      if (f >= N) continue;
+      const float inv_std = 1.0f / sqrtf(args.running_var[f] + args.eps);
+      const float gw = args.bn_weight[f] * inv_std;
+      const float sc = args.scale[f];
+      const float a = sc * gw;
+      const float c = fmaf(fmaf(sc, args.bias[f], -args.running_mean[f]), gw, args.bn_bias[f]);
+#pragma unroll
+      for (int i = 0; i < T::kAccRegs / 4; ++i) {
+        acc[4 * i + 2 * h] = fmaf(a, acc[4 * i + 2 * h], c);
+        acc[4 * i + 2 * h + 1] = fmaf(a, acc[4 * i + 2 * h + 1], c);
+      }
+    }
+  } else {
+    // Per-feature mean and M2 over the tile's valid rows: two passes over the
+    // registers (no E[z^2] - E[z]^2 cancellation), reduced across the quad.
+    const int rows_valid = min(T::BLOCK_M, M - m0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < T::kAccRegs / 4; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (8 * i + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float mean = sum / static_cast<float>(rows_valid);
+      float m2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < T::kAccRegs / 4; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float d = acc[4 * i + 2 * h + e] - mean;
+          if (8 * i + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
+        }
+      }
+      m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
+      m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
+      const int f = f_base + 8 * h;
+      if (t == 0 && f < N) {
+        args.part_mean[static_cast<size_t>(m_tile) * N + f] = mean;
+        args.part_m2[static_cast<size_t>(m_tile) * N + f] = m2;
+      }
+    }
+  }
+
+  // Store: a warp instruction writes 8 consecutive features (32 bytes) of 4 rows.
+#pragma unroll
+  for (int i = 0; i < T::kAccRegs / 4; ++i) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int b = m0 + 8 * i + 2 * t + e;
+      if (b >= M) continue;
+      float* out_row = args.out + static_cast<size_t>(b) * N;
+      if (f_base < N) out_row[f_base] = acc[4 * i + e];
+      if (f_base + 8 < N) out_row[f_base + 8] = acc[4 * i + 2 + e];
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // this kernel exists only in sm_90a images; the launcher never selects it elsewhere
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Host side: tensor maps and launch
+// ---------------------------------------------------------------------------
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled from the driver, fetched through the runtime so the
+// extension needs no -lcuda.  nullptr if the driver does not provide it.
+static EncodeTiledFn encode_tiled_fn() {
+  static EncodeTiledFn fn = []() -> EncodeTiledFn {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+#if CUDART_VERSION >= 12050
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
+        cudaSuccess)
+      return nullptr;
+#else
+    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status) != cudaSuccess)
+      return nullptr;
+#endif
+    return status == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiledFn>(ptr) : nullptr;
+  }();
+  return fn;
+}
+
+// A (rows, K) row-major fp32 matrix read in boxes of box_rows x BLOCK_K,
+// 128-byte swizzled, zero-filled outside the matrix.
+static bool make_tensor_map(CUtensorMap* map, const float* ptr, int rows, int K, int box_rows) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * sizeof(float)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(Sm90GemmTraits::BLOCK_K), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(ptr), dims, strides, box,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <Epilogue kEpilogue>
+static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const float* w,
+                                    const Sm90GemmBnArgs& args, cudaStream_t stream) {
+  using T = Sm90GemmTraits;
+  auto kernel = sm90_gemm_3xtf32_bn_kernel<kEpilogue>;
+  CUtensorMap tmap_w, tmap_x, tmap_x_small;
+  if (!make_tensor_map(&tmap_w, w, args.N, args.K, T::BLOCK_N) ||
+      !make_tensor_map(&tmap_x, x, args.M, args.K, T::BLOCK_M) ||
+      !make_tensor_map(&tmap_x_small, x_small, args.M, args.K, T::BLOCK_M))
+    return cudaErrorNotSupported;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
+  if (err != cudaSuccess) return err;
+  const long long tiles = static_cast<long long>((args.M + T::BLOCK_M - 1) / T::BLOCK_M) *
+                          ((args.N + T::BLOCK_N - 1) / T::BLOCK_N);
+  if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(tiles), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_x_small,
+                                                                                    args);
+  return cudaGetLastError();
+}
+
+}  // namespace sm90
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launchers (raw pointers; no torch types so nvcc compiles this file alone)
+// ---------------------------------------------------------------------------
+
+int sm90_gemm_block_m() { return fused_gemm_bn::sm90::Sm90GemmTraits::BLOCK_M; }
+
+// True when the Hopper kernel applies on the current device to an (M, K) x and
+// the (N, K) w at this address: compute capability 9.0, an sm_90a image in this
+// build, K % 4 == 0 (TMA strides), 16-byte aligned w, M, N, K >= 1, and the
+// driver's tensor-map encoder available.  x and x_small must then be passed
+// contiguous and 16-byte aligned.  The device query is cached per device.
+bool sm90_gemm_supported(const float* w, int M, int N, int K) {
+  using namespace fused_gemm_bn::sm90;
+  if (M < 1 || N < 1 || K < 1 || K % 4 != 0 || !aligned16(w)) return false;
+  constexpr int kMaxDevices = 64;
+  static signed char device_ok[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
+  if (device_ok[device] == 0) {
+    int major = 0, minor = 0, smem_optin = 0;
+    cudaFuncAttributes attr{};
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+        major == 9 && minor == 0 && smem_optin >= Sm90GemmTraits::SMEM_BYTES &&
+        // the sm_90a cubin reports binaryVersion 90; a build without it does not
+        cudaFuncGetAttributes(&attr, sm90_gemm_3xtf32_bn_kernel<Epilogue::kTrain>) == cudaSuccess &&
+        attr.binaryVersion == 90 && encode_tiled_fn() != nullptr;
+    device_ok[device] = ok ? 1 : -1;
+  }
+  return device_ok[device] == 1;
+}
+
+// z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
+// x_small = x - tf32_trunc(x) (split_tf32_remainder).
+cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
+                                   float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream) {
+  using namespace fused_gemm_bn::sm90;
+  if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
+  if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
+  return launch_sm90_gemm<Epilogue::kTrain>(x, x_small, w, args, stream);
+}
+
+// out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm.
+cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
+                                  const float* bias, const float* scale, const float* bn_weight,
+                                  const float* bn_bias, const float* running_mean, const float* running_var,
+                                  float eps, int M, int N, int K, cudaStream_t stream) {
+  using namespace fused_gemm_bn::sm90;
+  if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
+  if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out; args.bias = bias; args.scale = scale; args.bn_weight = bn_weight; args.bn_bias = bn_bias;
+  args.running_mean = running_mean; args.running_var = running_var; args.eps = eps;
+  return launch_sm90_gemm<Epilogue::kEval>(x, x_small, w, args, stream);
+}

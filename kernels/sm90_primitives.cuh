@@ -1,0 +1,210 @@
+// sm90_primitives.cuh -- thin PTX wrappers for the Hopper GEMM
+// (sm90_gemm_3xtf32_bn.cu): mbarriers, TMA tile loads, wgmma shared-memory
+// descriptors and the two tf32 wgmma forms it issues.
+//
+// Every wrapper compiles to nothing unless the pass targets sm_90a
+// (__CUDA_ARCH_FEAT_SM90_ALL): wgmma and setmaxnreg exist only there.  The
+// kernel that uses them traps on any other target, so a build without an
+// sm_90a image can never return unwritten output silently.
+//
+// Sources: PTX ISA 8.x, sections 9.7.12.15 (mbarrier), 9.7.9.25.5
+// (cp.async.bulk.tensor), 9.7.15 (wgmma: 9.7.15.5.1 matrix descriptor,
+// 9.7.15.5.2 register fragments, 9.7.15.6 wgmma.fence / commit_group /
+// wait_group), 9.7.19.5 (setmaxnreg).
+
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FUSED_GEMM_BN_SM90A 1
+#else
+#define FUSED_GEMM_BN_SM90A 0
+#endif
+
+namespace fused_gemm_bn {
+namespace sm90 {
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarrier -------------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+#endif
+}
+
+// Makes the initialised barriers visible to the async (TMA) proxy and the cluster.
+__device__ __forceinline__ void mbar_init_fence() {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+#endif
+}
+
+// Blocks until the phase with the given parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// ---- TMA ------------------------------------------------------------------
+
+__device__ __forceinline__ void tma_prefetch_descriptor(const void* tmap) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
+#endif
+}
+
+// Loads the box at (inner = c0, outer = c1) of a 2-D tensor map into shared
+// memory; completion is counted in bytes on `bar`.  Out-of-bounds elements are
+// zero-filled and still counted.
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, uint64_t* bar, int c0, int c1) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+#endif
+}
+
+// ---- registers per warpgroup role ----------------------------------------
+
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
+// ---- wgmma ----------------------------------------------------------------
+
+// Shared-memory matrix descriptor (PTX ISA 9.7.15.5.1) for a K-major tile
+// written by TMA with CU_TENSOR_MAP_SWIZZLE_128B: rows of 128 bytes (32 fp32),
+// 16-byte chunks XOR-swizzled by (row % 8), 8-row atoms of 1024 bytes.  The
+// tile must start on a 1024-byte boundary (base offset 0); a k-step inside
+// the 128-byte row is selected by adding its byte offset to the start address.
+__device__ __forceinline__ uint64_t desc_kmajor_sw128(const void* tile, uint32_t byte_offset) {
+  const uint32_t addr = smem_u32(tile) + byte_offset;
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);  // start address
+  desc |= static_cast<uint64_t>(1) << 16;                 // leading byte offset (unused when swizzled K-major)
+  desc |= static_cast<uint64_t>(1024 >> 4) << 32;         // stride byte offset: next 8-row atom
+  desc |= static_cast<uint64_t>(1) << 62;                 // swizzle mode: 128B
+  return desc;
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Tells the compiler a register is read and written here, so it neither moves
+// accesses of wgmma accumulators / A fragments across the wgmma wait nor reuses
+// their registers while an asynchronous wgmma may still read them.
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+#define FUSED_GEMM_BN_D64                                                                                      \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),  \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),   \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),  \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),  \
+      "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),  \
+      "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),  \
+      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),  \
+      "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+#define FUSED_GEMM_BN_D64_LIST                                                                                  \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "  \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// D(64 x 128, fp32) (+)= A(64 x 8) * B(8 x 128), tf32 inputs (the low 13 bits
+// of each fp32 operand are ignored, i.e. truncated), both from shared memory.
+// accumulate == false overwrites D.
+__device__ __forceinline__ void wgmma_m64n128k8_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                   bool accumulate) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 " FUSED_GEMM_BN_D64_LIST
+      ", %64, %65, p, 1, 1;\n"
+      "}\n"
+      : FUSED_GEMM_BN_D64
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
+#endif
+}
+
+// As above with A from registers (PTX ISA 9.7.15.5.2, tf32 A fragment: warp w
+// of the warpgroup holds rows 16 w .. 16 w + 15; lane l = 4 g + t holds
+// a0 = (16 w + g, t), a1 = (16 w + g + 8, t), a2 = (16 w + g, t + 4),
+// a3 = (16 w + g + 8, t + 4)).  The registers must stay unchanged until the
+// wgmma has completed (wgmma_wait).
+__device__ __forceinline__ void wgmma_m64n128k8_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
+                                                   bool accumulate) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 " FUSED_GEMM_BN_D64_LIST
+      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n"
+      "}\n"
+      : FUSED_GEMM_BN_D64
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
+#endif
+}
+
+#undef FUSED_GEMM_BN_D64
+#undef FUSED_GEMM_BN_D64_LIST
+
+}  // namespace sm90
+}  // namespace fused_gemm_bn

@@ -59,6 +59,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "sm90_primitives.cuh"
 
 namespace fused_gemm_bn {
@@ -69,13 +71,15 @@ struct Sm90GemmTraits {
   static constexpr int BLOCK_M = 128;  // batch rows per CTA (wgmma N)
   static constexpr int BLOCK_K = 32;   // one 128-byte swizzle row of fp32
   static constexpr int WGMMA_M = 64;
-  static constexpr int WGMMA_N = 128;
+  static constexpr int WGMMA_N = 64;   // half the batch tile per wgmma
   static constexpr int WGMMA_K = 8;
-  static constexpr int kKSteps = BLOCK_K / WGMMA_K;
+  static constexpr int SLAB_K = 16;                      // k per promotion of the partial sums
+  static constexpr int kSlabSteps = SLAB_K / WGMMA_K;    // wgmma k-steps per slab
   static constexpr int kNumConsumers = BLOCK_N / WGMMA_M;
   static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
   static constexpr int kNumStages = 4;
-  static constexpr int kAccRegs = WGMMA_M * WGMMA_N / 128;
+  static constexpr int kAccRegs = WGMMA_M * BLOCK_M / 128;   // 64 x 128 fp32 per warpgroup
+  static constexpr int kPartRegs = WGMMA_M * WGMMA_N / 128;  // one 64 x 64 half
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static constexpr int W_TILE_BYTES = BLOCK_N * BLOCK_K * 4;
@@ -83,8 +87,9 @@ struct Sm90GemmTraits {
   static constexpr int STAGE_BYTES = W_TILE_BYTES + 2 * X_TILE_BYTES;
   static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;  // + barriers, alignment
 
+  static_assert(BLOCK_K == 2 * SLAB_K, "a stage holds two slabs, one per A-fragment buffer");
   static_assert(BLOCK_K * 4 == 128, "tiles are rows of one 128-byte swizzle span");
-  static_assert(WGMMA_N == BLOCK_M && kAccRegs == 64, "wgmma wrappers are m64n128k8");
+  static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k8 halves per batch tile");
   static_assert(W_TILE_BYTES % 1024 == 0 && X_TILE_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
 };
@@ -104,6 +109,13 @@ struct Sm90GemmBnArgs {
   const float* running_var;
   float eps;
 };
+
+// v rounded to TF32 (nearest, ties away from zero; = cvt.rna.tf32.f32 for
+// finite v) with two integer ops: the low 13 bits are cleared after adding half
+// their range.
+__device__ __forceinline__ float round_tf32(float v) {
+  return __uint_as_float((__float_as_uint(v) + 0x1000u) & 0xffffe000u);
+}
 
 // Byte offset of element (row, col) of a 128-byte-swizzled K-major tile.
 __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
@@ -162,7 +174,11 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
     return;
   }
 
-  // Consumer warpgroups: 64 features each.
+  // Consumer warpgroups: 64 features each, as two 64 x 64 halves of the batch
+  // tile.  A stage's BLOCK_K = 32 is consumed as two slabs of SLAB_K = 16.  Per
+  // slab and half the 6 wgmmas go into a fresh `part` tile (one commit group);
+  // while the tensor core runs one half, the other half's finished `part` is
+  // promoted into `acc`, so the pipe does not drain between slabs.
   setmaxnreg_inc<T::kConsumerRegs>();
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
@@ -170,54 +186,101 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   const int w_row = warpgroup * T::WGMMA_M + warp * 16 + g;  // this thread's first A row in the w tile
 
   float acc[T::kAccRegs];
-  float part[T::kAccRegs];
 #pragma unroll
   for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
+  float part[2][T::kPartRegs];
+  // w's TF32 parts for one slab in the A-fragment layout: [k-step][big, small][reg].
+  // Two buffers, one per slab of a stage: a slab's wgmmas still read theirs
+  // while the next slab's are loaded.
+  uint32_t a_frag[2][T::kSlabSteps][2][4];
 
-  for (int kb = 0; kb < num_k_blocks; ++kb) {
-    const int s = kb % T::kNumStages;
-    mbar_wait(&full_bar[s], (kb / T::kNumStages) & 1);
-    const uint8_t* w_tile = smem + s * T::STAGE_BYTES;
-    const uint8_t* x_tile = w_tile + T::W_TILE_BYTES;
-    const uint8_t* x_small_tile = x_tile + T::X_TILE_BYTES;
-
-    // w's small part for this slab, in the tf32 A-fragment layout.
-    uint32_t a_small[T::kKSteps][4];
+  // Slab `sub` (0, 1) of stage kb: k-steps kSlabSteps * sub + j of the tiles.
+  auto load_a = [&](uint32_t(&a)[T::kSlabSteps][2][4], int kb, int sub) {
+    const uint8_t* w_tile = smem + (kb % T::kNumStages) * T::STAGE_BYTES;
 #pragma unroll
-    for (int j = 0; j < T::kKSteps; ++j) {
+    for (int j = 0; j < T::kSlabSteps; ++j) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int row = w_row + 8 * (r & 1);
-        const int col = j * T::WGMMA_K + t + 4 * (r >> 1);
+        const int col = (sub * T::kSlabSteps + j) * T::WGMMA_K + t + 4 * (r >> 1);
         const float v = *reinterpret_cast<const float*>(w_tile + sw128_offset(row, col));
-        const float big = __uint_as_float(__float_as_uint(v) & 0xffffe000u);
-        a_small[j][r] = __float_as_uint(v - big);
+        const float big = round_tf32(v);
+        a[j][0][r] = __float_as_uint(big);
+        a[j][1][r] = __float_as_uint(v - big);
       }
     }
-
+  };
+  // The 6 wgmmas of one slab for batch half `half` (rows 64 half .. +63 of the x tiles).
+  auto issue_half = [&](float(&d)[T::kPartRegs], const uint32_t(&a)[T::kSlabSteps][2][4], int kb, int sub,
+                        int half) {
+    const uint8_t* x_big_tile = smem + (kb % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES + half * 64 * 128;
+    const uint8_t* x_small_tile = x_big_tile + T::X_TILE_BYTES;
     wgmma_fence();
-    const uint8_t* w_rows = w_tile + warpgroup * T::WGMMA_M * 128;
 #pragma unroll
-    for (int j = 0; j < T::kKSteps; ++j) {
-      const uint64_t desc_w = desc_kmajor_sw128(w_rows, j * T::WGMMA_K * 4);
-      const uint64_t desc_x = desc_kmajor_sw128(x_tile, j * T::WGMMA_K * 4);
-      const uint64_t desc_x_small = desc_kmajor_sw128(x_small_tile, j * T::WGMMA_K * 4);
-      wgmma_m64n128k8_ss(part, desc_w, desc_x, j > 0);
-      wgmma_m64n128k8_ss(part, desc_w, desc_x_small, true);
-      wgmma_m64n128k8_rs(part, a_small[j], desc_x, true);
+    for (int j = 0; j < T::kSlabSteps; ++j) {
+      const uint32_t k_bytes = (sub * T::kSlabSteps + j) * T::WGMMA_K * 4;
+      const uint64_t desc_big = desc_kmajor_sw128(x_big_tile, k_bytes);
+      const uint64_t desc_small = desc_kmajor_sw128(x_small_tile, k_bytes);
+      wgmma_m64n64k8_rs(d, a[j][0], desc_big, j > 0);  // w_big * x_big (overwrites d first)
+      wgmma_m64n64k8_rs(d, a[j][0], desc_small, true);  // w_big * x_small
+      wgmma_m64n64k8_rs(d, a[j][1], desc_big, true);    // w_small * x_big
     }
     wgmma_commit();
-    wgmma_wait<0>();
+  };
+  auto promote = [&](int half) {
 #pragma unroll
-    for (int i = 0; i < T::kAccRegs; ++i) fence_operand(part[i]);
-#pragma unroll
-    for (int j = 0; j < T::kKSteps; ++j) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) fence_operand(a_small[j][r]);
+    for (int i = 0; i < T::kPartRegs; ++i) {
+      fence_operand(part[half][i]);  // read only after the wgmma wait
+      acc[half * T::kPartRegs + i] += part[half][i];
+      fence_operand(acc[half * T::kPartRegs + i]);  // add before the next wgmma overwrites part
     }
-    if (lane == 0) mbar_arrive(&empty_bar[s]);
+  };
+  auto keep_alive = [&](uint32_t(&a)[T::kSlabSteps][2][4]) {
 #pragma unroll
-    for (int i = 0; i < T::kAccRegs; ++i) acc[i] += part[i];
+    for (int j = 0; j < T::kSlabSteps; ++j)
+#pragma unroll
+      for (int q = 0; q < 2; ++q)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) fence_operand(a[j][q][r]);
+  };
+  // Slab `sub` of stage kb; its A fragments are in buffer `sub`.  On entry the
+  // first half of this slab is in flight; on exit the first half of the next
+  // slab (if any), while the second half's `part` is promoted.  The wait before
+  // promote(0) retires both halves: ptxas keeps the wgmmas asynchronous only
+  // when at most one commit group is outstanding at every wait inside the loop
+  // (with wait<1> here as well it serialises them, warning C7514).  `sub` and
+  // `has_next` are compile-time constants, so the register arrays are never
+  // indexed at run time.
+  auto slab = [&](auto sub_c, auto has_next_c, int kb) {
+    constexpr int kSub = decltype(sub_c)::value;
+    constexpr bool kHasNext = decltype(has_next_c)::value;
+    constexpr int kNextSub = kSub ^ 1;
+    const int next_kb = kSub == 0 ? kb : kb + 1;
+    issue_half(part[1], a_frag[kSub], kb, kSub, 1);
+    if constexpr (kHasNext) {
+      if (kNextSub == 0) mbar_wait(&full_bar[next_kb % T::kNumStages], (next_kb / T::kNumStages) & 1);
+      load_a(a_frag[kNextSub], next_kb, kNextSub);  // its previous reader, the slab before this one, is complete
+    }
+    wgmma_wait<0>();  // both halves of this slab done
+    keep_alive(a_frag[kSub]);
+    promote(0);
+    if constexpr (kHasNext) issue_half(part[0], a_frag[kNextSub], next_kb, kNextSub, 0);
+    promote(1);  // overlaps the next slab's first half
+    if (kSub == 1 && lane == 0) mbar_arrive(&empty_bar[kb % T::kNumStages]);  // stage kb fully read
+  };
+  using Sub0 = std::integral_constant<int, 0>;
+  using Sub1 = std::integral_constant<int, 1>;
+
+  if (num_k_blocks > 0) {
+    mbar_wait(&full_bar[0], 0);
+    load_a(a_frag[0], 0, 0);
+    issue_half(part[0], a_frag[0], 0, 0, 0);
+    for (int kb = 0; kb + 1 < num_k_blocks; ++kb) {
+      slab(Sub0{}, std::true_type{}, kb);
+      slab(Sub1{}, std::true_type{}, kb);
+    }
+    slab(Sub0{}, std::true_type{}, num_k_blocks - 1);
+    slab(Sub1{}, std::false_type{}, num_k_blocks - 1);
   }
 
   // Accumulator element 4 i + 2 h + e holds z[b, f] with

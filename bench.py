@@ -37,6 +37,10 @@ L2_FLUSH_BYTES = 256 * 1024 * 1024
 NUM_INPUTS = 4
 EVAL_TRAIN_STEPS = 3  # training steps before --mode eval, so the running statistics are not 0 / 1
 ATOL = RTOL = 1e-4
+# --sweep grid (M, K, N): batch 128..4096 x features 1024..8192 (K = N), plus
+# shapes whose sizes are not multiples of the tiles.
+SWEEP_SHAPES = ([(m, f, f) for f in (1024, 2048, 4096, 8192) for m in (128, 256, 512, 1024, 2048, 4096)] +
+                [(1000, 3000, 3000), (4000, 8188, 1000), (333, 8192, 5000), (2048, 1028, 8190)])
 
 
 def _parse_shape(text):
@@ -62,6 +66,9 @@ def parse_args(argv=None):
                    help="where to write the results (default: results/bench.json)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile(Model) side")
     p.add_argument("--grad", action="store_true", help="time with autograd enabled instead of torch.no_grad()")
+    p.add_argument("--sweep", action="store_true",
+                   help="time eager Model and ModelNew (no compile side) over SWEEP_SHAPES in --mode; "
+                        "writes results/sweep.json, a table and results/sweep.png (if matplotlib is installed)")
     args = p.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
@@ -208,6 +215,63 @@ def print_table(rows, check, grad):
           f"allclose(atol=rtol={ATOL:g}): {'yes' if check['allclose_vs_eager'] else 'NO'}")
 
 
+def run_sweep(model_new_cls, args, modes):
+    """Eager Model vs ModelNew over SWEEP_SHAPES; returns the rows (one per shape and mode)."""
+    rows = []
+    print(f"\n{'mode':<6}{'M':>6}{'K':>7}{'N':>7}{'eager ms':>11}{'ModelNew ms':>13}{'speedup':>9}"
+          f"{'time/eager':>12}{'rel err':>10}{'eager err':>11}")
+    for mode in modes:
+        for shape in SWEEP_SHAPES:
+            m, k, n = shape
+            ref, new = build_models(model_new_cls, shape, mode, args.seed)
+            inputs = [torch.rand(m, k, device=DEVICE) for _ in range(NUM_INPUTS)]
+            with torch.no_grad():
+                sides = {"eager": ref, "ModelNew": new}
+                errors, check = check_accuracy(sides, ref, torch.rand(m, k, device=DEVICE))
+                times = time_fn(sides, inputs, args.iters, args.warmup)
+            eager_ms, new_ms = statistics.median(times["eager"]), statistics.median(times["ModelNew"])
+            row = {"mode": mode, "M": m, "K": k, "N": n, "eager_ms": eager_ms, "modelnew_ms": new_ms,
+                   "speedup_vs_eager": eager_ms / new_ms, "time_ratio_vs_eager": new_ms / eager_ms,
+                   "rel_err_vs_fp64": errors["ModelNew"], "eager_rel_err_vs_fp64": errors["eager"],
+                   "allclose_vs_eager": check["allclose_vs_eager"]}
+            rows.append(row)
+            print(f"{mode:<6}{m:>6}{k:>7}{n:>7}{eager_ms:>11.3f}{new_ms:>13.3f}{eager_ms / new_ms:>8.2f}x"
+                  f"{new_ms / eager_ms:>12.3f}{errors['ModelNew']:>10.1e}{errors['eager']:>11.1e}", flush=True)
+            del ref, new, inputs
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot_sweep(rows, path, env):
+    """Speedup over eager against M, one line per (K = N) feature size and mode; tails as points."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed; no plot written")
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for mode in sorted({r["mode"] for r in rows}):
+        for f in sorted({r["N"] for r in rows if r["K"] == r["N"]}):
+            pts = sorted((r["M"], r["speedup_vs_eager"]) for r in rows
+                         if r["mode"] == mode and r["K"] == r["N"] == f)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    linestyle="-" if mode == "train" else "--", label=f"{mode}, K = N = {f}")
+        tails = [r for r in rows if r["mode"] == mode and r["K"] != r["N"]]
+        ax.scatter([r["M"] for r in tails], [r["speedup_vs_eager"] for r in tails], marker="x",
+                   label=f"{mode}, tails (K != N)")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch M")
+    ax.set_ylabel("speedup over eager Model (x)")
+    ax.set_title(f"ModelNew vs eager, float32, {env['device']}, torch {env['torch']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -231,6 +295,20 @@ def main(argv=None):
           f"extension import {build_s:.1f} s (excluded)")
 
     modes = ["train", "eval"] if args.mode == "both" else [args.mode]
+    if args.sweep:
+        rows = run_sweep(ModelNew, args, modes)
+        out_dir = os.path.dirname(args.json) or "."
+        os.makedirs(out_dir, exist_ok=True)
+        json_path = os.path.join(out_dir, "sweep.json")
+        with open(json_path, "w") as f:
+            json.dump({"env": env, "args": vars(args), "rows": rows}, f, indent=2)
+        png = plot_sweep(rows, os.path.join(out_dir, "sweep.png"), env)
+        slower = [r for r in rows if r["time_ratio_vs_eager"] > 1.0]
+        wrong = [r for r in rows if not r["allclose_vs_eager"]]
+        print(f"\nwrote {json_path}" + (f" and {png}" if png else ""))
+        print(f"shapes where ModelNew is slower than eager: {len(slower)} of {len(rows)}; "
+              f"not allclose: {len(wrong)}")
+        return 1 if wrong else 0
     rows, checks = [], []
     for mode in modes:
         mode_rows, check = bench_mode(ModelNew, args, mode)

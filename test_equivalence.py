@@ -618,10 +618,50 @@ def cuda_gen(seed):
 
 GPU_TOL = dict(rtol=1e-4, atol=1e-4)
 
+# "default" takes the kernel the device dispatches to (the Hopper wgmma kernel on
+# compute capability 9.0, the portable mma.sync kernel elsewhere); "portable"
+# forces the portable kernel (FUSED_GEMM_BN_PORTABLE=1), so a Hopper run tests both.
+GEMM_PATHS = ["default", "portable"]
+
+
+@pytest.fixture(params=GEMM_PATHS)
+def gemm_path(request, monkeypatch):
+    if request.param == "portable":
+        monkeypatch.setenv("FUSED_GEMM_BN_PORTABLE", "1")
+    else:
+        monkeypatch.delenv("FUSED_GEMM_BN_PORTABLE", raising=False)
+    return request.param
+
+
+def gemm_kernel_names(fn):
+    """Names of the CUDA kernels fn() launches whose name contains 'gemm'."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "gemm" in e.name}
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_gpu_dispatch_by_compute_capability(mode, gemm_path):
+    """sm_90 runs the wgmma kernel unless the portable one is forced; other GPUs
+    run the portable kernel."""
+    m, k, n = 256, 512, 384
+    _, new = gpu_pair(m, k, n)
+    new.train(mode == "train")
+    x = torch.rand(m, k, device="cuda")
+    with torch.no_grad():
+        names = gemm_kernel_names(lambda: new(x))
+    hopper = torch.cuda.get_device_capability() == (9, 0) and gemm_path == "default"
+    expected = "sm90_gemm_3xtf32" if hopper else "sm80_gemm_3xtf32"
+    assert any(expected in name for name in names), names
+    assert not any(("sm80_gemm" if hopper else "sm90_gemm_3xtf32_bn_kernel") in name for name in names), names
+
 
 @requires_cuda
 @pytest.mark.parametrize("m,k,n", GPU_SHAPES)
-def test_gpu_matches_reference_train_and_eval(m, k, n, fp32_matmul):
+def test_gpu_matches_reference_train_and_eval(m, k, n, fp32_matmul, gemm_path):
     ref, new = gpu_pair(m, k, n)
     gen = cuda_gen(30)
     for step in range(5):
@@ -686,10 +726,10 @@ def _accuracy_case(m, k, n, kind, mode, seed):
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("kind", INPUT_KINDS)
 @pytest.mark.parametrize("m,k,n", ACCURACY_SHAPES)
-def test_gpu_accuracy_vs_float64(m, k, n, kind, mode, fp32_matmul):
+def test_gpu_accuracy_vs_float64(m, k, n, kind, mode, fp32_matmul, gemm_path):
     out_new, out_eager, out_64, _, _ = _accuracy_case(m, k, n, kind, mode, seed=40)
     err_new, err_eager = rel_err(out_new, out_64), rel_err(out_eager, out_64)
-    print(f"\n[accuracy] ({m},{k},{n}) {kind:13s} {mode:5s}: err(ModelNew) {err_new:.3e}  "
+    print(f"\n[accuracy] {gemm_path:8s} ({m},{k},{n}) {kind:13s} {mode:5s}: err(ModelNew) {err_new:.3e}  "
           f"err(PyTorch fp32) {err_eager:.3e}  ratio {err_new / err_eager:.2f}")
     assert math.isfinite(err_new)
     assert err_new <= 2 * err_eager
@@ -718,7 +758,7 @@ def test_gpu_negative_control_plain_tf32_fails_accuracy_check(mode, fp32_matmul)
 @requires_cuda
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("m,k,n", [KERNELBENCH_SHAPE, (257, 4100, 130), (33, 37, 515)])
-def test_gpu_every_output_element_written(m, k, n, mode):
+def test_gpu_every_output_element_written(m, k, n, mode, gemm_path):
     """ModelNew allocates its output inside the extension, so the caching
     allocator is poisoned: a probe call's output block is filled with NaN and
     freed.  The allocator's state is then what it was before the probe, so the

@@ -1,69 +1,139 @@
-// bn_apply.cu -- training-mode BatchNorm output, in place over z:
-//     out[m, n] = (z[m, n] - coef_mean[n]) * coef_a[n] + bn_bias[n]
-// z / out: (M, N) float32, row-major, contiguous; coef_mean, coef_a, bn_bias: (N).
-// Subtracting the mean before scaling keeps the result accurate when |mean_z|
-// is large against the spread of z (one rounding in the subtraction, exact by
-// Sterbenz's lemma for values within a factor of two of the mean).
-// Memory-bound: one read and one write of z.  16-byte accesses when N % 4 == 0
-// and z is 16-byte aligned; 4-byte otherwise.  Each thread owns fixed columns
-// and walks rows_per_block rows, so the per-feature coefficients load once.
+// bn_apply.cu -- training-mode BatchNorm from the GEMM's per-tile statistics:
+// merge them per feature, update the running statistics, and normalise z in
+// place.  One launch (it replaced a separate finalize kernel: -7 us at the
+// KernelBench shape, docs/perf.md).
+//
+// Inputs (float32, row-major, contiguous)
+//   z                   (M, N): x @ W^T without bias, from a GEMM's kTrain epilogue
+//   part_mean, part_m2  (num_m_tiles, N): mean and sum of squared deviations of
+//                       z over the rows of each M tile (tile t holds
+//                       min(block_m, M - t * block_m) rows)
+//   bias, scale, bn_weight, bn_bias  (N)
+//   num_batches_tracked  int64 scalar, already incremented for this call
+// Outputs
+//   z -> out[m, n] = (z[m, n] - mean_z[n]) * a[n] + bn_bias[n]
+//        a = scale * bn_weight / sqrt(scale^2 * var_z + eps)   (var_z biased)
+//   running_mean, running_var (N): updated in place as nn.BatchNorm1d
+//   (bn_stats.cuh has the algebra; the Linear bias only enters running_mean).
+//
+// Numerics: the tiles are combined in float64 by the two-pass parallel formula
+//   mean = sum_t n_t mean_t / M,   M2 = sum_t (M2_t + n_t (mean_t - mean)^2)
+// (Chan, Golub & LeVeque 1979), so no E[z^2] - E[z]^2 cancellation; a and
+// mean_z are rounded to float32 once.  Subtracting the mean before scaling
+// keeps the output accurate when |mean_z| is large against the spread of z.
+//
+// Work split: each thread owns fixed columns (4 with 16-byte accesses when
+// N % 4 == 0 and all pointers are 16-byte aligned, else 1) and walks
+// rows_per_block rows; every block merges the statistics of its own columns
+// (num_m_tiles * 2 loads each, from L2), and the blocks of row 0 write the
+// running statistics, once per feature.  Memory-bound: one read and one write
+// of z.  Precondition: M >= 2 (the caller raises PyTorch's error for M == 1).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "bn_stats.cuh"
+
 namespace fused_gemm_bn {
 
 constexpr int kApplyThreads = 256;
-constexpr int kApplyMinRowsPerBlock = 8;
+constexpr int kApplyRowsPerBlock = 32;  // 32 row blocks at M = 1024: the statistics are re-merged 32x, from L2
+
+struct BnApplyArgs {
+  float* z;
+  const float* part_mean;
+  const float* part_m2;
+  int num_m_tiles, block_m, M, N;
+  const float* bias;
+  const float* scale;
+  const float* bn_weight;
+  const float* bn_bias;
+  const int64_t* num_batches_tracked;
+  float momentum, eps;
+  float* running_mean;
+  float* running_var;
+  int rows_per_block;
+};
+
+// Batch statistics of feature j -> (mean_z, a); updates its running statistics
+// when `update_running`.
+__device__ __forceinline__ void feature_coefficients(const BnApplyArgs& p, int j, bool update_running, float& mu,
+                                                     float& a) {
+  double mean = 0.0;
+  for (int t = 0; t < p.num_m_tiles; ++t) {
+    const double n_t = static_cast<double>(min(p.block_m, p.M - t * p.block_m));
+    mean += n_t * static_cast<double>(p.part_mean[static_cast<size_t>(t) * p.N + j]);
+  }
+  const double count = static_cast<double>(p.M);
+  mean /= count;
+  double m2 = 0.0;
+  for (int t = 0; t < p.num_m_tiles; ++t) {
+    const double n_t = static_cast<double>(min(p.block_m, p.M - t * p.block_m));
+    const double d = static_cast<double>(p.part_mean[static_cast<size_t>(t) * p.N + j]) - mean;
+    m2 += static_cast<double>(p.part_m2[static_cast<size_t>(t) * p.N + j]) + n_t * d * d;
+  }
+  mu = static_cast<float>(mean);
+  a = bn_train_slope(m2, count, p.scale[j], p.bn_weight[j], p.eps);
+  if (update_running)
+    bn_update_running(mean, m2, count, p.bias[j], p.scale[j], p.momentum, p.num_batches_tracked,
+                      p.running_mean + j, p.running_var + j);
+}
 
 template <bool kVec4>
-__global__ void __launch_bounds__(kApplyThreads)
-    bn_apply_kernel(float* __restrict__ z, const float* __restrict__ coef_mean, const float* __restrict__ coef_a,
-                    const float* __restrict__ bn_bias, int M, int N, int rows_per_block) {
+__global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyArgs p) {
   constexpr int kCols = kVec4 ? 4 : 1;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
-  if (col >= N) return;
-  const int row0 = blockIdx.y * rows_per_block;
-  const int row_end = min(M, row0 + rows_per_block);
+  if (col >= p.N) return;
+  const bool update_running = blockIdx.y == 0;
+  float mu[kCols], a[kCols], b[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    feature_coefficients(p, col + c, update_running, mu[c], a[c]);
+    b[c] = p.bn_bias[col + c];
+  }
+  const int row0 = blockIdx.y * p.rows_per_block;
+  const int row_end = min(p.M, row0 + p.rows_per_block);
   if constexpr (kVec4) {
-    const float4 mu = *reinterpret_cast<const float4*>(coef_mean + col);
-    const float4 a = *reinterpret_cast<const float4*>(coef_a + col);
-    const float4 b = *reinterpret_cast<const float4*>(bn_bias + col);
+#pragma unroll 4
     for (int row = row0; row < row_end; ++row) {
-      float4* p = reinterpret_cast<float4*>(z + static_cast<size_t>(row) * N + col);
-      float4 v = *p;
-      v.x = fmaf(v.x - mu.x, a.x, b.x);
-      v.y = fmaf(v.y - mu.y, a.y, b.y);
-      v.z = fmaf(v.z - mu.z, a.z, b.z);
-      v.w = fmaf(v.w - mu.w, a.w, b.w);
-      *p = v;
+      float4* q = reinterpret_cast<float4*>(p.z + static_cast<size_t>(row) * p.N + col);
+      float4 v = *q;
+      v.x = fmaf(v.x - mu[0], a[0], b[0]);
+      v.y = fmaf(v.y - mu[1], a[1], b[1]);
+      v.z = fmaf(v.z - mu[2], a[2], b[2]);
+      v.w = fmaf(v.w - mu[3], a[3], b[3]);
+      *q = v;
     }
   } else {
-    const float mu = coef_mean[col], a = coef_a[col], b = bn_bias[col];
+#pragma unroll 4
     for (int row = row0; row < row_end; ++row) {
-      float* p = z + static_cast<size_t>(row) * N + col;
-      *p = fmaf(*p - mu, a, b);
+      float* q = p.z + static_cast<size_t>(row) * p.N + col;
+      *q = fmaf(*q - mu[0], a[0], b[0]);
     }
   }
 }
 
 }  // namespace fused_gemm_bn
 
-cudaError_t bn_apply(float* z, const float* coef_mean, const float* coef_a, const float* bn_bias, int M, int N,
-                     cudaStream_t stream) {
+cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
+                     int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
+                     const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
+                     float* running_var, cudaStream_t stream) {
   using namespace fused_gemm_bn;
-  const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(coef_mean) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(coef_a) % 16 == 0 && reinterpret_cast<uintptr_t>(bn_bias) % 16 == 0;
+  if (M == 0 || N == 0) return cudaSuccess;
+  const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0;
+  BnApplyArgs p{z,        part_mean, part_m2,   num_m_tiles, block_m,  M,           N,           bias,
+                scale,    bn_weight, bn_bias,   num_batches_tracked,   momentum,    eps,         running_mean,
+                running_var, 0};
+  // grid.y is capped at 65535: very tall inputs give each block more rows.
+  p.rows_per_block = max(kApplyRowsPerBlock, (M + 65534) / 65535);
   const int cols_per_thread = vec4 ? 4 : 1;
   const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
-  // grid.y is capped at 65535: very tall inputs give each block more rows.
-  const int rows_per_block = max(kApplyMinRowsPerBlock, (M + 65534) / 65535);
-  const dim3 grid((threads_needed + kApplyThreads - 1) / kApplyThreads, (M + rows_per_block - 1) / rows_per_block);
+  const dim3 grid((threads_needed + kApplyThreads - 1) / kApplyThreads, (M + p.rows_per_block - 1) / p.rows_per_block);
   if (vec4) {
-    bn_apply_kernel<true><<<grid, kApplyThreads, 0, stream>>>(z, coef_mean, coef_a, bn_bias, M, N, rows_per_block);
+    bn_apply_kernel<true><<<grid, kApplyThreads, 0, stream>>>(p);
   } else {
-    bn_apply_kernel<false><<<grid, kApplyThreads, 0, stream>>>(z, coef_mean, coef_a, bn_bias, M, N, rows_per_block);
+    bn_apply_kernel<false><<<grid, kApplyThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -14,42 +14,44 @@
 // Tensors (float32, row-major, contiguous, 16-byte aligned, K % 4 == 0: TMA
 // needs 16-byte global strides)
 //   x        (M, K)  K-major: the caller's input, read raw by TMA
-//   x_small  (M, K)  K-major: x - tf32_trunc(x), from split_tf32_remainder
+//   x_small  (M, K)  K-major: rna_tf32(x - tf32_trunc(x)), split_tf32_remainder
 //   w        (N, K)  K-major: nn.Linear weight
 //   out      (M, N);  part_mean, part_m2 (ceil(M / BLOCK_M), N);  vectors (N)
 //
 // Swapped product.  The kernel computes the transposed tile z^T = W x^T: wgmma's
 // M dimension runs over output features (w is operand A), its N dimension over
-// batch rows (x is operand B).  Operand A may come from registers, so w's small
-// part is made there from the shared tile (two ALU ops per element) and never
+// batch rows (x is operand B).  Operand A may come from registers, so w's split
+// is made there from the shared tile (three ALU ops per element) and never
 // touches memory; x's small part is made once per forward by the pre-pass
 // (M*K floats against the N*K of w).  Each accumulator row is one feature, so
 // the BatchNorm statistics are row reductions inside one warp.
 //
 // Numerics (3xTF32: CUTLASS example 27; Ootomo & Yokota, IJHPCA 2022)
-//   wgmma .tf32 reads the top 19 bits of each fp32 operand (truncation), so a
-//   raw fp32 tile in shared memory acts as its truncated big part.  The split
-//   is v = big + small with big = tf32_trunc(v), small = v - big (exact in
-//   fp32, |small| < 2^-10 |v|; the tensor core truncates small again, losing
-//   < 2^-20 |v|).  Per k-step: w_big*x_big + w_big*x_small + w_small*x_big;
-//   dropped: w_small * x_small (< 2^-20 |wx|).
+//   wgmma .tf32 reads the top 19 bits of each fp32 operand (truncation).
+//   w = w_big + w_small: w_big = rna_tf32(w) (exact TF32), w_small = w - w_big
+//     (exact, |w_small| <= 2^-11 |w|; the tensor core truncates it: < 2^-22 |w| lost).
+//   x = x_big + x_small: x_big = the raw x tile (the tensor core truncates it),
+//     x_small = rna_tf32(x - tf32_trunc(x)) (|x_small| < 2^-10 |x|, <= 2^-22 |x| lost).
+//   Per k-step: w_big*x_big + w_big*x_small + w_small*x_big; dropped:
+//   w_small * x_small (< 2^-21 |wx|).
 //   Accumulation: the tensor core does not round to nearest when it adds into
-//   its fp32 accumulator (docs/perf.md, v1: error linear in K).  Each BLOCK_K
-//   slab's 12 wgmmas therefore go into a fresh register tile `part`, which is
-//   added to `acc` with ordinary round-to-nearest FADDs (DeepGEMM's FP8
-//   promotion).  Expected ||z - z64|| / ||z64|| below eager FP32's.
-//   Non-finite inputs: small = inf - inf = NaN, so an inf operand gives NaN.
+//   its fp32 accumulator (docs/perf.md, v1: error linear in K).  Each SLAB_K = 16
+//   slab's 6 wgmmas per 64-row half therefore go into a fresh register tile
+//   `part`, which is added to `acc` with ordinary round-to-nearest FADDs
+//   (DeepGEMM's FP8 promotion).  Measured ||z - z64|| / ||z64|| 0.3-0.8x eager
+//   FP32's on the tested shapes (docs/perf.md).
+//   Non-finite inputs: inf - inf = NaN in the split, so an inf operand gives NaN.
 //
 // Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor; DeepGEMM's
 // sm90 GEMMs were read for the warp-specialised pattern)
 //   CTA tile BLOCK_N (features) x BLOCK_M (batch) = 128 x 128, BLOCK_K = 32.
-//   Warpgroups 0, 1: consumers, 64 features each (wgmma m64n128k8), registers
-//   raised to kConsumerRegs.  Warpgroup 2: producer; one thread issues the
-//   TMA loads of w, x, x_small into a kNumStages ring of 48 KB stages guarded by
-//   full (TMA bytes) and empty (one arrive per consumer warp) mbarriers.
-//   Tiles are 128-byte swizzled by TMA and read in place by wgmma.
-//   Grid: one CTA per tile, M tiles fastest, so the CTAs sharing a w tile run
-//   together and w is read from DRAM about once.
+//   Warpgroups 0, 1: consumers, 64 features each, wgmma m64n64k8 with A from
+//   registers, registers raised to kConsumerRegs.  Warpgroup 2: producer; one
+//   thread issues the TMA loads of w, x, x_small into a kNumStages ring of
+//   48 KB stages guarded by full (TMA bytes) and empty (one arrive per
+//   consumer warp) mbarriers.  Tiles are 128-byte swizzled by TMA and read in
+//   place by wgmma.  Grid: one CTA per tile, M tiles fastest, so the CTAs
+//   sharing a w tile run together and w is read from DRAM about once.
 //
 // Launchers return cudaErrorNotSupported (launching nothing) when this kernel
 // does not apply (not compute capability 9.0, no sm_90a image, K % 4 != 0,
@@ -457,7 +459,7 @@ bool sm90_gemm_supported(const float* w, int M, int N, int K) {
 }
 
 // z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
-// x_small = x - tf32_trunc(x) (split_tf32_remainder).
+// x_small = rna_tf32(x - tf32_trunc(x)) (split_tf32_remainder).
 cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
                                    float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn::sm90;

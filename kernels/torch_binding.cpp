@@ -16,9 +16,9 @@
 //       sm_90 and M <= 1024 where it costs no extra wave: one cluster-launched
 //         GEMM with the whole BatchNorm in its epilogue (sm80_gemm_3xtf32_bn.cu, kTrainFused)
 //       else z = x @ weight^T with per-tile statistics (sm80_gemm_3xtf32_bn.cu)
-//     then (both multi-pass paths):
-//       merge statistics, update running stats, coefs  (bn_finalize.cu)
-//       out = (z - mean_z) * a + bn_bias, in place      (bn_apply.cu)
+//     then (both multi-pass paths), one kernel:
+//       merge statistics, update running statistics,
+//       out = (z - mean_z) * a + bn_bias in place      (bn_apply.cu)
 //     momentum < 0 means momentum=None (cumulative average).  The caller
 //     increments num_batches_tracked first, as nn.BatchNorm1d does.
 //   forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
@@ -58,12 +58,10 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
                                          const float* bn_bias, float* running_mean, float* running_var,
                                          const int64_t* num_batches_tracked, float momentum, float eps, int M,
                                          int N, int K, cudaStream_t stream);
-cudaError_t bn_finalize(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
-                        int N, const float* bias, const float* scale, const float* bn_weight,
-                        const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
-                        float* running_var, float* coef_a, float* coef_mean, cudaStream_t stream);
-cudaError_t bn_apply(float* z, const float* coef_mean, const float* coef_a, const float* bn_bias, int M, int N,
-                     cudaStream_t stream);
+cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
+                     int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
+                     const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
+                     float* running_var, cudaStream_t stream);
 
 namespace {
 
@@ -139,20 +137,18 @@ RemainderX remainder_x(const torch::Tensor& x, int M, int K, cudaStream_t stream
   return {xc, small};
 }
 
-// Scratch for the multi-pass training path: part_mean, part_m2 (num_m_tiles x N
-// each), coef_a, coef_mean (N each), one allocation.
+// Per-tile statistics for the multi-pass training path: part_mean, part_m2
+// (num_m_tiles x N each), one allocation.
 struct TrainScratch {
   torch::Tensor storage;
-  float *part_mean, *part_m2, *coef_a, *coef_mean;
+  float *part_mean, *part_m2;
 };
 
 TrainScratch train_scratch(const torch::Tensor& x, int num_m_tiles, int N) {
   TrainScratch s;
-  s.storage = torch::empty({(2 * static_cast<int64_t>(num_m_tiles) + 2) * N}, x.options());
+  s.storage = torch::empty({2 * static_cast<int64_t>(num_m_tiles) * N}, x.options());
   s.part_mean = s.storage.data_ptr<float>();
   s.part_m2 = s.part_mean + static_cast<int64_t>(num_m_tiles) * N;
-  s.coef_a = s.part_m2 + static_cast<int64_t>(num_m_tiles) * N;
-  s.coef_mean = s.coef_a + N;
   return s;
 }
 
@@ -208,16 +204,14 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
                  "sm80_gemm_3xtf32_train");
   }
 
-  // Multi-pass tail: merge the per-tile statistics, normalise in place.
+  // Multi-pass tail: merge the per-tile statistics, update the running
+  // statistics, normalise in place (one kernel).
   const int num_m_tiles = (M + block_m - 1) / block_m;
-  check_launch(bn_finalize(scratch.part_mean, scratch.part_m2, num_m_tiles, block_m, M, N, bias.data_ptr<float>(),
-                           scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
-                           num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                           static_cast<float>(eps), running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
-                           scratch.coef_a, scratch.coef_mean, stream),
-               "bn_finalize");
-  check_launch(bn_apply(out.data_ptr<float>(), scratch.coef_mean, scratch.coef_a, bn_bias.data_ptr<float>(), M, N,
-                        stream),
+  check_launch(bn_apply(out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, num_m_tiles, block_m, M, N,
+                        bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
+                        bn_bias.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
+                        static_cast<float>(momentum), static_cast<float>(eps), running_mean.data_ptr<float>(),
+                        running_var.data_ptr<float>(), stream),
                "bn_apply");
   return out;
 }

@@ -8,18 +8,24 @@ Data path of `ModelNew.forward` on a CUDA tensor (float32):
 
   Model.forward step            kernel file                      launcher / binding
   ----------------------------  -------------------------------  -----------------------------------
+  Hopper (sm_90a, K % 4 == 0):
+  x -> x - tf32_trunc(x)        kernels/split_tf32.cu            split_tf32_remainder (pre-pass)
+  gemm(x) = x W^T + b           kernels/sm90_gemm_3xtf32_bn.cu   sm90_gemm_3xtf32_train / _eval
+                                (wgmma, TMA, warp-specialised; w split in registers)
+  Other GPUs (sm_80+), or FUSED_GEMM_BN_PORTABLE=1:
   x -> TF32 big/small parts     kernels/split_tf32.cu            split_tf32 (pre-pass, fragment order)
   gemm(x) = x W^T + b           kernels/sm80_gemm_3xtf32_bn.cu   sm80_gemm_3xtf32_train / _eval
-  * scale, bn (training),       the same GEMM, cluster-launched: sm90_gemm_3xtf32_train_fused
-    sm_90 and batch <= 1024     statistics merged over DSMEM, output written once
-  * scale, bn (training),       (the GEMM epilogue writes z = x W^T and per-tile mean / M2)
-    otherwise: batch stats,     kernels/bn_finalize.cu           bn_finalize
-    running stats, coefs
-    normalise + affine          kernels/bn_apply.cu              bn_apply (in place over z)
-  * scale, bn (eval)            folded into the GEMM epilogue    sm80_gemm_3xtf32_eval
-  statistics math (Chan merge)  kernels/bn_stats.cuh             shared by both training paths
+  * scale, bn (training),       the portable GEMM, cluster-launched, where it costs no extra wave:
+    sm_90 and batch <= 1024     sm90_gemm_3xtf32_train_fused (statistics over DSMEM, one write)
+  Both:
+  * scale, bn (training)        the GEMM epilogue writes z = x W^T and per-tile mean / M2;
+    batch stats, running stats, kernels/bn_apply.cu              bn_apply (in place over z)
+    normalise + affine
+  * scale, bn (eval)            folded into the GEMM epilogue    *_gemm_3xtf32_eval
+  statistics math               kernels/bn_stats.cuh             shared by the training paths
+  PTX wrappers (wgmma, TMA)     kernels/sm90_primitives.cuh
   input checks, device guard,   kernels/torch_binding.cpp        forward_train / forward_eval
-  current stream
+  current stream, dispatch
 
 Algebra (training): with z = x W^T, u = scale * (z + b) has batch mean
 scale * (mean_z + b) and biased variance scale^2 var_z, so
@@ -163,7 +169,8 @@ _CPU_STATS_BLOCK_M = 128  # rows per partial-statistics tile, as the GEMM's BLOC
 
 def _cpu_batch_stats(z):
     """Per-feature mean and biased/unbiased variance of z (M, N), from per-tile
-    mean / M2 merged with Chan's pairwise formula in float64 (bn_finalize.cu)."""
+    mean / M2 merged with Chan's pairwise formula in float64 (bn_apply.cu merges the
+    GEMM's tiles the same way)."""
     count = mean = m2 = None
     for tile in z.split(_CPU_STATS_BLOCK_M):
         n_b = float(tile.shape[0])

@@ -1,5 +1,5 @@
 // bn_stats.cuh -- per-feature BatchNorm statistics math shared by the
-// multi-pass finalize kernel (bn_finalize.cu) and the fused cluster epilogue
+// multi-pass statistics-and-apply kernel (bn_apply.cu) and the fused cluster epilogue
 // (sm80_gemm_3xtf32_bn.cu).  Device functions only; float64 throughout.
 //
 // Algebra (training mode), z = x @ W^T for one feature over the batch of M rows:

@@ -5,8 +5,8 @@
 // Formula
 //   z[m, n] = sum_k x[m, k] * w[n, k]                      (z = x @ W^T, no bias)
 //   kTrain:  out = z; part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
-//            deviations of z[:, n] over the rows of M tile mt (bn_finalize.cu
-//            merges them, bn_apply.cu normalises `out` in place).
+//            deviations of z[:, n] over the rows of M tile mt (bn_apply.cu merges
+//            them and normalises `out` in place).
 //   kEval:   out = a[n] * z + c[n], the whole Linear -> scale -> BatchNorm(eval)
 //            folded into one per-feature multiply-add:
 //              inv_std = 1 / sqrt(running_var + eps)
@@ -657,7 +657,7 @@ cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, cons
 // Training forward in one kernel on sm_90 when M <= 8 * BLOCK_M: out is the
 // final BatchNorm output, running statistics are updated.  Returns
 // cudaErrorNotSupported (nothing launched) where that path does not apply;
-// the caller then runs sm80_gemm_3xtf32_train + bn_finalize + bn_apply.
+// the caller then runs sm80_gemm_3xtf32_train + bn_apply.
 cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_small, const float* w, float* out,
                                          const float* bias, const float* scale, const float* bn_weight,
                                          const float* bn_bias, float* running_mean, float* running_var,

@@ -6,7 +6,7 @@
 //   z[m, n] = sum_k x[m, k] * w[n, k]                     (z = x @ W^T, no bias)
 //   kTrain: out = z; part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
 //           deviations of z[:, n] over the rows of M tile mt (BLOCK_M rows; the
-//           last tile holds the rest).  bn_finalize.cu / bn_apply.cu finish.
+//           last tile holds the rest).  bn_apply.cu finishes.
 //   kEval:  out = a[n] * z + c[n]   (Linear -> scale -> BatchNorm(eval) folded:
 //           a = scale * bn_weight / sqrt(running_var + eps),
 //           c = bn_bias + (scale * bias - running_mean) * bn_weight / sqrt(running_var + eps))
@@ -411,8 +411,17 @@ static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const 
       !make_tensor_map(&tmap_x, x, args.M, args.K, T::BLOCK_M) ||
       !make_tensor_map(&tmap_x_small, x_small, args.M, args.K, T::BLOCK_M))
     return cudaErrorNotSupported;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
+  // The shared-memory opt-in is set once per device (it costs microseconds of host time per call).
+  constexpr int kMaxDevices = 64;
+  static bool smem_set[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
+  if (device >= kMaxDevices || !smem_set[device]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
+    if (err != cudaSuccess) return err;
+    if (device < kMaxDevices) smem_set[device] = true;
+  }
   const long long tiles = static_cast<long long>((args.M + T::BLOCK_M - 1) / T::BLOCK_M) *
                           ((args.N + T::BLOCK_N - 1) / T::BLOCK_N);
   if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;

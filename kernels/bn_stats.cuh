@@ -1,6 +1,7 @@
-// bn_stats.cuh -- per-feature BatchNorm statistics math shared by the
+// bn_stats.cuh -- per-feature BatchNorm math shared by the
 // multi-pass statistics-and-apply kernel (bn_apply.cu) and the fused cluster epilogue
-// (sm80_gemm_3xtf32_bn.cu).  Device functions only; float64 throughout.
+// (sm80_gemm_3xtf32_bn.cu), and the eval-mode fold used by both GEMMs' epilogues.
+// Device functions only; the training statistics are float64 throughout.
 //
 // Algebra (training mode), z = x @ W^T for one feature over the batch of M rows:
 //   u = scale * (z + bias)  has  mean_u = scale * (mean_z + bias),
@@ -42,6 +43,29 @@ __device__ __forceinline__ void bn_update_running(double mean, double m2, double
       momentum >= 0.f ? static_cast<double>(momentum) : 1.0 / static_cast<double>(*num_batches_tracked);
   *running_mean = static_cast<float>((1.0 - f) * *running_mean + f * s * (mean + static_cast<double>(bias)));
   *running_var = static_cast<float>((1.0 - f) * *running_var + f * s * s * (m2 / (count - 1.0)));
+}
+
+// The per-feature parameters and running statistics a GEMM epilogue reads
+// (float32 vectors of N; eps as nn.BatchNorm1d's).
+struct BnParams {
+  const float* bias;  // Linear bias
+  const float* scale;
+  const float* bn_weight;
+  const float* bn_bias;
+  const float* running_mean;
+  const float* running_var;
+  float eps;
+};
+
+// Eval-mode fold of Linear bias, scale and BatchNorm into out = a * z + c for
+// feature j (z = x @ W^T):  a = scale * bn_weight / sqrt(running_var + eps),
+// c = bn_bias + (scale * bias - running_mean) * bn_weight / sqrt(running_var + eps).
+// float32, as PyTorch's eval BatchNorm.
+__device__ __forceinline__ void bn_eval_affine(const BnParams& p, int j, float& a, float& c) {
+  const float gw = p.bn_weight[j] * (1.0f / sqrtf(p.running_var[j] + p.eps));
+  const float s = p.scale[j];
+  a = s * gw;
+  c = fmaf(fmaf(s, p.bias[j], -p.running_mean[j]), gw, p.bn_bias[j]);
 }
 
 }  // namespace fused_gemm_bn

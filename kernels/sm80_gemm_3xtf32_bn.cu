@@ -235,14 +235,8 @@ struct Sm80GemmBnArgs {
   // kTrain
   float* part_mean;
   float* part_m2;
-  // kEval and kTrainFused
-  const float* bias;
-  const float* scale;
-  const float* bn_weight;
-  const float* bn_bias;
-  const float* running_mean;
-  const float* running_var;
-  float eps;
+  // kEval and kTrainFused (running_mean / running_var are read by kEval only)
+  BnParams bn;
   // kTrainFused (running statistics are updated by cluster rank 0)
   float* running_mean_out;
   float* running_var_out;
@@ -392,11 +386,8 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
       for (int j = 0; j < 2; ++j) {
         const int col = col_base + ni * T::MMA_N + j;
         if (col >= N) continue;
-        const float inv_std = 1.0f / sqrtf(args.running_var[col] + args.eps);
-        const float gw = args.bn_weight[col] * inv_std;
-        const float s = args.scale[col];
-        const float a = s * gw;
-        const float c = fmaf(fmaf(s, args.bias[col], -args.running_mean[col]), gw, args.bn_bias[col]);
+        float a, c;
+        bn_eval_affine(args.bn, col, a, c);
 #pragma unroll
         for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
           acc[mi][ni][j] = fmaf(a, acc[mi][ni][j], c);
@@ -472,10 +463,10 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
           merge_chan(count, mean, m2, n_b, mean_b, m2_b);
         }
         if (col < N) {
-          coef_a[threadIdx.x] = bn_train_slope(m2, count, args.scale[col], args.bn_weight[col], args.eps);
+          coef_a[threadIdx.x] = bn_train_slope(m2, count, args.bn.scale[col], args.bn.bn_weight[col], args.bn.eps);
           coef_mean[threadIdx.x] = static_cast<float>(mean);
           if (m_tile == 0)
-            bn_update_running(mean, m2, count, args.bias[col], args.scale[col], args.momentum,
+            bn_update_running(mean, m2, count, args.bn.bias[col], args.bn.scale[col], args.momentum,
                               args.num_batches_tracked, args.running_mean_out + col, args.running_var_out + col);
         }
       }
@@ -486,7 +477,7 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
         for (int j = 0; j < 2; ++j) {
           const int tcol = wn * T::WARP_N + ni * T::MMA_N + 2 * t + j;
           if (n0 + tcol >= N) continue;
-          const float a = coef_a[tcol], mu = coef_mean[tcol], b = args.bn_bias[n0 + tcol];
+          const float a = coef_a[tcol], mu = coef_mean[tcol], b = args.bn.bn_bias[n0 + tcol];
 #pragma unroll
           for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
             acc[mi][ni][j] = fmaf(acc[mi][ni][j] - mu, a, b);
@@ -648,8 +639,7 @@ cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, cons
                                   int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
-  args.bias = bias; args.scale = scale; args.bn_weight = bn_weight; args.bn_bias = bn_bias;
-  args.running_mean = running_mean; args.running_var = running_var; args.eps = eps;
+  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps};
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
                            : launch_sm80_gemm<Epilogue::kEval, false>(args, stream);
 }
@@ -665,8 +655,8 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
                                          int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
-  args.bias = bias; args.scale = scale; args.bn_weight = bn_weight; args.bn_bias = bn_bias;
-  args.eps = eps; args.running_mean_out = running_mean; args.running_var_out = running_var;
+  args.bn = BnParams{bias, scale, bn_weight, bn_bias, nullptr, nullptr, eps};
+  args.running_mean_out = running_mean; args.running_var_out = running_var;
   args.num_batches_tracked = num_batches_tracked; args.momentum = momentum;
   return vec16_ok(w, K) ? launch_sm90_gemm_train_fused<true>(args, stream)
                         : launch_sm90_gemm_train_fused<false>(args, stream);

@@ -63,6 +63,7 @@
 
 #include <type_traits>
 
+#include "bn_stats.cuh"
 #include "sm90_primitives.cuh"
 
 namespace fused_gemm_bn {
@@ -103,13 +104,7 @@ struct Sm90GemmBnArgs {
   float* out;
   float* part_mean;  // kTrain
   float* part_m2;
-  const float* bias;  // kEval
-  const float* scale;
-  const float* bn_weight;
-  const float* bn_bias;
-  const float* running_mean;
-  const float* running_var;
-  float eps;
+  BnParams bn;  // kEval
 };
 
 // v rounded to TF32 (nearest, ties away from zero; = cvt.rna.tf32.f32 for
@@ -295,11 +290,8 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
     for (int h = 0; h < 2; ++h) {
       const int f = f_base + 8 * h;
       if (f >= N) continue;
-      const float inv_std = 1.0f / sqrtf(args.running_var[f] + args.eps);
-      const float gw = args.bn_weight[f] * inv_std;
-      const float sc = args.scale[f];
-      const float a = sc * gw;
-      const float c = fmaf(fmaf(sc, args.bias[f], -args.running_mean[f]), gw, args.bn_bias[f]);
+      float a, c;
+      bn_eval_affine(args.bn, f, a, c);
 #pragma unroll
       for (int i = 0; i < T::kAccRegs / 4; ++i) {
         acc[4 * i + 2 * h] = fmaf(a, acc[4 * i + 2 * h], c);
@@ -490,7 +482,7 @@ cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const fl
   if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
-  args.out = out; args.bias = bias; args.scale = scale; args.bn_weight = bn_weight; args.bn_bias = bn_bias;
-  args.running_mean = running_mean; args.running_var = running_var; args.eps = eps;
+  args.out = out;
+  args.bn = fused_gemm_bn::BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps};
   return launch_sm90_gemm<Epilogue::kEval>(x, x_small, w, args, stream);
 }

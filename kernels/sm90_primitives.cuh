@@ -1,6 +1,6 @@
 // sm90_primitives.cuh -- thin PTX wrappers for the Hopper GEMM
 // (sm90_gemm_3xtf32_bn.cu): mbarriers, TMA tile loads, wgmma shared-memory
-// descriptors and the two tf32 wgmma forms it issues.
+// descriptors and the tf32 wgmma form it issues (A from registers).
 //
 // Every wrapper compiles to nothing unless the pass targets sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL): wgmma and setmaxnreg exist only there.  The
@@ -150,64 +150,22 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-#define FUSED_GEMM_BN_D64                                                                                      \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),  \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),   \
-      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),  \
-      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),  \
-      "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),  \
-      "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),  \
-      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),  \
-      "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define FUSED_GEMM_BN_D32 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define FUSED_GEMM_BN_D32_LIST \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 
-#define FUSED_GEMM_BN_D64_LIST                                                                                  \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "  \
-  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-
-// D(64 x 128, fp32) (+)= A(64 x 8) * B(8 x 128), tf32 inputs (the low 13 bits
-// of each fp32 operand are ignored, i.e. truncated), both from shared memory.
-// accumulate == false overwrites D.
-__device__ __forceinline__ void wgmma_m64n128k8_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
-                                                   bool accumulate) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 " FUSED_GEMM_BN_D64_LIST
-      ", %64, %65, p, 1, 1;\n"
-      "}\n"
-      : FUSED_GEMM_BN_D64
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
-#endif
-}
-
-// As above with A from registers (PTX ISA 9.7.15.5.2, tf32 A fragment: warp w
-// of the warpgroup holds rows 16 w .. 16 w + 15; lane l = 4 g + t holds
-// a0 = (16 w + g, t), a1 = (16 w + g + 8, t), a2 = (16 w + g, t + 4),
-// a3 = (16 w + g + 8, t + 4)).  The registers must stay unchanged until the
-// wgmma has completed (wgmma_wait).
-__device__ __forceinline__ void wgmma_m64n128k8_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
-                                                   bool accumulate) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 " FUSED_GEMM_BN_D64_LIST
-      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n"
-      "}\n"
-      : FUSED_GEMM_BN_D64
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
-#endif
-}
-
-#define FUSED_GEMM_BN_D32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define FUSED_GEMM_BN_D32_LIST "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-
-// D(64 x 64, fp32) (+)= A(64 x 8, registers) * B(8 x 64, shared), tf32.
-// Same A fragment rules as wgmma_m64n128k8_rs.
+// D(64 x 64, fp32) (+)= A(64 x 8, registers) * B(8 x 64, shared memory), tf32
+// inputs (the tensor core reads the top 19 bits of each fp32 operand, i.e.
+// truncates it).  accumulate == false overwrites D.  A fragment (PTX ISA
+// 9.7.15.5.2, .tf32): warp w of the warpgroup holds rows 16 w .. 16 w + 15;
+// lane l = 4 g + t holds a0 = (16 w + g, t), a1 = (16 w + g + 8, t),
+// a2 = (16 w + g, t + 4), a3 = (16 w + g + 8, t + 4).  The A registers must stay
+// unchanged until the wgmma has completed (wgmma_wait).
 __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
                                                   bool accumulate) {
 #if FUSED_GEMM_BN_SM90A
@@ -225,9 +183,6 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
 
 #undef FUSED_GEMM_BN_D32
 #undef FUSED_GEMM_BN_D32_LIST
-
-#undef FUSED_GEMM_BN_D64
-#undef FUSED_GEMM_BN_D64_LIST
 
 }  // namespace sm90
 }  // namespace fused_gemm_bn

@@ -9,7 +9,7 @@
 //   forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                 running_var, num_batches_tracked, momentum, eps) -> out (M, N)
 //     Hopper (sm_90a build, K % 4 == 0):
-//       x_small = x - tf32_trunc(x)                     (split_tf32.cu, remainder)
+//       x_small = rna_tf32(x - tf32_trunc(x))           (split_tf32.cu, remainder)
 //       z = x @ weight^T with per-tile statistics      (sm90_gemm_3xtf32_bn.cu)
 //     otherwise:
 //       x -> TF32 big / small parts, fragment order     (split_tf32.cu)

@@ -9,11 +9,11 @@ Data path of `ModelNew.forward` on a CUDA tensor (float32):
   Model.forward step            kernel file                      launcher / binding
   ----------------------------  -------------------------------  -----------------------------------
   Hopper (sm_90a, K % 4 == 0):
-  x -> x - tf32_trunc(x)        kernels/split_tf32.cu            split_tf32_remainder (pre-pass)
+  x -> x - tf32_trunc(x)        kernels/split_tf32.cu            split_tf32_remainder (x sweep)
   gemm(x) = x W^T + b           kernels/sm90_gemm_3xtf32_bn.cu   sm90_gemm_3xtf32_train / _eval
                                 (wgmma, TMA, warp-specialised; w split in registers)
   Other GPUs (sm_80+), or FUSED_GEMM_BN_PORTABLE=1:
-  x -> TF32 big/small parts     kernels/split_tf32.cu            split_tf32 (pre-pass, fragment order)
+  x -> TF32 big/small parts     kernels/split_tf32.cu            split_tf32 (x sweep, fragment order)
   gemm(x) = x W^T + b           kernels/sm80_gemm_3xtf32_bn.cu   sm80_gemm_3xtf32_train / _eval
   * scale, bn (training),       the portable GEMM, cluster-launched, where it costs no extra wave:
     sm_90 and batch <= 1024     sm90_gemm_3xtf32_train_fused (statistics over DSMEM, one write)
@@ -39,9 +39,15 @@ split, rounding, expected error).  CPU tensors take `_cpu_forward`, the same
 decomposed math in plain PyTorch (per-tile partial statistics merged with
 Chan's formula), in the module's dtype.  Tests: test_equivalence.py.
 
-The CUDA extension is compiled at import when a GPU is visible (never on a
-machine without CUDA).  Kernel sources are read from the `kernels/` folder next
-to this file, or from $FUSED_GEMM_BN_KERNEL_DIR.
+Build: at import, the sources (kernels/*.cu, *.cuh, *.cpp) are located and, when
+a GPU is visible, compiled once by torch.utils.cpp_extension.load_inline with
+-gencode flags for the GPUs present (TORCH_CUDA_ARCH_LIST is ignored) into
+$TORCH_EXTENSIONS_DIR (or torch's default extension root)/fused_gemm_bn_<hash>,
+the hash covering sources, flags and versions; torch's file lock there makes
+concurrent imports build once.  The sources are found at
+$FUSED_GEMM_BN_KERNEL_DIR, else kernels/ next to this file, else ./kernels (this
+text executed without __file__); `python tools/bundle.py` writes
+dist/model_new.py, this file with the sources embedded, needing no repository.
 """
 import hashlib
 import math
@@ -56,36 +62,46 @@ from torch import nn
 # ---------------------------------------------------------------------------
 
 _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
+_KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
+_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval"]
+
+# The kernel sources, {file name: text}.  None: read from kernels/ at import.
+# tools/bundle.py writes a copy of this file with the sources in their place.
+_EMBEDDED_SOURCES = None
 
 
 def _kernel_dir():
+    """The kernels/ folder: $FUSED_GEMM_BN_KERNEL_DIR when set, else the one next
+    to this file, else ./kernels (for this text executed without __file__)."""
     env = os.environ.get(_KERNEL_DIR_ENV)
     if env:
-        return env
-    if "__file__" in globals():
-        return os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
+        candidates = [env]
+    else:
+        candidates = [os.path.join(os.getcwd(), "kernels")]
+        if "__file__" in globals():
+            candidates.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels"))
+    for folder in candidates:
+        if os.path.isfile(os.path.join(folder, "torch_binding.cpp")):
+            return folder
     raise RuntimeError(
-        f"model_new.py was executed without __file__; set ${_KERNEL_DIR_ENV} to the kernels/ folder"
+        f"model_new: kernel sources not found (looked for torch_binding.cpp in {', '.join(candidates)}); "
+        f"set ${_KERNEL_DIR_ENV} to the repository's kernels/ folder, or use the self-contained "
+        f"dist/model_new.py written by `python tools/bundle.py`"
     )
 
 
-def _read_sources(kernel_dir):
-    """Returns (cuda_sources, cpp_sources, headers): the text of kernels/*.cu,
-    kernels/*.cpp and kernels/*.cuh, each sorted by name (the .cu files include
-    the headers; their text is part of the build hash)."""
-    if not os.path.isdir(kernel_dir):
-        raise RuntimeError(f"kernel folder not found: {kernel_dir} (set ${_KERNEL_DIR_ENV})")
-    names = sorted(os.listdir(kernel_dir))
-
-    def read(suffix):
-        out = []
-        for name in names:
-            if name.endswith(suffix):
-                with open(os.path.join(kernel_dir, name)) as f:
-                    out.append(f.read())
-        return out
-
-    return read(".cu"), read(".cpp"), read(".cuh")
+def _kernel_sources():
+    """{file name: text} of every kernels/*.cu, *.cuh and *.cpp, read as bytes
+    and decoded as UTF-8 (no newline translation), or the embedded copy."""
+    if _EMBEDDED_SOURCES is not None:
+        return dict(_EMBEDDED_SOURCES)
+    folder = _kernel_dir()
+    sources = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(_KERNEL_SUFFIXES):
+            with open(os.path.join(folder, name), "rb") as f:
+                sources[name] = f.read().decode("utf-8")
+    return sources
 
 
 def _arch_flags():
@@ -99,30 +115,105 @@ def _arch_flags():
     return flags
 
 
-def _load_extension():
-    from torch.utils.cpp_extension import load_inline
+def _extension_name(sources, cuda_flags):
+    """fused_gemm_bn_<16 hex digits of SHA-256 over the sources, the flags and
+    the torch / CUDA / Python versions>: a changed kernel never loads an old build."""
+    h = hashlib.sha256()
+    for name, text in sorted(sources.items()):
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+    versions = [torch.__version__, str(torch.version.cuda), sys.version.split()[0]]
+    h.update("\0".join(cuda_flags + versions).encode())
+    return "fused_gemm_bn_" + h.hexdigest()[:16]
 
-    kernel_dir = _kernel_dir()
-    cuda_sources, cpp_sources, headers = _read_sources(kernel_dir)
+
+def _build_directory(name):
+    """$TORCH_EXTENSIONS_DIR/<name>, or torch's default extension root/<name>."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _write_headers(include_dir, sources):
+    """Writes the .cuh sources where the .cu files' #include finds them.  Each
+    file is written under a per-process name and renamed into place, so
+    processes importing at once never see a half-written header."""
+    os.makedirs(include_dir, exist_ok=True)
+    for name, text in sources.items():
+        if not name.endswith(".cuh"):
+            continue
+        path = os.path.join(include_dir, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                if f.read() == text.encode():
+                    continue
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(text.encode())
+        os.replace(tmp, path)
+
+
+class _BuildFailure:
+    """Context manager around the compile: a failure is re-raised as one
+    RuntimeError naming nvcc and a log file holding the compiler's output."""
+
+    def __init__(self, build_dir, nvcc):
+        self.build_dir = build_dir
+        self.nvcc = nvcc
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None or not issubclass(exc_type, Exception):
+            return False
+        log = os.path.join(self.build_dir, "build.log")
+        with open(log, "w") as f:
+            f.write(str(exc))
+        raise RuntimeError(
+            f"model_new: compiling the CUDA kernels with {self.nvcc} failed; the compiler output is in {log}"
+        ) from exc
+
+
+def _load_extension(sources):
+    from torch.utils.cpp_extension import CUDA_HOME, load_inline
+
     cuda_flags = ["-O3", "-std=c++17"] + _arch_flags()
-    digest = hashlib.sha256(
-        "\0".join(cuda_sources + cpp_sources + headers + cuda_flags + [torch.__version__]).encode()
-    ).hexdigest()[:16]
-    print(f"model_new: compiling CUDA kernels (fused_gemm_bn_{digest}); the first build takes about a minute",
-          file=sys.stderr)
-    return load_inline(
-        name=f"fused_gemm_bn_{digest}",
-        cpp_sources=cpp_sources,
-        cuda_sources=cuda_sources,
-        functions=["forward_train", "forward_eval"],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=cuda_flags,
-        extra_include_paths=[kernel_dir],
-        verbose=os.environ.get("FUSED_GEMM_BN_VERBOSE_BUILD") == "1",
-    )
+    name = _extension_name(sources, cuda_flags)
+    build_dir = _build_directory(name)
+    include_dir = os.path.join(build_dir, "include")
+    _write_headers(include_dir, sources)
+
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
+    built = any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(build_dir))
+    if not built:
+        if nvcc is None or not os.path.isfile(nvcc):
+            raise RuntimeError(
+                f"model_new: nvcc not found (CUDA_HOME={CUDA_HOME}); the kernels are compiled at import "
+                f"and need a CUDA toolkit matching torch's CUDA {torch.version.cuda} (set CUDA_HOME)"
+            )
+        print(f"model_new: compiling the CUDA kernels into {build_dir} (first import only, about a minute)",
+              file=sys.stderr)
+    with _BuildFailure(build_dir, nvcc):
+        return load_inline(
+            name=name,
+            cpp_sources=[text for n, text in sorted(sources.items()) if n.endswith(".cpp")],
+            cuda_sources=[text for n, text in sorted(sources.items()) if n.endswith(".cu")],
+            functions=_EXTENSION_FUNCTIONS,
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=cuda_flags,
+            extra_include_paths=[include_dir],
+            build_directory=build_dir,
+            verbose=os.environ.get("FUSED_GEMM_BN_VERBOSE_BUILD") == "1",
+        )
 
 
-_ext = _load_extension() if torch.cuda.is_available() else None
+# Sources are located on every machine, so a missing kernels/ folder is reported
+# at import; only a machine with a GPU compiles them.
+_KERNEL_SOURCES = _kernel_sources()
+_ext = _load_extension(_KERNEL_SOURCES) if torch.cuda.is_available() else None
 
 # ---------------------------------------------------------------------------
 # Parameters: same names, shapes and random draws as nn.Linear / nn.BatchNorm1d
@@ -130,7 +221,9 @@ _ext = _load_extension() if torch.cuda.is_available() else None
 
 
 class _LinearParams(nn.Module):
-    """gemm.weight (N, K) and gemm.bias (N), initialised exactly as nn.Linear."""
+    """gemm.weight (N, K) and gemm.bias (N), initialised as torch's Linear layer
+    does (kaiming_uniform_ with a = sqrt(5), then uniform bias in +-1/sqrt(K)),
+    so one seed gives the reference's exact draws."""
 
     def __init__(self, in_features, out_features):
         super().__init__()
@@ -144,7 +237,7 @@ class _LinearParams(nn.Module):
 
 
 class _BatchNormState(nn.Module):
-    """bn.weight, bn.bias and the running-statistics buffers of nn.BatchNorm1d
+    """bn.weight, bn.bias and the running-statistics buffers of torch's BatchNorm1d
     (affine=True, track_running_stats=True).  `eps` and `momentum` are read at
     every call; momentum=None selects the cumulative average."""
 
@@ -232,7 +325,7 @@ class ModelNew(nn.Module):
     bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
 
     M == 0 gives an empty output (num_batches_tracked still counts the call in
-    training, running statistics are untouched), as nn.BatchNorm1d.
+    training, running statistics are untouched), as torch's BatchNorm1d.
     Raises ValueError for M == 1 in training (PyTorch's message), and
     RuntimeError for a wrong rank, feature count, dtype or device; a rejected
     call leaves every buffer unchanged.

@@ -396,8 +396,9 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
       }
     }
   } else {
-    // Per-column mean and M2 over this tile's valid rows, two passes over the
-    // registers (no E[z^2] - E[z]^2 cancellation).
+    // Per-column mean and M2 over this tile's valid rows: `moment` 0 sums the
+    // values, 1 the squared deviations from the tile mean (no E[z^2] - E[z]^2
+    // cancellation).
     __syncthreads();  // all warps are done with the pipeline smem; reuse it
     float* red = smem;                                   // [WARPS_M][BLOCK_N]
     float* tile_mean = red + T::WARPS_M * T::BLOCK_N;    // [BLOCK_N]
@@ -405,21 +406,21 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
     const int rows_valid = min(T::BLOCK_M, M - m0);
 
 #pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
+    for (int moment = 0; moment < 2; ++moment) {
 #pragma unroll
       for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int tcol = wn * T::WARP_N + ni * T::MMA_N + 2 * t + j;
-          const float mu = pass == 0 ? 0.f : tile_mean[tcol];
+          const float mu = moment == 0 ? 0.f : tile_mean[tcol];
           float sum = 0.f;
 #pragma unroll
           for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
             const int r = row_base + mi * T::MMA_M;
             const float d0 = acc[mi][ni][j] - mu;
             const float d1 = acc[mi][ni][2 + j] - mu;
-            if (r < M) sum += pass == 0 ? d0 : d0 * d0;
-            if (r + 8 < M) sum += pass == 0 ? d1 : d1 * d1;
+            if (r < M) sum += moment == 0 ? d0 : d0 * d0;
+            if (r + 8 < M) sum += moment == 0 ? d1 : d1 * d1;
           }
           sum = warp_sum_over_rows(sum);
           if (g == 0) red[wm * T::BLOCK_N + tcol] = sum;
@@ -430,7 +431,7 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
         float total = 0.f;
 #pragma unroll
         for (int w = 0; w < T::WARPS_M; ++w) total += red[w * T::BLOCK_N + threadIdx.x];
-        if (pass == 0) {
+        if (moment == 0) {
           tile_mean[threadIdx.x] = total / static_cast<float>(rows_valid);
         } else {
           tile_m2[threadIdx.x] = total;

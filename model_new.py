@@ -63,7 +63,7 @@ from torch import nn
 
 _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
-_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval"]
+_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_softmax_train", "forward_softmax_eval"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
@@ -300,6 +300,35 @@ def _cpu_forward(x, weight, bias, scale, bn, training, factor):
 # ---------------------------------------------------------------------------
 
 
+def _check_input(x, weight, training):
+    """Raises what PyTorch raises for an input the Linear -> BatchNorm1d chain
+    cannot take (x's rank, feature count, device, dtype; batch of 1 in
+    training), before any buffer is touched.  Shared with problem 84's ModelNew."""
+    n, k = weight.shape
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"ModelNew expects a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise RuntimeError(f"ModelNew expects x of shape (batch, {k}), got {tuple(x.shape)}")
+    if x.shape[1] != k:
+        raise RuntimeError(
+            f"mat1 and mat2 shapes cannot be multiplied ({x.shape[0]}x{x.shape[1]} and {k}x{n}): "
+            f"ModelNew expects x of shape (batch, {k})"
+        )
+    if x.device != weight.device:
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found x on {x.device} "
+            f"and the parameters on {weight.device}"
+        )
+    if x.dtype != weight.dtype:
+        raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
+    if x.is_cuda and x.dtype != torch.float32:
+        raise RuntimeError(f"ModelNew's CUDA path supports float32 only, got {x.dtype}")
+    if training and x.shape[0] == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {torch.Size([x.shape[0], n])}"
+        )
+
+
 class _NoBackward(torch.autograd.Function):
     """Runs the fused CUDA forward; backward is not implemented yet and says so."""
 
@@ -337,39 +366,13 @@ class ModelNew(nn.Module):
         self.scale = nn.Parameter(torch.randn(scale_shape))
         self.bn = _BatchNormState(out_features, eps=eps, momentum=momentum)
 
-    def _check_input(self, x):
-        weight = self.gemm.weight
-        n, k = weight.shape
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"ModelNew expects a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 2:
-            raise RuntimeError(f"ModelNew expects x of shape (batch, {k}), got {tuple(x.shape)}")
-        if x.shape[1] != k:
-            raise RuntimeError(
-                f"mat1 and mat2 shapes cannot be multiplied ({x.shape[0]}x{x.shape[1]} and {k}x{n}): "
-                f"ModelNew expects x of shape (batch, {k})"
-            )
-        if x.device != weight.device:
-            raise RuntimeError(
-                f"Expected all tensors to be on the same device, but found x on {x.device} "
-                f"and the parameters on {weight.device}"
-            )
-        if x.dtype != weight.dtype:
-            raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
-        if x.is_cuda and x.dtype != torch.float32:
-            raise RuntimeError(f"ModelNew's CUDA path supports float32 only, got {x.dtype}")
-        if self.training and x.shape[0] == 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got input size {torch.Size([x.shape[0], n])}"
-            )
-
     def _scale_vector(self):
         n = self.gemm.out_features
         s = self.scale
         return s if s.shape == (n,) else s.expand(n).contiguous()
 
     def forward(self, x):
-        self._check_input(x)
+        _check_input(x, self.gemm.weight, self.training)
         bn = self.bn
         momentum = bn.momentum
         if self.training:

@@ -65,7 +65,7 @@ from torch import nn
 
 _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
-_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval"]
+_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_softmax_train", "forward_softmax_eval"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
@@ -88,10 +88,9 @@ _EMBEDDED_SOURCES = {
 //   running_mean, running_var (N): updated in place as nn.BatchNorm1d
 //   (bn_stats.cuh has the algebra; the Linear bias only enters running_mean).
 //
-// Numerics: the tiles are combined in float64 by the two-pass parallel formula
-//   mean = sum_t n_t mean_t / M,   M2 = sum_t (M2_t + n_t (mean_t - mean)^2)
-// (Chan, Golub & LeVeque 1979), so no E[z^2] - E[z]^2 cancellation; a and
-// mean_z are rounded to float32 once.  Subtracting the mean before scaling
+// Numerics: the tiles are combined in float64 (merge_tile_statistics in
+// bn_stats.cuh: no E[z^2] - E[z]^2 cancellation); a and mean_z are rounded to
+// float32 once.  Subtracting the mean before scaling
 // keeps the output accurate when |mean_z| is large against the spread of z.
 //
 // Work split: each thread owns fixed columns (4 with 16-byte accesses when
@@ -131,19 +130,9 @@ struct BnApplyArgs {
 // when `update_running`.
 __device__ __forceinline__ void feature_coefficients(const BnApplyArgs& p, int j, bool update_running, float& mu,
                                                      float& a) {
-  double mean = 0.0;
-  for (int t = 0; t < p.num_m_tiles; ++t) {
-    const double n_t = static_cast<double>(min(p.block_m, p.M - t * p.block_m));
-    mean += n_t * static_cast<double>(p.part_mean[static_cast<size_t>(t) * p.N + j]);
-  }
+  double mean, m2;
+  merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
   const double count = static_cast<double>(p.M);
-  mean /= count;
-  double m2 = 0.0;
-  for (int t = 0; t < p.num_m_tiles; ++t) {
-    const double n_t = static_cast<double>(min(p.block_m, p.M - t * p.block_m));
-    const double d = static_cast<double>(p.part_mean[static_cast<size_t>(t) * p.N + j]) - mean;
-    m2 += static_cast<double>(p.part_m2[static_cast<size_t>(t) * p.N + j]) + n_t * d * d;
-  }
   mu = static_cast<float>(mean);
   a = bn_train_slope(m2, count, p.scale[j], p.bn_weight[j], p.eps);
   if (update_running)
@@ -210,12 +199,260 @@ cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int
   return cudaGetLastError();
 }
 ''',
-    'bn_stats.cuh': r'''// bn_stats.cuh -- per-feature BatchNorm math shared by the
-// multi-pass statistics-and-apply kernel (bn_apply.cu) and the fused cluster epilogue
-// (sm80_gemm_3xtf32_bn.cu), and the eval-mode fold used by both GEMMs' epilogues.
-// Device functions only; the training statistics are float64 throughout.
+    'bn_softmax.cu': r'''// bn_softmax.cu -- after the GEMM, the rest of Linear -> BatchNorm1d -> scale ->
+// Softmax(dim=1) (KernelBench level 2, problem 84).
 //
-// Algebra (training mode), z = x @ W^T for one feature over the batch of M rows:
+// bn_softmax_fold_train (training; one thread per feature j)
+//   Inputs: part_mean, part_m2 (num_m_tiles, N) from a GEMM's kTrain epilogue
+//   over z = x @ W^T (no bias); bias, scale, bn_weight, bn_bias (N);
+//   num_batches_tracked (int64, already incremented).
+//   BatchNorm sees y = z + bias: mean_y = mean_z + bias, var_y = var_z, so
+//     v[m, j] = scale_j * (bn_weight_j (y - mean_y) / sqrt(var_y + eps) + bn_bias_j)
+//             = (z[m, j] - mean_z[j]) * a_j + c_j,
+//     a_j = scale_j bn_weight_j / sqrt(var_z + eps)  (var biased),  c_j = scale_j bn_bias_j.
+//   Writes coeff = [mean_z | a | c] (3 N floats) and updates running_mean /
+//   running_var as nn.BatchNorm1d (unbiased variance; momentum < 0 means
+//   momentum=None, the cumulative average).
+//   Numerics: statistics merged in float64 (merge_tile_statistics,
+//   bn_stats.cuh); mean_z, a, c rounded to float32 once each.  Subtracting
+//   mean_z before scaling keeps v accurate when |mean_z| >> std(z).
+//
+// softmax_rows (training and eval; one CTA per row m, in place over out (M, N))
+//   out[m, :] = softmax(v[m, :]),  v = (out - mean_z) * a + c with coeff, or
+//   v = out without (eval: the GEMM epilogue already wrote v).
+//   softmax(v)_j = exp(v_j - max v) / sum_i exp(v_i - max v): the row maximum
+//   is subtracted (no overflow), expf and the division are IEEE float32
+//   (no fast-math), the row sum is a float32 tree reduction; error about
+//   1e-7 relative per element, as PyTorch's own softmax.
+//   Memory: one read and one write of the row.  The CTA keeps v (then its
+//   exponentials) in shared memory, N * 4 bytes (32 KB for N = 8192); rows
+//   longer than the device's shared memory allows take the online variant
+//   (running max and rescaled sum, Milakov & Gimelshein 2018, "Online
+//   normalizer calculation for softmax"), which reads the row twice.
+//   NaN anywhere in a row makes the whole row NaN (through the sum), as
+//   PyTorch.
+//
+// Layout: row-major, contiguous float32.  16-byte accesses when N % 4 == 0
+// and out and coeff are 16-byte aligned, else 4-byte.  Any M >= 1, N >= 1.
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "bn_stats.cuh"
+
+namespace fused_gemm_bn {
+namespace softmax {
+
+constexpr int kFoldThreads = 256;
+constexpr int kRowThreads = 512;  // N = 8192: four float4 per thread
+constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static array
+
+struct FoldArgs {
+  const float* part_mean;
+  const float* part_m2;
+  int num_m_tiles, block_m, M, N;
+  const float* bias;
+  const float* scale;
+  const float* bn_weight;
+  const float* bn_bias;
+  const int64_t* num_batches_tracked;
+  float momentum, eps;
+  float* running_mean;
+  float* running_var;
+  float* coeff;  // [mean_z | a | c], 3 N
+};
+
+__global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(const FoldArgs p) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= p.N) return;
+  double mean, m2;
+  merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
+  const double count = static_cast<double>(p.M);
+  const double s = p.scale[j];
+  p.coeff[j] = static_cast<float>(mean);
+  p.coeff[p.N + j] = static_cast<float>(s * p.bn_weight[j] / sqrt(m2 / count + static_cast<double>(p.eps)));
+  p.coeff[2 * p.N + j] = static_cast<float>(s * p.bn_bias[j]);
+  // BatchNorm normalises z + bias itself: the scale does not enter the running statistics.
+  bn_update_running(mean, m2, count, p.bias[j], 1.0f, p.momentum, p.num_batches_tracked, p.running_mean + j,
+                    p.running_var + j);
+}
+
+template <int kVec>
+struct Vec;
+template <>
+struct Vec<4> {
+  using type = float4;
+};
+template <>
+struct Vec<1> {
+  using type = float;
+};
+
+__device__ __forceinline__ float& elem(float4& v, int e) { return (&v.x)[e]; }
+__device__ __forceinline__ float& elem(float& v, int) { return v; }
+
+// Max or sum over the CTA, returned to every thread.  `red` holds one value per warp.
+template <bool kMax>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = kMax ? fmaxf(v, other) : v + other;
+  }
+  __syncthreads();  // red is reused by consecutive reductions
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = red[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) v = kMax ? fmaxf(v, red[w]) : v + red[w];
+  return v;
+}
+
+struct RowArgs {
+  float* out;
+  const float* coeff;  // [mean_z | a | c] or nullptr
+  int N;
+};
+
+// v for the kVec elements of group i of the row.
+template <int kVec, bool kAffine>
+__device__ __forceinline__ typename Vec<kVec>::type load_v(const RowArgs& p, const float* row, int i) {
+  using V = typename Vec<kVec>::type;
+  V v = reinterpret_cast<const V*>(row)[i];
+  if constexpr (kAffine) {
+    V mean = reinterpret_cast<const V*>(p.coeff)[i];
+    V a = reinterpret_cast<const V*>(p.coeff + p.N)[i];
+    V c = reinterpret_cast<const V*>(p.coeff + 2 * p.N)[i];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) elem(v, e) = fmaf(elem(v, e) - elem(mean, e), elem(a, e), elem(c, e));
+  }
+  return v;
+}
+
+// kCached: v kept in dynamic shared memory (one global read); else online
+// max / sum and a second read of the row.
+template <int kVec, bool kAffine, bool kCached>
+__global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs p) {
+  using V = typename Vec<kVec>::type;
+  extern __shared__ float4 dynamic_smem[];
+  V* cache = reinterpret_cast<V*>(dynamic_smem);
+  __shared__ float red[kRowThreads / 32];
+  float* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
+  const int num_groups = p.N / kVec;
+
+  float thread_max = -INFINITY, thread_sum = 0.f;
+  for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
+    V v = load_v<kVec, kAffine>(p, row, i);
+    if constexpr (kCached) {
+      cache[i] = v;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) thread_max = fmaxf(thread_max, elem(v, e));
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float x = elem(v, e);
+        const float new_max = fmaxf(thread_max, x);
+        thread_sum = thread_sum * expf(thread_max - new_max) + expf(x - new_max);
+        thread_max = new_max;
+      }
+    }
+  }
+  const float row_max = block_reduce<true>(thread_max, red);
+
+  if constexpr (kCached) {
+    for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
+      V v = cache[i];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        elem(v, e) = expf(elem(v, e) - row_max);
+        thread_sum += elem(v, e);
+      }
+      cache[i] = v;
+    }
+  } else {
+    thread_sum = thread_max == -INFINITY ? 0.f : thread_sum * expf(thread_max - row_max);
+  }
+  const float row_sum = block_reduce<false>(thread_sum, red);
+
+  for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
+    V v;
+    if constexpr (kCached) {
+      v = cache[i];
+    } else {
+      v = load_v<kVec, kAffine>(p, row, i);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) elem(v, e) = expf(elem(v, e) - row_max);
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) elem(v, e) = elem(v, e) / row_sum;
+    reinterpret_cast<V*>(row)[i] = v;
+  }
+}
+
+template <int kVec, bool kAffine>
+cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
+  const int num_groups = p.N / kVec;
+  const int threads = min(kRowThreads, max(32, (num_groups + 31) / 32 * 32));
+  int device = 0, max_optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  const size_t cache_bytes = static_cast<size_t>(p.N) * sizeof(float);
+  if (cache_bytes + kStaticSmemBytes <= static_cast<size_t>(max_optin)) {
+    auto kernel = softmax_rows_kernel<kVec, kAffine, true>;
+    if (cache_bytes > 48 * 1024) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cache_bytes));
+      if (err != cudaSuccess) return err;
+    }
+    kernel<<<M, threads, cache_bytes, stream>>>(p);
+  } else {
+    softmax_rows_kernel<kVec, kAffine, false><<<M, threads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace softmax
+}  // namespace fused_gemm_bn
+
+// Training: per-feature coefficients for softmax_rows and the running-statistics
+// update, from the GEMM's per-tile statistics.  coeff: 3 N floats.
+cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
+                                  int N, const float* bias, const float* scale, const float* bn_weight,
+                                  const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
+                                  float* running_mean, float* running_var, float* coeff, cudaStream_t stream) {
+  using namespace fused_gemm_bn::softmax;
+  if (M == 0 || N == 0) return cudaSuccess;
+  const FoldArgs p{part_mean, part_m2,   num_m_tiles, block_m, M,        N,           bias,
+                   scale,     bn_weight, bn_bias,     num_batches_tracked, momentum, eps, running_mean,
+                   running_var, coeff};
+  bn_softmax_fold_train_kernel<<<(N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// out (M, N) <- softmax over each row of (out - mean_z) * a + c (coeff = [mean_z | a | c])
+// or of out itself (coeff == nullptr), in place.
+cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream) {
+  using namespace fused_gemm_bn::softmax;
+  if (M == 0 || N == 0) return cudaSuccess;
+  const RowArgs p{out, coeff, N};
+  const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(coeff) % 16 == 0;
+  if (coeff != nullptr) {
+    return vec4 ? launch_softmax_rows<4, true>(p, M, stream) : launch_softmax_rows<1, true>(p, M, stream);
+  }
+  return vec4 ? launch_softmax_rows<4, false>(p, M, stream) : launch_softmax_rows<1, false>(p, M, stream);
+}
+''',
+    'bn_stats.cuh': r'''// bn_stats.cuh -- per-feature BatchNorm math shared by the
+// multi-kernel training paths (bn_apply.cu for Linear -> scale -> BatchNorm,
+// bn_softmax.cu for Linear -> BatchNorm -> scale -> Softmax), the fused cluster
+// epilogue (sm80_gemm_3xtf32_bn.cu), and the eval-mode fold used by both GEMMs'
+// epilogues.  Device functions only; the training statistics are float64
+// throughout.
+//
+// Algebra (training mode, scale before BatchNorm), z = x @ W^T for one feature
+// over the batch of M rows:
 //   u = scale * (z + bias)  has  mean_u = scale * (mean_z + bias),
 //                                 var_u  = scale^2 * var_z   (biased)
 //   out = (z - mean_z) * a + bn_bias,  a = scale * bn_weight / sqrt(scale^2 var_z + eps)
@@ -240,13 +477,36 @@ __device__ __forceinline__ void merge_chan(double& count, double& mean, double& 
   count = n;
 }
 
+// Merges the per-tile statistics of feature j, as the GEMMs' kTrain epilogues
+// write them (part_mean / part_m2: (num_m_tiles, N), tile t holding
+// min(block_m, M - t * block_m) rows), by the two-pass parallel formula
+//   mean = sum_t n_t mean_t / M,   m2 = sum_t (m2_t + n_t (mean_t - mean)^2)
+// in float64 (Chan, Golub & LeVeque 1979): no E[z^2] - E[z]^2 cancellation.
+__device__ __forceinline__ void merge_tile_statistics(const float* part_mean, const float* part_m2,
+                                                      int num_m_tiles, int block_m, int M, int N, int j,
+                                                      double& mean, double& m2) {
+  mean = 0.0;
+  for (int t = 0; t < num_m_tiles; ++t) {
+    const double n_t = static_cast<double>(min(block_m, M - t * block_m));
+    mean += n_t * static_cast<double>(part_mean[static_cast<size_t>(t) * N + j]);
+  }
+  mean /= static_cast<double>(M);
+  m2 = 0.0;
+  for (int t = 0; t < num_m_tiles; ++t) {
+    const double n_t = static_cast<double>(min(block_m, M - t * block_m));
+    const double d = static_cast<double>(part_mean[static_cast<size_t>(t) * N + j]) - mean;
+    m2 += static_cast<double>(part_m2[static_cast<size_t>(t) * N + j]) + n_t * d * d;
+  }
+}
+
 // The normalisation slope a (see above) from z's batch statistics.
 __device__ __forceinline__ float bn_train_slope(double m2, double count, float scale, float bn_weight, float eps) {
   const double s = scale;
   return static_cast<float>(s * bn_weight / sqrt(s * s * (m2 / count) + static_cast<double>(eps)));
 }
 
-// Updates one feature's running statistics in place.
+// Updates one feature's running statistics in place (scale = 1 for a
+// BatchNorm that sees z + bias directly).
 __device__ __forceinline__ void bn_update_running(double mean, double m2, double count, float bias, float scale,
                                                   float momentum, const int64_t* num_batches_tracked,
                                                   float* running_mean, float* running_var) {
@@ -267,17 +527,20 @@ struct BnParams {
   const float* running_mean;
   const float* running_var;
   float eps;
+  bool scale_after_bn;  // false: Linear -> scale -> BatchNorm; true: Linear -> BatchNorm -> scale
 };
 
 // Eval-mode fold of Linear bias, scale and BatchNorm into out = a * z + c for
-// feature j (z = x @ W^T):  a = scale * bn_weight / sqrt(running_var + eps),
-// c = bn_bias + (scale * bias - running_mean) * bn_weight / sqrt(running_var + eps).
+// feature j (z = x @ W^T), with g = bn_weight / sqrt(running_var + eps):
+//   scale before BatchNorm:  a = scale * g,  c = bn_bias + (scale * bias - running_mean) * g
+//   scale after BatchNorm:   a = scale * g,  c = scale * (bn_bias + (bias - running_mean) * g)
 // float32, as PyTorch's eval BatchNorm.
 __device__ __forceinline__ void bn_eval_affine(const BnParams& p, int j, float& a, float& c) {
   const float gw = p.bn_weight[j] * (1.0f / sqrtf(p.running_var[j] + p.eps));
   const float s = p.scale[j];
   a = s * gw;
-  c = fmaf(fmaf(s, p.bias[j], -p.running_mean[j]), gw, p.bn_bias[j]);
+  c = p.scale_after_bn ? s * fmaf(p.bias[j] - p.running_mean[j], gw, p.bn_bias[j])
+                       : fmaf(fmaf(s, p.bias[j], -p.running_mean[j]), gw, p.bn_bias[j]);
 }
 
 }  // namespace fused_gemm_bn
@@ -291,11 +554,9 @@ __device__ __forceinline__ void bn_eval_affine(const BnParams& p, int j, float& 
 //   kTrain:  out = z; part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
 //            deviations of z[:, n] over the rows of M tile mt (bn_apply.cu merges
 //            them and normalises `out` in place).
-//   kEval:   out = a[n] * z + c[n], the whole Linear -> scale -> BatchNorm(eval)
-//            folded into one per-feature multiply-add:
-//              inv_std = 1 / sqrt(running_var + eps)
-//              a = scale * bn_weight * inv_std
-//              c = bn_bias + (scale * bias - running_mean) * bn_weight * inv_std
+//   kEval:   out = a[n] * z + c[n]: bias, scale and BatchNorm(eval) folded into
+//            one per-feature multiply-add, with scale before BatchNorm (problem
+//            33) or after it (problem 84); bn_eval_affine in bn_stats.cuh
 //
 // Tensors (all float32, contiguous, row-major)
 //   x_big, x_small  TF32 parts of x from split_tf32.cu, zero-padded to
@@ -916,15 +1177,16 @@ cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, con
                            : launch_sm80_gemm<Epilogue::kTrain, false>(args, stream);
 }
 
-// out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm.
+// out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm
+// (scale_after_bn: Linear -> BatchNorm -> scale instead of Linear -> scale -> BatchNorm).
 cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
                                   float* out, const float* bias,
                                   const float* scale, const float* bn_weight, const float* bn_bias,
-                                  const float* running_mean, const float* running_var, float eps, int M,
-                                  int N, int K, cudaStream_t stream) {
+                                  const float* running_mean, const float* running_var, float eps,
+                                  bool scale_after_bn, int M, int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
-  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps};
+  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
                            : launch_sm80_gemm<Epilogue::kEval, false>(args, stream);
 }
@@ -940,7 +1202,7 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
                                          int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
-  args.bn = BnParams{bias, scale, bn_weight, bn_bias, nullptr, nullptr, eps};
+  args.bn = BnParams{bias, scale, bn_weight, bn_bias, nullptr, nullptr, eps, false};
   args.running_mean_out = running_mean; args.running_var_out = running_var;
   args.num_batches_tracked = num_batches_tracked; args.momentum = momentum;
   return vec16_ok(w, K) ? launch_sm90_gemm_train_fused<true>(args, stream)
@@ -956,9 +1218,9 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
 //   kTrain: out = z; part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
 //           deviations of z[:, n] over the rows of M tile mt (BLOCK_M rows; the
 //           last tile holds the rest).  bn_apply.cu finishes.
-//   kEval:  out = a[n] * z + c[n]   (Linear -> scale -> BatchNorm(eval) folded:
-//           a = scale * bn_weight / sqrt(running_var + eps),
-//           c = bn_bias + (scale * bias - running_mean) * bn_weight / sqrt(running_var + eps))
+//   kEval:  out = a[n] * z + c[n]: bias, scale and BatchNorm(eval) folded, with
+//           scale before BatchNorm (problem 33) or after it (problem 84);
+//           bn_eval_affine in bn_stats.cuh has both formulas
 //
 // Tensors (float32, row-major, contiguous, 16-byte aligned, K % 4 == 0: TMA
 // needs 16-byte global strides)
@@ -1421,18 +1683,20 @@ cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const f
   return launch_sm90_gemm<Epilogue::kTrain>(x, x_small, w, args, stream);
 }
 
-// out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm.
+// out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm
+// (scale_after_bn: Linear -> BatchNorm -> scale instead of Linear -> scale -> BatchNorm).
 cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
                                   const float* bias, const float* scale, const float* bn_weight,
                                   const float* bn_bias, const float* running_mean, const float* running_var,
-                                  float eps, int M, int N, int K, cudaStream_t stream) {
+                                  float eps, bool scale_after_bn, int M, int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn::sm90;
   if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
   if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
-  args.bn = fused_gemm_bn::BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps};
+  args.bn = fused_gemm_bn::BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                                    scale_after_bn};
   return launch_sm90_gemm<Epilogue::kEval>(x, x_small, w, args, stream);
 }
 ''',
@@ -1762,8 +2026,9 @@ cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, c
   return cudaGetLastError();
 }
 ''',
-    'torch_binding.cpp': r'''// torch_binding.cpp -- PyTorch entry points for the fused Linear -> scale ->
-// BatchNorm1d forward.  Passed to load_inline as cpp_sources (torch/extension.h
+    'torch_binding.cpp': r'''// torch_binding.cpp -- PyTorch entry points for the fused forwards of
+// Linear -> scale -> BatchNorm1d (problem 33: forward_train / forward_eval) and
+// Linear -> BatchNorm1d -> scale -> Softmax (problem 84: forward_softmax_*).  Passed to load_inline as cpp_sources (torch/extension.h
 // is prepended there); the kernels in kernels/*.cu take raw pointers only.
 //
 // Each entry point checks every tensor (device, dtype, shape, contiguity),
@@ -1789,6 +2054,13 @@ cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, c
 //                running_var, eps) -> out (M, N)
 //       split pre-pass (as above), then one GEMM launch (Hopper or portable)
 //       with the folded per-feature affine epilogue.
+//   forward_softmax_train(same arguments as forward_train) -> out (M, N)
+//       split pre-pass and the multi-pass GEMM (as above, never the cluster
+//       path: its epilogue is problem 33's), then
+//       per-feature (mean_z, a, c) and running statistics  (bn_softmax.cu, fold)
+//       out = softmax((z - mean_z) * a + c) per row, in place (bn_softmax.cu, rows)
+//   forward_softmax_eval(same arguments as forward_eval) -> out (M, N)
+//       GEMM with the folded epilogue (scale after BatchNorm), then the row softmax.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -1805,7 +2077,7 @@ cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const f
 cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
                                   const float* bias, const float* scale, const float* bn_weight,
                                   const float* bn_bias, const float* running_mean, const float* running_var,
-                                  float eps, int M, int N, int K, cudaStream_t stream);
+                                  float eps, bool scale_after_bn, int M, int N, int K, cudaStream_t stream);
 int64_t split_tf32_elems(int M, int K);
 cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
                        float* small, cudaStream_t stream);
@@ -1815,8 +2087,8 @@ cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, con
 cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
                                   float* out, const float* bias,
                                   const float* scale, const float* bn_weight, const float* bn_bias,
-                                  const float* running_mean, const float* running_var, float eps, int M,
-                                  int N, int K, cudaStream_t stream);
+                                  const float* running_mean, const float* running_var, float eps,
+                                  bool scale_after_bn, int M, int N, int K, cudaStream_t stream);
 cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_small, const float* w, float* out,
                                          const float* bias, const float* scale, const float* bn_weight,
                                          const float* bn_bias, float* running_mean, float* running_var,
@@ -1826,6 +2098,11 @@ cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int
                      int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
                      const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
                      float* running_var, cudaStream_t stream);
+cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
+                                  int N, const float* bias, const float* scale, const float* bn_weight,
+                                  const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
+                                  float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
+cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
 
 namespace {
 
@@ -1916,41 +2193,100 @@ TrainScratch train_scratch(const torch::Tensor& x, int num_m_tiles, int N) {
   return s;
 }
 
+// The per-feature vectors every entry point takes, checked against x and N.
+struct BnTensors {
+  torch::Tensor bias, scale, bn_weight, bn_bias, running_mean, running_var;
+};
+
+void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x) {
+  check_vector(t.bias, "gemm.bias", N, x);
+  check_vector(t.scale, "scale", N, x);
+  check_vector(t.bn_weight, "bn.weight", N, x);
+  check_vector(t.bn_bias, "bn.bias", N, x);
+  check_vector(t.running_mean, "bn.running_mean", N, x);
+  check_vector(t.running_var, "bn.running_var", N, x);
+}
+
+void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
+  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
+              torch::IntArrayRef({M, N}));
+  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
+                  num_batches_tracked.numel() == 1,
+              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
+}
+
+// z = x @ weight^T into out, and z's per-tile statistics into scratch (kTrain
+// epilogue): the Hopper kernel when `sm90`, else the portable one from x's
+// split parts `xs`.  Returns the GEMM's BLOCK_M (rows per statistics tile).
+int gemm_train(const torch::Tensor& x, bool sm90, const SplitX& xs, const float* w, torch::Tensor& out,
+               TrainScratch& scratch, int M, int N, int K, cudaStream_t stream) {
+  const int block_m = sm90 ? sm90_gemm_block_m() : sm80_gemm_block_m();
+  scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
+  if (sm90) {
+    const RemainderX xr = remainder_x(x, M, K, stream);
+    check_launch(sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w,
+                                        out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, M, N, K, stream),
+                 "sm90_gemm_3xtf32_train");
+  } else {
+    check_launch(sm80_gemm_3xtf32_train(xs.big, xs.small, w, out.data_ptr<float>(), scratch.part_mean,
+                                        scratch.part_m2, M, N, K, stream),
+                 "sm80_gemm_3xtf32_train");
+  }
+  return block_m;
+}
+
+// out = a * (x @ weight^T) + c with the eval-mode fold (bn_stats.cuh, bn_eval_affine).
+torch::Tensor gemm_eval(const torch::Tensor& x, const torch::Tensor& weight, const BnTensors& t, double eps,
+                        bool scale_after_bn) {
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_bn_tensors(t, N, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const float* w = weight.data_ptr<float>();
+  const float* bias = t.bias.data_ptr<float>();
+  const float* scale = t.scale.data_ptr<float>();
+  const float* bn_weight = t.bn_weight.data_ptr<float>();
+  const float* bn_bias = t.bn_bias.data_ptr<float>();
+  const float* running_mean = t.running_mean.data_ptr<float>();
+  const float* running_var = t.running_var.data_ptr<float>();
+  if (use_sm90(w, M, N, K)) {
+    const RemainderX xr = remainder_x(x, M, K, stream);
+    check_launch(sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w, out.data_ptr<float>(),
+                                       bias, scale, bn_weight, bn_bias, running_mean, running_var,
+                                       static_cast<float>(eps), scale_after_bn, M, N, K, stream),
+                 "sm90_gemm_3xtf32_eval");
+    return out;
+  }
+  const SplitX xs = split_x(x, M, K, stream);
+  check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), bias, scale, bn_weight, bn_bias,
+                                     running_mean, running_var, static_cast<float>(eps), scale_after_bn, M, N, K,
+                                     stream),
+               "sm80_gemm_3xtf32_eval");
+  return out;
+}
+
 }  // namespace
 
+// Linear -> scale -> BatchNorm1d, training mode (problem 33).
 torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
                             torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
                             torch::Tensor running_var, torch::Tensor num_batches_tracked, double momentum,
                             double eps) {
   const auto [M, N, K] = check_gemm_operands(x, weight);
-  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
-              torch::IntArrayRef({M, N}));
-  check_vector(bias, "gemm.bias", N, x);
-  check_vector(scale, "scale", N, x);
-  check_vector(bn_weight, "bn.weight", N, x);
-  check_vector(bn_bias, "bn.bias", N, x);
-  check_vector(running_mean, "bn.running_mean", N, x);
-  check_vector(running_var, "bn.running_var", N, x);
-  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
-                  num_batches_tracked.numel() == 1,
-              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
+  check_training(x, M, N, num_batches_tracked);
+  check_bn_tensors({bias, scale, bn_weight, bn_bias, running_mean, running_var}, N, x);
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, x.options());
   const float* w = weight.data_ptr<float>();
 
-  int block_m = 0;
-  TrainScratch scratch;
-  if (use_sm90(w, M, N, K)) {
-    block_m = sm90_gemm_block_m();
-    scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
-    const RemainderX xr = remainder_x(x, M, K, stream);
-    check_launch(sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w,
-                                        out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, M, N, K, stream),
-                 "sm90_gemm_3xtf32_train");
-  } else {
-    const SplitX xs = split_x(x, M, K, stream);
+  const bool sm90 = use_sm90(w, M, N, K);
+  SplitX xs{};
+  if (!sm90) {
+    xs = split_x(x, M, K, stream);
     // Hopper with M <= 8 * BLOCK_M: one cluster-launched kernel does everything.
     const cudaError_t fused = sm90_gemm_3xtf32_train_fused(
         xs.big, xs.small, w, out.data_ptr<float>(), bias.data_ptr<float>(), scale.data_ptr<float>(),
@@ -1961,18 +2297,12 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
       check_launch(fused, "sm90_gemm_3xtf32_train_fused");
       return out;
     }
-    block_m = sm80_gemm_block_m();
-    scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
-    check_launch(sm80_gemm_3xtf32_train(xs.big, xs.small, w, out.data_ptr<float>(), scratch.part_mean,
-                                        scratch.part_m2, M, N, K, stream),
-                 "sm80_gemm_3xtf32_train");
   }
-
-  // Multi-pass tail: merge the per-tile statistics, update the running
-  // statistics, normalise in place (one kernel).
-  const int num_m_tiles = (M + block_m - 1) / block_m;
-  check_launch(bn_apply(out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, num_m_tiles, block_m, M, N,
-                        bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
+  TrainScratch scratch;
+  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, stream);
+  // Merge the per-tile statistics, update the running statistics, normalise in place (one kernel).
+  check_launch(bn_apply(out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m,
+                        block_m, M, N, bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
                         bn_bias.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
                         static_cast<float>(momentum), static_cast<float>(eps), running_mean.data_ptr<float>(),
                         running_var.data_ptr<float>(), stream),
@@ -1980,37 +2310,54 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
   return out;
 }
 
+// Linear -> scale -> BatchNorm1d, eval mode (problem 33).
 torch::Tensor forward_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
                            torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
                            torch::Tensor running_var, double eps) {
+  return gemm_eval(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, false);
+}
+
+// Linear -> BatchNorm1d -> scale -> Softmax(dim=1), training mode (problem 84).
+torch::Tensor forward_softmax_train(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+                                    torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
+                                    torch::Tensor running_var, torch::Tensor num_batches_tracked, double momentum,
+                                    double eps) {
   const auto [M, N, K] = check_gemm_operands(x, weight);
-  check_vector(bias, "gemm.bias", N, x);
-  check_vector(scale, "scale", N, x);
-  check_vector(bn_weight, "bn.weight", N, x);
-  check_vector(bn_bias, "bn.bias", N, x);
-  check_vector(running_mean, "bn.running_mean", N, x);
-  check_vector(running_var, "bn.running_var", N, x);
+  check_training(x, M, N, num_batches_tracked);
+  check_bn_tensors({bias, scale, bn_weight, bn_bias, running_mean, running_var}, N, x);
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
   const float* w = weight.data_ptr<float>();
-  if (use_sm90(w, M, N, K)) {
-    const RemainderX xr = remainder_x(x, M, K, stream);
-    check_launch(sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w, out.data_ptr<float>(),
-                                       bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
-                                       bn_bias.data_ptr<float>(), running_mean.data_ptr<float>(),
-                                       running_var.data_ptr<float>(), static_cast<float>(eps), M, N, K, stream),
-                 "sm90_gemm_3xtf32_eval");
-    return out;
-  }
-  const SplitX xs = split_x(x, M, K, stream);
-  check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), bias.data_ptr<float>(),
-                                     scale.data_ptr<float>(), bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+  const bool sm90 = use_sm90(w, M, N, K);
+  const SplitX xs = sm90 ? SplitX{} : split_x(x, M, K, stream);
+  TrainScratch scratch;
+  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, stream);
+  torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
+  check_launch(bn_softmax_fold_train(scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m, block_m, M, N,
+                                     bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
+                                     bn_bias.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
+                                     static_cast<float>(momentum), static_cast<float>(eps),
                                      running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
-                                     static_cast<float>(eps), M, N, K, stream),
-               "sm80_gemm_3xtf32_eval");
+                                     coeff.data_ptr<float>(), stream),
+               "bn_softmax_fold_train");
+  check_launch(softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), M, N, stream), "softmax_rows");
+  return out;
+}
+
+// Linear -> BatchNorm1d -> scale -> Softmax(dim=1), eval mode (problem 84):
+// the GEMM epilogue writes the folded logits, one row kernel the softmax.
+torch::Tensor forward_softmax_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+                                   torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
+                                   torch::Tensor running_var, double eps) {
+  torch::Tensor out = gemm_eval(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, true);
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  check_launch(softmax_rows(out.data_ptr<float>(), nullptr, static_cast<int>(out.size(0)),
+                            static_cast<int>(out.size(1)), stream),
+               "softmax_rows");
   return out;
 }
 ''',
@@ -2247,6 +2594,35 @@ def _cpu_forward(x, weight, bias, scale, bn, training, factor):
 # ---------------------------------------------------------------------------
 
 
+def _check_input(x, weight, training):
+    """Raises what PyTorch raises for an input the Linear -> BatchNorm1d chain
+    cannot take (x's rank, feature count, device, dtype; batch of 1 in
+    training), before any buffer is touched.  Shared with problem 84's ModelNew."""
+    n, k = weight.shape
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"ModelNew expects a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise RuntimeError(f"ModelNew expects x of shape (batch, {k}), got {tuple(x.shape)}")
+    if x.shape[1] != k:
+        raise RuntimeError(
+            f"mat1 and mat2 shapes cannot be multiplied ({x.shape[0]}x{x.shape[1]} and {k}x{n}): "
+            f"ModelNew expects x of shape (batch, {k})"
+        )
+    if x.device != weight.device:
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found x on {x.device} "
+            f"and the parameters on {weight.device}"
+        )
+    if x.dtype != weight.dtype:
+        raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
+    if x.is_cuda and x.dtype != torch.float32:
+        raise RuntimeError(f"ModelNew's CUDA path supports float32 only, got {x.dtype}")
+    if training and x.shape[0] == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {torch.Size([x.shape[0], n])}"
+        )
+
+
 class _NoBackward(torch.autograd.Function):
     """Runs the fused CUDA forward; backward is not implemented yet and says so."""
 
@@ -2284,39 +2660,13 @@ class ModelNew(nn.Module):
         self.scale = nn.Parameter(torch.randn(scale_shape))
         self.bn = _BatchNormState(out_features, eps=eps, momentum=momentum)
 
-    def _check_input(self, x):
-        weight = self.gemm.weight
-        n, k = weight.shape
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"ModelNew expects a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 2:
-            raise RuntimeError(f"ModelNew expects x of shape (batch, {k}), got {tuple(x.shape)}")
-        if x.shape[1] != k:
-            raise RuntimeError(
-                f"mat1 and mat2 shapes cannot be multiplied ({x.shape[0]}x{x.shape[1]} and {k}x{n}): "
-                f"ModelNew expects x of shape (batch, {k})"
-            )
-        if x.device != weight.device:
-            raise RuntimeError(
-                f"Expected all tensors to be on the same device, but found x on {x.device} "
-                f"and the parameters on {weight.device}"
-            )
-        if x.dtype != weight.dtype:
-            raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
-        if x.is_cuda and x.dtype != torch.float32:
-            raise RuntimeError(f"ModelNew's CUDA path supports float32 only, got {x.dtype}")
-        if self.training and x.shape[0] == 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got input size {torch.Size([x.shape[0], n])}"
-            )
-
     def _scale_vector(self):
         n = self.gemm.out_features
         s = self.scale
         return s if s.shape == (n,) else s.expand(n).contiguous()
 
     def forward(self, x):
-        self._check_input(x)
+        _check_input(x, self.gemm.weight, self.training)
         bn = self.bn
         momentum = bn.momentum
         if self.training:

@@ -16,10 +16,9 @@
 //   running_mean, running_var (N): updated in place as nn.BatchNorm1d
 //   (bn_stats.cuh has the algebra; the Linear bias only enters running_mean).
 //
-// Numerics: the tiles are combined in float64 by the two-pass parallel formula
-//   mean = sum_t n_t mean_t / M,   M2 = sum_t (M2_t + n_t (mean_t - mean)^2)
-// (Chan, Golub & LeVeque 1979), so no E[z^2] - E[z]^2 cancellation; a and
-// mean_z are rounded to float32 once.  Subtracting the mean before scaling
+// Numerics: the tiles are combined in float64 (merge_tile_statistics in
+// bn_stats.cuh: no E[z^2] - E[z]^2 cancellation); a and mean_z are rounded to
+// float32 once.  Subtracting the mean before scaling
 // keeps the output accurate when |mean_z| is large against the spread of z.
 //
 // Work split: each thread owns fixed columns (4 with 16-byte accesses when
@@ -59,19 +58,9 @@ struct BnApplyArgs {
 // when `update_running`.
 __device__ __forceinline__ void feature_coefficients(const BnApplyArgs& p, int j, bool update_running, float& mu,
                                                      float& a) {
-  double mean = 0.0;
-  for (int t = 0; t < p.num_m_tiles; ++t) {
-    const double n_t = static_cast<double>(min(p.block_m, p.M - t * p.block_m));
-    mean += n_t * static_cast<double>(p.part_mean[static_cast<size_t>(t) * p.N + j]);
-  }
+  double mean, m2;
+  merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
   const double count = static_cast<double>(p.M);
-  mean /= count;
-  double m2 = 0.0;
-  for (int t = 0; t < p.num_m_tiles; ++t) {
-    const double n_t = static_cast<double>(min(p.block_m, p.M - t * p.block_m));
-    const double d = static_cast<double>(p.part_mean[static_cast<size_t>(t) * p.N + j]) - mean;
-    m2 += static_cast<double>(p.part_m2[static_cast<size_t>(t) * p.N + j]) + n_t * d * d;
-  }
   mu = static_cast<float>(mean);
   a = bn_train_slope(m2, count, p.scale[j], p.bn_weight[j], p.eps);
   if (update_running)

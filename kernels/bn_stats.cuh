@@ -1,9 +1,12 @@
 // bn_stats.cuh -- per-feature BatchNorm math shared by the
-// multi-pass statistics-and-apply kernel (bn_apply.cu) and the fused cluster epilogue
-// (sm80_gemm_3xtf32_bn.cu), and the eval-mode fold used by both GEMMs' epilogues.
-// Device functions only; the training statistics are float64 throughout.
+// multi-kernel training paths (bn_apply.cu for Linear -> scale -> BatchNorm,
+// bn_softmax.cu for Linear -> BatchNorm -> scale -> Softmax), the fused cluster
+// epilogue (sm80_gemm_3xtf32_bn.cu), and the eval-mode fold used by both GEMMs'
+// epilogues.  Device functions only; the training statistics are float64
+// throughout.
 //
-// Algebra (training mode), z = x @ W^T for one feature over the batch of M rows:
+// Algebra (training mode, scale before BatchNorm), z = x @ W^T for one feature
+// over the batch of M rows:
 //   u = scale * (z + bias)  has  mean_u = scale * (mean_z + bias),
 //                                 var_u  = scale^2 * var_z   (biased)
 //   out = (z - mean_z) * a + bn_bias,  a = scale * bn_weight / sqrt(scale^2 var_z + eps)
@@ -28,13 +31,36 @@ __device__ __forceinline__ void merge_chan(double& count, double& mean, double& 
   count = n;
 }
 
+// Merges the per-tile statistics of feature j, as the GEMMs' kTrain epilogues
+// write them (part_mean / part_m2: (num_m_tiles, N), tile t holding
+// min(block_m, M - t * block_m) rows), by the two-pass parallel formula
+//   mean = sum_t n_t mean_t / M,   m2 = sum_t (m2_t + n_t (mean_t - mean)^2)
+// in float64 (Chan, Golub & LeVeque 1979): no E[z^2] - E[z]^2 cancellation.
+__device__ __forceinline__ void merge_tile_statistics(const float* part_mean, const float* part_m2,
+                                                      int num_m_tiles, int block_m, int M, int N, int j,
+                                                      double& mean, double& m2) {
+  mean = 0.0;
+  for (int t = 0; t < num_m_tiles; ++t) {
+    const double n_t = static_cast<double>(min(block_m, M - t * block_m));
+    mean += n_t * static_cast<double>(part_mean[static_cast<size_t>(t) * N + j]);
+  }
+  mean /= static_cast<double>(M);
+  m2 = 0.0;
+  for (int t = 0; t < num_m_tiles; ++t) {
+    const double n_t = static_cast<double>(min(block_m, M - t * block_m));
+    const double d = static_cast<double>(part_mean[static_cast<size_t>(t) * N + j]) - mean;
+    m2 += static_cast<double>(part_m2[static_cast<size_t>(t) * N + j]) + n_t * d * d;
+  }
+}
+
 // The normalisation slope a (see above) from z's batch statistics.
 __device__ __forceinline__ float bn_train_slope(double m2, double count, float scale, float bn_weight, float eps) {
   const double s = scale;
   return static_cast<float>(s * bn_weight / sqrt(s * s * (m2 / count) + static_cast<double>(eps)));
 }
 
-// Updates one feature's running statistics in place.
+// Updates one feature's running statistics in place (scale = 1 for a
+// BatchNorm that sees z + bias directly).
 __device__ __forceinline__ void bn_update_running(double mean, double m2, double count, float bias, float scale,
                                                   float momentum, const int64_t* num_batches_tracked,
                                                   float* running_mean, float* running_var) {
@@ -55,17 +81,20 @@ struct BnParams {
   const float* running_mean;
   const float* running_var;
   float eps;
+  bool scale_after_bn;  // false: Linear -> scale -> BatchNorm; true: Linear -> BatchNorm -> scale
 };
 
 // Eval-mode fold of Linear bias, scale and BatchNorm into out = a * z + c for
-// feature j (z = x @ W^T):  a = scale * bn_weight / sqrt(running_var + eps),
-// c = bn_bias + (scale * bias - running_mean) * bn_weight / sqrt(running_var + eps).
+// feature j (z = x @ W^T), with g = bn_weight / sqrt(running_var + eps):
+//   scale before BatchNorm:  a = scale * g,  c = bn_bias + (scale * bias - running_mean) * g
+//   scale after BatchNorm:   a = scale * g,  c = scale * (bn_bias + (bias - running_mean) * g)
 // float32, as PyTorch's eval BatchNorm.
 __device__ __forceinline__ void bn_eval_affine(const BnParams& p, int j, float& a, float& c) {
   const float gw = p.bn_weight[j] * (1.0f / sqrtf(p.running_var[j] + p.eps));
   const float s = p.scale[j];
   a = s * gw;
-  c = fmaf(fmaf(s, p.bias[j], -p.running_mean[j]), gw, p.bn_bias[j]);
+  c = p.scale_after_bn ? s * fmaf(p.bias[j] - p.running_mean[j], gw, p.bn_bias[j])
+                       : fmaf(fmaf(s, p.bias[j], -p.running_mean[j]), gw, p.bn_bias[j]);
 }
 
 }  // namespace fused_gemm_bn

@@ -7,11 +7,9 @@
 //   kTrain:  out = z; part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
 //            deviations of z[:, n] over the rows of M tile mt (bn_apply.cu merges
 //            them and normalises `out` in place).
-//   kEval:   out = a[n] * z + c[n], the whole Linear -> scale -> BatchNorm(eval)
-//            folded into one per-feature multiply-add:
-//              inv_std = 1 / sqrt(running_var + eps)
-//              a = scale * bn_weight * inv_std
-//              c = bn_bias + (scale * bias - running_mean) * bn_weight * inv_std
+//   kEval:   out = a[n] * z + c[n]: bias, scale and BatchNorm(eval) folded into
+//            one per-feature multiply-add, with scale before BatchNorm (problem
+//            33) or after it (problem 84); bn_eval_affine in bn_stats.cuh
 //
 // Tensors (all float32, contiguous, row-major)
 //   x_big, x_small  TF32 parts of x from split_tf32.cu, zero-padded to
@@ -632,15 +630,16 @@ cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, con
                            : launch_sm80_gemm<Epilogue::kTrain, false>(args, stream);
 }
 
-// out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm.
+// out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm
+// (scale_after_bn: Linear -> BatchNorm -> scale instead of Linear -> scale -> BatchNorm).
 cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
                                   float* out, const float* bias,
                                   const float* scale, const float* bn_weight, const float* bn_bias,
-                                  const float* running_mean, const float* running_var, float eps, int M,
-                                  int N, int K, cudaStream_t stream) {
+                                  const float* running_mean, const float* running_var, float eps,
+                                  bool scale_after_bn, int M, int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
-  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps};
+  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
                            : launch_sm80_gemm<Epilogue::kEval, false>(args, stream);
 }
@@ -656,7 +655,7 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
                                          int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
-  args.bn = BnParams{bias, scale, bn_weight, bn_bias, nullptr, nullptr, eps};
+  args.bn = BnParams{bias, scale, bn_weight, bn_bias, nullptr, nullptr, eps, false};
   args.running_mean_out = running_mean; args.running_var_out = running_var;
   args.num_batches_tracked = num_batches_tracked; args.momentum = momentum;
   return vec16_ok(w, K) ? launch_sm90_gemm_train_fused<true>(args, stream)

@@ -7,9 +7,9 @@
 //   kTrain: out = z; part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
 //           deviations of z[:, n] over the rows of M tile mt (BLOCK_M rows; the
 //           last tile holds the rest).  bn_apply.cu finishes.
-//   kEval:  out = a[n] * z + c[n]   (Linear -> scale -> BatchNorm(eval) folded:
-//           a = scale * bn_weight / sqrt(running_var + eps),
-//           c = bn_bias + (scale * bias - running_mean) * bn_weight / sqrt(running_var + eps))
+//   kEval:  out = a[n] * z + c[n]: bias, scale and BatchNorm(eval) folded, with
+//           scale before BatchNorm (problem 33) or after it (problem 84);
+//           bn_eval_affine in bn_stats.cuh has both formulas
 //
 // Tensors (float32, row-major, contiguous, 16-byte aligned, K % 4 == 0: TMA
 // needs 16-byte global strides)
@@ -472,17 +472,19 @@ cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const f
   return launch_sm90_gemm<Epilogue::kTrain>(x, x_small, w, args, stream);
 }
 
-// out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm.
+// out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm
+// (scale_after_bn: Linear -> BatchNorm -> scale instead of Linear -> scale -> BatchNorm).
 cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
                                   const float* bias, const float* scale, const float* bn_weight,
                                   const float* bn_bias, const float* running_mean, const float* running_var,
-                                  float eps, int M, int N, int K, cudaStream_t stream) {
+                                  float eps, bool scale_after_bn, int M, int N, int K, cudaStream_t stream) {
   using namespace fused_gemm_bn::sm90;
   if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
   if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
-  args.bn = fused_gemm_bn::BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps};
+  args.bn = fused_gemm_bn::BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                                    scale_after_bn};
   return launch_sm90_gemm<Epilogue::kEval>(x, x_small, w, args, stream);
 }

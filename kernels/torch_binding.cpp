@@ -1,5 +1,6 @@
-// torch_binding.cpp -- PyTorch entry points for the fused Linear -> scale ->
-// BatchNorm1d forward.  Passed to load_inline as cpp_sources (torch/extension.h
+// torch_binding.cpp -- PyTorch entry points for the fused forwards of
+// Linear -> scale -> BatchNorm1d (problem 33: forward_train / forward_eval) and
+// Linear -> BatchNorm1d -> scale -> Softmax (problem 84: forward_softmax_*).  Passed to load_inline as cpp_sources (torch/extension.h
 // is prepended there); the kernels in kernels/*.cu take raw pointers only.
 //
 // Each entry point checks every tensor (device, dtype, shape, contiguity),
@@ -25,6 +26,13 @@
 //                running_var, eps) -> out (M, N)
 //       split pre-pass (as above), then one GEMM launch (Hopper or portable)
 //       with the folded per-feature affine epilogue.
+//   forward_softmax_train(same arguments as forward_train) -> out (M, N)
+//       split pre-pass and the multi-pass GEMM (as above, never the cluster
+//       path: its epilogue is problem 33's), then
+//       per-feature (mean_z, a, c) and running statistics  (bn_softmax.cu, fold)
+//       out = softmax((z - mean_z) * a + c) per row, in place (bn_softmax.cu, rows)
+//   forward_softmax_eval(same arguments as forward_eval) -> out (M, N)
+//       GEMM with the folded epilogue (scale after BatchNorm), then the row softmax.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -41,7 +49,7 @@ cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const f
 cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
                                   const float* bias, const float* scale, const float* bn_weight,
                                   const float* bn_bias, const float* running_mean, const float* running_var,
-                                  float eps, int M, int N, int K, cudaStream_t stream);
+                                  float eps, bool scale_after_bn, int M, int N, int K, cudaStream_t stream);
 int64_t split_tf32_elems(int M, int K);
 cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
                        float* small, cudaStream_t stream);
@@ -51,8 +59,8 @@ cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, con
 cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
                                   float* out, const float* bias,
                                   const float* scale, const float* bn_weight, const float* bn_bias,
-                                  const float* running_mean, const float* running_var, float eps, int M,
-                                  int N, int K, cudaStream_t stream);
+                                  const float* running_mean, const float* running_var, float eps,
+                                  bool scale_after_bn, int M, int N, int K, cudaStream_t stream);
 cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_small, const float* w, float* out,
                                          const float* bias, const float* scale, const float* bn_weight,
                                          const float* bn_bias, float* running_mean, float* running_var,
@@ -62,6 +70,11 @@ cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int
                      int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
                      const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
                      float* running_var, cudaStream_t stream);
+cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
+                                  int N, const float* bias, const float* scale, const float* bn_weight,
+                                  const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
+                                  float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
+cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
 
 namespace {
 
@@ -152,41 +165,100 @@ TrainScratch train_scratch(const torch::Tensor& x, int num_m_tiles, int N) {
   return s;
 }
 
+// The per-feature vectors every entry point takes, checked against x and N.
+struct BnTensors {
+  torch::Tensor bias, scale, bn_weight, bn_bias, running_mean, running_var;
+};
+
+void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x) {
+  check_vector(t.bias, "gemm.bias", N, x);
+  check_vector(t.scale, "scale", N, x);
+  check_vector(t.bn_weight, "bn.weight", N, x);
+  check_vector(t.bn_bias, "bn.bias", N, x);
+  check_vector(t.running_mean, "bn.running_mean", N, x);
+  check_vector(t.running_var, "bn.running_var", N, x);
+}
+
+void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
+  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
+              torch::IntArrayRef({M, N}));
+  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
+                  num_batches_tracked.numel() == 1,
+              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
+}
+
+// z = x @ weight^T into out, and z's per-tile statistics into scratch (kTrain
+// epilogue): the Hopper kernel when `sm90`, else the portable one from x's
+// split parts `xs`.  Returns the GEMM's BLOCK_M (rows per statistics tile).
+int gemm_train(const torch::Tensor& x, bool sm90, const SplitX& xs, const float* w, torch::Tensor& out,
+               TrainScratch& scratch, int M, int N, int K, cudaStream_t stream) {
+  const int block_m = sm90 ? sm90_gemm_block_m() : sm80_gemm_block_m();
+  scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
+  if (sm90) {
+    const RemainderX xr = remainder_x(x, M, K, stream);
+    check_launch(sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w,
+                                        out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, M, N, K, stream),
+                 "sm90_gemm_3xtf32_train");
+  } else {
+    check_launch(sm80_gemm_3xtf32_train(xs.big, xs.small, w, out.data_ptr<float>(), scratch.part_mean,
+                                        scratch.part_m2, M, N, K, stream),
+                 "sm80_gemm_3xtf32_train");
+  }
+  return block_m;
+}
+
+// out = a * (x @ weight^T) + c with the eval-mode fold (bn_stats.cuh, bn_eval_affine).
+torch::Tensor gemm_eval(const torch::Tensor& x, const torch::Tensor& weight, const BnTensors& t, double eps,
+                        bool scale_after_bn) {
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_bn_tensors(t, N, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const float* w = weight.data_ptr<float>();
+  const float* bias = t.bias.data_ptr<float>();
+  const float* scale = t.scale.data_ptr<float>();
+  const float* bn_weight = t.bn_weight.data_ptr<float>();
+  const float* bn_bias = t.bn_bias.data_ptr<float>();
+  const float* running_mean = t.running_mean.data_ptr<float>();
+  const float* running_var = t.running_var.data_ptr<float>();
+  if (use_sm90(w, M, N, K)) {
+    const RemainderX xr = remainder_x(x, M, K, stream);
+    check_launch(sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w, out.data_ptr<float>(),
+                                       bias, scale, bn_weight, bn_bias, running_mean, running_var,
+                                       static_cast<float>(eps), scale_after_bn, M, N, K, stream),
+                 "sm90_gemm_3xtf32_eval");
+    return out;
+  }
+  const SplitX xs = split_x(x, M, K, stream);
+  check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), bias, scale, bn_weight, bn_bias,
+                                     running_mean, running_var, static_cast<float>(eps), scale_after_bn, M, N, K,
+                                     stream),
+               "sm80_gemm_3xtf32_eval");
+  return out;
+}
+
 }  // namespace
 
+// Linear -> scale -> BatchNorm1d, training mode (problem 33).
 torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
                             torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
                             torch::Tensor running_var, torch::Tensor num_batches_tracked, double momentum,
                             double eps) {
   const auto [M, N, K] = check_gemm_operands(x, weight);
-  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
-              torch::IntArrayRef({M, N}));
-  check_vector(bias, "gemm.bias", N, x);
-  check_vector(scale, "scale", N, x);
-  check_vector(bn_weight, "bn.weight", N, x);
-  check_vector(bn_bias, "bn.bias", N, x);
-  check_vector(running_mean, "bn.running_mean", N, x);
-  check_vector(running_var, "bn.running_var", N, x);
-  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
-                  num_batches_tracked.numel() == 1,
-              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
+  check_training(x, M, N, num_batches_tracked);
+  check_bn_tensors({bias, scale, bn_weight, bn_bias, running_mean, running_var}, N, x);
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, x.options());
   const float* w = weight.data_ptr<float>();
 
-  int block_m = 0;
-  TrainScratch scratch;
-  if (use_sm90(w, M, N, K)) {
-    block_m = sm90_gemm_block_m();
-    scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
-    const RemainderX xr = remainder_x(x, M, K, stream);
-    check_launch(sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w,
-                                        out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, M, N, K, stream),
-                 "sm90_gemm_3xtf32_train");
-  } else {
-    const SplitX xs = split_x(x, M, K, stream);
+  const bool sm90 = use_sm90(w, M, N, K);
+  SplitX xs{};
+  if (!sm90) {
+    xs = split_x(x, M, K, stream);
     // Hopper with M <= 8 * BLOCK_M: one cluster-launched kernel does everything.
     const cudaError_t fused = sm90_gemm_3xtf32_train_fused(
         xs.big, xs.small, w, out.data_ptr<float>(), bias.data_ptr<float>(), scale.data_ptr<float>(),
@@ -197,18 +269,12 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
       check_launch(fused, "sm90_gemm_3xtf32_train_fused");
       return out;
     }
-    block_m = sm80_gemm_block_m();
-    scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
-    check_launch(sm80_gemm_3xtf32_train(xs.big, xs.small, w, out.data_ptr<float>(), scratch.part_mean,
-                                        scratch.part_m2, M, N, K, stream),
-                 "sm80_gemm_3xtf32_train");
   }
-
-  // Multi-pass tail: merge the per-tile statistics, update the running
-  // statistics, normalise in place (one kernel).
-  const int num_m_tiles = (M + block_m - 1) / block_m;
-  check_launch(bn_apply(out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, num_m_tiles, block_m, M, N,
-                        bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
+  TrainScratch scratch;
+  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, stream);
+  // Merge the per-tile statistics, update the running statistics, normalise in place (one kernel).
+  check_launch(bn_apply(out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m,
+                        block_m, M, N, bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
                         bn_bias.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
                         static_cast<float>(momentum), static_cast<float>(eps), running_mean.data_ptr<float>(),
                         running_var.data_ptr<float>(), stream),
@@ -216,36 +282,53 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
   return out;
 }
 
+// Linear -> scale -> BatchNorm1d, eval mode (problem 33).
 torch::Tensor forward_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
                            torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
                            torch::Tensor running_var, double eps) {
+  return gemm_eval(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, false);
+}
+
+// Linear -> BatchNorm1d -> scale -> Softmax(dim=1), training mode (problem 84).
+torch::Tensor forward_softmax_train(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+                                    torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
+                                    torch::Tensor running_var, torch::Tensor num_batches_tracked, double momentum,
+                                    double eps) {
   const auto [M, N, K] = check_gemm_operands(x, weight);
-  check_vector(bias, "gemm.bias", N, x);
-  check_vector(scale, "scale", N, x);
-  check_vector(bn_weight, "bn.weight", N, x);
-  check_vector(bn_bias, "bn.bias", N, x);
-  check_vector(running_mean, "bn.running_mean", N, x);
-  check_vector(running_var, "bn.running_var", N, x);
+  check_training(x, M, N, num_batches_tracked);
+  check_bn_tensors({bias, scale, bn_weight, bn_bias, running_mean, running_var}, N, x);
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
   const float* w = weight.data_ptr<float>();
-  if (use_sm90(w, M, N, K)) {
-    const RemainderX xr = remainder_x(x, M, K, stream);
-    check_launch(sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w, out.data_ptr<float>(),
-                                       bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
-                                       bn_bias.data_ptr<float>(), running_mean.data_ptr<float>(),
-                                       running_var.data_ptr<float>(), static_cast<float>(eps), M, N, K, stream),
-                 "sm90_gemm_3xtf32_eval");
-    return out;
-  }
-  const SplitX xs = split_x(x, M, K, stream);
-  check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), bias.data_ptr<float>(),
-                                     scale.data_ptr<float>(), bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+  const bool sm90 = use_sm90(w, M, N, K);
+  const SplitX xs = sm90 ? SplitX{} : split_x(x, M, K, stream);
+  TrainScratch scratch;
+  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, stream);
+  torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
+  check_launch(bn_softmax_fold_train(scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m, block_m, M, N,
+                                     bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
+                                     bn_bias.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
+                                     static_cast<float>(momentum), static_cast<float>(eps),
                                      running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
-                                     static_cast<float>(eps), M, N, K, stream),
-               "sm80_gemm_3xtf32_eval");
+                                     coeff.data_ptr<float>(), stream),
+               "bn_softmax_fold_train");
+  check_launch(softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), M, N, stream), "softmax_rows");
+  return out;
+}
+
+// Linear -> BatchNorm1d -> scale -> Softmax(dim=1), eval mode (problem 84):
+// the GEMM epilogue writes the folded logits, one row kernel the softmax.
+torch::Tensor forward_softmax_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+                                   torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
+                                   torch::Tensor running_var, double eps) {
+  torch::Tensor out = gemm_eval(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, true);
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  check_launch(softmax_rows(out.data_ptr<float>(), nullptr, static_cast<int>(out.size(0)),
+                            static_cast<int>(out.size(1)), stream),
+               "softmax_rows");
   return out;
 }

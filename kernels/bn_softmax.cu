@@ -1,0 +1,244 @@
+// bn_softmax.cu -- after the GEMM, the rest of Linear -> BatchNorm1d -> scale ->
+// Softmax(dim=1) (KernelBench level 2, problem 84).
+//
+// bn_softmax_fold_train (training; one thread per feature j)
+//   Inputs: part_mean, part_m2 (num_m_tiles, N) from a GEMM's kTrain epilogue
+//   over z = x @ W^T (no bias); bias, scale, bn_weight, bn_bias (N);
+//   num_batches_tracked (int64, already incremented).
+//   BatchNorm sees y = z + bias: mean_y = mean_z + bias, var_y = var_z, so
+//     v[m, j] = scale_j * (bn_weight_j (y - mean_y) / sqrt(var_y + eps) + bn_bias_j)
+//             = (z[m, j] - mean_z[j]) * a_j + c_j,
+//     a_j = scale_j bn_weight_j / sqrt(var_z + eps)  (var biased),  c_j = scale_j bn_bias_j.
+//   Writes coeff = [mean_z | a | c] (3 N floats) and updates running_mean /
+//   running_var as nn.BatchNorm1d (unbiased variance; momentum < 0 means
+//   momentum=None, the cumulative average).
+//   Numerics: statistics merged in float64 (merge_tile_statistics,
+//   bn_stats.cuh); mean_z, a, c rounded to float32 once each.  Subtracting
+//   mean_z before scaling keeps v accurate when |mean_z| >> std(z).
+//
+// softmax_rows (training and eval; one CTA per row m, in place over out (M, N))
+//   out[m, :] = softmax(v[m, :]),  v = (out - mean_z) * a + c with coeff, or
+//   v = out without (eval: the GEMM epilogue already wrote v).
+//   softmax(v)_j = exp(v_j - max v) / sum_i exp(v_i - max v): the row maximum
+//   is subtracted (no overflow), expf and the division are IEEE float32
+//   (no fast-math), the row sum is a float32 tree reduction; error about
+//   1e-7 relative per element, as PyTorch's own softmax.
+//   Memory: one read and one write of the row.  The CTA keeps v (then its
+//   exponentials) in shared memory, N * 4 bytes (32 KB for N = 8192); rows
+//   longer than the device's shared memory allows take the online variant
+//   (running max and rescaled sum, Milakov & Gimelshein 2018, "Online
+//   normalizer calculation for softmax"), which reads the row twice.
+//   NaN anywhere in a row makes the whole row NaN (through the sum), as
+//   PyTorch.
+//
+// Layout: row-major, contiguous float32.  16-byte accesses when N % 4 == 0
+// and out and coeff are 16-byte aligned, else 4-byte.  Any M >= 1, N >= 1.
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "bn_stats.cuh"
+
+namespace fused_gemm_bn {
+namespace softmax {
+
+constexpr int kFoldThreads = 256;
+constexpr int kRowThreads = 512;  // N = 8192: four float4 per thread
+constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static array
+
+struct FoldArgs {
+  const float* part_mean;
+  const float* part_m2;
+  int num_m_tiles, block_m, M, N;
+  const float* bias;
+  const float* scale;
+  const float* bn_weight;
+  const float* bn_bias;
+  const int64_t* num_batches_tracked;
+  float momentum, eps;
+  float* running_mean;
+  float* running_var;
+  float* coeff;  // [mean_z | a | c], 3 N
+};
+
+__global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(const FoldArgs p) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= p.N) return;
+  double mean, m2;
+  merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
+  const double count = static_cast<double>(p.M);
+  const double s = p.scale[j];
+  p.coeff[j] = static_cast<float>(mean);
+  p.coeff[p.N + j] = static_cast<float>(s * p.bn_weight[j] / sqrt(m2 / count + static_cast<double>(p.eps)));
+  p.coeff[2 * p.N + j] = static_cast<float>(s * p.bn_bias[j]);
+  // BatchNorm normalises z + bias itself: the scale does not enter the running statistics.
+  bn_update_running(mean, m2, count, p.bias[j], 1.0f, p.momentum, p.num_batches_tracked, p.running_mean + j,
+                    p.running_var + j);
+}
+
+template <int kVec>
+struct Vec;
+template <>
+struct Vec<4> {
+  using type = float4;
+};
+template <>
+struct Vec<1> {
+  using type = float;
+};
+
+__device__ __forceinline__ float& elem(float4& v, int e) { return (&v.x)[e]; }
+__device__ __forceinline__ float& elem(float& v, int) { return v; }
+
+// Max or sum over the CTA, returned to every thread.  `red` holds one value per warp.
+template <bool kMax>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = kMax ? fmaxf(v, other) : v + other;
+  }
+  __syncthreads();  // red is reused by consecutive reductions
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = red[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) v = kMax ? fmaxf(v, red[w]) : v + red[w];
+  return v;
+}
+
+struct RowArgs {
+  float* out;
+  const float* coeff;  // [mean_z | a | c] or nullptr
+  int N;
+};
+
+// v for the kVec elements of group i of the row.
+template <int kVec, bool kAffine>
+__device__ __forceinline__ typename Vec<kVec>::type load_v(const RowArgs& p, const float* row, int i) {
+  using V = typename Vec<kVec>::type;
+  V v = reinterpret_cast<const V*>(row)[i];
+  if constexpr (kAffine) {
+    V mean = reinterpret_cast<const V*>(p.coeff)[i];
+    V a = reinterpret_cast<const V*>(p.coeff + p.N)[i];
+    V c = reinterpret_cast<const V*>(p.coeff + 2 * p.N)[i];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) elem(v, e) = fmaf(elem(v, e) - elem(mean, e), elem(a, e), elem(c, e));
+  }
+  return v;
+}
+
+// kCached: v kept in dynamic shared memory (one global read); else online
+// max / sum and a second read of the row.
+template <int kVec, bool kAffine, bool kCached>
+__global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs p) {
+  using V = typename Vec<kVec>::type;
+  extern __shared__ float4 dynamic_smem[];
+  V* cache = reinterpret_cast<V*>(dynamic_smem);
+  __shared__ float red[kRowThreads / 32];
+  float* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
+  const int num_groups = p.N / kVec;
+
+  float thread_max = -INFINITY, thread_sum = 0.f;
+  for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
+    V v = load_v<kVec, kAffine>(p, row, i);
+    if constexpr (kCached) {
+      cache[i] = v;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) thread_max = fmaxf(thread_max, elem(v, e));
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float x = elem(v, e);
+        const float new_max = fmaxf(thread_max, x);
+        thread_sum = thread_sum * expf(thread_max - new_max) + expf(x - new_max);
+        thread_max = new_max;
+      }
+    }
+  }
+  const float row_max = block_reduce<true>(thread_max, red);
+
+  if constexpr (kCached) {
+    for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
+      V v = cache[i];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        elem(v, e) = expf(elem(v, e) - row_max);
+        thread_sum += elem(v, e);
+      }
+      cache[i] = v;
+    }
+  } else {
+    thread_sum = thread_max == -INFINITY ? 0.f : thread_sum * expf(thread_max - row_max);
+  }
+  const float row_sum = block_reduce<false>(thread_sum, red);
+
+  for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
+    V v;
+    if constexpr (kCached) {
+      v = cache[i];
+    } else {
+      v = load_v<kVec, kAffine>(p, row, i);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) elem(v, e) = expf(elem(v, e) - row_max);
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) elem(v, e) = elem(v, e) / row_sum;
+    reinterpret_cast<V*>(row)[i] = v;
+  }
+}
+
+template <int kVec, bool kAffine>
+cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
+  const int num_groups = p.N / kVec;
+  const int threads = min(kRowThreads, max(32, (num_groups + 31) / 32 * 32));
+  int device = 0, max_optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  const size_t cache_bytes = static_cast<size_t>(p.N) * sizeof(float);
+  if (cache_bytes + kStaticSmemBytes <= static_cast<size_t>(max_optin)) {
+    auto kernel = softmax_rows_kernel<kVec, kAffine, true>;
+    if (cache_bytes > 48 * 1024) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cache_bytes));
+      if (err != cudaSuccess) return err;
+    }
+    kernel<<<M, threads, cache_bytes, stream>>>(p);
+  } else {
+    softmax_rows_kernel<kVec, kAffine, false><<<M, threads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace softmax
+}  // namespace fused_gemm_bn
+
+// Training: per-feature coefficients for softmax_rows and the running-statistics
+// update, from the GEMM's per-tile statistics.  coeff: 3 N floats.
+cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
+                                  int N, const float* bias, const float* scale, const float* bn_weight,
+                                  const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
+                                  float* running_mean, float* running_var, float* coeff, cudaStream_t stream) {
+  using namespace fused_gemm_bn::softmax;
+  if (M == 0 || N == 0) return cudaSuccess;
+  const FoldArgs p{part_mean, part_m2,   num_m_tiles, block_m, M,        N,           bias,
+                   scale,     bn_weight, bn_bias,     num_batches_tracked, momentum, eps, running_mean,
+                   running_var, coeff};
+  bn_softmax_fold_train_kernel<<<(N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// out (M, N) <- softmax over each row of (out - mean_z) * a + c (coeff = [mean_z | a | c])
+// or of out itself (coeff == nullptr), in place.
+cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream) {
+  using namespace fused_gemm_bn::softmax;
+  if (M == 0 || N == 0) return cudaSuccess;
+  const RowArgs p{out, coeff, N};
+  const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(coeff) % 16 == 0;
+  if (coeff != nullptr) {
+    return vec4 ? launch_softmax_rows<4, true>(p, M, stream) : launch_softmax_rows<1, true>(p, M, stream);
+  }
+  return vec4 ? launch_softmax_rows<4, false>(p, M, stream) : launch_softmax_rows<1, false>(p, M, stream);
+}

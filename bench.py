@@ -1,6 +1,10 @@
-"""Forward-pass benchmark: ModelNew (fused Linear -> scale -> BatchNorm1d on
-3xTF32 tensor cores) against reference.Model in eager mode and under
-torch.compile, all float32 on one CUDA GPU, in one process.
+"""Forward-pass benchmark: ModelNew against its reference Model in eager mode
+and under torch.compile, all float32 on one CUDA GPU, in one process, for
+  --model 33: Linear -> scale -> BatchNorm1d          (reference.py, model_new.py)
+  --model 84: Linear -> BatchNorm1d -> scale -> Softmax
+              (level2_84_gemm_batchnorm_scaling_softmax/)
+  --model both (default): 33, then 84.
+Both ModelNews run the 3xTF32 tensor-core GEMM of kernels/.
 
 How it measures: each side's forward call is bracketed by a pair of CUDA events.
 Before every call, outside the events, a 256 MB buffer is zeroed to flush L2,
@@ -15,11 +19,13 @@ Reported per side: median and min ms; GEMM TFLOP/s = 2*M*N*K / median time (the
 scale and BatchNorm work is not counted); speedup = eager_ms / ms; time ratio =
 ms / eager_ms; relative error ||y - y64||_F / ||y64||_F against reference.Model
 copied to float64 with the same parameters and state, on one fresh input.
-Exit status: 0 ok; 1 ModelNew not allclose(atol=rtol=1e-4) to the eager Model;
-2 no CUDA GPU.  M = batch, K = in_features, N = out_features.
+Exit status: 0 ok; 1 ModelNew not close to the eager Model (33: allclose with
+atol=rtol=1e-4; 84, whose outputs are about 1/N: |ours - eager| <= 1e-4 |eager|
++ 1e-7 elementwise); 2 no CUDA GPU.  M = batch, K = in_features, N = out_features.
 """
 import argparse
 import copy
+import importlib
 import json
 import os
 import platform
@@ -30,13 +36,33 @@ import time
 
 import torch
 
-from reference import Model
-
 DEVICE = "cuda"
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 NUM_INPUTS = 4
 EVAL_TRAIN_STEPS = 3  # training steps before --mode eval, so the running statistics are not 0 / 1
 ATOL = RTOL = 1e-4
+SOFTMAX_RTOL, SOFTMAX_ATOL = 1e-4, 1e-7
+
+
+def _allclose(y_new, y_ref):
+    return bool(torch.allclose(y_new, y_ref, atol=ATOL, rtol=RTOL))
+
+
+def _softmax_close(y_new, y_ref):
+    return bool(((y_new - y_ref).abs() <= SOFTMAX_RTOL * y_ref.abs() + SOFTMAX_ATOL).all())
+
+
+# Each problem: modules (imported when benched; importing a model_new builds the
+# extension), constructor arguments for (K, N), and the closeness test.
+PROBLEMS = {
+    "33": {"title": "Linear -> scale -> BatchNorm1d", "reference": "reference", "model_new": "model_new",
+           "init": lambda k, n: (k, n, (n,)), "close": _allclose, "close_text": f"allclose(atol=rtol={ATOL:g})"},
+    "84": {"title": "Linear -> BatchNorm1d -> scale -> Softmax",
+           "reference": "level2_84_gemm_batchnorm_scaling_softmax.reference",
+           "model_new": "level2_84_gemm_batchnorm_scaling_softmax.model_new",
+           "init": lambda k, n: (k, n), "close": _softmax_close,
+           "close_text": f"|diff| <= {SOFTMAX_RTOL:g} |eager| + {SOFTMAX_ATOL:g}"},
+}
 # --sweep grid (M, K, N): batch 128..4096 x features 1024..8192 (K = N), plus
 # shapes whose sizes are not multiples of the tiles.
 SWEEP_SHAPES = ([(m, f, f) for f in (1024, 2048, 4096, 8192) for m in (128, 256, 512, 1024, 2048, 4096)] +
@@ -55,6 +81,8 @@ def _parse_shape(text):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("33", "84", "both"), default="both",
+                   help="KernelBench level 2 problem to bench (default: both)")
     p.add_argument("--shape", type=_parse_shape, default=(1024, 8192, 8192), metavar="M,K,N",
                    help="batch, in_features, out_features (default: KernelBench's 1024,8192,8192)")
     p.add_argument("--mode", choices=("train", "eval", "both"), default="train",
@@ -77,15 +105,15 @@ def parse_args(argv=None):
     return args
 
 
-def build_models(model_new_cls, shape, mode, seed):
+def build_models(problem, shape, mode, seed):
     """(Model, ModelNew) on DEVICE with bit-identical parameters (the same seed
     before each constructor).  For mode "eval", both first take EVAL_TRAIN_STEPS
     training steps on the same inputs, then switch to eval."""
     m, k, n = shape
     models = []
-    for cls in (Model, model_new_cls):
+    for cls in (problem["Model"], problem["ModelNew"]):
         torch.manual_seed(seed)
-        models.append(cls(k, n, (n,)).to(DEVICE).train())
+        models.append(cls(*problem["init"](k, n)).to(DEVICE).train())
     ref, new = models
     ref_state, new_state = ref.state_dict(), new.state_dict()
     if ref_state.keys() != new_state.keys() or not all(torch.equal(v, new_state[key]) for key, v in ref_state.items()):
@@ -129,9 +157,10 @@ def try_compile(model, x):
     return compiled
 
 
-def check_accuracy(sides, ref, x):
+def check_accuracy(problem, sides, ref, x):
     """Relative Frobenius error of each side against `ref` copied to float64
-    (same parameters and state) on x, plus ModelNew vs eager max |diff| and allclose.
+    (same parameters and state) on x, plus ModelNew vs eager max |diff| and the
+    problem's closeness test.
     Calls the timed models themselves: in train mode that advances their running
     statistics by one step, which the train-mode output and the timings do not depend on."""
     ref64 = copy.deepcopy(ref).double()
@@ -142,7 +171,7 @@ def check_accuracy(sides, ref, x):
         errors = {name: ((y.double() - y64).norm() / y64.norm()).item() for name, y in outs.items()}
         y_ref, y_new = outs["eager"], outs["ModelNew"]
         check = {"max_abs_diff_vs_eager": (y_new - y_ref).abs().max().item(),
-                 "allclose_vs_eager": bool(torch.allclose(y_new, y_ref, atol=ATOL, rtol=RTOL))}
+                 "close_vs_eager": problem["close"](y_new, y_ref)}
     return errors, check
 
 
@@ -170,10 +199,10 @@ def time_fn(fns, inputs, iters, warmup):
     return {name: [start.elapsed_time(end) for start, end in events[name]] for name in names}
 
 
-def bench_mode(model_new_cls, args, mode):
+def bench_mode(problem, args, mode):
     """Builds, checks and times every side in one BatchNorm mode; returns (rows, check)."""
     m, k, n = args.shape
-    ref, new = build_models(model_new_cls, args.shape, mode, args.seed)
+    ref, new = build_models(problem, args.shape, mode, args.seed)
     inputs = [torch.rand(m, k, device=DEVICE) for _ in range(NUM_INPUTS)]
     x_check = torch.rand(m, k, device=DEVICE)
     with torch.set_grad_enabled(args.grad):
@@ -182,7 +211,7 @@ def bench_mode(model_new_cls, args, mode):
         if compiled is not None:
             sides["compile"] = compiled
         sides["ModelNew"] = new
-        errors, check = check_accuracy(sides, ref, x_check)
+        errors, check = check_accuracy(problem, sides, ref, x_check)
         times = time_fn(sides, inputs, args.iters, args.warmup)
     eager_ms = statistics.median(times["eager"])
     rows = []
@@ -192,7 +221,7 @@ def bench_mode(model_new_cls, args, mode):
                      "gemm_tflops": 2.0 * m * n * k / (ms * 1e-3) / 1e12,
                      "speedup_vs_eager": eager_ms / ms, "time_ratio_vs_eager": ms / eager_ms,
                      "rel_err_vs_fp64": errors[name]})
-    return rows, dict(check, mode=mode)
+    return rows, dict(check, mode=mode, model=problem["name"])
 
 
 def _git_revision():
@@ -204,36 +233,38 @@ def _git_revision():
         return None
 
 
-def print_table(rows, check, grad):
-    print(f"\nmode={check['mode']}, grad={'enabled' if grad else 'disabled (torch.no_grad)'}")
+def print_table(problem, rows, check, grad):
+    print(f"\nproblem {problem['name']} ({problem['title']}), mode={check['mode']}, "
+          f"grad={'enabled' if grad else 'disabled (torch.no_grad)'}")
     print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}"
           f"{'time/eager':>12}{'rel err vs fp64':>17}")
     for r in rows:
         print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
               f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}{r['rel_err_vs_fp64']:>17.2e}")
     print(f"ModelNew vs eager: max |diff| {check['max_abs_diff_vs_eager']:.2e}, "
-          f"allclose(atol=rtol={ATOL:g}): {'yes' if check['allclose_vs_eager'] else 'NO'}")
+          f"{problem['close_text']}: {'yes' if check['close_vs_eager'] else 'NO'}")
 
 
-def run_sweep(model_new_cls, args, modes):
+def run_sweep(problem, args, modes):
     """Eager Model vs ModelNew over SWEEP_SHAPES; returns the rows (one per shape and mode)."""
     rows = []
-    print(f"\n{'mode':<6}{'M':>6}{'K':>7}{'N':>7}{'eager ms':>11}{'ModelNew ms':>13}{'speedup':>9}"
+    print(f"\nproblem {problem['name']} ({problem['title']})")
+    print(f"{'mode':<6}{'M':>6}{'K':>7}{'N':>7}{'eager ms':>11}{'ModelNew ms':>13}{'speedup':>9}"
           f"{'time/eager':>12}{'rel err':>10}{'eager err':>11}")
     for mode in modes:
         for shape in SWEEP_SHAPES:
             m, k, n = shape
-            ref, new = build_models(model_new_cls, shape, mode, args.seed)
+            ref, new = build_models(problem, shape, mode, args.seed)
             inputs = [torch.rand(m, k, device=DEVICE) for _ in range(NUM_INPUTS)]
             with torch.no_grad():
                 sides = {"eager": ref, "ModelNew": new}
-                errors, check = check_accuracy(sides, ref, torch.rand(m, k, device=DEVICE))
+                errors, check = check_accuracy(problem, sides, ref, torch.rand(m, k, device=DEVICE))
                 times = time_fn(sides, inputs, args.iters, args.warmup)
             eager_ms, new_ms = statistics.median(times["eager"]), statistics.median(times["ModelNew"])
             row = {"mode": mode, "M": m, "K": k, "N": n, "eager_ms": eager_ms, "modelnew_ms": new_ms,
                    "speedup_vs_eager": eager_ms / new_ms, "time_ratio_vs_eager": new_ms / eager_ms,
                    "rel_err_vs_fp64": errors["ModelNew"], "eager_rel_err_vs_fp64": errors["eager"],
-                   "allclose_vs_eager": check["allclose_vs_eager"]}
+                   "close_vs_eager": check["close_vs_eager"]}
             rows.append(row)
             print(f"{mode:<6}{m:>6}{k:>7}{n:>7}{eager_ms:>11.3f}{new_ms:>13.3f}{eager_ms / new_ms:>8.2f}x"
                   f"{new_ms / eager_ms:>12.3f}{errors['ModelNew']:>10.1e}{errors['eager']:>11.1e}", flush=True)
@@ -265,11 +296,36 @@ def plot_sweep(rows, path, env):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch M")
     ax.set_ylabel("speedup over eager Model (x)")
-    ax.set_title(f"ModelNew vs eager, float32, {env['device']}, torch {env['torch']}")
+    ax.set_title(f"problem {env['model']}: ModelNew vs eager, float32, {env['device']}, torch {env['torch']}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+def load_problem(name):
+    """PROBLEMS[name] with its Model and ModelNew classes (imports build the extension)."""
+    problem = dict(PROBLEMS[name], name=name)
+    problem["Model"] = importlib.import_module(problem["reference"]).Model
+    problem["ModelNew"] = importlib.import_module(problem["model_new"]).ModelNew
+    return problem
+
+
+def sweep_problem(problem, args, modes, env):
+    rows = run_sweep(problem, args, modes)
+    out_dir = os.path.dirname(args.json) or "."
+    os.makedirs(out_dir, exist_ok=True)
+    stem = "sweep" if problem["name"] == "33" else f"sweep_{problem['name']}"
+    json_path = os.path.join(out_dir, f"{stem}.json")
+    with open(json_path, "w") as f:
+        json.dump({"env": dict(env, model=problem["name"]), "args": vars(args), "rows": rows}, f, indent=2)
+    png = plot_sweep(rows, os.path.join(out_dir, f"{stem}.png"), dict(env, model=problem["name"]))
+    slower = [r for r in rows if r["time_ratio_vs_eager"] > 1.0]
+    wrong = [r for r in rows if not r["close_vs_eager"]]
+    print(f"\nwrote {json_path}" + (f" and {png}" if png else ""))
+    print(f"problem {problem['name']}: shapes where ModelNew is slower than eager: {len(slower)} of {len(rows)}; "
+          f"not close: {len(wrong)}")
+    return not wrong
 
 
 def main(argv=None):
@@ -280,7 +336,7 @@ def main(argv=None):
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 GEMMs in eager and compiled sides (the default)
     t0 = time.perf_counter()
-    from model_new import ModelNew  # builds the CUDA extension at import
+    problems = [load_problem(name) for name in (("33", "84") if args.model == "both" else (args.model,))]
     build_s = time.perf_counter() - t0
 
     m, k, n = args.shape
@@ -296,27 +352,17 @@ def main(argv=None):
 
     modes = ["train", "eval"] if args.mode == "both" else [args.mode]
     if args.sweep:
-        rows = run_sweep(ModelNew, args, modes)
-        out_dir = os.path.dirname(args.json) or "."
-        os.makedirs(out_dir, exist_ok=True)
-        json_path = os.path.join(out_dir, "sweep.json")
-        with open(json_path, "w") as f:
-            json.dump({"env": env, "args": vars(args), "rows": rows}, f, indent=2)
-        png = plot_sweep(rows, os.path.join(out_dir, "sweep.png"), env)
-        slower = [r for r in rows if r["time_ratio_vs_eager"] > 1.0]
-        wrong = [r for r in rows if not r["allclose_vs_eager"]]
-        print(f"\nwrote {json_path}" + (f" and {png}" if png else ""))
-        print(f"shapes where ModelNew is slower than eager: {len(slower)} of {len(rows)}; "
-              f"not allclose: {len(wrong)}")
-        return 1 if wrong else 0
+        ok = [sweep_problem(problem, args, modes, env) for problem in problems]
+        return 0 if all(ok) else 1
     rows, checks = [], []
-    for mode in modes:
-        mode_rows, check = bench_mode(ModelNew, args, mode)
-        print_table(mode_rows, check, args.grad)
-        rows += mode_rows
-        checks.append(check)
-        _reset_dynamo()
-        torch.cuda.empty_cache()
+    for problem in problems:
+        for mode in modes:
+            mode_rows, check = bench_mode(problem, args, mode)
+            print_table(problem, mode_rows, check, args.grad)
+            rows += [dict(r, model=problem["name"]) for r in mode_rows]
+            checks.append(check)
+            _reset_dynamo()
+            torch.cuda.empty_cache()
 
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
@@ -324,9 +370,9 @@ def main(argv=None):
                   f, indent=2)
     print(f"\nwrote {args.json}")
 
-    failed = [c for c in checks if not c["allclose_vs_eager"]]
+    failed = [c for c in checks if not c["close_vs_eager"]]
     for c in failed:
-        print(f"WARNING: ModelNew is not allclose(atol=rtol={ATOL:g}) to reference Model in {c['mode']} mode "
+        print(f"WARNING: problem {c['model']} ModelNew is not close to the reference Model in {c['mode']} mode "
               f"(max |diff| {c['max_abs_diff_vs_eager']:.2e})")
     return 1 if failed else 0
 

@@ -95,7 +95,7 @@ _EMBEDDED_SOURCES = {
 //
 // Work split: each thread owns fixed columns (4 with 16-byte accesses when
 // N % 4 == 0 and all pointers are 16-byte aligned, else 1) and walks
-// rows_per_block rows; every block merges the statistics of its own columns
+// rows_per_block rows (32, fewer for small M * N so the grid fills the GPU); every block merges the statistics of its own columns
 // (num_m_tiles * 2 loads each, from L2), and the blocks of row 0 write the
 // running statistics, once per feature.  Memory-bound: one read and one write
 // of z.  Precondition: M >= 2 (the caller raises PyTorch's error for M == 1).
@@ -109,6 +109,7 @@ namespace fused_gemm_bn {
 
 constexpr int kApplyThreads = 256;
 constexpr int kApplyRowsPerBlock = 32;  // 32 row blocks at M = 1024: the statistics are re-merged 32x, from L2
+constexpr int kApplyTargetBlocks = 264;  // two per SM of an H100 / H200
 
 struct BnApplyArgs {
   float* z;
@@ -186,11 +187,17 @@ cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int
   BnApplyArgs p{z,        part_mean, part_m2,   num_m_tiles, block_m,  M,           N,           bias,
                 scale,    bn_weight, bn_bias,   num_batches_tracked,   momentum,    eps,         running_mean,
                 running_var, 0};
-  // grid.y is capped at 65535: very tall inputs give each block more rows.
-  p.rows_per_block = max(kApplyRowsPerBlock, (M + 65534) / 65535);
   const int cols_per_thread = vec4 ? 4 : 1;
   const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
-  const dim3 grid((threads_needed + kApplyThreads - 1) / kApplyThreads, (M + p.rows_per_block - 1) / p.rows_per_block);
+  const int blocks_x = (threads_needed + kApplyThreads - 1) / kApplyThreads;
+  // Up to kApplyRowsPerBlock rows per block, fewer where that would leave fewer
+  // than kApplyTargetBlocks blocks (small M * N: 8 blocks of 32 rows took
+  // 12.5 us at M = 256, N = 1024 on an H200, docs/perf.md); grid.y is capped at
+  // 65535, so very tall inputs give each block more rows.
+  const int rows_for_target = static_cast<int>((static_cast<int64_t>(M) * blocks_x + kApplyTargetBlocks - 1) /
+                                               kApplyTargetBlocks);
+  p.rows_per_block = max(max(1, min(kApplyRowsPerBlock, rows_for_target)), (M + 65534) / 65535);
+  const dim3 grid(blocks_x, (M + p.rows_per_block - 1) / p.rows_per_block);
   if (vec4) {
     bn_apply_kernel<true><<<grid, kApplyThreads, 0, stream>>>(p);
   } else {
@@ -1911,6 +1918,11 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
 // 8 (kl % 4) + 2 s + kl / 4, the permutation the GEMM applies to w (see
 // sm80_gemm_3xtf32_bn.cu).  One 16-byte shared load is then one A operand.
 // Memory-bound: reads M*K floats, writes 2*M_pad*K_pad.
+//
+// Both kernels take `counter` (int64, may be null): thread 0 of block 0 adds 1
+// to it.  A training call passes bn.num_batches_tracked, so its increment
+// (nn.BatchNorm1d's first step) costs no launch of its own; the call's later
+// kernels see the new value by stream order.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -1932,8 +1944,10 @@ __device__ __forceinline__ void split_rna_tf32(float v, float& big, float& small
 // One thread per output float4 (one lane's registers for one k-step).
 __global__ void __launch_bounds__(kSplitThreads)
     split_tf32_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int M, int K,
-                      int num_slabs, int64_t num_quads, float* __restrict__ big, float* __restrict__ small) {
+                      int num_slabs, int64_t num_quads, float* __restrict__ big, float* __restrict__ small,
+                      int64_t* counter) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *counter += 1;
   const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (q >= num_quads) return;
   const int lane = static_cast<int>(q % 32);
@@ -1974,7 +1988,9 @@ __device__ __forceinline__ float remainder_rna_tf32(float v) {
 // x and x_small: (M, K) float32, contiguous, same layout.  n4 = M*K/4 float4s
 // (the caller guarantees 16-byte alignment and K % 4 == 0).
 __global__ void __launch_bounds__(kSplitThreads)
-    split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4) {
+    split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
+                                int64_t* counter) {
+  if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *counter += 1;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += stride) {
     const float4 v = x[i];
@@ -1998,31 +2014,33 @@ int64_t split_tf32_elems(int M, int K) {
 }
 
 cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
-                       float* small, cudaStream_t stream) {
+                       float* small, int64_t* counter, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   const int num_slabs = (K + kFragSlabK - 1) / kFragSlabK;
   const int64_t num_quads = split_tf32_elems(M, K) / 4;
-  const int64_t blocks = (num_quads + kSplitThreads - 1) / kSplitThreads;
-  if (blocks == 0) return cudaSuccess;
+  int64_t blocks = (num_quads + kSplitThreads - 1) / kSplitThreads;
+  if (blocks == 0 && counter == nullptr) return cudaSuccess;
+  if (blocks == 0) blocks = 1;  // still counts the call
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   split_tf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
-      x, row_stride, col_stride, M, K, num_slabs, num_quads, big, small);
+      x, row_stride, col_stride, M, K, num_slabs, num_quads, big, small, counter);
   return cudaGetLastError();
 }
 
 // x_small = x - tf32_trunc(x) over a contiguous (M, K) x with K % 4 == 0.
-cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, cudaStream_t stream) {
+cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter,
+                                 cudaStream_t stream) {
   using namespace fused_gemm_bn;
   const int64_t n4 = static_cast<int64_t>(M) * K / 4;
-  if (n4 == 0) return cudaSuccess;
+  if (n4 == 0 && counter == nullptr) return cudaSuccess;
   int device = 0, num_sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   const int64_t wanted = (n4 + kSplitThreads - 1) / kSplitThreads;
-  const int blocks = static_cast<int>(wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
-  split_tf32_remainder_kernel<<<blocks, kSplitThreads, 0, stream>>>(reinterpret_cast<const float4*>(x),
-                                                                     reinterpret_cast<float4*>(x_small), n4);
+  const int blocks = static_cast<int>(wanted < 1 ? 1 : wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
+  split_tf32_remainder_kernel<<<blocks, kSplitThreads, 0, stream>>>(
+      reinterpret_cast<const float4*>(x), reinterpret_cast<float4*>(x_small), n4, counter);
   return cudaGetLastError();
 }
 ''',
@@ -2048,8 +2066,9 @@ cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, c
 //     then (both multi-pass paths), one kernel:
 //       merge statistics, update running statistics,
 //       out = (z - mean_z) * a + bn_bias in place      (bn_apply.cu)
-//     momentum < 0 means momentum=None (cumulative average).  The caller
-//     increments num_batches_tracked first, as nn.BatchNorm1d does.
+//     momentum < 0 means momentum=None (cumulative average).  The first
+//     kernel (the x split) increments num_batches_tracked, as nn.BatchNorm1d
+//     does before using it; the caller must not.
 //   forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                running_var, eps) -> out (M, N)
 //       split pre-pass (as above), then one GEMM launch (Hopper or portable)
@@ -2071,7 +2090,8 @@ cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, c
 int sm80_gemm_block_m();
 int sm90_gemm_block_m();
 bool sm90_gemm_supported(const float* w, int M, int N, int K);
-cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, cudaStream_t stream);
+cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter,
+                                 cudaStream_t stream);
 cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
                                    float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream);
 cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
@@ -2080,7 +2100,7 @@ cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const fl
                                   float eps, bool scale_after_bn, int M, int N, int K, cudaStream_t stream);
 int64_t split_tf32_elems(int M, int K);
 cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
-                       float* small, cudaStream_t stream);
+                       float* small, int64_t* counter, cudaStream_t stream);
 cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
                                    float* out, float* part_mean, float* part_m2, int M, int N, int K,
                                    cudaStream_t stream);
@@ -2144,12 +2164,15 @@ struct SplitX {
   const float* small;
 };
 
-SplitX split_x(const torch::Tensor& x, int M, int K, cudaStream_t stream) {
+// `counter`: bn.num_batches_tracked in training (incremented by the split
+// kernel, see split_tf32.cu), else null.
+SplitX split_x(const torch::Tensor& x, int M, int K, int64_t* counter, cudaStream_t stream) {
   const int64_t elems = split_tf32_elems(M, K);
   torch::Tensor storage = torch::empty({2 * elems}, x.options());
   float* big = storage.data_ptr<float>();
   float* small = big + elems;
-  check_launch(split_tf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, big, small, stream), "split_tf32");
+  check_launch(split_tf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, big, small, counter, stream),
+               "split_tf32");
   return {storage, big, small};
 }
 
@@ -2169,11 +2192,11 @@ struct RemainderX {
   torch::Tensor small;
 };
 
-RemainderX remainder_x(const torch::Tensor& x, int M, int K, cudaStream_t stream) {
+RemainderX remainder_x(const torch::Tensor& x, int M, int K, int64_t* counter, cudaStream_t stream) {
   const bool ready = x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   torch::Tensor xc = ready ? x : x.clone(at::MemoryFormat::Contiguous);
   torch::Tensor small = torch::empty({M, K}, x.options());
-  check_launch(split_tf32_remainder(xc.data_ptr<float>(), M, K, small.data_ptr<float>(), stream),
+  check_launch(split_tf32_remainder(xc.data_ptr<float>(), M, K, small.data_ptr<float>(), counter, stream),
                "split_tf32_remainder");
   return {xc, small};
 }
@@ -2217,13 +2240,15 @@ void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& n
 
 // z = x @ weight^T into out, and z's per-tile statistics into scratch (kTrain
 // epilogue): the Hopper kernel when `sm90`, else the portable one from x's
-// split parts `xs`.  Returns the GEMM's BLOCK_M (rows per statistics tile).
+// split parts `xs` (made by the caller, who then passes a null counter).
+// The Hopper path's split kernel increments `counter` (num_batches_tracked).
+// Returns the GEMM's BLOCK_M (rows per statistics tile).
 int gemm_train(const torch::Tensor& x, bool sm90, const SplitX& xs, const float* w, torch::Tensor& out,
-               TrainScratch& scratch, int M, int N, int K, cudaStream_t stream) {
+               TrainScratch& scratch, int M, int N, int K, int64_t* counter, cudaStream_t stream) {
   const int block_m = sm90 ? sm90_gemm_block_m() : sm80_gemm_block_m();
   scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
   if (sm90) {
-    const RemainderX xr = remainder_x(x, M, K, stream);
+    const RemainderX xr = remainder_x(x, M, K, counter, stream);
     check_launch(sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w,
                                         out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, M, N, K, stream),
                  "sm90_gemm_3xtf32_train");
@@ -2252,14 +2277,14 @@ torch::Tensor gemm_eval(const torch::Tensor& x, const torch::Tensor& weight, con
   const float* running_mean = t.running_mean.data_ptr<float>();
   const float* running_var = t.running_var.data_ptr<float>();
   if (use_sm90(w, M, N, K)) {
-    const RemainderX xr = remainder_x(x, M, K, stream);
+    const RemainderX xr = remainder_x(x, M, K, nullptr, stream);
     check_launch(sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w, out.data_ptr<float>(),
                                        bias, scale, bn_weight, bn_bias, running_mean, running_var,
                                        static_cast<float>(eps), scale_after_bn, M, N, K, stream),
                  "sm90_gemm_3xtf32_eval");
     return out;
   }
-  const SplitX xs = split_x(x, M, K, stream);
+  const SplitX xs = split_x(x, M, K, nullptr, stream);
   check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), bias, scale, bn_weight, bn_bias,
                                      running_mean, running_var, static_cast<float>(eps), scale_after_bn, M, N, K,
                                      stream),
@@ -2283,10 +2308,11 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
   torch::Tensor out = torch::empty({M, N}, x.options());
   const float* w = weight.data_ptr<float>();
 
+  int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
   const bool sm90 = use_sm90(w, M, N, K);
   SplitX xs{};
   if (!sm90) {
-    xs = split_x(x, M, K, stream);
+    xs = split_x(x, M, K, counter, stream);
     // Hopper with M <= 8 * BLOCK_M: one cluster-launched kernel does everything.
     const cudaError_t fused = sm90_gemm_3xtf32_train_fused(
         xs.big, xs.small, w, out.data_ptr<float>(), bias.data_ptr<float>(), scale.data_ptr<float>(),
@@ -2299,7 +2325,7 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
     }
   }
   TrainScratch scratch;
-  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, stream);
+  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, sm90 ? counter : nullptr, stream);
   // Merge the per-tile statistics, update the running statistics, normalise in place (one kernel).
   check_launch(bn_apply(out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m,
                         block_m, M, N, bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
@@ -2330,10 +2356,11 @@ torch::Tensor forward_softmax_train(torch::Tensor x, torch::Tensor weight, torch
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, x.options());
   const float* w = weight.data_ptr<float>();
+  int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
   const bool sm90 = use_sm90(w, M, N, K);
-  const SplitX xs = sm90 ? SplitX{} : split_x(x, M, K, stream);
+  const SplitX xs = sm90 ? SplitX{} : split_x(x, M, K, counter, stream);
   TrainScratch scratch;
-  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, stream);
+  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, sm90 ? counter : nullptr, stream);
   torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
   check_launch(bn_softmax_fold_train(scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m, block_m, M, N,
                                      bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
@@ -2669,7 +2696,8 @@ class ModelNew(nn.Module):
         _check_input(x, self.gemm.weight, self.training)
         bn = self.bn
         momentum = bn.momentum
-        if self.training:
+        if self.training and not (x.is_cuda and x.shape[0] > 0):
+            # The CUDA training call increments it in its first kernel (split_tf32.cu).
             bn.num_batches_tracked.add_(1)
         if x.shape[0] == 0:  # as nn.BatchNorm1d: empty output, running statistics untouched
             return x.new_empty((0, self.gemm.out_features))

@@ -20,6 +20,11 @@
 // 8 (kl % 4) + 2 s + kl / 4, the permutation the GEMM applies to w (see
 // sm80_gemm_3xtf32_bn.cu).  One 16-byte shared load is then one A operand.
 // Memory-bound: reads M*K floats, writes 2*M_pad*K_pad.
+//
+// Both kernels take `counter` (int64, may be null): thread 0 of block 0 adds 1
+// to it.  A training call passes bn.num_batches_tracked, so its increment
+// (nn.BatchNorm1d's first step) costs no launch of its own; the call's later
+// kernels see the new value by stream order.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -41,8 +46,10 @@ __device__ __forceinline__ void split_rna_tf32(float v, float& big, float& small
 // One thread per output float4 (one lane's registers for one k-step).
 __global__ void __launch_bounds__(kSplitThreads)
     split_tf32_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int M, int K,
-                      int num_slabs, int64_t num_quads, float* __restrict__ big, float* __restrict__ small) {
+                      int num_slabs, int64_t num_quads, float* __restrict__ big, float* __restrict__ small,
+                      int64_t* counter) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *counter += 1;
   const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (q >= num_quads) return;
   const int lane = static_cast<int>(q % 32);
@@ -83,7 +90,9 @@ __device__ __forceinline__ float remainder_rna_tf32(float v) {
 // x and x_small: (M, K) float32, contiguous, same layout.  n4 = M*K/4 float4s
 // (the caller guarantees 16-byte alignment and K % 4 == 0).
 __global__ void __launch_bounds__(kSplitThreads)
-    split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4) {
+    split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
+                                int64_t* counter) {
+  if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *counter += 1;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += stride) {
     const float4 v = x[i];
@@ -107,30 +116,32 @@ int64_t split_tf32_elems(int M, int K) {
 }
 
 cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
-                       float* small, cudaStream_t stream) {
+                       float* small, int64_t* counter, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   const int num_slabs = (K + kFragSlabK - 1) / kFragSlabK;
   const int64_t num_quads = split_tf32_elems(M, K) / 4;
-  const int64_t blocks = (num_quads + kSplitThreads - 1) / kSplitThreads;
-  if (blocks == 0) return cudaSuccess;
+  int64_t blocks = (num_quads + kSplitThreads - 1) / kSplitThreads;
+  if (blocks == 0 && counter == nullptr) return cudaSuccess;
+  if (blocks == 0) blocks = 1;  // still counts the call
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   split_tf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
-      x, row_stride, col_stride, M, K, num_slabs, num_quads, big, small);
+      x, row_stride, col_stride, M, K, num_slabs, num_quads, big, small, counter);
   return cudaGetLastError();
 }
 
 // x_small = x - tf32_trunc(x) over a contiguous (M, K) x with K % 4 == 0.
-cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, cudaStream_t stream) {
+cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter,
+                                 cudaStream_t stream) {
   using namespace fused_gemm_bn;
   const int64_t n4 = static_cast<int64_t>(M) * K / 4;
-  if (n4 == 0) return cudaSuccess;
+  if (n4 == 0 && counter == nullptr) return cudaSuccess;
   int device = 0, num_sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   const int64_t wanted = (n4 + kSplitThreads - 1) / kSplitThreads;
-  const int blocks = static_cast<int>(wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
-  split_tf32_remainder_kernel<<<blocks, kSplitThreads, 0, stream>>>(reinterpret_cast<const float4*>(x),
-                                                                     reinterpret_cast<float4*>(x_small), n4);
+  const int blocks = static_cast<int>(wanted < 1 ? 1 : wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
+  split_tf32_remainder_kernel<<<blocks, kSplitThreads, 0, stream>>>(
+      reinterpret_cast<const float4*>(x), reinterpret_cast<float4*>(x_small), n4, counter);
   return cudaGetLastError();
 }

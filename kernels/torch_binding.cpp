@@ -20,8 +20,9 @@
 //     then (both multi-pass paths), one kernel:
 //       merge statistics, update running statistics,
 //       out = (z - mean_z) * a + bn_bias in place      (bn_apply.cu)
-//     momentum < 0 means momentum=None (cumulative average).  The caller
-//     increments num_batches_tracked first, as nn.BatchNorm1d does.
+//     momentum < 0 means momentum=None (cumulative average).  The first
+//     kernel (the x split) increments num_batches_tracked, as nn.BatchNorm1d
+//     does before using it; the caller must not.
 //   forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                running_var, eps) -> out (M, N)
 //       split pre-pass (as above), then one GEMM launch (Hopper or portable)
@@ -43,7 +44,8 @@
 int sm80_gemm_block_m();
 int sm90_gemm_block_m();
 bool sm90_gemm_supported(const float* w, int M, int N, int K);
-cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, cudaStream_t stream);
+cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter,
+                                 cudaStream_t stream);
 cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
                                    float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream);
 cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
@@ -52,7 +54,7 @@ cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const fl
                                   float eps, bool scale_after_bn, int M, int N, int K, cudaStream_t stream);
 int64_t split_tf32_elems(int M, int K);
 cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
-                       float* small, cudaStream_t stream);
+                       float* small, int64_t* counter, cudaStream_t stream);
 cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
                                    float* out, float* part_mean, float* part_m2, int M, int N, int K,
                                    cudaStream_t stream);
@@ -116,12 +118,15 @@ struct SplitX {
   const float* small;
 };
 
-SplitX split_x(const torch::Tensor& x, int M, int K, cudaStream_t stream) {
+// `counter`: bn.num_batches_tracked in training (incremented by the split
+// kernel, see split_tf32.cu), else null.
+SplitX split_x(const torch::Tensor& x, int M, int K, int64_t* counter, cudaStream_t stream) {
   const int64_t elems = split_tf32_elems(M, K);
   torch::Tensor storage = torch::empty({2 * elems}, x.options());
   float* big = storage.data_ptr<float>();
   float* small = big + elems;
-  check_launch(split_tf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, big, small, stream), "split_tf32");
+  check_launch(split_tf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, big, small, counter, stream),
+               "split_tf32");
   return {storage, big, small};
 }
 
@@ -141,11 +146,11 @@ struct RemainderX {
   torch::Tensor small;
 };
 
-RemainderX remainder_x(const torch::Tensor& x, int M, int K, cudaStream_t stream) {
+RemainderX remainder_x(const torch::Tensor& x, int M, int K, int64_t* counter, cudaStream_t stream) {
   const bool ready = x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   torch::Tensor xc = ready ? x : x.clone(at::MemoryFormat::Contiguous);
   torch::Tensor small = torch::empty({M, K}, x.options());
-  check_launch(split_tf32_remainder(xc.data_ptr<float>(), M, K, small.data_ptr<float>(), stream),
+  check_launch(split_tf32_remainder(xc.data_ptr<float>(), M, K, small.data_ptr<float>(), counter, stream),
                "split_tf32_remainder");
   return {xc, small};
 }
@@ -189,13 +194,15 @@ void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& n
 
 // z = x @ weight^T into out, and z's per-tile statistics into scratch (kTrain
 // epilogue): the Hopper kernel when `sm90`, else the portable one from x's
-// split parts `xs`.  Returns the GEMM's BLOCK_M (rows per statistics tile).
+// split parts `xs` (made by the caller, who then passes a null counter).
+// The Hopper path's split kernel increments `counter` (num_batches_tracked).
+// Returns the GEMM's BLOCK_M (rows per statistics tile).
 int gemm_train(const torch::Tensor& x, bool sm90, const SplitX& xs, const float* w, torch::Tensor& out,
-               TrainScratch& scratch, int M, int N, int K, cudaStream_t stream) {
+               TrainScratch& scratch, int M, int N, int K, int64_t* counter, cudaStream_t stream) {
   const int block_m = sm90 ? sm90_gemm_block_m() : sm80_gemm_block_m();
   scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
   if (sm90) {
-    const RemainderX xr = remainder_x(x, M, K, stream);
+    const RemainderX xr = remainder_x(x, M, K, counter, stream);
     check_launch(sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w,
                                         out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, M, N, K, stream),
                  "sm90_gemm_3xtf32_train");
@@ -224,14 +231,14 @@ torch::Tensor gemm_eval(const torch::Tensor& x, const torch::Tensor& weight, con
   const float* running_mean = t.running_mean.data_ptr<float>();
   const float* running_var = t.running_var.data_ptr<float>();
   if (use_sm90(w, M, N, K)) {
-    const RemainderX xr = remainder_x(x, M, K, stream);
+    const RemainderX xr = remainder_x(x, M, K, nullptr, stream);
     check_launch(sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w, out.data_ptr<float>(),
                                        bias, scale, bn_weight, bn_bias, running_mean, running_var,
                                        static_cast<float>(eps), scale_after_bn, M, N, K, stream),
                  "sm90_gemm_3xtf32_eval");
     return out;
   }
-  const SplitX xs = split_x(x, M, K, stream);
+  const SplitX xs = split_x(x, M, K, nullptr, stream);
   check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), bias, scale, bn_weight, bn_bias,
                                      running_mean, running_var, static_cast<float>(eps), scale_after_bn, M, N, K,
                                      stream),
@@ -255,10 +262,11 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
   torch::Tensor out = torch::empty({M, N}, x.options());
   const float* w = weight.data_ptr<float>();
 
+  int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
   const bool sm90 = use_sm90(w, M, N, K);
   SplitX xs{};
   if (!sm90) {
-    xs = split_x(x, M, K, stream);
+    xs = split_x(x, M, K, counter, stream);
     // Hopper with M <= 8 * BLOCK_M: one cluster-launched kernel does everything.
     const cudaError_t fused = sm90_gemm_3xtf32_train_fused(
         xs.big, xs.small, w, out.data_ptr<float>(), bias.data_ptr<float>(), scale.data_ptr<float>(),
@@ -271,7 +279,7 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
     }
   }
   TrainScratch scratch;
-  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, stream);
+  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, sm90 ? counter : nullptr, stream);
   // Merge the per-tile statistics, update the running statistics, normalise in place (one kernel).
   check_launch(bn_apply(out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m,
                         block_m, M, N, bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
@@ -302,10 +310,11 @@ torch::Tensor forward_softmax_train(torch::Tensor x, torch::Tensor weight, torch
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, x.options());
   const float* w = weight.data_ptr<float>();
+  int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
   const bool sm90 = use_sm90(w, M, N, K);
-  const SplitX xs = sm90 ? SplitX{} : split_x(x, M, K, stream);
+  const SplitX xs = sm90 ? SplitX{} : split_x(x, M, K, counter, stream);
   TrainScratch scratch;
-  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, stream);
+  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, sm90 ? counter : nullptr, stream);
   torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
   check_launch(bn_softmax_fold_train(scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m, block_m, M, N,
                                      bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),

@@ -104,7 +104,6 @@ _EMBEDDED_SOURCES = {
 #include <stdint.h>
 
 #include "bn_stats.cuh"
-#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 
@@ -145,7 +144,6 @@ __device__ __forceinline__ void feature_coefficients(const BnApplyArgs& p, int j
 template <bool kVec4>
 __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyArgs p) {
   constexpr int kCols = kVec4 ? 4 : 1;
-  pdl_wait();  // launched as a programmatic dependent of the GEMM (pdl.cuh)
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
   if (col >= p.N) return;
   const bool update_running = blockIdx.y == 0;
@@ -200,9 +198,12 @@ cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int
                                                kApplyTargetBlocks);
   p.rows_per_block = max(max(1, min(kApplyRowsPerBlock, rows_for_target)), (M + 65534) / 65535);
   const dim3 grid(blocks_x, (M + p.rows_per_block - 1) / p.rows_per_block);
-  const cudaError_t err = vec4 ? launch_dependent(bn_apply_kernel<true>, grid, dim3(kApplyThreads), 0, stream, p)
-                               : launch_dependent(bn_apply_kernel<false>, grid, dim3(kApplyThreads), 0, stream, p);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  if (vec4) {
+    bn_apply_kernel<true><<<grid, kApplyThreads, 0, stream>>>(p);
+  } else {
+    bn_apply_kernel<false><<<grid, kApplyThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
 }
 ''',
     'bn_softmax.cu': r'''// bn_softmax.cu -- after the GEMM, the rest of Linear -> BatchNorm1d -> scale ->
@@ -246,7 +247,6 @@ cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int
 #include <stdint.h>
 
 #include "bn_stats.cuh"
-#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 namespace softmax {
@@ -271,7 +271,6 @@ struct FoldArgs {
 };
 
 __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(const FoldArgs p) {
-  pdl_wait();  // launched as a programmatic dependent of the GEMM (pdl.cuh)
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.N) return;
   double mean, m2;
@@ -434,10 +433,8 @@ cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, 
   const FoldArgs p{part_mean, part_m2,   num_m_tiles, block_m, M,        N,           bias,
                    scale,     bn_weight, bn_bias,     num_batches_tracked, momentum, eps, running_mean,
                    running_var, coeff};
-  const dim3 grid((N + kFoldThreads - 1) / kFoldThreads);
-  const cudaError_t err =
-      fused_gemm_bn::launch_dependent(bn_softmax_fold_train_kernel, grid, dim3(kFoldThreads), 0, stream, p);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  bn_softmax_fold_train_kernel<<<(N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 // out (M, N) <- softmax over each row of (out - mean_z) * a + c (coeff = [mean_z | a | c])
@@ -551,79 +548,6 @@ __device__ __forceinline__ void bn_eval_affine(const BnParams& p, int j, float& 
   a = s * gw;
   c = p.scale_after_bn ? s * fmaf(p.bias[j] - p.running_mean[j], gw, p.bn_bias[j])
                        : fmaf(fmaf(s, p.bias[j], -p.running_mean[j]), gw, p.bn_bias[j]);
-}
-
-}  // namespace fused_gemm_bn
-''',
-    'pdl.cuh': r'''// pdl.cuh -- programmatic dependent launch (Hopper): a kernel launched with
-// launch_dependent() may be scheduled while the stream's previous kernel is
-// still running, once every CTA of that kernel has called
-// pdl_launch_dependents() (or exited); it must call pdl_wait() before it reads
-// anything the previous kernel writes.  What this hides: the dependent's
-// launch latency and prologue (barrier set-up, descriptor prefetch, loads of
-// data the previous kernel does not write).  Before sm_90 the device calls
-// compile to nothing and launch_dependent() launches normally.
-// FUSED_GEMM_BN_NO_PDL=1 turns the attribute off (to measure what it gives).
-//
-// Sources: CUDA Programming Guide, "Programmatic Dependent Launch and
-// Synchronization"; PTX ISA 8.x, section 9.7.13.x (griddepcontrol).
-#pragma once
-
-#include <cuda_runtime.h>
-
-#include <cstdlib>
-#include <utility>
-
-namespace fused_gemm_bn {
-
-// Blocks until the prerequisite grid has completed and its writes are visible.
-// Returns at once in a kernel that was not launched as a dependent.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-// Lets the stream's next kernel (if launched as a dependent) be scheduled.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-// Programmatic dependent launch is available on the current device (compute
-// capability 9.0 or newer) and not turned off; cached per device.
-inline bool pdl_enabled() {
-  constexpr int kMaxDevices = 64;
-  static signed char state[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
-  if (state[device] == 0) {
-    int major = 0;
-    const char* off = std::getenv("FUSED_GEMM_BN_NO_PDL");
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                    major >= 9 && !(off != nullptr && off[0] == '1');
-    state[device] = ok ? 1 : -1;
-  }
-  return state[device] == 1;
-}
-
-// kernel<<<grid, block, smem_bytes, stream>>>(args...), as a programmatic
-// dependent of the stream's previous kernel where pdl_enabled().
-template <typename... KernelArgs, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_bytes,
-                             cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace fused_gemm_bn
@@ -1358,7 +1282,6 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
 #include <type_traits>
 
 #include "bn_stats.cuh"
-#include "pdl.cuh"
 #include "sm90_primitives.cuh"
 
 namespace fused_gemm_bn {
@@ -1435,9 +1358,6 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
 
-  // The kernel after this one (bn_apply / the softmax fold) is a programmatic
-  // dependent: it may be scheduled on SMs this grid leaves idle and waits there.
-  pdl_launch_dependents();
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < T::kNumStages; ++s) {
@@ -1455,24 +1375,13 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
       tma_prefetch_descriptor(&tmap_w);
       tma_prefetch_descriptor(&tmap_x);
       tma_prefetch_descriptor(&tmap_x_small);
-      // The first kNumStages stages' w tiles are requested before waiting for
-      // the x split kernel (this kernel is its programmatic dependent, pdl.cuh):
-      // w is not written by it.  Each stage's full barrier expects all three tiles.
-      const int num_prologue = min(num_k_blocks, T::kNumStages);
-      for (int kb = 0; kb < num_prologue; ++kb) {
-        mbar_arrive_expect_tx(&full_bar[kb], T::STAGE_BYTES);
-        tma_load_2d(smem + kb * T::STAGE_BYTES, &tmap_w, &full_bar[kb], kb * T::BLOCK_K, n0);
-      }
-      pdl_wait();
       for (int kb = 0; kb < num_k_blocks; ++kb) {
         const int s = kb % T::kNumStages;
+        mbar_wait(&empty_bar[s], ((kb / T::kNumStages) & 1) ^ 1);
         uint8_t* stage = smem + s * T::STAGE_BYTES;
+        mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
         const int k0 = kb * T::BLOCK_K;
-        if (kb >= num_prologue) {
-          mbar_wait(&empty_bar[s], ((kb / T::kNumStages) & 1) ^ 1);
-          mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
-          tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
-        }
+        tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
         tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x, &full_bar[s], k0, m0);
         tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_small, &full_bar[s], k0, m0);
       }
@@ -1726,9 +1635,9 @@ static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const 
   const long long tiles = static_cast<long long>((args.M + T::BLOCK_M - 1) / T::BLOCK_M) *
                           ((args.N + T::BLOCK_N - 1) / T::BLOCK_N);
   if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
-  err = launch_dependent(kernel, dim3(static_cast<unsigned>(tiles)), dim3(T::kNumThreads), T::SMEM_BYTES, stream,
-                         tmap_w, tmap_x, tmap_x_small, args);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  kernel<<<static_cast<unsigned>(tiles), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_x_small,
+                                                                                    args);
+  return cudaGetLastError();
 }
 
 }  // namespace sm90
@@ -2018,8 +1927,6 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "pdl.cuh"
-
 namespace fused_gemm_bn {
 
 constexpr int kSplitThreads = 256;
@@ -2086,13 +1993,10 @@ __device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
 }
 
 // Two float4 per thread and iteration, both loads issued first: twice the
-// bytes in flight of one (the kernel is bound by HBM bandwidth).  The GEMM
-// after it is launched as a programmatic dependent (pdl.cuh): its CTAs may
-// start, and load w, while this kernel finishes.
+// bytes in flight of one (the kernel is bound by HBM bandwidth).
 __global__ void __launch_bounds__(kSplitThreads)
     split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
                                 int64_t* counter) {
-  pdl_launch_dependents();
   if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *counter += 1;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -32,7 +32,6 @@
 #include <stdint.h>
 
 #include "bn_stats.cuh"
-#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 
@@ -73,7 +72,6 @@ __device__ __forceinline__ void feature_coefficients(const BnApplyArgs& p, int j
 template <bool kVec4>
 __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyArgs p) {
   constexpr int kCols = kVec4 ? 4 : 1;
-  pdl_wait();  // launched as a programmatic dependent of the GEMM (pdl.cuh)
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
   if (col >= p.N) return;
   const bool update_running = blockIdx.y == 0;
@@ -128,7 +126,10 @@ cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int
                                                kApplyTargetBlocks);
   p.rows_per_block = max(max(1, min(kApplyRowsPerBlock, rows_for_target)), (M + 65534) / 65535);
   const dim3 grid(blocks_x, (M + p.rows_per_block - 1) / p.rows_per_block);
-  const cudaError_t err = vec4 ? launch_dependent(bn_apply_kernel<true>, grid, dim3(kApplyThreads), 0, stream, p)
-                               : launch_dependent(bn_apply_kernel<false>, grid, dim3(kApplyThreads), 0, stream, p);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  if (vec4) {
+    bn_apply_kernel<true><<<grid, kApplyThreads, 0, stream>>>(p);
+  } else {
+    bn_apply_kernel<false><<<grid, kApplyThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
 }

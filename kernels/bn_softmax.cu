@@ -39,7 +39,6 @@
 #include <stdint.h>
 
 #include "bn_stats.cuh"
-#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 namespace softmax {
@@ -64,7 +63,6 @@ struct FoldArgs {
 };
 
 __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(const FoldArgs p) {
-  pdl_wait();  // launched as a programmatic dependent of the GEMM (pdl.cuh)
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.N) return;
   double mean, m2;
@@ -227,10 +225,8 @@ cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, 
   const FoldArgs p{part_mean, part_m2,   num_m_tiles, block_m, M,        N,           bias,
                    scale,     bn_weight, bn_bias,     num_batches_tracked, momentum, eps, running_mean,
                    running_var, coeff};
-  const dim3 grid((N + kFoldThreads - 1) / kFoldThreads);
-  const cudaError_t err =
-      fused_gemm_bn::launch_dependent(bn_softmax_fold_train_kernel, grid, dim3(kFoldThreads), 0, stream, p);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  bn_softmax_fold_train_kernel<<<(N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 // out (M, N) <- softmax over each row of (out - mean_z) * a + c (coeff = [mean_z | a | c])

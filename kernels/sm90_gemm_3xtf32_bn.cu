@@ -64,7 +64,6 @@
 #include <type_traits>
 
 #include "bn_stats.cuh"
-#include "pdl.cuh"
 #include "sm90_primitives.cuh"
 
 namespace fused_gemm_bn {
@@ -141,9 +140,6 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
 
-  // The kernel after this one (bn_apply / the softmax fold) is a programmatic
-  // dependent: it may be scheduled on SMs this grid leaves idle and waits there.
-  pdl_launch_dependents();
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < T::kNumStages; ++s) {
@@ -161,24 +157,13 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
       tma_prefetch_descriptor(&tmap_w);
       tma_prefetch_descriptor(&tmap_x);
       tma_prefetch_descriptor(&tmap_x_small);
-      // The first kNumStages stages' w tiles are requested before waiting for
-      // the x split kernel (this kernel is its programmatic dependent, pdl.cuh):
-      // w is not written by it.  Each stage's full barrier expects all three tiles.
-      const int num_prologue = min(num_k_blocks, T::kNumStages);
-      for (int kb = 0; kb < num_prologue; ++kb) {
-        mbar_arrive_expect_tx(&full_bar[kb], T::STAGE_BYTES);
-        tma_load_2d(smem + kb * T::STAGE_BYTES, &tmap_w, &full_bar[kb], kb * T::BLOCK_K, n0);
-      }
-      pdl_wait();
       for (int kb = 0; kb < num_k_blocks; ++kb) {
         const int s = kb % T::kNumStages;
+        mbar_wait(&empty_bar[s], ((kb / T::kNumStages) & 1) ^ 1);
         uint8_t* stage = smem + s * T::STAGE_BYTES;
+        mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
         const int k0 = kb * T::BLOCK_K;
-        if (kb >= num_prologue) {
-          mbar_wait(&empty_bar[s], ((kb / T::kNumStages) & 1) ^ 1);
-          mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
-          tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
-        }
+        tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
         tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x, &full_bar[s], k0, m0);
         tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_small, &full_bar[s], k0, m0);
       }
@@ -432,9 +417,9 @@ static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const 
   const long long tiles = static_cast<long long>((args.M + T::BLOCK_M - 1) / T::BLOCK_M) *
                           ((args.N + T::BLOCK_N - 1) / T::BLOCK_N);
   if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
-  err = launch_dependent(kernel, dim3(static_cast<unsigned>(tiles)), dim3(T::kNumThreads), T::SMEM_BYTES, stream,
-                         tmap_w, tmap_x, tmap_x_small, args);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  kernel<<<static_cast<unsigned>(tiles), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_x_small,
+                                                                                    args);
+  return cudaGetLastError();
 }
 
 }  // namespace sm90

@@ -29,8 +29,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "pdl.cuh"
-
 namespace fused_gemm_bn {
 
 constexpr int kSplitThreads = 256;
@@ -97,13 +95,10 @@ __device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
 }
 
 // Two float4 per thread and iteration, both loads issued first: twice the
-// bytes in flight of one (the kernel is bound by HBM bandwidth).  The GEMM
-// after it is launched as a programmatic dependent (pdl.cuh): its CTAs may
-// start, and load w, while this kernel finishes.
+// bytes in flight of one (the kernel is bound by HBM bandwidth).
 __global__ void __launch_bounds__(kSplitThreads)
     split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
                                 int64_t* counter) {
-  pdl_launch_dependents();
   if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *counter += 1;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

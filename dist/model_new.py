@@ -2052,7 +2052,8 @@ cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, i
 ''',
     'torch_binding.cpp': r'''// torch_binding.cpp -- PyTorch entry points for the fused forwards of
 // Linear -> scale -> BatchNorm1d (problem 33: forward_train / forward_eval) and
-// Linear -> BatchNorm1d -> scale -> Softmax (problem 84: forward_softmax_*).  Passed to load_inline as cpp_sources (torch/extension.h
+// Linear -> BatchNorm1d -> scale -> Softmax (problem 84: forward_softmax_*).
+// Passed to load_inline as cpp_sources (torch/extension.h
 // is prepended there); the kernels in kernels/*.cu take raw pointers only.
 //
 // Each entry point checks every tensor (device, dtype, shape, contiguity),

@@ -110,6 +110,7 @@ namespace fused_gemm_bn {
 constexpr int kApplyThreads = 256;
 constexpr int kApplyRowsPerBlock = 32;  // 32 row blocks at M = 1024: the statistics are re-merged 32x, from L2
 constexpr int kApplyTargetBlocks = 264;  // two per SM of an H100 / H200
+constexpr int kRowBatch = 8;             // rows loaded before any is stored (bn_apply_kernel)
 
 struct BnApplyArgs {
   float* z;
@@ -155,22 +156,34 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
   }
   const int row0 = blockIdx.y * p.rows_per_block;
   const int row_end = min(p.M, row0 + p.rows_per_block);
-  if constexpr (kVec4) {
-#pragma unroll 4
-    for (int row = row0; row < row_end; ++row) {
-      float4* q = reinterpret_cast<float4*>(p.z + static_cast<size_t>(row) * p.N + col);
-      float4 v = *q;
-      v.x = fmaf(v.x - mu[0], a[0], b[0]);
-      v.y = fmaf(v.y - mu[1], a[1], b[1]);
-      v.z = fmaf(v.z - mu[2], a[2], b[2]);
-      v.w = fmaf(v.w - mu[3], a[3], b[3]);
-      *q = v;
+  // kRowBatch rows are loaded before any is stored: the compiler may not move
+  // a load above the previous row's store (z is read and written in place), so
+  // a row-at-a-time loop keeps one load in flight per thread and runs at
+  // memory latency, not bandwidth (docs/perf.md, v14).
+  for (int row = row0; row < row_end; row += kRowBatch) {
+    float v[kRowBatch][kCols];
+#pragma unroll
+    for (int r = 0; r < kRowBatch; ++r) {
+      if (row + r >= row_end) break;
+      const float* q = p.z + static_cast<size_t>(row + r) * p.N + col;
+      if constexpr (kVec4) {
+        const float4 t = *reinterpret_cast<const float4*>(q);
+        v[r][0] = t.x, v[r][1] = t.y, v[r][2] = t.z, v[r][3] = t.w;
+      } else {
+        v[r][0] = *q;
+      }
     }
-  } else {
-#pragma unroll 4
-    for (int row = row0; row < row_end; ++row) {
-      float* q = p.z + static_cast<size_t>(row) * p.N + col;
-      *q = fmaf(*q - mu[0], a[0], b[0]);
+#pragma unroll
+    for (int r = 0; r < kRowBatch; ++r) {
+      if (row + r >= row_end) break;
+      float* q = p.z + static_cast<size_t>(row + r) * p.N + col;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) v[r][c] = fmaf(v[r][c] - mu[c], a[c], b[c]);
+      if constexpr (kVec4) {
+        *reinterpret_cast<float4*>(q) = make_float4(v[r][0], v[r][1], v[r][2], v[r][3]);
+      } else {
+        *q = v[r][0];
+      }
     }
   }
 }
@@ -1271,6 +1284,17 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
 //   place by wgmma.  Grid: one CTA per tile, M tiles fastest, so the CTAs
 //   sharing a w tile run together and w is read from DRAM about once.
 //
+// Split tiles (a locality-preserving stream-K; StreamKPlan, stream_k_plan)
+//   One CTA per SM fits, so whole tiles alone leave the last wave part-empty
+//   (512 tiles = 3.88 waves of 132 SMs at the KernelBench shape).  The
+//   remainder tiles are cut along K and run first: each piece's CTA writes
+//   its fp32 partial tile to a workspace slot and counts itself in on a
+//   per-tile counter (GPU-scope acq_rel atomic); the last to arrive sums the
+//   slots in piece order (deterministic) and runs the epilogue.  Measured
+//   (H200): GEMM 1063 -> 1047 us, train 1.117 -> 1.104 ms (docs/perf.md v14).
+//   A piece-sum adds one fp32 rounding per piece boundary, as the per-slab
+//   promotion already does every 16 k.
+//
 // Launchers return cudaErrorNotSupported (launching nothing) when this kernel
 // does not apply (not compute capability 9.0, no sm_90a image, K % 4 != 0,
 // misaligned pointers); the caller then takes the portable kernel.
@@ -1279,6 +1303,8 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "bn_stats.cuh"
@@ -1315,7 +1341,22 @@ struct Sm90GemmTraits {
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
 };
 
-enum class Epilogue { kTrain, kEval };
+enum class Epilogue { kTrain, kEval, kPlain };
+
+// Work of the grid (header, "Split tiles").  The first sk_ctas CTAs compute
+// tiles 0 .. sk_tiles - 1, each cut along K into `pieces` runs of piece_blocks
+// k-blocks (the last piece takes the rest): pieces 0 .. pieces - 2 of tile t go
+// to CTAs t * (pieces - 1) + j, one each; the last pieces go tails_per_cta
+// tiles at a time to the CTAs after those, run back to back.  CTA sk_ctas + i
+// then computes tile sk_tiles + i whole.  sk_ctas == 0: no tile is split.
+struct StreamKPlan {
+  int sk_tiles = 0;
+  int pieces = 1;
+  int piece_blocks = 0;
+  int tails_per_cta = 1;
+  int sk_ctas = 0;
+  int dp_tiles = 0;
+};
 
 struct Sm90GemmBnArgs {
   int M, N, K;
@@ -1323,7 +1364,34 @@ struct Sm90GemmBnArgs {
   float* part_mean;  // kTrain
   float* part_m2;
   BnParams bn;  // kEval
+  StreamKPlan plan;
+  // Split-tile workspace: partial sums, one slot per (split tile, piece), each
+  // 256 threads x kAccRegs fp32 in register order; and one arrival count per
+  // split tile, zeroed before the launch (split_tf32_remainder).
+  float* partials;
+  int* tile_arrivals;
 };
+
+// k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.
+struct WorkSegment {
+  int tile, kb_begin, kb_end, piece;
+};
+
+__device__ __forceinline__ int cta_num_segments(const StreamKPlan& p, int cta) {
+  const int dedicated = p.sk_tiles * (p.pieces - 1);
+  if (cta >= p.sk_ctas || cta < dedicated) return 1;
+  return min(p.tails_per_cta, p.sk_tiles - (cta - dedicated) * p.tails_per_cta);
+}
+
+__device__ __forceinline__ WorkSegment cta_segment(const StreamKPlan& p, int cta, int si, int num_k_blocks) {
+  if (cta >= p.sk_ctas) return {p.sk_tiles + (cta - p.sk_ctas), 0, num_k_blocks, -1};
+  const int dedicated = p.sk_tiles * (p.pieces - 1);
+  if (cta < dedicated) {
+    const int j = cta % (p.pieces - 1);
+    return {cta / (p.pieces - 1), j * p.piece_blocks, (j + 1) * p.piece_blocks, j};
+  }
+  return {(cta - dedicated) * p.tails_per_cta + si, (p.pieces - 1) * p.piece_blocks, num_k_blocks, p.pieces - 1};
+}
 
 // v rounded to TF32 (nearest, ties away from zero; = cvt.rna.tf32.f32 for
 // finite v) with two integer ops: the low 13 bits are cleared after adding half
@@ -1352,11 +1420,10 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
 
   const int M = args.M, N = args.N;
   const int m_tiles = (M + T::BLOCK_M - 1) / T::BLOCK_M;
-  const int m_tile = static_cast<int>(blockIdx.x) % m_tiles;
-  const int n_tile = static_cast<int>(blockIdx.x) / m_tiles;
-  const int m0 = m_tile * T::BLOCK_M, n0 = n_tile * T::BLOCK_N;
   const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
+  const int cta = static_cast<int>(blockIdx.x);
+  const int num_segments = cta_num_segments(args.plan, cta);
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -1369,21 +1436,27 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   __syncthreads();
 
   if (warpgroup == T::kNumConsumers) {
-    // Producer warpgroup: one thread streams the k slabs through the ring.
+    // Producer warpgroup: one thread streams the k-blocks of every segment
+    // through the ring; `q` counts ring slots over the whole CTA.
     setmaxnreg_dec<T::kProducerRegs>();
     if (threadIdx.x == T::kNumConsumers * 128) {
       tma_prefetch_descriptor(&tmap_w);
       tma_prefetch_descriptor(&tmap_x);
       tma_prefetch_descriptor(&tmap_x_small);
-      for (int kb = 0; kb < num_k_blocks; ++kb) {
-        const int s = kb % T::kNumStages;
-        mbar_wait(&empty_bar[s], ((kb / T::kNumStages) & 1) ^ 1);
-        uint8_t* stage = smem + s * T::STAGE_BYTES;
-        mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
-        const int k0 = kb * T::BLOCK_K;
-        tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
-        tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x, &full_bar[s], k0, m0);
-        tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_small, &full_bar[s], k0, m0);
+      int q = 0;
+      for (int si = 0; si < num_segments; ++si) {
+        const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+        const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
+        for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
+          const int s = q % T::kNumStages;
+          mbar_wait(&empty_bar[s], ((q / T::kNumStages) & 1) ^ 1);
+          uint8_t* stage = smem + s * T::STAGE_BYTES;
+          mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
+          const int k0 = kb * T::BLOCK_K;
+          tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
+          tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x, &full_bar[s], k0, m0);
+          tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_small, &full_bar[s], k0, m0);
+        }
       }
     }
     return;
@@ -1401,17 +1474,17 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   const int w_row = warpgroup * T::WGMMA_M + warp * 16 + g;  // this thread's first A row in the w tile
 
   float acc[T::kAccRegs];
-#pragma unroll
-  for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
   float part[2][T::kPartRegs];
   // w's TF32 parts for one slab in the A-fragment layout: [k-step][big, small][reg].
   // Two buffers, one per slab of a stage: a slab's wgmmas still read theirs
   // while the next slab's are loaded.
   uint32_t a_frag[2][T::kSlabSteps][2][4];
 
-  // Slab `sub` (0, 1) of stage kb: k-steps kSlabSteps * sub + j of the tiles.
-  auto load_a = [&](uint32_t(&a)[T::kSlabSteps][2][4], int kb, int sub) {
-    const uint8_t* w_tile = smem + (kb % T::kNumStages) * T::STAGE_BYTES;
+  // The lambdas below take `q`, the ring slot counter (stage q % kNumStages,
+  // mbarrier phase q / kNumStages), which runs on over both segments.
+  // Slab `sub` (0, 1) of slot q: k-steps kSlabSteps * sub + j of the tiles.
+  auto load_a = [&](uint32_t(&a)[T::kSlabSteps][2][4], int q, int sub) {
+    const uint8_t* w_tile = smem + (q % T::kNumStages) * T::STAGE_BYTES;
 #pragma unroll
     for (int j = 0; j < T::kSlabSteps; ++j) {
 #pragma unroll
@@ -1426,9 +1499,9 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
     }
   };
   // The 6 wgmmas of one slab for batch half `half` (rows 64 half .. +63 of the x tiles).
-  auto issue_half = [&](float(&d)[T::kPartRegs], const uint32_t(&a)[T::kSlabSteps][2][4], int kb, int sub,
+  auto issue_half = [&](float(&d)[T::kPartRegs], const uint32_t(&a)[T::kSlabSteps][2][4], int q, int sub,
                         int half) {
-    const uint8_t* x_big_tile = smem + (kb % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES + half * 64 * 128;
+    const uint8_t* x_big_tile = smem + (q % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES + half * 64 * 128;
     const uint8_t* x_small_tile = x_big_tile + T::X_TILE_BYTES;
     wgmma_fence();
 #pragma unroll
@@ -1454,11 +1527,11 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
 #pragma unroll
     for (int j = 0; j < T::kSlabSteps; ++j)
 #pragma unroll
-      for (int q = 0; q < 2; ++q)
+      for (int p = 0; p < 2; ++p)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) fence_operand(a[j][q][r]);
+        for (int r = 0; r < 4; ++r) fence_operand(a[j][p][r]);
   };
-  // Slab `sub` of stage kb; its A fragments are in buffer `sub`.  On entry the
+  // Slab `sub` of slot q; its A fragments are in buffer `sub`.  On entry the
   // first half of this slab is in flight; on exit the first half of the next
   // slab (if any), while the second half's `part` is promoted.  The wait before
   // promote(0) retires both halves: ptxas keeps the wgmmas asynchronous only
@@ -1466,101 +1539,159 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   // (with wait<1> here as well it serialises them, warning C7514).  `sub` and
   // `has_next` are compile-time constants, so the register arrays are never
   // indexed at run time.
-  auto slab = [&](auto sub_c, auto has_next_c, int kb) {
+  auto slab = [&](auto sub_c, auto has_next_c, int q) {
     constexpr int kSub = decltype(sub_c)::value;
     constexpr bool kHasNext = decltype(has_next_c)::value;
     constexpr int kNextSub = kSub ^ 1;
-    const int next_kb = kSub == 0 ? kb : kb + 1;
-    issue_half(part[1], a_frag[kSub], kb, kSub, 1);
+    const int next_q = kSub == 0 ? q : q + 1;
+    issue_half(part[1], a_frag[kSub], q, kSub, 1);
     if constexpr (kHasNext) {
-      if (kNextSub == 0) mbar_wait(&full_bar[next_kb % T::kNumStages], (next_kb / T::kNumStages) & 1);
-      load_a(a_frag[kNextSub], next_kb, kNextSub);  // its previous reader, the slab before this one, is complete
+      if (kNextSub == 0) mbar_wait(&full_bar[next_q % T::kNumStages], (next_q / T::kNumStages) & 1);
+      load_a(a_frag[kNextSub], next_q, kNextSub);  // its previous reader, the slab before this one, is complete
     }
     wgmma_wait<0>();  // both halves of this slab done
     keep_alive(a_frag[kSub]);
     promote(0);
-    if constexpr (kHasNext) issue_half(part[0], a_frag[kNextSub], next_kb, kNextSub, 0);
+    if constexpr (kHasNext) issue_half(part[0], a_frag[kNextSub], next_q, kNextSub, 0);
     promote(1);  // overlaps the next slab's first half
-    if (kSub == 1 && lane == 0) mbar_arrive(&empty_bar[kb % T::kNumStages]);  // stage kb fully read
+    if (kSub == 1 && lane == 0) mbar_arrive(&empty_bar[q % T::kNumStages]);  // slot q fully read
   };
   using Sub0 = std::integral_constant<int, 0>;
   using Sub1 = std::integral_constant<int, 1>;
 
-  if (num_k_blocks > 0) {
-    mbar_wait(&full_bar[0], 0);
-    load_a(a_frag[0], 0, 0);
-    issue_half(part[0], a_frag[0], 0, 0, 0);
-    for (int kb = 0; kb + 1 < num_k_blocks; ++kb) {
-      slab(Sub0{}, std::true_type{}, kb);
-      slab(Sub1{}, std::true_type{}, kb);
+  // acc = the sum over the segment's n k-blocks, from ring slot q0 on.
+  auto mainloop = [&](int q0, int n) {
+#pragma unroll
+    for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
+    mbar_wait(&full_bar[q0 % T::kNumStages], (q0 / T::kNumStages) & 1);
+    load_a(a_frag[0], q0, 0);
+    issue_half(part[0], a_frag[0], q0, 0, 0);
+    const int q_last = q0 + n - 1;
+    for (int q = q0; q < q_last; ++q) {
+      slab(Sub0{}, std::true_type{}, q);
+      slab(Sub1{}, std::true_type{}, q);
     }
-    slab(Sub0{}, std::true_type{}, num_k_blocks - 1);
-    slab(Sub1{}, std::false_type{}, num_k_blocks - 1);
-  }
+    slab(Sub0{}, std::true_type{}, q_last);
+    slab(Sub1{}, std::false_type{}, q_last);
+  };
 
-  // Accumulator element 4 i + 2 h + e holds z[b, f] with
-  //   f = n0 + w_row + 8 h            (feature: one row of the wgmma tile)
-  //   b = m0 + 8 i + 2 t + e          (batch row)
-  // so each feature's 128 batch values live in the 4 lanes of one quad.
-  const int f_base = n0 + w_row;
-  if constexpr (kEpilogue == Epilogue::kEval) {
+  // Split-tile hand-off.  Every piece's CTA stores its partial sums in the
+  // piece's slot, then counts itself in with a GPU-scope acquire-release
+  // atomic; the last to arrive sums the slots in piece order (its own read
+  // back too, so the result does not depend on which CTA came last) and runs
+  // the epilogue.  No CTA waits for another, so this cannot deadlock whatever
+  // the residency.
+  __shared__ int last_arrival;
+  const int ctid = threadIdx.x;  // 0 .. 255 over the consumer warpgroups
+  constexpr int kAccQuads = T::kAccRegs / 4;
+  constexpr int kConsumerThreads = T::kNumConsumers * 128;
+  auto partial_slot = [&](int tile, int piece) {
+    return reinterpret_cast<float4*>(args.partials) +
+           static_cast<size_t>(tile * args.plan.pieces + piece) * kAccQuads * kConsumerThreads + ctid;
+  };
+  // True when this CTA finishes tile seg.tile; acc then holds the whole sum.
+  auto hand_off = [&](const WorkSegment& seg) -> bool {
+    float4* mine = partial_slot(seg.tile, seg.piece);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int f = f_base + 8 * h;
-      if (f >= N) continue;
-      float a, c;
-      bn_eval_affine(args.bn, f, a, c);
+    for (int i = 0; i < kAccQuads; ++i)
+      __stcg(mine + i * kConsumerThreads, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+    named_barrier_sync<1, kConsumerThreads>();  // the CTA's stores precede the release below
+    if (ctid == 0) {
+      __threadfence();
+      last_arrival = atomic_add_acq_rel_gpu(&args.tile_arrivals[seg.tile], 1) == args.plan.pieces - 1;
+    }
+    named_barrier_sync<1, kConsumerThreads>();
+    if (!last_arrival) return false;
 #pragma unroll
-      for (int i = 0; i < T::kAccRegs / 4; ++i) {
-        acc[4 * i + 2 * h] = fmaf(a, acc[4 * i + 2 * h], c);
-        acc[4 * i + 2 * h + 1] = fmaf(a, acc[4 * i + 2 * h + 1], c);
+    for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
+    for (int piece = 0; piece < args.plan.pieces; ++piece) {
+      const float4* slot = partial_slot(seg.tile, piece);
+#pragma unroll
+      for (int i = 0; i < kAccQuads; ++i) {
+        const float4 v = __ldcg(slot + i * kConsumerThreads);
+        acc[4 * i] += v.x;
+        acc[4 * i + 1] += v.y;
+        acc[4 * i + 2] += v.z;
+        acc[4 * i + 3] += v.w;
       }
     }
-  } else {
-    // Per-feature mean and M2 over the tile's valid rows: two passes over the
-    // registers (no E[z^2] - E[z]^2 cancellation), reduced across the quad.
-    const int rows_valid = min(T::BLOCK_M, M - m0);
+    return true;
+  };
+
+  int q = 0;
+  for (int si = 0; si < num_segments; ++si) {
+    const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+    const int n_blocks = seg.kb_end - seg.kb_begin;
+    mainloop(q, n_blocks);
+    q += n_blocks;
+    if (seg.piece >= 0 && !hand_off(seg)) continue;
+
+    const int m_tile = seg.tile % m_tiles, n_tile = seg.tile / m_tiles;
+    const int m0 = m_tile * T::BLOCK_M, n0 = n_tile * T::BLOCK_N;
+    // Accumulator element 4 i + 2 h + e holds z[b, f] with
+    //   f = n0 + w_row + 8 h            (feature: one row of the wgmma tile)
+    //   b = m0 + 8 i + 2 t + e          (batch row)
+    // so each feature's 128 batch values live in the 4 lanes of one quad.
+    const int f_base = n0 + w_row;
+    if constexpr (kEpilogue == Epilogue::kEval) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = 0.f;
+      for (int h = 0; h < 2; ++h) {
+        const int f = f_base + 8 * h;
+        if (f >= N) continue;
+        float a, c;
+        bn_eval_affine(args.bn, f, a, c);
 #pragma unroll
-      for (int i = 0; i < T::kAccRegs / 4; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (8 * i + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float mean = sum / static_cast<float>(rows_valid);
-      float m2 = 0.f;
-#pragma unroll
-      for (int i = 0; i < T::kAccRegs / 4; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float d = acc[4 * i + 2 * h + e] - mean;
-          if (8 * i + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
+        for (int i = 0; i < T::kAccRegs / 4; ++i) {
+          acc[4 * i + 2 * h] = fmaf(a, acc[4 * i + 2 * h], c);
+          acc[4 * i + 2 * h + 1] = fmaf(a, acc[4 * i + 2 * h + 1], c);
         }
       }
-      m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
-      m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
-      const int f = f_base + 8 * h;
-      if (t == 0 && f < N) {
-        args.part_mean[static_cast<size_t>(m_tile) * N + f] = mean;
-        args.part_m2[static_cast<size_t>(m_tile) * N + f] = m2;
+    } else if constexpr (kEpilogue == Epilogue::kTrain) {
+      // Per-feature mean and M2 over the tile's valid rows: two passes over the
+      // registers (no E[z^2] - E[z]^2 cancellation), reduced across the quad.
+      const int rows_valid = min(T::BLOCK_M, M - m0);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < T::kAccRegs / 4; ++i) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (8 * i + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float mean = sum / static_cast<float>(rows_valid);
+        float m2 = 0.f;
+#pragma unroll
+        for (int i = 0; i < T::kAccRegs / 4; ++i) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float d = acc[4 * i + 2 * h + e] - mean;
+            if (8 * i + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
+          }
+        }
+        m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
+        m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
+        const int f = f_base + 8 * h;
+        if (t == 0 && f < N) {
+          args.part_mean[static_cast<size_t>(m_tile) * N + f] = mean;
+          args.part_m2[static_cast<size_t>(m_tile) * N + f] = m2;
+        }
       }
     }
-  }
 
-  // Store: a warp instruction writes 8 consecutive features (32 bytes) of 4 rows.
+    // Store: a warp instruction writes 8 consecutive features (32 bytes) of 4 rows.
 #pragma unroll
-  for (int i = 0; i < T::kAccRegs / 4; ++i) {
+    for (int i = 0; i < T::kAccRegs / 4; ++i) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int b = m0 + 8 * i + 2 * t + e;
-      if (b >= M) continue;
-      float* out_row = args.out + static_cast<size_t>(b) * N;
-      if (f_base < N) out_row[f_base] = acc[4 * i + e];
-      if (f_base + 8 < N) out_row[f_base + 8] = acc[4 * i + 2 + e];
+      for (int e = 0; e < 2; ++e) {
+        const int b = m0 + 8 * i + 2 * t + e;
+        if (b >= M) continue;
+        float* out_row = args.out + static_cast<size_t>(b) * N;
+        if (f_base < N) out_row[f_base] = acc[4 * i + e];
+        if (f_base + 8 < N) out_row[f_base + 8] = acc[4 * i + 2 + e];
+      }
     }
   }
 #elif defined(__CUDA_ARCH__)
@@ -1611,9 +1742,84 @@ static bool make_tensor_map(CUtensorMap* map, const float* ptr, int rows, int K,
 
 static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Split tiles (header).  With one CTA per SM, `tiles` tiles take
+// ceil(tiles / num_sms) waves and the last leaves SMs idle (the KernelBench
+// shape: 512 tiles = 3.88 waves of 132).  The R remainder tiles (tiles %
+// num_sms, or all tiles when fewer than the SMs) are instead cut along K and
+// run first, on CTAs that each take about the same number of k-blocks; the
+// whole tiles follow in whole waves.  Unlike stream-K's even cut of the
+// flattened tile x k space (Osama et al., PPoPP 2023), which was measured
+// 7% slower here (CTAs sharing an x or w block read it at different times,
+// so the pass ran out of L2 and became DRAM-bound), every piece starts at
+// one of few k offsets, so CTAs read the same k-blocks at the same time:
+//   2 R <= num_sms: p equal pieces per tile (split-K), p <= num_sms / R;
+//   otherwise: a first piece of L k-blocks per tile on R CTAs, all starting
+//     at k = 0, and the K - L tails, tails_per_cta = ceil(R / (num_sms - R))
+//     back to back per CTA (consecutive tiles: the same w rows), with L set
+//     so both kinds take about as long (one k-block per hand-off counted).
+// kSplitMaxPieces bounds the slots a finishing CTA reads back; kSplitMinIters
+// keeps a piece above pipeline start-up.
+constexpr int kSplitMaxPieces = 8;
+constexpr int kSplitMinIters = 4;
+
+static StreamKPlan stream_k_plan(int M, int N, int K, int num_sms) {
+  using T = Sm90GemmTraits;
+  const long long tiles =
+      static_cast<long long>((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
+  const int num_k_blocks = (K + T::BLOCK_K - 1) / T::BLOCK_K;
+  StreamKPlan p;
+  p.dp_tiles = static_cast<int>(tiles);
+  const char* off = std::getenv("FUSED_GEMM_BN_NO_SPLIT_TILES");  // A/B switch for measurements
+  if (num_sms <= 0 || tiles > INT32_MAX / 8 || (off != nullptr && off[0] == '1')) return p;
+  const int rem = static_cast<int>(tiles >= num_sms ? tiles % num_sms : tiles);
+  if (rem == 0) return p;
+  int pieces, piece_blocks, tails_per_cta;
+  if (2 * rem <= num_sms) {
+    pieces = std::min({kSplitMaxPieces, num_sms / rem, num_k_blocks / kSplitMinIters});
+    if (pieces < 2) return p;
+    piece_blocks = (num_k_blocks + pieces - 1) / pieces;
+    pieces = (num_k_blocks + piece_blocks - 1) / piece_blocks;  // no empty last piece
+    tails_per_cta = 1;
+  } else {
+    pieces = 2;
+    tails_per_cta = (rem + (num_sms - rem) - 1) / (num_sms - rem);
+    piece_blocks = (tails_per_cta * (num_k_blocks + 1) - 1 + tails_per_cta) / (tails_per_cta + 1);
+    if (num_k_blocks - piece_blocks < kSplitMinIters) return p;
+  }
+  p.sk_tiles = rem;
+  p.pieces = pieces;
+  p.piece_blocks = piece_blocks;
+  p.tails_per_cta = tails_per_cta;
+  p.sk_ctas = rem * (pieces - 1) + (rem + tails_per_cta - 1) / tails_per_cta;
+  p.dp_tiles = static_cast<int>(tiles - rem);
+  return p;
+}
+
+// Streaming multiprocessors of the current device (cached per device).
+static cudaError_t current_num_sms(int* num_sms) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < kMaxDevices && cached[device] > 0) {
+    *num_sms = cached[device];
+    return cudaSuccess;
+  }
+  err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess && device < kMaxDevices) cached[device] = *num_sms;
+  return err;
+}
+
+// Workspace floats of the split tiles' partial sums (one slot per piece),
+// followed by one int per split tile (the arrival counts).
+static long long partial_floats(const StreamKPlan& p) {
+  return static_cast<long long>(p.sk_tiles) * p.pieces * Sm90GemmTraits::BLOCK_N * Sm90GemmTraits::BLOCK_M;
+}
+
 template <Epilogue kEpilogue>
-static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const float* w,
-                                    const Sm90GemmBnArgs& args, cudaStream_t stream) {
+static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const float* w, Sm90GemmBnArgs args,
+                                    float* workspace, cudaStream_t stream) {
   using T = Sm90GemmTraits;
   auto kernel = sm90_gemm_3xtf32_bn_kernel<kEpilogue>;
   CUtensorMap tmap_w, tmap_x, tmap_x_small;
@@ -1632,11 +1838,16 @@ static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const 
     if (err != cudaSuccess) return err;
     if (device < kMaxDevices) smem_set[device] = true;
   }
-  const long long tiles = static_cast<long long>((args.M + T::BLOCK_M - 1) / T::BLOCK_M) *
-                          ((args.N + T::BLOCK_N - 1) / T::BLOCK_N);
-  if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(tiles), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_x_small,
-                                                                                    args);
+  int num_sms = 0;
+  err = current_num_sms(&num_sms);
+  if (err != cudaSuccess) return err;
+  args.plan = stream_k_plan(args.M, args.N, args.K, num_sms);
+  if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
+  args.partials = workspace;
+  args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
+  const long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;
+  if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_x_small, args);
   return cudaGetLastError();
 }
 
@@ -1677,17 +1888,39 @@ bool sm90_gemm_supported(const float* w, int M, int N, int K) {
   return device_ok[device] == 1;
 }
 
+// Workspace floats the launchers below need for an (M, K) x (N, K) product on
+// the current device (split-tile partial sums and, after them, arrival counts),
+// and how many ints at its end (the counts) must be zero at the launch.
+// 0 / 0 when no tile is split.
+int64_t sm90_gemm_workspace_floats(int M, int N, int K) {
+  using namespace fused_gemm_bn::sm90;
+  int num_sms = 0;
+  if (current_num_sms(&num_sms) != cudaSuccess) return 0;
+  const StreamKPlan p = stream_k_plan(M, N, K, num_sms);
+  return p.sk_ctas > 0 ? partial_floats(p) + p.sk_tiles : 0;
+}
+
+int sm90_gemm_workspace_zero_ints(int M, int N, int K) {
+  using namespace fused_gemm_bn::sm90;
+  int num_sms = 0;
+  if (current_num_sms(&num_sms) != cudaSuccess) return 0;
+  return stream_k_plan(M, N, K, num_sms).sk_tiles;
+}
+
 // z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
-// x_small = rna_tf32(x - tf32_trunc(x)) (split_tf32_remainder).
+// x_small = rna_tf32(x - tf32_trunc(x)) (split_tf32_remainder).  `workspace`:
+// sm90_gemm_workspace_floats(M, N, K) floats, its last
+// sm90_gemm_workspace_zero_ints ints zero (null when both are 0).
 cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
-                                   float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream) {
+                                   float* part_mean, float* part_m2, int M, int N, int K, float* workspace,
+                                   cudaStream_t stream) {
   using namespace fused_gemm_bn::sm90;
   if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
   if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
-  return launch_sm90_gemm<Epilogue::kTrain>(x, x_small, w, args, stream);
+  return launch_sm90_gemm<Epilogue::kTrain>(x, x_small, w, args, workspace, stream);
 }
 
 // out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm
@@ -1695,7 +1928,8 @@ cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const f
 cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
                                   const float* bias, const float* scale, const float* bn_weight,
                                   const float* bn_bias, const float* running_mean, const float* running_var,
-                                  float eps, bool scale_after_bn, int M, int N, int K, cudaStream_t stream) {
+                                  float eps, bool scale_after_bn, int M, int N, int K, float* workspace,
+                                  cudaStream_t stream) {
   using namespace fused_gemm_bn::sm90;
   if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
   if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
@@ -1704,12 +1938,25 @@ cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const fl
   args.out = out;
   args.bn = fused_gemm_bn::BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
                                     scale_after_bn};
-  return launch_sm90_gemm<Epilogue::kEval>(x, x_small, w, args, stream);
+  return launch_sm90_gemm<Epilogue::kEval>(x, x_small, w, args, workspace, stream);
+}
+
+// out = x @ w^T, nothing else (the backward's products).
+cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out, int M, int N,
+                                   int K, float* workspace, cudaStream_t stream) {
+  using namespace fused_gemm_bn::sm90;
+  if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
+  if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out;
+  return launch_sm90_gemm<Epilogue::kPlain>(x, x_small, w, args, workspace, stream);
 }
 ''',
     'sm90_primitives.cuh': r'''// sm90_primitives.cuh -- thin PTX wrappers for the Hopper GEMM
-// (sm90_gemm_3xtf32_bn.cu): mbarriers, TMA tile loads, wgmma shared-memory
-// descriptors and the tf32 wgmma form it issues (A from registers).
+// (sm90_gemm_3xtf32_bn.cu): mbarriers, TMA tile loads, named barriers and the
+// GPU-scope atomic of the split-tile hand-off, wgmma shared-memory descriptors and
+// the tf32 wgmma form it issues (A from registers).
 //
 // Every wrapper compiles to nothing unless the pass targets sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL): wgmma and setmaxnreg exist only there.  The
@@ -1719,7 +1966,8 @@ cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const fl
 // Sources: PTX ISA 8.x, sections 9.7.12.15 (mbarrier), 9.7.9.25.5
 // (cp.async.bulk.tensor), 9.7.15 (wgmma: 9.7.15.5.1 matrix descriptor,
 // 9.7.15.5.2 register fragments, 9.7.15.6 wgmma.fence / commit_group /
-// wait_group), 9.7.19.5 (setmaxnreg).
+// wait_group), 9.7.19.5 (setmaxnreg); the atom and bar.sync instruction
+// pages and chapter 8 (memory consistency model) for the split-tile hand-off.
 
 #pragma once
 
@@ -1817,6 +2065,29 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 #if FUSED_GEMM_BN_SM90A
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 #endif
+}
+
+// ---- CTA and grid synchronisation (split-tile hand-off) ------------------
+
+// Barrier over the first `kThreads` threads of the CTA (the consumer
+// warpgroups) on hardware barrier `kId`; id 0 is __syncthreads'.
+template <uint32_t kId, uint32_t kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+#endif
+}
+
+// Atomic add at GPU scope with acquire-release semantics (PTX ISA: atom;
+// memory consistency model): the caller's earlier writes (and, after a
+// CTA barrier, its CTA's) are visible to whoever observes the new value, and
+// the writes that the previous adders released are visible to the caller.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
+  int old = 0;
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+#endif
+  return old;
 }
 
 // ---- wgmma ----------------------------------------------------------------
@@ -1922,7 +2193,8 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
 // Both kernels take `counter` (int64, may be null): thread 0 of block 0 adds 1
 // to it.  A training call passes bn.num_batches_tracked, so its increment
 // (nn.BatchNorm1d's first step) costs no launch of its own; the call's later
-// kernels see the new value by stream order.
+// kernels see the new value by stream order.  The remainder kernel also zeroes
+// `zero_ints` (the Hopper GEMM's split-tile arrival counts), again saving a launch.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -1996,8 +2268,10 @@ __device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
 // bytes in flight of one (the kernel is bound by HBM bandwidth).
 __global__ void __launch_bounds__(kSplitThreads)
     split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
-                                int64_t* counter) {
+                                int64_t* counter, int* zero_ints, int num_zero_ints) {
   if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *counter += 1;
+  if (blockIdx.x == 0)
+    for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (; i + stride < n4; i += 2 * stride) {
@@ -2033,12 +2307,13 @@ cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, i
   return cudaGetLastError();
 }
 
-// x_small = x - tf32_trunc(x) over a contiguous (M, K) x with K % 4 == 0.
-cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter,
-                                 cudaStream_t stream) {
+// x_small = x - tf32_trunc(x) over a contiguous (M, K) x with K % 4 == 0;
+// counter += 1 (if not null); zero_ints[0 .. num_zero_ints) = 0.
+cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter, int* zero_ints,
+                                 int num_zero_ints, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   const int64_t n4 = static_cast<int64_t>(M) * K / 4;
-  if (n4 == 0 && counter == nullptr) return cudaSuccess;
+  if (n4 == 0 && counter == nullptr && num_zero_ints == 0) return cudaSuccess;
   int device = 0, num_sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
@@ -2046,7 +2321,7 @@ cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, i
   const int64_t wanted = (n4 + kSplitThreads - 1) / kSplitThreads;
   const int blocks = static_cast<int>(wanted < 1 ? 1 : wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
   split_tf32_remainder_kernel<<<blocks, kSplitThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(x), reinterpret_cast<float4*>(x_small), n4, counter);
+      reinterpret_cast<const float4*>(x), reinterpret_cast<float4*>(x_small), n4, counter, zero_ints, num_zero_ints);
   return cudaGetLastError();
 }
 ''',
@@ -2097,14 +2372,20 @@ cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, i
 int sm80_gemm_block_m();
 int sm90_gemm_block_m();
 bool sm90_gemm_supported(const float* w, int M, int N, int K);
-cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter,
-                                 cudaStream_t stream);
+cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter, int* zero_ints,
+                                 int num_zero_ints, cudaStream_t stream);
+int64_t sm90_gemm_workspace_floats(int M, int N, int K);
+int sm90_gemm_workspace_zero_ints(int M, int N, int K);
 cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
-                                   float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream);
+                                   float* part_mean, float* part_m2, int M, int N, int K, float* workspace,
+                                   cudaStream_t stream);
 cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
                                   const float* bias, const float* scale, const float* bn_weight,
                                   const float* bn_bias, const float* running_mean, const float* running_var,
-                                  float eps, bool scale_after_bn, int M, int N, int K, cudaStream_t stream);
+                                  float eps, bool scale_after_bn, int M, int N, int K, float* workspace,
+                                  cudaStream_t stream);
+cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out, int M, int N,
+                                   int K, float* workspace, cudaStream_t stream);
 int64_t split_tf32_elems(int M, int K);
 cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
                        float* small, int64_t* counter, cudaStream_t stream);
@@ -2193,19 +2474,30 @@ bool use_sm90(const float* w, int M, int N, int K) {
 
 // x and its TF32 remainder for the Hopper kernel, whose TMA loads need
 // contiguous, 16-byte aligned rows: the caller's x is used in place when it is
-// so, otherwise copied (never written).
+// so, otherwise copied (never written).  `workspace` is the GEMM's split-tile
+// scratch for an (M, K) x (N, K) product (null if it needs none), allocated
+// with x_small and its arrival counts zeroed by the same split kernel.
 struct RemainderX {
   torch::Tensor x;
-  torch::Tensor small;
+  torch::Tensor storage;  // x_small, then the workspace
+  const float* small;
+  float* workspace;
 };
 
-RemainderX remainder_x(const torch::Tensor& x, int M, int K, int64_t* counter, cudaStream_t stream) {
+RemainderX remainder_x(const torch::Tensor& x, int M, int N, int K, int64_t* counter, cudaStream_t stream) {
   const bool ready = x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   torch::Tensor xc = ready ? x : x.clone(at::MemoryFormat::Contiguous);
-  torch::Tensor small = torch::empty({M, K}, x.options());
-  check_launch(split_tf32_remainder(xc.data_ptr<float>(), M, K, small.data_ptr<float>(), counter, stream),
+  const int64_t small_floats = static_cast<int64_t>(M) * K;  // a multiple of 4: the workspace stays 16-byte aligned
+  const int64_t workspace_floats = sm90_gemm_workspace_floats(M, N, K);
+  const int zero_ints = sm90_gemm_workspace_zero_ints(M, N, K);
+  torch::Tensor storage = torch::empty({small_floats + workspace_floats}, x.options());
+  float* small = storage.data_ptr<float>();
+  float* workspace = workspace_floats > 0 ? small + small_floats : nullptr;
+  int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
+  check_launch(split_tf32_remainder(xc.data_ptr<float>(), M, K, small, counter, arrivals, arrivals ? zero_ints : 0,
+                                    stream),
                "split_tf32_remainder");
-  return {xc, small};
+  return {xc, storage, small, workspace};
 }
 
 // Per-tile statistics for the multi-pass training path: part_mean, part_m2
@@ -2255,9 +2547,9 @@ int gemm_train(const torch::Tensor& x, bool sm90, const SplitX& xs, const float*
   const int block_m = sm90 ? sm90_gemm_block_m() : sm80_gemm_block_m();
   scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
   if (sm90) {
-    const RemainderX xr = remainder_x(x, M, K, counter, stream);
-    check_launch(sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w,
-                                        out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, M, N, K, stream),
+    const RemainderX xr = remainder_x(x, M, N, K, counter, stream);
+    check_launch(sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(),
+                                        scratch.part_mean, scratch.part_m2, M, N, K, xr.workspace, stream),
                  "sm90_gemm_3xtf32_train");
   } else {
     check_launch(sm80_gemm_3xtf32_train(xs.big, xs.small, w, out.data_ptr<float>(), scratch.part_mean,
@@ -2284,10 +2576,10 @@ torch::Tensor gemm_eval(const torch::Tensor& x, const torch::Tensor& weight, con
   const float* running_mean = t.running_mean.data_ptr<float>();
   const float* running_var = t.running_var.data_ptr<float>();
   if (use_sm90(w, M, N, K)) {
-    const RemainderX xr = remainder_x(x, M, K, nullptr, stream);
-    check_launch(sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w, out.data_ptr<float>(),
-                                       bias, scale, bn_weight, bn_bias, running_mean, running_var,
-                                       static_cast<float>(eps), scale_after_bn, M, N, K, stream),
+    const RemainderX xr = remainder_x(x, M, N, K, nullptr, stream);
+    check_launch(sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(), bias, scale,
+                                       bn_weight, bn_bias, running_mean, running_var, static_cast<float>(eps),
+                                       scale_after_bn, M, N, K, xr.workspace, stream),
                  "sm90_gemm_3xtf32_eval");
     return out;
   }

@@ -38,6 +38,7 @@ namespace fused_gemm_bn {
 constexpr int kApplyThreads = 256;
 constexpr int kApplyRowsPerBlock = 32;  // 32 row blocks at M = 1024: the statistics are re-merged 32x, from L2
 constexpr int kApplyTargetBlocks = 264;  // two per SM of an H100 / H200
+constexpr int kRowBatch = 8;             // rows loaded before any is stored (bn_apply_kernel)
 
 struct BnApplyArgs {
   float* z;
@@ -83,22 +84,34 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
   }
   const int row0 = blockIdx.y * p.rows_per_block;
   const int row_end = min(p.M, row0 + p.rows_per_block);
-  if constexpr (kVec4) {
-#pragma unroll 4
-    for (int row = row0; row < row_end; ++row) {
-      float4* q = reinterpret_cast<float4*>(p.z + static_cast<size_t>(row) * p.N + col);
-      float4 v = *q;
-      v.x = fmaf(v.x - mu[0], a[0], b[0]);
-      v.y = fmaf(v.y - mu[1], a[1], b[1]);
-      v.z = fmaf(v.z - mu[2], a[2], b[2]);
-      v.w = fmaf(v.w - mu[3], a[3], b[3]);
-      *q = v;
+  // kRowBatch rows are loaded before any is stored: the compiler may not move
+  // a load above the previous row's store (z is read and written in place), so
+  // a row-at-a-time loop keeps one load in flight per thread and runs at
+  // memory latency, not bandwidth (docs/perf.md, v14).
+  for (int row = row0; row < row_end; row += kRowBatch) {
+    float v[kRowBatch][kCols];
+#pragma unroll
+    for (int r = 0; r < kRowBatch; ++r) {
+      if (row + r >= row_end) break;
+      const float* q = p.z + static_cast<size_t>(row + r) * p.N + col;
+      if constexpr (kVec4) {
+        const float4 t = *reinterpret_cast<const float4*>(q);
+        v[r][0] = t.x, v[r][1] = t.y, v[r][2] = t.z, v[r][3] = t.w;
+      } else {
+        v[r][0] = *q;
+      }
     }
-  } else {
-#pragma unroll 4
-    for (int row = row0; row < row_end; ++row) {
-      float* q = p.z + static_cast<size_t>(row) * p.N + col;
-      *q = fmaf(*q - mu[0], a[0], b[0]);
+#pragma unroll
+    for (int r = 0; r < kRowBatch; ++r) {
+      if (row + r >= row_end) break;
+      float* q = p.z + static_cast<size_t>(row + r) * p.N + col;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) v[r][c] = fmaf(v[r][c] - mu[c], a[c], b[c]);
+      if constexpr (kVec4) {
+        *reinterpret_cast<float4*>(q) = make_float4(v[r][0], v[r][1], v[r][2], v[r][3]);
+      } else {
+        *q = v[r][0];
+      }
     }
   }
 }

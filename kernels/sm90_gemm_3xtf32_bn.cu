@@ -53,6 +53,17 @@
 //   place by wgmma.  Grid: one CTA per tile, M tiles fastest, so the CTAs
 //   sharing a w tile run together and w is read from DRAM about once.
 //
+// Split tiles (a locality-preserving stream-K; StreamKPlan, stream_k_plan)
+//   One CTA per SM fits, so whole tiles alone leave the last wave part-empty
+//   (512 tiles = 3.88 waves of 132 SMs at the KernelBench shape).  The
+//   remainder tiles are cut along K and run first: each piece's CTA writes
+//   its fp32 partial tile to a workspace slot and counts itself in on a
+//   per-tile counter (GPU-scope acq_rel atomic); the last to arrive sums the
+//   slots in piece order (deterministic) and runs the epilogue.  Measured
+//   (H200): GEMM 1063 -> 1047 us, train 1.117 -> 1.104 ms (docs/perf.md v14).
+//   A piece-sum adds one fp32 rounding per piece boundary, as the per-slab
+//   promotion already does every 16 k.
+//
 // Launchers return cudaErrorNotSupported (launching nothing) when this kernel
 // does not apply (not compute capability 9.0, no sm_90a image, K % 4 != 0,
 // misaligned pointers); the caller then takes the portable kernel.
@@ -61,6 +72,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "bn_stats.cuh"
@@ -97,7 +110,22 @@ struct Sm90GemmTraits {
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
 };
 
-enum class Epilogue { kTrain, kEval };
+enum class Epilogue { kTrain, kEval, kPlain };
+
+// Work of the grid (header, "Split tiles").  The first sk_ctas CTAs compute
+// tiles 0 .. sk_tiles - 1, each cut along K into `pieces` runs of piece_blocks
+// k-blocks (the last piece takes the rest): pieces 0 .. pieces - 2 of tile t go
+// to CTAs t * (pieces - 1) + j, one each; the last pieces go tails_per_cta
+// tiles at a time to the CTAs after those, run back to back.  CTA sk_ctas + i
+// then computes tile sk_tiles + i whole.  sk_ctas == 0: no tile is split.
+struct StreamKPlan {
+  int sk_tiles = 0;
+  int pieces = 1;
+  int piece_blocks = 0;
+  int tails_per_cta = 1;
+  int sk_ctas = 0;
+  int dp_tiles = 0;
+};
 
 struct Sm90GemmBnArgs {
   int M, N, K;
@@ -105,7 +133,34 @@ struct Sm90GemmBnArgs {
   float* part_mean;  // kTrain
   float* part_m2;
   BnParams bn;  // kEval
+  StreamKPlan plan;
+  // Split-tile workspace: partial sums, one slot per (split tile, piece), each
+  // 256 threads x kAccRegs fp32 in register order; and one arrival count per
+  // split tile, zeroed before the launch (split_tf32_remainder).
+  float* partials;
+  int* tile_arrivals;
 };
+
+// k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.
+struct WorkSegment {
+  int tile, kb_begin, kb_end, piece;
+};
+
+__device__ __forceinline__ int cta_num_segments(const StreamKPlan& p, int cta) {
+  const int dedicated = p.sk_tiles * (p.pieces - 1);
+  if (cta >= p.sk_ctas || cta < dedicated) return 1;
+  return min(p.tails_per_cta, p.sk_tiles - (cta - dedicated) * p.tails_per_cta);
+}
+
+__device__ __forceinline__ WorkSegment cta_segment(const StreamKPlan& p, int cta, int si, int num_k_blocks) {
+  if (cta >= p.sk_ctas) return {p.sk_tiles + (cta - p.sk_ctas), 0, num_k_blocks, -1};
+  const int dedicated = p.sk_tiles * (p.pieces - 1);
+  if (cta < dedicated) {
+    const int j = cta % (p.pieces - 1);
+    return {cta / (p.pieces - 1), j * p.piece_blocks, (j + 1) * p.piece_blocks, j};
+  }
+  return {(cta - dedicated) * p.tails_per_cta + si, (p.pieces - 1) * p.piece_blocks, num_k_blocks, p.pieces - 1};
+}
 
 // v rounded to TF32 (nearest, ties away from zero; = cvt.rna.tf32.f32 for
 // finite v) with two integer ops: the low 13 bits are cleared after adding half
@@ -134,11 +189,10 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
 
   const int M = args.M, N = args.N;
   const int m_tiles = (M + T::BLOCK_M - 1) / T::BLOCK_M;
-  const int m_tile = static_cast<int>(blockIdx.x) % m_tiles;
-  const int n_tile = static_cast<int>(blockIdx.x) / m_tiles;
-  const int m0 = m_tile * T::BLOCK_M, n0 = n_tile * T::BLOCK_N;
   const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
+  const int cta = static_cast<int>(blockIdx.x);
+  const int num_segments = cta_num_segments(args.plan, cta);
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -151,21 +205,27 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   __syncthreads();
 
   if (warpgroup == T::kNumConsumers) {
-    // Producer warpgroup: one thread streams the k slabs through the ring.
+    // Producer warpgroup: one thread streams the k-blocks of every segment
+    // through the ring; `q` counts ring slots over the whole CTA.
     setmaxnreg_dec<T::kProducerRegs>();
     if (threadIdx.x == T::kNumConsumers * 128) {
       tma_prefetch_descriptor(&tmap_w);
       tma_prefetch_descriptor(&tmap_x);
       tma_prefetch_descriptor(&tmap_x_small);
-      for (int kb = 0; kb < num_k_blocks; ++kb) {
-        const int s = kb % T::kNumStages;
-        mbar_wait(&empty_bar[s], ((kb / T::kNumStages) & 1) ^ 1);
-        uint8_t* stage = smem + s * T::STAGE_BYTES;
-        mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
-        const int k0 = kb * T::BLOCK_K;
-        tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
-        tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x, &full_bar[s], k0, m0);
-        tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_small, &full_bar[s], k0, m0);
+      int q = 0;
+      for (int si = 0; si < num_segments; ++si) {
+        const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+        const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
+        for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
+          const int s = q % T::kNumStages;
+          mbar_wait(&empty_bar[s], ((q / T::kNumStages) & 1) ^ 1);
+          uint8_t* stage = smem + s * T::STAGE_BYTES;
+          mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
+          const int k0 = kb * T::BLOCK_K;
+          tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
+          tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x, &full_bar[s], k0, m0);
+          tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_small, &full_bar[s], k0, m0);
+        }
       }
     }
     return;
@@ -183,17 +243,17 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   const int w_row = warpgroup * T::WGMMA_M + warp * 16 + g;  // this thread's first A row in the w tile
 
   float acc[T::kAccRegs];
-#pragma unroll
-  for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
   float part[2][T::kPartRegs];
   // w's TF32 parts for one slab in the A-fragment layout: [k-step][big, small][reg].
   // Two buffers, one per slab of a stage: a slab's wgmmas still read theirs
   // while the next slab's are loaded.
   uint32_t a_frag[2][T::kSlabSteps][2][4];
 
-  // Slab `sub` (0, 1) of stage kb: k-steps kSlabSteps * sub + j of the tiles.
-  auto load_a = [&](uint32_t(&a)[T::kSlabSteps][2][4], int kb, int sub) {
-    const uint8_t* w_tile = smem + (kb % T::kNumStages) * T::STAGE_BYTES;
+  // The lambdas below take `q`, the ring slot counter (stage q % kNumStages,
+  // mbarrier phase q / kNumStages), which runs on over both segments.
+  // Slab `sub` (0, 1) of slot q: k-steps kSlabSteps * sub + j of the tiles.
+  auto load_a = [&](uint32_t(&a)[T::kSlabSteps][2][4], int q, int sub) {
+    const uint8_t* w_tile = smem + (q % T::kNumStages) * T::STAGE_BYTES;
 #pragma unroll
     for (int j = 0; j < T::kSlabSteps; ++j) {
 #pragma unroll
@@ -208,9 +268,9 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
     }
   };
   // The 6 wgmmas of one slab for batch half `half` (rows 64 half .. +63 of the x tiles).
-  auto issue_half = [&](float(&d)[T::kPartRegs], const uint32_t(&a)[T::kSlabSteps][2][4], int kb, int sub,
+  auto issue_half = [&](float(&d)[T::kPartRegs], const uint32_t(&a)[T::kSlabSteps][2][4], int q, int sub,
                         int half) {
-    const uint8_t* x_big_tile = smem + (kb % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES + half * 64 * 128;
+    const uint8_t* x_big_tile = smem + (q % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES + half * 64 * 128;
     const uint8_t* x_small_tile = x_big_tile + T::X_TILE_BYTES;
     wgmma_fence();
 #pragma unroll
@@ -236,11 +296,11 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
 #pragma unroll
     for (int j = 0; j < T::kSlabSteps; ++j)
 #pragma unroll
-      for (int q = 0; q < 2; ++q)
+      for (int p = 0; p < 2; ++p)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) fence_operand(a[j][q][r]);
+        for (int r = 0; r < 4; ++r) fence_operand(a[j][p][r]);
   };
-  // Slab `sub` of stage kb; its A fragments are in buffer `sub`.  On entry the
+  // Slab `sub` of slot q; its A fragments are in buffer `sub`.  On entry the
   // first half of this slab is in flight; on exit the first half of the next
   // slab (if any), while the second half's `part` is promoted.  The wait before
   // promote(0) retires both halves: ptxas keeps the wgmmas asynchronous only
@@ -248,101 +308,159 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   // (with wait<1> here as well it serialises them, warning C7514).  `sub` and
   // `has_next` are compile-time constants, so the register arrays are never
   // indexed at run time.
-  auto slab = [&](auto sub_c, auto has_next_c, int kb) {
+  auto slab = [&](auto sub_c, auto has_next_c, int q) {
     constexpr int kSub = decltype(sub_c)::value;
     constexpr bool kHasNext = decltype(has_next_c)::value;
     constexpr int kNextSub = kSub ^ 1;
-    const int next_kb = kSub == 0 ? kb : kb + 1;
-    issue_half(part[1], a_frag[kSub], kb, kSub, 1);
+    const int next_q = kSub == 0 ? q : q + 1;
+    issue_half(part[1], a_frag[kSub], q, kSub, 1);
     if constexpr (kHasNext) {
-      if (kNextSub == 0) mbar_wait(&full_bar[next_kb % T::kNumStages], (next_kb / T::kNumStages) & 1);
-      load_a(a_frag[kNextSub], next_kb, kNextSub);  // its previous reader, the slab before this one, is complete
+      if (kNextSub == 0) mbar_wait(&full_bar[next_q % T::kNumStages], (next_q / T::kNumStages) & 1);
+      load_a(a_frag[kNextSub], next_q, kNextSub);  // its previous reader, the slab before this one, is complete
     }
     wgmma_wait<0>();  // both halves of this slab done
     keep_alive(a_frag[kSub]);
     promote(0);
-    if constexpr (kHasNext) issue_half(part[0], a_frag[kNextSub], next_kb, kNextSub, 0);
+    if constexpr (kHasNext) issue_half(part[0], a_frag[kNextSub], next_q, kNextSub, 0);
     promote(1);  // overlaps the next slab's first half
-    if (kSub == 1 && lane == 0) mbar_arrive(&empty_bar[kb % T::kNumStages]);  // stage kb fully read
+    if (kSub == 1 && lane == 0) mbar_arrive(&empty_bar[q % T::kNumStages]);  // slot q fully read
   };
   using Sub0 = std::integral_constant<int, 0>;
   using Sub1 = std::integral_constant<int, 1>;
 
-  if (num_k_blocks > 0) {
-    mbar_wait(&full_bar[0], 0);
-    load_a(a_frag[0], 0, 0);
-    issue_half(part[0], a_frag[0], 0, 0, 0);
-    for (int kb = 0; kb + 1 < num_k_blocks; ++kb) {
-      slab(Sub0{}, std::true_type{}, kb);
-      slab(Sub1{}, std::true_type{}, kb);
+  // acc = the sum over the segment's n k-blocks, from ring slot q0 on.
+  auto mainloop = [&](int q0, int n) {
+#pragma unroll
+    for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
+    mbar_wait(&full_bar[q0 % T::kNumStages], (q0 / T::kNumStages) & 1);
+    load_a(a_frag[0], q0, 0);
+    issue_half(part[0], a_frag[0], q0, 0, 0);
+    const int q_last = q0 + n - 1;
+    for (int q = q0; q < q_last; ++q) {
+      slab(Sub0{}, std::true_type{}, q);
+      slab(Sub1{}, std::true_type{}, q);
     }
-    slab(Sub0{}, std::true_type{}, num_k_blocks - 1);
-    slab(Sub1{}, std::false_type{}, num_k_blocks - 1);
-  }
+    slab(Sub0{}, std::true_type{}, q_last);
+    slab(Sub1{}, std::false_type{}, q_last);
+  };
 
-  // Accumulator element 4 i + 2 h + e holds z[b, f] with
-  //   f = n0 + w_row + 8 h            (feature: one row of the wgmma tile)
-  //   b = m0 + 8 i + 2 t + e          (batch row)
-  // so each feature's 128 batch values live in the 4 lanes of one quad.
-  const int f_base = n0 + w_row;
-  if constexpr (kEpilogue == Epilogue::kEval) {
+  // Split-tile hand-off.  Every piece's CTA stores its partial sums in the
+  // piece's slot, then counts itself in with a GPU-scope acquire-release
+  // atomic; the last to arrive sums the slots in piece order (its own read
+  // back too, so the result does not depend on which CTA came last) and runs
+  // the epilogue.  No CTA waits for another, so this cannot deadlock whatever
+  // the residency.
+  __shared__ int last_arrival;
+  const int ctid = threadIdx.x;  // 0 .. 255 over the consumer warpgroups
+  constexpr int kAccQuads = T::kAccRegs / 4;
+  constexpr int kConsumerThreads = T::kNumConsumers * 128;
+  auto partial_slot = [&](int tile, int piece) {
+    return reinterpret_cast<float4*>(args.partials) +
+           static_cast<size_t>(tile * args.plan.pieces + piece) * kAccQuads * kConsumerThreads + ctid;
+  };
+  // True when this CTA finishes tile seg.tile; acc then holds the whole sum.
+  auto hand_off = [&](const WorkSegment& seg) -> bool {
+    float4* mine = partial_slot(seg.tile, seg.piece);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int f = f_base + 8 * h;
-      if (f >= N) continue;
-      float a, c;
-      bn_eval_affine(args.bn, f, a, c);
+    for (int i = 0; i < kAccQuads; ++i)
+      __stcg(mine + i * kConsumerThreads, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+    named_barrier_sync<1, kConsumerThreads>();  // the CTA's stores precede the release below
+    if (ctid == 0) {
+      __threadfence();
+      last_arrival = atomic_add_acq_rel_gpu(&args.tile_arrivals[seg.tile], 1) == args.plan.pieces - 1;
+    }
+    named_barrier_sync<1, kConsumerThreads>();
+    if (!last_arrival) return false;
 #pragma unroll
-      for (int i = 0; i < T::kAccRegs / 4; ++i) {
-        acc[4 * i + 2 * h] = fmaf(a, acc[4 * i + 2 * h], c);
-        acc[4 * i + 2 * h + 1] = fmaf(a, acc[4 * i + 2 * h + 1], c);
+    for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
+    for (int piece = 0; piece < args.plan.pieces; ++piece) {
+      const float4* slot = partial_slot(seg.tile, piece);
+#pragma unroll
+      for (int i = 0; i < kAccQuads; ++i) {
+        const float4 v = __ldcg(slot + i * kConsumerThreads);
+        acc[4 * i] += v.x;
+        acc[4 * i + 1] += v.y;
+        acc[4 * i + 2] += v.z;
+        acc[4 * i + 3] += v.w;
       }
     }
-  } else {
-    // Per-feature mean and M2 over the tile's valid rows: two passes over the
-    // registers (no E[z^2] - E[z]^2 cancellation), reduced across the quad.
-    const int rows_valid = min(T::BLOCK_M, M - m0);
+    return true;
+  };
+
+  int q = 0;
+  for (int si = 0; si < num_segments; ++si) {
+    const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+    const int n_blocks = seg.kb_end - seg.kb_begin;
+    mainloop(q, n_blocks);
+    q += n_blocks;
+    if (seg.piece >= 0 && !hand_off(seg)) continue;
+
+    const int m_tile = seg.tile % m_tiles, n_tile = seg.tile / m_tiles;
+    const int m0 = m_tile * T::BLOCK_M, n0 = n_tile * T::BLOCK_N;
+    // Accumulator element 4 i + 2 h + e holds z[b, f] with
+    //   f = n0 + w_row + 8 h            (feature: one row of the wgmma tile)
+    //   b = m0 + 8 i + 2 t + e          (batch row)
+    // so each feature's 128 batch values live in the 4 lanes of one quad.
+    const int f_base = n0 + w_row;
+    if constexpr (kEpilogue == Epilogue::kEval) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = 0.f;
+      for (int h = 0; h < 2; ++h) {
+        const int f = f_base + 8 * h;
+        if (f >= N) continue;
+        float a, c;
+        bn_eval_affine(args.bn, f, a, c);
 #pragma unroll
-      for (int i = 0; i < T::kAccRegs / 4; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (8 * i + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float mean = sum / static_cast<float>(rows_valid);
-      float m2 = 0.f;
-#pragma unroll
-      for (int i = 0; i < T::kAccRegs / 4; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float d = acc[4 * i + 2 * h + e] - mean;
-          if (8 * i + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
+        for (int i = 0; i < T::kAccRegs / 4; ++i) {
+          acc[4 * i + 2 * h] = fmaf(a, acc[4 * i + 2 * h], c);
+          acc[4 * i + 2 * h + 1] = fmaf(a, acc[4 * i + 2 * h + 1], c);
         }
       }
-      m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
-      m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
-      const int f = f_base + 8 * h;
-      if (t == 0 && f < N) {
-        args.part_mean[static_cast<size_t>(m_tile) * N + f] = mean;
-        args.part_m2[static_cast<size_t>(m_tile) * N + f] = m2;
+    } else if constexpr (kEpilogue == Epilogue::kTrain) {
+      // Per-feature mean and M2 over the tile's valid rows: two passes over the
+      // registers (no E[z^2] - E[z]^2 cancellation), reduced across the quad.
+      const int rows_valid = min(T::BLOCK_M, M - m0);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < T::kAccRegs / 4; ++i) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (8 * i + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float mean = sum / static_cast<float>(rows_valid);
+        float m2 = 0.f;
+#pragma unroll
+        for (int i = 0; i < T::kAccRegs / 4; ++i) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float d = acc[4 * i + 2 * h + e] - mean;
+            if (8 * i + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
+          }
+        }
+        m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
+        m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
+        const int f = f_base + 8 * h;
+        if (t == 0 && f < N) {
+          args.part_mean[static_cast<size_t>(m_tile) * N + f] = mean;
+          args.part_m2[static_cast<size_t>(m_tile) * N + f] = m2;
+        }
       }
     }
-  }
 
-  // Store: a warp instruction writes 8 consecutive features (32 bytes) of 4 rows.
+    // Store: a warp instruction writes 8 consecutive features (32 bytes) of 4 rows.
 #pragma unroll
-  for (int i = 0; i < T::kAccRegs / 4; ++i) {
+    for (int i = 0; i < T::kAccRegs / 4; ++i) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int b = m0 + 8 * i + 2 * t + e;
-      if (b >= M) continue;
-      float* out_row = args.out + static_cast<size_t>(b) * N;
-      if (f_base < N) out_row[f_base] = acc[4 * i + e];
-      if (f_base + 8 < N) out_row[f_base + 8] = acc[4 * i + 2 + e];
+      for (int e = 0; e < 2; ++e) {
+        const int b = m0 + 8 * i + 2 * t + e;
+        if (b >= M) continue;
+        float* out_row = args.out + static_cast<size_t>(b) * N;
+        if (f_base < N) out_row[f_base] = acc[4 * i + e];
+        if (f_base + 8 < N) out_row[f_base + 8] = acc[4 * i + 2 + e];
+      }
     }
   }
 #elif defined(__CUDA_ARCH__)
@@ -393,9 +511,84 @@ static bool make_tensor_map(CUtensorMap* map, const float* ptr, int rows, int K,
 
 static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Split tiles (header).  With one CTA per SM, `tiles` tiles take
+// ceil(tiles / num_sms) waves and the last leaves SMs idle (the KernelBench
+// shape: 512 tiles = 3.88 waves of 132).  The R remainder tiles (tiles %
+// num_sms, or all tiles when fewer than the SMs) are instead cut along K and
+// run first, on CTAs that each take about the same number of k-blocks; the
+// whole tiles follow in whole waves.  Unlike stream-K's even cut of the
+// flattened tile x k space (Osama et al., PPoPP 2023), which was measured
+// 7% slower here (CTAs sharing an x or w block read it at different times,
+// so the pass ran out of L2 and became DRAM-bound), every piece starts at
+// one of few k offsets, so CTAs read the same k-blocks at the same time:
+//   2 R <= num_sms: p equal pieces per tile (split-K), p <= num_sms / R;
+//   otherwise: a first piece of L k-blocks per tile on R CTAs, all starting
+//     at k = 0, and the K - L tails, tails_per_cta = ceil(R / (num_sms - R))
+//     back to back per CTA (consecutive tiles: the same w rows), with L set
+//     so both kinds take about as long (one k-block per hand-off counted).
+// kSplitMaxPieces bounds the slots a finishing CTA reads back; kSplitMinIters
+// keeps a piece above pipeline start-up.
+constexpr int kSplitMaxPieces = 8;
+constexpr int kSplitMinIters = 4;
+
+static StreamKPlan stream_k_plan(int M, int N, int K, int num_sms) {
+  using T = Sm90GemmTraits;
+  const long long tiles =
+      static_cast<long long>((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
+  const int num_k_blocks = (K + T::BLOCK_K - 1) / T::BLOCK_K;
+  StreamKPlan p;
+  p.dp_tiles = static_cast<int>(tiles);
+  const char* off = std::getenv("FUSED_GEMM_BN_NO_SPLIT_TILES");  // A/B switch for measurements
+  if (num_sms <= 0 || tiles > INT32_MAX / 8 || (off != nullptr && off[0] == '1')) return p;
+  const int rem = static_cast<int>(tiles >= num_sms ? tiles % num_sms : tiles);
+  if (rem == 0) return p;
+  int pieces, piece_blocks, tails_per_cta;
+  if (2 * rem <= num_sms) {
+    pieces = std::min({kSplitMaxPieces, num_sms / rem, num_k_blocks / kSplitMinIters});
+    if (pieces < 2) return p;
+    piece_blocks = (num_k_blocks + pieces - 1) / pieces;
+    pieces = (num_k_blocks + piece_blocks - 1) / piece_blocks;  // no empty last piece
+    tails_per_cta = 1;
+  } else {
+    pieces = 2;
+    tails_per_cta = (rem + (num_sms - rem) - 1) / (num_sms - rem);
+    piece_blocks = (tails_per_cta * (num_k_blocks + 1) - 1 + tails_per_cta) / (tails_per_cta + 1);
+    if (num_k_blocks - piece_blocks < kSplitMinIters) return p;
+  }
+  p.sk_tiles = rem;
+  p.pieces = pieces;
+  p.piece_blocks = piece_blocks;
+  p.tails_per_cta = tails_per_cta;
+  p.sk_ctas = rem * (pieces - 1) + (rem + tails_per_cta - 1) / tails_per_cta;
+  p.dp_tiles = static_cast<int>(tiles - rem);
+  return p;
+}
+
+// Streaming multiprocessors of the current device (cached per device).
+static cudaError_t current_num_sms(int* num_sms) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < kMaxDevices && cached[device] > 0) {
+    *num_sms = cached[device];
+    return cudaSuccess;
+  }
+  err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess && device < kMaxDevices) cached[device] = *num_sms;
+  return err;
+}
+
+// Workspace floats of the split tiles' partial sums (one slot per piece),
+// followed by one int per split tile (the arrival counts).
+static long long partial_floats(const StreamKPlan& p) {
+  return static_cast<long long>(p.sk_tiles) * p.pieces * Sm90GemmTraits::BLOCK_N * Sm90GemmTraits::BLOCK_M;
+}
+
 template <Epilogue kEpilogue>
-static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const float* w,
-                                    const Sm90GemmBnArgs& args, cudaStream_t stream) {
+static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const float* w, Sm90GemmBnArgs args,
+                                    float* workspace, cudaStream_t stream) {
   using T = Sm90GemmTraits;
   auto kernel = sm90_gemm_3xtf32_bn_kernel<kEpilogue>;
   CUtensorMap tmap_w, tmap_x, tmap_x_small;
@@ -414,11 +607,16 @@ static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const 
     if (err != cudaSuccess) return err;
     if (device < kMaxDevices) smem_set[device] = true;
   }
-  const long long tiles = static_cast<long long>((args.M + T::BLOCK_M - 1) / T::BLOCK_M) *
-                          ((args.N + T::BLOCK_N - 1) / T::BLOCK_N);
-  if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(tiles), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_x_small,
-                                                                                    args);
+  int num_sms = 0;
+  err = current_num_sms(&num_sms);
+  if (err != cudaSuccess) return err;
+  args.plan = stream_k_plan(args.M, args.N, args.K, num_sms);
+  if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
+  args.partials = workspace;
+  args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
+  const long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;
+  if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_x_small, args);
   return cudaGetLastError();
 }
 
@@ -459,17 +657,39 @@ bool sm90_gemm_supported(const float* w, int M, int N, int K) {
   return device_ok[device] == 1;
 }
 
+// Workspace floats the launchers below need for an (M, K) x (N, K) product on
+// the current device (split-tile partial sums and, after them, arrival counts),
+// and how many ints at its end (the counts) must be zero at the launch.
+// 0 / 0 when no tile is split.
+int64_t sm90_gemm_workspace_floats(int M, int N, int K) {
+  using namespace fused_gemm_bn::sm90;
+  int num_sms = 0;
+  if (current_num_sms(&num_sms) != cudaSuccess) return 0;
+  const StreamKPlan p = stream_k_plan(M, N, K, num_sms);
+  return p.sk_ctas > 0 ? partial_floats(p) + p.sk_tiles : 0;
+}
+
+int sm90_gemm_workspace_zero_ints(int M, int N, int K) {
+  using namespace fused_gemm_bn::sm90;
+  int num_sms = 0;
+  if (current_num_sms(&num_sms) != cudaSuccess) return 0;
+  return stream_k_plan(M, N, K, num_sms).sk_tiles;
+}
+
 // z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
-// x_small = rna_tf32(x - tf32_trunc(x)) (split_tf32_remainder).
+// x_small = rna_tf32(x - tf32_trunc(x)) (split_tf32_remainder).  `workspace`:
+// sm90_gemm_workspace_floats(M, N, K) floats, its last
+// sm90_gemm_workspace_zero_ints ints zero (null when both are 0).
 cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
-                                   float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream) {
+                                   float* part_mean, float* part_m2, int M, int N, int K, float* workspace,
+                                   cudaStream_t stream) {
   using namespace fused_gemm_bn::sm90;
   if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
   if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
-  return launch_sm90_gemm<Epilogue::kTrain>(x, x_small, w, args, stream);
+  return launch_sm90_gemm<Epilogue::kTrain>(x, x_small, w, args, workspace, stream);
 }
 
 // out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm
@@ -477,7 +697,8 @@ cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const f
 cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
                                   const float* bias, const float* scale, const float* bn_weight,
                                   const float* bn_bias, const float* running_mean, const float* running_var,
-                                  float eps, bool scale_after_bn, int M, int N, int K, cudaStream_t stream) {
+                                  float eps, bool scale_after_bn, int M, int N, int K, float* workspace,
+                                  cudaStream_t stream) {
   using namespace fused_gemm_bn::sm90;
   if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
   if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
@@ -486,5 +707,17 @@ cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const fl
   args.out = out;
   args.bn = fused_gemm_bn::BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
                                     scale_after_bn};
-  return launch_sm90_gemm<Epilogue::kEval>(x, x_small, w, args, stream);
+  return launch_sm90_gemm<Epilogue::kEval>(x, x_small, w, args, workspace, stream);
+}
+
+// out = x @ w^T, nothing else (the backward's products).
+cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out, int M, int N,
+                                   int K, float* workspace, cudaStream_t stream) {
+  using namespace fused_gemm_bn::sm90;
+  if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
+  if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out;
+  return launch_sm90_gemm<Epilogue::kPlain>(x, x_small, w, args, workspace, stream);
 }

@@ -1,6 +1,7 @@
 // sm90_primitives.cuh -- thin PTX wrappers for the Hopper GEMM
-// (sm90_gemm_3xtf32_bn.cu): mbarriers, TMA tile loads, wgmma shared-memory
-// descriptors and the tf32 wgmma form it issues (A from registers).
+// (sm90_gemm_3xtf32_bn.cu): mbarriers, TMA tile loads, named barriers and the
+// GPU-scope atomic of the split-tile hand-off, wgmma shared-memory descriptors and
+// the tf32 wgmma form it issues (A from registers).
 //
 // Every wrapper compiles to nothing unless the pass targets sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL): wgmma and setmaxnreg exist only there.  The
@@ -10,7 +11,8 @@
 // Sources: PTX ISA 8.x, sections 9.7.12.15 (mbarrier), 9.7.9.25.5
 // (cp.async.bulk.tensor), 9.7.15 (wgmma: 9.7.15.5.1 matrix descriptor,
 // 9.7.15.5.2 register fragments, 9.7.15.6 wgmma.fence / commit_group /
-// wait_group), 9.7.19.5 (setmaxnreg).
+// wait_group), 9.7.19.5 (setmaxnreg); the atom and bar.sync instruction
+// pages and chapter 8 (memory consistency model) for the split-tile hand-off.
 
 #pragma once
 
@@ -108,6 +110,29 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 #if FUSED_GEMM_BN_SM90A
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 #endif
+}
+
+// ---- CTA and grid synchronisation (split-tile hand-off) ------------------
+
+// Barrier over the first `kThreads` threads of the CTA (the consumer
+// warpgroups) on hardware barrier `kId`; id 0 is __syncthreads'.
+template <uint32_t kId, uint32_t kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+#endif
+}
+
+// Atomic add at GPU scope with acquire-release semantics (PTX ISA: atom;
+// memory consistency model): the caller's earlier writes (and, after a
+// CTA barrier, its CTA's) are visible to whoever observes the new value, and
+// the writes that the previous adders released are visible to the caller.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
+  int old = 0;
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+#endif
+  return old;
 }
 
 // ---- wgmma ----------------------------------------------------------------

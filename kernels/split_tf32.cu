@@ -24,7 +24,8 @@
 // Both kernels take `counter` (int64, may be null): thread 0 of block 0 adds 1
 // to it.  A training call passes bn.num_batches_tracked, so its increment
 // (nn.BatchNorm1d's first step) costs no launch of its own; the call's later
-// kernels see the new value by stream order.
+// kernels see the new value by stream order.  The remainder kernel also zeroes
+// `zero_ints` (the Hopper GEMM's split-tile arrival counts), again saving a launch.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -98,8 +99,10 @@ __device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
 // bytes in flight of one (the kernel is bound by HBM bandwidth).
 __global__ void __launch_bounds__(kSplitThreads)
     split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
-                                int64_t* counter) {
+                                int64_t* counter, int* zero_ints, int num_zero_ints) {
   if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *counter += 1;
+  if (blockIdx.x == 0)
+    for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (; i + stride < n4; i += 2 * stride) {
@@ -135,12 +138,13 @@ cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, i
   return cudaGetLastError();
 }
 
-// x_small = x - tf32_trunc(x) over a contiguous (M, K) x with K % 4 == 0.
-cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter,
-                                 cudaStream_t stream) {
+// x_small = x - tf32_trunc(x) over a contiguous (M, K) x with K % 4 == 0;
+// counter += 1 (if not null); zero_ints[0 .. num_zero_ints) = 0.
+cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter, int* zero_ints,
+                                 int num_zero_ints, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   const int64_t n4 = static_cast<int64_t>(M) * K / 4;
-  if (n4 == 0 && counter == nullptr) return cudaSuccess;
+  if (n4 == 0 && counter == nullptr && num_zero_ints == 0) return cudaSuccess;
   int device = 0, num_sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
@@ -148,6 +152,6 @@ cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, i
   const int64_t wanted = (n4 + kSplitThreads - 1) / kSplitThreads;
   const int blocks = static_cast<int>(wanted < 1 ? 1 : wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
   split_tf32_remainder_kernel<<<blocks, kSplitThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(x), reinterpret_cast<float4*>(x_small), n4, counter);
+      reinterpret_cast<const float4*>(x), reinterpret_cast<float4*>(x_small), n4, counter, zero_ints, num_zero_ints);
   return cudaGetLastError();
 }

@@ -45,14 +45,20 @@
 int sm80_gemm_block_m();
 int sm90_gemm_block_m();
 bool sm90_gemm_supported(const float* w, int M, int N, int K);
-cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter,
-                                 cudaStream_t stream);
+cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter, int* zero_ints,
+                                 int num_zero_ints, cudaStream_t stream);
+int64_t sm90_gemm_workspace_floats(int M, int N, int K);
+int sm90_gemm_workspace_zero_ints(int M, int N, int K);
 cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
-                                   float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream);
+                                   float* part_mean, float* part_m2, int M, int N, int K, float* workspace,
+                                   cudaStream_t stream);
 cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
                                   const float* bias, const float* scale, const float* bn_weight,
                                   const float* bn_bias, const float* running_mean, const float* running_var,
-                                  float eps, bool scale_after_bn, int M, int N, int K, cudaStream_t stream);
+                                  float eps, bool scale_after_bn, int M, int N, int K, float* workspace,
+                                  cudaStream_t stream);
+cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out, int M, int N,
+                                   int K, float* workspace, cudaStream_t stream);
 int64_t split_tf32_elems(int M, int K);
 cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
                        float* small, int64_t* counter, cudaStream_t stream);
@@ -141,19 +147,30 @@ bool use_sm90(const float* w, int M, int N, int K) {
 
 // x and its TF32 remainder for the Hopper kernel, whose TMA loads need
 // contiguous, 16-byte aligned rows: the caller's x is used in place when it is
-// so, otherwise copied (never written).
+// so, otherwise copied (never written).  `workspace` is the GEMM's split-tile
+// scratch for an (M, K) x (N, K) product (null if it needs none), allocated
+// with x_small and its arrival counts zeroed by the same split kernel.
 struct RemainderX {
   torch::Tensor x;
-  torch::Tensor small;
+  torch::Tensor storage;  // x_small, then the workspace
+  const float* small;
+  float* workspace;
 };
 
-RemainderX remainder_x(const torch::Tensor& x, int M, int K, int64_t* counter, cudaStream_t stream) {
+RemainderX remainder_x(const torch::Tensor& x, int M, int N, int K, int64_t* counter, cudaStream_t stream) {
   const bool ready = x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   torch::Tensor xc = ready ? x : x.clone(at::MemoryFormat::Contiguous);
-  torch::Tensor small = torch::empty({M, K}, x.options());
-  check_launch(split_tf32_remainder(xc.data_ptr<float>(), M, K, small.data_ptr<float>(), counter, stream),
+  const int64_t small_floats = static_cast<int64_t>(M) * K;  // a multiple of 4: the workspace stays 16-byte aligned
+  const int64_t workspace_floats = sm90_gemm_workspace_floats(M, N, K);
+  const int zero_ints = sm90_gemm_workspace_zero_ints(M, N, K);
+  torch::Tensor storage = torch::empty({small_floats + workspace_floats}, x.options());
+  float* small = storage.data_ptr<float>();
+  float* workspace = workspace_floats > 0 ? small + small_floats : nullptr;
+  int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
+  check_launch(split_tf32_remainder(xc.data_ptr<float>(), M, K, small, counter, arrivals, arrivals ? zero_ints : 0,
+                                    stream),
                "split_tf32_remainder");
-  return {xc, small};
+  return {xc, storage, small, workspace};
 }
 
 // Per-tile statistics for the multi-pass training path: part_mean, part_m2
@@ -203,9 +220,9 @@ int gemm_train(const torch::Tensor& x, bool sm90, const SplitX& xs, const float*
   const int block_m = sm90 ? sm90_gemm_block_m() : sm80_gemm_block_m();
   scratch = train_scratch(x, (M + block_m - 1) / block_m, N);
   if (sm90) {
-    const RemainderX xr = remainder_x(x, M, K, counter, stream);
-    check_launch(sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w,
-                                        out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, M, N, K, stream),
+    const RemainderX xr = remainder_x(x, M, N, K, counter, stream);
+    check_launch(sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(),
+                                        scratch.part_mean, scratch.part_m2, M, N, K, xr.workspace, stream),
                  "sm90_gemm_3xtf32_train");
   } else {
     check_launch(sm80_gemm_3xtf32_train(xs.big, xs.small, w, out.data_ptr<float>(), scratch.part_mean,
@@ -232,10 +249,10 @@ torch::Tensor gemm_eval(const torch::Tensor& x, const torch::Tensor& weight, con
   const float* running_mean = t.running_mean.data_ptr<float>();
   const float* running_var = t.running_var.data_ptr<float>();
   if (use_sm90(w, M, N, K)) {
-    const RemainderX xr = remainder_x(x, M, K, nullptr, stream);
-    check_launch(sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small.data_ptr<float>(), w, out.data_ptr<float>(),
-                                       bias, scale, bn_weight, bn_bias, running_mean, running_var,
-                                       static_cast<float>(eps), scale_after_bn, M, N, K, stream),
+    const RemainderX xr = remainder_x(x, M, N, K, nullptr, stream);
+    check_launch(sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(), bias, scale,
+                                       bn_weight, bn_bias, running_mean, running_var, static_cast<float>(eps),
+                                       scale_after_bn, M, N, K, xr.workspace, stream),
                  "sm90_gemm_3xtf32_eval");
     return out;
   }

@@ -63,7 +63,8 @@ from torch import nn
 
 _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
-_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_softmax_train", "forward_softmax_eval"]
+_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_softmax_train", "forward_softmax_eval",
+                        "forward_train_saved", "forward_softmax_train_saved", "gemm_nt", "bn_backward_train"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.

@@ -65,14 +65,15 @@ from torch import nn
 
 _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
-_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_softmax_train", "forward_softmax_eval"]
+_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_softmax_train", "forward_softmax_eval",
+                        "forward_train_saved", "forward_softmax_train_saved", "gemm_nt", "bn_backward_train"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
 _EMBEDDED_SOURCES = {
     'bn_apply.cu': r'''// bn_apply.cu -- training-mode BatchNorm from the GEMM's per-tile statistics:
-// merge them per feature, update the running statistics, and normalise z in
-// place.  One launch (it replaced a separate finalize kernel: -7 us at the
+// merge them per feature, update the running statistics, and normalise z
+// (in place, or into a separate `out` when the caller keeps z for backward).  One launch (it replaced a separate finalize kernel: -7 us at the
 // KernelBench shape, docs/perf.md).
 //
 // Inputs (float32, row-major, contiguous)
@@ -83,7 +84,7 @@ _EMBEDDED_SOURCES = {
 //   bias, scale, bn_weight, bn_bias  (N)
 //   num_batches_tracked  int64 scalar, already incremented for this call
 // Outputs
-//   z -> out[m, n] = (z[m, n] - mean_z[n]) * a[n] + bn_bias[n]
+//   out (M, N, may be z itself): out[m, n] = (z[m, n] - mean_z[n]) * a[n] + bn_bias[n]
 //        a = scale * bn_weight / sqrt(scale^2 * var_z + eps)   (var_z biased)
 //   running_mean, running_var (N): updated in place as nn.BatchNorm1d
 //   (bn_stats.cuh has the algebra; the Linear bias only enters running_mean).
@@ -113,7 +114,8 @@ constexpr int kApplyTargetBlocks = 264;  // two per SM of an H100 / H200
 constexpr int kRowBatch = 8;             // rows loaded before any is stored (bn_apply_kernel)
 
 struct BnApplyArgs {
-  float* z;
+  const float* z;
+  float* out;
   const float* part_mean;
   const float* part_m2;
   int num_m_tiles, block_m, M, N;
@@ -176,7 +178,7 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
 #pragma unroll
     for (int r = 0; r < kRowBatch; ++r) {
       if (row + r >= row_end) break;
-      float* q = p.z + static_cast<size_t>(row + r) * p.N + col;
+      float* q = p.out + static_cast<size_t>(row + r) * p.N + col;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) v[r][c] = fmaf(v[r][c] - mu[c], a[c], b[c]);
       if constexpr (kVec4) {
@@ -190,16 +192,17 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
 
 }  // namespace fused_gemm_bn
 
-cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
-                     int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
+cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
+                     int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
                      const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
                      float* running_var, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   if (M == 0 || N == 0) return cudaSuccess;
-  const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0;
-  BnApplyArgs p{z,        part_mean, part_m2,   num_m_tiles, block_m,  M,           N,           bias,
-                scale,    bn_weight, bn_bias,   num_batches_tracked,   momentum,    eps,         running_mean,
-                running_var, 0};
+  const bool vec4 =
+      N % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  BnApplyArgs p{z,       out,     part_mean,           part_m2,  num_m_tiles, block_m,      M,
+                N,       bias,    scale,               bn_weight, bn_bias,    num_batches_tracked, momentum,
+                eps,     running_mean, running_var,    0};
   const int cols_per_thread = vec4 ? 4 : 1;
   const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
   const int blocks_x = (threads_needed + kApplyThreads - 1) / kApplyThreads;
@@ -216,6 +219,177 @@ cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int
   } else {
     bn_apply_kernel<false><<<grid, kApplyThreads, 0, stream>>>(p);
   }
+  return cudaGetLastError();
+}
+''',
+    'bn_backward.cu': r'''// bn_backward.cu -- training-mode BatchNorm backward for the fused models, and
+// the per-feature batch statistics it needs from the forward.
+//
+// Forward being differentiated (z = x @ W^T, no bias: the bias cancels), per
+// feature j over the M rows of the batch, mu = mean(z), var = biased var(z):
+//   scale_after_bn = false (problem 33: Linear -> scale -> BatchNorm):
+//     y = (z - mu) * a + beta,   a = s * gamma / sigma,   sigma^2 = s^2 var + eps
+//   scale_after_bn = true  (problem 84: Linear -> BatchNorm -> scale; y is the
+//     pre-softmax logit):
+//     y = s * (gamma * (z - mu) / sigma + beta),           sigma^2 = var + eps
+// With g = dL/dy, S1 = sum_m g, S2 = sum_m g (z - mu), xhat = (z - mu)/sigma:
+//   problem 33: dbeta = S1,   dgamma = s S2 / sigma,   dscale = gamma S2 eps / sigma^3
+//               dz = a (g - S1 / M - (z - mu) s^2 S2 / (sigma^2 M))
+//   problem 84: dbeta = s S1, dgamma = s S2 / sigma,   dscale = gamma S2 / sigma + beta S1
+//               dz = a (g - S1 / M - (z - mu) S2 / (sigma^2 M)),  a = s gamma / sigma
+// The Linear bias's gradient is exactly zero in training (sum_m dz = 0 in
+// exact arithmetic) and is not computed.  dscale of problem 33 is exact in
+// this form: the unfused chain computes it as a difference of two terms that
+// agree to within eps / sigma^2, so PyTorch's value carries that cancellation.
+//
+// Tensors: g, z, dz (M, N) float32 row-major contiguous; stats (2, N) float32
+// = [mu | var]; scale, gamma, beta (N); outputs dscale, dgamma, dbeta (N).
+// Reductions S1, S2 in float64 (each thread over its rows, then across the
+// block's warps); coefficients in float64; dz rounded once to float32.
+//
+// Kernel: one CTA per 32 features (a warp reads 128 contiguous bytes of a
+// row); its 8 warps take every 8th row.  Pass 1 reduces S1 and S2, pass 2
+// re-reads g and z (from L2: 2 x 128 KB per CTA at M = 1024) and writes dz.
+// Memory-bound: reads g and z twice (the second time mostly from L2), writes dz.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "bn_stats.cuh"
+
+namespace fused_gemm_bn {
+
+constexpr int kBwdCols = 32;   // features per CTA (one warp's width)
+constexpr int kBwdWarps = 8;   // row groups per CTA
+constexpr int kBwdRowBatch = 8;  // rows loaded per thread before use
+constexpr int kStatsThreads = 256;
+
+struct BnBackwardArgs {
+  const float* g;
+  const float* z;
+  const float* stats;
+  const float* scale;
+  const float* gamma;
+  const float* beta;
+  float eps;
+  bool scale_after_bn;
+  int M, N;
+  float* dz;
+  float* dscale;
+  float* dgamma;
+  float* dbeta;
+};
+
+__global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(const BnBackwardArgs p) {
+  __shared__ double red[2][kBwdWarps][kBwdCols];
+  __shared__ double coef[3][kBwdCols];  // per feature: a, c1 = S1 / M, c2 (slope of the xhat term)
+  const int lane = threadIdx.x % kBwdCols, warp = threadIdx.x / kBwdCols;
+  const int j = blockIdx.x * kBwdCols + lane;
+  const bool valid = j < p.N;
+  const float mu = valid ? p.stats[j] : 0.f;
+
+  double s1 = 0.0, s2 = 0.0;
+  if (valid) {
+    for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
+      float gv[kBwdRowBatch], zv[kBwdRowBatch];
+#pragma unroll
+      for (int r = 0; r < kBwdRowBatch; ++r) {
+        const int m = row + r * kBwdWarps;
+        const size_t idx = static_cast<size_t>(m) * p.N + j;
+        gv[r] = m < p.M ? p.g[idx] : 0.f;
+        zv[r] = m < p.M ? p.z[idx] : mu;
+      }
+#pragma unroll
+      for (int r = 0; r < kBwdRowBatch; ++r) {
+        s1 += gv[r];
+        s2 += static_cast<double>(gv[r]) * static_cast<double>(zv[r] - mu);
+      }
+    }
+  }
+  red[0][warp][lane] = s1;
+  red[1][warp][lane] = s2;
+  __syncthreads();
+  if (warp == 0 && valid) {
+    double S1 = 0.0, S2 = 0.0;
+#pragma unroll
+    for (int w = 0; w < kBwdWarps; ++w) {
+      S1 += red[0][w][lane];
+      S2 += red[1][w][lane];
+    }
+    const double s = p.scale[j], gamma = p.gamma[j], var = p.stats[p.N + j], count = p.M;
+    const double s2_var = p.scale_after_bn ? var : s * s * var;
+    const double sigma2 = s2_var + static_cast<double>(p.eps);
+    const double sigma = sqrt(sigma2);
+    const double a = s * gamma / sigma;
+    // dz = a (g - S1 / M - (z - mu) * c2)
+    const double c2 = (p.scale_after_bn ? 1.0 : s * s) * S2 / (sigma2 * count);
+    coef[0][lane] = a;
+    coef[1][lane] = S1 / count;
+    coef[2][lane] = c2;
+    if (p.scale_after_bn) {
+      p.dbeta[j] = static_cast<float>(s * S1);
+      p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+      p.dscale[j] = static_cast<float>(gamma * S2 / sigma + static_cast<double>(p.beta[j]) * S1);
+    } else {
+      p.dbeta[j] = static_cast<float>(S1);
+      p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+      p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.eps) / (sigma2 * sigma));
+    }
+  }
+  __syncthreads();
+  if (!valid) return;
+  const float a = static_cast<float>(coef[0][lane]);
+  const float c1 = static_cast<float>(coef[1][lane]);
+  const float c2 = static_cast<float>(coef[2][lane]);
+  for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
+    float gv[kBwdRowBatch], zv[kBwdRowBatch];
+#pragma unroll
+    for (int r = 0; r < kBwdRowBatch; ++r) {
+      const int m = row + r * kBwdWarps;
+      const size_t idx = static_cast<size_t>(m) * p.N + j;
+      gv[r] = m < p.M ? p.g[idx] : 0.f;
+      zv[r] = m < p.M ? p.z[idx] : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < kBwdRowBatch; ++r) {
+      const int m = row + r * kBwdWarps;
+      if (m < p.M) p.dz[static_cast<size_t>(m) * p.N + j] = a * (gv[r] - c1 - (zv[r] - mu) * c2);
+    }
+  }
+}
+
+// stats[0][j] = mean, stats[1][j] = biased variance of z[:, j], from the
+// GEMM's per-tile statistics (bn_stats.cuh, merge_tile_statistics).
+__global__ void __launch_bounds__(kStatsThreads)
+    bn_batch_stats_kernel(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
+                          float* stats) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= N) return;
+  double mean, m2;
+  merge_tile_statistics(part_mean, part_m2, num_m_tiles, block_m, M, N, j, mean, m2);
+  stats[j] = static_cast<float>(mean);
+  stats[N + j] = static_cast<float>(m2 / static_cast<double>(M));
+}
+
+}  // namespace fused_gemm_bn
+
+cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
+                           float* stats, cudaStream_t stream) {
+  using namespace fused_gemm_bn;
+  if (M == 0 || N == 0) return cudaSuccess;
+  bn_batch_stats_kernel<<<(N + kStatsThreads - 1) / kStatsThreads, kStatsThreads, 0, stream>>>(
+      part_mean, part_m2, num_m_tiles, block_m, M, N, stats);
+  return cudaGetLastError();
+}
+
+// dz (M, N) and dscale, dgamma, dbeta (N) from g = dL/dy (formulas above).
+cudaError_t bn_backward_train(const float* g, const float* z, const float* stats, const float* scale,
+                              const float* gamma, const float* beta, float eps, bool scale_after_bn, int M, int N,
+                              float* dz, float* dscale, float* dgamma, float* dbeta, cudaStream_t stream) {
+  using namespace fused_gemm_bn;
+  if (N == 0) return cudaSuccess;
+  const BnBackwardArgs p{g, z, stats, scale, gamma, beta, eps, scale_after_bn, M, N, dz, dscale, dgamma, dbeta};
+  bn_backward_train_kernel<<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
 ''',
@@ -2362,6 +2536,14 @@ cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, i
 //       out = softmax((z - mean_z) * a + c) per row, in place (bn_softmax.cu, rows)
 //   forward_softmax_eval(same arguments as forward_eval) -> out (M, N)
 //       GEMM with the folded epilogue (scale after BatchNorm), then the row softmax.
+// For the autograd backward (called only when a gradient is needed):
+//   forward_train_saved / forward_softmax_train_saved(same arguments as the
+//       training forwards) -> [out, z (M, N), stats (2, N) = [mean_z | var_z]]
+//   gemm_nt(a (M, K), b (N, K), any strides) -> a @ b^T, 3xTF32 (the Hopper
+//       kernel's plain epilogue, or the portable one's identity fold)
+//   bn_backward_train(grad_y, z, stats, scale, bn_weight, bn_bias, eps,
+//       scale_after_bn) -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]
+//       (bn_backward.cu)
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -2402,8 +2584,8 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
                                          const float* bn_bias, float* running_mean, float* running_var,
                                          const int64_t* num_batches_tracked, float momentum, float eps, int M,
                                          int N, int K, cudaStream_t stream);
-cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
-                     int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
+cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
+                     int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
                      const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
                      float* running_var, cudaStream_t stream);
 cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
@@ -2411,6 +2593,11 @@ cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, 
                                   const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
                                   float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
 cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
+cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
+                           float* stats, cudaStream_t stream);
+cudaError_t bn_backward_train(const float* g, const float* z, const float* stats, const float* scale,
+                              const float* gamma, const float* beta, float eps, bool scale_after_bn, int M, int N,
+                              float* dz, float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
 
 namespace {
 
@@ -2626,7 +2813,7 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
   TrainScratch scratch;
   const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, sm90 ? counter : nullptr, stream);
   // Merge the per-tile statistics, update the running statistics, normalise in place (one kernel).
-  check_launch(bn_apply(out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m,
+  check_launch(bn_apply(out.data_ptr<float>(), out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m,
                         block_m, M, N, bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
                         bn_bias.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
                         static_cast<float>(momentum), static_cast<float>(eps), running_mean.data_ptr<float>(),
@@ -2685,6 +2872,158 @@ torch::Tensor forward_softmax_eval(torch::Tensor x, torch::Tensor weight, torch:
                             static_cast<int>(out.size(1)), stream),
                "softmax_rows");
   return out;
+}
+
+// ---------------------------------------------------------------------------
+// Entry points for the autograd backward (model_new.py, _FusedTrain / _FusedEval)
+// ---------------------------------------------------------------------------
+
+namespace {
+
+// z = x @ weight^T into `z` with its per-tile statistics (multi-pass path),
+// then stats (2, N) = [mean_z | biased var_z].  Increments num_batches_tracked.
+struct SavedTrain {
+  TrainScratch scratch;
+  int block_m;
+};
+
+SavedTrain gemm_train_saved(const torch::Tensor& x, const float* w, torch::Tensor& z, torch::Tensor& stats,
+                            const torch::Tensor& num_batches_tracked, int M, int N, int K, cudaStream_t stream) {
+  int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
+  const bool sm90 = use_sm90(w, M, N, K);
+  const SplitX xs = sm90 ? SplitX{} : split_x(x, M, K, counter, stream);
+  SavedTrain s;
+  s.block_m = gemm_train(x, sm90, xs, w, z, s.scratch, M, N, K, sm90 ? counter : nullptr, stream);
+  check_launch(bn_batch_stats(s.scratch.part_mean, s.scratch.part_m2, (M + s.block_m - 1) / s.block_m, s.block_m, M,
+                              N, stats.data_ptr<float>(), stream),
+               "bn_batch_stats");
+  return s;
+}
+
+}  // namespace
+
+// forward_train, also returning z = x @ weight^T (M, N, without bias) and
+// stats (2, N) float32 = [mean_z | biased var_z] for the backward.
+std::vector<torch::Tensor> forward_train_saved(torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
+                                               torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
+                                               torch::Tensor running_mean, torch::Tensor running_var,
+                                               torch::Tensor num_batches_tracked, double momentum, double eps) {
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_training(x, M, N, num_batches_tracked);
+  check_bn_tensors({bias, scale, bn_weight, bn_bias, running_mean, running_var}, N, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  torch::Tensor z = torch::empty({M, N}, x.options());
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  torch::Tensor stats = torch::empty({2, N}, x.options());
+  const SavedTrain s = gemm_train_saved(x, weight.data_ptr<float>(), z, stats, num_batches_tracked, M, N, K, stream);
+  check_launch(bn_apply(z.data_ptr<float>(), out.data_ptr<float>(), s.scratch.part_mean, s.scratch.part_m2,
+                        (M + s.block_m - 1) / s.block_m, s.block_m, M, N, bias.data_ptr<float>(),
+                        scale.data_ptr<float>(), bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+                        num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
+                        static_cast<float>(eps), running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
+                        stream),
+               "bn_apply");
+  return {out, z, stats};
+}
+
+// forward_softmax_train, also returning z and stats as forward_train_saved.
+std::vector<torch::Tensor> forward_softmax_train_saved(torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
+                                                       torch::Tensor scale, torch::Tensor bn_weight,
+                                                       torch::Tensor bn_bias, torch::Tensor running_mean,
+                                                       torch::Tensor running_var, torch::Tensor num_batches_tracked,
+                                                       double momentum, double eps) {
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_training(x, M, N, num_batches_tracked);
+  check_bn_tensors({bias, scale, bn_weight, bn_bias, running_mean, running_var}, N, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  torch::Tensor z = torch::empty({M, N}, x.options());
+  torch::Tensor stats = torch::empty({2, N}, x.options());
+  const SavedTrain s = gemm_train_saved(x, weight.data_ptr<float>(), z, stats, num_batches_tracked, M, N, K, stream);
+  torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
+  check_launch(bn_softmax_fold_train(s.scratch.part_mean, s.scratch.part_m2, (M + s.block_m - 1) / s.block_m,
+                                     s.block_m, M, N, bias.data_ptr<float>(), scale.data_ptr<float>(),
+                                     bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+                                     num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
+                                     static_cast<float>(eps), running_mean.data_ptr<float>(),
+                                     running_var.data_ptr<float>(), coeff.data_ptr<float>(), stream),
+               "bn_softmax_fold_train");
+  torch::Tensor out = z.clone();  // softmax_rows works in place
+  check_launch(softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), M, N, stream), "softmax_rows");
+  return {out, z, stats};
+}
+
+// a @ b^T, float32-accurate (3xTF32) for float32 CUDA a (M, K) and b (N, K) of
+// any strides (non-contiguous operands are copied first).  Returns (M, N).
+torch::Tensor gemm_nt(torch::Tensor a, torch::Tensor b) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(),
+              "gemm_nt: a and b must be CUDA tensors on one device, got ", a.device(), " and ", b.device());
+  TORCH_CHECK(a.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32,
+              "gemm_nt: a and b must be float32, got ", a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1),
+              "gemm_nt: expected a (M, K) and b (N, K), got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.size(0) <= INT32_MAX && b.size(0) <= INT32_MAX && a.size(1) <= INT32_MAX,
+              "gemm_nt: sizes must fit in int32, got ", a.sizes(), " and ", b.sizes());
+  const c10::cuda::CUDAGuard guard(a.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(a.get_device()).stream();
+  const int M = static_cast<int>(a.size(0)), N = static_cast<int>(b.size(0)), K = static_cast<int>(a.size(1));
+  torch::Tensor out = torch::empty({M, N}, a.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const torch::Tensor ac = a.contiguous(), bc = b.contiguous();
+  const float* w = bc.data_ptr<float>();
+  if (use_sm90(w, M, N, K)) {
+    const RemainderX xr = remainder_x(ac, M, N, K, nullptr, stream);
+    check_launch(sm90_gemm_3xtf32_plain(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(), M, N, K,
+                                        xr.workspace, stream),
+                 "sm90_gemm_3xtf32_plain");
+    return out;
+  }
+  // The portable kernel's eval epilogue with the identity fold: a = 1 / sqrt(1 + 0) = 1, c = 0 exactly.
+  const torch::Tensor ones = torch::ones({N}, a.options()), zeros = torch::zeros({N}, a.options());
+  const float* one = ones.data_ptr<float>();
+  const float* zero = zeros.data_ptr<float>();
+  const SplitX xs = split_x(ac, M, K, nullptr, stream);
+  check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), zero, one, one, zero, zero, one, 0.f,
+                                     false, M, N, K, stream),
+               "sm80_gemm_3xtf32_eval");
+  return out;
+}
+
+// Training-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy
+// (M, N), z and stats of forward_*_saved, returns [grad_z (M, N), grad_scale,
+// grad_bn_weight, grad_bn_bias (N each)].  scale_after_bn selects problem 84's
+// order (y = scale * BN(z + b), the pre-softmax logits) over problem 33's.
+std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
+                                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
+                                             double eps, bool scale_after_bn) {
+  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(),
+              "bn_backward_train: z must be a contiguous float32 CUDA (M, N) tensor");
+  const int64_t M = z.size(0), N = z.size(1);
+  TORCH_CHECK(grad_y.device() == z.device() && grad_y.scalar_type() == torch::kFloat32 &&
+                  grad_y.sizes() == z.sizes(),
+              "bn_backward_train: grad_y must be float32 of shape ", z.sizes(), " on ", z.device(), ", got ",
+              grad_y.scalar_type(), " ", grad_y.sizes(), " on ", grad_y.device());
+  TORCH_CHECK(stats.device() == z.device() && stats.scalar_type() == torch::kFloat32 && stats.is_contiguous() &&
+                  stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == N,
+              "bn_backward_train: stats must be a contiguous float32 (2, ", N, ") tensor on ", z.device());
+  TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "bn_backward_train: sizes must fit in int32");
+  check_vector(scale, "scale", N, z);
+  check_vector(bn_weight, "bn.weight", N, z);
+  check_vector(bn_bias, "bn.bias", N, z);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(z.get_device()).stream();
+  const torch::Tensor g = grad_y.contiguous();
+  torch::Tensor grad_z = torch::empty({M, N}, z.options());
+  torch::Tensor vectors = torch::empty({3, N}, z.options());  // grad_scale, grad_bn_weight, grad_bn_bias
+  float* v = vectors.data_ptr<float>();
+  check_launch(bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
+                                 scale.data_ptr<float>(), bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+                                 static_cast<float>(eps), scale_after_bn, static_cast<int>(M), static_cast<int>(N),
+                                 grad_z.data_ptr<float>(), v, v + N, v + 2 * N, stream),
+               "bn_backward_train");
+  return {grad_z, vectors[0], vectors[1], vectors[2]};
 }
 ''',
 }

@@ -1,6 +1,6 @@
 // bn_apply.cu -- training-mode BatchNorm from the GEMM's per-tile statistics:
-// merge them per feature, update the running statistics, and normalise z in
-// place.  One launch (it replaced a separate finalize kernel: -7 us at the
+// merge them per feature, update the running statistics, and normalise z
+// (in place, or into a separate `out` when the caller keeps z for backward).  One launch (it replaced a separate finalize kernel: -7 us at the
 // KernelBench shape, docs/perf.md).
 //
 // Inputs (float32, row-major, contiguous)
@@ -11,7 +11,7 @@
 //   bias, scale, bn_weight, bn_bias  (N)
 //   num_batches_tracked  int64 scalar, already incremented for this call
 // Outputs
-//   z -> out[m, n] = (z[m, n] - mean_z[n]) * a[n] + bn_bias[n]
+//   out (M, N, may be z itself): out[m, n] = (z[m, n] - mean_z[n]) * a[n] + bn_bias[n]
 //        a = scale * bn_weight / sqrt(scale^2 * var_z + eps)   (var_z biased)
 //   running_mean, running_var (N): updated in place as nn.BatchNorm1d
 //   (bn_stats.cuh has the algebra; the Linear bias only enters running_mean).
@@ -41,7 +41,8 @@ constexpr int kApplyTargetBlocks = 264;  // two per SM of an H100 / H200
 constexpr int kRowBatch = 8;             // rows loaded before any is stored (bn_apply_kernel)
 
 struct BnApplyArgs {
-  float* z;
+  const float* z;
+  float* out;
   const float* part_mean;
   const float* part_m2;
   int num_m_tiles, block_m, M, N;
@@ -104,7 +105,7 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
 #pragma unroll
     for (int r = 0; r < kRowBatch; ++r) {
       if (row + r >= row_end) break;
-      float* q = p.z + static_cast<size_t>(row + r) * p.N + col;
+      float* q = p.out + static_cast<size_t>(row + r) * p.N + col;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) v[r][c] = fmaf(v[r][c] - mu[c], a[c], b[c]);
       if constexpr (kVec4) {
@@ -118,16 +119,17 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
 
 }  // namespace fused_gemm_bn
 
-cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
-                     int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
+cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
+                     int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
                      const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
                      float* running_var, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   if (M == 0 || N == 0) return cudaSuccess;
-  const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0;
-  BnApplyArgs p{z,        part_mean, part_m2,   num_m_tiles, block_m,  M,           N,           bias,
-                scale,    bn_weight, bn_bias,   num_batches_tracked,   momentum,    eps,         running_mean,
-                running_var, 0};
+  const bool vec4 =
+      N % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  BnApplyArgs p{z,       out,     part_mean,           part_m2,  num_m_tiles, block_m,      M,
+                N,       bias,    scale,               bn_weight, bn_bias,    num_batches_tracked, momentum,
+                eps,     running_mean, running_var,    0};
   const int cols_per_thread = vec4 ? 4 : 1;
   const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
   const int blocks_x = (threads_needed + kApplyThreads - 1) / kApplyThreads;

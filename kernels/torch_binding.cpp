@@ -35,6 +35,14 @@
 //       out = softmax((z - mean_z) * a + c) per row, in place (bn_softmax.cu, rows)
 //   forward_softmax_eval(same arguments as forward_eval) -> out (M, N)
 //       GEMM with the folded epilogue (scale after BatchNorm), then the row softmax.
+// For the autograd backward (called only when a gradient is needed):
+//   forward_train_saved / forward_softmax_train_saved(same arguments as the
+//       training forwards) -> [out, z (M, N), stats (2, N) = [mean_z | var_z]]
+//   gemm_nt(a (M, K), b (N, K), any strides) -> a @ b^T, 3xTF32 (the Hopper
+//       kernel's plain epilogue, or the portable one's identity fold)
+//   bn_backward_train(grad_y, z, stats, scale, bn_weight, bn_bias, eps,
+//       scale_after_bn) -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]
+//       (bn_backward.cu)
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -75,8 +83,8 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
                                          const float* bn_bias, float* running_mean, float* running_var,
                                          const int64_t* num_batches_tracked, float momentum, float eps, int M,
                                          int N, int K, cudaStream_t stream);
-cudaError_t bn_apply(float* z, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
-                     int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
+cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
+                     int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
                      const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
                      float* running_var, cudaStream_t stream);
 cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
@@ -84,6 +92,11 @@ cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, 
                                   const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
                                   float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
 cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
+cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
+                           float* stats, cudaStream_t stream);
+cudaError_t bn_backward_train(const float* g, const float* z, const float* stats, const float* scale,
+                              const float* gamma, const float* beta, float eps, bool scale_after_bn, int M, int N,
+                              float* dz, float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
 
 namespace {
 
@@ -299,7 +312,7 @@ torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor
   TrainScratch scratch;
   const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, sm90 ? counter : nullptr, stream);
   // Merge the per-tile statistics, update the running statistics, normalise in place (one kernel).
-  check_launch(bn_apply(out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m,
+  check_launch(bn_apply(out.data_ptr<float>(), out.data_ptr<float>(), scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m,
                         block_m, M, N, bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
                         bn_bias.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
                         static_cast<float>(momentum), static_cast<float>(eps), running_mean.data_ptr<float>(),
@@ -358,4 +371,156 @@ torch::Tensor forward_softmax_eval(torch::Tensor x, torch::Tensor weight, torch:
                             static_cast<int>(out.size(1)), stream),
                "softmax_rows");
   return out;
+}
+
+// ---------------------------------------------------------------------------
+// Entry points for the autograd backward (model_new.py, _FusedTrain / _FusedEval)
+// ---------------------------------------------------------------------------
+
+namespace {
+
+// z = x @ weight^T into `z` with its per-tile statistics (multi-pass path),
+// then stats (2, N) = [mean_z | biased var_z].  Increments num_batches_tracked.
+struct SavedTrain {
+  TrainScratch scratch;
+  int block_m;
+};
+
+SavedTrain gemm_train_saved(const torch::Tensor& x, const float* w, torch::Tensor& z, torch::Tensor& stats,
+                            const torch::Tensor& num_batches_tracked, int M, int N, int K, cudaStream_t stream) {
+  int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
+  const bool sm90 = use_sm90(w, M, N, K);
+  const SplitX xs = sm90 ? SplitX{} : split_x(x, M, K, counter, stream);
+  SavedTrain s;
+  s.block_m = gemm_train(x, sm90, xs, w, z, s.scratch, M, N, K, sm90 ? counter : nullptr, stream);
+  check_launch(bn_batch_stats(s.scratch.part_mean, s.scratch.part_m2, (M + s.block_m - 1) / s.block_m, s.block_m, M,
+                              N, stats.data_ptr<float>(), stream),
+               "bn_batch_stats");
+  return s;
+}
+
+}  // namespace
+
+// forward_train, also returning z = x @ weight^T (M, N, without bias) and
+// stats (2, N) float32 = [mean_z | biased var_z] for the backward.
+std::vector<torch::Tensor> forward_train_saved(torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
+                                               torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
+                                               torch::Tensor running_mean, torch::Tensor running_var,
+                                               torch::Tensor num_batches_tracked, double momentum, double eps) {
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_training(x, M, N, num_batches_tracked);
+  check_bn_tensors({bias, scale, bn_weight, bn_bias, running_mean, running_var}, N, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  torch::Tensor z = torch::empty({M, N}, x.options());
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  torch::Tensor stats = torch::empty({2, N}, x.options());
+  const SavedTrain s = gemm_train_saved(x, weight.data_ptr<float>(), z, stats, num_batches_tracked, M, N, K, stream);
+  check_launch(bn_apply(z.data_ptr<float>(), out.data_ptr<float>(), s.scratch.part_mean, s.scratch.part_m2,
+                        (M + s.block_m - 1) / s.block_m, s.block_m, M, N, bias.data_ptr<float>(),
+                        scale.data_ptr<float>(), bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+                        num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
+                        static_cast<float>(eps), running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
+                        stream),
+               "bn_apply");
+  return {out, z, stats};
+}
+
+// forward_softmax_train, also returning z and stats as forward_train_saved.
+std::vector<torch::Tensor> forward_softmax_train_saved(torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
+                                                       torch::Tensor scale, torch::Tensor bn_weight,
+                                                       torch::Tensor bn_bias, torch::Tensor running_mean,
+                                                       torch::Tensor running_var, torch::Tensor num_batches_tracked,
+                                                       double momentum, double eps) {
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_training(x, M, N, num_batches_tracked);
+  check_bn_tensors({bias, scale, bn_weight, bn_bias, running_mean, running_var}, N, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  torch::Tensor z = torch::empty({M, N}, x.options());
+  torch::Tensor stats = torch::empty({2, N}, x.options());
+  const SavedTrain s = gemm_train_saved(x, weight.data_ptr<float>(), z, stats, num_batches_tracked, M, N, K, stream);
+  torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
+  check_launch(bn_softmax_fold_train(s.scratch.part_mean, s.scratch.part_m2, (M + s.block_m - 1) / s.block_m,
+                                     s.block_m, M, N, bias.data_ptr<float>(), scale.data_ptr<float>(),
+                                     bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+                                     num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
+                                     static_cast<float>(eps), running_mean.data_ptr<float>(),
+                                     running_var.data_ptr<float>(), coeff.data_ptr<float>(), stream),
+               "bn_softmax_fold_train");
+  torch::Tensor out = z.clone();  // softmax_rows works in place
+  check_launch(softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), M, N, stream), "softmax_rows");
+  return {out, z, stats};
+}
+
+// a @ b^T, float32-accurate (3xTF32) for float32 CUDA a (M, K) and b (N, K) of
+// any strides (non-contiguous operands are copied first).  Returns (M, N).
+torch::Tensor gemm_nt(torch::Tensor a, torch::Tensor b) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(),
+              "gemm_nt: a and b must be CUDA tensors on one device, got ", a.device(), " and ", b.device());
+  TORCH_CHECK(a.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32,
+              "gemm_nt: a and b must be float32, got ", a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1),
+              "gemm_nt: expected a (M, K) and b (N, K), got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.size(0) <= INT32_MAX && b.size(0) <= INT32_MAX && a.size(1) <= INT32_MAX,
+              "gemm_nt: sizes must fit in int32, got ", a.sizes(), " and ", b.sizes());
+  const c10::cuda::CUDAGuard guard(a.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(a.get_device()).stream();
+  const int M = static_cast<int>(a.size(0)), N = static_cast<int>(b.size(0)), K = static_cast<int>(a.size(1));
+  torch::Tensor out = torch::empty({M, N}, a.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const torch::Tensor ac = a.contiguous(), bc = b.contiguous();
+  const float* w = bc.data_ptr<float>();
+  if (use_sm90(w, M, N, K)) {
+    const RemainderX xr = remainder_x(ac, M, N, K, nullptr, stream);
+    check_launch(sm90_gemm_3xtf32_plain(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(), M, N, K,
+                                        xr.workspace, stream),
+                 "sm90_gemm_3xtf32_plain");
+    return out;
+  }
+  // The portable kernel's eval epilogue with the identity fold: a = 1 / sqrt(1 + 0) = 1, c = 0 exactly.
+  const torch::Tensor ones = torch::ones({N}, a.options()), zeros = torch::zeros({N}, a.options());
+  const float* one = ones.data_ptr<float>();
+  const float* zero = zeros.data_ptr<float>();
+  const SplitX xs = split_x(ac, M, K, nullptr, stream);
+  check_launch(sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), zero, one, one, zero, zero, one, 0.f,
+                                     false, M, N, K, stream),
+               "sm80_gemm_3xtf32_eval");
+  return out;
+}
+
+// Training-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy
+// (M, N), z and stats of forward_*_saved, returns [grad_z (M, N), grad_scale,
+// grad_bn_weight, grad_bn_bias (N each)].  scale_after_bn selects problem 84's
+// order (y = scale * BN(z + b), the pre-softmax logits) over problem 33's.
+std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
+                                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
+                                             double eps, bool scale_after_bn) {
+  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(),
+              "bn_backward_train: z must be a contiguous float32 CUDA (M, N) tensor");
+  const int64_t M = z.size(0), N = z.size(1);
+  TORCH_CHECK(grad_y.device() == z.device() && grad_y.scalar_type() == torch::kFloat32 &&
+                  grad_y.sizes() == z.sizes(),
+              "bn_backward_train: grad_y must be float32 of shape ", z.sizes(), " on ", z.device(), ", got ",
+              grad_y.scalar_type(), " ", grad_y.sizes(), " on ", grad_y.device());
+  TORCH_CHECK(stats.device() == z.device() && stats.scalar_type() == torch::kFloat32 && stats.is_contiguous() &&
+                  stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == N,
+              "bn_backward_train: stats must be a contiguous float32 (2, ", N, ") tensor on ", z.device());
+  TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "bn_backward_train: sizes must fit in int32");
+  check_vector(scale, "scale", N, z);
+  check_vector(bn_weight, "bn.weight", N, z);
+  check_vector(bn_bias, "bn.bias", N, z);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(z.get_device()).stream();
+  const torch::Tensor g = grad_y.contiguous();
+  torch::Tensor grad_z = torch::empty({M, N}, z.options());
+  torch::Tensor vectors = torch::empty({3, N}, z.options());  // grad_scale, grad_bn_weight, grad_bn_bias
+  float* v = vectors.data_ptr<float>();
+  check_launch(bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
+                                 scale.data_ptr<float>(), bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+                                 static_cast<float>(eps), scale_after_bn, static_cast<int>(M), static_cast<int>(N),
+                                 grad_z.data_ptr<float>(), v, v + N, v + 2 * N, stream),
+               "bn_backward_train");
+  return {grad_z, vectors[0], vectors[1], vectors[2]};
 }

@@ -11,7 +11,8 @@
 // With g = dL/dy, S1 = sum_m g, S2 = sum_m g (z - mu), xhat = (z - mu)/sigma:
 //   problem 33: dbeta = S1,   dgamma = s S2 / sigma,   dscale = gamma S2 eps / sigma^3
 //               dz = a (g - S1 / M - (z - mu) s^2 S2 / (sigma^2 M))
-//   problem 84: dbeta = s S1, dgamma = s S2 / sigma,   dscale = gamma S2 / sigma + beta S1
+//   problem 84: dbeta = s S1, dgamma = s S2 / sigma,   dscale = gamma S2 / sigma (+ beta S1,
+//               which the caller adds: it needs no pass over the batch)
 //               dz = a (g - S1 / M - (z - mu) S2 / (sigma^2 M)),  a = s gamma / sigma
 // The Linear bias's gradient is exactly zero in training (sum_m dz = 0 in
 // exact arithmetic) and is not computed.  dscale of problem 33 is exact in
@@ -19,7 +20,7 @@
 // agree to within eps / sigma^2, so PyTorch's value carries that cancellation.
 //
 // Tensors: g, z, dz (M, N) float32 row-major contiguous; stats (2, N) float32
-// = [mu | var]; scale, gamma, beta (N); outputs dscale, dgamma, dbeta (N).
+// = [mu | var]; scale, gamma (N); outputs dscale, dgamma, dbeta (N).
 // Reductions S1, S2 in float64 (each thread over its rows, then across the
 // block's warps); coefficients in float64; dz rounded once to float32.
 //
@@ -46,7 +47,6 @@ struct BnBackwardArgs {
   const float* stats;
   const float* scale;
   const float* gamma;
-  const float* beta;
   float eps;
   bool scale_after_bn;
   int M, N;
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
     if (p.scale_after_bn) {
       p.dbeta[j] = static_cast<float>(s * S1);
       p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-      p.dscale[j] = static_cast<float>(gamma * S2 / sigma + static_cast<double>(p.beta[j]) * S1);
+      p.dscale[j] = static_cast<float>(gamma * S2 / sigma);
     } else {
       p.dbeta[j] = static_cast<float>(S1);
       p.dgamma[j] = static_cast<float>(s * S2 / sigma);
@@ -160,11 +160,11 @@ cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num
 
 // dz (M, N) and dscale, dgamma, dbeta (N) from g = dL/dy (formulas above).
 cudaError_t bn_backward_train(const float* g, const float* z, const float* stats, const float* scale,
-                              const float* gamma, const float* beta, float eps, bool scale_after_bn, int M, int N,
+                              const float* gamma, float eps, bool scale_after_bn, int M, int N,
                               float* dz, float* dscale, float* dgamma, float* dbeta, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   if (N == 0) return cudaSuccess;
-  const BnBackwardArgs p{g, z, stats, scale, gamma, beta, eps, scale_after_bn, M, N, dz, dscale, dgamma, dbeta};
+  const BnBackwardArgs p{g, z, stats, scale, gamma, eps, scale_after_bn, M, N, dz, dscale, dgamma, dbeta};
   bn_backward_train_kernel<<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }

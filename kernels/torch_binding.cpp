@@ -40,9 +40,9 @@
 //       training forwards) -> [out, z (M, N), stats (2, N) = [mean_z | var_z]]
 //   gemm_nt(a (M, K), b (N, K), any strides) -> a @ b^T, 3xTF32 (the Hopper
 //       kernel's plain epilogue, or the portable one's identity fold)
-//   bn_backward_train(grad_y, z, stats, scale, bn_weight, bn_bias, eps,
-//       scale_after_bn) -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]
-//       (bn_backward.cu)
+//   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
+//       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
+//       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -95,7 +95,7 @@ cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStrea
 cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
                            float* stats, cudaStream_t stream);
 cudaError_t bn_backward_train(const float* g, const float* z, const float* stats, const float* scale,
-                              const float* gamma, const float* beta, float eps, bool scale_after_bn, int M, int N,
+                              const float* gamma, float eps, bool scale_after_bn, int M, int N,
                               float* dz, float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
 
 namespace {
@@ -493,10 +493,11 @@ torch::Tensor gemm_nt(torch::Tensor a, torch::Tensor b) {
 // Training-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy
 // (M, N), z and stats of forward_*_saved, returns [grad_z (M, N), grad_scale,
 // grad_bn_weight, grad_bn_bias (N each)].  scale_after_bn selects problem 84's
-// order (y = scale * BN(z + b), the pre-softmax logits) over problem 33's.
+// order (y = scale * BN(z + b), the pre-softmax logits) over problem 33's; its
+// grad_scale then lacks the bn_bias * sum_m grad_y term, which the caller adds.
 std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
-                                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
-                                             double eps, bool scale_after_bn) {
+                                             torch::Tensor scale, torch::Tensor bn_weight, double eps,
+                                             bool scale_after_bn) {
   TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(),
               "bn_backward_train: z must be a contiguous float32 CUDA (M, N) tensor");
   const int64_t M = z.size(0), N = z.size(1);
@@ -510,7 +511,6 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "bn_backward_train: sizes must fit in int32");
   check_vector(scale, "scale", N, z);
   check_vector(bn_weight, "bn.weight", N, z);
-  check_vector(bn_bias, "bn.bias", N, z);
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(z.get_device()).stream();
   const torch::Tensor g = grad_y.contiguous();
@@ -518,8 +518,7 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   torch::Tensor vectors = torch::empty({3, N}, z.options());  // grad_scale, grad_bn_weight, grad_bn_bias
   float* v = vectors.data_ptr<float>();
   check_launch(bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
-                                 scale.data_ptr<float>(), bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
-                                 static_cast<float>(eps), scale_after_bn, static_cast<int>(M), static_cast<int>(N),
+                                 scale.data_ptr<float>(), bn_weight.data_ptr<float>(), static_cast<float>(eps), scale_after_bn, static_cast<int>(M), static_cast<int>(N),
                                  grad_z.data_ptr<float>(), v, v + N, v + 2 * N, stream),
                "bn_backward_train");
   return {grad_z, vectors[0], vectors[1], vectors[2]};

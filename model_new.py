@@ -490,7 +490,8 @@ class _TrainFn(torch.autograd.Function):
     Saved for backward: x, gemm.weight, scale, bn.weight (the caller's tensors,
     no copies), z (M, N) in x's dtype (float32 on CUDA: the one extra (M, N)
     buffer, held only while the graph lives), stats (2, N), and for problem 84
-    bn.bias and out (M, N) (the returned output).  Backward: _train_backward."""
+    bn.bias and out (M, N) (the returned output).  Backward: _train_backward,
+    once differentiable (the extension's functions record no graph)."""
 
     @staticmethod
     def forward(ctx, kernels, softmax, buffers, momentum, eps, x, weight, bias, scale, bn_weight, bn_bias):
@@ -502,6 +503,7 @@ class _TrainFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         grads = _train_backward(ctx.kernels, ctx.softmax, ctx.eps, grad_out, *ctx.saved_tensors,
                                 ctx.needs_input_grad[5:])
@@ -519,6 +521,7 @@ class _GemmNT(torch.autograd.Function):
         return kernels.gemm_nt(a, b)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         return (None,) + _gemm_nt_backward(ctx.kernels, grad, *ctx.saved_tensors, ctx.needs_input_grad[1:])
 
@@ -534,6 +537,7 @@ class _SoftmaxRows(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         (out,) = ctx.saved_tensors
         return out * (grad_out - (grad_out * out).sum(dim=1, keepdim=True))

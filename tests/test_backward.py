@@ -15,7 +15,8 @@ Two code paths give the gradients, and the tests run both where they exist:
 
 CPU (always run; CI)
   - test_cpu_gradcheck: torch.autograd.gradcheck in float64 with respect to x
-    and every parameter, train and eval, scale (N,) and (1,), both paths
+    and every parameter, train and eval, scale (N,) and (1,), both paths;
+    negative control: a BatchNorm backward missing one term fails it
   - test_cpu_gradients_match_reference: float64 (1e-10) and float32 (error vs
     the float64 Model at most 2x the float32 Model's + GRAD_FLOOR), train and
     eval, shapes with tile tails; gemm.bias in training: exactly zero
@@ -65,7 +66,9 @@ from level2_84_gemm_batchnorm_scaling_softmax import reference as reference_84
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (ModelNew's kernels)")
 HAS_CUSTOM_OP = hasattr(torch.library, "custom_op")
-requires_custom_op = pytest.mark.skipif(not HAS_CUSTOM_OP, reason="torch.library.custom_op needs torch >= 2.4")
+# The operators exist where model_new found torch.library.custom_op at its import.
+requires_ops = pytest.mark.skipif(model_new._OPS is None,
+                                  reason="no fused_gemm_bn:: operators (torch.library.custom_op needs torch >= 2.4)")
 HAS_COMPILE = hasattr(torch, "compile") and hasattr(torch, "compiler")
 
 # Both problems: reference and ModelNew classes, constructor arguments for (K, N, scale_shape).
@@ -74,7 +77,7 @@ PROBLEMS = {
     "84": (reference_84.Model, model_new_84.ModelNew, lambda k, n, s: (k, n, 1e-5, 0.1, s)),
 }
 PARAM_NAMES = ["gemm.weight", "gemm.bias", "scale", "bn.weight", "bn.bias"]
-PATHS = ["function", pytest.param("ops", marks=requires_custom_op)]
+PATHS = ["function", pytest.param("ops", marks=requires_ops)]
 
 # Floor of the accuracy criteria, relative Frobenius: about 16 units of float32
 # roundoff (2^-24 = 6e-8), the level at which two correct float32 reductions
@@ -186,6 +189,35 @@ def test_cpu_gradcheck(problem, scale_shape, training, path):
         return torch.func.functional_call(new, dict(zip(names, ps)), (x,))
 
     assert torch.autograd.gradcheck(f, (x, *params), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def _bn_backward_without_mean_of_g_xhat(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
+    """_cpu_bn_backward_train with grad_z's term - a xhat mean_m(grad_y xhat) left
+    out (xhat = scale (z - mu) r for problem 33, (z - mu) r for 84)."""
+    out = model_new._cpu_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
+    d = z - stats[0]
+    s2 = torch.ones_like(scale) if scale_after_bn else scale * scale
+    r = torch.rsqrt(s2 * stats[1] + eps)
+    out[0] = out[0] + (scale * bn_weight * r) * s2 * r * r * d * (grad_y * d).mean(0)
+    return out
+
+
+@pytest.mark.parametrize("problem", ["33", "84"])
+def test_cpu_gradcheck_negative_control(problem, path, monkeypatch):
+    """gradcheck can tell: with one term of grad_z left out of the BatchNorm
+    backward (the same substitution on both paths: the operators' CPU
+    implementation calls _CPU_KERNELS too), it fails."""
+    monkeypatch.setattr(model_new._CPU_KERNELS, "bn_backward_train", _bn_backward_without_mean_of_g_xhat)
+    m, k, n = 9, 7, 5
+    _, new = make_pair(problem, k, n, seed=3)
+    names = [name for name, _ in new.named_parameters()]
+    params = [p.detach().clone().requires_grad_(True) for p in new.parameters()]
+    x = torch.randn(m, k, dtype=torch.float64, requires_grad=True)
+
+    def f(x, *ps):
+        return torch.func.functional_call(new, dict(zip(names, ps)), (x,))
+
+    assert not torch.autograd.gradcheck(f, (x, *params), eps=1e-6, atol=1e-7, rtol=1e-5, raise_exception=False)
 
 
 CPU_SHAPES = [(64, 96, 80), (300, 130, 70), (2, 5, 3), (129, 33, 257)]
@@ -310,7 +342,7 @@ def run_opcheck(device, case_name):
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
-@requires_custom_op
+@requires_ops
 @pytest.mark.parametrize("case_name", OP_CASE_NAMES)
 def test_cpu_opcheck(case_name):
     run_opcheck("cpu", case_name)
@@ -331,7 +363,7 @@ def test_operators_registered_where_custom_op_exists():
 # torch.compile
 # ---------------------------------------------------------------------------
 
-requires_compile = pytest.mark.skipif(not (HAS_CUSTOM_OP and HAS_COMPILE),
+requires_compile = pytest.mark.skipif(model_new._OPS is None or not HAS_COMPILE,
                                       reason="torch.compile through the custom operators needs torch >= 2.4")
 
 
@@ -717,7 +749,7 @@ def test_gpu_bn_backward_train_contract(scale_after_bn, m, n):
 
 
 @requires_cuda
-@requires_custom_op
+@requires_ops
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
 def test_gpu_ops_path_matches_function_path(problem, training, monkeypatch):
@@ -744,7 +776,7 @@ def test_gpu_ops_path_matches_function_path(problem, training, monkeypatch):
 
 
 @requires_cuda
-@requires_custom_op
+@requires_ops
 @pytest.mark.parametrize("case_name", OP_CASE_NAMES)
 def test_gpu_opcheck(case_name):
     run_opcheck("cuda", case_name)

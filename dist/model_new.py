@@ -29,17 +29,19 @@ Data path of `ModelNew.forward` on a CUDA tensor (float32):
   input checks, device guard,   kernels/torch_binding.cpp        forward_train / forward_eval
   current stream, dispatch
 
-Backward (autograd; `_TrainFn`, `_eval_with_grad`, tests/test_backward.py):
+Backward (autograd; tests/test_backward.py):
 
-  step                          binding (kernels/torch_binding.cpp)  Python
-  ----------------------------  -----------------------------------  ------------------------------
-  training forward with grad    forward_train_saved: the forward     _TrainFn.forward
-                                above, plus z (M, N) and stats (2, N)
-  * scale, bn (training)        bn_backward_train (one sweep)        _train_backward
-  gemm                          gemm_nt (3xTF32): grad_x = grad_z W, grad_W = grad_z^T x
-  eval forward with grad        gemm_nt, then the fold in elementwise ops  _eval_with_grad
-  torch.compile (torch >= 2.4)  the same functions as fused_gemm_bn:: custom operators
-                                (_define_ops), with fake and CPU implementations
+  step                          binding (kernels/torch_binding.cpp)     Python
+  ----------------------------  --------------------------------------  ------------------
+  training forward with grad    forward_train_saved: forward_train's    _TrainFn.forward
+                                work, plus z (M, N) and stats (2, N)
+  * scale, bn (training)        bn_backward_train (one sweep)           _train_backward
+  gemm: grad_x = grad_z W,      gemm_nt (3xTF32, any strides)           _train_backward,
+        grad_W = grad_z^T x                                             _GemmNT
+  eval forward with grad        gemm_nt, then the fold in elementwise   _eval_with_grad
+                                torch ops
+  torch.compile (torch >= 2.4)  the same, as fused_gemm_bn:: custom     _define_ops
+                                operators (fake and CPU implementations)
 
 Algebra (training): with z = x W^T, u = scale * (z + b) has batch mean
 scale * (mean_z + b) and biased variance scale^2 var_z, so

@@ -19,9 +19,23 @@ Reported per side: median and min ms; GEMM TFLOP/s = 2*M*N*K / median time (the
 scale and BatchNorm work is not counted); speedup = eager_ms / ms; time ratio =
 ms / eager_ms; relative error ||y - y64||_F / ||y64||_F against reference.Model
 copied to float64 with the same parameters and state, on one fresh input.
+
+--backward times forward + backward instead: each timed call is
+model(x).backward(g) with x requiring grad and one fixed g ~ N(0, 1) of the
+output's shape, for eager Model and ModelNew (no compile side); the gradients
+of x and every parameter are cleared before each call, outside the events, so
+no call accumulates into an earlier one's.  GEMM TFLOP/s counts the three
+GEMMs (forward, grad x, grad weight): 6*M*N*K.  Gradient errors: relative
+Frobenius error of each gradient against reference.Model in float64 (same
+state, input and g); in training the float64 gradient of gemm.bias is rounding
+noise around its exact value 0, so its max |grad| is reported instead.
+ModelNew counts as close when every gradient error is at most 2x eager's +
+GRAD_FLOOR and its gemm.bias gradient in training is exactly zero.
+
 Exit status: 0 ok; 1 ModelNew not close to the eager Model (33: allclose with
 atol=rtol=1e-4; 84, whose outputs are about 1/N: |ours - eager| <= 1e-4 |eager|
-+ 1e-7 elementwise); 2 no CUDA GPU.  M = batch, K = in_features, N = out_features.
++ 1e-7 elementwise; --backward: the gradient criterion above); 2 no CUDA GPU.
+M = batch, K = in_features, N = out_features.
 """
 import argparse
 import copy
@@ -42,6 +56,8 @@ NUM_INPUTS = 4
 EVAL_TRAIN_STEPS = 3  # training steps before --mode eval, so the running statistics are not 0 / 1
 ATOL = RTOL = 1e-4
 SOFTMAX_RTOL, SOFTMAX_ATOL = 1e-4, 1e-7
+GRAD_FLOOR = 1e-6  # --backward closeness floor, relative Frobenius, as in tests/test_backward.py
+GRAD_NAMES = ["x", "gemm.weight", "gemm.bias", "scale", "bn.weight", "bn.bias"]
 
 
 def _allclose(y_new, y_ref):
@@ -94,12 +110,17 @@ def parse_args(argv=None):
                    help="where to write the results (default: results/bench.json)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile(Model) side")
     p.add_argument("--grad", action="store_true", help="time with autograd enabled instead of torch.no_grad()")
+    p.add_argument("--backward", action="store_true",
+                   help="time forward + backward (model(x).backward(g)) of eager Model and ModelNew, and report "
+                        "every gradient's error against float64")
     p.add_argument("--sweep", action="store_true",
                    help="time eager Model and ModelNew (no compile side) over SWEEP_SHAPES in --mode; "
                         "writes results/sweep.json, a table and results/sweep.png (if matplotlib is installed)")
     args = p.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.backward and args.sweep:
+        p.error("--backward times one shape: it cannot be combined with --sweep")
     if args.shape[0] < 2:  # also eval: EVAL_TRAIN_STEPS training steps come first
         p.error("BatchNorm1d training needs a batch M >= 2")
     return args
@@ -175,10 +196,11 @@ def check_accuracy(problem, sides, ref, x):
     return errors, check
 
 
-def time_fn(fns, inputs, iters, warmup):
+def time_fn(fns, inputs, iters, warmup, prepare=None):
     """CUDA-event times in ms of every callable in `fns` (name -> fn(x)), interleaved:
     each repetition calls every side once on the same input, in an order rotated by
-    one per repetition; L2 is flushed before each call, outside its events."""
+    one per repetition; L2 is flushed before each call, outside its events.
+    prepare (name -> fn(x)), when given, runs before the flush, outside the events."""
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
     names = list(fns)
     events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -187,6 +209,8 @@ def time_fn(fns, inputs, iters, warmup):
         x = inputs[rep % len(inputs)]
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
+            if prepare is not None:
+                prepare[name](x)
             flush.zero_()
             if rep < warmup:
                 fns[name](x)
@@ -222,6 +246,98 @@ def bench_mode(problem, args, mode):
                      "speedup_vs_eager": eager_ms / ms, "time_ratio_vs_eager": ms / eager_ms,
                      "rel_err_vs_fp64": errors[name]})
     return rows, dict(check, mode=mode, model=problem["name"])
+
+
+def _gradients(model, x, g):
+    """{name: gradient} of x and every parameter after model(x).backward(g) (x a
+    fresh leaf; the parameters' .grad cleared first)."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    model(x).backward(g)
+    params = dict(model.named_parameters())
+    return {name: (x if name == "x" else params[name]).grad for name in GRAD_NAMES}
+
+
+def check_grad_accuracy(sides, ref, x, g, training):
+    """Per side and gradient: relative Frobenius error against `ref` copied to
+    float64 (same parameters and state) on x with output gradient g; in
+    training, gemm.bias's max |grad| instead (its exact value is 0).  Calls the
+    timed models (one more training step, as check_accuracy)."""
+    grads64 = _gradients(copy.deepcopy(ref).double(), x.double(), g.double())
+    errors, bias_max = {}, {}
+    for name, model in sides.items():
+        grads = _gradients(model, x, g)
+        errors[name] = {}
+        for key, want in grads64.items():
+            got = grads[key] if grads[key] is not None else torch.zeros_like(want)
+            if training and key == "gemm.bias":
+                bias_max[name] = got.abs().max().item()
+                continue
+            errors[name][key] = ((got.double() - want).norm() / want.norm()).item()
+    bias_max["float64"] = grads64["gemm.bias"].abs().max().item() if training else None
+    close = all(errors["ModelNew"][k] <= 2 * errors["eager"][k] + GRAD_FLOOR for k in errors["eager"])
+    if training:
+        close = close and bias_max["ModelNew"] == 0.0
+    return errors, bias_max, close
+
+
+def bench_backward_mode(problem, args, mode):
+    """Forward + backward of eager Model and ModelNew in one BatchNorm mode;
+    returns (rows, check)."""
+    m, k, n = args.shape
+    ref, new = build_models(problem, args.shape, mode, args.seed)
+    inputs = [torch.rand(m, k, device=DEVICE).requires_grad_(True) for _ in range(NUM_INPUTS)]
+    gen = torch.Generator(device=DEVICE).manual_seed(args.seed + 1)
+    g = torch.randn(m, n, device=DEVICE, generator=gen)
+    x_check = torch.rand(m, k, device=DEVICE)
+    sides = {"eager": ref, "ModelNew": new}
+    errors, bias_max, close = check_grad_accuracy(sides, ref, x_check, g, mode == "train")
+
+    def step(model):
+        return lambda x: model(x).backward(g)
+
+    def clear(model):
+        def run(x):
+            x.grad = None
+            model.zero_grad(set_to_none=True)
+        return run
+
+    times = time_fn({name: step(model) for name, model in sides.items()}, inputs, args.iters, args.warmup,
+                    prepare={name: clear(model) for name, model in sides.items()})
+    eager_ms = statistics.median(times["eager"])
+    rows = []
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        rows.append({"mode": mode, "side": name, "kind": "forward+backward", "median_ms": ms, "min_ms": min(ts),
+                     "gemm_tflops": 6.0 * m * n * k / (ms * 1e-3) / 1e12, "speedup_vs_eager": eager_ms / ms,
+                     "time_ratio_vs_eager": ms / eager_ms, "grad_rel_err_vs_fp64": errors[name],
+                     "gemm_bias_grad_max_abs": bias_max.get(name)})
+    check = {"mode": mode, "model": problem["name"], "kind": "forward+backward", "close_vs_eager": close,
+             "gemm_bias_grad_max_abs_fp64": bias_max["float64"]}
+    return rows, check
+
+
+def print_backward_table(problem, rows, check):
+    print(f"\nproblem {problem['name']} ({problem['title']}), mode={check['mode']}, "
+          f"forward + backward: model(x).backward(g)")
+    print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}{'time/eager':>12}")
+    for r in rows:
+        print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
+              f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}")
+    by_side = {r["side"]: r for r in rows}
+    print("gradient error vs float64, ||g - g64||_F / ||g64||_F:")
+    print(f"  {'gradient':<13}{'eager':>10}{'ModelNew':>10}")
+    for key in GRAD_NAMES:
+        if key in by_side["eager"]["grad_rel_err_vs_fp64"]:
+            print(f"  {key:<13}{by_side['eager']['grad_rel_err_vs_fp64'][key]:>10.2e}"
+                  f"{by_side['ModelNew']['grad_rel_err_vs_fp64'][key]:>10.2e}")
+        else:
+            print(f"  {key:<13}max |grad| (exact value 0): eager {by_side['eager']['gemm_bias_grad_max_abs']:.1e}, "
+                  f"ModelNew {by_side['ModelNew']['gemm_bias_grad_max_abs']:.1e}, "
+                  f"float64 {check['gemm_bias_grad_max_abs_fp64']:.1e}")
+    print(f"ModelNew's gradients within 2x eager's error + {GRAD_FLOOR:g}"
+          f"{' and gemm.bias exactly 0' if check['mode'] == 'train' else ''}: "
+          f"{'yes' if check['close_vs_eager'] else 'NO'}")
 
 
 def _git_revision():
@@ -357,8 +473,12 @@ def main(argv=None):
     rows, checks = [], []
     for problem in problems:
         for mode in modes:
-            mode_rows, check = bench_mode(problem, args, mode)
-            print_table(problem, mode_rows, check, args.grad)
+            if args.backward:
+                mode_rows, check = bench_backward_mode(problem, args, mode)
+                print_backward_table(problem, mode_rows, check)
+            else:
+                mode_rows, check = bench_mode(problem, args, mode)
+                print_table(problem, mode_rows, check, args.grad)
             rows += [dict(r, model=problem["name"]) for r in mode_rows]
             checks.append(check)
             _reset_dynamo()
@@ -372,8 +492,9 @@ def main(argv=None):
 
     failed = [c for c in checks if not c["close_vs_eager"]]
     for c in failed:
+        detail = ("gradients" if args.backward else f"max |diff| {c['max_abs_diff_vs_eager']:.2e}")
         print(f"WARNING: problem {c['model']} ModelNew is not close to the reference Model in {c['mode']} mode "
-              f"(max |diff| {c['max_abs_diff_vs_eager']:.2e})")
+              f"({detail})")
     return 1 if failed else 0
 
 

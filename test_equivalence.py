@@ -4,7 +4,7 @@ K = in_features, N = out_features.
 
 Run: python -m pytest -q test_equivalence.py -s      (-s shows the measured errors)
 
-CPU tests (always run, also in CI with a CPU-only torch; ModelNew takes `_cpu_forward`)
+CPU tests (always run, also in CI with a CPU-only torch; ModelNew takes the `_cpu_*` functions)
   - seeded-init parity: same seed -> same state_dict keys, order and bits
   - state_dict loads both ways (strict), after training steps
   - forward equivalence, train (4 steps, outputs and running stats after each
@@ -35,8 +35,10 @@ GPU tests (skipped without CUDA)
     so the criterion can tell 3xTF32 from plain TF32.
   - momentum 0.3 / None / 0, eps, scale_shape (1,); empty batch in eval
   - every output element written (caching allocator poisoned with NaN), inputs
-    unchanged, non-contiguous and misaligned x, no_grad / grad-enabled (backward
-    raises), current-stream semantics on a side stream, bad inputs on CUDA.
+    unchanged, non-contiguous and misaligned x, no_grad / grad-enabled (same
+    output, backward fills every gradient; accuracy of the gradients in
+    tests/test_backward.py), current-stream semantics on a side stream, bad
+    inputs on CUDA.
 """
 import copy
 import glob
@@ -373,8 +375,9 @@ def test_cpu_empty_batch_train_matches_reference():
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_cpu_gradients_match_reference(training):
-    """The CUDA forward has no backward (tested on GPU); the CPU path is plain
-    autograd and must give Model's gradients."""
+    """The CPU path runs the same autograd code as the CUDA path (_TrainFn /
+    _eval_with_grad over the _cpu_* functions) and must give Model's gradients
+    (more in tests/test_backward.py)."""
     m, k, n = 48, 20, 12
     ref, new = make_pair(13, k, n, (n,), dtype=torch.float64)
     gen = torch.Generator().manual_seed(14)
@@ -823,23 +826,29 @@ def test_gpu_input_unmodified_and_layouts(m, k, n, how):
 
 
 @requires_cuda
-def test_gpu_no_grad_and_grad_enabled_backward_raises():
+def test_gpu_no_grad_and_grad_enabled():
+    """Under no_grad the output has no graph; with grad enabled the forward
+    (forward_train_saved / gemm_nt + fold) gives the no-grad output and a
+    backward that fills every gradient.  The gradients' accuracy:
+    tests/test_backward.py."""
     m, k, n = 257, 4100, 130
     _, new = gpu_pair(m, k, n)
-    new.eval()
     x = gpu_input("uniform", m, k, cuda_gen(70))
-    with torch.no_grad():
-        out_ng = new(x)
-    assert not out_ng.requires_grad
-    out = new(x)
-    assert out.requires_grad
-    assert torch.equal(out.detach(), out_ng)
-    with pytest.raises(RuntimeError, match="backward"):
+    for mode in ("eval", "train"):
+        new.train(mode == "train")
+        state = snapshot(new)
+        with torch.no_grad():
+            out_ng = new(x)
+        assert not out_ng.requires_grad
+        new.load_state_dict(state)  # the same running statistics for the grad-enabled call
+        x_g = x.clone().requires_grad_(True)
+        out = new(x_g)
+        assert out.requires_grad
+        assert_close(out.detach(), out_ng, rtol=1e-5, atol=1e-5, where=f"{mode}: grad-enabled output")
+        new.zero_grad(set_to_none=True)
         out.sum().backward()
-    new.train()
-    out_train = new(x.clone().requires_grad_(True))
-    with pytest.raises(RuntimeError, match="backward"):
-        out_train.sum().backward()
+        for name, t in [("x", x_g)] + list(new.named_parameters()):
+            assert t.grad is not None and bool(torch.isfinite(t.grad).all()), f"{mode}: grad of {name}"
 
 
 @requires_cuda

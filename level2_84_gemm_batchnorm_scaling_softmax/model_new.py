@@ -33,11 +33,21 @@ Eval: v = a z + c with a = scale * g, c = scale * (bn.bias + (b - running_mean) 
 g = bn.weight / sqrt(running_var + eps).
 Softmax: exp(v - max v) / sum exp(v - max v) per row, float32.
 
+Backward (training; ../model_new.py `_train_backward`): the row softmax's
+backward grad_v = out * (grad_out - sum_n grad_out * out) in elementwise ops,
+then bn_backward_train(scale_after_bn=True) for grad_z, grad_scale (plus
+bn.bias * sum_m grad_v, added in Python), grad_bn.weight, grad_bn.bias, then
+gemm_nt for grad_x and grad_W; grad_gemm.bias = 0.  Eval differentiates
+softmax((z + b - running_mean) a + scale bn.bias) (`_eval_with_grad`).
+
 `scale` may have any shape that multiplies each feature by one number:
-numel 1 (the default (1,)) or N ((N,) or (1, N)).  CPU tensors take
-`_cpu_forward`, the same decomposed math in plain PyTorch.  Tests:
-test_equivalence.py in this folder.  The kernels are found as
-../model_new.py finds them (next to it, or $FUSED_GEMM_BN_KERNEL_DIR).
+numel 1 (the default (1,)) or N ((N,) or (1, N)); its gradient is summed to
+that shape.  Everything after the input checks is ../model_new.py's
+`_fused_forward` with softmax=True: the CUDA extension, or on CPU the same
+decomposed math in plain PyTorch (`_cpu_*`); torch.compile traces the
+fused_gemm_bn:: custom operators.  Tests: test_equivalence.py in this folder,
+../tests/test_backward.py.  The kernels are found as ../model_new.py finds
+them (next to it, or $FUSED_GEMM_BN_KERNEL_DIR).
 """
 import importlib.util
 import os
@@ -47,7 +57,8 @@ import torch
 from torch import nn
 
 # ---------------------------------------------------------------------------
-# Problem 33's module: extension, parameter containers, input checks
+# Problem 33's module: extension, parameter containers, input checks, the
+# forward and backward of both problems, custom operators
 # ---------------------------------------------------------------------------
 
 _CORE_NAME = "fused_gemm_bn_core"
@@ -80,32 +91,6 @@ def _load_core():
 _core = _load_core()
 
 # ---------------------------------------------------------------------------
-# CPU path: the kernels' decomposed math in plain PyTorch
-# ---------------------------------------------------------------------------
-
-
-def _cpu_softmax_rows(v):
-    v = v - v.amax(dim=1, keepdim=True)
-    e = v.exp()
-    return e / e.sum(dim=1, keepdim=True)
-
-
-def _cpu_forward(x, weight, bias, scale, bn, training, factor):
-    z = x @ weight.t()
-    if training:
-        mean, var_biased, var_unbiased = _core._cpu_batch_stats(z)
-        a = scale.double() * bn.weight.double() / torch.sqrt(var_biased + bn.eps)
-        with torch.no_grad():
-            bn.running_mean.copy_((1.0 - factor) * bn.running_mean.double() + factor * (mean + bias.double()))
-            bn.running_var.copy_((1.0 - factor) * bn.running_var.double() + factor * var_unbiased)
-        v = (z - mean.to(z.dtype)) * a.to(z.dtype) + scale * bn.bias
-    else:
-        g = bn.weight / torch.sqrt(bn.running_var + bn.eps)
-        v = (z + (bias - bn.running_mean)) * (scale * g) + scale * bn.bias
-    return _cpu_softmax_rows(v)
-
-
-# ---------------------------------------------------------------------------
 # Module
 # ---------------------------------------------------------------------------
 
@@ -120,7 +105,9 @@ class ModelNew(nn.Module):
     float32 on CUDA (compute capability >= 8.0) or any float dtype on CPU,
     matching the parameters' dtype; returns (M, out_features).  Training mode
     updates bn.running_mean, bn.running_var (unbiased) and
-    bn.num_batches_tracked.  M == 0 gives an empty output as the reference.
+    bn.num_batches_tracked.  Differentiable with respect to x and every
+    parameter in both modes; gemm.bias gets an exact zero gradient in training.
+    M == 0 gives an empty output as the reference.
     Raises ValueError for M == 1 in training (PyTorch's message), RuntimeError
     for a wrong rank, feature count, dtype or device, or a `scale` that is not
     one number per feature; a rejected call leaves every buffer unchanged.
@@ -147,33 +134,8 @@ class ModelNew(nn.Module):
 
     def forward(self, x):
         _core._check_input(x, self.gemm.weight, self.training)
-        scale = self._scale_vector()
-        bn = self.bn
-        momentum = bn.momentum
-        if self.training and not (x.is_cuda and x.shape[0] > 0):
-            # The CUDA training call increments it in its first kernel (split_tf32.cu).
-            bn.num_batches_tracked.add_(1)
-        if x.shape[0] == 0:  # as the reference: empty output, running statistics untouched
-            return x.new_empty((0, self.gemm.out_features))
-        if not x.is_cuda:
-            factor = momentum if momentum is not None else 1.0 / float(bn.num_batches_tracked)
-            return _cpu_forward(x, self.gemm.weight, self.gemm.bias, scale, bn, self.training, factor)
-        ext = _core._ext
-        if ext is None:
-            raise RuntimeError("ModelNew: CUDA tensor given but the extension was not built (no GPU at import)")
-
-        params = (self.gemm.weight, self.gemm.bias, scale, bn.weight, bn.bias)
-        if self.training:
-            def run():
-                return ext.forward_softmax_train(x, *params, bn.running_mean, bn.running_var,
-                                                 bn.num_batches_tracked,
-                                                 -1.0 if momentum is None else float(momentum), float(bn.eps))
-        else:
-            def run():
-                return ext.forward_softmax_eval(x, *params, bn.running_mean, bn.running_var, float(bn.eps))
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            return _core._NoBackward.apply(run, x, *params)
-        return run()
+        scale = self._scale_vector()  # raises for an unsupported shape before any buffer is touched
+        return _core._fused_forward(x, self.gemm, scale, self.bn, self.training, softmax=True)
 
 
 # ---------------------------------------------------------------------------

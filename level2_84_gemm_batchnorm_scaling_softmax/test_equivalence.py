@@ -5,7 +5,7 @@ K = in_features, N = out_features.
 
 Run: python -m pytest -q level2_84_gemm_batchnorm_scaling_softmax -s   (-s shows the measured errors)
 
-CPU tests (always run, also with a CPU-only torch; ModelNew takes `_cpu_forward`)
+CPU tests (always run, also with a CPU-only torch; ModelNew takes the `_cpu_*` functions)
   - test_seeded_init_matches_reference: same seed -> same state_dict keys, order
     and bits, same eps / momentum, same number of random draws; bn_eps,
     bn_momentum (incl. None), scale_shape (1,) / (N,) / (1, N), positional args

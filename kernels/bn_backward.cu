@@ -159,9 +159,9 @@ cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num
 }
 
 // dz (M, N) and dscale, dgamma, dbeta (N) from g = dL/dy (formulas above).
-cudaError_t bn_backward_train(const float* g, const float* z, const float* stats, const float* scale,
-                              const float* gamma, float eps, bool scale_after_bn, int M, int N,
-                              float* dz, float* dscale, float* dgamma, float* dbeta, cudaStream_t stream) {
+cudaError_t bn_backward_train_launch(const float* g, const float* z, const float* stats, const float* scale,
+                                     const float* gamma, float eps, bool scale_after_bn, int M, int N, float* dz,
+                                     float* dscale, float* dgamma, float* dbeta, cudaStream_t stream) {
   using namespace fused_gemm_bn;
   if (N == 0) return cudaSuccess;
   const BnBackwardArgs p{g, z, stats, scale, gamma, eps, scale_after_bn, M, N, dz, dscale, dgamma, dbeta};

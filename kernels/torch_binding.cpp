@@ -94,9 +94,9 @@ cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, 
 cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
 cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
                            float* stats, cudaStream_t stream);
-cudaError_t bn_backward_train(const float* g, const float* z, const float* stats, const float* scale,
-                              const float* gamma, float eps, bool scale_after_bn, int M, int N,
-                              float* dz, float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
+cudaError_t bn_backward_train_launch(const float* g, const float* z, const float* stats, const float* scale,
+                                     const float* gamma, float eps, bool scale_after_bn, int M, int N, float* dz,
+                                     float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
 
 namespace {
 
@@ -517,9 +517,10 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   torch::Tensor grad_z = torch::empty({M, N}, z.options());
   torch::Tensor vectors = torch::empty({3, N}, z.options());  // grad_scale, grad_bn_weight, grad_bn_bias
   float* v = vectors.data_ptr<float>();
-  check_launch(bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
-                                 scale.data_ptr<float>(), bn_weight.data_ptr<float>(), static_cast<float>(eps), scale_after_bn, static_cast<int>(M), static_cast<int>(N),
-                                 grad_z.data_ptr<float>(), v, v + N, v + 2 * N, stream),
+  check_launch(bn_backward_train_launch(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
+                                        scale.data_ptr<float>(), bn_weight.data_ptr<float>(), static_cast<float>(eps),
+                                        scale_after_bn, static_cast<int>(M), static_cast<int>(N),
+                                        grad_z.data_ptr<float>(), v, v + N, v + 2 * N, stream),
                "bn_backward_train");
   return {grad_z, vectors[0], vectors[1], vectors[2]};
 }

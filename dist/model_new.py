@@ -3042,14 +3042,16 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(z.get_device()).stream();
   const torch::Tensor g = grad_y.contiguous();
   torch::Tensor grad_z = torch::empty({M, N}, z.options());
-  torch::Tensor vectors = torch::empty({3, N}, z.options());  // grad_scale, grad_bn_weight, grad_bn_bias
-  float* v = vectors.data_ptr<float>();
+  // Three allocations, not views of one: custom operators may not return aliases.
+  torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
+                grad_bn_bias = torch::empty({N}, z.options());
   check_launch(bn_backward_train_launch(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
                                         scale.data_ptr<float>(), bn_weight.data_ptr<float>(), static_cast<float>(eps),
                                         scale_after_bn, static_cast<int>(M), static_cast<int>(N),
-                                        grad_z.data_ptr<float>(), v, v + N, v + 2 * N, stream),
+                                        grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
+                                        grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
                "bn_backward_train");
-  return {grad_z, vectors[0], vectors[1], vectors[2]};
+  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
 }
 ''',
 }

@@ -56,6 +56,19 @@ struct BnBackwardArgs {
   float* dbeta;
 };
 
+// Rows row + r * kBwdWarps (r < kBwdRowBatch) of g and z at feature j, all
+// loads issued before any is used; rows past M read as g = 0, z = z_pad.
+__device__ __forceinline__ void load_rows(const BnBackwardArgs& p, int row, int j, float z_pad,
+                                          float (&gv)[kBwdRowBatch], float (&zv)[kBwdRowBatch]) {
+#pragma unroll
+  for (int r = 0; r < kBwdRowBatch; ++r) {
+    const int m = row + r * kBwdWarps;
+    const size_t idx = static_cast<size_t>(m) * p.N + j;
+    gv[r] = m < p.M ? p.g[idx] : 0.f;
+    zv[r] = m < p.M ? p.z[idx] : z_pad;
+  }
+}
+
 __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(const BnBackwardArgs p) {
   __shared__ double red[2][kBwdWarps][kBwdCols];
   __shared__ double coef[3][kBwdCols];  // per feature: a, c1 = S1 / M, c2 (slope of the xhat term)
@@ -68,13 +81,7 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
   if (valid) {
     for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
       float gv[kBwdRowBatch], zv[kBwdRowBatch];
-#pragma unroll
-      for (int r = 0; r < kBwdRowBatch; ++r) {
-        const int m = row + r * kBwdWarps;
-        const size_t idx = static_cast<size_t>(m) * p.N + j;
-        gv[r] = m < p.M ? p.g[idx] : 0.f;
-        zv[r] = m < p.M ? p.z[idx] : mu;
-      }
+      load_rows(p, row, j, mu, gv, zv);
 #pragma unroll
       for (int r = 0; r < kBwdRowBatch; ++r) {
         s1 += gv[r];
@@ -119,13 +126,7 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
   const float c2 = static_cast<float>(coef[2][lane]);
   for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
     float gv[kBwdRowBatch], zv[kBwdRowBatch];
-#pragma unroll
-    for (int r = 0; r < kBwdRowBatch; ++r) {
-      const int m = row + r * kBwdWarps;
-      const size_t idx = static_cast<size_t>(m) * p.N + j;
-      gv[r] = m < p.M ? p.g[idx] : 0.f;
-      zv[r] = m < p.M ? p.z[idx] : 0.f;
-    }
+    load_rows(p, row, j, mu, gv, zv);
 #pragma unroll
     for (int r = 0; r < kBwdRowBatch; ++r) {
       const int m = row + r * kBwdWarps;

@@ -657,29 +657,25 @@ bool sm90_gemm_supported(const float* w, int M, int N, int K) {
   return device_ok[device] == 1;
 }
 
-// Workspace floats the launchers below need for an (M, K) x (N, K) product on
-// the current device (split-tile partial sums and, after them, arrival counts),
-// and how many ints at its end (the counts) must be zero at the launch.
-// 0 / 0 when no tile is split.
-int64_t sm90_gemm_workspace_floats(int M, int N, int K) {
+// The workspace the launchers below need for an (M, K) x (N, K) product on
+// the current device: *floats floats (split-tile partial sums and, after them,
+// arrival counts), of which the last *zero_ints ints must be zero at the
+// launch.  Both 0 when no tile is split.
+void sm90_gemm_workspace(int M, int N, int K, int64_t* floats, int* zero_ints) {
   using namespace fused_gemm_bn::sm90;
+  *floats = 0;
+  *zero_ints = 0;
   int num_sms = 0;
-  if (current_num_sms(&num_sms) != cudaSuccess) return 0;
+  if (current_num_sms(&num_sms) != cudaSuccess) return;
   const StreamKPlan p = stream_k_plan(M, N, K, num_sms);
-  return p.sk_ctas > 0 ? partial_floats(p) + p.sk_tiles : 0;
-}
-
-int sm90_gemm_workspace_zero_ints(int M, int N, int K) {
-  using namespace fused_gemm_bn::sm90;
-  int num_sms = 0;
-  if (current_num_sms(&num_sms) != cudaSuccess) return 0;
-  return stream_k_plan(M, N, K, num_sms).sk_tiles;
+  if (p.sk_ctas == 0) return;
+  *floats = partial_floats(p) + p.sk_tiles;
+  *zero_ints = p.sk_tiles;
 }
 
 // z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
 // x_small = rna_tf32(x - tf32_trunc(x)) (split_tf32_remainder).  `workspace`:
-// sm90_gemm_workspace_floats(M, N, K) floats, its last
-// sm90_gemm_workspace_zero_ints ints zero (null when both are 0).
+// as sm90_gemm_workspace says (null when it needs none).
 cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
                                    float* part_mean, float* part_m2, int M, int N, int K, float* workspace,
                                    cudaStream_t stream) {

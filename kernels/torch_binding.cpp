@@ -55,8 +55,7 @@ int sm90_gemm_block_m();
 bool sm90_gemm_supported(const float* w, int M, int N, int K);
 cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter, int* zero_ints,
                                  int num_zero_ints, cudaStream_t stream);
-int64_t sm90_gemm_workspace_floats(int M, int N, int K);
-int sm90_gemm_workspace_zero_ints(int M, int N, int K);
+void sm90_gemm_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
                                    float* part_mean, float* part_m2, int M, int N, int K, float* workspace,
                                    cudaStream_t stream);
@@ -174,8 +173,9 @@ RemainderX remainder_x(const torch::Tensor& x, int M, int N, int K, int64_t* cou
   const bool ready = x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   torch::Tensor xc = ready ? x : x.clone(at::MemoryFormat::Contiguous);
   const int64_t small_floats = static_cast<int64_t>(M) * K;  // a multiple of 4: the workspace stays 16-byte aligned
-  const int64_t workspace_floats = sm90_gemm_workspace_floats(M, N, K);
-  const int zero_ints = sm90_gemm_workspace_zero_ints(M, N, K);
+  int64_t workspace_floats = 0;
+  int zero_ints = 0;
+  sm90_gemm_workspace(M, N, K, &workspace_floats, &zero_ints);
   torch::Tensor storage = torch::empty({small_floats + workspace_floats}, x.options());
   float* small = storage.data_ptr<float>();
   float* workspace = workspace_floats > 0 ? small + small_floats : nullptr;
@@ -328,6 +328,49 @@ torch::Tensor forward_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor 
   return gemm_eval(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, false);
 }
 
+namespace {
+
+// The multi-pass training GEMM: z = x @ weight^T into `z` with its per-tile
+// statistics and, when `stats` is not null, stats (2, N) = [mean_z | biased
+// var_z] for the backward.  The x split increments num_batches_tracked.
+struct TrainGemm {
+  TrainScratch scratch;
+  int block_m;
+  int num_m_tiles(int M) const { return (M + block_m - 1) / block_m; }
+};
+
+TrainGemm train_gemm(const torch::Tensor& x, const float* w, torch::Tensor& z, float* stats,
+                     const torch::Tensor& num_batches_tracked, int M, int N, int K, cudaStream_t stream) {
+  int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
+  const bool sm90 = use_sm90(w, M, N, K);
+  const SplitX xs = sm90 ? SplitX{} : split_x(x, M, K, counter, stream);
+  TrainGemm g;
+  g.block_m = gemm_train(x, sm90, xs, w, z, g.scratch, M, N, K, sm90 ? counter : nullptr, stream);
+  if (stats != nullptr)
+    check_launch(bn_batch_stats(g.scratch.part_mean, g.scratch.part_m2, g.num_m_tiles(M), g.block_m, M, N, stats,
+                                stream),
+                 "bn_batch_stats");
+  return g;
+}
+
+// Problem 84's per-feature [mean_z | a | c] for softmax_rows, and the
+// running-statistics update (bn_softmax.cu).
+torch::Tensor softmax_coefficients(const TrainGemm& g, const torch::Tensor& x, int M, int N, const BnTensors& t,
+                                   const torch::Tensor& num_batches_tracked, double momentum, double eps,
+                                   cudaStream_t stream) {
+  torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
+  check_launch(bn_softmax_fold_train(g.scratch.part_mean, g.scratch.part_m2, g.num_m_tiles(M), g.block_m, M, N,
+                                     t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
+                                     t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
+                                     num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
+                                     static_cast<float>(eps), t.running_mean.data_ptr<float>(),
+                                     t.running_var.data_ptr<float>(), coeff.data_ptr<float>(), stream),
+               "bn_softmax_fold_train");
+  return coeff;
+}
+
+}  // namespace
+
 // Linear -> BatchNorm1d -> scale -> Softmax(dim=1), training mode (problem 84).
 torch::Tensor forward_softmax_train(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
                                     torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
@@ -335,25 +378,14 @@ torch::Tensor forward_softmax_train(torch::Tensor x, torch::Tensor weight, torch
                                     double eps) {
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
-  check_bn_tensors({bias, scale, bn_weight, bn_bias, running_mean, running_var}, N, x);
+  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
+  check_bn_tensors(t, N, x);
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, x.options());
-  const float* w = weight.data_ptr<float>();
-  int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
-  const bool sm90 = use_sm90(w, M, N, K);
-  const SplitX xs = sm90 ? SplitX{} : split_x(x, M, K, counter, stream);
-  TrainScratch scratch;
-  const int block_m = gemm_train(x, sm90, xs, w, out, scratch, M, N, K, sm90 ? counter : nullptr, stream);
-  torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
-  check_launch(bn_softmax_fold_train(scratch.part_mean, scratch.part_m2, (M + block_m - 1) / block_m, block_m, M, N,
-                                     bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
-                                     bn_bias.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
-                                     static_cast<float>(momentum), static_cast<float>(eps),
-                                     running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
-                                     coeff.data_ptr<float>(), stream),
-               "bn_softmax_fold_train");
+  const TrainGemm g = train_gemm(x, weight.data_ptr<float>(), out, nullptr, num_batches_tracked, M, N, K, stream);
+  const torch::Tensor coeff = softmax_coefficients(g, x, M, N, t, num_batches_tracked, momentum, eps, stream);
   check_launch(softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), M, N, stream), "softmax_rows");
   return out;
 }
@@ -374,32 +406,8 @@ torch::Tensor forward_softmax_eval(torch::Tensor x, torch::Tensor weight, torch:
 }
 
 // ---------------------------------------------------------------------------
-// Entry points for the autograd backward (model_new.py, _FusedTrain / _FusedEval)
+// Entry points for the autograd backward (model_new.py: _TrainFn, _eval_with_grad)
 // ---------------------------------------------------------------------------
-
-namespace {
-
-// z = x @ weight^T into `z` with its per-tile statistics (multi-pass path),
-// then stats (2, N) = [mean_z | biased var_z].  Increments num_batches_tracked.
-struct SavedTrain {
-  TrainScratch scratch;
-  int block_m;
-};
-
-SavedTrain gemm_train_saved(const torch::Tensor& x, const float* w, torch::Tensor& z, torch::Tensor& stats,
-                            const torch::Tensor& num_batches_tracked, int M, int N, int K, cudaStream_t stream) {
-  int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
-  const bool sm90 = use_sm90(w, M, N, K);
-  const SplitX xs = sm90 ? SplitX{} : split_x(x, M, K, counter, stream);
-  SavedTrain s;
-  s.block_m = gemm_train(x, sm90, xs, w, z, s.scratch, M, N, K, sm90 ? counter : nullptr, stream);
-  check_launch(bn_batch_stats(s.scratch.part_mean, s.scratch.part_m2, (M + s.block_m - 1) / s.block_m, s.block_m, M,
-                              N, stats.data_ptr<float>(), stream),
-               "bn_batch_stats");
-  return s;
-}
-
-}  // namespace
 
 // forward_train, also returning z = x @ weight^T (M, N, without bias) and
 // stats (2, N) float32 = [mean_z | biased var_z] for the backward.
@@ -415,10 +423,11 @@ std::vector<torch::Tensor> forward_train_saved(torch::Tensor x, torch::Tensor we
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor out = torch::empty({M, N}, x.options());
   torch::Tensor stats = torch::empty({2, N}, x.options());
-  const SavedTrain s = gemm_train_saved(x, weight.data_ptr<float>(), z, stats, num_batches_tracked, M, N, K, stream);
-  check_launch(bn_apply(z.data_ptr<float>(), out.data_ptr<float>(), s.scratch.part_mean, s.scratch.part_m2,
-                        (M + s.block_m - 1) / s.block_m, s.block_m, M, N, bias.data_ptr<float>(),
-                        scale.data_ptr<float>(), bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+  const TrainGemm g =
+      train_gemm(x, weight.data_ptr<float>(), z, stats.data_ptr<float>(), num_batches_tracked, M, N, K, stream);
+  check_launch(bn_apply(z.data_ptr<float>(), out.data_ptr<float>(), g.scratch.part_mean, g.scratch.part_m2,
+                        g.num_m_tiles(M), g.block_m, M, N, bias.data_ptr<float>(), scale.data_ptr<float>(),
+                        bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
                         num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
                         static_cast<float>(eps), running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
                         stream),
@@ -434,20 +443,15 @@ std::vector<torch::Tensor> forward_softmax_train_saved(torch::Tensor x, torch::T
                                                        double momentum, double eps) {
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
-  check_bn_tensors({bias, scale, bn_weight, bn_bias, running_mean, running_var}, N, x);
+  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
+  check_bn_tensors(t, N, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = torch::empty({2, N}, x.options());
-  const SavedTrain s = gemm_train_saved(x, weight.data_ptr<float>(), z, stats, num_batches_tracked, M, N, K, stream);
-  torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
-  check_launch(bn_softmax_fold_train(s.scratch.part_mean, s.scratch.part_m2, (M + s.block_m - 1) / s.block_m,
-                                     s.block_m, M, N, bias.data_ptr<float>(), scale.data_ptr<float>(),
-                                     bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
-                                     num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                                     static_cast<float>(eps), running_mean.data_ptr<float>(),
-                                     running_var.data_ptr<float>(), coeff.data_ptr<float>(), stream),
-               "bn_softmax_fold_train");
+  const TrainGemm g =
+      train_gemm(x, weight.data_ptr<float>(), z, stats.data_ptr<float>(), num_batches_tracked, M, N, K, stream);
+  const torch::Tensor coeff = softmax_coefficients(g, x, M, N, t, num_batches_tracked, momentum, eps, stream);
   torch::Tensor out = z.clone();  // softmax_rows works in place
   check_launch(softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), M, N, stream), "softmax_rows");
   return {out, z, stats};

@@ -175,21 +175,11 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
   constexpr int kCols = kVec4 ? 4 : 1;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
   if (col >= p.N) return;
-  const bool update_running = blockIdx.y == 0;
-  float mu[kCols], a[kCols], b[kCols];
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) {
-    feature_coefficients(p, col + c, update_running, mu[c], a[c]);
-    b[c] = p.bn_bias[col + c];
-  }
   const int row0 = blockIdx.y * p.rows_per_block;
   const int row_end = min(p.M, row0 + p.rows_per_block);
-  // kRowBatch rows are loaded before any is stored: the compiler may not move
-  // a load above the previous row's store (z is read and written in place), so
-  // a row-at-a-time loop keeps one load in flight per thread and runs at
-  // memory latency, not bandwidth (docs/perf.md, v14).
-  for (int row = row0; row < row_end; row += kRowBatch) {
-    float v[kRowBatch][kCols];
+  using Batch = float[kRowBatch][kCols];
+  // Rows [row, row + kRowBatch) of this thread's columns (those below row_end).
+  auto load_batch = [&](Batch& v, int row) {
 #pragma unroll
     for (int r = 0; r < kRowBatch; ++r) {
       if (row + r >= row_end) break;
@@ -201,6 +191,18 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
         v[r][0] = *q;
       }
     }
+  };
+  // The first batch is requested before the statistics merge, which does not depend on it.
+  Batch v0, v1;
+  load_batch(v0, row0);
+  const bool update_running = blockIdx.y == 0;
+  float mu[kCols], a[kCols], b[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    feature_coefficients(p, col + c, update_running, mu[c], a[c]);
+    b[c] = p.bn_bias[col + c];
+  }
+  auto store_batch = [&](Batch& v, int row) {
 #pragma unroll
     for (int r = 0; r < kRowBatch; ++r) {
       if (row + r >= row_end) break;
@@ -213,6 +215,16 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
         *q = v[r][0];
       }
     }
+  };
+  // Two register batches: the next batch's loads are issued before this one's
+  // stores.  The compiler may not move a load above a store here (z and out
+  // may be one tensor), so the order is written out: with a row at a time the
+  // kernel ran at memory latency, not bandwidth (docs/perf.md, v14-v15).
+  for (int row = row0; row < row_end; row += 2 * kRowBatch) {
+    load_batch(v1, row + kRowBatch);
+    store_batch(v0, row);
+    load_batch(v0, row + 2 * kRowBatch);
+    store_batch(v1, row + kRowBatch);
   }
 }
 
@@ -2461,8 +2473,11 @@ __device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
                      remainder_rna_tf32(v.w));
 }
 
-// Two float4 per thread and iteration, both loads issued first: twice the
-// bytes in flight of one (the kernel is bound by HBM bandwidth).
+// kRemainderBatch float4 per thread and iteration, all loads issued first:
+// that many times the bytes in flight of one (the kernel is bound by HBM
+// bandwidth).
+constexpr int kRemainderBatch = 4;
+
 __global__ void __launch_bounds__(kSplitThreads)
     split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
                                 int64_t* counter, int* zero_ints, int num_zero_ints) {
@@ -2471,13 +2486,14 @@ __global__ void __launch_bounds__(kSplitThreads)
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + stride < n4; i += 2 * stride) {
-    const float4 v0 = x[i];
-    const float4 v1 = x[i + stride];
-    x_small[i] = remainder_rna_tf32(v0);
-    x_small[i + stride] = remainder_rna_tf32(v1);
+  for (; i + (kRemainderBatch - 1) * stride < n4; i += kRemainderBatch * stride) {
+    float4 v[kRemainderBatch];
+#pragma unroll
+    for (int j = 0; j < kRemainderBatch; ++j) v[j] = x[i + j * stride];
+#pragma unroll
+    for (int j = 0; j < kRemainderBatch; ++j) x_small[i + j * stride] = remainder_rna_tf32(v[j]);
   }
-  if (i < n4) x_small[i] = remainder_rna_tf32(x[i]);
+  for (; i < n4; i += stride) x_small[i] = remainder_rna_tf32(x[i]);
 }
 
 }  // namespace fused_gemm_bn
@@ -3428,7 +3444,7 @@ def _train_backward(kernels, softmax, eps, grad_out, x, weight, scale, bn_weight
     if not (need_x or need_w or need_s or need_g or need_beta):
         return (None, None, grad_b, None, None, None)
     if softmax:
-        grad_y = out * (grad_out - (grad_out * out).sum(dim=1, keepdim=True))
+        grad_y = _softmax_rows_backward(out, grad_out)
     else:
         grad_y = grad_out.contiguous()
     grad_z, grad_s, grad_g, grad_beta = kernels.bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, softmax)
@@ -3489,9 +3505,16 @@ class _GemmNT(torch.autograd.Function):
         return (None,) + _gemm_nt_backward(ctx.kernels, grad, *ctx.saved_tensors, ctx.needs_input_grad[1:])
 
 
+def _softmax_rows_backward(out, grad_out):
+    """Row softmax backward: grad_v = out * (grad_out - sum_n grad_out * out)."""
+    return out * (grad_out - (grad_out * out).sum(dim=1, keepdim=True))
+
+
 class _SoftmaxRows(torch.autograd.Function):
     """out = _softmax_rows(v), v (M, N).  Saved: out.  Backward:
-    grad_v = out * (grad_out - sum_n grad_out * out)."""
+    _softmax_rows_backward.  Eager only: under torch.compile (torch 2.11, CUDA)
+    this Function's gradients all came out zero, so compiled graphs take the
+    fused_gemm_bn::softmax_rows operator, which has the same backward."""
 
     @staticmethod
     def forward(ctx, v):
@@ -3503,12 +3526,13 @@ class _SoftmaxRows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         (out,) = ctx.saved_tensors
-        return out * (grad_out - (grad_out * out).sum(dim=1, keepdim=True))
+        return _softmax_rows_backward(out, grad_out)
 
 
-def _eval_with_grad(gemm_nt, softmax, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps):
+def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps):
     """Eval forward with gradients: z = gemm_nt(x, weight) (a differentiable
-    x weight^T), then the folded per-feature affine in elementwise ops, whose
+    x weight^T), then the folded per-feature affine in elementwise ops (and, for
+    problem 84, softmax_rows: a differentiable row softmax; None for problem 33), whose
     autograd gives the gradients of the fold (g = bn.weight / sqrt(running_var + eps)):
       problem 33: out = a z + c, a = scale g, c = bn.bias + (scale gemm.bias - running_mean) g
         grad_z = grad_out a; grad_a = sum_m grad_out z; grad_c = sum_m grad_out; then
@@ -3516,14 +3540,15 @@ def _eval_with_grad(gemm_nt, softmax, x, weight, bias, scale, bn_weight, bn_bias
         (scale gemm.bias - running_mean) grad_c) / sqrt(running_var + eps), grad_bn.bias = grad_c,
         grad_gemm.bias = scale g grad_c
       problem 84: v = (z + gemm.bias - running_mean) a + scale bn.bias, out = softmax(v) per row
-        (_SoftmaxRows: no fused kernel gives this value together with what the backward needs),
+        (_SoftmaxRows or the softmax_rows operator: no fused kernel gives this value
+        together with what the backward needs),
         grad_v = out * (grad_out - sum_n grad_out * out), then as above through v.
     Saved (by autograd): x, weight, z (problem 33) or z + gemm.bias - running_mean and
     out (problem 84): one or two (M, N) tensors beside the output."""
     g = bn_weight / torch.sqrt(running_var + eps)
     z = gemm_nt(x, weight)
-    if softmax:
-        return _SoftmaxRows.apply((z + (bias - running_mean)) * (scale * g) + scale * bn_bias)
+    if softmax_rows is not None:
+        return softmax_rows((z + (bias - running_mean)) * (scale * g) + scale * bn_bias)
     return z * (scale * g) + (bn_bias + (scale * bias - running_mean) * g)
 
 
@@ -3541,6 +3566,7 @@ def _eval_with_grad(gemm_nt, softmax, x, weight, bias, scale, bn_weight, bn_bias
 _OP_NAMESPACE = "fused_gemm_bn"
 _OP_SCHEMAS = {
     "gemm_nt": "(Tensor a, Tensor b) -> Tensor",
+    "softmax_rows": "(Tensor v) -> Tensor",
     "bn_backward_train": "(Tensor grad_y, Tensor z, Tensor stats, Tensor scale, Tensor bn_weight, float eps, "
                          "bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor)",
     "forward_train": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
@@ -3557,6 +3583,11 @@ _OP_SCHEMAS = {
 def _op_gemm_nt(a, b):
     """a (M, K) @ b (N, K)^T -> new contiguous (M, N)."""
     return _kernels_for(a).gemm_nt(a, b)
+
+
+def _op_softmax_rows(v):
+    """Row softmax of v (M, N) -> new contiguous (M, N) (torch ops, any device)."""
+    return _softmax_rows(v).contiguous()
 
 
 def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
@@ -3594,6 +3625,10 @@ def _fake_gemm_nt(a, b):
     return a.new_empty((a.shape[0], b.shape[0]))
 
 
+def _fake_softmax_rows(v):
+    return v.new_empty(v.shape)
+
+
 def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
     n = z.shape[1]
     return grad_y.new_empty(z.shape), grad_y.new_empty(n), grad_y.new_empty(n), grad_y.new_empty(n)
@@ -3618,6 +3653,15 @@ def _backward_gemm_nt(ctx, grad):
     return _gemm_nt_backward(_OPS, grad, *ctx.saved_tensors, ctx.needs_input_grad)
 
 
+def _setup_softmax_rows(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _backward_softmax_rows(ctx, grad):
+    (out,) = ctx.saved_tensors
+    return _softmax_rows_backward(out, grad)
+
+
 def _setup_forward_train_saved(ctx, inputs, output):
     """Saves what _TrainFn saves; z, stats and the buffer copies are not differentiable."""
     x, weight, _, scale, bn_weight, bn_bias = inputs[:6]
@@ -3635,10 +3679,11 @@ def _backward_forward_train_saved(ctx, grad_out, *unused):
 
 
 def _define_ops():
-    """Registers fused_gemm_bn::{gemm_nt, bn_backward_train, forward_train,
-    forward_train_saved, forward_eval} (_OP_SCHEMAS) once per process, with
-    one implementation for every device (the extension on CUDA, the _cpu_*
-    functions on CPU), fake implementations, and autograd for gemm_nt and
+    """Registers fused_gemm_bn::{gemm_nt, softmax_rows, bn_backward_train,
+    forward_train, forward_train_saved, forward_eval} (_OP_SCHEMAS) once per
+    process, with one implementation for every device (the extension on CUDA,
+    the _cpu_* functions on CPU; softmax_rows is torch ops on both), fake
+    implementations, and autograd for gemm_nt, softmax_rows and
     forward_train_saved.  A second execution of this file (a harness executing
     the text again) finds them registered and reuses them.  Returns the
     namespace torch.ops.fused_gemm_bn."""
@@ -3646,6 +3691,7 @@ def _define_ops():
     if hasattr(namespace, "gemm_nt"):
         return namespace
     impls = {"gemm_nt": (_op_gemm_nt, _fake_gemm_nt, (_backward_gemm_nt, _setup_gemm_nt)),
+             "softmax_rows": (_op_softmax_rows, _fake_softmax_rows, (_backward_softmax_rows, _setup_softmax_rows)),
              "bn_backward_train": (_op_bn_backward_train, _fake_bn_backward_train, None),
              "forward_train": (_op_forward_train, _fake_forward_train, None),
              "forward_train_saved": (_op_forward_train_saved, _fake_forward_train_saved,
@@ -3738,7 +3784,8 @@ def _fused_forward(x, gemm, scale, bn, training, softmax):
         if training:
             return _OPS.forward_train(*params, *buffers, momentum, eps, softmax)
         if grad:
-            return _eval_with_grad(_OPS.gemm_nt, softmax, *params, *buffers[:2], eps)
+            return _eval_with_grad(_OPS.gemm_nt, _OPS.softmax_rows if softmax else None, *params, *buffers[:2],
+                                   eps)
         return _OPS.forward_eval(*params, *buffers[:2], eps, softmax)
     if training and grad:
         return _TrainFn.apply(kernels, softmax, buffers, momentum, eps, *params)
@@ -3746,7 +3793,8 @@ def _fused_forward(x, gemm, scale, bn, training, softmax):
         run = kernels.forward_softmax_train if softmax else kernels.forward_train
         return run(*params, *buffers, momentum, eps)
     if grad:
-        return _eval_with_grad(functools.partial(_GemmNT.apply, kernels), softmax, *params, *buffers[:2], eps)
+        return _eval_with_grad(functools.partial(_GemmNT.apply, kernels), _SoftmaxRows.apply if softmax else None,
+                               *params, *buffers[:2], eps)
     run = kernels.forward_softmax_eval if softmax else kernels.forward_eval
     return run(*params, *buffers[:2], eps)
 

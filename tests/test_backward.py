@@ -6,7 +6,7 @@ Names: M = batch, K = in_features, N = out_features.
 Run: python -m pytest -q tests/test_backward.py -s      (-s shows the measured errors)
 
 Two code paths give the gradients, and the tests run both where they exist:
-  "function": the autograd.Functions (_TrainFn, _GemmNT, _SoftmaxRows) over the
+  "function": the autograd.Functions (_TrainFn, _GemmNT) over the
               extension on CUDA, over the _cpu_* functions (same names and
               arguments) on CPU; what eager calls take.
   "ops":      the fused_gemm_bn:: custom operators and their registered autograd
@@ -324,7 +324,8 @@ def op_cases(device, dtype=torch.float32):
     def buffers():
         return [t(n), t(n, positive=True), torch.tensor(3, device=device)]
 
-    cases = [("gemm_nt", ops.gemm_nt.default, (t(m, k, grad=True), t(k, n, grad=True).t()))]
+    cases = [("gemm_nt", ops.gemm_nt.default, (t(m, k, grad=True), t(k, n, grad=True).t())),
+             ("softmax_rows", ops.softmax_rows.default, (t(m, n, grad=True),))]
     for softmax in (False, True):
         tag = "84" if softmax else "33"
         cases += [
@@ -340,7 +341,7 @@ def op_cases(device, dtype=torch.float32):
     return cases
 
 
-OP_CASE_NAMES = ["gemm_nt"] + [f"{op}-{tag}" for tag in ("33", "84")
+OP_CASE_NAMES = ["gemm_nt", "softmax_rows"] + [f"{op}-{tag}" for tag in ("33", "84")
                                for op in ("forward_train_saved", "forward_train", "forward_eval", "bn_backward_train")]
 
 

@@ -886,7 +886,7 @@ def test_gpu_bad_inputs_raise_and_leave_buffers_unchanged():
         new(torch.rand(m, k, device="cuda"))  # non-trivial buffers
     bad_inputs = {
         "batch of 1": torch.rand(1, k, device="cuda"),
-        "float64": torch.rand(m, k, device="cuda", dtype=torch.float64),
+        "float64 input, float32 module": torch.rand(m, k, device="cuda", dtype=torch.float64),
         "cpu tensor": torch.rand(m, k),
         "features": torch.rand(m, k + 1, device="cuda"),
         "rank 3": torch.rand(2, m, k, device="cuda"),

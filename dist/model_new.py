@@ -75,11 +75,14 @@ $FUSED_GEMM_BN_KERNEL_DIR, else kernels/ next to this file, else ./kernels (this
 text executed without __file__); `python tools/bundle.py` writes
 dist/model_new.py, this file with the sources embedded, needing no repository.
 """
+import contextlib
 import functools
 import hashlib
 import math
 import os
+import socket
 import sys
+import time
 import types
 
 import torch
@@ -3181,6 +3184,83 @@ class _BuildFailure:
         ) from exc
 
 
+_LOCK_TIMEOUT_ENV = "FUSED_GEMM_BN_BUILD_LOCK_TIMEOUT"
+_LOCK_TIMEOUT_DEFAULT_S = 900.0  # a compile takes about a minute
+
+
+class _BuildLock:
+    """Context manager: an exclusive lock on `build_dir` across processes, taken
+    around load_inline, so that an interrupted compile never hangs later imports.
+
+    torch's own lock (<build_dir>/lock, a bare file) makes every other importer
+    wait with no limit, and a compile killed outright (SIGKILL, out of memory,
+    a lost node) leaves it behind: every later import then hangs.  This lock
+    (<build_dir>/model_new.lock) holds "<pid> <host>" of its owner.  Entering:
+      - create it exclusively; if it exists, its owner is on this host and no
+        longer running: remove it (a killed compile) and retry;
+      - otherwise wait, up to timeout_s (default $FUSED_GEMM_BN_BUILD_LOCK_TIMEOUT
+        or 900 s), for it to go; then RuntimeError naming the file to delete.
+    Once held, torch's lock can only be a killed compile's (every importer of
+    this module comes through here first): it is removed, and load_inline
+    rebuilds.  Exiting (also on an exception or Ctrl-C) removes the lock."""
+
+    def __init__(self, build_dir, timeout_s=None):
+        self.path = os.path.join(build_dir, "model_new.lock")
+        self.torch_lock = os.path.join(build_dir, "lock")
+        if timeout_s is None:
+            timeout_s = float(os.environ.get(_LOCK_TIMEOUT_ENV, _LOCK_TIMEOUT_DEFAULT_S))
+        self.timeout_s = timeout_s
+
+    def _owner(self):
+        """(pid, host) written in the lock file, or None if it is gone or unreadable."""
+        text = None
+        with contextlib.suppress(FileNotFoundError):
+            with open(self.path) as f:
+                text = f.read().split()
+        if not text or len(text) != 2 or not text[0].isdigit():
+            return None
+        return int(text[0]), text[1]
+
+    def _owner_is_dead(self):
+        owner = self._owner()
+        return (owner is not None and owner[1] == socket.gethostname() and os.path.isdir("/proc")
+                and not os.path.exists(f"/proc/{owner[0]}"))
+
+    def _try_create(self):
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
+            os.close(fd)
+            return True
+        return False
+
+    def __enter__(self):
+        deadline = time.monotonic() + self.timeout_s
+        while not self._try_create():
+            if self._owner_is_dead():
+                print(f"model_new: removing {self.path}, left by a compile that was killed", file=sys.stderr)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
+                continue
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"model_new: waited {self.timeout_s:.0f} s for the build lock {self.path} (owner: "
+                    f"{self._owner()}). If no process is compiling the kernels, delete that file and import "
+                    f"again; ${_LOCK_TIMEOUT_ENV} sets the wait in seconds"
+                )
+            time.sleep(0.2)
+        if os.path.exists(self.torch_lock):
+            print(f"model_new: removing {self.torch_lock}, left by a compile that was killed", file=sys.stderr)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.torch_lock)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+        return False
+
+
 def _load_extension(sources):
     from torch.utils.cpp_extension import CUDA_HOME, load_inline
 
@@ -3200,7 +3280,7 @@ def _load_extension(sources):
             )
         print(f"model_new: compiling the CUDA kernels into {build_dir} (first import only, about a minute)",
               file=sys.stderr)
-    with _BuildFailure(build_dir, nvcc):
+    with _BuildLock(build_dir), _BuildFailure(build_dir, nvcc):
         return load_inline(
             name=name,
             cpp_sources=[text for n, text in sorted(sources.items()) if n.endswith(".cpp")],
@@ -3415,8 +3495,9 @@ _CPU_KERNELS = types.SimpleNamespace(
 
 
 def _kernels_for(x):
-    """`_ext` for a CUDA tensor, `_CPU_KERNELS` otherwise."""
-    if not x.is_cuda:
+    """`_ext` for a float32 CUDA tensor (the fused kernels), `_CPU_KERNELS` (the
+    torch-op path, the same math in x's dtype) for a CPU tensor or a float64 CUDA one."""
+    if not x.is_cuda or x.dtype == torch.float64:
         return _CPU_KERNELS
     if _ext is None:
         raise RuntimeError("ModelNew: CUDA tensor given but the extension was not built (no GPU at import)")
@@ -3745,8 +3826,9 @@ def _check_input(x, weight, training):
         )
     if x.dtype != weight.dtype:
         raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
-    if x.is_cuda and x.dtype != torch.float32:
-        raise RuntimeError(f"ModelNew's CUDA path supports float32 only, got {x.dtype}")
+    if x.is_cuda and x.dtype not in (torch.float32, torch.float64):
+        raise RuntimeError(f"ModelNew on CUDA supports float32 (the fused kernels) and float64 (plain torch ops), "
+                           f"got {x.dtype}")
     if training and x.shape[0] == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {torch.Size([x.shape[0], n])}"

@@ -909,8 +909,8 @@ class ModelNew(nn.Module):
 
     Same constructor, parameter/buffer names, random draws and train/eval
     behaviour as `reference.Model`.  forward(x): x (M, in_features), float32 on
-    CUDA (compute capability >= 8.0) or any float dtype on CPU, matching the
-    parameters' dtype; returns (M, out_features).  Training mode updates
+    CUDA (compute capability >= 8.0: the fused kernels), float64 on CUDA (plain
+    torch ops) or any float dtype on CPU, matching the parameters' dtype; returns (M, out_features).  Training mode updates
     bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
     Differentiable with respect to x and every parameter, in both modes
     (_TrainFn, _eval_with_grad); gemm.bias gets an exact zero gradient in training.

@@ -178,11 +178,21 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
   constexpr int kCols = kVec4 ? 4 : 1;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
   if (col >= p.N) return;
+  const bool update_running = blockIdx.y == 0;
+  float mu[kCols], a[kCols], b[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    feature_coefficients(p, col + c, update_running, mu[c], a[c]);
+    b[c] = p.bn_bias[col + c];
+  }
   const int row0 = blockIdx.y * p.rows_per_block;
   const int row_end = min(p.M, row0 + p.rows_per_block);
-  using Batch = float[kRowBatch][kCols];
-  // Rows [row, row + kRowBatch) of this thread's columns (those below row_end).
-  auto load_batch = [&](Batch& v, int row) {
+  // kRowBatch rows are loaded before any is stored: the compiler may not move
+  // a load above the previous row's store (z is read and written in place), so
+  // a row-at-a-time loop keeps one load in flight per thread and runs at
+  // memory latency, not bandwidth (docs/perf.md, v14).
+  for (int row = row0; row < row_end; row += kRowBatch) {
+    float v[kRowBatch][kCols];
 #pragma unroll
     for (int r = 0; r < kRowBatch; ++r) {
       if (row + r >= row_end) break;
@@ -194,18 +204,6 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
         v[r][0] = *q;
       }
     }
-  };
-  // The first batch is requested before the statistics merge, which does not depend on it.
-  Batch v0, v1;
-  load_batch(v0, row0);
-  const bool update_running = blockIdx.y == 0;
-  float mu[kCols], a[kCols], b[kCols];
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) {
-    feature_coefficients(p, col + c, update_running, mu[c], a[c]);
-    b[c] = p.bn_bias[col + c];
-  }
-  auto store_batch = [&](Batch& v, int row) {
 #pragma unroll
     for (int r = 0; r < kRowBatch; ++r) {
       if (row + r >= row_end) break;
@@ -218,16 +216,6 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
         *q = v[r][0];
       }
     }
-  };
-  // Two register batches: the next batch's loads are issued before this one's
-  // stores.  The compiler may not move a load above a store here (z and out
-  // may be one tensor), so the order is written out: with a row at a time the
-  // kernel ran at memory latency, not bandwidth (docs/perf.md, v14-v15).
-  for (int row = row0; row < row_end; row += 2 * kRowBatch) {
-    load_batch(v1, row + kRowBatch);
-    store_batch(v0, row);
-    load_batch(v0, row + 2 * kRowBatch);
-    store_batch(v1, row + kRowBatch);
   }
 }
 
@@ -2476,11 +2464,8 @@ __device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
                      remainder_rna_tf32(v.w));
 }
 
-// kRemainderBatch float4 per thread and iteration, all loads issued first:
-// that many times the bytes in flight of one (the kernel is bound by HBM
-// bandwidth).
-constexpr int kRemainderBatch = 4;
-
+// Two float4 per thread and iteration, both loads issued first: twice the
+// bytes in flight of one (the kernel is bound by HBM bandwidth).
 __global__ void __launch_bounds__(kSplitThreads)
     split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
                                 int64_t* counter, int* zero_ints, int num_zero_ints) {
@@ -2489,14 +2474,13 @@ __global__ void __launch_bounds__(kSplitThreads)
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + (kRemainderBatch - 1) * stride < n4; i += kRemainderBatch * stride) {
-    float4 v[kRemainderBatch];
-#pragma unroll
-    for (int j = 0; j < kRemainderBatch; ++j) v[j] = x[i + j * stride];
-#pragma unroll
-    for (int j = 0; j < kRemainderBatch; ++j) x_small[i + j * stride] = remainder_rna_tf32(v[j]);
+  for (; i + stride < n4; i += 2 * stride) {
+    const float4 v0 = x[i];
+    const float4 v1 = x[i + stride];
+    x_small[i] = remainder_rna_tf32(v0);
+    x_small[i + stride] = remainder_rna_tf32(v1);
   }
-  for (; i < n4; i += stride) x_small[i] = remainder_rna_tf32(x[i]);
+  if (i < n4) x_small[i] = remainder_rna_tf32(x[i]);
 }
 
 }  // namespace fused_gemm_bn
@@ -3886,8 +3870,8 @@ class ModelNew(nn.Module):
 
     Same constructor, parameter/buffer names, random draws and train/eval
     behaviour as `reference.Model`.  forward(x): x (M, in_features), float32 on
-    CUDA (compute capability >= 8.0) or any float dtype on CPU, matching the
-    parameters' dtype; returns (M, out_features).  Training mode updates
+    CUDA (compute capability >= 8.0: the fused kernels), float64 on CUDA (plain
+    torch ops) or any float dtype on CPU, matching the parameters' dtype; returns (M, out_features).  Training mode updates
     bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
     Differentiable with respect to x and every parameter, in both modes
     (_TrainFn, _eval_with_grad); gemm.bias gets an exact zero gradient in training.

@@ -76,11 +76,21 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
   constexpr int kCols = kVec4 ? 4 : 1;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
   if (col >= p.N) return;
+  const bool update_running = blockIdx.y == 0;
+  float mu[kCols], a[kCols], b[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    feature_coefficients(p, col + c, update_running, mu[c], a[c]);
+    b[c] = p.bn_bias[col + c];
+  }
   const int row0 = blockIdx.y * p.rows_per_block;
   const int row_end = min(p.M, row0 + p.rows_per_block);
-  using Batch = float[kRowBatch][kCols];
-  // Rows [row, row + kRowBatch) of this thread's columns (those below row_end).
-  auto load_batch = [&](Batch& v, int row) {
+  // kRowBatch rows are loaded before any is stored: the compiler may not move
+  // a load above the previous row's store (z is read and written in place), so
+  // a row-at-a-time loop keeps one load in flight per thread and runs at
+  // memory latency, not bandwidth (docs/perf.md, v14).
+  for (int row = row0; row < row_end; row += kRowBatch) {
+    float v[kRowBatch][kCols];
 #pragma unroll
     for (int r = 0; r < kRowBatch; ++r) {
       if (row + r >= row_end) break;
@@ -92,18 +102,6 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
         v[r][0] = *q;
       }
     }
-  };
-  // The first batch is requested before the statistics merge, which does not depend on it.
-  Batch v0, v1;
-  load_batch(v0, row0);
-  const bool update_running = blockIdx.y == 0;
-  float mu[kCols], a[kCols], b[kCols];
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) {
-    feature_coefficients(p, col + c, update_running, mu[c], a[c]);
-    b[c] = p.bn_bias[col + c];
-  }
-  auto store_batch = [&](Batch& v, int row) {
 #pragma unroll
     for (int r = 0; r < kRowBatch; ++r) {
       if (row + r >= row_end) break;
@@ -116,16 +114,6 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
         *q = v[r][0];
       }
     }
-  };
-  // Two register batches: the next batch's loads are issued before this one's
-  // stores.  The compiler may not move a load above a store here (z and out
-  // may be one tensor), so the order is written out: with a row at a time the
-  // kernel ran at memory latency, not bandwidth (docs/perf.md, v14-v15).
-  for (int row = row0; row < row_end; row += 2 * kRowBatch) {
-    load_batch(v1, row + kRowBatch);
-    store_batch(v0, row);
-    load_batch(v0, row + 2 * kRowBatch);
-    store_batch(v1, row + kRowBatch);
   }
 }
 

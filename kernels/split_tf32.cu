@@ -95,11 +95,8 @@ __device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
                      remainder_rna_tf32(v.w));
 }
 
-// kRemainderBatch float4 per thread and iteration, all loads issued first:
-// that many times the bytes in flight of one (the kernel is bound by HBM
-// bandwidth).
-constexpr int kRemainderBatch = 4;
-
+// Two float4 per thread and iteration, both loads issued first: twice the
+// bytes in flight of one (the kernel is bound by HBM bandwidth).
 __global__ void __launch_bounds__(kSplitThreads)
     split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
                                 int64_t* counter, int* zero_ints, int num_zero_ints) {
@@ -108,14 +105,13 @@ __global__ void __launch_bounds__(kSplitThreads)
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + (kRemainderBatch - 1) * stride < n4; i += kRemainderBatch * stride) {
-    float4 v[kRemainderBatch];
-#pragma unroll
-    for (int j = 0; j < kRemainderBatch; ++j) v[j] = x[i + j * stride];
-#pragma unroll
-    for (int j = 0; j < kRemainderBatch; ++j) x_small[i + j * stride] = remainder_rna_tf32(v[j]);
+  for (; i + stride < n4; i += 2 * stride) {
+    const float4 v0 = x[i];
+    const float4 v1 = x[i + stride];
+    x_small[i] = remainder_rna_tf32(v0);
+    x_small[i + stride] = remainder_rna_tf32(v1);
   }
-  for (; i < n4; i += stride) x_small[i] = remainder_rna_tf32(x[i]);
+  if (i < n4) x_small[i] = remainder_rna_tf32(x[i]);
 }
 
 }  // namespace fused_gemm_bn

@@ -102,8 +102,8 @@ class ModelNew(nn.Module):
     Same constructor, parameter/buffer names and order, random draws and
     train/eval behaviour as this folder's `reference.Model` (which also holds an
     nn.Softmax module; it has no state).  forward(x): x (M, in_features),
-    float32 on CUDA (compute capability >= 8.0) or any float dtype on CPU,
-    matching the parameters' dtype; returns (M, out_features).  Training mode
+    float32 on CUDA (compute capability >= 8.0: the fused kernels), float64 on
+    CUDA (plain torch ops) or any float dtype on CPU, matching the parameters' dtype; returns (M, out_features).  Training mode
     updates bn.running_mean, bn.running_var (unbiased) and
     bn.num_batches_tracked.  Differentiable with respect to x and every
     parameter in both modes; gemm.bias gets an exact zero gradient in training.

@@ -576,18 +576,6 @@ ACCURACY_SHAPES = [(257, 4100, 130), (1000, 1000, 1000), KERNELBENCH_SHAPE]
 INPUT_KINDS = ["uniform", "normal", "offset100", "column_scales"]
 
 
-@pytest.fixture
-def fp32_matmul():
-    """Eager float32 references use true float32 GEMMs (no TF32); restored after."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 _GPU_BASE = {}
 
 

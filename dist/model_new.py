@@ -69,8 +69,8 @@ Build: at import, the sources (kernels/*.cu, *.cuh, *.cpp) are located and, when
 a GPU is visible, compiled once by torch.utils.cpp_extension.load_inline with
 -gencode flags for the GPUs present (TORCH_CUDA_ARCH_LIST is ignored) into
 $TORCH_EXTENSIONS_DIR (or torch's default extension root)/fused_gemm_bn_<hash>,
-the hash covering sources, flags and versions; torch's file lock there makes
-concurrent imports build once.  The sources are found at
+the hash covering sources, flags and versions; a lock there (_BuildLock) makes
+concurrent imports build once, and a compile that was killed never hangs the next.  The sources are found at
 $FUSED_GEMM_BN_KERNEL_DIR, else kernels/ next to this file, else ./kernels (this
 text executed without __file__); `python tools/bundle.py` writes
 dist/model_new.py, this file with the sources embedded, needing no repository.

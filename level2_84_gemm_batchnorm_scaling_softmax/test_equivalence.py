@@ -561,18 +561,6 @@ GPU_BUF_TOL = dict(rtol=1e-4, atol=1e-4)
 FROBENIUS_FLOOR = 1e-7
 
 
-@pytest.fixture
-def fp32_matmul():
-    """Eager float32 references use true float32 GEMMs (no TF32); restored after."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 _GPU_BASE = {}
 
 

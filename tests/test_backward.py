@@ -611,16 +611,6 @@ def test_cpu_double_backward_raises(training):
 GPU_SHAPES = [(64, 96, 80), (300, 1000, 520), (257, 1028, 130), (1024, 8192, 8192)]
 
 
-@pytest.fixture
-def fp32_matmul():
-    """Eager float32 references use true float32 GEMMs (no TF32); restored after."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 @pytest.fixture(params=["default", "portable"])
 def gemm_path(request, monkeypatch):
     """The kernel the device dispatches to, and FUSED_GEMM_BN_PORTABLE=1."""

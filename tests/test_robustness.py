@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import model_new
-from tests.test_backward import PROBLEMS, make_pair, rel_err, requires_cuda
+from tests.test_backward import make_pair, rel_err, requires_cuda
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HALF_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -280,11 +280,3 @@ def test_gpu_soak_2000_training_calls(problem, fp32_matmul):
     for name in ("running_mean", "running_var"):
         a, b = getattr(new.bn, name), getattr(ref.bn, name)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
-
-
-@pytest.fixture
-def fp32_matmul():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved

@@ -1,10 +1,14 @@
 """Forward-pass benchmark: ModelNew against its reference Model in eager mode
-and under torch.compile, all float32 on one CUDA GPU, in one process, for
+and under torch.compile, all in one dtype (--dtype, default float32) on one CUDA
+GPU, in one process, for
   --model 33: Linear -> scale -> BatchNorm1d          (reference.py, model_new.py)
   --model 84: Linear -> BatchNorm1d -> scale -> Softmax
               (level2_84_gemm_batchnorm_scaling_softmax/)
   --model both (default): 33, then 84.
-Both ModelNews run the 3xTF32 tensor-core GEMM of kernels/.
+float32: both ModelNews run the 3xTF32 tensor-core GEMM of kernels/.
+float16 / bfloat16: both models are built in float32 from one seed and moved
+with .to(dtype), as harnesses do; ModelNew runs the 16-bit kernels of
+kernels/lowp/ (compiled on its first 16-bit call, before timing).
 
 How it measures: each side's forward call is bracketed by a pair of CUDA events.
 Before every call, outside the events, a 256 MB buffer is zeroed to flush L2,
@@ -32,9 +36,20 @@ noise around its exact value 0, so its max |grad| is reported instead.
 ModelNew counts as close when every gradient error is at most 2x eager's +
 GRAD_FLOOR and its gemm.bias gradient in training is exactly zero.
 
-Exit status: 0 ok; 1 ModelNew not close to the eager Model (33: allclose with
-atol=rtol=1e-4; 84, whose outputs are about 1/N: |ours - eager| <= 1e-4 |eager|
-+ 1e-7 elementwise; --backward: the gradient criterion above); 2 no CUDA GPU.
+16-bit dtypes: the error columns compare with the same float64 Model (holding
+the 16-bit parameters and input); cuBLAS's reduced-precision split-K reductions
+are switched off for the eager sides (torch.backends.cuda.matmul
+.allow_{fp16,bf16}_reduced_precision_reduction = False), so eager rounds
+exactly where Model's ops say; the --backward floor is 8 units of roundoff of
+the dtype instead of GRAD_FLOOR, and gemm.bias's training gradient is rounding
+noise (not required to be 0).
+
+Exit status: 0 ok; 1 ModelNew not close to the eager Model (float32: 33:
+allclose with atol=rtol=1e-4; 84, whose outputs are about 1/N: |ours - eager|
+<= 1e-4 |eager| + 1e-7 elementwise; 16-bit: at most 0.1% (float16) / 1%
+(bfloat16) of the elements outside |ours - eager| <= 1e-2 + 1e-2 |eager|
+(tests/test_lowp.py says why not all); --backward: the gradient criterion
+above); 2 no CUDA GPU.
 M = batch, K = in_features, N = out_features.
 """
 import argparse
@@ -58,6 +73,12 @@ ATOL = RTOL = 1e-4
 SOFTMAX_RTOL, SOFTMAX_ATOL = 1e-4, 1e-7
 GRAD_FLOOR = 1e-6  # --backward closeness floor, relative Frobenius, as in tests/test_backward.py
 GRAD_NAMES = ["x", "gemm.weight", "gemm.bias", "scale", "bn.weight", "bn.bias"]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# 16-bit closeness (tests/test_lowp.py): the fraction of elements allowed outside 1e-2 + 1e-2 |eager|.
+LOWP_TOL = 1e-2
+LOWP_MAX_OUTSIDE = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
+# --backward floor per dtype: float32 GRAD_FLOOR; 16-bit 8 units of roundoff (tests/test_lowp.py).
+GRAD_FLOORS = {torch.float32: GRAD_FLOOR, torch.float16: 8 * 2.0 ** -11, torch.bfloat16: 8 * 2.0 ** -8}
 
 
 def _allclose(y_new, y_ref):
@@ -66,6 +87,20 @@ def _allclose(y_new, y_ref):
 
 def _softmax_close(y_new, y_ref):
     return bool(((y_new - y_ref).abs() <= SOFTMAX_RTOL * y_ref.abs() + SOFTMAX_ATOL).all())
+
+
+def _lowp_close(y_new, y_ref):
+    a, b = y_new.double(), y_ref.double()
+    outside = int(((a - b).abs() > LOWP_TOL + LOWP_TOL * b.abs()).sum())
+    return outside <= LOWP_MAX_OUTSIDE[y_ref.dtype] * b.numel()
+
+
+def close_check(problem, dtype):
+    """(closeness function, its description) for ModelNew vs eager in dtype."""
+    if dtype == torch.float32:
+        return problem["close"], problem["close_text"]
+    return _lowp_close, (f"at most {LOWP_MAX_OUTSIDE[dtype]:.1%} of elements outside |diff| <= {LOWP_TOL:g} + "
+                         f"{LOWP_TOL:g} |eager|")
 
 
 # Each problem: modules (imported when benched; importing a model_new builds the
@@ -106,6 +141,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=50, help="timed repetitions per side (default: 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed repetitions per side first (default: 10)")
     p.add_argument("--seed", type=int, default=0, help="seed for parameters and inputs (default: 0)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="dtype of both models and the inputs (default: float32; float16 / bfloat16 run ModelNew's "
+                        "16-bit kernels from kernels/lowp/)")
     p.add_argument("--json", default=os.path.join("results", "bench.json"), metavar="PATH",
                    help="where to write the results (default: results/bench.json)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile(Model) side")
@@ -126,15 +164,16 @@ def parse_args(argv=None):
     return args
 
 
-def build_models(problem, shape, mode, seed):
-    """(Model, ModelNew) on DEVICE with bit-identical parameters (the same seed
-    before each constructor).  For mode "eval", both first take EVAL_TRAIN_STEPS
-    training steps on the same inputs, then switch to eval."""
+def build_models(problem, shape, mode, seed, dtype=torch.float32):
+    """(Model, ModelNew) on DEVICE in dtype with bit-identical parameters (the same
+    seed before each constructor, then .to(DEVICE, dtype)).  For mode "eval",
+    both first take EVAL_TRAIN_STEPS training steps on the same inputs, then
+    switch to eval."""
     m, k, n = shape
     models = []
     for cls in (problem["Model"], problem["ModelNew"]):
         torch.manual_seed(seed)
-        models.append(cls(*problem["init"](k, n)).to(DEVICE).train())
+        models.append(cls(*problem["init"](k, n)).to(DEVICE, dtype).train())
     ref, new = models
     ref_state, new_state = ref.state_dict(), new.state_dict()
     if ref_state.keys() != new_state.keys() or not all(torch.equal(v, new_state[key]) for key, v in ref_state.items()):
@@ -142,7 +181,7 @@ def build_models(problem, shape, mode, seed):
     if mode == "eval":
         with torch.no_grad():
             for _ in range(EVAL_TRAIN_STEPS):
-                x = torch.rand(m, k, device=DEVICE)
+                x = torch.rand(m, k, device=DEVICE).to(dtype)
                 ref(x)
                 new(x)
         ref.eval()
@@ -181,7 +220,7 @@ def try_compile(model, x):
 def check_accuracy(problem, sides, ref, x):
     """Relative Frobenius error of each side against `ref` copied to float64
     (same parameters and state) on x, plus ModelNew vs eager max |diff| and the
-    problem's closeness test.
+    closeness test of the problem and x's dtype (close_check).
     Calls the timed models themselves: in train mode that advances their running
     statistics by one step, which the train-mode output and the timings do not depend on."""
     ref64 = copy.deepcopy(ref).double()
@@ -191,8 +230,8 @@ def check_accuracy(problem, sides, ref, x):
     with torch.no_grad():
         errors = {name: ((y.double() - y64).norm() / y64.norm()).item() for name, y in outs.items()}
         y_ref, y_new = outs["eager"], outs["ModelNew"]
-        check = {"max_abs_diff_vs_eager": (y_new - y_ref).abs().max().item(),
-                 "close_vs_eager": problem["close"](y_new, y_ref)}
+        check = {"max_abs_diff_vs_eager": (y_new.double() - y_ref.double()).abs().max().item(),
+                 "close_vs_eager": close_check(problem, x.dtype)[0](y_new, y_ref)}
     return errors, check
 
 
@@ -226,9 +265,10 @@ def time_fn(fns, inputs, iters, warmup, prepare=None):
 def bench_mode(problem, args, mode):
     """Builds, checks and times every side in one BatchNorm mode; returns (rows, check)."""
     m, k, n = args.shape
-    ref, new = build_models(problem, args.shape, mode, args.seed)
-    inputs = [torch.rand(m, k, device=DEVICE) for _ in range(NUM_INPUTS)]
-    x_check = torch.rand(m, k, device=DEVICE)
+    dtype = DTYPES[args.dtype]
+    ref, new = build_models(problem, args.shape, mode, args.seed, dtype)
+    inputs = [torch.rand(m, k, device=DEVICE).to(dtype) for _ in range(NUM_INPUTS)]
+    x_check = torch.rand(m, k, device=DEVICE).to(dtype)
     with torch.set_grad_enabled(args.grad):
         sides = {"eager": ref}
         compiled = None if args.no_compile else try_compile(ref, inputs[0])
@@ -275,9 +315,12 @@ def check_grad_accuracy(sides, ref, x, g, training):
                 continue
             errors[name][key] = ((got.double() - want).norm() / want.norm()).item()
     bias_max["float64"] = grads64["gemm.bias"].abs().max().item() if training else None
-    close = all(errors["ModelNew"][k] <= 2 * errors["eager"][k] + GRAD_FLOOR for k in errors["eager"])
-    if training:
+    floor = GRAD_FLOORS[x.dtype]
+    close = all(errors["ModelNew"][k] <= 2 * errors["eager"][k] + floor for k in errors["eager"])
+    if training and x.dtype == torch.float32:
         close = close and bias_max["ModelNew"] == 0.0
+    elif training:  # 16-bit: rounding noise around 0, as eager's (tests/test_lowp.py)
+        close = close and bias_max["ModelNew"] <= 2 * bias_max["eager"] + 1e-3
     return errors, bias_max, close
 
 
@@ -285,11 +328,12 @@ def bench_backward_mode(problem, args, mode):
     """Forward + backward of eager Model and ModelNew in one BatchNorm mode;
     returns (rows, check)."""
     m, k, n = args.shape
-    ref, new = build_models(problem, args.shape, mode, args.seed)
-    inputs = [torch.rand(m, k, device=DEVICE).requires_grad_(True) for _ in range(NUM_INPUTS)]
+    dtype = DTYPES[args.dtype]
+    ref, new = build_models(problem, args.shape, mode, args.seed, dtype)
+    inputs = [torch.rand(m, k, device=DEVICE).to(dtype).requires_grad_(True) for _ in range(NUM_INPUTS)]
     gen = torch.Generator(device=DEVICE).manual_seed(args.seed + 1)
-    g = torch.randn(m, n, device=DEVICE, generator=gen)
-    x_check = torch.rand(m, k, device=DEVICE)
+    g = torch.randn(m, n, device=DEVICE, generator=gen).to(dtype)
+    x_check = torch.rand(m, k, device=DEVICE).to(dtype)
     sides = {"eager": ref, "ModelNew": new}
     errors, bias_max, close = check_grad_accuracy(sides, ref, x_check, g, mode == "train")
 
@@ -313,7 +357,8 @@ def bench_backward_mode(problem, args, mode):
                      "time_ratio_vs_eager": ms / eager_ms, "grad_rel_err_vs_fp64": errors[name],
                      "gemm_bias_grad_max_abs": bias_max.get(name)})
     check = {"mode": mode, "model": problem["name"], "kind": "forward+backward", "close_vs_eager": close,
-             "gemm_bias_grad_max_abs_fp64": bias_max["float64"]}
+             "gemm_bias_grad_max_abs_fp64": bias_max["float64"], "dtype": args.dtype,
+             "grad_floor": GRAD_FLOORS[dtype]}
     return rows, check
 
 
@@ -335,8 +380,9 @@ def print_backward_table(problem, rows, check):
             print(f"  {key:<13}max |grad| (exact value 0): eager {by_side['eager']['gemm_bias_grad_max_abs']:.1e}, "
                   f"ModelNew {by_side['ModelNew']['gemm_bias_grad_max_abs']:.1e}, "
                   f"float64 {check['gemm_bias_grad_max_abs_fp64']:.1e}")
-    print(f"ModelNew's gradients within 2x eager's error + {GRAD_FLOOR:g}"
-          f"{' and gemm.bias exactly 0' if check['mode'] == 'train' else ''}: "
+    exact_bias = check["mode"] == "train" and check["dtype"] == "float32"
+    print(f"ModelNew's gradients within 2x eager's error + {check['grad_floor']:g}"
+          f"{' and gemm.bias exactly 0' if exact_bias else ''}: "
           f"{'yes' if check['close_vs_eager'] else 'NO'}")
 
 
@@ -349,16 +395,16 @@ def _git_revision():
         return None
 
 
-def print_table(problem, rows, check, grad):
+def print_table(problem, rows, check, grad, dtype=torch.float32):
     print(f"\nproblem {problem['name']} ({problem['title']}), mode={check['mode']}, "
-          f"grad={'enabled' if grad else 'disabled (torch.no_grad)'}")
+          f"grad={'enabled' if grad else 'disabled (torch.no_grad)'}, {str(dtype).replace('torch.', '')}")
     print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}"
           f"{'time/eager':>12}{'rel err vs fp64':>17}")
     for r in rows:
         print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
               f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}{r['rel_err_vs_fp64']:>17.2e}")
     print(f"ModelNew vs eager: max |diff| {check['max_abs_diff_vs_eager']:.2e}, "
-          f"{problem['close_text']}: {'yes' if check['close_vs_eager'] else 'NO'}")
+          f"{close_check(problem, dtype)[1]}: {'yes' if check['close_vs_eager'] else 'NO'}")
 
 
 def run_sweep(problem, args, modes):
@@ -370,11 +416,12 @@ def run_sweep(problem, args, modes):
     for mode in modes:
         for shape in SWEEP_SHAPES:
             m, k, n = shape
-            ref, new = build_models(problem, shape, mode, args.seed)
-            inputs = [torch.rand(m, k, device=DEVICE) for _ in range(NUM_INPUTS)]
+            dtype = DTYPES[args.dtype]
+            ref, new = build_models(problem, shape, mode, args.seed, dtype)
+            inputs = [torch.rand(m, k, device=DEVICE).to(dtype) for _ in range(NUM_INPUTS)]
             with torch.no_grad():
                 sides = {"eager": ref, "ModelNew": new}
-                errors, check = check_accuracy(problem, sides, ref, torch.rand(m, k, device=DEVICE))
+                errors, check = check_accuracy(problem, sides, ref, torch.rand(m, k, device=DEVICE).to(dtype))
                 times = time_fn(sides, inputs, args.iters, args.warmup)
             eager_ms, new_ms = statistics.median(times["eager"]), statistics.median(times["ModelNew"])
             row = {"mode": mode, "M": m, "K": k, "N": n, "eager_ms": eager_ms, "modelnew_ms": new_ms,
@@ -412,7 +459,7 @@ def plot_sweep(rows, path, env):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch M")
     ax.set_ylabel("speedup over eager Model (x)")
-    ax.set_title(f"problem {env['model']}: ModelNew vs eager, float32, {env['device']}, torch {env['torch']}")
+    ax.set_title(f"problem {env['model']}: ModelNew vs eager, {env['dtype']}, {env['device']}, torch {env['torch']}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -451,6 +498,9 @@ def main(argv=None):
               file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 GEMMs in eager and compiled sides (the default)
+    # 16-bit eager GEMMs with float32 split-K reductions: eager rounds only where its ops say.
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     t0 = time.perf_counter()
     problems = [load_problem(name) for name in (("33", "84") if args.model == "both" else (args.model,))]
     build_s = time.perf_counter() - t0
@@ -458,11 +508,11 @@ def main(argv=None):
     m, k, n = args.shape
     env = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-           "git": _git_revision(), "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+           "git": _git_revision(), "allow_tf32": torch.backends.cuda.matmul.allow_tf32, "dtype": args.dtype,
            "extension_import_s": build_s, "l2_flush_bytes": L2_FLUSH_BYTES, "num_inputs": NUM_INPUTS}
     print(f"device {env['device']} (capability {env['capability'][0]}.{env['capability'][1]}), "
           f"torch {env['torch']}, CUDA {env['cuda']}, python {env['python']}, git {env['git']}")
-    print(f"shape M={m} (batch), K={k} (in_features), N={n} (out_features), float32; mode {args.mode}; "
+    print(f"shape M={m} (batch), K={k} (in_features), N={n} (out_features), {args.dtype}; mode {args.mode}; "
           f"seed {args.seed}; {args.warmup} warm-up + {args.iters} timed repetitions; "
           f"extension import {build_s:.1f} s (excluded)")
 
@@ -478,7 +528,7 @@ def main(argv=None):
                 print_backward_table(problem, mode_rows, check)
             else:
                 mode_rows, check = bench_mode(problem, args, mode)
-                print_table(problem, mode_rows, check, args.grad)
+                print_table(problem, mode_rows, check, args.grad, DTYPES[args.dtype])
             rows += [dict(r, model=problem["name"]) for r in mode_rows]
             checks.append(check)
             _reset_dynamo()

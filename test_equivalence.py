@@ -18,8 +18,8 @@ CPU tests (always run, also in CI with a CPU-only torch; ModelNew takes the `_cp
     arithmetic; the small part rounded with cvt.rna as for x, or truncated by the
     MMA as for w): split accuracy, 3-term product accuracy vs float64, the bound
     on the dropped small*small term; negative control: 1xTF32 fails the check
-  - ptxas: every kernels/*.cu compiles for sm_90a and sm_80 with no spills and no
-    stack frame (skipped only when nvcc is not on PATH)
+  - ptxas: every kernels/*.cu and kernels/lowp/*.cu compiles for sm_90a and sm_80
+    with no spills and no stack frame (skipped only when nvcc is not on PATH)
 
 GPU tests (skipped without CUDA)
   - equivalence with float32 Model, train (5 steps) and eval, KernelBench shape
@@ -539,15 +539,17 @@ def test_dropped_small_times_small_term_is_bounded(small_rounding):
 # ptxas resource check (no GPU needed)
 # ---------------------------------------------------------------------------
 
-CU_FILES = sorted(glob.glob(os.path.join(KERNEL_DIR, "*.cu")))
+# kernels/*.cu and the 16-bit kernels in kernels/lowp/ (which include kernels/bn_stats.cuh).
+CU_FILES = (sorted(glob.glob(os.path.join(KERNEL_DIR, "*.cu"))) +
+            sorted(glob.glob(os.path.join(KERNEL_DIR, "lowp", "*.cu"))))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("cu_file", CU_FILES, ids=[os.path.basename(f) for f in CU_FILES])
+@pytest.mark.parametrize("cu_file", CU_FILES, ids=[os.path.relpath(f, KERNEL_DIR) for f in CU_FILES])
 def test_ptxas_no_spills_no_stack(cu_file, tmp_path):
     cmd = [shutil.which("nvcc"), "-c", "-std=c++17", "-O3", "-Xptxas", "-v",
            "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_80,code=sm_80",
-           "-I", os.path.dirname(cu_file), "-o", str(tmp_path / "kernel.o"), cu_file]
+           "-I", KERNEL_DIR, "-I", os.path.dirname(cu_file), "-o", str(tmp_path / "kernel.o"), cu_file]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
     log = proc.stdout
     assert proc.returncode == 0, f"nvcc failed:\n{log}"

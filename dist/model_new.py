@@ -29,6 +29,24 @@ Data path of `ModelNew.forward` on a CUDA tensor (float32):
   input checks, device guard,   kernels/torch_binding.cpp        forward_train / forward_eval
   current stream, dispatch
 
+Data path on a 16-bit CUDA tensor (the two 16-bit float dtypes; a second
+extension from kernels/lowp/, compiled on the first 16-bit call; rnd = rounding
+to the 16-bit type, at the points where Model's eager ops round):
+
+  Model.forward step            kernel file                      launcher / binding
+  ----------------------------  -------------------------------  -----------------------------------
+  gemm(x) = rnd(x W^T + b)      kernels/lowp/gemm_bn_16bit.cu    lowp_gemm_bn: mma.sync m16n8k16,
+                                                                 float32 accumulation, cp.async ring
+  * scale (training)            its epilogue: u = rnd(z scale), u and per-tile mean / M2 of u
+  bn (training): statistics,    kernels/lowp/bn_16bit.cu         lowp_bn_fold_train
+    running statistics
+  bn (training): normalise      kernels/lowp/bn_16bit.cu         lowp_bn_apply (in place)
+  * scale, bn (eval)            the GEMM epilogue, whole chain   lowp_gemm_bn (eval)
+  problem 84: bn, * scale,      kernels/lowp/bn_16bit.cu         lowp_softmax_rows (one CTA per row)
+    softmax
+  checks, guard, stream         kernels/lowp/binding_16bit.cpp   forward_train / forward_eval / ...
+  with gradients                _LowpFn: that forward; backward through torch ops (_lowp_recompute)
+
 Backward (autograd; tests/test_backward.py):
 
   step                          binding (kernels/torch_binding.cpp)     Python
@@ -59,11 +77,12 @@ then grad_x = grad_z W and grad_W = grad_z^T x (_cpu_bn_backward_train states
 both problems' formulas).  Eval differentiates the fold a z + c.
 
 The GEMM is float32-accurate 3xTF32 on tensor cores (header of the .cu file:
-split, rounding, expected error).  CPU tensors take the `_cpu_*` functions
+split, rounding, expected error); the 16-bit kernels' headers list their
+rounding points and the PyTorch code they follow.  CPU tensors take the `_cpu_*` functions
 (`_CPU_KERNELS`, same names and arguments as the extension's), the same
 decomposed math in plain PyTorch (per-tile partial statistics merged with
 Chan's formula), in the module's dtype, through the same autograd code as the
-CUDA path.  Tests: test_equivalence.py, tests/test_backward.py.
+CUDA path.  Tests: test_equivalence.py, tests/test_backward.py, tests/test_lowp.py (16-bit).
 
 Build: at import, the sources (kernels/*.cu, *.cuh, *.cpp) are located and, when
 a GPU is visible, compiled once by torch.utils.cpp_extension.load_inline with
@@ -74,6 +93,13 @@ concurrent imports build once, and a compile that was killed never hangs the nex
 $FUSED_GEMM_BN_KERNEL_DIR, else kernels/ next to this file, else ./kernels (this
 text executed without __file__); `python tools/bundle.py` writes
 dist/model_new.py, this file with the sources embedded, needing no repository.
+The 16-bit sources (kernels/lowp/, with the kernels/ headers they include) are
+found next to those (_LOWP_DIR) and compiled on the first 16-bit CUDA call into
+fused_gemm_bn_lowp_<hash> by the same helpers (_load_extension, _BuildLock); the
+bundle has no 16-bit kernels (the harness rules forbid naming the 16-bit types in
+its text) and says so on 16-bit CUDA input (_cuda_dtype_problem).  16-bit tensors
+never take the custom operators: under torch.compile their extension call is a
+graph break.
 """
 import contextlib
 import functools
@@ -94,8 +120,14 @@ from torch import nn
 
 _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
+_EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_softmax_train", "forward_softmax_eval",
                         "forward_train_saved", "forward_softmax_train_saved", "gemm_nt", "bn_backward_train"]
+# The 16-bit extension: kernels/lowp/ (plus the .cuh headers of kernels/), its own module.
+_LOWP_SUBDIR = "lowp"
+_LOWP_BINDING = "binding_16bit.cpp"
+_LOWP_PREFIX = "fused_gemm_bn_lowp_"
+_LOWP_FUNCTIONS = ["forward_train", "forward_eval", "forward_softmax_train", "forward_softmax_eval"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
@@ -3081,18 +3113,34 @@ def _kernel_dir():
     )
 
 
-def _kernel_sources():
-    """{file name: text} of every kernels/*.cu, *.cuh and *.cpp, read as bytes
-    and decoded as UTF-8 (no newline translation), or the embedded copy."""
-    if _EMBEDDED_SOURCES is not None:
-        return dict(_EMBEDDED_SOURCES)
-    folder = _kernel_dir()
+def _read_sources(folder):
+    """{file name: text} of every *.cu, *.cuh and *.cpp directly in `folder`,
+    read as bytes and decoded as UTF-8 (no newline translation)."""
     sources = {}
     for name in sorted(os.listdir(folder)):
         if name.endswith(_KERNEL_SUFFIXES):
             with open(os.path.join(folder, name), "rb") as f:
                 sources[name] = f.read().decode("utf-8")
     return sources
+
+
+def _kernel_sources():
+    """{file name: text} of every kernels/*.cu, *.cuh and *.cpp (top level), or
+    the embedded copy."""
+    if _EMBEDDED_SOURCES is not None:
+        return dict(_EMBEDDED_SOURCES)
+    return _read_sources(_kernel_dir())
+
+
+def _lowp_dir():
+    """kernels/lowp/, the 16-bit kernels (built on the first 16-bit CUDA call),
+    next to the float32 sources; None where they are not available: the bundle
+    (its text may not name the 16-bit types, tools/harness_rules.py, so it
+    cannot embed them) or a kernels/ folder without them."""
+    if _EMBEDDED_SOURCES is not None:
+        return None
+    folder = os.path.join(_kernel_dir(), _LOWP_SUBDIR)
+    return folder if os.path.isfile(os.path.join(folder, _LOWP_BINDING)) else None
 
 
 def _arch_flags():
@@ -3106,15 +3154,15 @@ def _arch_flags():
     return flags
 
 
-def _extension_name(sources, cuda_flags):
-    """fused_gemm_bn_<16 hex digits of SHA-256 over the sources, the flags and
-    the torch / CUDA / Python versions>: a changed kernel never loads an old build."""
+def _extension_name(sources, cuda_flags, prefix=_EXTENSION_PREFIX):
+    """<prefix><16 hex digits of SHA-256 over the sources, the flags and the
+    torch / CUDA / Python versions>: a changed kernel never loads an old build."""
     h = hashlib.sha256()
     for name, text in sorted(sources.items()):
         h.update(name.encode() + b"\0" + text.encode() + b"\0")
     versions = [torch.__version__, str(torch.version.cuda), sys.version.split()[0]]
     h.update("\0".join(cuda_flags + versions).encode())
-    return "fused_gemm_bn_" + h.hexdigest()[:16]
+    return prefix + h.hexdigest()[:16]
 
 
 def _build_directory(name):
@@ -3245,11 +3293,15 @@ class _BuildLock:
         return False
 
 
-def _load_extension(sources):
+def _load_extension(sources, functions=_EXTENSION_FUNCTIONS, prefix=_EXTENSION_PREFIX):
+    """Compiles (or loads the earlier build of) `sources` ({file name: text}:
+    the .cpp files as load_inline's cpp_sources, the .cu files as its
+    cuda_sources, the .cuh files written to an include folder) exporting
+    `functions`, as the module <prefix><hash> (_extension_name)."""
     from torch.utils.cpp_extension import CUDA_HOME, load_inline
 
     cuda_flags = ["-O3", "-std=c++17"] + _arch_flags()
-    name = _extension_name(sources, cuda_flags)
+    name = _extension_name(sources, cuda_flags, prefix)
     build_dir = _build_directory(name)
     include_dir = os.path.join(build_dir, "include")
     _write_headers(include_dir, sources)
@@ -3269,7 +3321,7 @@ def _load_extension(sources):
             name=name,
             cpp_sources=[text for n, text in sorted(sources.items()) if n.endswith(".cpp")],
             cuda_sources=[text for n, text in sorted(sources.items()) if n.endswith(".cu")],
-            functions=_EXTENSION_FUNCTIONS,
+            functions=functions,
             extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=cuda_flags,
             extra_include_paths=[include_dir],
@@ -3282,6 +3334,31 @@ def _load_extension(sources):
 # at import; only a machine with a GPU compiles them.
 _KERNEL_SOURCES = _kernel_sources()
 _ext = _load_extension(_KERNEL_SOURCES) if torch.cuda.is_available() else None
+# kernels/lowp/ (found now, next to the sources above), or None; its extension
+# is compiled on the first 16-bit CUDA call (_lowp_kernels).
+_LOWP_DIR = _lowp_dir()
+_lowp_ext = None
+
+
+def _lowp_sources():
+    """{file name: text} of the 16-bit extension: kernels/lowp/*.cu, *.cuh,
+    *.cpp, and the headers of kernels/ that they #include (bn_stats.cuh)."""
+    lowp = _read_sources(_LOWP_DIR)
+    text = "".join(lowp.values())
+    sources = {name: t for name, t in _KERNEL_SOURCES.items() if name.endswith(".cuh") and f'"{name}"' in text}
+    sources.update(lowp)
+    return sources
+
+
+def _lowp_kernels():
+    """The 16-bit extension (forward_train, forward_eval, forward_softmax_train,
+    forward_softmax_eval, with the float32 extension's arguments), compiled or
+    loaded on the first call: only 16-bit CUDA input needs it."""
+    global _lowp_ext
+    if _lowp_ext is None:
+        _lowp_ext = _load_extension(_lowp_sources(), _LOWP_FUNCTIONS, _LOWP_PREFIX)
+    return _lowp_ext
+
 
 # ---------------------------------------------------------------------------
 # Parameters: same names, shapes and random draws as nn.Linear / nn.BatchNorm1d
@@ -3478,13 +3555,22 @@ _CPU_KERNELS = types.SimpleNamespace(
 )
 
 
+def _is_16bit(x):
+    """True for a 16-bit floating tensor (the two 16-bit float dtypes)."""
+    return x.is_floating_point() and torch.finfo(x.dtype).bits == 16
+
+
 def _kernels_for(x):
-    """`_ext` for a float32 CUDA tensor (the fused kernels), `_CPU_KERNELS` (the
-    torch-op path, the same math in x's dtype) for a CPU tensor or a float64 CUDA one."""
+    """`_ext` for a float32 CUDA tensor (the fused kernels), the 16-bit extension
+    (_lowp_kernels: forward_train, forward_eval and the softmax variants only) for
+    a 16-bit CUDA one, `_CPU_KERNELS` (the torch-op path, the same math in x's
+    dtype) for a CPU tensor or a float64 CUDA one."""
     if not x.is_cuda or x.dtype == torch.float64:
         return _CPU_KERNELS
     if _ext is None:
         raise RuntimeError("ModelNew: CUDA tensor given but the extension was not built (no GPU at import)")
+    if _is_16bit(x):
+        return _lowp_kernels()
     return _ext
 
 
@@ -3615,6 +3701,68 @@ def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn
     if softmax_rows is not None:
         return softmax_rows((z + (bias - running_mean)) * (scale * g) + scale * bn_bias)
     return z * (scale * g) + (bn_bias + (scale * bias - running_mean) * g)
+
+
+def _lowp_recompute(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, training, eps, softmax):
+    """The forward of either problem in differentiable torch ops, for _LowpFn's
+    backward: z = x weight^T in x's dtype (a 16-bit GEMM with float32
+    accumulation, as Model's), everything after it in float32 (batch statistics
+    in training, running statistics in eval), out in float32:
+      problem 33: u = (z + bias) scale,  out = (u - mean) rsqrt(var + eps) bn_weight + bn_bias
+      problem 84: u = z + bias,          out = softmax(((u - mean) rsqrt(var + eps) bn_weight + bn_bias) scale)."""
+    f32 = torch.float32
+    u = _cpu_gemm_nt(x, weight).to(f32) + bias.to(f32)
+    s = scale.to(f32)
+    if not softmax:
+        u = u * s
+    if training:
+        mean = u.mean(dim=0)
+        invstd = torch.rsqrt(((u - mean) ** 2).mean(dim=0) + eps)
+    else:
+        mean = running_mean.to(f32)
+        invstd = torch.rsqrt(running_var.to(f32) + eps)
+    y = (u - mean) * invstd * bn_weight.to(f32) + bn_bias.to(f32)
+    return _SoftmaxRows.apply(y * s) if softmax else y
+
+
+class _LowpFn(torch.autograd.Function):
+    """16-bit CUDA forward with gradients.  forward: the same 16-bit extension
+    call as without gradients (_forward_call), so the output is the no-grad
+    output (Model's rounding points) and training updates the running statistics
+    once, here.  Saved: x and the parameters (no copies), and in eval clones of
+    running_mean / running_var (N each).
+    backward: the 16-bit backward goes through torch ops, not fused kernels: it
+    recomputes the forward with _lowp_recompute on detached copies of the inputs
+    (training: from the batch statistics, which do not involve the running ones,
+    so nothing is updated twice) and returns torch.autograd.grad of it.  The cost
+    is one more GEMM and float32 (M, N) temporaries while the backward runs;
+    gemm.bias gets rounding noise around its exact training gradient 0, as Model's."""
+
+    @staticmethod
+    def forward(ctx, kernels, softmax, training, buffers, momentum, eps, x, weight, bias, scale, bn_weight, bn_bias):
+        params = (x, weight, bias, scale, bn_weight, bn_bias)
+        running = () if training else (buffers[0].clone(), buffers[1].clone())
+        out = _forward_call(kernels, softmax, training, buffers, momentum, eps, params)
+        ctx.softmax, ctx.training, ctx.eps = softmax, training, eps
+        ctx.save_for_backward(*params, *running)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad[6:]
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved[:6], needs)]
+        running = saved[6:] if not ctx.training else (None, None)
+        with torch.enable_grad():
+            out = _lowp_recompute(*inputs, *running, ctx.training, ctx.eps, ctx.softmax)
+        wanted = [t for t, need in zip(inputs, needs) if need]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True))
+        result = []
+        for t, need in zip(inputs, needs):
+            g = next(grads) if need else None
+            result.append(torch.zeros_like(t) if need and g is None else g)
+        return (None,) * 6 + tuple(result)
 
 
 # ---------------------------------------------------------------------------
@@ -3789,6 +3937,26 @@ def _use_ops():
 # ---------------------------------------------------------------------------
 
 
+def _cuda_dtype_problem(dtype):
+    """None when ModelNew runs CUDA tensors of `dtype`, else the error message:
+    float32 (the fused kernels) and float64 (torch ops) always; the two 16-bit
+    float dtypes when kernels/lowp/ was found (_LOWP_DIR; never in the bundle)."""
+    if dtype in (torch.float32, torch.float64):
+        return None
+    sixteen = dtype.is_floating_point and torch.finfo(dtype).bits == 16
+    if sixteen and _LOWP_DIR is not None:
+        return None
+    if sixteen:
+        return (f"ModelNew: 16-bit CUDA input ({dtype}) needs the repository's kernels/lowp/ folder (the 16-bit "
+                f"kernels, compiled on first use), which this copy of ModelNew does not have: the self-contained "
+                f"bundle (dist/model_new.py) leaves them out, because the harness rules it follows forbid naming "
+                f"16-bit float types in its text. Use model_new.py from the repository (kernels/ next to it, or "
+                f"${_KERNEL_DIR_ENV}) for 16-bit input; here ModelNew supports float32 on CUDA (the fused kernels), "
+                f"float64 on CUDA (plain torch ops) and any float dtype on CPU")
+    return (f"ModelNew on CUDA supports float32 (the fused kernels), float64 (plain torch ops) and the 16-bit "
+            f"float dtypes (kernels/lowp/), got {dtype}")
+
+
 def _check_input(x, weight, training):
     """Raises what PyTorch raises for an input the Linear -> BatchNorm1d chain
     cannot take (x's rank, feature count, device, dtype; batch of 1 in
@@ -3810,13 +3978,23 @@ def _check_input(x, weight, training):
         )
     if x.dtype != weight.dtype:
         raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
-    if x.is_cuda and x.dtype not in (torch.float32, torch.float64):
-        raise RuntimeError(f"ModelNew on CUDA supports float32 (the fused kernels) and float64 (plain torch ops), "
-                           f"got {x.dtype}")
+    problem = _cuda_dtype_problem(x.dtype) if x.is_cuda else None
+    if problem is not None:
+        raise RuntimeError(problem)
     if training and x.shape[0] == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {torch.Size([x.shape[0], n])}"
         )
+
+
+def _forward_call(kernels, softmax, training, buffers, momentum, eps, params):
+    """The one extension call of a forward without gradients: forward_train /
+    forward_eval or their softmax variants (training updates the buffers)."""
+    if training:
+        run = kernels.forward_softmax_train if softmax else kernels.forward_train
+        return run(*params, *buffers, momentum, eps)
+    run = kernels.forward_softmax_eval if softmax else kernels.forward_eval
+    return run(*params, *buffers[:2], eps)
 
 
 def _fused_forward(x, gemm, scale, bn, training, softmax):
@@ -3829,7 +4007,9 @@ def _fused_forward(x, gemm, scale, bn, training, softmax):
       training with gradients: _TrainFn (extension's *_train_saved);
       eval with gradients: _eval_with_grad with gemm_nt;
       under torch.compile (or FUSED_GEMM_BN_EAGER_OPS=1): the same through the
-        fused_gemm_bn:: operators."""
+        fused_gemm_bn:: operators;
+      16-bit CUDA input: the 16-bit extension's call as above (no gradient), or
+        _LowpFn (gradients); never the operators (a torch.compile graph breaks there)."""
     if x.shape[0] == 0:  # as nn.BatchNorm1d: empty output, the call counted, running statistics untouched
         if training:
             bn.num_batches_tracked.add_(1)
@@ -3840,6 +4020,10 @@ def _fused_forward(x, gemm, scale, bn, training, softmax):
     params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+    if x.is_cuda and _is_16bit(x):
+        if grad:
+            return _LowpFn.apply(kernels, softmax, training, buffers, momentum, eps, *params)
+        return _forward_call(kernels, softmax, training, buffers, momentum, eps, params)
     if _use_ops():
         if training and grad:
             out, _, _, *new_buffers = _OPS.forward_train_saved(*params, *buffers, momentum, eps, softmax)
@@ -3855,14 +4039,10 @@ def _fused_forward(x, gemm, scale, bn, training, softmax):
         return _OPS.forward_eval(*params, *buffers[:2], eps, softmax)
     if training and grad:
         return _TrainFn.apply(kernels, softmax, buffers, momentum, eps, *params)
-    if training:
-        run = kernels.forward_softmax_train if softmax else kernels.forward_train
-        return run(*params, *buffers, momentum, eps)
     if grad:
         return _eval_with_grad(functools.partial(_GemmNT.apply, kernels), _SoftmaxRows.apply if softmax else None,
                                *params, *buffers[:2], eps)
-    run = kernels.forward_softmax_eval if softmax else kernels.forward_eval
-    return run(*params, *buffers[:2], eps)
+    return _forward_call(kernels, softmax, training, buffers, momentum, eps, params)
 
 
 class ModelNew(nn.Module):
@@ -3871,10 +4051,14 @@ class ModelNew(nn.Module):
     Same constructor, parameter/buffer names, random draws and train/eval
     behaviour as `reference.Model`.  forward(x): x (M, in_features), float32 on
     CUDA (compute capability >= 8.0: the fused kernels), float64 on CUDA (plain
-    torch ops) or any float dtype on CPU, matching the parameters' dtype; returns (M, out_features).  Training mode updates
+    torch ops), a 16-bit float dtype on CUDA (compute capability >= 8.0: the
+    kernels/lowp/ extension, compiled on the first such call, rounding where
+    Model rounds; not in the bundle) or any float dtype on CPU, matching the
+    parameters' dtype; returns (M, out_features).  Training mode updates
     bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
     Differentiable with respect to x and every parameter, in both modes
-    (_TrainFn, _eval_with_grad); gemm.bias gets an exact zero gradient in training.
+    (_TrainFn, _eval_with_grad; 16-bit CUDA: _LowpFn, whose backward runs torch
+    ops); gemm.bias gets an exact zero gradient in training (16-bit: rounding noise).
 
     M == 0 gives an empty output (num_batches_tracked still counts the call in
     training, running statistics are untouched), as torch's BatchNorm1d.

@@ -23,6 +23,12 @@ Data path of `ModelNew.forward` on a CUDA tensor (float32):
   softmax                    ../kernels/bn_softmax.cu             softmax_rows
   checks, stream, dispatch   ../kernels/torch_binding.cpp         forward_softmax_train / _eval
 
+On a 16-bit CUDA tensor: ../kernels/lowp/gemm_bn_16bit.cu (z = rnd(x W^T + b),
+per-tile statistics; eval: BatchNorm and scale in its epilogue), then
+../kernels/lowp/bn_16bit.cu (statistics and running statistics, then one CTA
+per row for rnd(softmax(rnd(rnd(BatchNorm(z)) * scale)))), rounding to the
+16-bit type where the reference's eager ops do (../model_new.py's docstring).
+
 Algebra (training): BatchNorm sees y = z + b (z = x W^T): mean_y = mean_z + b,
 var_y = var_z, so the softmax input is
     v = scale * (bn.weight * (z - mean_z) / sqrt(var_z + eps) + bn.bias)
@@ -103,10 +109,14 @@ class ModelNew(nn.Module):
     train/eval behaviour as this folder's `reference.Model` (which also holds an
     nn.Softmax module; it has no state).  forward(x): x (M, in_features),
     float32 on CUDA (compute capability >= 8.0: the fused kernels), float64 on
-    CUDA (plain torch ops) or any float dtype on CPU, matching the parameters' dtype; returns (M, out_features).  Training mode
-    updates bn.running_mean, bn.running_var (unbiased) and
-    bn.num_batches_tracked.  Differentiable with respect to x and every
-    parameter in both modes; gemm.bias gets an exact zero gradient in training.
+    CUDA (plain torch ops), a 16-bit float dtype on CUDA (compute capability
+    >= 8.0: the ../kernels/lowp/ extension, compiled on the first such call,
+    rounding where the reference rounds) or any float dtype on CPU, matching the
+    parameters' dtype; returns (M, out_features).  Training mode updates
+    bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
+    Differentiable with respect to x and every parameter in both modes (16-bit
+    CUDA: the backward runs torch ops); gemm.bias gets an exact zero gradient
+    in training (16-bit: rounding noise).
     M == 0 gives an empty output as the reference.
     Raises ValueError for M == 1 in training (PyTorch's message), RuntimeError
     for a wrong rank, feature count, dtype or device, or a `scale` that is not

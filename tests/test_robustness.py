@@ -5,7 +5,8 @@ Run: python -m pytest -q tests/test_robustness.py      (GPU tests skip without C
   dtypes       float64 on CUDA (the torch-op path, model_new._kernels_for) matches
                Model to 1e-10 relative; a float32 module given a 16-bit input (and
                the reverse) raises RuntimeError as Model does; a 16-bit module on
-               CUDA (not supported yet) raises a RuntimeError that says so.
+               CUDA without kernels/lowp/ (the bundle's case, simulated) raises a
+               RuntimeError that says so (16-bit itself: tests/test_lowp.py).
   values       NaN in x: the NaN elements of the output and of the running
                statistics are Model's; Inf in x or in gemm.weight: the non-finite
                elements are Model's (the fused float32 kernels give NaN where
@@ -89,10 +90,14 @@ def test_mixed_dtypes_raise_as_model(dtype_name, direction, device):
 
 @requires_cuda
 @pytest.mark.parametrize("dtype_name", list(HALF_TYPES))
-def test_gpu_16bit_module_raises_clearly(dtype_name):
+def test_gpu_16bit_module_without_lowp_raises_clearly(dtype_name, monkeypatch):
+    """16-bit modules on CUDA run the kernels/lowp/ extension (tests/test_lowp.py);
+    where that folder is missing (the bundle; simulated here) the call raises a
+    RuntimeError that names it, before any buffer changes."""
+    monkeypatch.setattr(model_new, "_LOWP_DIR", None)
     _, new = pair("33", 64, 48, HALF_TYPES[dtype_name], "cuda")
     before = buffers(new)
-    with pytest.raises(RuntimeError, match="supports float32 .* and float64"):
+    with pytest.raises(RuntimeError, match="kernels/lowp/"):
         new(torch.rand(8, 64, device="cuda", dtype=HALF_TYPES[dtype_name]))
     for name, b in new.named_buffers():
         assert torch.equal(b, before[name]), f"{name} changed by a rejected call"

@@ -1,0 +1,207 @@
+// binding_16bit.cpp -- PyTorch entry points of the 16-bit forwards (float16 and
+// bfloat16 CUDA tensors) of Linear -> scale -> BatchNorm1d (problem 33:
+// forward_train / forward_eval) and Linear -> BatchNorm1d -> scale -> Softmax
+// (problem 84: forward_softmax_train / forward_softmax_eval), with the names and
+// arguments of the float32 extension's (../torch_binding.cpp).  Passed to
+// load_inline as cpp_sources (torch/extension.h is prepended there) of the
+// second, 16-bit extension that model_new.py builds on the first 16-bit call;
+// the kernels in gemm_bn_16bit.cu and bn_16bit.cu take raw pointers only.
+//
+// Each entry point checks every tensor (device; dtype float16 or bfloat16, the
+// same for x, the parameters and the running statistics; shape; contiguity of
+// the vectors), copies a non-contiguous x or weight to a contiguous tensor
+// (never writing the caller's), takes a device guard for x's GPU, launches on
+// that GPU's current stream, and turns any launch error into a RuntimeError
+// naming the kernel.  Nothing here synchronises.
+//
+//   forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+//                 running_var, num_batches_tracked, momentum, eps) -> out (M, N)
+//       u = rnd(rnd(x @ weight^T + bias) * scale) and its per-tile statistics;
+//         num_batches_tracked += 1                    (gemm_bn_16bit.cu, kTrain)
+//       batch mean / invstd, running statistics       (bn_16bit.cu, fold)
+//       out = rnd(fma(w (u - mean), invstd, b)) in place (bn_16bit.cu, apply)
+//   forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+//                running_var, eps) -> out (M, N)
+//       one GEMM launch with the whole chain in its epilogue (kEval)
+//   forward_softmax_train(same arguments as forward_train) -> out (M, N)
+//       u = rnd(x @ weight^T + bias) and its statistics; fold (as above); then
+//       one CTA per row: rnd(softmax(rnd(rnd(BatchNorm(u)) * scale)))
+//   forward_softmax_eval(same arguments as forward_eval) -> out (M, N)
+//       GEMM with BatchNorm and scale in its epilogue, then the row softmax.
+// momentum < 0 means momentum=None (cumulative average).  rnd: rounding to the
+// 16-bit type; the kernel headers list the rounding points, PyTorch's own.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+int lowp_gemm_block_m();
+cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
+                         const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
+                         const void* running_mean, const void* running_var, float eps, bool scale_first,
+                         float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream);
+cudaError_t lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
+                               int M, int N, const void* bn_weight, const void* bn_bias,
+                               const int64_t* num_batches_tracked, float momentum, float eps, void* running_mean,
+                               void* running_var, float* coeff, cudaStream_t stream);
+cudaError_t lowp_bn_apply(int dtype, void* out, const float* coeff, int M, int N, cudaStream_t stream);
+cudaError_t lowp_softmax_rows(int dtype, void* out, const float* coeff, const void* scale, int M, int N,
+                              cudaStream_t stream);
+
+namespace {
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn (16-bit): launch of ", what, " failed: ", cudaGetErrorString(err));
+}
+
+// The launchers' dtype code (lowp::Dtype in lowp_types.cuh).
+int dtype_code(c10::ScalarType t) { return t == torch::kHalf ? 0 : 1; }
+
+// x and weight checked and made contiguous (copies only where they are not).
+struct Operands {
+  torch::Tensor x, weight;
+  int M, N, K, dtype;
+};
+
+Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
+  TORCH_CHECK(x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kBFloat16,
+              "x must be float16 or bfloat16 (the 16-bit extension), got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "x must have shape (batch, in_features), got ", x.sizes());
+  TORCH_CHECK(weight.device() == x.device(), "gemm.weight must be on ", x.device(), ", got ", weight.device());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "gemm.weight must be ", x.scalar_type(), ", got ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "gemm.weight must have shape (out_features, ",
+              x.size(1), "), got ", weight.sizes());
+  TORCH_CHECK(x.size(0) <= INT32_MAX && weight.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX,
+              "sizes must fit in int32, got x ", x.sizes(), " and gemm.weight ", weight.sizes());
+  const auto props = at::cuda::getDeviceProperties(x.get_device());
+  TORCH_CHECK(props->major >= 8, "the 16-bit kernels need compute capability >= 8.0 (mma.sync with bfloat16), got ",
+              props->major, ".", props->minor, " on ", props->name);
+  return {x.contiguous(), weight.contiguous(), static_cast<int>(x.size(0)), static_cast<int>(weight.size(0)),
+          static_cast<int>(x.size(1)), dtype_code(x.scalar_type())};
+}
+
+void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x) {
+  TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), name, " must be ", x.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, name, " must have shape (", n, "), got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+struct BnTensors {
+  torch::Tensor bias, scale, bn_weight, bn_bias, running_mean, running_var;
+};
+
+void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x) {
+  check_vector(t.bias, "gemm.bias", N, x);
+  check_vector(t.scale, "scale", N, x);
+  check_vector(t.bn_weight, "bn.weight", N, x);
+  check_vector(t.bn_bias, "bn.bias", N, x);
+  check_vector(t.running_mean, "bn.running_mean", N, x);
+  check_vector(t.running_var, "bn.running_var", N, x);
+}
+
+void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
+  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
+              torch::IntArrayRef({M, N}));
+  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
+                  num_batches_tracked.numel() == 1,
+              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
+}
+
+// The training forward of either problem (scale_first: problem 33).
+torch::Tensor train(const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
+                    torch::Tensor& num_batches_tracked, double momentum, double eps, bool scale_first) {
+  const Operands op = check_operands(x_in, weight);
+  const int M = op.M, N = op.N, K = op.K;
+  check_training(op.x, M, N, num_batches_tracked);
+  check_bn_tensors(t, N, op.x);
+  const c10::cuda::CUDAGuard guard(op.x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
+  torch::Tensor out = torch::empty({M, N}, op.x.options());
+  if (N == 0) {  // nothing to normalise; the call still counts, as nn.BatchNorm1d's
+    num_batches_tracked.add_(1);
+    return out;
+  }
+  const int block_m = lowp_gemm_block_m();
+  const int num_m_tiles = (M + block_m - 1) / block_m;
+  const auto f32 = op.x.options().dtype(torch::kFloat32);
+  // coeff (N float4, 16-byte aligned at the start), then part_mean | part_m2 (num_m_tiles x N each).
+  const int64_t part_floats = static_cast<int64_t>(num_m_tiles) * N;
+  torch::Tensor scratch = torch::empty({4 * static_cast<int64_t>(N) + 2 * part_floats}, f32);
+  float* coeff = scratch.data_ptr<float>();
+  float* part_mean = coeff + 4 * static_cast<int64_t>(N);
+  float* part_m2 = part_mean + part_floats;
+  check_launch(lowp_gemm_bn(op.dtype, true, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), M, N, K,
+                            t.bias.data_ptr(), t.scale.data_ptr(), nullptr, nullptr, nullptr, nullptr, 0.f,
+                            scale_first, part_mean, part_m2, num_batches_tracked.data_ptr<int64_t>(), stream),
+               "gemm_bn_16bit_kernel (training)");
+  check_launch(lowp_bn_fold_train(op.dtype, part_mean, part_m2, num_m_tiles, block_m, M, N, t.bn_weight.data_ptr(),
+                                  t.bn_bias.data_ptr(), num_batches_tracked.data_ptr<int64_t>(),
+                                  static_cast<float>(momentum), static_cast<float>(eps), t.running_mean.data_ptr(),
+                                  t.running_var.data_ptr(), coeff, stream),
+               "bn16_fold_train_kernel");
+  if (scale_first) {
+    check_launch(lowp_bn_apply(op.dtype, out.data_ptr(), coeff, M, N, stream), "bn16_apply_kernel");
+  } else {
+    check_launch(lowp_softmax_rows(op.dtype, out.data_ptr(), coeff, t.scale.data_ptr(), M, N, stream),
+                 "bn16_softmax_rows_kernel (training)");
+  }
+  return out;
+}
+
+// The eval forward of either problem (softmax: problem 84).
+torch::Tensor eval(const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t, double eps,
+                   bool softmax) {
+  const Operands op = check_operands(x_in, weight);
+  const int M = op.M, N = op.N, K = op.K;
+  check_bn_tensors(t, N, op.x);
+  const c10::cuda::CUDAGuard guard(op.x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
+  torch::Tensor out = torch::empty({M, N}, op.x.options());
+  if (M == 0 || N == 0) return out;
+  check_launch(lowp_gemm_bn(op.dtype, false, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), M, N, K,
+                            t.bias.data_ptr(), t.scale.data_ptr(), t.bn_weight.data_ptr(), t.bn_bias.data_ptr(),
+                            t.running_mean.data_ptr(), t.running_var.data_ptr(), static_cast<float>(eps), !softmax,
+                            nullptr, nullptr, nullptr, stream),
+               "gemm_bn_16bit_kernel (eval)");
+  if (softmax)
+    check_launch(lowp_softmax_rows(op.dtype, out.data_ptr(), nullptr, nullptr, M, N, stream),
+                 "bn16_softmax_rows_kernel (eval)");
+  return out;
+}
+
+}  // namespace
+
+// Linear -> scale -> BatchNorm1d, training mode (problem 33).
+torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+                            torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
+                            torch::Tensor running_var, torch::Tensor num_batches_tracked, double momentum,
+                            double eps) {
+  return train(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, num_batches_tracked, momentum,
+               eps, true);
+}
+
+// Linear -> scale -> BatchNorm1d, eval mode (problem 33).
+torch::Tensor forward_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+                           torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
+                           torch::Tensor running_var, double eps) {
+  return eval(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, false);
+}
+
+// Linear -> BatchNorm1d -> scale -> Softmax(dim=1), training mode (problem 84).
+torch::Tensor forward_softmax_train(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+                                    torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
+                                    torch::Tensor running_var, torch::Tensor num_batches_tracked, double momentum,
+                                    double eps) {
+  return train(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, num_batches_tracked, momentum,
+               eps, false);
+}
+
+// Linear -> BatchNorm1d -> scale -> Softmax(dim=1), eval mode (problem 84).
+torch::Tensor forward_softmax_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+                                   torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
+                                   torch::Tensor running_var, double eps) {
+  return eval(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, true);
+}

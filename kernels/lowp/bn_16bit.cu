@@ -1,0 +1,393 @@
+// bn_16bit.cu -- after the 16-bit GEMM (gemm_bn_16bit.cu): the rest of
+// training-mode BatchNorm1d (problem 33: Linear -> scale -> BatchNorm1d) and of
+// BatchNorm1d -> scale -> Softmax(dim=1) (problem 84, training and eval) on
+// 16-bit tensors (__half or __nv_bfloat16), rounding where PyTorch's eager ops
+// round.  rnd = round to the 16-bit type (nearest even), f(v) = float(v).
+//
+// bn16_fold_train (both problems; one thread per feature j)
+//   Inputs: part_mean, part_m2 (num_m_tiles, N) float32 from the GEMM's kTrain
+//   epilogue over u (M, N), the BatchNorm input (16-bit values); bn_weight,
+//   bn_bias (N); num_batches_tracked (int64, already incremented by the GEMM).
+//   As PyTorch's native CUDA batch_norm (training, 2-D contiguous input):
+//     mean = float32(mean of u),  var = float32(biased variance of u)
+//     invstd = rsqrtf(var + eps)
+//     running_mean = rnd(mean * f + (1 - f) * f(running_mean))
+//     running_var  = rnd(var * c * f + (1 - f) * f(running_var)),  c = float32(M / (M - 1))
+//     f = momentum, or float32(1 / num_batches_tracked) for momentum=None
+//     (momentum < 0 here; nn.BatchNorm1d passes 1 / num_batches_tracked as the momentum)
+//   Writes coeff[j] = {mean, invstd, f(bn_weight), f(bn_bias)} (float4).
+//   The tiles are merged in float64 (merge_tile_statistics, ../bn_stats.cuh:
+//   no E[u^2] - E[u]^2 cancellation); PyTorch's Welford in float32 agrees to
+//   float32 rounding, far below the 16-bit rounding of everything downstream.
+//
+// bn16_apply (problem 33, training; in place over out = u (M, N))
+//   out = rnd(fma(w * (u - mean), invstd, b)) with coeff = {mean, invstd, w, b}:
+//   the channels-last elementwise kernel's `w * (x - mean) * invstd + b`.
+//   Memory-bound: one read and one write of out; 16-byte accesses (8 elements)
+//   when N % 8 == 0 and out is 16-byte aligned, else 2-byte.
+//
+// bn16_softmax_rows (problem 84; one CTA per row m, in place over out (M, N))
+//   with coeff (training, out = u = z):
+//     v = rnd(rnd(fma(w * (u - mean), invstd, b)) * f(scale))   BatchNorm, then * scale
+//   without (eval: the GEMM epilogue already wrote v):  v = out
+//   out = rnd(expf(v - max v) / sum expf(v - max v)): PyTorch's CUDA softmax on
+//   a 16-bit tensor (max and sum in float32, IEEE expf and division, rounded
+//   once).  The CTA keeps v (16-bit, exact) in shared memory, N * 2 bytes (16 KB
+//   for N = 8192): one read and one write of the row; rows longer than the
+//   device's shared memory allows take the online variant (running max and
+//   rescaled sum, Milakov & Gimelshein 2018, "Online normalizer calculation for
+//   softmax"), which reads the row twice.  A NaN in a row makes the row NaN
+//   (through the sum), as PyTorch.  16-byte accesses when N % 8 == 0 and out
+//   and scale are 16-byte aligned, else 2-byte.
+//
+// Layout: row-major, contiguous; coeff float4 (N); vectors (N) 16-bit.
+// Preconditions: M >= 2 for the training kernels (the caller raises PyTorch's
+// error for M == 1); any N >= 1.  Launchers return the launch error.
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "bn_stats.cuh"
+#include "lowp_types.cuh"
+
+namespace fused_gemm_bn {
+namespace lowp {
+namespace bn {
+
+constexpr int kFoldThreads = 256;
+constexpr int kApplyThreads = 256;
+constexpr int kApplyRowsPerBlock = 16;  // 256 blocks of 256 threads at M = 1024, N = 8192
+constexpr int kApplyRowBatch = 8;       // rows loaded before any is stored (in place: see bn_apply.cu)
+constexpr int kRowThreads = 512;        // N = 8192: two 16-byte groups per thread
+constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static array
+constexpr int kVec = 8;                 // elements per 16-byte access
+
+struct FoldArgs {
+  const float* part_mean;
+  const float* part_m2;
+  int num_m_tiles, block_m, M, N;
+  const uint16_t* bn_weight;
+  const uint16_t* bn_bias;
+  const int64_t* num_batches_tracked;
+  float momentum, eps;
+  uint16_t* running_mean;
+  uint16_t* running_var;
+  float4* coeff;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kFoldThreads) bn16_fold_train_kernel(const FoldArgs p) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= p.N) return;
+  double mean64, m2;
+  merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean64, m2);
+  const float mean = static_cast<float>(mean64);
+  const float var = static_cast<float>(m2 / static_cast<double>(p.M));
+  const float f =
+      p.momentum >= 0.f ? p.momentum : static_cast<float>(1.0 / static_cast<double>(*p.num_batches_tracked));
+  const float bessel = static_cast<float>(static_cast<double>(p.M) / static_cast<double>(p.M - 1));
+  const float running_mean = load_float<T>(p.running_mean + j);
+  const float running_var = load_float<T>(p.running_var + j);
+  p.running_mean[j] = to_bits<T>(mean * f + (1.f - f) * running_mean);
+  p.running_var[j] = to_bits<T>(var * bessel * f + (1.f - f) * running_var);
+  p.coeff[j] = make_float4(mean, rsqrtf(var + p.eps), load_float<T>(p.bn_weight + j), load_float<T>(p.bn_bias + j));
+}
+
+// kVec consecutive 16-bit elements as floats, and back.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& q, float (&v)[kVec]) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = Bits<T>::to_float(static_cast<uint16_t>(w[i] & 0xffffu));
+    v[2 * i + 1] = Bits<T>::to_float(static_cast<uint16_t>(w[i] >> 16));
+  }
+}
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&v)[kVec]) {
+  return make_uint4(pack2(to_bits<T>(v[0]), to_bits<T>(v[1])), pack2(to_bits<T>(v[2]), to_bits<T>(v[3])),
+                    pack2(to_bits<T>(v[4]), to_bits<T>(v[5])), pack2(to_bits<T>(v[6]), to_bits<T>(v[7])));
+}
+
+// BatchNorm of one element from its coefficients {mean, invstd, w, b}, before
+// rounding.
+__device__ __forceinline__ float bn_affine(float u, const float4& c) { return fmaf(c.z * (u - c.x), c.y, c.w); }
+
+// Each thread owns kCols columns (8 or 1) and walks rows_per_block rows.
+template <typename T, int kCols>
+__global__ void __launch_bounds__(kApplyThreads)
+    bn16_apply_kernel(uint16_t* out, const float4* __restrict__ coeff, int M, int N, int rows_per_block) {
+  const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
+  if (col >= N) return;
+  float4 c[kCols];
+#pragma unroll
+  for (int e = 0; e < kCols; ++e) c[e] = coeff[col + e];
+  const int row0 = blockIdx.y * rows_per_block;
+  const int row_end = min(M, row0 + rows_per_block);
+  for (int row = row0; row < row_end; row += kApplyRowBatch) {
+    float v[kApplyRowBatch][kCols];
+#pragma unroll
+    for (int r = 0; r < kApplyRowBatch; ++r) {
+      if (row + r >= row_end) break;
+      const uint16_t* q = out + static_cast<size_t>(row + r) * N + col;
+      if constexpr (kCols == kVec) {
+        unpack8<T>(*reinterpret_cast<const uint4*>(q), v[r]);
+      } else {
+        v[r][0] = load_float<T>(q);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kApplyRowBatch; ++r) {
+      if (row + r >= row_end) break;
+      uint16_t* q = out + static_cast<size_t>(row + r) * N + col;
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) v[r][e] = bn_affine(v[r][e], c[e]);
+      if constexpr (kCols == kVec) {
+        *reinterpret_cast<uint4*>(q) = pack8<T>(v[r]);
+      } else {
+        *q = to_bits<T>(v[r][0]);
+      }
+    }
+  }
+}
+
+// Max or sum over the CTA, returned to every thread.  `red` holds one value per warp.
+template <bool kMax>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = kMax ? fmaxf(v, other) : v + other;
+  }
+  __syncthreads();  // red is reused by consecutive reductions
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = red[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) v = kMax ? fmaxf(v, red[w]) : v + red[w];
+  return v;
+}
+
+struct RowArgs {
+  uint16_t* out;
+  const float4* coeff;     // {mean, invstd, w, b} per feature, or nullptr (eval)
+  const uint16_t* scale;   // (N), with coeff
+  int N;
+};
+
+// The softmax inputs v of the kG elements of group i of `row` (kG = 8 or 1).
+template <typename T, int kG, bool kAffine>
+__device__ __forceinline__ void load_logits(const RowArgs& p, const uint16_t* row, int i, float (&v)[kG]) {
+  if constexpr (kG == kVec) {
+    unpack8<T>(reinterpret_cast<const uint4*>(row)[i], v);
+  } else {
+    v[0] = load_float<T>(row + i);
+  }
+  if constexpr (kAffine) {
+    float s[kG];
+    if constexpr (kG == kVec) {
+      unpack8<T>(reinterpret_cast<const uint4*>(p.scale)[i], s);
+    } else {
+      s[0] = load_float<T>(p.scale + i);
+    }
+#pragma unroll
+    for (int e = 0; e < kG; ++e) v[e] = round16<T>(round16<T>(bn_affine(v[e], p.coeff[i * kG + e])) * s[e]);
+  }
+}
+
+// kCached: v kept in dynamic shared memory (16-bit, exact; one global read);
+// else online max / sum and a second read of the row.
+template <typename T, int kG, bool kAffine, bool kCached>
+__global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const RowArgs p) {
+  extern __shared__ uint4 dynamic_smem[];
+  uint16_t* cache = reinterpret_cast<uint16_t*>(dynamic_smem);
+  __shared__ float red[kRowThreads / 32];
+  uint16_t* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
+  const int num_groups = p.N / kG;
+
+  float thread_max = -INFINITY, thread_sum = 0.f;
+  for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
+    float v[kG];
+    load_logits<T, kG, kAffine>(p, row, i, v);
+    if constexpr (kCached) {
+      if constexpr (kG == kVec) {
+        reinterpret_cast<uint4*>(cache)[i] = pack8<T>(v);  // exact: v is already 16-bit
+      } else {
+        cache[i] = to_bits<T>(v[0]);
+      }
+#pragma unroll
+      for (int e = 0; e < kG; ++e) thread_max = fmaxf(thread_max, v[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kG; ++e) {
+        const float new_max = fmaxf(thread_max, v[e]);
+        thread_sum = thread_sum * expf(thread_max - new_max) + expf(v[e] - new_max);
+        thread_max = new_max;
+      }
+    }
+  }
+  const float row_max = block_reduce<true>(thread_max, red);
+
+  if constexpr (kCached) {
+    for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
+      float v[kG];
+      if constexpr (kG == kVec) {
+        unpack8<T>(reinterpret_cast<const uint4*>(cache)[i], v);
+      } else {
+        v[0] = load_float<T>(cache + i);
+      }
+#pragma unroll
+      for (int e = 0; e < kG; ++e) thread_sum += expf(v[e] - row_max);
+    }
+  } else {
+    thread_sum = thread_max == -INFINITY ? 0.f : thread_sum * expf(thread_max - row_max);
+  }
+  const float row_sum = block_reduce<false>(thread_sum, red);
+
+  for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
+    float v[kG];
+    if constexpr (kCached) {
+      if constexpr (kG == kVec) {
+        unpack8<T>(reinterpret_cast<const uint4*>(cache)[i], v);
+      } else {
+        v[0] = load_float<T>(cache + i);
+      }
+    } else {
+      load_logits<T, kG, kAffine>(p, row, i, v);
+    }
+#pragma unroll
+    for (int e = 0; e < kG; ++e) v[e] = expf(v[e] - row_max) / row_sum;
+    if constexpr (kG == kVec) {
+      reinterpret_cast<uint4*>(row)[i] = pack8<T>(v);
+    } else {
+      row[i] = to_bits<T>(v[0]);
+    }
+  }
+}
+
+template <typename T, int kG, bool kAffine>
+cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
+  const int num_groups = p.N / kG;
+  const int threads = min(kRowThreads, max(32, (num_groups + 31) / 32 * 32));
+  int device = 0, max_optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  const size_t cache_bytes = (static_cast<size_t>(p.N) * sizeof(uint16_t) + 15) / 16 * 16;
+  if (cache_bytes + kStaticSmemBytes <= static_cast<size_t>(max_optin)) {
+    auto kernel = bn16_softmax_rows_kernel<T, kG, kAffine, true>;
+    if (cache_bytes > 48 * 1024) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cache_bytes));
+      if (err != cudaSuccess) return err;
+    }
+    kernel<<<M, threads, cache_bytes, stream>>>(p);
+  } else {
+    bn16_softmax_rows_kernel<T, kG, kAffine, false><<<M, threads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t softmax_rows_for_type(const RowArgs& p, int M, cudaStream_t stream) {
+  const bool vec = p.N % kVec == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                   (p.scale == nullptr || reinterpret_cast<uintptr_t>(p.scale) % 16 == 0);
+  if (p.coeff != nullptr) {
+    return vec ? launch_softmax_rows<T, kVec, true>(p, M, stream) : launch_softmax_rows<T, 1, true>(p, M, stream);
+  }
+  return vec ? launch_softmax_rows<T, kVec, false>(p, M, stream) : launch_softmax_rows<T, 1, false>(p, M, stream);
+}
+
+template <typename T>
+cudaError_t apply_for_type(uint16_t* out, const float4* coeff, int M, int N, cudaStream_t stream) {
+  const bool vec = N % kVec == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int cols_per_thread = vec ? kVec : 1;
+  const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
+  // grid.y is capped at 65535: very tall inputs give each block more rows.
+  const int rows_per_block = max(kApplyRowsPerBlock, (M + 65534) / 65535);
+  const dim3 grid((threads_needed + kApplyThreads - 1) / kApplyThreads, (M + rows_per_block - 1) / rows_per_block);
+  if (vec) {
+    bn16_apply_kernel<T, kVec><<<grid, kApplyThreads, 0, stream>>>(out, coeff, M, N, rows_per_block);
+  } else {
+    bn16_apply_kernel<T, 1><<<grid, kApplyThreads, 0, stream>>>(out, coeff, M, N, rows_per_block);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace bn
+}  // namespace lowp
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launchers (raw pointers; dtype: 0 = IEEE half, 1 = bfloat16, lowp::Dtype)
+// ---------------------------------------------------------------------------
+
+// Training statistics of both problems: coeff (N float4) and the running
+// statistics, from the GEMM's per-tile statistics.
+cudaError_t lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
+                               int M, int N, const void* bn_weight, const void* bn_bias,
+                               const int64_t* num_batches_tracked, float momentum, float eps, void* running_mean,
+                               void* running_var, float* coeff, cudaStream_t stream) {
+  using namespace fused_gemm_bn::lowp;
+  using namespace fused_gemm_bn::lowp::bn;
+  if (M == 0 || N == 0) return cudaSuccess;
+  const FoldArgs p{part_mean,
+                   part_m2,
+                   num_m_tiles,
+                   block_m,
+                   M,
+                   N,
+                   static_cast<const uint16_t*>(bn_weight),
+                   static_cast<const uint16_t*>(bn_bias),
+                   num_batches_tracked,
+                   momentum,
+                   eps,
+                   static_cast<uint16_t*>(running_mean),
+                   static_cast<uint16_t*>(running_var),
+                   reinterpret_cast<float4*>(coeff)};
+  const int blocks = (N + kFoldThreads - 1) / kFoldThreads;
+  switch (static_cast<Dtype>(dtype)) {
+    case Dtype::kF16:
+      bn16_fold_train_kernel<__half><<<blocks, kFoldThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    case Dtype::kBF16:
+      bn16_fold_train_kernel<__nv_bfloat16><<<blocks, kFoldThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Problem 33, training: out (M, N) <- BatchNorm of out with coeff, in place.
+cudaError_t lowp_bn_apply(int dtype, void* out, const float* coeff, int M, int N, cudaStream_t stream) {
+  using namespace fused_gemm_bn::lowp;
+  using namespace fused_gemm_bn::lowp::bn;
+  if (M == 0 || N == 0) return cudaSuccess;
+  uint16_t* o = static_cast<uint16_t*>(out);
+  const float4* c = reinterpret_cast<const float4*>(coeff);
+  switch (static_cast<Dtype>(dtype)) {
+    case Dtype::kF16:
+      return apply_for_type<__half>(o, c, M, N, stream);
+    case Dtype::kBF16:
+      return apply_for_type<__nv_bfloat16>(o, c, M, N, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Problem 84: out (M, N) <- row softmax of rnd(rnd(BatchNorm(out)) * scale)
+// (coeff and scale given: training) or of out itself (coeff == nullptr: eval),
+// in place.
+cudaError_t lowp_softmax_rows(int dtype, void* out, const float* coeff, const void* scale, int M, int N,
+                              cudaStream_t stream) {
+  using namespace fused_gemm_bn::lowp;
+  using namespace fused_gemm_bn::lowp::bn;
+  if (M == 0 || N == 0) return cudaSuccess;
+  const RowArgs p{static_cast<uint16_t*>(out), reinterpret_cast<const float4*>(coeff),
+                  coeff != nullptr ? static_cast<const uint16_t*>(scale) : nullptr, N};
+  switch (static_cast<Dtype>(dtype)) {
+    case Dtype::kF16:
+      return softmax_rows_for_type<__half>(p, M, stream);
+    case Dtype::kBF16:
+      return softmax_rows_for_type<__nv_bfloat16>(p, M, stream);
+  }
+  return cudaErrorInvalidValue;
+}

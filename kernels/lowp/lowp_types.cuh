@@ -1,0 +1,66 @@
+// lowp_types.cuh -- the 16-bit element types of kernels/lowp/ and the
+// conversions every 16-bit kernel uses.  Device helpers only.
+//
+// Element types: __half (IEEE binary16) and __nv_bfloat16 (bfloat16), both
+// 2 bytes.  The host launchers take untyped pointers and a Dtype code (the
+// torch binding maps the tensor's dtype to it) and instantiate each kernel for
+// both types; loads and stores move raw 16-bit patterns (uint16_t).
+//
+// Numerics: all arithmetic is float32; a value becomes 16-bit only through
+// from_float (round to nearest, ties to even: __float2half_rn /
+// __float2bfloat16_rn, as PyTorch's float -> Half / BFloat16 conversions on
+// CUDA).  round16(v) is the value a 16-bit tensor holding v would give back.
+// Each kernel header lists where it rounds, i.e. where PyTorch's eager ops do.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace fused_gemm_bn {
+namespace lowp {
+
+// The element type of a call, as the binding passes it.
+enum class Dtype : int { kF16 = 0, kBF16 = 1 };
+
+template <typename T>
+struct Bits;
+template <>
+struct Bits<__half> {
+  static __device__ __forceinline__ float to_float(uint16_t b) { return __half2float(__ushort_as_half(b)); }
+  static __device__ __forceinline__ uint16_t from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+template <>
+struct Bits<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(uint16_t b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
+  static __device__ __forceinline__ uint16_t from_float(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+};
+
+// A 16-bit pattern of type T as float32 (exact).
+template <typename T>
+__device__ __forceinline__ float load_float(const uint16_t* p) {
+  return Bits<T>::to_float(*p);
+}
+
+// v rounded to T, as its 16-bit pattern.
+template <typename T>
+__device__ __forceinline__ uint16_t to_bits(float v) {
+  return Bits<T>::from_float(v);
+}
+
+// v rounded to T and converted back (exact): the value a T tensor holding v gives.
+template <typename T>
+__device__ __forceinline__ float round16(float v) {
+  return Bits<T>::to_float(Bits<T>::from_float(v));
+}
+
+// Two patterns packed into 32 bits, the lower address in the low half.
+__device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+}  // namespace lowp
+}  // namespace fused_gemm_bn

@@ -594,9 +594,9 @@ _CPU_KERNELS = types.SimpleNamespace(
 )
 
 
-def _is_16bit(x):
-    """True for a 16-bit floating tensor (the two 16-bit float dtypes)."""
-    return x.is_floating_point() and torch.finfo(x.dtype).bits == 16
+def _is_16bit_dtype(dtype):
+    """True for the two 16-bit float dtypes."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits == 16
 
 
 def _kernels_for(x):
@@ -608,7 +608,7 @@ def _kernels_for(x):
         return _CPU_KERNELS
     if _ext is None:
         raise RuntimeError("ModelNew: CUDA tensor given but the extension was not built (no GPU at import)")
-    if _is_16bit(x):
+    if _is_16bit_dtype(x.dtype):
         return _lowp_kernels()
     return _ext
 
@@ -982,7 +982,7 @@ def _cuda_dtype_problem(dtype):
     float dtypes when kernels/lowp/ was found (_LOWP_DIR; never in the bundle)."""
     if dtype in (torch.float32, torch.float64):
         return None
-    sixteen = dtype.is_floating_point and torch.finfo(dtype).bits == 16
+    sixteen = _is_16bit_dtype(dtype)
     if sixteen and _LOWP_DIR is not None:
         return None
     if sixteen:
@@ -1059,7 +1059,7 @@ def _fused_forward(x, gemm, scale, bn, training, softmax):
     params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
-    if x.is_cuda and _is_16bit(x):
+    if x.is_cuda and _is_16bit_dtype(x.dtype):
         if grad:
             return _LowpFn.apply(kernels, softmax, training, buffers, momentum, eps, *params)
         return _forward_call(kernels, softmax, training, buffers, momentum, eps, params)

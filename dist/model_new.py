@@ -1502,18 +1502,24 @@ cudaError_t sm90_gemm_3xtf32_train_fused(const float* x_big, const float* x_smal
 //   Per k-step: w_big*x_big + w_big*x_small + w_small*x_big; dropped:
 //   w_small * x_small (< 2^-21 |wx|).
 //   Accumulation: the tensor core does not round to nearest when it adds into
-//   its fp32 accumulator (docs/perf.md, v1: error linear in K).  Each SLAB_K = 16
-//   slab's 6 wgmmas per 64-row half therefore go into a fresh register tile
-//   `part`, which is added to `acc` with ordinary round-to-nearest FADDs
-//   (DeepGEMM's FP8 promotion).  Measured ||z - z64|| / ||z64|| 0.3-0.8x eager
-//   FP32's on the tested shapes (docs/perf.md).
+//   its fp32 accumulator (docs/perf.md, v1: error linear in K).  The wgmmas of
+//   kPromoteBlocks * BLOCK_K = 32 k (12 per 64-row half) therefore go into a
+//   fresh register tile `part`, which is added to `acc` with ordinary
+//   round-to-nearest FADDs (DeepGEMM's FP8 promotion).  Within a slab the
+//   correction products go first, while |part| is small (a truncating add loses
+//   in proportion to the running |part|).  Measured (v18, H200)
+//   ||y - y64|| / ||y64|| 0.19-0.46x eager FP32's on the tested shapes of K >= 1000
+//   (docs/perf.md; promoting every 64 k was 1.5% faster, at 0.9-1.0x eager's error in eval).
 //   Non-finite inputs: inf - inf = NaN in the split, so an inf operand gives NaN.
 //
 // Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor; DeepGEMM's
 // sm90 GEMMs were read for the warp-specialised pattern)
 //   CTA tile BLOCK_N (features) x BLOCK_M (batch) = 128 x 128, BLOCK_K = 32.
 //   Warpgroups 0, 1: consumers, 64 features each, wgmma m64n64k8 with A from
-//   registers, registers raised to kConsumerRegs.  Warpgroup 2: producer; one
+//   registers, registers raised to kConsumerRegs.  A consumer issues each
+//   SLAB_K = 16 slab (both batch halves) as one commit group and waits with
+//   wait_group 1, so the tensor pipe drains only at the promotion once per
+//   k-block (v18: GEMM 1039-1050 -> 947-951 us at the KernelBench shape, H200).  Warpgroup 2: producer; one
 //   thread issues the TMA loads of w, x, x_small into a kNumStages ring of
 //   48 KB stages guarded by full (TMA bytes) and empty (one arrive per
 //   consumer warp) mbarriers.  Tiles are 128-byte swizzled by TMA and read in
@@ -1556,8 +1562,9 @@ struct Sm90GemmTraits {
   static constexpr int WGMMA_M = 64;
   static constexpr int WGMMA_N = 64;   // half the batch tile per wgmma
   static constexpr int WGMMA_K = 8;
-  static constexpr int SLAB_K = 16;                      // k per promotion of the partial sums
+  static constexpr int SLAB_K = 16;                      // k per A-fragment buffer (one commit group)
   static constexpr int kSlabSteps = SLAB_K / WGMMA_K;    // wgmma k-steps per slab
+  static constexpr int kPromoteBlocks = 1;  // k-blocks (of BLOCK_K) per promotion of the partial sums (v18)
   static constexpr int kNumConsumers = BLOCK_N / WGMMA_M;
   static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
   static constexpr int kNumStages = 4;
@@ -1699,10 +1706,10 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   }
 
   // Consumer warpgroups: 64 features each, as two 64 x 64 halves of the batch
-  // tile.  A stage's BLOCK_K = 32 is consumed as two slabs of SLAB_K = 16.  Per
-  // slab and half the 6 wgmmas go into a fresh `part` tile (one commit group);
-  // while the tensor core runs one half, the other half's finished `part` is
-  // promoted into `acc`, so the pipe does not drain between slabs.
+  // tile.  A stage's BLOCK_K = 32 is consumed as two slabs of SLAB_K = 16, each
+  // one commit group of 12 wgmmas (6 per half, into part[half]); the A
+  // fragments of the next slab are loaded while the previous one runs.  Every
+  // kPromoteBlocks k-blocks `part` is added to `acc` (the one full drain).
   setmaxnreg_inc<T::kConsumerRegs>();
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
@@ -1734,30 +1741,41 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
       }
     }
   };
-  // The 6 wgmmas of one slab for batch half `half` (rows 64 half .. +63 of the x tiles).
-  auto issue_half = [&](float(&d)[T::kPartRegs], const uint32_t(&a)[T::kSlabSteps][2][4], int q, int sub,
-                        int half) {
-    const uint8_t* x_big_tile = smem + (q % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES + half * 64 * 128;
-    const uint8_t* x_small_tile = x_big_tile + T::X_TILE_BYTES;
+  // The 12 wgmmas of one slab (both batch halves, 6 each) as one commit group.
+  // fresh: the slab's first wgmma per half overwrites `part` (a promotion just
+  // emptied it) instead of adding to it.
+  auto issue_slab = [&](const uint32_t(&a)[T::kSlabSteps][2][4], int q, int sub, bool fresh) {
+    const uint8_t* x_tiles = smem + (q % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES;
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < T::kSlabSteps; ++j) {
-      const uint32_t k_bytes = (sub * T::kSlabSteps + j) * T::WGMMA_K * 4;
-      const uint64_t desc_big = desc_kmajor_sw128(x_big_tile, k_bytes);
-      const uint64_t desc_small = desc_kmajor_sw128(x_small_tile, k_bytes);
-      wgmma_m64n64k8_rs(d, a[j][0], desc_big, j > 0);  // w_big * x_big (overwrites d first)
-      wgmma_m64n64k8_rs(d, a[j][0], desc_small, true);  // w_big * x_small
-      wgmma_m64n64k8_rs(d, a[j][1], desc_big, true);    // w_small * x_big
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* x_big_tile = x_tiles + half * 64 * 128;
+      const uint8_t* x_small_tile = x_big_tile + T::X_TILE_BYTES;
+      // Corrections first, while |part| is small (the tensor core's truncating
+      // adds lose in proportion to the running |part|), then the big products.
+#pragma unroll
+      for (int j = 0; j < T::kSlabSteps; ++j) {
+        const uint32_t k_bytes = (sub * T::kSlabSteps + j) * T::WGMMA_K * 4;
+        wgmma_m64n64k8_rs(part[half], a[j][0], desc_kmajor_sw128(x_small_tile, k_bytes), !(fresh && j == 0));
+        wgmma_m64n64k8_rs(part[half], a[j][1], desc_kmajor_sw128(x_big_tile, k_bytes), true);
+      }
+#pragma unroll
+      for (int j = 0; j < T::kSlabSteps; ++j) {
+        const uint32_t k_bytes = (sub * T::kSlabSteps + j) * T::WGMMA_K * 4;
+        wgmma_m64n64k8_rs(part[half], a[j][0], desc_kmajor_sw128(x_big_tile, k_bytes), true);
+      }
     }
     wgmma_commit();
   };
-  auto promote = [&](int half) {
+  auto promote = [&]() {
 #pragma unroll
-    for (int i = 0; i < T::kPartRegs; ++i) {
-      fence_operand(part[half][i]);  // read only after the wgmma wait
-      acc[half * T::kPartRegs + i] += part[half][i];
-      fence_operand(acc[half * T::kPartRegs + i]);  // add before the next wgmma overwrites part
-    }
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < T::kPartRegs; ++i) {
+        fence_operand(part[h][i]);  // read only after the wgmma wait
+        acc[h * T::kPartRegs + i] += part[h][i];
+        fence_operand(acc[h * T::kPartRegs + i]);  // add before the next wgmma overwrites part
+      }
   };
   auto keep_alive = [&](uint32_t(&a)[T::kSlabSteps][2][4]) {
 #pragma unroll
@@ -1767,48 +1785,48 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
 #pragma unroll
         for (int r = 0; r < 4; ++r) fence_operand(a[j][p][r]);
   };
-  // Slab `sub` of slot q; its A fragments are in buffer `sub`.  On entry the
-  // first half of this slab is in flight; on exit the first half of the next
-  // slab (if any), while the second half's `part` is promoted.  The wait before
-  // promote(0) retires both halves: ptxas keeps the wgmmas asynchronous only
-  // when at most one commit group is outstanding at every wait inside the loop
-  // (with wait<1> here as well it serialises them, warning C7514).  `sub` and
-  // `has_next` are compile-time constants, so the register arrays are never
-  // indexed at run time.
-  auto slab = [&](auto sub_c, auto has_next_c, int q) {
+  // Slab `sub` of ring slot q, its A fragments in buffer `sub`.  On entry the
+  // previous slab's group may be in flight; wait<1> retires the one before it,
+  // the last reader of buffer `sub` (and, for sub == 1, of slot q - 1, which is
+  // then released).  With promote_now the partial sums are first added to acc
+  // (wait<0>: the tensor pipe of this warpgroup drains once per promotion, not
+  // once per slab).  `sub` is a compile-time constant, so the register arrays
+  // are never indexed at run time.
+  auto slab = [&](auto sub_c, int q, int q0, bool promote_now) {
     constexpr int kSub = decltype(sub_c)::value;
-    constexpr bool kHasNext = decltype(has_next_c)::value;
-    constexpr int kNextSub = kSub ^ 1;
-    const int next_q = kSub == 0 ? q : q + 1;
-    issue_half(part[1], a_frag[kSub], q, kSub, 1);
-    if constexpr (kHasNext) {
-      if (kNextSub == 0) mbar_wait(&full_bar[next_q % T::kNumStages], (next_q / T::kNumStages) & 1);
-      load_a(a_frag[kNextSub], next_q, kNextSub);  // its previous reader, the slab before this one, is complete
-    }
-    wgmma_wait<0>();  // both halves of this slab done
+    if (kSub == 0) mbar_wait(&full_bar[q % T::kNumStages], (q / T::kNumStages) & 1);
+    wgmma_wait<1>();
     keep_alive(a_frag[kSub]);
-    promote(0);
-    if constexpr (kHasNext) issue_half(part[0], a_frag[kNextSub], next_q, kNextSub, 0);
-    promote(1);  // overlaps the next slab's first half
-    if (kSub == 1 && lane == 0) mbar_arrive(&empty_bar[q % T::kNumStages]);  // slot q fully read
+    if (kSub == 1 && q > q0 && lane == 0) mbar_arrive(&empty_bar[(q - 1) % T::kNumStages]);
+    load_a(a_frag[kSub], q, kSub);
+    if (promote_now) {
+      wgmma_wait<0>();
+      keep_alive(a_frag[kSub ^ 1]);
+      promote();
+    }
+    issue_slab(a_frag[kSub], q, kSub, promote_now);
   };
   using Sub0 = std::integral_constant<int, 0>;
   using Sub1 = std::integral_constant<int, 1>;
 
-  // acc = the sum over the segment's n k-blocks, from ring slot q0 on.
+  // acc = the sum over the segment's n k-blocks, from ring slot q0 on.  The
+  // partial sums are promoted every kPromoteBlocks k-blocks.
   auto mainloop = [&](int q0, int n) {
 #pragma unroll
     for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
     mbar_wait(&full_bar[q0 % T::kNumStages], (q0 / T::kNumStages) & 1);
     load_a(a_frag[0], q0, 0);
-    issue_half(part[0], a_frag[0], q0, 0, 0);
-    const int q_last = q0 + n - 1;
-    for (int q = q0; q < q_last; ++q) {
-      slab(Sub0{}, std::true_type{}, q);
-      slab(Sub1{}, std::true_type{}, q);
+    issue_slab(a_frag[0], q0, 0, true);
+    slab(Sub1{}, q0, q0, false);
+    for (int q = q0 + 1; q < q0 + n; ++q) {
+      slab(Sub0{}, q, q0, (q - q0) % T::kPromoteBlocks == 0);
+      slab(Sub1{}, q, q0, false);
     }
-    slab(Sub0{}, std::true_type{}, q_last);
-    slab(Sub1{}, std::false_type{}, q_last);
+    wgmma_wait<0>();
+    keep_alive(a_frag[0]);
+    keep_alive(a_frag[1]);
+    promote();
+    if (lane == 0) mbar_arrive(&empty_bar[(q0 + n - 1) % T::kNumStages]);
   };
 
   // Split-tile hand-off.  Every piece's CTA stores its partial sums in the

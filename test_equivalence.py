@@ -1,44 +1,97 @@
-"""Equivalence and accuracy tests: `model_new.ModelNew` against `reference.Model`
-(Linear -> * scale -> BatchNorm1d).  Names as in model_new.py: M = batch,
-K = in_features, N = out_features.
+"""Equivalence and accuracy tests of both problems' ModelNew against their
+reference Model, the checks they share written once and parametrized by
+problem (ids start with "33" or "84"; the descriptors, helpers and tolerances
+are in tests/problems.py), then problem 33's own checks:
+
+  problem 33: `model_new.ModelNew` vs `reference.Model`, Linear -> * scale -> BatchNorm1d
+  problem 84: level2_84_gemm_batchnorm_scaling_softmax/ `model_new.ModelNew` vs its
+              `reference.Model`, Linear -> BatchNorm1d -> * scale -> Softmax(dim=1)
+              (its own checks: level2_84_gemm_batchnorm_scaling_softmax/test_equivalence.py)
+
+Names as in model_new.py: M = batch, K = in_features, N = out_features.
+Output criteria per problem (tests/problems.py): problem 33 assert_close with
+rtol = atol = 1e-10 (float64) / 1e-4 (float32, CPU and GPU); problem 84's softmax
+outputs are ~1/N, so elementwise |ours - ref| <= 1e-4 |ref| + 1e-7 in float32
+(1e-10 in float64).  Problem 84's tests set a non-trivial scale (its initial one
+is all ones): 1.7, -0.8, random of both signs, or a ramp, as listed.
 
 Run: python -m pytest -q test_equivalence.py -s      (-s shows the measured errors)
 
-CPU tests (always run, also in CI with a CPU-only torch; ModelNew takes the `_cpu_*` functions)
-  - seeded-init parity: same seed -> same state_dict keys, order and bits
-  - state_dict loads both ways (strict), after training steps
-  - forward equivalence, train (4 steps, outputs and running stats after each
-    step) and eval, float64 (tight: 1e-10) and float32 (1e-4), momentum 0.1 / 0.3 /
-    None (cumulative average); tile tails (M around multiples of 128, odd K, N)
-  - non-contiguous inputs, inputs left unmodified
-  - bad inputs raise a clear error and leave every buffer unchanged; M == 1 in
-    training raises PyTorch's own ValueError text; M == 1 in eval works
-  - gradients through the CPU path equal Model's (float64)
+CPU tests, both problems (always run, also in CI with a CPU-only torch; ModelNew takes the `_cpu_*` functions)
+  - test_seeded_init_matches_reference: same seed -> same state_dict keys, order
+    and bits, same eps / momentum, parameter / buffer names, scale shape, same
+    number of random draws; default args, eps 1e-3 + momentum 0.3 + scale (1,),
+    eps 1e-4 + momentum None + scale (N,), scale (N,)
+  - test_state_dict_loads_both_ways: strict loads Model <-> ModelNew after 3
+    training steps (momentum 0.2, scale (N,); 84: scale a ramp -1.5 .. 2), same
+    eval output afterwards
+  - test_cpu_forward_matches_reference: train (4 steps, output and running_mean /
+    running_var / num_batches_tracked after each step) and eval, float64 and
+    float32, momentum 0.1 / 0.3 / None (cumulative average), shapes (64, 96, 80),
+    (300, 130, 70), (2, 5, 3), (129, 33, 257); 84: scale 1.7 and -0.8
+  - test_cpu_noncontiguous_input_and_input_unmodified: transposed, strided and
+    sliced x, train and eval: same output as for the contiguous copy and as
+    Model, running statistics as both, input and its storage left unmodified
+  - test_bad_input_raises_and_leaves_buffers_unchanged: rank 1 / 3, wrong K,
+    float64 input to a float32 module, train and eval: a clear error (Model
+    rejects the same input), every buffer unchanged
+  - test_batch_of_one_in_training_raises_pytorch_error: ValueError with
+    PyTorch's own text, buffers unchanged; test_batch_of_one_in_eval_matches_reference
+  - test_cpu_empty_batch_matches_reference: M = 0, train and eval: output shape
+    (0, N), num_batches_tracked and running statistics as Model leaves them
+
+CPU tests, problem 33 only
+  - test_cpu_tile_tails: M around multiples of the 128-row statistics tile, odd K, N
+  - test_cpu_scale_shape_and_eps: scale (1,) / (N,), eps 1e-5 / 0.5
+  - test_cpu_gradients_match_reference: gradients through the CPU path equal
+    Model's (float64), train and eval
   - 3xTF32 arithmetic emulated bit-exactly (cvt.rna.tf32.f32 as integer
     arithmetic; the small part rounded with cvt.rna as for x, or truncated by the
     MMA as for w): split accuracy, 3-term product accuracy vs float64, the bound
     on the dropped small*small term; negative control: 1xTF32 fails the check
-  - ptxas: every kernels/*.cu and kernels/lowp/*.cu compiles for sm_90a and sm_80
-    with no spills and no stack frame (skipped only when nvcc is not on PATH)
+  - test_ptxas_no_spills_no_stack: every kernels/*.cu and kernels/lowp/*.cu
+    compiles for sm_90a and sm_80 with no spills and no stack frame (skipped only
+    when nvcc is not on PATH)
 
-GPU tests (skipped without CUDA)
-  - equivalence with float32 Model, train (5 steps) and eval, KernelBench shape
-    (1024, 8192, 8192) and odd shapes (tails, K % 4 != 0 -> 4-byte load path)
-  - accuracy, train and eval (eval with the running statistics of the data).
-    Oracle: reference.Model in float64 on the GPU with the same parameters and
-    buffers.  err(t) = ||t - ref||_F / ||ref||_F.  Criterion, as
-    in flash-attention's tests: err(ModelNew) <= 2 * err(PyTorch float32 eager),
-    both printed; at the KernelBench shape with uniform input ModelNew must be at
-    least as accurate as eager float32.  Inputs: uniform, normal, large common
-    offset, columns of very different magnitude.
-  - negative control: eager Model with TF32 matmuls enabled fails that criterion,
-    so the criterion can tell 3xTF32 from plain TF32.
-  - momentum 0.3 / None / 0, eps, scale_shape (1,); empty batch in eval
-  - every output element written (caching allocator poisoned with NaN), inputs
-    unchanged, non-contiguous and misaligned x, no_grad / grad-enabled (same
-    output, backward fills every gradient; accuracy of the gradients in
-    tests/test_backward.py), current-stream semantics on a side stream, bad
-    inputs on CUDA.
+GPU tests, both problems (skipped without CUDA; float32 on cuda; [gemm_path]: run
+with the default kernel and again with the portable one forced through
+model_new.SWITCHES)
+  - test_gpu_matches_reference_train_and_eval [gemm_path]: 5 training steps
+    (outputs and running statistics, rtol = atol = 1e-4) and eval against
+    float32 Model (TF32 off); 33: KernelBench shape (1024, 8192, 8192), (1000,
+    1000, 1000), (257, 4100, 130), (33, 37, 515), (2, 8, 8), (4096, 256, 1000),
+    (64, 8191, 300); 84: (1024, 8192, 8192), (257, 4100, 130), (33, 37, 515)
+    (K % 4 != 0: 4-byte load path)
+  - test_gpu_momentum_eps_scale_variants: 33: scale (1,) + eps 1e-3 + momentum
+    0.3, momentum None, momentum 0 + eps 0.5; 84: momentum None, momentum 0.3 +
+    eps 1e-3 + scale -0.8, scale (N,) random, scale (1, N) random + momentum None
+    + eps 1e-3
+  - test_gpu_accuracy_vs_float64 [gemm_path]: train and eval (eval with the
+    running statistics of the data).  Oracle: Model in float64 on the GPU with the
+    same parameters and buffers; criterion as in flash-attention's tests, relative
+    to eager float32's error.  33: err = ||t - ref||_F / ||ref||_F, err(ModelNew)
+    <= 2 err(eager), and <= err(eager) at the KernelBench shape with uniform
+    input; inputs uniform, normal, large common offset, columns of very different
+    magnitude; (257, 4100, 130), (1000, 1000, 1000), KernelBench.  84: max
+    elementwise relative error <= 2x eager's and Frobenius <= 2x eager's + 1e-7;
+    inputs uniform, normal, offset; (257, 4100, 130), KernelBench
+  - test_gpu_every_output_element_written [gemm_path]: caching allocator
+    poisoned with NaN (the output block reuse is asserted), train and eval
+  - test_gpu_empty_batch_eval_matches_reference: output shape, state unchanged
+  - test_gpu_runs_on_current_stream: input written on a side stream behind a
+    device-side sleep, ModelNew called on that stream
+  - test_gpu_bad_inputs_raise_and_leave_buffers_unchanged: batch of 1 in
+    training (PyTorch's error), float64 input, CPU input, wrong K, rank 3, train
+    and eval; batch of 1 in eval works
+
+GPU tests, problem 33 only
+  - test_gpu_negative_control_plain_tf32_fails_accuracy_check: eager Model with
+    TF32 matmuls enabled fails the accuracy criterion, so the criterion can tell
+    3xTF32 from plain TF32
+  - test_gpu_input_unmodified_and_layouts: strided, transposed and misaligned x
+    (4-byte cp.async path), same output and state as for the aligned copy
+  - test_gpu_no_grad_and_grad_enabled: same output, backward fills every
+    gradient (accuracy of the gradients in tests/test_backward.py)
 """
 import copy
 import glob
@@ -51,223 +104,99 @@ import subprocess
 import pytest
 import torch
 
-from model_new import ModelNew
-from reference import Model
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-KERNEL_DIR = os.path.join(HERE, "kernels")
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (ModelNew's kernels)")
+from tests.problems import (BOTH, KERNEL_DIR, KERNELBENCH_SHAPE, P33, P84, assert_bn_buffers_close, assert_close,
+                            assert_state_equal, cases, check_seeded_init, cuda_gen, gpu_input, gpu_pair, make_pair,
+                            noncontiguous, rel_err, requires_cuda, snapshot, train_steps, train_then_eval_compare)
+from tests.problems import gemm_path  # noqa: F401  (pytest fixture: the GPU tests run on both GEMM kernels)
 
 # (M, K, N) for the CPU path: tile tails (M vs BLOCK_M = 128), odd K and N.
 CPU_SHAPES = [(64, 96, 80), (300, 130, 70), (2, 5, 3), (129, 33, 257)]
 
-KERNELBENCH_SHAPE = (1024, 8192, 8192)
+F64_F32 = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 
 
 # ---------------------------------------------------------------------------
-# Helpers
+# CPU, both problems: parameters and state
 # ---------------------------------------------------------------------------
 
-
-def rel_err(t, ref):
-    """||t - ref||_F / ||ref||_F, computed in float64."""
-    t, ref = t.detach().double(), ref.detach().double()
-    return ((t - ref).norm() / ref.norm()).item()
-
-
-def make_pair(seed, *init_args, device="cpu", dtype=torch.float32, **init_kwargs):
-    """(Model, ModelNew) built from the same seed, with identical parameters and
-    buffers, on `device` in `dtype`.  The state is also copied explicitly so that
-    every test but the init-parity one is independent of the random draws."""
-    torch.manual_seed(seed)
-    ref = Model(*init_args, **init_kwargs)
-    torch.manual_seed(seed)
-    new = ModelNew(*init_args, **init_kwargs)
-    new.load_state_dict(ref.state_dict())
-    return ref.to(device=device, dtype=dtype), new.to(device=device, dtype=dtype)
-
-
-def snapshot(module):
-    """Deep copy of the state_dict (parameters and buffers)."""
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def assert_state_equal(a, b, where=""):
-    assert list(a.keys()) == list(b.keys()), where
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{where}: {k} differs"
-
-
-def assert_close(actual, expected, rtol, atol, where):
-    try:
-        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
-    except AssertionError as e:
-        raise AssertionError(f"{where}: {e}") from None
-
-
-def assert_bn_buffers_close(new, ref, rtol, atol, where):
-    for name in ("running_mean", "running_var"):
-        assert_close(getattr(new.bn, name), getattr(ref.bn, name), rtol, atol, f"{where}: bn.{name}")
-    assert torch.equal(new.bn.num_batches_tracked, ref.bn.num_batches_tracked), f"{where}: bn.num_batches_tracked"
-
-
-def cpu_input(step, m, k, dtype, gen):
-    """Fresh input for training step `step`: normal, uniform + offset, wide normal, uniform."""
-    kind = step % 4
-    if kind == 0:
-        return torch.randn(m, k, generator=gen, dtype=dtype)
-    if kind == 1:
-        return torch.rand(m, k, generator=gen, dtype=dtype) + 2.0
-    if kind == 2:
-        return 3.0 * torch.randn(m, k, generator=gen, dtype=dtype)
-    return torch.rand(m, k, generator=gen, dtype=dtype)
-
-
-# Tolerances of the CPU comparison, per dtype: (outputs, running statistics).
-CPU_TOL = {
-    torch.float64: (dict(rtol=1e-10, atol=1e-10), dict(rtol=1e-10, atol=1e-12)),
-    torch.float32: (dict(rtol=1e-4, atol=1e-4), dict(rtol=1e-5, atol=1e-5)),
+# (K, N, constructor arguments other than the defaults), as tests/problems.py's init_args take them.
+INIT_CASES = {
+    "default": (96, 80, {}),
+    "eps1e-3_momentum0.3_scale1": (33, 257, dict(scale_shape=(1,), eps=1e-3, momentum=0.3)),
+    "eps1e-4_cumulative_scaleN": (5, 3, dict(scale_shape=(3,), eps=1e-4, momentum=None)),
+    "scaleN": (40, 24, dict(scale_shape=(24,))),
 }
 
 
-def train_then_eval_compare(ref, new, m, k, dtype, steps, tol_out, tol_buf, seed=0, where=""):
-    """`steps` training steps with fresh inputs, comparing outputs and running
-    statistics after each; then one eval-mode step."""
-    gen = torch.Generator().manual_seed(seed)
-    ref.train()
-    new.train()
-    for step in range(steps):
-        x = cpu_input(step, m, k, dtype, gen)
-        out_ref, out_new = ref(x), new(x)
-        assert out_new.shape == out_ref.shape and out_new.dtype == out_ref.dtype
-        assert_close(out_new, out_ref, where=f"{where} train step {step}: output", **tol_out)
-        assert_bn_buffers_close(new, ref, where=f"{where} train step {step}", **tol_buf)
-    ref.eval()
-    new.eval()
-    x = cpu_input(steps, m, k, dtype, gen)
-    assert_close(new(x), ref(x), where=f"{where} eval: output", **tol_out)
-    assert_bn_buffers_close(new, ref, where=f"{where} eval", **tol_buf)
-
-
-# ---------------------------------------------------------------------------
-# CPU: parameters and state
-# ---------------------------------------------------------------------------
-
-INIT_ARGS = [
-    ((96, 80, (80,)), {}),
-    ((33, 257, (1,)), dict(eps=1e-3, momentum=0.3)),
-    ((5, 3, (3,)), dict(eps=1e-4, momentum=None)),
-]
-
-
 @pytest.mark.parametrize("seed", [0, 1234])
-@pytest.mark.parametrize("args,kwargs", INIT_ARGS, ids=["default", "scale1_eps1e-3_momentum0.3", "eps1e-4_cumulative"])
-def test_seeded_init_matches_reference(seed, args, kwargs):
-    torch.manual_seed(seed)
-    ref = Model(*args, **kwargs)
-    next_draw_ref = torch.rand(4)
-    torch.manual_seed(seed)
-    new = ModelNew(*args, **kwargs)
-    next_draw_new = torch.rand(4)
-    assert_state_equal(new.state_dict(), ref.state_dict(), "seeded init")
-    assert new.bn.eps == ref.bn.eps and new.bn.momentum == ref.bn.momentum
-    assert [n for n, _ in new.named_parameters()] == [n for n, _ in ref.named_parameters()]
-    assert [n for n, _ in new.named_buffers()] == [n for n, _ in ref.named_buffers()]
-    # Same number of draws: the global RNG is left in the same state.
-    assert torch.equal(next_draw_new, next_draw_ref)
-
-
-def _train_steps(module, m, k, steps, seed):
-    gen = torch.Generator().manual_seed(seed)
-    module.train()
-    for step in range(steps):
-        module(cpu_input(step, m, k, torch.float32, gen))
+@pytest.mark.parametrize("case", list(INIT_CASES))
+@pytest.mark.parametrize("problem", BOTH)
+def test_seeded_init_matches_reference(problem, case, seed):
+    k, n, init = INIT_CASES[case]
+    args, kwargs = problem.init_args(k, n, **init)
+    check_seeded_init(problem, args, kwargs, seed)
 
 
 @pytest.mark.parametrize("direction", ["Model->ModelNew", "ModelNew->Model"])
-def test_state_dict_loads_both_ways(direction):
+@pytest.mark.parametrize("problem,src_scale,tol", cases({
+    "33": [(None, dict(rtol=1e-5, atol=1e-5))],
+    "84": [(lambda n: torch.linspace(-1.5, 2.0, n), P84.cpu_tol[torch.float32][0])],
+}, id_of=lambda *_: ""))
+def test_state_dict_loads_both_ways(problem, src_scale, tol, direction):
     m, k, n = 64, 96, 80
+    args, kwargs = problem.init_args(k, n, scale_shape=(n,), momentum=0.2)
+    src_cls, dst_cls = ((problem.Model, problem.ModelNew) if direction == "Model->ModelNew"
+                        else (problem.ModelNew, problem.Model))
     torch.manual_seed(0)
-    src = Model(k, n, (n,), momentum=0.2) if direction == "Model->ModelNew" else ModelNew(k, n, (n,), momentum=0.2)
-    _train_steps(src, m, k, steps=3, seed=1)
+    src = src_cls(*args, **kwargs)
+    if src_scale is not None:
+        with torch.no_grad():
+            src.scale.copy_(src_scale(n))
+    train_steps(src, m, k, steps=3, seed=1)
     assert int(src.bn.num_batches_tracked) == 3
     assert not torch.equal(src.bn.running_mean, torch.zeros(n))
 
     torch.manual_seed(99)  # different parameters before loading
-    dst = ModelNew(k, n, (n,), momentum=0.2) if direction == "Model->ModelNew" else Model(k, n, (n,), momentum=0.2)
+    dst = dst_cls(*args, **kwargs)
     dst.load_state_dict(src.state_dict(), strict=True)
     assert_state_equal(dst.state_dict(), src.state_dict(), direction)
 
     src.eval()
     dst.eval()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
-    assert_close(dst(x), src(x), rtol=1e-5, atol=1e-5, where=f"{direction} eval after load")
+    assert_close(dst(x), src(x), where=f"{direction} eval after load", **tol)
 
 
 # ---------------------------------------------------------------------------
-# CPU: forward equivalence
+# CPU, both problems: forward equivalence
 # ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("momentum", [0.1, 0.3, None], ids=["momentum0.1", "momentum0.3", "cumulative"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@F64_F32
 @pytest.mark.parametrize("m,k,n", CPU_SHAPES)
-def test_cpu_forward_matches_reference(m, k, n, dtype, momentum):
-    ref, new = make_pair(0, k, n, (n,), momentum=momentum, dtype=dtype)
-    tol_out, tol_buf = CPU_TOL[dtype]
+@pytest.mark.parametrize("problem,scale", cases({"33": [None], "84": [1.7, -0.8]},
+                                                id_of=lambda s: "" if s is None else f"scale{s}"))
+def test_cpu_forward_matches_reference(problem, scale, m, k, n, dtype, momentum):
+    ref, new = make_pair(problem, 0, k, n, momentum=momentum, dtype=dtype, scale=scale)
+    tol_out, tol_buf = problem.cpu_tol[dtype]
     train_then_eval_compare(ref, new, m, k, dtype, steps=4, tol_out=tol_out, tol_buf=tol_buf,
-                            where=f"({m},{k},{n}) {dtype} momentum={momentum}")
-
-
-@pytest.mark.parametrize("m", [3, 127, 128, 129, 255, 256, 257, 385])
-def test_cpu_tile_tails(m):
-    """M around multiples of the 128-row statistics tile: the partial last tile
-    enters Chan's merge with its own count; odd K and N."""
-    k, n = 37, 19
-    ref, new = make_pair(3, k, n, (n,), dtype=torch.float64)
-    tol_out, tol_buf = CPU_TOL[torch.float64]
-    train_then_eval_compare(ref, new, m, k, torch.float64, steps=2, tol_out=tol_out, tol_buf=tol_buf,
-                            where=f"M={m}")
-
-
-@pytest.mark.parametrize("scale_shape", [(1,), (19,)])
-@pytest.mark.parametrize("eps", [1e-5, 0.5])
-def test_cpu_scale_shape_and_eps(scale_shape, eps):
-    m, k, n = 40, 23, 19
-    ref, new = make_pair(4, k, n, scale_shape, eps=eps, dtype=torch.float64)
-    tol_out, tol_buf = CPU_TOL[torch.float64]
-    train_then_eval_compare(ref, new, m, k, torch.float64, steps=3, tol_out=tol_out, tol_buf=tol_buf,
-                            where=f"scale_shape={scale_shape} eps={eps}")
-
-
-def _noncontiguous(x, how):
-    m, k = x.shape
-    if how == "transposed":  # column-major strides
-        return x.t().contiguous().t()
-    if how == "strided":  # every other column of a wider tensor
-        wide = torch.zeros(m, 2 * k, dtype=x.dtype, device=x.device)
-        wide[:, ::2] = x
-        return wide[:, ::2]
-    if how == "sliced":  # interior window of a larger tensor
-        big = torch.zeros(m + 3, k + 5, dtype=x.dtype, device=x.device)
-        big[2:2 + m, 3:3 + k] = x
-        return big[2:2 + m, 3:3 + k]
-    raise ValueError(how)
+                            where=f"{problem} ({m},{k},{n}) {dtype} momentum={momentum} scale={scale}")
 
 
 @pytest.mark.parametrize("how", ["transposed", "strided", "sliced"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-def test_cpu_noncontiguous_input_and_input_unmodified(how, dtype):
+@F64_F32
+@pytest.mark.parametrize("problem,scale", cases({"33": [None], "84": ["random"]}, id_of=lambda s: ""))
+def test_cpu_noncontiguous_input_and_input_unmodified(problem, scale, dtype, how):
     m, k, n = 129, 33, 70
-    ref, new = make_pair(5, k, n, (n,), dtype=dtype)
+    ref, new = make_pair(problem, 5, k, n, scale_shape=(n,), dtype=dtype, scale=scale)
     new_c = copy.deepcopy(new)
-    tol_out, tol_buf = CPU_TOL[dtype]
+    tol_out, tol_buf = problem.cpu_tol[dtype]
     gen = torch.Generator().manual_seed(6)
     for mode in ("train", "eval"):
         for module in (ref, new, new_c):
             module.train(mode == "train")
-        x = _noncontiguous(torch.randn(m, k, generator=gen, dtype=dtype), how)
+        x = noncontiguous(torch.randn(m, k, generator=gen, dtype=dtype), how)
         assert not x.is_contiguous()
         x_before = x.clone()
         base_before = x._base.clone() if x._base is not None else None
@@ -279,10 +208,11 @@ def test_cpu_noncontiguous_input_and_input_unmodified(how, dtype):
         assert_close(out_nc, out_c, where=f"{how} {mode}: non-contiguous vs contiguous", **tol_out)
         assert_close(out_nc, ref(x), where=f"{how} {mode}: vs Model", **tol_out)
         assert_bn_buffers_close(new, new_c, where=f"{how} {mode}", **tol_buf)
+        assert_bn_buffers_close(new, ref, where=f"{how} {mode} vs Model", **tol_buf)
 
 
 # ---------------------------------------------------------------------------
-# CPU: errors
+# CPU, both problems: errors and edge cases
 # ---------------------------------------------------------------------------
 
 BAD_INPUTS = {
@@ -292,13 +222,17 @@ BAD_INPUTS = {
     "dtype": lambda m, k: torch.randn(m, k, dtype=torch.float64),
 }
 
+# The scale of the pairs below: problem 33 keeps its drawn one, problem 84's is set.
+SCALE_17 = cases({"33": [None], "84": [1.7]}, id_of=lambda s: "")
+
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("bad", list(BAD_INPUTS))
-def test_bad_input_raises_and_leaves_buffers_unchanged(bad, training):
+@pytest.mark.parametrize("problem,scale", SCALE_17)
+def test_bad_input_raises_and_leaves_buffers_unchanged(problem, scale, bad, training):
     m, k, n = 8, 96, 80
-    ref, new = make_pair(7, k, n, (n,))
-    _train_steps(new, 16, k, steps=2, seed=8)  # non-trivial buffers
+    ref, new = make_pair(problem, 7, k, n, scale=scale)
+    train_steps(new, 16, k, steps=2, seed=8)  # non-trivial buffers
     new.train(training)
     ref.train(training)
     x = BAD_INPUTS[bad](m, k)
@@ -317,13 +251,14 @@ def test_bad_input_raises_and_leaves_buffers_unchanged(bad, training):
         assert "dtype" in msg and "float64" in msg and "float32" in msg, msg
 
 
-def test_batch_of_one_in_training_raises_pytorch_error():
+@pytest.mark.parametrize("problem,scale", SCALE_17)
+def test_batch_of_one_in_training_raises_pytorch_error(problem, scale):
     k, n = 96, 80
-    ref, new = make_pair(9, k, n, (n,))
-    _train_steps(new, 16, k, steps=2, seed=10)
+    ref, new = make_pair(problem, 9, k, n, scale=scale)
+    train_steps(new, 16, k, steps=2, seed=10)
     x = torch.randn(1, k)
     before = snapshot(new)
-    with pytest.raises(ValueError) as exc_new:
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training") as exc_new:
         new(x)
     with pytest.raises(ValueError) as exc_ref:
         ref(x)
@@ -331,46 +266,72 @@ def test_batch_of_one_in_training_raises_pytorch_error():
     assert_state_equal(snapshot(new), before, "after rejected batch of 1")
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-def test_batch_of_one_in_eval_matches_reference(dtype):
+@F64_F32
+@pytest.mark.parametrize("problem,scale", cases({"33": [None], "84": [-0.8]}, id_of=lambda s: ""))
+def test_batch_of_one_in_eval_matches_reference(problem, scale, dtype):
     k, n = 96, 80
-    ref, new = make_pair(11, k, n, (n,), dtype=dtype)
-    train_then_eval_compare(ref, new, 32, k, dtype, steps=2, tol_out=CPU_TOL[dtype][0], tol_buf=CPU_TOL[dtype][1])
+    ref, new = make_pair(problem, 11, k, n, dtype=dtype, scale=scale)
+    tol_out, tol_buf = problem.cpu_tol[dtype]
+    train_then_eval_compare(ref, new, 32, k, dtype, steps=2, tol_out=tol_out, tol_buf=tol_buf)
     x = torch.randn(1, k, dtype=dtype)
+    before = snapshot(new)
     out = new(x)
     assert out.shape == (1, n)
-    assert_close(out, ref(x), where="eval, batch of 1", **CPU_TOL[dtype][0])
+    assert_close(out, ref(x), where="eval, batch of 1", **tol_out)
+    assert_state_equal(snapshot(new), before, "eval, batch of 1")
 
 
-def test_cpu_empty_batch_eval_matches_reference():
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("problem,scale", SCALE_17)
+def test_cpu_empty_batch_matches_reference(problem, scale, training):
+    """nn.BatchNorm1d returns an empty (0, N) output for an empty batch, counts a
+    training call in num_batches_tracked and leaves the running statistics
+    alone; ModelNew does whatever Model does (compared, not assumed)."""
     k, n = 9, 7
-    ref, new = make_pair(12, k, n, (n,))
-    ref.eval()
-    new.eval()
-    x = torch.randn(0, k)
-    assert new(x).shape == ref(x).shape == (0, n)
-
-
-def test_cpu_empty_batch_train_matches_reference():
-    """nn.BatchNorm1d returns an empty (0, N) output for an empty batch in
-    training, counts the call in num_batches_tracked and leaves the running
-    statistics alone; ModelNew does the same."""
-    k, n = 9, 7
-    ref, new = make_pair(12, k, n, (n,))
+    ref, new = make_pair(problem, 12, k, n, scale=scale)
+    train_steps(ref, 16, k, steps=2, seed=13)
+    new.load_state_dict(ref.state_dict())
+    ref.train(training)
+    new.train(training)
     x = torch.randn(0, k)
     try:
         out_ref = ref(x)
     except (RuntimeError, ValueError) as e:
-        pytest.skip(f"this torch's BatchNorm1d rejects an empty batch too: {e}")
+        pytest.skip(f"this torch's Model rejects an empty batch: {e}")
     out_new = new(x)
     assert out_new.shape == out_ref.shape == (0, n)
-    for key, value in ref.state_dict().items():
-        assert torch.equal(new.state_dict()[key], value), key
+    assert out_new.dtype == out_ref.dtype
+    ref_state = ref.state_dict()
+    for key, value in new.state_dict().items():
+        assert torch.equal(value, ref_state[key]), key
+    expected_count = 3 if training else 2
+    assert int(new.bn.num_batches_tracked) == expected_count
 
 
 # ---------------------------------------------------------------------------
-# CPU: gradients
+# CPU, problem 33: tile tails, scale shape and eps, gradients
 # ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [3, 127, 128, 129, 255, 256, 257, 385])
+def test_cpu_tile_tails(m):
+    """M around multiples of the 128-row statistics tile: the partial last tile
+    enters Chan's merge with its own count; odd K and N."""
+    k, n = 37, 19
+    ref, new = make_pair(P33, 3, k, n, dtype=torch.float64)
+    tol_out, tol_buf = P33.cpu_tol[torch.float64]
+    train_then_eval_compare(ref, new, m, k, torch.float64, steps=2, tol_out=tol_out, tol_buf=tol_buf,
+                            where=f"M={m}")
+
+
+@pytest.mark.parametrize("scale_shape", [(1,), (19,)])
+@pytest.mark.parametrize("eps", [1e-5, 0.5])
+def test_cpu_scale_shape_and_eps(scale_shape, eps):
+    m, k, n = 40, 23, 19
+    ref, new = make_pair(P33, 4, k, n, scale_shape=scale_shape, eps=eps, dtype=torch.float64)
+    tol_out, tol_buf = P33.cpu_tol[torch.float64]
+    train_then_eval_compare(ref, new, m, k, torch.float64, steps=3, tol_out=tol_out, tol_buf=tol_buf,
+                            where=f"scale_shape={scale_shape} eps={eps}")
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
@@ -379,11 +340,11 @@ def test_cpu_gradients_match_reference(training):
     _eval_with_grad over the _cpu_* functions) and must give Model's gradients
     (more in tests/test_backward.py)."""
     m, k, n = 48, 20, 12
-    ref, new = make_pair(13, k, n, (n,), dtype=torch.float64)
+    ref, new = make_pair(P33, 13, k, n, dtype=torch.float64)
     gen = torch.Generator().manual_seed(14)
     if not training:
-        train_then_eval_compare(ref, new, m, k, torch.float64, steps=2, tol_out=CPU_TOL[torch.float64][0],
-                                tol_buf=CPU_TOL[torch.float64][1])
+        train_then_eval_compare(ref, new, m, k, torch.float64, steps=2, tol_out=P33.cpu_tol[torch.float64][0],
+                                tol_buf=P33.cpu_tol[torch.float64][1])
     ref.train(training)
     new.train(training)
     x = torch.randn(m, k, generator=gen, dtype=torch.float64)
@@ -405,7 +366,7 @@ def test_cpu_gradients_match_reference(training):
 
 
 # ---------------------------------------------------------------------------
-# CPU: 3xTF32 arithmetic, emulated bit-exactly
+# CPU, problem 33: 3xTF32 arithmetic, emulated bit-exactly
 # ---------------------------------------------------------------------------
 
 
@@ -536,7 +497,7 @@ def test_dropped_small_times_small_term_is_bounded(small_rounding):
 
 
 # ---------------------------------------------------------------------------
-# ptxas resource check (no GPU needed)
+# CPU, problem 33: ptxas resource check of the kernels both problems use (no GPU needed)
 # ---------------------------------------------------------------------------
 
 # kernels/*.cu and the 16-bit kernels in kernels/lowp/ (which include kernels/bn_stats.cuh).
@@ -569,136 +530,94 @@ def test_ptxas_no_spills_no_stack(cu_file, tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# GPU
+# GPU, both problems
 # ---------------------------------------------------------------------------
 
-GPU_SHAPES = [KERNELBENCH_SHAPE, (1000, 1000, 1000), (257, 4100, 130), (33, 37, 515), (2, 8, 8),
-              (4096, 256, 1000), (64, 8191, 300)]
-ACCURACY_SHAPES = [(257, 4100, 130), (1000, 1000, 1000), KERNELBENCH_SHAPE]
-INPUT_KINDS = ["uniform", "normal", "offset100", "column_scales"]
+GPU_SHAPES = {
+    "33": [KERNELBENCH_SHAPE, (1000, 1000, 1000), (257, 4100, 130), (33, 37, 515), (2, 8, 8),
+           (4096, 256, 1000), (64, 8191, 300)],
+    "84": [KERNELBENCH_SHAPE, (257, 4100, 130), (33, 37, 515)],
+}
+ACCURACY_SHAPES = {
+    "33": [(257, 4100, 130), (1000, 1000, 1000), KERNELBENCH_SHAPE],
+    "84": [(257, 4100, 130), KERNELBENCH_SHAPE],
+}
+INPUT_KINDS = {
+    "33": ["uniform", "normal", "offset100", "column_scales"],
+    "84": ["uniform", "normal", "offset100"],
+}
+OUTPUT_WRITTEN_SHAPES = [KERNELBENCH_SHAPE, (257, 4100, 130), (33, 37, 515)]
 
 
-_GPU_BASE = {}
-
-
-def gpu_pair(m, k, n, seed=0, **init_kwargs):
-    """Fresh (Model, ModelNew) float32 on cuda, identical parameters; the initial
-    pair is built once per configuration and deep-copied."""
-    key = (k, n, seed, tuple(sorted(init_kwargs.items())))
-    if key not in _GPU_BASE:
-        scale_shape = init_kwargs.pop("scale_shape", (n,))
-        _GPU_BASE.clear()  # keep at most one large pair resident
-        _GPU_BASE[key] = make_pair(seed, k, n, scale_shape, device="cuda", **init_kwargs)
-    ref, new = _GPU_BASE[key]
-    return copy.deepcopy(ref), copy.deepcopy(new)
-
-
-def gpu_input(kind, m, k, gen):
-    if kind == "uniform":
-        return torch.rand(m, k, device="cuda", generator=gen)
-    if kind == "normal":
-        return torch.randn(m, k, device="cuda", generator=gen)
-    if kind == "offset100":
-        return torch.rand(m, k, device="cuda", generator=gen) + 100.0
-    if kind == "column_scales":
-        return torch.randn(m, k, device="cuda", generator=gen) * torch.logspace(-3, 3, k, device="cuda")
-    raise ValueError(kind)
-
-
-def cuda_gen(seed):
-    return torch.Generator(device="cuda").manual_seed(seed)
-
-
-GPU_TOL = dict(rtol=1e-4, atol=1e-4)
-
-# "default" takes the kernel the device dispatches to (the Hopper wgmma kernel on
-# compute capability 9.0, the portable mma.sync kernel elsewhere); "portable"
-# forces the portable kernel (FUSED_GEMM_BN_PORTABLE=1), so a Hopper run tests both.
-GEMM_PATHS = ["default", "portable"]
-
-
-@pytest.fixture(params=GEMM_PATHS)
-def gemm_path(request, monkeypatch):
-    if request.param == "portable":
-        monkeypatch.setenv("FUSED_GEMM_BN_PORTABLE", "1")
-    else:
-        monkeypatch.delenv("FUSED_GEMM_BN_PORTABLE", raising=False)
-    return request.param
-
-
-def gemm_kernel_names(fn):
-    """Names of the CUDA kernels fn() launches whose name contains 'gemm'."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if "gemm" in e.name}
+def _shape_id(m, k, n):
+    return f"{m}-{k}-{n}"
 
 
 @requires_cuda
-@pytest.mark.parametrize("mode", ["train", "eval"])
-def test_gpu_dispatch_by_compute_capability(mode, gemm_path):
-    """sm_90 runs the wgmma kernel unless the portable one is forced; other GPUs
-    run the portable kernel."""
-    m, k, n = 256, 512, 384
-    _, new = gpu_pair(m, k, n)
-    new.train(mode == "train")
-    x = torch.rand(m, k, device="cuda")
-    with torch.no_grad():
-        names = gemm_kernel_names(lambda: new(x))
-    hopper = torch.cuda.get_device_capability() == (9, 0) and gemm_path == "default"
-    expected = "sm90_gemm_3xtf32" if hopper else "sm80_gemm_3xtf32"
-    assert any(expected in name for name in names), names
-    assert not any(("sm80_gemm" if hopper else "sm90_gemm_3xtf32_bn_kernel") in name for name in names), names
-
-
-@requires_cuda
-@pytest.mark.parametrize("m,k,n", GPU_SHAPES)
-def test_gpu_matches_reference_train_and_eval(m, k, n, fp32_matmul, gemm_path):
-    ref, new = gpu_pair(m, k, n)
+@pytest.mark.parametrize("problem,m,k,n", cases(GPU_SHAPES, id_of=_shape_id))
+def test_gpu_matches_reference_train_and_eval(problem, m, k, n, fp32_matmul, gemm_path):
+    ref, new = gpu_pair(problem, m, k, n)
+    out_tol, buf_tol = problem.gpu_out_tol, problem.gpu_buf_tol
     gen = cuda_gen(30)
+    worst = 0.0
     for step in range(5):
         x = gpu_input("uniform" if step % 2 == 0 else "normal", m, k, gen)
         with torch.no_grad():
             out_ref, out_new = ref(x), new(x)
         assert out_new.shape == (m, n) and out_new.dtype == torch.float32 and out_new.is_cuda
-        assert_close(out_new, out_ref, where=f"({m},{k},{n}) train step {step}", **GPU_TOL)
-        assert_bn_buffers_close(new, ref, where=f"({m},{k},{n}) train step {step}", **GPU_TOL)
+        worst = max(worst, problem.diff(out_new, out_ref))
+        assert_close(out_new, out_ref, where=f"({m},{k},{n}) train step {step}", **out_tol)
+        assert_bn_buffers_close(new, ref, where=f"({m},{k},{n}) train step {step}", **buf_tol)
     ref.eval()
     new.eval()
     x = gpu_input("uniform", m, k, gen)
     with torch.no_grad():
-        assert_close(new(x), ref(x), where=f"({m},{k},{n}) eval", **GPU_TOL)
-    assert_bn_buffers_close(new, ref, where=f"({m},{k},{n}) eval", **GPU_TOL)
+        out_ref, out_new = ref(x), new(x)
+    print(f"\n[equivalence] {problem.name} {gemm_path:8s} ({m},{k},{n}): {problem.diff_name} vs fp32 Model: "
+          f"train {worst:.3e}, eval {problem.diff(out_new, out_ref):.3e}")
+    assert_close(out_new, out_ref, where=f"({m},{k},{n}) eval", **out_tol)
+    assert_bn_buffers_close(new, ref, where=f"({m},{k},{n}) eval", **buf_tol)
+
+
+# (id, scale, constructor arguments as tests/problems.py's init_args take them)
+GPU_VARIANTS = {
+    "33": [("scale1_eps1e-3_momentum0.3", None, dict(scale_shape=(1,), eps=1e-3, momentum=0.3)),
+           ("cumulative", None, dict(momentum=None)),
+           ("momentum0_eps0.5", None, dict(momentum=0.0, eps=0.5))],
+    "84": [("cumulative", 1.7, dict(momentum=None)),
+           ("momentum0.3_eps1e-3_negscale", -0.8, dict(momentum=0.3, eps=1e-3)),
+           ("scaleN_random", "random", dict(scale_shape=(70,))),
+           ("scale1xN_random_cumulative_eps1e-3", "random", dict(scale_shape=(1, 70), momentum=None, eps=1e-3))],
+}
 
 
 @requires_cuda
-@pytest.mark.parametrize("init_kwargs", [dict(scale_shape=(1,), eps=1e-3, momentum=0.3),
-                                         dict(momentum=None), dict(momentum=0.0, eps=0.5)],
-                         ids=["scale1_eps1e-3_momentum0.3", "cumulative", "momentum0_eps0.5"])
-def test_gpu_momentum_eps_scale_variants(init_kwargs, fp32_matmul):
+@pytest.mark.parametrize("problem,variant,scale,init", cases(GPU_VARIANTS, id_of=lambda v, s, i: v))
+def test_gpu_momentum_eps_scale_variants(problem, variant, scale, init, fp32_matmul):
     m, k, n = 300, 130, 70
-    ref, new = gpu_pair(m, k, n, seed=31, **init_kwargs)
+    ref, new = gpu_pair(problem, m, k, n, seed=31, scale=scale, **init)
+    if scale == "random":
+        assert bool((new.scale < 0).any()) and bool((new.scale > 0).any())
     gen = cuda_gen(32)
     for step in range(4):
-        x = gpu_input(INPUT_KINDS[step % 2], m, k, gen)
+        x = gpu_input(["uniform", "normal"][step % 2], m, k, gen)
         with torch.no_grad():
-            assert_close(new(x), ref(x), where=f"{init_kwargs} train step {step}", **GPU_TOL)
-        assert_bn_buffers_close(new, ref, where=f"{init_kwargs} train step {step}", **GPU_TOL)
+            assert_close(new(x), ref(x), where=f"{variant} train step {step}", **problem.gpu_out_tol)
+        assert_bn_buffers_close(new, ref, where=f"{variant} train step {step}", **problem.gpu_buf_tol)
     ref.eval()
     new.eval()
     x = gpu_input("normal", m, k, gen)
     with torch.no_grad():
-        assert_close(new(x), ref(x), where=f"{init_kwargs} eval", **GPU_TOL)
+        assert_close(new(x), ref(x), where=f"{variant} eval", **problem.gpu_out_tol)
 
 
-def _accuracy_case(m, k, n, kind, mode, seed):
+def _accuracy_case(problem, m, k, n, kind, mode, seed):
     """One accuracy case: returns (out ModelNew, out eager float32, out float64
     oracle, the eager float32 Model, x).  Eval mode first trains two steps with
     momentum=None (cumulative average), so the running statistics are those of
     the data, as after long training: the folded eval affine a * z + c then
     cancels as much as it does in use.  All three models hold the same state."""
-    ref32, new = gpu_pair(m, k, n)
+    ref32, new = gpu_pair(problem, m, k, n)
     gen = cuda_gen(seed)
     if mode == "eval":
         momentum, ref32.bn.momentum = ref32.bn.momentum, None
@@ -717,47 +636,25 @@ def _accuracy_case(m, k, n, kind, mode, seed):
 
 @requires_cuda
 @pytest.mark.parametrize("mode", ["train", "eval"])
-@pytest.mark.parametrize("kind", INPUT_KINDS)
-@pytest.mark.parametrize("m,k,n", ACCURACY_SHAPES)
-def test_gpu_accuracy_vs_float64(m, k, n, kind, mode, fp32_matmul, gemm_path):
-    out_new, out_eager, out_64, _, _ = _accuracy_case(m, k, n, kind, mode, seed=40)
-    err_new, err_eager = rel_err(out_new, out_64), rel_err(out_eager, out_64)
-    print(f"\n[accuracy] {gemm_path:8s} ({m},{k},{n}) {kind:13s} {mode:5s}: err(ModelNew) {err_new:.3e}  "
-          f"err(PyTorch fp32) {err_eager:.3e}  ratio {err_new / err_eager:.2f}")
-    assert math.isfinite(err_new)
-    assert err_new <= 2 * err_eager
-    if (m, k, n) == KERNELBENCH_SHAPE and kind == "uniform":
-        assert err_new <= err_eager
+@pytest.mark.parametrize("problem,m,k,n,kind", cases(
+    {name: [(*shape, kind) for shape in ACCURACY_SHAPES[name] for kind in INPUT_KINDS[name]] for name in ("33", "84")}))
+def test_gpu_accuracy_vs_float64(problem, m, k, n, kind, mode, fp32_matmul, gemm_path):
+    out_new, out_eager, out_64, _, _ = _accuracy_case(problem, m, k, n, kind, mode, seed=40)
+    problem.check_accuracy(out_new, out_eager, out_64, (m, k, n), kind,
+                           label=f"{problem.name} {gemm_path:8s} ({m},{k},{n}) {kind:13s} {mode:5s}")
 
 
 @requires_cuda
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_gpu_negative_control_plain_tf32_fails_accuracy_check(mode, fp32_matmul):
-    m, k, n = KERNELBENCH_SHAPE
-    _, out_eager, out_64, ref32, x = _accuracy_case(m, k, n, "uniform", mode, seed=40)
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        with torch.no_grad():
-            out_tf32 = ref32(x)  # train mode: the batch statistics do not depend on the running ones
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
-    err_tf32, err_eager = rel_err(out_tf32, out_64), rel_err(out_eager, out_64)
-    print(f"\n[negative control] {mode}: err(PyTorch TF32) {err_tf32:.3e}  err(PyTorch fp32) {err_eager:.3e}  "
-          f"ratio {err_tf32 / err_eager:.1f}")
-    assert err_tf32 > 2 * err_eager, "plain TF32 passes the accuracy criterion: the criterion cannot tell"
-
-
-@requires_cuda
-@pytest.mark.parametrize("mode", ["train", "eval"])
-@pytest.mark.parametrize("m,k,n", [KERNELBENCH_SHAPE, (257, 4100, 130), (33, 37, 515)])
-def test_gpu_every_output_element_written(m, k, n, mode, gemm_path):
+@pytest.mark.parametrize("m,k,n", OUTPUT_WRITTEN_SHAPES)
+@pytest.mark.parametrize("problem", BOTH)
+def test_gpu_every_output_element_written(problem, m, k, n, mode, gemm_path):
     """ModelNew allocates its output inside the extension, so the caching
     allocator is poisoned: a probe call's output block is filled with NaN and
     freed.  The allocator's state is then what it was before the probe, so the
     next call makes the same allocations in the same order and gets that block
     back (asserted); any element the kernels do not write stays NaN."""
-    _, new = gpu_pair(m, k, n)
+    _, new = gpu_pair(problem, m, k, n)
     new.train(mode == "train")
     probe = copy.deepcopy(new)
     x = gpu_input("uniform", m, k, cuda_gen(50))
@@ -773,22 +670,112 @@ def test_gpu_every_output_element_written(m, k, n, mode, gemm_path):
 
 
 @requires_cuda
-def test_gpu_empty_batch_eval_matches_reference():
+@pytest.mark.parametrize("problem", BOTH)
+def test_gpu_empty_batch_eval_matches_reference(problem):
     k, n = 37, 515
-    ref, new = gpu_pair(0, k, n)
+    ref, new = gpu_pair(problem, 0, k, n)
     ref.eval()
     new.eval()
     x = torch.rand(0, k, device="cuda")
     with torch.no_grad():
         out = new(x)
         assert out.shape == ref(x).shape == (0, n)
+    assert_state_equal(snapshot(new), snapshot(ref), "empty batch, eval")
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("problem", BOTH)
+def test_gpu_runs_on_current_stream(problem, mode, fp32_matmul):
+    """The input is written on a side stream right before the call, behind a
+    long device-side sleep: a kernel launched on another stream would read it
+    too early."""
+    m, k, n = 1000, 1000, 1000
+    ref, new = gpu_pair(problem, m, k, n)
+    ref.train(mode == "train")
+    new.train(mode == "train")
+    x_src = gpu_input("uniform", m, k, cuda_gen(80))
+    x = torch.zeros_like(x_src)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        if hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(100_000_000)  # tens of milliseconds of device time
+        x.copy_(x_src)
+        out = new(x)
+    side.synchronize()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.no_grad():
+        expected = ref(x_src)
+    assert_close(out, expected, where=f"{mode} on a side stream", **problem.gpu_out_tol)
+    assert_bn_buffers_close(new, ref, where=f"{mode} on a side stream", **problem.gpu_buf_tol)
+
+
+@requires_cuda
+@pytest.mark.parametrize("problem", BOTH)
+def test_gpu_bad_inputs_raise_and_leave_buffers_unchanged(problem):
+    m, k, n = 64, 96, 80
+    ref, new = gpu_pair(problem, m, k, n)
+    with torch.no_grad():
+        new(torch.rand(m, k, device="cuda"))  # non-trivial buffers
+    bad_inputs = {
+        "batch of 1": torch.rand(1, k, device="cuda"),
+        "float64 input, float32 module": torch.rand(m, k, device="cuda", dtype=torch.float64),
+        "cpu tensor": torch.rand(m, k),
+        "features": torch.rand(m, k + 1, device="cuda"),
+        "rank 3": torch.rand(2, m, k, device="cuda"),
+    }
+    for training in (True, False):
+        new.train(training)
+        for what, x in bad_inputs.items():
+            if what == "batch of 1" and not training:
+                continue  # works in eval: below
+            before = snapshot(new)
+            with pytest.raises((RuntimeError, ValueError)) as exc_new:
+                new(x)
+            torch.cuda.synchronize()
+            assert_state_equal(snapshot(new), before, f"after rejected {what} (training={training})")
+            if what == "batch of 1":
+                ref.train()
+                with pytest.raises(ValueError) as exc_ref:
+                    ref(x)
+                assert exc_new.type is ValueError and str(exc_new.value) == str(exc_ref.value)
+    new.load_state_dict(ref.state_dict())
+    new.eval()
+    ref.eval()
+    x = torch.rand(1, k, device="cuda")
+    with torch.no_grad():
+        assert_close(new(x), ref(x), where="eval, batch of 1", **problem.gpu_out_tol)
+
+
+# ---------------------------------------------------------------------------
+# GPU, problem 33
+# ---------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_gpu_negative_control_plain_tf32_fails_accuracy_check(mode, fp32_matmul):
+    m, k, n = KERNELBENCH_SHAPE
+    _, out_eager, out_64, ref32, x = _accuracy_case(P33, m, k, n, "uniform", mode, seed=40)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with torch.no_grad():
+            out_tf32 = ref32(x)  # train mode: the batch statistics do not depend on the running ones
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    err_tf32, err_eager = rel_err(out_tf32, out_64), rel_err(out_eager, out_64)
+    print(f"\n[negative control] {mode}: err(PyTorch TF32) {err_tf32:.3e}  err(PyTorch fp32) {err_eager:.3e}  "
+          f"ratio {err_tf32 / err_eager:.1f}")
+    assert err_tf32 > 2 * err_eager, "plain TF32 passes the accuracy criterion: the criterion cannot tell"
 
 
 @requires_cuda
 @pytest.mark.parametrize("how", ["strided", "transposed", "misaligned"])
 @pytest.mark.parametrize("m,k,n", [(257, 4100, 130), (33, 36, 515)])
 def test_gpu_input_unmodified_and_layouts(m, k, n, how):
-    ref, new = gpu_pair(m, k, n)
+    ref, new = gpu_pair(P33, m, k, n)
     new_c = copy.deepcopy(new)
     x = gpu_input("normal", m, k, cuda_gen(60))
     if how == "strided":
@@ -822,7 +809,7 @@ def test_gpu_no_grad_and_grad_enabled():
     backward that fills every gradient.  The gradients' accuracy:
     tests/test_backward.py."""
     m, k, n = 257, 4100, 130
-    _, new = gpu_pair(m, k, n)
+    _, new = gpu_pair(P33, m, k, n)
     x = gpu_input("uniform", m, k, cuda_gen(70))
     for mode in ("eval", "train"):
         new.train(mode == "train")
@@ -839,61 +826,3 @@ def test_gpu_no_grad_and_grad_enabled():
         out.sum().backward()
         for name, t in [("x", x_g)] + list(new.named_parameters()):
             assert t.grad is not None and bool(torch.isfinite(t.grad).all()), f"{mode}: grad of {name}"
-
-
-@requires_cuda
-@pytest.mark.parametrize("mode", ["train", "eval"])
-def test_gpu_runs_on_current_stream(mode, fp32_matmul):
-    """The input is written on a side stream right before the call, behind a
-    long device-side sleep: a kernel launched on another stream would read it
-    too early."""
-    m, k, n = 1000, 1000, 1000
-    ref, new = gpu_pair(m, k, n)
-    ref.train(mode == "train")
-    new.train(mode == "train")
-    x_src = gpu_input("uniform", m, k, cuda_gen(80))
-    x = torch.zeros_like(x_src)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        if hasattr(torch.cuda, "_sleep"):
-            torch.cuda._sleep(100_000_000)  # tens of milliseconds of device time
-        x.copy_(x_src)
-        out = new(x)
-    side.synchronize()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.no_grad():
-        expected = ref(x_src)
-    assert_close(out, expected, where=f"{mode} on a side stream", **GPU_TOL)
-    assert_bn_buffers_close(new, ref, where=f"{mode} on a side stream", **GPU_TOL)
-
-
-@requires_cuda
-def test_gpu_bad_inputs_raise_and_leave_buffers_unchanged():
-    m, k, n = 64, 96, 80
-    ref, new = gpu_pair(m, k, n)
-    with torch.no_grad():
-        new(torch.rand(m, k, device="cuda"))  # non-trivial buffers
-    bad_inputs = {
-        "batch of 1": torch.rand(1, k, device="cuda"),
-        "float64 input, float32 module": torch.rand(m, k, device="cuda", dtype=torch.float64),
-        "cpu tensor": torch.rand(m, k),
-        "features": torch.rand(m, k + 1, device="cuda"),
-        "rank 3": torch.rand(2, m, k, device="cuda"),
-    }
-    for what, x in bad_inputs.items():
-        before = snapshot(new)
-        with pytest.raises((RuntimeError, ValueError)) as exc_new:
-            new(x)
-        torch.cuda.synchronize()
-        assert_state_equal(snapshot(new), before, f"after rejected {what}")
-        if what == "batch of 1":
-            with pytest.raises(ValueError) as exc_ref:
-                ref(x)
-            assert exc_new.type is ValueError and str(exc_new.value) == str(exc_ref.value)
-    new.load_state_dict(ref.state_dict())
-    new.eval()
-    ref.eval()
-    x = torch.rand(1, k, device="cuda")
-    with torch.no_grad():
-        assert_close(new(x), ref(x), where="eval, batch of 1", **GPU_TOL)

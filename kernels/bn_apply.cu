@@ -32,6 +32,7 @@
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "launchers.cuh"
 
 namespace fused_gemm_bn {
 
@@ -119,11 +120,11 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
 
 }  // namespace fused_gemm_bn
 
-cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
-                     int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
-                     const int64_t* num_batches_tracked, float momentum, float eps, float* running_mean,
-                     float* running_var, cudaStream_t stream) {
-  using namespace fused_gemm_bn;
+cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2,
+                                    int num_m_tiles, int block_m, int M, int N, const float* bias, const float* scale,
+                                    const float* bn_weight, const float* bn_bias, const int64_t* num_batches_tracked,
+                                    float momentum, float eps, float* running_mean, float* running_var,
+                                    cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
   const bool vec4 =
       N % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;

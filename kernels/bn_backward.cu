@@ -33,6 +33,7 @@
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "launchers.cuh"
 
 namespace fused_gemm_bn {
 
@@ -150,22 +151,22 @@ __global__ void __launch_bounds__(kStatsThreads)
 
 }  // namespace fused_gemm_bn
 
-cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
-                           float* stats, cudaStream_t stream) {
-  using namespace fused_gemm_bn;
+cudaError_t fused_gemm_bn::bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
+                                          int M, int N, float* stats, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
   bn_batch_stats_kernel<<<(N + kStatsThreads - 1) / kStatsThreads, kStatsThreads, 0, stream>>>(
       part_mean, part_m2, num_m_tiles, block_m, M, N, stats);
   return cudaGetLastError();
 }
 
-// dz (M, N) and dscale, dgamma, dbeta (N) from g = dL/dy (formulas above).
-cudaError_t bn_backward_train_launch(const float* g, const float* z, const float* stats, const float* scale,
-                                     const float* gamma, float eps, bool scale_after_bn, int M, int N, float* dz,
-                                     float* dscale, float* dgamma, float* dbeta, cudaStream_t stream) {
-  using namespace fused_gemm_bn;
+// grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y = dL/dy (formulas above).
+cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z, const float* stats,
+                                             const float* scale, const float* bn_weight, float eps,
+                                             bool scale_after_bn, int M, int N, float* grad_z, float* grad_scale,
+                                             float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  const BnBackwardArgs p{g, z, stats, scale, gamma, eps, scale_after_bn, M, N, dz, dscale, dgamma, dbeta};
+  const BnBackwardArgs p{grad_y, z, stats, scale, bn_weight, eps, scale_after_bn,
+                         M,      N, grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
   bn_backward_train_kernel<<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }

@@ -39,6 +39,7 @@
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "launchers.cuh"
 
 namespace fused_gemm_bn {
 namespace softmax {
@@ -216,10 +217,12 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
 
 // Training: per-feature coefficients for softmax_rows and the running-statistics
 // update, from the GEMM's per-tile statistics.  coeff: 3 N floats.
-cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
-                                  int N, const float* bias, const float* scale, const float* bn_weight,
-                                  const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
-                                  float* running_mean, float* running_var, float* coeff, cudaStream_t stream) {
+cudaError_t fused_gemm_bn::bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles,
+                                                 int block_m, int M, int N, const float* bias, const float* scale,
+                                                 const float* bn_weight, const float* bn_bias,
+                                                 const int64_t* num_batches_tracked, float momentum, float eps,
+                                                 float* running_mean, float* running_var, float* coeff,
+                                                 cudaStream_t stream) {
   using namespace fused_gemm_bn::softmax;
   if (M == 0 || N == 0) return cudaSuccess;
   const FoldArgs p{part_mean, part_m2,   num_m_tiles, block_m, M,        N,           bias,
@@ -231,7 +234,7 @@ cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, 
 
 // out (M, N) <- softmax over each row of (out - mean_z) * a + c (coeff = [mean_z | a | c])
 // or of out itself (coeff == nullptr), in place.
-cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream) {
+cudaError_t fused_gemm_bn::softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream) {
   using namespace fused_gemm_bn::softmax;
   if (M == 0 || N == 0) return cudaSuccess;
   const RowArgs p{out, coeff, N};

@@ -14,7 +14,7 @@
 // Tensors (float32, row-major, contiguous, 16-byte aligned, K % 4 == 0: TMA
 // needs 16-byte global strides)
 //   x        (M, K)  K-major: the caller's input, read raw by TMA
-//   x_small  (M, K)  K-major: rna_tf32(x - tf32_trunc(x)), split_tf32_remainder
+//   x_small  (M, K)  K-major: rna_tf32(x - tf32_trunc(x)), sm90_prepass_3xtf32
 //   w        (N, K)  K-major: nn.Linear weight
 //   out      (M, N);  part_mean, part_m2 (ceil(M / BLOCK_M), N);  vectors (N)
 //
@@ -70,19 +70,21 @@
 //   A piece-sum adds one fp32 rounding per piece boundary, as the per-slab
 //   promotion already does every 16 k.
 //
-// Launchers return cudaErrorNotSupported (launching nothing) when this kernel
-// does not apply (not compute capability 9.0, no sm_90a image, K % 4 != 0,
-// misaligned pointers); the caller then takes the portable kernel.
+// Whether this kernel runs is model_new.py's dispatch decision (compute
+// capability 9.0 and sm90_gemm_available(), K % 4 == 0, 16-byte aligned w);
+// launchers given inputs outside those preconditions return
+// cudaErrorInvalidValue, launching nothing.  split_tiles = false (the dispatch's
+// `sm90_3xtf32_nosplit` GEMM, an A/B switch for measurements) runs whole tiles only.
 
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "bn_stats.cuh"
+#include "launchers.cuh"
 #include "sm90_primitives.cuh"
 
 namespace fused_gemm_bn {
@@ -143,7 +145,7 @@ struct Sm90GemmBnArgs {
   StreamKPlan plan;
   // Split-tile workspace: partial sums, one slot per (split tile, piece), each
   // 256 threads x kAccRegs fp32 in register order; and one arrival count per
-  // split tile, zeroed before the launch (split_tf32_remainder).
+  // split tile, zeroed before the launch (sm90_prepass_3xtf32).
   float* partials;
   int* tile_arrivals;
 };
@@ -549,15 +551,14 @@ static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 constexpr int kSplitMaxPieces = 8;
 constexpr int kSplitMinIters = 4;
 
-static StreamKPlan stream_k_plan(int M, int N, int K, int num_sms) {
+static StreamKPlan stream_k_plan(int M, int N, int K, int num_sms, bool split_tiles) {
   using T = Sm90GemmTraits;
   const long long tiles =
       static_cast<long long>((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
   const int num_k_blocks = (K + T::BLOCK_K - 1) / T::BLOCK_K;
   StreamKPlan p;
   p.dp_tiles = static_cast<int>(tiles);
-  const char* off = std::getenv("FUSED_GEMM_BN_NO_SPLIT_TILES");  // A/B switch for measurements
-  if (num_sms <= 0 || tiles > INT32_MAX / 8 || (off != nullptr && off[0] == '1')) return p;
+  if (num_sms <= 0 || tiles > INT32_MAX / 8 || !split_tiles) return p;
   const int rem = static_cast<int>(tiles >= num_sms ? tiles % num_sms : tiles);
   if (rem == 0) return p;
   int pieces, piece_blocks, tails_per_cta;
@@ -606,14 +607,14 @@ static long long partial_floats(const StreamKPlan& p) {
 
 template <Epilogue kEpilogue>
 static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const float* w, Sm90GemmBnArgs args,
-                                    float* workspace, cudaStream_t stream) {
+                                    bool split_tiles, float* workspace, cudaStream_t stream) {
   using T = Sm90GemmTraits;
   auto kernel = sm90_gemm_3xtf32_bn_kernel<kEpilogue>;
   CUtensorMap tmap_w, tmap_x, tmap_x_small;
   if (!make_tensor_map(&tmap_w, w, args.N, args.K, T::BLOCK_N) ||
       !make_tensor_map(&tmap_x, x, args.M, args.K, T::BLOCK_M) ||
       !make_tensor_map(&tmap_x_small, x_small, args.M, args.K, T::BLOCK_M))
-    return cudaErrorNotSupported;
+    return cudaErrorInvalidValue;
   // The shared-memory opt-in is set once per device (it costs microseconds of host time per call).
   constexpr int kMaxDevices = 64;
   static bool smem_set[kMaxDevices] = {};
@@ -628,7 +629,7 @@ static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const 
   int num_sms = 0;
   err = current_num_sms(&num_sms);
   if (err != cudaSuccess) return err;
-  args.plan = stream_k_plan(args.M, args.N, args.K, num_sms);
+  args.plan = stream_k_plan(args.M, args.N, args.K, num_sms, split_tiles);
   if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.partials = workspace;
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
@@ -638,23 +639,26 @@ static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const 
   return cudaGetLastError();
 }
 
+// Preconditions of the launchers below, as the dispatch guarantees them.
+static bool launch_ok(const float* x, const float* x_small, const float* w, int M, int N, int K) {
+  return M >= 1 && N >= 1 && K >= 1 && K % 4 == 0 && aligned16(x) && aligned16(x_small) && aligned16(w) &&
+         fused_gemm_bn::sm90_gemm_available();
+}
+
 }  // namespace sm90
 }  // namespace fused_gemm_bn
 
 // ---------------------------------------------------------------------------
-// Host launchers (raw pointers; no torch types so nvcc compiles this file alone)
+// Host launchers (declared in launchers.cuh)
 // ---------------------------------------------------------------------------
 
-int sm90_gemm_block_m() { return fused_gemm_bn::sm90::Sm90GemmTraits::BLOCK_M; }
+int fused_gemm_bn::sm90_gemm_block_m() { return sm90::Sm90GemmTraits::BLOCK_M; }
 
-// True when the Hopper kernel applies on the current device to an (M, K) x and
-// the (N, K) w at this address: compute capability 9.0, an sm_90a image in this
-// build, K % 4 == 0 (TMA strides), 16-byte aligned w, M, N, K >= 1, and the
-// driver's tensor-map encoder available.  x and x_small must then be passed
-// contiguous and 16-byte aligned.  The device query is cached per device.
-bool sm90_gemm_supported(const float* w, int M, int N, int K) {
-  using namespace fused_gemm_bn::sm90;
-  if (M < 1 || N < 1 || K < 1 || K % 4 != 0 || !aligned16(w)) return false;
+// True when this build holds the sm_90a kernel and the current device can run
+// it: compute capability 9.0, enough shared memory, and the driver's
+// tensor-map encoder.  Cached per device; a query (launches nothing).
+bool fused_gemm_bn::sm90_gemm_available() {
+  using namespace sm90;
   constexpr int kMaxDevices = 64;
   static signed char device_ok[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
   int device = 0;
@@ -668,70 +672,68 @@ bool sm90_gemm_supported(const float* w, int M, int N, int K) {
         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
         major == 9 && minor == 0 && smem_optin >= Sm90GemmTraits::SMEM_BYTES &&
         // the sm_90a cubin reports binaryVersion 90; a build without it does not
-        cudaFuncGetAttributes(&attr, sm90_gemm_3xtf32_bn_kernel<Epilogue::kTrain>) == cudaSuccess &&
+        cudaFuncGetAttributes(&attr, sm90_gemm_3xtf32_bn_kernel<sm90::Epilogue::kTrain>) == cudaSuccess &&
         attr.binaryVersion == 90 && encode_tiled_fn() != nullptr;
+    if (!ok) cudaGetLastError();  // a failed query leaves no error behind
     device_ok[device] = ok ? 1 : -1;
   }
   return device_ok[device] == 1;
 }
 
-// The workspace the launchers below need for an (M, K) x (N, K) product on
-// the current device: *floats floats (split-tile partial sums and, after them,
-// arrival counts), of which the last *zero_ints ints must be zero at the
-// launch.  Both 0 when no tile is split.
-void sm90_gemm_workspace(int M, int N, int K, int64_t* floats, int* zero_ints) {
-  using namespace fused_gemm_bn::sm90;
+// *floats floats (split-tile partial sums and, after them, arrival counts), of
+// which the last *zero_ints ints must be zero at the launch.  Both 0 when no
+// tile is split.
+void fused_gemm_bn::sm90_gemm_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints) {
+  using namespace sm90;
   *floats = 0;
   *zero_ints = 0;
   int num_sms = 0;
   if (current_num_sms(&num_sms) != cudaSuccess) return;
-  const StreamKPlan p = stream_k_plan(M, N, K, num_sms);
+  const StreamKPlan p = stream_k_plan(M, N, K, num_sms, split_tiles);
   if (p.sk_ctas == 0) return;
   *floats = partial_floats(p) + p.sk_tiles;
   *zero_ints = p.sk_tiles;
 }
 
 // z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
-// x_small = rna_tf32(x - tf32_trunc(x)) (split_tf32_remainder).  `workspace`:
+// x_small = rna_tf32(x - tf32_trunc(x)) (sm90_prepass_3xtf32).  `workspace`:
 // as sm90_gemm_workspace says (null when it needs none).
-cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
-                                   float* part_mean, float* part_m2, int M, int N, int K, float* workspace,
-                                   cudaStream_t stream) {
-  using namespace fused_gemm_bn::sm90;
-  if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
-  if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
+cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
+                                                  float* part_mean, float* part_m2, int M, int N, int K,
+                                                  bool split_tiles, float* workspace, cudaStream_t stream) {
+  using namespace sm90;
+  if (!launch_ok(x, x_small, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
-  return launch_sm90_gemm<Epilogue::kTrain>(x, x_small, w, args, workspace, stream);
+  return launch_sm90_gemm<sm90::Epilogue::kTrain>(x, x_small, w, args, split_tiles, workspace, stream);
 }
 
 // out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm
 // (scale_after_bn: Linear -> BatchNorm -> scale instead of Linear -> scale -> BatchNorm).
-cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
-                                  const float* bias, const float* scale, const float* bn_weight,
-                                  const float* bn_bias, const float* running_mean, const float* running_var,
-                                  float eps, bool scale_after_bn, int M, int N, int K, float* workspace,
-                                  cudaStream_t stream) {
-  using namespace fused_gemm_bn::sm90;
-  if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
-  if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
+cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
+                                                 const float* bias, const float* scale, const float* bn_weight,
+                                                 const float* bn_bias, const float* running_mean,
+                                                 const float* running_var, float eps, bool scale_after_bn, int M,
+                                                 int N, int K, bool split_tiles, float* workspace,
+                                                 cudaStream_t stream) {
+  using namespace sm90;
+  if (!launch_ok(x, x_small, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
-  args.bn = fused_gemm_bn::BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
-                                    scale_after_bn};
-  return launch_sm90_gemm<Epilogue::kEval>(x, x_small, w, args, workspace, stream);
+  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
+  return launch_sm90_gemm<sm90::Epilogue::kEval>(x, x_small, w, args, split_tiles, workspace, stream);
 }
 
 // out = x @ w^T, nothing else (the backward's products).
-cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out, int M, int N,
-                                   int K, float* workspace, cudaStream_t stream) {
-  using namespace fused_gemm_bn::sm90;
-  if (!sm90_gemm_supported(w, M, N, K)) return cudaErrorNotSupported;
-  if (!aligned16(x) || !aligned16(x_small)) return cudaErrorInvalidValue;
+cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out,
+                                                  int M, int N, int K, bool split_tiles, float* workspace,
+                                                  cudaStream_t stream) {
+  using namespace sm90;
+  if (!launch_ok(x, x_small, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
-  return launch_sm90_gemm<Epilogue::kPlain>(x, x_small, w, args, workspace, stream);
+  return launch_sm90_gemm<sm90::Epilogue::kPlain>(x, x_small, w, args, split_tiles, workspace, stream);
 }

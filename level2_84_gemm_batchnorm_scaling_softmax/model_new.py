@@ -1,29 +1,36 @@
 """Drop-in replacement for KernelBench level 2 problem 84 (`reference.Model` in
 this folder): Linear -> BatchNorm1d -> multiply by `scale` -> Softmax(dim=1),
-float32.  Shares the kernels, the build and the parameter containers with
-problem 33's ModelNew (../model_new.py, loaded as a module of its own).
+float32.  Shares the kernels, the build, the dispatch and the forward /
+backward with problem 33 through the engine's documented surface: the root
+model_new.py, imported as `model_new` (import this module as
+level2_84_gemm_batchnorm_scaling_softmax.model_new, with the repository root on
+sys.path).  The self-contained form, for harnesses that execute a file's text,
+is dist/model_new.py in this folder (tools/bundle.py: the engine's text and
+this module's, kernels embedded).
 
 Names: M = batch, N = out_features, K = in_features.  x is (M, K) row-major,
 gemm.weight (N, K) row-major (both K-major); the output is (M, N), each row a
 probability distribution over the N features.
 
-Data path of `ModelNew.forward` on a CUDA tensor (float32):
+Data path of `ModelNew.forward` (the root model_new.py's docstring has the map):
+check_input, then fused_forward(..., scale_after_bn=True), whose dispatch()
+picks the GEMM kernel (ModelNew.kernel_path(x) names it):
 
-  Model.forward step         kernel file                          launcher / binding
+  Model.forward step         kernel file (../kernels/)            launcher
   -------------------------  -----------------------------------  ------------------------------
-  gemm(x) = x W^T (+ b)      ../kernels/sm90_gemm_3xtf32_bn.cu    3xTF32 GEMM (Hopper), or the
-                             ../kernels/sm80_gemm_3xtf32_bn.cu    portable one; x split first
-                                                                  (../kernels/split_tf32.cu)
+  gemm(x) = x W^T (+ b)      prepass_3xtf32.cu, then              sm90_prepass / sm80_prepass_3xtf32,
+                             sm90_gemm_3xtf32_bn.cu (Hopper) or   sm90_gemm_3xtf32_train / _eval,
+                             sm80_gemm_3xtf32_bn.cu (sm_80+)      sm80_gemm_3xtf32_train / _eval
   training:
   bn (batch statistics),     GEMM epilogue: z and per-tile mean / M2
-  running statistics         ../kernels/bn_softmax.cu             bn_softmax_fold_train
-  * scale, softmax           ../kernels/bn_softmax.cu             softmax_rows (one CTA per row)
+  running statistics         bn_softmax.cu                        bn_softmax_fold_train
+  * scale, softmax           bn_softmax.cu                        softmax_rows (one CTA per row)
   eval:
-  bn, * scale                folded into the GEMM epilogue        *_gemm_3xtf32_eval (scale after bn)
-  softmax                    ../kernels/bn_softmax.cu             softmax_rows
-  checks, stream, dispatch   ../kernels/torch_binding.cpp         forward_softmax_train / _eval
+  bn, * scale                folded into the GEMM epilogue        *_gemm_3xtf32_eval (scale_after_bn)
+  softmax                    bn_softmax.cu                        softmax_rows
+  checks, stream             torch_binding.cpp                    forward_train / forward_eval
 
-On a 16-bit CUDA tensor: ../kernels/lowp/gemm_bn_16bit.cu (z = rnd(x W^T + b),
+On a 16-bit CUDA tensor: ../kernels/lowp/sm80_gemm_bn_16bit.cu (z = rnd(x W^T + b),
 per-tile statistics; eval: BatchNorm and scale in its epilogue), then
 ../kernels/lowp/bn_16bit.cu (statistics and running statistics, then one CTA
 per row for rnd(softmax(rnd(rnd(BatchNorm(z)) * scale)))), rounding to the
@@ -48,53 +55,28 @@ softmax((z + b - running_mean) a + scale bn.bias) (`_eval_with_grad`).
 
 `scale` may have any shape that multiplies each feature by one number:
 numel 1 (the default (1,)) or N ((N,) or (1, N)); its gradient is summed to
-that shape.  Everything after the input checks is ../model_new.py's
-`_fused_forward` with softmax=True: the CUDA extension, or on CPU the same
-decomposed math in plain PyTorch (`_cpu_*`); torch.compile traces the
-fused_gemm_bn:: custom operators.  Tests: test_equivalence.py in this folder,
-../tests/test_backward.py.  The kernels are found as ../model_new.py finds
-them (next to it, or $FUSED_GEMM_BN_KERNEL_DIR).
+that shape.  Everything after the input checks is the engine's fused_forward
+with scale_after_bn=True: the CUDA extension, or on CPU (and float64 CUDA) the
+same decomposed math in plain PyTorch (`_torch_*`); torch.compile traces the
+fused_gemm_bn:: custom operators.  Tests: ../test_equivalence.py (both
+problems), test_equivalence.py in this folder (problem 84's own checks),
+../tests/test_backward.py.
 """
-import importlib.util
-import os
-import sys
-
 import torch
 from torch import nn
 
-# ---------------------------------------------------------------------------
-# Problem 33's module: extension, parameter containers, input checks, the
-# forward and backward of both problems, custom operators
-# ---------------------------------------------------------------------------
+# bundle: engine begins (tools/bundle.py puts the engine's text in place of this block)
+if __name__ == "model_new":
+    raise ImportError(
+        "problem 84's model_new.py was imported as the top-level module `model_new`, the name of the shared engine "
+        "(the repository root's model_new.py) it imports: import it as "
+        "level2_84_gemm_batchnorm_scaling_softmax.model_new with the repository root on sys.path, or use the "
+        "self-contained level2_84_gemm_batchnorm_scaling_softmax/dist/model_new.py"
+    )
 
-_CORE_NAME = "fused_gemm_bn_core"
-
-
-def _core_path():
-    if "__file__" in globals():
-        return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_new.py")
-    env = os.environ.get("FUSED_GEMM_BN_KERNEL_DIR")
-    if env:
-        return os.path.join(os.path.dirname(os.path.abspath(env)), "model_new.py")
-    raise RuntimeError("executed without __file__: set $FUSED_GEMM_BN_KERNEL_DIR to the repository's kernels/ folder")
-
-
-def _load_core():
-    """../model_new.py as a module: the one already imported (as `model_new` or
-    under _CORE_NAME) when there is one, so the extension loads once."""
-    path = os.path.realpath(_core_path())
-    for module in list(sys.modules.values()):
-        file = getattr(module, "__file__", None)
-        if file and os.path.realpath(file) == path:
-            return module
-    spec = importlib.util.spec_from_file_location(_CORE_NAME, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_CORE_NAME] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_core = _load_core()
+# The shared engine's documented surface (../model_new.py).
+from model_new import BatchNormState, LinearParams, check_input, fused_forward, kernel_path  # noqa: E402
+# bundle: engine ends
 
 # ---------------------------------------------------------------------------
 # Module
@@ -103,11 +85,11 @@ _core = _load_core()
 
 class ModelNew(nn.Module):
     """Linear(in_features, out_features) -> BatchNorm1d(out_features, bn_eps,
-    bn_momentum) -> * scale -> Softmax(dim=1).
+    bn_momentum) -> * scale -> row softmax (dim=1).
 
     Same constructor, parameter/buffer names and order, random draws and
-    train/eval behaviour as this folder's `reference.Model` (which also holds an
-    nn.Softmax module; it has no state).  forward(x): x (M, in_features),
+    train/eval behaviour as this folder's `reference.Model` (which also holds a
+    softmax module; it has no state).  forward(x): x (M, in_features),
     float32 on CUDA (compute capability >= 8.0: the fused kernels), float64 on
     CUDA (plain torch ops), a 16-bit float dtype on CUDA (compute capability
     >= 8.0: the ../kernels/lowp/ extension, compiled on the first such call,
@@ -116,7 +98,8 @@ class ModelNew(nn.Module):
     bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
     Differentiable with respect to x and every parameter in both modes (16-bit
     CUDA: the backward runs torch ops); gemm.bias gets an exact zero gradient
-    in training (16-bit: rounding noise).
+    in training (16-bit: rounding noise).  kernel_path(x) names the path
+    forward(x) would take.
     M == 0 gives an empty output as the reference.
     Raises ValueError for M == 1 in training (PyTorch's message), RuntimeError
     for a wrong rank, feature count, dtype or device, or a `scale` that is not
@@ -125,8 +108,8 @@ class ModelNew(nn.Module):
 
     def __init__(self, in_features, out_features, bn_eps=1e-5, bn_momentum=0.1, scale_shape=(1,)):
         super().__init__()
-        self.gemm = _core._LinearParams(in_features, out_features)
-        self.bn = _core._BatchNormState(out_features, eps=bn_eps, momentum=bn_momentum)
+        self.gemm = LinearParams(in_features, out_features)
+        self.bn = BatchNormState(out_features, eps=bn_eps, momentum=bn_momentum)
         self.scale = nn.Parameter(torch.ones(scale_shape))
 
     def _scale_vector(self):
@@ -143,9 +126,15 @@ class ModelNew(nn.Module):
         return s if s.shape == (n,) else s.expand(n).contiguous()
 
     def forward(self, x):
-        _core._check_input(x, self.gemm.weight, self.training)
+        check_input(x, self.gemm.weight, self.training)
         scale = self._scale_vector()  # raises for an unsupported shape before any buffer is touched
-        return _core._fused_forward(x, self.gemm, scale, self.bn, self.training, softmax=True)
+        return fused_forward(x, self.gemm, scale, self.bn, self.training, scale_after_bn=True)
+
+    def kernel_path(self, x):
+        """The path forward(x) would take now, e.g. "sm90_3xtf32_train" (the
+        engine's dispatch table), without running a kernel or touching a buffer."""
+        check_input(x, self.gemm.weight, self.training)
+        return kernel_path(x, self.gemm, self._scale_vector(), self.bn, self.training, scale_after_bn=True)
 
 
 # ---------------------------------------------------------------------------

@@ -1,54 +1,49 @@
-// binding_16bit.cpp -- PyTorch entry points of the 16-bit forwards (float16 and
-// bfloat16 CUDA tensors) of Linear -> scale -> BatchNorm1d (problem 33:
-// forward_train / forward_eval) and Linear -> BatchNorm1d -> scale -> Softmax
-// (problem 84: forward_softmax_train / forward_softmax_eval), with the names and
-// arguments of the float32 extension's (../torch_binding.cpp).  Passed to
-// load_inline as cpp_sources (torch/extension.h is prepended there) of the
-// second, 16-bit extension that model_new.py builds on the first 16-bit call;
-// the kernels in gemm_bn_16bit.cu and bn_16bit.cu take raw pointers only.
+// binding_16bit.cpp -- PyTorch entry points of the 16-bit forwards (the two
+// 16-bit float dtypes of CUDA tensors) of Linear -> scale -> BatchNorm1d
+// (problem 33) and Linear -> BatchNorm1d -> scale -> Softmax (problem 84), with
+// the names and arguments of the float32 extension's forwards
+// (../torch_binding.cpp).  Passed to load_inline as cpp_sources (torch/extension.h
+// is prepended there) of the second, 16-bit extension that model_new.py builds
+// on the first 16-bit call; the launchers are declared in ../launchers.cuh.
 //
-// Each entry point checks every tensor (device; dtype float16 or bfloat16, the
-// same for x, the parameters and the running statistics; shape; contiguity of
-// the vectors), copies a non-contiguous x or weight to a contiguous tensor
-// (never writing the caller's), takes a device guard for x's GPU, launches on
-// that GPU's current stream, and turns any launch error into a RuntimeError
-// naming the kernel.  Nothing here synchronises.
+// `gemm` names the kernel model_new.py's dispatch chose; this extension has one,
+// lowp_sm80 (mma.sync m16n8k16, sm_80+: sm80_gemm_bn_16bit.cu).  Each entry
+// point checks every tensor (device; dtype float16 or bfloat16, the same for x,
+// the parameters and the running statistics; shape; contiguity of the vectors),
+// copies a non-contiguous x or weight to a contiguous tensor (never writing the
+// caller's), takes a device guard for x's GPU, launches on that GPU's current
+// stream, and turns any launch error into a RuntimeError naming the kernel.
+// Nothing here synchronises.  scale_after_bn: false = problem 33, true = problem 84.
 //
-//   forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
-//                 running_var, num_batches_tracked, momentum, eps) -> out (M, N)
-//       u = rnd(rnd(x @ weight^T + bias) * scale) and its per-tile statistics;
-//         num_batches_tracked += 1                    (gemm_bn_16bit.cu, kTrain)
+//   forward_train(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+//                 running_var, num_batches_tracked, momentum, eps, scale_after_bn) -> out (M, N)
+//       problem 33: u = rnd(rnd(x @ weight^T + bias) * scale), problem 84:
+//         u = rnd(x @ weight^T + bias), and u's per-tile statistics;
+//         num_batches_tracked += 1                    (sm80_gemm_bn_16bit.cu, kTrain)
 //       batch mean / invstd, running statistics       (bn_16bit.cu, fold)
-//       out = rnd(fma(w (u - mean), invstd, b)) in place (bn_16bit.cu, apply)
-//   forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean,
-//                running_var, eps) -> out (M, N)
-//       one GEMM launch with the whole chain in its epilogue (kEval)
-//   forward_softmax_train(same arguments as forward_train) -> out (M, N)
-//       u = rnd(x @ weight^T + bias) and its statistics; fold (as above); then
-//       one CTA per row: rnd(softmax(rnd(rnd(BatchNorm(u)) * scale)))
-//   forward_softmax_eval(same arguments as forward_eval) -> out (M, N)
-//       GEMM with BatchNorm and scale in its epilogue, then the row softmax.
+//       problem 33: out = rnd(fma(w (u - mean), invstd, b)) in place (bn_16bit.cu, apply)
+//       problem 84: one CTA per row: rnd(softmax(rnd(rnd(BatchNorm(u)) * scale)))
+//   forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+//                running_var, eps, scale_after_bn) -> out (M, N)
+//       one GEMM launch with the whole chain in its epilogue (kEval); problem 84:
+//       then the row softmax.
 // momentum < 0 means momentum=None (cumulative average).  rnd: rounding to the
 // 16-bit type; the kernel headers list the rounding points, PyTorch's own.
 
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
-int lowp_gemm_block_m();
-cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
-                         const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
-                         const void* running_mean, const void* running_var, float eps, bool scale_first,
-                         float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream);
-cudaError_t lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
-                               int M, int N, const void* bn_weight, const void* bn_bias,
-                               const int64_t* num_batches_tracked, float momentum, float eps, void* running_mean,
-                               void* running_var, float* coeff, cudaStream_t stream);
-cudaError_t lowp_bn_apply(int dtype, void* out, const float* coeff, int M, int N, cudaStream_t stream);
-cudaError_t lowp_softmax_rows(int dtype, void* out, const float* coeff, const void* scale, int M, int N,
-                              cudaStream_t stream);
+#include <string>
 
+#include "launchers.cuh"
 namespace {
+
+namespace fgb = fused_gemm_bn;
+
+void check_gemm(const std::string& gemm) {
+  TORCH_CHECK(gemm == "lowp_sm80", "fused_gemm_bn (16-bit): unknown GEMM kernel '", gemm, "' (expected lowp_sm80)");
+}
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn (16-bit): launch of ", what, " failed: ", cudaGetErrorString(err));
@@ -75,9 +70,12 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight) {
               x.size(1), "), got ", weight.sizes());
   TORCH_CHECK(x.size(0) <= INT32_MAX && weight.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX,
               "sizes must fit in int32, got x ", x.sizes(), " and gemm.weight ", weight.sizes());
-  const auto props = at::cuda::getDeviceProperties(x.get_device());
-  TORCH_CHECK(props->major >= 8, "the 16-bit kernels need compute capability >= 8.0 (mma.sync with bfloat16), got ",
-              props->major, ".", props->minor, " on ", props->name);
+  int major = 0, minor = 0;
+  TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()) == cudaSuccess &&
+                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()) == cudaSuccess,
+              "fused_gemm_bn (16-bit): cannot read the compute capability of ", x.device());
+  TORCH_CHECK(major >= 8, "the 16-bit kernels need compute capability >= 8.0 (mma.sync with bfloat16), got ", major,
+              ".", minor, " on ", x.device());
   return {x.contiguous(), weight.contiguous(), static_cast<int>(x.size(0)), static_cast<int>(weight.size(0)),
           static_cast<int>(x.size(1)), dtype_code(x.scalar_type())};
 }
@@ -110,21 +108,21 @@ void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& n
               "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
 }
 
-// The training forward of either problem (scale_first: problem 33).
+// The training forward of either problem.
 torch::Tensor train(const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
-                    torch::Tensor& num_batches_tracked, double momentum, double eps, bool scale_first) {
+                    torch::Tensor& num_batches_tracked, double momentum, double eps, bool scale_after_bn) {
   const Operands op = check_operands(x_in, weight);
   const int M = op.M, N = op.N, K = op.K;
   check_training(op.x, M, N, num_batches_tracked);
   check_bn_tensors(t, N, op.x);
   const c10::cuda::CUDAGuard guard(op.x.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, op.x.options());
   if (N == 0) {  // nothing to normalise; the call still counts, as nn.BatchNorm1d's
     num_batches_tracked.add_(1);
     return out;
   }
-  const int block_m = lowp_gemm_block_m();
+  const int block_m = fgb::lowp_gemm_block_m();
   const int num_m_tiles = (M + block_m - 1) / block_m;
   const auto f32 = op.x.options().dtype(torch::kFloat32);
   // coeff (N float4, 16-byte aligned at the start), then part_mean | part_m2 (num_m_tiles x N each).
@@ -133,75 +131,62 @@ torch::Tensor train(const torch::Tensor& x_in, const torch::Tensor& weight, cons
   float* coeff = scratch.data_ptr<float>();
   float* part_mean = coeff + 4 * static_cast<int64_t>(N);
   float* part_m2 = part_mean + part_floats;
-  check_launch(lowp_gemm_bn(op.dtype, true, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), M, N, K,
+  check_launch(fgb::lowp_gemm_bn(op.dtype, true, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), M, N, K,
                             t.bias.data_ptr(), t.scale.data_ptr(), nullptr, nullptr, nullptr, nullptr, 0.f,
-                            scale_first, part_mean, part_m2, num_batches_tracked.data_ptr<int64_t>(), stream),
+                            scale_after_bn, part_mean, part_m2, num_batches_tracked.data_ptr<int64_t>(), stream),
                "gemm_bn_16bit_kernel (training)");
-  check_launch(lowp_bn_fold_train(op.dtype, part_mean, part_m2, num_m_tiles, block_m, M, N, t.bn_weight.data_ptr(),
+  check_launch(fgb::lowp_bn_fold_train(op.dtype, part_mean, part_m2, num_m_tiles, block_m, M, N, t.bn_weight.data_ptr(),
                                   t.bn_bias.data_ptr(), num_batches_tracked.data_ptr<int64_t>(),
                                   static_cast<float>(momentum), static_cast<float>(eps), t.running_mean.data_ptr(),
                                   t.running_var.data_ptr(), coeff, stream),
                "bn16_fold_train_kernel");
-  if (scale_first) {
-    check_launch(lowp_bn_apply(op.dtype, out.data_ptr(), coeff, M, N, stream), "bn16_apply_kernel");
+  if (!scale_after_bn) {
+    check_launch(fgb::lowp_bn_apply(op.dtype, out.data_ptr(), coeff, M, N, stream), "bn16_apply_kernel");
   } else {
-    check_launch(lowp_softmax_rows(op.dtype, out.data_ptr(), coeff, t.scale.data_ptr(), M, N, stream),
+    check_launch(fgb::lowp_softmax_rows(op.dtype, out.data_ptr(), coeff, t.scale.data_ptr(), M, N, stream),
                  "bn16_softmax_rows_kernel (training)");
   }
   return out;
 }
 
-// The eval forward of either problem (softmax: problem 84).
+// The eval forward of either problem.
 torch::Tensor eval(const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t, double eps,
-                   bool softmax) {
+                   bool scale_after_bn) {
   const Operands op = check_operands(x_in, weight);
   const int M = op.M, N = op.N, K = op.K;
   check_bn_tensors(t, N, op.x);
   const c10::cuda::CUDAGuard guard(op.x.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, op.x.options());
   if (M == 0 || N == 0) return out;
-  check_launch(lowp_gemm_bn(op.dtype, false, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), M, N, K,
+  check_launch(fgb::lowp_gemm_bn(op.dtype, false, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), M, N, K,
                             t.bias.data_ptr(), t.scale.data_ptr(), t.bn_weight.data_ptr(), t.bn_bias.data_ptr(),
-                            t.running_mean.data_ptr(), t.running_var.data_ptr(), static_cast<float>(eps), !softmax,
+                            t.running_mean.data_ptr(), t.running_var.data_ptr(), static_cast<float>(eps), scale_after_bn,
                             nullptr, nullptr, nullptr, stream),
                "gemm_bn_16bit_kernel (eval)");
-  if (softmax)
-    check_launch(lowp_softmax_rows(op.dtype, out.data_ptr(), nullptr, nullptr, M, N, stream),
+  if (scale_after_bn)
+    check_launch(fgb::lowp_softmax_rows(op.dtype, out.data_ptr(), nullptr, nullptr, M, N, stream),
                  "bn16_softmax_rows_kernel (eval)");
   return out;
 }
 
 }  // namespace
 
-// Linear -> scale -> BatchNorm1d, training mode (problem 33).
-torch::Tensor forward_train(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
-                            torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
-                            torch::Tensor running_var, torch::Tensor num_batches_tracked, double momentum,
-                            double eps) {
+// Linear -> scale -> BatchNorm1d (problem 33) or Linear -> BatchNorm1d -> scale
+// -> Softmax (problem 84), training mode.
+torch::Tensor forward_train(const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
+                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
+                            torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
+                            double momentum, double eps, bool scale_after_bn) {
+  check_gemm(gemm);
   return train(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, num_batches_tracked, momentum,
-               eps, true);
+               eps, scale_after_bn);
 }
 
-// Linear -> scale -> BatchNorm1d, eval mode (problem 33).
-torch::Tensor forward_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
-                           torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
-                           torch::Tensor running_var, double eps) {
-  return eval(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, false);
-}
-
-// Linear -> BatchNorm1d -> scale -> Softmax(dim=1), training mode (problem 84).
-torch::Tensor forward_softmax_train(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
-                                    torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
-                                    torch::Tensor running_var, torch::Tensor num_batches_tracked, double momentum,
-                                    double eps) {
-  return train(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, num_batches_tracked, momentum,
-               eps, false);
-}
-
-// Linear -> BatchNorm1d -> scale -> Softmax(dim=1), eval mode (problem 84).
-torch::Tensor forward_softmax_eval(torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
-                                   torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean,
-                                   torch::Tensor running_var, double eps) {
-  return eval(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, true);
+// Either problem, eval mode.
+torch::Tensor forward_eval(const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
+                           torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
+                           torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn) {
+  check_gemm(gemm);
+  return eval(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, scale_after_bn);
 }

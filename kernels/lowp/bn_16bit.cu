@@ -1,4 +1,4 @@
-// bn_16bit.cu -- after the 16-bit GEMM (gemm_bn_16bit.cu): the rest of
+// bn_16bit.cu -- after the 16-bit GEMM (sm80_gemm_bn_16bit.cu): the rest of
 // training-mode BatchNorm1d (problem 33: Linear -> scale -> BatchNorm1d) and of
 // BatchNorm1d -> scale -> Softmax(dim=1) (problem 84, training and eval) on
 // 16-bit tensors (__half or __nv_bfloat16), rounding where PyTorch's eager ops
@@ -49,6 +49,7 @@
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "launchers.cuh"
 #include "lowp_types.cuh"
 
 namespace fused_gemm_bn {
@@ -324,10 +325,11 @@ cudaError_t apply_for_type(uint16_t* out, const float4* coeff, int M, int N, cud
 
 // Training statistics of both problems: coeff (N float4) and the running
 // statistics, from the GEMM's per-tile statistics.
-cudaError_t lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
-                               int M, int N, const void* bn_weight, const void* bn_bias,
-                               const int64_t* num_batches_tracked, float momentum, float eps, void* running_mean,
-                               void* running_var, float* coeff, cudaStream_t stream) {
+cudaError_t fused_gemm_bn::lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2,
+                                              int num_m_tiles, int block_m, int M, int N, const void* bn_weight,
+                                              const void* bn_bias, const int64_t* num_batches_tracked, float momentum,
+                                              float eps, void* running_mean, void* running_var, float* coeff,
+                                              cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
@@ -358,7 +360,7 @@ cudaError_t lowp_bn_fold_train(int dtype, const float* part_mean, const float* p
 }
 
 // Problem 33, training: out (M, N) <- BatchNorm of out with coeff, in place.
-cudaError_t lowp_bn_apply(int dtype, void* out, const float* coeff, int M, int N, cudaStream_t stream) {
+cudaError_t fused_gemm_bn::lowp_bn_apply(int dtype, void* out, const float* coeff, int M, int N, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
@@ -376,8 +378,8 @@ cudaError_t lowp_bn_apply(int dtype, void* out, const float* coeff, int M, int N
 // Problem 84: out (M, N) <- row softmax of rnd(rnd(BatchNorm(out)) * scale)
 // (coeff and scale given: training) or of out itself (coeff == nullptr: eval),
 // in place.
-cudaError_t lowp_softmax_rows(int dtype, void* out, const float* coeff, const void* scale, int M, int N,
-                              cudaStream_t stream) {
+cudaError_t fused_gemm_bn::lowp_softmax_rows(int dtype, void* out, const float* coeff, const void* scale, int M, int N,
+                                             cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;

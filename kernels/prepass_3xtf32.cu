@@ -1,5 +1,16 @@
-// split_tf32.cu -- pre-pass: split x into TF32 big and small parts once per
-// forward, written in the mma.m16n8k8 A-fragment order that the GEMM reads.
+// prepass_3xtf32.cu -- the one pre-pass kernel before each 3xTF32 GEMM.  Each
+// launch does three jobs, so that a forward pays one small launch for them:
+//   1. split x into its TF32 parts (below; the GEMM then reads them);
+//   2. training only: bn.num_batches_tracked += 1 (thread 0 of block 0), which is
+//      nn.BatchNorm1d's first step; the call's later kernels (bn_apply.cu,
+//      bn_softmax.cu, the cluster GEMM) read the new value by stream order;
+//   3. sm90 only: zero the Hopper GEMM's split-tile arrival counts.
+// The launchers take num_batches_tracked (null: not a training call) and the
+// ints to zero by those names, so every call site shows the side effects.
+//
+// sm80_prepass_3xtf32 (portable GEMM and the sm_90 cluster GEMM): x split into
+// TF32 big and small parts, written in the mma.m16n8k8 A-fragment order that
+// the GEMM reads.
 //
 //   big   = cvt.rna.tf32(x)          (round to nearest, ties away)
 //   small = cvt.rna.tf32(x - big)    (the difference is exact in fp32)
@@ -18,17 +29,15 @@
 //   r = 3: x[16 mb + g + 8, 32 slab + 8 t + 2 s + 1]  (mma a3: row g+8, k t+4)
 // i.e. mma k-step s of the slab sees logical column kl at physical column
 // 8 (kl % 4) + 2 s + kl / 4, the permutation the GEMM applies to w (see
-// sm80_gemm_3xtf32_bn.cu).  One 16-byte shared load is then one A operand.
+// sm80_gemm_3xtf32_bn.cuh).  One 16-byte shared load is then one A operand.
 // Memory-bound: reads M*K floats, writes 2*M_pad*K_pad.
 //
-// Both kernels take `counter` (int64, may be null): thread 0 of block 0 adds 1
-// to it.  A training call passes bn.num_batches_tracked, so its increment
-// (nn.BatchNorm1d's first step) costs no launch of its own; the call's later
-// kernels see the new value by stream order.  The remainder kernel also zeroes
-// `zero_ints` (the Hopper GEMM's split-tile arrival counts), again saving a launch.
+// sm90_prepass_3xtf32 (Hopper GEMM): only x's remainder (below, at its kernel).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "launchers.cuh"
 
 namespace fused_gemm_bn {
 
@@ -46,11 +55,11 @@ __device__ __forceinline__ void split_rna_tf32(float v, float& big, float& small
 
 // One thread per output float4 (one lane's registers for one k-step).
 __global__ void __launch_bounds__(kSplitThreads)
-    split_tf32_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int M, int K,
+    sm80_prepass_3xtf32_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int M, int K,
                       int num_slabs, int64_t num_quads, float* __restrict__ big, float* __restrict__ small,
-                      int64_t* counter) {
+                      int64_t* num_batches_tracked) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *counter += 1;
+  if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
   const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (q >= num_quads) return;
   const int lane = static_cast<int>(q % 32);
@@ -98,9 +107,9 @@ __device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
 // Two float4 per thread and iteration, both loads issued first: twice the
 // bytes in flight of one (the kernel is bound by HBM bandwidth).
 __global__ void __launch_bounds__(kSplitThreads)
-    split_tf32_remainder_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
-                                int64_t* counter, int* zero_ints, int num_zero_ints) {
-  if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *counter += 1;
+    sm90_prepass_3xtf32_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
+                                int64_t* num_batches_tracked, int* zero_ints, int num_zero_ints) {
+  if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
   if (blockIdx.x == 0)
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -116,42 +125,45 @@ __global__ void __launch_bounds__(kSplitThreads)
 
 }  // namespace fused_gemm_bn
 
-// Number of floats in each of big / small for an (M, K) input.
-int64_t split_tf32_elems(int M, int K) {
-  using namespace fused_gemm_bn;
+// ---------------------------------------------------------------------------
+// Host launchers (declared in launchers.cuh)
+// ---------------------------------------------------------------------------
+
+int64_t fused_gemm_bn::sm80_prepass_elems(int M, int K) {
   const int64_t m_pad = (static_cast<int64_t>(M) + kFragRows - 1) / kFragRows * kFragRows;
   const int64_t k_pad = (static_cast<int64_t>(K) + kFragSlabK - 1) / kFragSlabK * kFragSlabK;
   return m_pad * k_pad;
 }
 
-cudaError_t split_tf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* big,
-                       float* small, int64_t* counter, cudaStream_t stream) {
-  using namespace fused_gemm_bn;
+cudaError_t fused_gemm_bn::sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
+                                               float* x_big, float* x_small, int64_t* num_batches_tracked,
+                                               cudaStream_t stream) {
   const int num_slabs = (K + kFragSlabK - 1) / kFragSlabK;
-  const int64_t num_quads = split_tf32_elems(M, K) / 4;
+  const int64_t num_quads = sm80_prepass_elems(M, K) / 4;
   int64_t blocks = (num_quads + kSplitThreads - 1) / kSplitThreads;
-  if (blocks == 0 && counter == nullptr) return cudaSuccess;
+  if (blocks == 0 && num_batches_tracked == nullptr) return cudaSuccess;
   if (blocks == 0) blocks = 1;  // still counts the call
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  split_tf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
-      x, row_stride, col_stride, M, K, num_slabs, num_quads, big, small, counter);
+  sm80_prepass_3xtf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
+      x, row_stride, col_stride, M, K, num_slabs, num_quads, x_big, x_small, num_batches_tracked);
   return cudaGetLastError();
 }
 
-// x_small = x - tf32_trunc(x) over a contiguous (M, K) x with K % 4 == 0;
-// counter += 1 (if not null); zero_ints[0 .. num_zero_ints) = 0.
-cudaError_t split_tf32_remainder(const float* x, int M, int K, float* x_small, int64_t* counter, int* zero_ints,
-                                 int num_zero_ints, cudaStream_t stream) {
-  using namespace fused_gemm_bn;
+// Preconditions: x and x_small contiguous and 16-byte aligned, K % 4 == 0.
+cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, float* x_small, int* zero_ints,
+                                               int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream) {
+  if (K % 4 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(x_small) % 16 != 0)
+    return cudaErrorInvalidValue;
   const int64_t n4 = static_cast<int64_t>(M) * K / 4;
-  if (n4 == 0 && counter == nullptr && num_zero_ints == 0) return cudaSuccess;
+  if (n4 == 0 && num_batches_tracked == nullptr && num_zero_ints == 0) return cudaSuccess;
   int device = 0, num_sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   const int64_t wanted = (n4 + kSplitThreads - 1) / kSplitThreads;
   const int blocks = static_cast<int>(wanted < 1 ? 1 : wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
-  split_tf32_remainder_kernel<<<blocks, kSplitThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(x), reinterpret_cast<float4*>(x_small), n4, counter, zero_ints, num_zero_ints);
+  sm90_prepass_3xtf32_kernel<<<blocks, kSplitThreads, 0, stream>>>(
+      reinterpret_cast<const float4*>(x), reinterpret_cast<float4*>(x_small), n4, num_batches_tracked, zero_ints,
+      num_zero_ints);
   return cudaGetLastError();
 }

@@ -1,4 +1,4 @@
-// gemm_bn_16bit.cu -- Linear on tensor cores in the input's 16-bit type (__half
+// sm80_gemm_bn_16bit.cu -- Linear on tensor cores in the input's 16-bit type (__half
 // or __nv_bfloat16, float32 accumulation), with the per-element part of
 // Linear -> scale -> BatchNorm1d (problem 33) or Linear -> BatchNorm1d -> scale
 // (problem 84) in the epilogue, rounded to 16 bits where PyTorch's eager ops
@@ -65,6 +65,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "launchers.cuh"
 #include "lowp_types.cuh"
 
 namespace fused_gemm_bn {
@@ -129,7 +130,7 @@ struct GemmArgs {
   const uint16_t* running_mean;  // kEval
   const uint16_t* running_var;   // kEval
   float eps;                     // kEval
-  bool scale_first;              // true: problem 33 (scale, then BatchNorm); false: problem 84
+  bool scale_after_bn;           // false: problem 33 (scale, then BatchNorm); true: problem 84
   float* part_mean;              // kTrain
   float* part_m2;                // kTrain
   int64_t* num_batches_tracked;  // kTrain; may be null
@@ -211,7 +212,7 @@ __device__ __forceinline__ void load_tile(uint8_t* tile, const uint16_t* __restr
 
 template <typename T, Mode kMode, bool kVec16>
 __global__ void __launch_bounds__(GemmTraits::kNumThreads, GemmTraits::kMinBlocksPerSm)
-    gemm_bn_16bit_kernel(const GemmArgs args) {
+    sm80_gemm_bn_16bit_kernel(const GemmArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using TR = GemmTraits;
   using namespace gemm;
@@ -334,9 +335,9 @@ __global__ void __launch_bounds__(GemmTraits::kNumThreads, GemmTraits::kMinBlock
   auto chain = [&](float v, int c) -> float {
     const float z = round16<T>(v + p_bias[c]);
     if constexpr (kMode == Mode::kTrain) {
-      return args.scale_first ? round16<T>(z * p_scale[c]) : z;
+      return args.scale_after_bn ? z : round16<T>(z * p_scale[c]);
     } else {
-      if (args.scale_first) {
+      if (!args.scale_after_bn) {
         const float y = round16<T>(z * p_scale[c]);
         return fmaf(p_weight[c] * (y - p_mean[c]), p_invstd[c], p_beta[c]);
       }
@@ -419,9 +420,9 @@ __global__ void __launch_bounds__(GemmTraits::kNumThreads, GemmTraits::kMinBlock
 }
 
 template <typename T, Mode kMode, bool kVec16>
-static cudaError_t launch_gemm_bn_16bit(const GemmArgs& args, cudaStream_t stream) {
+static cudaError_t launch_sm80_gemm_bn_16bit(const GemmArgs& args, cudaStream_t stream) {
   using TR = GemmTraits;
-  auto kernel = gemm_bn_16bit_kernel<T, kMode, kVec16>;
+  auto kernel = sm80_gemm_bn_16bit_kernel<T, kMode, kVec16>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TR::SMEM_BYTES);
   // The most shared memory per SM, so that kMinBlocksPerSm CTAs fit.
   if (err == cudaSuccess)
@@ -438,11 +439,11 @@ static cudaError_t launch_for_type(const GemmArgs& args, bool train, cudaStream_
   const bool vec16 = args.K % GemmTraits::CHUNK_ELEMS == 0 && reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(args.w) % 16 == 0;
   if (train) {
-    return vec16 ? launch_gemm_bn_16bit<T, Mode::kTrain, true>(args, stream)
-                 : launch_gemm_bn_16bit<T, Mode::kTrain, false>(args, stream);
+    return vec16 ? launch_sm80_gemm_bn_16bit<T, Mode::kTrain, true>(args, stream)
+                 : launch_sm80_gemm_bn_16bit<T, Mode::kTrain, false>(args, stream);
   }
-  return vec16 ? launch_gemm_bn_16bit<T, Mode::kEval, true>(args, stream)
-               : launch_gemm_bn_16bit<T, Mode::kEval, false>(args, stream);
+  return vec16 ? launch_sm80_gemm_bn_16bit<T, Mode::kEval, true>(args, stream)
+               : launch_sm80_gemm_bn_16bit<T, Mode::kEval, false>(args, stream);
 }
 
 }  // namespace lowp
@@ -452,16 +453,17 @@ static cudaError_t launch_for_type(const GemmArgs& args, bool train, cudaStream_
 // Host launchers (raw pointers; no torch types so nvcc compiles this file alone)
 // ---------------------------------------------------------------------------
 
-int lowp_gemm_block_m() { return fused_gemm_bn::lowp::GemmTraits::BLOCK_M; }
+int fused_gemm_bn::lowp_gemm_block_m() { return lowp::GemmTraits::BLOCK_M; }
 
 // dtype: 0 = IEEE half, 1 = bfloat16 (lowp::Dtype).  train: out = u and the
 // per-tile statistics (part_mean / part_m2, ceil(M / 128) x N float32), and
 // num_batches_tracked += 1 (if not null); else the eval chain (running_mean,
-// running_var, bn_weight, bn_bias, eps used).  scale_first: problem 33's order.
-cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
-                         const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
-                         const void* running_mean, const void* running_var, float eps, bool scale_first,
-                         float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream) {
+// running_var, bn_weight, bn_bias, eps used).  scale_after_bn: problem 84's order.
+cudaError_t fused_gemm_bn::lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N,
+                                        int K, const void* bias, const void* scale, const void* bn_weight,
+                                        const void* bn_bias, const void* running_mean, const void* running_var,
+                                        float eps, bool scale_after_bn, float* part_mean, float* part_m2,
+                                        int64_t* num_batches_tracked, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M == 0 || N == 0) return cudaSuccess;
   GemmArgs args{};
@@ -478,7 +480,7 @@ cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, vo
   args.running_mean = static_cast<const uint16_t*>(running_mean);
   args.running_var = static_cast<const uint16_t*>(running_var);
   args.eps = eps;
-  args.scale_first = scale_first;
+  args.scale_after_bn = scale_after_bn;
   args.part_mean = part_mean;
   args.part_m2 = part_m2;
   args.num_batches_tracked = num_batches_tracked;

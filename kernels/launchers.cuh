@@ -1,0 +1,130 @@
+// launchers.cuh -- the host/device boundary: every host launcher of kernels/*.cu
+// and kernels/lowp/*.cu, declared once.  Included by each .cu that defines a
+// launcher (its definition is written qualified, `cudaError_t fused_gemm_bn::bn_apply(...)`,
+// which C++ accepts only when it matches a declaration here) and by both torch
+// bindings (torch_binding.cpp, lowp/binding_16bit.cpp), so a signature cannot
+// drift between the two sides: a mismatch fails the compile (.ci/run compiles
+// the .cu files and both bindings; tests/test_boundary.py has the negative control).
+//
+// Conventions: raw device pointers (float32 unless `const void*` with a dtype
+// code), sizes as int (the bindings check that they fit), the CUDA stream last.
+// Launchers return the launch error (cudaSuccess if none), never synchronise,
+// and never choose a different kernel: model_new.py's dispatch decides which
+// launcher runs (its preconditions are listed at each definition), and a
+// launcher given inputs outside its preconditions returns cudaErrorInvalidValue.
+// M = batch, N = out_features, K = in_features; x (M, K) and w (N, K) K-major.
+// Host-only declarations: this header compiles with a plain C++ compiler.
+
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+namespace fused_gemm_bn {
+
+// ---- prepass_3xtf32.cu: the one pre-pass before each 3xTF32 GEMM ----------
+// Each writes x's TF32 parts and, in the same launch, does the call's small
+// bookkeeping: num_batches_tracked += 1 when it is not null (a training call:
+// nn.BatchNorm1d's first step) and, for the Hopper GEMM, zeroes its split-tile
+// arrival counts.
+
+// Floats in each of x_big / x_small for an (M, K) input (fragment order, padded).
+int64_t sm80_prepass_elems(int M, int K);
+// x (any strides) -> x_big, x_small in mma fragment order, for sm80_* / sm90_cluster_*.
+cudaError_t sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* x_big,
+                                float* x_small, int64_t* num_batches_tracked, cudaStream_t stream);
+// Contiguous x with K % 4 == 0 -> x_small = x - tf32_trunc(x), for sm90_gemm_3xtf32_*;
+// zero_ints[0 .. num_zero_ints) = 0.
+cudaError_t sm90_prepass_3xtf32(const float* x, int M, int K, float* x_small, int* zero_ints, int num_zero_ints,
+                                int64_t* num_batches_tracked, cudaStream_t stream);
+
+// ---- sm80_gemm_3xtf32_bn.cu: portable 3xTF32 GEMM (mma.sync, sm_80+) --------
+int sm80_gemm_block_m();
+// z = x @ w^T into out, and per-(M tile, feature) mean / M2 of z.
+cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, float* out,
+                                   float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream);
+// out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
+cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, float* out,
+                                  const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
+                                  const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
+                                  int M, int N, int K, cudaStream_t stream);
+
+// ---- sm90_cluster_gemm_3xtf32_bn.cu: the portable kernel as sm_90 clusters --
+// Max active clusters of ceil(M / BLOCK_M) = m_tiles CTAs on the current device
+// (0: none fits); vec16 selects the kernel variant (K % 4 == 0, 16-byte aligned w).
+int sm90_cluster_max_active(int m_tiles, bool vec16);
+// Problem 33's whole training forward in one launch (M <= 8 * BLOCK_M): out is
+// the BatchNorm output; running statistics updated; num_batches_tracked read
+// (already incremented by the pre-pass).
+cudaError_t sm90_cluster_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, float* out,
+                                           const float* bias, const float* scale, const float* bn_weight,
+                                           const float* bn_bias, float* running_mean, float* running_var,
+                                           const int64_t* num_batches_tracked, float momentum, float eps, int M, int N,
+                                           int K, cudaStream_t stream);
+
+// ---- sm90_gemm_3xtf32_bn.cu: Hopper 3xTF32 GEMM (wgmma, TMA; sm_90a) -------
+int sm90_gemm_block_m();
+// True when this build has the sm_90a kernel and the current device can run it
+// (compute capability 9.0, shared memory, the driver's tensor-map encoder).
+bool sm90_gemm_available();
+// Workspace for an (M, K) x (N, K) product: *floats floats, of which the last
+// *zero_ints ints must be zero at the launch (both 0 when no tile is split).
+void sm90_gemm_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
+// z = x @ w^T into out and per-tile mean / M2 (x contiguous, x_small from sm90_prepass_3xtf32).
+cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
+                                   float* part_mean, float* part_m2, int M, int N, int K, bool split_tiles,
+                                   float* workspace, cudaStream_t stream);
+// out = a * (x @ w^T) + c, the eval-mode fold.
+cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out, const float* bias,
+                                  const float* scale, const float* bn_weight, const float* bn_bias,
+                                  const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
+                                  int M, int N, int K, bool split_tiles, float* workspace, cudaStream_t stream);
+// out = x @ w^T (the backward's products).
+cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out, int M, int N,
+                                   int K, bool split_tiles, float* workspace, cudaStream_t stream);
+
+// ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
+// Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias)).
+cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
+                     int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight,
+                     const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
+                     float* running_mean, float* running_var, cudaStream_t stream);
+
+// ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
+// Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update.
+cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
+                                  int N, const float* bias, const float* scale, const float* bn_weight,
+                                  const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
+                                  float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
+// out <- row softmax of (out - mean_z) * a + c (coeff) or of out (coeff null), in place.
+cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
+
+// ---- bn_backward.cu: the training backward's BatchNorm ----------------------
+// stats (2, N) = [mean_z | biased var_z] from the per-tile statistics.
+cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
+                           float* stats, cudaStream_t stream);
+// grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y.
+cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const float* scale,
+                              const float* bn_weight, float eps, bool scale_after_bn, int M, int N, float* grad_z,
+                              float* grad_scale, float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream);
+
+// ---- lowp/: the 16-bit kernels (second extension; dtype 0 = IEEE half, 1 = bfloat16) ----
+int lowp_gemm_block_m();
+// train: out = u and per-tile statistics, num_batches_tracked += 1 (not null);
+// else the whole eval chain.  mma.sync m16n8k16, sm_80+ (lowp/sm80_gemm_bn_16bit.cu).
+cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
+                         const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
+                         const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
+                         float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream);
+// Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu).
+cudaError_t lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
+                               int M, int N, const void* bn_weight, const void* bn_bias,
+                               const int64_t* num_batches_tracked, float momentum, float eps, void* running_mean,
+                               void* running_var, float* coeff, cudaStream_t stream);
+// Problem 33, training: BatchNorm of out in place.
+cudaError_t lowp_bn_apply(int dtype, void* out, const float* coeff, int M, int N, cudaStream_t stream);
+// Problem 84: row softmax in place (coeff and scale: training; coeff null: eval).
+cudaError_t lowp_softmax_rows(int dtype, void* out, const float* coeff, const void* scale, int M, int N,
+                              cudaStream_t stream);
+
+}  // namespace fused_gemm_bn

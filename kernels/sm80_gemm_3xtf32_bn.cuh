@@ -1,0 +1,539 @@
+// sm80_gemm_3xtf32_bn.cuh -- float32-accurate GEMM on tensor cores (3xTF32, mma.sync)
+// with a fused BatchNorm epilogue: the kernel body, shared by two kernels.
+//   sm80_gemm_3xtf32_bn.cu          sm80_gemm_3xtf32_bn_kernel (kTrain, kEval): the
+//                                   portable path, every GPU with compute capability >= 8.0
+//   sm90_cluster_gemm_3xtf32_bn.cu  sm90_cluster_gemm_3xtf32_bn_kernel (kClusterTrain):
+//                                   the same body launched as sm_90 thread-block clusters
+//
+// Formula
+//   z[m, n] = sum_k x[m, k] * w[n, k]                      (z = x @ W^T, no bias)
+//   kTrain:  out = z; part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
+//            deviations of z[:, n] over the rows of M tile mt (bn_apply.cu merges
+//            them and normalises `out` in place).
+//   kClusterTrain: the whole training BatchNorm (problem 33) in the epilogue, see
+//            sm90_cluster_gemm_3xtf32_bn.cu.
+//   kEval:   out = a[n] * z + c[n]: bias, scale and BatchNorm(eval) folded into
+//            one per-feature multiply-add, with scale before BatchNorm (problem
+//            33) or after it (problem 84); bn_eval_affine in bn_stats.cuh
+//
+// Tensors (all float32, contiguous, row-major)
+//   x_big, x_small  TF32 parts of x from prepass_3xtf32.cu, zero-padded to
+//                   (round_up(M, 16), round_up(K, 32)) and stored in mma A-fragment
+//                   order (layout in prepass_3xtf32.cu) == mma "row" A operand
+//   w    (N, K)   K-major  == mma "col" B operand (nn.Linear weight layout)
+//   out  (M, N)   row-major
+//   part_mean, part_m2  (ceil(M / BLOCK_M), N)
+//   bias, scale, bn_weight, bn_bias, running_mean, running_var  (N)
+//
+// Numerics (3xTF32; CUTLASS example 27 and Ootomo & Yokota, "Recovering single
+// precision accuracy from Tensor Cores while surpassing the FP32 theoretical
+// peak performance", IJHPCA 2022)
+//   Each fp32 operand v is split as v = big + small with
+//     big   = v rounded to TF32 (nearest, ties away: 11-bit significand)
+//     small = v - big               (exact in fp32; |small| <= 2^-11 |v|)
+//   x is split by the pre-pass (small rounded to TF32 with cvt.rna); w is split
+//   here in registers with two integer ops and one FADD (round_tf32 below), and
+//   its small part goes to the tensor core as raw fp32 (the TF32 MMA reads only
+//   the top 19 bits, i.e. truncates it: <= 2^-21 |w| lost).
+//   a*b ~= a_small*b_big + a_big*b_small + a_big*b_big; dropped: a_small*b_small
+//   (<= 2^-22 |ab|).  Each product carries <= ~2^-20.5 relative error.
+//
+//   Accumulation: the tensor core adds into its fp32 accumulator without
+//   round-to-nearest (measured on H200: a 3072-MMA chain over K = 8192 gave 10x
+//   eager's error, growing linearly with K).  So each (mma tile, BLOCK_K slab)
+//   accumulates its 12 MMAs into a zeroed register quad, which is added to
+//   the main accumulator with an ordinary round-to-nearest FADD (the promotion
+//   that DeepGEMM uses for FP8).  Expected ||z - z64|| / ||z64|| below eager
+//   FP32 SGEMM's (docs/perf.md has the measurements).
+//   Non-finite inputs: inf - inf = NaN in the split, so an inf operand yields NaN.
+//
+// Tiling: BLOCK_M x BLOCK_N x BLOCK_K = 128 x 128 x 32 per CTA, 8 warps in a
+// 2 x 4 grid of 64 x 32 warp tiles, mma.sync.m16n8k8 (PTX ISA 9.7.13.4.13,
+// "Matrix Fragments for mma.m16n8k8", .tf32), kNumStages-deep cp.async ring
+// (PTX ISA 9.7.9.25; 4 / 3 / 2 stages of 48 KB by the device's shared memory)
+// holding x_big, x_small and w slabs.  x slabs arrive in
+// fragment order, so one 16-byte shared load is one mma A operand (no register
+// shuffles; the row-major v2 spent more issue slots on MOVs than on HMMAs).
+// w's shared rows are XOR-swizzled in 16-byte chunks (w_smem_offset) so that
+// the 16-byte cp.async stores and fragment loads are bank-conflict free.
+//
+// K permutation: within one BLOCK_K slab, mma k-step s (0..3) and fragment
+// column kl (0..7) read shared column 8 * (kl % 4) + 2 * s + kl / 4.  The same
+// bijection is used for A (applied by prepass_3xtf32.cu) and B, so the dot product
+// is unchanged, and every thread reads its w fragments for two k-steps with one
+// 16-byte load.
+//
+// Preconditions: M, N >= 1, K >= 0; x_big / x_small 16-byte aligned; w 4-byte
+// aligned.  The 16-byte w load path (kVec16) needs
+// K % 4 == 0 and a 16-byte aligned w.
+// Rows past M and columns past K/N are zero-filled and masked out of the
+// statistics; nothing is written past M or N.
+//
+
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cooperative_groups.h>
+#include <stdint.h>
+
+#include "bn_stats.cuh"
+
+namespace fused_gemm_bn {
+
+struct Sm80GemmTraits {
+  static constexpr int BLOCK_M = 128;
+  static constexpr int BLOCK_N = 128;
+  static constexpr int BLOCK_K = 32;
+  static constexpr int WARPS_M = 2;
+  static constexpr int WARPS_N = 4;
+  static constexpr int WARP_M = BLOCK_M / WARPS_M;  // 64
+  static constexpr int WARP_N = BLOCK_N / WARPS_N;  // 32
+  static constexpr int MMA_M = 16;
+  static constexpr int MMA_N = 8;
+  static constexpr int MMA_K = 8;
+  static constexpr int kMmaTilesM = WARP_M / MMA_M;  // 4
+  static constexpr int kMmaTilesN = WARP_N / MMA_N;  // 4
+  static constexpr int kNumThreads = WARPS_M * WARPS_N * 32;
+  static constexpr int FRAG_BLOCK_ELEMS = MMA_M * BLOCK_K;  // one (16 x 32) fragment-order block of x
+  static constexpr int A_STAGE_ELEMS = BLOCK_M * BLOCK_K;    // one of x_big / x_small, fragment order
+  static constexpr int B_STAGE_ELEMS = BLOCK_N * BLOCK_K;    // w, 16-byte chunks XOR-swizzled per row
+  static constexpr int STAGE_ELEMS = 2 * A_STAGE_ELEMS + B_STAGE_ELEMS;
+  static constexpr int STAGE_BYTES = STAGE_ELEMS * 4;  // 48 KB
+  // Pipeline depth is chosen at launch from the opt-in shared-memory limit:
+  // 4 stages (192 KB) on Hopper, 3 (144 KB) on A100, 2 (96 KB) on sm_86 / sm_89.
+  static constexpr int kMaxStages = 4;
+  static constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES; }
+
+  static_assert(BLOCK_K == 4 * MMA_K, "the K permutation assumes 4 mma k-steps per slab");
+  static_assert(WARP_M % MMA_M == 0 && WARP_N % MMA_N == 0, "warp tile must be whole mma tiles");
+  static_assert(BLOCK_K / 4 == 8, "the w swizzle permutes the 8 16-byte chunks of a row");
+  static_assert(BLOCK_N <= kNumThreads, "epilogue uses one thread per tile column");
+};
+
+// kTrain:      write z and per-tile statistics (multi-pass path, any M, sm_80+).
+// kClusterTrain: sm_90 cluster of all M tiles of a column block: statistics merged
+//              over distributed shared memory, output normalised in registers
+//              and written once; running statistics updated by cluster rank 0.
+// kEval:       folded affine epilogue.
+enum class Epilogue { kTrain, kClusterTrain, kEval };
+
+namespace sm80 {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Copies `bytes` (16 or 4) from global to shared; src_bytes == 0 zero-fills.
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+  const int src_bytes = valid ? kBytes : 0;
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(src_bytes));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(src_bytes));
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Splits v into a TF32 big part (round to nearest, ties away; identical to
+// cvt.rna.tf32.f32 for finite v) and the exact fp32 remainder.  Two integer ops
+// and one FADD; the remainder is truncated to TF32 by the MMA itself.
+__device__ __forceinline__ void split_tf32(float v, uint32_t& big, uint32_t& small) {
+  big = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+  small = __float_as_uint(v - __uint_as_float(big));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Float offset of element (row, col) of a w slab in shared memory.  Each row is
+// 8 chunks of 16 bytes; chunk c of row r is stored at chunk c ^ (r % 8), so the
+// 16-byte fragment loads (8 lanes: rows g, g+1 x chunks 2t + half) and the
+// cp.async stores (8 lanes: one row's 8 chunks) are bank-conflict free.
+__device__ __forceinline__ int w_smem_offset(int row, int col) {
+  return row * Sm80GemmTraits::BLOCK_K + ((((col / 4) ^ row) % 8) * 4) + col % 4;
+}
+
+// Loads one (rows x BLOCK_K) slab of the K-major w into a swizzled stage.
+template <int kRows, bool kVec16>
+__device__ __forceinline__ void load_slab(float* stage, const float* __restrict__ g, int row0, int rows,
+                                          int k0, int K) {
+  using T = Sm80GemmTraits;
+  if constexpr (kVec16) {
+    constexpr int kChunksPerRow = T::BLOCK_K / 4;
+    constexpr int kChunks = kRows * kChunksPerRow;
+    static_assert(kChunks % T::kNumThreads == 0, "slab must split evenly over threads");
+#pragma unroll
+    for (int i = 0; i < kChunks / T::kNumThreads; ++i) {
+      const int c = threadIdx.x + i * T::kNumThreads;
+      const int r = c / kChunksPerRow;
+      const int col = (c % kChunksPerRow) * 4;
+      const bool valid = (row0 + r < rows) && (k0 + col < K);
+      const float* src = valid ? g + static_cast<size_t>(row0 + r) * K + (k0 + col) : g;
+      cp_async<16>(stage + w_smem_offset(r, col), src, valid);
+    }
+  } else {
+    constexpr int kElems = kRows * T::BLOCK_K;
+    static_assert(kElems % T::kNumThreads == 0, "slab must split evenly over threads");
+    // Rolled: 16 unrolled 4-byte copies cost the registers that make the
+    // train kernel spill.  This path only serves K % 4 != 0.
+#pragma unroll 1
+    for (int i = 0; i < kElems / T::kNumThreads; ++i) {
+      const int e = threadIdx.x + i * T::kNumThreads;
+      const int r = e / T::BLOCK_K;
+      const int col = e % T::BLOCK_K;
+      const bool valid = (row0 + r < rows) && (k0 + col < K);
+      const float* src = valid ? g + static_cast<size_t>(row0 + r) * K + (k0 + col) : g;
+      cp_async<4>(stage + w_smem_offset(r, col), src, valid);
+    }
+  }
+}
+
+// Loads the (BLOCK_M x BLOCK_K) slab `slab` of a fragment-order x part: BLOCK_M / 16
+// contiguous 2 KB blocks, copied linearly.
+__device__ __forceinline__ void load_frag_slab(float* stage, const float* __restrict__ g, int mb0, int num_mb,
+                                               int slab, int num_slabs) {
+  using T = Sm80GemmTraits;
+  constexpr int kChunksPerBlock = T::FRAG_BLOCK_ELEMS / 4;
+  constexpr int kChunks = (T::BLOCK_M / T::MMA_M) * kChunksPerBlock;
+  static_assert(kChunks % T::kNumThreads == 0, "slab must split evenly over threads");
+#pragma unroll
+  for (int i = 0; i < kChunks / T::kNumThreads; ++i) {
+    const int c = threadIdx.x + i * T::kNumThreads;
+    const int blk = c / kChunksPerBlock;
+    const int within = (c % kChunksPerBlock) * 4;
+    const bool valid = mb0 + blk < num_mb;
+    const float* src =
+        valid ? g + (static_cast<size_t>(mb0 + blk) * num_slabs + slab) * T::FRAG_BLOCK_ELEMS + within : g;
+    cp_async<16>(stage + blk * T::FRAG_BLOCK_ELEMS + within, src, valid);
+  }
+}
+
+__device__ __forceinline__ float warp_sum_over_rows(float v) {
+  // Lanes that share lane % 4 hold the same accumulator columns (rows differ).
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  v += __shfl_xor_sync(0xffffffffu, v, 8);
+  v += __shfl_xor_sync(0xffffffffu, v, 16);
+  return v;
+}
+
+}  // namespace sm80
+
+
+struct Sm80GemmBnArgs {
+  const float* x_big;
+  const float* x_small;
+  const float* w;
+  float* out;
+  int M, N, K;
+  // kTrain
+  float* part_mean;
+  float* part_m2;
+  // kEval and kClusterTrain (running_mean / running_var are read by kEval only)
+  BnParams bn;
+  // kClusterTrain (running statistics are updated by cluster rank 0)
+  float* running_mean_out;
+  float* running_var_out;
+  const int64_t* num_batches_tracked;  // already incremented for this call
+  float momentum;                      // < 0: cumulative average (momentum=None)
+};
+
+// The kernel body; each __global__ wrapper (sm80_gemm_3xtf32_bn.cu,
+// sm90_cluster_gemm_3xtf32_bn.cu) is only this call, so both compile to the same code.
+template <Epilogue kEpilogue, bool kVec16, int kNumStages>
+__device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  using T = Sm80GemmTraits;
+  using namespace sm80;
+  extern __shared__ __align__(16) float smem[];
+  // Stage layout: [x_big slab | x_small slab | w slab] (fragment order, fragment order, swizzled).
+
+  const int M = args.M, N = args.N, K = args.K;
+  // blockIdx.x walks M fastest, so the CTAs that share one W tile run together
+  // and W (the large operand) streams from DRAM once; x stays resident in L2.
+  const int m_tile = blockIdx.x;
+  const int m0 = m_tile * T::BLOCK_M;
+  const int n0 = blockIdx.y * T::BLOCK_N;
+
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int wm = warp / T::WARPS_N;
+  const int wn = warp % T::WARPS_N;
+  const int g = lane / 4;  // fragment row group
+  const int t = lane % 4;  // fragment thread-in-group
+
+  float acc[T::kMmaTilesM][T::kMmaTilesN][4];
+#pragma unroll
+  for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < T::kMmaTilesN; ++ni)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mi][ni][r] = 0.f;
+
+  const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;  // == slabs of the x parts
+  const int num_mb = (M + T::MMA_M - 1) / T::MMA_M;             // 16-row blocks of the x parts
+  const int mb0 = m0 / T::MMA_M;
+
+  auto load_stage = [&](int k_tile) {
+    float* stage = smem + (k_tile % kNumStages) * T::STAGE_ELEMS;
+    load_frag_slab(stage, args.x_big, mb0, num_mb, k_tile, num_k_tiles);
+    load_frag_slab(stage + T::A_STAGE_ELEMS, args.x_small, mb0, num_mb, k_tile, num_k_tiles);
+    load_slab<T::BLOCK_N, kVec16>(stage + 2 * T::A_STAGE_ELEMS, args.w, n0, N, k_tile * T::BLOCK_K, K);
+  };
+
+#pragma unroll
+  for (int s = 0; s < kNumStages - 1; ++s) {
+    if (s < num_k_tiles) load_stage(s);
+    cp_async_commit();
+  }
+
+  for (int k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
+    cp_async_wait<kNumStages - 2>();
+    // Makes stage k_tile visible to all warps, and frees the stage that the
+    // next load overwrites (it was consumed in iteration k_tile - 1).
+    __syncthreads();
+    if (k_tile + kNumStages - 1 < num_k_tiles) load_stage(k_tile + kNumStages - 1);
+    cp_async_commit();
+
+    const float* stage = smem + (k_tile % kNumStages) * T::STAGE_ELEMS;
+    // This warp's fragment blocks; block mi, k-step s, lane l at ((mi * 4 + s) * 32 + l) * 4.
+    const float* a_big_s = stage + (wm * T::kMmaTilesM) * T::FRAG_BLOCK_ELEMS + lane * 4;
+    const float* a_small_s = a_big_s + T::A_STAGE_ELEMS;
+    const float* b_s = stage + 2 * T::A_STAGE_ELEMS;
+    const int b_row = wn * T::WARP_N + g;  // + ni * MMA_N; row % 8 == g
+
+    // Partial sums of this slab for every mma tile: 16 independent 12-deep MMA
+    // chains, so the tensor pipe always has independent work.
+    float part[T::kMmaTilesM][T::kMmaTilesN][4];
+#pragma unroll
+    for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) part[mi][ni][r] = 0.f;
+
+    // The slab is consumed in two halves of two k-steps.  Thread (g, t) reads w's
+    // shared columns 8t + 4 * half .. +3; k-step `step` of the half uses elements
+    // 2 * step (b0: k = t) and 2 * step + 1 (b1: k = t + 4).
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // w fragments of this half, split once and reused by every mi.
+      uint32_t b_big[T::kMmaTilesN][4], b_small[T::kMmaTilesN][4];
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
+        const float4 v =
+            *reinterpret_cast<const float4*>(b_s + w_smem_offset(b_row + ni * T::MMA_N, 8 * t + 4 * half));
+        split_tf32(v.x, b_big[ni][0], b_small[ni][0]);
+        split_tf32(v.y, b_big[ni][1], b_small[ni][1]);
+        split_tf32(v.z, b_big[ni][2], b_small[ni][2]);
+        split_tf32(v.w, b_big[ni][3], b_small[ni][3]);
+      }
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        const uint32_t bb[T::kMmaTilesN][2] = {{b_big[0][2 * step], b_big[0][2 * step + 1]},
+                                               {b_big[1][2 * step], b_big[1][2 * step + 1]},
+                                               {b_big[2][2 * step], b_big[2][2 * step + 1]},
+                                               {b_big[3][2 * step], b_big[3][2 * step + 1]}};
+        const uint32_t bs[T::kMmaTilesN][2] = {{b_small[0][2 * step], b_small[0][2 * step + 1]},
+                                               {b_small[1][2 * step], b_small[1][2 * step + 1]},
+                                               {b_small[2][2 * step], b_small[2][2 * step + 1]},
+                                               {b_small[3][2 * step], b_small[3][2 * step + 1]}};
+        static_assert(T::kMmaTilesN == 4, "bb / bs initialisers list kMmaTilesN tiles");
+#pragma unroll
+        for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
+          // x fragments: one 16-byte load each is one A operand
+          // (a0: row g, k t; a1: row g+8, k t; a2: row g, k t+4; a3: row g+8, k t+4).
+          const int off = (mi * 4 + 2 * half + step) * 32 * 4;
+          const uint4 xb = *reinterpret_cast<const uint4*>(a_big_s + off);
+          const uint4 xs = *reinterpret_cast<const uint4*>(a_small_s + off);
+          const uint32_t a_big[4] = {xb.x, xb.y, xb.z, xb.w};
+          const uint32_t a_small[4] = {xs.x, xs.y, xs.z, xs.w};
+          // Term-major over ni: consecutive MMAs write different accumulators,
+          // so none waits on the one before it (ncu: "wait" stalls).
+#pragma unroll
+          for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part[mi][ni], a_small, bb[ni]);
+#pragma unroll
+          for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part[mi][ni], a_big, bs[ni]);
+#pragma unroll
+          for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part[mi][ni], a_big, bb[ni]);
+        }
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[mi][ni][r] += part[mi][ni][r];  // round-to-nearest promotion
+  }
+  cp_async_wait<0>();
+
+  // Accumulator element (mi, ni, r) sits at
+  //   row = m0 + wm * WARP_M + mi * 16 + g + 8 * (r / 2)
+  //   col = n0 + wn * WARP_N + ni * 8 + 2 * t + (r % 2)
+  const int row_base = m0 + wm * T::WARP_M + g;
+  const int col_base = n0 + wn * T::WARP_N + 2 * t;
+
+  if constexpr (kEpilogue == Epilogue::kEval) {
+#pragma unroll
+    for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = col_base + ni * T::MMA_N + j;
+        if (col >= N) continue;
+        float a, c;
+        bn_eval_affine(args.bn, col, a, c);
+#pragma unroll
+        for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
+          acc[mi][ni][j] = fmaf(a, acc[mi][ni][j], c);
+          acc[mi][ni][2 + j] = fmaf(a, acc[mi][ni][2 + j], c);
+        }
+      }
+    }
+  } else {
+    // Per-column mean and M2 over this tile's valid rows: `moment` 0 sums the
+    // values, 1 the squared deviations from the tile mean (no E[z^2] - E[z]^2
+    // cancellation).
+    __syncthreads();  // all warps are done with the pipeline smem; reuse it
+    float* red = smem;                                   // [WARPS_M][BLOCK_N]
+    float* tile_mean = red + T::WARPS_M * T::BLOCK_N;    // [BLOCK_N]
+    float* tile_m2 = tile_mean + T::BLOCK_N;             // [BLOCK_N]
+    const int rows_valid = min(T::BLOCK_M, M - m0);
+
+#pragma unroll
+    for (int moment = 0; moment < 2; ++moment) {
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int tcol = wn * T::WARP_N + ni * T::MMA_N + 2 * t + j;
+          const float mu = moment == 0 ? 0.f : tile_mean[tcol];
+          float sum = 0.f;
+#pragma unroll
+          for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
+            const int r = row_base + mi * T::MMA_M;
+            const float d0 = acc[mi][ni][j] - mu;
+            const float d1 = acc[mi][ni][2 + j] - mu;
+            if (r < M) sum += moment == 0 ? d0 : d0 * d0;
+            if (r + 8 < M) sum += moment == 0 ? d1 : d1 * d1;
+          }
+          sum = warp_sum_over_rows(sum);
+          if (g == 0) red[wm * T::BLOCK_N + tcol] = sum;
+        }
+      }
+      __syncthreads();
+      if (threadIdx.x < T::BLOCK_N) {
+        float total = 0.f;
+#pragma unroll
+        for (int w = 0; w < T::WARPS_M; ++w) total += red[w * T::BLOCK_N + threadIdx.x];
+        if (moment == 0) {
+          tile_mean[threadIdx.x] = total / static_cast<float>(rows_valid);
+        } else {
+          tile_m2[threadIdx.x] = total;
+        }
+      }
+      __syncthreads();
+    }
+
+    if constexpr (kEpilogue == Epilogue::kTrain) {
+      const int col = n0 + threadIdx.x;
+      if (threadIdx.x < T::BLOCK_N && col < N) {
+        args.part_mean[static_cast<size_t>(m_tile) * N + col] = tile_mean[threadIdx.x];
+        args.part_m2[static_cast<size_t>(m_tile) * N + col] = tile_m2[threadIdx.x];
+      }
+    } else {
+#if __CUDA_ARCH__ >= 900
+      // The cluster spans gridDim.x (every M tile) of this column block.
+      namespace cg = cooperative_groups;
+      cg::cluster_group cluster = cg::this_cluster();
+      float* coef_a = tile_m2 + T::BLOCK_N;     // [BLOCK_N]
+      float* coef_mean = coef_a + T::BLOCK_N;  // [BLOCK_N]
+      cluster.sync();  // every rank's tile_mean / tile_m2 are complete
+      const int col = n0 + threadIdx.x;
+      if (threadIdx.x < T::BLOCK_N) {
+        double count = 0.0, mean = 0.0, m2 = 0.0;
+        for (int rank = 0; rank < static_cast<int>(gridDim.x); ++rank) {
+          const double n_b = static_cast<double>(min(T::BLOCK_M, M - rank * T::BLOCK_M));
+          const double mean_b = *cluster.map_shared_rank(tile_mean + threadIdx.x, rank);
+          const double m2_b = *cluster.map_shared_rank(tile_m2 + threadIdx.x, rank);
+          merge_chan(count, mean, m2, n_b, mean_b, m2_b);
+        }
+        if (col < N) {
+          coef_a[threadIdx.x] = bn_train_slope(m2, count, args.bn.scale[col], args.bn.bn_weight[col], args.bn.eps);
+          coef_mean[threadIdx.x] = static_cast<float>(mean);
+          if (m_tile == 0)
+            bn_update_running(mean, m2, count, args.bn.bias[col], args.bn.scale[col], args.momentum,
+                              args.num_batches_tracked, args.running_mean_out + col, args.running_var_out + col);
+        }
+      }
+      cluster.sync();  // remote reads done before any rank exits; coefficients visible
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int tcol = wn * T::WARP_N + ni * T::MMA_N + 2 * t + j;
+          if (n0 + tcol >= N) continue;
+          const float a = coef_a[tcol], mu = coef_mean[tcol], b = args.bn.bn_bias[n0 + tcol];
+#pragma unroll
+          for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
+            acc[mi][ni][j] = fmaf(acc[mi][ni][j] - mu, a, b);
+            acc[mi][ni][2 + j] = fmaf(acc[mi][ni][2 + j] - mu, a, b);
+          }
+        }
+      }
+#endif
+    }
+  }
+
+  // Store z (kTrain) or the final output (kEval, kClusterTrain).
+  const bool pair_ok = (N % 2 == 0);  // 8-byte aligned column pairs
+#pragma unroll
+  for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_base + mi * T::MMA_M + 8 * h;
+      if (row >= M) continue;
+      float* out_row = args.out + static_cast<size_t>(row) * N;
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
+        const int col = col_base + ni * T::MMA_N;
+        const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+        if (pair_ok && col + 1 < N) {
+          *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
+        } else {
+          if (col < N) out_row[col] = v0;
+          if (col + 1 < N) out_row[col + 1] = v1;
+        }
+      }
+    }
+  }
+#endif  // __CUDA_ARCH__ >= 800
+}
+
+// Arguments common to every epilogue; the caller fills the epilogue's fields.
+inline Sm80GemmBnArgs gemm_args(const float* x_big, const float* x_small, const float* w, float* out, int M, int N,
+                                int K) {
+  Sm80GemmBnArgs args{};
+  args.x_big = x_big;
+  args.x_small = x_small;
+  args.w = w;
+  args.out = out;
+  args.M = M;
+  args.N = N;
+  args.K = K;
+  return args;
+}
+
+inline bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0; }
+
+}  // namespace fused_gemm_bn

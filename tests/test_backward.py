@@ -7,7 +7,7 @@ Run: python -m pytest -q tests/test_backward.py -s      (-s shows the measured e
 
 Two code paths give the gradients, and the tests run both where they exist:
   "function": the autograd.Functions (_TrainFn, _GemmNT) over the
-              extension on CUDA, over the _cpu_* functions (same names and
+              extension on CUDA, over the _torch_* functions (same names and
               arguments) on CPU; what eager calls take.
   "ops":      the fused_gemm_bn:: custom operators and their registered autograd
               (torch >= 2.4), forced in eager with model_new._OPS_IN_EAGER;
@@ -20,7 +20,7 @@ CPU (always run; CI)
   - test_cpu_gradients_match_reference: float64 (1e-10) and float32 (error vs
     the float64 Model at most 2x the float32 Model's + GRAD_FLOOR), train and
     eval, shapes with tile tails; gemm.bias in training: exactly zero
-  - test_cpu_bn_backward_train_contract: _cpu_bn_backward_train, the contract of
+  - test_torch_bn_backward_train_contract: _torch_bn_backward_train, the contract of
     the extension's bn_backward_train, against autograd of the unfused
     BatchNorm in float64 (both problems' formulas)
   - test_cpu_opcheck: torch.library.opcheck on every operator (schema,
@@ -109,8 +109,7 @@ def assert_rel_close(a, b, bound, what):
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
     """Runs the test on the autograd.Function path and again on the custom operators."""
-    for module in {model_new, model_new_84._core}:
-        monkeypatch.setattr(module, "_OPS_IN_EAGER", request.param == "ops")
+    monkeypatch.setattr(model_new, "_OPS_IN_EAGER", request.param == "ops")  # the engine of both problems
     return request.param
 
 
@@ -201,9 +200,9 @@ def test_cpu_gradcheck(problem, scale_shape, training, path):
 
 
 def _bn_backward_without_mean_of_g_xhat(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
-    """_cpu_bn_backward_train with grad_z's term - a xhat mean_m(grad_y xhat) left
+    """_torch_bn_backward_train with grad_z's term - a xhat mean_m(grad_y xhat) left
     out (xhat = scale (z - mu) r for problem 33, (z - mu) r for 84)."""
-    out = model_new._cpu_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
+    out = model_new._torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
     d = z - stats[0]
     s2 = torch.ones_like(scale) if scale_after_bn else scale * scale
     r = torch.rsqrt(s2 * stats[1] + eps)
@@ -215,8 +214,8 @@ def _bn_backward_without_mean_of_g_xhat(grad_y, z, stats, scale, bn_weight, eps,
 def test_cpu_gradcheck_negative_control(problem, path, monkeypatch):
     """gradcheck can tell: with one term of grad_z left out of the BatchNorm
     backward (the same substitution on both paths: the operators' CPU
-    implementation calls _CPU_KERNELS too), it fails."""
-    monkeypatch.setattr(model_new._CPU_KERNELS, "bn_backward_train", _bn_backward_without_mean_of_g_xhat)
+    implementation calls _TORCH_PATH too), it fails."""
+    monkeypatch.setattr(model_new._TORCH_PATH, "bn_backward_train", _bn_backward_without_mean_of_g_xhat)
     m, k, n = 9, 7, 5
     _, new = make_pair(problem, k, n, seed=3)
     names = [name for name, _ in new.named_parameters()]
@@ -276,8 +275,8 @@ def _unfused_bn_train(z, stats_unused, scale, bn_weight, bn_bias, eps, scale_aft
 
 
 @pytest.mark.parametrize("scale_after_bn", [False, True], ids=["33", "84"])
-def test_cpu_bn_backward_train_contract(scale_after_bn):
-    """_cpu_bn_backward_train (= what the extension's bn_backward_train must
+def test_torch_bn_backward_train_contract(scale_after_bn):
+    """_torch_bn_backward_train (= what the extension's bn_backward_train must
     return) against autograd of the unfused BatchNorm in float64.  For
     scale_after_bn the returned grad_scale excludes the bn_bias * sum_m grad_y
     term (bn_bias is no argument); the caller adds it."""
@@ -292,7 +291,7 @@ def test_cpu_bn_backward_train_contract(scale_after_bn):
     y = _unfused_bn_train(z, None, scale, bn_weight, bn_bias, eps, scale_after_bn)
     want = torch.autograd.grad(y, (z, scale, bn_weight, bn_bias), grad_y)
     stats = torch.stack((z.detach().mean(0), z.detach().var(0, unbiased=False)))
-    got = model_new._cpu_bn_backward_train(grad_y, z.detach(), stats, scale.detach(), bn_weight.detach(), eps,
+    got = model_new._torch_bn_backward_train(grad_y, z.detach(), stats, scale.detach(), bn_weight.detach(), eps,
                                            scale_after_bn)
     if scale_after_bn:
         got[1] = got[1] + bn_bias.detach() * grad_y.sum(0)
@@ -335,7 +334,9 @@ def op_cases(device, dtype=torch.float32):
             (f"forward_eval-{tag}", ops.forward_eval.default, (*params(False), *buffers()[:2], 1e-5, softmax)),
         ]
         p = [v.detach() for v in params(False)]
-        _, z, stats = model_new._kernels_for(p[0]).forward_train_saved(*p, *buffers(), 0.1, 1e-5)
+        plan = model_new.dispatch(p[0], p[1], True, True, softmax)
+        _, z, stats = model_new._kernels(plan.kernels).forward_train_saved(plan.gemm, *p, *buffers(), 0.1, 1e-5,
+                                                                           softmax)
         cases.append((f"bn_backward_train-{tag}", ops.bn_backward_train.default,
                       (t(m, n), z, stats, p[3], p[4], 1e-5, softmax)))
     return cases
@@ -613,11 +614,8 @@ GPU_SHAPES = [(64, 96, 80), (300, 1000, 520), (257, 1028, 130), (1024, 8192, 819
 
 @pytest.fixture(params=["default", "portable"])
 def gemm_path(request, monkeypatch):
-    """The kernel the device dispatches to, and FUSED_GEMM_BN_PORTABLE=1."""
-    if request.param == "portable":
-        monkeypatch.setenv("FUSED_GEMM_BN_PORTABLE", "1")
-    else:
-        monkeypatch.delenv("FUSED_GEMM_BN_PORTABLE", raising=False)
+    """The kernel the device dispatches to, and the portable one (SWITCHES.portable)."""
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(portable=request.param == "portable"))
     return request.param
 
 
@@ -673,10 +671,10 @@ def test_gpu_forward_train_saved_contract(softmax, gemm_path):
     vecs = [torch.randn(n, **d).cuda() for _ in range(4)]
     buffers = [torch.zeros(n).cuda(), torch.ones(n).cuda(), torch.zeros((), dtype=torch.long).cuda()]
     twin = [b.clone() for b in buffers]
-    run = ext.forward_softmax_train if softmax else ext.forward_train
-    run_saved = ext.forward_softmax_train_saved if softmax else ext.forward_train_saved
-    out = run(x, w, *vecs, *buffers, 0.1, 1e-5)
-    out_s, z, stats = run_saved(x, w, *vecs, *twin, 0.1, 1e-5)
+    gemm = model_new.dispatch(x, w, True, False, softmax).gemm
+    gemm_saved = model_new.dispatch(x, w, True, True, softmax).gemm
+    out = ext.forward_train(gemm, x, w, *vecs, *buffers, 0.1, 1e-5, softmax)
+    out_s, z, stats = ext.forward_train_saved(gemm_saved, x, w, *vecs, *twin, 0.1, 1e-5, softmax)
     # The same math; forward_train may take the cluster-fused kernel, whose rounding differs in the last bits.
     assert_rel_close(out_s, out, 1e-6, "out")
     for name, a, b in zip(["running_mean", "running_var"], twin, buffers):
@@ -704,7 +702,7 @@ def test_gpu_gemm_nt_any_strides(m, k, n, layout, fp32_matmul):
         b = b.t().contiguous().t()
     if layout == "strided":
         a = torch.zeros(m, 2 * k, device="cuda")[:, ::2].copy_(a)
-    out = model_new._ext.gemm_nt(a, b)
+    out = model_new._ext.gemm_nt(model_new.dispatch_gemm_nt(a, b), a, b)
     ref64 = a.double() @ b.double().t()
     err_new, err_eager = rel_err(out, ref64), rel_err(a @ b.t(), ref64)
     print(f"\n[gemm_nt] ({m},{k},{n}) {layout}: err {err_new:.2e}, torch fp32 {err_eager:.2e}")
@@ -762,8 +760,7 @@ def test_gpu_ops_path_matches_function_path(problem, training, monkeypatch):
     x = torch.rand(m, k, generator=gen).cuda()
     g = torch.randn(m, n, generator=gen).cuda()
     out_f, grads_f = forward_backward(new, x, g)
-    for module in {model_new, model_new_84._core}:
-        monkeypatch.setattr(module, "_OPS_IN_EAGER", True)
+    monkeypatch.setattr(model_new, "_OPS_IN_EAGER", True)  # the engine of both problems
     out_o, grads_o = forward_backward(twin, x, g)
     # The same calls in the same order; a kernel's reduction order may still vary between calls.
     assert_rel_close(out_o, out_f, 1e-6, "output")

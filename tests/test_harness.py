@@ -153,7 +153,7 @@ def test_build_message_and_failure_names_nvcc_and_log(tmp_path):
     code = (
         "import sys; ns = {}\n"
         f"exec(compile(open({BUNDLE!r}).read(), '<string>', 'exec'), ns)\n"
-        "src = dict(ns['_KERNEL_SOURCES']); src['split_tf32.cu'] += '\\n#error deliberately broken\\n'\n"
+        "src = dict(ns['_KERNEL_SOURCES']); src['prepass_3xtf32.cu'] += '\\n#error deliberately broken\\n'\n"
         "ns['_load_extension'](src)\n"
     )
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))

@@ -53,7 +53,7 @@ GPU (names contain "gpu")
 CPU (CI)
   - test_cpu_bundle_rejects_16bit_cuda_clearly: the bundle (no kernels/lowp/)
     and model_new.py with the folder's absence simulated raise a RuntimeError
-    naming kernels/lowp/ and what is supported, from _check_input (a 16-bit
+    naming kernels/lowp/ and what is supported, from check_input (a 16-bit
     tensor that reports is_cuda); with the folder present model_new.py accepts
     it; mixed dtypes still raise PyTorch's message.
     test_cpu_bundle_module_rejects_before_touching_buffers: the bundle's
@@ -393,7 +393,7 @@ def test_gpu_lowp_input_layouts(dtype_name, problem, how, full_precision_reducti
 
 
 class _ReportsCuda(torch.Tensor):
-    """A CPU tensor that answers is_cuda = True: _check_input's CUDA branch without a GPU."""
+    """A CPU tensor that answers is_cuda = True: check_input's CUDA branch without a GPU."""
 
     @property
     def is_cuda(self):
@@ -414,7 +414,7 @@ def test_cpu_bundle_rejects_16bit_cuda_clearly(dtype_name, monkeypatch):
     ns = exec_texts(read(BUNDLE))
     assert ns["_LOWP_DIR"] is None, "the bundle cannot have the 16-bit kernels"
     with pytest.raises(RuntimeError) as exc:
-        ns["_check_input"](x, weight, True)
+        ns["check_input"](x, weight, True)
     message = str(exc.value)
     for part in ("16-bit CUDA input", "kernels/lowp/", "float32 on CUDA", "float64 on CUDA", "CPU"):
         assert part in message, (part, message)
@@ -423,14 +423,14 @@ def test_cpu_bundle_rejects_16bit_cuda_clearly(dtype_name, monkeypatch):
 
     # model_new.py from the repository finds kernels/lowp/ and accepts the input ...
     assert model_new._LOWP_DIR == os.path.join(os.path.dirname(model_new.__file__), "kernels", "lowp")
-    model_new._check_input(x, weight, True)
+    model_new.check_input(x, weight, True)
     # ... and says the same as the bundle where the folder is missing.
     monkeypatch.setattr(model_new, "_LOWP_DIR", None)
     with pytest.raises(RuntimeError, match="kernels/lowp/"):
-        model_new._check_input(x, weight, True)
+        model_new.check_input(x, weight, True)
     # Mixed dtypes still raise PyTorch's message first; other dtypes name what is supported.
     with pytest.raises(RuntimeError, match="must have the same dtype"):
-        model_new._check_input(x, weight.float(), True)
+        model_new.check_input(x, weight.float(), True)
     assert "supports float32" in model_new._cuda_dtype_problem(torch.int32)
 
 
@@ -448,7 +448,8 @@ def test_cpu_bundle_module_rejects_before_touching_buffers():
 
 def test_cpu_lowp_sources_and_extension_name(tmp_path):
     sources = model_new._lowp_sources()
-    assert {"binding_16bit.cpp", "gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh", "bn_stats.cuh"} <= set(sources)
+    assert {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh", "bn_stats.cuh",
+            "launchers.cuh"} <= set(sources)
     assert not any(name.endswith((".cu", ".cpp")) and name in model_new._KERNEL_SOURCES for name in sources), \
         "the 16-bit extension must not compile the float32 sources again"
     flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
@@ -458,15 +459,15 @@ def test_cpu_lowp_sources_and_extension_name(tmp_path):
     changed = dict(sources, **{"bn_16bit.cu": sources["bn_16bit.cu"] + " "})
     assert model_new._extension_name(changed, flags, model_new._LOWP_PREFIX) != name
     model_new._write_headers(str(tmp_path), sources)
-    assert sorted(os.listdir(tmp_path)) == ["bn_stats.cuh", "lowp_types.cuh"]
+    assert sorted(os.listdir(tmp_path)) == ["bn_stats.cuh", "launchers.cuh", "lowp_types.cuh"]
     embedded = exec_texts(read(BUNDLE))["_KERNEL_SOURCES"]
-    assert not set(embedded) & {"binding_16bit.cpp", "gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh"}
+    assert not set(embedded) & {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh"}
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
 def test_cpu_lowp_fn_matches_model(problem, training):
-    """_LowpFn with the CPU kernels (same functions and arguments as the 16-bit
+    """_LowpFn with the torch-op functions (same functions and arguments as the 16-bit
     extension's) in float64: its forward is the extension call (running
     statistics updated once), its backward autograd of _lowp_recompute, which
     computes in float32: gradients within float32 accuracy of Model's."""
@@ -487,7 +488,7 @@ def test_cpu_lowp_fn_matches_model(problem, training):
     xn = x.clone().requires_grad_(True)
     buffers = (new.bn.running_mean, new.bn.running_var, new.bn.num_batches_tracked)
     params = (xn, new.gemm.weight, new.gemm.bias, new._scale_vector(), new.bn.weight, new.bn.bias)
-    out = model_new._LowpFn.apply(model_new._CPU_KERNELS, problem == "84", training, buffers,
+    out = model_new._LowpFn.apply(model_new._TORCH_PATH, "torch_ops", problem == "84", training, buffers,
                                   float(new.bn.momentum), float(new.bn.eps), *params)
     (out * g).sum().backward()
     torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)

@@ -2,7 +2,7 @@
 
 Run: python -m pytest -q tests/test_robustness.py      (GPU tests skip without CUDA)
 
-  dtypes       float64 on CUDA (the torch-op path, model_new._kernels_for) matches
+  dtypes       float64 on CUDA (the torch-op path, dispatch gemm "torch_ops") matches
                Model to 1e-10 relative; a float32 module given a 16-bit input (and
                the reverse) raises RuntimeError as Model does; a 16-bit module on
                CUDA without kernels/lowp/ (the bundle's case, simulated) raises a

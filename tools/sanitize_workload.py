@@ -49,14 +49,15 @@ def run_shape(m, k, n, backward, dtype=torch.float32):
         for training in (True, False):
             model.train(training)
             with torch.no_grad():
+                path = model.kernel_path(x)
                 out = model(x)
-            assert torch.isfinite(out).all(), f"problem {name} {m}x{k}x{n} training={training}: non-finite output"
+            assert torch.isfinite(out).all(), f"problem {name} {m}x{k}x{n} {path}: non-finite output"
             if backward:
                 xg = x.clone().requires_grad_(True)
                 (model(xg) * torch.randn(m, n, device="cuda").to(dtype)).sum().backward()
                 assert torch.isfinite(xg.grad).all(), f"problem {name}: non-finite grad"
         torch.cuda.synchronize()
-        print(f"problem {name} {m}x{k}x{n}: ok", flush=True)
+        print(f"problem {name} {m}x{k}x{n}: ok (last path {path})", flush=True)
 
 
 def main():

@@ -1,0 +1,233 @@
+"""The dispatch decision (model_new.plan / dispatch / dispatch_gemm_nt): exact
+path names for every row of its table, on simulated GPUs (CPU; runs in CI),
+and on the real GPU the kernels a call launches match the path that
+ModelNew.kernel_path named beforehand (profiler kernel names).
+
+Simulated GPUs (DeviceFacts): an H200 with and without the sm_90a kernel, an
+A100 (8.0), an Ada card (8.9) and a Turing card (7.5, refused).  Cluster
+residency is simulated by cluster_max_active; the wave rule is the engine's.
+"""
+import pytest
+import torch
+
+import model_new
+from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84
+from model_new import Call, DeviceFacts, Switches, plan
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DEFAULT = Switches(portable=False, split_tiles=True)
+PORTABLE = Switches(portable=True, split_tiles=True)
+NO_SPLIT = Switches(portable=False, split_tiles=False)
+
+
+def clusters(resident_ctas):
+    """cluster_max_active for a GPU where `resident_ctas` CTAs of the cluster kernel fit at once."""
+    return lambda m_tiles, vec16: resident_ctas // m_tiles
+
+
+H200 = DeviceFacts(capability=(9, 0), num_sms=132, sm90_gemm=True, cluster_max_active=clusters(120))
+H200_NO_SM90A = H200._replace(sm90_gemm=False)  # a build without the sm_90a image
+A100 = DeviceFacts(capability=(8, 0), num_sms=108, sm90_gemm=False, cluster_max_active=clusters(0))
+ADA = DeviceFacts(capability=(8, 9), num_sms=128, sm90_gemm=False, cluster_max_active=clusters(0))
+TURING = DeviceFacts(capability=(7, 5), num_sms=40, sm90_gemm=False, cluster_max_active=clusters(0))
+
+F32 = torch.float32
+
+
+def call(m=1024, k=8192, n=8192, *, dtype=F32, device="cuda", aligned=True, training=True, grad=False, problem=33):
+    return Call(device, dtype, m, n, k, aligned, training, grad, problem == 84)
+
+
+# (case id, Call, facts, switches, expected Plan.name)
+CASES = [
+    # Hopper default: the wgmma kernel, every mode, both problems
+    ("hopper-33-train", call(), H200, DEFAULT, "sm90_3xtf32_train"),
+    ("hopper-33-eval", call(training=False), H200, DEFAULT, "sm90_3xtf32_eval"),
+    ("hopper-33-train-grad", call(grad=True), H200, DEFAULT, "sm90_3xtf32_train_grad"),
+    ("hopper-33-eval-grad", call(training=False, grad=True), H200, DEFAULT, "sm90_3xtf32_eval_grad"),
+    ("hopper-84-train", call(problem=84), H200, DEFAULT, "sm90_3xtf32_train"),
+    ("hopper-84-eval", call(problem=84, training=False), H200, DEFAULT, "sm90_3xtf32_eval"),
+    ("hopper-small", call(m=2, k=8, n=8), H200, DEFAULT, "sm90_3xtf32_train"),
+    # the A/B switch for split tiles
+    ("hopper-nosplit", call(), H200, NO_SPLIT, "sm90_3xtf32_nosplit_train"),
+    ("hopper-nosplit-eval-grad", call(training=False, grad=True), H200, NO_SPLIT, "sm90_3xtf32_nosplit_eval_grad"),
+    # the portable switch: what an sm_80 GPU runs, never the cluster kernel
+    ("portable-train", call(), H200, PORTABLE, "sm80_3xtf32_train"),
+    ("portable-eval", call(training=False), H200, PORTABLE, "sm80_3xtf32_eval"),
+    ("portable-small-odd-k", call(m=33, k=37, n=515), H200, PORTABLE, "sm80_3xtf32_train"),
+    # unaligned shapes on Hopper: K % 4 != 0 or a misaligned weight leave the wgmma kernel;
+    # problem 33's training without gradients takes the cluster kernel where it costs no extra wave
+    ("hopper-odd-k-cluster", call(m=33, k=37, n=515), H200, DEFAULT, "sm90_cluster_3xtf32_train"),
+    ("hopper-misaligned-w-cluster", call(m=300, k=1000, n=520, aligned=False), H200, DEFAULT,
+     "sm90_cluster_3xtf32_train"),
+    ("hopper-odd-k-84", call(m=33, k=37, n=515, problem=84), H200, DEFAULT, "sm80_3xtf32_train"),
+    ("hopper-odd-k-grad", call(m=33, k=37, n=515, grad=True), H200, DEFAULT, "sm80_3xtf32_train_grad"),
+    ("hopper-odd-k-eval", call(m=33, k=37, n=515, training=False), H200, DEFAULT, "sm80_3xtf32_eval"),
+    # 8 M tiles x 64 N tiles: clusters of 8 fit 15 at a time (120 CTAs), 5 waves against 4 on 132 SMs
+    ("hopper-odd-k-extra-wave", call(m=1024, k=8191, n=8192), H200, DEFAULT, "sm80_3xtf32_train"),
+    ("hopper-odd-k-9-tiles", call(m=1025, k=37, n=515), H200, DEFAULT, "sm80_3xtf32_train"),
+    ("hopper-no-cluster-fits", call(m=33, k=37, n=515), H200._replace(cluster_max_active=clusters(0)), DEFAULT,
+     "sm80_3xtf32_train"),
+    ("hopper-no-sm90a", call(), H200_NO_SM90A, DEFAULT, "sm80_3xtf32_train"),
+    ("hopper-no-sm90a-small", call(m=256, k=512, n=384), H200_NO_SM90A, DEFAULT, "sm90_cluster_3xtf32_train"),
+    # other GPUs: the portable kernel
+    ("a100-train", call(), A100, DEFAULT, "sm80_3xtf32_train"),
+    ("a100-eval-grad", call(training=False, grad=True), A100, DEFAULT, "sm80_3xtf32_eval_grad"),
+    ("a100-small-odd-k", call(m=33, k=37, n=515), A100, DEFAULT, "sm80_3xtf32_train"),
+    ("ada-84-train", call(problem=84), ADA, DEFAULT, "sm80_3xtf32_train"),
+    # dtypes
+    ("hopper-float16", call(dtype=torch.float16), H200, DEFAULT, "lowp_sm80_train"),
+    ("hopper-bfloat16-eval-grad", call(dtype=torch.bfloat16, training=False, grad=True), H200, DEFAULT,
+     "lowp_sm80_eval_grad"),
+    ("a100-float16-84", call(dtype=torch.float16, problem=84), A100, DEFAULT, "lowp_sm80_train"),
+    ("cuda-float64", call(dtype=torch.float64), H200, DEFAULT, "torch_ops_train"),
+    ("cuda-float64-eval-grad", call(dtype=torch.float64, training=False, grad=True), H200, DEFAULT,
+     "torch_ops_eval_grad"),
+    ("cpu-float32", call(device="cpu"), None, DEFAULT, "torch_ops_train"),
+    ("cpu-float16-eval", call(device="cpu", dtype=torch.float16, training=False), None, DEFAULT,
+     "torch_ops_eval"),
+    # an empty batch runs no kernel
+    ("empty-train", call(m=0), H200, DEFAULT, "empty_train"),
+    ("empty-eval-grad", call(m=0, training=False, grad=True), A100, DEFAULT, "empty_eval_grad"),
+]
+
+
+@pytest.mark.parametrize("case_call,facts,switches,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_plan_table(case_call, facts, switches, expected):
+    result = plan(case_call, facts, switches)
+    assert result.name == expected
+    assert result.name.startswith(result.gemm)
+    assert result.kernels == {"torch_ops": "torch", "lowp_sm80": "lowp", "empty": None}.get(result.gemm, "ext")
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.float16, torch.bfloat16])
+def test_plan_refuses_old_gpus(dtype):
+    with pytest.raises(RuntimeError, match="compute capability >= 8.0"):
+        plan(call(dtype=dtype), TURING, DEFAULT)
+
+
+def test_switches_read_once_at_import():
+    assert isinstance(model_new.SWITCHES, Switches)
+    assert plan(call(), H200).name == plan(call(), H200, model_new.SWITCHES).name
+
+
+def test_no_getenv_on_a_forward_path():
+    """Environment switches are read at import only: no getenv in the kernels, and
+    dispatch / fused_forward read model_new.SWITCHES."""
+    import os
+    import re
+    kernels = os.path.join(os.path.dirname(model_new.__file__), "kernels")
+    for root, _, files in os.walk(kernels):
+        for name in files:
+            with open(os.path.join(root, name)) as f:
+                assert not re.search(r"\bgetenv\b", f.read()), name
+
+
+def test_dispatch_reads_tensors_cpu():
+    """dispatch() on real CPU tensors, and both modules' kernel_path."""
+    x, w = torch.rand(5, 8), torch.rand(6, 8)
+    assert model_new.dispatch(x, w, True, False, False).name == "torch_ops_train"
+    assert model_new.dispatch(x[:0], w, True, False, False).name == "empty_train"
+    for module in (model_new.ModelNew(8, 6, (6,)), model_new_84.ModelNew(8, 6)):
+        with torch.no_grad():
+            assert module.kernel_path(x) == "torch_ops_train"
+        assert module.kernel_path(x) == "torch_ops_train_grad"  # parameters require grad
+        module.eval()
+        assert module.double().kernel_path(x.double()) == "torch_ops_eval_grad"
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            module.train().kernel_path(x[:1].double())
+
+
+def test_dispatch_gemm_nt_simulated():
+    """The backward's products: b copied when non-contiguous (aligned), else its own alignment."""
+    a = torch.rand(64, 32)
+    b = torch.rand(48, 32)
+    cpu = model_new.dispatch_gemm_nt(a, b)
+    assert cpu == "torch_ops"
+
+
+# ---------------------------------------------------------------------------
+# GPU: the kernels launched are the ones the path names
+# ---------------------------------------------------------------------------
+
+# Kernel-name fragments each GEMM kernel launches, and those it must not.
+LAUNCHES = {
+    "sm90_3xtf32": ["sm90_prepass_3xtf32_kernel", "sm90_gemm_3xtf32_bn_kernel"],
+    "sm90_3xtf32_nosplit": ["sm90_prepass_3xtf32_kernel", "sm90_gemm_3xtf32_bn_kernel"],
+    "sm80_3xtf32": ["sm80_prepass_3xtf32_kernel", "sm80_gemm_3xtf32_bn_kernel"],
+    "sm90_cluster_3xtf32": ["sm80_prepass_3xtf32_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel"],
+    "lowp_sm80": ["sm80_gemm_bn_16bit_kernel"],
+}
+GEMM_KERNELS = ["sm90_gemm_3xtf32_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel",
+                "sm80_gemm_bn_16bit_kernel"]
+
+
+def launched_kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+GPU_CASES = [  # (problem, m, k, n, dtype, misaligned weight)
+    ("33", 256, 512, 384, F32, False), ("84", 256, 512, 384, F32, False), ("33", 33, 37, 515, F32, False),
+    ("84", 33, 37, 515, F32, False), ("33", 300, 1000, 520, F32, True), ("33", 64, 96, 80, torch.float16, False),
+    ("84", 64, 96, 80, torch.bfloat16, False),
+]
+
+
+def gpu_module(problem, k, n, dtype, misaligned):
+    torch.manual_seed(0)
+    module = (model_new.ModelNew(k, n, (n,)) if problem == "33" else model_new_84.ModelNew(k, n)).cuda().to(dtype)
+    if misaligned:  # gemm.weight as a contiguous view one float past a 16-byte boundary
+        storage = torch.empty(n * k + 1, device="cuda", dtype=dtype)
+        view = storage[1:].view(n, k)
+        view.copy_(module.gemm.weight.detach())
+        module.gemm.weight = torch.nn.Parameter(view)
+        assert module.gemm.weight.data_ptr() % 16 != 0
+    return module
+
+
+@requires_cuda
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
+@pytest.mark.parametrize("mode", ["train", "eval", "train_grad", "eval_grad"])
+@pytest.mark.parametrize("problem,m,k,n,dtype,misaligned", GPU_CASES,
+                         ids=[f"{c[0]}-{c[1]}x{c[2]}x{c[3]}-{str(c[4])[6:]}{'-misaligned' if c[5] else ''}"
+                              for c in GPU_CASES])
+def test_gpu_kernel_path_names_the_launched_kernels(problem, m, k, n, dtype, misaligned, mode, portable,
+                                                    monkeypatch):
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(portable=portable))
+    module = gpu_module(problem, k, n, dtype, misaligned)
+    module.train(mode.startswith("train"))
+    x = torch.rand(m, k, device="cuda").to(dtype)
+    grad = mode.endswith("grad")
+    buffers = [b.clone() for b in module.buffers()]
+    with torch.set_grad_enabled(grad):
+        path = module.kernel_path(x)
+    for a, b in zip(module.buffers(), buffers):
+        assert torch.equal(a, b), "kernel_path touched a buffer"
+    plan_ = model_new.dispatch(x, module.gemm.weight, module.training, grad, problem == "84")
+    assert path == plan_.name and path.endswith(mode)
+
+    def run():
+        with torch.set_grad_enabled(grad):
+            out = module(x)
+            if grad:
+                out.sum().backward()
+
+    names = launched_kernels(run)
+    gemm_names = sorted({name for name in names if any(g in name for g in GEMM_KERNELS)})
+    print(f"\n[{path}] {gemm_names}")
+    expected = LAUNCHES[plan_.gemm]
+    for fragment in expected:
+        assert any(fragment in name for name in names), (path, fragment, sorted(set(names)))
+    if not grad:  # exactly the forward's GEMM kernel (the backward's products take their own dispatch)
+        assert all(expected[-1] in name for name in gemm_names), (path, gemm_names)
+    if portable and dtype == F32:
+        assert plan_.gemm == "sm80_3xtf32"
+        assert not any("sm90" in name for name in names), (path, gemm_names)
+    on_hopper = torch.cuda.get_device_capability() == (9, 0)
+    if dtype == F32 and not portable and on_hopper and k % 4 == 0 and not misaligned:
+        assert plan_.gemm == "sm90_3xtf32"

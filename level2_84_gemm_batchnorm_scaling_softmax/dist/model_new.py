@@ -133,9 +133,10 @@ rounding points and the PyTorch code they follow.  The _torch_* functions
 math in plain PyTorch (per-tile partial statistics merged with Chan's formula)
 in the input's dtype, through the same autograd code.
 
-Surface for problem 84's module (documented, stable): LinearParams,
-BatchNormState, check_input, fused_forward, kernel_path, dispatch, Plan,
-DeviceFacts, device_facts, Switches, SWITCHES.
+Surface for problem 84's module and for users (documented, stable):
+LinearParams, BatchNormState, check_input, fused_forward, kernel_path;
+dispatch, dispatch_gemm_nt, plan, Call, Plan, DeviceFacts, device_facts,
+Switches, SWITCHES.
 
 Build: at import, the sources (kernels/*.cu, *.cuh, *.cpp) are located and, when
 a GPU is visible, compiled once by torch.utils.cpp_extension.load_inline with
@@ -3817,30 +3818,44 @@ def _float32_gemm(m, n, k, w_aligned16, cluster_candidate, facts, switches):
     return "sm80_3xtf32"
 
 
-def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=None):
-    """The Plan of a forward: x (M, K) and weight (N, K) as the module passes
-    them (after check_input); training: batch statistics; grad: gradients
-    needed; scale_after_bn: problem 84 (else 33).  `facts` (DeviceFacts) and
-    `switches` (Switches) default to x's device and SWITCHES; tests give others
-    to simulate a GPU.  Raises RuntimeError for a float32 CUDA tensor on a GPU
-    below compute capability 8.0.  Runs no kernel."""
-    mode = ("train" if training else "eval") + ("_grad" if grad else "")
-    m, k = x.shape
-    n = weight.shape[0]
-    if m == 0:
-        return Plan(f"empty_{mode}", "empty", None, training, grad)
-    if not x.is_cuda or x.dtype == torch.float64:
-        return Plan(f"torch_ops_{mode}", "torch_ops", "torch", training, grad)
-    facts = device_facts(x.device) if facts is None else facts
+Call = collections.namedtuple("Call", ["device_type", "dtype", "m", "n", "k", "weight_aligned16", "training", "grad",
+                                       "scale_after_bn"])
+Call.__doc__ = """What dispatch() reads off a call: x's device type ("cuda", "cpu", ...)
+and dtype; M, N, K; whether gemm.weight's data is 16-byte aligned; training
+(batch statistics); grad (gradients needed); scale_after_bn (problem 84)."""
+
+
+def plan(call, facts=None, switches=None):
+    """The Plan of `call` (a Call) on a GPU described by `facts` (DeviceFacts;
+    needed for CUDA calls) under `switches` (default SWITCHES): the dispatch
+    table above.  Raises RuntimeError for CUDA input on a GPU below compute
+    capability 8.0.  Pure: tests give it simulated GPUs."""
+    mode = ("train" if call.training else "eval") + ("_grad" if call.grad else "")
+    if call.m == 0:
+        return Plan(f"empty_{mode}", "empty", None, call.training, call.grad)
+    if call.device_type != "cuda" or call.dtype == torch.float64:
+        return Plan(f"torch_ops_{mode}", "torch_ops", "torch", call.training, call.grad)
     switches = SWITCHES if switches is None else switches
-    if _is_16bit_dtype(x.dtype):
+    if _is_16bit_dtype(call.dtype):
         if facts.capability < (8, 0):
             raise RuntimeError(f"ModelNew's 16-bit CUDA kernels need compute capability >= 8.0, got "
                                f"{facts.capability[0]}.{facts.capability[1]}")
-        return Plan(f"lowp_sm80_{mode}", "lowp_sm80", "lowp", training, grad)
-    cluster_candidate = training and not grad and not scale_after_bn
-    gemm = _float32_gemm(m, n, k, _aligned16(weight), cluster_candidate, facts, switches)
-    return Plan(f"{gemm}_{mode}", gemm, "ext", training, grad)
+        return Plan(f"lowp_sm80_{mode}", "lowp_sm80", "lowp", call.training, call.grad)
+    cluster_candidate = call.training and not call.grad and not call.scale_after_bn
+    gemm = _float32_gemm(call.m, call.n, call.k, call.weight_aligned16, cluster_candidate, facts, switches)
+    return Plan(f"{gemm}_{mode}", gemm, "ext", call.training, call.grad)
+
+
+def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=None):
+    """The Plan of a forward: x (M, K) and weight (N, K) as the module passes
+    them (after check_input); training: batch statistics; grad: gradients
+    needed; scale_after_bn: problem 84 (else 33).  `facts` default to x's
+    device's (device_facts), `switches` to SWITCHES.  Runs no kernel."""
+    call = Call(x.device.type, x.dtype, x.shape[0], weight.shape[0], x.shape[1], _aligned16(weight), training, grad,
+                scale_after_bn)
+    if facts is None and x.is_cuda:
+        facts = device_facts(x.device)
+    return plan(call, facts, switches)
 
 
 def dispatch_gemm_nt(a, b, facts=None, switches=None):

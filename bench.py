@@ -276,6 +276,7 @@ def bench_mode(problem, args, mode):
             sides["compile"] = compiled
         sides["ModelNew"] = new
         errors, check = check_accuracy(problem, sides, ref, x_check)
+        check["kernel_path"] = new.kernel_path(inputs[0])  # dispatch's name for the path timed below
         times = time_fn(sides, inputs, args.iters, args.warmup)
     eager_ms = statistics.median(times["eager"])
     rows = []
@@ -404,7 +405,8 @@ def print_table(problem, rows, check, grad, dtype=torch.float32):
         print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
               f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}{r['rel_err_vs_fp64']:>17.2e}")
     print(f"ModelNew vs eager: max |diff| {check['max_abs_diff_vs_eager']:.2e}, "
-          f"{close_check(problem, dtype)[1]}: {'yes' if check['close_vs_eager'] else 'NO'}")
+          f"{close_check(problem, dtype)[1]}: {'yes' if check['close_vs_eager'] else 'NO'}; "
+          f"ModelNew path: {check['kernel_path']}")
 
 
 def run_sweep(problem, args, modes):

@@ -17,7 +17,7 @@ is all ones): 1.7, -0.8, random of both signs, or a ramp, as listed.
 
 Run: python -m pytest -q test_equivalence.py -s      (-s shows the measured errors)
 
-CPU tests, both problems (always run, also in CI with a CPU-only torch; ModelNew takes the `_cpu_*` functions)
+CPU tests, both problems (always run, also in CI with a CPU-only torch; ModelNew takes the `_torch_*` functions)
   - test_seeded_init_matches_reference: same seed -> same state_dict keys, order
     and bits, same eps / momentum, parameter / buffer names, scale shape, same
     number of random draws; default args, eps 1e-3 + momentum 0.3 + scale (1,),

@@ -325,20 +325,21 @@ def op_cases(device, dtype=torch.float32):
 
     cases = [("gemm_nt", ops.gemm_nt.default, (t(m, k, grad=True), t(k, n, grad=True).t())),
              ("softmax_rows", ops.softmax_rows.default, (t(m, n, grad=True),))]
-    for softmax in (False, True):
-        tag = "84" if softmax else "33"
+    for scale_after_bn in (False, True):
+        tag = "84" if scale_after_bn else "33"
         cases += [
             (f"forward_train_saved-{tag}", ops.forward_train_saved.default,
-             (*params(True), *buffers(), 0.1, 1e-5, softmax)),
-            (f"forward_train-{tag}", ops.forward_train.default, (*params(False), *buffers(), -1.0, 1e-5, softmax)),
-            (f"forward_eval-{tag}", ops.forward_eval.default, (*params(False), *buffers()[:2], 1e-5, softmax)),
+             (*params(True), *buffers(), 0.1, 1e-5, scale_after_bn)),
+            (f"forward_train-{tag}", ops.forward_train.default,
+             (*params(False), *buffers(), -1.0, 1e-5, scale_after_bn)),
+            (f"forward_eval-{tag}", ops.forward_eval.default, (*params(False), *buffers()[:2], 1e-5, scale_after_bn)),
         ]
         p = [v.detach() for v in params(False)]
-        plan = model_new.dispatch(p[0], p[1], True, True, softmax)
+        plan = model_new.dispatch(p[0], p[1], True, True, scale_after_bn)
         _, z, stats = model_new._kernels(plan.kernels).forward_train_saved(plan.gemm, *p, *buffers(), 0.1, 1e-5,
-                                                                           softmax)
+                                                                           scale_after_bn)
         cases.append((f"bn_backward_train-{tag}", ops.bn_backward_train.default,
-                      (t(m, n), z, stats, p[3], p[4], 1e-5, softmax)))
+                      (t(m, n), z, stats, p[3], p[4], 1e-5, scale_after_bn)))
     return cases
 
 
@@ -658,8 +659,8 @@ def test_gpu_gradients_vs_float64(problem, m, k, n, training, fp32_matmul, gemm_
 
 
 @requires_cuda
-@pytest.mark.parametrize("softmax", [False, True], ids=["33", "84"])
-def test_gpu_forward_train_saved_contract(softmax, gemm_path):
+@pytest.mark.parametrize("scale_after_bn", [False, True], ids=["33", "84"])
+def test_gpu_forward_train_saved_contract(scale_after_bn, gemm_path):
     """forward_train_saved: out and running statistics as forward_train's, z =
     x weight^T (no bias), stats = (mean, biased variance) of z, float32, to
     float32 accuracy against float64."""
@@ -671,10 +672,10 @@ def test_gpu_forward_train_saved_contract(softmax, gemm_path):
     vecs = [torch.randn(n, **d).cuda() for _ in range(4)]
     buffers = [torch.zeros(n).cuda(), torch.ones(n).cuda(), torch.zeros((), dtype=torch.long).cuda()]
     twin = [b.clone() for b in buffers]
-    gemm = model_new.dispatch(x, w, True, False, softmax).gemm
-    gemm_saved = model_new.dispatch(x, w, True, True, softmax).gemm
-    out = ext.forward_train(gemm, x, w, *vecs, *buffers, 0.1, 1e-5, softmax)
-    out_s, z, stats = ext.forward_train_saved(gemm_saved, x, w, *vecs, *twin, 0.1, 1e-5, softmax)
+    gemm = model_new.dispatch(x, w, True, False, scale_after_bn).gemm
+    gemm_saved = model_new.dispatch(x, w, True, True, scale_after_bn).gemm
+    out = ext.forward_train(gemm, x, w, *vecs, *buffers, 0.1, 1e-5, scale_after_bn)
+    out_s, z, stats = ext.forward_train_saved(gemm_saved, x, w, *vecs, *twin, 0.1, 1e-5, scale_after_bn)
     # The same math; forward_train may take the cluster-fused kernel, whose rounding differs in the last bits.
     assert_rel_close(out_s, out, 1e-6, "out")
     for name, a, b in zip(["running_mean", "running_var"], twin, buffers):

@@ -10,7 +10,8 @@ scale_after_bn selects the problem everywhere: False = problem 33, True = 84.
 From ModelNew.forward to the kernels (sections of this file, top to bottom,
 in the order a call uses them after ModelNew.forward at the bottom):
 
-  ModelNew.forward -> check_input -> fused_forward -> dispatch() -> Plan, then
+  ModelNew.forward (FusedModule) -> fused_forward: check_input, per_feature_scale,
+    dispatch() -> Plan, then
     no gradient:           forward_train / forward_eval(plan.gemm, ...)  one extension call
     training + gradient:   _TrainFn: forward_train_saved, backward: bn_backward_train, gemm_nt
     eval + gradient:       _eval_with_grad: gemm_nt, then the fold in torch ops
@@ -65,7 +66,8 @@ math in plain PyTorch (per-tile partial statistics merged with Chan's formula)
 in the input's dtype, through the same autograd code.
 
 Surface for problem 84's module and for users (documented, stable):
-LinearParams, BatchNormState, check_input, fused_forward, kernel_path;
+FusedModule, LinearParams, BatchNormState, fused_forward, kernel_path,
+check_input, per_feature_scale;
 dispatch, dispatch_gemm_nt, plan, Call, Plan, DeviceFacts, device_facts,
 Switches, SWITCHES.
 
@@ -460,12 +462,20 @@ def _cuda_dtype_problem(dtype):
 def check_input(x, weight, training):
     """Raises what PyTorch raises for an input the Linear -> BatchNorm1d chain
     cannot take (x's rank, feature count, device, dtype; batch of 1 in
-    training), before any buffer is touched.  Used by both problems' ModelNew."""
+    training), before any buffer is touched.  Used by fused_forward.
+    Ranks: 0-D and 1-D input and 4-D or more raise Model's errors (Linear's
+    RuntimeError, BatchNorm1d's ValueError); 3-D input, on which Model's
+    BatchNorm1d normalizes over dim 1 instead (or raises), raises RuntimeError."""
     n, k = weight.shape
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"ModelNew expects a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise RuntimeError("both arguments to linear need to be at least 1D, but they are 0D and 2D")
+    if x.dim() == 3:
+        raise RuntimeError(f"ModelNew takes x of shape (batch, {k}), got {tuple(x.shape)}: on a 3D input "
+                           f"BatchNorm1d would normalize over dim 1, which the fused kernels do not compute")
     if x.dim() != 2:
-        raise RuntimeError(f"ModelNew expects x of shape (batch, {k}), got {tuple(x.shape)}")
+        raise ValueError(f"expected 2D or 3D input (got {x.dim()}D input)")
     if x.shape[1] != k:
         raise RuntimeError(
             f"mat1 and mat2 shapes cannot be multiplied ({x.shape[0]}x{x.shape[1]} and {k}x{n}): "
@@ -485,6 +495,24 @@ def check_input(x, weight, training):
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {torch.Size([x.shape[0], n])}"
         )
+
+
+def per_feature_scale(scale, n):
+    """The `scale` parameter as an (N,) vector (a view when it already is one),
+    for every shape that multiplies an (M, N) tensor feature by feature and
+    keeps it (M, N), broadcast as torch broadcasts it: one element with at most
+    2 dims ((), (1,), (1, 1)), or N elements as (N,) or (1, N); autograd sums
+    its gradient back to that shape.  Other shapes raise RuntimeError before any
+    buffer is touched: a per-row (M, 1) or (M, N) scale, which Model accepts at
+    that one batch size only, and 3 or more dims, which change Model's output rank."""
+    per_feature = scale.dim() <= 2 and (scale.numel() == 1 or (scale.shape[-1] == n and scale.numel() == n))
+    if not per_feature:
+        raise RuntimeError(
+            f"ModelNew supports a scale of one number or one per feature (shape (), (1,), (1, 1), ({n},) or "
+            f"(1, {n})), got shape {tuple(scale.shape)}"
+        )
+    s = scale.reshape(-1)
+    return s if s.shape == (n,) else s.expand(n).contiguous()
 
 
 # ---------------------------------------------------------------------------
@@ -683,21 +711,33 @@ def _needs_grad(params):
     return torch.is_grad_enabled() and any(t.requires_grad for t in params)
 
 
-def fused_forward(x, gemm, scale, bn, training, scale_after_bn):
-    """The forward of both problems after check_input: x (M, K); gemm and bn the
-    parameter containers (LinearParams, BatchNormState); scale an (N,) vector (a
-    view of, or expanded from, the parameter, so autograd sums grad_scale to the
-    parameter's shape); scale_after_bn selects problem 84 (Linear -> BatchNorm ->
-    scale -> Softmax) over problem 33 (Linear -> scale -> BatchNorm).  Returns
-    out (M, N) in x's dtype; training updates bn's running statistics and
-    num_batches_tracked.  The path is dispatch()'s Plan:
+def fused_forward(x, gemm, scale, bn, scale_after_bn):
+    """The forward of both problems: x (M, K); gemm and bn the parameter
+    containers (LinearParams, BatchNormState); scale the parameter
+    (per_feature_scale's shapes); scale_after_bn selects problem 84 (Linear ->
+    BatchNorm -> scale -> Softmax) over problem 33 (Linear -> scale ->
+    BatchNorm).  bn.training decides batch statistics (and their update of the
+    running statistics and num_batches_tracked) or running statistics, as
+    BatchNorm1d's own flag does inside Model (so `model.bn.eval()` freezes it).
+    Checks the input first (check_input, per_feature_scale: nothing is touched
+    on an error).  Returns out (M, N) in x's dtype.  The path is dispatch()'s Plan:
       no gradient needed: one call of the plan's forward_train / forward_eval;
       training with gradients: _TrainFn (forward_train_saved, then the fused backward);
       eval with gradients: _eval_with_grad over gemm_nt;
       16-bit: the 16-bit call, or _LowpFn with gradients.
-    Under torch.compile (or FUSED_GEMM_BN_EAGER_OPS=1) float32 and float64 calls
-    go through the fused_gemm_bn:: operators instead, whose implementations make
-    the same dispatch() decision when they run."""
+    Under torch.compile, torch.jit.trace (or FUSED_GEMM_BN_EAGER_OPS=1) float32
+    and float64 calls go through the fused_gemm_bn:: operators instead, whose
+    implementations make the same dispatch() decision when they run (the tracer
+    records the operators, so a traced module generalises over the batch size);
+    where this torch has no custom operators (< 2.4), or for 16-bit input,
+    tracing raises RuntimeError."""
+    training = bn.training
+    check_input(x, gemm.weight, training)
+    scale = per_feature_scale(scale, gemm.out_features)
+    if torch.jit.is_tracing() and (_OPS is None or _is_16bit_dtype(x.dtype)):
+        raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4) "
+                           "and float32 or float64 input: its kernels are extension calls the tracer cannot "
+                           "record; use torch.compile or torch.export")
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     eps = float(bn.eps)
     params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
@@ -721,12 +761,13 @@ def fused_forward(x, gemm, scale, bn, training, scale_after_bn):
     return _forward_call(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, params)
 
 
-def kernel_path(x, gemm, scale, bn, training, scale_after_bn):
+def kernel_path(x, gemm, scale, bn, scale_after_bn):
     """The Plan name fused_forward(x, ...) would take now (same arguments), from
-    dispatch() alone: no kernel runs and nothing is updated.  ModelNew.kernel_path
-    calls it."""
-    params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
-    return dispatch(x, gemm.weight, training, _needs_grad(params), scale_after_bn).name
+    the same checks and dispatch() alone: no kernel runs and nothing is updated.
+    ModelNew.kernel_path calls it."""
+    check_input(x, gemm.weight, bn.training)
+    params = (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+    return dispatch(x, gemm.weight, bn.training, _needs_grad(params), scale_after_bn).name
 
 
 def _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn):
@@ -1001,9 +1042,18 @@ def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_b
     return tuple(_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn))
 
 
+def _check_training_batch(x, weight):
+    """The raw training operators refuse what the module refuses: a batch of
+    fewer than 2 rows (the module itself handles M = 0), before any buffer is touched."""
+    if x.shape[0] < 2:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                         f"{torch.Size([x.shape[0], weight.shape[0]])}")
+
+
 def _op_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
                       momentum, eps, scale_after_bn):
     """forward_train: out (M, N); mutates the three buffers."""
+    _check_training_batch(x, weight)
     plan = dispatch(x, weight, True, False, scale_after_bn)
     return _kernels(plan.kernels).forward_train(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
                                                 running_var, num_batches_tracked, momentum, eps, scale_after_bn)
@@ -1013,6 +1063,7 @@ def _op_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_
                             num_batches_tracked, momentum, eps, scale_after_bn):
     """(out, z, stats, running_mean', running_var', num_batches_tracked'): the
     plan's forward_train_saved run on copies of the buffers, which it returns updated."""
+    _check_training_batch(x, weight)
     plan = dispatch(x, weight, True, True, scale_after_bn)
     buffers = (running_mean.clone(), running_var.clone(), num_batches_tracked.clone())
     out, z, stats = _kernels(plan.kernels).forward_train_saved(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias,
@@ -1021,7 +1072,10 @@ def _op_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_
 
 
 def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn):
+    """forward_eval: out (M, N); an empty batch gives an empty output, as the module's."""
     plan = dispatch(x, weight, False, False, scale_after_bn)
+    if plan.kernels is None:
+        return x.new_empty((0, weight.shape[0]))
     return _kernels(plan.kernels).forward_eval(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
                                                running_var, eps, scale_after_bn)
 
@@ -1122,7 +1176,7 @@ _OPS_IN_EAGER = os.environ.get("FUSED_GEMM_BN_EAGER_OPS") == "1"
 
 
 def _use_ops():
-    return _OPS is not None and (_OPS_IN_EAGER or torch.compiler.is_compiling())
+    return _OPS is not None and (_OPS_IN_EAGER or torch.compiler.is_compiling() or torch.jit.is_tracing())
 
 
 # ---------------------------------------------------------------------------
@@ -1254,6 +1308,30 @@ _TORCH_PATH = types.SimpleNamespace(
 )
 
 
+class FusedModule(nn.Module):
+    """The module behaviour both problems' ModelNew share: forward, kernel_path,
+    and a clear error from torch.jit.script.  A subclass creates `gemm`
+    (LinearParams), `scale` (a parameter of a per-feature shape) and `bn`
+    (BatchNormState) in its __init__ and sets `scale_after_bn` (False: problem
+    33, Linear -> scale -> BatchNorm; True: problem 84, Linear -> BatchNorm ->
+    scale -> Softmax)."""
+
+    scale_after_bn = False
+
+    def forward(self, x):
+        return fused_forward(x, self.gemm, self.scale, self.bn, self.scale_after_bn)
+
+    def kernel_path(self, x):
+        """The path forward(x) would take now, e.g. "sm90_3xtf32_train" (see
+        dispatch's table), without running a kernel or touching a buffer."""
+        return kernel_path(x, self.gemm, self.scale, self.bn, self.scale_after_bn)
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError("torch.jit.script does not support ModelNew (its forward calls CUDA extension functions "
+                           "and custom operators TorchScript cannot compile); use torch.compile, torch.export, or "
+                           "torch.jit.trace (torch >= 2.4), which generalises over the batch size")
+
+
 # ===========================================================================
 # Problem 33: ModelNew and the KernelBench interface.  Everything above is the
 # shared engine (problem 84's module imports it; tools/bundle.py copies the
@@ -1261,7 +1339,7 @@ _TORCH_PATH = types.SimpleNamespace(
 # ===========================================================================
 
 
-class ModelNew(nn.Module):
+class ModelNew(FusedModule):
     """Linear(in_features, out_features) -> * scale -> BatchNorm1d(out_features, eps, momentum).
 
     Same constructor, parameter/buffer names, random draws and train/eval
@@ -1275,13 +1353,19 @@ class ModelNew(nn.Module):
     Differentiable with respect to x and every parameter, in both modes
     (_TrainFn, _eval_with_grad; 16-bit CUDA: _LowpFn, whose backward runs torch
     ops); gemm.bias gets an exact zero gradient in training (16-bit: rounding noise).
-    kernel_path(x) names the path forward(x) would take (dispatch's Plan.name).
+    bn.training, not the module's flag, selects batch or running statistics, as
+    in Model (`model.bn.eval()` freezes BatchNorm while the rest trains).
+    `scale` may have any per-feature shape Model broadcasts ((), (1,), (1, 1),
+    (N,), (1, N)).  kernel_path(x) names the path forward(x) would take
+    (dispatch's Plan.name).  torch.jit.trace records the custom operators
+    (torch >= 2.4); torch.jit.script raises a RuntimeError saying what to use.
 
     M == 0 gives an empty output (num_batches_tracked still counts the call in
     training, running statistics are untouched), as torch's BatchNorm1d.
     Raises ValueError for M == 1 in training (PyTorch's message), and
-    RuntimeError for a wrong rank, feature count, dtype or device; a rejected
-    call leaves every buffer unchanged.
+    RuntimeError or ValueError for a wrong rank (as Model's), RuntimeError for a
+    wrong feature count, dtype or device, or a scale that is not per-feature; a
+    rejected call leaves every buffer unchanged.
     """
 
     def __init__(self, in_features, out_features, scale_shape, eps=1e-5, momentum=0.1):
@@ -1289,21 +1373,6 @@ class ModelNew(nn.Module):
         self.gemm = LinearParams(in_features, out_features)
         self.scale = nn.Parameter(torch.randn(scale_shape))
         self.bn = BatchNormState(out_features, eps=eps, momentum=momentum)
-
-    def _scale_vector(self):
-        n = self.gemm.out_features
-        s = self.scale
-        return s if s.shape == (n,) else s.expand(n).contiguous()
-
-    def forward(self, x):
-        check_input(x, self.gemm.weight, self.training)
-        return fused_forward(x, self.gemm, self._scale_vector(), self.bn, self.training, scale_after_bn=False)
-
-    def kernel_path(self, x):
-        """The path forward(x) would take now, e.g. "sm90_3xtf32_train" (see
-        dispatch's table), without running a kernel or touching a buffer."""
-        check_input(x, self.gemm.weight, self.training)
-        return kernel_path(x, self.gemm, self._scale_vector(), self.bn, self.training, scale_after_bn=False)
 
 
 # ---------------------------------------------------------------------------

@@ -75,7 +75,7 @@ if __name__ == "model_new":
     )
 
 # The shared engine's documented surface (../model_new.py).
-from model_new import BatchNormState, LinearParams, check_input, fused_forward, kernel_path  # noqa: E402
+from model_new import BatchNormState, FusedModule, LinearParams  # noqa: E402
 # bundle: engine ends
 
 # ---------------------------------------------------------------------------
@@ -83,7 +83,7 @@ from model_new import BatchNormState, LinearParams, check_input, fused_forward, 
 # ---------------------------------------------------------------------------
 
 
-class ModelNew(nn.Module):
+class ModelNew(FusedModule):
     """Linear(in_features, out_features) -> BatchNorm1d(out_features, bn_eps,
     bn_momentum) -> * scale -> row softmax (dim=1).
 
@@ -98,43 +98,23 @@ class ModelNew(nn.Module):
     bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
     Differentiable with respect to x and every parameter in both modes (16-bit
     CUDA: the backward runs torch ops); gemm.bias gets an exact zero gradient
-    in training (16-bit: rounding noise).  kernel_path(x) names the path
-    forward(x) would take.
+    in training (16-bit: rounding noise).  bn.training, not the module's flag,
+    selects batch or running statistics, as in the reference (`model.bn.eval()`
+    freezes BatchNorm).  kernel_path(x) names the path forward(x) would take.
     M == 0 gives an empty output as the reference.
-    Raises ValueError for M == 1 in training (PyTorch's message), RuntimeError
-    for a wrong rank, feature count, dtype or device, or a `scale` that is not
-    one number per feature; a rejected call leaves every buffer unchanged.
+    Raises ValueError for M == 1 in training (PyTorch's message), Model's errors
+    for a wrong rank, RuntimeError for a wrong feature count, dtype or device, or
+    a `scale` that is not one number per feature; a rejected call leaves every
+    buffer unchanged.
     """
+
+    scale_after_bn = True  # the engine's problem selector: Linear -> BatchNorm -> scale -> Softmax
 
     def __init__(self, in_features, out_features, bn_eps=1e-5, bn_momentum=0.1, scale_shape=(1,)):
         super().__init__()
         self.gemm = LinearParams(in_features, out_features)
         self.bn = BatchNormState(out_features, eps=bn_eps, momentum=bn_momentum)
         self.scale = nn.Parameter(torch.ones(scale_shape))
-
-    def _scale_vector(self):
-        """scale as an (N,) vector (a view when it already is one)."""
-        n = self.gemm.out_features
-        s = self.scale
-        per_feature = s.dim() <= 2 and (s.numel() == 1 or (s.shape[-1] == n and s.numel() == n))
-        if not per_feature:
-            raise RuntimeError(
-                f"ModelNew supports a scale of one number or one per feature (shape (1,), ({n},) or (1, {n})), "
-                f"got shape {tuple(s.shape)}"
-            )
-        s = s.reshape(-1)
-        return s if s.shape == (n,) else s.expand(n).contiguous()
-
-    def forward(self, x):
-        check_input(x, self.gemm.weight, self.training)
-        scale = self._scale_vector()  # raises for an unsupported shape before any buffer is touched
-        return fused_forward(x, self.gemm, scale, self.bn, self.training, scale_after_bn=True)
-
-    def kernel_path(self, x):
-        """The path forward(x) would take now, e.g. "sm90_3xtf32_train" (the
-        engine's dispatch table), without running a kernel or touching a buffer."""
-        check_input(x, self.gemm.weight, self.training)
-        return kernel_path(x, self.gemm, self._scale_vector(), self.bn, self.training, scale_after_bn=True)
 
 
 # ---------------------------------------------------------------------------

@@ -487,7 +487,8 @@ def test_cpu_lowp_fn_matches_model(problem, training):
     new.zero_grad(set_to_none=True)
     xn = x.clone().requires_grad_(True)
     buffers = (new.bn.running_mean, new.bn.running_var, new.bn.num_batches_tracked)
-    params = (xn, new.gemm.weight, new.gemm.bias, new._scale_vector(), new.bn.weight, new.bn.bias)
+    params = (xn, new.gemm.weight, new.gemm.bias, model_new.per_feature_scale(new.scale, n), new.bn.weight,
+              new.bn.bias)
     out = model_new._LowpFn.apply(model_new._TORCH_PATH, "torch_ops", problem == "84", training, buffers,
                                   float(new.bn.momentum), float(new.bn.eps), *params)
     (out * g).sum().backward()

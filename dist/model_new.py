@@ -3918,15 +3918,19 @@ def kernel_path(x, gemm, scale, bn, scale_after_bn):
 
 
 def _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn):
-    """fused_forward through the fused_gemm_bn:: operators (what torch.compile traces)."""
-    if training and grad:
-        out, _, _, *new_buffers = _OPS.forward_train_saved(*params, *buffers, momentum, eps, scale_after_bn)
+    """fused_forward through the fused_gemm_bn:: operators (what torch.compile,
+    torch.jit.trace and torch.export record).  The training operators are
+    functional: they return updated copies of the running statistics, which
+    are copied back into the module's buffers here."""
+    if training:
+        if grad:
+            out, _, _, *new_buffers = _OPS.forward_train_saved(*params, *buffers, momentum, eps, scale_after_bn)
+        else:
+            out, *new_buffers = _OPS.forward_train(*params, *buffers, momentum, eps, scale_after_bn)
         with torch.no_grad():
             for buffer, new in zip(buffers, new_buffers):
                 buffer.copy_(new)
         return out
-    if training:
-        return _OPS.forward_train(*params, *buffers, momentum, eps, scale_after_bn)
     if grad:
         return _eval_with_grad(_OPS.gemm_nt, _OPS.softmax_rows if scale_after_bn else None, *params,
                                *buffers[:2], eps)
@@ -4149,13 +4153,13 @@ class _LowpFn(torch.autograd.Function):
 # Custom operators (torch >= 2.4): what torch.compile traces
 # ---------------------------------------------------------------------------
 #
-# torch.library.register_autograd refuses operators that mutate an input
-# ("Cannot register autograd formula for non-functional operator"), so the
-# training forward with gradients is the functional forward_train_saved: it
-# runs the kernels on copies of the running statistics and returns them; the
-# module copies them back.  Without gradients the mutating forward_train keeps
-# the one-call path.  Each implementation makes dispatch()'s decision for the
-# real tensors it is given.
+# Every operator is functional (torch.library.register_autograd refuses
+# operators that mutate an input): the training operators run the kernels on
+# copies of the running statistics and return them; the module copies them
+# back.  forward_train_saved, gemm_nt and softmax_rows have gradients; the
+# others refuse, at the call, inputs that require grad with grad mode on (a
+# clear error instead of an output that fails only at backward).  Each
+# implementation makes dispatch()'s decision for the real tensors it is given.
 
 _OP_NAMESPACE = "fused_gemm_bn"
 _OP_SCHEMAS = {
@@ -4164,8 +4168,8 @@ _OP_SCHEMAS = {
     "bn_backward_train": "(Tensor grad_y, Tensor z, Tensor stats, Tensor scale, Tensor bn_weight, float eps, "
                          "bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor)",
     "forward_train": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
-                     "Tensor(a!) running_mean, Tensor(b!) running_var, Tensor(c!) num_batches_tracked, "
-                     "float momentum, float eps, bool scale_after_bn) -> Tensor",
+                     "Tensor running_mean, Tensor running_var, Tensor num_batches_tracked, float momentum, "
+                     "float eps, bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor)",
     "forward_train_saved": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
                            "Tensor running_mean, Tensor running_var, Tensor num_batches_tracked, float momentum, "
                            "float eps, bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -4199,11 +4203,14 @@ def _check_training_batch(x, weight):
 
 def _op_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
                       momentum, eps, scale_after_bn):
-    """forward_train: out (M, N); mutates the three buffers."""
+    """(out, running_mean', running_var', num_batches_tracked'): the plan's
+    forward_train run on copies of the buffers, which it returns updated."""
     _check_training_batch(x, weight)
     plan = dispatch(x, weight, True, False, scale_after_bn)
-    return _kernels(plan.kernels).forward_train(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
-                                                running_var, num_batches_tracked, momentum, eps, scale_after_bn)
+    buffers = (running_mean.clone(), running_var.clone(), num_batches_tracked.clone())
+    out = _kernels(plan.kernels).forward_train(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers,
+                                               momentum, eps, scale_after_bn)
+    return (out,) + buffers
 
 
 def _op_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
@@ -4240,8 +4247,14 @@ def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after
     return grad_y.new_empty(z.shape), grad_y.new_empty(n), grad_y.new_empty(n), grad_y.new_empty(n)
 
 
-def _fake_forward_train(x, weight, *args):
+def _fake_forward_eval(x, weight, *args):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _fake_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
+                        momentum, eps, scale_after_bn):
+    return (x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(running_mean), torch.empty_like(running_var),
+            torch.empty_like(num_batches_tracked))
 
 
 def _fake_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
@@ -4279,6 +4292,22 @@ def _setup_forward_train_saved(ctx, inputs, output):
                           out if scale_after_bn else None)
 
 
+def _no_autograd(name):
+    """setup_context for an operator without gradients: runs when an input
+    requires grad with grad mode on, after the (functional) operator, and
+    raises, so the call fails clearly and leaves the caller's tensors as they were."""
+    def setup_context(ctx, inputs, output):
+        raise RuntimeError(
+            f"fused_gemm_bn::{name} has no autograd formula, and an input requires grad: call it under "
+            f"torch.no_grad(), or use the differentiable operators (forward_train_saved, gemm_nt) as ModelNew does"
+        )
+    return setup_context
+
+
+def _refused_backward(ctx, *grads):
+    raise RuntimeError("fused_gemm_bn: this operator has no autograd formula")
+
+
 def _backward_forward_train_saved(ctx, grad_out, *unused):
     grads = _train_backward(_OPS, ctx.scale_after_bn, ctx.eps, grad_out, *ctx.saved_tensors,
                             ctx.needs_input_grad[:6])
@@ -4290,8 +4319,9 @@ def _define_ops():
     forward_train, forward_train_saved, forward_eval} (_OP_SCHEMAS) once per
     process, with one implementation for every device (dispatch() picks the
     extension or the _torch_* functions; softmax_rows is torch ops on both), fake
-    implementations, and autograd for gemm_nt, softmax_rows and
-    forward_train_saved.  A second execution of this file (a harness executing
+    implementations, autograd for gemm_nt, softmax_rows and
+    forward_train_saved, and a call-time refusal of inputs that require grad
+    for the others.  A second execution of this file (a harness executing
     the text again, or the other problem's self-contained file) finds them
     registered and reuses them.  Returns the namespace torch.ops.fused_gemm_bn."""
     namespace = getattr(torch.ops, _OP_NAMESPACE)
@@ -4303,14 +4333,12 @@ def _define_ops():
              "forward_train": (_op_forward_train, _fake_forward_train, None),
              "forward_train_saved": (_op_forward_train_saved, _fake_forward_train_saved,
                                      (_backward_forward_train_saved, _setup_forward_train_saved)),
-             "forward_eval": (_op_forward_eval, _fake_forward_train, None)}
+             "forward_eval": (_op_forward_eval, _fake_forward_eval, None)}
     for name, (impl, fake, autograd) in impls.items():
-        mutates = ("running_mean", "running_var", "num_batches_tracked") if name == "forward_train" else ()
-        op = torch.library.custom_op(f"{_OP_NAMESPACE}::{name}", impl, mutates_args=mutates,
-                                     schema=_OP_SCHEMAS[name])
+        op = torch.library.custom_op(f"{_OP_NAMESPACE}::{name}", impl, mutates_args=(), schema=_OP_SCHEMAS[name])
         op.register_fake(fake)
-        if autograd is not None:
-            op.register_autograd(autograd[0], setup_context=autograd[1])
+        backward, setup_context = autograd if autograd is not None else (_refused_backward, _no_autograd(name))
+        op.register_autograd(backward, setup_context=setup_context)
     return namespace
 
 

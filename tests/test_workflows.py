@@ -11,7 +11,10 @@ on the GPU: ModelNew behaves as Model does, or raises a clear error.
   - bad ranks raise Model's exception types (0-D: RuntimeError, 1-D / 4-D:
     ValueError with BatchNorm1d's message), 3-D a RuntimeError; buffers untouched
   - the raw training operators refuse a batch of fewer than 2 rows (ValueError,
-    buffers untouched)
+    buffers untouched); the operators without gradients refuse, at the call,
+    inputs that require grad
+  - torch.export.export with a dynamic batch dimension, train and eval
+  - on a GPU: the fused float32 kernels follow bn.training (against float32 Model)
   - torch.jit.trace records the custom operators and generalises over the batch
     size (torch >= 2.4; without them tracing raises); torch.jit.script raises a
     RuntimeError that says what to use
@@ -191,3 +194,84 @@ def test_jit_trace_without_operators_raises_clearly():
     _, new = pair("33")
     with pytest.raises(RuntimeError, match="torch.jit.trace of ModelNew needs"):
         torch.jit.trace(new, torch.rand(16, K, dtype=F64))
+
+
+requires_export = pytest.mark.skipif(model_new._OPS is None or not hasattr(torch, "export"),
+                                     reason="torch.export and the custom operators need torch >= 2.4")
+
+
+@requires_export
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+def test_torch_export_dynamic_batch(problem, training):
+    """torch.export.export with a dynamic batch dimension, exported at batch 16:
+    the program holds the fused_gemm_bn:: operators and, called at batches 40
+    and 7, gives eager ModelNew's output and running statistics."""
+    from torch.export import Dim, export
+    _, new = pair(problem)
+    new.train(training)
+    gen = torch.Generator().manual_seed(9)
+    program = export(copy.deepcopy(new), (torch.rand(16, K, generator=gen, dtype=F64),),
+                     dynamic_shapes={"x": {0: Dim("batch", min=2)}})
+    targets = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    assert any(t.startswith("fused_gemm_bn.") for t in targets), targets
+    exported = program.module()
+    for m in (40, 7):
+        x = torch.rand(m, K, generator=gen, dtype=F64)
+        torch.testing.assert_close(exported(x), new(x), rtol=1e-10, atol=1e-12)
+    for name, want in new.named_buffers():
+        torch.testing.assert_close(exported.get_buffer(name), want, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@requires_ops
+@pytest.mark.parametrize("op", ["forward_train", "forward_eval", "bn_backward_train"])
+def test_raw_operators_without_gradients_refuse_inputs_that_require_grad(op):
+    """An operator with no autograd formula refuses, at the call, inputs that
+    require grad with grad mode on (before, the output required grad and failed
+    only at backward); the caller's buffers stay as they were; under no_grad it runs."""
+    _, new = pair("33")
+    bn = new.bn
+    x = torch.rand(M, K, dtype=F64, requires_grad=True)
+    vecs = (new.gemm.weight, new.gemm.bias, new.scale, bn.weight, bn.bias)
+    if op == "forward_train":
+        args = (x, *vecs, bn.running_mean, bn.running_var, bn.num_batches_tracked, 0.1, 1e-5, False)
+    elif op == "forward_eval":
+        args = (x, *vecs, bn.running_mean, bn.running_var, 1e-5, False)
+    else:
+        z = torch.rand(M, N, dtype=F64)
+        stats = torch.stack((z.mean(0), z.var(0, unbiased=False)))
+        args = (torch.rand(M, N, dtype=F64, requires_grad=True), z, stats, new.scale, bn.weight, 1e-5, False)
+    before = {k: v.clone() for k, v in new.state_dict().items()}
+    with pytest.raises(RuntimeError, match=f"fused_gemm_bn::{op} has no autograd formula"):
+        getattr(model_new._OPS, op)(*args)
+    assert all(torch.equal(v, before[k]) for k, v in new.state_dict().items())
+    with torch.no_grad():
+        getattr(model_new._OPS, op)(*args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("pattern", ["bn_eval_in_train", "bn_train_in_eval"])
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+def test_gpu_bn_training_flag_decides(problem, pattern, grad, fp32_matmul):
+    """The fused float32 kernels follow bn.training too: output within the
+    suite's GPU tolerance of float32 Model's, buffers as Model's, the path's mode."""
+    m, k, n = 256, 512, 384
+    ref, new = make_pair(PROBLEMS[problem], 0, k, n, device="cuda", dtype=torch.float32)
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.rand(m, k, device="cuda", generator=gen)
+            ref(x)
+            new(x)
+    for module in (ref, new):
+        module.train(pattern == "bn_eval_in_train")
+        module.bn.train(pattern == "bn_train_in_eval")
+    x = torch.rand(m, k, device="cuda", generator=gen)
+    with torch.set_grad_enabled(grad):
+        path = new.kernel_path(x)
+        out_ref, out_new = ref(x), new(x)
+    assert ("_train" in path) == (pattern == "bn_train_in_eval"), path
+    torch.testing.assert_close(out_new.detach(), out_ref.detach(), **PROBLEMS[problem].gpu_out_tol)
+    for (name, a), b in zip(new.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, **PROBLEMS[problem].gpu_buf_tol, msg=name)

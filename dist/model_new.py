@@ -3671,8 +3671,9 @@ def per_feature_scale(scale, n):
 # the path; the extensions carry out the GEMM kernel it names (`gemm`) and pick
 # nothing themselves.  The table (README "Dispatch" has it with examples):
 #
-#   input                        condition                                     gemm
+#   input (first match)          condition                                     gemm
 #   ---------------------------  --------------------------------------------  --------------------
+#   batch of 0                   no kernel                                     empty
 #   CPU tensor, float64 on CUDA  always                                        torch_ops
 #   16-bit float on CUDA         compute capability >= 8.0                     lowp_sm80
 #   float32 on CUDA              compute capability 9.0, the sm_90a kernel     sm90_3xtf32
@@ -3684,7 +3685,6 @@ def per_feature_scale(scale, n):
 #                                SWITCHES.portable
 #                                else: compute capability >= 8.0               sm80_3xtf32
 #                                else                                          RuntimeError
-#   batch of 0                   no kernel                                     empty
 #
 # Plan.name = <gemm>_<train|eval>[_grad], e.g. sm90_3xtf32_train, sm80_3xtf32_eval_grad.
 # The backward's products (grad_x = grad_z W, grad_W = grad_z^T x) are decided

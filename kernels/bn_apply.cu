@@ -1,7 +1,12 @@
 // bn_apply.cu -- training-mode BatchNorm from the GEMM's per-tile statistics:
 // merge them per feature, update the running statistics, and normalise z
-// (in place, or into a separate `out` when the caller keeps z for backward).  One launch (it replaced a separate finalize kernel: -7 us at the
-// KernelBench shape, docs/perf.md).
+// (in place, or into a separate `out` when the caller keeps z for backward).
+// One launch while num_m_tiles <= kFusedMaxTiles (it replaced a separate
+// finalize kernel: -7 us at the KernelBench shape, docs/perf.md); above that,
+// two: bn_fold_kernel merges each feature once into coeff, then the apply
+// kernel only streams z (every block of the one-launch form merges its
+// columns' tiles again, num_m_tiles x row blocks work that grows as M^2: at
+// M = 16384, N = 4096 it took 1.04 ms for a pass that moves 537 MB).
 //
 // Inputs (float32, row-major, contiguous)
 //   z                   (M, N): x @ W^T without bias, from a GEMM's kTrain epilogue
@@ -21,7 +26,7 @@
 // float32 once.  Subtracting the mean before scaling
 // keeps the output accurate when |mean_z| is large against the spread of z.
 //
-// Work split: each thread owns fixed columns (4 with 16-byte accesses when
+// Work split (both forms): each thread owns fixed columns (4 with 16-byte accesses when
 // N % 4 == 0 and all pointers are 16-byte aligned, else 1) and walks
 // rows_per_block rows (32, fewer for small M * N so the grid fills the GPU); every block merges the statistics of its own columns
 // (num_m_tiles * 2 loads each, from L2), and the blocks of row 0 write the
@@ -40,6 +45,8 @@ constexpr int kApplyThreads = 256;
 constexpr int kApplyRowsPerBlock = 32;  // 32 row blocks at M = 1024: the statistics are re-merged 32x, from L2
 constexpr int kApplyTargetBlocks = 264;  // two per SM of an H100 / H200
 constexpr int kRowBatch = 8;             // rows loaded before any is stored (bn_apply_kernel)
+constexpr int kFusedMaxTiles = 8;        // up to here each block merges its own columns (M <= 1024 at BLOCK_M 128)
+constexpr int kApplyFoldThreads = 256;
 
 struct BnApplyArgs {
   const float* z;
@@ -56,6 +63,7 @@ struct BnApplyArgs {
   float* running_mean;
   float* running_var;
   int rows_per_block;
+  float* coeff;  // two-launch form: [mean_z | a], 2 N floats, written by bn_fold_kernel
 };
 
 // Batch statistics of feature j -> (mean_z, a); updates its running statistics
@@ -72,7 +80,21 @@ __device__ __forceinline__ void feature_coefficients(const BnApplyArgs& p, int j
                       p.running_mean + j, p.running_var + j);
 }
 
-template <bool kVec4>
+// Two-launch form, first launch: one thread per feature merges its tiles once,
+// writes (mean_z, a) to coeff and updates the running statistics.
+__global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_kernel(const BnApplyArgs p) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= p.N) return;
+  float mu, a;
+  feature_coefficients(p, j, true, mu, a);
+  p.coeff[j] = mu;
+  p.coeff[p.N + j] = a;
+}
+
+// kFolded: (mean_z, a) from coeff (bn_fold_kernel ran first); else merged here,
+// and the blocks of row 0 update the running statistics.  The same float32
+// values either way, so both forms give bit-identical outputs.
+template <bool kVec4, bool kFolded>
 __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyArgs p) {
   constexpr int kCols = kVec4 ? 4 : 1;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
@@ -81,7 +103,12 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
   float mu[kCols], a[kCols], b[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
-    feature_coefficients(p, col + c, update_running, mu[c], a[c]);
+    if constexpr (kFolded) {
+      mu[c] = p.coeff[col + c];
+      a[c] = p.coeff[p.N + col + c];
+    } else {
+      feature_coefficients(p, col + c, update_running, mu[c], a[c]);
+    }
     b[c] = p.bn_bias[col + c];
   }
   const int row0 = blockIdx.y * p.rows_per_block;
@@ -124,13 +151,15 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
                                     int num_m_tiles, int block_m, int M, int N, const float* bias, const float* scale,
                                     const float* bn_weight, const float* bn_bias, const int64_t* num_batches_tracked,
                                     float momentum, float eps, float* running_mean, float* running_var,
-                                    cudaStream_t stream) {
+                                    float* coeff, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
+  const bool folded = num_m_tiles > kFusedMaxTiles;
+  if (folded && coeff == nullptr) return cudaErrorInvalidValue;
   const bool vec4 =
       N % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   BnApplyArgs p{z,       out,     part_mean,           part_m2,  num_m_tiles, block_m,      M,
                 N,       bias,    scale,               bn_weight, bn_bias,    num_batches_tracked, momentum,
-                eps,     running_mean, running_var,    0};
+                eps,     running_mean, running_var,    0,      coeff};
   const int cols_per_thread = vec4 ? 4 : 1;
   const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
   const int blocks_x = (threads_needed + kApplyThreads - 1) / kApplyThreads;
@@ -142,10 +171,19 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
                                                kApplyTargetBlocks);
   p.rows_per_block = max(max(1, min(kApplyRowsPerBlock, rows_for_target)), (M + 65534) / 65535);
   const dim3 grid(blocks_x, (M + p.rows_per_block - 1) / p.rows_per_block);
-  if (vec4) {
-    bn_apply_kernel<true><<<grid, kApplyThreads, 0, stream>>>(p);
+  if (folded) {
+    bn_fold_kernel<<<(N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream>>>(p);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    if (vec4) {
+      bn_apply_kernel<true, true><<<grid, kApplyThreads, 0, stream>>>(p);
+    } else {
+      bn_apply_kernel<false, true><<<grid, kApplyThreads, 0, stream>>>(p);
+    }
+  } else if (vec4) {
+    bn_apply_kernel<true, false><<<grid, kApplyThreads, 0, stream>>>(p);
   } else {
-    bn_apply_kernel<false><<<grid, kApplyThreads, 0, stream>>>(p);
+    bn_apply_kernel<false, false><<<grid, kApplyThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

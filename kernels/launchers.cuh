@@ -84,11 +84,12 @@ cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const f
                                    int K, bool split_tiles, float* workspace, cudaStream_t stream);
 
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
-// Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias)).
+// Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias));
+// coeff: 2 N floats of scratch (used when num_m_tiles > 8: one merge per feature, then a streaming pass).
 cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
                      int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight,
                      const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
-                     float* running_mean, float* running_var, cudaStream_t stream);
+                     float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
 
 // ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
 // Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update.

@@ -182,11 +182,12 @@ RemainderX sm90_prepass(const torch::Tensor& x, int M, int N, int K, bool split_
 
 // The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit]): the pre-pass
 // (num_batches_tracked += 1), then z = x @ weight^T into `z` with per-tile
-// mean / M2 of z (part_mean, part_m2: num_m_tiles x N each, one allocation),
-// and, when `stats` is not null, stats (2, N) = [mean_z | biased var_z].
+// mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
+// is not null, stats (2, N) = [mean_z | biased var_z].  One allocation, which
+// also holds `coeff` (3 N floats): the BatchNorm kernels' per-feature scratch.
 struct TrainGemm {
   torch::Tensor storage;
-  float *part_mean, *part_m2;
+  float *part_mean, *part_m2, *coeff;
   int block_m, num_m_tiles;
 };
 
@@ -197,9 +198,11 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const float* w, torch::T
   TrainGemm g;
   g.block_m = is_sm90(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
-  g.storage = torch::empty({2 * static_cast<int64_t>(g.num_m_tiles) * N}, x.options());
+  const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
+  g.storage = torch::empty({2 * part_floats + 3 * static_cast<int64_t>(N)}, x.options());
   g.part_mean = g.storage.data_ptr<float>();
-  g.part_m2 = g.part_mean + static_cast<int64_t>(g.num_m_tiles) * N;
+  g.part_m2 = g.part_mean + part_floats;
+  g.coeff = g.part_m2 + part_floats;
   if (is_sm90(gemm)) {
     const bool split_tiles = gemm == Gemm::kSm90;
     const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, counter, stream);
@@ -227,24 +230,23 @@ void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, in
                              t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
                              num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
                              static_cast<float>(eps), t.running_mean.data_ptr<float>(),
-                             t.running_var.data_ptr<float>(), stream),
+                             t.running_var.data_ptr<float>(), g.coeff, stream),
                "bn_apply");
 }
 
 // Problem 84's BatchNorm, scale and softmax after the training GEMM: per-feature
 // [mean_z | a | c] and the running-statistics update (bn_softmax_fold_train),
 // then out = softmax((out - mean_z) * a + c) per row, in place.
-void bn_softmax(const TrainGemm& g, const torch::Tensor& x, torch::Tensor& out, int M, int N, const BnTensors& t,
+void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const BnTensors& t,
                 const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
-  torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
   check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N,
                                           t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
                                           t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
                                           num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
                                           static_cast<float>(eps), t.running_mean.data_ptr<float>(),
-                                          t.running_var.data_ptr<float>(), coeff.data_ptr<float>(), stream),
+                                          t.running_var.data_ptr<float>(), g.coeff, stream),
                "bn_softmax_fold_train");
-  check_launch(fgb::softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), M, N, stream), "softmax_rows");
+  check_launch(fgb::softmax_rows(out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
 }
 
 // Problem 33's training forward in one cluster launch (sm90_cluster_3xtf32).
@@ -284,7 +286,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   }
   const TrainGemm g = train_gemm(gemm, x, weight.data_ptr<float>(), out, nullptr, num_batches_tracked, M, N, K, stream);
   if (scale_after_bn) {
-    bn_softmax(g, x, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
   } else {
     bn_apply(g, out, out, M, N, t, num_batches_tracked, momentum, eps, stream);
   }
@@ -356,7 +358,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   torch::Tensor out;
   if (scale_after_bn) {
     out = z.clone();  // softmax_rows works in place
-    bn_softmax(g, x, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
   } else {
     out = torch::empty({M, N}, x.options());
     bn_apply(g, z, out, M, N, t, num_batches_tracked, momentum, eps, stream);

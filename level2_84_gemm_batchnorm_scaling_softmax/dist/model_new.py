@@ -192,8 +192,13 @@ _LOWP_FUNCTIONS = ["forward_train", "forward_eval"]
 _EMBEDDED_SOURCES = {
     'bn_apply.cu': r'''// bn_apply.cu -- training-mode BatchNorm from the GEMM's per-tile statistics:
 // merge them per feature, update the running statistics, and normalise z
-// (in place, or into a separate `out` when the caller keeps z for backward).  One launch (it replaced a separate finalize kernel: -7 us at the
-// KernelBench shape, docs/perf.md).
+// (in place, or into a separate `out` when the caller keeps z for backward).
+// One launch while num_m_tiles <= kFusedMaxTiles (it replaced a separate
+// finalize kernel: -7 us at the KernelBench shape, docs/perf.md); above that,
+// two: bn_fold_kernel merges each feature once into coeff, then the apply
+// kernel only streams z (every block of the one-launch form merges its
+// columns' tiles again, num_m_tiles x row blocks work that grows as M^2: at
+// M = 16384, N = 4096 it took 1.04 ms for a pass that moves 537 MB).
 //
 // Inputs (float32, row-major, contiguous)
 //   z                   (M, N): x @ W^T without bias, from a GEMM's kTrain epilogue
@@ -213,7 +218,7 @@ _EMBEDDED_SOURCES = {
 // float32 once.  Subtracting the mean before scaling
 // keeps the output accurate when |mean_z| is large against the spread of z.
 //
-// Work split: each thread owns fixed columns (4 with 16-byte accesses when
+// Work split (both forms): each thread owns fixed columns (4 with 16-byte accesses when
 // N % 4 == 0 and all pointers are 16-byte aligned, else 1) and walks
 // rows_per_block rows (32, fewer for small M * N so the grid fills the GPU); every block merges the statistics of its own columns
 // (num_m_tiles * 2 loads each, from L2), and the blocks of row 0 write the
@@ -232,6 +237,8 @@ constexpr int kApplyThreads = 256;
 constexpr int kApplyRowsPerBlock = 32;  // 32 row blocks at M = 1024: the statistics are re-merged 32x, from L2
 constexpr int kApplyTargetBlocks = 264;  // two per SM of an H100 / H200
 constexpr int kRowBatch = 8;             // rows loaded before any is stored (bn_apply_kernel)
+constexpr int kFusedMaxTiles = 8;        // up to here each block merges its own columns (M <= 1024 at BLOCK_M 128)
+constexpr int kApplyFoldThreads = 256;
 
 struct BnApplyArgs {
   const float* z;
@@ -248,6 +255,7 @@ struct BnApplyArgs {
   float* running_mean;
   float* running_var;
   int rows_per_block;
+  float* coeff;  // two-launch form: [mean_z | a], 2 N floats, written by bn_fold_kernel
 };
 
 // Batch statistics of feature j -> (mean_z, a); updates its running statistics
@@ -264,7 +272,21 @@ __device__ __forceinline__ void feature_coefficients(const BnApplyArgs& p, int j
                       p.running_mean + j, p.running_var + j);
 }
 
-template <bool kVec4>
+// Two-launch form, first launch: one thread per feature merges its tiles once,
+// writes (mean_z, a) to coeff and updates the running statistics.
+__global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_kernel(const BnApplyArgs p) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= p.N) return;
+  float mu, a;
+  feature_coefficients(p, j, true, mu, a);
+  p.coeff[j] = mu;
+  p.coeff[p.N + j] = a;
+}
+
+// kFolded: (mean_z, a) from coeff (bn_fold_kernel ran first); else merged here,
+// and the blocks of row 0 update the running statistics.  The same float32
+// values either way, so both forms give bit-identical outputs.
+template <bool kVec4, bool kFolded>
 __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyArgs p) {
   constexpr int kCols = kVec4 ? 4 : 1;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
@@ -273,7 +295,12 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
   float mu[kCols], a[kCols], b[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
-    feature_coefficients(p, col + c, update_running, mu[c], a[c]);
+    if constexpr (kFolded) {
+      mu[c] = p.coeff[col + c];
+      a[c] = p.coeff[p.N + col + c];
+    } else {
+      feature_coefficients(p, col + c, update_running, mu[c], a[c]);
+    }
     b[c] = p.bn_bias[col + c];
   }
   const int row0 = blockIdx.y * p.rows_per_block;
@@ -316,13 +343,15 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
                                     int num_m_tiles, int block_m, int M, int N, const float* bias, const float* scale,
                                     const float* bn_weight, const float* bn_bias, const int64_t* num_batches_tracked,
                                     float momentum, float eps, float* running_mean, float* running_var,
-                                    cudaStream_t stream) {
+                                    float* coeff, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
+  const bool folded = num_m_tiles > kFusedMaxTiles;
+  if (folded && coeff == nullptr) return cudaErrorInvalidValue;
   const bool vec4 =
       N % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   BnApplyArgs p{z,       out,     part_mean,           part_m2,  num_m_tiles, block_m,      M,
                 N,       bias,    scale,               bn_weight, bn_bias,    num_batches_tracked, momentum,
-                eps,     running_mean, running_var,    0};
+                eps,     running_mean, running_var,    0,      coeff};
   const int cols_per_thread = vec4 ? 4 : 1;
   const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
   const int blocks_x = (threads_needed + kApplyThreads - 1) / kApplyThreads;
@@ -334,10 +363,19 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
                                                kApplyTargetBlocks);
   p.rows_per_block = max(max(1, min(kApplyRowsPerBlock, rows_for_target)), (M + 65534) / 65535);
   const dim3 grid(blocks_x, (M + p.rows_per_block - 1) / p.rows_per_block);
-  if (vec4) {
-    bn_apply_kernel<true><<<grid, kApplyThreads, 0, stream>>>(p);
+  if (folded) {
+    bn_fold_kernel<<<(N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream>>>(p);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    if (vec4) {
+      bn_apply_kernel<true, true><<<grid, kApplyThreads, 0, stream>>>(p);
+    } else {
+      bn_apply_kernel<false, true><<<grid, kApplyThreads, 0, stream>>>(p);
+    }
+  } else if (vec4) {
+    bn_apply_kernel<true, false><<<grid, kApplyThreads, 0, stream>>>(p);
   } else {
-    bn_apply_kernel<false><<<grid, kApplyThreads, 0, stream>>>(p);
+    bn_apply_kernel<false, false><<<grid, kApplyThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
@@ -950,11 +988,12 @@ cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const f
                                    int K, bool split_tiles, float* workspace, cudaStream_t stream);
 
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
-// Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias)).
+// Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias));
+// coeff: 2 N floats of scratch (used when num_m_tiles > 8: one merge per feature, then a streaming pass).
 cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
                      int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight,
                      const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
-                     float* running_mean, float* running_var, cudaStream_t stream);
+                     float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
 
 // ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
 // Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update.
@@ -3059,11 +3098,12 @@ RemainderX sm90_prepass(const torch::Tensor& x, int M, int N, int K, bool split_
 
 // The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit]): the pre-pass
 // (num_batches_tracked += 1), then z = x @ weight^T into `z` with per-tile
-// mean / M2 of z (part_mean, part_m2: num_m_tiles x N each, one allocation),
-// and, when `stats` is not null, stats (2, N) = [mean_z | biased var_z].
+// mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
+// is not null, stats (2, N) = [mean_z | biased var_z].  One allocation, which
+// also holds `coeff` (3 N floats): the BatchNorm kernels' per-feature scratch.
 struct TrainGemm {
   torch::Tensor storage;
-  float *part_mean, *part_m2;
+  float *part_mean, *part_m2, *coeff;
   int block_m, num_m_tiles;
 };
 
@@ -3074,9 +3114,11 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const float* w, torch::T
   TrainGemm g;
   g.block_m = is_sm90(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
-  g.storage = torch::empty({2 * static_cast<int64_t>(g.num_m_tiles) * N}, x.options());
+  const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
+  g.storage = torch::empty({2 * part_floats + 3 * static_cast<int64_t>(N)}, x.options());
   g.part_mean = g.storage.data_ptr<float>();
-  g.part_m2 = g.part_mean + static_cast<int64_t>(g.num_m_tiles) * N;
+  g.part_m2 = g.part_mean + part_floats;
+  g.coeff = g.part_m2 + part_floats;
   if (is_sm90(gemm)) {
     const bool split_tiles = gemm == Gemm::kSm90;
     const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, counter, stream);
@@ -3104,24 +3146,23 @@ void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, in
                              t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
                              num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
                              static_cast<float>(eps), t.running_mean.data_ptr<float>(),
-                             t.running_var.data_ptr<float>(), stream),
+                             t.running_var.data_ptr<float>(), g.coeff, stream),
                "bn_apply");
 }
 
 // Problem 84's BatchNorm, scale and softmax after the training GEMM: per-feature
 // [mean_z | a | c] and the running-statistics update (bn_softmax_fold_train),
 // then out = softmax((out - mean_z) * a + c) per row, in place.
-void bn_softmax(const TrainGemm& g, const torch::Tensor& x, torch::Tensor& out, int M, int N, const BnTensors& t,
+void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const BnTensors& t,
                 const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
-  torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
   check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N,
                                           t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
                                           t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
                                           num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
                                           static_cast<float>(eps), t.running_mean.data_ptr<float>(),
-                                          t.running_var.data_ptr<float>(), coeff.data_ptr<float>(), stream),
+                                          t.running_var.data_ptr<float>(), g.coeff, stream),
                "bn_softmax_fold_train");
-  check_launch(fgb::softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), M, N, stream), "softmax_rows");
+  check_launch(fgb::softmax_rows(out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
 }
 
 // Problem 33's training forward in one cluster launch (sm90_cluster_3xtf32).
@@ -3161,7 +3202,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   }
   const TrainGemm g = train_gemm(gemm, x, weight.data_ptr<float>(), out, nullptr, num_batches_tracked, M, N, K, stream);
   if (scale_after_bn) {
-    bn_softmax(g, x, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
   } else {
     bn_apply(g, out, out, M, N, t, num_batches_tracked, momentum, eps, stream);
   }
@@ -3233,7 +3274,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   torch::Tensor out;
   if (scale_after_bn) {
     out = z.clone();  // softmax_rows works in place
-    bn_softmax(g, x, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
   } else {
     out = torch::empty({M, N}, x.options());
     bn_apply(g, z, out, M, N, t, num_batches_tracked, momentum, eps, stream);

@@ -7,6 +7,9 @@ Simulated GPUs (DeviceFacts): an H200 with and without the sm_90a kernel, an
 A100 (8.0), an Ada card (8.9) and a Turing card (7.5, refused).  Cluster
 residency is simulated by cluster_max_active; the wave rule is the engine's.
 """
+import os
+import re
+
 import pytest
 import torch
 
@@ -115,8 +118,6 @@ def test_switches_read_once_at_import():
 def test_no_getenv_on_a_forward_path():
     """Environment switches are read at import only: no getenv in the kernels, and
     dispatch / fused_forward read model_new.SWITCHES."""
-    import os
-    import re
     kernels = os.path.join(os.path.dirname(model_new.__file__), "kernels")
     for root, _, files in os.walk(kernels):
         for name in files:
@@ -139,12 +140,24 @@ def test_dispatch_reads_tensors_cpu():
             module.train().kernel_path(x[:1].double())
 
 
-def test_dispatch_gemm_nt_simulated():
-    """The backward's products: b copied when non-contiguous (aligned), else its own alignment."""
-    a = torch.rand(64, 32)
-    b = torch.rand(48, 32)
-    cpu = model_new.dispatch_gemm_nt(a, b)
-    assert cpu == "torch_ops"
+def test_backward_products_dispatch():
+    """The backward's products a @ b^T take the float32 table row by row (never
+    the cluster kernel): grad_x = gemm_nt(grad_z, W^T) has K = N (odd N leaves
+    the wgmma kernel), grad_W = gemm_nt(grad_z^T, x^T) has K = M; a
+    non-contiguous b is copied (aligned), so only a contiguous b's own alignment
+    counts.  CPU and float64 tensors take torch_ops."""
+    gemm = model_new._float32_gemm
+    assert gemm(1024, 8192, 8192, True, False, H200, DEFAULT) == "sm90_3xtf32"
+    assert gemm(1024, 8192, 515, True, False, H200, DEFAULT) == "sm80_3xtf32"  # K = N = 515
+    assert gemm(33, 37, 515, True, False, H200, DEFAULT) == "sm80_3xtf32"  # never the cluster kernel
+    assert gemm(1024, 8192, 8192, False, False, H200, DEFAULT) == "sm80_3xtf32"
+    assert gemm(1024, 8192, 8192, True, False, H200, PORTABLE) == "sm80_3xtf32"
+    assert gemm(1024, 8192, 8192, True, False, H200, NO_SPLIT) == "sm90_3xtf32_nosplit"
+    assert gemm(1024, 8192, 8192, True, False, A100, DEFAULT) == "sm80_3xtf32"
+    with pytest.raises(RuntimeError, match="compute capability >= 8.0"):
+        gemm(1024, 8192, 8192, True, False, TURING, DEFAULT)
+    a, b = torch.rand(64, 32), torch.rand(48, 32)
+    assert model_new.dispatch_gemm_nt(a, b) == model_new.dispatch_gemm_nt(a.double(), b.double()) == "torch_ops"
 
 
 # ---------------------------------------------------------------------------

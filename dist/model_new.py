@@ -4524,6 +4524,11 @@ _TORCH_PATH = types.SimpleNamespace(
 )
 
 
+# ---------------------------------------------------------------------------
+# Module behaviour shared by both problems' ModelNew
+# ---------------------------------------------------------------------------
+
+
 class FusedModule(nn.Module):
     """The module behaviour both problems' ModelNew share: forward, kernel_path,
     and a clear error from torch.jit.script.  A subclass creates `gemm`

@@ -3895,6 +3895,14 @@ def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, ep
     return kernels.forward_eval(gemm, *params, *buffers[:2], eps, scale_after_bn)
 
 
+def _checked_params(x, gemm, scale, bn):
+    """(x, gemm.weight, gemm.bias, scale as an (N,) vector, bn.weight, bn.bias)
+    after check_input and per_feature_scale (which raise before anything is
+    touched): what fused_forward and kernel_path both start from."""
+    check_input(x, gemm.weight, bn.training)
+    return (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+
+
 def _needs_grad(params):
     return torch.is_grad_enabled() and any(t.requires_grad for t in params)
 
@@ -3920,15 +3928,13 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     where this torch has no custom operators (< 2.4), or for 16-bit input,
     tracing raises RuntimeError."""
     training = bn.training
-    check_input(x, gemm.weight, training)
-    scale = per_feature_scale(scale, gemm.out_features)
+    params = _checked_params(x, gemm, scale, bn)
     if torch.jit.is_tracing() and (_OPS is None or _is_16bit_dtype(x.dtype)):
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4) "
                            "and float32 or float64 input: its kernels are extension calls the tracer cannot "
                            "record; use torch.compile or torch.export")
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     eps = float(bn.eps)
-    params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = _needs_grad(params)
     if x.shape[0] == 0:  # as BatchNorm1d: empty output, the call counted, running statistics untouched
@@ -3953,8 +3959,7 @@ def kernel_path(x, gemm, scale, bn, scale_after_bn):
     """The Plan name fused_forward(x, ...) would take now (same arguments), from
     the same checks and dispatch() alone: no kernel runs and nothing is updated.
     ModelNew.kernel_path calls it."""
-    check_input(x, gemm.weight, bn.training)
-    params = (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+    params = _checked_params(x, gemm, scale, bn)
     return dispatch(x, gemm.weight, bn.training, _needs_grad(params), scale_after_bn).name
 
 

@@ -22,6 +22,8 @@ in the order a call uses them after ModelNew.forward at the bottom):
   dispatch(): the one decision (table in its section; README "Dispatch")
     gemm                 kernels (kernels/)                                   steps of Model.forward
     -------------------  ---------------------------------------------------  --------------------------
+    sm90_fp16x3          prepass_fp16x3.cu          sm90_prepass_fp16x3       x's fp16 parts, row scales
+                         sm90_gemm_fp16x3_bn.cu     sm90_gemm_fp16x3_*        gemm (wgmma, TMA, fp16x3)
     sm90_3xtf32          prepass_3xtf32.cu          sm90_prepass_3xtf32       x's TF32 remainder
                          sm90_gemm_3xtf32_bn.cu     sm90_gemm_3xtf32_*        gemm (wgmma, TMA, 3xTF32)
     sm80_3xtf32          prepass_3xtf32.cu          sm80_prepass_3xtf32       x's TF32 parts
@@ -41,7 +43,8 @@ in the order a call uses them after ModelNew.forward at the bottom):
   kernels/torch_binding.cpp and kernels/lowp/binding_16bit.cpp check tensors,
   take the device guard and current stream, and run the named GEMM kernel.
   Shared headers: bn_stats.cuh (statistics math), sm90_primitives.cuh (wgmma, TMA
-  wrappers), sm80_gemm_3xtf32_bn.cuh (the portable kernel body).
+  wrappers), sm90_gemm_tiles.cuh (the Hopper GEMMs' tile, split tiles, epilogues),
+  fp16x3_split.cuh (the fp16 split), sm80_gemm_3xtf32_bn.cuh (the portable kernel body).
 
 Algebra (training): with z = x W^T, u = scale * (z + b) has batch mean
 scale * (mean_z + b) and biased variance scale^2 var_z, so
@@ -58,7 +61,7 @@ BatchNorm's backward through u, chained to z, gives
 then grad_x = grad_z W and grad_W = grad_z^T x (_torch_bn_backward_train states
 both problems' formulas).  Eval differentiates the fold a z + c.
 
-The GEMM is float32-accurate 3xTF32 on tensor cores (headers of the .cu files:
+The GEMM is float32-accurate fp16x3 (Hopper) or 3xTF32 on tensor cores (headers of the .cu files:
 split, rounding, expected error); the 16-bit kernels' headers list their
 rounding points and the PyTorch code they follow.  The _torch_* functions
 (_TORCH_PATH: the extension's names and arguments) compute the same decomposed
@@ -529,9 +532,11 @@ def per_feature_scale(scale, n):
 #   batch of 0                   no kernel                                     empty
 #   CPU tensor, float64 on CUDA  always                                        torch_ops
 #   16-bit float on CUDA         compute capability >= 8.0                     lowp_sm80
-#   float32 on CUDA              compute capability 9.0, the sm_90a kernel     sm90_3xtf32
-#                                available, K % 4 == 0, 16-byte aligned        (sm90_3xtf32_nosplit with
-#                                weight, not SWITCHES.portable                 split_tiles off)
+#   float32 on CUDA              compute capability 9.0, the sm_90a kernels    sm90_fp16x3
+#                                available, K % 8 == 0, 16-byte aligned        (sm90_fp16x3_nosplit with
+#                                weight, not SWITCHES.portable, SWITCHES.fp16x3 split_tiles off)
+#                                else: the same with K % 4 == 0                sm90_3xtf32
+#                                                                              (sm90_3xtf32_nosplit)
 #                                else: problem 33 training without gradients,  sm90_cluster_3xtf32
 #                                compute capability >= 9.0, M <= 8 * 128, and
 #                                the clusters cost no extra wave, not
@@ -543,21 +548,24 @@ def per_feature_scale(scale, n):
 # The backward's products (grad_x = grad_z W, grad_W = grad_z^T x) are decided
 # the same way per product by dispatch_gemm_nt.
 
-Switches = collections.namedtuple("Switches", ["portable", "split_tiles"])
+Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3"])
 Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
 replace SWITCHES; nothing reads the environment per call):
   portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
                too (the tests run both GEMM paths on one GPU)
-  split_tiles  False with FUSED_GEMM_BN_NO_SPLIT_TILES=1: the Hopper GEMM runs
-               whole tiles only (sm90_3xtf32_nosplit; an A/B switch for timing)"""
+  split_tiles  False with FUSED_GEMM_BN_NO_SPLIT_TILES=1: the Hopper GEMMs run
+               whole tiles only (sm90_*_nosplit; an A/B switch for timing)
+  fp16x3       False with FUSED_GEMM_BN_3XTF32=1: Hopper takes the 3xTF32 wgmma
+               kernel instead of fp16x3 (A/B timing; the tests run both)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
-                    split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1")
+                    split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
+                    fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1")
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
   capability          (major, minor)
   num_sms             streaming multiprocessors
-  sm90_gemm           the Hopper kernel of this build runs here (sm_90a image,
+  sm90_gemm           the Hopper kernels of this build run here (sm_90a image,
                       compute capability 9.0, shared memory, tensor-map encoder)
   cluster_max_active  function (m_tiles, vec16) -> clusters of m_tiles CTAs of
                       the cluster kernel resident at once (0: none)"""
@@ -565,7 +573,8 @@ DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_fac
 Plan = collections.namedtuple("Plan", ["name", "gemm", "kernels", "training", "grad"])
 Plan.__doc__ = """A call's path, from dispatch():
   name      <gemm>_<train|eval>[_grad]: what ModelNew.kernel_path returns
-  gemm      the GEMM kernel: sm90_3xtf32, sm90_3xtf32_nosplit, sm80_3xtf32,
+  gemm      the GEMM kernel: sm90_fp16x3, sm90_fp16x3_nosplit, sm90_3xtf32,
+            sm90_3xtf32_nosplit, sm80_3xtf32,
             sm90_cluster_3xtf32, lowp_sm80, torch_ops, or empty (batch of 0)
   kernels   who runs it: "ext" (the float32 extension), "lowp" (the 16-bit
             extension), "torch" (the _torch_* functions), or None (empty)
@@ -625,7 +634,8 @@ def _float32_gemm(m, n, k, w_aligned16, cluster_candidate, facts, switches):
                            f"got {major}.{minor}; use the module on the CPU or in float64")
     if (not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm and min(m, n, k) >= 1
             and k % 4 == 0 and w_aligned16):
-        return "sm90_3xtf32" if switches.split_tiles else "sm90_3xtf32_nosplit"
+        gemm = "sm90_fp16x3" if switches.fp16x3 and k % 8 == 0 else "sm90_3xtf32"
+        return gemm if switches.split_tiles else gemm + "_nosplit"
     if (cluster_candidate and not switches.portable
             and _cluster_fits(m, n, k, k % 4 == 0 and w_aligned16, facts)):
         return "sm90_cluster_3xtf32"

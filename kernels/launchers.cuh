@@ -83,6 +83,29 @@ cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const fl
 cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out, int M, int N,
                                    int K, bool split_tiles, float* workspace, cudaStream_t stream);
 
+// ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
+// x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0);
+// num_batches_tracked += 1 when not null; zero_ints[0 .. num_zero_ints) = 0.
+cudaError_t sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, uint16_t* x_hi,
+                                uint16_t* x_lo, float* x_inv_scale, int* zero_ints, int num_zero_ints,
+                                int64_t* num_batches_tracked, cudaStream_t stream);
+// As sm90_gemm_workspace, for the fp16x3 kernel (its k-blocks are 64 deep).
+void sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
+// z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
+cudaError_t sm90_gemm_fp16x3_train(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                   const float* w, float* out, float* part_mean, float* part_m2, int M, int N, int K,
+                                   bool split_tiles, float* workspace, cudaStream_t stream);
+// out = a * (x @ w^T) + c, the eval-mode fold.
+cudaError_t sm90_gemm_fp16x3_eval(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                  const float* w, float* out, const float* bias, const float* scale,
+                                  const float* bn_weight, const float* bn_bias, const float* running_mean,
+                                  const float* running_var, float eps, bool scale_after_bn, int M, int N, int K,
+                                  bool split_tiles, float* workspace, cudaStream_t stream);
+// out = x @ w^T (the backward's products).
+cudaError_t sm90_gemm_fp16x3_plain(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                   const float* w, float* out, int M, int N, int K, bool split_tiles,
+                                   float* workspace, cudaStream_t stream);
+
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
 // Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias));
 // coeff: 2 N floats of scratch (used when num_m_tiles > 8: one merge per feature, then a streaming pass).

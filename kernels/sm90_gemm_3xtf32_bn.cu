@@ -83,9 +83,8 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "bn_stats.cuh"
 #include "launchers.cuh"
-#include "sm90_primitives.cuh"
+#include "sm90_gemm_tiles.cuh"
 
 namespace fused_gemm_bn {
 namespace sm90 {
@@ -117,70 +116,16 @@ struct Sm90GemmTraits {
   static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k8 halves per batch tile");
   static_assert(W_TILE_BYTES % 1024 == 0 && X_TILE_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
+  static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
+                    kNumConsumers * 128 == kConsumerThreads,
+                "the tile of sm90_gemm_tiles.cuh (its epilogues and split-tile hand-off)");
 };
-
-enum class Epilogue { kTrain, kEval, kPlain };
-
-// Work of the grid (header, "Split tiles").  The first sk_ctas CTAs compute
-// tiles 0 .. sk_tiles - 1, each cut along K into `pieces` runs of piece_blocks
-// k-blocks (the last piece takes the rest): pieces 0 .. pieces - 2 of tile t go
-// to CTAs t * (pieces - 1) + j, one each; the last pieces go tails_per_cta
-// tiles at a time to the CTAs after those, run back to back.  CTA sk_ctas + i
-// then computes tile sk_tiles + i whole.  sk_ctas == 0: no tile is split.
-struct StreamKPlan {
-  int sk_tiles = 0;
-  int pieces = 1;
-  int piece_blocks = 0;
-  int tails_per_cta = 1;
-  int sk_ctas = 0;
-  int dp_tiles = 0;
-};
-
-struct Sm90GemmBnArgs {
-  int M, N, K;
-  float* out;
-  float* part_mean;  // kTrain
-  float* part_m2;
-  BnParams bn;  // kEval
-  StreamKPlan plan;
-  // Split-tile workspace: partial sums, one slot per (split tile, piece), each
-  // 256 threads x kAccRegs fp32 in register order; and one arrival count per
-  // split tile, zeroed before the launch (sm90_prepass_3xtf32).
-  float* partials;
-  int* tile_arrivals;
-};
-
-// k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.
-struct WorkSegment {
-  int tile, kb_begin, kb_end, piece;
-};
-
-__device__ __forceinline__ int cta_num_segments(const StreamKPlan& p, int cta) {
-  const int dedicated = p.sk_tiles * (p.pieces - 1);
-  if (cta >= p.sk_ctas || cta < dedicated) return 1;
-  return min(p.tails_per_cta, p.sk_tiles - (cta - dedicated) * p.tails_per_cta);
-}
-
-__device__ __forceinline__ WorkSegment cta_segment(const StreamKPlan& p, int cta, int si, int num_k_blocks) {
-  if (cta >= p.sk_ctas) return {p.sk_tiles + (cta - p.sk_ctas), 0, num_k_blocks, -1};
-  const int dedicated = p.sk_tiles * (p.pieces - 1);
-  if (cta < dedicated) {
-    const int j = cta % (p.pieces - 1);
-    return {cta / (p.pieces - 1), j * p.piece_blocks, (j + 1) * p.piece_blocks, j};
-  }
-  return {(cta - dedicated) * p.tails_per_cta + si, (p.pieces - 1) * p.piece_blocks, num_k_blocks, p.pieces - 1};
-}
 
 // v rounded to TF32 (nearest, ties away from zero; = cvt.rna.tf32.f32 for
 // finite v) with two integer ops: the low 13 bits are cleared after adding half
 // their range.
 __device__ __forceinline__ float round_tf32(float v) {
   return __uint_as_float((__float_as_uint(v) + 0x1000u) & 0xffffe000u);
-}
-
-// Byte offset of element (row, col) of a 128-byte-swizzled K-major tile.
-__device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
-  return static_cast<uint32_t>(row * 128 + ((((col >> 2) ^ row) & 7) << 4) + (col & 3) * 4);
 }
 
 template <Epilogue kEpilogue>
@@ -196,7 +141,7 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + T::kNumStages * T::STAGE_BYTES);
   uint64_t* empty_bar = full_bar + T::kNumStages;
 
-  const int M = args.M, N = args.N;
+  const int M = args.M;
   const int m_tiles = (M + T::BLOCK_M - 1) / T::BLOCK_M;
   const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
@@ -364,124 +309,15 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
     if (lane == 0) mbar_arrive(&empty_bar[(q0 + n - 1) % T::kNumStages]);
   };
 
-  // Split-tile hand-off.  Every piece's CTA stores its partial sums in the
-  // piece's slot, then counts itself in with a GPU-scope acquire-release
-  // atomic; the last to arrive sums the slots in piece order (its own read
-  // back too, so the result does not depend on which CTA came last) and runs
-  // the epilogue.  No CTA waits for another, so this cannot deadlock whatever
-  // the residency.
-  __shared__ int last_arrival;
   const int ctid = threadIdx.x;  // 0 .. 255 over the consumer warpgroups
-  constexpr int kAccQuads = T::kAccRegs / 4;
-  constexpr int kConsumerThreads = T::kNumConsumers * 128;
-  auto partial_slot = [&](int tile, int piece) {
-    return reinterpret_cast<float4*>(args.partials) +
-           static_cast<size_t>(tile * args.plan.pieces + piece) * kAccQuads * kConsumerThreads + ctid;
-  };
-  // True when this CTA finishes tile seg.tile; acc then holds the whole sum.
-  auto hand_off = [&](const WorkSegment& seg) -> bool {
-    float4* mine = partial_slot(seg.tile, seg.piece);
-#pragma unroll
-    for (int i = 0; i < kAccQuads; ++i)
-      __stcg(mine + i * kConsumerThreads, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
-    named_barrier_sync<1, kConsumerThreads>();  // the CTA's stores precede the release below
-    if (ctid == 0) {
-      __threadfence();
-      last_arrival = atomic_add_acq_rel_gpu(&args.tile_arrivals[seg.tile], 1) == args.plan.pieces - 1;
-    }
-    named_barrier_sync<1, kConsumerThreads>();
-    if (!last_arrival) return false;
-#pragma unroll
-    for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
-    for (int piece = 0; piece < args.plan.pieces; ++piece) {
-      const float4* slot = partial_slot(seg.tile, piece);
-#pragma unroll
-      for (int i = 0; i < kAccQuads; ++i) {
-        const float4 v = __ldcg(slot + i * kConsumerThreads);
-        acc[4 * i] += v.x;
-        acc[4 * i + 1] += v.y;
-        acc[4 * i + 2] += v.z;
-        acc[4 * i + 3] += v.w;
-      }
-    }
-    return true;
-  };
-
   int q = 0;
   for (int si = 0; si < num_segments; ++si) {
     const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
     const int n_blocks = seg.kb_end - seg.kb_begin;
     mainloop(q, n_blocks);
     q += n_blocks;
-    if (seg.piece >= 0 && !hand_off(seg)) continue;
-
-    const int m_tile = seg.tile % m_tiles, n_tile = seg.tile / m_tiles;
-    const int m0 = m_tile * T::BLOCK_M, n0 = n_tile * T::BLOCK_N;
-    // Accumulator element 4 i + 2 h + e holds z[b, f] with
-    //   f = n0 + w_row + 8 h            (feature: one row of the wgmma tile)
-    //   b = m0 + 8 i + 2 t + e          (batch row)
-    // so each feature's 128 batch values live in the 4 lanes of one quad.
-    const int f_base = n0 + w_row;
-    if constexpr (kEpilogue == Epilogue::kEval) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int f = f_base + 8 * h;
-        if (f >= N) continue;
-        float a, c;
-        bn_eval_affine(args.bn, f, a, c);
-#pragma unroll
-        for (int i = 0; i < T::kAccRegs / 4; ++i) {
-          acc[4 * i + 2 * h] = fmaf(a, acc[4 * i + 2 * h], c);
-          acc[4 * i + 2 * h + 1] = fmaf(a, acc[4 * i + 2 * h + 1], c);
-        }
-      }
-    } else if constexpr (kEpilogue == Epilogue::kTrain) {
-      // Per-feature mean and M2 over the tile's valid rows: two passes over the
-      // registers (no E[z^2] - E[z]^2 cancellation), reduced across the quad.
-      const int rows_valid = min(T::BLOCK_M, M - m0);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < T::kAccRegs / 4; ++i) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (8 * i + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float mean = sum / static_cast<float>(rows_valid);
-        float m2 = 0.f;
-#pragma unroll
-        for (int i = 0; i < T::kAccRegs / 4; ++i) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float d = acc[4 * i + 2 * h + e] - mean;
-            if (8 * i + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
-          }
-        }
-        m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
-        m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
-        const int f = f_base + 8 * h;
-        if (t == 0 && f < N) {
-          args.part_mean[static_cast<size_t>(m_tile) * N + f] = mean;
-          args.part_m2[static_cast<size_t>(m_tile) * N + f] = m2;
-        }
-      }
-    }
-
-    // Store: a warp instruction writes 8 consecutive features (32 bytes) of 4 rows.
-#pragma unroll
-    for (int i = 0; i < T::kAccRegs / 4; ++i) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = m0 + 8 * i + 2 * t + e;
-        if (b >= M) continue;
-        float* out_row = args.out + static_cast<size_t>(b) * N;
-        if (f_base < N) out_row[f_base] = acc[4 * i + e];
-        if (f_base + 8 < N) out_row[f_base + 8] = acc[4 * i + 2 + e];
-      }
-    }
+    if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
+    finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the launcher never selects it elsewhere
@@ -492,128 +328,15 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
 // Host side: tensor maps and launch
 // ---------------------------------------------------------------------------
 
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// cuTensorMapEncodeTiled from the driver, fetched through the runtime so the
-// extension needs no -lcuda.  nullptr if the driver does not provide it.
-static EncodeTiledFn encode_tiled_fn() {
-  static EncodeTiledFn fn = []() -> EncodeTiledFn {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-#if CUDART_VERSION >= 12050
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
-        cudaSuccess)
-      return nullptr;
-#else
-    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status) != cudaSuccess)
-      return nullptr;
-#endif
-    return status == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiledFn>(ptr) : nullptr;
-  }();
-  return fn;
-}
-
-// A (rows, K) row-major fp32 matrix read in boxes of box_rows x BLOCK_K,
-// 128-byte swizzled, zero-filled outside the matrix.
-static bool make_tensor_map(CUtensorMap* map, const float* ptr, int rows, int K, int box_rows) {
-  const EncodeTiledFn encode = encode_tiled_fn();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * sizeof(float)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(Sm90GemmTraits::BLOCK_K), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(ptr), dims, strides, box,
-                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Split tiles (header).  With one CTA per SM, `tiles` tiles take
-// ceil(tiles / num_sms) waves and the last leaves SMs idle (the KernelBench
-// shape: 512 tiles = 3.88 waves of 132).  The R remainder tiles (tiles %
-// num_sms, or all tiles when fewer than the SMs) are instead cut along K and
-// run first, on CTAs that each take about the same number of k-blocks; the
-// whole tiles follow in whole waves.  Unlike stream-K's even cut of the
-// flattened tile x k space (Osama et al., PPoPP 2023), which was measured
-// 7% slower here (CTAs sharing an x or w block read it at different times,
-// so the pass ran out of L2 and became DRAM-bound), every piece starts at
-// one of few k offsets, so CTAs read the same k-blocks at the same time:
-//   2 R <= num_sms: p equal pieces per tile (split-K), p <= num_sms / R;
-//   otherwise: a first piece of L k-blocks per tile on R CTAs, all starting
-//     at k = 0, and the K - L tails, tails_per_cta = ceil(R / (num_sms - R))
-//     back to back per CTA (consecutive tiles: the same w rows), with L set
-//     so both kinds take about as long (one k-block per hand-off counted).
-// kSplitMaxPieces bounds the slots a finishing CTA reads back; kSplitMinIters
-// keeps a piece above pipeline start-up.
-constexpr int kSplitMaxPieces = 8;
-constexpr int kSplitMinIters = 4;
-
-static StreamKPlan stream_k_plan(int M, int N, int K, int num_sms, bool split_tiles) {
-  using T = Sm90GemmTraits;
-  const long long tiles =
-      static_cast<long long>((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
-  const int num_k_blocks = (K + T::BLOCK_K - 1) / T::BLOCK_K;
-  StreamKPlan p;
-  p.dp_tiles = static_cast<int>(tiles);
-  if (num_sms <= 0 || tiles > INT32_MAX / 8 || !split_tiles) return p;
-  const int rem = static_cast<int>(tiles >= num_sms ? tiles % num_sms : tiles);
-  if (rem == 0) return p;
-  int pieces, piece_blocks, tails_per_cta;
-  if (2 * rem <= num_sms) {
-    pieces = std::min({kSplitMaxPieces, num_sms / rem, num_k_blocks / kSplitMinIters});
-    if (pieces < 2) return p;
-    piece_blocks = (num_k_blocks + pieces - 1) / pieces;
-    pieces = (num_k_blocks + piece_blocks - 1) / piece_blocks;  // no empty last piece
-    tails_per_cta = 1;
-  } else {
-    pieces = 2;
-    tails_per_cta = (rem + (num_sms - rem) - 1) / (num_sms - rem);
-    piece_blocks = (tails_per_cta * (num_k_blocks + 1) - 1 + tails_per_cta) / (tails_per_cta + 1);
-    if (num_k_blocks - piece_blocks < kSplitMinIters) return p;
-  }
-  p.sk_tiles = rem;
-  p.pieces = pieces;
-  p.piece_blocks = piece_blocks;
-  p.tails_per_cta = tails_per_cta;
-  p.sk_ctas = rem * (pieces - 1) + (rem + tails_per_cta - 1) / tails_per_cta;
-  p.dp_tiles = static_cast<int>(tiles - rem);
-  return p;
-}
-
-// Streaming multiprocessors of the current device (cached per device).
-static cudaError_t current_num_sms(int* num_sms) {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < kMaxDevices && cached[device] > 0) {
-    *num_sms = cached[device];
-    return cudaSuccess;
-  }
-  err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess && device < kMaxDevices) cached[device] = *num_sms;
-  return err;
-}
-
-// Workspace floats of the split tiles' partial sums (one slot per piece),
-// followed by one int per split tile (the arrival counts).
-static long long partial_floats(const StreamKPlan& p) {
-  return static_cast<long long>(p.sk_tiles) * p.pieces * Sm90GemmTraits::BLOCK_N * Sm90GemmTraits::BLOCK_M;
-}
-
 template <Epilogue kEpilogue>
 static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const float* w, Sm90GemmBnArgs args,
                                     bool split_tiles, float* workspace, cudaStream_t stream) {
   using T = Sm90GemmTraits;
   auto kernel = sm90_gemm_3xtf32_bn_kernel<kEpilogue>;
   CUtensorMap tmap_w, tmap_x, tmap_x_small;
-  if (!make_tensor_map(&tmap_w, w, args.N, args.K, T::BLOCK_N) ||
-      !make_tensor_map(&tmap_x, x, args.M, args.K, T::BLOCK_M) ||
-      !make_tensor_map(&tmap_x_small, x_small, args.M, args.K, T::BLOCK_M))
+  if (!make_tensor_map(&tmap_w, w, TileDtype::kFloat32, args.N, args.K, T::BLOCK_N) ||
+      !make_tensor_map(&tmap_x, x, TileDtype::kFloat32, args.M, args.K, T::BLOCK_M) ||
+      !make_tensor_map(&tmap_x_small, x_small, TileDtype::kFloat32, args.M, args.K, T::BLOCK_M))
     return cudaErrorInvalidValue;
   // The shared-memory opt-in is set once per device (it costs microseconds of host time per call).
   constexpr int kMaxDevices = 64;
@@ -629,7 +352,7 @@ static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const 
   int num_sms = 0;
   err = current_num_sms(&num_sms);
   if (err != cudaSuccess) return err;
-  args.plan = stream_k_plan(args.M, args.N, args.K, num_sms, split_tiles);
+  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, num_sms, split_tiles);
   if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.partials = workspace;
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
@@ -689,7 +412,7 @@ void fused_gemm_bn::sm90_gemm_workspace(int M, int N, int K, bool split_tiles, i
   *zero_ints = 0;
   int num_sms = 0;
   if (current_num_sms(&num_sms) != cudaSuccess) return;
-  const StreamKPlan p = stream_k_plan(M, N, K, num_sms, split_tiles);
+  const StreamKPlan p = stream_k_plan(M, N, K, Sm90GemmTraits::BLOCK_K, num_sms, split_tiles);
   if (p.sk_ctas == 0) return;
   *floats = partial_floats(p) + p.sk_tiles;
   *zero_ints = p.sk_tiles;

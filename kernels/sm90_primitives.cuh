@@ -1,7 +1,7 @@
 // sm90_primitives.cuh -- thin PTX wrappers for the Hopper GEMM
-// (sm90_gemm_3xtf32_bn.cu): mbarriers, TMA tile loads, named barriers and the
+// (sm90_gemm_3xtf32_bn.cu, sm90_gemm_fp16x3_bn.cu): mbarriers, TMA tile loads, named barriers and the
 // GPU-scope atomic of the split-tile hand-off, wgmma shared-memory descriptors and
-// the tf32 wgmma form it issues (A from registers).
+// the tf32 and fp16 wgmma forms they issue (A from registers).
 //
 // Every wrapper compiles to nothing unless the pass targets sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL): wgmma and setmaxnreg exist only there.  The
@@ -200,6 +200,29 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
       "setp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " FUSED_GEMM_BN_D32_LIST
       ", {%32, %33, %34, %35}, %36, p, 1, 1;\n"
+      "}\n"
+      : FUSED_GEMM_BN_D32
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
+#endif
+}
+
+// D(64 x 64, fp32) (+)= A(64 x 16, registers) * B(16 x 64, shared memory), fp16
+// inputs (exact products, fp32 accumulation; the tensor core's accumulation
+// chain is not round-to-nearest, so callers promote partial sums).  B is
+// K-major (imm-trans-b 0).  A fragment (PTX ISA 9.7.15.5.2, .f16): warp w of
+// the warpgroup holds rows 16 w .. 16 w + 15; lane l = 4 g + t holds, as fp16
+// pairs (lower k in the low half), a0 = (16 w + g, 2 t .. 2 t + 1),
+// a1 = (16 w + g + 8, 2 t ..), a2 = (16 w + g, 2 t + 8 ..), a3 = (16 w + g + 8, 2 t + 8 ..).
+// The A registers must stay unchanged until the wgmma has completed.
+__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                                       bool accumulate) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FUSED_GEMM_BN_D32_LIST
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
       "}\n"
       : FUSED_GEMM_BN_D32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));

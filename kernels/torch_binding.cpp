@@ -19,6 +19,9 @@
 //   sm90_3xtf32           sm90_prepass_3xtf32 (x_small; training: num_batches_tracked
 //                         += 1), then sm90_gemm_3xtf32_{train,eval,plain} (wgmma, TMA)
 //   sm90_3xtf32_nosplit   the same with whole tiles only (A/B switch for measurements)
+//   sm90_fp16x3           sm90_prepass_fp16x3 (x's fp16 parts and row scales; training:
+//                         += 1), then sm90_gemm_fp16x3_{train,eval,plain} (wgmma, TMA)
+//   sm90_fp16x3_nosplit   the same with whole tiles only
 //   sm80_3xtf32           sm80_prepass_3xtf32 (x's TF32 parts; training: += 1), then
 //                         sm80_gemm_3xtf32_{train,eval} (mma.sync, any sm_80+)
 //   sm90_cluster_3xtf32   sm80_prepass_3xtf32, then sm90_cluster_gemm_3xtf32_train:
@@ -38,7 +41,7 @@
 //   forward_train_saved(same arguments as forward_train) -> [out, z (M, N), stats (2, N)]
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward.
-//   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T, 3xTF32
+//   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
@@ -58,18 +61,23 @@ namespace {
 namespace fgb = fused_gemm_bn;
 
 // The GEMM kernels a `gemm` name selects.
-enum class Gemm { kSm80, kSm90, kSm90NoSplit, kSm90Cluster };
+enum class Gemm { kSm80, kSm90, kSm90NoSplit, kSm90Cluster, kFp16x3, kFp16x3NoSplit };
 
 Gemm parse_gemm(const std::string& name) {
+  if (name == "sm90_fp16x3") return Gemm::kFp16x3;
+  if (name == "sm90_fp16x3_nosplit") return Gemm::kFp16x3NoSplit;
   if (name == "sm90_3xtf32") return Gemm::kSm90;
   if (name == "sm90_3xtf32_nosplit") return Gemm::kSm90NoSplit;
   if (name == "sm80_3xtf32") return Gemm::kSm80;
   if (name == "sm90_cluster_3xtf32") return Gemm::kSm90Cluster;
   TORCH_CHECK(false, "fused_gemm_bn: unknown GEMM kernel '", name,
-              "' (expected sm90_3xtf32, sm90_3xtf32_nosplit, sm80_3xtf32 or sm90_cluster_3xtf32)");
+              "' (expected sm90_fp16x3, sm90_fp16x3_nosplit, sm90_3xtf32, sm90_3xtf32_nosplit, sm80_3xtf32 or "
+              "sm90_cluster_3xtf32)");
 }
 
 bool is_sm90(Gemm g) { return g == Gemm::kSm90 || g == Gemm::kSm90NoSplit; }
+bool is_fp16x3(Gemm g) { return g == Gemm::kFp16x3 || g == Gemm::kFp16x3NoSplit; }
+bool splits_tiles(Gemm g) { return g == Gemm::kSm90 || g == Gemm::kFp16x3; }
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
@@ -180,7 +188,39 @@ RemainderX sm90_prepass(const torch::Tensor& x, int M, int N, int K, bool split_
   return {xc, storage, small, workspace};
 }
 
-// The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit]): the pre-pass
+// x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K) fp16 words, x_inv_scale
+// (M), then the GEMM's split-tile workspace (null if it needs none), one
+// allocation; the pre-pass reads x in place (any strides) and zeroes the
+// workspace's arrival counts.
+struct SplitX {
+  torch::Tensor storage;
+  const uint16_t *hi, *lo;
+  const float* inv_scale;
+  float* workspace;
+};
+
+SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, bool split_tiles, int64_t* num_batches_tracked,
+                      cudaStream_t stream) {
+  TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
+  const int64_t part_floats = static_cast<int64_t>(M) * K / 2;  // M K fp16 words each
+  const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;   // keeps the workspace 16-byte aligned
+  int64_t workspace_floats = 0;
+  int zero_ints = 0;
+  fgb::sm90_gemm_fp16x3_workspace(M, N, K, split_tiles, &workspace_floats, &zero_ints);
+  torch::Tensor storage = torch::empty({2 * part_floats + scale_floats + workspace_floats}, x.options());
+  float* base = storage.data_ptr<float>();
+  uint16_t* hi = reinterpret_cast<uint16_t*>(base);
+  uint16_t* lo = reinterpret_cast<uint16_t*>(base + part_floats);
+  float* inv_scale = base + 2 * part_floats;
+  float* workspace = workspace_floats > 0 ? inv_scale + scale_floats : nullptr;
+  int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
+  check_launch(fgb::sm90_prepass_fp16x3(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, hi, lo, inv_scale,
+                                        arrivals, arrivals ? zero_ints : 0, num_batches_tracked, stream),
+               "sm90_prepass_fp16x3");
+  return {storage, hi, lo, inv_scale, workspace};
+}
+
+// The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit], sm90_fp16x3[_nosplit]): the pre-pass
 // (num_batches_tracked += 1), then z = x @ weight^T into `z` with per-tile
 // mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
 // is not null, stats (2, N) = [mean_z | biased var_z].  One allocation, which
@@ -196,15 +236,21 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const float* w, torch::T
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 runs forward_train of problem 33 only");
   int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
   TrainGemm g;
-  g.block_m = is_sm90(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
+  g.block_m = is_sm90(gemm) || is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
   const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
   g.storage = torch::empty({2 * part_floats + 3 * static_cast<int64_t>(N)}, x.options());
   g.part_mean = g.storage.data_ptr<float>();
   g.part_m2 = g.part_mean + part_floats;
   g.coeff = g.part_m2 + part_floats;
-  if (is_sm90(gemm)) {
-    const bool split_tiles = gemm == Gemm::kSm90;
+  if (is_fp16x3(gemm)) {
+    const bool split_tiles = splits_tiles(gemm);
+    const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, counter, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_train(xs.hi, xs.lo, xs.inv_scale, w, z.data_ptr<float>(), g.part_mean,
+                                             g.part_m2, M, N, K, split_tiles, xs.workspace, stream),
+                 "sm90_gemm_fp16x3_train");
+  } else if (is_sm90(gemm)) {
+    const bool split_tiles = splits_tiles(gemm);
     const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, counter, stream);
     check_launch(fgb::sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small, w, z.data_ptr<float>(), g.part_mean,
                                              g.part_m2, M, N, K, split_tiles, xr.workspace, stream),
@@ -310,8 +356,17 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   if (M == 0 || N == 0) return out;
   const float* w = weight.data_ptr<float>();
   const float fold_eps = static_cast<float>(eps);
-  if (is_sm90(gemm)) {
-    const bool split_tiles = gemm == Gemm::kSm90;
+  if (is_fp16x3(gemm)) {
+    const bool split_tiles = splits_tiles(gemm);
+    const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, nullptr, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.hi, xs.lo, xs.inv_scale, w, out.data_ptr<float>(),
+                                            t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
+                                            t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
+                                            t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
+                                            fold_eps, scale_after_bn, M, N, K, split_tiles, xs.workspace, stream),
+                 "sm90_gemm_fp16x3_eval");
+  } else if (is_sm90(gemm)) {
+    const bool split_tiles = splits_tiles(gemm);
     const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, nullptr, stream);
     check_launch(fgb::sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(),
                                             t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
@@ -366,7 +421,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   return {out, z, stats};
 }
 
-// a @ b^T, float32-accurate (3xTF32) for float32 CUDA a (M, K) and b (N, K) of
+// a @ b^T, float32-accurate (3xTF32 or fp16x3) for float32 CUDA a (M, K) and b (N, K) of
 // any strides (non-contiguous operands are copied first).  Returns (M, N).
 torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b) {
   const Gemm gemm = parse_gemm(gemm_name);
@@ -387,8 +442,16 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   if (K == 0) return out.zero_();
   const torch::Tensor ac = a.contiguous(), bc = b.contiguous();
   const float* w = bc.data_ptr<float>();
+  if (is_fp16x3(gemm)) {
+    const bool split_tiles = splits_tiles(gemm);
+    const SplitX xs = fp16x3_prepass(ac, M, N, K, split_tiles, nullptr, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.hi, xs.lo, xs.inv_scale, w, out.data_ptr<float>(), M, N, K,
+                                             split_tiles, xs.workspace, stream),
+                 "sm90_gemm_fp16x3_plain");
+    return out;
+  }
   if (is_sm90(gemm)) {
-    const bool split_tiles = gemm == Gemm::kSm90;
+    const bool split_tiles = splits_tiles(gemm);
     const RemainderX xr = sm90_prepass(ac, M, N, K, split_tiles, nullptr, stream);
     check_launch(fgb::sm90_gemm_3xtf32_plain(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(), M, N, K,
                                              split_tiles, xr.workspace, stream),

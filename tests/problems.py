@@ -383,18 +383,24 @@ def cuda_gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 
 
-# "default" takes the kernel the device dispatches to (the Hopper wgmma kernel on
-# compute capability 9.0, the portable mma.sync kernel elsewhere); "portable"
-# forces the portable kernel, so a Hopper run tests both.  The engine reads its
-# switches once at import, so the fixture replaces model_new.SWITCHES (a
-# namedtuple Switches(portable, split_tiles)) for the test, not the environment;
+# "default" takes the kernel the device dispatches to (the fp16x3 wgmma kernel on
+# compute capability 9.0, the portable mma.sync kernel elsewhere); "3xtf32" turns
+# fp16x3 off (the 3xTF32 wgmma kernel on Hopper); "portable" forces the portable
+# kernel, so a Hopper run tests all three.  The engine reads its switches once
+# at import, so the fixture replaces model_new.SWITCHES (a namedtuple
+# Switches(portable, split_tiles, fp16x3)) for the test, not the environment;
 # both problems' ModelNew run on model_new.  Only GPU tests take this fixture.
-GEMM_PATHS = ["default", "portable"]
+GEMM_PATHS = ["default", "3xtf32", "portable"]
+
+
+def gemm_switches(path):
+    """model_new.SWITCHES for a GEMM_PATHS entry."""
+    return model_new.SWITCHES._replace(portable=path == "portable", fp16x3=path == "default")
 
 
 @pytest.fixture(params=GEMM_PATHS)
 def gemm_path(request, monkeypatch):
-    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(portable=(request.param == "portable")))
+    monkeypatch.setattr(model_new, "SWITCHES", gemm_switches(request.param))
     return request.param
 
 

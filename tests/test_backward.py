@@ -63,6 +63,7 @@ import model_new
 import reference
 from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84
 from level2_84_gemm_batchnorm_scaling_softmax import reference as reference_84
+from tests.problems import GEMM_PATHS, gemm_switches
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (ModelNew's kernels)")
 HAS_CUSTOM_OP = hasattr(torch.library, "custom_op")
@@ -613,10 +614,10 @@ def test_cpu_double_backward_raises(training):
 GPU_SHAPES = [(64, 96, 80), (300, 1000, 520), (257, 1028, 130), (1024, 8192, 8192)]
 
 
-@pytest.fixture(params=["default", "portable"])
+@pytest.fixture(params=GEMM_PATHS)
 def gemm_path(request, monkeypatch):
-    """The kernel the device dispatches to, and the portable one (SWITCHES.portable)."""
-    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(portable=request.param == "portable"))
+    """The kernel the device dispatches to, 3xTF32 on Hopper, and the portable one."""
+    monkeypatch.setattr(model_new, "SWITCHES", gemm_switches(request.param))
     return request.param
 
 

@@ -16,12 +16,15 @@ import torch
 import model_new
 from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84
 from model_new import Call, DeviceFacts, Switches, plan
+from tests.problems import GEMM_PATHS, gemm_switches
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-DEFAULT = Switches(portable=False, split_tiles=True)
-PORTABLE = Switches(portable=True, split_tiles=True)
-NO_SPLIT = Switches(portable=False, split_tiles=False)
+DEFAULT = Switches(portable=False, split_tiles=True, fp16x3=True)
+PORTABLE = Switches(portable=True, split_tiles=True, fp16x3=True)
+NO_SPLIT = Switches(portable=False, split_tiles=False, fp16x3=True)
+TF32 = Switches(portable=False, split_tiles=True, fp16x3=False)
+TF32_NO_SPLIT = Switches(portable=False, split_tiles=False, fp16x3=False)
 
 
 def clusters(resident_ctas):
@@ -44,17 +47,24 @@ def call(m=1024, k=8192, n=8192, *, dtype=F32, device="cuda", aligned=True, trai
 
 # (case id, Call, facts, switches, expected Plan.name)
 CASES = [
-    # Hopper default: the wgmma kernel, every mode, both problems
-    ("hopper-33-train", call(), H200, DEFAULT, "sm90_3xtf32_train"),
-    ("hopper-33-eval", call(training=False), H200, DEFAULT, "sm90_3xtf32_eval"),
-    ("hopper-33-train-grad", call(grad=True), H200, DEFAULT, "sm90_3xtf32_train_grad"),
-    ("hopper-33-eval-grad", call(training=False, grad=True), H200, DEFAULT, "sm90_3xtf32_eval_grad"),
-    ("hopper-84-train", call(problem=84), H200, DEFAULT, "sm90_3xtf32_train"),
-    ("hopper-84-eval", call(problem=84, training=False), H200, DEFAULT, "sm90_3xtf32_eval"),
-    ("hopper-small", call(m=2, k=8, n=8), H200, DEFAULT, "sm90_3xtf32_train"),
-    # the A/B switch for split tiles
-    ("hopper-nosplit", call(), H200, NO_SPLIT, "sm90_3xtf32_nosplit_train"),
-    ("hopper-nosplit-eval-grad", call(training=False, grad=True), H200, NO_SPLIT, "sm90_3xtf32_nosplit_eval_grad"),
+    # Hopper default: the fp16x3 wgmma kernel, every mode, both problems
+    ("hopper-33-train", call(), H200, DEFAULT, "sm90_fp16x3_train"),
+    ("hopper-33-eval", call(training=False), H200, DEFAULT, "sm90_fp16x3_eval"),
+    ("hopper-33-train-grad", call(grad=True), H200, DEFAULT, "sm90_fp16x3_train_grad"),
+    ("hopper-33-eval-grad", call(training=False, grad=True), H200, DEFAULT, "sm90_fp16x3_eval_grad"),
+    ("hopper-84-train", call(problem=84), H200, DEFAULT, "sm90_fp16x3_train"),
+    ("hopper-84-eval", call(problem=84, training=False), H200, DEFAULT, "sm90_fp16x3_eval"),
+    ("hopper-small", call(m=2, k=8, n=8), H200, DEFAULT, "sm90_fp16x3_train"),
+    # K % 8 == 4: the fp16 parts' TMA rows need 16-byte strides; the 3xTF32 wgmma kernel
+    ("hopper-k4", call(m=64, k=36, n=64), H200, DEFAULT, "sm90_3xtf32_train"),
+    ("hopper-k4-84-eval", call(m=64, k=8188, n=64, problem=84, training=False), H200, DEFAULT, "sm90_3xtf32_eval"),
+    # the A/B switches: split tiles, and 3xTF32 instead of fp16x3
+    ("hopper-nosplit", call(), H200, NO_SPLIT, "sm90_fp16x3_nosplit_train"),
+    ("hopper-nosplit-eval-grad", call(training=False, grad=True), H200, NO_SPLIT, "sm90_fp16x3_nosplit_eval_grad"),
+    ("hopper-3xtf32", call(), H200, TF32, "sm90_3xtf32_train"),
+    ("hopper-3xtf32-84-eval-grad", call(problem=84, training=False, grad=True), H200, TF32,
+     "sm90_3xtf32_eval_grad"),
+    ("hopper-3xtf32-nosplit", call(), H200, TF32_NO_SPLIT, "sm90_3xtf32_nosplit_train"),
     # the portable switch: what an sm_80 GPU runs, never the cluster kernel
     ("portable-train", call(), H200, PORTABLE, "sm80_3xtf32_train"),
     ("portable-eval", call(training=False), H200, PORTABLE, "sm80_3xtf32_eval"),
@@ -147,12 +157,14 @@ def test_backward_products_dispatch():
     non-contiguous b is copied (aligned), so only a contiguous b's own alignment
     counts.  CPU and float64 tensors take torch_ops."""
     gemm = model_new._float32_gemm
-    assert gemm(1024, 8192, 8192, True, False, H200, DEFAULT) == "sm90_3xtf32"
+    assert gemm(1024, 8192, 8192, True, False, H200, DEFAULT) == "sm90_fp16x3"
+    assert gemm(1024, 8192, 8196, True, False, H200, DEFAULT) == "sm90_3xtf32"  # K % 8 == 4
+    assert gemm(1024, 8192, 8192, True, False, H200, TF32) == "sm90_3xtf32"
     assert gemm(1024, 8192, 515, True, False, H200, DEFAULT) == "sm80_3xtf32"  # K = N = 515
     assert gemm(33, 37, 515, True, False, H200, DEFAULT) == "sm80_3xtf32"  # never the cluster kernel
     assert gemm(1024, 8192, 8192, False, False, H200, DEFAULT) == "sm80_3xtf32"
     assert gemm(1024, 8192, 8192, True, False, H200, PORTABLE) == "sm80_3xtf32"
-    assert gemm(1024, 8192, 8192, True, False, H200, NO_SPLIT) == "sm90_3xtf32_nosplit"
+    assert gemm(1024, 8192, 8192, True, False, H200, NO_SPLIT) == "sm90_fp16x3_nosplit"
     assert gemm(1024, 8192, 8192, True, False, A100, DEFAULT) == "sm80_3xtf32"
     with pytest.raises(RuntimeError, match="compute capability >= 8.0"):
         gemm(1024, 8192, 8192, True, False, TURING, DEFAULT)
@@ -166,13 +178,15 @@ def test_backward_products_dispatch():
 
 # Kernel-name fragments each GEMM kernel launches, and those it must not.
 LAUNCHES = {
+    "sm90_fp16x3": ["sm90_prepass_fp16x3_kernel", "sm90_gemm_fp16x3_bn_kernel"],
+    "sm90_fp16x3_nosplit": ["sm90_prepass_fp16x3_kernel", "sm90_gemm_fp16x3_bn_kernel"],
     "sm90_3xtf32": ["sm90_prepass_3xtf32_kernel", "sm90_gemm_3xtf32_bn_kernel"],
     "sm90_3xtf32_nosplit": ["sm90_prepass_3xtf32_kernel", "sm90_gemm_3xtf32_bn_kernel"],
     "sm80_3xtf32": ["sm80_prepass_3xtf32_kernel", "sm80_gemm_3xtf32_bn_kernel"],
     "sm90_cluster_3xtf32": ["sm80_prepass_3xtf32_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel"],
     "lowp_sm80": ["sm80_gemm_bn_16bit_kernel"],
 }
-GEMM_KERNELS = ["sm90_gemm_3xtf32_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel",
+GEMM_KERNELS = ["sm90_gemm_fp16x3_bn_kernel", "sm90_gemm_3xtf32_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel",
                 "sm80_gemm_bn_16bit_kernel"]
 
 
@@ -204,14 +218,15 @@ def gpu_module(problem, k, n, dtype, misaligned):
 
 
 @requires_cuda
-@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
+@pytest.mark.parametrize("path_switch", GEMM_PATHS)
 @pytest.mark.parametrize("mode", ["train", "eval", "train_grad", "eval_grad"])
 @pytest.mark.parametrize("problem,m,k,n,dtype,misaligned", GPU_CASES,
                          ids=[f"{c[0]}-{c[1]}x{c[2]}x{c[3]}-{str(c[4])[6:]}{'-misaligned' if c[5] else ''}"
                               for c in GPU_CASES])
-def test_gpu_kernel_path_names_the_launched_kernels(problem, m, k, n, dtype, misaligned, mode, portable,
+def test_gpu_kernel_path_names_the_launched_kernels(problem, m, k, n, dtype, misaligned, mode, path_switch,
                                                     monkeypatch):
-    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(portable=portable))
+    monkeypatch.setattr(model_new, "SWITCHES", gemm_switches(path_switch))
+    portable = path_switch == "portable"
     module = gpu_module(problem, k, n, dtype, misaligned)
     module.train(mode.startswith("train"))
     x = torch.rand(m, k, device="cuda").to(dtype)
@@ -242,5 +257,5 @@ def test_gpu_kernel_path_names_the_launched_kernels(problem, m, k, n, dtype, mis
         assert plan_.gemm == "sm80_3xtf32"
         assert not any("sm90" in name for name in names), (path, gemm_names)
     on_hopper = torch.cuda.get_device_capability() == (9, 0)
-    if dtype == F32 and not portable and on_hopper and k % 4 == 0 and not misaligned:
-        assert plan_.gemm == "sm90_3xtf32"
+    if dtype == F32 and not portable and on_hopper and k % 8 == 0 and not misaligned:
+        assert plan_.gemm == ("sm90_fp16x3" if path_switch == "default" else "sm90_3xtf32")

@@ -91,6 +91,8 @@ in the order a call uses them after ModelNew.forward at the bottom):
   dispatch(): the one decision (table in its section; README "Dispatch")
     gemm                 kernels (kernels/)                                   steps of Model.forward
     -------------------  ---------------------------------------------------  --------------------------
+    sm90_fp16x3          prepass_fp16x3.cu          sm90_prepass_fp16x3       x's fp16 parts, row scales
+                         sm90_gemm_fp16x3_bn.cu     sm90_gemm_fp16x3_*        gemm (wgmma, TMA, fp16x3)
     sm90_3xtf32          prepass_3xtf32.cu          sm90_prepass_3xtf32       x's TF32 remainder
                          sm90_gemm_3xtf32_bn.cu     sm90_gemm_3xtf32_*        gemm (wgmma, TMA, 3xTF32)
     sm80_3xtf32          prepass_3xtf32.cu          sm80_prepass_3xtf32       x's TF32 parts
@@ -110,7 +112,8 @@ in the order a call uses them after ModelNew.forward at the bottom):
   kernels/torch_binding.cpp and kernels/lowp/binding_16bit.cpp check tensors,
   take the device guard and current stream, and run the named GEMM kernel.
   Shared headers: bn_stats.cuh (statistics math), sm90_primitives.cuh (wgmma, TMA
-  wrappers), sm80_gemm_3xtf32_bn.cuh (the portable kernel body).
+  wrappers), sm90_gemm_tiles.cuh (the Hopper GEMMs' tile, split tiles, epilogues),
+  fp16x3_split.cuh (the fp16 split), sm80_gemm_3xtf32_bn.cuh (the portable kernel body).
 
 Algebra (training): with z = x W^T, u = scale * (z + b) has batch mean
 scale * (mean_z + b) and biased variance scale^2 var_z, so
@@ -127,7 +130,7 @@ BatchNorm's backward through u, chained to z, gives
 then grad_x = grad_z W and grad_W = grad_z^T x (_torch_bn_backward_train states
 both problems' formulas).  Eval differentiates the fold a z + c.
 
-The GEMM is float32-accurate 3xTF32 on tensor cores (headers of the .cu files:
+The GEMM is float32-accurate fp16x3 (Hopper) or 3xTF32 on tensor cores (headers of the .cu files:
 split, rounding, expected error); the 16-bit kernels' headers list their
 rounding points and the PyTorch code they follow.  The _torch_* functions
 (_TORCH_PATH: the extension's names and arguments) compute the same decomposed
@@ -902,6 +905,70 @@ __device__ __forceinline__ void bn_eval_affine(const BnParams& p, int j, float& 
 
 }  // namespace fused_gemm_bn
 ''',
+    'fp16x3_split.cuh': r'''// fp16x3_split.cuh -- the operand split of the fp16x3 GEMM (sm90_gemm_fp16x3_bn.cu,
+// prepass_fp16x3.cu): an fp32 value as the sum of two IEEE binary16 ("fp16")
+// parts after an exact power-of-two scaling.  Device functions only; fp16 values
+// travel as raw 16-bit words (two per uint32_t, the lower-addressed element in
+// the low half), converted by PTX cvt (PTX ISA 9.7.9.21).
+//
+// Numerics (Ootomo & Yokota, "Recovering single precision accuracy from Tensor
+// Cores while surpassing the FP32 theoretical peak performance", IJHPCA 2022;
+// their fix for fp16's narrow range is a scaled small part, ours a power-of-two
+// scale of the whole row or block, as DeepGEMM scales FP8 blocks):
+//   s = 2^(14 - floor(log2(amax))), amax = max |v| over the row (or block), so
+//     |v s| < 2^15 <= 65504 (fp16's largest finite value);  s is clamped to
+//     [2^-126, 2^126] so that s and 1 / s are normal fp32 (rows with amax below
+//     2^-112 are then scaled less than their maximum allows; amax = 0 gives s = 2^126).
+//   hi = rn_fp16(v s);  lo = rn_fp16(v s - hi)   (v s - hi is exact in fp32).
+//   |v s - hi| <= 2^-11 |v s| and |v s - (hi + lo)| <= 2^-11 |v s - hi| <= 2^-22 |v s|
+//     while lo is a normal fp16 (|v s| >= 2^-3, i.e. v within 2^17 of amax);
+//     below that lo is subnormal and the absolute error is <= 2^-25 = 2^-39 amax s.
+//   Non-finite v: Inf gives hi = Inf, lo = NaN, so every product with it is NaN;
+//     NaN stays NaN (amax ignores NaN: fmaxf).
+//   v = (hi + lo) / s to 22 bits; a GEMM sums hi_a hi_b + hi_a lo_b + lo_a hi_b
+//     (lo_a lo_b, < 2^-22 |ab|, dropped) and divides by s_a s_b (exact).
+
+#pragma once
+
+#include <stdint.h>
+
+namespace fused_gemm_bn {
+
+// Two fp32 values rounded to nearest-even fp16, packed: `even` in the low half.
+__device__ __forceinline__ uint32_t pack_rn_fp16x2(float even, float odd) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(odd), "f"(even));
+  return r;
+}
+
+// The two fp16 words of r as fp32 (exact): .x the low half.
+__device__ __forceinline__ float2 unpack_fp16x2(uint32_t r) {
+  float2 v;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.f32.f16 %0, lo;\ncvt.f32.f16 %1, hi;\n}\n"
+      : "=f"(v.x), "=f"(v.y)
+      : "r"(r));
+  return v;
+}
+
+// The power-of-two scale s of a row (or block) with max |v| = amax, and 1 / s
+// (header: s = 2^(14 - floor(log2 amax)) clamped to [2^-126, 2^126]).
+// Bit arithmetic on amax's exponent: s = 2^(141 - e) for biased exponent e.
+__device__ __forceinline__ void fp16x3_scale(float amax, float& s, float& inv_s) {
+  const int e = (__float_as_int(amax) >> 23) & 0xff;  // 0 for zero and subnormals, 255 for Inf
+  const int es = min(max(268 - e, 1), 253);           // biased exponent of s
+  s = __int_as_float(es << 23);
+  inv_s = __int_as_float((254 - es) << 23);
+}
+
+// (even, odd), already scaled, as packed fp16 hi and lo parts.
+__device__ __forceinline__ void split_fp16x2(float even, float odd, uint32_t& hi, uint32_t& lo) {
+  hi = pack_rn_fp16x2(even, odd);
+  const float2 h = unpack_fp16x2(hi);
+  lo = pack_rn_fp16x2(even - h.x, odd - h.y);
+}
+
+}  // namespace fused_gemm_bn
+''',
     'launchers.cuh': r'''// launchers.cuh -- the host/device boundary: every host launcher of kernels/*.cu
 // and kernels/lowp/*.cu, declared once.  Included by each .cu that defines a
 // launcher (its definition is written qualified, `cudaError_t fused_gemm_bn::bn_apply(...)`,
@@ -986,6 +1053,29 @@ cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const fl
 // out = x @ w^T (the backward's products).
 cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out, int M, int N,
                                    int K, bool split_tiles, float* workspace, cudaStream_t stream);
+
+// ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
+// x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0);
+// num_batches_tracked += 1 when not null; zero_ints[0 .. num_zero_ints) = 0.
+cudaError_t sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, uint16_t* x_hi,
+                                uint16_t* x_lo, float* x_inv_scale, int* zero_ints, int num_zero_ints,
+                                int64_t* num_batches_tracked, cudaStream_t stream);
+// As sm90_gemm_workspace, for the fp16x3 kernel (its k-blocks are 64 deep).
+void sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
+// z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
+cudaError_t sm90_gemm_fp16x3_train(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                   const float* w, float* out, float* part_mean, float* part_m2, int M, int N, int K,
+                                   bool split_tiles, float* workspace, cudaStream_t stream);
+// out = a * (x @ w^T) + c, the eval-mode fold.
+cudaError_t sm90_gemm_fp16x3_eval(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                  const float* w, float* out, const float* bias, const float* scale,
+                                  const float* bn_weight, const float* bn_bias, const float* running_mean,
+                                  const float* running_var, float eps, bool scale_after_bn, int M, int N, int K,
+                                  bool split_tiles, float* workspace, cudaStream_t stream);
+// out = x @ w^T (the backward's products).
+cudaError_t sm90_gemm_fp16x3_plain(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                   const float* w, float* out, int M, int N, int K, bool split_tiles,
+                                   float* workspace, cudaStream_t stream);
 
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
 // Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias));
@@ -1201,6 +1291,116 @@ cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, flo
   sm90_prepass_3xtf32_kernel<<<blocks, kSplitThreads, 0, stream>>>(
       reinterpret_cast<const float4*>(x), reinterpret_cast<float4*>(x_small), n4, num_batches_tracked, zero_ints,
       num_zero_ints);
+  return cudaGetLastError();
+}
+''',
+    'prepass_fp16x3.cu': r'''// prepass_fp16x3.cu -- the pre-pass before each fp16x3 GEMM (sm90_gemm_fp16x3_bn.cu):
+// x's fp16 parts and per-row power-of-two scales, and the call's bookkeeping.
+//
+//   x            (M, K) fp32, any strides (read, never written)
+//   x_hi, x_lo   (M, K) fp16 words, row-major (K % 8 == 0, 16-byte aligned)
+//   x_inv_scale  (M) fp32
+// Row m: e_m from amax_m = max_k |x[m, k]| (fp16x3_split.cuh: s = 2^e_m puts
+// amax_m s in [2^14, 2^15)); x_hi = rn_fp16(x s), x_lo = rn_fp16(x s - x_hi),
+// x_inv_scale[m] = 2^-e_m.  Both scalings are exact.
+// Bookkeeping in the same launch: num_batches_tracked += 1 when not null (a
+// training call) and zero_ints[0 .. num_zero_ints) = 0 (the GEMM's split-tile
+// arrival counts).
+//
+// One 256-thread block per row: a pass for amax (block reduction), then a
+// second read of the row (L1 / L2 hits: 32 KB at K = 8192) for the split.
+// Memory traffic per call: 4 M K bytes read, 4 M K written.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "fp16x3_split.cuh"
+#include "launchers.cuh"
+
+namespace fused_gemm_bn {
+namespace {
+
+constexpr int kPrepassThreads = 256;
+
+// kVec: rows contiguous and 16-byte aligned (float4 loads).
+template <bool kVec>
+__global__ void __launch_bounds__(kPrepassThreads)
+    sm90_prepass_fp16x3_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int K,
+                               uint32_t* __restrict__ x_hi, uint32_t* __restrict__ x_lo,
+                               float* __restrict__ x_inv_scale, int64_t* num_batches_tracked, int* zero_ints,
+                               int num_zero_ints) {
+  __shared__ float warp_max[kPrepassThreads / 32];
+  if (blockIdx.x == 0) {
+    if (num_batches_tracked != nullptr && threadIdx.x == 0) *num_batches_tracked += 1;
+    for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
+  }
+  const int64_t m = blockIdx.x;
+  const float* row = x + m * row_stride;
+  float amax = 0.f;
+  if constexpr (kVec) {
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int i = threadIdx.x; i < K / 4; i += kPrepassThreads) {
+      const float4 v = row4[i];
+      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+  } else {
+    for (int k = threadIdx.x; k < K; k += kPrepassThreads) amax = fmaxf(amax, fabsf(row[k * col_stride]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+#pragma unroll
+  for (int w = 1; w < kPrepassThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+  float s, inv_s;
+  fp16x3_scale(amax, s, inv_s);
+  if (threadIdx.x == 0) x_inv_scale[m] = inv_s;
+
+  uint32_t* hi_row = x_hi + m * (K / 2);
+  uint32_t* lo_row = x_lo + m * (K / 2);
+  if constexpr (kVec) {
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int i = threadIdx.x; i < K / 4; i += kPrepassThreads) {
+      const float4 v = row4[i];
+      uint2 hi, lo;
+      split_fp16x2(v.x * s, v.y * s, hi.x, lo.x);
+      split_fp16x2(v.z * s, v.w * s, hi.y, lo.y);
+      reinterpret_cast<uint2*>(hi_row)[i] = hi;
+      reinterpret_cast<uint2*>(lo_row)[i] = lo;
+    }
+  } else {
+    for (int p = threadIdx.x; p < K / 2; p += kPrepassThreads) {
+      const float v0 = row[(2 * p) * col_stride], v1 = row[(2 * p + 1) * col_stride];
+      split_fp16x2(v0 * s, v1 * s, hi_row[p], lo_row[p]);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launcher (declared in launchers.cuh)
+// ---------------------------------------------------------------------------
+
+// Preconditions: M >= 1, K % 8 == 0, x_hi and x_lo 16-byte aligned.
+cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
+                                               uint16_t* x_hi, uint16_t* x_lo, float* x_inv_scale, int* zero_ints,
+                                               int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream) {
+  if (M < 1 || K % 8 != 0 || reinterpret_cast<uintptr_t>(x_hi) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(x_lo) % 16 != 0)
+    return cudaErrorInvalidValue;
+  const bool vec = col_stride == 1 && row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  auto hi = reinterpret_cast<uint32_t*>(x_hi);
+  auto lo = reinterpret_cast<uint32_t*>(x_lo);
+  if (vec) {
+    sm90_prepass_fp16x3_kernel<true><<<M, kPrepassThreads, 0, stream>>>(
+        x, row_stride, col_stride, K, hi, lo, x_inv_scale, num_batches_tracked, zero_ints, num_zero_ints);
+  } else {
+    sm90_prepass_fp16x3_kernel<false><<<M, kPrepassThreads, 0, stream>>>(
+        x, row_stride, col_stride, K, hi, lo, x_inv_scale, num_batches_tracked, zero_ints, num_zero_ints);
+  }
   return cudaGetLastError();
 }
 ''',
@@ -2045,9 +2245,8 @@ cudaError_t fused_gemm_bn::sm90_cluster_gemm_3xtf32_train(const float* x_big, co
 #include <algorithm>
 #include <type_traits>
 
-#include "bn_stats.cuh"
 #include "launchers.cuh"
-#include "sm90_primitives.cuh"
+#include "sm90_gemm_tiles.cuh"
 
 namespace fused_gemm_bn {
 namespace sm90 {
@@ -2079,70 +2278,16 @@ struct Sm90GemmTraits {
   static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k8 halves per batch tile");
   static_assert(W_TILE_BYTES % 1024 == 0 && X_TILE_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
+  static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
+                    kNumConsumers * 128 == kConsumerThreads,
+                "the tile of sm90_gemm_tiles.cuh (its epilogues and split-tile hand-off)");
 };
-
-enum class Epilogue { kTrain, kEval, kPlain };
-
-// Work of the grid (header, "Split tiles").  The first sk_ctas CTAs compute
-// tiles 0 .. sk_tiles - 1, each cut along K into `pieces` runs of piece_blocks
-// k-blocks (the last piece takes the rest): pieces 0 .. pieces - 2 of tile t go
-// to CTAs t * (pieces - 1) + j, one each; the last pieces go tails_per_cta
-// tiles at a time to the CTAs after those, run back to back.  CTA sk_ctas + i
-// then computes tile sk_tiles + i whole.  sk_ctas == 0: no tile is split.
-struct StreamKPlan {
-  int sk_tiles = 0;
-  int pieces = 1;
-  int piece_blocks = 0;
-  int tails_per_cta = 1;
-  int sk_ctas = 0;
-  int dp_tiles = 0;
-};
-
-struct Sm90GemmBnArgs {
-  int M, N, K;
-  float* out;
-  float* part_mean;  // kTrain
-  float* part_m2;
-  BnParams bn;  // kEval
-  StreamKPlan plan;
-  // Split-tile workspace: partial sums, one slot per (split tile, piece), each
-  // 256 threads x kAccRegs fp32 in register order; and one arrival count per
-  // split tile, zeroed before the launch (sm90_prepass_3xtf32).
-  float* partials;
-  int* tile_arrivals;
-};
-
-// k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.
-struct WorkSegment {
-  int tile, kb_begin, kb_end, piece;
-};
-
-__device__ __forceinline__ int cta_num_segments(const StreamKPlan& p, int cta) {
-  const int dedicated = p.sk_tiles * (p.pieces - 1);
-  if (cta >= p.sk_ctas || cta < dedicated) return 1;
-  return min(p.tails_per_cta, p.sk_tiles - (cta - dedicated) * p.tails_per_cta);
-}
-
-__device__ __forceinline__ WorkSegment cta_segment(const StreamKPlan& p, int cta, int si, int num_k_blocks) {
-  if (cta >= p.sk_ctas) return {p.sk_tiles + (cta - p.sk_ctas), 0, num_k_blocks, -1};
-  const int dedicated = p.sk_tiles * (p.pieces - 1);
-  if (cta < dedicated) {
-    const int j = cta % (p.pieces - 1);
-    return {cta / (p.pieces - 1), j * p.piece_blocks, (j + 1) * p.piece_blocks, j};
-  }
-  return {(cta - dedicated) * p.tails_per_cta + si, (p.pieces - 1) * p.piece_blocks, num_k_blocks, p.pieces - 1};
-}
 
 // v rounded to TF32 (nearest, ties away from zero; = cvt.rna.tf32.f32 for
 // finite v) with two integer ops: the low 13 bits are cleared after adding half
 // their range.
 __device__ __forceinline__ float round_tf32(float v) {
   return __uint_as_float((__float_as_uint(v) + 0x1000u) & 0xffffe000u);
-}
-
-// Byte offset of element (row, col) of a 128-byte-swizzled K-major tile.
-__device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
-  return static_cast<uint32_t>(row * 128 + ((((col >> 2) ^ row) & 7) << 4) + (col & 3) * 4);
 }
 
 template <Epilogue kEpilogue>
@@ -2158,7 +2303,7 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + T::kNumStages * T::STAGE_BYTES);
   uint64_t* empty_bar = full_bar + T::kNumStages;
 
-  const int M = args.M, N = args.N;
+  const int M = args.M;
   const int m_tiles = (M + T::BLOCK_M - 1) / T::BLOCK_M;
   const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
@@ -2326,124 +2471,15 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
     if (lane == 0) mbar_arrive(&empty_bar[(q0 + n - 1) % T::kNumStages]);
   };
 
-  // Split-tile hand-off.  Every piece's CTA stores its partial sums in the
-  // piece's slot, then counts itself in with a GPU-scope acquire-release
-  // atomic; the last to arrive sums the slots in piece order (its own read
-  // back too, so the result does not depend on which CTA came last) and runs
-  // the epilogue.  No CTA waits for another, so this cannot deadlock whatever
-  // the residency.
-  __shared__ int last_arrival;
   const int ctid = threadIdx.x;  // 0 .. 255 over the consumer warpgroups
-  constexpr int kAccQuads = T::kAccRegs / 4;
-  constexpr int kConsumerThreads = T::kNumConsumers * 128;
-  auto partial_slot = [&](int tile, int piece) {
-    return reinterpret_cast<float4*>(args.partials) +
-           static_cast<size_t>(tile * args.plan.pieces + piece) * kAccQuads * kConsumerThreads + ctid;
-  };
-  // True when this CTA finishes tile seg.tile; acc then holds the whole sum.
-  auto hand_off = [&](const WorkSegment& seg) -> bool {
-    float4* mine = partial_slot(seg.tile, seg.piece);
-#pragma unroll
-    for (int i = 0; i < kAccQuads; ++i)
-      __stcg(mine + i * kConsumerThreads, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
-    named_barrier_sync<1, kConsumerThreads>();  // the CTA's stores precede the release below
-    if (ctid == 0) {
-      __threadfence();
-      last_arrival = atomic_add_acq_rel_gpu(&args.tile_arrivals[seg.tile], 1) == args.plan.pieces - 1;
-    }
-    named_barrier_sync<1, kConsumerThreads>();
-    if (!last_arrival) return false;
-#pragma unroll
-    for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
-    for (int piece = 0; piece < args.plan.pieces; ++piece) {
-      const float4* slot = partial_slot(seg.tile, piece);
-#pragma unroll
-      for (int i = 0; i < kAccQuads; ++i) {
-        const float4 v = __ldcg(slot + i * kConsumerThreads);
-        acc[4 * i] += v.x;
-        acc[4 * i + 1] += v.y;
-        acc[4 * i + 2] += v.z;
-        acc[4 * i + 3] += v.w;
-      }
-    }
-    return true;
-  };
-
   int q = 0;
   for (int si = 0; si < num_segments; ++si) {
     const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
     const int n_blocks = seg.kb_end - seg.kb_begin;
     mainloop(q, n_blocks);
     q += n_blocks;
-    if (seg.piece >= 0 && !hand_off(seg)) continue;
-
-    const int m_tile = seg.tile % m_tiles, n_tile = seg.tile / m_tiles;
-    const int m0 = m_tile * T::BLOCK_M, n0 = n_tile * T::BLOCK_N;
-    // Accumulator element 4 i + 2 h + e holds z[b, f] with
-    //   f = n0 + w_row + 8 h            (feature: one row of the wgmma tile)
-    //   b = m0 + 8 i + 2 t + e          (batch row)
-    // so each feature's 128 batch values live in the 4 lanes of one quad.
-    const int f_base = n0 + w_row;
-    if constexpr (kEpilogue == Epilogue::kEval) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int f = f_base + 8 * h;
-        if (f >= N) continue;
-        float a, c;
-        bn_eval_affine(args.bn, f, a, c);
-#pragma unroll
-        for (int i = 0; i < T::kAccRegs / 4; ++i) {
-          acc[4 * i + 2 * h] = fmaf(a, acc[4 * i + 2 * h], c);
-          acc[4 * i + 2 * h + 1] = fmaf(a, acc[4 * i + 2 * h + 1], c);
-        }
-      }
-    } else if constexpr (kEpilogue == Epilogue::kTrain) {
-      // Per-feature mean and M2 over the tile's valid rows: two passes over the
-      // registers (no E[z^2] - E[z]^2 cancellation), reduced across the quad.
-      const int rows_valid = min(T::BLOCK_M, M - m0);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < T::kAccRegs / 4; ++i) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (8 * i + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float mean = sum / static_cast<float>(rows_valid);
-        float m2 = 0.f;
-#pragma unroll
-        for (int i = 0; i < T::kAccRegs / 4; ++i) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float d = acc[4 * i + 2 * h + e] - mean;
-            if (8 * i + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
-          }
-        }
-        m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
-        m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
-        const int f = f_base + 8 * h;
-        if (t == 0 && f < N) {
-          args.part_mean[static_cast<size_t>(m_tile) * N + f] = mean;
-          args.part_m2[static_cast<size_t>(m_tile) * N + f] = m2;
-        }
-      }
-    }
-
-    // Store: a warp instruction writes 8 consecutive features (32 bytes) of 4 rows.
-#pragma unroll
-    for (int i = 0; i < T::kAccRegs / 4; ++i) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = m0 + 8 * i + 2 * t + e;
-        if (b >= M) continue;
-        float* out_row = args.out + static_cast<size_t>(b) * N;
-        if (f_base < N) out_row[f_base] = acc[4 * i + e];
-        if (f_base + 8 < N) out_row[f_base + 8] = acc[4 * i + 2 + e];
-      }
-    }
+    if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
+    finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the launcher never selects it elsewhere
@@ -2454,128 +2490,15 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
 // Host side: tensor maps and launch
 // ---------------------------------------------------------------------------
 
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// cuTensorMapEncodeTiled from the driver, fetched through the runtime so the
-// extension needs no -lcuda.  nullptr if the driver does not provide it.
-static EncodeTiledFn encode_tiled_fn() {
-  static EncodeTiledFn fn = []() -> EncodeTiledFn {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-#if CUDART_VERSION >= 12050
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
-        cudaSuccess)
-      return nullptr;
-#else
-    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status) != cudaSuccess)
-      return nullptr;
-#endif
-    return status == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiledFn>(ptr) : nullptr;
-  }();
-  return fn;
-}
-
-// A (rows, K) row-major fp32 matrix read in boxes of box_rows x BLOCK_K,
-// 128-byte swizzled, zero-filled outside the matrix.
-static bool make_tensor_map(CUtensorMap* map, const float* ptr, int rows, int K, int box_rows) {
-  const EncodeTiledFn encode = encode_tiled_fn();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * sizeof(float)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(Sm90GemmTraits::BLOCK_K), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(ptr), dims, strides, box,
-                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Split tiles (header).  With one CTA per SM, `tiles` tiles take
-// ceil(tiles / num_sms) waves and the last leaves SMs idle (the KernelBench
-// shape: 512 tiles = 3.88 waves of 132).  The R remainder tiles (tiles %
-// num_sms, or all tiles when fewer than the SMs) are instead cut along K and
-// run first, on CTAs that each take about the same number of k-blocks; the
-// whole tiles follow in whole waves.  Unlike stream-K's even cut of the
-// flattened tile x k space (Osama et al., PPoPP 2023), which was measured
-// 7% slower here (CTAs sharing an x or w block read it at different times,
-// so the pass ran out of L2 and became DRAM-bound), every piece starts at
-// one of few k offsets, so CTAs read the same k-blocks at the same time:
-//   2 R <= num_sms: p equal pieces per tile (split-K), p <= num_sms / R;
-//   otherwise: a first piece of L k-blocks per tile on R CTAs, all starting
-//     at k = 0, and the K - L tails, tails_per_cta = ceil(R / (num_sms - R))
-//     back to back per CTA (consecutive tiles: the same w rows), with L set
-//     so both kinds take about as long (one k-block per hand-off counted).
-// kSplitMaxPieces bounds the slots a finishing CTA reads back; kSplitMinIters
-// keeps a piece above pipeline start-up.
-constexpr int kSplitMaxPieces = 8;
-constexpr int kSplitMinIters = 4;
-
-static StreamKPlan stream_k_plan(int M, int N, int K, int num_sms, bool split_tiles) {
-  using T = Sm90GemmTraits;
-  const long long tiles =
-      static_cast<long long>((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
-  const int num_k_blocks = (K + T::BLOCK_K - 1) / T::BLOCK_K;
-  StreamKPlan p;
-  p.dp_tiles = static_cast<int>(tiles);
-  if (num_sms <= 0 || tiles > INT32_MAX / 8 || !split_tiles) return p;
-  const int rem = static_cast<int>(tiles >= num_sms ? tiles % num_sms : tiles);
-  if (rem == 0) return p;
-  int pieces, piece_blocks, tails_per_cta;
-  if (2 * rem <= num_sms) {
-    pieces = std::min({kSplitMaxPieces, num_sms / rem, num_k_blocks / kSplitMinIters});
-    if (pieces < 2) return p;
-    piece_blocks = (num_k_blocks + pieces - 1) / pieces;
-    pieces = (num_k_blocks + piece_blocks - 1) / piece_blocks;  // no empty last piece
-    tails_per_cta = 1;
-  } else {
-    pieces = 2;
-    tails_per_cta = (rem + (num_sms - rem) - 1) / (num_sms - rem);
-    piece_blocks = (tails_per_cta * (num_k_blocks + 1) - 1 + tails_per_cta) / (tails_per_cta + 1);
-    if (num_k_blocks - piece_blocks < kSplitMinIters) return p;
-  }
-  p.sk_tiles = rem;
-  p.pieces = pieces;
-  p.piece_blocks = piece_blocks;
-  p.tails_per_cta = tails_per_cta;
-  p.sk_ctas = rem * (pieces - 1) + (rem + tails_per_cta - 1) / tails_per_cta;
-  p.dp_tiles = static_cast<int>(tiles - rem);
-  return p;
-}
-
-// Streaming multiprocessors of the current device (cached per device).
-static cudaError_t current_num_sms(int* num_sms) {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < kMaxDevices && cached[device] > 0) {
-    *num_sms = cached[device];
-    return cudaSuccess;
-  }
-  err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess && device < kMaxDevices) cached[device] = *num_sms;
-  return err;
-}
-
-// Workspace floats of the split tiles' partial sums (one slot per piece),
-// followed by one int per split tile (the arrival counts).
-static long long partial_floats(const StreamKPlan& p) {
-  return static_cast<long long>(p.sk_tiles) * p.pieces * Sm90GemmTraits::BLOCK_N * Sm90GemmTraits::BLOCK_M;
-}
-
 template <Epilogue kEpilogue>
 static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const float* w, Sm90GemmBnArgs args,
                                     bool split_tiles, float* workspace, cudaStream_t stream) {
   using T = Sm90GemmTraits;
   auto kernel = sm90_gemm_3xtf32_bn_kernel<kEpilogue>;
   CUtensorMap tmap_w, tmap_x, tmap_x_small;
-  if (!make_tensor_map(&tmap_w, w, args.N, args.K, T::BLOCK_N) ||
-      !make_tensor_map(&tmap_x, x, args.M, args.K, T::BLOCK_M) ||
-      !make_tensor_map(&tmap_x_small, x_small, args.M, args.K, T::BLOCK_M))
+  if (!make_tensor_map(&tmap_w, w, TileDtype::kFloat32, args.N, args.K, T::BLOCK_N) ||
+      !make_tensor_map(&tmap_x, x, TileDtype::kFloat32, args.M, args.K, T::BLOCK_M) ||
+      !make_tensor_map(&tmap_x_small, x_small, TileDtype::kFloat32, args.M, args.K, T::BLOCK_M))
     return cudaErrorInvalidValue;
   // The shared-memory opt-in is set once per device (it costs microseconds of host time per call).
   constexpr int kMaxDevices = 64;
@@ -2591,7 +2514,7 @@ static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const 
   int num_sms = 0;
   err = current_num_sms(&num_sms);
   if (err != cudaSuccess) return err;
-  args.plan = stream_k_plan(args.M, args.N, args.K, num_sms, split_tiles);
+  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, num_sms, split_tiles);
   if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.partials = workspace;
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
@@ -2651,7 +2574,7 @@ void fused_gemm_bn::sm90_gemm_workspace(int M, int N, int K, bool split_tiles, i
   *zero_ints = 0;
   int num_sms = 0;
   if (current_num_sms(&num_sms) != cudaSuccess) return;
-  const StreamKPlan p = stream_k_plan(M, N, K, num_sms, split_tiles);
+  const StreamKPlan p = stream_k_plan(M, N, K, Sm90GemmTraits::BLOCK_K, num_sms, split_tiles);
   if (p.sk_ctas == 0) return;
   *floats = partial_floats(p) + p.sk_tiles;
   *zero_ints = p.sk_tiles;
@@ -2700,10 +2623,774 @@ cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x
   return launch_sm90_gemm<sm90::Epilogue::kPlain>(x, x_small, w, args, split_tiles, workspace, stream);
 }
 ''',
+    'sm90_gemm_fp16x3_bn.cu': r'''// sm90_gemm_fp16x3_bn.cu -- float32-accurate GEMM on Hopper's 16-bit tensor
+// cores (fp16x3 through wgmma, TMA, warp specialisation) with the BatchNorm
+// epilogues of sm90_gemm_3xtf32_bn.cu.  Needs sm_90a (H100 / H200).
+//
+// Formula: z[m, n] = sum_k x[m, k] * w[n, k] (z = x @ W^T, no bias), then the
+// epilogues of sm90_gemm_tiles.cuh (kTrain: out = z and per-tile mean / M2;
+// kEval: out = a[n] z + c[n]; kPlain: out = z).
+//
+// Tensors (row-major, contiguous, 16-byte aligned; K % 8 == 0: TMA needs
+// 16-byte global strides of the 16-bit parts)
+//   w            (N, K) fp32, K-major: nn.Linear weight, read raw by TMA
+//   x_hi, x_lo   (M, K) fp16 words, K-major: x's parts scaled by 2^e_m (prepass_fp16x3.cu)
+//   x_inv_scale  (M) fp32: 2^-e_m
+//   out (M, N);  part_mean, part_m2 (ceil(M / 128), N);  vectors (N)
+//
+// Why fp16: Hopper's dense fp16 tensor-core rate is twice its TF32 rate, so
+// three fp16 products cost what 1.5 TF32 products do (3xTF32 kernel: 947 us
+// at M = 1024, K = N = 8192 on an H200, against one cuBLAS fp16 product with
+// fp32 output at 196 us).
+//
+// Numerics (fp16x3_split.cuh derives the split; Ootomo & Yokota, IJHPCA 2022)
+//   x row m: x = (x_hi + x_lo) 2^-e_m, e_m from max_k |x[m, k]| (the pre-pass).
+//   w row n, k-block kb of BLOCK_K = 64: w = (w_hi + w_lo) 2^-e_(n,kb), made
+//     here in registers from the fp32 tile (w is operand A: never split in
+//     memory, no cache to invalidate when the weight changes).
+//   Per k-block, into a fresh register tile `part` (wgmma, exact fp16
+//   products, fp32 accumulation over 64 k):
+//     part = w_hi x_lo + w_lo x_hi  (first: the small products while |part| is small)
+//          + w_hi x_hi
+//   then acc += part * 2^-e_(n,kb) with one round-to-nearest FFMA (the scale is
+//   exact): DeepGEMM's promotion of FP8 partial sums, at the block where the
+//   scale changes.  The tensor core's own accumulation is not round-to-nearest;
+//   promoting every 64 k bounds what it loses (emulated with cuBLAS fp16
+//   products: 2.45e-7 relative against eager SGEMM's 1.62e-6, 9.7e-6 with no
+//   promotion).  Dropped: w_lo x_lo (< 2^-22 |w x|).  Finally z = acc * 2^-e_m.
+//   Representation error of w: <= 2^-22 |w| (round to nearest, not biased);
+//   the tf32 kernel truncates w's small part (biased towards zero).
+//   Range: acc holds z 2^e_m, which overflows fp32 only when
+//   max|w| * K * 2^15 > 2^128 (|w| above about 2^100).
+//   Non-finite inputs: an Inf in x's row m or w's block gives NaN (Inf - Inf in
+//   the split), so z is non-finite wherever Model's is (and NaN where Model
+//   has +-Inf).
+//
+// Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor)
+//   CTA tile BLOCK_N (features) x BLOCK_M (batch) = 128 x 128, BLOCK_K = 64,
+//   the tile of sm90_gemm_tiles.cuh (swapped product z^T = W x^T: w is operand
+//   A from registers, x operand B from shared memory).  Warpgroups 0, 1:
+//   consumers, 64 features each, as two 64 x 64 halves of the batch tile
+//   (wgmma m64n64k16, part[half]).  Per k-block: build the A fragments of the
+//   block (two passes over the fp32 w tile: the quad's row maxima, then the
+//   split) while the previous block's two commit groups run; then, per half,
+//   wait for that half's previous group (wait_group 1), promote it, and issue
+//   its 12 wgmmas: the tensor pipe is never drained within a segment.
+//   Warpgroup 2: producer; one thread issues the TMA loads (w as two 32-column
+//   fp32 boxes, x_hi, x_lo) into a ring of kNumStages 64 KB stages.  Grid and
+//   split tiles: sm90_gemm_tiles.cuh (the 3xTF32 kernel's plan, per 64-k block).
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "fp16x3_split.cuh"
+#include "launchers.cuh"
+#include "sm90_gemm_tiles.cuh"
+
+namespace fused_gemm_bn {
+namespace sm90 {
+
+struct Fp16x3Traits {
+  static constexpr int BLOCK_N = 128;  // features per CTA (wgmma M, over the consumer warpgroups)
+  static constexpr int BLOCK_M = 128;  // batch rows per CTA (wgmma N)
+  static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of fp16: two spans
+  static constexpr int WGMMA_M = 64;
+  static constexpr int WGMMA_N = 64;   // half the batch tile per wgmma
+  static constexpr int WGMMA_K = 16;
+  static constexpr int SPAN_K = 32;    // k per w scale, A-fragment buffer and promotion
+  static constexpr int kSpanSteps = SPAN_K / WGMMA_K;  // wgmma k-steps per span
+  static constexpr int kNumConsumers = BLOCK_N / WGMMA_M;
+  static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
+  static constexpr int kNumStages = 3;
+  static constexpr int kAccRegs = WGMMA_M * BLOCK_M / 128;
+  static constexpr int kPartRegs = WGMMA_M * WGMMA_N / 128;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int W_SPAN_BYTES = BLOCK_N * 32 * 4;  // one TMA box: 32 fp32 columns
+  static constexpr int W_TILE_BYTES = 2 * W_SPAN_BYTES;
+  static constexpr int X_TILE_BYTES = BLOCK_M * BLOCK_K * 2;
+  static constexpr int STAGE_BYTES = W_TILE_BYTES + 2 * X_TILE_BYTES;
+  static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;
+
+  static_assert(BLOCK_K * 2 == 128, "x tiles are rows of one 128-byte swizzle span");
+  static_assert(BLOCK_K == 2 * SPAN_K && SPAN_K * 4 == 128, "a stage holds two spans, each one fp32 w box");
+  static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k16 halves per batch tile");
+  static_assert(W_SPAN_BYTES % 1024 == 0 && X_TILE_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
+  static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
+  static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
+                    kNumConsumers * 128 == kConsumerThreads,
+                "the tile of sm90_gemm_tiles.cuh (its epilogues and split-tile hand-off)");
+};
+
+template <Epilogue kEpilogue>
+__global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
+    sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x_hi,
+                               const __grid_constant__ CUtensorMap tmap_x_lo, const Sm90GemmBnArgs args) {
+#if FUSED_GEMM_BN_SM90A
+  using T = Fp16x3Traits;
+  extern __shared__ uint8_t smem_raw[];
+  // 128-byte swizzle atoms must start on 1024-byte boundaries.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + T::kNumStages * T::STAGE_BYTES);
+  uint64_t* empty_bar = full_bar + T::kNumStages;
+
+  const int M = args.M;
+  const int m_tiles = (M + T::BLOCK_M - 1) / T::BLOCK_M;
+  const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
+  const int warpgroup = threadIdx.x / 128;
+  const int cta = static_cast<int>(blockIdx.x);
+  const int num_segments = cta_num_segments(args.plan, cta);
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < T::kNumStages; ++s) {
+      mbar_init(&full_bar[s], 1);
+      mbar_init(&empty_bar[s], T::kNumConsumers * 4);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warpgroup == T::kNumConsumers) {
+    // Producer warpgroup: one thread streams the k-blocks of every segment
+    // through the ring; `q` counts ring slots over the whole CTA.
+    setmaxnreg_dec<T::kProducerRegs>();
+    if (threadIdx.x == T::kNumConsumers * 128) {
+      tma_prefetch_descriptor(&tmap_w);
+      tma_prefetch_descriptor(&tmap_x_hi);
+      tma_prefetch_descriptor(&tmap_x_lo);
+      int q = 0;
+      for (int si = 0; si < num_segments; ++si) {
+        const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+        const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
+        for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
+          const int s = q % T::kNumStages;
+          mbar_wait(&empty_bar[s], ((q / T::kNumStages) & 1) ^ 1);
+          uint8_t* stage = smem + s * T::STAGE_BYTES;
+          mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
+          const int k0 = kb * T::BLOCK_K;
+          tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
+          tma_load_2d(stage + T::W_SPAN_BYTES, &tmap_w, &full_bar[s], k0 + 32, n0);
+          tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x_hi, &full_bar[s], k0, m0);
+          tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_lo, &full_bar[s], k0, m0);
+        }
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<T::kConsumerRegs>();
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int w_row = warpgroup * T::WGMMA_M + warp * 16 + g;  // this thread's first A row in the w tile
+
+  float acc[T::kAccRegs];
+  float part[2][T::kPartRegs];
+  // w's fp16 parts of one span (32 k) in the A-fragment layout: [buffer][k-step][hi, lo][reg],
+  // and 2^-e of the span's scale for rows w_row, w_row + 8: [buffer][row].  Two
+  // buffers, one per span of a stage: the previous span's wgmmas still read
+  // theirs while the next is built.
+  uint32_t a_frag[2][T::kSpanSteps][2][4];
+  float w_inv_scale[2][2];
+
+  using H0 = std::integral_constant<int, 0>;
+  using H1 = std::integral_constant<int, 1>;
+  using Sub0 = std::integral_constant<int, 0>;
+  using Sub1 = std::integral_constant<int, 1>;
+
+  // The lambdas take `q`, the ring slot counter (stage q % kNumStages, mbarrier
+  // phase q / kNumStages), which runs on over all segments of the CTA, and a
+  // compile-time span kSub (0, 1) of the stage, whose A fragments live in
+  // buffer kSub.  The span's fp32 w tile is 32-column box kSub of the stage;
+  // register r of k-step j holds the pair (row w_row + 8 (r & 1), column
+  // 16 j + 2 t + 8 (r >> 1)) of it.
+  auto build = [&](auto sub_c, int q) {
+    constexpr int kSub = decltype(sub_c)::value;
+    const uint8_t* w_span = smem + (q % T::kNumStages) * T::STAGE_BYTES + kSub * T::W_SPAN_BYTES;
+    auto w_pair = [&](int j, int r) {
+      const int row = w_row + 8 * (r & 1);
+      const int col = 16 * j + 2 * t + 8 * (r >> 1);
+      return *reinterpret_cast<const float2*>(w_span + sw128_offset(row, col));
+    };
+    float2 v[T::kSpanSteps][4];
+    float amax[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        v[j][r] = w_pair(j, r);
+        amax[r & 1] = fmaxf(amax[r & 1], fmaxf(fabsf(v[j][r].x), fabsf(v[j][r].y)));
+      }
+    float scale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the quad holds the row's 32 values
+      amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
+      amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
+      fp16x3_scale(amax[h], scale[h], w_inv_scale[kSub][h]);
+    }
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        split_fp16x2(v[j][r].x * scale[r & 1], v[j][r].y * scale[r & 1], a_frag[kSub][j][0][r],
+                     a_frag[kSub][j][1][r]);
+  };
+  // The 6 wgmmas of span kSub, batch half kHalf, as one commit group into a
+  // fresh part[kHalf]: the small products first, then the big one.
+  auto issue = [&](auto sub_c, auto half_c, int q) {
+    constexpr int kSub = decltype(sub_c)::value, kHalf = decltype(half_c)::value;
+    const uint8_t* x_hi = smem + (q % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES + kHalf * T::WGMMA_N * 128;
+    const uint8_t* x_lo = x_hi + T::X_TILE_BYTES;
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j) {
+      const uint32_t k_bytes = (kSub * T::kSpanSteps + j) * T::WGMMA_K * 2;
+      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][0], desc_kmajor_sw128(x_lo, k_bytes), j != 0);
+      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][1], desc_kmajor_sw128(x_hi, k_bytes), true);
+    }
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j) {
+      const uint32_t k_bytes = (kSub * T::kSpanSteps + j) * T::WGMMA_K * 2;
+      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][0], desc_kmajor_sw128(x_hi, k_bytes), true);
+    }
+    wgmma_commit();
+  };
+  // acc += part[kHalf] * 2^-e (span kSub's scales): element i of part is row
+  // w_row + 8 ((i >> 1) & 1).
+  auto promote = [&](auto sub_c, auto half_c) {
+    constexpr int kSub = decltype(sub_c)::value, kHalf = decltype(half_c)::value;
+#pragma unroll
+    for (int i = 0; i < T::kPartRegs; ++i) {
+      fence_operand(part[kHalf][i]);  // read only after the wgmma wait
+      acc[kHalf * T::kPartRegs + i] =
+          fmaf(part[kHalf][i], w_inv_scale[kSub][(i >> 1) & 1], acc[kHalf * T::kPartRegs + i]);
+      fence_operand(acc[kHalf * T::kPartRegs + i]);  // before the next wgmma overwrites part
+    }
+  };
+  // Keeps buffer kSub's A registers alive (unreused) until this point.
+  auto keep_alive = [&](auto sub_c) {
+    constexpr int kSub = decltype(sub_c)::value;
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j)
+#pragma unroll
+      for (int p = 0; p < 2; ++p)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) fence_operand(a_frag[kSub][j][p][r]);
+  };
+  // Span kSub of ring slot q, the previous span's two groups (buffer kSub ^ 1)
+  // in flight.  Each wait_group 1 retires the previous span's group of one
+  // half, whose part is promoted and refilled.  For kSub == 0 the previous
+  // span was the last of slot q - 1, which then has no reader left.
+  auto span = [&](auto sub_c, int q, int q0) {
+    constexpr int kSub = decltype(sub_c)::value;
+    using Prev = std::integral_constant<int, kSub ^ 1>;
+    if (kSub == 0) mbar_wait(&full_bar[q % T::kNumStages], (q / T::kNumStages) & 1);
+    build(sub_c, q);
+    wgmma_wait<1>();
+    keep_alive(Prev{});
+    promote(Prev{}, H0{});
+    issue(sub_c, H0{}, q);
+    wgmma_wait<1>();
+    keep_alive(Prev{});
+    promote(Prev{}, H1{});
+    issue(sub_c, H1{}, q);
+    if (kSub == 0 && q > q0 && lane == 0) mbar_arrive(&empty_bar[(q - 1) % T::kNumStages]);
+  };
+  // acc = the sum over the segment's n k-blocks, from ring slot q0 on (scaled
+  // by x's 2^e_m: the caller unscales).  The last span is always span 1.
+  auto mainloop = [&](int q0, int n) {
+#pragma unroll
+    for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
+    mbar_wait(&full_bar[q0 % T::kNumStages], (q0 / T::kNumStages) & 1);
+    build(Sub0{}, q0);
+    issue(Sub0{}, H0{}, q0);
+    issue(Sub0{}, H1{}, q0);
+    span(Sub1{}, q0, q0);
+    for (int q = q0 + 1; q < q0 + n; ++q) {
+      span(Sub0{}, q, q0);
+      span(Sub1{}, q, q0);
+    }
+    wgmma_wait<1>();
+    keep_alive(Sub1{});
+    promote(Sub1{}, H0{});
+    wgmma_wait<0>();
+    keep_alive(Sub1{});
+    promote(Sub1{}, H1{});
+    if (lane == 0) mbar_arrive(&empty_bar[(q0 + n - 1) % T::kNumStages]);
+  };
+
+  const int ctid = threadIdx.x;  // 0 .. 255 over the consumer warpgroups
+  int q = 0;
+  for (int si = 0; si < num_segments; ++si) {
+    const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+    const int n_blocks = seg.kb_end - seg.kb_begin;
+    mainloop(q, n_blocks);
+    q += n_blocks;
+    if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
+    // z = acc * 2^-e_m (layout: sm90_gemm_tiles.cuh; rows past M hold zeros).
+    const int m0 = (seg.tile % m_tiles) * T::BLOCK_M;
+#pragma unroll
+    for (int i = 0; i < T::kAccRegs / 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int b = m0 + 8 * i + 2 * t + e;
+        const float inv = b < M ? __ldg(args.x_inv_scale + b) : 0.f;
+        acc[4 * i + e] *= inv;
+        acc[4 * i + 2 + e] *= inv;
+      }
+    finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // this kernel exists only in sm_90a images; the launcher never selects it elsewhere
+#endif
+}
+
+template <Epilogue kEpilogue>
+static cudaError_t launch_fp16x3(const uint16_t* x_hi, const uint16_t* x_lo, const float* w, Sm90GemmBnArgs args,
+                                 bool split_tiles, float* workspace, cudaStream_t stream) {
+  using T = Fp16x3Traits;
+  auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue>;
+  CUtensorMap tmap_w, tmap_x_hi, tmap_x_lo;
+  if (!make_tensor_map(&tmap_w, w, TileDtype::kFloat32, args.N, args.K, T::BLOCK_N) ||
+      !make_tensor_map(&tmap_x_hi, x_hi, TileDtype::kWord16, args.M, args.K, T::BLOCK_M) ||
+      !make_tensor_map(&tmap_x_lo, x_lo, TileDtype::kWord16, args.M, args.K, T::BLOCK_M))
+    return cudaErrorInvalidValue;
+  constexpr int kMaxDevices = 64;
+  static bool smem_set[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= kMaxDevices || !smem_set[device]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
+    if (err != cudaSuccess) return err;
+    if (device < kMaxDevices) smem_set[device] = true;
+  }
+  int num_sms = 0;
+  err = current_num_sms(&num_sms);
+  if (err != cudaSuccess) return err;
+  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, num_sms, split_tiles);
+  if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
+  args.partials = workspace;
+  args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
+  const long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;
+  if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x_hi, tmap_x_lo, args);
+  return cudaGetLastError();
+}
+
+// Preconditions of the launchers below, as the dispatch guarantees them.
+static bool fp16x3_launch_ok(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale, const float* w,
+                             int M, int N, int K) {
+  return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && aligned16(x_hi) && aligned16(x_lo) && aligned16(w) &&
+         x_inv_scale != nullptr && fused_gemm_bn::sm90_gemm_available();
+}
+
+}  // namespace sm90
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launchers (declared in launchers.cuh)
+// ---------------------------------------------------------------------------
+
+void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats,
+                                               int* zero_ints) {
+  using namespace sm90;
+  *floats = 0;
+  *zero_ints = 0;
+  int num_sms = 0;
+  if (current_num_sms(&num_sms) != cudaSuccess) return;
+  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, num_sms, split_tiles);
+  if (p.sk_ctas == 0) return;
+  *floats = partial_floats(p) + p.sk_tiles;
+  *zero_ints = p.sk_tiles;
+}
+
+// z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_train(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                                  const float* w, float* out, float* part_mean, float* part_m2, int M,
+                                                  int N, int K, bool split_tiles, float* workspace,
+                                                  cudaStream_t stream) {
+  using namespace sm90;
+  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
+  args.x_inv_scale = x_inv_scale;
+  return launch_fp16x3<sm90::Epilogue::kTrain>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+}
+
+// out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                                 const float* w, float* out, const float* bias, const float* scale,
+                                                 const float* bn_weight, const float* bn_bias,
+                                                 const float* running_mean, const float* running_var, float eps,
+                                                 bool scale_after_bn, int M, int N, int K, bool split_tiles,
+                                                 float* workspace, cudaStream_t stream) {
+  using namespace sm90;
+  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out;
+  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
+  args.x_inv_scale = x_inv_scale;
+  return launch_fp16x3<sm90::Epilogue::kEval>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+}
+
+// out = x @ w^T, nothing else (the backward's products).
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                                  const float* w, float* out, int M, int N, int K, bool split_tiles,
+                                                  float* workspace, cudaStream_t stream) {
+  using namespace sm90;
+  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out;
+  args.x_inv_scale = x_inv_scale;
+  return launch_fp16x3<sm90::Epilogue::kPlain>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+}
+''',
+    'sm90_gemm_tiles.cuh': r'''// sm90_gemm_tiles.cuh -- what the two Hopper GEMMs (sm90_gemm_3xtf32_bn.cu,
+// sm90_gemm_fp16x3_bn.cu) share: the 128 x 128 output tile and its register
+// layout, the grid's work split (whole tiles and split tiles, StreamKPlan),
+// the split-tile hand-off, the BatchNorm epilogues (finish_tile), and the
+// host's tensor maps.  The header of sm90_gemm_3xtf32_bn.cu derives the split
+// tiles; the epilogue formulas are in bn_stats.cuh.
+//
+// Output tile (both kernels): BLOCK_N = 128 features (wgmma M, two consumer
+// warpgroups of 64) x BLOCK_M = 128 batch rows (wgmma N).  Each consumer
+// thread holds kAccRegs = 64 fp32 accumulators; element 4 i + 2 h + e holds
+// z[b, f] with
+//   f = n0 + w_row + 8 h       (w_row = 64 warpgroup + 16 warp + lane / 4)
+//   b = m0 + 8 i + 2 t + e     (t = lane % 4; i = 0 .. 15 over both 64-row halves)
+// so each feature's 128 batch values live in the 4 lanes of one quad.
+
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <algorithm>
+
+#include "bn_stats.cuh"
+#include "sm90_primitives.cuh"
+
+namespace fused_gemm_bn {
+namespace sm90 {
+
+constexpr int kTileN = 128;             // features per CTA
+constexpr int kTileM = 128;             // batch rows per CTA
+constexpr int kConsumerThreads = 256;   // two consumer warpgroups
+constexpr int kTileAccRegs = 64;        // fp32 accumulators per consumer thread
+
+enum class Epilogue { kTrain, kEval, kPlain };
+
+// Work of the grid (header, "Split tiles").  The first sk_ctas CTAs compute
+// tiles 0 .. sk_tiles - 1, each cut along K into `pieces` runs of piece_blocks
+// k-blocks (the last piece takes the rest): pieces 0 .. pieces - 2 of tile t go
+// to CTAs t * (pieces - 1) + j, one each; the last pieces go tails_per_cta
+// tiles at a time to the CTAs after those, run back to back.  CTA sk_ctas + i
+// then computes tile sk_tiles + i whole.  sk_ctas == 0: no tile is split.
+struct StreamKPlan {
+  int sk_tiles = 0;
+  int pieces = 1;
+  int piece_blocks = 0;
+  int tails_per_cta = 1;
+  int sk_ctas = 0;
+  int dp_tiles = 0;
+};
+
+struct Sm90GemmBnArgs {
+  int M, N, K;
+  float* out;
+  float* part_mean;  // kTrain
+  float* part_m2;
+  BnParams bn;  // kEval
+  StreamKPlan plan;
+  // Split-tile workspace: partial sums, one slot per (split tile, piece), each
+  // 256 threads x kAccRegs fp32 in register order; and one arrival count per
+  // split tile, zeroed before the launch (by the GEMM's pre-pass).
+  float* partials;
+  int* tile_arrivals;
+  // sm90_gemm_fp16x3 only: 2^-e of each batch row's power-of-two scale (M floats).
+  const float* x_inv_scale;
+};
+
+// k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.
+struct WorkSegment {
+  int tile, kb_begin, kb_end, piece;
+};
+
+__device__ __forceinline__ int cta_num_segments(const StreamKPlan& p, int cta) {
+  const int dedicated = p.sk_tiles * (p.pieces - 1);
+  if (cta >= p.sk_ctas || cta < dedicated) return 1;
+  return min(p.tails_per_cta, p.sk_tiles - (cta - dedicated) * p.tails_per_cta);
+}
+
+__device__ __forceinline__ WorkSegment cta_segment(const StreamKPlan& p, int cta, int si, int num_k_blocks) {
+  if (cta >= p.sk_ctas) return {p.sk_tiles + (cta - p.sk_ctas), 0, num_k_blocks, -1};
+  const int dedicated = p.sk_tiles * (p.pieces - 1);
+  if (cta < dedicated) {
+    const int j = cta % (p.pieces - 1);
+    return {cta / (p.pieces - 1), j * p.piece_blocks, (j + 1) * p.piece_blocks, j};
+  }
+  return {(cta - dedicated) * p.tails_per_cta + si, (p.pieces - 1) * p.piece_blocks, num_k_blocks, p.pieces - 1};
+}
+
+// Byte offset of element (row, col) of a 128-byte-swizzled K-major tile.
+__device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
+  return static_cast<uint32_t>(row * 128 + ((((col >> 2) ^ row) & 7) << 4) + (col & 3) * 4);
+}
+// ---------------------------------------------------------------------------
+// Device side: the split-tile hand-off and the epilogues of a finished tile
+// ---------------------------------------------------------------------------
+
+// Split-tile hand-off.  Every piece's CTA stores its partial sums in the
+// piece's slot, then counts itself in with a GPU-scope acquire-release
+// atomic; the last to arrive sums the slots in piece order (its own read
+// back too, so the result does not depend on which CTA came last) and runs
+// the epilogue.  No CTA waits for another, so this cannot deadlock whatever
+// the residency.  Called by all kConsumerThreads consumer threads (ctid =
+// 0 .. 255); true when this CTA finishes tile seg.tile, acc then holding the
+// whole sum.
+__device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args,
+                                                    const WorkSegment& seg, int ctid) {
+  __shared__ int last_arrival;
+  constexpr int kAccQuads = kTileAccRegs / 4;
+  auto partial_slot = [&](int tile, int piece) {
+    return reinterpret_cast<float4*>(args.partials) +
+           static_cast<size_t>(tile * args.plan.pieces + piece) * kAccQuads * kConsumerThreads + ctid;
+  };
+  float4* mine = partial_slot(seg.tile, seg.piece);
+#pragma unroll
+  for (int i = 0; i < kAccQuads; ++i)
+    __stcg(mine + i * kConsumerThreads, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+  named_barrier_sync<1, kConsumerThreads>();  // the CTA's stores precede the release below
+  if (ctid == 0) {
+    __threadfence();
+    last_arrival = atomic_add_acq_rel_gpu(&args.tile_arrivals[seg.tile], 1) == args.plan.pieces - 1;
+  }
+  named_barrier_sync<1, kConsumerThreads>();
+  if (!last_arrival) return false;
+#pragma unroll
+  for (int i = 0; i < kTileAccRegs; ++i) acc[i] = 0.f;
+  for (int piece = 0; piece < args.plan.pieces; ++piece) {
+    const float4* slot = partial_slot(seg.tile, piece);
+#pragma unroll
+    for (int i = 0; i < kAccQuads; ++i) {
+      const float4 v = __ldcg(slot + i * kConsumerThreads);
+      acc[4 * i] += v.x;
+      acc[4 * i + 1] += v.y;
+      acc[4 * i + 2] += v.z;
+      acc[4 * i + 3] += v.w;
+    }
+  }
+  return true;
+}
+
+// The epilogue of one finished tile (layout in this header's comment): kEval
+// folds bias, scale and BatchNorm into a * z + c; kTrain writes the tile's
+// per-feature mean and M2; every epilogue then stores the tile.
+template <Epilogue kEpilogue>
+__device__ __forceinline__ void finish_tile(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args, int tile,
+                                            int m_tiles, int w_row, int t) {
+  const int M = args.M, N = args.N;
+  const int m_tile = tile % m_tiles, n_tile = tile / m_tiles;
+  const int m0 = m_tile * kTileM, n0 = n_tile * kTileN;
+  const int f_base = n0 + w_row;
+  if constexpr (kEpilogue == Epilogue::kEval) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int f = f_base + 8 * h;
+      if (f >= N) continue;
+      float a, c;
+      bn_eval_affine(args.bn, f, a, c);
+#pragma unroll
+      for (int i = 0; i < kTileAccRegs / 4; ++i) {
+        acc[4 * i + 2 * h] = fmaf(a, acc[4 * i + 2 * h], c);
+        acc[4 * i + 2 * h + 1] = fmaf(a, acc[4 * i + 2 * h + 1], c);
+      }
+    }
+  } else if constexpr (kEpilogue == Epilogue::kTrain) {
+    // Per-feature mean and M2 over the tile's valid rows: two passes over the
+    // registers (no E[z^2] - E[z]^2 cancellation), reduced across the quad.
+    const int rows_valid = min(kTileM, M - m0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < kTileAccRegs / 4; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (8 * i + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float mean = sum / static_cast<float>(rows_valid);
+      float m2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < kTileAccRegs / 4; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float d = acc[4 * i + 2 * h + e] - mean;
+          if (8 * i + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
+        }
+      }
+      m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
+      m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
+      const int f = f_base + 8 * h;
+      if (t == 0 && f < N) {
+        args.part_mean[static_cast<size_t>(m_tile) * N + f] = mean;
+        args.part_m2[static_cast<size_t>(m_tile) * N + f] = m2;
+      }
+    }
+  }
+
+  // Store: a warp instruction writes 8 consecutive features (32 bytes) of 4 rows.
+#pragma unroll
+  for (int i = 0; i < kTileAccRegs / 4; ++i) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int b = m0 + 8 * i + 2 * t + e;
+      if (b >= M) continue;
+      float* out_row = args.out + static_cast<size_t>(b) * N;
+      if (f_base < N) out_row[f_base] = acc[4 * i + e];
+      if (f_base + 8 < N) out_row[f_base + 8] = acc[4 * i + 2 + e];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side: tensor maps, the split-tile plan, device facts
+// ---------------------------------------------------------------------------
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled from the driver, fetched through the runtime so the
+// extension needs no -lcuda.  nullptr if the driver does not provide it.
+static EncodeTiledFn encode_tiled_fn() {
+  static EncodeTiledFn fn = []() -> EncodeTiledFn {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+#if CUDART_VERSION >= 12050
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
+        cudaSuccess)
+      return nullptr;
+#else
+    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status) != cudaSuccess)
+      return nullptr;
+#endif
+    return status == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiledFn>(ptr) : nullptr;
+  }();
+  return fn;
+}
+
+// A (rows, K) row-major matrix of elem_bytes-byte elements (kFloat32: fp32;
+// else 16-bit words) read in boxes of box_rows x (128 / elem_bytes) elements,
+// one 128-byte swizzle span per row, zero-filled outside the matrix.
+enum class TileDtype { kFloat32, kWord16 };
+
+static bool make_tensor_map(CUtensorMap* map, const void* ptr, TileDtype dtype, int rows, int K, int box_rows) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr) return false;
+  const int elem_bytes = dtype == TileDtype::kFloat32 ? 4 : 2;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * elem_bytes};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / elem_bytes), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(map, dtype == TileDtype::kFloat32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
+                const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Split tiles (header).  With one CTA per SM, `tiles` tiles take
+// ceil(tiles / num_sms) waves and the last leaves SMs idle (the KernelBench
+// shape: 512 tiles = 3.88 waves of 132).  The R remainder tiles (tiles %
+// num_sms, or all tiles when fewer than the SMs) are instead cut along K and
+// run first, on CTAs that each take about the same number of k-blocks; the
+// whole tiles follow in whole waves.  Unlike stream-K's even cut of the
+// flattened tile x k space (Osama et al., PPoPP 2023), which was measured
+// 7% slower here (CTAs sharing an x or w block read it at different times,
+// so the pass ran out of L2 and became DRAM-bound), every piece starts at
+// one of few k offsets, so CTAs read the same k-blocks at the same time:
+//   2 R <= num_sms: p equal pieces per tile (split-K), p <= num_sms / R;
+//   otherwise: a first piece of L k-blocks per tile on R CTAs, all starting
+//     at k = 0, and the K - L tails, tails_per_cta = ceil(R / (num_sms - R))
+//     back to back per CTA (consecutive tiles: the same w rows), with L set
+//     so both kinds take about as long (one k-block per hand-off counted).
+// kSplitMaxPieces bounds the slots a finishing CTA reads back; kSplitMinIters
+// keeps a piece above pipeline start-up.
+constexpr int kSplitMaxPieces = 8;
+constexpr int kSplitMinIters = 4;
+
+static StreamKPlan stream_k_plan(int M, int N, int K, int block_k, int num_sms, bool split_tiles) {
+  const long long tiles = static_cast<long long>((M + kTileM - 1) / kTileM) * ((N + kTileN - 1) / kTileN);
+  const int num_k_blocks = (K + block_k - 1) / block_k;
+  StreamKPlan p;
+  p.dp_tiles = static_cast<int>(tiles);
+  if (num_sms <= 0 || tiles > INT32_MAX / 8 || !split_tiles) return p;
+  const int rem = static_cast<int>(tiles >= num_sms ? tiles % num_sms : tiles);
+  if (rem == 0) return p;
+  int pieces, piece_blocks, tails_per_cta;
+  if (2 * rem <= num_sms) {
+    pieces = std::min({kSplitMaxPieces, num_sms / rem, num_k_blocks / kSplitMinIters});
+    if (pieces < 2) return p;
+    piece_blocks = (num_k_blocks + pieces - 1) / pieces;
+    pieces = (num_k_blocks + piece_blocks - 1) / piece_blocks;  // no empty last piece
+    tails_per_cta = 1;
+  } else {
+    pieces = 2;
+    tails_per_cta = (rem + (num_sms - rem) - 1) / (num_sms - rem);
+    piece_blocks = (tails_per_cta * (num_k_blocks + 1) - 1 + tails_per_cta) / (tails_per_cta + 1);
+    if (num_k_blocks - piece_blocks < kSplitMinIters) return p;
+  }
+  p.sk_tiles = rem;
+  p.pieces = pieces;
+  p.piece_blocks = piece_blocks;
+  p.tails_per_cta = tails_per_cta;
+  p.sk_ctas = rem * (pieces - 1) + (rem + tails_per_cta - 1) / tails_per_cta;
+  p.dp_tiles = static_cast<int>(tiles - rem);
+  return p;
+}
+
+// Streaming multiprocessors of the current device (cached per device).
+static cudaError_t current_num_sms(int* num_sms) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < kMaxDevices && cached[device] > 0) {
+    *num_sms = cached[device];
+    return cudaSuccess;
+  }
+  err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess && device < kMaxDevices) cached[device] = *num_sms;
+  return err;
+}
+
+// Workspace floats of the split tiles' partial sums (one slot per piece),
+// followed by one int per split tile (the arrival counts).
+static long long partial_floats(const StreamKPlan& p) {
+  return static_cast<long long>(p.sk_tiles) * p.pieces * kTileN * kTileM;
+}
+
+}  // namespace sm90
+}  // namespace fused_gemm_bn
+''',
     'sm90_primitives.cuh': r'''// sm90_primitives.cuh -- thin PTX wrappers for the Hopper GEMM
-// (sm90_gemm_3xtf32_bn.cu): mbarriers, TMA tile loads, named barriers and the
+// (sm90_gemm_3xtf32_bn.cu, sm90_gemm_fp16x3_bn.cu): mbarriers, TMA tile loads, named barriers and the
 // GPU-scope atomic of the split-tile hand-off, wgmma shared-memory descriptors and
-// the tf32 wgmma form it issues (A from registers).
+// the tf32 and fp16 wgmma forms they issue (A from registers).
 //
 // Every wrapper compiles to nothing unless the pass targets sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL): wgmma and setmaxnreg exist only there.  The
@@ -2908,6 +3595,29 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
 #endif
 }
 
+// D(64 x 64, fp32) (+)= A(64 x 16, registers) * B(16 x 64, shared memory), fp16
+// inputs (exact products, fp32 accumulation; the tensor core's accumulation
+// chain is not round-to-nearest, so callers promote partial sums).  B is
+// K-major (imm-trans-b 0).  A fragment (PTX ISA 9.7.15.5.2, .f16): warp w of
+// the warpgroup holds rows 16 w .. 16 w + 15; lane l = 4 g + t holds, as fp16
+// pairs (lower k in the low half), a0 = (16 w + g, 2 t .. 2 t + 1),
+// a1 = (16 w + g + 8, 2 t ..), a2 = (16 w + g, 2 t + 8 ..), a3 = (16 w + g + 8, 2 t + 8 ..).
+// The A registers must stay unchanged until the wgmma has completed.
+__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                                       bool accumulate) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FUSED_GEMM_BN_D32_LIST
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+      "}\n"
+      : FUSED_GEMM_BN_D32
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
+#endif
+}
+
 #undef FUSED_GEMM_BN_D32
 #undef FUSED_GEMM_BN_D32_LIST
 
@@ -2935,6 +3645,9 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
 //   sm90_3xtf32           sm90_prepass_3xtf32 (x_small; training: num_batches_tracked
 //                         += 1), then sm90_gemm_3xtf32_{train,eval,plain} (wgmma, TMA)
 //   sm90_3xtf32_nosplit   the same with whole tiles only (A/B switch for measurements)
+//   sm90_fp16x3           sm90_prepass_fp16x3 (x's fp16 parts and row scales; training:
+//                         += 1), then sm90_gemm_fp16x3_{train,eval,plain} (wgmma, TMA)
+//   sm90_fp16x3_nosplit   the same with whole tiles only
 //   sm80_3xtf32           sm80_prepass_3xtf32 (x's TF32 parts; training: += 1), then
 //                         sm80_gemm_3xtf32_{train,eval} (mma.sync, any sm_80+)
 //   sm90_cluster_3xtf32   sm80_prepass_3xtf32, then sm90_cluster_gemm_3xtf32_train:
@@ -2954,7 +3667,7 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
 //   forward_train_saved(same arguments as forward_train) -> [out, z (M, N), stats (2, N)]
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward.
-//   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T, 3xTF32
+//   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
@@ -2974,18 +3687,23 @@ namespace {
 namespace fgb = fused_gemm_bn;
 
 // The GEMM kernels a `gemm` name selects.
-enum class Gemm { kSm80, kSm90, kSm90NoSplit, kSm90Cluster };
+enum class Gemm { kSm80, kSm90, kSm90NoSplit, kSm90Cluster, kFp16x3, kFp16x3NoSplit };
 
 Gemm parse_gemm(const std::string& name) {
+  if (name == "sm90_fp16x3") return Gemm::kFp16x3;
+  if (name == "sm90_fp16x3_nosplit") return Gemm::kFp16x3NoSplit;
   if (name == "sm90_3xtf32") return Gemm::kSm90;
   if (name == "sm90_3xtf32_nosplit") return Gemm::kSm90NoSplit;
   if (name == "sm80_3xtf32") return Gemm::kSm80;
   if (name == "sm90_cluster_3xtf32") return Gemm::kSm90Cluster;
   TORCH_CHECK(false, "fused_gemm_bn: unknown GEMM kernel '", name,
-              "' (expected sm90_3xtf32, sm90_3xtf32_nosplit, sm80_3xtf32 or sm90_cluster_3xtf32)");
+              "' (expected sm90_fp16x3, sm90_fp16x3_nosplit, sm90_3xtf32, sm90_3xtf32_nosplit, sm80_3xtf32 or "
+              "sm90_cluster_3xtf32)");
 }
 
 bool is_sm90(Gemm g) { return g == Gemm::kSm90 || g == Gemm::kSm90NoSplit; }
+bool is_fp16x3(Gemm g) { return g == Gemm::kFp16x3 || g == Gemm::kFp16x3NoSplit; }
+bool splits_tiles(Gemm g) { return g == Gemm::kSm90 || g == Gemm::kFp16x3; }
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
@@ -3096,7 +3814,39 @@ RemainderX sm90_prepass(const torch::Tensor& x, int M, int N, int K, bool split_
   return {xc, storage, small, workspace};
 }
 
-// The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit]): the pre-pass
+// x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K) fp16 words, x_inv_scale
+// (M), then the GEMM's split-tile workspace (null if it needs none), one
+// allocation; the pre-pass reads x in place (any strides) and zeroes the
+// workspace's arrival counts.
+struct SplitX {
+  torch::Tensor storage;
+  const uint16_t *hi, *lo;
+  const float* inv_scale;
+  float* workspace;
+};
+
+SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, bool split_tiles, int64_t* num_batches_tracked,
+                      cudaStream_t stream) {
+  TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
+  const int64_t part_floats = static_cast<int64_t>(M) * K / 2;  // M K fp16 words each
+  const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;   // keeps the workspace 16-byte aligned
+  int64_t workspace_floats = 0;
+  int zero_ints = 0;
+  fgb::sm90_gemm_fp16x3_workspace(M, N, K, split_tiles, &workspace_floats, &zero_ints);
+  torch::Tensor storage = torch::empty({2 * part_floats + scale_floats + workspace_floats}, x.options());
+  float* base = storage.data_ptr<float>();
+  uint16_t* hi = reinterpret_cast<uint16_t*>(base);
+  uint16_t* lo = reinterpret_cast<uint16_t*>(base + part_floats);
+  float* inv_scale = base + 2 * part_floats;
+  float* workspace = workspace_floats > 0 ? inv_scale + scale_floats : nullptr;
+  int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
+  check_launch(fgb::sm90_prepass_fp16x3(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, hi, lo, inv_scale,
+                                        arrivals, arrivals ? zero_ints : 0, num_batches_tracked, stream),
+               "sm90_prepass_fp16x3");
+  return {storage, hi, lo, inv_scale, workspace};
+}
+
+// The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit], sm90_fp16x3[_nosplit]): the pre-pass
 // (num_batches_tracked += 1), then z = x @ weight^T into `z` with per-tile
 // mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
 // is not null, stats (2, N) = [mean_z | biased var_z].  One allocation, which
@@ -3112,15 +3862,21 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const float* w, torch::T
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 runs forward_train of problem 33 only");
   int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
   TrainGemm g;
-  g.block_m = is_sm90(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
+  g.block_m = is_sm90(gemm) || is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
   const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
   g.storage = torch::empty({2 * part_floats + 3 * static_cast<int64_t>(N)}, x.options());
   g.part_mean = g.storage.data_ptr<float>();
   g.part_m2 = g.part_mean + part_floats;
   g.coeff = g.part_m2 + part_floats;
-  if (is_sm90(gemm)) {
-    const bool split_tiles = gemm == Gemm::kSm90;
+  if (is_fp16x3(gemm)) {
+    const bool split_tiles = splits_tiles(gemm);
+    const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, counter, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_train(xs.hi, xs.lo, xs.inv_scale, w, z.data_ptr<float>(), g.part_mean,
+                                             g.part_m2, M, N, K, split_tiles, xs.workspace, stream),
+                 "sm90_gemm_fp16x3_train");
+  } else if (is_sm90(gemm)) {
+    const bool split_tiles = splits_tiles(gemm);
     const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, counter, stream);
     check_launch(fgb::sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small, w, z.data_ptr<float>(), g.part_mean,
                                              g.part_m2, M, N, K, split_tiles, xr.workspace, stream),
@@ -3226,8 +3982,17 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   if (M == 0 || N == 0) return out;
   const float* w = weight.data_ptr<float>();
   const float fold_eps = static_cast<float>(eps);
-  if (is_sm90(gemm)) {
-    const bool split_tiles = gemm == Gemm::kSm90;
+  if (is_fp16x3(gemm)) {
+    const bool split_tiles = splits_tiles(gemm);
+    const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, nullptr, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.hi, xs.lo, xs.inv_scale, w, out.data_ptr<float>(),
+                                            t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
+                                            t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
+                                            t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
+                                            fold_eps, scale_after_bn, M, N, K, split_tiles, xs.workspace, stream),
+                 "sm90_gemm_fp16x3_eval");
+  } else if (is_sm90(gemm)) {
+    const bool split_tiles = splits_tiles(gemm);
     const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, nullptr, stream);
     check_launch(fgb::sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(),
                                             t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
@@ -3282,7 +4047,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   return {out, z, stats};
 }
 
-// a @ b^T, float32-accurate (3xTF32) for float32 CUDA a (M, K) and b (N, K) of
+// a @ b^T, float32-accurate (3xTF32 or fp16x3) for float32 CUDA a (M, K) and b (N, K) of
 // any strides (non-contiguous operands are copied first).  Returns (M, N).
 torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b) {
   const Gemm gemm = parse_gemm(gemm_name);
@@ -3303,8 +4068,16 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   if (K == 0) return out.zero_();
   const torch::Tensor ac = a.contiguous(), bc = b.contiguous();
   const float* w = bc.data_ptr<float>();
+  if (is_fp16x3(gemm)) {
+    const bool split_tiles = splits_tiles(gemm);
+    const SplitX xs = fp16x3_prepass(ac, M, N, K, split_tiles, nullptr, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.hi, xs.lo, xs.inv_scale, w, out.data_ptr<float>(), M, N, K,
+                                             split_tiles, xs.workspace, stream),
+                 "sm90_gemm_fp16x3_plain");
+    return out;
+  }
   if (is_sm90(gemm)) {
-    const bool split_tiles = gemm == Gemm::kSm90;
+    const bool split_tiles = splits_tiles(gemm);
     const RemainderX xr = sm90_prepass(ac, M, N, K, split_tiles, nullptr, stream);
     check_launch(fgb::sm90_gemm_3xtf32_plain(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(), M, N, K,
                                              split_tiles, xr.workspace, stream),
@@ -3784,9 +4557,11 @@ def per_feature_scale(scale, n):
 #   batch of 0                   no kernel                                     empty
 #   CPU tensor, float64 on CUDA  always                                        torch_ops
 #   16-bit float on CUDA         compute capability >= 8.0                     lowp_sm80
-#   float32 on CUDA              compute capability 9.0, the sm_90a kernel     sm90_3xtf32
-#                                available, K % 4 == 0, 16-byte aligned        (sm90_3xtf32_nosplit with
-#                                weight, not SWITCHES.portable                 split_tiles off)
+#   float32 on CUDA              compute capability 9.0, the sm_90a kernels    sm90_fp16x3
+#                                available, K % 8 == 0, 16-byte aligned        (sm90_fp16x3_nosplit with
+#                                weight, not SWITCHES.portable, SWITCHES.fp16x3 split_tiles off)
+#                                else: the same with K % 4 == 0                sm90_3xtf32
+#                                                                              (sm90_3xtf32_nosplit)
 #                                else: problem 33 training without gradients,  sm90_cluster_3xtf32
 #                                compute capability >= 9.0, M <= 8 * 128, and
 #                                the clusters cost no extra wave, not
@@ -3798,21 +4573,24 @@ def per_feature_scale(scale, n):
 # The backward's products (grad_x = grad_z W, grad_W = grad_z^T x) are decided
 # the same way per product by dispatch_gemm_nt.
 
-Switches = collections.namedtuple("Switches", ["portable", "split_tiles"])
+Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3"])
 Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
 replace SWITCHES; nothing reads the environment per call):
   portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
                too (the tests run both GEMM paths on one GPU)
-  split_tiles  False with FUSED_GEMM_BN_NO_SPLIT_TILES=1: the Hopper GEMM runs
-               whole tiles only (sm90_3xtf32_nosplit; an A/B switch for timing)"""
+  split_tiles  False with FUSED_GEMM_BN_NO_SPLIT_TILES=1: the Hopper GEMMs run
+               whole tiles only (sm90_*_nosplit; an A/B switch for timing)
+  fp16x3       False with FUSED_GEMM_BN_3XTF32=1: Hopper takes the 3xTF32 wgmma
+               kernel instead of fp16x3 (A/B timing; the tests run both)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
-                    split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1")
+                    split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
+                    fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1")
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
   capability          (major, minor)
   num_sms             streaming multiprocessors
-  sm90_gemm           the Hopper kernel of this build runs here (sm_90a image,
+  sm90_gemm           the Hopper kernels of this build run here (sm_90a image,
                       compute capability 9.0, shared memory, tensor-map encoder)
   cluster_max_active  function (m_tiles, vec16) -> clusters of m_tiles CTAs of
                       the cluster kernel resident at once (0: none)"""
@@ -3820,7 +4598,8 @@ DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_fac
 Plan = collections.namedtuple("Plan", ["name", "gemm", "kernels", "training", "grad"])
 Plan.__doc__ = """A call's path, from dispatch():
   name      <gemm>_<train|eval>[_grad]: what ModelNew.kernel_path returns
-  gemm      the GEMM kernel: sm90_3xtf32, sm90_3xtf32_nosplit, sm80_3xtf32,
+  gemm      the GEMM kernel: sm90_fp16x3, sm90_fp16x3_nosplit, sm90_3xtf32,
+            sm90_3xtf32_nosplit, sm80_3xtf32,
             sm90_cluster_3xtf32, lowp_sm80, torch_ops, or empty (batch of 0)
   kernels   who runs it: "ext" (the float32 extension), "lowp" (the 16-bit
             extension), "torch" (the _torch_* functions), or None (empty)
@@ -3880,7 +4659,8 @@ def _float32_gemm(m, n, k, w_aligned16, cluster_candidate, facts, switches):
                            f"got {major}.{minor}; use the module on the CPU or in float64")
     if (not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm and min(m, n, k) >= 1
             and k % 4 == 0 and w_aligned16):
-        return "sm90_3xtf32" if switches.split_tiles else "sm90_3xtf32_nosplit"
+        gemm = "sm90_fp16x3" if switches.fp16x3 and k % 8 == 0 else "sm90_3xtf32"
+        return gemm if switches.split_tiles else gemm + "_nosplit"
     if (cluster_candidate and not switches.portable
             and _cluster_fits(m, n, k, k % 4 == 0 and w_aligned16, facts)):
         return "sm90_cluster_3xtf32"

@@ -1,0 +1,433 @@
+// sm90_gemm_fp16x3_bn.cu -- float32-accurate GEMM on Hopper's 16-bit tensor
+// cores (fp16x3 through wgmma, TMA, warp specialisation) with the BatchNorm
+// epilogues of sm90_gemm_3xtf32_bn.cu.  Needs sm_90a (H100 / H200).
+//
+// Formula: z[m, n] = sum_k x[m, k] * w[n, k] (z = x @ W^T, no bias), then the
+// epilogues of sm90_gemm_tiles.cuh (kTrain: out = z and per-tile mean / M2;
+// kEval: out = a[n] z + c[n]; kPlain: out = z).
+//
+// Tensors (row-major, contiguous, 16-byte aligned; K % 8 == 0: TMA needs
+// 16-byte global strides of the 16-bit parts)
+//   w            (N, K) fp32, K-major: nn.Linear weight, read raw by TMA
+//   x_hi, x_lo   (M, K) fp16 words, K-major: x's parts scaled by 2^e_m (prepass_fp16x3.cu)
+//   x_inv_scale  (M) fp32: 2^-e_m
+//   out (M, N);  part_mean, part_m2 (ceil(M / 128), N);  vectors (N)
+//
+// Why fp16: Hopper's dense fp16 tensor-core rate is twice its TF32 rate, so
+// three fp16 products cost what 1.5 TF32 products do (3xTF32 kernel: 947 us
+// at M = 1024, K = N = 8192 on an H200, against one cuBLAS fp16 product with
+// fp32 output at 196 us).
+//
+// Numerics (fp16x3_split.cuh derives the split; Ootomo & Yokota, IJHPCA 2022)
+//   x row m: x = (x_hi + x_lo) 2^-e_m, e_m from max_k |x[m, k]| (the pre-pass).
+//   w row n, span sp of SPAN_K = 32 k: w = (w_hi + w_lo) 2^-e_(n,sp), made here
+//     in registers from the fp32 tile (w is operand A: never split in memory,
+//     so there is no cache to invalidate when the weight changes).
+//   Per span, into a fresh register tile `part` (wgmma, exact fp16 products,
+//   fp32 accumulation over 32 k):
+//     part = w_hi x_lo + w_lo x_hi  (first: the small products while |part| is small)
+//          + w_hi x_hi
+//   then acc += part * 2^-e_(n,sp) with one round-to-nearest FFMA (the scale is
+//   exact): DeepGEMM's promotion of FP8 partial sums, at the span where the
+//   scale changes.  The tensor core's own accumulation is not round-to-nearest;
+//   promoting every 32 k bounds what it loses (emulated with cuBLAS fp16
+//   products at 1024 x 8192 x 8192: 2.45e-7 relative with promotion every 64 k
+//   against eager SGEMM's 1.62e-6, 9.7e-6 with no promotion).  Dropped:
+//   w_lo x_lo (< 2^-22 |w x|).  Finally z = acc * 2^-e_m.
+//   Measured (H200, gemm_nt against float64, rel. Frobenius): 3.0e-7 at
+//   1024 x 8192 x 8192 (eager 1.62e-6, 3xTF32 3.6e-7), 0.1-0.6x eager's error
+//   on the tested shapes with K >= 64 (docs/perf.md, v19).
+//   Representation error of w: <= 2^-22 |w| (round to nearest, not biased);
+//   the tf32 kernel truncates w's small part (biased towards zero).
+//   Range: acc holds z 2^e_m, which overflows fp32 only when
+//   max|w| * K * 2^15 > 2^128 (|w| above about 2^100).
+//   Non-finite inputs: an Inf in x's row m or w's block gives NaN (Inf - Inf in
+//   the split), so z is non-finite wherever Model's is (and NaN where Model
+//   has +-Inf).
+//
+// Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor)
+//   CTA tile BLOCK_N (features) x BLOCK_M (batch) = 128 x 128, BLOCK_K = 64,
+//   the tile of sm90_gemm_tiles.cuh (swapped product z^T = W x^T: w is operand
+//   A from registers, x operand B from shared memory).  Warpgroups 0, 1:
+//   consumers, 64 features each, as two 64 x 64 halves of the batch tile
+//   (wgmma m64n64k16, part[half]).  Per span: build the A fragments (one read
+//   of the span's fp32 w values: the quad's row maxima, the scale, the split)
+//   while the previous span's two commit groups run; then, per half, wait for
+//   that half's previous group (wait_group 1), promote it, and issue its 6
+//   wgmmas: the tensor pipe is never drained within a segment.
+//   Warpgroup 2: producer; one thread issues the TMA loads (w as two 32-column
+//   fp32 boxes, x_hi, x_lo) into a ring of kNumStages 64 KB stages.  Grid and
+//   split tiles: sm90_gemm_tiles.cuh (the 3xTF32 kernel's plan, per 64-k block).
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "fp16x3_split.cuh"
+#include "launchers.cuh"
+#include "sm90_gemm_tiles.cuh"
+
+namespace fused_gemm_bn {
+namespace sm90 {
+
+struct Fp16x3Traits {
+  static constexpr int BLOCK_N = 128;  // features per CTA (wgmma M, over the consumer warpgroups)
+  static constexpr int BLOCK_M = 128;  // batch rows per CTA (wgmma N)
+  static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of fp16: two spans
+  static constexpr int WGMMA_M = 64;
+  static constexpr int WGMMA_N = 64;   // half the batch tile per wgmma
+  static constexpr int WGMMA_K = 16;
+  static constexpr int SPAN_K = 32;    // k per w scale, A-fragment buffer and promotion
+  static constexpr int kSpanSteps = SPAN_K / WGMMA_K;  // wgmma k-steps per span
+  static constexpr int kNumConsumers = BLOCK_N / WGMMA_M;
+  static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
+  static constexpr int kNumStages = 3;
+  static constexpr int kAccRegs = WGMMA_M * BLOCK_M / 128;
+  static constexpr int kPartRegs = WGMMA_M * WGMMA_N / 128;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int W_SPAN_BYTES = BLOCK_N * 32 * 4;  // one TMA box: 32 fp32 columns
+  static constexpr int W_TILE_BYTES = 2 * W_SPAN_BYTES;
+  static constexpr int X_TILE_BYTES = BLOCK_M * BLOCK_K * 2;
+  static constexpr int STAGE_BYTES = W_TILE_BYTES + 2 * X_TILE_BYTES;
+  static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;
+
+  static_assert(BLOCK_K * 2 == 128, "x tiles are rows of one 128-byte swizzle span");
+  static_assert(BLOCK_K == 2 * SPAN_K && SPAN_K * 4 == 128, "a stage holds two spans, each one fp32 w box");
+  static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k16 halves per batch tile");
+  static_assert(W_SPAN_BYTES % 1024 == 0 && X_TILE_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
+  static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
+  static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
+                    kNumConsumers * 128 == kConsumerThreads,
+                "the tile of sm90_gemm_tiles.cuh (its epilogues and split-tile hand-off)");
+};
+
+template <Epilogue kEpilogue>
+__global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
+    sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x_hi,
+                               const __grid_constant__ CUtensorMap tmap_x_lo, const Sm90GemmBnArgs args) {
+#if FUSED_GEMM_BN_SM90A
+  using T = Fp16x3Traits;
+  extern __shared__ uint8_t smem_raw[];
+  // 128-byte swizzle atoms must start on 1024-byte boundaries.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + T::kNumStages * T::STAGE_BYTES);
+  uint64_t* empty_bar = full_bar + T::kNumStages;
+
+  const int M = args.M;
+  const int m_tiles = (M + T::BLOCK_M - 1) / T::BLOCK_M;
+  const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
+  const int warpgroup = threadIdx.x / 128;
+  const int cta = static_cast<int>(blockIdx.x);
+  const int num_segments = cta_num_segments(args.plan, cta);
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < T::kNumStages; ++s) {
+      mbar_init(&full_bar[s], 1);
+      mbar_init(&empty_bar[s], T::kNumConsumers * 4);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warpgroup == T::kNumConsumers) {
+    // Producer warpgroup: one thread streams the k-blocks of every segment
+    // through the ring; `q` counts ring slots over the whole CTA.
+    setmaxnreg_dec<T::kProducerRegs>();
+    if (threadIdx.x == T::kNumConsumers * 128) {
+      tma_prefetch_descriptor(&tmap_w);
+      tma_prefetch_descriptor(&tmap_x_hi);
+      tma_prefetch_descriptor(&tmap_x_lo);
+      int q = 0;
+      for (int si = 0; si < num_segments; ++si) {
+        const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+        const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
+        for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
+          const int s = q % T::kNumStages;
+          mbar_wait(&empty_bar[s], ((q / T::kNumStages) & 1) ^ 1);
+          uint8_t* stage = smem + s * T::STAGE_BYTES;
+          mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
+          const int k0 = kb * T::BLOCK_K;
+          tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
+          tma_load_2d(stage + T::W_SPAN_BYTES, &tmap_w, &full_bar[s], k0 + 32, n0);
+          tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x_hi, &full_bar[s], k0, m0);
+          tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_lo, &full_bar[s], k0, m0);
+        }
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<T::kConsumerRegs>();
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int w_row = warpgroup * T::WGMMA_M + warp * 16 + g;  // this thread's first A row in the w tile
+
+  float acc[T::kAccRegs];
+  float part[2][T::kPartRegs];
+  // w's fp16 parts of one span (32 k) in the A-fragment layout: [buffer][k-step][hi, lo][reg],
+  // and 2^-e of the span's scale for rows w_row, w_row + 8: [buffer][row].  Two
+  // buffers, one per span of a stage: the previous span's wgmmas still read
+  // theirs while the next is built.
+  uint32_t a_frag[2][T::kSpanSteps][2][4];
+  float w_inv_scale[2][2];
+
+  using H0 = std::integral_constant<int, 0>;
+  using H1 = std::integral_constant<int, 1>;
+  using Sub0 = std::integral_constant<int, 0>;
+  using Sub1 = std::integral_constant<int, 1>;
+
+  // The lambdas take `q`, the ring slot counter (stage q % kNumStages, mbarrier
+  // phase q / kNumStages), which runs on over all segments of the CTA, and a
+  // compile-time span kSub (0, 1) of the stage, whose A fragments live in
+  // buffer kSub.  The span's fp32 w tile is 32-column box kSub of the stage;
+  // register r of k-step j holds the pair (row w_row + 8 (r & 1), column
+  // 16 j + 2 t + 8 (r >> 1)) of it.
+  auto build = [&](auto sub_c, int q) {
+    constexpr int kSub = decltype(sub_c)::value;
+    const uint8_t* w_span = smem + (q % T::kNumStages) * T::STAGE_BYTES + kSub * T::W_SPAN_BYTES;
+    auto w_pair = [&](int j, int r) {
+      const int row = w_row + 8 * (r & 1);
+      const int col = 16 * j + 2 * t + 8 * (r >> 1);
+      return *reinterpret_cast<const float2*>(w_span + sw128_offset(row, col));
+    };
+    float2 v[T::kSpanSteps][4];
+    float amax[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        v[j][r] = w_pair(j, r);
+        amax[r & 1] = fmaxf(amax[r & 1], fmaxf(fabsf(v[j][r].x), fabsf(v[j][r].y)));
+      }
+    float scale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the quad holds the row's 32 values
+      amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
+      amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
+      fp16x3_scale(amax[h], scale[h], w_inv_scale[kSub][h]);
+    }
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        split_fp16x2(v[j][r].x * scale[r & 1], v[j][r].y * scale[r & 1], a_frag[kSub][j][0][r],
+                     a_frag[kSub][j][1][r]);
+  };
+  // The 6 wgmmas of span kSub, batch half kHalf, as one commit group into a
+  // fresh part[kHalf]: the small products first, then the big one.
+  auto issue = [&](auto sub_c, auto half_c, int q) {
+    constexpr int kSub = decltype(sub_c)::value, kHalf = decltype(half_c)::value;
+    const uint8_t* x_hi = smem + (q % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES + kHalf * T::WGMMA_N * 128;
+    const uint8_t* x_lo = x_hi + T::X_TILE_BYTES;
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j) {
+      const uint32_t k_bytes = (kSub * T::kSpanSteps + j) * T::WGMMA_K * 2;
+      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][0], desc_kmajor_sw128(x_lo, k_bytes), j != 0);
+      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][1], desc_kmajor_sw128(x_hi, k_bytes), true);
+    }
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j) {
+      const uint32_t k_bytes = (kSub * T::kSpanSteps + j) * T::WGMMA_K * 2;
+      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][0], desc_kmajor_sw128(x_hi, k_bytes), true);
+    }
+    wgmma_commit();
+  };
+  // acc += part[kHalf] * 2^-e (span kSub's scales): element i of part is row
+  // w_row + 8 ((i >> 1) & 1).
+  auto promote = [&](auto sub_c, auto half_c) {
+    constexpr int kSub = decltype(sub_c)::value, kHalf = decltype(half_c)::value;
+#pragma unroll
+    for (int i = 0; i < T::kPartRegs; ++i) {
+      fence_operand(part[kHalf][i]);  // read only after the wgmma wait
+      acc[kHalf * T::kPartRegs + i] =
+          fmaf(part[kHalf][i], w_inv_scale[kSub][(i >> 1) & 1], acc[kHalf * T::kPartRegs + i]);
+      fence_operand(acc[kHalf * T::kPartRegs + i]);  // before the next wgmma overwrites part
+    }
+  };
+  // Keeps buffer kSub's A registers alive (unreused) until this point.
+  auto keep_alive = [&](auto sub_c) {
+    constexpr int kSub = decltype(sub_c)::value;
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j)
+#pragma unroll
+      for (int p = 0; p < 2; ++p)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) fence_operand(a_frag[kSub][j][p][r]);
+  };
+  // Span kSub of ring slot q, the previous span's two groups (buffer kSub ^ 1)
+  // in flight.  Each wait_group 1 retires the previous span's group of one
+  // half, whose part is promoted and refilled.  For kSub == 0 the previous
+  // span was the last of slot q - 1, which then has no reader left.
+  auto span = [&](auto sub_c, int q, int q0) {
+    constexpr int kSub = decltype(sub_c)::value;
+    using Prev = std::integral_constant<int, kSub ^ 1>;
+    if (kSub == 0) mbar_wait(&full_bar[q % T::kNumStages], (q / T::kNumStages) & 1);
+    build(sub_c, q);
+    wgmma_wait<1>();
+    keep_alive(Prev{});
+    promote(Prev{}, H0{});
+    issue(sub_c, H0{}, q);
+    wgmma_wait<1>();
+    keep_alive(Prev{});
+    promote(Prev{}, H1{});
+    issue(sub_c, H1{}, q);
+    if (kSub == 0 && q > q0 && lane == 0) mbar_arrive(&empty_bar[(q - 1) % T::kNumStages]);
+  };
+  // acc = the sum over the segment's n k-blocks, from ring slot q0 on (scaled
+  // by x's 2^e_m: the caller unscales).  The last span is always span 1.
+  auto mainloop = [&](int q0, int n) {
+#pragma unroll
+    for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
+    mbar_wait(&full_bar[q0 % T::kNumStages], (q0 / T::kNumStages) & 1);
+    build(Sub0{}, q0);
+    issue(Sub0{}, H0{}, q0);
+    issue(Sub0{}, H1{}, q0);
+    span(Sub1{}, q0, q0);
+    for (int q = q0 + 1; q < q0 + n; ++q) {
+      span(Sub0{}, q, q0);
+      span(Sub1{}, q, q0);
+    }
+    wgmma_wait<1>();
+    keep_alive(Sub1{});
+    promote(Sub1{}, H0{});
+    wgmma_wait<0>();
+    keep_alive(Sub1{});
+    promote(Sub1{}, H1{});
+    if (lane == 0) mbar_arrive(&empty_bar[(q0 + n - 1) % T::kNumStages]);
+  };
+
+  const int ctid = threadIdx.x;  // 0 .. 255 over the consumer warpgroups
+  int q = 0;
+  for (int si = 0; si < num_segments; ++si) {
+    const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+    const int n_blocks = seg.kb_end - seg.kb_begin;
+    mainloop(q, n_blocks);
+    q += n_blocks;
+    if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
+    // z = acc * 2^-e_m (layout: sm90_gemm_tiles.cuh; rows past M hold zeros).
+    const int m0 = (seg.tile % m_tiles) * T::BLOCK_M;
+#pragma unroll
+    for (int i = 0; i < T::kAccRegs / 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int b = m0 + 8 * i + 2 * t + e;
+        const float inv = b < M ? __ldg(args.x_inv_scale + b) : 0.f;
+        acc[4 * i + e] *= inv;
+        acc[4 * i + 2 + e] *= inv;
+      }
+    finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // this kernel exists only in sm_90a images; the launcher never selects it elsewhere
+#endif
+}
+
+template <Epilogue kEpilogue>
+static cudaError_t launch_fp16x3(const uint16_t* x_hi, const uint16_t* x_lo, const float* w, Sm90GemmBnArgs args,
+                                 bool split_tiles, float* workspace, cudaStream_t stream) {
+  using T = Fp16x3Traits;
+  auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue>;
+  CUtensorMap tmap_w, tmap_x_hi, tmap_x_lo;
+  if (!make_tensor_map(&tmap_w, w, TileDtype::kFloat32, args.N, args.K, T::BLOCK_N) ||
+      !make_tensor_map(&tmap_x_hi, x_hi, TileDtype::kWord16, args.M, args.K, T::BLOCK_M) ||
+      !make_tensor_map(&tmap_x_lo, x_lo, TileDtype::kWord16, args.M, args.K, T::BLOCK_M))
+    return cudaErrorInvalidValue;
+  constexpr int kMaxDevices = 64;
+  static bool smem_set[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= kMaxDevices || !smem_set[device]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
+    if (err != cudaSuccess) return err;
+    if (device < kMaxDevices) smem_set[device] = true;
+  }
+  int num_sms = 0;
+  err = current_num_sms(&num_sms);
+  if (err != cudaSuccess) return err;
+  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, num_sms, split_tiles);
+  if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
+  args.partials = workspace;
+  args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
+  const long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;
+  if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x_hi, tmap_x_lo, args);
+  return cudaGetLastError();
+}
+
+// Preconditions of the launchers below, as the dispatch guarantees them.
+static bool fp16x3_launch_ok(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale, const float* w,
+                             int M, int N, int K) {
+  return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && aligned16(x_hi) && aligned16(x_lo) && aligned16(w) &&
+         x_inv_scale != nullptr && fused_gemm_bn::sm90_gemm_available();
+}
+
+}  // namespace sm90
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launchers (declared in launchers.cuh)
+// ---------------------------------------------------------------------------
+
+void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats,
+                                               int* zero_ints) {
+  using namespace sm90;
+  *floats = 0;
+  *zero_ints = 0;
+  int num_sms = 0;
+  if (current_num_sms(&num_sms) != cudaSuccess) return;
+  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, num_sms, split_tiles);
+  if (p.sk_ctas == 0) return;
+  *floats = partial_floats(p) + p.sk_tiles;
+  *zero_ints = p.sk_tiles;
+}
+
+// z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_train(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                                  const float* w, float* out, float* part_mean, float* part_m2, int M,
+                                                  int N, int K, bool split_tiles, float* workspace,
+                                                  cudaStream_t stream) {
+  using namespace sm90;
+  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
+  args.x_inv_scale = x_inv_scale;
+  return launch_fp16x3<sm90::Epilogue::kTrain>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+}
+
+// out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                                 const float* w, float* out, const float* bias, const float* scale,
+                                                 const float* bn_weight, const float* bn_bias,
+                                                 const float* running_mean, const float* running_var, float eps,
+                                                 bool scale_after_bn, int M, int N, int K, bool split_tiles,
+                                                 float* workspace, cudaStream_t stream) {
+  using namespace sm90;
+  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out;
+  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
+  args.x_inv_scale = x_inv_scale;
+  return launch_fp16x3<sm90::Epilogue::kEval>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+}
+
+// out = x @ w^T, nothing else (the backward's products).
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
+                                                  const float* w, float* out, int M, int N, int K, bool split_tiles,
+                                                  float* workspace, cudaStream_t stream) {
+  using namespace sm90;
+  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out;
+  args.x_inv_scale = x_inv_scale;
+  return launch_fp16x3<sm90::Epilogue::kPlain>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+}

@@ -1,0 +1,333 @@
+// sm90_gemm_tiles.cuh -- what the two Hopper GEMMs (sm90_gemm_3xtf32_bn.cu,
+// sm90_gemm_fp16x3_bn.cu) share: the 128 x 128 output tile and its register
+// layout, the grid's work split (whole tiles and split tiles, StreamKPlan),
+// the split-tile hand-off, the BatchNorm epilogues (finish_tile), and the
+// host's tensor maps.  The header of sm90_gemm_3xtf32_bn.cu derives the split
+// tiles; the epilogue formulas are in bn_stats.cuh.
+//
+// Output tile (both kernels): BLOCK_N = 128 features (wgmma M, two consumer
+// warpgroups of 64) x BLOCK_M = 128 batch rows (wgmma N).  Each consumer
+// thread holds kAccRegs = 64 fp32 accumulators; element 4 i + 2 h + e holds
+// z[b, f] with
+//   f = n0 + w_row + 8 h       (w_row = 64 warpgroup + 16 warp + lane / 4)
+//   b = m0 + 8 i + 2 t + e     (t = lane % 4; i = 0 .. 15 over both 64-row halves)
+// so each feature's 128 batch values live in the 4 lanes of one quad.
+
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <algorithm>
+
+#include "bn_stats.cuh"
+#include "sm90_primitives.cuh"
+
+namespace fused_gemm_bn {
+namespace sm90 {
+
+constexpr int kTileN = 128;             // features per CTA
+constexpr int kTileM = 128;             // batch rows per CTA
+constexpr int kConsumerThreads = 256;   // two consumer warpgroups
+constexpr int kTileAccRegs = 64;        // fp32 accumulators per consumer thread
+
+enum class Epilogue { kTrain, kEval, kPlain };
+
+// Work of the grid (header, "Split tiles").  The first sk_ctas CTAs compute
+// tiles 0 .. sk_tiles - 1, each cut along K into `pieces` runs of piece_blocks
+// k-blocks (the last piece takes the rest): pieces 0 .. pieces - 2 of tile t go
+// to CTAs t * (pieces - 1) + j, one each; the last pieces go tails_per_cta
+// tiles at a time to the CTAs after those, run back to back.  CTA sk_ctas + i
+// then computes tile sk_tiles + i whole.  sk_ctas == 0: no tile is split.
+struct StreamKPlan {
+  int sk_tiles = 0;
+  int pieces = 1;
+  int piece_blocks = 0;
+  int tails_per_cta = 1;
+  int sk_ctas = 0;
+  int dp_tiles = 0;
+};
+
+struct Sm90GemmBnArgs {
+  int M, N, K;
+  float* out;
+  float* part_mean;  // kTrain
+  float* part_m2;
+  BnParams bn;  // kEval
+  StreamKPlan plan;
+  // Split-tile workspace: partial sums, one slot per (split tile, piece), each
+  // 256 threads x kAccRegs fp32 in register order; and one arrival count per
+  // split tile, zeroed before the launch (by the GEMM's pre-pass).
+  float* partials;
+  int* tile_arrivals;
+  // sm90_gemm_fp16x3 only: 2^-e of each batch row's power-of-two scale (M floats).
+  const float* x_inv_scale;
+};
+
+// k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.
+struct WorkSegment {
+  int tile, kb_begin, kb_end, piece;
+};
+
+__device__ __forceinline__ int cta_num_segments(const StreamKPlan& p, int cta) {
+  const int dedicated = p.sk_tiles * (p.pieces - 1);
+  if (cta >= p.sk_ctas || cta < dedicated) return 1;
+  return min(p.tails_per_cta, p.sk_tiles - (cta - dedicated) * p.tails_per_cta);
+}
+
+__device__ __forceinline__ WorkSegment cta_segment(const StreamKPlan& p, int cta, int si, int num_k_blocks) {
+  if (cta >= p.sk_ctas) return {p.sk_tiles + (cta - p.sk_ctas), 0, num_k_blocks, -1};
+  const int dedicated = p.sk_tiles * (p.pieces - 1);
+  if (cta < dedicated) {
+    const int j = cta % (p.pieces - 1);
+    return {cta / (p.pieces - 1), j * p.piece_blocks, (j + 1) * p.piece_blocks, j};
+  }
+  return {(cta - dedicated) * p.tails_per_cta + si, (p.pieces - 1) * p.piece_blocks, num_k_blocks, p.pieces - 1};
+}
+
+// Byte offset of element (row, col) of a 128-byte-swizzled K-major tile.
+__device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
+  return static_cast<uint32_t>(row * 128 + ((((col >> 2) ^ row) & 7) << 4) + (col & 3) * 4);
+}
+// ---------------------------------------------------------------------------
+// Device side: the split-tile hand-off and the epilogues of a finished tile
+// ---------------------------------------------------------------------------
+
+// Split-tile hand-off.  Every piece's CTA stores its partial sums in the
+// piece's slot, then counts itself in with a GPU-scope acquire-release
+// atomic; the last to arrive sums the slots in piece order (its own read
+// back too, so the result does not depend on which CTA came last) and runs
+// the epilogue.  No CTA waits for another, so this cannot deadlock whatever
+// the residency.  Called by all kConsumerThreads consumer threads (ctid =
+// 0 .. 255); true when this CTA finishes tile seg.tile, acc then holding the
+// whole sum.
+__device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args,
+                                                    const WorkSegment& seg, int ctid) {
+  __shared__ int last_arrival;
+  constexpr int kAccQuads = kTileAccRegs / 4;
+  auto partial_slot = [&](int tile, int piece) {
+    return reinterpret_cast<float4*>(args.partials) +
+           static_cast<size_t>(tile * args.plan.pieces + piece) * kAccQuads * kConsumerThreads + ctid;
+  };
+  float4* mine = partial_slot(seg.tile, seg.piece);
+#pragma unroll
+  for (int i = 0; i < kAccQuads; ++i)
+    __stcg(mine + i * kConsumerThreads, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+  named_barrier_sync<1, kConsumerThreads>();  // the CTA's stores precede the release below
+  if (ctid == 0) {
+    __threadfence();
+    last_arrival = atomic_add_acq_rel_gpu(&args.tile_arrivals[seg.tile], 1) == args.plan.pieces - 1;
+  }
+  named_barrier_sync<1, kConsumerThreads>();
+  if (!last_arrival) return false;
+#pragma unroll
+  for (int i = 0; i < kTileAccRegs; ++i) acc[i] = 0.f;
+  for (int piece = 0; piece < args.plan.pieces; ++piece) {
+    const float4* slot = partial_slot(seg.tile, piece);
+#pragma unroll
+    for (int i = 0; i < kAccQuads; ++i) {
+      const float4 v = __ldcg(slot + i * kConsumerThreads);
+      acc[4 * i] += v.x;
+      acc[4 * i + 1] += v.y;
+      acc[4 * i + 2] += v.z;
+      acc[4 * i + 3] += v.w;
+    }
+  }
+  return true;
+}
+
+// The epilogue of one finished tile (layout in this header's comment): kEval
+// folds bias, scale and BatchNorm into a * z + c; kTrain writes the tile's
+// per-feature mean and M2; every epilogue then stores the tile.
+template <Epilogue kEpilogue>
+__device__ __forceinline__ void finish_tile(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args, int tile,
+                                            int m_tiles, int w_row, int t) {
+  const int M = args.M, N = args.N;
+  const int m_tile = tile % m_tiles, n_tile = tile / m_tiles;
+  const int m0 = m_tile * kTileM, n0 = n_tile * kTileN;
+  const int f_base = n0 + w_row;
+  if constexpr (kEpilogue == Epilogue::kEval) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int f = f_base + 8 * h;
+      if (f >= N) continue;
+      float a, c;
+      bn_eval_affine(args.bn, f, a, c);
+#pragma unroll
+      for (int i = 0; i < kTileAccRegs / 4; ++i) {
+        acc[4 * i + 2 * h] = fmaf(a, acc[4 * i + 2 * h], c);
+        acc[4 * i + 2 * h + 1] = fmaf(a, acc[4 * i + 2 * h + 1], c);
+      }
+    }
+  } else if constexpr (kEpilogue == Epilogue::kTrain) {
+    // Per-feature mean and M2 over the tile's valid rows: two passes over the
+    // registers (no E[z^2] - E[z]^2 cancellation), reduced across the quad.
+    const int rows_valid = min(kTileM, M - m0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < kTileAccRegs / 4; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (8 * i + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float mean = sum / static_cast<float>(rows_valid);
+      float m2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < kTileAccRegs / 4; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float d = acc[4 * i + 2 * h + e] - mean;
+          if (8 * i + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
+        }
+      }
+      m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
+      m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
+      const int f = f_base + 8 * h;
+      if (t == 0 && f < N) {
+        args.part_mean[static_cast<size_t>(m_tile) * N + f] = mean;
+        args.part_m2[static_cast<size_t>(m_tile) * N + f] = m2;
+      }
+    }
+  }
+
+  // Store: a warp instruction writes 8 consecutive features (32 bytes) of 4 rows.
+#pragma unroll
+  for (int i = 0; i < kTileAccRegs / 4; ++i) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int b = m0 + 8 * i + 2 * t + e;
+      if (b >= M) continue;
+      float* out_row = args.out + static_cast<size_t>(b) * N;
+      if (f_base < N) out_row[f_base] = acc[4 * i + e];
+      if (f_base + 8 < N) out_row[f_base + 8] = acc[4 * i + 2 + e];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side: tensor maps, the split-tile plan, device facts
+// ---------------------------------------------------------------------------
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled from the driver, fetched through the runtime so the
+// extension needs no -lcuda.  nullptr if the driver does not provide it.
+static EncodeTiledFn encode_tiled_fn() {
+  static EncodeTiledFn fn = []() -> EncodeTiledFn {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+#if CUDART_VERSION >= 12050
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
+        cudaSuccess)
+      return nullptr;
+#else
+    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status) != cudaSuccess)
+      return nullptr;
+#endif
+    return status == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiledFn>(ptr) : nullptr;
+  }();
+  return fn;
+}
+
+// A (rows, K) row-major matrix of elem_bytes-byte elements (kFloat32: fp32;
+// else 16-bit words) read in boxes of box_rows x (128 / elem_bytes) elements,
+// one 128-byte swizzle span per row, zero-filled outside the matrix.
+enum class TileDtype { kFloat32, kWord16 };
+
+static bool make_tensor_map(CUtensorMap* map, const void* ptr, TileDtype dtype, int rows, int K, int box_rows) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr) return false;
+  const int elem_bytes = dtype == TileDtype::kFloat32 ? 4 : 2;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * elem_bytes};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / elem_bytes), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(map, dtype == TileDtype::kFloat32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
+                const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Split tiles (header).  With one CTA per SM, `tiles` tiles take
+// ceil(tiles / num_sms) waves and the last leaves SMs idle (the KernelBench
+// shape: 512 tiles = 3.88 waves of 132).  The R remainder tiles (tiles %
+// num_sms, or all tiles when fewer than the SMs) are instead cut along K and
+// run first, on CTAs that each take about the same number of k-blocks; the
+// whole tiles follow in whole waves.  Unlike stream-K's even cut of the
+// flattened tile x k space (Osama et al., PPoPP 2023), which was measured
+// 7% slower here (CTAs sharing an x or w block read it at different times,
+// so the pass ran out of L2 and became DRAM-bound), every piece starts at
+// one of few k offsets, so CTAs read the same k-blocks at the same time:
+//   2 R <= num_sms: p equal pieces per tile (split-K), p <= num_sms / R;
+//   otherwise: a first piece of L k-blocks per tile on R CTAs, all starting
+//     at k = 0, and the K - L tails, tails_per_cta = ceil(R / (num_sms - R))
+//     back to back per CTA (consecutive tiles: the same w rows), with L set
+//     so both kinds take about as long (one k-block per hand-off counted).
+// kSplitMaxPieces bounds the slots a finishing CTA reads back; kSplitMinIters
+// keeps a piece above pipeline start-up.
+constexpr int kSplitMaxPieces = 8;
+constexpr int kSplitMinIters = 4;
+
+static StreamKPlan stream_k_plan(int M, int N, int K, int block_k, int num_sms, bool split_tiles) {
+  const long long tiles = static_cast<long long>((M + kTileM - 1) / kTileM) * ((N + kTileN - 1) / kTileN);
+  const int num_k_blocks = (K + block_k - 1) / block_k;
+  StreamKPlan p;
+  p.dp_tiles = static_cast<int>(tiles);
+  if (num_sms <= 0 || tiles > INT32_MAX / 8 || !split_tiles) return p;
+  const int rem = static_cast<int>(tiles >= num_sms ? tiles % num_sms : tiles);
+  if (rem == 0) return p;
+  int pieces, piece_blocks, tails_per_cta;
+  if (2 * rem <= num_sms) {
+    pieces = std::min({kSplitMaxPieces, num_sms / rem, num_k_blocks / kSplitMinIters});
+    if (pieces < 2) return p;
+    piece_blocks = (num_k_blocks + pieces - 1) / pieces;
+    pieces = (num_k_blocks + piece_blocks - 1) / piece_blocks;  // no empty last piece
+    tails_per_cta = 1;
+  } else {
+    pieces = 2;
+    tails_per_cta = (rem + (num_sms - rem) - 1) / (num_sms - rem);
+    piece_blocks = (tails_per_cta * (num_k_blocks + 1) - 1 + tails_per_cta) / (tails_per_cta + 1);
+    if (num_k_blocks - piece_blocks < kSplitMinIters) return p;
+  }
+  p.sk_tiles = rem;
+  p.pieces = pieces;
+  p.piece_blocks = piece_blocks;
+  p.tails_per_cta = tails_per_cta;
+  p.sk_ctas = rem * (pieces - 1) + (rem + tails_per_cta - 1) / tails_per_cta;
+  p.dp_tiles = static_cast<int>(tiles - rem);
+  return p;
+}
+
+// Streaming multiprocessors of the current device (cached per device).
+static cudaError_t current_num_sms(int* num_sms) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < kMaxDevices && cached[device] > 0) {
+    *num_sms = cached[device];
+    return cudaSuccess;
+  }
+  err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess && device < kMaxDevices) cached[device] = *num_sms;
+  return err;
+}
+
+// Workspace floats of the split tiles' partial sums (one slot per piece),
+// followed by one int per split tile (the arrival counts).
+static long long partial_floats(const StreamKPlan& p) {
+  return static_cast<long long>(p.sk_tiles) * p.pieces * kTileN * kTileM;
+}
+
+}  // namespace sm90
+}  // namespace fused_gemm_bn

@@ -5,7 +5,11 @@ GPU, in one process, for
   --model 84: Linear -> BatchNorm1d -> scale -> Softmax
               (level2_84_gemm_batchnorm_scaling_softmax/)
   --model both (default): 33, then 84.
-float32: both ModelNews run the 3xTF32 tensor-core GEMM of kernels/.
+float32: both ModelNews run the float32-accurate tensor-core GEMM of kernels/
+(fp16x3 on Hopper, 3xTF32 elsewhere or with FUSED_GEMM_BN_3XTF32=1); a "floor"
+side times three cuBLAS 16-bit products with float32 output at the same shape
+(the fp16x3 GEMM's work; needs torch.mm's out_dtype), and the table gives
+ModelNew's time over the floor's.
 float16 / bfloat16: both models are built in float32 from one seed and moved
 with .to(dtype), as harnesses do; ModelNew runs the 16-bit kernels of
 kernels/lowp/ (compiled on its first 16-bit call, before timing).
@@ -56,6 +60,7 @@ import argparse
 import copy
 import importlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -117,6 +122,7 @@ PROBLEMS = {
 # --sweep grid (M, K, N): batch 128..4096 x features 1024..8192 (K = N), plus
 # shapes whose sizes are not multiples of the tiles.
 SWEEP_SHAPES = ([(m, f, f) for f in (1024, 2048, 4096, 8192) for m in (128, 256, 512, 1024, 2048, 4096)] +
+                [(8192, 4096, 4096), (16384, 4096, 4096), (16384, 1024, 1024), (8192, 8192, 8192)] +
                 [(1000, 3000, 3000), (4000, 8188, 1000), (333, 8192, 5000), (2048, 1028, 8190)])
 
 
@@ -277,6 +283,9 @@ def bench_mode(problem, args, mode):
         sides["ModelNew"] = new
         errors, check = check_accuracy(problem, sides, ref, x_check)
         check["kernel_path"] = new.kernel_path(inputs[0])  # dispatch's name for the path timed below
+        floor = gemm_floor(m, k, n) if dtype == torch.float32 else None
+        if floor is not None:
+            sides["floor"] = floor
         times = time_fn(sides, inputs, args.iters, args.warmup)
     eager_ms = statistics.median(times["eager"])
     rows = []
@@ -285,8 +294,30 @@ def bench_mode(problem, args, mode):
         rows.append({"mode": mode, "side": name, "median_ms": ms, "min_ms": min(ts),
                      "gemm_tflops": 2.0 * m * n * k / (ms * 1e-3) / 1e12,
                      "speedup_vs_eager": eager_ms / ms, "time_ratio_vs_eager": ms / eager_ms,
-                     "rel_err_vs_fp64": errors[name]})
+                     "rel_err_vs_fp64": errors.get(name, float("nan"))})
+    if "floor" in times:
+        check["modelnew_time_over_floor"] = statistics.median(times["ModelNew"]) / statistics.median(times["floor"])
     return rows, dict(check, mode=mode, model=problem["name"])
+
+
+def gemm_floor(m, k, n):
+    """The fp16x3 floor as a timed side: three cuBLAS products of (m, k) x (k, n)
+    16-bit operands with float32 output (torch.mm's out_dtype), on fixed
+    pre-converted random operands (the argument x is ignored: the floor computes
+    no model output).  None, with a note, where this torch's mm has no out_dtype."""
+    a = torch.rand(m, k, device=DEVICE).half()
+    b = torch.rand(n, k, device=DEVICE).half().t()
+    try:
+        torch.mm(a[:1], b[:, :1], out_dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        print("note: this torch's mm has no out_dtype; no floor side")
+        return None
+
+    def floor(x):
+        for _ in range(3):
+            torch.mm(a, b, out_dtype=torch.float32)
+
+    return floor
 
 
 def _gradients(model, x, g):
@@ -402,8 +433,12 @@ def print_table(problem, rows, check, grad, dtype=torch.float32):
     print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}"
           f"{'time/eager':>12}{'rel err vs fp64':>17}")
     for r in rows:
+        err = "-" if math.isnan(r["rel_err_vs_fp64"]) else f"{r['rel_err_vs_fp64']:.2e}"
         print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
-              f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}{r['rel_err_vs_fp64']:>17.2e}")
+              f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}{err:>17}")
+    if "modelnew_time_over_floor" in check:
+        print(f"floor: three cuBLAS 16-bit products with float32 output (the fp16x3 GEMM's work); "
+              f"ModelNew takes {check['modelnew_time_over_floor']:.2f}x the floor's time")
     print(f"ModelNew vs eager: max |diff| {check['max_abs_diff_vs_eager']:.2e}, "
           f"{close_check(problem, dtype)[1]}: {'yes' if check['close_vs_eager'] else 'NO'}; "
           f"ModelNew path: {check['kernel_path']}")
@@ -414,7 +449,7 @@ def run_sweep(problem, args, modes):
     rows = []
     print(f"\nproblem {problem['name']} ({problem['title']})")
     print(f"{'mode':<6}{'M':>6}{'K':>7}{'N':>7}{'eager ms':>11}{'ModelNew ms':>13}{'speedup':>9}"
-          f"{'time/eager':>12}{'rel err':>10}{'eager err':>11}")
+          f"{'time/eager':>12}{'TFLOP/s':>9}{'rel err':>10}{'eager err':>11}")
     for mode in modes:
         for shape in SWEEP_SHAPES:
             m, k, n = shape
@@ -428,11 +463,13 @@ def run_sweep(problem, args, modes):
             eager_ms, new_ms = statistics.median(times["eager"]), statistics.median(times["ModelNew"])
             row = {"mode": mode, "M": m, "K": k, "N": n, "eager_ms": eager_ms, "modelnew_ms": new_ms,
                    "speedup_vs_eager": eager_ms / new_ms, "time_ratio_vs_eager": new_ms / eager_ms,
+                   "modelnew_gemm_tflops": 2.0 * m * n * k / (new_ms * 1e-3) / 1e12,
                    "rel_err_vs_fp64": errors["ModelNew"], "eager_rel_err_vs_fp64": errors["eager"],
                    "close_vs_eager": check["close_vs_eager"]}
             rows.append(row)
             print(f"{mode:<6}{m:>6}{k:>7}{n:>7}{eager_ms:>11.3f}{new_ms:>13.3f}{eager_ms / new_ms:>8.2f}x"
-                  f"{new_ms / eager_ms:>12.3f}{errors['ModelNew']:>10.1e}{errors['eager']:>11.1e}", flush=True)
+                  f"{new_ms / eager_ms:>12.3f}{row['modelnew_gemm_tflops']:>9.1f}{errors['ModelNew']:>10.1e}"
+                  f"{errors['eager']:>11.1e}", flush=True)
             del ref, new, inputs
             torch.cuda.empty_cache()
     return rows

@@ -102,9 +102,11 @@ import socket
 import sys
 import time
 import types
+import weakref
 
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 
 # ---------------------------------------------------------------------------
 # Build
@@ -114,7 +116,7 @@ _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "bn_backward_train",
-                        "sm90_gemm_available", "sm90_cluster_max_active"]
+                        "fp16x3_weight_parts", "sm90_gemm_available", "sm90_cluster_max_active"]
 # The 16-bit extension: kernels/lowp/ (plus the .cuh headers of kernels/), its own module.
 _LOWP_SUBDIR = "lowp"
 _LOWP_BINDING = "binding_16bit.cpp"
@@ -548,7 +550,8 @@ def per_feature_scale(scale, n):
 # The backward's products (grad_x = grad_z W, grad_W = grad_z^T x) are decided
 # the same way per product by dispatch_gemm_nt.
 
-Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3"])
+Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache"],
+                                  defaults=(True,))
 Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
 replace SWITCHES; nothing reads the environment per call):
   portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
@@ -556,10 +559,14 @@ replace SWITCHES; nothing reads the environment per call):
   split_tiles  False with FUSED_GEMM_BN_NO_SPLIT_TILES=1: the Hopper GEMMs run
                whole tiles only (sm90_*_nosplit; an A/B switch for timing)
   fp16x3       False with FUSED_GEMM_BN_3XTF32=1: Hopper takes the 3xTF32 wgmma
-               kernel instead of fp16x3 (A/B timing; the tests run both)"""
+               kernel instead of fp16x3 (A/B timing; the tests run both)
+  weight_cache False with FUSED_GEMM_BN_NO_WEIGHT_CACHE=1: the fp16x3 path splits
+               gemm.weight in every call instead of keeping its parts
+               (_weight_parts)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
-                    fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1")
+                    fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1",
+                    weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1")
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
@@ -709,12 +716,97 @@ def _kernels(plan_kernels):
 # ---------------------------------------------------------------------------
 
 
+# gemm.weight's fp16x3 parts, kept between calls.  Entries are keyed by the
+# weight tensor object (id, checked through a weak reference that also drops
+# the entry when the weight dies) and valid while the weight's data pointer,
+# version counter, shape, strides, device and the current stream are those of
+# the call that made them.  The entry holds the weight's storage, so its
+# memory cannot be reused by another tensor at the same address while cached.
+_WeightPartsEntry = collections.namedtuple("_WeightPartsEntry", ["ref", "key", "storage", "parts"])
+_WEIGHT_PARTS = {}
+
+
+def _weight_parts(weight, split=None):
+    """gemm.weight's fp16x3 parts for the sm90_fp16x3 kernels (the extension's
+    fp16x3_weight_parts: w_hi, w_lo as fp16 words and the rows' power-of-two
+    scales, weight_parts_floats(N, K) = N K + N float32 words, the size of the
+    weight itself), made on the first call and reused while the weight is
+    unchanged; None when the call must split the weight itself (the extension
+    then does, inside the call): caching off (SWITCHES.weight_cache), a CUDA
+    graph being captured (a graph must not read a cache that later calls
+    replace), or an inference-mode weight (no version counter).
+    Seen as changes: anything that bumps the weight's version counter (in-place
+    ops on the parameter, copy_, load_state_dict), every torch.optim optimizer's
+    step() (a global step hook, _drop_stepped_weights: fused optimizers do not
+    bump the counter), and `.data` assignment (a new storage).  Not seen:
+    in-place writes through `weight.data` outside an optimizer step (a tensor
+    with a version counter of its own, which autograd does not see either);
+    after such writes call clear_weight_cache().
+    `split` makes the parts (default: the extension's fp16x3_weight_parts; the
+    CPU tests give their own)."""
+    if (not SWITCHES.weight_cache or not _WEIGHT_CACHE_SAFE or weight.is_inference()
+            or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+    stream = torch.cuda.current_stream(weight.device).cuda_stream if weight.is_cuda else 0
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.device, stream)
+    wid = id(weight)
+    entry = _WEIGHT_PARTS.get(wid)
+    if entry is not None and entry.ref() is weight and entry.key == key:
+        return entry.parts
+    _WEIGHT_PARTS.pop(wid, None)  # the old parts go before the new ones are made
+
+    def drop(ref, wid=wid):
+        current = _WEIGHT_PARTS.get(wid)
+        if current is not None and current.ref is ref:
+            del _WEIGHT_PARTS[wid]
+
+    parts = (_ext.fp16x3_weight_parts if split is None else split)(weight)
+    _WEIGHT_PARTS[wid] = _WeightPartsEntry(weakref.ref(weight, drop), key, weight.untyped_storage(), parts)
+    return parts
+
+
+def _drop_stepped_weights(optimizer, args, kwargs):
+    """Global optimizer step post-hook: drops the cached parts of every
+    parameter the optimizer holds.  Fused optimizers (Adam, AdamW, SGD with
+    fused=True) and optimizers that write through `p.data` leave the version
+    counter unchanged, so the key alone would miss their updates."""
+    if not _WEIGHT_PARTS:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _WEIGHT_PARTS.get(id(p))
+            if entry is not None and entry.ref() is p:
+                del _WEIGHT_PARTS[id(p)]
+
+
+# Where this torch has no global optimizer hooks, nothing is cached.
+_WEIGHT_CACHE_SAFE = hasattr(torch_optimizer, "register_optimizer_step_post_hook")
+if _WEIGHT_CACHE_SAFE:
+    torch_optimizer.register_optimizer_step_post_hook(_drop_stepped_weights)
+
+
+def clear_weight_cache():
+    """Drops every cached fp16x3 weight split (_weight_parts), freeing its memory
+    (one weight's size per cached weight); the next call splits again."""
+    _WEIGHT_PARTS.clear()
+
+
+def _weight_args(kernels, gemm, weight):
+    """The trailing argument of the float32 extension's forwards: gemm.weight's
+    cached fp16x3 parts on the sm90_fp16x3 path, else None (the 16-bit and
+    torch-op namespaces take none)."""
+    if kernels is not _ext:
+        return ()
+    return (_weight_parts(weight) if gemm.startswith("sm90_fp16x3") else None,)
+
+
 def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params):
     """The one extension call of a forward without gradients: forward_train
     (updates the buffers) or forward_eval."""
+    extra = _weight_args(kernels, gemm, params[1])
     if training:
-        return kernels.forward_train(gemm, *params, *buffers, momentum, eps, scale_after_bn)
-    return kernels.forward_eval(gemm, *params, *buffers[:2], eps, scale_after_bn)
+        return kernels.forward_train(gemm, *params, *buffers, momentum, eps, scale_after_bn, *extra)
+    return kernels.forward_eval(gemm, *params, *buffers[:2], eps, scale_after_bn, *extra)
 
 
 def _checked_params(x, gemm, scale, bn):
@@ -870,7 +962,8 @@ class _TrainFn(torch.autograd.Function):
     def forward(ctx, kernels, gemm, scale_after_bn, buffers, momentum, eps, x, weight, bias, scale, bn_weight,
                 bn_bias):
         out, z, stats = kernels.forward_train_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers,
-                                                    momentum, eps, scale_after_bn)
+                                                    momentum, eps, scale_after_bn,
+                                                    *_weight_args(kernels, gemm, weight))
         ctx.scale_after_bn, ctx.eps = scale_after_bn, eps
         ctx.save_for_backward(x, weight, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,
                               out if scale_after_bn else None)
@@ -1076,8 +1169,9 @@ def _op_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, 
     _check_training_batch(x, weight)
     plan = dispatch(x, weight, True, False, scale_after_bn)
     buffers = (running_mean.clone(), running_var.clone(), num_batches_tracked.clone())
-    out = _kernels(plan.kernels).forward_train(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers,
-                                               momentum, eps, scale_after_bn)
+    kernels = _kernels(plan.kernels)
+    out = kernels.forward_train(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers, momentum, eps,
+                                scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
     return (out,) + buffers
 
 
@@ -1088,8 +1182,9 @@ def _op_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_
     _check_training_batch(x, weight)
     plan = dispatch(x, weight, True, True, scale_after_bn)
     buffers = (running_mean.clone(), running_var.clone(), num_batches_tracked.clone())
-    out, z, stats = _kernels(plan.kernels).forward_train_saved(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias,
-                                                               *buffers, momentum, eps, scale_after_bn)
+    kernels = _kernels(plan.kernels)
+    out, z, stats = kernels.forward_train_saved(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers,
+                                                momentum, eps, scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
     return (out, z, stats) + buffers
 
 
@@ -1098,8 +1193,9 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
     plan = dispatch(x, weight, False, False, scale_after_bn)
     if plan.kernels is None:
         return x.new_empty((0, weight.shape[0]))
-    return _kernels(plan.kernels).forward_eval(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
-                                               running_var, eps, scale_after_bn)
+    kernels = _kernels(plan.kernels)
+    return kernels.forward_eval(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                                scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
 
 
 def _fake_gemm_nt(a, b):

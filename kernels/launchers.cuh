@@ -91,19 +91,23 @@ cudaError_t sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_
                                 int64_t* num_batches_tracked, cudaStream_t stream);
 // As sm90_gemm_workspace, for the fp16x3 kernel (its k-blocks are 64 deep).
 void sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
+// An operand's fp16x3 parts from sm90_prepass_fp16x3: hi, lo (rows, K) fp16 words,
+// row-major, 16-byte aligned; inv_scale (rows) fp32, each row's 2^-e.
+struct Fp16x3Parts {
+  const uint16_t* hi;
+  const uint16_t* lo;
+  const float* inv_scale;
+};
 // z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
-cudaError_t sm90_gemm_fp16x3_train(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                   const float* w, float* out, float* part_mean, float* part_m2, int M, int N, int K,
-                                   bool split_tiles, float* workspace, cudaStream_t stream);
+cudaError_t sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean, float* part_m2, int M,
+                                   int N, int K, bool split_tiles, float* workspace, cudaStream_t stream);
 // out = a * (x @ w^T) + c, the eval-mode fold.
-cudaError_t sm90_gemm_fp16x3_eval(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                  const float* w, float* out, const float* bias, const float* scale,
+cudaError_t sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const float* bias, const float* scale,
                                   const float* bn_weight, const float* bn_bias, const float* running_mean,
                                   const float* running_var, float eps, bool scale_after_bn, int M, int N, int K,
                                   bool split_tiles, float* workspace, cudaStream_t stream);
 // out = x @ w^T (the backward's products).
-cudaError_t sm90_gemm_fp16x3_plain(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                   const float* w, float* out, int M, int N, int K, bool split_tiles,
+cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K, bool split_tiles,
                                    float* workspace, cudaStream_t stream);
 
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------

@@ -79,7 +79,11 @@ struct Fp16x3Traits {
   static constexpr int WGMMA_M = 64;
   static constexpr int WGMMA_N = 64;   // half the batch tile per wgmma
   static constexpr int WGMMA_K = 16;
-  static constexpr int SPAN_K = 32;    // k per w scale, A-fragment buffer and promotion
+  static constexpr int SPAN_K = 32;    // k per A-fragment buffer (one commit group)
+#ifndef FUSED_GEMM_BN_FP16X3_PROMOTE_BLOCKS
+#define FUSED_GEMM_BN_FP16X3_PROMOTE_BLOCKS 1
+#endif
+  static constexpr int kPromoteBlocks = FUSED_GEMM_BN_FP16X3_PROMOTE_BLOCKS;  // k-blocks per promotion
   static constexpr int kSpanSteps = SPAN_K / WGMMA_K;  // wgmma k-steps per span
   static constexpr int kNumConsumers = BLOCK_N / WGMMA_M;
   static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
@@ -88,16 +92,15 @@ struct Fp16x3Traits {
   static constexpr int kPartRegs = WGMMA_M * WGMMA_N / 128;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
-  static constexpr int W_SPAN_BYTES = BLOCK_N * 32 * 4;  // one TMA box: 32 fp32 columns
-  static constexpr int W_TILE_BYTES = 2 * W_SPAN_BYTES;
-  static constexpr int X_TILE_BYTES = BLOCK_M * BLOCK_K * 2;
-  static constexpr int STAGE_BYTES = W_TILE_BYTES + 2 * X_TILE_BYTES;
+  static constexpr int W_PART_BYTES = BLOCK_N * BLOCK_K * 2;  // one fp16 part of the w tile
+  static constexpr int X_PART_BYTES = BLOCK_M * BLOCK_K * 2;
+  static constexpr int STAGE_BYTES = 2 * W_PART_BYTES + 2 * X_PART_BYTES;  // w_hi, w_lo, x_hi, x_lo
   static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;
 
-  static_assert(BLOCK_K * 2 == 128, "x tiles are rows of one 128-byte swizzle span");
-  static_assert(BLOCK_K == 2 * SPAN_K && SPAN_K * 4 == 128, "a stage holds two spans, each one fp32 w box");
+  static_assert(BLOCK_K * 2 == 128, "tiles are rows of one 128-byte swizzle span");
+  static_assert(BLOCK_K == 2 * SPAN_K, "a stage holds two spans");
   static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k16 halves per batch tile");
-  static_assert(W_SPAN_BYTES % 1024 == 0 && X_TILE_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
+  static_assert(W_PART_BYTES % 1024 == 0 && X_PART_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
   static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
                     kNumConsumers * 128 == kConsumerThreads,
@@ -106,7 +109,9 @@ struct Fp16x3Traits {
 
 template <Epilogue kEpilogue>
 __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
-    sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x_hi,
+    sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w_hi,
+                               const __grid_constant__ CUtensorMap tmap_w_lo,
+                               const __grid_constant__ CUtensorMap tmap_x_hi,
                                const __grid_constant__ CUtensorMap tmap_x_lo, const Sm90GemmBnArgs args) {
 #if FUSED_GEMM_BN_SM90A
   using T = Fp16x3Traits;
@@ -138,7 +143,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     // through the ring; `q` counts ring slots over the whole CTA.
     setmaxnreg_dec<T::kProducerRegs>();
     if (threadIdx.x == T::kNumConsumers * 128) {
-      tma_prefetch_descriptor(&tmap_w);
+      tma_prefetch_descriptor(&tmap_w_hi);
+      tma_prefetch_descriptor(&tmap_w_lo);
       tma_prefetch_descriptor(&tmap_x_hi);
       tma_prefetch_descriptor(&tmap_x_lo);
       int q = 0;
@@ -151,10 +157,10 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
           uint8_t* stage = smem + s * T::STAGE_BYTES;
           mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
           const int k0 = kb * T::BLOCK_K;
-          tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
-          tma_load_2d(stage + T::W_SPAN_BYTES, &tmap_w, &full_bar[s], k0 + 32, n0);
-          tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x_hi, &full_bar[s], k0, m0);
-          tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_lo, &full_bar[s], k0, m0);
+          tma_load_2d(stage, &tmap_w_hi, &full_bar[s], k0, n0);
+          tma_load_2d(stage + T::W_PART_BYTES, &tmap_w_lo, &full_bar[s], k0, n0);
+          tma_load_2d(stage + 2 * T::W_PART_BYTES, &tmap_x_hi, &full_bar[s], k0, m0);
+          tma_load_2d(stage + 2 * T::W_PART_BYTES + T::X_PART_BYTES, &tmap_x_lo, &full_bar[s], k0, m0);
         }
       }
     }
@@ -164,141 +170,122 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
   setmaxnreg_inc<T::kConsumerRegs>();
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int w_row = warpgroup * T::WGMMA_M + warp * 16 + g;  // this thread's first A row in the w tile
+  const int t = lane % 4;
+  const int w_row = warpgroup * T::WGMMA_M + warp * 16 + lane / 4;  // this thread's first A row in the w tile
+  // ldmatrix: lane l gives the address of row (l % 8) + 8 ((l / 8) % 2) of the
+  // warp's 16 rows, 16-byte chunk l / 16 of the k-step (the A fragment order).
+  const int ld_row = warpgroup * T::WGMMA_M + warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+  const int ld_chunk = lane / 16;
 
   float acc[T::kAccRegs];
   float part[2][T::kPartRegs];
-  // w's fp16 parts of one span (32 k) in the A-fragment layout: [buffer][k-step][hi, lo][reg],
-  // and 2^-e of the span's scale for rows w_row, w_row + 8: [buffer][row].  Two
-  // buffers, one per span of a stage: the previous span's wgmmas still read
-  // theirs while the next is built.
+  // w's fp16 parts of one span (32 k) in the A-fragment layout:
+  // [buffer][k-step][hi, lo][reg].  Two buffers, one per span of a stage: the
+  // previous span's wgmmas still read theirs while the next is loaded.
   uint32_t a_frag[2][T::kSpanSteps][2][4];
-  float w_inv_scale[2][2];
-
-  using H0 = std::integral_constant<int, 0>;
-  using H1 = std::integral_constant<int, 1>;
-  using Sub0 = std::integral_constant<int, 0>;
-  using Sub1 = std::integral_constant<int, 1>;
-
   // The lambdas take `q`, the ring slot counter (stage q % kNumStages, mbarrier
-  // phase q / kNumStages), which runs on over all segments of the CTA, and a
-  // compile-time span kSub (0, 1) of the stage, whose A fragments live in
-  // buffer kSub.  The span's fp32 w tile is 32-column box kSub of the stage;
-  // register r of k-step j holds the pair (row w_row + 8 (r & 1), column
-  // 16 j + 2 t + 8 (r >> 1)) of it.
-  auto build = [&](auto sub_c, int q) {
-    constexpr int kSub = decltype(sub_c)::value;
-    const uint8_t* w_span = smem + (q % T::kNumStages) * T::STAGE_BYTES + kSub * T::W_SPAN_BYTES;
-    auto w_pair = [&](int j, int r) {
-      const int row = w_row + 8 * (r & 1);
-      const int col = 16 * j + 2 * t + 8 * (r >> 1);
-      return *reinterpret_cast<const float2*>(w_span + sw128_offset(row, col));
-    };
-    float2 v[T::kSpanSteps][4];
-    float amax[2] = {0.f, 0.f};
+  // phase q / kNumStages), which runs on over all segments of the CTA.  Span
+  // `sub` (0, 1) of slot q: k-steps kSpanSteps * sub + j of the stage's tiles;
+  // its A fragments live in buffer `sub`.
+  auto load_a = [&](uint32_t(&a)[T::kSpanSteps][2][4], int q, int sub) {
+    const uint32_t w_hi = smem_u32(smem + (q % T::kNumStages) * T::STAGE_BYTES);
 #pragma unroll
-    for (int j = 0; j < T::kSpanSteps; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        v[j][r] = w_pair(j, r);
-        amax[r & 1] = fmaxf(amax[r & 1], fmaxf(fabsf(v[j][r].x), fabsf(v[j][r].y)));
-      }
-    float scale[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // the quad holds the row's 32 values
-      amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
-      amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
-      fp16x3_scale(amax[h], scale[h], w_inv_scale[kSub][h]);
+    for (int j = 0; j < T::kSpanSteps; ++j) {
+      const int chunk = (sub * T::kSpanSteps + j) * (T::WGMMA_K / 8) + ld_chunk;  // 8 fp16 per 16-byte chunk
+      const uint32_t offset = ld_row * 128 + ((chunk ^ (ld_row % 8)) << 4);       // 128-byte swizzle
+      ldmatrix_x4(a[j][0], w_hi + offset);
+      ldmatrix_x4(a[j][1], w_hi + T::W_PART_BYTES + offset);
     }
-#pragma unroll
-    for (int j = 0; j < T::kSpanSteps; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        split_fp16x2(v[j][r].x * scale[r & 1], v[j][r].y * scale[r & 1], a_frag[kSub][j][0][r],
-                     a_frag[kSub][j][1][r]);
   };
-  // The 6 wgmmas of span kSub, batch half kHalf, as one commit group into a
-  // fresh part[kHalf]: the small products first, then the big one.
-  auto issue = [&](auto sub_c, auto half_c, int q) {
-    constexpr int kSub = decltype(sub_c)::value, kHalf = decltype(half_c)::value;
-    const uint8_t* x_hi = smem + (q % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES + kHalf * T::WGMMA_N * 128;
-    const uint8_t* x_lo = x_hi + T::X_TILE_BYTES;
+  // The 12 wgmmas of one span (both batch halves, 6 each) as one commit group:
+  // per half the small products first, while |part| is small (the tensor
+  // core's truncating adds lose in proportion to the running |part|), then
+  // the big one.  fresh: the span's first wgmma per half overwrites `part` (a
+  // promotion just emptied it) instead of adding to it.
+  auto issue_span = [&](const uint32_t(&a)[T::kSpanSteps][2][4], int q, int sub, bool fresh) {
+    const uint8_t* x_tiles = smem + (q % T::kNumStages) * T::STAGE_BYTES + 2 * T::W_PART_BYTES;
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < T::kSpanSteps; ++j) {
-      const uint32_t k_bytes = (kSub * T::kSpanSteps + j) * T::WGMMA_K * 2;
-      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][0], desc_kmajor_sw128(x_lo, k_bytes), j != 0);
-      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][1], desc_kmajor_sw128(x_hi, k_bytes), true);
-    }
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* x_hi = x_tiles + half * T::WGMMA_N * 128;
+      const uint8_t* x_lo = x_hi + T::X_PART_BYTES;
 #pragma unroll
-    for (int j = 0; j < T::kSpanSteps; ++j) {
-      const uint32_t k_bytes = (kSub * T::kSpanSteps + j) * T::WGMMA_K * 2;
-      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][0], desc_kmajor_sw128(x_hi, k_bytes), true);
+      for (int j = 0; j < T::kSpanSteps; ++j) {
+        const uint32_t k_bytes = (sub * T::kSpanSteps + j) * T::WGMMA_K * 2;
+        wgmma_m64n64k16_f16_rs(part[half], a[j][0], desc_kmajor_sw128(x_lo, k_bytes), !(fresh && j == 0));
+        wgmma_m64n64k16_f16_rs(part[half], a[j][1], desc_kmajor_sw128(x_hi, k_bytes), true);
+      }
+#pragma unroll
+      for (int j = 0; j < T::kSpanSteps; ++j) {
+        const uint32_t k_bytes = (sub * T::kSpanSteps + j) * T::WGMMA_K * 2;
+        wgmma_m64n64k16_f16_rs(part[half], a[j][0], desc_kmajor_sw128(x_hi, k_bytes), true);
+      }
     }
     wgmma_commit();
   };
-  // acc += part[kHalf] * 2^-e (span kSub's scales): element i of part is row
-  // w_row + 8 ((i >> 1) & 1).
-  auto promote = [&](auto sub_c, auto half_c) {
-    constexpr int kSub = decltype(sub_c)::value, kHalf = decltype(half_c)::value;
+  // acc += part, round to nearest (the promotion).
+  auto promote = [&]() {
 #pragma unroll
-    for (int i = 0; i < T::kPartRegs; ++i) {
-      fence_operand(part[kHalf][i]);  // read only after the wgmma wait
-      acc[kHalf * T::kPartRegs + i] =
-          fmaf(part[kHalf][i], w_inv_scale[kSub][(i >> 1) & 1], acc[kHalf * T::kPartRegs + i]);
-      fence_operand(acc[kHalf * T::kPartRegs + i]);  // before the next wgmma overwrites part
-    }
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < T::kPartRegs; ++i) {
+        fence_operand(part[h][i]);  // read only after the wgmma wait
+        acc[h * T::kPartRegs + i] += part[h][i];
+        fence_operand(acc[h * T::kPartRegs + i]);  // add before the next wgmma overwrites part
+      }
   };
-  // Keeps buffer kSub's A registers alive (unreused) until this point.
-  auto keep_alive = [&](auto sub_c) {
-    constexpr int kSub = decltype(sub_c)::value;
+  auto keep_alive = [&](uint32_t(&a)[T::kSpanSteps][2][4]) {
 #pragma unroll
     for (int j = 0; j < T::kSpanSteps; ++j)
 #pragma unroll
       for (int p = 0; p < 2; ++p)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) fence_operand(a_frag[kSub][j][p][r]);
+        for (int r = 0; r < 4; ++r) fence_operand(a[j][p][r]);
   };
-  // Span kSub of ring slot q, the previous span's two groups (buffer kSub ^ 1)
-  // in flight.  Each wait_group 1 retires the previous span's group of one
-  // half, whose part is promoted and refilled.  For kSub == 0 the previous
-  // span was the last of slot q - 1, which then has no reader left.
-  auto span = [&](auto sub_c, int q, int q0) {
+  // Span `sub` of ring slot q.  On entry the previous span's group may be in
+  // flight; wait<1> retires the one before it, the last reader of buffer `sub`
+  // (and, for sub == 0, of slot q - 1, which is then released).  With
+  // promote_now the partial sums are first added to acc (wait<0>: this
+  // warpgroup's tensor pipe drains once per promotion; the other warpgroup's
+  // groups keep the tensor cores busy meanwhile).  One group outstanding at
+  // the loop's back edge and the full drain at the promotion: with wait<1>
+  // promotions ptxas serialises every wgmma (warning C7514).  `sub` is a
+  // compile-time constant, so the register arrays are never indexed at run time.
+  auto span = [&](auto sub_c, int q, int q0, bool promote_now) {
     constexpr int kSub = decltype(sub_c)::value;
-    using Prev = std::integral_constant<int, kSub ^ 1>;
     if (kSub == 0) mbar_wait(&full_bar[q % T::kNumStages], (q / T::kNumStages) & 1);
-    build(sub_c, q);
     wgmma_wait<1>();
-    keep_alive(Prev{});
-    promote(Prev{}, H0{});
-    issue(sub_c, H0{}, q);
-    wgmma_wait<1>();
-    keep_alive(Prev{});
-    promote(Prev{}, H1{});
-    issue(sub_c, H1{}, q);
+    keep_alive(a_frag[kSub]);
     if (kSub == 0 && q > q0 && lane == 0) mbar_arrive(&empty_bar[(q - 1) % T::kNumStages]);
+    load_a(a_frag[kSub], q, kSub);
+    if (promote_now) {
+      wgmma_wait<0>();
+      keep_alive(a_frag[kSub ^ 1]);
+      promote();
+    }
+    issue_span(a_frag[kSub], q, kSub, promote_now);
   };
+  using Sub0 = std::integral_constant<int, 0>;
+  using Sub1 = std::integral_constant<int, 1>;
+
   // acc = the sum over the segment's n k-blocks, from ring slot q0 on (scaled
-  // by x's 2^e_m: the caller unscales).  The last span is always span 1.
+  // by 2^e_n of w and 2^e_m of x: the caller unscales).  The partial sums are
+  // promoted every kPromoteBlocks k-blocks.
   auto mainloop = [&](int q0, int n) {
 #pragma unroll
     for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
     mbar_wait(&full_bar[q0 % T::kNumStages], (q0 / T::kNumStages) & 1);
-    build(Sub0{}, q0);
-    issue(Sub0{}, H0{}, q0);
-    issue(Sub0{}, H1{}, q0);
-    span(Sub1{}, q0, q0);
+    load_a(a_frag[0], q0, 0);
+    issue_span(a_frag[0], q0, 0, true);
+    span(Sub1{}, q0, q0, false);
     for (int q = q0 + 1; q < q0 + n; ++q) {
-      span(Sub0{}, q, q0);
-      span(Sub1{}, q, q0);
+      span(Sub0{}, q, q0, (q - q0) % T::kPromoteBlocks == 0);
+      span(Sub1{}, q, q0, false);
     }
-    wgmma_wait<1>();
-    keep_alive(Sub1{});
-    promote(Sub1{}, H0{});
     wgmma_wait<0>();
-    keep_alive(Sub1{});
-    promote(Sub1{}, H1{});
+    keep_alive(a_frag[0]);
+    keep_alive(a_frag[1]);
+    promote();
     if (lane == 0) mbar_arrive(&empty_bar[(q0 + n - 1) % T::kNumStages]);
   };
 
@@ -310,16 +297,23 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     mainloop(q, n_blocks);
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
-    // z = acc * 2^-e_m (layout: sm90_gemm_tiles.cuh; rows past M hold zeros).
-    const int m0 = (seg.tile % m_tiles) * T::BLOCK_M;
+    // z = (acc * 2^-e_n) * 2^-e_m, two exact scalings (layout: sm90_gemm_tiles.cuh;
+    // rows past M or N hold zeros).
+    const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
+    float w_inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int f = n0 + w_row + 8 * h;
+      w_inv[h] = f < args.N ? __ldg(args.w_inv_scale + f) : 0.f;
+    }
 #pragma unroll
     for (int i = 0; i < T::kAccRegs / 4; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int b = m0 + 8 * i + 2 * t + e;
         const float inv = b < M ? __ldg(args.x_inv_scale + b) : 0.f;
-        acc[4 * i + e] *= inv;
-        acc[4 * i + 2 + e] *= inv;
+        acc[4 * i + e] = (acc[4 * i + e] * w_inv[0]) * inv;
+        acc[4 * i + 2 + e] = (acc[4 * i + 2 + e] * w_inv[1]) * inv;
       }
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
@@ -329,14 +323,15 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 }
 
 template <Epilogue kEpilogue>
-static cudaError_t launch_fp16x3(const uint16_t* x_hi, const uint16_t* x_lo, const float* w, Sm90GemmBnArgs args,
-                                 bool split_tiles, float* workspace, cudaStream_t stream) {
+static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, bool split_tiles,
+                                 float* workspace, cudaStream_t stream) {
   using T = Fp16x3Traits;
   auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue>;
-  CUtensorMap tmap_w, tmap_x_hi, tmap_x_lo;
-  if (!make_tensor_map(&tmap_w, w, TileDtype::kFloat32, args.N, args.K, T::BLOCK_N) ||
-      !make_tensor_map(&tmap_x_hi, x_hi, TileDtype::kWord16, args.M, args.K, T::BLOCK_M) ||
-      !make_tensor_map(&tmap_x_lo, x_lo, TileDtype::kWord16, args.M, args.K, T::BLOCK_M))
+  CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
+  if (!make_tensor_map(&tmap_w_hi, w.hi, TileDtype::kWord16, args.N, args.K, T::BLOCK_N) ||
+      !make_tensor_map(&tmap_w_lo, w.lo, TileDtype::kWord16, args.N, args.K, T::BLOCK_N) ||
+      !make_tensor_map(&tmap_x_hi, x.hi, TileDtype::kWord16, args.M, args.K, T::BLOCK_M) ||
+      !make_tensor_map(&tmap_x_lo, x.lo, TileDtype::kWord16, args.M, args.K, T::BLOCK_M))
     return cudaErrorInvalidValue;
   constexpr int kMaxDevices = 64;
   static bool smem_set[kMaxDevices] = {};
@@ -355,17 +350,22 @@ static cudaError_t launch_fp16x3(const uint16_t* x_hi, const uint16_t* x_lo, con
   if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.partials = workspace;
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
+  args.x_inv_scale = x.inv_scale;
+  args.w_inv_scale = w.inv_scale;
   const long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x_hi, tmap_x_lo, args);
+  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w_hi, tmap_w_lo, tmap_x_hi,
+                                                                                 tmap_x_lo, args);
   return cudaGetLastError();
 }
 
 // Preconditions of the launchers below, as the dispatch guarantees them.
-static bool fp16x3_launch_ok(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale, const float* w,
-                             int M, int N, int K) {
-  return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && aligned16(x_hi) && aligned16(x_lo) && aligned16(w) &&
-         x_inv_scale != nullptr && fused_gemm_bn::sm90_gemm_available();
+static bool parts_ok(const Fp16x3Parts& p) {
+  return aligned16(p.hi) && aligned16(p.lo) && p.inv_scale != nullptr;
+}
+static bool fp16x3_launch_ok(const Fp16x3Parts& x, const Fp16x3Parts& w, int M, int N, int K) {
+  return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && parts_ok(x) && parts_ok(w) &&
+         fused_gemm_bn::sm90_gemm_available();
 }
 
 }  // namespace sm90
@@ -389,45 +389,39 @@ void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_t
 }
 
 // z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
-cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_train(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                                  const float* w, float* out, float* part_mean, float* part_m2, int M,
-                                                  int N, int K, bool split_tiles, float* workspace,
-                                                  cudaStream_t stream) {
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean,
+                                                  float* part_m2, int M, int N, int K, bool split_tiles,
+                                                  float* workspace, cudaStream_t stream) {
   using namespace sm90;
-  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
-  args.x_inv_scale = x_inv_scale;
-  return launch_fp16x3<sm90::Epilogue::kTrain>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+  return launch_fp16x3<sm90::Epilogue::kTrain>(x, w, args, split_tiles, workspace, stream);
 }
 
 // out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
-cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                                 const float* w, float* out, const float* bias, const float* scale,
-                                                 const float* bn_weight, const float* bn_bias,
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const float* bias,
+                                                 const float* scale, const float* bn_weight, const float* bn_bias,
                                                  const float* running_mean, const float* running_var, float eps,
                                                  bool scale_after_bn, int M, int N, int K, bool split_tiles,
                                                  float* workspace, cudaStream_t stream) {
   using namespace sm90;
-  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
   args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
-  args.x_inv_scale = x_inv_scale;
-  return launch_fp16x3<sm90::Epilogue::kEval>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+  return launch_fp16x3<sm90::Epilogue::kEval>(x, w, args, split_tiles, workspace, stream);
 }
 
 // out = x @ w^T, nothing else (the backward's products).
-cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                                  const float* w, float* out, int M, int N, int K, bool split_tiles,
-                                                  float* workspace, cudaStream_t stream) {
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K,
+                                                  bool split_tiles, float* workspace, cudaStream_t stream) {
   using namespace sm90;
-  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
-  args.x_inv_scale = x_inv_scale;
-  return launch_fp16x3<sm90::Epilogue::kPlain>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+  return launch_fp16x3<sm90::Epilogue::kPlain>(x, w, args, split_tiles, workspace, stream);
 }

@@ -61,8 +61,10 @@ struct Sm90GemmBnArgs {
   // split tile, zeroed before the launch (by the GEMM's pre-pass).
   float* partials;
   int* tile_arrivals;
-  // sm90_gemm_fp16x3 only: 2^-e of each batch row's power-of-two scale (M floats).
+  // sm90_gemm_fp16x3 only: 2^-e of each row's power-of-two scale, x's (M
+  // floats) and w's (N floats).
   const float* x_inv_scale;
+  const float* w_inv_scale;
 };
 
 // k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.

@@ -135,6 +135,19 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
   return old;
 }
 
+// ---- ldmatrix -------------------------------------------------------------
+
+// Four 8 x 8 matrices of 16-bit words from shared memory (PTX ISA 9.7.9.23
+// ldmatrix): lanes 8 i .. 8 i + 7 give the row addresses of matrix i, and
+// r[i] of lane 4 g + t holds that matrix's row g, words 2 t and 2 t + 1.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+#endif
+}
+
 // ---- wgmma ----------------------------------------------------------------
 
 // Shared-memory matrix descriptor (PTX ISA 9.7.15.5.1) for a K-major tile

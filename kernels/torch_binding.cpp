@@ -220,6 +220,48 @@ SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, bool split_ti
   return {storage, hi, lo, inv_scale, workspace};
 }
 
+// gemm.weight's fp16x3 parts as one float32 tensor, [w_hi (N K / 2 floats) |
+// w_lo (N K / 2) | w_inv_scale (N, padded to a multiple of 4)]: the pre-pass
+// run over W's rows.  model_new.py keeps it between calls (_weight_parts).
+int64_t weight_parts_floats(int64_t N, int64_t K) { return N * K + (N + 3) / 4 * 4; }
+
+torch::Tensor split_weight(const torch::Tensor& w, int N, int K, cudaStream_t stream) {
+  TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
+  torch::Tensor packed = torch::empty({weight_parts_floats(N, K)}, w.options());
+  float* base = packed.data_ptr<float>();
+  const int64_t part_floats = static_cast<int64_t>(N) * K / 2;
+  check_launch(fgb::sm90_prepass_fp16x3(w.data_ptr<float>(), w.stride(0), w.stride(1), N, K,
+                                        reinterpret_cast<uint16_t*>(base), reinterpret_cast<uint16_t*>(base + part_floats),
+                                        base + 2 * part_floats, nullptr, 0, nullptr, stream),
+               "sm90_prepass_fp16x3 (weight)");
+  return packed;
+}
+
+// The parts of `weight` (N, K): the given packed tensor (checked), or a split made now.
+struct WeightParts {
+  torch::Tensor packed;
+  fgb::Fp16x3Parts parts;
+};
+
+WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch::Tensor>& given, int N, int K,
+                         cudaStream_t stream) {
+  WeightParts w;
+  if (given.has_value() && given->defined()) {
+    w.packed = *given;
+    TORCH_CHECK(w.packed.device() == weight.device() && w.packed.scalar_type() == torch::kFloat32 &&
+                    w.packed.dim() == 1 && w.packed.numel() == weight_parts_floats(N, K) && w.packed.is_contiguous(),
+                "fused_gemm_bn: w_parts must be fp16x3_weight_parts(gemm.weight): a contiguous float32 tensor of ",
+                weight_parts_floats(N, K), " elements on ", weight.device());
+  } else {
+    w.packed = split_weight(weight, N, K, stream);
+  }
+  const float* base = w.packed.data_ptr<float>();
+  const int64_t part_floats = static_cast<int64_t>(N) * K / 2;
+  w.parts = {reinterpret_cast<const uint16_t*>(base), reinterpret_cast<const uint16_t*>(base + part_floats),
+             base + 2 * part_floats};
+  return w;
+}
+
 // The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit], sm90_fp16x3[_nosplit]): the pre-pass
 // (num_batches_tracked += 1), then z = x @ weight^T into `z` with per-tile
 // mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
@@ -231,8 +273,10 @@ struct TrainGemm {
   int block_m, num_m_tiles;
 };
 
-TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const float* w, torch::Tensor& z, float* stats,
+TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& weight,
+                     const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, float* stats,
                      const torch::Tensor& num_batches_tracked, int M, int N, int K, cudaStream_t stream) {
+  const float* w = weight.data_ptr<float>();
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 runs forward_train of problem 33 only");
   int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
   TrainGemm g;
@@ -245,9 +289,10 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const float* w, torch::T
   g.coeff = g.part_m2 + part_floats;
   if (is_fp16x3(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
+    const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, counter, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_train(xs.hi, xs.lo, xs.inv_scale, w, z.data_ptr<float>(), g.part_mean,
-                                             g.part_m2, M, N, K, split_tiles, xs.workspace, stream),
+    check_launch(fgb::sm90_gemm_fp16x3_train({xs.hi, xs.lo, xs.inv_scale}, wp.parts, z.data_ptr<float>(),
+                                             g.part_mean, g.part_m2, M, N, K, split_tiles, xs.workspace, stream),
                  "sm90_gemm_fp16x3_train");
   } else if (is_sm90(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
@@ -315,7 +360,7 @@ void cluster_train(const torch::Tensor& x, const float* w, torch::Tensor& out, i
 torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
-                            double momentum, double eps, bool scale_after_bn) {
+                            double momentum, double eps, bool scale_after_bn, c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
@@ -330,7 +375,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
     cluster_train(x, weight.data_ptr<float>(), out, M, N, K, t, num_batches_tracked, momentum, eps, stream);
     return out;
   }
-  const TrainGemm g = train_gemm(gemm, x, weight.data_ptr<float>(), out, nullptr, num_batches_tracked, M, N, K, stream);
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked, M, N, K, stream);
   if (scale_after_bn) {
     bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
   } else {
@@ -344,7 +389,8 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
 // the row softmax.
 torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
-                           torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn) {
+                           torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
+                           c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 has no eval epilogue");
   const auto [M, N, K] = check_gemm_operands(x, weight);
@@ -358,8 +404,9 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   const float fold_eps = static_cast<float>(eps);
   if (is_fp16x3(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
+    const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.hi, xs.lo, xs.inv_scale, w, out.data_ptr<float>(),
+    check_launch(fgb::sm90_gemm_fp16x3_eval({xs.hi, xs.lo, xs.inv_scale}, wp.parts, out.data_ptr<float>(),
                                             t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
                                             t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
                                             t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
@@ -398,7 +445,8 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
                                                torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
                                                torch::Tensor bn_bias, torch::Tensor running_mean,
                                                torch::Tensor running_var, torch::Tensor num_batches_tracked,
-                                               double momentum, double eps, bool scale_after_bn) {
+                                               double momentum, double eps, bool scale_after_bn,
+                                               c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
@@ -409,7 +457,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = torch::empty({2, N}, x.options());
   const TrainGemm g =
-      train_gemm(gemm, x, weight.data_ptr<float>(), z, stats.data_ptr<float>(), num_batches_tracked, M, N, K, stream);
+      train_gemm(gemm, x, weight, w_parts, z, stats.data_ptr<float>(), num_batches_tracked, M, N, K, stream);
   torch::Tensor out;
   if (scale_after_bn) {
     out = z.clone();  // softmax_rows works in place
@@ -444,9 +492,10 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const float* w = bc.data_ptr<float>();
   if (is_fp16x3(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
+    const WeightParts wp = weight_parts(bc, c10::nullopt, N, K, stream);
     const SplitX xs = fp16x3_prepass(ac, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.hi, xs.lo, xs.inv_scale, w, out.data_ptr<float>(), M, N, K,
-                                             split_tiles, xs.workspace, stream),
+    check_launch(fgb::sm90_gemm_fp16x3_plain({xs.hi, xs.lo, xs.inv_scale}, wp.parts, out.data_ptr<float>(), M, N,
+                                             K, split_tiles, xs.workspace, stream),
                  "sm90_gemm_fp16x3_plain");
     return out;
   }
@@ -467,6 +516,20 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
                                           0.f, false, M, N, K, stream),
                "sm80_gemm_3xtf32_eval");
   return out;
+}
+
+// gemm.weight's fp16x3 parts (weight_parts_floats floats), for forward_*'s
+// w_parts: weight (N, K) float32 CUDA, any strides, K % 8 == 0.  The caller
+// keeps it while the weight is unchanged (model_new.py: _weight_parts).
+torch::Tensor fp16x3_weight_parts(torch::Tensor weight) {
+  TORCH_CHECK(weight.is_cuda() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
+              "fp16x3_weight_parts: weight must be a float32 CUDA (N, K) tensor, got ", weight.scalar_type(), " ",
+              weight.sizes(), " on ", weight.device());
+  TORCH_CHECK(weight.size(0) >= 1 && weight.size(0) <= INT32_MAX && weight.size(1) <= INT32_MAX,
+              "fp16x3_weight_parts: sizes must fit in int32 and N >= 1, got ", weight.sizes());
+  const c10::cuda::CUDAGuard guard(weight.device());
+  return split_weight(weight, static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1)),
+                      current_stream(weight));
 }
 
 // Training-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy

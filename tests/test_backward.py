@@ -337,8 +337,9 @@ def op_cases(device, dtype=torch.float32):
         ]
         p = [v.detach() for v in params(False)]
         plan = model_new.dispatch(p[0], p[1], True, True, scale_after_bn)
-        _, z, stats = model_new._kernels(plan.kernels).forward_train_saved(plan.gemm, *p, *buffers(), 0.1, 1e-5,
-                                                                           scale_after_bn)
+        kernels = model_new._kernels(plan.kernels)
+        _, z, stats = kernels.forward_train_saved(plan.gemm, *p, *buffers(), 0.1, 1e-5, scale_after_bn,
+                                                  *model_new._weight_args(kernels, plan.gemm, p[1]))
         cases.append((f"bn_backward_train-{tag}", ops.bn_backward_train.default,
                       (t(m, n), z, stats, p[3], p[4], 1e-5, scale_after_bn)))
     return cases
@@ -675,8 +676,8 @@ def test_gpu_forward_train_saved_contract(scale_after_bn, gemm_path):
     twin = [b.clone() for b in buffers]
     gemm = model_new.dispatch(x, w, True, False, scale_after_bn).gemm
     gemm_saved = model_new.dispatch(x, w, True, True, scale_after_bn).gemm
-    out = ext.forward_train(gemm, x, w, *vecs, *buffers, 0.1, 1e-5, scale_after_bn)
-    out_s, z, stats = ext.forward_train_saved(gemm_saved, x, w, *vecs, *twin, 0.1, 1e-5, scale_after_bn)
+    out = ext.forward_train(gemm, x, w, *vecs, *buffers, 0.1, 1e-5, scale_after_bn, None)
+    out_s, z, stats = ext.forward_train_saved(gemm_saved, x, w, *vecs, *twin, 0.1, 1e-5, scale_after_bn, None)
     # The same math; forward_train may take the cluster-fused kernel, whose rounding differs in the last bits.
     assert_rel_close(out_s, out, 1e-6, "out")
     for name, a, b in zip(["running_mean", "running_var"], twin, buffers):

@@ -171,9 +171,11 @@ import socket
 import sys
 import time
 import types
+import weakref
 
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 
 # ---------------------------------------------------------------------------
 # Build
@@ -183,7 +185,7 @@ _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "bn_backward_train",
-                        "sm90_gemm_available", "sm90_cluster_max_active"]
+                        "fp16x3_weight_parts", "sm90_gemm_available", "sm90_cluster_max_active"]
 # The 16-bit extension: kernels/lowp/ (plus the .cuh headers of kernels/), its own module.
 _LOWP_SUBDIR = "lowp"
 _LOWP_BINDING = "binding_16bit.cpp"
@@ -1062,19 +1064,23 @@ cudaError_t sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_
                                 int64_t* num_batches_tracked, cudaStream_t stream);
 // As sm90_gemm_workspace, for the fp16x3 kernel (its k-blocks are 64 deep).
 void sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
+// An operand's fp16x3 parts from sm90_prepass_fp16x3: hi, lo (rows, K) fp16 words,
+// row-major, 16-byte aligned; inv_scale (rows) fp32, each row's 2^-e.
+struct Fp16x3Parts {
+  const uint16_t* hi;
+  const uint16_t* lo;
+  const float* inv_scale;
+};
 // z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
-cudaError_t sm90_gemm_fp16x3_train(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                   const float* w, float* out, float* part_mean, float* part_m2, int M, int N, int K,
-                                   bool split_tiles, float* workspace, cudaStream_t stream);
+cudaError_t sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean, float* part_m2, int M,
+                                   int N, int K, bool split_tiles, float* workspace, cudaStream_t stream);
 // out = a * (x @ w^T) + c, the eval-mode fold.
-cudaError_t sm90_gemm_fp16x3_eval(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                  const float* w, float* out, const float* bias, const float* scale,
+cudaError_t sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const float* bias, const float* scale,
                                   const float* bn_weight, const float* bn_bias, const float* running_mean,
                                   const float* running_var, float eps, bool scale_after_bn, int M, int N, int K,
                                   bool split_tiles, float* workspace, cudaStream_t stream);
 // out = x @ w^T (the backward's products).
-cudaError_t sm90_gemm_fp16x3_plain(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                   const float* w, float* out, int M, int N, int K, bool split_tiles,
+cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K, bool split_tiles,
                                    float* workspace, cudaStream_t stream);
 
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
@@ -2704,7 +2710,11 @@ struct Fp16x3Traits {
   static constexpr int WGMMA_M = 64;
   static constexpr int WGMMA_N = 64;   // half the batch tile per wgmma
   static constexpr int WGMMA_K = 16;
-  static constexpr int SPAN_K = 32;    // k per w scale, A-fragment buffer and promotion
+  static constexpr int SPAN_K = 32;    // k per A-fragment buffer (one commit group)
+#ifndef FUSED_GEMM_BN_FP16X3_PROMOTE_BLOCKS
+#define FUSED_GEMM_BN_FP16X3_PROMOTE_BLOCKS 1
+#endif
+  static constexpr int kPromoteBlocks = FUSED_GEMM_BN_FP16X3_PROMOTE_BLOCKS;  // k-blocks per promotion
   static constexpr int kSpanSteps = SPAN_K / WGMMA_K;  // wgmma k-steps per span
   static constexpr int kNumConsumers = BLOCK_N / WGMMA_M;
   static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
@@ -2713,16 +2723,15 @@ struct Fp16x3Traits {
   static constexpr int kPartRegs = WGMMA_M * WGMMA_N / 128;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
-  static constexpr int W_SPAN_BYTES = BLOCK_N * 32 * 4;  // one TMA box: 32 fp32 columns
-  static constexpr int W_TILE_BYTES = 2 * W_SPAN_BYTES;
-  static constexpr int X_TILE_BYTES = BLOCK_M * BLOCK_K * 2;
-  static constexpr int STAGE_BYTES = W_TILE_BYTES + 2 * X_TILE_BYTES;
+  static constexpr int W_PART_BYTES = BLOCK_N * BLOCK_K * 2;  // one fp16 part of the w tile
+  static constexpr int X_PART_BYTES = BLOCK_M * BLOCK_K * 2;
+  static constexpr int STAGE_BYTES = 2 * W_PART_BYTES + 2 * X_PART_BYTES;  // w_hi, w_lo, x_hi, x_lo
   static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;
 
-  static_assert(BLOCK_K * 2 == 128, "x tiles are rows of one 128-byte swizzle span");
-  static_assert(BLOCK_K == 2 * SPAN_K && SPAN_K * 4 == 128, "a stage holds two spans, each one fp32 w box");
+  static_assert(BLOCK_K * 2 == 128, "tiles are rows of one 128-byte swizzle span");
+  static_assert(BLOCK_K == 2 * SPAN_K, "a stage holds two spans");
   static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k16 halves per batch tile");
-  static_assert(W_SPAN_BYTES % 1024 == 0 && X_TILE_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
+  static_assert(W_PART_BYTES % 1024 == 0 && X_PART_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
   static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
                     kNumConsumers * 128 == kConsumerThreads,
@@ -2731,7 +2740,9 @@ struct Fp16x3Traits {
 
 template <Epilogue kEpilogue>
 __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
-    sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x_hi,
+    sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w_hi,
+                               const __grid_constant__ CUtensorMap tmap_w_lo,
+                               const __grid_constant__ CUtensorMap tmap_x_hi,
                                const __grid_constant__ CUtensorMap tmap_x_lo, const Sm90GemmBnArgs args) {
 #if FUSED_GEMM_BN_SM90A
   using T = Fp16x3Traits;
@@ -2763,7 +2774,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     // through the ring; `q` counts ring slots over the whole CTA.
     setmaxnreg_dec<T::kProducerRegs>();
     if (threadIdx.x == T::kNumConsumers * 128) {
-      tma_prefetch_descriptor(&tmap_w);
+      tma_prefetch_descriptor(&tmap_w_hi);
+      tma_prefetch_descriptor(&tmap_w_lo);
       tma_prefetch_descriptor(&tmap_x_hi);
       tma_prefetch_descriptor(&tmap_x_lo);
       int q = 0;
@@ -2776,10 +2788,10 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
           uint8_t* stage = smem + s * T::STAGE_BYTES;
           mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
           const int k0 = kb * T::BLOCK_K;
-          tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
-          tma_load_2d(stage + T::W_SPAN_BYTES, &tmap_w, &full_bar[s], k0 + 32, n0);
-          tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x_hi, &full_bar[s], k0, m0);
-          tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_lo, &full_bar[s], k0, m0);
+          tma_load_2d(stage, &tmap_w_hi, &full_bar[s], k0, n0);
+          tma_load_2d(stage + T::W_PART_BYTES, &tmap_w_lo, &full_bar[s], k0, n0);
+          tma_load_2d(stage + 2 * T::W_PART_BYTES, &tmap_x_hi, &full_bar[s], k0, m0);
+          tma_load_2d(stage + 2 * T::W_PART_BYTES + T::X_PART_BYTES, &tmap_x_lo, &full_bar[s], k0, m0);
         }
       }
     }
@@ -2789,141 +2801,122 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
   setmaxnreg_inc<T::kConsumerRegs>();
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int w_row = warpgroup * T::WGMMA_M + warp * 16 + g;  // this thread's first A row in the w tile
+  const int t = lane % 4;
+  const int w_row = warpgroup * T::WGMMA_M + warp * 16 + lane / 4;  // this thread's first A row in the w tile
+  // ldmatrix: lane l gives the address of row (l % 8) + 8 ((l / 8) % 2) of the
+  // warp's 16 rows, 16-byte chunk l / 16 of the k-step (the A fragment order).
+  const int ld_row = warpgroup * T::WGMMA_M + warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+  const int ld_chunk = lane / 16;
 
   float acc[T::kAccRegs];
   float part[2][T::kPartRegs];
-  // w's fp16 parts of one span (32 k) in the A-fragment layout: [buffer][k-step][hi, lo][reg],
-  // and 2^-e of the span's scale for rows w_row, w_row + 8: [buffer][row].  Two
-  // buffers, one per span of a stage: the previous span's wgmmas still read
-  // theirs while the next is built.
+  // w's fp16 parts of one span (32 k) in the A-fragment layout:
+  // [buffer][k-step][hi, lo][reg].  Two buffers, one per span of a stage: the
+  // previous span's wgmmas still read theirs while the next is loaded.
   uint32_t a_frag[2][T::kSpanSteps][2][4];
-  float w_inv_scale[2][2];
-
-  using H0 = std::integral_constant<int, 0>;
-  using H1 = std::integral_constant<int, 1>;
-  using Sub0 = std::integral_constant<int, 0>;
-  using Sub1 = std::integral_constant<int, 1>;
-
   // The lambdas take `q`, the ring slot counter (stage q % kNumStages, mbarrier
-  // phase q / kNumStages), which runs on over all segments of the CTA, and a
-  // compile-time span kSub (0, 1) of the stage, whose A fragments live in
-  // buffer kSub.  The span's fp32 w tile is 32-column box kSub of the stage;
-  // register r of k-step j holds the pair (row w_row + 8 (r & 1), column
-  // 16 j + 2 t + 8 (r >> 1)) of it.
-  auto build = [&](auto sub_c, int q) {
-    constexpr int kSub = decltype(sub_c)::value;
-    const uint8_t* w_span = smem + (q % T::kNumStages) * T::STAGE_BYTES + kSub * T::W_SPAN_BYTES;
-    auto w_pair = [&](int j, int r) {
-      const int row = w_row + 8 * (r & 1);
-      const int col = 16 * j + 2 * t + 8 * (r >> 1);
-      return *reinterpret_cast<const float2*>(w_span + sw128_offset(row, col));
-    };
-    float2 v[T::kSpanSteps][4];
-    float amax[2] = {0.f, 0.f};
+  // phase q / kNumStages), which runs on over all segments of the CTA.  Span
+  // `sub` (0, 1) of slot q: k-steps kSpanSteps * sub + j of the stage's tiles;
+  // its A fragments live in buffer `sub`.
+  auto load_a = [&](uint32_t(&a)[T::kSpanSteps][2][4], int q, int sub) {
+    const uint32_t w_hi = smem_u32(smem + (q % T::kNumStages) * T::STAGE_BYTES);
 #pragma unroll
-    for (int j = 0; j < T::kSpanSteps; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        v[j][r] = w_pair(j, r);
-        amax[r & 1] = fmaxf(amax[r & 1], fmaxf(fabsf(v[j][r].x), fabsf(v[j][r].y)));
-      }
-    float scale[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // the quad holds the row's 32 values
-      amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
-      amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
-      fp16x3_scale(amax[h], scale[h], w_inv_scale[kSub][h]);
+    for (int j = 0; j < T::kSpanSteps; ++j) {
+      const int chunk = (sub * T::kSpanSteps + j) * (T::WGMMA_K / 8) + ld_chunk;  // 8 fp16 per 16-byte chunk
+      const uint32_t offset = ld_row * 128 + ((chunk ^ (ld_row % 8)) << 4);       // 128-byte swizzle
+      ldmatrix_x4(a[j][0], w_hi + offset);
+      ldmatrix_x4(a[j][1], w_hi + T::W_PART_BYTES + offset);
     }
-#pragma unroll
-    for (int j = 0; j < T::kSpanSteps; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        split_fp16x2(v[j][r].x * scale[r & 1], v[j][r].y * scale[r & 1], a_frag[kSub][j][0][r],
-                     a_frag[kSub][j][1][r]);
   };
-  // The 6 wgmmas of span kSub, batch half kHalf, as one commit group into a
-  // fresh part[kHalf]: the small products first, then the big one.
-  auto issue = [&](auto sub_c, auto half_c, int q) {
-    constexpr int kSub = decltype(sub_c)::value, kHalf = decltype(half_c)::value;
-    const uint8_t* x_hi = smem + (q % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES + kHalf * T::WGMMA_N * 128;
-    const uint8_t* x_lo = x_hi + T::X_TILE_BYTES;
+  // The 12 wgmmas of one span (both batch halves, 6 each) as one commit group:
+  // per half the small products first, while |part| is small (the tensor
+  // core's truncating adds lose in proportion to the running |part|), then
+  // the big one.  fresh: the span's first wgmma per half overwrites `part` (a
+  // promotion just emptied it) instead of adding to it.
+  auto issue_span = [&](const uint32_t(&a)[T::kSpanSteps][2][4], int q, int sub, bool fresh) {
+    const uint8_t* x_tiles = smem + (q % T::kNumStages) * T::STAGE_BYTES + 2 * T::W_PART_BYTES;
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < T::kSpanSteps; ++j) {
-      const uint32_t k_bytes = (kSub * T::kSpanSteps + j) * T::WGMMA_K * 2;
-      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][0], desc_kmajor_sw128(x_lo, k_bytes), j != 0);
-      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][1], desc_kmajor_sw128(x_hi, k_bytes), true);
-    }
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* x_hi = x_tiles + half * T::WGMMA_N * 128;
+      const uint8_t* x_lo = x_hi + T::X_PART_BYTES;
 #pragma unroll
-    for (int j = 0; j < T::kSpanSteps; ++j) {
-      const uint32_t k_bytes = (kSub * T::kSpanSteps + j) * T::WGMMA_K * 2;
-      wgmma_m64n64k16_f16_rs(part[kHalf], a_frag[kSub][j][0], desc_kmajor_sw128(x_hi, k_bytes), true);
+      for (int j = 0; j < T::kSpanSteps; ++j) {
+        const uint32_t k_bytes = (sub * T::kSpanSteps + j) * T::WGMMA_K * 2;
+        wgmma_m64n64k16_f16_rs(part[half], a[j][0], desc_kmajor_sw128(x_lo, k_bytes), !(fresh && j == 0));
+        wgmma_m64n64k16_f16_rs(part[half], a[j][1], desc_kmajor_sw128(x_hi, k_bytes), true);
+      }
+#pragma unroll
+      for (int j = 0; j < T::kSpanSteps; ++j) {
+        const uint32_t k_bytes = (sub * T::kSpanSteps + j) * T::WGMMA_K * 2;
+        wgmma_m64n64k16_f16_rs(part[half], a[j][0], desc_kmajor_sw128(x_hi, k_bytes), true);
+      }
     }
     wgmma_commit();
   };
-  // acc += part[kHalf] * 2^-e (span kSub's scales): element i of part is row
-  // w_row + 8 ((i >> 1) & 1).
-  auto promote = [&](auto sub_c, auto half_c) {
-    constexpr int kSub = decltype(sub_c)::value, kHalf = decltype(half_c)::value;
+  // acc += part, round to nearest (the promotion).
+  auto promote = [&]() {
 #pragma unroll
-    for (int i = 0; i < T::kPartRegs; ++i) {
-      fence_operand(part[kHalf][i]);  // read only after the wgmma wait
-      acc[kHalf * T::kPartRegs + i] =
-          fmaf(part[kHalf][i], w_inv_scale[kSub][(i >> 1) & 1], acc[kHalf * T::kPartRegs + i]);
-      fence_operand(acc[kHalf * T::kPartRegs + i]);  // before the next wgmma overwrites part
-    }
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < T::kPartRegs; ++i) {
+        fence_operand(part[h][i]);  // read only after the wgmma wait
+        acc[h * T::kPartRegs + i] += part[h][i];
+        fence_operand(acc[h * T::kPartRegs + i]);  // add before the next wgmma overwrites part
+      }
   };
-  // Keeps buffer kSub's A registers alive (unreused) until this point.
-  auto keep_alive = [&](auto sub_c) {
-    constexpr int kSub = decltype(sub_c)::value;
+  auto keep_alive = [&](uint32_t(&a)[T::kSpanSteps][2][4]) {
 #pragma unroll
     for (int j = 0; j < T::kSpanSteps; ++j)
 #pragma unroll
       for (int p = 0; p < 2; ++p)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) fence_operand(a_frag[kSub][j][p][r]);
+        for (int r = 0; r < 4; ++r) fence_operand(a[j][p][r]);
   };
-  // Span kSub of ring slot q, the previous span's two groups (buffer kSub ^ 1)
-  // in flight.  Each wait_group 1 retires the previous span's group of one
-  // half, whose part is promoted and refilled.  For kSub == 0 the previous
-  // span was the last of slot q - 1, which then has no reader left.
-  auto span = [&](auto sub_c, int q, int q0) {
+  // Span `sub` of ring slot q.  On entry the previous span's group may be in
+  // flight; wait<1> retires the one before it, the last reader of buffer `sub`
+  // (and, for sub == 0, of slot q - 1, which is then released).  With
+  // promote_now the partial sums are first added to acc (wait<0>: this
+  // warpgroup's tensor pipe drains once per promotion; the other warpgroup's
+  // groups keep the tensor cores busy meanwhile).  One group outstanding at
+  // the loop's back edge and the full drain at the promotion: with wait<1>
+  // promotions ptxas serialises every wgmma (warning C7514).  `sub` is a
+  // compile-time constant, so the register arrays are never indexed at run time.
+  auto span = [&](auto sub_c, int q, int q0, bool promote_now) {
     constexpr int kSub = decltype(sub_c)::value;
-    using Prev = std::integral_constant<int, kSub ^ 1>;
     if (kSub == 0) mbar_wait(&full_bar[q % T::kNumStages], (q / T::kNumStages) & 1);
-    build(sub_c, q);
     wgmma_wait<1>();
-    keep_alive(Prev{});
-    promote(Prev{}, H0{});
-    issue(sub_c, H0{}, q);
-    wgmma_wait<1>();
-    keep_alive(Prev{});
-    promote(Prev{}, H1{});
-    issue(sub_c, H1{}, q);
+    keep_alive(a_frag[kSub]);
     if (kSub == 0 && q > q0 && lane == 0) mbar_arrive(&empty_bar[(q - 1) % T::kNumStages]);
+    load_a(a_frag[kSub], q, kSub);
+    if (promote_now) {
+      wgmma_wait<0>();
+      keep_alive(a_frag[kSub ^ 1]);
+      promote();
+    }
+    issue_span(a_frag[kSub], q, kSub, promote_now);
   };
+  using Sub0 = std::integral_constant<int, 0>;
+  using Sub1 = std::integral_constant<int, 1>;
+
   // acc = the sum over the segment's n k-blocks, from ring slot q0 on (scaled
-  // by x's 2^e_m: the caller unscales).  The last span is always span 1.
+  // by 2^e_n of w and 2^e_m of x: the caller unscales).  The partial sums are
+  // promoted every kPromoteBlocks k-blocks.
   auto mainloop = [&](int q0, int n) {
 #pragma unroll
     for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
     mbar_wait(&full_bar[q0 % T::kNumStages], (q0 / T::kNumStages) & 1);
-    build(Sub0{}, q0);
-    issue(Sub0{}, H0{}, q0);
-    issue(Sub0{}, H1{}, q0);
-    span(Sub1{}, q0, q0);
+    load_a(a_frag[0], q0, 0);
+    issue_span(a_frag[0], q0, 0, true);
+    span(Sub1{}, q0, q0, false);
     for (int q = q0 + 1; q < q0 + n; ++q) {
-      span(Sub0{}, q, q0);
-      span(Sub1{}, q, q0);
+      span(Sub0{}, q, q0, (q - q0) % T::kPromoteBlocks == 0);
+      span(Sub1{}, q, q0, false);
     }
-    wgmma_wait<1>();
-    keep_alive(Sub1{});
-    promote(Sub1{}, H0{});
     wgmma_wait<0>();
-    keep_alive(Sub1{});
-    promote(Sub1{}, H1{});
+    keep_alive(a_frag[0]);
+    keep_alive(a_frag[1]);
+    promote();
     if (lane == 0) mbar_arrive(&empty_bar[(q0 + n - 1) % T::kNumStages]);
   };
 
@@ -2935,16 +2928,23 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     mainloop(q, n_blocks);
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
-    // z = acc * 2^-e_m (layout: sm90_gemm_tiles.cuh; rows past M hold zeros).
-    const int m0 = (seg.tile % m_tiles) * T::BLOCK_M;
+    // z = (acc * 2^-e_n) * 2^-e_m, two exact scalings (layout: sm90_gemm_tiles.cuh;
+    // rows past M or N hold zeros).
+    const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
+    float w_inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int f = n0 + w_row + 8 * h;
+      w_inv[h] = f < args.N ? __ldg(args.w_inv_scale + f) : 0.f;
+    }
 #pragma unroll
     for (int i = 0; i < T::kAccRegs / 4; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int b = m0 + 8 * i + 2 * t + e;
         const float inv = b < M ? __ldg(args.x_inv_scale + b) : 0.f;
-        acc[4 * i + e] *= inv;
-        acc[4 * i + 2 + e] *= inv;
+        acc[4 * i + e] = (acc[4 * i + e] * w_inv[0]) * inv;
+        acc[4 * i + 2 + e] = (acc[4 * i + 2 + e] * w_inv[1]) * inv;
       }
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
@@ -2954,14 +2954,15 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 }
 
 template <Epilogue kEpilogue>
-static cudaError_t launch_fp16x3(const uint16_t* x_hi, const uint16_t* x_lo, const float* w, Sm90GemmBnArgs args,
-                                 bool split_tiles, float* workspace, cudaStream_t stream) {
+static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, bool split_tiles,
+                                 float* workspace, cudaStream_t stream) {
   using T = Fp16x3Traits;
   auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue>;
-  CUtensorMap tmap_w, tmap_x_hi, tmap_x_lo;
-  if (!make_tensor_map(&tmap_w, w, TileDtype::kFloat32, args.N, args.K, T::BLOCK_N) ||
-      !make_tensor_map(&tmap_x_hi, x_hi, TileDtype::kWord16, args.M, args.K, T::BLOCK_M) ||
-      !make_tensor_map(&tmap_x_lo, x_lo, TileDtype::kWord16, args.M, args.K, T::BLOCK_M))
+  CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
+  if (!make_tensor_map(&tmap_w_hi, w.hi, TileDtype::kWord16, args.N, args.K, T::BLOCK_N) ||
+      !make_tensor_map(&tmap_w_lo, w.lo, TileDtype::kWord16, args.N, args.K, T::BLOCK_N) ||
+      !make_tensor_map(&tmap_x_hi, x.hi, TileDtype::kWord16, args.M, args.K, T::BLOCK_M) ||
+      !make_tensor_map(&tmap_x_lo, x.lo, TileDtype::kWord16, args.M, args.K, T::BLOCK_M))
     return cudaErrorInvalidValue;
   constexpr int kMaxDevices = 64;
   static bool smem_set[kMaxDevices] = {};
@@ -2980,17 +2981,22 @@ static cudaError_t launch_fp16x3(const uint16_t* x_hi, const uint16_t* x_lo, con
   if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.partials = workspace;
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
+  args.x_inv_scale = x.inv_scale;
+  args.w_inv_scale = w.inv_scale;
   const long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x_hi, tmap_x_lo, args);
+  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w_hi, tmap_w_lo, tmap_x_hi,
+                                                                                 tmap_x_lo, args);
   return cudaGetLastError();
 }
 
 // Preconditions of the launchers below, as the dispatch guarantees them.
-static bool fp16x3_launch_ok(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale, const float* w,
-                             int M, int N, int K) {
-  return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && aligned16(x_hi) && aligned16(x_lo) && aligned16(w) &&
-         x_inv_scale != nullptr && fused_gemm_bn::sm90_gemm_available();
+static bool parts_ok(const Fp16x3Parts& p) {
+  return aligned16(p.hi) && aligned16(p.lo) && p.inv_scale != nullptr;
+}
+static bool fp16x3_launch_ok(const Fp16x3Parts& x, const Fp16x3Parts& w, int M, int N, int K) {
+  return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && parts_ok(x) && parts_ok(w) &&
+         fused_gemm_bn::sm90_gemm_available();
 }
 
 }  // namespace sm90
@@ -3014,47 +3020,41 @@ void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_t
 }
 
 // z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
-cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_train(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                                  const float* w, float* out, float* part_mean, float* part_m2, int M,
-                                                  int N, int K, bool split_tiles, float* workspace,
-                                                  cudaStream_t stream) {
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean,
+                                                  float* part_m2, int M, int N, int K, bool split_tiles,
+                                                  float* workspace, cudaStream_t stream) {
   using namespace sm90;
-  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
-  args.x_inv_scale = x_inv_scale;
-  return launch_fp16x3<sm90::Epilogue::kTrain>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+  return launch_fp16x3<sm90::Epilogue::kTrain>(x, w, args, split_tiles, workspace, stream);
 }
 
 // out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
-cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                                 const float* w, float* out, const float* bias, const float* scale,
-                                                 const float* bn_weight, const float* bn_bias,
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const float* bias,
+                                                 const float* scale, const float* bn_weight, const float* bn_bias,
                                                  const float* running_mean, const float* running_var, float eps,
                                                  bool scale_after_bn, int M, int N, int K, bool split_tiles,
                                                  float* workspace, cudaStream_t stream) {
   using namespace sm90;
-  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
   args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
-  args.x_inv_scale = x_inv_scale;
-  return launch_fp16x3<sm90::Epilogue::kEval>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+  return launch_fp16x3<sm90::Epilogue::kEval>(x, w, args, split_tiles, workspace, stream);
 }
 
 // out = x @ w^T, nothing else (the backward's products).
-cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(const uint16_t* x_hi, const uint16_t* x_lo, const float* x_inv_scale,
-                                                  const float* w, float* out, int M, int N, int K, bool split_tiles,
-                                                  float* workspace, cudaStream_t stream) {
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K,
+                                                  bool split_tiles, float* workspace, cudaStream_t stream) {
   using namespace sm90;
-  if (!fp16x3_launch_ok(x_hi, x_lo, x_inv_scale, w, M, N, K)) return cudaErrorInvalidValue;
+  if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
-  args.x_inv_scale = x_inv_scale;
-  return launch_fp16x3<sm90::Epilogue::kPlain>(x_hi, x_lo, w, args, split_tiles, workspace, stream);
+  return launch_fp16x3<sm90::Epilogue::kPlain>(x, w, args, split_tiles, workspace, stream);
 }
 ''',
     'sm90_gemm_tiles.cuh': r'''// sm90_gemm_tiles.cuh -- what the two Hopper GEMMs (sm90_gemm_3xtf32_bn.cu,
@@ -3120,8 +3120,10 @@ struct Sm90GemmBnArgs {
   // split tile, zeroed before the launch (by the GEMM's pre-pass).
   float* partials;
   int* tile_arrivals;
-  // sm90_gemm_fp16x3 only: 2^-e of each batch row's power-of-two scale (M floats).
+  // sm90_gemm_fp16x3 only: 2^-e of each row's power-of-two scale, x's (M
+  // floats) and w's (N floats).
   const float* x_inv_scale;
+  const float* w_inv_scale;
 };
 
 // k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.
@@ -3528,6 +3530,19 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
   return old;
 }
 
+// ---- ldmatrix -------------------------------------------------------------
+
+// Four 8 x 8 matrices of 16-bit words from shared memory (PTX ISA 9.7.9.23
+// ldmatrix): lanes 8 i .. 8 i + 7 give the row addresses of matrix i, and
+// r[i] of lane 4 g + t holds that matrix's row g, words 2 t and 2 t + 1.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+#endif
+}
+
 // ---- wgmma ----------------------------------------------------------------
 
 // Shared-memory matrix descriptor (PTX ISA 9.7.15.5.1) for a K-major tile
@@ -3850,6 +3865,48 @@ SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, bool split_ti
   return {storage, hi, lo, inv_scale, workspace};
 }
 
+// gemm.weight's fp16x3 parts as one float32 tensor, [w_hi (N K / 2 floats) |
+// w_lo (N K / 2) | w_inv_scale (N, padded to a multiple of 4)]: the pre-pass
+// run over W's rows.  model_new.py keeps it between calls (_weight_parts).
+int64_t weight_parts_floats(int64_t N, int64_t K) { return N * K + (N + 3) / 4 * 4; }
+
+torch::Tensor split_weight(const torch::Tensor& w, int N, int K, cudaStream_t stream) {
+  TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
+  torch::Tensor packed = torch::empty({weight_parts_floats(N, K)}, w.options());
+  float* base = packed.data_ptr<float>();
+  const int64_t part_floats = static_cast<int64_t>(N) * K / 2;
+  check_launch(fgb::sm90_prepass_fp16x3(w.data_ptr<float>(), w.stride(0), w.stride(1), N, K,
+                                        reinterpret_cast<uint16_t*>(base), reinterpret_cast<uint16_t*>(base + part_floats),
+                                        base + 2 * part_floats, nullptr, 0, nullptr, stream),
+               "sm90_prepass_fp16x3 (weight)");
+  return packed;
+}
+
+// The parts of `weight` (N, K): the given packed tensor (checked), or a split made now.
+struct WeightParts {
+  torch::Tensor packed;
+  fgb::Fp16x3Parts parts;
+};
+
+WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch::Tensor>& given, int N, int K,
+                         cudaStream_t stream) {
+  WeightParts w;
+  if (given.has_value() && given->defined()) {
+    w.packed = *given;
+    TORCH_CHECK(w.packed.device() == weight.device() && w.packed.scalar_type() == torch::kFloat32 &&
+                    w.packed.dim() == 1 && w.packed.numel() == weight_parts_floats(N, K) && w.packed.is_contiguous(),
+                "fused_gemm_bn: w_parts must be fp16x3_weight_parts(gemm.weight): a contiguous float32 tensor of ",
+                weight_parts_floats(N, K), " elements on ", weight.device());
+  } else {
+    w.packed = split_weight(weight, N, K, stream);
+  }
+  const float* base = w.packed.data_ptr<float>();
+  const int64_t part_floats = static_cast<int64_t>(N) * K / 2;
+  w.parts = {reinterpret_cast<const uint16_t*>(base), reinterpret_cast<const uint16_t*>(base + part_floats),
+             base + 2 * part_floats};
+  return w;
+}
+
 // The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit], sm90_fp16x3[_nosplit]): the pre-pass
 // (num_batches_tracked += 1), then z = x @ weight^T into `z` with per-tile
 // mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
@@ -3861,8 +3918,10 @@ struct TrainGemm {
   int block_m, num_m_tiles;
 };
 
-TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const float* w, torch::Tensor& z, float* stats,
+TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& weight,
+                     const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, float* stats,
                      const torch::Tensor& num_batches_tracked, int M, int N, int K, cudaStream_t stream) {
+  const float* w = weight.data_ptr<float>();
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 runs forward_train of problem 33 only");
   int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
   TrainGemm g;
@@ -3875,9 +3934,10 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const float* w, torch::T
   g.coeff = g.part_m2 + part_floats;
   if (is_fp16x3(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
+    const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, counter, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_train(xs.hi, xs.lo, xs.inv_scale, w, z.data_ptr<float>(), g.part_mean,
-                                             g.part_m2, M, N, K, split_tiles, xs.workspace, stream),
+    check_launch(fgb::sm90_gemm_fp16x3_train({xs.hi, xs.lo, xs.inv_scale}, wp.parts, z.data_ptr<float>(),
+                                             g.part_mean, g.part_m2, M, N, K, split_tiles, xs.workspace, stream),
                  "sm90_gemm_fp16x3_train");
   } else if (is_sm90(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
@@ -3945,7 +4005,7 @@ void cluster_train(const torch::Tensor& x, const float* w, torch::Tensor& out, i
 torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
-                            double momentum, double eps, bool scale_after_bn) {
+                            double momentum, double eps, bool scale_after_bn, c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
@@ -3960,7 +4020,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
     cluster_train(x, weight.data_ptr<float>(), out, M, N, K, t, num_batches_tracked, momentum, eps, stream);
     return out;
   }
-  const TrainGemm g = train_gemm(gemm, x, weight.data_ptr<float>(), out, nullptr, num_batches_tracked, M, N, K, stream);
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked, M, N, K, stream);
   if (scale_after_bn) {
     bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
   } else {
@@ -3974,7 +4034,8 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
 // the row softmax.
 torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
-                           torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn) {
+                           torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
+                           c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 has no eval epilogue");
   const auto [M, N, K] = check_gemm_operands(x, weight);
@@ -3988,8 +4049,9 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   const float fold_eps = static_cast<float>(eps);
   if (is_fp16x3(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
+    const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.hi, xs.lo, xs.inv_scale, w, out.data_ptr<float>(),
+    check_launch(fgb::sm90_gemm_fp16x3_eval({xs.hi, xs.lo, xs.inv_scale}, wp.parts, out.data_ptr<float>(),
                                             t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
                                             t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
                                             t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
@@ -4028,7 +4090,8 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
                                                torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
                                                torch::Tensor bn_bias, torch::Tensor running_mean,
                                                torch::Tensor running_var, torch::Tensor num_batches_tracked,
-                                               double momentum, double eps, bool scale_after_bn) {
+                                               double momentum, double eps, bool scale_after_bn,
+                                               c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
@@ -4039,7 +4102,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = torch::empty({2, N}, x.options());
   const TrainGemm g =
-      train_gemm(gemm, x, weight.data_ptr<float>(), z, stats.data_ptr<float>(), num_batches_tracked, M, N, K, stream);
+      train_gemm(gemm, x, weight, w_parts, z, stats.data_ptr<float>(), num_batches_tracked, M, N, K, stream);
   torch::Tensor out;
   if (scale_after_bn) {
     out = z.clone();  // softmax_rows works in place
@@ -4074,9 +4137,10 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const float* w = bc.data_ptr<float>();
   if (is_fp16x3(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
+    const WeightParts wp = weight_parts(bc, c10::nullopt, N, K, stream);
     const SplitX xs = fp16x3_prepass(ac, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.hi, xs.lo, xs.inv_scale, w, out.data_ptr<float>(), M, N, K,
-                                             split_tiles, xs.workspace, stream),
+    check_launch(fgb::sm90_gemm_fp16x3_plain({xs.hi, xs.lo, xs.inv_scale}, wp.parts, out.data_ptr<float>(), M, N,
+                                             K, split_tiles, xs.workspace, stream),
                  "sm90_gemm_fp16x3_plain");
     return out;
   }
@@ -4097,6 +4161,20 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
                                           0.f, false, M, N, K, stream),
                "sm80_gemm_3xtf32_eval");
   return out;
+}
+
+// gemm.weight's fp16x3 parts (weight_parts_floats floats), for forward_*'s
+// w_parts: weight (N, K) float32 CUDA, any strides, K % 8 == 0.  The caller
+// keeps it while the weight is unchanged (model_new.py: _weight_parts).
+torch::Tensor fp16x3_weight_parts(torch::Tensor weight) {
+  TORCH_CHECK(weight.is_cuda() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
+              "fp16x3_weight_parts: weight must be a float32 CUDA (N, K) tensor, got ", weight.scalar_type(), " ",
+              weight.sizes(), " on ", weight.device());
+  TORCH_CHECK(weight.size(0) >= 1 && weight.size(0) <= INT32_MAX && weight.size(1) <= INT32_MAX,
+              "fp16x3_weight_parts: sizes must fit in int32 and N >= 1, got ", weight.sizes());
+  const c10::cuda::CUDAGuard guard(weight.device());
+  return split_weight(weight, static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1)),
+                      current_stream(weight));
 }
 
 // Training-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy
@@ -4577,7 +4655,8 @@ def per_feature_scale(scale, n):
 # The backward's products (grad_x = grad_z W, grad_W = grad_z^T x) are decided
 # the same way per product by dispatch_gemm_nt.
 
-Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3"])
+Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache"],
+                                  defaults=(True,))
 Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
 replace SWITCHES; nothing reads the environment per call):
   portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
@@ -4585,10 +4664,14 @@ replace SWITCHES; nothing reads the environment per call):
   split_tiles  False with FUSED_GEMM_BN_NO_SPLIT_TILES=1: the Hopper GEMMs run
                whole tiles only (sm90_*_nosplit; an A/B switch for timing)
   fp16x3       False with FUSED_GEMM_BN_3XTF32=1: Hopper takes the 3xTF32 wgmma
-               kernel instead of fp16x3 (A/B timing; the tests run both)"""
+               kernel instead of fp16x3 (A/B timing; the tests run both)
+  weight_cache False with FUSED_GEMM_BN_NO_WEIGHT_CACHE=1: the fp16x3 path splits
+               gemm.weight in every call instead of keeping its parts
+               (_weight_parts)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
-                    fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1")
+                    fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1",
+                    weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1")
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
@@ -4738,12 +4821,97 @@ def _kernels(plan_kernels):
 # ---------------------------------------------------------------------------
 
 
+# gemm.weight's fp16x3 parts, kept between calls.  Entries are keyed by the
+# weight tensor object (id, checked through a weak reference that also drops
+# the entry when the weight dies) and valid while the weight's data pointer,
+# version counter, shape, strides, device and the current stream are those of
+# the call that made them.  The entry holds the weight's storage, so its
+# memory cannot be reused by another tensor at the same address while cached.
+_WeightPartsEntry = collections.namedtuple("_WeightPartsEntry", ["ref", "key", "storage", "parts"])
+_WEIGHT_PARTS = {}
+
+
+def _weight_parts(weight, split=None):
+    """gemm.weight's fp16x3 parts for the sm90_fp16x3 kernels (the extension's
+    fp16x3_weight_parts: w_hi, w_lo as fp16 words and the rows' power-of-two
+    scales, weight_parts_floats(N, K) = N K + N float32 words, the size of the
+    weight itself), made on the first call and reused while the weight is
+    unchanged; None when the call must split the weight itself (the extension
+    then does, inside the call): caching off (SWITCHES.weight_cache), a CUDA
+    graph being captured (a graph must not read a cache that later calls
+    replace), or an inference-mode weight (no version counter).
+    Seen as changes: anything that bumps the weight's version counter (in-place
+    ops on the parameter, copy_, load_state_dict), every torch.optim optimizer's
+    step() (a global step hook, _drop_stepped_weights: fused optimizers do not
+    bump the counter), and `.data` assignment (a new storage).  Not seen:
+    in-place writes through `weight.data` outside an optimizer step (a tensor
+    with a version counter of its own, which autograd does not see either);
+    after such writes call clear_weight_cache().
+    `split` makes the parts (default: the extension's fp16x3_weight_parts; the
+    CPU tests give their own)."""
+    if (not SWITCHES.weight_cache or not _WEIGHT_CACHE_SAFE or weight.is_inference()
+            or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+    stream = torch.cuda.current_stream(weight.device).cuda_stream if weight.is_cuda else 0
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.device, stream)
+    wid = id(weight)
+    entry = _WEIGHT_PARTS.get(wid)
+    if entry is not None and entry.ref() is weight and entry.key == key:
+        return entry.parts
+    _WEIGHT_PARTS.pop(wid, None)  # the old parts go before the new ones are made
+
+    def drop(ref, wid=wid):
+        current = _WEIGHT_PARTS.get(wid)
+        if current is not None and current.ref is ref:
+            del _WEIGHT_PARTS[wid]
+
+    parts = (_ext.fp16x3_weight_parts if split is None else split)(weight)
+    _WEIGHT_PARTS[wid] = _WeightPartsEntry(weakref.ref(weight, drop), key, weight.untyped_storage(), parts)
+    return parts
+
+
+def _drop_stepped_weights(optimizer, args, kwargs):
+    """Global optimizer step post-hook: drops the cached parts of every
+    parameter the optimizer holds.  Fused optimizers (Adam, AdamW, SGD with
+    fused=True) and optimizers that write through `p.data` leave the version
+    counter unchanged, so the key alone would miss their updates."""
+    if not _WEIGHT_PARTS:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _WEIGHT_PARTS.get(id(p))
+            if entry is not None and entry.ref() is p:
+                del _WEIGHT_PARTS[id(p)]
+
+
+# Where this torch has no global optimizer hooks, nothing is cached.
+_WEIGHT_CACHE_SAFE = hasattr(torch_optimizer, "register_optimizer_step_post_hook")
+if _WEIGHT_CACHE_SAFE:
+    torch_optimizer.register_optimizer_step_post_hook(_drop_stepped_weights)
+
+
+def clear_weight_cache():
+    """Drops every cached fp16x3 weight split (_weight_parts), freeing its memory
+    (one weight's size per cached weight); the next call splits again."""
+    _WEIGHT_PARTS.clear()
+
+
+def _weight_args(kernels, gemm, weight):
+    """The trailing argument of the float32 extension's forwards: gemm.weight's
+    cached fp16x3 parts on the sm90_fp16x3 path, else None (the 16-bit and
+    torch-op namespaces take none)."""
+    if kernels is not _ext:
+        return ()
+    return (_weight_parts(weight) if gemm.startswith("sm90_fp16x3") else None,)
+
+
 def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params):
     """The one extension call of a forward without gradients: forward_train
     (updates the buffers) or forward_eval."""
+    extra = _weight_args(kernels, gemm, params[1])
     if training:
-        return kernels.forward_train(gemm, *params, *buffers, momentum, eps, scale_after_bn)
-    return kernels.forward_eval(gemm, *params, *buffers[:2], eps, scale_after_bn)
+        return kernels.forward_train(gemm, *params, *buffers, momentum, eps, scale_after_bn, *extra)
+    return kernels.forward_eval(gemm, *params, *buffers[:2], eps, scale_after_bn, *extra)
 
 
 def _checked_params(x, gemm, scale, bn):
@@ -4899,7 +5067,8 @@ class _TrainFn(torch.autograd.Function):
     def forward(ctx, kernels, gemm, scale_after_bn, buffers, momentum, eps, x, weight, bias, scale, bn_weight,
                 bn_bias):
         out, z, stats = kernels.forward_train_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers,
-                                                    momentum, eps, scale_after_bn)
+                                                    momentum, eps, scale_after_bn,
+                                                    *_weight_args(kernels, gemm, weight))
         ctx.scale_after_bn, ctx.eps = scale_after_bn, eps
         ctx.save_for_backward(x, weight, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,
                               out if scale_after_bn else None)
@@ -5105,8 +5274,9 @@ def _op_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, 
     _check_training_batch(x, weight)
     plan = dispatch(x, weight, True, False, scale_after_bn)
     buffers = (running_mean.clone(), running_var.clone(), num_batches_tracked.clone())
-    out = _kernels(plan.kernels).forward_train(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers,
-                                               momentum, eps, scale_after_bn)
+    kernels = _kernels(plan.kernels)
+    out = kernels.forward_train(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers, momentum, eps,
+                                scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
     return (out,) + buffers
 
 
@@ -5117,8 +5287,9 @@ def _op_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_
     _check_training_batch(x, weight)
     plan = dispatch(x, weight, True, True, scale_after_bn)
     buffers = (running_mean.clone(), running_var.clone(), num_batches_tracked.clone())
-    out, z, stats = _kernels(plan.kernels).forward_train_saved(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias,
-                                                               *buffers, momentum, eps, scale_after_bn)
+    kernels = _kernels(plan.kernels)
+    out, z, stats = kernels.forward_train_saved(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers,
+                                                momentum, eps, scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
     return (out, z, stats) + buffers
 
 
@@ -5127,8 +5298,9 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
     plan = dispatch(x, weight, False, False, scale_after_bn)
     if plan.kernels is None:
         return x.new_empty((0, weight.shape[0]))
-    return _kernels(plan.kernels).forward_eval(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
-                                               running_var, eps, scale_after_bn)
+    kernels = _kernels(plan.kernels)
+    return kernels.forward_eval(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                                scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
 
 
 def _fake_gemm_nt(a, b):

@@ -22,7 +22,8 @@ in the order a call uses them after ModelNew.forward at the bottom):
   dispatch(): the one decision (table in its section; README "Dispatch")
     gemm                 kernels (kernels/)                                   steps of Model.forward
     -------------------  ---------------------------------------------------  --------------------------
-    sm90_fp16x3          prepass_fp16x3.cu          sm90_prepass_fp16x3       x's fp16 parts, row scales
+    sm90_fp16x3          prepass_fp16x3.cu          sm90_prepass_fp16x3       W's fp16 parts (cached:
+                                                                              _weight_parts), x's
                          sm90_gemm_fp16x3_bn.cu     sm90_gemm_fp16x3_*        gemm (wgmma, TMA, fp16x3)
     sm90_3xtf32          prepass_3xtf32.cu          sm90_prepass_3xtf32       x's TF32 remainder
                          sm90_gemm_3xtf32_bn.cu     sm90_gemm_3xtf32_*        gemm (wgmma, TMA, 3xTF32)

@@ -24,7 +24,8 @@ in the order a call uses them after ModelNew.forward at the bottom):
   dispatch(): the one decision (table in its section; README "Dispatch")
     gemm                 kernels (kernels/)                                   steps of Model.forward
     -------------------  ---------------------------------------------------  --------------------------
-    sm90_fp16x3          prepass_fp16x3.cu          sm90_prepass_fp16x3       x's fp16 parts, row scales
+    sm90_fp16x3          prepass_fp16x3.cu          sm90_prepass_fp16x3       W's fp16 parts (cached:
+                                                                              _weight_parts), x's
                          sm90_gemm_fp16x3_bn.cu     sm90_gemm_fp16x3_*        gemm (wgmma, TMA, fp16x3)
     sm90_3xtf32          prepass_3xtf32.cu          sm90_prepass_3xtf32       x's TF32 remainder
                          sm90_gemm_3xtf32_bn.cu     sm90_gemm_3xtf32_*        gemm (wgmma, TMA, 3xTF32)
@@ -1235,6 +1236,9 @@ cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, flo
 ''',
     'prepass_fp16x3.cu': r'''// prepass_fp16x3.cu -- the pre-pass before each fp16x3 GEMM (sm90_gemm_fp16x3_bn.cu):
 // x's fp16 parts and per-row power-of-two scales, and the call's bookkeeping.
+// The same kernel splits gemm.weight's rows (N, K) for the GEMM's other operand
+// (no bookkeeping: null counters); model_new.py keeps those parts while the
+// weight is unchanged.
 //
 //   x            (M, K) fp32, any strides (read, never written)
 //   x_hi, x_lo   (M, K) fp16 words, row-major (K % 8 == 0, 16-byte aligned)
@@ -2572,8 +2576,10 @@ cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x
 //
 // Tensors (row-major, contiguous, 16-byte aligned; K % 8 == 0: TMA needs
 // 16-byte global strides of the 16-bit parts)
-//   w            (N, K) fp32, K-major: nn.Linear weight, read raw by TMA
-//   x_hi, x_lo   (M, K) fp16 words, K-major: x's parts scaled by 2^e_m (prepass_fp16x3.cu)
+//   w_hi, w_lo   (N, K) fp16 words, K-major: W's parts scaled by 2^e_n (prepass_fp16x3.cu
+//                run over W's rows; model_new.py caches them per weight)
+//   w_inv_scale  (N) fp32: 2^-e_n
+//   x_hi, x_lo   (M, K) fp16 words, K-major: x's parts scaled by 2^e_m (the same pre-pass)
 //   x_inv_scale  (M) fp32: 2^-e_m
 //   out (M, N);  part_mean, part_m2 (ceil(M / 128), N);  vectors (N)
 //
@@ -2583,45 +2589,49 @@ cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x
 // fp32 output at 196 us).
 //
 // Numerics (fp16x3_split.cuh derives the split; Ootomo & Yokota, IJHPCA 2022)
-//   x row m: x = (x_hi + x_lo) 2^-e_m, e_m from max_k |x[m, k]| (the pre-pass).
-//   w row n, span sp of SPAN_K = 32 k: w = (w_hi + w_lo) 2^-e_(n,sp), made here
-//     in registers from the fp32 tile (w is operand A: never split in memory,
-//     so there is no cache to invalidate when the weight changes).
-//   Per span, into a fresh register tile `part` (wgmma, exact fp16 products,
-//   fp32 accumulation over 32 k):
-//     part = w_hi x_lo + w_lo x_hi  (first: the small products while |part| is small)
-//          + w_hi x_hi
-//   then acc += part * 2^-e_(n,sp) with one round-to-nearest FFMA (the scale is
-//   exact): DeepGEMM's promotion of FP8 partial sums, at the span where the
-//   scale changes.  The tensor core's own accumulation is not round-to-nearest;
-//   promoting every 32 k bounds what it loses (emulated with cuBLAS fp16
-//   products at 1024 x 8192 x 8192: 2.45e-7 relative with promotion every 64 k
-//   against eager SGEMM's 1.62e-6, 9.7e-6 with no promotion).  Dropped:
-//   w_lo x_lo (< 2^-22 |w x|).  Finally z = acc * 2^-e_m.
+//   Each row r of either operand: v = (v_hi + v_lo) 2^-e_r, e_r from
+//   max_k |v[r, k]| (the row's max lands in [2^14, 2^15)), v_hi = rn_fp16(v 2^e_r),
+//   v_lo = rn_fp16(v 2^e_r - v_hi): representation error <= 2^-22 |v| (round to
+//   nearest, unbiased) for elements above the fp16 subnormal range of v_lo.
+//   Per span of SPAN_K = 32 k, one commit group into the register tile `part`
+//   (wgmma: exact fp16 products, fp32 accumulation):
+//     part += w_hi x_lo + w_lo x_hi  (first: the small products while |part| is small)
+//           + w_hi x_hi
+//   and after every span, acc += part with one round-to-nearest add:
+//   DeepGEMM's promotion of FP8 partial sums.  The tensor core's own
+//   accumulation truncates (biased towards zero); promoting often bounds what
+//   it loses (emulated with cuBLAS fp16 products at 1024 x 8192 x 8192: 2.45e-7
+//   relative with promotion every 64 k against eager SGEMM's 1.62e-6, 9.7e-6
+//   with no promotion).  The bias shows in per-feature means over the batch:
+//   running_mean after 5 training calls on uniform inputs was 3.1x eager's
+//   error with promotion every 64 k, 1.3x every 32 k (docs/perf.md, v20).  Dropped: w_lo x_lo
+//   (< 2^-22 |w x|).  Finally z = (acc 2^-e_n) 2^-e_m (two exact scalings).
 //   Measured (H200, gemm_nt against float64, rel. Frobenius): 3.0e-7 at
-//   1024 x 8192 x 8192 (eager 1.62e-6, 3xTF32 3.6e-7), 0.1-0.6x eager's error
-//   on the tested shapes with K >= 64 (docs/perf.md, v19).
-//   Representation error of w: <= 2^-22 |w| (round to nearest, not biased);
-//   the tf32 kernel truncates w's small part (biased towards zero).
-//   Range: acc holds z 2^e_m, which overflows fp32 only when
-//   max|w| * K * 2^15 > 2^128 (|w| above about 2^100).
-//   Non-finite inputs: an Inf in x's row m or w's block gives NaN (Inf - Inf in
+//   1024 x 8192 x 8192 (eager 1.62e-6, 3xTF32 3.6e-7); 0.2-0.5x eager's error
+//   over the sweep's shapes (docs/perf.md, v20).
+//   Range: acc holds z 2^(e_n + e_m) <= K 2^30 in magnitude (no overflow for
+//   K < 2^97).  Elements below 2^-38 of their row's max have no fp16 parts
+//   (their share of |w| |x| is below 2^-38); a row with one huge element thus
+//   loses its small ones, which matters only if x is tiny exactly where that
+//   element sits.
+//   Non-finite inputs: an Inf in x's row m or w's row n gives NaN (Inf - Inf in
 //   the split), so z is non-finite wherever Model's is (and NaN where Model
 //   has +-Inf).
 //
-// Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor)
+// Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor, 9.7.9.23 ldmatrix)
 //   CTA tile BLOCK_N (features) x BLOCK_M (batch) = 128 x 128, BLOCK_K = 64,
 //   the tile of sm90_gemm_tiles.cuh (swapped product z^T = W x^T: w is operand
 //   A from registers, x operand B from shared memory).  Warpgroups 0, 1:
 //   consumers, 64 features each, as two 64 x 64 halves of the batch tile
-//   (wgmma m64n64k16, part[half]).  Per span: build the A fragments (one read
-//   of the span's fp32 w values: the quad's row maxima, the scale, the split)
-//   while the previous span's two commit groups run; then, per half, wait for
-//   that half's previous group (wait_group 1), promote it, and issue its 6
-//   wgmmas: the tensor pipe is never drained within a segment.
-//   Warpgroup 2: producer; one thread issues the TMA loads (w as two 32-column
-//   fp32 boxes, x_hi, x_lo) into a ring of kNumStages 64 KB stages.  Grid and
-//   split tiles: sm90_gemm_tiles.cuh (the 3xTF32 kernel's plan, per 64-k block).
+//   (wgmma m64n64k16, part[half]).  Per span: wait_group 1 (the group before
+//   the previous one, the last reader of this span's A buffer), ldmatrix the
+//   span's w_hi / w_lo A fragments (4 ldmatrix.x4 per warp), wait_group 0 and
+//   the promotion (the other consumer warpgroup's groups keep the tensor cores
+//   busy meanwhile), then issue the span's 12 wgmmas (6 per half) as one group.  One group outstanding at the loop's back edge: with wait_group 1
+//   at per-half promotions ptxas serialised every wgmma (warning C7514; the
+//   v19 kernel).  Warpgroup 2: producer; one thread issues the TMA loads (w_hi,
+//   w_lo, x_hi, x_lo: 16 KB each) into a ring of kNumStages 64 KB stages.  Grid
+//   and split tiles: sm90_gemm_tiles.cuh (the 3xTF32 kernel's plan, per 64-k block).
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -2644,10 +2654,8 @@ struct Fp16x3Traits {
   static constexpr int WGMMA_N = 64;   // half the batch tile per wgmma
   static constexpr int WGMMA_K = 16;
   static constexpr int SPAN_K = 32;    // k per A-fragment buffer (one commit group)
-#ifndef FUSED_GEMM_BN_FP16X3_PROMOTE_BLOCKS
-#define FUSED_GEMM_BN_FP16X3_PROMOTE_BLOCKS 1
-#endif
-  static constexpr int kPromoteBlocks = FUSED_GEMM_BN_FP16X3_PROMOTE_BLOCKS;  // k-blocks per promotion
+  static constexpr int kPromoteBlocks = 1;  // k-blocks per promotion of `part` (64 k)
+  static constexpr bool kPromoteEverySpan = true;  // promote every span (32 k), not only per k-block
   static constexpr int kSpanSteps = SPAN_K / WGMMA_K;  // wgmma k-steps per span
   static constexpr int kNumConsumers = BLOCK_N / WGMMA_M;
   static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
@@ -2841,10 +2849,10 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     mbar_wait(&full_bar[q0 % T::kNumStages], (q0 / T::kNumStages) & 1);
     load_a(a_frag[0], q0, 0);
     issue_span(a_frag[0], q0, 0, true);
-    span(Sub1{}, q0, q0, false);
+    span(Sub1{}, q0, q0, T::kPromoteEverySpan);
     for (int q = q0 + 1; q < q0 + n; ++q) {
       span(Sub0{}, q, q0, (q - q0) % T::kPromoteBlocks == 0);
-      span(Sub1{}, q, q0, false);
+      span(Sub1{}, q, q0, T::kPromoteEverySpan);
     }
     wgmma_wait<0>();
     keep_alive(a_frag[0]);
@@ -3597,8 +3605,9 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
 //   sm90_3xtf32           sm90_prepass_3xtf32 (x_small; training: num_batches_tracked
 //                         += 1), then sm90_gemm_3xtf32_{train,eval,plain} (wgmma, TMA)
 //   sm90_3xtf32_nosplit   the same with whole tiles only (A/B switch for measurements)
-//   sm90_fp16x3           sm90_prepass_fp16x3 (x's fp16 parts and row scales; training:
-//                         += 1), then sm90_gemm_fp16x3_{train,eval,plain} (wgmma, TMA)
+//   sm90_fp16x3           sm90_prepass_fp16x3 over W's rows unless the caller passes
+//                         w_parts (its cached result), then over x (fp16 parts and row
+//                         scales; training: += 1), then sm90_gemm_fp16x3_{train,eval,plain}
 //   sm90_fp16x3_nosplit   the same with whole tiles only
 //   sm80_3xtf32           sm80_prepass_3xtf32 (x's TF32 parts; training: += 1), then
 //                         sm80_gemm_3xtf32_{train,eval} (mma.sync, any sm_80+)
@@ -3606,20 +3615,26 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
 //                         problem 33's whole training forward (forward_train only)
 //
 //   forward_train(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
-//                 running_var, num_batches_tracked, momentum, eps, scale_after_bn) -> out (M, N)
+//                 running_var, num_batches_tracked, momentum, eps, scale_after_bn,
+//                 w_parts) -> out (M, N)
+//       w_parts (every forward's last argument): None, or fp16x3_weight_parts(weight)
+//       made while the weight held its current values (sm90_fp16x3 only; ignored
+//       by the other kernels).
 //       the pre-pass and the training GEMM: z = x @ weight^T and per-tile mean / M2;
 //       problem 33: bn_apply (merge statistics, running statistics, normalise in place);
 //       problem 84: bn_softmax_fold_train (per-feature mean_z, a, c; running
 //       statistics), then softmax_rows in place.
 //       momentum < 0 means momentum=None (cumulative average).
 //   forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
-//                running_var, eps, scale_after_bn) -> out (M, N)
+//                running_var, eps, scale_after_bn, w_parts) -> out (M, N)
 //       the pre-pass, then one GEMM launch with the folded per-feature affine
 //       epilogue; problem 84: then softmax_rows.
 //   forward_train_saved(same arguments as forward_train) -> [out, z (M, N), stats (2, N)]
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward.
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
+//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4): W's
+//       fp16x3 parts [w_hi | w_lo | w_inv_scale] for w_parts
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)

@@ -1,5 +1,8 @@
 // prepass_fp16x3.cu -- the pre-pass before each fp16x3 GEMM (sm90_gemm_fp16x3_bn.cu):
 // x's fp16 parts and per-row power-of-two scales, and the call's bookkeeping.
+// The same kernel splits gemm.weight's rows (N, K) for the GEMM's other operand
+// (no bookkeeping: null counters); model_new.py keeps those parts while the
+// weight is unchanged.
 //
 //   x            (M, K) fp32, any strides (read, never written)
 //   x_hi, x_lo   (M, K) fp16 words, row-major (K % 8 == 0, 16-byte aligned)

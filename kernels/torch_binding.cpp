@@ -19,8 +19,9 @@
 //   sm90_3xtf32           sm90_prepass_3xtf32 (x_small; training: num_batches_tracked
 //                         += 1), then sm90_gemm_3xtf32_{train,eval,plain} (wgmma, TMA)
 //   sm90_3xtf32_nosplit   the same with whole tiles only (A/B switch for measurements)
-//   sm90_fp16x3           sm90_prepass_fp16x3 (x's fp16 parts and row scales; training:
-//                         += 1), then sm90_gemm_fp16x3_{train,eval,plain} (wgmma, TMA)
+//   sm90_fp16x3           sm90_prepass_fp16x3 over W's rows unless the caller passes
+//                         w_parts (its cached result), then over x (fp16 parts and row
+//                         scales; training: += 1), then sm90_gemm_fp16x3_{train,eval,plain}
 //   sm90_fp16x3_nosplit   the same with whole tiles only
 //   sm80_3xtf32           sm80_prepass_3xtf32 (x's TF32 parts; training: += 1), then
 //                         sm80_gemm_3xtf32_{train,eval} (mma.sync, any sm_80+)
@@ -28,20 +29,26 @@
 //                         problem 33's whole training forward (forward_train only)
 //
 //   forward_train(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
-//                 running_var, num_batches_tracked, momentum, eps, scale_after_bn) -> out (M, N)
+//                 running_var, num_batches_tracked, momentum, eps, scale_after_bn,
+//                 w_parts) -> out (M, N)
+//       w_parts (every forward's last argument): None, or fp16x3_weight_parts(weight)
+//       made while the weight held its current values (sm90_fp16x3 only; ignored
+//       by the other kernels).
 //       the pre-pass and the training GEMM: z = x @ weight^T and per-tile mean / M2;
 //       problem 33: bn_apply (merge statistics, running statistics, normalise in place);
 //       problem 84: bn_softmax_fold_train (per-feature mean_z, a, c; running
 //       statistics), then softmax_rows in place.
 //       momentum < 0 means momentum=None (cumulative average).
 //   forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
-//                running_var, eps, scale_after_bn) -> out (M, N)
+//                running_var, eps, scale_after_bn, w_parts) -> out (M, N)
 //       the pre-pass, then one GEMM launch with the folded per-feature affine
 //       epilogue; problem 84: then softmax_rows.
 //   forward_train_saved(same arguments as forward_train) -> [out, z (M, N), stats (2, N)]
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward.
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
+//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4): W's
+//       fp16x3 parts [w_hi | w_lo | w_inv_scale] for w_parts
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)

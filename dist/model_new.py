@@ -2654,8 +2654,6 @@ struct Fp16x3Traits {
   static constexpr int WGMMA_N = 64;   // half the batch tile per wgmma
   static constexpr int WGMMA_K = 16;
   static constexpr int SPAN_K = 32;    // k per A-fragment buffer (one commit group)
-  static constexpr int kPromoteBlocks = 1;  // k-blocks per promotion of `part` (64 k)
-  static constexpr bool kPromoteEverySpan = true;  // promote every span (32 k), not only per k-block
   static constexpr int kSpanSteps = SPAN_K / WGMMA_K;  // wgmma k-steps per span
   static constexpr int kNumConsumers = BLOCK_N / WGMMA_M;
   static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
@@ -2772,9 +2770,9 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
   // The 12 wgmmas of one span (both batch halves, 6 each) as one commit group:
   // per half the small products first, while |part| is small (the tensor
   // core's truncating adds lose in proportion to the running |part|), then
-  // the big one.  fresh: the span's first wgmma per half overwrites `part` (a
-  // promotion just emptied it) instead of adding to it.
-  auto issue_span = [&](const uint32_t(&a)[T::kSpanSteps][2][4], int q, int sub, bool fresh) {
+  // the big one.  The span's first wgmma per half overwrites `part` (the
+  // promotion before it emptied it).
+  auto issue_span = [&](const uint32_t(&a)[T::kSpanSteps][2][4], int q, int sub) {
     const uint8_t* x_tiles = smem + (q % T::kNumStages) * T::STAGE_BYTES + 2 * T::W_PART_BYTES;
     wgmma_fence();
 #pragma unroll
@@ -2784,7 +2782,7 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 #pragma unroll
       for (int j = 0; j < T::kSpanSteps; ++j) {
         const uint32_t k_bytes = (sub * T::kSpanSteps + j) * T::WGMMA_K * 2;
-        wgmma_m64n64k16_f16_rs(part[half], a[j][0], desc_kmajor_sw128(x_lo, k_bytes), !(fresh && j == 0));
+        wgmma_m64n64k16_f16_rs(part[half], a[j][0], desc_kmajor_sw128(x_lo, k_bytes), j != 0);
         wgmma_m64n64k16_f16_rs(part[half], a[j][1], desc_kmajor_sw128(x_hi, k_bytes), true);
       }
 #pragma unroll
@@ -2816,43 +2814,41 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
   };
   // Span `sub` of ring slot q.  On entry the previous span's group may be in
   // flight; wait<1> retires the one before it, the last reader of buffer `sub`
-  // (and, for sub == 0, of slot q - 1, which is then released).  With
-  // promote_now the partial sums are first added to acc (wait<0>: this
-  // warpgroup's tensor pipe drains once per promotion; the other warpgroup's
-  // groups keep the tensor cores busy meanwhile).  One group outstanding at
+  // (and, for sub == 0, of slot q - 1, which is then released).  Then the
+  // previous span's partial sums are added to acc (wait<0>: this warpgroup's
+  // tensor pipe drains once per span; the other warpgroup's groups keep the
+  // tensor cores busy meanwhile; promoting only every 64 k (v20a) was 5%
+  // faster but tripled running_mean's error, docs/perf.md).  One group outstanding at
   // the loop's back edge and the full drain at the promotion: with wait<1>
   // promotions ptxas serialises every wgmma (warning C7514).  `sub` is a
   // compile-time constant, so the register arrays are never indexed at run time.
-  auto span = [&](auto sub_c, int q, int q0, bool promote_now) {
+  auto span = [&](auto sub_c, int q, int q0) {
     constexpr int kSub = decltype(sub_c)::value;
     if (kSub == 0) mbar_wait(&full_bar[q % T::kNumStages], (q / T::kNumStages) & 1);
     wgmma_wait<1>();
     keep_alive(a_frag[kSub]);
     if (kSub == 0 && q > q0 && lane == 0) mbar_arrive(&empty_bar[(q - 1) % T::kNumStages]);
     load_a(a_frag[kSub], q, kSub);
-    if (promote_now) {
-      wgmma_wait<0>();
-      keep_alive(a_frag[kSub ^ 1]);
-      promote();
-    }
-    issue_span(a_frag[kSub], q, kSub, promote_now);
+    wgmma_wait<0>();
+    keep_alive(a_frag[kSub ^ 1]);
+    promote();
+    issue_span(a_frag[kSub], q, kSub);
   };
   using Sub0 = std::integral_constant<int, 0>;
   using Sub1 = std::integral_constant<int, 1>;
 
   // acc = the sum over the segment's n k-blocks, from ring slot q0 on (scaled
-  // by 2^e_n of w and 2^e_m of x: the caller unscales).  The partial sums are
-  // promoted every kPromoteBlocks k-blocks.
+  // by 2^e_n of w and 2^e_m of x: the caller unscales), promoted every span.
   auto mainloop = [&](int q0, int n) {
 #pragma unroll
     for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
     mbar_wait(&full_bar[q0 % T::kNumStages], (q0 / T::kNumStages) & 1);
     load_a(a_frag[0], q0, 0);
-    issue_span(a_frag[0], q0, 0, true);
-    span(Sub1{}, q0, q0, T::kPromoteEverySpan);
+    issue_span(a_frag[0], q0, 0);
+    span(Sub1{}, q0, q0);
     for (int q = q0 + 1; q < q0 + n; ++q) {
-      span(Sub0{}, q, q0, (q - q0) % T::kPromoteBlocks == 0);
-      span(Sub1{}, q, q0, T::kPromoteEverySpan);
+      span(Sub0{}, q, q0);
+      span(Sub1{}, q, q0);
     }
     wgmma_wait<0>();
     keep_alive(a_frag[0]);

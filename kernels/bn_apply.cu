@@ -27,8 +27,10 @@
 // keeps the output accurate when |mean_z| is large against the spread of z.
 //
 // Work split (both forms): each thread owns fixed columns (4 with 16-byte accesses when
-// N % 4 == 0 and all pointers are 16-byte aligned, else 1) and walks
-// rows_per_block rows (32, fewer for small M * N so the grid fills the GPU); every block merges the statistics of its own columns
+// N % 4 == 0 and all pointers are 16-byte aligned, else 1; with 4, the one-launch form
+// loads all tiles' statistics of its columns at once) and walks
+// rows_per_block rows (64 in the one-launch form, 16 in the two-launch form, fewer for
+// small M * N so the grid fills the GPU); every block merges the statistics of its own columns
 // (num_m_tiles * 2 loads each, from L2), and the blocks of row 0 write the
 // running statistics, once per feature.  Memory-bound: one read and one write
 // of z.  Precondition: M >= 2 (the caller raises PyTorch's error for M == 1).
@@ -41,8 +43,14 @@
 
 namespace fused_gemm_bn {
 
-constexpr int kApplyThreads = 256;
-constexpr int kApplyRowsPerBlock = 32;  // 32 row blocks at M = 1024: the statistics are re-merged 32x, from L2
+// Block shape, from timings of variants on an H200 (docs/perf.md v21): 128
+// threads (the one-launch vec4 kernel needs ~166 registers for the batched
+// statistics loads: three blocks per SM), 64 rows per block in the one-launch
+// form (16 row blocks at M = 1024 re-merge the statistics 16x), 16 in the
+// two-launch form (nothing to re-merge; more blocks in flight).
+constexpr int kApplyThreads = 128;
+constexpr int kApplyRowsPerBlock = 64;
+constexpr int kFoldedRowsPerBlock = 16;
 constexpr int kApplyTargetBlocks = 264;  // two per SM of an H100 / H200
 constexpr int kRowBatch = 8;             // rows loaded before any is stored (bn_apply_kernel)
 constexpr int kFusedMaxTiles = 8;        // up to here each block merges its own columns (M <= 1024 at BLOCK_M 128)
@@ -66,18 +74,36 @@ struct BnApplyArgs {
   float* coeff;  // two-launch form: [mean_z | a], 2 N floats, written by bn_fold_kernel
 };
 
-// Batch statistics of feature j -> (mean_z, a); updates its running statistics
-// when `update_running`.
-__device__ __forceinline__ void feature_coefficients(const BnApplyArgs& p, int j, bool update_running, float& mu,
-                                                     float& a) {
-  double mean, m2;
-  merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
+// Feature j's merged batch statistics (mean, m2) of z -> (mean_z, a); updates
+// its running statistics when `update_running`.
+__device__ __forceinline__ void coefficients_from_stats(const BnApplyArgs& p, int j, double mean, double m2,
+                                                        bool update_running, float& mu, float& a) {
   const double count = static_cast<double>(p.M);
   mu = static_cast<float>(mean);
   a = bn_train_slope(m2, count, p.scale[j], p.bn_weight[j], p.eps);
   if (update_running)
     bn_update_running(mean, m2, count, p.bias[j], p.scale[j], p.momentum, p.num_batches_tracked,
                       p.running_mean + j, p.running_var + j);
+}
+
+// Batch statistics of feature j -> (mean_z, a), one tile load after another.
+__device__ __forceinline__ void feature_coefficients(const BnApplyArgs& p, int j, bool update_running, float& mu,
+                                                     float& a) {
+  double mean, m2;
+  merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
+  coefficients_from_stats(p, j, mean, m2, update_running, mu, a);
+}
+
+// The same for features col .. col + 3 (the vec4 one-launch form): every
+// tile's statistics of the four features in two L2 round trips instead of
+// 2 num_m_tiles dependent loads per feature (merge_tile_statistics4,
+// bit-identical), docs/perf.md v21.
+__device__ __forceinline__ void feature_coefficients4(const BnApplyArgs& p, int col, bool update_running,
+                                                      float (&mu)[4], float (&a)[4]) {
+  double mean[4], m2[4];
+  merge_tile_statistics4<kFusedMaxTiles>(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, col, mean, m2);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) coefficients_from_stats(p, col + c, mean[c], m2[c], update_running, mu[c], a[c]);
 }
 
 // Two-launch form, first launch: one thread per feature merges its tiles once,
@@ -101,12 +127,13 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
   if (col >= p.N) return;
   const bool update_running = blockIdx.y == 0;
   float mu[kCols], a[kCols], b[kCols];
+  if constexpr (kVec4 && !kFolded) feature_coefficients4(p, col, update_running, mu, a);
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     if constexpr (kFolded) {
       mu[c] = p.coeff[col + c];
       a[c] = p.coeff[p.N + col + c];
-    } else {
+    } else if constexpr (!kVec4) {
       feature_coefficients(p, col + c, update_running, mu[c], a[c]);
     }
     b[c] = p.bn_bias[col + c];
@@ -155,21 +182,22 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
   if (M == 0 || N == 0) return cudaSuccess;
   const bool folded = num_m_tiles > kFusedMaxTiles;
   if (folded && coeff == nullptr) return cudaErrorInvalidValue;
-  const bool vec4 =
-      N % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  auto aligned = [](const float* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  const bool vec4 = N % 4 == 0 && aligned(z) && aligned(out) && aligned(part_mean) && aligned(part_m2);
   BnApplyArgs p{z,       out,     part_mean,           part_m2,  num_m_tiles, block_m,      M,
                 N,       bias,    scale,               bn_weight, bn_bias,    num_batches_tracked, momentum,
                 eps,     running_mean, running_var,    0,      coeff};
   const int cols_per_thread = vec4 ? 4 : 1;
   const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
   const int blocks_x = (threads_needed + kApplyThreads - 1) / kApplyThreads;
-  // Up to kApplyRowsPerBlock rows per block, fewer where that would leave fewer
+  // Up to max_rows rows per block, fewer where that would leave fewer
   // than kApplyTargetBlocks blocks (small M * N: 8 blocks of 32 rows took
   // 12.5 us at M = 256, N = 1024 on an H200, docs/perf.md); grid.y is capped at
   // 65535, so very tall inputs give each block more rows.
   const int rows_for_target = static_cast<int>((static_cast<int64_t>(M) * blocks_x + kApplyTargetBlocks - 1) /
                                                kApplyTargetBlocks);
-  p.rows_per_block = max(max(1, min(kApplyRowsPerBlock, rows_for_target)), (M + 65534) / 65535);
+  const int max_rows = folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock;
+  p.rows_per_block = max(max(1, min(max_rows, rows_for_target)), (M + 65534) / 65535);
   const dim3 grid(blocks_x, (M + p.rows_per_block - 1) / p.rows_per_block);
   if (folded) {
     bn_fold_kernel<<<(N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream>>>(p);

@@ -192,7 +192,10 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
 template <int kVec, bool kAffine>
 cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   const int num_groups = p.N / kVec;
-  const int threads = min(kRowThreads, max(32, (num_groups + 31) / 32 * 32));
+  // Four groups per thread (N = 8192: 512 threads; N = 4096: 256, so eight
+  // rows per SM are in flight, not four: 186 -> see docs/perf.md v21 at
+  // M = 16384), at least one warp, at most kRowThreads.
+  const int threads = min(kRowThreads, max(32, (num_groups / 4 + 31) / 32 * 32));
   int device = 0, max_optin = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;

@@ -84,19 +84,26 @@ cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const f
                                    int K, bool split_tiles, float* workspace, cudaStream_t stream);
 
 // ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
-// x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0);
-// num_batches_tracked += 1 when not null; zero_ints[0 .. num_zero_ints) = 0.
+// x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0),
+// and exactly one of: center (M, the GEMM's x side: each row is centred on its
+// mean before the split) or row_sum (M, the GEMM's w side: each row's sum as an
+// fp32 (hi, lo) pair).  num_batches_tracked += 1 when not null; zero_ints[0 ..
+// num_zero_ints) = 0.
 cudaError_t sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, uint16_t* x_hi,
-                                uint16_t* x_lo, float* x_inv_scale, int* zero_ints, int num_zero_ints,
-                                int64_t* num_batches_tracked, cudaStream_t stream);
+                                uint16_t* x_lo, float* x_inv_scale, float* center, float2* row_sum, int* zero_ints,
+                                int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream);
 // As sm90_gemm_workspace, for the fp16x3 kernel (its k-blocks are 64 deep).
 void sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
 // An operand's fp16x3 parts from sm90_prepass_fp16x3: hi, lo (rows, K) fp16 words,
 // row-major, 16-byte aligned; inv_scale (rows) fp32, each row's 2^-e.
+// center: the x side's per-row centre c_m (the parts hold x - c_m); row_sum:
+// the w side's per-row sums (hi, lo).  The GEMM adds c_m (sum_k w[n, k]) back.
 struct Fp16x3Parts {
   const uint16_t* hi;
   const uint16_t* lo;
   const float* inv_scale;
+  const float* center;    // x side (M), else null
+  const float2* row_sum;  // w side (N), else null
 };
 // z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
 cudaError_t sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean, float* part_m2, int M,

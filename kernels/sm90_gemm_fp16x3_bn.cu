@@ -10,9 +10,10 @@
 // 16-byte global strides of the 16-bit parts)
 //   w_hi, w_lo   (N, K) fp16 words, K-major: W's parts scaled by 2^e_n (prepass_fp16x3.cu
 //                run over W's rows; model_new.py caches them per weight)
-//   w_inv_scale  (N) fp32: 2^-e_n
-//   x_hi, x_lo   (M, K) fp16 words, K-major: x's parts scaled by 2^e_m (the same pre-pass)
-//   x_inv_scale  (M) fp32: 2^-e_m
+//   w_inv_scale  (N) fp32: 2^-e_n;  w_row_sum (N) fp32 (hi, lo): sum_k w[n, k]
+//   x_hi, x_lo   (M, K) fp16 words, K-major: x's rows minus their centre c_m,
+//                scaled by 2^e_m (the same pre-pass)
+//   x_inv_scale  (M) fp32: 2^-e_m;  x_center (M) fp32: c_m
 //   out (M, N);  part_mean, part_m2 (ceil(M / 128), N);  vectors (N)
 //
 // Why fp16: Hopper's dense fp16 tensor-core rate is twice its TF32 rate, so
@@ -21,6 +22,11 @@
 // fp32 output at 196 us).
 //
 // Numerics (fp16x3_split.cuh derives the split; Ootomo & Yokota, IJHPCA 2022)
+//   Centring (prepass_fp16x3.cu): x's row m is split as x - c_m (c_m its mean,
+//   rounded to nearest: unbiased) and the epilogue adds c_m sum_k w[n, k] back
+//   (the sum from float64, as an fp32 pair), so the products below carry only
+//   what varies between rows; the truncation bias they keep then has no common
+//   sign across the batch (see the bias note below).
 //   Each row r of either operand: v = (v_hi + v_lo) 2^-e_r, e_r from
 //   max_k |v[r, k]| (the row's max lands in [2^14, 2^15)), v_hi = rn_fp16(v 2^e_r),
 //   v_lo = rn_fp16(v 2^e_r - v_hi): representation error <= 2^-22 |v| (round to
@@ -34,10 +40,13 @@
 //   accumulation truncates (biased towards zero); promoting often bounds what
 //   it loses (emulated with cuBLAS fp16 products at 1024 x 8192 x 8192: 2.45e-7
 //   relative with promotion every 64 k against eager SGEMM's 1.62e-6, 9.7e-6
-//   with no promotion).  The bias shows in per-feature means over the batch:
-//   running_mean after 5 training calls on uniform inputs was 3.1x eager's
-//   error with promotion every 64 k, 1.3x every 32 k (docs/perf.md, v20).  Dropped: w_lo x_lo
-//   (< 2^-22 |w x|).  Finally z = (acc 2^-e_n) 2^-e_m (two exact scalings).
+//   with no promotion).  The bias shows in per-feature means over the batch
+//   when rows share a level: running_mean after 5 training calls on uniform
+//   inputs was 3.1x eager's error with promotion every 64 k, 1.3x every 32 k
+//   (v20); with centring the mean of z over the batch is 10x closer to float64
+//   than eager's (docs/perf.md, v21).  Dropped: w_lo x_lo (< 2^-22 |w x|).
+//   Finally z = fma(c_m, hi_n, fma(c_m, lo_n, (acc 2^-e_n) 2^-e_m)) (two exact
+//   scalings, then the centre's share: one rounding of z, one of the lo term).
 //   Measured (H200, gemm_nt against float64, rel. Frobenius): 3.0e-7 at
 //   1024 x 8192 x 8192 (eager 1.62e-6, 3xTF32 3.6e-7); 0.2-0.5x eager's error
 //   over the sweep's shapes (docs/perf.md, v20).
@@ -47,8 +56,10 @@
 //   loses its small ones, which matters only if x is tiny exactly where that
 //   element sits.
 //   Non-finite inputs: an Inf in x's row m or w's row n gives NaN (Inf - Inf in
-//   the split), so z is non-finite wherever Model's is (and NaN where Model
-//   has +-Inf).
+//   the split; such x rows are not centred), so z is non-finite wherever
+//   Model's is (and NaN where Model has +-Inf).  Rows of x with max >= 2^32 are
+//   not centred (c_m = 0), so |c_m hi_n| overflows only for W rows summing
+//   beyond 2^95.
 //
 // Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor, 9.7.9.23 ldmatrix)
 //   CTA tile BLOCK_N (features) x BLOCK_M (batch) = 128 x 128, BLOCK_K = 64,
@@ -297,14 +308,18 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     mainloop(q, n_blocks);
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
-    // z = (acc * 2^-e_n) * 2^-e_m, two exact scalings (layout: sm90_gemm_tiles.cuh;
-    // rows past M or N hold zeros).
+    // z = (acc * 2^-e_n) * 2^-e_m (two exact scalings) + c_m (lo_n + hi_n)
+    // (two fmas: the centre's share added back, one rounding of the result
+    // beyond the tiny lo product; layout: sm90_gemm_tiles.cuh; rows past M or
+    // N hold zeros).
     const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
     float w_inv[2];
+    float2 w_sum[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int f = n0 + w_row + 8 * h;
       w_inv[h] = f < args.N ? __ldg(args.w_inv_scale + f) : 0.f;
+      w_sum[h] = f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
     }
 #pragma unroll
     for (int i = 0; i < T::kAccRegs / 4; ++i)
@@ -312,8 +327,9 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
       for (int e = 0; e < 2; ++e) {
         const int b = m0 + 8 * i + 2 * t + e;
         const float inv = b < M ? __ldg(args.x_inv_scale + b) : 0.f;
-        acc[4 * i + e] = (acc[4 * i + e] * w_inv[0]) * inv;
-        acc[4 * i + 2 + e] = (acc[4 * i + 2 + e] * w_inv[1]) * inv;
+        const float c = b < M ? __ldg(args.x_center + b) : 0.f;
+        acc[4 * i + e] = fmaf(c, w_sum[0].x, fmaf(c, w_sum[0].y, (acc[4 * i + e] * w_inv[0]) * inv));
+        acc[4 * i + 2 + e] = fmaf(c, w_sum[1].x, fmaf(c, w_sum[1].y, (acc[4 * i + 2 + e] * w_inv[1]) * inv));
       }
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
@@ -352,6 +368,8 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
   args.x_inv_scale = x.inv_scale;
   args.w_inv_scale = w.inv_scale;
+  args.x_center = x.center;
+  args.w_row_sum = w.row_sum;
   const long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
   kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w_hi, tmap_w_lo, tmap_x_hi,
@@ -364,7 +382,8 @@ static bool parts_ok(const Fp16x3Parts& p) {
   return aligned16(p.hi) && aligned16(p.lo) && p.inv_scale != nullptr;
 }
 static bool fp16x3_launch_ok(const Fp16x3Parts& x, const Fp16x3Parts& w, int M, int N, int K) {
-  return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && parts_ok(x) && parts_ok(w) &&
+  return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && parts_ok(x) && parts_ok(w) && x.center != nullptr &&
+         w.row_sum != nullptr &&
          fused_gemm_bn::sm90_gemm_available();
 }
 

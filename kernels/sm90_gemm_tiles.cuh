@@ -62,9 +62,12 @@ struct Sm90GemmBnArgs {
   float* partials;
   int* tile_arrivals;
   // sm90_gemm_fp16x3 only: 2^-e of each row's power-of-two scale, x's (M
-  // floats) and w's (N floats).
+  // floats) and w's (N floats); x's row centres c_m (M) and w's row sums
+  // (N (hi, lo) pairs): z = the parts' product + c_m (hi_n + lo_n).
   const float* x_inv_scale;
   const float* w_inv_scale;
+  const float* x_center;
+  const float2* w_row_sum;
 };
 
 // k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.
@@ -165,30 +168,34 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kTileAccRegs], const Sm
   } else if constexpr (kEpilogue == Epilogue::kTrain) {
     // Per-feature mean and M2 over the tile's valid rows: two passes over the
     // registers (no E[z^2] - E[z]^2 cancellation), reduced across the quad.
+    // Both sums are float64, so mean and M2 are rounded once each: float32
+    // sums of 32 values per thread kept ~3 ulps, the largest error left in
+    // running_mean and running_var (docs/perf.md v21).
     const int rows_valid = min(kTileM, M - m0);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float sum = 0.f;
+      double sum = 0.0;
 #pragma unroll
       for (int i = 0; i < kTileAccRegs / 4; ++i) {
 #pragma unroll
         for (int e = 0; e < 2; ++e)
-          if (8 * i + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
+          if (8 * i + 2 * t + e < rows_valid) sum += static_cast<double>(acc[4 * i + 2 * h + e]);
       }
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float mean = sum / static_cast<float>(rows_valid);
-      float m2 = 0.f;
+      const float mean = static_cast<float>(sum / static_cast<double>(rows_valid));
+      double m2_sum = 0.0;
 #pragma unroll
       for (int i = 0; i < kTileAccRegs / 4; ++i) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float d = acc[4 * i + 2 * h + e] - mean;
-          if (8 * i + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
+          const double d = static_cast<double>(acc[4 * i + 2 * h + e] - mean);
+          if (8 * i + 2 * t + e < rows_valid) m2_sum = fma(d, d, m2_sum);
         }
       }
-      m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
-      m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
+      m2_sum += __shfl_xor_sync(0xffffffffu, m2_sum, 1);
+      m2_sum += __shfl_xor_sync(0xffffffffu, m2_sum, 2);
+      const float m2 = static_cast<float>(m2_sum);
       const int f = f_base + 8 * h;
       if (t == 0 && f < N) {
         args.part_mean[static_cast<size_t>(m_tile) * N + f] = mean;

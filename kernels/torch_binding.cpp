@@ -47,8 +47,8 @@
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward.
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
-//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4): W's
-//       fp16x3 parts [w_hi | w_lo | w_inv_scale] for w_parts
+//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4 + 2 N): W's
+//       fp16x3 parts [w_hi | w_lo | w_inv_scale | w_row_sum] for w_parts
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
@@ -196,13 +196,12 @@ RemainderX sm90_prepass(const torch::Tensor& x, int M, int N, int K, bool split_
 }
 
 // x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K) fp16 words, x_inv_scale
-// (M), then the GEMM's split-tile workspace (null if it needs none), one
+// (M), center (M), then the GEMM's split-tile workspace (null if it needs none), one
 // allocation; the pre-pass reads x in place (any strides) and zeroes the
 // workspace's arrival counts.
 struct SplitX {
   torch::Tensor storage;
-  const uint16_t *hi, *lo;
-  const float* inv_scale;
+  fgb::Fp16x3Parts parts;
   float* workspace;
 };
 
@@ -214,32 +213,43 @@ SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, bool split_ti
   int64_t workspace_floats = 0;
   int zero_ints = 0;
   fgb::sm90_gemm_fp16x3_workspace(M, N, K, split_tiles, &workspace_floats, &zero_ints);
-  torch::Tensor storage = torch::empty({2 * part_floats + scale_floats + workspace_floats}, x.options());
+  torch::Tensor storage = torch::empty({2 * part_floats + 2 * scale_floats + workspace_floats}, x.options());
   float* base = storage.data_ptr<float>();
   uint16_t* hi = reinterpret_cast<uint16_t*>(base);
   uint16_t* lo = reinterpret_cast<uint16_t*>(base + part_floats);
   float* inv_scale = base + 2 * part_floats;
-  float* workspace = workspace_floats > 0 ? inv_scale + scale_floats : nullptr;
+  float* center = inv_scale + scale_floats;
+  float* workspace = workspace_floats > 0 ? center + scale_floats : nullptr;
   int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
   check_launch(fgb::sm90_prepass_fp16x3(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, hi, lo, inv_scale,
-                                        arrivals, arrivals ? zero_ints : 0, num_batches_tracked, stream),
+                                        center, nullptr, arrivals, arrivals ? zero_ints : 0, num_batches_tracked,
+                                        stream),
                "sm90_prepass_fp16x3");
-  return {storage, hi, lo, inv_scale, workspace};
+  return {storage, {hi, lo, inv_scale, center, nullptr}, workspace};
 }
 
 // gemm.weight's fp16x3 parts as one float32 tensor, [w_hi (N K / 2 floats) |
-// w_lo (N K / 2) | w_inv_scale (N, padded to a multiple of 4)]: the pre-pass
-// run over W's rows.  model_new.py keeps it between calls (_weight_parts).
-int64_t weight_parts_floats(int64_t N, int64_t K) { return N * K + (N + 3) / 4 * 4; }
+// w_lo (N K / 2) | w_inv_scale (N, padded to a multiple of 4) | w_row_sum (N
+// (hi, lo) pairs)]: the pre-pass run over W's rows.  model_new.py keeps it
+// between calls (_weight_parts).
+int64_t weight_parts_floats(int64_t N, int64_t K) { return N * K + (N + 3) / 4 * 4 + 2 * N; }
+
+// The fp16x3 parts inside a packed weight tensor (layout above).
+fgb::Fp16x3Parts packed_weight_parts(float* base, int64_t N, int64_t K) {
+  const int64_t part_floats = N * K / 2;
+  float* inv_scale = base + 2 * part_floats;
+  return {reinterpret_cast<const uint16_t*>(base), reinterpret_cast<const uint16_t*>(base + part_floats), inv_scale,
+          nullptr, reinterpret_cast<const float2*>(inv_scale + (N + 3) / 4 * 4)};
+}
 
 torch::Tensor split_weight(const torch::Tensor& w, int N, int K, cudaStream_t stream) {
   TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
   torch::Tensor packed = torch::empty({weight_parts_floats(N, K)}, w.options());
-  float* base = packed.data_ptr<float>();
-  const int64_t part_floats = static_cast<int64_t>(N) * K / 2;
+  const fgb::Fp16x3Parts p = packed_weight_parts(packed.data_ptr<float>(), N, K);
   check_launch(fgb::sm90_prepass_fp16x3(w.data_ptr<float>(), w.stride(0), w.stride(1), N, K,
-                                        reinterpret_cast<uint16_t*>(base), reinterpret_cast<uint16_t*>(base + part_floats),
-                                        base + 2 * part_floats, nullptr, 0, nullptr, stream),
+                                        const_cast<uint16_t*>(p.hi), const_cast<uint16_t*>(p.lo),
+                                        const_cast<float*>(p.inv_scale), nullptr, const_cast<float2*>(p.row_sum),
+                                        nullptr, 0, nullptr, stream),
                "sm90_prepass_fp16x3 (weight)");
   return packed;
 }
@@ -262,10 +272,7 @@ WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch:
   } else {
     w.packed = split_weight(weight, N, K, stream);
   }
-  const float* base = w.packed.data_ptr<float>();
-  const int64_t part_floats = static_cast<int64_t>(N) * K / 2;
-  w.parts = {reinterpret_cast<const uint16_t*>(base), reinterpret_cast<const uint16_t*>(base + part_floats),
-             base + 2 * part_floats};
+  w.parts = packed_weight_parts(w.packed.data_ptr<float>(), N, K);
   return w;
 }
 
@@ -298,7 +305,7 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
     const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, counter, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_train({xs.hi, xs.lo, xs.inv_scale}, wp.parts, z.data_ptr<float>(),
+    check_launch(fgb::sm90_gemm_fp16x3_train(xs.parts, wp.parts, z.data_ptr<float>(),
                                              g.part_mean, g.part_m2, M, N, K, split_tiles, xs.workspace, stream),
                  "sm90_gemm_fp16x3_train");
   } else if (is_sm90(gemm)) {
@@ -413,7 +420,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
     const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_eval({xs.hi, xs.lo, xs.inv_scale}, wp.parts, out.data_ptr<float>(),
+    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.parts, wp.parts, out.data_ptr<float>(),
                                             t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
                                             t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
                                             t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
@@ -501,7 +508,7 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
     const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(bc, c10::nullopt, N, K, stream);
     const SplitX xs = fp16x3_prepass(ac, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_plain({xs.hi, xs.lo, xs.inv_scale}, wp.parts, out.data_ptr<float>(), M, N,
+    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.parts, wp.parts, out.data_ptr<float>(), M, N,
                                              K, split_tiles, xs.workspace, stream),
                  "sm90_gemm_fp16x3_plain");
     return out;

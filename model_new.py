@@ -17,6 +17,9 @@ in the order a call uses them after ModelNew.forward at the bottom):
     eval + gradient:       _eval_with_grad: gemm_nt, then the fold in torch ops
     16-bit:                the 16-bit extension's call (_LowpFn with gradients)
     torch.compile:         the same through the fused_gemm_bn:: custom operators
+    synchronized BatchNorm (bn converted to a SyncBatchNorm, training, several
+    processes: sync_process_group): _SyncTrainFn, gemm_nt and torch ops around one
+    all_gather (forward) and one all_reduce (backward) of per-feature statistics
   ModelNew.kernel_path(x): the Plan's name, without running anything
 
   dispatch(): the one decision (table in its section; README "Dispatch")
@@ -71,7 +74,7 @@ in the input's dtype, through the same autograd code.
 
 Surface for problem 84's module and for users (documented, stable):
 FusedModule, LinearParams, BatchNormState, fused_forward, kernel_path,
-check_input, per_feature_scale;
+check_input, per_feature_scale, sync_process_group;
 dispatch, dispatch_gemm_nt, plan, Call, Plan, DeviceFacts, device_facts,
 Switches, SWITCHES.
 
@@ -84,14 +87,16 @@ concurrent imports build once, and a compile that was killed never hangs the nex
 The sources are found at $FUSED_GEMM_BN_KERNEL_DIR, else kernels/ next to this
 file, else ./kernels (this text executed without __file__); `python
 tools/bundle.py` writes the self-contained files (dist/model_new.py, and problem
-84's), this text with the sources embedded.  The 16-bit sources (kernels/lowp/,
+84's), this text with the sources embedded and its one repository-only block
+(BatchNormState's base, torch's _BatchNorm, which the harness rules forbid
+naming) replaced by nn.Module: the bundles cannot be converted to SyncBatchNorm.  The 16-bit sources (kernels/lowp/,
 with the kernels/ headers they include) are compiled on the first 16-bit CUDA
 call into fused_gemm_bn_lowp_<hash> by the same helpers; the bundles have no
 16-bit kernels (the harness rules forbid naming the 16-bit types in their text)
 and say so on 16-bit CUDA input (_cuda_dtype_problem).  16-bit tensors never
 take the custom operators: under torch.compile their extension call is a graph break.
 Tests: test_equivalence.py, tests/ (test_dispatch.py, test_backward.py,
-test_lowp.py, test_bundle.py, test_harness.py, test_boundary.py, ...).
+test_lowp.py, test_bundle.py, test_harness.py, test_boundary.py, test_sync_bn.py, ...).
 """
 import collections
 import contextlib
@@ -103,6 +108,7 @@ import socket
 import sys
 import time
 import types
+import warnings
 import weakref
 
 import torch
@@ -418,21 +424,62 @@ class LinearParams(nn.Module):
         nn.init.uniform_(self.bias, -bound, bound)
 
 
-class BatchNormState(nn.Module):
-    """bn.weight, bn.bias and the running-statistics buffers of torch's BatchNorm1d
-    (affine=True, track_running_stats=True).  `eps` and `momentum` are read at
-    every call; momentum=None selects the cumulative average."""
+# bundle: repository-only begins (tools/bundle.py writes BUNDLE_BATCHNORM_BASE in place of this block)
+# nn.SyncBatchNorm.convert_sync_batchnorm converts the instances of torch's _BatchNorm: BatchNormState
+# derives from it, so a converted network's ModelNew holds a SyncBatchNorm with the same tensors.  The
+# harness rules forbid naming that class, so the self-contained files derive from nn.Module instead.
+from torch.nn.modules.batchnorm import _BatchNorm as _BatchNormBase  # noqa: E402
+# bundle: repository-only ends
+
+# False in the self-contained files: SyncBatchNorm conversion cannot see their BatchNormState
+# (_warn_unsynchronized says so once, README "Multi-GPU").
+_SYNC_CONVERTIBLE = _BatchNormBase is not nn.Module
+
+
+class BatchNormState(_BatchNormBase):
+    """bn.weight (N), bn.bias (N) and the buffers running_mean (N), running_var (N)
+    and num_batches_tracked (a long scalar) of torch's BatchNorm1d(N, eps,
+    momentum) with affine=True, track_running_stats=True: the same names,
+    registration order, initial values (1, 0, 0, 1, 0) and state_dict keys.
+    `eps` and `momentum` are read at every call; momentum=None selects the
+    cumulative average.  A parameter container: ModelNew's forward
+    (fused_forward) runs the kernels, and calling the container raises RuntimeError.
+
+    In the repository's model_new.py it derives from torch's _BatchNorm, so
+    nn.SyncBatchNorm.convert_sync_batchnorm replaces it by a SyncBatchNorm that
+    holds the same parameter and buffer objects (fused_forward then merges the
+    batch statistics across processes: section "Synchronized BatchNorm"), and a
+    state dict without num_batches_tracked loads as into BatchNorm1d (the
+    counter keeps its value).  In the self-contained files it derives from
+    nn.Module (the harness rules forbid naming torch's BatchNorm classes)."""
 
     def __init__(self, num_features, eps, momentum):
-        super().__init__()
+        # The state _NormBase.__init__ registers, written out because the base
+        # may be nn.Module (the self-contained files); the same code either way.
+        nn.Module.__init__(self)
         self.num_features = num_features
         self.eps = eps
         self.momentum = momentum
+        self.affine = True
+        self.track_running_stats = True
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
         self.register_buffer("running_mean", torch.zeros(num_features))
         self.register_buffer("running_var", torch.ones(num_features))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def forward(self, input):
+        raise RuntimeError("BatchNormState holds BatchNorm1d's parameters and running statistics for ModelNew, whose "
+                           "forward runs the fused kernels; it computes nothing itself: call the ModelNew holding it")
+
+    def _check_input_dim(self, input):
+        """BatchNorm1d's check: (M, N) or (M, N, L) input, else ValueError."""
+        if input.dim() not in (2, 3):
+            raise ValueError(f"expected 2D or 3D input (got {input.dim()}D input)")
+
+    def extra_repr(self):
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}")
 
 
 # ---------------------------------------------------------------------------
@@ -729,9 +776,9 @@ _WEIGHT_PARTS = {}
 
 def _weight_parts(weight, split=None):
     """gemm.weight's fp16x3 parts for the sm90_fp16x3 kernels (the extension's
-    fp16x3_weight_parts: w_hi, w_lo as fp16 words and the rows' power-of-two
-    scales, weight_parts_floats(N, K) = N K + N float32 words, the size of the
-    weight itself), made on the first call and reused while the weight is
+    fp16x3_weight_parts: w_hi, w_lo as fp16 words, the rows' power-of-two
+    scales and the rows' sums, weight_parts_floats(N, K) = N K + 3 N float32
+    words, about the size of the weight itself), made on the first call and reused while the weight is
     unchanged; None when the call must split the weight itself (the extension
     then does, inside the call): caching off (SWITCHES.weight_cache), a CUDA
     graph being captured (a graph must not read a cache that later calls
@@ -810,11 +857,14 @@ def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, ep
     return kernels.forward_eval(gemm, *params, *buffers[:2], eps, scale_after_bn, *extra)
 
 
-def _checked_params(x, gemm, scale, bn):
+def _checked_params(x, gemm, scale, bn, synchronized=False):
     """(x, gemm.weight, gemm.bias, scale as an (N,) vector, bn.weight, bn.bias)
     after check_input and per_feature_scale (which raise before anything is
-    touched): what fused_forward and kernel_path both start from."""
-    check_input(x, gemm.weight, bn.training)
+    touched): what fused_forward and kernel_path both start from.
+    synchronized: the batch statistics are merged across processes
+    (sync_process_group), so one row is a valid share of the batch here (the
+    merged batch is checked after the all-gather, _sync_check_batch)."""
+    check_input(x, gemm.weight, bn.training and not synchronized)
     return (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
 
 
@@ -835,7 +885,11 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
       no gradient needed: one call of the plan's forward_train / forward_eval;
       training with gradients: _TrainFn (forward_train_saved, then the fused backward);
       eval with gradients: _eval_with_grad over gemm_nt;
-      16-bit: the 16-bit call, or _LowpFn with gradients.
+      16-bit: the 16-bit call, or _LowpFn with gradients;
+      bn a SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) in training with
+      torch.distributed initialized over more than one process (sync_process_group):
+      _SyncTrainFn, whose forward merges the batch statistics across processes
+      (section "Synchronized BatchNorm"; also under torch.compile, as eager code).
     Under torch.compile, torch.jit.trace (or FUSED_GEMM_BN_EAGER_OPS=1) float32
     and float64 calls go through the fused_gemm_bn:: operators instead, whose
     implementations make the same dispatch() decision when they run (the tracer
@@ -843,7 +897,8 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     where this torch has no custom operators (< 2.4), or for 16-bit input,
     tracing raises RuntimeError."""
     training = bn.training
-    params = _checked_params(x, gemm, scale, bn)
+    group = sync_process_group(bn)
+    params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     if torch.jit.is_tracing() and (_OPS is None or _is_16bit_dtype(x.dtype)):
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4) "
                            "and float32 or float64 input: its kernels are extension calls the tracer cannot "
@@ -852,6 +907,9 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     eps = float(bn.eps)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = _needs_grad(params)
+    if group is not None:
+        return _sync_forward(group, params, buffers, momentum, eps, scale_after_bn)
+    _warn_unsynchronized(bn)
     if x.shape[0] == 0:  # as BatchNorm1d: empty output, the call counted, running statistics untouched
         if training:
             bn.num_batches_tracked.add_(1)
@@ -873,8 +931,12 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
 def kernel_path(x, gemm, scale, bn, scale_after_bn):
     """The Plan name fused_forward(x, ...) would take now (same arguments), from
     the same checks and dispatch() alone: no kernel runs and nothing is updated.
-    ModelNew.kernel_path calls it."""
-    params = _checked_params(x, gemm, scale, bn)
+    ModelNew.kernel_path calls it.  Under synchronized BatchNorm
+    (sync_process_group) the name is _sync_path_name's, e.g. "torch_ops_sync_train_grad"."""
+    group = sync_process_group(bn)
+    params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
+    if group is not None:
+        return _sync_path_name(x, gemm.weight, _needs_grad(params))
     return dispatch(x, gemm.weight, bn.training, _needs_grad(params), scale_after_bn).name
 
 
@@ -1109,6 +1171,304 @@ class _LowpFn(torch.autograd.Function):
             g = next(grads) if need else None
             result.append(torch.zeros_like(t) if need and g is None else g)
         return (None,) * 7 + tuple(result)
+
+
+# ---------------------------------------------------------------------------
+# Synchronized BatchNorm: the training forward and backward when bn is a
+# SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) and several processes
+# share one batch (README "Multi-GPU")
+# ---------------------------------------------------------------------------
+#
+# One function per step, the same code for CPU (gloo) and CUDA (NCCL):
+#   _sync_local_forward   v = x W^T + b (M, N) and this process's (count, mean, M2)
+#                         of the BatchNorm input u (33: u = v * scale, 84: u = v)
+#   _sync_all_gather      one all_gather of the (3, N) float64 statistics
+#   _sync_merge_stats     the union's (count, mean, M2), Chan et al.'s formula
+#   _sync_check_batch     a merged batch of one row raises, as BatchNorm does
+#   _sync_update_running  running statistics from the merged ones (unbiased variance)
+#   _sync_normalize       (u - mean) invstd bn.weight + bn.bias; 84: softmax of it * scale
+#   backward: _sync_backward_sums (local sum_dy, sum_dy_xmu), one all_reduce of
+#   both, _sync_grad_u with the merged count, then the GEMMs (_sync_gemm).
+# Elementwise work runs in x's dtype (float32 for 16-bit x, whose GEMM alone is
+# 16-bit, as in _lowp_recompute); per-feature statistics and sums in float64.
+
+
+def _distributed_world_size(group=None):
+    """Processes in `group` (None: the default group) when torch.distributed is
+    available and initialized, else 1 (-1 where this process is not in `group`)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group or dist.group.WORLD)
+
+
+def sync_process_group(bn):
+    """The process group whose batches a training call with `bn` normalises as
+    one batch, or None (this process's batch alone).  Decided as
+    nn.SyncBatchNorm.forward decides its need_sync: bn is a SyncBatchNorm (what
+    convert_sync_batchnorm makes of BatchNormState), bn.training,
+    torch.distributed available and initialized, and the group (bn.process_group,
+    else the default group) has more than one process.  Unlike SyncBatchNorm,
+    CPU tensors are accepted (gloo).  Reads no tensor and runs no collective."""
+    if not (isinstance(bn, nn.SyncBatchNorm) and bn.training):
+        return None
+    if _distributed_world_size(bn.process_group) <= 1:
+        return None
+    return bn.process_group or torch.distributed.group.WORLD
+
+
+_UNSYNCHRONIZED_WARNED = False
+
+
+def _warn_unsynchronized(bn):
+    """The self-contained files only (_SYNC_CONVERTIBLE False): once per
+    process, a training call while torch.distributed runs more than one
+    process warns that this copy keeps per-process batch statistics, since
+    convert_sync_batchnorm cannot see its BatchNormState."""
+    global _UNSYNCHRONIZED_WARNED
+    if _SYNC_CONVERTIBLE or _UNSYNCHRONIZED_WARNED or not bn.training or isinstance(bn, nn.SyncBatchNorm):
+        return
+    world = _distributed_world_size()
+    if world <= 1:
+        return
+    _UNSYNCHRONIZED_WARNED = True
+    warnings.warn(f"ModelNew (self-contained copy): torch.distributed runs {world} processes, but this copy keeps "
+                  f"per-process batch statistics: nn.SyncBatchNorm.convert_sync_batchnorm cannot convert its "
+                  f"BatchNorm, which the harness rules this file follows keep from deriving from torch's BatchNorm "
+                  f"classes. For synchronized BatchNorm use the repository's model_new.py (README, Multi-GPU).",
+                  UserWarning, stacklevel=3)
+
+
+def _sync_work_dtype(dtype):
+    """The dtype of the elementwise work: float32 for 16-bit x (as
+    _lowp_recompute and Model's BatchNorm statistics), else x's own."""
+    return torch.float32 if _is_16bit_dtype(dtype) else dtype
+
+
+def _sync_gemm_kernel(a, b):
+    """The GEMM kernel of a @ b^T on this path: dispatch_gemm_nt's for float32
+    CUDA tensors, "torch_ops" otherwise (CPU, float64, and 16-bit CUDA, whose
+    product torch computes in the 16-bit type, as Model's Linear)."""
+    if a.is_cuda and a.dtype == torch.float32:
+        return dispatch_gemm_nt(a, b)
+    return "torch_ops"
+
+
+def _sync_gemm(a, b):
+    """a (M, K) @ b (N, K)^T -> (M, N) in a's dtype, any strides, on
+    _sync_gemm_kernel's kernel; zeros when M, N or K is 0 (no kernel runs)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return a.new_zeros((a.shape[0], b.shape[0]))
+    gemm = _sync_gemm_kernel(a, b)
+    if gemm == "torch_ops":
+        return _torch_gemm_nt(gemm, a, b)
+    return _kernels("ext").gemm_nt(gemm, a, b)
+
+
+def _sync_path_name(x, weight, grad):
+    """kernel_path's name under synchronized BatchNorm: <gemm>_sync_train[_grad],
+    <gemm> the forward product's kernel (_sync_gemm_kernel; "empty" for a batch of 0)."""
+    gemm = "empty" if x.shape[0] == 0 else _sync_gemm_kernel(x, weight)
+    return f"{gemm}_sync_train" + ("_grad" if grad else "")
+
+
+def _sync_local_stats(u):
+    """This process's per-feature statistics of the BatchNorm input u (M, N),
+    as one (3, N) float64 tensor: row 0 the count M (in every column), row 1 the
+    mean, row 2 M2 = sum_m (u - mean)^2.  M == 0 gives zeros (the process still
+    takes part in the all-gather, as SyncBatchNorm's does)."""
+    u64 = u.double()
+    m = u.shape[0]
+    mean = u64.sum(dim=0) / max(m, 1)
+    m2 = ((u64 - mean) ** 2).sum(dim=0)
+    return torch.stack((torch.full_like(mean, float(m)), mean, m2))
+
+
+def _sync_local_forward(x, weight, bias, scale, scale_after_bn, work_dtype):
+    """The steps before the collective: (v, local) with v = x weight^T + bias
+    (M, N) in work_dtype (x weight^T rounded to x's dtype first: the 16-bit GEMM)
+    and local = _sync_local_stats(u), u = v * scale (problem 33) or v (84);
+    scale (N,) in work_dtype.  A fused CUDA kernel may replace this function
+    (same arguments, same results)."""
+    v = _sync_gemm(x, weight).to(work_dtype) + bias.to(work_dtype)
+    return v, _sync_local_stats(v if scale_after_bn else v * scale)
+
+
+def _sync_all_gather(local, group):
+    """Every process's (3, N) statistics in `group`, as (world, 3, N) in rank
+    order: one all_gather (float64, which gloo and NCCL both carry).  Every
+    process of the group calls it once per training call, also with an empty batch."""
+    world = torch.distributed.get_world_size(group)
+    gathered = local.new_empty((world,) + tuple(local.shape))
+    torch.distributed.all_gather(list(gathered.unbind(0)), local.contiguous(), group=group)
+    return gathered
+
+
+def _sync_merge_stats(gathered):
+    """(count, mean, m2) of the union of the batches from their (world, 3, N)
+    statistics: count a Python float, mean and m2 (N,) float64, by Chan, Golub
+    and LeVeque's combination over all processes at once:
+      count = sum_r c_r,  mean = sum_r c_r mean_r / count,
+      m2 = sum_r (m2_r + c_r (mean_r - mean)^2).
+    Processes with c_r = 0 add nothing (uneven and empty batches, as
+    SyncBatchNorm drops them); count 0 gives mean 0, m2 0.  Every process
+    computes it from the same values in the same order: the same result everywhere."""
+    counts, means, m2s = gathered[:, 0], gathered[:, 1], gathered[:, 2]
+    count = float(counts[:, :1].sum())
+    mean = (counts * means).sum(dim=0) / max(count, 1.0)
+    m2 = (m2s + counts * (means - mean) ** 2).sum(dim=0)
+    return count, mean, m2
+
+
+def _sync_check_batch(count, n):
+    """BatchNorm's refusal of a batch of one row, for the merged batch (every
+    process raises the same ValueError, after the all-gather and before any
+    buffer changes)."""
+    if count == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                         f"{torch.Size([1, n])}")
+
+
+def _sync_update_running(buffers, count, mean, m2, momentum):
+    """BatchNorm's update from the merged batch: num_batches_tracked += 1, then
+    with factor = momentum (or 1 / num_batches_tracked for momentum < 0, i.e.
+    None), in float64:
+      running_mean = (1 - factor) running_mean + factor mean
+      running_var  = (1 - factor) running_var  + factor m2 / (count - 1)   (unbiased).
+    count 0 (every batch empty) only counts the call, as BatchNorm1d on an empty batch."""
+    running_mean, running_var, num_batches_tracked = buffers
+    num_batches_tracked.add_(1)
+    if count < 2:
+        return
+    factor = momentum if momentum >= 0 else 1.0 / float(num_batches_tracked)
+    running_mean.copy_((1.0 - factor) * running_mean.double() + factor * mean)
+    running_var.copy_((1.0 - factor) * running_var.double() + factor * (m2 / (count - 1.0)))
+
+
+def _sync_normalize(u, mean, invstd, bn_weight, bn_bias):
+    """y = (u - mean) invstd bn_weight + bn_bias (M, N) in u's dtype, the
+    per-feature factor invstd bn_weight formed in float64; mean, invstd (N,) float64."""
+    dt = u.dtype
+    return (u - mean.to(dt)) * (invstd * bn_weight.double()).to(dt) + bn_bias.to(dt)
+
+
+def _sync_backward_sums(grad_y, xmu):
+    """This process's (2, N) float64 sums over its rows: sum_dy = sum_m grad_y,
+    sum_dy_xmu = sum_m grad_y (u - mean); grad_y, xmu (M, N)."""
+    return torch.stack((grad_y.sum(dim=0, dtype=torch.float64), (grad_y * xmu).sum(dim=0, dtype=torch.float64)))
+
+
+def _sync_all_reduce(sums, group):
+    """The (2, N) sums added over `group`: one all_reduce (SUM), in place, as
+    SyncBatchNorm's backward does; every process calls it, also with an empty batch."""
+    torch.distributed.all_reduce(sums, torch.distributed.ReduceOp.SUM, group=group)
+    return sums
+
+
+def _sync_grad_u(grad_y, xmu, total, count, invstd, bn_weight):
+    """BatchNorm's input gradient with the merged batch: with the global sums
+    total = (sum_dy, sum_dy_xmu) (2, N) and the merged count C,
+      grad_u = bn_weight invstd (grad_y - sum_dy / C) - xmu bn_weight invstd^3 sum_dy_xmu / C
+    in grad_y's dtype (per-feature factors in float64)."""
+    dt = grad_y.dtype
+    c = max(count, 1.0)
+    a = bn_weight.double() * invstd
+    return grad_y * a.to(dt) - (a * total[0] / c).to(dt) - xmu * (a * invstd * invstd * total[1] / c).to(dt)
+
+
+def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_weight, bn_bias, v, mean, invstd,
+                   out, needs):
+    """Gradients of _SyncTrainFn with respect to (x, gemm.weight, gemm.bias,
+    scale, bn.weight, bn.bias), `needs` saying which are wanted, in the work
+    dtype of v (cast by the caller).  With u = v * scale (33) or v (84),
+    xmu = u - mean, y = _sync_normalize(u, ...):
+      problem 84: grad_soft = out * (grad_out - sum_n grad_out out) (softmax backward),
+        grad_scale = sum_m grad_soft y, grad_y = grad_soft * scale; problem 33: grad_y = grad_out
+      grad_bn.weight = invstd sum_m grad_y xmu, grad_bn.bias = sum_m grad_y   (this process's rows
+        only, as SyncBatchNorm returns them: DDP averages gradients over processes)
+      grad_u = _sync_grad_u with the all-reduced sums and the merged count (the
+        gradient of every process's loss with respect to this process's u)
+      problem 33: grad_scale = sum_m grad_u v, grad_v = grad_u scale; problem 84: grad_v = grad_u
+      grad_x = grad_v weight, grad_W = grad_v^T x (in x's dtype, _sync_gemm)
+      grad_gemm.bias = 0: its gradient through the merged batch mean sums to exactly
+        0 over the processes (each process's share would be sum_m grad_v), so every
+        process returns 0 and any sum or average of them is that sum.
+    The all_reduce runs when a gradient through u is wanted (x, gemm.weight, or
+    33's scale): the same decision on every process, as SyncBatchNorm's."""
+    need_x, need_w, need_b, need_s, need_g, need_beta = needs
+    dt = v.dtype
+    grad_out = grad_out.to(dt)
+    u = v if scale_after_bn else v * scale
+    xmu = u - mean.to(dt)
+    grad_scale = None
+    if scale_after_bn:
+        grad_soft = _softmax_rows_backward(out, grad_out)
+        if need_s:
+            y = _sync_normalize(u, mean, invstd, bn_weight, bn_bias)
+            grad_scale = (grad_soft * y).sum(dim=0, dtype=torch.float64).to(dt)
+        grad_y = grad_soft * scale
+    else:
+        grad_y = grad_out
+    sums = _sync_backward_sums(grad_y, xmu)
+    grad_g = (invstd * sums[1]).to(dt) if need_g else None
+    grad_beta = sums[0].to(dt) if need_beta else None
+    grad_x = grad_w = None
+    if need_x or need_w or (need_s and not scale_after_bn):
+        grad_u = _sync_grad_u(grad_y, xmu, _sync_all_reduce(sums.clone(), group), count, invstd, bn_weight)
+        if not scale_after_bn:
+            grad_scale = (grad_u * v).sum(dim=0, dtype=torch.float64).to(dt) if need_s else None
+            grad_u = grad_u * scale
+        grad_v = grad_u.to(x.dtype)
+        grad_x = _sync_gemm(grad_v, weight.t()) if need_x else None
+        grad_w = _sync_gemm(grad_v.t(), x.t()) if need_w else None
+    grad_b = torch.zeros_like(bn_bias) if need_b else None
+    return (grad_x, grad_w, grad_b, grad_scale, grad_g, grad_beta)
+
+
+class _SyncTrainFn(torch.autograd.Function):
+    """The training forward under synchronized BatchNorm (sync_process_group),
+    both problems, any device and float dtype:
+      v, local = _sync_local_forward(...); count, mean, m2 = _sync_merge_stats(_sync_all_gather(local, group))
+      _sync_check_batch; _sync_update_running (the module's buffers, in place, once)
+      invstd = 1 / sqrt(m2 / count + eps)   (biased variance of the merged batch, float64)
+      out = _sync_normalize(u, ...) (33), softmax_rows(_sync_normalize(u, ...) * scale) (84), in x's dtype.
+    One all_gather in the forward, one all_reduce in the backward (_sync_backward).
+    Saved: x, gemm.weight, scale, bn.weight, bn.bias (the caller's tensors, or
+    float32 copies for 16-bit x), v (M, N) in the work dtype, mean and invstd (N)
+    float64, and for problem 84 out (M, N)."""
+
+    @staticmethod
+    def forward(ctx, scale_after_bn, group, buffers, momentum, eps, x, weight, bias, scale, bn_weight, bn_bias):
+        dt = _sync_work_dtype(x.dtype)
+        scale_w, bn_weight_w, bn_bias_w = scale.to(dt), bn_weight.to(dt), bn_bias.to(dt)
+        v, local = _sync_local_forward(x, weight, bias, scale_w, scale_after_bn, dt)
+        count, mean, m2 = _sync_merge_stats(_sync_all_gather(local, group))
+        _sync_check_batch(count, weight.shape[0])
+        _sync_update_running(buffers, count, mean, m2, momentum)
+        invstd = torch.rsqrt(m2 / max(count, 1.0) + eps)
+        y = _sync_normalize(v if scale_after_bn else v * scale_w, mean, invstd, bn_weight_w, bn_bias_w)
+        out = _softmax_rows(y * scale_w) if scale_after_bn else y
+        ctx.scale_after_bn, ctx.group, ctx.count = scale_after_bn, group, count
+        ctx.dtypes = [t.dtype for t in (x, weight, bias, scale, bn_weight, bn_bias)]
+        ctx.save_for_backward(x, weight, scale_w, bn_weight_w, bn_bias_w, v, mean, invstd,
+                              out if scale_after_bn else None)
+        return out.to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        grads = _sync_backward(ctx.scale_after_bn, ctx.group, ctx.count, grad_out, *ctx.saved_tensors,
+                               ctx.needs_input_grad[5:])
+        return (None,) * 5 + tuple(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes))
+
+
+@torch.compiler.disable
+def _sync_forward(group, params, buffers, momentum, eps, scale_after_bn):
+    """fused_forward's synchronized training path: _SyncTrainFn over params
+    (x, gemm.weight, gemm.bias, scale (N,), bn.weight, bn.bias), collectives on
+    `group`.  Eager also under torch.compile (a graph break; fullgraph=True
+    refuses it): no custom operator carries the collectives."""
+    return _SyncTrainFn.apply(scale_after_bn, group, buffers, momentum, eps, *params)
 
 
 # ---------------------------------------------------------------------------
@@ -1500,6 +1860,9 @@ class ModelNew(FusedModule):
     ops); gemm.bias gets an exact zero gradient in training (16-bit: rounding noise).
     bn.training, not the module's flag, selects batch or running statistics, as
     in Model (`model.bn.eval()` freezes BatchNorm while the rest trains).
+    nn.SyncBatchNorm.convert_sync_batchnorm converts bn as in Model: training
+    calls then merge the batch statistics of all processes (section
+    "Synchronized BatchNorm"; not in the self-contained file, which warns once).
     `scale` may have any per-feature shape Model broadcasts ((), (1,), (1, 1),
     (N,), (1, N)).  kernel_path(x) names the path forward(x) would take
     (dispatch's Plan.name).  torch.jit.trace records the custom operators
@@ -1507,10 +1870,10 @@ class ModelNew(FusedModule):
 
     M == 0 gives an empty output (num_batches_tracked still counts the call in
     training, running statistics are untouched), as torch's BatchNorm1d.
-    Raises ValueError for M == 1 in training (PyTorch's message), and
-    RuntimeError or ValueError for a wrong rank (as Model's), RuntimeError for a
-    wrong feature count, dtype or device, or a scale that is not per-feature; a
-    rejected call leaves every buffer unchanged.
+    Raises ValueError for M == 1 in training (PyTorch's message; synchronized:
+    for a global batch of 1), RuntimeError or ValueError for a wrong rank (as
+    Model's), RuntimeError for a wrong feature count, dtype or device, or a scale
+    that is not per-feature; a rejected call leaves every buffer unchanged.
     """
 
     def __init__(self, in_features, out_features, scale_shape, eps=1e-5, momentum=0.1):

@@ -19,6 +19,9 @@ in the order a call uses them after ModelNew.forward at the bottom):
     eval + gradient:       _eval_with_grad: gemm_nt, then the fold in torch ops
     16-bit:                the 16-bit extension's call (_LowpFn with gradients)
     torch.compile:         the same through the fused_gemm_bn:: custom operators
+    synchronized BatchNorm (bn converted to a SyncBatchNorm, training, several
+    processes: sync_process_group): _SyncTrainFn, gemm_nt and torch ops around one
+    all_gather (forward) and one all_reduce (backward) of per-feature statistics
   ModelNew.kernel_path(x): the Plan's name, without running anything
 
   dispatch(): the one decision (table in its section; README "Dispatch")
@@ -73,7 +76,7 @@ in the input's dtype, through the same autograd code.
 
 Surface for problem 84's module and for users (documented, stable):
 FusedModule, LinearParams, BatchNormState, fused_forward, kernel_path,
-check_input, per_feature_scale;
+check_input, per_feature_scale, sync_process_group;
 dispatch, dispatch_gemm_nt, plan, Call, Plan, DeviceFacts, device_facts,
 Switches, SWITCHES.
 
@@ -86,14 +89,16 @@ concurrent imports build once, and a compile that was killed never hangs the nex
 The sources are found at $FUSED_GEMM_BN_KERNEL_DIR, else kernels/ next to this
 file, else ./kernels (this text executed without __file__); `python
 tools/bundle.py` writes the self-contained files (dist/model_new.py, and problem
-84's), this text with the sources embedded.  The 16-bit sources (kernels/lowp/,
+84's), this text with the sources embedded and its one repository-only block
+(BatchNormState's base, torch's _BatchNorm, which the harness rules forbid
+naming) replaced by nn.Module: the bundles cannot be converted to SyncBatchNorm.  The 16-bit sources (kernels/lowp/,
 with the kernels/ headers they include) are compiled on the first 16-bit CUDA
 call into fused_gemm_bn_lowp_<hash> by the same helpers; the bundles have no
 16-bit kernels (the harness rules forbid naming the 16-bit types in their text)
 and say so on 16-bit CUDA input (_cuda_dtype_problem).  16-bit tensors never
 take the custom operators: under torch.compile their extension call is a graph break.
 Tests: test_equivalence.py, tests/ (test_dispatch.py, test_backward.py,
-test_lowp.py, test_bundle.py, test_harness.py, test_boundary.py, ...).
+test_lowp.py, test_bundle.py, test_harness.py, test_boundary.py, test_sync_bn.py, ...).
 """
 import collections
 import contextlib
@@ -105,6 +110,7 @@ import socket
 import sys
 import time
 import types
+import warnings
 import weakref
 
 import torch
@@ -158,8 +164,10 @@ _EMBEDDED_SOURCES = {
 // keeps the output accurate when |mean_z| is large against the spread of z.
 //
 // Work split (both forms): each thread owns fixed columns (4 with 16-byte accesses when
-// N % 4 == 0 and all pointers are 16-byte aligned, else 1) and walks
-// rows_per_block rows (32, fewer for small M * N so the grid fills the GPU); every block merges the statistics of its own columns
+// N % 4 == 0 and all pointers are 16-byte aligned, else 1; with 4, the one-launch form
+// loads all tiles' statistics of its columns at once) and walks
+// rows_per_block rows (64 in the one-launch form, 16 in the two-launch form, fewer for
+// small M * N so the grid fills the GPU); every block merges the statistics of its own columns
 // (num_m_tiles * 2 loads each, from L2), and the blocks of row 0 write the
 // running statistics, once per feature.  Memory-bound: one read and one write
 // of z.  Precondition: M >= 2 (the caller raises PyTorch's error for M == 1).
@@ -172,8 +180,14 @@ _EMBEDDED_SOURCES = {
 
 namespace fused_gemm_bn {
 
-constexpr int kApplyThreads = 256;
-constexpr int kApplyRowsPerBlock = 32;  // 32 row blocks at M = 1024: the statistics are re-merged 32x, from L2
+// Block shape, from timings of variants on an H200 (docs/perf.md v21): 128
+// threads (the one-launch vec4 kernel needs ~166 registers for the batched
+// statistics loads: three blocks per SM), 64 rows per block in the one-launch
+// form (16 row blocks at M = 1024 re-merge the statistics 16x), 16 in the
+// two-launch form (nothing to re-merge; more blocks in flight).
+constexpr int kApplyThreads = 128;
+constexpr int kApplyRowsPerBlock = 64;
+constexpr int kFoldedRowsPerBlock = 16;
 constexpr int kApplyTargetBlocks = 264;  // two per SM of an H100 / H200
 constexpr int kRowBatch = 8;             // rows loaded before any is stored (bn_apply_kernel)
 constexpr int kFusedMaxTiles = 8;        // up to here each block merges its own columns (M <= 1024 at BLOCK_M 128)
@@ -197,18 +211,36 @@ struct BnApplyArgs {
   float* coeff;  // two-launch form: [mean_z | a], 2 N floats, written by bn_fold_kernel
 };
 
-// Batch statistics of feature j -> (mean_z, a); updates its running statistics
-// when `update_running`.
-__device__ __forceinline__ void feature_coefficients(const BnApplyArgs& p, int j, bool update_running, float& mu,
-                                                     float& a) {
-  double mean, m2;
-  merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
+// Feature j's merged batch statistics (mean, m2) of z -> (mean_z, a); updates
+// its running statistics when `update_running`.
+__device__ __forceinline__ void coefficients_from_stats(const BnApplyArgs& p, int j, double mean, double m2,
+                                                        bool update_running, float& mu, float& a) {
   const double count = static_cast<double>(p.M);
   mu = static_cast<float>(mean);
   a = bn_train_slope(m2, count, p.scale[j], p.bn_weight[j], p.eps);
   if (update_running)
     bn_update_running(mean, m2, count, p.bias[j], p.scale[j], p.momentum, p.num_batches_tracked,
                       p.running_mean + j, p.running_var + j);
+}
+
+// Batch statistics of feature j -> (mean_z, a), one tile load after another.
+__device__ __forceinline__ void feature_coefficients(const BnApplyArgs& p, int j, bool update_running, float& mu,
+                                                     float& a) {
+  double mean, m2;
+  merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
+  coefficients_from_stats(p, j, mean, m2, update_running, mu, a);
+}
+
+// The same for features col .. col + 3 (the vec4 one-launch form): every
+// tile's statistics of the four features in two L2 round trips instead of
+// 2 num_m_tiles dependent loads per feature (merge_tile_statistics4,
+// bit-identical), docs/perf.md v21.
+__device__ __forceinline__ void feature_coefficients4(const BnApplyArgs& p, int col, bool update_running,
+                                                      float (&mu)[4], float (&a)[4]) {
+  double mean[4], m2[4];
+  merge_tile_statistics4<kFusedMaxTiles>(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, col, mean, m2);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) coefficients_from_stats(p, col + c, mean[c], m2[c], update_running, mu[c], a[c]);
 }
 
 // Two-launch form, first launch: one thread per feature merges its tiles once,
@@ -232,12 +264,13 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
   if (col >= p.N) return;
   const bool update_running = blockIdx.y == 0;
   float mu[kCols], a[kCols], b[kCols];
+  if constexpr (kVec4 && !kFolded) feature_coefficients4(p, col, update_running, mu, a);
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     if constexpr (kFolded) {
       mu[c] = p.coeff[col + c];
       a[c] = p.coeff[p.N + col + c];
-    } else {
+    } else if constexpr (!kVec4) {
       feature_coefficients(p, col + c, update_running, mu[c], a[c]);
     }
     b[c] = p.bn_bias[col + c];
@@ -286,21 +319,22 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
   if (M == 0 || N == 0) return cudaSuccess;
   const bool folded = num_m_tiles > kFusedMaxTiles;
   if (folded && coeff == nullptr) return cudaErrorInvalidValue;
-  const bool vec4 =
-      N % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  auto aligned = [](const float* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  const bool vec4 = N % 4 == 0 && aligned(z) && aligned(out) && aligned(part_mean) && aligned(part_m2);
   BnApplyArgs p{z,       out,     part_mean,           part_m2,  num_m_tiles, block_m,      M,
                 N,       bias,    scale,               bn_weight, bn_bias,    num_batches_tracked, momentum,
                 eps,     running_mean, running_var,    0,      coeff};
   const int cols_per_thread = vec4 ? 4 : 1;
   const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
   const int blocks_x = (threads_needed + kApplyThreads - 1) / kApplyThreads;
-  // Up to kApplyRowsPerBlock rows per block, fewer where that would leave fewer
+  // Up to max_rows rows per block, fewer where that would leave fewer
   // than kApplyTargetBlocks blocks (small M * N: 8 blocks of 32 rows took
   // 12.5 us at M = 256, N = 1024 on an H200, docs/perf.md); grid.y is capped at
   // 65535, so very tall inputs give each block more rows.
   const int rows_for_target = static_cast<int>((static_cast<int64_t>(M) * blocks_x + kApplyTargetBlocks - 1) /
                                                kApplyTargetBlocks);
-  p.rows_per_block = max(max(1, min(kApplyRowsPerBlock, rows_for_target)), (M + 65534) / 65535);
+  const int max_rows = folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock;
+  p.rows_per_block = max(max(1, min(max_rows, rows_for_target)), (M + 65534) / 65535);
   const dim3 grid(blocks_x, (M + p.rows_per_block - 1) / p.rows_per_block);
   if (folded) {
     bn_fold_kernel<<<(N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream>>>(p);
@@ -686,7 +720,10 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
 template <int kVec, bool kAffine>
 cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   const int num_groups = p.N / kVec;
-  const int threads = min(kRowThreads, max(32, (num_groups + 31) / 32 * 32));
+  // Four groups per thread (N = 8192: 512 threads; N = 4096: 256, so eight
+  // rows per SM are in flight, not four: 186 -> see docs/perf.md v21 at
+  // M = 16384), at least one warp, at most kRowThreads.
+  const int threads = min(kRowThreads, max(32, (num_groups / 4 + 31) / 32 * 32));
   int device = 0, max_optin = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -793,6 +830,52 @@ __device__ __forceinline__ void merge_tile_statistics(const float* part_mean, co
     const double d = static_cast<double>(part_mean[static_cast<size_t>(t) * N + j]) - mean;
     m2 += static_cast<double>(part_m2[static_cast<size_t>(t) * N + j]) + n_t * d * d;
   }
+}
+
+// merge_tile_statistics for the four features col .. col + 3 at once
+// (num_m_tiles <= kMaxTiles; part_mean, part_m2 and col 16-byte aligned, N % 4
+// == 0): all tiles' means are loaded together (16-byte loads), then all m2s,
+// so two L2 round trips replace 2 num_m_tiles dependent loads per feature.
+// The same operations in the same order per feature: bit-identical results.
+template <int kMaxTiles>
+__device__ __forceinline__ void merge_tile_statistics4(const float* part_mean, const float* part_m2, int num_m_tiles,
+                                                       int block_m, int M, int N, int col, double (&mean)[4],
+                                                       double (&m2)[4]) {
+  float4 tm[kMaxTiles];
+#pragma unroll
+  for (int t = 0; t < kMaxTiles; ++t)
+    if (t < num_m_tiles) tm[t] = __ldg(reinterpret_cast<const float4*>(part_mean + static_cast<size_t>(t) * N + col));
+#pragma unroll
+  for (int c = 0; c < 4; ++c) mean[c] = 0.0;
+#pragma unroll
+  for (int t = 0; t < kMaxTiles; ++t)
+    if (t < num_m_tiles) {
+      const double n_t = static_cast<double>(min(block_m, M - t * block_m));
+      mean[0] += n_t * static_cast<double>(tm[t].x);
+      mean[1] += n_t * static_cast<double>(tm[t].y);
+      mean[2] += n_t * static_cast<double>(tm[t].z);
+      mean[3] += n_t * static_cast<double>(tm[t].w);
+    }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    mean[c] /= static_cast<double>(M);
+    m2[c] = 0.0;
+  }
+  float4 t2[kMaxTiles];
+#pragma unroll
+  for (int t = 0; t < kMaxTiles; ++t)
+    if (t < num_m_tiles) t2[t] = __ldg(reinterpret_cast<const float4*>(part_m2 + static_cast<size_t>(t) * N + col));
+#pragma unroll
+  for (int t = 0; t < kMaxTiles; ++t)
+    if (t < num_m_tiles) {
+      const double n_t = static_cast<double>(min(block_m, M - t * block_m));
+      const double d0 = static_cast<double>(tm[t].x) - mean[0], d1 = static_cast<double>(tm[t].y) - mean[1];
+      const double d2 = static_cast<double>(tm[t].z) - mean[2], d3 = static_cast<double>(tm[t].w) - mean[3];
+      m2[0] += static_cast<double>(t2[t].x) + n_t * d0 * d0;
+      m2[1] += static_cast<double>(t2[t].y) + n_t * d1 * d1;
+      m2[2] += static_cast<double>(t2[t].z) + n_t * d2 * d2;
+      m2[3] += static_cast<double>(t2[t].w) + n_t * d3 * d3;
+    }
 }
 
 // The normalisation slope a (see above) from z's batch statistics.
@@ -991,19 +1074,26 @@ cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const f
                                    int K, bool split_tiles, float* workspace, cudaStream_t stream);
 
 // ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
-// x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0);
-// num_batches_tracked += 1 when not null; zero_ints[0 .. num_zero_ints) = 0.
+// x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0),
+// and exactly one of: center (M, the GEMM's x side: each row is centred on its
+// mean before the split) or row_sum (M, the GEMM's w side: each row's sum as an
+// fp32 (hi, lo) pair).  num_batches_tracked += 1 when not null; zero_ints[0 ..
+// num_zero_ints) = 0.
 cudaError_t sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, uint16_t* x_hi,
-                                uint16_t* x_lo, float* x_inv_scale, int* zero_ints, int num_zero_ints,
-                                int64_t* num_batches_tracked, cudaStream_t stream);
+                                uint16_t* x_lo, float* x_inv_scale, float* center, float2* row_sum, int* zero_ints,
+                                int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream);
 // As sm90_gemm_workspace, for the fp16x3 kernel (its k-blocks are 64 deep).
 void sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
 // An operand's fp16x3 parts from sm90_prepass_fp16x3: hi, lo (rows, K) fp16 words,
 // row-major, 16-byte aligned; inv_scale (rows) fp32, each row's 2^-e.
+// center: the x side's per-row centre c_m (the parts hold x - c_m); row_sum:
+// the w side's per-row sums (hi, lo).  The GEMM adds c_m (sum_k w[n, k]) back.
 struct Fp16x3Parts {
   const uint16_t* hi;
   const uint16_t* lo;
   const float* inv_scale;
+  const float* center;    // x side (M), else null
+  const float2* row_sum;  // w side (N), else null
 };
 // z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
 cudaError_t sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean, float* part_m2, int M,
@@ -1243,15 +1333,27 @@ cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, flo
 //   x            (M, K) fp32, any strides (read, never written)
 //   x_hi, x_lo   (M, K) fp16 words, row-major (K % 8 == 0, 16-byte aligned)
 //   x_inv_scale  (M) fp32
-// Row m: e_m from amax_m = max_k |x[m, k]| (fp16x3_split.cuh: s = 2^e_m puts
-// amax_m s in [2^14, 2^15)); x_hi = rn_fp16(x s), x_lo = rn_fp16(x s - x_hi),
+//   center       (M) fp32, the x side only: c_m
+//   row_sum      (M) fp32 pairs, the w side only: sum_k x[m, k] in float64,
+//                stored as hi = rn_fp32(sum), lo = rn_fp32(sum - hi)
+// Row m, x side: c_m = rn(sum_k x[m, k]) / K (fp32; 0 when max |x[m, :]| >= 2^32
+// or the sum is not finite), v = rn(x - c_m) (round to nearest: unbiased, error
+// <= 2^-24 |v|); w side: v = x.  e_m from max_k |v| (fp16x3_split.cuh:
+// s = 2^e_m puts it in [2^14, 2^15)); x_hi = rn_fp16(v s), x_lo = rn_fp16(v s - x_hi),
 // x_inv_scale[m] = 2^-e_m.  Both scalings are exact.
+// Why centre x: z[m, n] = sum_k (x[m, k] - c_m) w[n, k] + c_m sum_k w[n, k]
+// exactly, and the GEMM adds the last term back (sm90_gemm_fp16x3_bn.cu).
+// The tensor core's accumulation truncates towards zero, so on inputs whose
+// rows share a level (uniform [0, 1), 100 + uniform, exponential) every row
+// of a feature lost the same signed amount and the batch mean kept it: z's
+// per-feature mean over 1024 rows was 7.7e-8 from float64 (eager SGEMM 5.8e-8);
+// centred, 7.5e-9 (H200, 1024 x 8192 x 8192, docs/perf.md v21).
 // Bookkeeping in the same launch: num_batches_tracked += 1 when not null (a
 // training call) and zero_ints[0 .. num_zero_ints) = 0 (the GEMM's split-tile
 // arrival counts).
 //
-// One 256-thread block per row: a pass for amax (block reduction), then a
-// second read of the row (L1 / L2 hits: 32 KB at K = 8192) for the split.
+// One 256-thread block per row: a pass for max, min and sum (block reductions),
+// then a second read of the row (L1 / L2 hits: 32 KB at K = 8192) for the split.
 // Memory traffic per call: 4 M K bytes read, 4 M K written.
 
 #include <cuda_runtime.h>
@@ -1264,42 +1366,106 @@ namespace fused_gemm_bn {
 namespace {
 
 constexpr int kPrepassThreads = 256;
+constexpr int kPrepassWarps = kPrepassThreads / 32;
+// Rows whose max |x| reaches this are split without centring (c = 0): keeps
+// |c_m| below 2^32, so c_m * sum_k w[n, k] cannot overflow for any W whose row
+// sums stay below 2^95 in magnitude.
+constexpr float kMaxCentredAmax = 4294967296.f;  // 2^32
 
-// kVec: rows contiguous and 16-byte aligned (float4 loads).
-template <bool kVec>
+// The GEMM operand a row belongs to (header).
+enum class Side { kX, kW };
+
+// The block-wide sum (op = 0), max (1) or min (2) of one float per thread.
+template <int kOp>
+__device__ __forceinline__ float block_reduce(float v, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kOp == 0 ? v + u : kOp == 1 ? fmaxf(v, u) : fminf(v, u);
+  }
+  __syncthreads();  // scratch may still be read by an earlier reduction
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kPrepassWarps; ++w) v = kOp == 0 ? v + scratch[w] : kOp == 1 ? fmaxf(v, scratch[w]) : fminf(v, scratch[w]);
+  return v;
+}
+
+__device__ __forceinline__ double block_sum(double v, double* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kPrepassWarps; ++w) v += scratch[w];
+  return v;
+}
+
+// kVec: rows contiguous and 16-byte aligned (float4 loads).  kSide: kX centres
+// each row on c_m and writes center[m]; kW writes row_sum[m] (float64 sum as an
+// fp32 (hi, lo) pair) and splits the row as it is.
+template <bool kVec, Side kSide>
 __global__ void __launch_bounds__(kPrepassThreads)
     sm90_prepass_fp16x3_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int K,
                                uint32_t* __restrict__ x_hi, uint32_t* __restrict__ x_lo,
-                               float* __restrict__ x_inv_scale, int64_t* num_batches_tracked, int* zero_ints,
+                               float* __restrict__ x_inv_scale, float* __restrict__ center,
+                               float2* __restrict__ row_sum, int64_t* num_batches_tracked, int* zero_ints,
                                int num_zero_ints) {
-  __shared__ float warp_max[kPrepassThreads / 32];
+  __shared__ float scratch_f[kPrepassWarps];
+  __shared__ double scratch_d[kPrepassWarps];
   if (blockIdx.x == 0) {
     if (num_batches_tracked != nullptr && threadIdx.x == 0) *num_batches_tracked += 1;
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   }
   const int64_t m = blockIdx.x;
   const float* row = x + m * row_stride;
-  float amax = 0.f;
+  // Pass 1: the row's max and min (fmaxf / fminf skip NaN) and its sum.
+  const float inf = __int_as_float(0x7f800000);
+  float vmax = -inf, vmin = inf, sum_f = 0.f;
+  double sum_d = 0.0;
+  auto take = [&](float v) {
+    vmax = fmaxf(vmax, v);
+    vmin = fminf(vmin, v);
+    if constexpr (kSide == Side::kX) sum_f += v;
+    else sum_d += static_cast<double>(v);
+  };
   if constexpr (kVec) {
     const float4* row4 = reinterpret_cast<const float4*>(row);
     for (int i = threadIdx.x; i < K / 4; i += kPrepassThreads) {
       const float4 v = row4[i];
-      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+      take(v.x), take(v.y), take(v.z), take(v.w);
     }
   } else {
-    for (int k = threadIdx.x; k < K; k += kPrepassThreads) amax = fmaxf(amax, fabsf(row[k * col_stride]));
+    for (int k = threadIdx.x; k < K; k += kPrepassThreads) take(row[k * col_stride]);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = warp_max[0];
-#pragma unroll
-  for (int w = 1; w < kPrepassThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+  vmax = block_reduce<1>(vmax, scratch_f);
+  vmin = block_reduce<2>(vmin, scratch_f);
+  const float amax = fmaxf(fmaxf(vmax, -vmin), 0.f);  // max |x|; 0 for an all-NaN row
+  float c = 0.f;
+  if constexpr (kSide == Side::kX) {
+    sum_f = block_reduce<0>(sum_f, scratch_f);
+    // c is any float (the GEMM adds c_m sum_k w back); the mean removes what
+    // every row has in common.  Not for huge or non-finite rows (c = 0: those
+    // keep the uncentred split, an Inf making the row NaN as before).
+    if (amax < kMaxCentredAmax && isfinite(sum_f)) c = sum_f * (1.f / static_cast<float>(K));
+    if (threadIdx.x == 0) center[m] = c;
+  } else {
+    sum_d = block_sum(sum_d, scratch_d);
+    if (threadIdx.x == 0) {
+      const float hi = static_cast<float>(sum_d);
+      row_sum[m] = make_float2(hi, static_cast<float>(sum_d - static_cast<double>(hi)));
+    }
+  }
+  // max |rn(x - c)| <= max(rn(vmax - c), rn(c - vmin)): rounding is monotonic.
+  const float amax_c = kSide == Side::kX ? fmaxf(fmaxf(vmax - c, c - vmin), 0.f) : amax;
   float s, inv_s;
-  fp16x3_scale(amax, s, inv_s);
+  fp16x3_scale(amax_c, s, inv_s);
   if (threadIdx.x == 0) x_inv_scale[m] = inv_s;
 
+  // Pass 2 (L1 / L2 hits): the split of (x - c) s.
   uint32_t* hi_row = x_hi + m * (K / 2);
   uint32_t* lo_row = x_lo + m * (K / 2);
   if constexpr (kVec) {
@@ -1307,15 +1473,15 @@ __global__ void __launch_bounds__(kPrepassThreads)
     for (int i = threadIdx.x; i < K / 4; i += kPrepassThreads) {
       const float4 v = row4[i];
       uint2 hi, lo;
-      split_fp16x2(v.x * s, v.y * s, hi.x, lo.x);
-      split_fp16x2(v.z * s, v.w * s, hi.y, lo.y);
+      split_fp16x2((v.x - c) * s, (v.y - c) * s, hi.x, lo.x);
+      split_fp16x2((v.z - c) * s, (v.w - c) * s, hi.y, lo.y);
       reinterpret_cast<uint2*>(hi_row)[i] = hi;
       reinterpret_cast<uint2*>(lo_row)[i] = lo;
     }
   } else {
     for (int p = threadIdx.x; p < K / 2; p += kPrepassThreads) {
       const float v0 = row[(2 * p) * col_stride], v1 = row[(2 * p + 1) * col_stride];
-      split_fp16x2(v0 * s, v1 * s, hi_row[p], lo_row[p]);
+      split_fp16x2((v0 - c) * s, (v1 - c) * s, hi_row[p], lo_row[p]);
     }
   }
 }
@@ -1327,22 +1493,28 @@ __global__ void __launch_bounds__(kPrepassThreads)
 // Host launcher (declared in launchers.cuh)
 // ---------------------------------------------------------------------------
 
-// Preconditions: M >= 1, K % 8 == 0, x_hi and x_lo 16-byte aligned.
+// Preconditions: M >= 1, K % 8 == 0, x_hi and x_lo 16-byte aligned, exactly one
+// of center / row_sum.
 cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
-                                               uint16_t* x_hi, uint16_t* x_lo, float* x_inv_scale, int* zero_ints,
-                                               int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream) {
+                                               uint16_t* x_hi, uint16_t* x_lo, float* x_inv_scale, float* center,
+                                               float2* row_sum, int* zero_ints, int num_zero_ints,
+                                               int64_t* num_batches_tracked, cudaStream_t stream) {
   if (M < 1 || K % 8 != 0 || reinterpret_cast<uintptr_t>(x_hi) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(x_lo) % 16 != 0)
+      reinterpret_cast<uintptr_t>(x_lo) % 16 != 0 || (center == nullptr) == (row_sum == nullptr))
     return cudaErrorInvalidValue;
   const bool vec = col_stride == 1 && row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   auto hi = reinterpret_cast<uint32_t*>(x_hi);
   auto lo = reinterpret_cast<uint32_t*>(x_lo);
-  if (vec) {
-    sm90_prepass_fp16x3_kernel<true><<<M, kPrepassThreads, 0, stream>>>(
-        x, row_stride, col_stride, K, hi, lo, x_inv_scale, num_batches_tracked, zero_ints, num_zero_ints);
+  auto launch = [&](auto kernel) {
+    kernel<<<M, kPrepassThreads, 0, stream>>>(x, row_stride, col_stride, K, hi, lo, x_inv_scale, center, row_sum,
+                                              num_batches_tracked, zero_ints, num_zero_ints);
+  };
+  if (center != nullptr) {
+    if (vec) launch(sm90_prepass_fp16x3_kernel<true, Side::kX>);
+    else launch(sm90_prepass_fp16x3_kernel<false, Side::kX>);
   } else {
-    sm90_prepass_fp16x3_kernel<false><<<M, kPrepassThreads, 0, stream>>>(
-        x, row_stride, col_stride, K, hi, lo, x_inv_scale, num_batches_tracked, zero_ints, num_zero_ints);
+    if (vec) launch(sm90_prepass_fp16x3_kernel<true, Side::kW>);
+    else launch(sm90_prepass_fp16x3_kernel<false, Side::kW>);
   }
   return cudaGetLastError();
 }
@@ -2578,9 +2750,10 @@ cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x
 // 16-byte global strides of the 16-bit parts)
 //   w_hi, w_lo   (N, K) fp16 words, K-major: W's parts scaled by 2^e_n (prepass_fp16x3.cu
 //                run over W's rows; model_new.py caches them per weight)
-//   w_inv_scale  (N) fp32: 2^-e_n
-//   x_hi, x_lo   (M, K) fp16 words, K-major: x's parts scaled by 2^e_m (the same pre-pass)
-//   x_inv_scale  (M) fp32: 2^-e_m
+//   w_inv_scale  (N) fp32: 2^-e_n;  w_row_sum (N) fp32 (hi, lo): sum_k w[n, k]
+//   x_hi, x_lo   (M, K) fp16 words, K-major: x's rows minus their centre c_m,
+//                scaled by 2^e_m (the same pre-pass)
+//   x_inv_scale  (M) fp32: 2^-e_m;  x_center (M) fp32: c_m
 //   out (M, N);  part_mean, part_m2 (ceil(M / 128), N);  vectors (N)
 //
 // Why fp16: Hopper's dense fp16 tensor-core rate is twice its TF32 rate, so
@@ -2589,6 +2762,11 @@ cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x
 // fp32 output at 196 us).
 //
 // Numerics (fp16x3_split.cuh derives the split; Ootomo & Yokota, IJHPCA 2022)
+//   Centring (prepass_fp16x3.cu): x's row m is split as x - c_m (c_m its mean,
+//   rounded to nearest: unbiased) and the epilogue adds c_m sum_k w[n, k] back
+//   (the sum from float64, as an fp32 pair), so the products below carry only
+//   what varies between rows; the truncation bias they keep then has no common
+//   sign across the batch (see the bias note below).
 //   Each row r of either operand: v = (v_hi + v_lo) 2^-e_r, e_r from
 //   max_k |v[r, k]| (the row's max lands in [2^14, 2^15)), v_hi = rn_fp16(v 2^e_r),
 //   v_lo = rn_fp16(v 2^e_r - v_hi): representation error <= 2^-22 |v| (round to
@@ -2602,10 +2780,13 @@ cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x
 //   accumulation truncates (biased towards zero); promoting often bounds what
 //   it loses (emulated with cuBLAS fp16 products at 1024 x 8192 x 8192: 2.45e-7
 //   relative with promotion every 64 k against eager SGEMM's 1.62e-6, 9.7e-6
-//   with no promotion).  The bias shows in per-feature means over the batch:
-//   running_mean after 5 training calls on uniform inputs was 3.1x eager's
-//   error with promotion every 64 k, 1.3x every 32 k (docs/perf.md, v20).  Dropped: w_lo x_lo
-//   (< 2^-22 |w x|).  Finally z = (acc 2^-e_n) 2^-e_m (two exact scalings).
+//   with no promotion).  The bias shows in per-feature means over the batch
+//   when rows share a level: running_mean after 5 training calls on uniform
+//   inputs was 3.1x eager's error with promotion every 64 k, 1.3x every 32 k
+//   (v20); with centring the mean of z over the batch is 10x closer to float64
+//   than eager's (docs/perf.md, v21).  Dropped: w_lo x_lo (< 2^-22 |w x|).
+//   Finally z = fma(c_m, hi_n, fma(c_m, lo_n, (acc 2^-e_n) 2^-e_m)) (two exact
+//   scalings, then the centre's share: one rounding of z, one of the lo term).
 //   Measured (H200, gemm_nt against float64, rel. Frobenius): 3.0e-7 at
 //   1024 x 8192 x 8192 (eager 1.62e-6, 3xTF32 3.6e-7); 0.2-0.5x eager's error
 //   over the sweep's shapes (docs/perf.md, v20).
@@ -2615,8 +2796,10 @@ cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x
 //   loses its small ones, which matters only if x is tiny exactly where that
 //   element sits.
 //   Non-finite inputs: an Inf in x's row m or w's row n gives NaN (Inf - Inf in
-//   the split), so z is non-finite wherever Model's is (and NaN where Model
-//   has +-Inf).
+//   the split; such x rows are not centred), so z is non-finite wherever
+//   Model's is (and NaN where Model has +-Inf).  Rows of x with max >= 2^32 are
+//   not centred (c_m = 0), so |c_m hi_n| overflows only for W rows summing
+//   beyond 2^95.
 //
 // Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor, 9.7.9.23 ldmatrix)
 //   CTA tile BLOCK_N (features) x BLOCK_M (batch) = 128 x 128, BLOCK_K = 64,
@@ -2865,14 +3048,18 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     mainloop(q, n_blocks);
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
-    // z = (acc * 2^-e_n) * 2^-e_m, two exact scalings (layout: sm90_gemm_tiles.cuh;
-    // rows past M or N hold zeros).
+    // z = (acc * 2^-e_n) * 2^-e_m (two exact scalings) + c_m (lo_n + hi_n)
+    // (two fmas: the centre's share added back, one rounding of the result
+    // beyond the tiny lo product; layout: sm90_gemm_tiles.cuh; rows past M or
+    // N hold zeros).
     const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
     float w_inv[2];
+    float2 w_sum[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int f = n0 + w_row + 8 * h;
       w_inv[h] = f < args.N ? __ldg(args.w_inv_scale + f) : 0.f;
+      w_sum[h] = f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
     }
 #pragma unroll
     for (int i = 0; i < T::kAccRegs / 4; ++i)
@@ -2880,8 +3067,9 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
       for (int e = 0; e < 2; ++e) {
         const int b = m0 + 8 * i + 2 * t + e;
         const float inv = b < M ? __ldg(args.x_inv_scale + b) : 0.f;
-        acc[4 * i + e] = (acc[4 * i + e] * w_inv[0]) * inv;
-        acc[4 * i + 2 + e] = (acc[4 * i + 2 + e] * w_inv[1]) * inv;
+        const float c = b < M ? __ldg(args.x_center + b) : 0.f;
+        acc[4 * i + e] = fmaf(c, w_sum[0].x, fmaf(c, w_sum[0].y, (acc[4 * i + e] * w_inv[0]) * inv));
+        acc[4 * i + 2 + e] = fmaf(c, w_sum[1].x, fmaf(c, w_sum[1].y, (acc[4 * i + 2 + e] * w_inv[1]) * inv));
       }
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
@@ -2920,6 +3108,8 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
   args.x_inv_scale = x.inv_scale;
   args.w_inv_scale = w.inv_scale;
+  args.x_center = x.center;
+  args.w_row_sum = w.row_sum;
   const long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
   kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w_hi, tmap_w_lo, tmap_x_hi,
@@ -2932,7 +3122,8 @@ static bool parts_ok(const Fp16x3Parts& p) {
   return aligned16(p.hi) && aligned16(p.lo) && p.inv_scale != nullptr;
 }
 static bool fp16x3_launch_ok(const Fp16x3Parts& x, const Fp16x3Parts& w, int M, int N, int K) {
-  return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && parts_ok(x) && parts_ok(w) &&
+  return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && parts_ok(x) && parts_ok(w) && x.center != nullptr &&
+         w.row_sum != nullptr &&
          fused_gemm_bn::sm90_gemm_available();
 }
 
@@ -3058,9 +3249,12 @@ struct Sm90GemmBnArgs {
   float* partials;
   int* tile_arrivals;
   // sm90_gemm_fp16x3 only: 2^-e of each row's power-of-two scale, x's (M
-  // floats) and w's (N floats).
+  // floats) and w's (N floats); x's row centres c_m (M) and w's row sums
+  // (N (hi, lo) pairs): z = the parts' product + c_m (hi_n + lo_n).
   const float* x_inv_scale;
   const float* w_inv_scale;
+  const float* x_center;
+  const float2* w_row_sum;
 };
 
 // k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.
@@ -3161,30 +3355,34 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kTileAccRegs], const Sm
   } else if constexpr (kEpilogue == Epilogue::kTrain) {
     // Per-feature mean and M2 over the tile's valid rows: two passes over the
     // registers (no E[z^2] - E[z]^2 cancellation), reduced across the quad.
+    // Both sums are float64, so mean and M2 are rounded once each: float32
+    // sums of 32 values per thread kept ~3 ulps, the largest error left in
+    // running_mean and running_var (docs/perf.md v21).
     const int rows_valid = min(kTileM, M - m0);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float sum = 0.f;
+      double sum = 0.0;
 #pragma unroll
       for (int i = 0; i < kTileAccRegs / 4; ++i) {
 #pragma unroll
         for (int e = 0; e < 2; ++e)
-          if (8 * i + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
+          if (8 * i + 2 * t + e < rows_valid) sum += static_cast<double>(acc[4 * i + 2 * h + e]);
       }
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float mean = sum / static_cast<float>(rows_valid);
-      float m2 = 0.f;
+      const float mean = static_cast<float>(sum / static_cast<double>(rows_valid));
+      double m2_sum = 0.0;
 #pragma unroll
       for (int i = 0; i < kTileAccRegs / 4; ++i) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float d = acc[4 * i + 2 * h + e] - mean;
-          if (8 * i + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
+          const double d = static_cast<double>(acc[4 * i + 2 * h + e] - mean);
+          if (8 * i + 2 * t + e < rows_valid) m2_sum = fma(d, d, m2_sum);
         }
       }
-      m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
-      m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
+      m2_sum += __shfl_xor_sync(0xffffffffu, m2_sum, 1);
+      m2_sum += __shfl_xor_sync(0xffffffffu, m2_sum, 2);
+      const float m2 = static_cast<float>(m2_sum);
       const int f = f_base + 8 * h;
       if (t == 0 && f < N) {
         args.part_mean[static_cast<size_t>(m_tile) * N + f] = mean;
@@ -3629,8 +3827,8 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward.
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
-//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4): W's
-//       fp16x3 parts [w_hi | w_lo | w_inv_scale] for w_parts
+//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4 + 2 N): W's
+//       fp16x3 parts [w_hi | w_lo | w_inv_scale | w_row_sum] for w_parts
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
@@ -3778,13 +3976,12 @@ RemainderX sm90_prepass(const torch::Tensor& x, int M, int N, int K, bool split_
 }
 
 // x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K) fp16 words, x_inv_scale
-// (M), then the GEMM's split-tile workspace (null if it needs none), one
+// (M), center (M), then the GEMM's split-tile workspace (null if it needs none), one
 // allocation; the pre-pass reads x in place (any strides) and zeroes the
 // workspace's arrival counts.
 struct SplitX {
   torch::Tensor storage;
-  const uint16_t *hi, *lo;
-  const float* inv_scale;
+  fgb::Fp16x3Parts parts;
   float* workspace;
 };
 
@@ -3796,32 +3993,43 @@ SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, bool split_ti
   int64_t workspace_floats = 0;
   int zero_ints = 0;
   fgb::sm90_gemm_fp16x3_workspace(M, N, K, split_tiles, &workspace_floats, &zero_ints);
-  torch::Tensor storage = torch::empty({2 * part_floats + scale_floats + workspace_floats}, x.options());
+  torch::Tensor storage = torch::empty({2 * part_floats + 2 * scale_floats + workspace_floats}, x.options());
   float* base = storage.data_ptr<float>();
   uint16_t* hi = reinterpret_cast<uint16_t*>(base);
   uint16_t* lo = reinterpret_cast<uint16_t*>(base + part_floats);
   float* inv_scale = base + 2 * part_floats;
-  float* workspace = workspace_floats > 0 ? inv_scale + scale_floats : nullptr;
+  float* center = inv_scale + scale_floats;
+  float* workspace = workspace_floats > 0 ? center + scale_floats : nullptr;
   int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
   check_launch(fgb::sm90_prepass_fp16x3(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, hi, lo, inv_scale,
-                                        arrivals, arrivals ? zero_ints : 0, num_batches_tracked, stream),
+                                        center, nullptr, arrivals, arrivals ? zero_ints : 0, num_batches_tracked,
+                                        stream),
                "sm90_prepass_fp16x3");
-  return {storage, hi, lo, inv_scale, workspace};
+  return {storage, {hi, lo, inv_scale, center, nullptr}, workspace};
 }
 
 // gemm.weight's fp16x3 parts as one float32 tensor, [w_hi (N K / 2 floats) |
-// w_lo (N K / 2) | w_inv_scale (N, padded to a multiple of 4)]: the pre-pass
-// run over W's rows.  model_new.py keeps it between calls (_weight_parts).
-int64_t weight_parts_floats(int64_t N, int64_t K) { return N * K + (N + 3) / 4 * 4; }
+// w_lo (N K / 2) | w_inv_scale (N, padded to a multiple of 4) | w_row_sum (N
+// (hi, lo) pairs)]: the pre-pass run over W's rows.  model_new.py keeps it
+// between calls (_weight_parts).
+int64_t weight_parts_floats(int64_t N, int64_t K) { return N * K + (N + 3) / 4 * 4 + 2 * N; }
+
+// The fp16x3 parts inside a packed weight tensor (layout above).
+fgb::Fp16x3Parts packed_weight_parts(float* base, int64_t N, int64_t K) {
+  const int64_t part_floats = N * K / 2;
+  float* inv_scale = base + 2 * part_floats;
+  return {reinterpret_cast<const uint16_t*>(base), reinterpret_cast<const uint16_t*>(base + part_floats), inv_scale,
+          nullptr, reinterpret_cast<const float2*>(inv_scale + (N + 3) / 4 * 4)};
+}
 
 torch::Tensor split_weight(const torch::Tensor& w, int N, int K, cudaStream_t stream) {
   TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
   torch::Tensor packed = torch::empty({weight_parts_floats(N, K)}, w.options());
-  float* base = packed.data_ptr<float>();
-  const int64_t part_floats = static_cast<int64_t>(N) * K / 2;
+  const fgb::Fp16x3Parts p = packed_weight_parts(packed.data_ptr<float>(), N, K);
   check_launch(fgb::sm90_prepass_fp16x3(w.data_ptr<float>(), w.stride(0), w.stride(1), N, K,
-                                        reinterpret_cast<uint16_t*>(base), reinterpret_cast<uint16_t*>(base + part_floats),
-                                        base + 2 * part_floats, nullptr, 0, nullptr, stream),
+                                        const_cast<uint16_t*>(p.hi), const_cast<uint16_t*>(p.lo),
+                                        const_cast<float*>(p.inv_scale), nullptr, const_cast<float2*>(p.row_sum),
+                                        nullptr, 0, nullptr, stream),
                "sm90_prepass_fp16x3 (weight)");
   return packed;
 }
@@ -3844,10 +4052,7 @@ WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch:
   } else {
     w.packed = split_weight(weight, N, K, stream);
   }
-  const float* base = w.packed.data_ptr<float>();
-  const int64_t part_floats = static_cast<int64_t>(N) * K / 2;
-  w.parts = {reinterpret_cast<const uint16_t*>(base), reinterpret_cast<const uint16_t*>(base + part_floats),
-             base + 2 * part_floats};
+  w.parts = packed_weight_parts(w.packed.data_ptr<float>(), N, K);
   return w;
 }
 
@@ -3880,7 +4085,7 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
     const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, counter, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_train({xs.hi, xs.lo, xs.inv_scale}, wp.parts, z.data_ptr<float>(),
+    check_launch(fgb::sm90_gemm_fp16x3_train(xs.parts, wp.parts, z.data_ptr<float>(),
                                              g.part_mean, g.part_m2, M, N, K, split_tiles, xs.workspace, stream),
                  "sm90_gemm_fp16x3_train");
   } else if (is_sm90(gemm)) {
@@ -3995,7 +4200,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
     const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_eval({xs.hi, xs.lo, xs.inv_scale}, wp.parts, out.data_ptr<float>(),
+    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.parts, wp.parts, out.data_ptr<float>(),
                                             t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
                                             t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
                                             t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
@@ -4083,7 +4288,7 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
     const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(bc, c10::nullopt, N, K, stream);
     const SplitX xs = fp16x3_prepass(ac, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_plain({xs.hi, xs.lo, xs.inv_scale}, wp.parts, out.data_ptr<float>(), M, N,
+    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.parts, wp.parts, out.data_ptr<float>(), M, N,
                                              K, split_tiles, xs.workspace, stream),
                  "sm90_gemm_fp16x3_plain");
     return out;
@@ -4466,21 +4671,59 @@ class LinearParams(nn.Module):
         nn.init.uniform_(self.bias, -bound, bound)
 
 
-class BatchNormState(nn.Module):
-    """bn.weight, bn.bias and the running-statistics buffers of torch's BatchNorm1d
-    (affine=True, track_running_stats=True).  `eps` and `momentum` are read at
-    every call; momentum=None selects the cumulative average."""
+# The self-contained file (tools/bundle.py): the harness rules forbid naming torch's BatchNorm classes, so
+# BatchNormState derives from nn.Module and SyncBatchNorm conversion cannot see it (README "Multi-GPU").
+_BatchNormBase = nn.Module
+
+# False in the self-contained files: SyncBatchNorm conversion cannot see their BatchNormState
+# (_warn_unsynchronized says so once, README "Multi-GPU").
+_SYNC_CONVERTIBLE = _BatchNormBase is not nn.Module
+
+
+class BatchNormState(_BatchNormBase):
+    """bn.weight (N), bn.bias (N) and the buffers running_mean (N), running_var (N)
+    and num_batches_tracked (a long scalar) of torch's BatchNorm1d(N, eps,
+    momentum) with affine=True, track_running_stats=True: the same names,
+    registration order, initial values (1, 0, 0, 1, 0) and state_dict keys.
+    `eps` and `momentum` are read at every call; momentum=None selects the
+    cumulative average.  A parameter container: ModelNew's forward
+    (fused_forward) runs the kernels, and calling the container raises RuntimeError.
+
+    In the repository's model_new.py it derives from torch's _BatchNorm, so
+    nn.SyncBatchNorm.convert_sync_batchnorm replaces it by a SyncBatchNorm that
+    holds the same parameter and buffer objects (fused_forward then merges the
+    batch statistics across processes: section "Synchronized BatchNorm"), and a
+    state dict without num_batches_tracked loads as into BatchNorm1d (the
+    counter keeps its value).  In the self-contained files it derives from
+    nn.Module (the harness rules forbid naming torch's BatchNorm classes)."""
 
     def __init__(self, num_features, eps, momentum):
-        super().__init__()
+        # The state _NormBase.__init__ registers, written out because the base
+        # may be nn.Module (the self-contained files); the same code either way.
+        nn.Module.__init__(self)
         self.num_features = num_features
         self.eps = eps
         self.momentum = momentum
+        self.affine = True
+        self.track_running_stats = True
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
         self.register_buffer("running_mean", torch.zeros(num_features))
         self.register_buffer("running_var", torch.ones(num_features))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def forward(self, input):
+        raise RuntimeError("BatchNormState holds BatchNorm1d's parameters and running statistics for ModelNew, whose "
+                           "forward runs the fused kernels; it computes nothing itself: call the ModelNew holding it")
+
+    def _check_input_dim(self, input):
+        """BatchNorm1d's check: (M, N) or (M, N, L) input, else ValueError."""
+        if input.dim() not in (2, 3):
+            raise ValueError(f"expected 2D or 3D input (got {input.dim()}D input)")
+
+    def extra_repr(self):
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}")
 
 
 # ---------------------------------------------------------------------------
@@ -4777,9 +5020,9 @@ _WEIGHT_PARTS = {}
 
 def _weight_parts(weight, split=None):
     """gemm.weight's fp16x3 parts for the sm90_fp16x3 kernels (the extension's
-    fp16x3_weight_parts: w_hi, w_lo as fp16 words and the rows' power-of-two
-    scales, weight_parts_floats(N, K) = N K + N float32 words, the size of the
-    weight itself), made on the first call and reused while the weight is
+    fp16x3_weight_parts: w_hi, w_lo as fp16 words, the rows' power-of-two
+    scales and the rows' sums, weight_parts_floats(N, K) = N K + 3 N float32
+    words, about the size of the weight itself), made on the first call and reused while the weight is
     unchanged; None when the call must split the weight itself (the extension
     then does, inside the call): caching off (SWITCHES.weight_cache), a CUDA
     graph being captured (a graph must not read a cache that later calls
@@ -4858,11 +5101,14 @@ def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, ep
     return kernels.forward_eval(gemm, *params, *buffers[:2], eps, scale_after_bn, *extra)
 
 
-def _checked_params(x, gemm, scale, bn):
+def _checked_params(x, gemm, scale, bn, synchronized=False):
     """(x, gemm.weight, gemm.bias, scale as an (N,) vector, bn.weight, bn.bias)
     after check_input and per_feature_scale (which raise before anything is
-    touched): what fused_forward and kernel_path both start from."""
-    check_input(x, gemm.weight, bn.training)
+    touched): what fused_forward and kernel_path both start from.
+    synchronized: the batch statistics are merged across processes
+    (sync_process_group), so one row is a valid share of the batch here (the
+    merged batch is checked after the all-gather, _sync_check_batch)."""
+    check_input(x, gemm.weight, bn.training and not synchronized)
     return (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
 
 
@@ -4883,7 +5129,11 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
       no gradient needed: one call of the plan's forward_train / forward_eval;
       training with gradients: _TrainFn (forward_train_saved, then the fused backward);
       eval with gradients: _eval_with_grad over gemm_nt;
-      16-bit: the 16-bit call, or _LowpFn with gradients.
+      16-bit: the 16-bit call, or _LowpFn with gradients;
+      bn a SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) in training with
+      torch.distributed initialized over more than one process (sync_process_group):
+      _SyncTrainFn, whose forward merges the batch statistics across processes
+      (section "Synchronized BatchNorm"; also under torch.compile, as eager code).
     Under torch.compile, torch.jit.trace (or FUSED_GEMM_BN_EAGER_OPS=1) float32
     and float64 calls go through the fused_gemm_bn:: operators instead, whose
     implementations make the same dispatch() decision when they run (the tracer
@@ -4891,7 +5141,8 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     where this torch has no custom operators (< 2.4), or for 16-bit input,
     tracing raises RuntimeError."""
     training = bn.training
-    params = _checked_params(x, gemm, scale, bn)
+    group = sync_process_group(bn)
+    params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     if torch.jit.is_tracing() and (_OPS is None or _is_16bit_dtype(x.dtype)):
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4) "
                            "and float32 or float64 input: its kernels are extension calls the tracer cannot "
@@ -4900,6 +5151,9 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     eps = float(bn.eps)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = _needs_grad(params)
+    if group is not None:
+        return _sync_forward(group, params, buffers, momentum, eps, scale_after_bn)
+    _warn_unsynchronized(bn)
     if x.shape[0] == 0:  # as BatchNorm1d: empty output, the call counted, running statistics untouched
         if training:
             bn.num_batches_tracked.add_(1)
@@ -4921,8 +5175,12 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
 def kernel_path(x, gemm, scale, bn, scale_after_bn):
     """The Plan name fused_forward(x, ...) would take now (same arguments), from
     the same checks and dispatch() alone: no kernel runs and nothing is updated.
-    ModelNew.kernel_path calls it."""
-    params = _checked_params(x, gemm, scale, bn)
+    ModelNew.kernel_path calls it.  Under synchronized BatchNorm
+    (sync_process_group) the name is _sync_path_name's, e.g. "torch_ops_sync_train_grad"."""
+    group = sync_process_group(bn)
+    params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
+    if group is not None:
+        return _sync_path_name(x, gemm.weight, _needs_grad(params))
     return dispatch(x, gemm.weight, bn.training, _needs_grad(params), scale_after_bn).name
 
 
@@ -5157,6 +5415,304 @@ class _LowpFn(torch.autograd.Function):
             g = next(grads) if need else None
             result.append(torch.zeros_like(t) if need and g is None else g)
         return (None,) * 7 + tuple(result)
+
+
+# ---------------------------------------------------------------------------
+# Synchronized BatchNorm: the training forward and backward when bn is a
+# SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) and several processes
+# share one batch (README "Multi-GPU")
+# ---------------------------------------------------------------------------
+#
+# One function per step, the same code for CPU (gloo) and CUDA (NCCL):
+#   _sync_local_forward   v = x W^T + b (M, N) and this process's (count, mean, M2)
+#                         of the BatchNorm input u (33: u = v * scale, 84: u = v)
+#   _sync_all_gather      one all_gather of the (3, N) float64 statistics
+#   _sync_merge_stats     the union's (count, mean, M2), Chan et al.'s formula
+#   _sync_check_batch     a merged batch of one row raises, as BatchNorm does
+#   _sync_update_running  running statistics from the merged ones (unbiased variance)
+#   _sync_normalize       (u - mean) invstd bn.weight + bn.bias; 84: softmax of it * scale
+#   backward: _sync_backward_sums (local sum_dy, sum_dy_xmu), one all_reduce of
+#   both, _sync_grad_u with the merged count, then the GEMMs (_sync_gemm).
+# Elementwise work runs in x's dtype (float32 for 16-bit x, whose GEMM alone is
+# 16-bit, as in _lowp_recompute); per-feature statistics and sums in float64.
+
+
+def _distributed_world_size(group=None):
+    """Processes in `group` (None: the default group) when torch.distributed is
+    available and initialized, else 1 (-1 where this process is not in `group`)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group or dist.group.WORLD)
+
+
+def sync_process_group(bn):
+    """The process group whose batches a training call with `bn` normalises as
+    one batch, or None (this process's batch alone).  Decided as
+    nn.SyncBatchNorm.forward decides its need_sync: bn is a SyncBatchNorm (what
+    convert_sync_batchnorm makes of BatchNormState), bn.training,
+    torch.distributed available and initialized, and the group (bn.process_group,
+    else the default group) has more than one process.  Unlike SyncBatchNorm,
+    CPU tensors are accepted (gloo).  Reads no tensor and runs no collective."""
+    if not (isinstance(bn, nn.SyncBatchNorm) and bn.training):
+        return None
+    if _distributed_world_size(bn.process_group) <= 1:
+        return None
+    return bn.process_group or torch.distributed.group.WORLD
+
+
+_UNSYNCHRONIZED_WARNED = False
+
+
+def _warn_unsynchronized(bn):
+    """The self-contained files only (_SYNC_CONVERTIBLE False): once per
+    process, a training call while torch.distributed runs more than one
+    process warns that this copy keeps per-process batch statistics, since
+    convert_sync_batchnorm cannot see its BatchNormState."""
+    global _UNSYNCHRONIZED_WARNED
+    if _SYNC_CONVERTIBLE or _UNSYNCHRONIZED_WARNED or not bn.training or isinstance(bn, nn.SyncBatchNorm):
+        return
+    world = _distributed_world_size()
+    if world <= 1:
+        return
+    _UNSYNCHRONIZED_WARNED = True
+    warnings.warn(f"ModelNew (self-contained copy): torch.distributed runs {world} processes, but this copy keeps "
+                  f"per-process batch statistics: nn.SyncBatchNorm.convert_sync_batchnorm cannot convert its "
+                  f"BatchNorm, which the harness rules this file follows keep from deriving from torch's BatchNorm "
+                  f"classes. For synchronized BatchNorm use the repository's model_new.py (README, Multi-GPU).",
+                  UserWarning, stacklevel=3)
+
+
+def _sync_work_dtype(dtype):
+    """The dtype of the elementwise work: float32 for 16-bit x (as
+    _lowp_recompute and Model's BatchNorm statistics), else x's own."""
+    return torch.float32 if _is_16bit_dtype(dtype) else dtype
+
+
+def _sync_gemm_kernel(a, b):
+    """The GEMM kernel of a @ b^T on this path: dispatch_gemm_nt's for float32
+    CUDA tensors, "torch_ops" otherwise (CPU, float64, and 16-bit CUDA, whose
+    product torch computes in the 16-bit type, as Model's Linear)."""
+    if a.is_cuda and a.dtype == torch.float32:
+        return dispatch_gemm_nt(a, b)
+    return "torch_ops"
+
+
+def _sync_gemm(a, b):
+    """a (M, K) @ b (N, K)^T -> (M, N) in a's dtype, any strides, on
+    _sync_gemm_kernel's kernel; zeros when M, N or K is 0 (no kernel runs)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return a.new_zeros((a.shape[0], b.shape[0]))
+    gemm = _sync_gemm_kernel(a, b)
+    if gemm == "torch_ops":
+        return _torch_gemm_nt(gemm, a, b)
+    return _kernels("ext").gemm_nt(gemm, a, b)
+
+
+def _sync_path_name(x, weight, grad):
+    """kernel_path's name under synchronized BatchNorm: <gemm>_sync_train[_grad],
+    <gemm> the forward product's kernel (_sync_gemm_kernel; "empty" for a batch of 0)."""
+    gemm = "empty" if x.shape[0] == 0 else _sync_gemm_kernel(x, weight)
+    return f"{gemm}_sync_train" + ("_grad" if grad else "")
+
+
+def _sync_local_stats(u):
+    """This process's per-feature statistics of the BatchNorm input u (M, N),
+    as one (3, N) float64 tensor: row 0 the count M (in every column), row 1 the
+    mean, row 2 M2 = sum_m (u - mean)^2.  M == 0 gives zeros (the process still
+    takes part in the all-gather, as SyncBatchNorm's does)."""
+    u64 = u.double()
+    m = u.shape[0]
+    mean = u64.sum(dim=0) / max(m, 1)
+    m2 = ((u64 - mean) ** 2).sum(dim=0)
+    return torch.stack((torch.full_like(mean, float(m)), mean, m2))
+
+
+def _sync_local_forward(x, weight, bias, scale, scale_after_bn, work_dtype):
+    """The steps before the collective: (v, local) with v = x weight^T + bias
+    (M, N) in work_dtype (x weight^T rounded to x's dtype first: the 16-bit GEMM)
+    and local = _sync_local_stats(u), u = v * scale (problem 33) or v (84);
+    scale (N,) in work_dtype.  A fused CUDA kernel may replace this function
+    (same arguments, same results)."""
+    v = _sync_gemm(x, weight).to(work_dtype) + bias.to(work_dtype)
+    return v, _sync_local_stats(v if scale_after_bn else v * scale)
+
+
+def _sync_all_gather(local, group):
+    """Every process's (3, N) statistics in `group`, as (world, 3, N) in rank
+    order: one all_gather (float64, which gloo and NCCL both carry).  Every
+    process of the group calls it once per training call, also with an empty batch."""
+    world = torch.distributed.get_world_size(group)
+    gathered = local.new_empty((world,) + tuple(local.shape))
+    torch.distributed.all_gather(list(gathered.unbind(0)), local.contiguous(), group=group)
+    return gathered
+
+
+def _sync_merge_stats(gathered):
+    """(count, mean, m2) of the union of the batches from their (world, 3, N)
+    statistics: count a Python float, mean and m2 (N,) float64, by Chan, Golub
+    and LeVeque's combination over all processes at once:
+      count = sum_r c_r,  mean = sum_r c_r mean_r / count,
+      m2 = sum_r (m2_r + c_r (mean_r - mean)^2).
+    Processes with c_r = 0 add nothing (uneven and empty batches, as
+    SyncBatchNorm drops them); count 0 gives mean 0, m2 0.  Every process
+    computes it from the same values in the same order: the same result everywhere."""
+    counts, means, m2s = gathered[:, 0], gathered[:, 1], gathered[:, 2]
+    count = float(counts[:, :1].sum())
+    mean = (counts * means).sum(dim=0) / max(count, 1.0)
+    m2 = (m2s + counts * (means - mean) ** 2).sum(dim=0)
+    return count, mean, m2
+
+
+def _sync_check_batch(count, n):
+    """BatchNorm's refusal of a batch of one row, for the merged batch (every
+    process raises the same ValueError, after the all-gather and before any
+    buffer changes)."""
+    if count == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                         f"{torch.Size([1, n])}")
+
+
+def _sync_update_running(buffers, count, mean, m2, momentum):
+    """BatchNorm's update from the merged batch: num_batches_tracked += 1, then
+    with factor = momentum (or 1 / num_batches_tracked for momentum < 0, i.e.
+    None), in float64:
+      running_mean = (1 - factor) running_mean + factor mean
+      running_var  = (1 - factor) running_var  + factor m2 / (count - 1)   (unbiased).
+    count 0 (every batch empty) only counts the call, as BatchNorm1d on an empty batch."""
+    running_mean, running_var, num_batches_tracked = buffers
+    num_batches_tracked.add_(1)
+    if count < 2:
+        return
+    factor = momentum if momentum >= 0 else 1.0 / float(num_batches_tracked)
+    running_mean.copy_((1.0 - factor) * running_mean.double() + factor * mean)
+    running_var.copy_((1.0 - factor) * running_var.double() + factor * (m2 / (count - 1.0)))
+
+
+def _sync_normalize(u, mean, invstd, bn_weight, bn_bias):
+    """y = (u - mean) invstd bn_weight + bn_bias (M, N) in u's dtype, the
+    per-feature factor invstd bn_weight formed in float64; mean, invstd (N,) float64."""
+    dt = u.dtype
+    return (u - mean.to(dt)) * (invstd * bn_weight.double()).to(dt) + bn_bias.to(dt)
+
+
+def _sync_backward_sums(grad_y, xmu):
+    """This process's (2, N) float64 sums over its rows: sum_dy = sum_m grad_y,
+    sum_dy_xmu = sum_m grad_y (u - mean); grad_y, xmu (M, N)."""
+    return torch.stack((grad_y.sum(dim=0, dtype=torch.float64), (grad_y * xmu).sum(dim=0, dtype=torch.float64)))
+
+
+def _sync_all_reduce(sums, group):
+    """The (2, N) sums added over `group`: one all_reduce (SUM), in place, as
+    SyncBatchNorm's backward does; every process calls it, also with an empty batch."""
+    torch.distributed.all_reduce(sums, torch.distributed.ReduceOp.SUM, group=group)
+    return sums
+
+
+def _sync_grad_u(grad_y, xmu, total, count, invstd, bn_weight):
+    """BatchNorm's input gradient with the merged batch: with the global sums
+    total = (sum_dy, sum_dy_xmu) (2, N) and the merged count C,
+      grad_u = bn_weight invstd (grad_y - sum_dy / C) - xmu bn_weight invstd^3 sum_dy_xmu / C
+    in grad_y's dtype (per-feature factors in float64)."""
+    dt = grad_y.dtype
+    c = max(count, 1.0)
+    a = bn_weight.double() * invstd
+    return grad_y * a.to(dt) - (a * total[0] / c).to(dt) - xmu * (a * invstd * invstd * total[1] / c).to(dt)
+
+
+def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_weight, bn_bias, v, mean, invstd,
+                   out, needs):
+    """Gradients of _SyncTrainFn with respect to (x, gemm.weight, gemm.bias,
+    scale, bn.weight, bn.bias), `needs` saying which are wanted, in the work
+    dtype of v (cast by the caller).  With u = v * scale (33) or v (84),
+    xmu = u - mean, y = _sync_normalize(u, ...):
+      problem 84: grad_soft = out * (grad_out - sum_n grad_out out) (softmax backward),
+        grad_scale = sum_m grad_soft y, grad_y = grad_soft * scale; problem 33: grad_y = grad_out
+      grad_bn.weight = invstd sum_m grad_y xmu, grad_bn.bias = sum_m grad_y   (this process's rows
+        only, as SyncBatchNorm returns them: DDP averages gradients over processes)
+      grad_u = _sync_grad_u with the all-reduced sums and the merged count (the
+        gradient of every process's loss with respect to this process's u)
+      problem 33: grad_scale = sum_m grad_u v, grad_v = grad_u scale; problem 84: grad_v = grad_u
+      grad_x = grad_v weight, grad_W = grad_v^T x (in x's dtype, _sync_gemm)
+      grad_gemm.bias = 0: its gradient through the merged batch mean sums to exactly
+        0 over the processes (each process's share would be sum_m grad_v), so every
+        process returns 0 and any sum or average of them is that sum.
+    The all_reduce runs when a gradient through u is wanted (x, gemm.weight, or
+    33's scale): the same decision on every process, as SyncBatchNorm's."""
+    need_x, need_w, need_b, need_s, need_g, need_beta = needs
+    dt = v.dtype
+    grad_out = grad_out.to(dt)
+    u = v if scale_after_bn else v * scale
+    xmu = u - mean.to(dt)
+    grad_scale = None
+    if scale_after_bn:
+        grad_soft = _softmax_rows_backward(out, grad_out)
+        if need_s:
+            y = _sync_normalize(u, mean, invstd, bn_weight, bn_bias)
+            grad_scale = (grad_soft * y).sum(dim=0, dtype=torch.float64).to(dt)
+        grad_y = grad_soft * scale
+    else:
+        grad_y = grad_out
+    sums = _sync_backward_sums(grad_y, xmu)
+    grad_g = (invstd * sums[1]).to(dt) if need_g else None
+    grad_beta = sums[0].to(dt) if need_beta else None
+    grad_x = grad_w = None
+    if need_x or need_w or (need_s and not scale_after_bn):
+        grad_u = _sync_grad_u(grad_y, xmu, _sync_all_reduce(sums.clone(), group), count, invstd, bn_weight)
+        if not scale_after_bn:
+            grad_scale = (grad_u * v).sum(dim=0, dtype=torch.float64).to(dt) if need_s else None
+            grad_u = grad_u * scale
+        grad_v = grad_u.to(x.dtype)
+        grad_x = _sync_gemm(grad_v, weight.t()) if need_x else None
+        grad_w = _sync_gemm(grad_v.t(), x.t()) if need_w else None
+    grad_b = torch.zeros_like(bn_bias) if need_b else None
+    return (grad_x, grad_w, grad_b, grad_scale, grad_g, grad_beta)
+
+
+class _SyncTrainFn(torch.autograd.Function):
+    """The training forward under synchronized BatchNorm (sync_process_group),
+    both problems, any device and float dtype:
+      v, local = _sync_local_forward(...); count, mean, m2 = _sync_merge_stats(_sync_all_gather(local, group))
+      _sync_check_batch; _sync_update_running (the module's buffers, in place, once)
+      invstd = 1 / sqrt(m2 / count + eps)   (biased variance of the merged batch, float64)
+      out = _sync_normalize(u, ...) (33), softmax_rows(_sync_normalize(u, ...) * scale) (84), in x's dtype.
+    One all_gather in the forward, one all_reduce in the backward (_sync_backward).
+    Saved: x, gemm.weight, scale, bn.weight, bn.bias (the caller's tensors, or
+    float32 copies for 16-bit x), v (M, N) in the work dtype, mean and invstd (N)
+    float64, and for problem 84 out (M, N)."""
+
+    @staticmethod
+    def forward(ctx, scale_after_bn, group, buffers, momentum, eps, x, weight, bias, scale, bn_weight, bn_bias):
+        dt = _sync_work_dtype(x.dtype)
+        scale_w, bn_weight_w, bn_bias_w = scale.to(dt), bn_weight.to(dt), bn_bias.to(dt)
+        v, local = _sync_local_forward(x, weight, bias, scale_w, scale_after_bn, dt)
+        count, mean, m2 = _sync_merge_stats(_sync_all_gather(local, group))
+        _sync_check_batch(count, weight.shape[0])
+        _sync_update_running(buffers, count, mean, m2, momentum)
+        invstd = torch.rsqrt(m2 / max(count, 1.0) + eps)
+        y = _sync_normalize(v if scale_after_bn else v * scale_w, mean, invstd, bn_weight_w, bn_bias_w)
+        out = _softmax_rows(y * scale_w) if scale_after_bn else y
+        ctx.scale_after_bn, ctx.group, ctx.count = scale_after_bn, group, count
+        ctx.dtypes = [t.dtype for t in (x, weight, bias, scale, bn_weight, bn_bias)]
+        ctx.save_for_backward(x, weight, scale_w, bn_weight_w, bn_bias_w, v, mean, invstd,
+                              out if scale_after_bn else None)
+        return out.to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        grads = _sync_backward(ctx.scale_after_bn, ctx.group, ctx.count, grad_out, *ctx.saved_tensors,
+                               ctx.needs_input_grad[5:])
+        return (None,) * 5 + tuple(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes))
+
+
+@torch.compiler.disable
+def _sync_forward(group, params, buffers, momentum, eps, scale_after_bn):
+    """fused_forward's synchronized training path: _SyncTrainFn over params
+    (x, gemm.weight, gemm.bias, scale (N,), bn.weight, bn.bias), collectives on
+    `group`.  Eager also under torch.compile (a graph break; fullgraph=True
+    refuses it): no custom operator carries the collectives."""
+    return _SyncTrainFn.apply(scale_after_bn, group, buffers, momentum, eps, *params)
 
 
 # ---------------------------------------------------------------------------
@@ -5548,6 +6104,9 @@ class ModelNew(FusedModule):
     ops); gemm.bias gets an exact zero gradient in training (16-bit: rounding noise).
     bn.training, not the module's flag, selects batch or running statistics, as
     in Model (`model.bn.eval()` freezes BatchNorm while the rest trains).
+    nn.SyncBatchNorm.convert_sync_batchnorm converts bn as in Model: training
+    calls then merge the batch statistics of all processes (section
+    "Synchronized BatchNorm"; not in the self-contained file, which warns once).
     `scale` may have any per-feature shape Model broadcasts ((), (1,), (1, 1),
     (N,), (1, N)).  kernel_path(x) names the path forward(x) would take
     (dispatch's Plan.name).  torch.jit.trace records the custom operators
@@ -5555,10 +6114,10 @@ class ModelNew(FusedModule):
 
     M == 0 gives an empty output (num_batches_tracked still counts the call in
     training, running statistics are untouched), as torch's BatchNorm1d.
-    Raises ValueError for M == 1 in training (PyTorch's message), and
-    RuntimeError or ValueError for a wrong rank (as Model's), RuntimeError for a
-    wrong feature count, dtype or device, or a scale that is not per-feature; a
-    rejected call leaves every buffer unchanged.
+    Raises ValueError for M == 1 in training (PyTorch's message; synchronized:
+    for a global batch of 1), RuntimeError or ValueError for a wrong rank (as
+    Model's), RuntimeError for a wrong feature count, dtype or device, or a scale
+    that is not per-feature; a rejected call leaves every buffer unchanged.
     """
 
     def __init__(self, in_features, out_features, scale_shape, eps=1e-5, momentum=0.1):

@@ -100,12 +100,15 @@ class ModelNew(FusedModule):
     CUDA: the backward runs torch ops); gemm.bias gets an exact zero gradient
     in training (16-bit: rounding noise).  bn.training, not the module's flag,
     selects batch or running statistics, as in the reference (`model.bn.eval()`
-    freezes BatchNorm).  kernel_path(x) names the path forward(x) would take.
-    M == 0 gives an empty output as the reference.
-    Raises ValueError for M == 1 in training (PyTorch's message), Model's errors
-    for a wrong rank, RuntimeError for a wrong feature count, dtype or device, or
-    a `scale` that is not one number per feature; a rejected call leaves every
-    buffer unchanged.
+    freezes BatchNorm); nn.SyncBatchNorm.convert_sync_batchnorm converts bn as in
+    the reference, and training calls then merge the batch statistics of all
+    processes (the engine's section "Synchronized BatchNorm"; not in the
+    self-contained file, which warns once).  kernel_path(x) names the path
+    forward(x) would take.  M == 0 gives an empty output as the reference.
+    Raises ValueError for M == 1 in training (PyTorch's message; synchronized:
+    for a global batch of 1), Model's errors for a wrong rank, RuntimeError for
+    a wrong feature count, dtype or device, or a `scale` that is not one number
+    per feature; a rejected call leaves every buffer unchanged.
     """
 
     scale_after_bn = True  # the engine's problem selector: Linear -> BatchNorm -> scale -> Softmax

@@ -49,32 +49,23 @@ constexpr float kMaxCentredAmax = 4294967296.f;  // 2^32
 // The GEMM operand a row belongs to (header).
 enum class Side { kX, kW };
 
-// The block-wide sum (op = 0), max (1) or min (2) of one float per thread.
-template <int kOp>
-__device__ __forceinline__ float block_reduce(float v, float* scratch) {
+// The block-wide sum (kOp = 0), max (1) or min (2) of one value per thread
+// (max / min for float only).
+template <int kOp, typename T>
+__device__ __forceinline__ T block_reduce(T v, T* scratch) {
+  auto op = [](T a, T b) {
+    if constexpr (kOp == 0) return a + b;
+    else if constexpr (kOp == 1) return fmaxf(a, b);
+    else return fminf(a, b);
+  };
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = kOp == 0 ? v + u : kOp == 1 ? fmaxf(v, u) : fminf(v, u);
-  }
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   __syncthreads();  // scratch may still be read by an earlier reduction
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();
   v = scratch[0];
 #pragma unroll
-  for (int w = 1; w < kPrepassWarps; ++w) v = kOp == 0 ? v + scratch[w] : kOp == 1 ? fmaxf(v, scratch[w]) : fminf(v, scratch[w]);
-  return v;
-}
-
-__device__ __forceinline__ double block_sum(double v, double* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kPrepassWarps; ++w) v += scratch[w];
+  for (int w = 1; w < kPrepassWarps; ++w) v = op(v, scratch[w]);
   return v;
 }
 
@@ -127,7 +118,7 @@ __global__ void __launch_bounds__(kPrepassThreads)
     if (amax < kMaxCentredAmax && isfinite(sum_f)) c = sum_f * (1.f / static_cast<float>(K));
     if (threadIdx.x == 0) center[m] = c;
   } else {
-    sum_d = block_sum(sum_d, scratch_d);
+    sum_d = block_reduce<0>(sum_d, scratch_d);
     if (threadIdx.x == 0) {
       const float hi = static_cast<float>(sum_d);
       row_sum[m] = make_float2(hi, static_cast<float>(sum_d - static_cast<double>(hi)));

@@ -11,6 +11,9 @@ measured on the GPU by tests/test_equivalence.py) does not cover.
 
 Negative controls: no small part, no scaling (wide-range rows), and a scale
 that lets |v s| exceed fp16's range each fail the bounds the real split meets.
+The row centring is emulated with a truncating float32 accumulation per 16-k
+step (the tensor core's): the uncentred split's batch means are biased towards
+zero, the centred split's are not.
 """
 import pytest
 import torch
@@ -160,3 +163,81 @@ def test_negative_control_without_scaling_on_weights():
 
     assert worst_relative(True) <= 2.0 ** -22
     assert worst_relative(False) > 2.0 ** -18
+
+
+# ---------------------------------------------------------------------------
+# Centring (prepass_fp16x3.cu): x's rows split as x - c_m, c_m sum_k w added back
+# ---------------------------------------------------------------------------
+
+
+def _rz_fp32(v):
+    """float64 -> float32 rounded towards zero (the tensor core's accumulation
+    truncates: Fasi, Higham, Mikaitis and Pranesh, "Numerical behavior of NVIDIA
+    tensor cores", PeerJ CS 2021), returned as float64."""
+    f = v.float()
+    over = f.double().abs() > v.abs()
+    f = torch.where(over, torch.nextafter(f, torch.zeros_like(f)), f)
+    return f.double()
+
+
+def gemm_truncating(x, w, center, span=32, step=16):
+    """z = x @ w^T with the kernel's structure: per-row parts of x (centred on
+    its row mean when `center`) and of w; per span of 32 k a partial sum that
+    each 16-k step's three exact products enter with truncation to float32, then
+    acc += part rounded to nearest (the promotion); z = acc 2^-e_w 2^-e_x, then
+    + c_m (hi_n + lo_n) rounded to float32 (the epilogue's two fmas)."""
+    c = (x.sum(dim=1, keepdim=True) * (1.0 / x.shape[1])) if center else torch.zeros(x.shape[0], 1)
+    xh, xl, x_inv = row_parts(x - c)
+    wh, wl, w_inv = row_parts(w)
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for k0 in range(0, x.shape[1], span):
+        part = torch.zeros_like(acc)
+        for k1 in range(k0, k0 + span, step):
+            sl = slice(k1, k1 + step)
+            part = _rz_fp32(part + xh[:, sl] @ wl[:, sl].t() + xl[:, sl] @ wh[:, sl].t() + xh[:, sl] @ wh[:, sl].t())
+        acc = (acc + part).float().double()
+    z = (acc * w_inv.t()).float().double() * x_inv
+    row_sum = w.double().sum(dim=1)
+    hi = row_sum.float().double()
+    lo = (row_sum - hi).float().double()
+    return (z + c.double() * lo[None, :] + c.double() * hi[None, :]).float().double()
+
+
+def _mean_bias(z, ref):
+    """Signed error of the per-feature batch means, relative: sum_n (mean z - mean ref)
+    sign(mean ref) / sum_n |mean ref| (negative: the means shrink towards zero)."""
+    d = z.mean(dim=0) - ref.mean(dim=0)
+    return float((d * ref.mean(dim=0).sign()).sum() / ref.mean(dim=0).abs().sum())
+
+
+def test_centring_removes_the_truncation_bias_of_the_batch_mean():
+    """Rows that share a level (uniform [0, 1)) make every row of a feature lose
+    the same signed amount to the truncating accumulation, which the batch mean
+    (running_mean) keeps; centring the rows leaves only what varies between rows,
+    whose truncation errors average out.  Negative control: the uncentred split
+    shows the bias (-4e-8 to -7e-8 over five seeds here; -5.8e-8 was measured on an H200 at the
+    KernelBench shape, docs/perf.md v21)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(256, 512, generator=gen)
+    w = (torch.rand(64, 512, generator=gen) * 2 - 1) / 512 ** 0.5
+    ref = x.double() @ w.double().t()
+    plain = _mean_bias(gemm_truncating(x, w, center=False), ref)
+    centred = _mean_bias(gemm_truncating(x, w, center=True), ref)
+    assert plain < -2e-8, plain
+    assert abs(centred) < abs(plain) / 5, (centred, plain)
+
+
+def test_centring_keeps_the_product_exact_up_to_the_split():
+    """z = sum_k (x - c) w + c sum_k w: the centred emulation (with exact
+    accumulation) stays within the uncentred one's elementwise error bound, on
+    rows with a common level and on zero-mean rows."""
+    gen = torch.Generator().manual_seed(4)
+    for x in (100 + torch.rand(32, 256, generator=gen), torch.randn(32, 256, generator=gen)):
+        w = (torch.rand(24, 256, generator=gen) * 2 - 1) / 16
+        c = x.sum(dim=1, keepdim=True) * (1.0 / 256)
+        xh, xl, x_inv = row_parts(x - c)
+        wh, wl, w_inv = row_parts(w)
+        z = (xh @ wh.t() + xh @ wl.t() + xl @ wh.t()) * w_inv.t() * x_inv + c.double() * w.double().sum(dim=1)
+        ref = x.double() @ w.double().t()
+        bound = x.double().abs() @ w.double().abs().t()
+        assert float(((z - ref).abs() / bound).max()) < 2 ** -21

@@ -123,7 +123,8 @@ _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "bn_backward_train",
-                        "fp16x3_weight_parts", "sm90_gemm_available", "sm90_cluster_max_active"]
+                        "fp16x3_weight_parts", "sync_forward_local", "sync_bn_apply", "bn_backward_sums",
+                        "bn_backward_grad", "sm90_gemm_available", "sm90_cluster_max_active"]
 # The 16-bit extension: kernels/lowp/ (plus the .cuh headers of kernels/), its own module.
 _LOWP_SUBDIR = "lowp"
 _LOWP_BINDING = "binding_16bit.cpp"
@@ -598,8 +599,8 @@ def per_feature_scale(scale, n):
 # The backward's products (grad_x = grad_z W, grad_W = grad_z^T x) are decided
 # the same way per product by dispatch_gemm_nt.
 
-Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache"],
-                                  defaults=(True,))
+Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused"],
+                                  defaults=(True, True))
 Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
 replace SWITCHES; nothing reads the environment per call):
   portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
@@ -610,11 +611,15 @@ replace SWITCHES; nothing reads the environment per call):
                kernel instead of fp16x3 (A/B timing; the tests run both)
   weight_cache False with FUSED_GEMM_BN_NO_WEIGHT_CACHE=1: the fp16x3 path splits
                gemm.weight in every call instead of keeping its parts
-               (_weight_parts)"""
+               (_weight_parts)
+  sync_fused   False with FUSED_GEMM_BN_SYNC_TORCH_OPS=1: synchronized BatchNorm on
+               float32 CUDA runs the torch-op path (_SyncTrainFn) instead of the
+               fused kernels (_SyncFusedTrainFn; A/B timing, the GPU tests run both)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
                     fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1",
-                    weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1")
+                    weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1",
+                    sync_fused=os.environ.get("FUSED_GEMM_BN_SYNC_TORCH_OPS") != "1")
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
@@ -1181,16 +1186,33 @@ class _LowpFn(torch.autograd.Function):
 #
 # One function per step, the same code for CPU (gloo) and CUDA (NCCL):
 #   _sync_local_forward   v = x W^T + b (M, N) and this process's (count, mean, M2)
-#                         of the BatchNorm input u (33: u = v * scale, 84: u = v)
+#                         of v (the BatchNorm input u is v * scale (33) or v (84):
+#                         _sync_input_stats turns merged v statistics into u's)
 #   _sync_all_gather      one all_gather of the (3, N) float64 statistics
-#   _sync_merge_stats     the union's (count, mean, M2), Chan et al.'s formula
-#   _sync_check_batch     a merged batch of one row raises, as BatchNorm does
+#   _sync_merge_stats     the union's (count, mean, M2), Chan et al.'s formula; count
+#                         stays a device tensor (no host synchronisation)
+#   _sync_check_batch     a merged batch of one row raises, as BatchNorm does (reads
+#                         the merged count on the host only when this process has < 2 rows)
 #   _sync_update_running  running statistics from the merged ones (unbiased variance)
 #   _sync_normalize       (u - mean) invstd bn.weight + bn.bias; 84: softmax of it * scale
-#   backward: _sync_backward_sums (local sum_dy, sum_dy_xmu), one all_reduce of
-#   both, _sync_grad_u with the merged count, then the GEMMs (_sync_gemm).
+#   backward: _sync_backward_sums (local sum_m g, sum_m g (v - mean_v), g the
+#   gradient of the BatchNorm output (33) or of the softmax input (84)), one
+#   all_reduce of both, _sync_bn_sums (as SyncBatchNorm's sum_dy, sum_dy_xmu),
+#   _sync_grad_u with the merged count, then the GEMMs (_sync_gemm).
 # Elementwise work runs in x's dtype (float32 for 16-bit x, whose GEMM alone is
 # 16-bit, as in _lowp_recompute); per-feature statistics and sums in float64.
+#
+# float32 CUDA batches of at least two rows take the fused kernels instead
+# (_sync_fused_gemm decides; _SyncFusedTrainFn): the training GEMM with its tile
+# statistics (sync_forward_local), the same all_gather, then one call that
+# merges in float64, updates the running statistics and normalises
+# (sync_bn_apply: bn_sync.cu, then bn_apply's streaming kernel or softmax_rows),
+# and in the backward bn_backward_sums -> the same all_reduce ->
+# bn_backward_grad, then the backward's GEMMs as in the unsynchronized path.
+# The host never waits for the GPU on this path (the merged count stays on the
+# device; with >= 2 local rows the merged batch has >= 2).  Both paths exchange
+# the same statistics in the same collectives, so processes may take different
+# ones (a process with fewer than two rows takes the torch ops).
 
 
 def _distributed_world_size(group=None):
@@ -1266,14 +1288,18 @@ def _sync_gemm(a, b):
 
 
 def _sync_path_name(x, weight, grad):
-    """kernel_path's name under synchronized BatchNorm: <gemm>_sync_train[_grad],
-    <gemm> the forward product's kernel (_sync_gemm_kernel; "empty" for a batch of 0)."""
+    """kernel_path's name under synchronized BatchNorm: <gemm>_sync_fused_train[_grad]
+    on the fused kernels (_sync_fused_gemm), else <gemm>_sync_train[_grad] with
+    <gemm> the torch-op path's product kernel (_sync_gemm_kernel; "empty" for a batch of 0)."""
+    fused = _sync_fused_gemm(x, weight)
+    if fused is not None:
+        return f"{fused}_sync_fused_train" + ("_grad" if grad else "")
     gemm = "empty" if x.shape[0] == 0 else _sync_gemm_kernel(x, weight)
     return f"{gemm}_sync_train" + ("_grad" if grad else "")
 
 
 def _sync_local_stats(u):
-    """This process's per-feature statistics of the BatchNorm input u (M, N),
+    """This process's per-feature statistics of u (M, N) (the product plus bias v),
     as one (3, N) float64 tensor: row 0 the count M (in every column), row 1 the
     mean, row 2 M2 = sum_m (u - mean)^2.  M == 0 gives zeros (the process still
     takes part in the all-gather, as SyncBatchNorm's does)."""
@@ -1287,26 +1313,32 @@ def _sync_local_stats(u):
 def _sync_local_forward(x, weight, bias, scale, scale_after_bn, work_dtype):
     """The steps before the collective: (v, local) with v = x weight^T + bias
     (M, N) in work_dtype (x weight^T rounded to x's dtype first: the 16-bit GEMM)
-    and local = _sync_local_stats(u), u = v * scale (problem 33) or v (84);
-    scale (N,) in work_dtype.  A fused CUDA kernel may replace this function
-    (same arguments, same results)."""
+    and local = _sync_local_stats(v).  Both synchronized paths exchange v's
+    statistics (the fused one from its GEMM's tile statistics of x weight^T,
+    shifted by the bias), so processes may take different paths."""
     v = _sync_gemm(x, weight).to(work_dtype) + bias.to(work_dtype)
-    return v, _sync_local_stats(v if scale_after_bn else v * scale)
+    return v, _sync_local_stats(v)
 
 
 def _sync_all_gather(local, group):
     """Every process's (3, N) statistics in `group`, as (world, 3, N) in rank
-    order: one all_gather (float64, which gloo and NCCL both carry).  Every
-    process of the group calls it once per training call, also with an empty batch."""
-    world = torch.distributed.get_world_size(group)
+    order: one all_gather (float64, which gloo and NCCL both carry; on NCCL
+    all_gather_into_tensor, straight into the one output).  Every process of the
+    group calls it once per training call, also with an empty batch."""
+    dist = torch.distributed
+    world = dist.get_world_size(group)
     gathered = local.new_empty((world,) + tuple(local.shape))
-    torch.distributed.all_gather(list(gathered.unbind(0)), local.contiguous(), group=group)
+    if dist.get_backend(group) == "nccl":
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+    else:
+        dist.all_gather(list(gathered.unbind(0)), local.contiguous(), group=group)
     return gathered
 
 
 def _sync_merge_stats(gathered):
     """(count, mean, m2) of the union of the batches from their (world, 3, N)
-    statistics: count a Python float, mean and m2 (N,) float64, by Chan, Golub
+    statistics: count a 0-dim float64 tensor on their device (reading it would
+    synchronise with the GPU), mean and m2 (N,) float64, by Chan, Golub
     and LeVeque's combination over all processes at once:
       count = sum_r c_r,  mean = sum_r c_r mean_r / count,
       m2 = sum_r (m2_r + c_r (mean_r - mean)^2).
@@ -1314,33 +1346,53 @@ def _sync_merge_stats(gathered):
     SyncBatchNorm drops them); count 0 gives mean 0, m2 0.  Every process
     computes it from the same values in the same order: the same result everywhere."""
     counts, means, m2s = gathered[:, 0], gathered[:, 1], gathered[:, 2]
-    count = float(counts[:, :1].sum())
-    mean = (counts * means).sum(dim=0) / max(count, 1.0)
+    count = counts[:, 0].sum()
+    mean = (counts * means).sum(dim=0) / count.clamp(min=1.0)
     m2 = (m2s + counts * (means - mean) ** 2).sum(dim=0)
     return count, mean, m2
 
 
-def _sync_check_batch(count, n):
+def _sync_merged_rows(count, local_rows):
+    """The merged batch's row count as a Python int where it matters, None
+    otherwise: with local_rows >= 2 here the merged batch has >= 2 rows and the
+    count is not read (reading the device tensor would make the host wait for
+    the GPU in every training call); with fewer it is read."""
+    return None if local_rows >= 2 else int(count)
+
+
+def _sync_check_batch(count, n, local_rows):
     """BatchNorm's refusal of a batch of one row, for the merged batch (every
     process raises the same ValueError, after the all-gather and before any
-    buffer changes)."""
-    if count == 1:
+    buffer changes); count the merged count tensor, local_rows this process's."""
+    if _sync_merged_rows(count, local_rows) == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size "
                          f"{torch.Size([1, n])}")
 
 
-def _sync_update_running(buffers, count, mean, m2, momentum):
-    """BatchNorm's update from the merged batch: num_batches_tracked += 1, then
+def _sync_input_stats(mean_v, m2_v, scale, scale_after_bn):
+    """The BatchNorm input's merged (mean, M2) from v's (float64): u = v * scale
+    (problem 33: scale mean_v, scale^2 M2_v) or u = v (84)."""
+    if scale_after_bn:
+        return mean_v, m2_v
+    s = scale.double()
+    return s * mean_v, s * s * m2_v
+
+
+def _sync_update_running(buffers, count, mean, m2, momentum, local_rows):
+    """BatchNorm's update from the merged batch (count the merged count tensor,
+    mean and m2 the BatchNorm input's): num_batches_tracked += 1, then
     with factor = momentum (or 1 / num_batches_tracked for momentum < 0, i.e.
     None), in float64:
       running_mean = (1 - factor) running_mean + factor mean
       running_var  = (1 - factor) running_var  + factor m2 / (count - 1)   (unbiased).
-    count 0 (every batch empty) only counts the call, as BatchNorm1d on an empty batch."""
+    count 0 (every batch empty) only counts the call, as BatchNorm1d on an empty batch.
+    No host synchronisation when this process has >= 2 rows (_sync_merged_rows)."""
     running_mean, running_var, num_batches_tracked = buffers
     num_batches_tracked.add_(1)
-    if count < 2:
+    rows = _sync_merged_rows(count, local_rows)
+    if rows is not None and rows < 2:
         return
-    factor = momentum if momentum >= 0 else 1.0 / float(num_batches_tracked)
+    factor = momentum if momentum >= 0 else 1.0 / num_batches_tracked.double()
     running_mean.copy_((1.0 - factor) * running_mean.double() + factor * mean)
     running_var.copy_((1.0 - factor) * running_var.double() + factor * (m2 / (count - 1.0)))
 
@@ -1352,10 +1404,21 @@ def _sync_normalize(u, mean, invstd, bn_weight, bn_bias):
     return (u - mean.to(dt)) * (invstd * bn_weight.double()).to(dt) + bn_bias.to(dt)
 
 
-def _sync_backward_sums(grad_y, xmu):
-    """This process's (2, N) float64 sums over its rows: sum_dy = sum_m grad_y,
-    sum_dy_xmu = sum_m grad_y (u - mean); grad_y, xmu (M, N)."""
-    return torch.stack((grad_y.sum(dim=0, dtype=torch.float64), (grad_y * xmu).sum(dim=0, dtype=torch.float64)))
+def _sync_backward_sums(g, vmu):
+    """This process's (2, N) float64 sums over its rows, [sum_m g | sum_m g (v - mean_v)]:
+    g (M, N) the gradient with respect to the BatchNorm output (33) or to the
+    softmax's input, scale times it (84), vmu = v - mean_v (M, N).  What every
+    path all-reduces (bn_backward_sums computes the same from z - mean_z =
+    v - mean_v), so processes may take different paths."""
+    return torch.stack((g.sum(dim=0, dtype=torch.float64), (g * vmu).sum(dim=0, dtype=torch.float64)))
+
+
+def _sync_bn_sums(sums, scale, scale_after_bn):
+    """_sync_backward_sums' (S1, S2) as SyncBatchNorm's (sum_dy, sum_dy_xmu) with
+    dy the gradient of the BatchNorm output and xmu = u - mean_u: (S1, s S2) for
+    problem 33 (u = s v), (s S1, s S2) for 84 (dy = s g); float64, no division."""
+    s = scale.double()
+    return torch.stack((s * sums[0] if scale_after_bn else sums[0], s * sums[1]))
 
 
 def _sync_all_reduce(sums, group):
@@ -1371,19 +1434,20 @@ def _sync_grad_u(grad_y, xmu, total, count, invstd, bn_weight):
       grad_u = bn_weight invstd (grad_y - sum_dy / C) - xmu bn_weight invstd^3 sum_dy_xmu / C
     in grad_y's dtype (per-feature factors in float64)."""
     dt = grad_y.dtype
-    c = max(count, 1.0)
+    c = count.clamp(min=1.0)
     a = bn_weight.double() * invstd
     return grad_y * a.to(dt) - (a * total[0] / c).to(dt) - xmu * (a * invstd * invstd * total[1] / c).to(dt)
 
 
-def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_weight, bn_bias, v, mean, invstd,
+def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_weight, bn_bias, v, mean_v, invstd,
                    out, needs):
     """Gradients of _SyncTrainFn with respect to (x, gemm.weight, gemm.bias,
     scale, bn.weight, bn.bias), `needs` saying which are wanted, in the work
     dtype of v (cast by the caller).  With u = v * scale (33) or v (84),
-    xmu = u - mean, y = _sync_normalize(u, ...):
+    xmu = u - mean_u, y = _sync_normalize(u, ...):
       problem 84: grad_soft = out * (grad_out - sum_n grad_out out) (softmax backward),
         grad_scale = sum_m grad_soft y, grad_y = grad_soft * scale; problem 33: grad_y = grad_out
+      sums = _sync_bn_sums(_sync_backward_sums(grad_soft or grad_out, v - mean_v)):
       grad_bn.weight = invstd sum_m grad_y xmu, grad_bn.bias = sum_m grad_y   (this process's rows
         only, as SyncBatchNorm returns them: DDP averages gradients over processes)
       grad_u = _sync_grad_u with the all-reduced sums and the merged count (the
@@ -1399,22 +1463,26 @@ def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_
     dt = v.dtype
     grad_out = grad_out.to(dt)
     u = v if scale_after_bn else v * scale
-    xmu = u - mean.to(dt)
+    mean_u, _ = _sync_input_stats(mean_v, mean_v, scale, scale_after_bn)
+    vmu = v - mean_v.to(dt)
+    xmu = vmu if scale_after_bn else u - mean_u.to(dt)
     grad_scale = None
     if scale_after_bn:
         grad_soft = _softmax_rows_backward(out, grad_out)
         if need_s:
-            y = _sync_normalize(u, mean, invstd, bn_weight, bn_bias)
+            y = _sync_normalize(u, mean_u, invstd, bn_weight, bn_bias)
             grad_scale = (grad_soft * y).sum(dim=0, dtype=torch.float64).to(dt)
-        grad_y = grad_soft * scale
+        g, grad_y = grad_soft, grad_soft * scale
     else:
-        grad_y = grad_out
-    sums = _sync_backward_sums(grad_y, xmu)
+        g = grad_y = grad_out
+    local = _sync_backward_sums(g, vmu)
+    sums = _sync_bn_sums(local, scale, scale_after_bn)
     grad_g = (invstd * sums[1]).to(dt) if need_g else None
     grad_beta = sums[0].to(dt) if need_beta else None
     grad_x = grad_w = None
     if need_x or need_w or (need_s and not scale_after_bn):
-        grad_u = _sync_grad_u(grad_y, xmu, _sync_all_reduce(sums.clone(), group), count, invstd, bn_weight)
+        total = _sync_bn_sums(_sync_all_reduce(local.clone(), group), scale, scale_after_bn)
+        grad_u = _sync_grad_u(grad_y, xmu, total, count, invstd, bn_weight)
         if not scale_after_bn:
             grad_scale = (grad_u * v).sum(dim=0, dtype=torch.float64).to(dt) if need_s else None
             grad_u = grad_u * scale
@@ -1428,13 +1496,14 @@ def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_
 class _SyncTrainFn(torch.autograd.Function):
     """The training forward under synchronized BatchNorm (sync_process_group),
     both problems, any device and float dtype:
-      v, local = _sync_local_forward(...); count, mean, m2 = _sync_merge_stats(_sync_all_gather(local, group))
-      _sync_check_batch; _sync_update_running (the module's buffers, in place, once)
+      v, local = _sync_local_forward(...); count, mean_v, m2_v = _sync_merge_stats(_sync_all_gather(local, group))
+      _sync_check_batch; mean, m2 = _sync_input_stats(...) (u's); _sync_update_running (the module's
+      buffers, in place, once)
       invstd = 1 / sqrt(m2 / count + eps)   (biased variance of the merged batch, float64)
       out = _sync_normalize(u, ...) (33), softmax_rows(_sync_normalize(u, ...) * scale) (84), in x's dtype.
     One all_gather in the forward, one all_reduce in the backward (_sync_backward).
     Saved: x, gemm.weight, scale, bn.weight, bn.bias (the caller's tensors, or
-    float32 copies for 16-bit x), v (M, N) in the work dtype, mean and invstd (N)
+    float32 copies for 16-bit x), v (M, N) in the work dtype, mean_v and invstd (N)
     float64, and for problem 84 out (M, N)."""
 
     @staticmethod
@@ -1442,15 +1511,16 @@ class _SyncTrainFn(torch.autograd.Function):
         dt = _sync_work_dtype(x.dtype)
         scale_w, bn_weight_w, bn_bias_w = scale.to(dt), bn_weight.to(dt), bn_bias.to(dt)
         v, local = _sync_local_forward(x, weight, bias, scale_w, scale_after_bn, dt)
-        count, mean, m2 = _sync_merge_stats(_sync_all_gather(local, group))
-        _sync_check_batch(count, weight.shape[0])
-        _sync_update_running(buffers, count, mean, m2, momentum)
-        invstd = torch.rsqrt(m2 / max(count, 1.0) + eps)
+        count, mean_v, m2_v = _sync_merge_stats(_sync_all_gather(local, group))
+        _sync_check_batch(count, weight.shape[0], x.shape[0])
+        mean, m2 = _sync_input_stats(mean_v, m2_v, scale_w, scale_after_bn)
+        _sync_update_running(buffers, count, mean, m2, momentum, x.shape[0])
+        invstd = torch.rsqrt(m2 / count.clamp(min=1.0) + eps)
         y = _sync_normalize(v if scale_after_bn else v * scale_w, mean, invstd, bn_weight_w, bn_bias_w)
         out = _softmax_rows(y * scale_w) if scale_after_bn else y
         ctx.scale_after_bn, ctx.group, ctx.count = scale_after_bn, group, count
         ctx.dtypes = [t.dtype for t in (x, weight, bias, scale, bn_weight, bn_bias)]
-        ctx.save_for_backward(x, weight, scale_w, bn_weight_w, bn_bias_w, v, mean, invstd,
+        ctx.save_for_backward(x, weight, scale_w, bn_weight_w, bn_bias_w, v, mean_v, invstd,
                               out if scale_after_bn else None)
         return out.to(x.dtype)
 
@@ -1462,12 +1532,79 @@ class _SyncTrainFn(torch.autograd.Function):
         return (None,) * 5 + tuple(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes))
 
 
+def _sync_fused_gemm(x, weight):
+    """The GEMM kernel of the fused synchronized path for this process's batch,
+    or None (the torch-op path, _SyncTrainFn): x float32 on CUDA with at least
+    two rows (so the merged batch has two: no check that would read the merged
+    count), the extension built, SWITCHES.sync_fused, and dispatch() choosing
+    one of the extension's tile-statistics GEMMs (the training-with-gradients
+    plan: never the cluster kernel)."""
+    if not (SWITCHES.sync_fused and x.is_cuda and x.dtype == torch.float32 and x.shape[0] >= 2 and _ext is not None):
+        return None
+    plan = dispatch(x, weight, True, True, False)
+    return plan.gemm if plan.kernels == "ext" else None
+
+
+def _sync_fused_bn_backward(group, count, bias, need_reduce, grad_y, z, stats, scale, bn_weight, eps,
+                            scale_after_bn):
+    """bn_backward_train's contract for the merged batch (bn_backward.cu):
+    this process's sums, the all_reduce when `need_reduce` (the torch-op path's
+    condition: the same collectives on every process), then grad_z from the
+    global sums and the merged count (a float64 device tensor: no host synchronisation)."""
+    local = _ext.bn_backward_sums(grad_y, z, stats)
+    total = _sync_all_reduce(local.clone(), group) if need_reduce else local
+    return _ext.bn_backward_grad(grad_y, z, stats, bias, scale, bn_weight, eps, scale_after_bn, count, local, total)
+
+
+class _SyncFusedTrainFn(torch.autograd.Function):
+    """_SyncTrainFn's computation on the fused float32 CUDA kernels, the same
+    collectives in the same order:
+      z, local = sync_forward_local(x, W, bias)   (x split: num_batches_tracked += 1; GEMM;
+                                                   local = this process's statistics of v = z + bias)
+      out, stats, count = sync_bn_apply(z, _sync_all_gather(local, group), ...)
+          (the merge, running statistics and coefficients in one kernel, bn_sync.cu;
+           then 33: the BatchNorm apply; 84: the row softmax of it)
+    The host never waits for the GPU (count stays on the device).
+    Saved: x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias (84), z (M, N),
+    stats (2, N) of the merged batch, out (84).  Backward: _train_backward with
+    bn_backward_train replaced by _sync_fused_bn_backward, whose all_reduce runs
+    when a gradient through u is wanted (x, gemm.weight, or 33's scale), as in
+    _sync_backward; grad_gemm.bias = 0 (as there)."""
+
+    @staticmethod
+    def forward(ctx, gemm, scale_after_bn, group, buffers, momentum, eps, x, weight, bias, scale, bn_weight,
+                bn_bias):
+        z, local = _ext.sync_forward_local(gemm, x, weight, bias, buffers[2], *_weight_args(_ext, gemm, weight))
+        out, stats, count = _ext.sync_bn_apply(z, _sync_all_gather(local, group), bias, scale, bn_weight, bn_bias,
+                                               *buffers, momentum, eps, scale_after_bn)
+        ctx.scale_after_bn, ctx.group, ctx.count, ctx.eps = scale_after_bn, group, count, eps
+        ctx.save_for_backward(x, weight, bias, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,
+                              out if scale_after_bn else None)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, bias, scale, bn_weight, bn_bias, z, stats, out = ctx.saved_tensors
+        needs = ctx.needs_input_grad[6:]
+        need_reduce = needs[0] or needs[1] or (needs[3] and not ctx.scale_after_bn)
+        ops = types.SimpleNamespace(gemm_nt=_gemm_nt, bn_backward_train=functools.partial(
+            _sync_fused_bn_backward, ctx.group, ctx.count, bias, need_reduce))
+        grads = _train_backward(ops, ctx.scale_after_bn, ctx.eps, grad_out, x, weight, scale, bn_weight, bn_bias,
+                                z, stats, out, needs)
+        return (None,) * 6 + tuple(grads)
+
+
 @torch.compiler.disable
 def _sync_forward(group, params, buffers, momentum, eps, scale_after_bn):
     """fused_forward's synchronized training path: _SyncTrainFn over params
     (x, gemm.weight, gemm.bias, scale (N,), bn.weight, bn.bias), collectives on
     `group`.  Eager also under torch.compile (a graph break; fullgraph=True
-    refuses it): no custom operator carries the collectives."""
+    refuses it): no custom operator carries the collectives.  float32 CUDA
+    batches take _SyncFusedTrainFn (_sync_fused_gemm), others _SyncTrainFn."""
+    gemm = _sync_fused_gemm(params[0], params[1])
+    if gemm is not None:
+        return _SyncFusedTrainFn.apply(gemm, scale_after_bn, group, buffers, momentum, eps, *params)
     return _SyncTrainFn.apply(scale_after_bn, group, buffers, momentum, eps, *params)
 
 

@@ -215,3 +215,28 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
   }
   return cudaGetLastError();
 }
+
+// out = (z - coeff[0]) * coeff[1] + bn_bias with given per-feature coeff = [mean_z | a]
+// (2 N floats; synchronized BatchNorm computes them from the merged batch): the
+// two-launch form's streaming kernel alone.  out must not overlap z unless it is z.
+cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const float* coeff, const float* bn_bias,
+                                           int M, int N, cudaStream_t stream) {
+  if (M == 0 || N == 0) return cudaSuccess;
+  auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  const bool vec4 = N % 4 == 0 && aligned(z) && aligned(out) && aligned(coeff) && aligned(bn_bias);
+  BnApplyArgs p{};
+  p.z = z, p.out = out, p.M = M, p.N = N, p.bn_bias = bn_bias;
+  p.coeff = const_cast<float*>(coeff);  // read only by the kFolded apply kernel
+  const int cols_per_thread = vec4 ? 4 : 1;
+  const int blocks_x = ((N + cols_per_thread - 1) / cols_per_thread + kApplyThreads - 1) / kApplyThreads;
+  const int rows_for_target = static_cast<int>((static_cast<int64_t>(M) * blocks_x + kApplyTargetBlocks - 1) /
+                                               kApplyTargetBlocks);
+  p.rows_per_block = max(max(1, min(kFoldedRowsPerBlock, rows_for_target)), (M + 65534) / 65535);
+  const dim3 grid(blocks_x, (M + p.rows_per_block - 1) / p.rows_per_block);
+  if (vec4) {
+    bn_apply_kernel<true, true><<<grid, kApplyThreads, 0, stream>>>(p);
+  } else {
+    bn_apply_kernel<false, true><<<grid, kApplyThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}

@@ -24,6 +24,18 @@
 // Reductions S1, S2 in float64 (each thread over its rows, then across the
 // block's warps); coefficients in float64; dz rounded once to float32.
 //
+// Synchronized BatchNorm (model_new.py, _SyncFusedTrainFn) splits the kernel
+// around an all_reduce: the batch is the union of every process's rows, mu and
+// var in stats are the merged batch's, and C is its row count.
+//   bn_backward_sums: this process's S1, S2 (float64, (2, N)) with the merged mu
+//   bn_backward_grad: dz from the all-reduced sums and C (the formulas above
+//     with S1, S2, M -> all processes' S1, S2 and C); dbeta, dgamma and problem
+//     84's dscale from this process's sums (as nn.SyncBatchNorm returns them:
+//     DDP then averages the gradients); problem 33's dscale = sum over this
+//     process's rows of dL/du (z + bias), dL/du = dz / s, accumulated in float64
+//     in pass 2 (per process it has no closed form: the eps / sigma^3 form above
+//     holds for the sum over all processes).
+//
 // Kernel: one CTA per 32 features (a warp reads 128 contiguous bytes of a
 // row); its 8 warps take every 8th row.  Pass 1 reduces S1 and S2, pass 2
 // re-reads g and z (from L2: 2 x 128 KB per CTA at M = 1024) and writes dz.
@@ -42,6 +54,10 @@ constexpr int kBwdWarps = 8;   // row groups per CTA
 constexpr int kBwdRowBatch = 8;  // rows loaded per thread before use
 constexpr int kStatsThreads = 256;
 
+// kFull: one process's batch (bn_backward_train); kSums: pass 1 only
+// (bn_backward_sums); kGrad: pass 2 from given sums (bn_backward_grad).
+enum class BwdMode { kFull, kSums, kGrad };
+
 struct BnBackwardArgs {
   const float* g;
   const float* z;
@@ -51,10 +67,16 @@ struct BnBackwardArgs {
   float eps;
   bool scale_after_bn;
   int M, N;
+  double count;                 // rows the statistics cover (kFull, kSums: M)
+  const double* merged_count;   // kGrad: the merged batch's C, a device scalar
   float* dz;
   float* dscale;
   float* dgamma;
   float* dbeta;
+  const float* bias;         // kGrad, problem 33: the Linear bias (v = z + bias)
+  const double* local_sums;  // kGrad: (2, N) this process's S1, S2
+  const double* total_sums;  // kGrad: (2, N) every process's
+  double* sums_out;          // kSums: (2, N)
 };
 
 // Rows row + r * kBwdWarps (r < kBwdRowBatch) of g and z at feature j, all
@@ -70,68 +92,113 @@ __device__ __forceinline__ void load_rows(const BnBackwardArgs& p, int row, int 
   }
 }
 
+template <BwdMode kMode>
 __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(const BnBackwardArgs p) {
   __shared__ double red[2][kBwdWarps][kBwdCols];
-  __shared__ double coef[3][kBwdCols];  // per feature: a, c1 = S1 / M, c2 (slope of the xhat term)
+  __shared__ double coef[3][kBwdCols];  // per feature: a, c1 = S1 / C, c2 (slope of the xhat term)
   const int lane = threadIdx.x % kBwdCols, warp = threadIdx.x / kBwdCols;
   const int j = blockIdx.x * kBwdCols + lane;
   const bool valid = j < p.N;
   const float mu = valid ? p.stats[j] : 0.f;
 
-  double s1 = 0.0, s2 = 0.0;
+  if constexpr (kMode != BwdMode::kGrad) {
+    double s1 = 0.0, s2 = 0.0;
+    if (valid) {
+      for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
+        float gv[kBwdRowBatch], zv[kBwdRowBatch];
+        load_rows(p, row, j, mu, gv, zv);
+#pragma unroll
+        for (int r = 0; r < kBwdRowBatch; ++r) {
+          s1 += gv[r];
+          s2 += static_cast<double>(gv[r]) * static_cast<double>(zv[r] - mu);
+        }
+      }
+    }
+    red[0][warp][lane] = s1;
+    red[1][warp][lane] = s2;
+    __syncthreads();
+  }
+  if (warp == 0 && valid) {
+    double S1 = 0.0, S2 = 0.0;  // this process's sums
+    if constexpr (kMode == BwdMode::kGrad) {
+      S1 = p.local_sums[j];
+      S2 = p.local_sums[p.N + j];
+    } else {
+#pragma unroll
+      for (int w = 0; w < kBwdWarps; ++w) {
+        S1 += red[0][w][lane];
+        S2 += red[1][w][lane];
+      }
+    }
+    if constexpr (kMode == BwdMode::kSums) {
+      p.sums_out[j] = S1;
+      p.sums_out[p.N + j] = S2;
+    } else {
+      // The sums dz needs: every process's (kGrad) or this one's.
+      const double T1 = kMode == BwdMode::kGrad ? p.total_sums[j] : S1;
+      const double T2 = kMode == BwdMode::kGrad ? p.total_sums[p.N + j] : S2;
+      const double count = kMode == BwdMode::kGrad ? fmax(*p.merged_count, 1.0) : p.count;
+      const double s = p.scale[j], gamma = p.gamma[j], var = p.stats[p.N + j];
+      const double s2_var = p.scale_after_bn ? var : s * s * var;
+      const double sigma2 = s2_var + static_cast<double>(p.eps);
+      const double sigma = sqrt(sigma2);
+      const double a = s * gamma / sigma;
+      // dz = a (g - T1 / C - (z - mu) * c2)
+      const double c2 = (p.scale_after_bn ? 1.0 : s * s) * T2 / (sigma2 * count);
+      coef[0][lane] = a;
+      coef[1][lane] = T1 / count;
+      coef[2][lane] = c2;
+      if (p.scale_after_bn) {
+        p.dbeta[j] = static_cast<float>(s * S1);
+        p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+        p.dscale[j] = static_cast<float>(gamma * S2 / sigma);
+      } else {
+        p.dbeta[j] = static_cast<float>(S1);
+        p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+        if constexpr (kMode == BwdMode::kFull)
+          p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.eps) / (sigma2 * sigma));
+      }
+    }
+  }
+  if constexpr (kMode == BwdMode::kSums) return;
+  __syncthreads();
+  // kGrad, problem 33: this process's sum of (dz / a) (z + bias), in float64.
+  constexpr bool kScaleSum = kMode == BwdMode::kGrad;
+  double scale_sum = 0.0;
   if (valid) {
+    const float a = static_cast<float>(coef[0][lane]);
+    const float c1 = static_cast<float>(coef[1][lane]);
+    const float c2 = static_cast<float>(coef[2][lane]);
+    const double c1d = coef[1][lane], c2d = coef[2][lane];
+    const double b = kScaleSum && !p.scale_after_bn ? static_cast<double>(p.bias[j]) : 0.0;
     for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
       float gv[kBwdRowBatch], zv[kBwdRowBatch];
       load_rows(p, row, j, mu, gv, zv);
 #pragma unroll
       for (int r = 0; r < kBwdRowBatch; ++r) {
-        s1 += gv[r];
-        s2 += static_cast<double>(gv[r]) * static_cast<double>(zv[r] - mu);
+        const int m = row + r * kBwdWarps;
+        if (m < p.M) {
+          p.dz[static_cast<size_t>(m) * p.N + j] = a * (gv[r] - c1 - (zv[r] - mu) * c2);
+          if (kScaleSum && !p.scale_after_bn) {
+            const double zd = zv[r];
+            scale_sum += (static_cast<double>(gv[r]) - c1d - (zd - static_cast<double>(mu)) * c2d) * (zd + b);
+          }
+        }
       }
     }
   }
-  red[0][warp][lane] = s1;
-  red[1][warp][lane] = s2;
-  __syncthreads();
-  if (warp == 0 && valid) {
-    double S1 = 0.0, S2 = 0.0;
+  if constexpr (kScaleSum) {
+    if (p.scale_after_bn) return;  // uniform over the grid
+    red[0][warp][lane] = scale_sum;
+    __syncthreads();
+    if (warp == 0 && valid) {
+      double total = 0.0;
 #pragma unroll
-    for (int w = 0; w < kBwdWarps; ++w) {
-      S1 += red[0][w][lane];
-      S2 += red[1][w][lane];
-    }
-    const double s = p.scale[j], gamma = p.gamma[j], var = p.stats[p.N + j], count = p.M;
-    const double s2_var = p.scale_after_bn ? var : s * s * var;
-    const double sigma2 = s2_var + static_cast<double>(p.eps);
-    const double sigma = sqrt(sigma2);
-    const double a = s * gamma / sigma;
-    // dz = a (g - S1 / M - (z - mu) * c2)
-    const double c2 = (p.scale_after_bn ? 1.0 : s * s) * S2 / (sigma2 * count);
-    coef[0][lane] = a;
-    coef[1][lane] = S1 / count;
-    coef[2][lane] = c2;
-    if (p.scale_after_bn) {
-      p.dbeta[j] = static_cast<float>(s * S1);
-      p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-      p.dscale[j] = static_cast<float>(gamma * S2 / sigma);
-    } else {
-      p.dbeta[j] = static_cast<float>(S1);
-      p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-      p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.eps) / (sigma2 * sigma));
-    }
-  }
-  __syncthreads();
-  if (!valid) return;
-  const float a = static_cast<float>(coef[0][lane]);
-  const float c1 = static_cast<float>(coef[1][lane]);
-  const float c2 = static_cast<float>(coef[2][lane]);
-  for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
-    float gv[kBwdRowBatch], zv[kBwdRowBatch];
-    load_rows(p, row, j, mu, gv, zv);
-#pragma unroll
-    for (int r = 0; r < kBwdRowBatch; ++r) {
-      const int m = row + r * kBwdWarps;
-      if (m < p.M) p.dz[static_cast<size_t>(m) * p.N + j] = a * (gv[r] - c1 - (zv[r] - mu) * c2);
+      for (int w = 0; w < kBwdWarps; ++w) total += red[0][w][lane];
+      // dL/du = dz / s = (gamma / sigma) (g - c1 - (z - mu) c2); a / s = gamma / sigma.
+      const double s = p.scale[j], gamma = p.gamma[j];
+      const double sigma = sqrt(s * s * static_cast<double>(p.stats[p.N + j]) + static_cast<double>(p.eps));
+      p.dscale[j] = static_cast<float>(gamma / sigma * total);
     }
   }
 }
@@ -165,8 +232,36 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
                                              bool scale_after_bn, int M, int N, float* grad_z, float* grad_scale,
                                              float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  const BnBackwardArgs p{grad_y, z, stats, scale, bn_weight, eps, scale_after_bn,
-                         M,      N, grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
-  bn_backward_train_kernel<<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
+  const BnBackwardArgs p{grad_y, z,       stats,  scale,   bn_weight, eps,          scale_after_bn,
+                         M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
+                         grad_bn_bias, nullptr, nullptr, nullptr, nullptr};
+  bn_backward_train_kernel<BwdMode::kFull><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// sums (2, N) float64 = this process's [S1 | S2], S2 about the merged mean stats[0].
+cudaError_t fused_gemm_bn::bn_backward_sums(const float* grad_y, const float* z, const float* stats, int M, int N,
+                                            double* sums, cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  const BnBackwardArgs p{grad_y,  z,       stats,   nullptr, nullptr, 0.f,     false,   M,   N, static_cast<double>(M),
+                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, sums};
+  bn_backward_train_kernel<BwdMode::kSums><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The synchronized backward's second half (formulas above): *count = C (device
+// memory, read by the kernel: the host never waits for it; values below 1 read as 1).
+cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z, const float* stats,
+                                            const float* bias, const float* scale, const float* bn_weight, float eps,
+                                            bool scale_after_bn, int M, int N, const double* count,
+                                            const double* local_sums, const double* total_sums, float* grad_z,
+                                            float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
+                                            cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  if (count == nullptr) return cudaErrorInvalidValue;
+  const BnBackwardArgs p{grad_y,     z,       stats,  scale,      bn_weight,  eps,    scale_after_bn,
+                         M,          N,       0.0,    count,      grad_z,     grad_scale, grad_bn_weight,
+                         grad_bn_bias, bias,  local_sums, total_sums, nullptr};
+  bn_backward_train_kernel<BwdMode::kGrad><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }

@@ -124,6 +124,10 @@ cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const f
                      int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight,
                      const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
                      float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
+// out = (z - coeff[0 .. N)) * coeff[N .. 2N) + bn_bias: the apply with given coefficients
+// (synchronized BatchNorm; out may be z).
+cudaError_t bn_apply_folded(const float* z, float* out, const float* coeff, const float* bn_bias, int M, int N,
+                            cudaStream_t stream);
 
 // ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
 // Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update.
@@ -142,6 +146,29 @@ cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num
 cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const float* scale,
                               const float* bn_weight, float eps, bool scale_after_bn, int M, int N, float* grad_z,
                               float* grad_scale, float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream);
+// Synchronized BatchNorm (statistics merged over processes):
+// the backward split around the all_reduce: this process's sums (2, N) float64 =
+// [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums
+// (total_sums) and the merged row count (*count, device memory), the parameter gradients from local_sums;
+// problem 33's grad_scale sums this process's rows (bias: the Linear bias).
+cudaError_t bn_backward_sums(const float* grad_y, const float* z, const float* stats, int M, int N, double* sums,
+                             cudaStream_t stream);
+cudaError_t bn_backward_grad(const float* grad_y, const float* z, const float* stats, const float* bias,
+                             const float* scale, const float* bn_weight, float eps, bool scale_after_bn, int M, int N,
+                             const double* count, const double* local_sums, const double* total_sums, float* grad_z,
+                             float* grad_scale, float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream);
+
+// ---- bn_sync.cu: synchronized BatchNorm's statistics (merged over processes) ----
+// local (3, N) float64 = [M | mean_z + bias | M2_z] of this process's rows, from the per-tile statistics.
+cudaError_t bn_local_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
+                           const float* bias, double* local, cudaStream_t stream);
+// gathered (world, 3, N) float64 (every process's local) -> stats (2, N) = [mean_z | var_z],
+// coeff (2 N or 3 N: bn_apply_folded's or softmax_rows'), count (1) float64, and the
+// running statistics updated in place (num_batches_tracked already incremented).
+cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const float* bias, const float* scale,
+                             const float* bn_weight, const float* bn_bias, const int64_t* num_batches_tracked,
+                             float momentum, float eps, bool scale_after_bn, float* running_mean, float* running_var,
+                             float* stats, float* coeff, double* count, cudaStream_t stream);
 
 // ---- lowp/: the 16-bit kernels (second extension; dtype 0 = IEEE half, 1 = bfloat16) ----
 int lowp_gemm_block_m();

@@ -52,6 +52,17 @@
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
+//   Synchronized BatchNorm (statistics merged across processes in Python between calls):
+//   sync_forward_local(gemm, x, weight, bias, num_batches_tracked, w_parts) -> [z (M, N),
+//       local (3, N) float64 = [M | mean_z + bias | M2_z]]: the pre-pass (+= 1) and training GEMM
+//   sync_bn_apply(z, gathered (world, 3, N), bias, scale, bn_weight, bn_bias, running_mean,
+//       running_var, num_batches_tracked, momentum, eps, scale_after_bn) -> [out, stats (2, N),
+//       count (1) float64]: the merge (bn_sync.cu), running statistics, then the
+//       normalisation (problem 84: and the row softmax)
+//   bn_backward_sums(grad_y, z, stats) -> (2, N) float64; bn_backward_grad(grad_y, z,
+//       stats, bias, scale, bn_weight, eps, scale_after_bn, count (1-element float64 tensor),
+//       local_sums, total_sums)
+//       -> as bn_backward_train: the backward split around the all_reduce
 //   sm90_gemm_available(device) -> bool, sm90_cluster_max_active(device, m_tiles,
 //       vec16) -> int: the device facts the dispatch reads (queries, no launch).
 
@@ -277,7 +288,7 @@ WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch:
 }
 
 // The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit], sm90_fp16x3[_nosplit]): the pre-pass
-// (num_batches_tracked += 1), then z = x @ weight^T into `z` with per-tile
+// (num_batches_tracked += 1 where `counter` is not null), then z = x @ weight^T into `z` with per-tile
 // mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
 // is not null, stats (2, N) = [mean_z | biased var_z].  One allocation, which
 // also holds `coeff` (3 N floats): the BatchNorm kernels' per-feature scratch.
@@ -288,11 +299,10 @@ struct TrainGemm {
 };
 
 TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, float* stats,
-                     const torch::Tensor& num_batches_tracked, int M, int N, int K, cudaStream_t stream) {
+                     const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, float* stats, int64_t* counter,
+                     int M, int N, int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 runs forward_train of problem 33 only");
-  int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
   TrainGemm g;
   g.block_m = is_sm90(gemm) || is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
@@ -389,7 +399,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
     cluster_train(x, weight.data_ptr<float>(), out, M, N, K, t, num_batches_tracked, momentum, eps, stream);
     return out;
   }
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked, M, N, K, stream);
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   if (scale_after_bn) {
     bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
   } else {
@@ -471,7 +481,8 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = torch::empty({2, N}, x.options());
   const TrainGemm g =
-      train_gemm(gemm, x, weight, w_parts, z, stats.data_ptr<float>(), num_batches_tracked, M, N, K, stream);
+      train_gemm(gemm, x, weight, w_parts, z, stats.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(), M,
+                 N, K, stream);
   torch::Tensor out;
   if (scale_after_bn) {
     out = z.clone();  // softmax_rows works in place
@@ -580,6 +591,163 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
                                       grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
                                       grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
                "bn_backward_train");
+  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+}
+
+// ---------------------------------------------------------------------------
+// Synchronized BatchNorm (model_new.py: _SyncFusedTrainFn).  The statistics of
+// the batch are merged across processes between these calls (all_gather in the
+// forward, all_reduce in the backward, both in Python); bn_backward.cu has the algebra.
+// ---------------------------------------------------------------------------
+
+namespace {
+
+void check_f64_rows(const torch::Tensor& t, const char* name, int64_t rows, int64_t N, const torch::Tensor& like) {
+  TORCH_CHECK(t.device() == like.device() && t.scalar_type() == torch::kFloat64 && t.is_contiguous() &&
+                  t.dim() == 2 && t.size(0) == rows && t.size(1) == N,
+              name, " must be a contiguous float64 (", rows, ", ", N, ") tensor on ", like.device(), ", got ",
+              t.scalar_type(), " ", t.sizes(), " on ", t.device());
+}
+
+// z and grad_y (M, N) float32 CUDA (z contiguous), stats (2, N) float32; returns (M, N).
+std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor& grad_y, const torch::Tensor& z,
+                                            const torch::Tensor& stats) {
+  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(), fn,
+              ": z must be a contiguous float32 CUDA (M, N) tensor");
+  TORCH_CHECK(grad_y.device() == z.device() && grad_y.scalar_type() == torch::kFloat32 && grad_y.sizes() == z.sizes(),
+              fn, ": grad_y must be float32 of shape ", z.sizes(), " on ", z.device(), ", got ", grad_y.scalar_type(),
+              " ", grad_y.sizes(), " on ", grad_y.device());
+  TORCH_CHECK(stats.device() == z.device() && stats.scalar_type() == torch::kFloat32 && stats.is_contiguous() &&
+                  stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == z.size(1),
+              fn, ": stats must be a contiguous float32 (2, ", z.size(1), ") tensor on ", z.device());
+  TORCH_CHECK(z.size(0) <= INT32_MAX && z.size(1) <= INT32_MAX, fn, ": sizes must fit in int32");
+  return {static_cast<int>(z.size(0)), static_cast<int>(z.size(1))};
+}
+
+}  // namespace
+
+// This process's half of a synchronized training forward: the pre-pass
+// (num_batches_tracked += 1) and the training GEMM, then the per-tile statistics
+// merged.  Returns [z = x @ weight^T (M, N) float32 (no bias), local (3, N)
+// float64 = [M | mean_z + bias | M2_z]] (bn_sync.cu).  M >= 2: the merged batch
+// then has >= 2 rows whatever the other processes hold (model_new.py sends
+// smaller local batches through the torch-op path, which checks the merged count first).
+std::vector<torch::Tensor> sync_forward_local(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight,
+                                              torch::Tensor bias, torch::Tensor num_batches_tracked,
+                                              c10::optional<torch::Tensor> w_parts) {
+  const Gemm gemm = parse_gemm(gemm_name);
+  TORCH_CHECK(gemm != Gemm::kSm90Cluster, "sync_forward_local: sm90_cluster_3xtf32 has no statistics epilogue");
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_training(x, M, N, num_batches_tracked);
+  check_vector(bias, "gemm.bias", N, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  torch::Tensor z = torch::empty({M, N}, x.options());
+  torch::Tensor local = torch::empty({3, N}, x.options().dtype(torch::kFloat64));
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N,
+                                 K, stream);
+  check_launch(fgb::bn_local_stats(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bias.data_ptr<float>(),
+                                   local.data_ptr<double>(), stream),
+               "bn_local_stats");
+  return {z, local};
+}
+
+// The rest of a synchronized training forward, from every process's local
+// statistics (gathered (world, 3, N) float64, the all_gather's output):
+// sync_bn_finalize (merge, coefficients, running statistics updated in place),
+// then problem 33: out = (z - mean_z) a + bn_bias (bn_apply_folded); problem 84:
+// out = row softmax of (z - mean_z) a + c (softmax_rows on a copy of z).  z is
+// not written.  Returns [out (M, N), stats (2, N) float32 = [mean_z | biased
+// var_z] of the merged batch, count (1) float64 = its rows] for the backward.
+std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered, torch::Tensor bias,
+                                         torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
+                                         torch::Tensor running_mean, torch::Tensor running_var,
+                                         torch::Tensor num_batches_tracked, double momentum, double eps,
+                                         bool scale_after_bn) {
+  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(),
+              "sync_bn_apply: z must be a contiguous float32 CUDA (M, N) tensor");
+  const int64_t M = z.size(0), N = z.size(1);
+  TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "sync_bn_apply: sizes must fit in int32");
+  TORCH_CHECK(gathered.device() == z.device() && gathered.scalar_type() == torch::kFloat64 &&
+                  gathered.is_contiguous() && gathered.dim() == 3 && gathered.size(0) >= 1 &&
+                  gathered.size(0) <= INT32_MAX && gathered.size(1) == 3 && gathered.size(2) == N,
+              "sync_bn_apply: gathered must be a contiguous float64 (world, 3, ", N, ") tensor on ", z.device(),
+              ", got ", gathered.scalar_type(), " ", gathered.sizes());
+  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
+  check_bn_tensors(t, static_cast<int>(N), z);
+  check_training(z, static_cast<int>(M), static_cast<int>(N), num_batches_tracked);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const cudaStream_t stream = current_stream(z);
+  torch::Tensor stats = torch::empty({2, N}, z.options());
+  torch::Tensor coeff = torch::empty({scale_after_bn ? 3 : 2, N}, z.options());
+  torch::Tensor count = torch::empty({1}, z.options().dtype(torch::kFloat64));
+  check_launch(fgb::sync_bn_finalize(gathered.data_ptr<double>(), static_cast<int>(gathered.size(0)),
+                                     static_cast<int>(N), bias.data_ptr<float>(), scale.data_ptr<float>(),
+                                     bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+                                     num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
+                                     static_cast<float>(eps), scale_after_bn, running_mean.data_ptr<float>(),
+                                     running_var.data_ptr<float>(), stats.data_ptr<float>(), coeff.data_ptr<float>(),
+                                     count.data_ptr<double>(), stream),
+               "sync_bn_finalize");
+  torch::Tensor out;
+  if (scale_after_bn) {
+    out = z.clone();  // softmax_rows works in place
+    check_launch(fgb::softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), static_cast<int>(M),
+                                   static_cast<int>(N), stream),
+                 "softmax_rows");
+  } else {
+    out = torch::empty({M, N}, z.options());
+    check_launch(fgb::bn_apply_folded(z.data_ptr<float>(), out.data_ptr<float>(), coeff.data_ptr<float>(),
+                                      bn_bias.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N), stream),
+                 "bn_apply_folded");
+  }
+  return {out, stats, count};
+}
+
+// This process's backward sums (2, N) float64 = [sum_m grad_y | sum_m grad_y (z - stats[0])].
+torch::Tensor bn_backward_sums(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats) {
+  const auto [M, N] = check_backward_operands("bn_backward_sums", grad_y, z, stats);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const torch::Tensor g = grad_y.contiguous();
+  torch::Tensor sums = torch::empty({2, N}, z.options().dtype(torch::kFloat64));
+  check_launch(fgb::bn_backward_sums(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), M, N,
+                                     sums.data_ptr<double>(), current_stream(z)),
+               "bn_backward_sums");
+  return sums;
+}
+
+// bn_backward_train with the merged batch: grad_z from total_sums (every process's
+// bn_backward_sums added) and count (the merged batch's rows: a one-element
+// float64 tensor on z's device, read by the kernel); grad_bn_weight,
+// grad_bn_bias and problem 84's grad_scale from local_sums (this process's rows);
+// problem 33's grad_scale over this process's rows (bias: gemm.bias).
+// Returns [grad_z (M, N), grad_scale, grad_bn_weight, grad_bn_bias (N)].
+std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
+                                            torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
+                                            double eps, bool scale_after_bn, torch::Tensor count,
+                                            torch::Tensor local_sums, torch::Tensor total_sums) {
+  const auto [M, N] = check_backward_operands("bn_backward_grad", grad_y, z, stats);
+  TORCH_CHECK(count.device() == z.device() && count.scalar_type() == torch::kFloat64 && count.numel() == 1,
+              "bn_backward_grad: count must be a one-element float64 tensor on ", z.device(), " (the merged batch's "
+              "rows), got ", count.scalar_type(), " ", count.sizes(), " on ", count.device());
+  check_vector(bias, "gemm.bias", N, z);
+  check_vector(scale, "scale", N, z);
+  check_vector(bn_weight, "bn.weight", N, z);
+  check_f64_rows(local_sums, "bn_backward_grad: local_sums", 2, N, z);
+  check_f64_rows(total_sums, "bn_backward_grad: total_sums", 2, N, z);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const torch::Tensor g = grad_y.contiguous();
+  torch::Tensor grad_z = torch::empty({M, N}, z.options());
+  torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
+                grad_bn_bias = torch::empty({N}, z.options());
+  check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
+                                     bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
+                                     static_cast<float>(eps), scale_after_bn, M, N, count.data_ptr<double>(),
+                                     local_sums.data_ptr<double>(), total_sums.data_ptr<double>(),
+                                     grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
+                                     grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(),
+                                     current_stream(z)),
+               "bn_backward_grad");
   return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
 }
 

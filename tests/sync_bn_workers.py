@@ -45,6 +45,8 @@ class Scenario:
     convert: bool = True
     group: str = "world"
     momentum: object = DEFAULT
+    device: str = "cpu"
+    fused: bool = True  # SWITCHES.sync_fused (CUDA float32: the fused kernels or the torch ops)
 
 
 def _scenarios():
@@ -61,6 +63,14 @@ def _scenarios():
         # the negative control and the group of one rank: per-process statistics
         out[f"{problem}-f64-unconverted"] = Scenario(problem, F64, (30, 14), convert=False)
         out[f"{problem}-f64-own_group"] = Scenario(problem, F64, (30, 14), group="own")
+        # CUDA (both ranks on one GPU, gloo): float32 takes the fused kernels
+        # (_SyncFusedTrainFn) where a rank has rows, the torch ops where it has
+        # none, or everywhere with SWITCHES.sync_fused off (the A/B twin)
+        for split, sname in (((24, 24), "even"), ((30, 14), "uneven"), ((1, 15), "one_row"),
+                             ((20, 0), "empty_rank")):
+            out[f"{problem}-f32-cuda-{sname}"] = Scenario(problem, F32, split, device="cuda")
+        out[f"{problem}-f32-cuda-uneven-torch_ops"] = Scenario(problem, F32, (30, 14), device="cuda", fused=False)
+        out[f"{problem}-f32-cuda-momentum_none"] = Scenario(problem, F32, (30, 14), momentum=None, device="cuda")
     return out
 
 
@@ -70,6 +80,8 @@ SCENARIOS = _scenarios()
 SYNCHRONIZED = sorted(name for name, sc in SCENARIOS.items()
                       if sc.convert and sc.group != "own" and sc.dtype in (F64, F32))
 LOWP = sorted(name for name, sc in SCENARIOS.items() if sc.dtype == torch.bfloat16)
+# Scenarios that run here: CUDA ones where a GPU is visible (gloo carries CUDA tensors).
+RUNNABLE = sorted(name for name, sc in SCENARIOS.items() if sc.device == "cpu" or torch.cuda.is_available())
 
 
 # ---------------------------------------------------------------------------
@@ -186,7 +198,10 @@ def average_gradients(module):
 
 
 def _train_rank(sc, rank, groups, counter):
+    import model_new
+    model_new.SWITCHES = model_new.SWITCHES._replace(sync_fused=sc.fused)
     _, new = models(sc)
+    new = new.to(sc.device)
     if sc.convert:
         new = nn.SyncBatchNorm.convert_sync_batchnorm(new, groups[sc.group])
     ddp = new if sc.convert else torch.nn.parallel.DistributedDataParallel(new)
@@ -195,7 +210,7 @@ def _train_rank(sc, rank, groups, counter):
               "bn_type": type(new.bn).__name__}
     ddp.train()
     for step, (x, g) in enumerate(batches(sc)):
-        x, g = x[rows(sc, rank)], g[rows(sc, rank)]
+        x, g = x[rows(sc, rank)].to(sc.device), g[rows(sc, rank)].to(sc.device)
         if step == 0:
             record["kernel_path"] = new.kernel_path(x)
         opt.zero_grad(set_to_none=True)
@@ -208,11 +223,11 @@ def _train_rank(sc, rank, groups, counter):
         if ddp is new:
             average_gradients(new)
         if step == 0:
-            record["grads"] = {name: p.grad.clone() for name, p in new.named_parameters()}
+            record["grads"] = {name: p.grad.cpu() for name, p in new.named_parameters()}
         opt.step()
-        record["out"].append(out.detach())
-        record["params"].append(param_state(new))
-    record["buffers"] = buffer_state(new)
+        record["out"].append(out.detach().cpu())
+        record["params"].append({k: v.cpu() for k, v in param_state(new).items()})
+    record["buffers"] = {k: v.cpu() for k, v in buffer_state(new).items()}
     return record
 
 

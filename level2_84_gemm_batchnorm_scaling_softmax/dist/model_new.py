@@ -192,7 +192,8 @@ _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "bn_backward_train",
-                        "fp16x3_weight_parts", "sm90_gemm_available", "sm90_cluster_max_active"]
+                        "fp16x3_weight_parts", "sync_forward_local", "sync_bn_apply", "bn_backward_sums",
+                        "bn_backward_grad", "sm90_gemm_available", "sm90_cluster_max_active"]
 # The 16-bit extension: kernels/lowp/ (plus the .cuh headers of kernels/), its own module.
 _LOWP_SUBDIR = "lowp"
 _LOWP_BINDING = "binding_16bit.cpp"
@@ -419,6 +420,31 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
   }
   return cudaGetLastError();
 }
+
+// out = (z - coeff[0]) * coeff[1] + bn_bias with given per-feature coeff = [mean_z | a]
+// (2 N floats; synchronized BatchNorm computes them from the merged batch): the
+// two-launch form's streaming kernel alone.  out must not overlap z unless it is z.
+cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const float* coeff, const float* bn_bias,
+                                           int M, int N, cudaStream_t stream) {
+  if (M == 0 || N == 0) return cudaSuccess;
+  auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  const bool vec4 = N % 4 == 0 && aligned(z) && aligned(out) && aligned(coeff) && aligned(bn_bias);
+  BnApplyArgs p{};
+  p.z = z, p.out = out, p.M = M, p.N = N, p.bn_bias = bn_bias;
+  p.coeff = const_cast<float*>(coeff);  // read only by the kFolded apply kernel
+  const int cols_per_thread = vec4 ? 4 : 1;
+  const int blocks_x = ((N + cols_per_thread - 1) / cols_per_thread + kApplyThreads - 1) / kApplyThreads;
+  const int rows_for_target = static_cast<int>((static_cast<int64_t>(M) * blocks_x + kApplyTargetBlocks - 1) /
+                                               kApplyTargetBlocks);
+  p.rows_per_block = max(max(1, min(kFoldedRowsPerBlock, rows_for_target)), (M + 65534) / 65535);
+  const dim3 grid(blocks_x, (M + p.rows_per_block - 1) / p.rows_per_block);
+  if (vec4) {
+    bn_apply_kernel<true, true><<<grid, kApplyThreads, 0, stream>>>(p);
+  } else {
+    bn_apply_kernel<false, true><<<grid, kApplyThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
 ''',
     'bn_backward.cu': r'''// bn_backward.cu -- training-mode BatchNorm backward for the fused models, and
 // the per-feature batch statistics it needs from the forward.
@@ -446,6 +472,18 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
 // Reductions S1, S2 in float64 (each thread over its rows, then across the
 // block's warps); coefficients in float64; dz rounded once to float32.
 //
+// Synchronized BatchNorm (model_new.py, _SyncFusedTrainFn) splits the kernel
+// around an all_reduce: the batch is the union of every process's rows, mu and
+// var in stats are the merged batch's, and C is its row count.
+//   bn_backward_sums: this process's S1, S2 (float64, (2, N)) with the merged mu
+//   bn_backward_grad: dz from the all-reduced sums and C (the formulas above
+//     with S1, S2, M -> all processes' S1, S2 and C); dbeta, dgamma and problem
+//     84's dscale from this process's sums (as nn.SyncBatchNorm returns them:
+//     DDP then averages the gradients); problem 33's dscale = sum over this
+//     process's rows of dL/du (z + bias), dL/du = dz / s, accumulated in float64
+//     in pass 2 (per process it has no closed form: the eps / sigma^3 form above
+//     holds for the sum over all processes).
+//
 // Kernel: one CTA per 32 features (a warp reads 128 contiguous bytes of a
 // row); its 8 warps take every 8th row.  Pass 1 reduces S1 and S2, pass 2
 // re-reads g and z (from L2: 2 x 128 KB per CTA at M = 1024) and writes dz.
@@ -464,6 +502,10 @@ constexpr int kBwdWarps = 8;   // row groups per CTA
 constexpr int kBwdRowBatch = 8;  // rows loaded per thread before use
 constexpr int kStatsThreads = 256;
 
+// kFull: one process's batch (bn_backward_train); kSums: pass 1 only
+// (bn_backward_sums); kGrad: pass 2 from given sums (bn_backward_grad).
+enum class BwdMode { kFull, kSums, kGrad };
+
 struct BnBackwardArgs {
   const float* g;
   const float* z;
@@ -473,10 +515,16 @@ struct BnBackwardArgs {
   float eps;
   bool scale_after_bn;
   int M, N;
+  double count;                 // rows the statistics cover (kFull, kSums: M)
+  const double* merged_count;   // kGrad: the merged batch's C, a device scalar
   float* dz;
   float* dscale;
   float* dgamma;
   float* dbeta;
+  const float* bias;         // kGrad, problem 33: the Linear bias (v = z + bias)
+  const double* local_sums;  // kGrad: (2, N) this process's S1, S2
+  const double* total_sums;  // kGrad: (2, N) every process's
+  double* sums_out;          // kSums: (2, N)
 };
 
 // Rows row + r * kBwdWarps (r < kBwdRowBatch) of g and z at feature j, all
@@ -492,68 +540,113 @@ __device__ __forceinline__ void load_rows(const BnBackwardArgs& p, int row, int 
   }
 }
 
+template <BwdMode kMode>
 __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(const BnBackwardArgs p) {
   __shared__ double red[2][kBwdWarps][kBwdCols];
-  __shared__ double coef[3][kBwdCols];  // per feature: a, c1 = S1 / M, c2 (slope of the xhat term)
+  __shared__ double coef[3][kBwdCols];  // per feature: a, c1 = S1 / C, c2 (slope of the xhat term)
   const int lane = threadIdx.x % kBwdCols, warp = threadIdx.x / kBwdCols;
   const int j = blockIdx.x * kBwdCols + lane;
   const bool valid = j < p.N;
   const float mu = valid ? p.stats[j] : 0.f;
 
-  double s1 = 0.0, s2 = 0.0;
+  if constexpr (kMode != BwdMode::kGrad) {
+    double s1 = 0.0, s2 = 0.0;
+    if (valid) {
+      for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
+        float gv[kBwdRowBatch], zv[kBwdRowBatch];
+        load_rows(p, row, j, mu, gv, zv);
+#pragma unroll
+        for (int r = 0; r < kBwdRowBatch; ++r) {
+          s1 += gv[r];
+          s2 += static_cast<double>(gv[r]) * static_cast<double>(zv[r] - mu);
+        }
+      }
+    }
+    red[0][warp][lane] = s1;
+    red[1][warp][lane] = s2;
+    __syncthreads();
+  }
+  if (warp == 0 && valid) {
+    double S1 = 0.0, S2 = 0.0;  // this process's sums
+    if constexpr (kMode == BwdMode::kGrad) {
+      S1 = p.local_sums[j];
+      S2 = p.local_sums[p.N + j];
+    } else {
+#pragma unroll
+      for (int w = 0; w < kBwdWarps; ++w) {
+        S1 += red[0][w][lane];
+        S2 += red[1][w][lane];
+      }
+    }
+    if constexpr (kMode == BwdMode::kSums) {
+      p.sums_out[j] = S1;
+      p.sums_out[p.N + j] = S2;
+    } else {
+      // The sums dz needs: every process's (kGrad) or this one's.
+      const double T1 = kMode == BwdMode::kGrad ? p.total_sums[j] : S1;
+      const double T2 = kMode == BwdMode::kGrad ? p.total_sums[p.N + j] : S2;
+      const double count = kMode == BwdMode::kGrad ? fmax(*p.merged_count, 1.0) : p.count;
+      const double s = p.scale[j], gamma = p.gamma[j], var = p.stats[p.N + j];
+      const double s2_var = p.scale_after_bn ? var : s * s * var;
+      const double sigma2 = s2_var + static_cast<double>(p.eps);
+      const double sigma = sqrt(sigma2);
+      const double a = s * gamma / sigma;
+      // dz = a (g - T1 / C - (z - mu) * c2)
+      const double c2 = (p.scale_after_bn ? 1.0 : s * s) * T2 / (sigma2 * count);
+      coef[0][lane] = a;
+      coef[1][lane] = T1 / count;
+      coef[2][lane] = c2;
+      if (p.scale_after_bn) {
+        p.dbeta[j] = static_cast<float>(s * S1);
+        p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+        p.dscale[j] = static_cast<float>(gamma * S2 / sigma);
+      } else {
+        p.dbeta[j] = static_cast<float>(S1);
+        p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+        if constexpr (kMode == BwdMode::kFull)
+          p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.eps) / (sigma2 * sigma));
+      }
+    }
+  }
+  if constexpr (kMode == BwdMode::kSums) return;
+  __syncthreads();
+  // kGrad, problem 33: this process's sum of (dz / a) (z + bias), in float64.
+  constexpr bool kScaleSum = kMode == BwdMode::kGrad;
+  double scale_sum = 0.0;
   if (valid) {
+    const float a = static_cast<float>(coef[0][lane]);
+    const float c1 = static_cast<float>(coef[1][lane]);
+    const float c2 = static_cast<float>(coef[2][lane]);
+    const double c1d = coef[1][lane], c2d = coef[2][lane];
+    const double b = kScaleSum && !p.scale_after_bn ? static_cast<double>(p.bias[j]) : 0.0;
     for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
       float gv[kBwdRowBatch], zv[kBwdRowBatch];
       load_rows(p, row, j, mu, gv, zv);
 #pragma unroll
       for (int r = 0; r < kBwdRowBatch; ++r) {
-        s1 += gv[r];
-        s2 += static_cast<double>(gv[r]) * static_cast<double>(zv[r] - mu);
+        const int m = row + r * kBwdWarps;
+        if (m < p.M) {
+          p.dz[static_cast<size_t>(m) * p.N + j] = a * (gv[r] - c1 - (zv[r] - mu) * c2);
+          if (kScaleSum && !p.scale_after_bn) {
+            const double zd = zv[r];
+            scale_sum += (static_cast<double>(gv[r]) - c1d - (zd - static_cast<double>(mu)) * c2d) * (zd + b);
+          }
+        }
       }
     }
   }
-  red[0][warp][lane] = s1;
-  red[1][warp][lane] = s2;
-  __syncthreads();
-  if (warp == 0 && valid) {
-    double S1 = 0.0, S2 = 0.0;
+  if constexpr (kScaleSum) {
+    if (p.scale_after_bn) return;  // uniform over the grid
+    red[0][warp][lane] = scale_sum;
+    __syncthreads();
+    if (warp == 0 && valid) {
+      double total = 0.0;
 #pragma unroll
-    for (int w = 0; w < kBwdWarps; ++w) {
-      S1 += red[0][w][lane];
-      S2 += red[1][w][lane];
-    }
-    const double s = p.scale[j], gamma = p.gamma[j], var = p.stats[p.N + j], count = p.M;
-    const double s2_var = p.scale_after_bn ? var : s * s * var;
-    const double sigma2 = s2_var + static_cast<double>(p.eps);
-    const double sigma = sqrt(sigma2);
-    const double a = s * gamma / sigma;
-    // dz = a (g - S1 / M - (z - mu) * c2)
-    const double c2 = (p.scale_after_bn ? 1.0 : s * s) * S2 / (sigma2 * count);
-    coef[0][lane] = a;
-    coef[1][lane] = S1 / count;
-    coef[2][lane] = c2;
-    if (p.scale_after_bn) {
-      p.dbeta[j] = static_cast<float>(s * S1);
-      p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-      p.dscale[j] = static_cast<float>(gamma * S2 / sigma);
-    } else {
-      p.dbeta[j] = static_cast<float>(S1);
-      p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-      p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.eps) / (sigma2 * sigma));
-    }
-  }
-  __syncthreads();
-  if (!valid) return;
-  const float a = static_cast<float>(coef[0][lane]);
-  const float c1 = static_cast<float>(coef[1][lane]);
-  const float c2 = static_cast<float>(coef[2][lane]);
-  for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
-    float gv[kBwdRowBatch], zv[kBwdRowBatch];
-    load_rows(p, row, j, mu, gv, zv);
-#pragma unroll
-    for (int r = 0; r < kBwdRowBatch; ++r) {
-      const int m = row + r * kBwdWarps;
-      if (m < p.M) p.dz[static_cast<size_t>(m) * p.N + j] = a * (gv[r] - c1 - (zv[r] - mu) * c2);
+      for (int w = 0; w < kBwdWarps; ++w) total += red[0][w][lane];
+      // dL/du = dz / s = (gamma / sigma) (g - c1 - (z - mu) c2); a / s = gamma / sigma.
+      const double s = p.scale[j], gamma = p.gamma[j];
+      const double sigma = sqrt(s * s * static_cast<double>(p.stats[p.N + j]) + static_cast<double>(p.eps));
+      p.dscale[j] = static_cast<float>(gamma / sigma * total);
     }
   }
 }
@@ -587,9 +680,37 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
                                              bool scale_after_bn, int M, int N, float* grad_z, float* grad_scale,
                                              float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  const BnBackwardArgs p{grad_y, z, stats, scale, bn_weight, eps, scale_after_bn,
-                         M,      N, grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
-  bn_backward_train_kernel<<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
+  const BnBackwardArgs p{grad_y, z,       stats,  scale,   bn_weight, eps,          scale_after_bn,
+                         M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
+                         grad_bn_bias, nullptr, nullptr, nullptr, nullptr};
+  bn_backward_train_kernel<BwdMode::kFull><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// sums (2, N) float64 = this process's [S1 | S2], S2 about the merged mean stats[0].
+cudaError_t fused_gemm_bn::bn_backward_sums(const float* grad_y, const float* z, const float* stats, int M, int N,
+                                            double* sums, cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  const BnBackwardArgs p{grad_y,  z,       stats,   nullptr, nullptr, 0.f,     false,   M,   N, static_cast<double>(M),
+                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, sums};
+  bn_backward_train_kernel<BwdMode::kSums><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The synchronized backward's second half (formulas above): *count = C (device
+// memory, read by the kernel: the host never waits for it; values below 1 read as 1).
+cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z, const float* stats,
+                                            const float* bias, const float* scale, const float* bn_weight, float eps,
+                                            bool scale_after_bn, int M, int N, const double* count,
+                                            const double* local_sums, const double* total_sums, float* grad_z,
+                                            float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
+                                            cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  if (count == nullptr) return cudaErrorInvalidValue;
+  const BnBackwardArgs p{grad_y,     z,       stats,  scale,      bn_weight,  eps,    scale_after_bn,
+                         M,          N,       0.0,    count,      grad_z,     grad_scale, grad_bn_weight,
+                         grad_bn_bias, bias,  local_sums, total_sums, nullptr};
+  bn_backward_train_kernel<BwdMode::kGrad><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
 ''',
@@ -991,6 +1112,141 @@ __device__ __forceinline__ void bn_eval_affine(const BnParams& p, int j, float& 
 
 }  // namespace fused_gemm_bn
 ''',
+    'bn_sync.cu': r'''// bn_sync.cu -- synchronized BatchNorm's per-feature statistics: this
+// process's, for the all_gather, and the merge of every process's into the
+// normalisation coefficients and the running-statistics update (model_new.py,
+// _SyncFusedTrainFn; the all_gather itself runs in Python between the two).
+//
+// Exchanged per feature j, by every process r of the group: (c_r, mean_r, M2_r)
+// of v = x W^T + bias over its c_r rows, float64 (the torch-op path,
+// _sync_local_stats, exchanges the same quantity, so processes may take either path).
+//
+// bn_local_stats: from the training GEMM's per-tile statistics of z = x W^T
+//   (part_mean, part_m2: (num_m_tiles, N) float32, tile t holding
+//   min(block_m, M - t * block_m) rows) -> local (3, N) float64 =
+//   [M | mean_z + bias | M2_z] (merge_tile_statistics, bn_stats.cuh; the bias
+//   shifts the mean only).
+//
+// sync_bn_finalize: gathered (world, 3, N) float64 in rank order ->
+//   C = sum_r c_r,  mean_v = sum_r c_r mean_r / C,  M2 = sum_r (M2_r + c_r (mean_r - mean_v)^2)
+//   (the two-pass parallel formula of Chan, Golub and LeVeque 1979, float64;
+//   processes with c_r = 0 add nothing), then with mean_z = mean_v - bias and
+//   var_z = M2 / C (biased):
+//     stats (2, N) float32 = [mean_z | var_z]        (what bn_backward_grad reads)
+//     problem 33: coeff (2, N) = [mean_z | a],       a = s gamma / sqrt(s^2 var_z + eps)
+//     problem 84: coeff (3, N) = [mean_z | a | c],   a = s gamma / sqrt(var_z + eps), c = s beta
+//   (the coefficients bn_apply_folded and softmax_rows take; each rounded to
+//   float32 once), and nn.BatchNorm1d's update of the running statistics of
+//   the BatchNorm input u = s v (33) or v (84):
+//     running_mean = (1 - f) running_mean + f s mean_v
+//     running_var  = (1 - f) running_var  + f s^2 M2 / (C - 1)      (unbiased)
+//   f = momentum, or 1 / num_batches_tracked (momentum < 0: momentum=None; the
+//   counter already incremented for this call).  count (1) float64 = C.
+//   Precondition: C >= 2 (the caller guarantees it: this process has >= 2 rows).
+//
+// One thread per feature; reads world * 3 values and five vectors, writes
+// about 7 N floats: a few microseconds at N = 8192.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "bn_stats.cuh"
+#include "launchers.cuh"
+
+namespace fused_gemm_bn {
+namespace {
+
+constexpr int kSyncThreads = 256;
+
+__global__ void __launch_bounds__(kSyncThreads)
+    bn_local_stats_kernel(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
+                          const float* bias, double* local) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= N) return;
+  double mean, m2;
+  merge_tile_statistics(part_mean, part_m2, num_m_tiles, block_m, M, N, j, mean, m2);
+  local[j] = static_cast<double>(M);
+  local[N + j] = mean + static_cast<double>(bias[j]);
+  local[2 * N + j] = m2;
+}
+
+struct SyncFinalizeArgs {
+  const double* gathered;
+  int world, N;
+  const float* bias;
+  const float* scale;
+  const float* bn_weight;
+  const float* bn_bias;
+  const int64_t* num_batches_tracked;
+  float momentum, eps;
+  bool scale_after_bn;
+  float* running_mean;
+  float* running_var;
+  float* stats;
+  float* coeff;
+  double* count;
+};
+
+__global__ void __launch_bounds__(kSyncThreads) sync_bn_finalize_kernel(const SyncFinalizeArgs p) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= p.N) return;
+  const size_t rank_stride = 3 * static_cast<size_t>(p.N);
+  double count = 0.0, mean = 0.0;
+  for (int r = 0; r < p.world; ++r) {
+    const double c = p.gathered[r * rank_stride + j];
+    count += c;
+    mean += c * p.gathered[r * rank_stride + p.N + j];
+  }
+  mean /= count;
+  double m2 = 0.0;
+  for (int r = 0; r < p.world; ++r) {
+    const double c = p.gathered[r * rank_stride + j];
+    if (c == 0.0) continue;
+    const double d = p.gathered[r * rank_stride + p.N + j] - mean;
+    m2 += p.gathered[r * rank_stride + 2 * p.N + j] + c * d * d;
+  }
+  const double mean_z = mean - static_cast<double>(p.bias[j]);
+  const double var_z = m2 / count;
+  const double s = p.scale[j], gamma = p.bn_weight[j];
+  p.stats[j] = static_cast<float>(mean_z);
+  p.stats[p.N + j] = static_cast<float>(var_z);
+  p.coeff[j] = static_cast<float>(mean_z);
+  const double s_u = p.scale_after_bn ? 1.0 : s;  // u = s_u v
+  p.coeff[p.N + j] = static_cast<float>(s * gamma / sqrt(s_u * s_u * var_z + static_cast<double>(p.eps)));
+  if (p.scale_after_bn) p.coeff[2 * p.N + j] = static_cast<float>(s * static_cast<double>(p.bn_bias[j]));
+  const double f = p.momentum >= 0.f ? static_cast<double>(p.momentum)
+                                     : 1.0 / static_cast<double>(*p.num_batches_tracked);
+  p.running_mean[j] = static_cast<float>((1.0 - f) * p.running_mean[j] + f * s_u * mean);
+  p.running_var[j] = static_cast<float>((1.0 - f) * p.running_var[j] + f * s_u * s_u * (m2 / (count - 1.0)));
+  if (j == 0) *p.count = count;
+}
+
+}  // namespace
+}  // namespace fused_gemm_bn
+
+// local (3, N) float64 = [M | mean_z + bias | M2_z] from the per-tile statistics.
+cudaError_t fused_gemm_bn::bn_local_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
+                                          int M, int N, const float* bias, double* local, cudaStream_t stream) {
+  if (M == 0 || N == 0) return cudaSuccess;
+  bn_local_stats_kernel<<<(N + kSyncThreads - 1) / kSyncThreads, kSyncThreads, 0, stream>>>(
+      part_mean, part_m2, num_m_tiles, block_m, M, N, bias, local);
+  return cudaGetLastError();
+}
+
+// The merged batch's stats, coeff and count, and the running-statistics update (header).
+cudaError_t fused_gemm_bn::sync_bn_finalize(const double* gathered, int world, int N, const float* bias,
+                                            const float* scale, const float* bn_weight, const float* bn_bias,
+                                            const int64_t* num_batches_tracked, float momentum, float eps,
+                                            bool scale_after_bn, float* running_mean, float* running_var,
+                                            float* stats, float* coeff, double* count, cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  if (world < 1) return cudaErrorInvalidValue;
+  const SyncFinalizeArgs p{gathered,  world,        N,           bias,  scale, bn_weight, bn_bias, num_batches_tracked,
+                           momentum,  eps,          scale_after_bn, running_mean, running_var, stats, coeff, count};
+  sync_bn_finalize_kernel<<<(N + kSyncThreads - 1) / kSyncThreads, kSyncThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+''',
     'fp16x3_split.cuh': r'''// fp16x3_split.cuh -- the operand split of the fp16x3 GEMM (sm90_gemm_fp16x3_bn.cu,
 // prepass_fp16x3.cu): an fp32 value as the sum of two IEEE binary16 ("fp16")
 // parts after an exact power-of-two scaling.  Device functions only; fp16 values
@@ -1181,6 +1437,10 @@ cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const f
                      int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight,
                      const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
                      float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
+// out = (z - coeff[0 .. N)) * coeff[N .. 2N) + bn_bias: the apply with given coefficients
+// (synchronized BatchNorm; out may be z).
+cudaError_t bn_apply_folded(const float* z, float* out, const float* coeff, const float* bn_bias, int M, int N,
+                            cudaStream_t stream);
 
 // ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
 // Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update.
@@ -1199,6 +1459,29 @@ cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num
 cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const float* scale,
                               const float* bn_weight, float eps, bool scale_after_bn, int M, int N, float* grad_z,
                               float* grad_scale, float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream);
+// Synchronized BatchNorm (statistics merged over processes):
+// the backward split around the all_reduce: this process's sums (2, N) float64 =
+// [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums
+// (total_sums) and the merged row count (*count, device memory), the parameter gradients from local_sums;
+// problem 33's grad_scale sums this process's rows (bias: the Linear bias).
+cudaError_t bn_backward_sums(const float* grad_y, const float* z, const float* stats, int M, int N, double* sums,
+                             cudaStream_t stream);
+cudaError_t bn_backward_grad(const float* grad_y, const float* z, const float* stats, const float* bias,
+                             const float* scale, const float* bn_weight, float eps, bool scale_after_bn, int M, int N,
+                             const double* count, const double* local_sums, const double* total_sums, float* grad_z,
+                             float* grad_scale, float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream);
+
+// ---- bn_sync.cu: synchronized BatchNorm's statistics (merged over processes) ----
+// local (3, N) float64 = [M | mean_z + bias | M2_z] of this process's rows, from the per-tile statistics.
+cudaError_t bn_local_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
+                           const float* bias, double* local, cudaStream_t stream);
+// gathered (world, 3, N) float64 (every process's local) -> stats (2, N) = [mean_z | var_z],
+// coeff (2 N or 3 N: bn_apply_folded's or softmax_rows'), count (1) float64, and the
+// running statistics updated in place (num_batches_tracked already incremented).
+cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const float* bias, const float* scale,
+                             const float* bn_weight, const float* bn_bias, const int64_t* num_batches_tracked,
+                             float momentum, float eps, bool scale_after_bn, float* running_mean, float* running_var,
+                             float* stats, float* coeff, double* count, cudaStream_t stream);
 
 // ---- lowp/: the 16-bit kernels (second extension; dtype 0 = IEEE half, 1 = bfloat16) ----
 int lowp_gemm_block_m();
@@ -3890,6 +4173,17 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
+//   Synchronized BatchNorm (statistics merged across processes in Python between calls):
+//   sync_forward_local(gemm, x, weight, bias, num_batches_tracked, w_parts) -> [z (M, N),
+//       local (3, N) float64 = [M | mean_z + bias | M2_z]]: the pre-pass (+= 1) and training GEMM
+//   sync_bn_apply(z, gathered (world, 3, N), bias, scale, bn_weight, bn_bias, running_mean,
+//       running_var, num_batches_tracked, momentum, eps, scale_after_bn) -> [out, stats (2, N),
+//       count (1) float64]: the merge (bn_sync.cu), running statistics, then the
+//       normalisation (problem 84: and the row softmax)
+//   bn_backward_sums(grad_y, z, stats) -> (2, N) float64; bn_backward_grad(grad_y, z,
+//       stats, bias, scale, bn_weight, eps, scale_after_bn, count (1-element float64 tensor),
+//       local_sums, total_sums)
+//       -> as bn_backward_train: the backward split around the all_reduce
 //   sm90_gemm_available(device) -> bool, sm90_cluster_max_active(device, m_tiles,
 //       vec16) -> int: the device facts the dispatch reads (queries, no launch).
 
@@ -4115,7 +4409,7 @@ WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch:
 }
 
 // The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit], sm90_fp16x3[_nosplit]): the pre-pass
-// (num_batches_tracked += 1), then z = x @ weight^T into `z` with per-tile
+// (num_batches_tracked += 1 where `counter` is not null), then z = x @ weight^T into `z` with per-tile
 // mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
 // is not null, stats (2, N) = [mean_z | biased var_z].  One allocation, which
 // also holds `coeff` (3 N floats): the BatchNorm kernels' per-feature scratch.
@@ -4126,11 +4420,10 @@ struct TrainGemm {
 };
 
 TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, float* stats,
-                     const torch::Tensor& num_batches_tracked, int M, int N, int K, cudaStream_t stream) {
+                     const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, float* stats, int64_t* counter,
+                     int M, int N, int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 runs forward_train of problem 33 only");
-  int64_t* counter = num_batches_tracked.data_ptr<int64_t>();
   TrainGemm g;
   g.block_m = is_sm90(gemm) || is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
@@ -4227,7 +4520,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
     cluster_train(x, weight.data_ptr<float>(), out, M, N, K, t, num_batches_tracked, momentum, eps, stream);
     return out;
   }
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked, M, N, K, stream);
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   if (scale_after_bn) {
     bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
   } else {
@@ -4309,7 +4602,8 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = torch::empty({2, N}, x.options());
   const TrainGemm g =
-      train_gemm(gemm, x, weight, w_parts, z, stats.data_ptr<float>(), num_batches_tracked, M, N, K, stream);
+      train_gemm(gemm, x, weight, w_parts, z, stats.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(), M,
+                 N, K, stream);
   torch::Tensor out;
   if (scale_after_bn) {
     out = z.clone();  // softmax_rows works in place
@@ -4418,6 +4712,163 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
                                       grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
                                       grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
                "bn_backward_train");
+  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+}
+
+// ---------------------------------------------------------------------------
+// Synchronized BatchNorm (model_new.py: _SyncFusedTrainFn).  The statistics of
+// the batch are merged across processes between these calls (all_gather in the
+// forward, all_reduce in the backward, both in Python); bn_backward.cu has the algebra.
+// ---------------------------------------------------------------------------
+
+namespace {
+
+void check_f64_rows(const torch::Tensor& t, const char* name, int64_t rows, int64_t N, const torch::Tensor& like) {
+  TORCH_CHECK(t.device() == like.device() && t.scalar_type() == torch::kFloat64 && t.is_contiguous() &&
+                  t.dim() == 2 && t.size(0) == rows && t.size(1) == N,
+              name, " must be a contiguous float64 (", rows, ", ", N, ") tensor on ", like.device(), ", got ",
+              t.scalar_type(), " ", t.sizes(), " on ", t.device());
+}
+
+// z and grad_y (M, N) float32 CUDA (z contiguous), stats (2, N) float32; returns (M, N).
+std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor& grad_y, const torch::Tensor& z,
+                                            const torch::Tensor& stats) {
+  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(), fn,
+              ": z must be a contiguous float32 CUDA (M, N) tensor");
+  TORCH_CHECK(grad_y.device() == z.device() && grad_y.scalar_type() == torch::kFloat32 && grad_y.sizes() == z.sizes(),
+              fn, ": grad_y must be float32 of shape ", z.sizes(), " on ", z.device(), ", got ", grad_y.scalar_type(),
+              " ", grad_y.sizes(), " on ", grad_y.device());
+  TORCH_CHECK(stats.device() == z.device() && stats.scalar_type() == torch::kFloat32 && stats.is_contiguous() &&
+                  stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == z.size(1),
+              fn, ": stats must be a contiguous float32 (2, ", z.size(1), ") tensor on ", z.device());
+  TORCH_CHECK(z.size(0) <= INT32_MAX && z.size(1) <= INT32_MAX, fn, ": sizes must fit in int32");
+  return {static_cast<int>(z.size(0)), static_cast<int>(z.size(1))};
+}
+
+}  // namespace
+
+// This process's half of a synchronized training forward: the pre-pass
+// (num_batches_tracked += 1) and the training GEMM, then the per-tile statistics
+// merged.  Returns [z = x @ weight^T (M, N) float32 (no bias), local (3, N)
+// float64 = [M | mean_z + bias | M2_z]] (bn_sync.cu).  M >= 2: the merged batch
+// then has >= 2 rows whatever the other processes hold (model_new.py sends
+// smaller local batches through the torch-op path, which checks the merged count first).
+std::vector<torch::Tensor> sync_forward_local(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight,
+                                              torch::Tensor bias, torch::Tensor num_batches_tracked,
+                                              c10::optional<torch::Tensor> w_parts) {
+  const Gemm gemm = parse_gemm(gemm_name);
+  TORCH_CHECK(gemm != Gemm::kSm90Cluster, "sync_forward_local: sm90_cluster_3xtf32 has no statistics epilogue");
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_training(x, M, N, num_batches_tracked);
+  check_vector(bias, "gemm.bias", N, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  torch::Tensor z = torch::empty({M, N}, x.options());
+  torch::Tensor local = torch::empty({3, N}, x.options().dtype(torch::kFloat64));
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N,
+                                 K, stream);
+  check_launch(fgb::bn_local_stats(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bias.data_ptr<float>(),
+                                   local.data_ptr<double>(), stream),
+               "bn_local_stats");
+  return {z, local};
+}
+
+// The rest of a synchronized training forward, from every process's local
+// statistics (gathered (world, 3, N) float64, the all_gather's output):
+// sync_bn_finalize (merge, coefficients, running statistics updated in place),
+// then problem 33: out = (z - mean_z) a + bn_bias (bn_apply_folded); problem 84:
+// out = row softmax of (z - mean_z) a + c (softmax_rows on a copy of z).  z is
+// not written.  Returns [out (M, N), stats (2, N) float32 = [mean_z | biased
+// var_z] of the merged batch, count (1) float64 = its rows] for the backward.
+std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered, torch::Tensor bias,
+                                         torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
+                                         torch::Tensor running_mean, torch::Tensor running_var,
+                                         torch::Tensor num_batches_tracked, double momentum, double eps,
+                                         bool scale_after_bn) {
+  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(),
+              "sync_bn_apply: z must be a contiguous float32 CUDA (M, N) tensor");
+  const int64_t M = z.size(0), N = z.size(1);
+  TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "sync_bn_apply: sizes must fit in int32");
+  TORCH_CHECK(gathered.device() == z.device() && gathered.scalar_type() == torch::kFloat64 &&
+                  gathered.is_contiguous() && gathered.dim() == 3 && gathered.size(0) >= 1 &&
+                  gathered.size(0) <= INT32_MAX && gathered.size(1) == 3 && gathered.size(2) == N,
+              "sync_bn_apply: gathered must be a contiguous float64 (world, 3, ", N, ") tensor on ", z.device(),
+              ", got ", gathered.scalar_type(), " ", gathered.sizes());
+  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
+  check_bn_tensors(t, static_cast<int>(N), z);
+  check_training(z, static_cast<int>(M), static_cast<int>(N), num_batches_tracked);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const cudaStream_t stream = current_stream(z);
+  torch::Tensor stats = torch::empty({2, N}, z.options());
+  torch::Tensor coeff = torch::empty({scale_after_bn ? 3 : 2, N}, z.options());
+  torch::Tensor count = torch::empty({1}, z.options().dtype(torch::kFloat64));
+  check_launch(fgb::sync_bn_finalize(gathered.data_ptr<double>(), static_cast<int>(gathered.size(0)),
+                                     static_cast<int>(N), bias.data_ptr<float>(), scale.data_ptr<float>(),
+                                     bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
+                                     num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
+                                     static_cast<float>(eps), scale_after_bn, running_mean.data_ptr<float>(),
+                                     running_var.data_ptr<float>(), stats.data_ptr<float>(), coeff.data_ptr<float>(),
+                                     count.data_ptr<double>(), stream),
+               "sync_bn_finalize");
+  torch::Tensor out;
+  if (scale_after_bn) {
+    out = z.clone();  // softmax_rows works in place
+    check_launch(fgb::softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), static_cast<int>(M),
+                                   static_cast<int>(N), stream),
+                 "softmax_rows");
+  } else {
+    out = torch::empty({M, N}, z.options());
+    check_launch(fgb::bn_apply_folded(z.data_ptr<float>(), out.data_ptr<float>(), coeff.data_ptr<float>(),
+                                      bn_bias.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N), stream),
+                 "bn_apply_folded");
+  }
+  return {out, stats, count};
+}
+
+// This process's backward sums (2, N) float64 = [sum_m grad_y | sum_m grad_y (z - stats[0])].
+torch::Tensor bn_backward_sums(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats) {
+  const auto [M, N] = check_backward_operands("bn_backward_sums", grad_y, z, stats);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const torch::Tensor g = grad_y.contiguous();
+  torch::Tensor sums = torch::empty({2, N}, z.options().dtype(torch::kFloat64));
+  check_launch(fgb::bn_backward_sums(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), M, N,
+                                     sums.data_ptr<double>(), current_stream(z)),
+               "bn_backward_sums");
+  return sums;
+}
+
+// bn_backward_train with the merged batch: grad_z from total_sums (every process's
+// bn_backward_sums added) and count (the merged batch's rows: a one-element
+// float64 tensor on z's device, read by the kernel); grad_bn_weight,
+// grad_bn_bias and problem 84's grad_scale from local_sums (this process's rows);
+// problem 33's grad_scale over this process's rows (bias: gemm.bias).
+// Returns [grad_z (M, N), grad_scale, grad_bn_weight, grad_bn_bias (N)].
+std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
+                                            torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
+                                            double eps, bool scale_after_bn, torch::Tensor count,
+                                            torch::Tensor local_sums, torch::Tensor total_sums) {
+  const auto [M, N] = check_backward_operands("bn_backward_grad", grad_y, z, stats);
+  TORCH_CHECK(count.device() == z.device() && count.scalar_type() == torch::kFloat64 && count.numel() == 1,
+              "bn_backward_grad: count must be a one-element float64 tensor on ", z.device(), " (the merged batch's "
+              "rows), got ", count.scalar_type(), " ", count.sizes(), " on ", count.device());
+  check_vector(bias, "gemm.bias", N, z);
+  check_vector(scale, "scale", N, z);
+  check_vector(bn_weight, "bn.weight", N, z);
+  check_f64_rows(local_sums, "bn_backward_grad: local_sums", 2, N, z);
+  check_f64_rows(total_sums, "bn_backward_grad: total_sums", 2, N, z);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const torch::Tensor g = grad_y.contiguous();
+  torch::Tensor grad_z = torch::empty({M, N}, z.options());
+  torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
+                grad_bn_bias = torch::empty({N}, z.options());
+  check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
+                                     bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
+                                     static_cast<float>(eps), scale_after_bn, M, N, count.data_ptr<double>(),
+                                     local_sums.data_ptr<double>(), total_sums.data_ptr<double>(),
+                                     grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
+                                     grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(),
+                                     current_stream(z)),
+               "bn_backward_grad");
   return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
 }
 
@@ -4900,8 +5351,8 @@ def per_feature_scale(scale, n):
 # The backward's products (grad_x = grad_z W, grad_W = grad_z^T x) are decided
 # the same way per product by dispatch_gemm_nt.
 
-Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache"],
-                                  defaults=(True,))
+Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused"],
+                                  defaults=(True, True))
 Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
 replace SWITCHES; nothing reads the environment per call):
   portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
@@ -4912,11 +5363,15 @@ replace SWITCHES; nothing reads the environment per call):
                kernel instead of fp16x3 (A/B timing; the tests run both)
   weight_cache False with FUSED_GEMM_BN_NO_WEIGHT_CACHE=1: the fp16x3 path splits
                gemm.weight in every call instead of keeping its parts
-               (_weight_parts)"""
+               (_weight_parts)
+  sync_fused   False with FUSED_GEMM_BN_SYNC_TORCH_OPS=1: synchronized BatchNorm on
+               float32 CUDA runs the torch-op path (_SyncTrainFn) instead of the
+               fused kernels (_SyncFusedTrainFn; A/B timing, the GPU tests run both)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
                     fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1",
-                    weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1")
+                    weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1",
+                    sync_fused=os.environ.get("FUSED_GEMM_BN_SYNC_TORCH_OPS") != "1")
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
@@ -5483,16 +5938,33 @@ class _LowpFn(torch.autograd.Function):
 #
 # One function per step, the same code for CPU (gloo) and CUDA (NCCL):
 #   _sync_local_forward   v = x W^T + b (M, N) and this process's (count, mean, M2)
-#                         of the BatchNorm input u (33: u = v * scale, 84: u = v)
+#                         of v (the BatchNorm input u is v * scale (33) or v (84):
+#                         _sync_input_stats turns merged v statistics into u's)
 #   _sync_all_gather      one all_gather of the (3, N) float64 statistics
-#   _sync_merge_stats     the union's (count, mean, M2), Chan et al.'s formula
-#   _sync_check_batch     a merged batch of one row raises, as BatchNorm does
+#   _sync_merge_stats     the union's (count, mean, M2), Chan et al.'s formula; count
+#                         stays a device tensor (no host synchronisation)
+#   _sync_check_batch     a merged batch of one row raises, as BatchNorm does (reads
+#                         the merged count on the host only when this process has < 2 rows)
 #   _sync_update_running  running statistics from the merged ones (unbiased variance)
 #   _sync_normalize       (u - mean) invstd bn.weight + bn.bias; 84: softmax of it * scale
-#   backward: _sync_backward_sums (local sum_dy, sum_dy_xmu), one all_reduce of
-#   both, _sync_grad_u with the merged count, then the GEMMs (_sync_gemm).
+#   backward: _sync_backward_sums (local sum_m g, sum_m g (v - mean_v), g the
+#   gradient of the BatchNorm output (33) or of the softmax input (84)), one
+#   all_reduce of both, _sync_bn_sums (as SyncBatchNorm's sum_dy, sum_dy_xmu),
+#   _sync_grad_u with the merged count, then the GEMMs (_sync_gemm).
 # Elementwise work runs in x's dtype (float32 for 16-bit x, whose GEMM alone is
 # 16-bit, as in _lowp_recompute); per-feature statistics and sums in float64.
+#
+# float32 CUDA batches of at least two rows take the fused kernels instead
+# (_sync_fused_gemm decides; _SyncFusedTrainFn): the training GEMM with its tile
+# statistics (sync_forward_local), the same all_gather, then one call that
+# merges in float64, updates the running statistics and normalises
+# (sync_bn_apply: bn_sync.cu, then bn_apply's streaming kernel or softmax_rows),
+# and in the backward bn_backward_sums -> the same all_reduce ->
+# bn_backward_grad, then the backward's GEMMs as in the unsynchronized path.
+# The host never waits for the GPU on this path (the merged count stays on the
+# device; with >= 2 local rows the merged batch has >= 2).  Both paths exchange
+# the same statistics in the same collectives, so processes may take different
+# ones (a process with fewer than two rows takes the torch ops).
 
 
 def _distributed_world_size(group=None):
@@ -5568,14 +6040,18 @@ def _sync_gemm(a, b):
 
 
 def _sync_path_name(x, weight, grad):
-    """kernel_path's name under synchronized BatchNorm: <gemm>_sync_train[_grad],
-    <gemm> the forward product's kernel (_sync_gemm_kernel; "empty" for a batch of 0)."""
+    """kernel_path's name under synchronized BatchNorm: <gemm>_sync_fused_train[_grad]
+    on the fused kernels (_sync_fused_gemm), else <gemm>_sync_train[_grad] with
+    <gemm> the torch-op path's product kernel (_sync_gemm_kernel; "empty" for a batch of 0)."""
+    fused = _sync_fused_gemm(x, weight)
+    if fused is not None:
+        return f"{fused}_sync_fused_train" + ("_grad" if grad else "")
     gemm = "empty" if x.shape[0] == 0 else _sync_gemm_kernel(x, weight)
     return f"{gemm}_sync_train" + ("_grad" if grad else "")
 
 
 def _sync_local_stats(u):
-    """This process's per-feature statistics of the BatchNorm input u (M, N),
+    """This process's per-feature statistics of u (M, N) (the product plus bias v),
     as one (3, N) float64 tensor: row 0 the count M (in every column), row 1 the
     mean, row 2 M2 = sum_m (u - mean)^2.  M == 0 gives zeros (the process still
     takes part in the all-gather, as SyncBatchNorm's does)."""
@@ -5589,26 +6065,32 @@ def _sync_local_stats(u):
 def _sync_local_forward(x, weight, bias, scale, scale_after_bn, work_dtype):
     """The steps before the collective: (v, local) with v = x weight^T + bias
     (M, N) in work_dtype (x weight^T rounded to x's dtype first: the 16-bit GEMM)
-    and local = _sync_local_stats(u), u = v * scale (problem 33) or v (84);
-    scale (N,) in work_dtype.  A fused CUDA kernel may replace this function
-    (same arguments, same results)."""
+    and local = _sync_local_stats(v).  Both synchronized paths exchange v's
+    statistics (the fused one from its GEMM's tile statistics of x weight^T,
+    shifted by the bias), so processes may take different paths."""
     v = _sync_gemm(x, weight).to(work_dtype) + bias.to(work_dtype)
-    return v, _sync_local_stats(v if scale_after_bn else v * scale)
+    return v, _sync_local_stats(v)
 
 
 def _sync_all_gather(local, group):
     """Every process's (3, N) statistics in `group`, as (world, 3, N) in rank
-    order: one all_gather (float64, which gloo and NCCL both carry).  Every
-    process of the group calls it once per training call, also with an empty batch."""
-    world = torch.distributed.get_world_size(group)
+    order: one all_gather (float64, which gloo and NCCL both carry; on NCCL
+    all_gather_into_tensor, straight into the one output).  Every process of the
+    group calls it once per training call, also with an empty batch."""
+    dist = torch.distributed
+    world = dist.get_world_size(group)
     gathered = local.new_empty((world,) + tuple(local.shape))
-    torch.distributed.all_gather(list(gathered.unbind(0)), local.contiguous(), group=group)
+    if dist.get_backend(group) == "nccl":
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+    else:
+        dist.all_gather(list(gathered.unbind(0)), local.contiguous(), group=group)
     return gathered
 
 
 def _sync_merge_stats(gathered):
     """(count, mean, m2) of the union of the batches from their (world, 3, N)
-    statistics: count a Python float, mean and m2 (N,) float64, by Chan, Golub
+    statistics: count a 0-dim float64 tensor on their device (reading it would
+    synchronise with the GPU), mean and m2 (N,) float64, by Chan, Golub
     and LeVeque's combination over all processes at once:
       count = sum_r c_r,  mean = sum_r c_r mean_r / count,
       m2 = sum_r (m2_r + c_r (mean_r - mean)^2).
@@ -5616,33 +6098,53 @@ def _sync_merge_stats(gathered):
     SyncBatchNorm drops them); count 0 gives mean 0, m2 0.  Every process
     computes it from the same values in the same order: the same result everywhere."""
     counts, means, m2s = gathered[:, 0], gathered[:, 1], gathered[:, 2]
-    count = float(counts[:, :1].sum())
-    mean = (counts * means).sum(dim=0) / max(count, 1.0)
+    count = counts[:, 0].sum()
+    mean = (counts * means).sum(dim=0) / count.clamp(min=1.0)
     m2 = (m2s + counts * (means - mean) ** 2).sum(dim=0)
     return count, mean, m2
 
 
-def _sync_check_batch(count, n):
+def _sync_merged_rows(count, local_rows):
+    """The merged batch's row count as a Python int where it matters, None
+    otherwise: with local_rows >= 2 here the merged batch has >= 2 rows and the
+    count is not read (reading the device tensor would make the host wait for
+    the GPU in every training call); with fewer it is read."""
+    return None if local_rows >= 2 else int(count)
+
+
+def _sync_check_batch(count, n, local_rows):
     """BatchNorm's refusal of a batch of one row, for the merged batch (every
     process raises the same ValueError, after the all-gather and before any
-    buffer changes)."""
-    if count == 1:
+    buffer changes); count the merged count tensor, local_rows this process's."""
+    if _sync_merged_rows(count, local_rows) == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size "
                          f"{torch.Size([1, n])}")
 
 
-def _sync_update_running(buffers, count, mean, m2, momentum):
-    """BatchNorm's update from the merged batch: num_batches_tracked += 1, then
+def _sync_input_stats(mean_v, m2_v, scale, scale_after_bn):
+    """The BatchNorm input's merged (mean, M2) from v's (float64): u = v * scale
+    (problem 33: scale mean_v, scale^2 M2_v) or u = v (84)."""
+    if scale_after_bn:
+        return mean_v, m2_v
+    s = scale.double()
+    return s * mean_v, s * s * m2_v
+
+
+def _sync_update_running(buffers, count, mean, m2, momentum, local_rows):
+    """BatchNorm's update from the merged batch (count the merged count tensor,
+    mean and m2 the BatchNorm input's): num_batches_tracked += 1, then
     with factor = momentum (or 1 / num_batches_tracked for momentum < 0, i.e.
     None), in float64:
       running_mean = (1 - factor) running_mean + factor mean
       running_var  = (1 - factor) running_var  + factor m2 / (count - 1)   (unbiased).
-    count 0 (every batch empty) only counts the call, as BatchNorm1d on an empty batch."""
+    count 0 (every batch empty) only counts the call, as BatchNorm1d on an empty batch.
+    No host synchronisation when this process has >= 2 rows (_sync_merged_rows)."""
     running_mean, running_var, num_batches_tracked = buffers
     num_batches_tracked.add_(1)
-    if count < 2:
+    rows = _sync_merged_rows(count, local_rows)
+    if rows is not None and rows < 2:
         return
-    factor = momentum if momentum >= 0 else 1.0 / float(num_batches_tracked)
+    factor = momentum if momentum >= 0 else 1.0 / num_batches_tracked.double()
     running_mean.copy_((1.0 - factor) * running_mean.double() + factor * mean)
     running_var.copy_((1.0 - factor) * running_var.double() + factor * (m2 / (count - 1.0)))
 
@@ -5654,10 +6156,21 @@ def _sync_normalize(u, mean, invstd, bn_weight, bn_bias):
     return (u - mean.to(dt)) * (invstd * bn_weight.double()).to(dt) + bn_bias.to(dt)
 
 
-def _sync_backward_sums(grad_y, xmu):
-    """This process's (2, N) float64 sums over its rows: sum_dy = sum_m grad_y,
-    sum_dy_xmu = sum_m grad_y (u - mean); grad_y, xmu (M, N)."""
-    return torch.stack((grad_y.sum(dim=0, dtype=torch.float64), (grad_y * xmu).sum(dim=0, dtype=torch.float64)))
+def _sync_backward_sums(g, vmu):
+    """This process's (2, N) float64 sums over its rows, [sum_m g | sum_m g (v - mean_v)]:
+    g (M, N) the gradient with respect to the BatchNorm output (33) or to the
+    softmax's input, scale times it (84), vmu = v - mean_v (M, N).  What every
+    path all-reduces (bn_backward_sums computes the same from z - mean_z =
+    v - mean_v), so processes may take different paths."""
+    return torch.stack((g.sum(dim=0, dtype=torch.float64), (g * vmu).sum(dim=0, dtype=torch.float64)))
+
+
+def _sync_bn_sums(sums, scale, scale_after_bn):
+    """_sync_backward_sums' (S1, S2) as SyncBatchNorm's (sum_dy, sum_dy_xmu) with
+    dy the gradient of the BatchNorm output and xmu = u - mean_u: (S1, s S2) for
+    problem 33 (u = s v), (s S1, s S2) for 84 (dy = s g); float64, no division."""
+    s = scale.double()
+    return torch.stack((s * sums[0] if scale_after_bn else sums[0], s * sums[1]))
 
 
 def _sync_all_reduce(sums, group):
@@ -5673,19 +6186,20 @@ def _sync_grad_u(grad_y, xmu, total, count, invstd, bn_weight):
       grad_u = bn_weight invstd (grad_y - sum_dy / C) - xmu bn_weight invstd^3 sum_dy_xmu / C
     in grad_y's dtype (per-feature factors in float64)."""
     dt = grad_y.dtype
-    c = max(count, 1.0)
+    c = count.clamp(min=1.0)
     a = bn_weight.double() * invstd
     return grad_y * a.to(dt) - (a * total[0] / c).to(dt) - xmu * (a * invstd * invstd * total[1] / c).to(dt)
 
 
-def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_weight, bn_bias, v, mean, invstd,
+def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_weight, bn_bias, v, mean_v, invstd,
                    out, needs):
     """Gradients of _SyncTrainFn with respect to (x, gemm.weight, gemm.bias,
     scale, bn.weight, bn.bias), `needs` saying which are wanted, in the work
     dtype of v (cast by the caller).  With u = v * scale (33) or v (84),
-    xmu = u - mean, y = _sync_normalize(u, ...):
+    xmu = u - mean_u, y = _sync_normalize(u, ...):
       problem 84: grad_soft = out * (grad_out - sum_n grad_out out) (softmax backward),
         grad_scale = sum_m grad_soft y, grad_y = grad_soft * scale; problem 33: grad_y = grad_out
+      sums = _sync_bn_sums(_sync_backward_sums(grad_soft or grad_out, v - mean_v)):
       grad_bn.weight = invstd sum_m grad_y xmu, grad_bn.bias = sum_m grad_y   (this process's rows
         only, as SyncBatchNorm returns them: DDP averages gradients over processes)
       grad_u = _sync_grad_u with the all-reduced sums and the merged count (the
@@ -5701,22 +6215,26 @@ def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_
     dt = v.dtype
     grad_out = grad_out.to(dt)
     u = v if scale_after_bn else v * scale
-    xmu = u - mean.to(dt)
+    mean_u, _ = _sync_input_stats(mean_v, mean_v, scale, scale_after_bn)
+    vmu = v - mean_v.to(dt)
+    xmu = vmu if scale_after_bn else u - mean_u.to(dt)
     grad_scale = None
     if scale_after_bn:
         grad_soft = _softmax_rows_backward(out, grad_out)
         if need_s:
-            y = _sync_normalize(u, mean, invstd, bn_weight, bn_bias)
+            y = _sync_normalize(u, mean_u, invstd, bn_weight, bn_bias)
             grad_scale = (grad_soft * y).sum(dim=0, dtype=torch.float64).to(dt)
-        grad_y = grad_soft * scale
+        g, grad_y = grad_soft, grad_soft * scale
     else:
-        grad_y = grad_out
-    sums = _sync_backward_sums(grad_y, xmu)
+        g = grad_y = grad_out
+    local = _sync_backward_sums(g, vmu)
+    sums = _sync_bn_sums(local, scale, scale_after_bn)
     grad_g = (invstd * sums[1]).to(dt) if need_g else None
     grad_beta = sums[0].to(dt) if need_beta else None
     grad_x = grad_w = None
     if need_x or need_w or (need_s and not scale_after_bn):
-        grad_u = _sync_grad_u(grad_y, xmu, _sync_all_reduce(sums.clone(), group), count, invstd, bn_weight)
+        total = _sync_bn_sums(_sync_all_reduce(local.clone(), group), scale, scale_after_bn)
+        grad_u = _sync_grad_u(grad_y, xmu, total, count, invstd, bn_weight)
         if not scale_after_bn:
             grad_scale = (grad_u * v).sum(dim=0, dtype=torch.float64).to(dt) if need_s else None
             grad_u = grad_u * scale
@@ -5730,13 +6248,14 @@ def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_
 class _SyncTrainFn(torch.autograd.Function):
     """The training forward under synchronized BatchNorm (sync_process_group),
     both problems, any device and float dtype:
-      v, local = _sync_local_forward(...); count, mean, m2 = _sync_merge_stats(_sync_all_gather(local, group))
-      _sync_check_batch; _sync_update_running (the module's buffers, in place, once)
+      v, local = _sync_local_forward(...); count, mean_v, m2_v = _sync_merge_stats(_sync_all_gather(local, group))
+      _sync_check_batch; mean, m2 = _sync_input_stats(...) (u's); _sync_update_running (the module's
+      buffers, in place, once)
       invstd = 1 / sqrt(m2 / count + eps)   (biased variance of the merged batch, float64)
       out = _sync_normalize(u, ...) (33), softmax_rows(_sync_normalize(u, ...) * scale) (84), in x's dtype.
     One all_gather in the forward, one all_reduce in the backward (_sync_backward).
     Saved: x, gemm.weight, scale, bn.weight, bn.bias (the caller's tensors, or
-    float32 copies for 16-bit x), v (M, N) in the work dtype, mean and invstd (N)
+    float32 copies for 16-bit x), v (M, N) in the work dtype, mean_v and invstd (N)
     float64, and for problem 84 out (M, N)."""
 
     @staticmethod
@@ -5744,15 +6263,16 @@ class _SyncTrainFn(torch.autograd.Function):
         dt = _sync_work_dtype(x.dtype)
         scale_w, bn_weight_w, bn_bias_w = scale.to(dt), bn_weight.to(dt), bn_bias.to(dt)
         v, local = _sync_local_forward(x, weight, bias, scale_w, scale_after_bn, dt)
-        count, mean, m2 = _sync_merge_stats(_sync_all_gather(local, group))
-        _sync_check_batch(count, weight.shape[0])
-        _sync_update_running(buffers, count, mean, m2, momentum)
-        invstd = torch.rsqrt(m2 / max(count, 1.0) + eps)
+        count, mean_v, m2_v = _sync_merge_stats(_sync_all_gather(local, group))
+        _sync_check_batch(count, weight.shape[0], x.shape[0])
+        mean, m2 = _sync_input_stats(mean_v, m2_v, scale_w, scale_after_bn)
+        _sync_update_running(buffers, count, mean, m2, momentum, x.shape[0])
+        invstd = torch.rsqrt(m2 / count.clamp(min=1.0) + eps)
         y = _sync_normalize(v if scale_after_bn else v * scale_w, mean, invstd, bn_weight_w, bn_bias_w)
         out = _softmax_rows(y * scale_w) if scale_after_bn else y
         ctx.scale_after_bn, ctx.group, ctx.count = scale_after_bn, group, count
         ctx.dtypes = [t.dtype for t in (x, weight, bias, scale, bn_weight, bn_bias)]
-        ctx.save_for_backward(x, weight, scale_w, bn_weight_w, bn_bias_w, v, mean, invstd,
+        ctx.save_for_backward(x, weight, scale_w, bn_weight_w, bn_bias_w, v, mean_v, invstd,
                               out if scale_after_bn else None)
         return out.to(x.dtype)
 
@@ -5764,12 +6284,79 @@ class _SyncTrainFn(torch.autograd.Function):
         return (None,) * 5 + tuple(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes))
 
 
+def _sync_fused_gemm(x, weight):
+    """The GEMM kernel of the fused synchronized path for this process's batch,
+    or None (the torch-op path, _SyncTrainFn): x float32 on CUDA with at least
+    two rows (so the merged batch has two: no check that would read the merged
+    count), the extension built, SWITCHES.sync_fused, and dispatch() choosing
+    one of the extension's tile-statistics GEMMs (the training-with-gradients
+    plan: never the cluster kernel)."""
+    if not (SWITCHES.sync_fused and x.is_cuda and x.dtype == torch.float32 and x.shape[0] >= 2 and _ext is not None):
+        return None
+    plan = dispatch(x, weight, True, True, False)
+    return plan.gemm if plan.kernels == "ext" else None
+
+
+def _sync_fused_bn_backward(group, count, bias, need_reduce, grad_y, z, stats, scale, bn_weight, eps,
+                            scale_after_bn):
+    """bn_backward_train's contract for the merged batch (bn_backward.cu):
+    this process's sums, the all_reduce when `need_reduce` (the torch-op path's
+    condition: the same collectives on every process), then grad_z from the
+    global sums and the merged count (a float64 device tensor: no host synchronisation)."""
+    local = _ext.bn_backward_sums(grad_y, z, stats)
+    total = _sync_all_reduce(local.clone(), group) if need_reduce else local
+    return _ext.bn_backward_grad(grad_y, z, stats, bias, scale, bn_weight, eps, scale_after_bn, count, local, total)
+
+
+class _SyncFusedTrainFn(torch.autograd.Function):
+    """_SyncTrainFn's computation on the fused float32 CUDA kernels, the same
+    collectives in the same order:
+      z, local = sync_forward_local(x, W, bias)   (x split: num_batches_tracked += 1; GEMM;
+                                                   local = this process's statistics of v = z + bias)
+      out, stats, count = sync_bn_apply(z, _sync_all_gather(local, group), ...)
+          (the merge, running statistics and coefficients in one kernel, bn_sync.cu;
+           then 33: the BatchNorm apply; 84: the row softmax of it)
+    The host never waits for the GPU (count stays on the device).
+    Saved: x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias (84), z (M, N),
+    stats (2, N) of the merged batch, out (84).  Backward: _train_backward with
+    bn_backward_train replaced by _sync_fused_bn_backward, whose all_reduce runs
+    when a gradient through u is wanted (x, gemm.weight, or 33's scale), as in
+    _sync_backward; grad_gemm.bias = 0 (as there)."""
+
+    @staticmethod
+    def forward(ctx, gemm, scale_after_bn, group, buffers, momentum, eps, x, weight, bias, scale, bn_weight,
+                bn_bias):
+        z, local = _ext.sync_forward_local(gemm, x, weight, bias, buffers[2], *_weight_args(_ext, gemm, weight))
+        out, stats, count = _ext.sync_bn_apply(z, _sync_all_gather(local, group), bias, scale, bn_weight, bn_bias,
+                                               *buffers, momentum, eps, scale_after_bn)
+        ctx.scale_after_bn, ctx.group, ctx.count, ctx.eps = scale_after_bn, group, count, eps
+        ctx.save_for_backward(x, weight, bias, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,
+                              out if scale_after_bn else None)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, bias, scale, bn_weight, bn_bias, z, stats, out = ctx.saved_tensors
+        needs = ctx.needs_input_grad[6:]
+        need_reduce = needs[0] or needs[1] or (needs[3] and not ctx.scale_after_bn)
+        ops = types.SimpleNamespace(gemm_nt=_gemm_nt, bn_backward_train=functools.partial(
+            _sync_fused_bn_backward, ctx.group, ctx.count, bias, need_reduce))
+        grads = _train_backward(ops, ctx.scale_after_bn, ctx.eps, grad_out, x, weight, scale, bn_weight, bn_bias,
+                                z, stats, out, needs)
+        return (None,) * 6 + tuple(grads)
+
+
 @torch.compiler.disable
 def _sync_forward(group, params, buffers, momentum, eps, scale_after_bn):
     """fused_forward's synchronized training path: _SyncTrainFn over params
     (x, gemm.weight, gemm.bias, scale (N,), bn.weight, bn.bias), collectives on
     `group`.  Eager also under torch.compile (a graph break; fullgraph=True
-    refuses it): no custom operator carries the collectives."""
+    refuses it): no custom operator carries the collectives.  float32 CUDA
+    batches take _SyncFusedTrainFn (_sync_fused_gemm), others _SyncTrainFn."""
+    gemm = _sync_fused_gemm(params[0], params[1])
+    if gemm is not None:
+        return _SyncFusedTrainFn.apply(gemm, scale_after_bn, group, buffers, momentum, eps, *params)
     return _SyncTrainFn.apply(scale_after_bn, group, buffers, momentum, eps, *params)
 
 

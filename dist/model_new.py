@@ -672,7 +672,9 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
 //   is subtracted (no overflow), expf and the division are IEEE float32
 //   (no fast-math), the row sum is a float32 tree reduction; error about
 //   1e-7 relative per element, as PyTorch's own softmax.
-//   Memory: one read and one write of the row.  The CTA keeps v (then its
+//   Memory: one read and one write of the row.  Rows of N <= 8192 (N % 4 == 0,
+//   16-byte aligned) stay in registers, 16 floats per thread, all loads issued
+//   at once (softmax_rows_regs_kernel); otherwise the CTA keeps v (then its
 //   exponentials) in shared memory, N * 4 bytes (32 KB for N = 8192); rows
 //   longer than the device's shared memory allows take the online variant
 //   (running max and rescaled sum, Milakov & Gimelshein 2018, "Online
@@ -696,6 +698,7 @@ namespace softmax {
 constexpr int kFoldThreads = 256;
 constexpr int kRowThreads = 512;  // N = 8192: four float4 per thread
 constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static array
+constexpr int kRegGroups = 4;           // float4 groups per thread held in registers (softmax_rows_regs_kernel)
 
 struct FoldArgs {
   const float* part_mean;
@@ -838,6 +841,62 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
   }
 }
 
+// The row held in registers: kRegGroups float4 groups per thread (thread t holds
+// groups t, t + blockDim.x, ...), every load of the row issued before the first
+// is used (the smem-cached kernel's loop issues one load per thread at a time,
+// docs/perf.md v22), for 16-byte aligned rows of N <= 16 kRowThreads.  Each
+// thread visits its elements in the cached kernel's order: bit-identical output.
+template <bool kAffine>
+__global__ void __launch_bounds__(kRowThreads) softmax_rows_regs_kernel(const RowArgs p) {
+  __shared__ float red[kRowThreads / 32];
+  float* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
+  const int num_groups = p.N / 4;
+  float4 v[kRegGroups];
+#pragma unroll
+  for (int g = 0; g < kRegGroups; ++g) {
+    const int i = threadIdx.x + g * blockDim.x;
+    if (i < num_groups) v[g] = reinterpret_cast<const float4*>(row)[i];
+  }
+  float thread_max = -INFINITY, thread_sum = 0.f;
+#pragma unroll
+  for (int g = 0; g < kRegGroups; ++g) {
+    const int i = threadIdx.x + g * blockDim.x;
+    if (i < num_groups) {
+      if constexpr (kAffine) {
+        float4 mean = reinterpret_cast<const float4*>(p.coeff)[i];
+        float4 a = reinterpret_cast<const float4*>(p.coeff + p.N)[i];
+        float4 c = reinterpret_cast<const float4*>(p.coeff + 2 * p.N)[i];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) elem(v[g], e) = fmaf(elem(v[g], e) - elem(mean, e), elem(a, e), elem(c, e));
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) thread_max = fmaxf(thread_max, elem(v[g], e));
+    }
+  }
+  const float row_max = block_reduce<true>(thread_max, red);
+#pragma unroll
+  for (int g = 0; g < kRegGroups; ++g) {
+    const int i = threadIdx.x + g * blockDim.x;
+    if (i < num_groups) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        elem(v[g], e) = expf(elem(v[g], e) - row_max);
+        thread_sum += elem(v[g], e);
+      }
+    }
+  }
+  const float row_sum = block_reduce<false>(thread_sum, red);
+#pragma unroll
+  for (int g = 0; g < kRegGroups; ++g) {
+    const int i = threadIdx.x + g * blockDim.x;
+    if (i < num_groups) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) elem(v[g], e) = elem(v[g], e) / row_sum;
+      reinterpret_cast<float4*>(row)[i] = v[g];
+    }
+  }
+}
+
 template <int kVec, bool kAffine>
 cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   const int num_groups = p.N / kVec;
@@ -845,6 +904,12 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   // rows per SM are in flight, not four: 186 -> see docs/perf.md v21 at
   // M = 16384), at least one warp, at most kRowThreads.
   const int threads = min(kRowThreads, max(32, (num_groups / 4 + 31) / 32 * 32));
+  if constexpr (kVec == 4) {
+    if (num_groups <= threads * kRegGroups) {
+      softmax_rows_regs_kernel<kAffine><<<M, threads, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
+  }
   int device = 0, max_optin = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;

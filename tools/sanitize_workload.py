@@ -10,6 +10,11 @@ bfloat16 runs the 16-bit kernels of kernels/lowp/ instead (the same shapes: K % 
     compute-sanitizer --tool initcheck --error-exitcode 1 python tools/sanitize_workload.py
     compute-sanitizer --tool synccheck --error-exitcode 1 python tools/sanitize_workload.py
 
+The synchronized-BatchNorm kernels (float32) run through the extension's
+entry points directly, with a "gathered" of one process (one process has no
+process group to merge over): sync_forward_local, sync_bn_apply,
+bn_backward_sums, bn_backward_grad.
+
 Each call's output is checked for finiteness, so a run that completes under the
 sanitizer also computed something.  Exit code 0 when every call ran.
 
@@ -60,6 +65,30 @@ def run_shape(m, k, n, backward, dtype=torch.float32):
         print(f"problem {name} {m}x{k}x{n}: ok (last path {path})", flush=True)
 
 
+def run_sync_kernels(m, k, n):
+    """The synchronized BatchNorm kernels of _SyncFusedTrainFn, both problems,
+    on this process's statistics alone (world = 1)."""
+    ext = model_new._ext
+    for name, model in models(k, n, torch.float32).items():
+        scale_after_bn = name == "84"
+        x = torch.rand(m, k, device="cuda")
+        gemm = model_new.dispatch(x, model.gemm.weight, True, True, scale_after_bn).gemm
+        bn, lin = model.bn, model.gemm
+        scale = model_new.per_feature_scale(model.scale, n).contiguous()
+        with torch.no_grad():
+            z, local = ext.sync_forward_local(gemm, x, lin.weight, lin.bias, bn.num_batches_tracked, None)
+            out, stats, count = ext.sync_bn_apply(z, local[None].contiguous(), lin.bias, scale, bn.weight, bn.bias,
+                                                  bn.running_mean, bn.running_var, bn.num_batches_tracked, 0.1,
+                                                  bn.eps, scale_after_bn)
+            g = torch.randn(m, n, device="cuda")
+            sums = ext.bn_backward_sums(g, z, stats)
+            grads = ext.bn_backward_grad(g, z, stats, lin.bias, scale, bn.weight, bn.eps, scale_after_bn, count,
+                                         sums, sums.clone())
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(t).all() for t in (out, stats, count, sums, *grads)), f"problem {name}: non-finite"
+        print(f"problem {name} {m}x{k}x{n}: synchronized-BatchNorm kernels ok ({gemm})", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--full", action="store_true", help="also one training forward at (1024, 8192, 8192)")
@@ -71,6 +100,8 @@ def main():
     dtype = DTYPES[args.dtype]
     for shape in SMALL_SHAPES:
         run_shape(*shape, backward=not args.no_backward, dtype=dtype)
+        if dtype == torch.float32:
+            run_sync_kernels(*shape)
     if args.full:
         model = model_new.ModelNew(8192, 8192, (8192,)).to("cuda", dtype)
         with torch.no_grad():

@@ -377,6 +377,29 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
   }
 }
 
+// The apply kernel's grid for (M, N): blocks of kApplyThreads threads over the
+// columns, each walking rows_per_block rows: up to max_rows, fewer where that
+// would leave fewer than kApplyTargetBlocks blocks (small M * N: 8 blocks of 32
+// rows took 12.5 us at M = 256, N = 1024 on an H200, docs/perf.md); grid.y is
+// capped at 65535, so very tall inputs give each block more rows.
+dim3 apply_grid(int M, int N, bool vec4, int max_rows, int& rows_per_block) {
+  const int cols_per_thread = vec4 ? 4 : 1;
+  const int blocks_x = ((N + cols_per_thread - 1) / cols_per_thread + kApplyThreads - 1) / kApplyThreads;
+  const int rows_for_target = static_cast<int>((static_cast<int64_t>(M) * blocks_x + kApplyTargetBlocks - 1) /
+                                               kApplyTargetBlocks);
+  rows_per_block = max(max(1, min(max_rows, rows_for_target)), (M + 65534) / 65535);
+  return dim3(blocks_x, (M + rows_per_block - 1) / rows_per_block);
+}
+
+template <bool kFolded>
+void launch_apply(const BnApplyArgs& p, dim3 grid, bool vec4, cudaStream_t stream) {
+  if (vec4) {
+    bn_apply_kernel<true, kFolded><<<grid, kApplyThreads, 0, stream>>>(p);
+  } else {
+    bn_apply_kernel<false, kFolded><<<grid, kApplyThreads, 0, stream>>>(p);
+  }
+}
+
 }  // namespace fused_gemm_bn
 
 cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2,
@@ -392,31 +415,14 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
   BnApplyArgs p{z,       out,     part_mean,           part_m2,  num_m_tiles, block_m,      M,
                 N,       bias,    scale,               bn_weight, bn_bias,    num_batches_tracked, momentum,
                 eps,     running_mean, running_var,    0,      coeff};
-  const int cols_per_thread = vec4 ? 4 : 1;
-  const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
-  const int blocks_x = (threads_needed + kApplyThreads - 1) / kApplyThreads;
-  // Up to max_rows rows per block, fewer where that would leave fewer
-  // than kApplyTargetBlocks blocks (small M * N: 8 blocks of 32 rows took
-  // 12.5 us at M = 256, N = 1024 on an H200, docs/perf.md); grid.y is capped at
-  // 65535, so very tall inputs give each block more rows.
-  const int rows_for_target = static_cast<int>((static_cast<int64_t>(M) * blocks_x + kApplyTargetBlocks - 1) /
-                                               kApplyTargetBlocks);
-  const int max_rows = folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock;
-  p.rows_per_block = max(max(1, min(max_rows, rows_for_target)), (M + 65534) / 65535);
-  const dim3 grid(blocks_x, (M + p.rows_per_block - 1) / p.rows_per_block);
+  const dim3 grid = apply_grid(M, N, vec4, folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock, p.rows_per_block);
   if (folded) {
     bn_fold_kernel<<<(N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream>>>(p);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    if (vec4) {
-      bn_apply_kernel<true, true><<<grid, kApplyThreads, 0, stream>>>(p);
-    } else {
-      bn_apply_kernel<false, true><<<grid, kApplyThreads, 0, stream>>>(p);
-    }
-  } else if (vec4) {
-    bn_apply_kernel<true, false><<<grid, kApplyThreads, 0, stream>>>(p);
+    launch_apply<true>(p, grid, vec4, stream);
   } else {
-    bn_apply_kernel<false, false><<<grid, kApplyThreads, 0, stream>>>(p);
+    launch_apply<false>(p, grid, vec4, stream);
   }
   return cudaGetLastError();
 }
@@ -432,17 +438,7 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
   BnApplyArgs p{};
   p.z = z, p.out = out, p.M = M, p.N = N, p.bn_bias = bn_bias;
   p.coeff = const_cast<float*>(coeff);  // read only by the kFolded apply kernel
-  const int cols_per_thread = vec4 ? 4 : 1;
-  const int blocks_x = ((N + cols_per_thread - 1) / cols_per_thread + kApplyThreads - 1) / kApplyThreads;
-  const int rows_for_target = static_cast<int>((static_cast<int64_t>(M) * blocks_x + kApplyTargetBlocks - 1) /
-                                               kApplyTargetBlocks);
-  p.rows_per_block = max(max(1, min(kFoldedRowsPerBlock, rows_for_target)), (M + 65534) / 65535);
-  const dim3 grid(blocks_x, (M + p.rows_per_block - 1) / p.rows_per_block);
-  if (vec4) {
-    bn_apply_kernel<true, true><<<grid, kApplyThreads, 0, stream>>>(p);
-  } else {
-    bn_apply_kernel<false, true><<<grid, kApplyThreads, 0, stream>>>(p);
-  }
+  launch_apply<true>(p, apply_grid(M, N, vec4, kFoldedRowsPerBlock, p.rows_per_block), vec4, stream);
   return cudaGetLastError();
 }
 ''',

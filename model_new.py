@@ -1463,7 +1463,7 @@ def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_
     dt = v.dtype
     grad_out = grad_out.to(dt)
     u = v if scale_after_bn else v * scale
-    mean_u, _ = _sync_input_stats(mean_v, mean_v, scale, scale_after_bn)
+    mean_u = mean_v if scale_after_bn else scale.double() * mean_v
     vmu = v - mean_v.to(dt)
     xmu = vmu if scale_after_bn else u - mean_u.to(dt)
     grad_scale = None

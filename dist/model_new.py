@@ -4672,6 +4672,25 @@ torch::Tensor fp16x3_weight_parts(torch::Tensor weight) {
                       current_stream(weight));
 }
 
+namespace {
+
+// z and grad_y (M, N) float32 CUDA (z contiguous), stats (2, N) float32; returns (M, N).
+std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor& grad_y, const torch::Tensor& z,
+                                            const torch::Tensor& stats) {
+  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(), fn,
+              ": z must be a contiguous float32 CUDA (M, N) tensor");
+  TORCH_CHECK(grad_y.device() == z.device() && grad_y.scalar_type() == torch::kFloat32 && grad_y.sizes() == z.sizes(),
+              fn, ": grad_y must be float32 of shape ", z.sizes(), " on ", z.device(), ", got ", grad_y.scalar_type(),
+              " ", grad_y.sizes(), " on ", grad_y.device());
+  TORCH_CHECK(stats.device() == z.device() && stats.scalar_type() == torch::kFloat32 && stats.is_contiguous() &&
+                  stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == z.size(1),
+              fn, ": stats must be a contiguous float32 (2, ", z.size(1), ") tensor on ", z.device());
+  TORCH_CHECK(z.size(0) <= INT32_MAX && z.size(1) <= INT32_MAX, fn, ": sizes must fit in int32");
+  return {static_cast<int>(z.size(0)), static_cast<int>(z.size(1))};
+}
+
+}  // namespace
+
 // Training-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy
 // (M, N), z and stats of forward_train_saved, returns [grad_z (M, N),
 // grad_scale, grad_bn_weight, grad_bn_bias (N each)].  scale_after_bn (problem
@@ -4680,17 +4699,7 @@ torch::Tensor fp16x3_weight_parts(torch::Tensor weight) {
 std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
                                              torch::Tensor scale, torch::Tensor bn_weight, double eps,
                                              bool scale_after_bn) {
-  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(),
-              "bn_backward_train: z must be a contiguous float32 CUDA (M, N) tensor");
-  const int64_t M = z.size(0), N = z.size(1);
-  TORCH_CHECK(grad_y.device() == z.device() && grad_y.scalar_type() == torch::kFloat32 &&
-                  grad_y.sizes() == z.sizes(),
-              "bn_backward_train: grad_y must be float32 of shape ", z.sizes(), " on ", z.device(), ", got ",
-              grad_y.scalar_type(), " ", grad_y.sizes(), " on ", grad_y.device());
-  TORCH_CHECK(stats.device() == z.device() && stats.scalar_type() == torch::kFloat32 && stats.is_contiguous() &&
-                  stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == N,
-              "bn_backward_train: stats must be a contiguous float32 (2, ", N, ") tensor on ", z.device());
-  TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "bn_backward_train: sizes must fit in int32");
+  const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
   check_vector(scale, "scale", N, z);
   check_vector(bn_weight, "bn.weight", N, z);
   const c10::cuda::CUDAGuard guard(z.device());
@@ -4722,21 +4731,6 @@ void check_f64_rows(const torch::Tensor& t, const char* name, int64_t rows, int6
                   t.dim() == 2 && t.size(0) == rows && t.size(1) == N,
               name, " must be a contiguous float64 (", rows, ", ", N, ") tensor on ", like.device(), ", got ",
               t.scalar_type(), " ", t.sizes(), " on ", t.device());
-}
-
-// z and grad_y (M, N) float32 CUDA (z contiguous), stats (2, N) float32; returns (M, N).
-std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor& grad_y, const torch::Tensor& z,
-                                            const torch::Tensor& stats) {
-  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(), fn,
-              ": z must be a contiguous float32 CUDA (M, N) tensor");
-  TORCH_CHECK(grad_y.device() == z.device() && grad_y.scalar_type() == torch::kFloat32 && grad_y.sizes() == z.sizes(),
-              fn, ": grad_y must be float32 of shape ", z.sizes(), " on ", z.device(), ", got ", grad_y.scalar_type(),
-              " ", grad_y.sizes(), " on ", grad_y.device());
-  TORCH_CHECK(stats.device() == z.device() && stats.scalar_type() == torch::kFloat32 && stats.is_contiguous() &&
-                  stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == z.size(1),
-              fn, ": stats must be a contiguous float32 (2, ", z.size(1), ") tensor on ", z.device());
-  TORCH_CHECK(z.size(0) <= INT32_MAX && z.size(1) <= INT32_MAX, fn, ": sizes must fit in int32");
-  return {static_cast<int>(z.size(0)), static_cast<int>(z.size(1))};
 }
 
 }  // namespace
@@ -6209,7 +6203,7 @@ def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_
     dt = v.dtype
     grad_out = grad_out.to(dt)
     u = v if scale_after_bn else v * scale
-    mean_u, _ = _sync_input_stats(mean_v, mean_v, scale, scale_after_bn)
+    mean_u = mean_v if scale_after_bn else scale.double() * mean_v
     vmu = v - mean_v.to(dt)
     xmu = vmu if scale_after_bn else u - mean_u.to(dt)
     grad_scale = None

@@ -58,6 +58,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["float32", "float64", "float16", "bfloat16"],
                         help="default float32 (--cpu: float64); 16-bit runs need a --bar of their own")
     parser.add_argument("--steps", type=int, default=5, help="SGD steps compared")
+    parser.add_argument("--lr", type=float, default=LR, help=f"SGD learning rate (default {LR})")
+    parser.add_argument("--no-timing", action="store_true", help="compare only; skip the step timings")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--bar", type=float, default=1e-6, help="largest relative difference allowed")
@@ -128,7 +130,7 @@ class Trainer:
     """A module as each process trains it: converted to SyncBatchNorm or not,
     under DDP (or, for a converted CPU module, with average_gradients), SGD."""
 
-    def __init__(self, module, synchronized, cpu):
+    def __init__(self, module, synchronized, cpu, lr=LR):
         self.module = nn.SyncBatchNorm.convert_sync_batchnorm(module) if synchronized else module
         self.manual_average = cpu and synchronized
         if self.manual_average:
@@ -136,7 +138,7 @@ class Trainer:
         else:
             device_ids = None if cpu else [torch.cuda.current_device()]
             self.wrapped = torch.nn.parallel.DistributedDataParallel(self.module, device_ids=device_ids)
-        self.opt = torch.optim.SGD(self.module.parameters(), lr=LR)
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=lr)
 
     def step(self, x, g, inv_m):
         """One training step (forward, backward, gradient averaging, SGD); returns the output."""
@@ -149,10 +151,10 @@ class Trainer:
         return out.detach()
 
 
-def reference_on_global_batch(ref, xs, gs, world, steps):
+def reference_on_global_batch(ref, xs, gs, world, steps, lr):
     """--cpu: Model (plain BatchNorm1d) on the whole batch, loss (1 / world)
     sum_r loss_r, SGD: what DDP + SyncBatchNorm compute."""
-    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
     ref.train()
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -182,12 +184,12 @@ def compare_training(problem, split, args, rank, device, dtype, synchronized=Tru
     rows = rank_rows(split, rank)
     ref64 = None
     if args.cpu:
-        ref = reference_on_global_batch(ref, [b[0] for b in batches], [b[1] for b in batches], WORLD, args.steps)
+        ref = reference_on_global_batch(ref, [b[0] for b in batches], [b[1] for b in batches], WORLD, args.steps, args.lr)
     else:
         ref64 = copy.deepcopy(ref).double()
-        ref_trainer = Trainer(ref, synchronized, cpu=False)
-        ref64_trainer = Trainer(ref64, synchronized, cpu=False)
-    new_trainer = Trainer(new, synchronized, cpu=args.cpu)
+        ref_trainer = Trainer(ref, synchronized, cpu=False, lr=args.lr)
+        ref64_trainer = Trainer(ref64, synchronized, cpu=False, lr=args.lr)
+    new_trainer = Trainer(new, synchronized, cpu=args.cpu, lr=args.lr)
     for x, g in batches:
         if not args.cpu:
             ref_trainer.step(x[rows], g[rows], 1.0 / m)
@@ -277,7 +279,7 @@ def worker(rank, world, rendezvous, args, out_dir):
                 raise SystemExit(f"split {split} does not have {world} ranks")
             diffs = compare_training(problem, split, args, rank, device, dtype)
             baseline = None if args.cpu else compare_training(problem, split, args, rank, device, dtype, False)
-            times = time_steps(problem, split, args, rank, device, dtype)
+            times = None if args.no_timing else time_steps(problem, split, args, rank, device, dtype)
             results.append({"problem": problem, "split": list(split), "diffs": diffs, "baseline": baseline,
                             "times": times})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -294,6 +296,9 @@ def merge_ranks(per_rank):
         for key in ("diffs", "baseline"):
             if case[key] is not None:
                 case[key] = {k: [max(c[key][k][i] for c in cases) for i in range(3)] for k in case[key]}
+        if case["times"] is None:
+            merged.append(case)
+            continue
         case["times"] = {k: None if case["times"][k] is None else max(c["times"][k] for c in cases)
                          for k in case["times"]}
         merged.append(case)
@@ -309,7 +314,7 @@ def report(merged, args):
     """Prints both tables; returns the cases over the bar."""
     k, n = args.shape.split(",")
     print(environment(args))
-    print(f"K = {k}, N = {n}, {args.steps} SGD steps (lr {LR}); relative difference max|new - ref| / max|ref| "
+    print(f"K = {k}, N = {n}, {args.steps} SGD steps (lr {args.lr:g}); relative difference max|new - ref| / max|ref| "
           f"of ModelNew + SyncBatchNorm against {'Model on the global batch' if args.cpu else 'Model + SyncBatchNorm'}")
     print("Each cell: ModelNew vs Model / ModelNew vs float64 Model / Model vs float64 Model (the last two on GPU "
           "only: Model trained the same way in float64).  A case passes when ModelNew is within the bar of Model, "
@@ -334,6 +339,8 @@ def report(merged, args):
             verdict = "ok" if within else ("ok (closer to float64 than Model)" if closer else "FAIL")
             print(f"| {case['problem']} | {'+'.join(str(s) for s in case['split'])} | {label} | {worst_p} | "
                   f"{cell(params[worst_p])} | {worst_b} | {cell(buffers[worst_b])} | {verdict} |")
+    if merged[0]["times"] is None:
+        return failed
     print(f"\nmedian training step (forward + backward + SGD step), ms, slower rank, "
           f"{args.warmup} warm-up + {args.iters} timed steps")
     labels = list(merged[0]["times"])

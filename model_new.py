@@ -48,7 +48,8 @@ in the order a call uses them after ModelNew.forward at the bottom):
   take the device guard and current stream, and run the named GEMM kernel.
   Shared headers: bn_stats.cuh (statistics math), sm90_primitives.cuh (wgmma, TMA
   wrappers), sm90_gemm_tiles.cuh (the Hopper GEMMs' tile, split tiles, epilogues),
-  fp16x3_split.cuh (the fp16 split), sm80_gemm_3xtf32_bn.cuh (the portable kernel body).
+  fp16x3_split.cuh (the fp16 split), sm80_gemm_3xtf32_bn.cuh (the portable kernel body),
+  load_hints.cuh (evict-first loads).
 
 Algebra (training): with z = x W^T, u = scale * (z + b) has batch mean
 scale * (mean_z + b) and biased variance scale^2 var_z, so

@@ -52,7 +52,12 @@ constexpr int kApplyThreads = 128;
 constexpr int kApplyRowsPerBlock = 64;
 constexpr int kFoldedRowsPerBlock = 16;
 constexpr int kApplyTargetBlocks = 264;  // two per SM of an H100 / H200
-constexpr int kRowBatch = 8;             // rows loaded before any is stored (bn_apply_kernel)
+// Rows loaded before any is stored (bn_apply_kernel): 16 with 16-byte accesses
+// (64 KB in flight per SM at two blocks; free in registers, which the
+// statistics merge bounds: 164 in the one-launch form; -0.6 us at the
+// KernelBench shape, -3 us at 16384 x 4096, docs/perf.md v23), 8 with 4-byte ones.
+constexpr int kRowBatchVec4 = 16;
+constexpr int kRowBatchScalar = 8;
 constexpr int kFusedMaxTiles = 8;        // up to here each block merges its own columns (M <= 1024 at BLOCK_M 128)
 constexpr int kApplyFoldThreads = 256;
 
@@ -123,6 +128,7 @@ __global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_kernel(const BnAppl
 template <bool kVec4, bool kFolded>
 __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyArgs p) {
   constexpr int kCols = kVec4 ? 4 : 1;
+  constexpr int kRowBatch = kVec4 ? kRowBatchVec4 : kRowBatchScalar;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
   if (col >= p.N) return;
   const bool update_running = blockIdx.y == 0;

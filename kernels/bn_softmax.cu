@@ -41,6 +41,7 @@
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "load_hints.cuh"
 #include "launchers.cuh"
 
 namespace fused_gemm_bn {
@@ -50,6 +51,14 @@ constexpr int kFoldThreads = 256;
 constexpr int kRowThreads = 512;  // N = 8192: four float4 per thread
 constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static array
 constexpr int kRegGroups = 4;           // float4 groups per thread held in registers (softmax_rows_regs_kernel)
+// softmax_rows_regs_kernel's minimum CTAs per SM: 3 (<= 40 registers, three
+// 512-thread CTAs per SM) on sm_90, where ptxas fits both forms in 40 without
+// spills; sm_80's ptxas spills the affine form at 40, so 2 there (<= 64).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kRegMinBlocks = 2;
+#else
+constexpr int kRegMinBlocks = 3;
+#endif
 
 struct FoldArgs {
   const float* part_mean;
@@ -197,8 +206,13 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
 // is used (the smem-cached kernel's loop issues one load per thread at a time,
 // docs/perf.md v22), for 16-byte aligned rows of N <= 16 kRowThreads.  Each
 // thread visits its elements in the cached kernel's order: bit-identical output.
+// Occupancy (docs/perf.md v23): at 47 registers only two 512-thread CTAs fit
+// an SM (two rows in flight); kRegMinBlocks = 3 holds both forms at 40.  The
+// affine form loads the row with an evict-first hint (read once): with plain
+// loads ptxas spilled 16 bytes at 40 registers (21.9 us at the KernelBench
+// shape against 19.8-20.0 with the hint; 20.8-21.0 before).
 template <bool kAffine>
-__global__ void __launch_bounds__(kRowThreads) softmax_rows_regs_kernel(const RowArgs p) {
+__global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_kernel(const RowArgs p) {
   __shared__ float red[kRowThreads / 32];
   float* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / 4;
@@ -206,7 +220,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_regs_kernel(const Ro
 #pragma unroll
   for (int g = 0; g < kRegGroups; ++g) {
     const int i = threadIdx.x + g * blockDim.x;
-    if (i < num_groups) v[g] = reinterpret_cast<const float4*>(row)[i];
+    if (i < num_groups) v[g] = kAffine ? ld_evict_first_f4(row + 4 * i) : reinterpret_cast<const float4*>(row)[i];
   }
   float thread_max = -INFINITY, thread_sum = 0.f;
 #pragma unroll

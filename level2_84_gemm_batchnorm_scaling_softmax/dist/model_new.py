@@ -117,7 +117,8 @@ in the order a call uses them after ModelNew.forward at the bottom):
   take the device guard and current stream, and run the named GEMM kernel.
   Shared headers: bn_stats.cuh (statistics math), sm90_primitives.cuh (wgmma, TMA
   wrappers), sm90_gemm_tiles.cuh (the Hopper GEMMs' tile, split tiles, epilogues),
-  fp16x3_split.cuh (the fp16 split), sm80_gemm_3xtf32_bn.cuh (the portable kernel body).
+  fp16x3_split.cuh (the fp16 split), sm80_gemm_3xtf32_bn.cuh (the portable kernel body),
+  load_hints.cuh (evict-first loads).
 
 Algebra (training): with z = x W^T, u = scale * (z + b) has batch mean
 scale * (mean_z + b) and biased variance scale^2 var_z, so
@@ -257,7 +258,12 @@ constexpr int kApplyThreads = 128;
 constexpr int kApplyRowsPerBlock = 64;
 constexpr int kFoldedRowsPerBlock = 16;
 constexpr int kApplyTargetBlocks = 264;  // two per SM of an H100 / H200
-constexpr int kRowBatch = 8;             // rows loaded before any is stored (bn_apply_kernel)
+// Rows loaded before any is stored (bn_apply_kernel): 16 with 16-byte accesses
+// (64 KB in flight per SM at two blocks; free in registers, which the
+// statistics merge bounds: 164 in the one-launch form; -0.6 us at the
+// KernelBench shape, -3 us at 16384 x 4096, docs/perf.md v23), 8 with 4-byte ones.
+constexpr int kRowBatchVec4 = 16;
+constexpr int kRowBatchScalar = 8;
 constexpr int kFusedMaxTiles = 8;        // up to here each block merges its own columns (M <= 1024 at BLOCK_M 128)
 constexpr int kApplyFoldThreads = 256;
 
@@ -328,6 +334,7 @@ __global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_kernel(const BnAppl
 template <bool kVec4, bool kFolded>
 __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyArgs p) {
   constexpr int kCols = kVec4 ? 4 : 1;
+  constexpr int kRowBatch = kVec4 ? kRowBatchVec4 : kRowBatchScalar;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
   if (col >= p.N) return;
   const bool update_running = blockIdx.y == 0;
@@ -753,6 +760,7 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "load_hints.cuh"
 #include "launchers.cuh"
 
 namespace fused_gemm_bn {
@@ -762,6 +770,14 @@ constexpr int kFoldThreads = 256;
 constexpr int kRowThreads = 512;  // N = 8192: four float4 per thread
 constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static array
 constexpr int kRegGroups = 4;           // float4 groups per thread held in registers (softmax_rows_regs_kernel)
+// softmax_rows_regs_kernel's minimum CTAs per SM: 3 (<= 40 registers, three
+// 512-thread CTAs per SM) on sm_90, where ptxas fits both forms in 40 without
+// spills; sm_80's ptxas spills the affine form at 40, so 2 there (<= 64).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kRegMinBlocks = 2;
+#else
+constexpr int kRegMinBlocks = 3;
+#endif
 
 struct FoldArgs {
   const float* part_mean;
@@ -909,8 +925,13 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
 // is used (the smem-cached kernel's loop issues one load per thread at a time,
 // docs/perf.md v22), for 16-byte aligned rows of N <= 16 kRowThreads.  Each
 // thread visits its elements in the cached kernel's order: bit-identical output.
+// Occupancy (docs/perf.md v23): at 47 registers only two 512-thread CTAs fit
+// an SM (two rows in flight); kRegMinBlocks = 3 holds both forms at 40.  The
+// affine form loads the row with an evict-first hint (read once): with plain
+// loads ptxas spilled 16 bytes at 40 registers (21.9 us at the KernelBench
+// shape against 19.8-20.0 with the hint; 20.8-21.0 before).
 template <bool kAffine>
-__global__ void __launch_bounds__(kRowThreads) softmax_rows_regs_kernel(const RowArgs p) {
+__global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_kernel(const RowArgs p) {
   __shared__ float red[kRowThreads / 32];
   float* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / 4;
@@ -918,7 +939,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_regs_kernel(const Ro
 #pragma unroll
   for (int g = 0; g < kRegGroups; ++g) {
     const int i = threadIdx.x + g * blockDim.x;
-    if (i < num_groups) v[g] = reinterpret_cast<const float4*>(row)[i];
+    if (i < num_groups) v[g] = kAffine ? ld_evict_first_f4(row + 4 * i) : reinterpret_cast<const float4*>(row)[i];
   }
   float thread_max = -INFINITY, thread_sum = 0.f;
 #pragma unroll
@@ -1562,6 +1583,32 @@ cudaError_t lowp_bn_apply(int dtype, void* out, const float* coeff, int M, int N
 // Problem 84: row softmax in place (coeff and scale: training; coeff null: eval).
 cudaError_t lowp_softmax_rows(int dtype, void* out, const float* coeff, const void* scale, int M, int N,
                               cudaStream_t stream);
+
+}  // namespace fused_gemm_bn
+''',
+    'load_hints.cuh': r'''// load_hints.cuh -- global loads with an L2 eviction-priority hint.
+//
+// ld_evict_first_f4: a 16-byte global load whose L2 line is marked
+// evict-first (createpolicy.fractional.L2::evict_first with fraction 1.0,
+// then ld.global.L1::no_allocate.L2::cache_hint; PTX ISA "createpolicy" and
+// "ld", sm_80+).  For data read once: it does not allocate in L1 and is the
+// first to leave L2.  Values are unchanged; only caching differs.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace fused_gemm_bn {
+
+__device__ __forceinline__ float4 ld_evict_first_f4(const float* q) {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  float4 v;
+  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(q), "l"(policy));
+  return v;
+}
 
 }  // namespace fused_gemm_bn
 ''',

@@ -514,10 +514,12 @@ def _cuda_dtype_problem(dtype):
             f"float dtypes (kernels/lowp/), got {dtype}")
 
 
-def check_input(x, weight, training):
+def check_input(x, weight, training, cast=False):
     """Raises what PyTorch raises for an input the Linear -> BatchNorm1d chain
     cannot take (x's rank, feature count, device, dtype; batch of 1 in
     training), before any buffer is touched.  Used by fused_forward.
+    cast: the call runs under mixed precision, which casts x and the weight to
+    one dtype, so their dtypes are not checked (section "Mixed precision").
     Ranks: 0-D and 1-D input and 4-D or more raise Model's errors (Linear's
     RuntimeError, BatchNorm1d's ValueError); 3-D input, on which Model's
     BatchNorm1d normalizes over dim 1 instead (or raises), raises RuntimeError."""
@@ -541,9 +543,9 @@ def check_input(x, weight, training):
             f"Expected all tensors to be on the same device, but found x on {x.device} "
             f"and the parameters on {weight.device}"
         )
-    if x.dtype != weight.dtype:
+    if x.dtype != weight.dtype and not cast:
         raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
-    problem = _cuda_dtype_problem(x.dtype) if x.is_cuda else None
+    problem = _cuda_dtype_problem(x.dtype) if x.is_cuda and not cast else None
     if problem is not None:
         raise RuntimeError(problem)
     if training and x.shape[0] == 1:
@@ -863,6 +865,61 @@ def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, ep
     return kernels.forward_eval(gemm, *params, *buffers[:2], eps, scale_after_bn, *extra)
 
 
+# ---------------------------------------------------------------------------
+# Mixed precision
+# ---------------------------------------------------------------------------
+
+# bundle: repository-only begins (tools/bundle.py writes BUNDLE_NO_MIXED_PRECISION in place of this block)
+# Inside torch.autocast (CUDA or CPU) Model's nn.Linear runs in the autocast dtype and the ops after it
+# follow torch's type promotion; ModelNew then calls the same torch ops as Model, in the same order, so
+# its outputs, running statistics and gradients are Model's (README "Mixed precision").  A torch-op
+# path: the fused 16-bit kernels do not take it yet.  The harness rules forbid mixed precision in the
+# self-contained files' text, so this block is not in them (they have no mixed-precision path).
+import torch.nn.functional as F  # noqa: E402
+
+
+def _mixed_precision_dtype(x):
+    """The autocast dtype of x's device type when torch.autocast is on there and
+    would cast x (a floating tensor other than float64), else None."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == torch.float64:
+        return None
+    device = x.device.type
+    if device not in ("cuda", "cpu"):
+        return None
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    if device == "cuda":
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+
+
+def _mixed_precision_path(x, bn, grad):
+    """kernel_path's name under autocast: torch_ops_autocast_<train|eval>[_grad]."""
+    return "torch_ops_autocast_" + ("train" if bn.training else "eval") + ("_grad" if grad else "")
+
+
+def _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn):
+    """Model's forward under autocast, op for op: nn.Linear's F.linear (in the
+    autocast dtype), `* scale` (torch's type promotion: a float32 scale of one
+    or more dims makes the product float32), BatchNorm1d's F.batch_norm with its
+    num_batches_tracked / momentum handling (bn.training decides, as in
+    Model), and problem 84's softmax over dim 1 (float32 under autocast).
+    Returns what Model returns, in its dtype; autograd differentiates the ops."""
+    v = F.linear(x, gemm.weight, gemm.bias)
+    factor = 0.0
+    if bn.training:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+
+    def batch_norm(u):
+        return F.batch_norm(u, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.training, factor, bn.eps)
+
+    if not scale_after_bn:
+        return batch_norm(v * scale)
+    return torch.softmax(scale * batch_norm(v), dim=1)
+# bundle: repository-only ends
+
+
 def _checked_params(x, gemm, scale, bn, synchronized=False):
     """(x, gemm.weight, gemm.bias, scale as an (N,) vector, bn.weight, bn.bias)
     after check_input and per_feature_scale (which raise before anything is
@@ -876,6 +933,18 @@ def _checked_params(x, gemm, scale, bn, synchronized=False):
 
 def _needs_grad(params):
     return torch.is_grad_enabled() and any(t.requires_grad for t in params)
+
+
+def _check_mixed_precision(x, gemm, scale, bn, group):
+    """The checks of a call under mixed precision (_mixed_precision_dtype): the
+    input's (check_input without the dtype rules: the cast makes x and the
+    weight one dtype) and the scale's; synchronized BatchNorm has no mixed-
+    precision path and raises RuntimeError (nothing touched)."""
+    check_input(x, gemm.weight, bn.training, cast=True)
+    per_feature_scale(scale, gemm.out_features)
+    if group is not None:
+        raise RuntimeError("ModelNew has no mixed-precision path with synchronized BatchNorm "
+                           "(nn.SyncBatchNorm.convert_sync_batchnorm across processes); run it in float32")
 
 
 def fused_forward(x, gemm, scale, bn, scale_after_bn):
@@ -892,6 +961,8 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
       training with gradients: _TrainFn (forward_train_saved, then the fused backward);
       eval with gradients: _eval_with_grad over gemm_nt;
       16-bit: the 16-bit call, or _LowpFn with gradients;
+      mixed precision on (CUDA or CPU; _mixed_precision_dtype): Model's own ops
+      (_mixed_precision_forward), so the result is Model's in that mode;
       bn a SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) in training with
       torch.distributed initialized over more than one process (sync_process_group):
       _SyncTrainFn, whose forward merges the batch statistics across processes
@@ -904,6 +975,9 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     tracing raises RuntimeError."""
     training = bn.training
     group = sync_process_group(bn)
+    if _mixed_precision_dtype(x) is not None:
+        _check_mixed_precision(x, gemm, scale, bn, group)
+        return _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn)
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     if torch.jit.is_tracing() and (_OPS is None or _is_16bit_dtype(x.dtype)):
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4) "
@@ -940,6 +1014,10 @@ def kernel_path(x, gemm, scale, bn, scale_after_bn):
     ModelNew.kernel_path calls it.  Under synchronized BatchNorm
     (sync_process_group) the name is _sync_path_name's, e.g. "torch_ops_sync_train_grad"."""
     group = sync_process_group(bn)
+    if _mixed_precision_dtype(x) is not None:
+        _check_mixed_precision(x, gemm, scale, bn, group)
+        params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
+        return _mixed_precision_path(x, bn, _needs_grad(params))
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     if group is not None:
         return _sync_path_name(x, gemm.weight, _needs_grad(params))

@@ -80,10 +80,14 @@ def test_follows_harness_rules(path):
     text = read(path)
     if path == MODEL_NEW:  # its kernels live in kernels/, not in its text
         text += "\n_K = '__global__'\n"
-        start, end = bundle.repository_only_block(text)
-        lines = range(text.count("\n", 0, start) + 1, text.count("\n", 0, end) + 1)
-        inside = [v for v in violations(text) if int(v.split(":")[0].split()[1]) in lines]
-        assert inside and all("torch compute layer: `torch.nn.`" in v for v in inside), inside
+        blocks = bundle.repository_only_blocks(text)
+        lines = [range(text.count("\n", 0, start) + 1, text.count("\n", 0, end) + 1) for start, end, _ in blocks]
+        found = violations(text)
+        assert all(any(int(v.split(":")[0].split()[1]) in r for r in lines) for v in found), found
+        # each block holds what the rules forbid: torch's _BatchNorm; autocast and torch's layer functions
+        for r, kinds in zip(lines, (["torch compute layer: `torch.nn.`"], ["half precision", "torch compute layer"])):
+            inside = [v for v in found if int(v.split(":")[0].split()[1]) in r]
+            assert inside and all(any(k in v for k in kinds) for v in inside), inside
         text = bundle.without_repository_only(text)
     assert violations(text) == []
 

@@ -10,12 +10,16 @@ In both, the kernel sources (kernels/*.cu, *.cuh, *.cpp) are embedded as raw
 strings in place of the engine's line `_EMBEDDED_SOURCES = None`; in problem
 84's file the engine's text replaces the block between `# bundle: engine
 begins` and `# bundle: engine ends` (its import of the engine by module name).
-The engine's block between `# bundle: repository-only begins` and `# bundle:
-repository-only ends` (the import of torch's _BatchNorm, the base class that
-lets nn.SyncBatchNorm.convert_sync_batchnorm convert BatchNormState, which the
-harness rules forbid naming) becomes BUNDLE_BATCHNORM_BASE: BatchNormState
-derives from nn.Module there, and the engine warns once when a training call
-runs under torch.distributed with more than one process (README "Multi-GPU").
+The engine's blocks between `# bundle: repository-only begins` and `# bundle:
+repository-only ends` hold what the harness rules forbid in the files' text;
+each begin line names the text that replaces its block (REPLACEMENTS):
+  - the import of torch's _BatchNorm (the base class that lets
+    nn.SyncBatchNorm.convert_sync_batchnorm convert BatchNormState) becomes
+    BUNDLE_BATCHNORM_BASE: BatchNormState derives from nn.Module there, and the
+    engine warns once when a training call runs under torch.distributed with
+    more than one process (README "Multi-GPU");
+  - the mixed-precision path (torch.autocast) becomes BUNDLE_NO_MIXED_PRECISION:
+    the files have no such path (README "Mixed precision").
 
     python tools/bundle.py                 # writes both files
     python tools/bundle.py --check         # exit status 1 when either is stale
@@ -45,6 +49,17 @@ BUNDLE_BATCHNORM_BASE = (
     "# BatchNormState derives from nn.Module and SyncBatchNorm conversion cannot see it (README \"Multi-GPU\").\n"
     "_BatchNormBase = nn.Module\n"
 )
+BUNDLE_NO_MIXED_PRECISION = (
+    "# The self-contained file (tools/bundle.py): the harness rules forbid mixed precision in its text, so it has\n"
+    "# no mixed-precision path: every call runs the float32 kernels (README \"Mixed precision\").\n"
+    "def _mixed_precision_dtype(x):\n"
+    "    return None\n"
+    "\n"
+    "\n"
+    "_mixed_precision_path = _mixed_precision_forward = None\n"
+)
+# The name on a block's begin line -> the text that replaces the block.
+REPLACEMENTS = {"BUNDLE_BATCHNORM_BASE": BUNDLE_BATCHNORM_BASE, "BUNDLE_NO_MIXED_PRECISION": BUNDLE_NO_MIXED_PRECISION}
 KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 ENGINE = os.path.join(REPO, "model_new.py")
 KERNEL_DIR = os.path.join(REPO, "kernels")
@@ -88,21 +103,34 @@ def _embed(model, kernel_dir):
     return model.replace(PLACEHOLDER, "_EMBEDDED_SOURCES = {\n" + entries + "}\n")
 
 
-def repository_only_block(text):
-    """(start, end) character offsets of the engine's repository-only block in
-    `text`, from the start of its first marker line to the end of its last."""
-    begin = text.find(REPOSITORY_ONLY_BEGIN)
-    end = text.find(REPOSITORY_ONLY_END)
-    if begin < 0 or end < begin or text.count(REPOSITORY_ONLY_BEGIN) != 1:
-        raise ValueError(f"expected one `{REPOSITORY_ONLY_BEGIN}` ... `{REPOSITORY_ONLY_END.strip()}` block")
-    return text.rindex("\n", 0, begin) + 1, end + len(REPOSITORY_ONLY_END)
+def repository_only_blocks(text):
+    """[(start, end, replacement)] of the engine's repository-only blocks in
+    `text`, in order: character offsets from the start of a block's begin line
+    to the end of its end line, and the REPLACEMENTS text its begin line names."""
+    blocks, at = [], 0
+    while True:
+        begin = text.find(REPOSITORY_ONLY_BEGIN, at)
+        if begin < 0:
+            break
+        end = text.find(REPOSITORY_ONLY_END, begin)
+        line = text[begin:text.index("\n", begin)]
+        names = [name for name in REPLACEMENTS if name in line]
+        if end < 0 or len(names) != 1 or text.find(REPOSITORY_ONLY_BEGIN, begin + 1, end) >= 0:
+            raise ValueError(f"a `{REPOSITORY_ONLY_BEGIN}` line names one of {sorted(REPLACEMENTS)} and its block "
+                             f"closes with `{REPOSITORY_ONLY_END.strip()}` before the next begins")
+        blocks.append((text.rindex("\n", 0, begin) + 1, end + len(REPOSITORY_ONLY_END), REPLACEMENTS[names[0]]))
+        at = end
+    if sorted(b[2] for b in blocks) != sorted(REPLACEMENTS.values()):
+        raise ValueError(f"expected one repository-only block for each of {sorted(REPLACEMENTS)}")
+    return blocks
 
 
 def without_repository_only(text):
-    """`text` (model_new.py's, or the engine part of it) with its repository-only
-    block replaced by BUNDLE_BATCHNORM_BASE."""
-    start, end = repository_only_block(text)
-    return text[:start] + BUNDLE_BATCHNORM_BASE + text[end:]
+    """`text` (model_new.py's, or the engine part of it) with each repository-only
+    block replaced by the text its begin line names."""
+    for start, end, replacement in reversed(repository_only_blocks(text)):
+        text = text[:start] + replacement + text[end:]
+    return text
 
 
 def engine_text(engine_path=ENGINE):

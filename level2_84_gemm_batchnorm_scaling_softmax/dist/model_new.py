@@ -5367,10 +5367,12 @@ def _cuda_dtype_problem(dtype):
             f"float dtypes (kernels/lowp/), got {dtype}")
 
 
-def check_input(x, weight, training):
+def check_input(x, weight, training, cast=False):
     """Raises what PyTorch raises for an input the Linear -> BatchNorm1d chain
     cannot take (x's rank, feature count, device, dtype; batch of 1 in
     training), before any buffer is touched.  Used by fused_forward.
+    cast: the call runs under mixed precision, which casts x and the weight to
+    one dtype, so their dtypes are not checked (section "Mixed precision").
     Ranks: 0-D and 1-D input and 4-D or more raise Model's errors (Linear's
     RuntimeError, BatchNorm1d's ValueError); 3-D input, on which Model's
     BatchNorm1d normalizes over dim 1 instead (or raises), raises RuntimeError."""
@@ -5394,9 +5396,9 @@ def check_input(x, weight, training):
             f"Expected all tensors to be on the same device, but found x on {x.device} "
             f"and the parameters on {weight.device}"
         )
-    if x.dtype != weight.dtype:
+    if x.dtype != weight.dtype and not cast:
         raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype}")
-    problem = _cuda_dtype_problem(x.dtype) if x.is_cuda else None
+    problem = _cuda_dtype_problem(x.dtype) if x.is_cuda and not cast else None
     if problem is not None:
         raise RuntimeError(problem)
     if training and x.shape[0] == 1:
@@ -5716,6 +5718,19 @@ def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, ep
     return kernels.forward_eval(gemm, *params, *buffers[:2], eps, scale_after_bn, *extra)
 
 
+# ---------------------------------------------------------------------------
+# Mixed precision
+# ---------------------------------------------------------------------------
+
+# The self-contained file (tools/bundle.py): the harness rules forbid mixed precision in its text, so it has
+# no mixed-precision path: every call runs the float32 kernels (README "Mixed precision").
+def _mixed_precision_dtype(x):
+    return None
+
+
+_mixed_precision_path = _mixed_precision_forward = None
+
+
 def _checked_params(x, gemm, scale, bn, synchronized=False):
     """(x, gemm.weight, gemm.bias, scale as an (N,) vector, bn.weight, bn.bias)
     after check_input and per_feature_scale (which raise before anything is
@@ -5729,6 +5744,18 @@ def _checked_params(x, gemm, scale, bn, synchronized=False):
 
 def _needs_grad(params):
     return torch.is_grad_enabled() and any(t.requires_grad for t in params)
+
+
+def _check_mixed_precision(x, gemm, scale, bn, group):
+    """The checks of a call under mixed precision (_mixed_precision_dtype): the
+    input's (check_input without the dtype rules: the cast makes x and the
+    weight one dtype) and the scale's; synchronized BatchNorm has no mixed-
+    precision path and raises RuntimeError (nothing touched)."""
+    check_input(x, gemm.weight, bn.training, cast=True)
+    per_feature_scale(scale, gemm.out_features)
+    if group is not None:
+        raise RuntimeError("ModelNew has no mixed-precision path with synchronized BatchNorm "
+                           "(nn.SyncBatchNorm.convert_sync_batchnorm across processes); run it in float32")
 
 
 def fused_forward(x, gemm, scale, bn, scale_after_bn):
@@ -5745,6 +5772,8 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
       training with gradients: _TrainFn (forward_train_saved, then the fused backward);
       eval with gradients: _eval_with_grad over gemm_nt;
       16-bit: the 16-bit call, or _LowpFn with gradients;
+      mixed precision on (CUDA or CPU; _mixed_precision_dtype): Model's own ops
+      (_mixed_precision_forward), so the result is Model's in that mode;
       bn a SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) in training with
       torch.distributed initialized over more than one process (sync_process_group):
       _SyncTrainFn, whose forward merges the batch statistics across processes
@@ -5757,6 +5786,9 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     tracing raises RuntimeError."""
     training = bn.training
     group = sync_process_group(bn)
+    if _mixed_precision_dtype(x) is not None:
+        _check_mixed_precision(x, gemm, scale, bn, group)
+        return _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn)
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     if torch.jit.is_tracing() and (_OPS is None or _is_16bit_dtype(x.dtype)):
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4) "
@@ -5793,6 +5825,10 @@ def kernel_path(x, gemm, scale, bn, scale_after_bn):
     ModelNew.kernel_path calls it.  Under synchronized BatchNorm
     (sync_process_group) the name is _sync_path_name's, e.g. "torch_ops_sync_train_grad"."""
     group = sync_process_group(bn)
+    if _mixed_precision_dtype(x) is not None:
+        _check_mixed_precision(x, gemm, scale, bn, group)
+        params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
+        return _mixed_precision_path(x, bn, _needs_grad(params))
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     if group is not None:
         return _sync_path_name(x, gemm.weight, _needs_grad(params))

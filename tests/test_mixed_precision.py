@@ -1,0 +1,136 @@
+"""ModelNew under torch.autocast (README "Mixed precision"): the same outputs,
+dtypes, running statistics, num_batches_tracked and gradients as Model under
+the same autocast, bit for bit (ModelNew calls Model's ops there), on the CPU
+(bfloat16 autocast: runs in CI) and on CUDA (float16 and bfloat16).
+
+Negative control: ModelNew outside autocast (its float32 path) is not equal to
+Model under autocast, so the equality tests can fail.
+"""
+import pytest
+import torch
+
+from tests.problems import BOTH, assert_state_equal, make_pair, requires_cuda, snapshot
+
+K, N, M = 48, 40, 16
+
+
+def _run(model, x, g, grad):
+    """(output, {parameter name: gradient}) of one call (and its backward when grad)."""
+    model.zero_grad(set_to_none=True)
+    if not grad:
+        with torch.no_grad():
+            return model(x), {}
+    out = model(x)
+    (out.float() * g).sum().backward()
+    return out.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def _compare(problem, device, dtype, training, grad, momentum=0.1, bn_eval=False, steps=3):
+    ref, new = make_pair(problem, 0, K, N, momentum=momentum, device=device, scale="random")
+    for module in (ref, new):
+        module.train(training)
+        if bn_eval:
+            module.bn.eval()
+    gen = torch.Generator().manual_seed(7)
+    for step in range(steps):
+        x = (torch.rand(M, K, generator=gen) * 2 - 1).to(device)
+        g = torch.randn(M, N, generator=gen).to(device)
+        with torch.autocast(device, dtype=dtype):
+            with torch.set_grad_enabled(grad):
+                path = new.kernel_path(x)
+            out_ref, grads_ref = _run(ref, x, g, grad)
+            out_new, grads_new = _run(new, x, g, grad)
+        assert path == "torch_ops_autocast_" + ("train" if new.bn.training else "eval") + ("_grad" if grad else "")
+        assert out_new.dtype == out_ref.dtype and torch.equal(out_new, out_ref), f"step {step}: output"
+        assert grads_new.keys() == grads_ref.keys()
+        for name in grads_ref:
+            assert torch.equal(grads_new[name], grads_ref[name]), f"step {step}: grad of {name}"
+        assert_state_equal(snapshot(new), snapshot(ref), f"step {step}")
+    return ref, new
+
+
+@pytest.mark.parametrize("problem", BOTH)
+@pytest.mark.parametrize("training,grad", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["train_grad", "train", "eval_grad", "eval"])
+def test_cpu_autocast_matches_model(problem, training, grad):
+    _compare(problem, "cpu", torch.bfloat16, training, grad)
+
+
+@pytest.mark.parametrize("problem", BOTH)
+def test_cpu_autocast_momentum_none_and_frozen_bn(problem):
+    _compare(problem, "cpu", torch.bfloat16, True, True, momentum=None)
+    _compare(problem, "cpu", torch.bfloat16, True, True, bn_eval=True)
+
+
+@pytest.mark.parametrize("problem", BOTH)
+def test_cpu_float32_path_differs_from_autocast(problem):
+    """Negative control: without autocast ModelNew computes in float32, which is
+    not Model under autocast."""
+    ref, new = make_pair(problem, 0, K, N, scale="random")
+    x = torch.rand(M, K, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out_ref = ref(x)
+        out_new = new(x)
+        assert new.kernel_path(x) == "torch_ops_train"
+    assert not torch.equal(out_new.to(out_ref.dtype), out_ref)
+
+
+@pytest.mark.parametrize("problem", BOTH)
+def test_cpu_autocast_bad_input_raises_model_errors_and_keeps_buffers(problem):
+    ref, new = make_pair(problem, 0, K, N)
+    before = snapshot(new)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+            new(torch.rand(1, K))
+        with pytest.raises(ValueError, match="expected 2D or 3D input"):
+            new(torch.rand(2, 3, 4, K))
+        with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+            new(torch.rand(4, K + 1))
+    assert_state_equal(snapshot(new), before, "after the errors")
+
+
+@pytest.mark.parametrize("problem", BOTH)
+def test_autocast_off_inside_autocast_region_uses_kernels_path(problem):
+    """torch.autocast(enabled=False) inside an autocast region: ModelNew's own path again."""
+    _, new = make_pair(problem, 0, K, N)
+    x = torch.rand(M, K)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", enabled=False):
+            assert new.kernel_path(x) == "torch_ops_train_grad"
+
+
+@requires_cuda
+@pytest.mark.parametrize("problem", BOTH)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("training,grad", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["train_grad", "train", "eval_grad", "eval"])
+def test_gpu_autocast_matches_model(problem, dtype, training, grad):
+    _compare(problem, "cuda", dtype, training, grad)
+
+
+@requires_cuda
+@pytest.mark.parametrize("problem", BOTH)
+def test_gpu_autocast_16bit_input_and_frozen_bn(problem):
+    """A float16 input under bfloat16 autocast (autocast casts it), and bn.eval()."""
+    ref, new = make_pair(problem, 0, K, N, device="cuda", scale="random")
+    x = torch.rand(M, K, device="cuda").to(torch.float16)
+    for module in (ref, new):
+        module.bn.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        out_ref, out_new = ref(x), new(x)
+    assert out_new.dtype == out_ref.dtype and torch.equal(out_new, out_ref)
+
+
+@pytest.mark.parametrize("problem", BOTH)
+def test_cpu_autocast_under_torch_compile(problem):
+    """torch.compile(fullgraph=True) of ModelNew under autocast: Model's result."""
+    if not hasattr(torch, "compile"):
+        pytest.skip("torch.compile needs torch >= 2.0")
+    ref, new = make_pair(problem, 0, K, N, scale="random")
+    compiled = torch.compile(new, backend="aot_eager", fullgraph=True)
+    x = torch.rand(M, K, generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ref, out_new = ref(x), compiled(x)
+    assert out_new.dtype == out_ref.dtype and torch.equal(out_new, out_ref)
+    assert_state_equal(snapshot(new), snapshot(ref), "after the compiled call")

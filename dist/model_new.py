@@ -5761,7 +5761,7 @@ def kernel_path(x, gemm, scale, bn, scale_after_bn):
     if _mixed_precision_dtype(x) is not None:
         _check_mixed_precision(x, gemm, scale, bn, group)
         params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
-        return _mixed_precision_path(x, bn, _needs_grad(params))
+        return _mixed_precision_path(bn, _needs_grad(params))
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     if group is not None:
         return _sync_path_name(x, gemm.weight, _needs_grad(params))

@@ -2012,7 +2012,8 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
         coeff_d = s ** 3 * gamma * r ** 3 * sum_gd / m
     a = s * gamma * r
     dt = grad_y.dtype
-    grad_z = grad_y * a.to(dt) - (a * sum_g / m).to(dt) - d * coeff_d.to(dt)
+    # float64 per element, grad_z rounded once (as the kernel; docs/perf.md v24)
+    grad_z = (grad_y.double() * a - a * sum_g / m - (z.double() - stats[0].double()) * coeff_d).to(dt)
     return [grad_z, grad_scale.to(dt), (s * r * sum_gd).to(dt), grad_beta.to(dt)]
 
 

@@ -406,7 +406,8 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
 // Tensors: g, z, dz (M, N) float32 row-major contiguous; stats (2, N) float32
 // = [mu | var]; scale, gamma (N); outputs dscale, dgamma, dbeta (N).
 // Reductions S1, S2 in float64 (each thread over its rows, then across the
-// block's warps); coefficients in float64; dz rounded once to float32.
+// block's warps); coefficients and each dz in float64, dz rounded once to
+// float32 (z - mu is exact in float64).
 //
 // Synchronized BatchNorm (model_new.py, _SyncFusedTrainFn) splits the kernel
 // around an all_reduce: the batch is the union of every process's rows, mu and
@@ -550,10 +551,10 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
   constexpr bool kScaleSum = kMode == BwdMode::kGrad;
   double scale_sum = 0.0;
   if (valid) {
-    const float a = static_cast<float>(coef[0][lane]);
-    const float c1 = static_cast<float>(coef[1][lane]);
-    const float c2 = static_cast<float>(coef[2][lane]);
-    const double c1d = coef[1][lane], c2d = coef[2][lane];
+    // float64 per element, dz rounded once: in float32 (four roundings) the batch
+    // sum of dz, zero in exact arithmetic, kept about eager's error, which the
+    // weight gradient carries into the next batch's mean (docs/perf.md v24).
+    const double a = coef[0][lane], c1 = coef[1][lane], c2 = coef[2][lane], mud = mu;
     const double b = kScaleSum && !p.scale_after_bn ? static_cast<double>(p.bias[j]) : 0.0;
     for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
       float gv[kBwdRowBatch], zv[kBwdRowBatch];
@@ -562,11 +563,10 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
       for (int r = 0; r < kBwdRowBatch; ++r) {
         const int m = row + r * kBwdWarps;
         if (m < p.M) {
-          p.dz[static_cast<size_t>(m) * p.N + j] = a * (gv[r] - c1 - (zv[r] - mu) * c2);
-          if (kScaleSum && !p.scale_after_bn) {
-            const double zd = zv[r];
-            scale_sum += (static_cast<double>(gv[r]) - c1d - (zd - static_cast<double>(mu)) * c2d) * (zd + b);
-          }
+          const double zd = zv[r];
+          const double inner = static_cast<double>(gv[r]) - c1 - (zd - mud) * c2;
+          p.dz[static_cast<size_t>(m) * p.N + j] = static_cast<float>(a * inner);
+          if (kScaleSum && !p.scale_after_bn) scale_sum += inner * (zd + b);
         }
       }
     }
@@ -6756,7 +6756,8 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
         coeff_d = s ** 3 * gamma * r ** 3 * sum_gd / m
     a = s * gamma * r
     dt = grad_y.dtype
-    grad_z = grad_y * a.to(dt) - (a * sum_g / m).to(dt) - d * coeff_d.to(dt)
+    # float64 per element, grad_z rounded once (as the kernel; docs/perf.md v24)
+    grad_z = (grad_y.double() * a - a * sum_g / m - (z.double() - stats[0].double()) * coeff_d).to(dt)
     return [grad_z, grad_scale.to(dt), (s * r * sum_gd).to(dt), grad_beta.to(dt)]
 
 

@@ -124,7 +124,7 @@ _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "bn_backward_train",
-                        "fp16x3_weight_parts", "sync_forward_local", "sync_bn_apply", "bn_backward_sums",
+                        "fp16x3_weight_parts", "weight_row_sums", "sync_forward_local", "sync_bn_apply", "bn_backward_sums",
                         "bn_backward_grad", "sm90_gemm_available", "sm90_cluster_max_active"]
 # The 16-bit extension: kernels/lowp/ (plus the .cuh headers of kernels/), its own module.
 _LOWP_SUBDIR = "lowp"
@@ -772,23 +772,26 @@ def _kernels(plan_kernels):
 # ---------------------------------------------------------------------------
 
 
-# gemm.weight's fp16x3 parts, kept between calls.  Entries are keyed by the
-# weight tensor object (id, checked through a weak reference that also drops
-# the entry when the weight dies) and valid while the weight's data pointer,
-# version counter, shape, strides, device and the current stream are those of
-# the call that made them.  The entry holds the weight's storage, so its
+# What the GEMMs precompute from gemm.weight, kept between calls: the fp16x3
+# parts, or the row sums of the 3xTF32 GEMMs' centring.  Entries are keyed by
+# the weight tensor object (id, checked through a weak reference that also drops
+# the entry when the weight dies) and valid while the kind, the weight's data
+# pointer, version counter, shape, strides, device and the current stream are
+# those of the call that made them.  The entry holds the weight's storage, so its
 # memory cannot be reused by another tensor at the same address while cached.
 _WeightPartsEntry = collections.namedtuple("_WeightPartsEntry", ["ref", "key", "storage", "parts"])
 _WEIGHT_PARTS = {}
 
 
-def _weight_parts(weight, split=None):
-    """gemm.weight's fp16x3 parts for the sm90_fp16x3 kernels (the extension's
-    fp16x3_weight_parts: w_hi, w_lo as fp16 words, the rows' power-of-two
-    scales and the rows' sums, weight_parts_floats(N, K) = N K + 3 N float32
-    words, about the size of the weight itself), made on the first call and reused while the weight is
-    unchanged; None when the call must split the weight itself (the extension
-    then does, inside the call): caching off (SWITCHES.weight_cache), a CUDA
+def _weight_parts(weight, split=None, kind="fp16x3"):
+    """What the GEMM precomputes from gemm.weight, made on the first call and
+    reused while the weight is unchanged.  kind "fp16x3": the sm90_fp16x3
+    kernels' parts (the extension's fp16x3_weight_parts: w_hi, w_lo as fp16
+    words, the rows' power-of-two scales and the rows' sums, N K + 3 N float32
+    words, about the size of the weight itself); kind "row_sums": the 3xTF32
+    kernels' row sums for their centring (weight_row_sums: 2 N float32 words).
+    None when the call must make them itself (the extension then does, inside
+    the call): caching off (SWITCHES.weight_cache), a CUDA
     graph being captured (a graph must not read a cache that later calls
     replace), or an inference-mode weight (no version counter).
     Seen as changes: anything that bumps the weight's version counter (in-place
@@ -798,13 +801,13 @@ def _weight_parts(weight, split=None):
     in-place writes through `weight.data` outside an optimizer step (a tensor
     with a version counter of its own, which autograd does not see either);
     after such writes call clear_weight_cache().
-    `split` makes the parts (default: the extension's fp16x3_weight_parts; the
+    `split` makes them (default: the extension's function for `kind`; the
     CPU tests give their own)."""
     if (not SWITCHES.weight_cache or not _WEIGHT_CACHE_SAFE or weight.is_inference()
             or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
     stream = torch.cuda.current_stream(weight.device).cuda_stream if weight.is_cuda else 0
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.device, stream)
+    key = (kind, weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.device, stream)
     wid = id(weight)
     entry = _WEIGHT_PARTS.get(wid)
     if entry is not None and entry.ref() is weight and entry.key == key:
@@ -816,7 +819,9 @@ def _weight_parts(weight, split=None):
         if current is not None and current.ref is ref:
             del _WEIGHT_PARTS[wid]
 
-    parts = (_ext.fp16x3_weight_parts if split is None else split)(weight)
+    if split is None:
+        split = _ext.fp16x3_weight_parts if kind == "fp16x3" else _ext.weight_row_sums
+    parts = split(weight)
     _WEIGHT_PARTS[wid] = _WeightPartsEntry(weakref.ref(weight, drop), key, weight.untyped_storage(), parts)
     return parts
 
@@ -842,18 +847,19 @@ if _WEIGHT_CACHE_SAFE:
 
 
 def clear_weight_cache():
-    """Drops every cached fp16x3 weight split (_weight_parts), freeing its memory
-    (one weight's size per cached weight); the next call splits again."""
+    """Drops everything cached from weights (_weight_parts), freeing its memory
+    (up to one weight's size per cached weight); the next call makes it again."""
     _WEIGHT_PARTS.clear()
 
 
 def _weight_args(kernels, gemm, weight):
     """The trailing argument of the float32 extension's forwards: gemm.weight's
-    cached fp16x3 parts on the sm90_fp16x3 path, else None (the 16-bit and
-    torch-op namespaces take none)."""
+    cached fp16x3 parts on the sm90_fp16x3 path, its cached row sums on the
+    3xTF32 paths (None: the extension makes them in the call); nothing for the
+    16-bit and torch-op namespaces."""
     if kernels is not _ext:
         return ()
-    return (_weight_parts(weight) if gemm.startswith("sm90_fp16x3") else None,)
+    return (_weight_parts(weight, kind="fp16x3" if gemm.startswith("sm90_fp16x3") else "row_sums"),)
 
 
 def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params):

@@ -75,6 +75,11 @@ model_new.SWITCHES)
     magnitude; (257, 4100, 130), (1000, 1000, 1000), KernelBench.  84: max
     elementwise relative error <= 2x eager's and Frobenius <= 2x eager's + 1e-7;
     inputs uniform, normal, offset; (257, 4100, 130), KernelBench
+  - test_gpu_running_statistics_vs_float64 [gemm_path]: running_mean and
+    running_var after 5 training calls no further from float64 Model's than
+    eager float32's, averaged over 10 seeds (3xTF32 kernels on log-normal
+    inputs: at most 1.2x / 2.6x, measured); (256, 1024, 512), uniform and
+    log-normal inputs
   - test_gpu_every_output_element_written [gemm_path]: caching allocator
     poisoned with NaN (the output block reuse is asserted), train and eval
   - test_gpu_empty_batch_eval_matches_reference: output shape, state unchanged
@@ -644,6 +649,50 @@ def test_gpu_accuracy_vs_float64(problem, m, k, n, kind, mode, fp32_matmul, gemm
     out_new, out_eager, out_64, _, _ = _accuracy_case(problem, m, k, n, kind, mode, seed=40)
     problem.check_accuracy(out_new, out_eager, out_64, (m, k, n), kind,
                            label=f"{problem.name} {gemm_path:8s} ({m},{k},{n}) {kind:13s} {mode:5s}")
+
+
+RUNNING_STATS_SHAPE = (256, 1024, 512)
+# Largest allowed ratio of ModelNew's mean error to eager's, (running_mean,
+# running_var); 1 unless listed.  The 3xTF32 kernels on log-normal inputs
+# measured 0.90-1.04x / 1.53-2.34x (H200, docs/perf.md v25; not diagnosed: not
+# the truncated small part of w, which was tried); the fp16x3 kernel 0.58x / 0.70x.
+RUNNING_STATS_BOUND = {("3xtf32", "lognormal"): (1.2, 2.6), ("portable", "lognormal"): (1.2, 2.6)}
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["uniform", "lognormal"])
+@pytest.mark.parametrize("problem", BOTH)
+def test_gpu_running_statistics_vs_float64(problem, kind, gemm_path):
+    """running_mean and running_var after 5 training calls, against Model trained
+    in float64, are on average over 10 seeds (models and data) no further from
+    it than eager float32 Model's (relative Frobenius; RUNNING_STATS_BOUND has
+    the exceptions).  Uniform [0, 1) rows share a level, so an accumulation that
+    truncates leaves the same signed error in every row of a feature and the
+    batch mean keeps it: before the 3xTF32 kernels centred x's rows (docs/perf.md
+    v25) their running_mean was 3.3-3.9x eager's here."""
+    m, k, n = RUNNING_STATS_SHAPE
+    errors = {"running_mean": ([], []), "running_var": ([], [])}
+    for seed in range(10):
+        ref, new = gpu_pair(problem, m, k, n, seed=seed)
+        ref64 = copy.deepcopy(ref).double()
+        gen = cuda_gen(100 + seed)
+        with torch.no_grad():
+            for _ in range(5):
+                x = (torch.empty(m, k, device="cuda").log_normal_(generator=gen) if kind == "lognormal"
+                     else gpu_input(kind, m, k, gen))
+                ref(x), new(x), ref64(x.double())
+        for name, (eager, ours) in errors.items():
+            want = getattr(ref64.bn, name)
+            for model, into in ((ref, eager), (new, ours)):
+                into.append(((getattr(model.bn, name).double() - want).norm() / want.norm()).item())
+    bounds = RUNNING_STATS_BOUND.get((gemm_path, kind), (1.0, 1.0))
+    line = f"\n[running stats] {problem.name} {gemm_path:8s} {kind:9s}"
+    for name, (eager, ours) in errors.items():
+        line += f" | {name}: eager {sum(eager) / 10:.2e}, ModelNew {sum(ours) / 10:.2e} ({sum(ours) / sum(eager):.2f}x)"
+    print(line)
+    for bound, (name, (eager, ours)) in zip(bounds, errors.items()):
+        assert sum(ours) <= bound * sum(eager), \
+            f"{name}: mean error {sum(ours) / 10:.3e} > {bound} x eager's {sum(eager) / 10:.3e}"
 
 
 @requires_cuda

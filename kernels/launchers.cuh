@@ -26,25 +26,45 @@ namespace fused_gemm_bn {
 // Each writes x's TF32 parts and, in the same launch, does the call's small
 // bookkeeping: num_batches_tracked += 1 when it is not null (a training call:
 // nn.BatchNorm1d's first step) and, for the Hopper GEMM, zeroes its split-tile
-// arrival counts.
+// arrival counts.  center (M, from row_centers; null: none): the parts are
+// those of rn(x - c_m), the centred split (centring.cuh).
 
 // Floats in each of x_big / x_small for an (M, K) input (fragment order, padded).
 int64_t sm80_prepass_elems(int M, int K);
 // x (any strides) -> x_big, x_small in mma fragment order, for sm80_* / sm90_cluster_*.
-cudaError_t sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* x_big,
-                                float* x_small, int64_t* num_batches_tracked, cudaStream_t stream);
-// Contiguous x with K % 4 == 0 -> x_small = x - tf32_trunc(x), for sm90_gemm_3xtf32_*;
-// zero_ints[0 .. num_zero_ints) = 0.
-cudaError_t sm90_prepass_3xtf32(const float* x, int M, int K, float* x_small, int* zero_ints, int num_zero_ints,
-                                int64_t* num_batches_tracked, cudaStream_t stream);
+cudaError_t sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
+                                const float* center, float* x_big, float* x_small, int64_t* num_batches_tracked,
+                                cudaStream_t stream);
+// Contiguous x with K % 4 == 0 -> x_small = v - tf32_trunc(v), for sm90_gemm_3xtf32_*,
+// with v = x, or v = rn(x - c_m) also written to x_centred (M, K) when center is
+// given (the GEMM then reads x_centred); zero_ints[0 .. num_zero_ints) = 0.
+cudaError_t sm90_prepass_3xtf32(const float* x, int M, int K, const float* center, float* x_centred, float* x_small,
+                                int* zero_ints, int num_zero_ints, int64_t* num_batches_tracked,
+                                cudaStream_t stream);
+
+// ---- centring.cu: the centred split's per-row terms for the 3xTF32 GEMMs ----
+// x (any strides) -> center (M): c_m.
+cudaError_t row_centers(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* center,
+                        cudaStream_t stream);
+// w (any strides) -> row_sum (N): sum_k w[n, k] in float64 as fp32 (hi, lo) pairs.
+cudaError_t row_sums(const float* w, int64_t row_stride, int64_t col_stride, int N, int K, float2* row_sum,
+                     cudaStream_t stream);
+// What a 3xTF32 GEMM needs to undo the centring: z = the parts' product +
+// c_m (hi_n + lo_n).  Both null: x was split as it is.
+struct Centring {
+  const float* x_center;    // (M), row_centers
+  const float2* w_row_sum;  // (N), row_sums
+};
 
 // ---- sm80_gemm_3xtf32_bn.cu: portable 3xTF32 GEMM (mma.sync, sm_80+) --------
 int sm80_gemm_block_m();
 // z = x @ w^T into out, and per-(M tile, feature) mean / M2 of z.
-cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, float* out,
-                                   float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream);
+cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, Centring centring,
+                                   float* out, float* part_mean, float* part_m2, int M, int N, int K,
+                                   cudaStream_t stream);
 // out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
-cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, float* out,
+cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, Centring centring,
+                                  float* out,
                                   const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
                                   const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
                                   int M, int N, int K, cudaStream_t stream);
@@ -56,7 +76,8 @@ int sm90_cluster_max_active(int m_tiles, bool vec16);
 // Problem 33's whole training forward in one launch (M <= 8 * BLOCK_M): out is
 // the BatchNorm output; running statistics updated; num_batches_tracked read
 // (already incremented by the pre-pass).
-cudaError_t sm90_cluster_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, float* out,
+cudaError_t sm90_cluster_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
+                                           Centring centring, float* out,
                                            const float* bias, const float* scale, const float* bn_weight,
                                            const float* bn_bias, float* running_mean, float* running_var,
                                            const int64_t* num_batches_tracked, float momentum, float eps, int M, int N,
@@ -71,17 +92,19 @@ bool sm90_gemm_available();
 // *zero_ints ints must be zero at the launch (both 0 when no tile is split).
 void sm90_gemm_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
 // z = x @ w^T into out and per-tile mean / M2 (x contiguous, x_small from sm90_prepass_3xtf32).
-cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
+cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, Centring centring, float* out,
                                    float* part_mean, float* part_m2, int M, int N, int K, bool split_tiles,
                                    float* workspace, cudaStream_t stream);
 // out = a * (x @ w^T) + c, the eval-mode fold.
-cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out, const float* bias,
+cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, Centring centring, float* out,
+                                  const float* bias,
                                   const float* scale, const float* bn_weight, const float* bn_bias,
                                   const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
                                   int M, int N, int K, bool split_tiles, float* workspace, cudaStream_t stream);
 // out = x @ w^T (the backward's products).
-cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out, int M, int N,
-                                   int K, bool split_tiles, float* workspace, cudaStream_t stream);
+cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, Centring centring,
+                                   float* out, int M, int N, int K, bool split_tiles, float* workspace,
+                                   cudaStream_t stream);
 
 // ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
 // x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0),

@@ -12,8 +12,10 @@
 // TF32 big and small parts, written in the mma.m16n8k8 A-fragment order that
 // the GEMM reads.
 //
-//   big   = cvt.rna.tf32(x)          (round to nearest, ties away)
-//   small = cvt.rna.tf32(x - big)    (the difference is exact in fp32)
+//   v     = x, or rn(x - c_m) when center is given (the forwards: the centred
+//           split, centring.cuh; c_m from row_centers in centring.cu)
+//   big   = cvt.rna.tf32(v)          (round to nearest, ties away)
+//   small = cvt.rna.tf32(v - big)    (the difference is exact in fp32)
 //
 // x: (M, K) float32 with arbitrary element strides (row_stride, col_stride), so a
 // non-contiguous caller tensor is read in place and never copied or written.
@@ -32,7 +34,8 @@
 // sm80_gemm_3xtf32_bn.cuh).  One 16-byte shared load is then one A operand.
 // Memory-bound: reads M*K floats, writes 2*M_pad*K_pad.
 //
-// sm90_prepass_3xtf32 (Hopper GEMM): only x's remainder (below, at its kernel).
+// sm90_prepass_3xtf32 (Hopper GEMM): x's remainder, and x_centred = rn(x - c_m)
+// itself when centring (below, at its kernel).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -56,8 +59,8 @@ __device__ __forceinline__ void split_rna_tf32(float v, float& big, float& small
 // One thread per output float4 (one lane's registers for one k-step).
 __global__ void __launch_bounds__(kSplitThreads)
     sm80_prepass_3xtf32_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int M, int K,
-                      int num_slabs, int64_t num_quads, float* __restrict__ big, float* __restrict__ small,
-                      int64_t* num_batches_tracked) {
+                      int num_slabs, int64_t num_quads, const float* __restrict__ center,
+                      float* __restrict__ big, float* __restrict__ small, int64_t* num_batches_tracked) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
   const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -75,7 +78,11 @@ __global__ void __launch_bounds__(kSplitThreads)
   float b[4], s[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    const float v = rows[r] < M && cols[r] < K ? x[rows[r] * row_stride + cols[r] * col_stride] : 0.f;
+    float v = 0.f;
+    if (rows[r] < M && cols[r] < K) {
+      v = x[rows[r] * row_stride + cols[r] * col_stride];
+      if (center != nullptr) v -= center[rows[r]];
+    }
     split_rna_tf32(v, b[r], s[r]);
   }
   reinterpret_cast<float4*>(big)[q] = make_float4(b[0], b[1], b[2], b[3]);
@@ -105,22 +112,34 @@ __device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
 }
 
 // Two float4 per thread and iteration, both loads issued first: twice the
-// bytes in flight of one (the kernel is bound by HBM bandwidth).
+// bytes in flight of one (the kernel is bound by HBM bandwidth).  kCentred:
+// the parts are those of v = rn(x - c_m), and v itself is written to
+// x_centred (the GEMM's TMA reads it in place of x); k4 = K / 4.
+template <bool kCentred>
 __global__ void __launch_bounds__(kSplitThreads)
-    sm90_prepass_3xtf32_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
-                                int64_t* num_batches_tracked, int* zero_ints, int num_zero_ints) {
+    sm90_prepass_3xtf32_kernel(const float4* __restrict__ x, const float* __restrict__ center, int64_t k4,
+                               float4* __restrict__ x_centred, float4* __restrict__ x_small, int64_t n4,
+                               int64_t* num_batches_tracked, int* zero_ints, int num_zero_ints) {
   if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
   if (blockIdx.x == 0)
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
+  auto split = [&](int64_t i, float4 v) {
+    if constexpr (kCentred) {
+      const float c = center[i / k4];
+      v = make_float4(v.x - c, v.y - c, v.z - c, v.w - c);
+      x_centred[i] = v;
+    }
+    x_small[i] = remainder_rna_tf32(v);
+  };
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (; i + stride < n4; i += 2 * stride) {
     const float4 v0 = x[i];
     const float4 v1 = x[i + stride];
-    x_small[i] = remainder_rna_tf32(v0);
-    x_small[i + stride] = remainder_rna_tf32(v1);
+    split(i, v0);
+    split(i + stride, v1);
   }
-  if (i < n4) x_small[i] = remainder_rna_tf32(x[i]);
+  if (i < n4) split(i, x[i]);
 }
 
 }  // namespace fused_gemm_bn
@@ -136,8 +155,8 @@ int64_t fused_gemm_bn::sm80_prepass_elems(int M, int K) {
 }
 
 cudaError_t fused_gemm_bn::sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
-                                               float* x_big, float* x_small, int64_t* num_batches_tracked,
-                                               cudaStream_t stream) {
+                                               const float* center, float* x_big, float* x_small,
+                                               int64_t* num_batches_tracked, cudaStream_t stream) {
   const int num_slabs = (K + kFragSlabK - 1) / kFragSlabK;
   const int64_t num_quads = sm80_prepass_elems(M, K) / 4;
   int64_t blocks = (num_quads + kSplitThreads - 1) / kSplitThreads;
@@ -145,14 +164,18 @@ cudaError_t fused_gemm_bn::sm80_prepass_3xtf32(const float* x, int64_t row_strid
   if (blocks == 0) blocks = 1;  // still counts the call
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   sm80_prepass_3xtf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
-      x, row_stride, col_stride, M, K, num_slabs, num_quads, x_big, x_small, num_batches_tracked);
+      x, row_stride, col_stride, M, K, num_slabs, num_quads, center, x_big, x_small, num_batches_tracked);
   return cudaGetLastError();
 }
 
-// Preconditions: x and x_small contiguous and 16-byte aligned, K % 4 == 0.
-cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, float* x_small, int* zero_ints,
-                                               int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream) {
-  if (K % 4 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(x_small) % 16 != 0)
+// Preconditions: x, x_centred and x_small contiguous and 16-byte aligned,
+// K % 4 == 0; x_centred given exactly when center is.
+cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, const float* center, float* x_centred,
+                                               float* x_small, int* zero_ints, int num_zero_ints,
+                                               int64_t* num_batches_tracked, cudaStream_t stream) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (K % 4 != 0 || !aligned(x) || !aligned(x_small) || (center == nullptr) != (x_centred == nullptr) ||
+      !aligned(x_centred))
     return cudaErrorInvalidValue;
   const int64_t n4 = static_cast<int64_t>(M) * K / 4;
   if (n4 == 0 && num_batches_tracked == nullptr && num_zero_ints == 0) return cudaSuccess;
@@ -162,8 +185,14 @@ cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, flo
   if (err != cudaSuccess) return err;
   const int64_t wanted = (n4 + kSplitThreads - 1) / kSplitThreads;
   const int blocks = static_cast<int>(wanted < 1 ? 1 : wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
-  sm90_prepass_3xtf32_kernel<<<blocks, kSplitThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(x), reinterpret_cast<float4*>(x_small), n4, num_batches_tracked, zero_ints,
-      num_zero_ints);
+  auto x4 = reinterpret_cast<const float4*>(x);
+  auto small4 = reinterpret_cast<float4*>(x_small);
+  if (center != nullptr)
+    sm90_prepass_3xtf32_kernel<true><<<blocks, kSplitThreads, 0, stream>>>(
+        x4, center, K / 4, reinterpret_cast<float4*>(x_centred), small4, n4, num_batches_tracked, zero_ints,
+        num_zero_ints);
+  else
+    sm90_prepass_3xtf32_kernel<false><<<blocks, kSplitThreads, 0, stream>>>(
+        x4, nullptr, K / 4, nullptr, small4, n4, num_batches_tracked, zero_ints, num_zero_ints);
   return cudaGetLastError();
 }

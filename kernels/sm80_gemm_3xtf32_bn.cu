@@ -6,7 +6,8 @@
 // Launchers (launchers.cuh):
 //   sm80_gemm_3xtf32_train  z = x @ w^T into out, per-(M tile, feature) mean / M2
 //   sm80_gemm_3xtf32_eval   out = a * (x @ w^T) + c (eval-mode fold)
-// x is given as its TF32 parts in fragment order (sm80_prepass_3xtf32).
+// x is given as its TF32 parts in fragment order (sm80_prepass_3xtf32), centred
+// or not (centring: both pointers or neither).
 // Preconditions: M, N >= 1, K >= 0; x_big / x_small 16-byte aligned; w 4-byte
 // aligned (the 16-byte w loads are used where K % 4 == 0 and w is 16-byte aligned).
 // They return the launch error (cudaSuccess if none) and never synchronise.
@@ -60,10 +61,11 @@ static cudaError_t launch_sm80_gemm(const Sm80GemmBnArgs& args, cudaStream_t str
 int fused_gemm_bn::sm80_gemm_block_m() { return Sm80GemmTraits::BLOCK_M; }
 
 cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
-                                                  float* out, float* part_mean, float* part_m2, int M, int N, int K,
-                                                  cudaStream_t stream) {
-  if (M < 1 || N < 1 || K < 0) return cudaErrorInvalidValue;
-  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
+                                                  Centring centring, float* out, float* part_mean, float* part_m2,
+                                                  int M, int N, int K, cudaStream_t stream) {
+  if (M < 1 || N < 1 || K < 0 || (centring.x_center == nullptr) != (centring.w_row_sum == nullptr))
+    return cudaErrorInvalidValue;
+  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.part_mean = part_mean;
   args.part_m2 = part_m2;
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kTrain, true>(args, stream)
@@ -71,13 +73,15 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_train(const float* x_big, const floa
 }
 
 // scale_after_bn: Linear -> BatchNorm -> scale (problem 84) instead of Linear -> scale -> BatchNorm.
-cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, float* out,
+cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
+                                                 Centring centring, float* out,
                                                  const float* bias, const float* scale, const float* bn_weight,
                                                  const float* bn_bias, const float* running_mean,
                                                  const float* running_var, float eps, bool scale_after_bn, int M,
                                                  int N, int K, cudaStream_t stream) {
-  if (M < 1 || N < 1 || K < 0) return cudaErrorInvalidValue;
-  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
+  if (M < 1 || N < 1 || K < 0 || (centring.x_center == nullptr) != (centring.w_row_sum == nullptr))
+    return cudaErrorInvalidValue;
+  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
                         : launch_sm80_gemm<Epilogue::kEval, false>(args, stream);

@@ -21,6 +21,8 @@
 //                   (round_up(M, 16), round_up(K, 32)) and stored in mma A-fragment
 //                   order (layout in prepass_3xtf32.cu) == mma "row" A operand
 //   w    (N, K)   K-major  == mma "col" B operand (nn.Linear weight layout)
+//   x_center (M), w_row_sum (N) (hi, lo): the centred split's terms (centring.cuh),
+//                   or both null
 //   out  (M, N)   row-major
 //   part_mean, part_m2  (ceil(M / BLOCK_M), N)
 //   bias, scale, bn_weight, bn_bias, running_mean, running_var  (N)
@@ -46,6 +48,10 @@
 //   that DeepGEMM uses for FP8).  Expected ||z - z64|| / ||z64|| below eager
 //   FP32 SGEMM's (docs/perf.md has the measurements).
 //   Non-finite inputs: inf - inf = NaN in the split, so an inf operand yields NaN.
+//   Centring (centring.cuh): the forwards split x - c_m (c_m the row mean) and
+//   the epilogue adds c_m (hi_n + lo_n) back, so that the truncating
+//   accumulation's error has no common sign over a feature's rows: the batch
+//   mean (BatchNorm's statistic) then averages it out (docs/perf.md v25).
 //
 // Tiling: BLOCK_M x BLOCK_N x BLOCK_K = 128 x 128 x 32 per CTA, 8 warps in a
 // 2 x 4 grid of 64 x 32 warp tiles, mma.sync.m16n8k8 (PTX ISA 9.7.13.4.13,
@@ -77,6 +83,7 @@
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "launchers.cuh"
 
 namespace fused_gemm_bn {
 
@@ -234,6 +241,10 @@ struct Sm80GemmBnArgs {
   const float* x_big;
   const float* x_small;
   const float* w;
+  // The centred split (centring.cuh): x's parts are those of x - c_m, and the
+  // epilogue adds c_m (hi_n + lo_n) back.  Null: x split as it is.
+  const float* x_center;
+  const float2* w_row_sum;
   float* out;
   int M, N, K;
   // kTrain
@@ -384,6 +395,31 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
   const int row_base = m0 + wm * T::WARP_M + g;
   const int col_base = n0 + wn * T::WARP_N + 2 * t;
 
+  // z = the parts' product + c_m (hi_n + lo_n): two fmas, one rounding of z
+  // beyond the tiny lo product.  Rows past M and columns past N add 0.
+  if (args.x_center != nullptr) {
+    float c[T::kMmaTilesM][2];
+#pragma unroll
+    for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_base + mi * T::MMA_M + 8 * h;
+        c[mi][h] = row < M ? __ldg(args.x_center + row) : 0.f;
+      }
+#pragma unroll
+    for (int ni = 0; ni < T::kMmaTilesN; ++ni)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = col_base + ni * T::MMA_N + j;
+        const float2 s = col < N ? __ldg(args.w_row_sum + col) : make_float2(0.f, 0.f);
+#pragma unroll
+        for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            acc[mi][ni][2 * h + j] = fmaf(c[mi][h], s.x, fmaf(c[mi][h], s.y, acc[mi][ni][2 * h + j]));
+      }
+  }
+
   if constexpr (kEpilogue == Epilogue::kEval) {
 #pragma unroll
     for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
@@ -521,12 +557,14 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
 }
 
 // Arguments common to every epilogue; the caller fills the epilogue's fields.
-inline Sm80GemmBnArgs gemm_args(const float* x_big, const float* x_small, const float* w, float* out, int M, int N,
-                                int K) {
+inline Sm80GemmBnArgs gemm_args(const float* x_big, const float* x_small, const float* w, Centring centring,
+                                float* out, int M, int N, int K) {
   Sm80GemmBnArgs args{};
   args.x_big = x_big;
   args.x_small = x_small;
   args.w = w;
+  args.x_center = centring.x_center;
+  args.w_row_sum = centring.w_row_sum;
   args.out = out;
   args.M = M;
   args.N = N;

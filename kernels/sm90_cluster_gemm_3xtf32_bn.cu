@@ -110,7 +110,7 @@ int fused_gemm_bn::sm90_cluster_max_active(int m_tiles, bool vec16) {
 }
 
 cudaError_t fused_gemm_bn::sm90_cluster_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
-                                                          float* out, const float* bias, const float* scale,
+                                                          Centring centring, float* out, const float* bias, const float* scale,
                                                           const float* bn_weight, const float* bn_bias,
                                                           float* running_mean, float* running_var,
                                                           const int64_t* num_batches_tracked, float momentum,
@@ -118,9 +118,10 @@ cudaError_t fused_gemm_bn::sm90_cluster_gemm_3xtf32_train(const float* x_big, co
   using T = Sm80GemmTraits;
   const long long m_tiles = (static_cast<long long>(M) + T::BLOCK_M - 1) / T::BLOCK_M;
   const long long n_tiles = (static_cast<long long>(N) + T::BLOCK_N - 1) / T::BLOCK_N;
-  if (m_tiles < 1 || m_tiles > kMaxClusterTiles || n_tiles < 1 || n_tiles > 65535 || K < 0 || !cluster_device_ok())
+  if (m_tiles < 1 || m_tiles > kMaxClusterTiles || n_tiles < 1 || n_tiles > 65535 || K < 0 ||
+      (centring.x_center == nullptr) != (centring.w_row_sum == nullptr) || !cluster_device_ok())
     return cudaErrorInvalidValue;
-  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
+  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.bn = BnParams{bias, scale, bn_weight, bn_bias, nullptr, nullptr, eps, false};
   args.running_mean_out = running_mean;
   args.running_var_out = running_var;

@@ -13,7 +13,7 @@
 //
 // Tensors (float32, row-major, contiguous, 16-byte aligned, K % 4 == 0: TMA
 // needs 16-byte global strides)
-//   x        (M, K)  K-major: the caller's input, read raw by TMA
+//   x        (M, K)  K-major: the caller's input or its centred rows, read raw by TMA
 //   x_small  (M, K)  K-major: rna_tf32(x - tf32_trunc(x)), sm90_prepass_3xtf32
 //   w        (N, K)  K-major: nn.Linear weight
 //   out      (M, N);  part_mean, part_m2 (ceil(M / BLOCK_M), N);  vectors (N)
@@ -44,6 +44,9 @@
 //   ||y - y64|| / ||y64|| 0.19-0.46x eager FP32's on the tested shapes of K >= 1000
 //   (docs/perf.md; promoting every 64 k was 1.5% faster, at 0.9-1.0x eager's error in eval).
 //   Non-finite inputs: inf - inf = NaN in the split, so an inf operand gives NaN.
+//   Centring (the forwards; centring.cuh): x is x_centred = rn(x - c_m) and
+//   the epilogue adds c_m (hi_n + lo_n) back (finish_product), so the
+//   truncating accumulation's error has no common sign over a feature's rows.
 //
 // Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor; DeepGEMM's
 // sm90 GEMMs were read for the warp-specialised pattern)
@@ -317,6 +320,7 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
     mainloop(q, n_blocks);
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
+    if (args.x_center != nullptr) finish_product<false>(acc, args, seg.tile, m_tiles, w_row, t);
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
 #elif defined(__CUDA_ARCH__)
@@ -363,9 +367,19 @@ static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const 
 }
 
 // Preconditions of the launchers below, as the dispatch guarantees them.
-static bool launch_ok(const float* x, const float* x_small, const float* w, int M, int N, int K) {
+static bool launch_ok(const float* x, const float* x_small, const float* w, Centring centring, int M, int N, int K) {
   return M >= 1 && N >= 1 && K >= 1 && K % 4 == 0 && aligned16(x) && aligned16(x_small) && aligned16(w) &&
-         fused_gemm_bn::sm90_gemm_available();
+         (centring.x_center == nullptr) == (centring.w_row_sum == nullptr) && fused_gemm_bn::sm90_gemm_available();
+}
+
+// The arguments every epilogue takes.
+static Sm90GemmBnArgs gemm_args(Centring centring, float* out, int M, int N, int K) {
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out;
+  args.x_center = centring.x_center;
+  args.w_row_sum = centring.w_row_sum;
+  return args;
 }
 
 }  // namespace sm90
@@ -419,44 +433,41 @@ void fused_gemm_bn::sm90_gemm_workspace(int M, int N, int K, bool split_tiles, i
 }
 
 // z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
-// x_small = rna_tf32(x - tf32_trunc(x)) (sm90_prepass_3xtf32).  `workspace`:
-// as sm90_gemm_workspace says (null when it needs none).
-cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
-                                                  float* part_mean, float* part_m2, int M, int N, int K,
-                                                  bool split_tiles, float* workspace, cudaStream_t stream) {
+// x_small = rna_tf32(x - tf32_trunc(x)) (sm90_prepass_3xtf32); x is the
+// centred x_centred when centring is given.  `workspace`: as
+// sm90_gemm_workspace says (null when it needs none).
+cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w,
+                                                  Centring centring, float* out, float* part_mean, float* part_m2,
+                                                  int M, int N, int K, bool split_tiles, float* workspace,
+                                                  cudaStream_t stream) {
   using namespace sm90;
-  if (!launch_ok(x, x_small, w, M, N, K)) return cudaErrorInvalidValue;
-  Sm90GemmBnArgs args{};
-  args.M = M; args.N = N; args.K = K;
-  args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
+  if (!launch_ok(x, x_small, w, centring, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args = gemm_args(centring, out, M, N, K);
+  args.part_mean = part_mean; args.part_m2 = part_m2;
   return launch_sm90_gemm<sm90::Epilogue::kTrain>(x, x_small, w, args, split_tiles, workspace, stream);
 }
 
 // out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm
 // (scale_after_bn: Linear -> BatchNorm -> scale instead of Linear -> scale -> BatchNorm).
-cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
-                                                 const float* bias, const float* scale, const float* bn_weight,
+cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w,
+                                                 Centring centring, float* out, const float* bias, const float* scale, const float* bn_weight,
                                                  const float* bn_bias, const float* running_mean,
                                                  const float* running_var, float eps, bool scale_after_bn, int M,
                                                  int N, int K, bool split_tiles, float* workspace,
                                                  cudaStream_t stream) {
   using namespace sm90;
-  if (!launch_ok(x, x_small, w, M, N, K)) return cudaErrorInvalidValue;
-  Sm90GemmBnArgs args{};
-  args.M = M; args.N = N; args.K = K;
-  args.out = out;
+  if (!launch_ok(x, x_small, w, centring, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args = gemm_args(centring, out, M, N, K);
   args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
   return launch_sm90_gemm<sm90::Epilogue::kEval>(x, x_small, w, args, split_tiles, workspace, stream);
 }
 
 // out = x @ w^T, nothing else (the backward's products).
-cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out,
-                                                  int M, int N, int K, bool split_tiles, float* workspace,
-                                                  cudaStream_t stream) {
+cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w,
+                                                  Centring centring, float* out, int M, int N, int K,
+                                                  bool split_tiles, float* workspace, cudaStream_t stream) {
   using namespace sm90;
-  if (!launch_ok(x, x_small, w, M, N, K)) return cudaErrorInvalidValue;
-  Sm90GemmBnArgs args{};
-  args.M = M; args.N = N; args.K = K;
-  args.out = out;
+  if (!launch_ok(x, x_small, w, centring, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args = gemm_args(centring, out, M, N, K);
   return launch_sm90_gemm<sm90::Epilogue::kPlain>(x, x_small, w, args, split_tiles, workspace, stream);
 }

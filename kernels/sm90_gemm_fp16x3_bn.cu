@@ -308,29 +308,7 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     mainloop(q, n_blocks);
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
-    // z = (acc * 2^-e_n) * 2^-e_m (two exact scalings) + c_m (lo_n + hi_n)
-    // (two fmas: the centre's share added back, one rounding of the result
-    // beyond the tiny lo product; layout: sm90_gemm_tiles.cuh; rows past M or
-    // N hold zeros).
-    const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
-    float w_inv[2];
-    float2 w_sum[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int f = n0 + w_row + 8 * h;
-      w_inv[h] = f < args.N ? __ldg(args.w_inv_scale + f) : 0.f;
-      w_sum[h] = f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
-    }
-#pragma unroll
-    for (int i = 0; i < T::kAccRegs / 4; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = m0 + 8 * i + 2 * t + e;
-        const float inv = b < M ? __ldg(args.x_inv_scale + b) : 0.f;
-        const float c = b < M ? __ldg(args.x_center + b) : 0.f;
-        acc[4 * i + e] = fmaf(c, w_sum[0].x, fmaf(c, w_sum[0].y, (acc[4 * i + e] * w_inv[0]) * inv));
-        acc[4 * i + 2 + e] = fmaf(c, w_sum[1].x, fmaf(c, w_sum[1].y, (acc[4 * i + 2 + e] * w_inv[1]) * inv));
-      }
+    finish_product<true>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
 #elif defined(__CUDA_ARCH__)

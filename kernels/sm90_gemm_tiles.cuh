@@ -62,8 +62,9 @@ struct Sm90GemmBnArgs {
   float* partials;
   int* tile_arrivals;
   // sm90_gemm_fp16x3 only: 2^-e of each row's power-of-two scale, x's (M
-  // floats) and w's (N floats); x's row centres c_m (M) and w's row sums
-  // (N (hi, lo) pairs): z = the parts' product + c_m (hi_n + lo_n).
+  // floats) and w's (N floats).  Both GEMMs: x's row centres c_m (M) and w's
+  // row sums (N (hi, lo) pairs), z = the parts' product + c_m (hi_n + lo_n);
+  // null in the 3xTF32 kernel's uncentred calls.
   const float* x_inv_scale;
   const float* w_inv_scale;
   const float* x_center;
@@ -140,6 +141,40 @@ __device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], 
     }
   }
   return true;
+}
+
+// The product's last steps, in place: z = (acc 2^-e_n) 2^-e_m (kScaled: the
+// fp16x3 operands' power-of-two row scales, two exact multiplies) + c_m (hi_n +
+// lo_n) where x was centred (args.x_center not null; centring.cuh): two fmas,
+// one rounding of z beyond the tiny lo product.  Rows past M or N hold zeros
+// and stay zero.
+template <bool kScaled>
+__device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args, int tile,
+                                               int m_tiles, int w_row, int t) {
+  const int m0 = (tile % m_tiles) * kTileM, n0 = (tile / m_tiles) * kTileN;
+  const bool centred = args.x_center != nullptr;
+  float w_inv[2];
+  float2 w_sum[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int f = n0 + w_row + 8 * h;
+    w_inv[h] = kScaled && f < args.N ? __ldg(args.w_inv_scale + f) : 0.f;
+    w_sum[h] = centred && f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
+  }
+#pragma unroll
+  for (int i = 0; i < kTileAccRegs / 4; ++i)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int b = m0 + 8 * i + 2 * t + e;
+      const float inv = kScaled && b < args.M ? __ldg(args.x_inv_scale + b) : 0.f;
+      const float c = centred && b < args.M ? __ldg(args.x_center + b) : 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float& z = acc[4 * i + 2 * h + e];
+        if constexpr (kScaled) z = (z * w_inv[h]) * inv;
+        z = fmaf(c, w_sum[h].x, fmaf(c, w_sum[h].y, z));
+      }
+    }
 }
 
 // The epilogue of one finished tile (layout in this header's comment): kEval

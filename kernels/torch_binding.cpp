@@ -16,24 +16,28 @@
 //
 //   gemm name             kernels
 //   --------------------  ------------------------------------------------------------
-//   sm90_3xtf32           sm90_prepass_3xtf32 (x_small; training: num_batches_tracked
-//                         += 1), then sm90_gemm_3xtf32_{train,eval,plain} (wgmma, TMA)
+//   sm90_3xtf32           the forwards: row_sums over W's rows unless the caller passes
+//                         w_parts (its cached result), row_centers over x; then
+//                         sm90_prepass_3xtf32 (x_centred, x_small; training:
+//                         num_batches_tracked += 1), then sm90_gemm_3xtf32_{train,eval}
+//                         (wgmma, TMA); gemm_nt: no centring, sm90_gemm_3xtf32_plain
 //   sm90_3xtf32_nosplit   the same with whole tiles only (A/B switch for measurements)
 //   sm90_fp16x3           sm90_prepass_fp16x3 over W's rows unless the caller passes
 //                         w_parts (its cached result), then over x (fp16 parts and row
 //                         scales; training: += 1), then sm90_gemm_fp16x3_{train,eval,plain}
 //   sm90_fp16x3_nosplit   the same with whole tiles only
-//   sm80_3xtf32           sm80_prepass_3xtf32 (x's TF32 parts; training: += 1), then
-//                         sm80_gemm_3xtf32_{train,eval} (mma.sync, any sm_80+)
-//   sm90_cluster_3xtf32   sm80_prepass_3xtf32, then sm90_cluster_gemm_3xtf32_train:
+//   sm80_3xtf32           the forwards: row_sums (or w_parts) and row_centers as above;
+//                         sm80_prepass_3xtf32 (x's TF32 parts; training: += 1), then
+//                         sm80_gemm_3xtf32_{train,eval} (mma.sync, any sm_80+); gemm_nt uncentred
+//   sm90_cluster_3xtf32   the same pre-passes, then sm90_cluster_gemm_3xtf32_train:
 //                         problem 33's whole training forward (forward_train only)
 //
 //   forward_train(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                 running_var, num_batches_tracked, momentum, eps, scale_after_bn,
 //                 w_parts) -> out (M, N)
-//       w_parts (every forward's last argument): None, or fp16x3_weight_parts(weight)
-//       made while the weight held its current values (sm90_fp16x3 only; ignored
-//       by the other kernels).
+//       w_parts (every forward's last argument): None, or made while the weight held
+//       its current values: fp16x3_weight_parts(weight) for sm90_fp16x3[_nosplit],
+//       weight_row_sums(weight) for the 3xTF32 GEMMs (their centring, centring.cuh).
 //       the pre-pass and the training GEMM: z = x @ weight^T and per-tile mean / M2;
 //       problem 33: bn_apply (merge statistics, running statistics, normalise in place);
 //       problem 84: bn_softmax_fold_train (per-feature mean_z, a, c; running
@@ -49,6 +53,8 @@
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
 //   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4 + 2 N): W's
 //       fp16x3 parts [w_hi | w_lo | w_inv_scale | w_row_sum] for w_parts
+//   weight_row_sums(weight (N, K)) -> float32 (2 N): W's row sums as (hi, lo) pairs,
+//       the 3xTF32 GEMMs' w_parts
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
@@ -156,54 +162,111 @@ cudaStream_t current_stream(const torch::Tensor& x) {
   return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
 }
 
+// x's row centres c_m (centring.cuh) into center (M floats), or nothing (null).
+void launch_row_centers(const torch::Tensor& x, int M, int K, float* center, cudaStream_t stream) {
+  if (center != nullptr)
+    check_launch(fgb::row_centers(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, center, stream),
+                 "row_centers");
+}
+
 // x's TF32 parts in mma fragment order for the sm80 / cluster kernels
-// (sm80_prepass_3xtf32), one allocation.
+// (sm80_prepass_3xtf32) and, when centred, its row centres: one allocation.
 struct FragmentX {
   torch::Tensor storage;
   const float* big;
   const float* small;
+  const float* center;  // null: not centred
 };
 
 // `num_batches_tracked`: incremented by the pre-pass in training, else null.
-FragmentX sm80_prepass(const torch::Tensor& x, int M, int K, int64_t* num_batches_tracked, cudaStream_t stream) {
+// centred: the parts are those of rn(x - c_m) (the forwards; not gemm_nt).
+FragmentX sm80_prepass(const torch::Tensor& x, int M, int K, int64_t* num_batches_tracked, bool centred,
+                       cudaStream_t stream) {
+  centred = centred && M >= 1 && K >= 1;
   const int64_t elems = fgb::sm80_prepass_elems(M, K);
-  torch::Tensor storage = torch::empty({2 * elems}, x.options());
+  torch::Tensor storage = torch::empty({2 * elems + (centred ? M : 0)}, x.options());
   float* big = storage.data_ptr<float>();
   float* small = big + elems;
-  check_launch(fgb::sm80_prepass_3xtf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, big, small,
+  float* center = centred ? small + elems : nullptr;
+  launch_row_centers(x, M, K, center, stream);
+  check_launch(fgb::sm80_prepass_3xtf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, center, big, small,
                                         num_batches_tracked, stream),
                "sm80_prepass_3xtf32");
-  return {storage, big, small};
+  return {storage, big, small, center};
 }
 
 // x and its TF32 remainder for the Hopper kernel, whose TMA loads need
 // contiguous, 16-byte aligned rows: the caller's x is used in place when it is
-// so, otherwise copied (never written).  `workspace` is the GEMM's split-tile
-// scratch for an (M, K) x (N, K) product (null if it needs none), allocated
-// with x_small; the pre-pass zeroes its arrival counts.
+// so, otherwise copied (never written).  centred (the forwards; not gemm_nt):
+// the GEMM reads x_centred = rn(x - c_m) instead, and its remainder.
+// `workspace` is the GEMM's split-tile scratch for an (M, K) x (N, K) product
+// (null if it needs none); the pre-pass zeroes its arrival counts.  One
+// allocation: [x_small | x_centred | center (M, padded to 4) | workspace].
 struct RemainderX {
   torch::Tensor x;
-  torch::Tensor storage;  // x_small, then the workspace
+  torch::Tensor storage;
+  const float* big;     // what the GEMM reads as x: x's data or x_centred
   const float* small;
+  const float* center;  // null: not centred
   float* workspace;
 };
 
 RemainderX sm90_prepass(const torch::Tensor& x, int M, int N, int K, bool split_tiles, int64_t* num_batches_tracked,
-                        cudaStream_t stream) {
+                        bool centred, cudaStream_t stream) {
   const bool ready = x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   torch::Tensor xc = ready ? x : x.clone(at::MemoryFormat::Contiguous);
-  const int64_t small_floats = static_cast<int64_t>(M) * K;  // a multiple of 4: the workspace stays 16-byte aligned
+  const int64_t part_floats = static_cast<int64_t>(M) * K;  // a multiple of 4: what follows stays 16-byte aligned
+  const int64_t center_floats = centred ? (static_cast<int64_t>(M) + 3) / 4 * 4 : 0;
   int64_t workspace_floats = 0;
   int zero_ints = 0;
   fgb::sm90_gemm_workspace(M, N, K, split_tiles, &workspace_floats, &zero_ints);
-  torch::Tensor storage = torch::empty({small_floats + workspace_floats}, x.options());
+  torch::Tensor storage =
+      torch::empty({(centred ? 2 : 1) * part_floats + center_floats + workspace_floats}, x.options());
   float* small = storage.data_ptr<float>();
-  float* workspace = workspace_floats > 0 ? small + small_floats : nullptr;
+  float* x_centred = centred ? small + part_floats : nullptr;
+  float* center = centred ? x_centred + part_floats : nullptr;
+  float* workspace = workspace_floats > 0 ? small + (centred ? 2 : 1) * part_floats + center_floats : nullptr;
   int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
-  check_launch(fgb::sm90_prepass_3xtf32(xc.data_ptr<float>(), M, K, small, arrivals, arrivals ? zero_ints : 0,
-                                        num_batches_tracked, stream),
+  launch_row_centers(xc, M, K, center, stream);
+  check_launch(fgb::sm90_prepass_3xtf32(xc.data_ptr<float>(), M, K, center, x_centred, small, arrivals,
+                                        arrivals ? zero_ints : 0, num_batches_tracked, stream),
                "sm90_prepass_3xtf32");
-  return {xc, storage, small, workspace};
+  return {xc, storage, centred ? x_centred : xc.data_ptr<float>(), small, center, workspace};
+}
+
+// gemm.weight's row sums (N (hi, lo) fp32 pairs, 2 N floats: row_sums in
+// centring.cu) for the 3xTF32 forwards' centring: the given tensor (checked;
+// model_new.py keeps it while the weight is unchanged) or one made now.
+struct WeightRowSums {
+  torch::Tensor packed;
+  const float2* row_sum;
+};
+
+WeightRowSums weight_row_sums_of(const torch::Tensor& weight, const c10::optional<torch::Tensor>& given, int N, int K,
+                                 cudaStream_t stream) {
+  WeightRowSums w;
+  if (given.has_value() && given->defined()) {
+    w.packed = *given;
+    TORCH_CHECK(w.packed.device() == weight.device() && w.packed.scalar_type() == torch::kFloat32 &&
+                    w.packed.dim() == 1 && w.packed.numel() == 2 * static_cast<int64_t>(N) &&
+                    w.packed.is_contiguous(),
+                "fused_gemm_bn: w_parts of a 3xTF32 GEMM must be weight_row_sums(gemm.weight): a contiguous float32 "
+                "tensor of ", 2 * static_cast<int64_t>(N), " elements on ", weight.device());
+  } else if (K < 1) {
+    w.packed = torch::zeros({2 * static_cast<int64_t>(N)}, weight.options());  // unused: x is not centred
+  } else {
+    w.packed = torch::empty({2 * static_cast<int64_t>(N)}, weight.options());
+    check_launch(fgb::row_sums(weight.data_ptr<float>(), weight.stride(0), weight.stride(1), N, K,
+                               reinterpret_cast<float2*>(w.packed.data_ptr<float>()), stream),
+                 "row_sums");
+  }
+  w.row_sum = reinterpret_cast<const float2*>(w.packed.data_ptr<float>());
+  return w;
+}
+
+// The centring terms of a 3xTF32 forward (K >= 1: x centred, w's row sums) or none.
+fgb::Centring centring_of(const float* center, const WeightRowSums& w) {
+  return center != nullptr ? fgb::Centring{center, w.row_sum} : fgb::Centring{nullptr, nullptr};
 }
 
 // x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K) fp16 words, x_inv_scale
@@ -320,14 +383,16 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
                  "sm90_gemm_fp16x3_train");
   } else if (is_sm90(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
-    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, counter, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small, w, z.data_ptr<float>(), g.part_mean,
-                                             g.part_m2, M, N, K, split_tiles, xr.workspace, stream),
+    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
+    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, counter, true, stream);
+    check_launch(fgb::sm90_gemm_3xtf32_train(xr.big, xr.small, w, centring_of(xr.center, ws), z.data_ptr<float>(),
+                                             g.part_mean, g.part_m2, M, N, K, split_tiles, xr.workspace, stream),
                  "sm90_gemm_3xtf32_train");
   } else {
-    const FragmentX xs = sm80_prepass(x, M, K, counter, stream);
-    check_launch(fgb::sm80_gemm_3xtf32_train(xs.big, xs.small, w, z.data_ptr<float>(), g.part_mean, g.part_m2, M, N,
-                                             K, stream),
+    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
+    const FragmentX xs = sm80_prepass(x, M, K, counter, true, stream);
+    check_launch(fgb::sm80_gemm_3xtf32_train(xs.big, xs.small, w, centring_of(xs.center, ws), z.data_ptr<float>(),
+                                             g.part_mean, g.part_m2, M, N, K, stream),
                  "sm80_gemm_3xtf32_train");
   }
   if (stats != nullptr)
@@ -365,11 +430,13 @@ void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const BnTe
 }
 
 // Problem 33's training forward in one cluster launch (sm90_cluster_3xtf32).
-void cluster_train(const torch::Tensor& x, const float* w, torch::Tensor& out, int M, int N, int K, const BnTensors& t,
+void cluster_train(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& w_parts,
+                   torch::Tensor& out, int M, int N, int K, const BnTensors& t,
                    const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
-  const FragmentX xs = sm80_prepass(x, M, K, num_batches_tracked.data_ptr<int64_t>(), stream);
+  const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
+  const FragmentX xs = sm80_prepass(x, M, K, num_batches_tracked.data_ptr<int64_t>(), true, stream);
   check_launch(fgb::sm90_cluster_gemm_3xtf32_train(
-                   xs.big, xs.small, w, out.data_ptr<float>(), t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
+                   xs.big, xs.small, weight.data_ptr<float>(), centring_of(xs.center, ws), out.data_ptr<float>(), t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
                    t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(), t.running_mean.data_ptr<float>(),
                    t.running_var.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
                    static_cast<float>(momentum), static_cast<float>(eps), M, N, K, stream),
@@ -396,7 +463,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   const cudaStream_t stream = current_stream(x);
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (gemm == Gemm::kSm90Cluster) {
-    cluster_train(x, weight.data_ptr<float>(), out, M, N, K, t, num_batches_tracked, momentum, eps, stream);
+    cluster_train(x, weight, w_parts, out, M, N, K, t, num_batches_tracked, momentum, eps, stream);
     return out;
   }
   const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
@@ -438,16 +505,19 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                  "sm90_gemm_fp16x3_eval");
   } else if (is_sm90(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
-    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(),
+    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
+    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, nullptr, true, stream);
+    check_launch(fgb::sm90_gemm_3xtf32_eval(xr.big, xr.small, w, centring_of(xr.center, ws), out.data_ptr<float>(),
                                             t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
                                             t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
                                             t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
                                             fold_eps, scale_after_bn, M, N, K, split_tiles, xr.workspace, stream),
                  "sm90_gemm_3xtf32_eval");
   } else {
-    const FragmentX xs = sm80_prepass(x, M, K, nullptr, stream);
-    check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), t.bias.data_ptr<float>(),
+    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
+    const FragmentX xs = sm80_prepass(x, M, K, nullptr, true, stream);
+    check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, centring_of(xs.center, ws), out.data_ptr<float>(),
+                                            t.bias.data_ptr<float>(),
                                             t.scale.data_ptr<float>(), t.bn_weight.data_ptr<float>(),
                                             t.bn_bias.data_ptr<float>(), t.running_mean.data_ptr<float>(),
                                             t.running_var.data_ptr<float>(), fold_eps, scale_after_bn, M, N, K,
@@ -526,9 +596,9 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   }
   if (is_sm90(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
-    const RemainderX xr = sm90_prepass(ac, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_plain(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(), M, N, K,
-                                             split_tiles, xr.workspace, stream),
+    const RemainderX xr = sm90_prepass(ac, M, N, K, split_tiles, nullptr, false, stream);
+    check_launch(fgb::sm90_gemm_3xtf32_plain(xr.big, xr.small, w, fgb::Centring{nullptr, nullptr},
+                                             out.data_ptr<float>(), M, N, K, split_tiles, xr.workspace, stream),
                  "sm90_gemm_3xtf32_plain");
     return out;
   }
@@ -536,9 +606,9 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const torch::Tensor ones = torch::ones({N}, a.options()), zeros = torch::zeros({N}, a.options());
   const float* one = ones.data_ptr<float>();
   const float* zero = zeros.data_ptr<float>();
-  const FragmentX xs = sm80_prepass(ac, M, K, nullptr, stream);
-  check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), zero, one, one, zero, zero, one,
-                                          0.f, false, M, N, K, stream),
+  const FragmentX xs = sm80_prepass(ac, M, K, nullptr, false, stream);
+  check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, fgb::Centring{nullptr, nullptr}, out.data_ptr<float>(),
+                                          zero, one, one, zero, zero, one, 0.f, false, M, N, K, stream),
                "sm80_gemm_3xtf32_eval");
   return out;
 }
@@ -555,6 +625,21 @@ torch::Tensor fp16x3_weight_parts(torch::Tensor weight) {
   const c10::cuda::CUDAGuard guard(weight.device());
   return split_weight(weight, static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1)),
                       current_stream(weight));
+}
+
+// gemm.weight's row sums (2 N floats: (hi, lo) pairs of the float64 sums), for
+// the 3xTF32 forwards' w_parts: weight (N, K) float32 CUDA, any strides.  The
+// caller keeps it while the weight is unchanged (model_new.py: _weight_parts).
+torch::Tensor weight_row_sums(torch::Tensor weight) {
+  TORCH_CHECK(weight.is_cuda() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
+              "weight_row_sums: weight must be a float32 CUDA (N, K) tensor, got ", weight.scalar_type(), " ",
+              weight.sizes(), " on ", weight.device());
+  TORCH_CHECK(weight.size(0) >= 1 && weight.size(0) <= INT32_MAX && weight.size(1) <= INT32_MAX,
+              "weight_row_sums: sizes must fit in int32 and N >= 1, got ", weight.sizes());
+  const c10::cuda::CUDAGuard guard(weight.device());
+  return weight_row_sums_of(weight, c10::nullopt, static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1)),
+                            current_stream(weight))
+      .packed;
 }
 
 namespace {

@@ -1,6 +1,7 @@
-"""gemm.weight's cached fp16x3 parts (model_new._weight_parts): made once, reused
-while the weight is unchanged, remade after every change PyTorch's version
-counter or storage shows.
+"""What the GEMMs precompute from gemm.weight, cached (model_new._weight_parts:
+the fp16x3 parts, or the 3xTF32 kernels' row sums): made once, reused while the
+weight is unchanged, remade after every change PyTorch's version counter or
+storage shows.
 
 Run: python -m pytest -q tests/test_weight_cache.py    (GPU tests skip without CUDA)
 
@@ -9,11 +10,12 @@ Run: python -m pytest -q tests/test_weight_cache.py    (GPU tests skip without C
         foreach, fused), copy_, load_state_dict and `.data` assignment; not after
         writes through `.data` (documented; clear_weight_cache() recovers);
         entry dropped with its weight; off for inference-mode weights and with
-        the switch off.
-  GPU   the sm90_fp16x3 forwards: after each change, the cached call's output
-        is bit-equal to a call that splits the weight afresh; a CUDA graph
-        captured over the forward re-splits the weight at every replay; the
-        parts take the weight's own size.
+        the switch off; the two kinds are kept apart.
+  GPU   the forwards of every GEMM path (sm90_fp16x3, sm90_3xtf32, sm80_3xtf32):
+        after each change, the cached call's output is bit-equal to a call that
+        makes the cache afresh; a CUDA graph captured over the forward re-splits
+        the weight at every replay; the fp16x3 parts take the weight's own size,
+        the row sums 2 N floats.
 """
 import gc
 
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 import model_new
+from tests.problems import gemm_path  # noqa: F401  (fixture)
 from tests.test_backward import PROBLEMS, make_pair, requires_cuda
 
 
@@ -123,20 +126,32 @@ def test_off_for_inference_weights_and_by_switch(fresh_cache, monkeypatch):
     assert len(model_new._WEIGHT_PARTS) == 0
 
 
+def test_kinds_are_kept_apart(fresh_cache):
+    """A weight's fp16x3 parts are never served for its row sums, or back."""
+    lin, split = linear(), CountingSplit()
+    parts = model_new._weight_parts(lin.weight, split, kind="fp16x3")
+    sums = model_new._weight_parts(lin.weight, lambda w: w.sum(1), kind="row_sums")
+    assert sums.shape == (32,) and torch.equal(sums, lin.weight.sum(1))
+    assert model_new._weight_parts(lin.weight, split, kind="fp16x3") is not parts and split.calls == 2
+
+
 def test_weight_args_only_for_the_extension():
     assert model_new._weight_args(model_new._TORCH_PATH, "torch_ops", linear().weight) == ()
 
 
 # ---------------------------------------------------------------------------
-# GPU: the fp16x3 forwards
+# GPU: the forwards of each GEMM path
 # ---------------------------------------------------------------------------
 
+# The kernel_path prefix of each tests.problems.GEMM_PATHS entry on an H100 / H200.
+PATH_PREFIX = {"default": "sm90_fp16x3", "3xtf32": "sm90_3xtf32", "portable": "sm80_3xtf32"}
 
-def fp16x3_pair(problem, m=192, k=256, n=160):
+
+def cached_pair(problem, path="default", m=192, k=256, n=160):
     ref, new = make_pair(problem, k, n, dtype=torch.float32, device="cuda", seed=4)
     x = torch.rand(m, k, device="cuda")
-    if not new.kernel_path(x).startswith("sm90_fp16x3"):
-        pytest.skip(f"the fp16x3 path does not run here ({new.kernel_path(x)})")
+    if not new.kernel_path(x).startswith(PATH_PREFIX[path]):
+        pytest.skip(f"the {PATH_PREFIX[path]} path does not run here ({new.kernel_path(x)})")
     return new, x
 
 
@@ -151,8 +166,8 @@ def call(model, x, state):
 @requires_cuda
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_gpu_cached_calls_equal_fresh_splits(fresh_cache, problem, mode):
-    new, x = fp16x3_pair(problem)
+def test_gpu_cached_calls_equal_fresh_splits(fresh_cache, problem, mode, gemm_path):
+    new, x = cached_pair(problem, gemm_path)
     changes = {
         "mul_": lambda: torch.no_grad()(lambda: new.gemm.weight.mul_(1.25))(),
         "SGD": lambda: torch.optim.SGD(new.parameters(), lr=0.5).step(),
@@ -178,8 +193,8 @@ def test_gpu_cached_calls_equal_fresh_splits(fresh_cache, problem, mode):
 
 
 @requires_cuda
-def test_gpu_cuda_graph_resplits_at_replay(fresh_cache):
-    new, x = fp16x3_pair("33")
+def test_gpu_cuda_graph_resplits_at_replay(fresh_cache, gemm_path):
+    new, x = cached_pair("33", gemm_path)
     new.eval()
     static_x = x.clone()
     s = torch.cuda.Stream()
@@ -200,13 +215,14 @@ def test_gpu_cuda_graph_resplits_at_replay(fresh_cache):
 
 
 @requires_cuda
-def test_gpu_parts_take_the_weights_size(fresh_cache):
-    new, x = fp16x3_pair("33", k=1024, n=512)
+def test_gpu_parts_take_the_weights_size(fresh_cache, gemm_path):
+    new, x = cached_pair("33", gemm_path, k=1024, n=512)
     with torch.no_grad():
         new(x)
     (entry,) = model_new._WEIGHT_PARTS.values()
     n, k = new.gemm.weight.shape
-    assert entry.parts.numel() == n * k + -(-n // 4) * 4 + 2 * n and entry.parts.dtype == torch.float32
+    size = n * k + -(-n // 4) * 4 + 2 * n if gemm_path == "default" else 2 * n
+    assert entry.parts.numel() == size and entry.parts.dtype == torch.float32
     assert entry.ref() is new.gemm.weight
 
 

@@ -193,7 +193,7 @@ _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "bn_backward_train",
-                        "fp16x3_weight_parts", "sync_forward_local", "sync_bn_apply", "bn_backward_sums",
+                        "fp16x3_weight_parts", "weight_row_sums", "sync_forward_local", "sync_bn_apply", "bn_backward_sums",
                         "bn_backward_grad", "sm90_gemm_available", "sm90_cluster_max_active"]
 # The 16-bit extension: kernels/lowp/ (plus the .cuh headers of kernels/), its own module.
 _LOWP_SUBDIR = "lowp"
@@ -1329,6 +1329,171 @@ cudaError_t fused_gemm_bn::sync_bn_finalize(const double* gathered, int world, i
   return cudaGetLastError();
 }
 ''',
+    'centring.cu': r'''// centring.cu -- the centred split's per-row terms for the 3xTF32 GEMMs
+// (sm80_gemm_3xtf32_bn.cuh, sm90_gemm_3xtf32_bn.cu; the fp16x3 pre-pass makes
+// its own in the same pass as its split).  The rule, and why, are in
+// centring.cuh.
+//
+//   row_centers: x (M, K) fp32, any strides (read, never written) -> center (M)
+//                fp32, c_m; the 3xTF32 pre-passes (prepass_3xtf32.cu) then split
+//                rn(x - c_m).
+//   row_sums:    w (N, K) fp32, any strides -> row_sum (N) fp32 (hi, lo) pairs,
+//                sum_k w[n, k] in float64; model_new.py keeps them while the
+//                weight is unchanged (_weight_parts).
+// One 256-thread block per row, one read of it: 4 M K (or 4 N K) bytes.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "centring.cuh"
+#include "launchers.cuh"
+
+namespace fused_gemm_bn {
+namespace {
+
+template <bool kVec, RowSide kSide>
+__global__ void __launch_bounds__(kRowThreads)
+    row_terms_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int K,
+                     float* __restrict__ center, float2* __restrict__ row_sum) {
+  const int64_t m = blockIdx.x;
+  row_terms<kVec, kSide>(x + m * row_stride, col_stride, K, m, center, row_sum);
+}
+
+template <RowSide kSide>
+cudaError_t launch_row_terms(const float* x, int64_t row_stride, int64_t col_stride, int rows, int K, float* center,
+                             float2* row_sum, cudaStream_t stream) {
+  if (rows < 1 || K < 1) return cudaErrorInvalidValue;
+  const bool vec = col_stride == 1 && row_stride % 4 == 0 && K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  if (vec) row_terms_kernel<true, kSide><<<rows, kRowThreads, 0, stream>>>(x, row_stride, col_stride, K, center, row_sum);
+  else row_terms_kernel<false, kSide><<<rows, kRowThreads, 0, stream>>>(x, row_stride, col_stride, K, center, row_sum);
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launchers (declared in launchers.cuh)
+// ---------------------------------------------------------------------------
+
+// Preconditions: M >= 1, K >= 1.
+cudaError_t fused_gemm_bn::row_centers(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
+                                       float* center, cudaStream_t stream) {
+  return launch_row_terms<RowSide::kX>(x, row_stride, col_stride, M, K, center, nullptr, stream);
+}
+
+// Preconditions: N >= 1, K >= 1.
+cudaError_t fused_gemm_bn::row_sums(const float* w, int64_t row_stride, int64_t col_stride, int N, int K,
+                                    float2* row_sum, cudaStream_t stream) {
+  return launch_row_terms<RowSide::kW>(w, row_stride, col_stride, N, K, nullptr, row_sum, stream);
+}
+''',
+    'centring.cuh': r'''// centring.cuh -- the per-row terms of the centred split, shared by the GEMMs'
+// pre-passes (prepass_fp16x3.cu, centring.cu): one 256-thread block reads one
+// row of x (the GEMM's x side) or of w (its w side) once and reduces it.
+//
+//   x side: c_m = rn(sum_k x[m, k]) / K in fp32 (any float is exact for what
+//           follows; the mean removes what every row has in common), 0 when
+//           max |x[m, :]| >= 2^32 or the sum is not finite (those rows keep the
+//           uncentred split; an Inf then makes the row NaN as before).
+//   w side: sum_k w[n, k] in float64, stored as the fp32 pair hi = rn(sum),
+//           lo = rn(sum - hi).
+// The GEMM splits rn(x[m, k] - c_m) (round to nearest: unbiased, error
+// <= 2^-24 |x - c_m|) and its epilogue adds the centre's share back,
+//   z[m, n] = fma(c_m, hi_n, fma(c_m, lo_n, sum_k (x[m, k] - c_m) w[n, k])),
+// which is exact in real arithmetic.  Why: the tensor cores' accumulation
+// truncates, so on rows that share a level (uniform [0, 1), 100 + uniform,
+// exponential) every row of a feature lost the same signed amount and the
+// batch mean -- BatchNorm's statistic -- kept it (docs/perf.md, v21 and v25).
+// |c_m| < 2^32 keeps c_m hi_n finite for any w whose row sums stay below 2^95.
+
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace fused_gemm_bn {
+
+constexpr int kRowThreads = 256;
+constexpr int kRowWarps = kRowThreads / 32;
+constexpr float kMaxCentredAmax = 4294967296.f;  // 2^32
+
+// The GEMM operand a row belongs to.
+enum class RowSide { kX, kW };
+
+// The block-wide sum (kOp = 0), max (1) or min (2) of one value per thread of a
+// kRowThreads block (max / min for float only: fmaxf / fminf skip NaN).
+template <int kOp, typename T>
+__device__ __forceinline__ T row_block_reduce(T v, T* scratch) {
+  auto op = [](T a, T b) {
+    if constexpr (kOp == 0) return a + b;
+    else if constexpr (kOp == 1) return fmaxf(a, b);
+    else return fminf(a, b);
+  };
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();  // scratch may still be read by an earlier reduction
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kRowWarps; ++w) v = op(v, scratch[w]);
+  return v;
+}
+
+// What one pass over a row leaves for the split: its max and min, and c (the
+// x side's centre; 0 on the w side).
+struct RowTerms {
+  float vmax, vmin, c;
+};
+
+// Reads row m (kVec: contiguous and 16-byte aligned, float4 loads; else
+// element stride col_stride) once.  Thread 0 writes center[m] (x side) or
+// row_sum[m] (w side).  Every thread of the block must call it.
+template <bool kVec, RowSide kSide>
+__device__ __forceinline__ RowTerms row_terms(const float* __restrict__ row, int64_t col_stride, int K, int64_t m,
+                                              float* __restrict__ center, float2* __restrict__ row_sum) {
+  __shared__ float scratch_f[kRowWarps];
+  __shared__ double scratch_d[kRowWarps];
+  const float inf = __int_as_float(0x7f800000);
+  float vmax = -inf, vmin = inf, sum_f = 0.f;
+  double sum_d = 0.0;
+  auto take = [&](float v) {
+    vmax = fmaxf(vmax, v);
+    vmin = fminf(vmin, v);
+    if constexpr (kSide == RowSide::kX) sum_f += v;
+    else sum_d += static_cast<double>(v);
+  };
+  if constexpr (kVec) {
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int i = threadIdx.x; i < K / 4; i += kRowThreads) {
+      const float4 v = row4[i];
+      take(v.x), take(v.y), take(v.z), take(v.w);
+    }
+  } else {
+    for (int k = threadIdx.x; k < K; k += kRowThreads) take(row[k * col_stride]);
+  }
+  RowTerms r;
+  r.vmax = row_block_reduce<1>(vmax, scratch_f);
+  r.vmin = row_block_reduce<2>(vmin, scratch_f);
+  r.c = 0.f;
+  if constexpr (kSide == RowSide::kX) {
+    const float amax = fmaxf(fmaxf(r.vmax, -r.vmin), 0.f);  // max |x|; 0 for an all-NaN row
+    sum_f = row_block_reduce<0>(sum_f, scratch_f);
+    if (amax < kMaxCentredAmax && isfinite(sum_f)) r.c = sum_f * (1.f / static_cast<float>(K));
+    if (threadIdx.x == 0) center[m] = r.c;
+  } else {
+    sum_d = row_block_reduce<0>(sum_d, scratch_d);
+    if (threadIdx.x == 0) {
+      const float hi = static_cast<float>(sum_d);
+      row_sum[m] = make_float2(hi, static_cast<float>(sum_d - static_cast<double>(hi)));
+    }
+  }
+  return r;
+}
+
+}  // namespace fused_gemm_bn
+''',
     'fp16x3_split.cuh': r'''// fp16x3_split.cuh -- the operand split of the fp16x3 GEMM (sm90_gemm_fp16x3_bn.cu,
 // prepass_fp16x3.cu): an fp32 value as the sum of two IEEE binary16 ("fp16")
 // parts after an exact power-of-two scaling.  Device functions only; fp16 values
@@ -1421,25 +1586,45 @@ namespace fused_gemm_bn {
 // Each writes x's TF32 parts and, in the same launch, does the call's small
 // bookkeeping: num_batches_tracked += 1 when it is not null (a training call:
 // nn.BatchNorm1d's first step) and, for the Hopper GEMM, zeroes its split-tile
-// arrival counts.
+// arrival counts.  center (M, from row_centers; null: none): the parts are
+// those of rn(x - c_m), the centred split (centring.cuh).
 
 // Floats in each of x_big / x_small for an (M, K) input (fragment order, padded).
 int64_t sm80_prepass_elems(int M, int K);
 // x (any strides) -> x_big, x_small in mma fragment order, for sm80_* / sm90_cluster_*.
-cudaError_t sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* x_big,
-                                float* x_small, int64_t* num_batches_tracked, cudaStream_t stream);
-// Contiguous x with K % 4 == 0 -> x_small = x - tf32_trunc(x), for sm90_gemm_3xtf32_*;
-// zero_ints[0 .. num_zero_ints) = 0.
-cudaError_t sm90_prepass_3xtf32(const float* x, int M, int K, float* x_small, int* zero_ints, int num_zero_ints,
-                                int64_t* num_batches_tracked, cudaStream_t stream);
+cudaError_t sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
+                                const float* center, float* x_big, float* x_small, int64_t* num_batches_tracked,
+                                cudaStream_t stream);
+// Contiguous x with K % 4 == 0 -> x_small = v - tf32_trunc(v), for sm90_gemm_3xtf32_*,
+// with v = x, or v = rn(x - c_m) also written to x_centred (M, K) when center is
+// given (the GEMM then reads x_centred); zero_ints[0 .. num_zero_ints) = 0.
+cudaError_t sm90_prepass_3xtf32(const float* x, int M, int K, const float* center, float* x_centred, float* x_small,
+                                int* zero_ints, int num_zero_ints, int64_t* num_batches_tracked,
+                                cudaStream_t stream);
+
+// ---- centring.cu: the centred split's per-row terms for the 3xTF32 GEMMs ----
+// x (any strides) -> center (M): c_m.
+cudaError_t row_centers(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* center,
+                        cudaStream_t stream);
+// w (any strides) -> row_sum (N): sum_k w[n, k] in float64 as fp32 (hi, lo) pairs.
+cudaError_t row_sums(const float* w, int64_t row_stride, int64_t col_stride, int N, int K, float2* row_sum,
+                     cudaStream_t stream);
+// What a 3xTF32 GEMM needs to undo the centring: z = the parts' product +
+// c_m (hi_n + lo_n).  Both null: x was split as it is.
+struct Centring {
+  const float* x_center;    // (M), row_centers
+  const float2* w_row_sum;  // (N), row_sums
+};
 
 // ---- sm80_gemm_3xtf32_bn.cu: portable 3xTF32 GEMM (mma.sync, sm_80+) --------
 int sm80_gemm_block_m();
 // z = x @ w^T into out, and per-(M tile, feature) mean / M2 of z.
-cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, float* out,
-                                   float* part_mean, float* part_m2, int M, int N, int K, cudaStream_t stream);
+cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, Centring centring,
+                                   float* out, float* part_mean, float* part_m2, int M, int N, int K,
+                                   cudaStream_t stream);
 // out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
-cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, float* out,
+cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, Centring centring,
+                                  float* out,
                                   const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
                                   const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
                                   int M, int N, int K, cudaStream_t stream);
@@ -1451,7 +1636,8 @@ int sm90_cluster_max_active(int m_tiles, bool vec16);
 // Problem 33's whole training forward in one launch (M <= 8 * BLOCK_M): out is
 // the BatchNorm output; running statistics updated; num_batches_tracked read
 // (already incremented by the pre-pass).
-cudaError_t sm90_cluster_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, float* out,
+cudaError_t sm90_cluster_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
+                                           Centring centring, float* out,
                                            const float* bias, const float* scale, const float* bn_weight,
                                            const float* bn_bias, float* running_mean, float* running_var,
                                            const int64_t* num_batches_tracked, float momentum, float eps, int M, int N,
@@ -1466,17 +1652,19 @@ bool sm90_gemm_available();
 // *zero_ints ints must be zero at the launch (both 0 when no tile is split).
 void sm90_gemm_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
 // z = x @ w^T into out and per-tile mean / M2 (x contiguous, x_small from sm90_prepass_3xtf32).
-cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
+cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, Centring centring, float* out,
                                    float* part_mean, float* part_m2, int M, int N, int K, bool split_tiles,
                                    float* workspace, cudaStream_t stream);
 // out = a * (x @ w^T) + c, the eval-mode fold.
-cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out, const float* bias,
+cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, Centring centring, float* out,
+                                  const float* bias,
                                   const float* scale, const float* bn_weight, const float* bn_bias,
                                   const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
                                   int M, int N, int K, bool split_tiles, float* workspace, cudaStream_t stream);
 // out = x @ w^T (the backward's products).
-cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out, int M, int N,
-                                   int K, bool split_tiles, float* workspace, cudaStream_t stream);
+cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, Centring centring,
+                                   float* out, int M, int N, int K, bool split_tiles, float* workspace,
+                                   cudaStream_t stream);
 
 // ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
 // x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0),
@@ -1626,8 +1814,10 @@ __device__ __forceinline__ float4 ld_evict_first_f4(const float* q) {
 // TF32 big and small parts, written in the mma.m16n8k8 A-fragment order that
 // the GEMM reads.
 //
-//   big   = cvt.rna.tf32(x)          (round to nearest, ties away)
-//   small = cvt.rna.tf32(x - big)    (the difference is exact in fp32)
+//   v     = x, or rn(x - c_m) when center is given (the forwards: the centred
+//           split, centring.cuh; c_m from row_centers in centring.cu)
+//   big   = cvt.rna.tf32(v)          (round to nearest, ties away)
+//   small = cvt.rna.tf32(v - big)    (the difference is exact in fp32)
 //
 // x: (M, K) float32 with arbitrary element strides (row_stride, col_stride), so a
 // non-contiguous caller tensor is read in place and never copied or written.
@@ -1646,7 +1836,8 @@ __device__ __forceinline__ float4 ld_evict_first_f4(const float* q) {
 // sm80_gemm_3xtf32_bn.cuh).  One 16-byte shared load is then one A operand.
 // Memory-bound: reads M*K floats, writes 2*M_pad*K_pad.
 //
-// sm90_prepass_3xtf32 (Hopper GEMM): only x's remainder (below, at its kernel).
+// sm90_prepass_3xtf32 (Hopper GEMM): x's remainder, and x_centred = rn(x - c_m)
+// itself when centring (below, at its kernel).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -1670,8 +1861,8 @@ __device__ __forceinline__ void split_rna_tf32(float v, float& big, float& small
 // One thread per output float4 (one lane's registers for one k-step).
 __global__ void __launch_bounds__(kSplitThreads)
     sm80_prepass_3xtf32_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int M, int K,
-                      int num_slabs, int64_t num_quads, float* __restrict__ big, float* __restrict__ small,
-                      int64_t* num_batches_tracked) {
+                      int num_slabs, int64_t num_quads, const float* __restrict__ center,
+                      float* __restrict__ big, float* __restrict__ small, int64_t* num_batches_tracked) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
   const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -1689,7 +1880,11 @@ __global__ void __launch_bounds__(kSplitThreads)
   float b[4], s[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    const float v = rows[r] < M && cols[r] < K ? x[rows[r] * row_stride + cols[r] * col_stride] : 0.f;
+    float v = 0.f;
+    if (rows[r] < M && cols[r] < K) {
+      v = x[rows[r] * row_stride + cols[r] * col_stride];
+      if (center != nullptr) v -= center[rows[r]];
+    }
     split_rna_tf32(v, b[r], s[r]);
   }
   reinterpret_cast<float4*>(big)[q] = make_float4(b[0], b[1], b[2], b[3]);
@@ -1719,22 +1914,34 @@ __device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
 }
 
 // Two float4 per thread and iteration, both loads issued first: twice the
-// bytes in flight of one (the kernel is bound by HBM bandwidth).
+// bytes in flight of one (the kernel is bound by HBM bandwidth).  kCentred:
+// the parts are those of v = rn(x - c_m), and v itself is written to
+// x_centred (the GEMM's TMA reads it in place of x); k4 = K / 4.
+template <bool kCentred>
 __global__ void __launch_bounds__(kSplitThreads)
-    sm90_prepass_3xtf32_kernel(const float4* __restrict__ x, float4* __restrict__ x_small, int64_t n4,
-                                int64_t* num_batches_tracked, int* zero_ints, int num_zero_ints) {
+    sm90_prepass_3xtf32_kernel(const float4* __restrict__ x, const float* __restrict__ center, int64_t k4,
+                               float4* __restrict__ x_centred, float4* __restrict__ x_small, int64_t n4,
+                               int64_t* num_batches_tracked, int* zero_ints, int num_zero_ints) {
   if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
   if (blockIdx.x == 0)
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
+  auto split = [&](int64_t i, float4 v) {
+    if constexpr (kCentred) {
+      const float c = center[i / k4];
+      v = make_float4(v.x - c, v.y - c, v.z - c, v.w - c);
+      x_centred[i] = v;
+    }
+    x_small[i] = remainder_rna_tf32(v);
+  };
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (; i + stride < n4; i += 2 * stride) {
     const float4 v0 = x[i];
     const float4 v1 = x[i + stride];
-    x_small[i] = remainder_rna_tf32(v0);
-    x_small[i + stride] = remainder_rna_tf32(v1);
+    split(i, v0);
+    split(i + stride, v1);
   }
-  if (i < n4) x_small[i] = remainder_rna_tf32(x[i]);
+  if (i < n4) split(i, x[i]);
 }
 
 }  // namespace fused_gemm_bn
@@ -1750,8 +1957,8 @@ int64_t fused_gemm_bn::sm80_prepass_elems(int M, int K) {
 }
 
 cudaError_t fused_gemm_bn::sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
-                                               float* x_big, float* x_small, int64_t* num_batches_tracked,
-                                               cudaStream_t stream) {
+                                               const float* center, float* x_big, float* x_small,
+                                               int64_t* num_batches_tracked, cudaStream_t stream) {
   const int num_slabs = (K + kFragSlabK - 1) / kFragSlabK;
   const int64_t num_quads = sm80_prepass_elems(M, K) / 4;
   int64_t blocks = (num_quads + kSplitThreads - 1) / kSplitThreads;
@@ -1759,14 +1966,18 @@ cudaError_t fused_gemm_bn::sm80_prepass_3xtf32(const float* x, int64_t row_strid
   if (blocks == 0) blocks = 1;  // still counts the call
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   sm80_prepass_3xtf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
-      x, row_stride, col_stride, M, K, num_slabs, num_quads, x_big, x_small, num_batches_tracked);
+      x, row_stride, col_stride, M, K, num_slabs, num_quads, center, x_big, x_small, num_batches_tracked);
   return cudaGetLastError();
 }
 
-// Preconditions: x and x_small contiguous and 16-byte aligned, K % 4 == 0.
-cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, float* x_small, int* zero_ints,
-                                               int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream) {
-  if (K % 4 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(x_small) % 16 != 0)
+// Preconditions: x, x_centred and x_small contiguous and 16-byte aligned,
+// K % 4 == 0; x_centred given exactly when center is.
+cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, const float* center, float* x_centred,
+                                               float* x_small, int* zero_ints, int num_zero_ints,
+                                               int64_t* num_batches_tracked, cudaStream_t stream) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (K % 4 != 0 || !aligned(x) || !aligned(x_small) || (center == nullptr) != (x_centred == nullptr) ||
+      !aligned(x_centred))
     return cudaErrorInvalidValue;
   const int64_t n4 = static_cast<int64_t>(M) * K / 4;
   if (n4 == 0 && num_batches_tracked == nullptr && num_zero_ints == 0) return cudaSuccess;
@@ -1776,9 +1987,15 @@ cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, flo
   if (err != cudaSuccess) return err;
   const int64_t wanted = (n4 + kSplitThreads - 1) / kSplitThreads;
   const int blocks = static_cast<int>(wanted < 1 ? 1 : wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
-  sm90_prepass_3xtf32_kernel<<<blocks, kSplitThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(x), reinterpret_cast<float4*>(x_small), n4, num_batches_tracked, zero_ints,
-      num_zero_ints);
+  auto x4 = reinterpret_cast<const float4*>(x);
+  auto small4 = reinterpret_cast<float4*>(x_small);
+  if (center != nullptr)
+    sm90_prepass_3xtf32_kernel<true><<<blocks, kSplitThreads, 0, stream>>>(
+        x4, center, K / 4, reinterpret_cast<float4*>(x_centred), small4, n4, num_batches_tracked, zero_ints,
+        num_zero_ints);
+  else
+    sm90_prepass_3xtf32_kernel<false><<<blocks, kSplitThreads, 0, stream>>>(
+        x4, nullptr, K / 4, nullptr, small4, n4, num_batches_tracked, zero_ints, num_zero_ints);
   return cudaGetLastError();
 }
 ''',
@@ -1794,18 +2011,15 @@ cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, flo
 //   center       (M) fp32, the x side only: c_m
 //   row_sum      (M) fp32 pairs, the w side only: sum_k x[m, k] in float64,
 //                stored as hi = rn_fp32(sum), lo = rn_fp32(sum - hi)
-// Row m, x side: c_m = rn(sum_k x[m, k]) / K (fp32; 0 when max |x[m, :]| >= 2^32
-// or the sum is not finite), v = rn(x - c_m) (round to nearest: unbiased, error
-// <= 2^-24 |v|); w side: v = x.  e_m from max_k |v| (fp16x3_split.cuh:
-// s = 2^e_m puts it in [2^14, 2^15)); x_hi = rn_fp16(v s), x_lo = rn_fp16(v s - x_hi),
-// x_inv_scale[m] = 2^-e_m.  Both scalings are exact.
-// Why centre x: z[m, n] = sum_k (x[m, k] - c_m) w[n, k] + c_m sum_k w[n, k]
-// exactly, and the GEMM adds the last term back (sm90_gemm_fp16x3_bn.cu).
-// The tensor core's accumulation truncates towards zero, so on inputs whose
-// rows share a level (uniform [0, 1), 100 + uniform, exponential) every row
-// of a feature lost the same signed amount and the batch mean kept it: z's
-// per-feature mean over 1024 rows was 7.7e-8 from float64 (eager SGEMM 5.8e-8);
-// centred, 7.5e-9 (H200, 1024 x 8192 x 8192, docs/perf.md v21).
+// Row m, x side: c_m and the centred v = rn(x - c_m) (centring.cuh: the rule,
+// and why: the tensor core's truncating accumulation otherwise biases the
+// batch mean); w side: v = x and the row's float64 sum.  e_m from max_k |v|
+// (fp16x3_split.cuh: s = 2^e_m puts it in [2^14, 2^15)); x_hi = rn_fp16(v s),
+// x_lo = rn_fp16(v s - x_hi), x_inv_scale[m] = 2^-e_m.  Both scalings are exact.
+// The GEMM adds c_m sum_k w[n, k] back (sm90_gemm_fp16x3_bn.cu).  Measured: z's
+// per-feature mean over 1024 rows of uniform [0, 1) x was 7.7e-8 from float64
+// uncentred (eager SGEMM 5.8e-8), 7.5e-9 centred (H200, 1024 x 8192 x 8192,
+// docs/perf.md v21).
 // Bookkeeping in the same launch: num_batches_tracked += 1 when not null (a
 // training call) and zero_ints[0 .. num_zero_ints) = 0 (the GEMM's split-tile
 // arrival counts).
@@ -1817,99 +2031,37 @@ cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, flo
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "centring.cuh"
 #include "fp16x3_split.cuh"
 #include "launchers.cuh"
 
 namespace fused_gemm_bn {
 namespace {
 
-constexpr int kPrepassThreads = 256;
-constexpr int kPrepassWarps = kPrepassThreads / 32;
-// Rows whose max |x| reaches this are split without centring (c = 0): keeps
-// |c_m| below 2^32, so c_m * sum_k w[n, k] cannot overflow for any W whose row
-// sums stay below 2^95 in magnitude.
-constexpr float kMaxCentredAmax = 4294967296.f;  // 2^32
-
-// The GEMM operand a row belongs to (header).
-enum class Side { kX, kW };
-
-// The block-wide sum (kOp = 0), max (1) or min (2) of one value per thread
-// (max / min for float only).
-template <int kOp, typename T>
-__device__ __forceinline__ T block_reduce(T v, T* scratch) {
-  auto op = [](T a, T b) {
-    if constexpr (kOp == 0) return a + b;
-    else if constexpr (kOp == 1) return fmaxf(a, b);
-    else return fminf(a, b);
-  };
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  __syncthreads();  // scratch may still be read by an earlier reduction
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kPrepassWarps; ++w) v = op(v, scratch[w]);
-  return v;
-}
+constexpr int kPrepassThreads = kRowThreads;
 
 // kVec: rows contiguous and 16-byte aligned (float4 loads).  kSide: kX centres
 // each row on c_m and writes center[m]; kW writes row_sum[m] (float64 sum as an
-// fp32 (hi, lo) pair) and splits the row as it is.
-template <bool kVec, Side kSide>
+// fp32 (hi, lo) pair) and splits the row as it is (centring.cuh).
+template <bool kVec, RowSide kSide>
 __global__ void __launch_bounds__(kPrepassThreads)
     sm90_prepass_fp16x3_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int K,
                                uint32_t* __restrict__ x_hi, uint32_t* __restrict__ x_lo,
                                float* __restrict__ x_inv_scale, float* __restrict__ center,
                                float2* __restrict__ row_sum, int64_t* num_batches_tracked, int* zero_ints,
                                int num_zero_ints) {
-  __shared__ float scratch_f[kPrepassWarps];
-  __shared__ double scratch_d[kPrepassWarps];
   if (blockIdx.x == 0) {
     if (num_batches_tracked != nullptr && threadIdx.x == 0) *num_batches_tracked += 1;
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   }
   const int64_t m = blockIdx.x;
   const float* row = x + m * row_stride;
-  // Pass 1: the row's max and min (fmaxf / fminf skip NaN) and its sum.
-  const float inf = __int_as_float(0x7f800000);
-  float vmax = -inf, vmin = inf, sum_f = 0.f;
-  double sum_d = 0.0;
-  auto take = [&](float v) {
-    vmax = fmaxf(vmax, v);
-    vmin = fminf(vmin, v);
-    if constexpr (kSide == Side::kX) sum_f += v;
-    else sum_d += static_cast<double>(v);
-  };
-  if constexpr (kVec) {
-    const float4* row4 = reinterpret_cast<const float4*>(row);
-    for (int i = threadIdx.x; i < K / 4; i += kPrepassThreads) {
-      const float4 v = row4[i];
-      take(v.x), take(v.y), take(v.z), take(v.w);
-    }
-  } else {
-    for (int k = threadIdx.x; k < K; k += kPrepassThreads) take(row[k * col_stride]);
-  }
-  vmax = block_reduce<1>(vmax, scratch_f);
-  vmin = block_reduce<2>(vmin, scratch_f);
+  // Pass 1: the row's max, min and sum; c_m or the row's sum written.
+  const RowTerms r = row_terms<kVec, kSide>(row, col_stride, K, m, center, row_sum);
+  const float vmax = r.vmax, vmin = r.vmin, c = r.c;
   const float amax = fmaxf(fmaxf(vmax, -vmin), 0.f);  // max |x|; 0 for an all-NaN row
-  float c = 0.f;
-  if constexpr (kSide == Side::kX) {
-    sum_f = block_reduce<0>(sum_f, scratch_f);
-    // c is any float (the GEMM adds c_m sum_k w back); the mean removes what
-    // every row has in common.  Not for huge or non-finite rows (c = 0: those
-    // keep the uncentred split, an Inf making the row NaN as before).
-    if (amax < kMaxCentredAmax && isfinite(sum_f)) c = sum_f * (1.f / static_cast<float>(K));
-    if (threadIdx.x == 0) center[m] = c;
-  } else {
-    sum_d = block_reduce<0>(sum_d, scratch_d);
-    if (threadIdx.x == 0) {
-      const float hi = static_cast<float>(sum_d);
-      row_sum[m] = make_float2(hi, static_cast<float>(sum_d - static_cast<double>(hi)));
-    }
-  }
   // max |rn(x - c)| <= max(rn(vmax - c), rn(c - vmin)): rounding is monotonic.
-  const float amax_c = kSide == Side::kX ? fmaxf(fmaxf(vmax - c, c - vmin), 0.f) : amax;
+  const float amax_c = kSide == RowSide::kX ? fmaxf(fmaxf(vmax - c, c - vmin), 0.f) : amax;
   float s, inv_s;
   fp16x3_scale(amax_c, s, inv_s);
   if (threadIdx.x == 0) x_inv_scale[m] = inv_s;
@@ -1959,11 +2111,11 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
                                               num_batches_tracked, zero_ints, num_zero_ints);
   };
   if (center != nullptr) {
-    if (vec) launch(sm90_prepass_fp16x3_kernel<true, Side::kX>);
-    else launch(sm90_prepass_fp16x3_kernel<false, Side::kX>);
+    if (vec) launch(sm90_prepass_fp16x3_kernel<true, RowSide::kX>);
+    else launch(sm90_prepass_fp16x3_kernel<false, RowSide::kX>);
   } else {
-    if (vec) launch(sm90_prepass_fp16x3_kernel<true, Side::kW>);
-    else launch(sm90_prepass_fp16x3_kernel<false, Side::kW>);
+    if (vec) launch(sm90_prepass_fp16x3_kernel<true, RowSide::kW>);
+    else launch(sm90_prepass_fp16x3_kernel<false, RowSide::kW>);
   }
   return cudaGetLastError();
 }
@@ -1976,7 +2128,8 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
 // Launchers (launchers.cuh):
 //   sm80_gemm_3xtf32_train  z = x @ w^T into out, per-(M tile, feature) mean / M2
 //   sm80_gemm_3xtf32_eval   out = a * (x @ w^T) + c (eval-mode fold)
-// x is given as its TF32 parts in fragment order (sm80_prepass_3xtf32).
+// x is given as its TF32 parts in fragment order (sm80_prepass_3xtf32), centred
+// or not (centring: both pointers or neither).
 // Preconditions: M, N >= 1, K >= 0; x_big / x_small 16-byte aligned; w 4-byte
 // aligned (the 16-byte w loads are used where K % 4 == 0 and w is 16-byte aligned).
 // They return the launch error (cudaSuccess if none) and never synchronise.
@@ -2030,10 +2183,11 @@ static cudaError_t launch_sm80_gemm(const Sm80GemmBnArgs& args, cudaStream_t str
 int fused_gemm_bn::sm80_gemm_block_m() { return Sm80GemmTraits::BLOCK_M; }
 
 cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
-                                                  float* out, float* part_mean, float* part_m2, int M, int N, int K,
-                                                  cudaStream_t stream) {
-  if (M < 1 || N < 1 || K < 0) return cudaErrorInvalidValue;
-  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
+                                                  Centring centring, float* out, float* part_mean, float* part_m2,
+                                                  int M, int N, int K, cudaStream_t stream) {
+  if (M < 1 || N < 1 || K < 0 || (centring.x_center == nullptr) != (centring.w_row_sum == nullptr))
+    return cudaErrorInvalidValue;
+  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.part_mean = part_mean;
   args.part_m2 = part_m2;
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kTrain, true>(args, stream)
@@ -2041,13 +2195,15 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_train(const float* x_big, const floa
 }
 
 // scale_after_bn: Linear -> BatchNorm -> scale (problem 84) instead of Linear -> scale -> BatchNorm.
-cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, float* out,
+cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
+                                                 Centring centring, float* out,
                                                  const float* bias, const float* scale, const float* bn_weight,
                                                  const float* bn_bias, const float* running_mean,
                                                  const float* running_var, float eps, bool scale_after_bn, int M,
                                                  int N, int K, cudaStream_t stream) {
-  if (M < 1 || N < 1 || K < 0) return cudaErrorInvalidValue;
-  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
+  if (M < 1 || N < 1 || K < 0 || (centring.x_center == nullptr) != (centring.w_row_sum == nullptr))
+    return cudaErrorInvalidValue;
+  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
                         : launch_sm80_gemm<Epilogue::kEval, false>(args, stream);
@@ -2076,6 +2232,8 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 //                   (round_up(M, 16), round_up(K, 32)) and stored in mma A-fragment
 //                   order (layout in prepass_3xtf32.cu) == mma "row" A operand
 //   w    (N, K)   K-major  == mma "col" B operand (nn.Linear weight layout)
+//   x_center (M), w_row_sum (N) (hi, lo): the centred split's terms (centring.cuh),
+//                   or both null
 //   out  (M, N)   row-major
 //   part_mean, part_m2  (ceil(M / BLOCK_M), N)
 //   bias, scale, bn_weight, bn_bias, running_mean, running_var  (N)
@@ -2101,6 +2259,10 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 //   that DeepGEMM uses for FP8).  Expected ||z - z64|| / ||z64|| below eager
 //   FP32 SGEMM's (docs/perf.md has the measurements).
 //   Non-finite inputs: inf - inf = NaN in the split, so an inf operand yields NaN.
+//   Centring (centring.cuh): the forwards split x - c_m (c_m the row mean) and
+//   the epilogue adds c_m (hi_n + lo_n) back, so that the truncating
+//   accumulation's error has no common sign over a feature's rows: the batch
+//   mean (BatchNorm's statistic) then averages it out (docs/perf.md v25).
 //
 // Tiling: BLOCK_M x BLOCK_N x BLOCK_K = 128 x 128 x 32 per CTA, 8 warps in a
 // 2 x 4 grid of 64 x 32 warp tiles, mma.sync.m16n8k8 (PTX ISA 9.7.13.4.13,
@@ -2132,6 +2294,7 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "launchers.cuh"
 
 namespace fused_gemm_bn {
 
@@ -2289,6 +2452,10 @@ struct Sm80GemmBnArgs {
   const float* x_big;
   const float* x_small;
   const float* w;
+  // The centred split (centring.cuh): x's parts are those of x - c_m, and the
+  // epilogue adds c_m (hi_n + lo_n) back.  Null: x split as it is.
+  const float* x_center;
+  const float2* w_row_sum;
   float* out;
   int M, N, K;
   // kTrain
@@ -2439,6 +2606,31 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
   const int row_base = m0 + wm * T::WARP_M + g;
   const int col_base = n0 + wn * T::WARP_N + 2 * t;
 
+  // z = the parts' product + c_m (hi_n + lo_n): two fmas, one rounding of z
+  // beyond the tiny lo product.  Rows past M and columns past N add 0.
+  if (args.x_center != nullptr) {
+    float c[T::kMmaTilesM][2];
+#pragma unroll
+    for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_base + mi * T::MMA_M + 8 * h;
+        c[mi][h] = row < M ? __ldg(args.x_center + row) : 0.f;
+      }
+#pragma unroll
+    for (int ni = 0; ni < T::kMmaTilesN; ++ni)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = col_base + ni * T::MMA_N + j;
+        const float2 s = col < N ? __ldg(args.w_row_sum + col) : make_float2(0.f, 0.f);
+#pragma unroll
+        for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            acc[mi][ni][2 * h + j] = fmaf(c[mi][h], s.x, fmaf(c[mi][h], s.y, acc[mi][ni][2 * h + j]));
+      }
+  }
+
   if constexpr (kEpilogue == Epilogue::kEval) {
 #pragma unroll
     for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
@@ -2576,12 +2768,14 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
 }
 
 // Arguments common to every epilogue; the caller fills the epilogue's fields.
-inline Sm80GemmBnArgs gemm_args(const float* x_big, const float* x_small, const float* w, float* out, int M, int N,
-                                int K) {
+inline Sm80GemmBnArgs gemm_args(const float* x_big, const float* x_small, const float* w, Centring centring,
+                                float* out, int M, int N, int K) {
   Sm80GemmBnArgs args{};
   args.x_big = x_big;
   args.x_small = x_small;
   args.w = w;
+  args.x_center = centring.x_center;
+  args.w_row_sum = centring.w_row_sum;
   args.out = out;
   args.M = M;
   args.N = N;
@@ -2705,7 +2899,7 @@ int fused_gemm_bn::sm90_cluster_max_active(int m_tiles, bool vec16) {
 }
 
 cudaError_t fused_gemm_bn::sm90_cluster_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
-                                                          float* out, const float* bias, const float* scale,
+                                                          Centring centring, float* out, const float* bias, const float* scale,
                                                           const float* bn_weight, const float* bn_bias,
                                                           float* running_mean, float* running_var,
                                                           const int64_t* num_batches_tracked, float momentum,
@@ -2713,9 +2907,10 @@ cudaError_t fused_gemm_bn::sm90_cluster_gemm_3xtf32_train(const float* x_big, co
   using T = Sm80GemmTraits;
   const long long m_tiles = (static_cast<long long>(M) + T::BLOCK_M - 1) / T::BLOCK_M;
   const long long n_tiles = (static_cast<long long>(N) + T::BLOCK_N - 1) / T::BLOCK_N;
-  if (m_tiles < 1 || m_tiles > kMaxClusterTiles || n_tiles < 1 || n_tiles > 65535 || K < 0 || !cluster_device_ok())
+  if (m_tiles < 1 || m_tiles > kMaxClusterTiles || n_tiles < 1 || n_tiles > 65535 || K < 0 ||
+      (centring.x_center == nullptr) != (centring.w_row_sum == nullptr) || !cluster_device_ok())
     return cudaErrorInvalidValue;
-  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, out, M, N, K);
+  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.bn = BnParams{bias, scale, bn_weight, bn_bias, nullptr, nullptr, eps, false};
   args.running_mean_out = running_mean;
   args.running_var_out = running_var;
@@ -2739,7 +2934,7 @@ cudaError_t fused_gemm_bn::sm90_cluster_gemm_3xtf32_train(const float* x_big, co
 //
 // Tensors (float32, row-major, contiguous, 16-byte aligned, K % 4 == 0: TMA
 // needs 16-byte global strides)
-//   x        (M, K)  K-major: the caller's input, read raw by TMA
+//   x        (M, K)  K-major: the caller's input or its centred rows, read raw by TMA
 //   x_small  (M, K)  K-major: rna_tf32(x - tf32_trunc(x)), sm90_prepass_3xtf32
 //   w        (N, K)  K-major: nn.Linear weight
 //   out      (M, N);  part_mean, part_m2 (ceil(M / BLOCK_M), N);  vectors (N)
@@ -2770,6 +2965,9 @@ cudaError_t fused_gemm_bn::sm90_cluster_gemm_3xtf32_train(const float* x_big, co
 //   ||y - y64|| / ||y64|| 0.19-0.46x eager FP32's on the tested shapes of K >= 1000
 //   (docs/perf.md; promoting every 64 k was 1.5% faster, at 0.9-1.0x eager's error in eval).
 //   Non-finite inputs: inf - inf = NaN in the split, so an inf operand gives NaN.
+//   Centring (the forwards; centring.cuh): x is x_centred = rn(x - c_m) and
+//   the epilogue adds c_m (hi_n + lo_n) back (finish_product), so the
+//   truncating accumulation's error has no common sign over a feature's rows.
 //
 // Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor; DeepGEMM's
 // sm90 GEMMs were read for the warp-specialised pattern)
@@ -3043,6 +3241,7 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
     mainloop(q, n_blocks);
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
+    if (args.x_center != nullptr) finish_product<false>(acc, args, seg.tile, m_tiles, w_row, t);
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
 #elif defined(__CUDA_ARCH__)
@@ -3089,9 +3288,19 @@ static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const 
 }
 
 // Preconditions of the launchers below, as the dispatch guarantees them.
-static bool launch_ok(const float* x, const float* x_small, const float* w, int M, int N, int K) {
+static bool launch_ok(const float* x, const float* x_small, const float* w, Centring centring, int M, int N, int K) {
   return M >= 1 && N >= 1 && K >= 1 && K % 4 == 0 && aligned16(x) && aligned16(x_small) && aligned16(w) &&
-         fused_gemm_bn::sm90_gemm_available();
+         (centring.x_center == nullptr) == (centring.w_row_sum == nullptr) && fused_gemm_bn::sm90_gemm_available();
+}
+
+// The arguments every epilogue takes.
+static Sm90GemmBnArgs gemm_args(Centring centring, float* out, int M, int N, int K) {
+  Sm90GemmBnArgs args{};
+  args.M = M; args.N = N; args.K = K;
+  args.out = out;
+  args.x_center = centring.x_center;
+  args.w_row_sum = centring.w_row_sum;
+  return args;
 }
 
 }  // namespace sm90
@@ -3145,45 +3354,42 @@ void fused_gemm_bn::sm90_gemm_workspace(int M, int N, int K, bool split_tiles, i
 }
 
 // z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
-// x_small = rna_tf32(x - tf32_trunc(x)) (sm90_prepass_3xtf32).  `workspace`:
-// as sm90_gemm_workspace says (null when it needs none).
-cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, float* out,
-                                                  float* part_mean, float* part_m2, int M, int N, int K,
-                                                  bool split_tiles, float* workspace, cudaStream_t stream) {
+// x_small = rna_tf32(x - tf32_trunc(x)) (sm90_prepass_3xtf32); x is the
+// centred x_centred when centring is given.  `workspace`: as
+// sm90_gemm_workspace says (null when it needs none).
+cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w,
+                                                  Centring centring, float* out, float* part_mean, float* part_m2,
+                                                  int M, int N, int K, bool split_tiles, float* workspace,
+                                                  cudaStream_t stream) {
   using namespace sm90;
-  if (!launch_ok(x, x_small, w, M, N, K)) return cudaErrorInvalidValue;
-  Sm90GemmBnArgs args{};
-  args.M = M; args.N = N; args.K = K;
-  args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
+  if (!launch_ok(x, x_small, w, centring, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args = gemm_args(centring, out, M, N, K);
+  args.part_mean = part_mean; args.part_m2 = part_m2;
   return launch_sm90_gemm<sm90::Epilogue::kTrain>(x, x_small, w, args, split_tiles, workspace, stream);
 }
 
 // out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm
 // (scale_after_bn: Linear -> BatchNorm -> scale instead of Linear -> scale -> BatchNorm).
-cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, float* out,
-                                                 const float* bias, const float* scale, const float* bn_weight,
+cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w,
+                                                 Centring centring, float* out, const float* bias, const float* scale, const float* bn_weight,
                                                  const float* bn_bias, const float* running_mean,
                                                  const float* running_var, float eps, bool scale_after_bn, int M,
                                                  int N, int K, bool split_tiles, float* workspace,
                                                  cudaStream_t stream) {
   using namespace sm90;
-  if (!launch_ok(x, x_small, w, M, N, K)) return cudaErrorInvalidValue;
-  Sm90GemmBnArgs args{};
-  args.M = M; args.N = N; args.K = K;
-  args.out = out;
+  if (!launch_ok(x, x_small, w, centring, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args = gemm_args(centring, out, M, N, K);
   args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
   return launch_sm90_gemm<sm90::Epilogue::kEval>(x, x_small, w, args, split_tiles, workspace, stream);
 }
 
 // out = x @ w^T, nothing else (the backward's products).
-cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, float* out,
-                                                  int M, int N, int K, bool split_tiles, float* workspace,
-                                                  cudaStream_t stream) {
+cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w,
+                                                  Centring centring, float* out, int M, int N, int K,
+                                                  bool split_tiles, float* workspace, cudaStream_t stream) {
   using namespace sm90;
-  if (!launch_ok(x, x_small, w, M, N, K)) return cudaErrorInvalidValue;
-  Sm90GemmBnArgs args{};
-  args.M = M; args.N = N; args.K = K;
-  args.out = out;
+  if (!launch_ok(x, x_small, w, centring, M, N, K)) return cudaErrorInvalidValue;
+  Sm90GemmBnArgs args = gemm_args(centring, out, M, N, K);
   return launch_sm90_gemm<sm90::Epilogue::kPlain>(x, x_small, w, args, split_tiles, workspace, stream);
 }
 ''',
@@ -3497,29 +3703,7 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     mainloop(q, n_blocks);
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
-    // z = (acc * 2^-e_n) * 2^-e_m (two exact scalings) + c_m (lo_n + hi_n)
-    // (two fmas: the centre's share added back, one rounding of the result
-    // beyond the tiny lo product; layout: sm90_gemm_tiles.cuh; rows past M or
-    // N hold zeros).
-    const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
-    float w_inv[2];
-    float2 w_sum[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int f = n0 + w_row + 8 * h;
-      w_inv[h] = f < args.N ? __ldg(args.w_inv_scale + f) : 0.f;
-      w_sum[h] = f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
-    }
-#pragma unroll
-    for (int i = 0; i < T::kAccRegs / 4; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = m0 + 8 * i + 2 * t + e;
-        const float inv = b < M ? __ldg(args.x_inv_scale + b) : 0.f;
-        const float c = b < M ? __ldg(args.x_center + b) : 0.f;
-        acc[4 * i + e] = fmaf(c, w_sum[0].x, fmaf(c, w_sum[0].y, (acc[4 * i + e] * w_inv[0]) * inv));
-        acc[4 * i + 2 + e] = fmaf(c, w_sum[1].x, fmaf(c, w_sum[1].y, (acc[4 * i + 2 + e] * w_inv[1]) * inv));
-      }
+    finish_product<true>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
 #elif defined(__CUDA_ARCH__)
@@ -3698,8 +3882,9 @@ struct Sm90GemmBnArgs {
   float* partials;
   int* tile_arrivals;
   // sm90_gemm_fp16x3 only: 2^-e of each row's power-of-two scale, x's (M
-  // floats) and w's (N floats); x's row centres c_m (M) and w's row sums
-  // (N (hi, lo) pairs): z = the parts' product + c_m (hi_n + lo_n).
+  // floats) and w's (N floats).  Both GEMMs: x's row centres c_m (M) and w's
+  // row sums (N (hi, lo) pairs), z = the parts' product + c_m (hi_n + lo_n);
+  // null in the 3xTF32 kernel's uncentred calls.
   const float* x_inv_scale;
   const float* w_inv_scale;
   const float* x_center;
@@ -3776,6 +3961,40 @@ __device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], 
     }
   }
   return true;
+}
+
+// The product's last steps, in place: z = (acc 2^-e_n) 2^-e_m (kScaled: the
+// fp16x3 operands' power-of-two row scales, two exact multiplies) + c_m (hi_n +
+// lo_n) where x was centred (args.x_center not null; centring.cuh): two fmas,
+// one rounding of z beyond the tiny lo product.  Rows past M or N hold zeros
+// and stay zero.
+template <bool kScaled>
+__device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args, int tile,
+                                               int m_tiles, int w_row, int t) {
+  const int m0 = (tile % m_tiles) * kTileM, n0 = (tile / m_tiles) * kTileN;
+  const bool centred = args.x_center != nullptr;
+  float w_inv[2];
+  float2 w_sum[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int f = n0 + w_row + 8 * h;
+    w_inv[h] = kScaled && f < args.N ? __ldg(args.w_inv_scale + f) : 0.f;
+    w_sum[h] = centred && f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
+  }
+#pragma unroll
+  for (int i = 0; i < kTileAccRegs / 4; ++i)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int b = m0 + 8 * i + 2 * t + e;
+      const float inv = kScaled && b < args.M ? __ldg(args.x_inv_scale + b) : 0.f;
+      const float c = centred && b < args.M ? __ldg(args.x_center + b) : 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float& z = acc[4 * i + 2 * h + e];
+        if constexpr (kScaled) z = (z * w_inv[h]) * inv;
+        z = fmaf(c, w_sum[h].x, fmaf(c, w_sum[h].y, z));
+      }
+    }
 }
 
 // The epilogue of one finished tile (layout in this header's comment): kEval
@@ -4245,24 +4464,28 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
 //
 //   gemm name             kernels
 //   --------------------  ------------------------------------------------------------
-//   sm90_3xtf32           sm90_prepass_3xtf32 (x_small; training: num_batches_tracked
-//                         += 1), then sm90_gemm_3xtf32_{train,eval,plain} (wgmma, TMA)
+//   sm90_3xtf32           the forwards: row_sums over W's rows unless the caller passes
+//                         w_parts (its cached result), row_centers over x; then
+//                         sm90_prepass_3xtf32 (x_centred, x_small; training:
+//                         num_batches_tracked += 1), then sm90_gemm_3xtf32_{train,eval}
+//                         (wgmma, TMA); gemm_nt: no centring, sm90_gemm_3xtf32_plain
 //   sm90_3xtf32_nosplit   the same with whole tiles only (A/B switch for measurements)
 //   sm90_fp16x3           sm90_prepass_fp16x3 over W's rows unless the caller passes
 //                         w_parts (its cached result), then over x (fp16 parts and row
 //                         scales; training: += 1), then sm90_gemm_fp16x3_{train,eval,plain}
 //   sm90_fp16x3_nosplit   the same with whole tiles only
-//   sm80_3xtf32           sm80_prepass_3xtf32 (x's TF32 parts; training: += 1), then
-//                         sm80_gemm_3xtf32_{train,eval} (mma.sync, any sm_80+)
-//   sm90_cluster_3xtf32   sm80_prepass_3xtf32, then sm90_cluster_gemm_3xtf32_train:
+//   sm80_3xtf32           the forwards: row_sums (or w_parts) and row_centers as above;
+//                         sm80_prepass_3xtf32 (x's TF32 parts; training: += 1), then
+//                         sm80_gemm_3xtf32_{train,eval} (mma.sync, any sm_80+); gemm_nt uncentred
+//   sm90_cluster_3xtf32   the same pre-passes, then sm90_cluster_gemm_3xtf32_train:
 //                         problem 33's whole training forward (forward_train only)
 //
 //   forward_train(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                 running_var, num_batches_tracked, momentum, eps, scale_after_bn,
 //                 w_parts) -> out (M, N)
-//       w_parts (every forward's last argument): None, or fp16x3_weight_parts(weight)
-//       made while the weight held its current values (sm90_fp16x3 only; ignored
-//       by the other kernels).
+//       w_parts (every forward's last argument): None, or made while the weight held
+//       its current values: fp16x3_weight_parts(weight) for sm90_fp16x3[_nosplit],
+//       weight_row_sums(weight) for the 3xTF32 GEMMs (their centring, centring.cuh).
 //       the pre-pass and the training GEMM: z = x @ weight^T and per-tile mean / M2;
 //       problem 33: bn_apply (merge statistics, running statistics, normalise in place);
 //       problem 84: bn_softmax_fold_train (per-feature mean_z, a, c; running
@@ -4278,6 +4501,8 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
 //   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4 + 2 N): W's
 //       fp16x3 parts [w_hi | w_lo | w_inv_scale | w_row_sum] for w_parts
+//   weight_row_sums(weight (N, K)) -> float32 (2 N): W's row sums as (hi, lo) pairs,
+//       the 3xTF32 GEMMs' w_parts
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
@@ -4385,54 +4610,111 @@ cudaStream_t current_stream(const torch::Tensor& x) {
   return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
 }
 
+// x's row centres c_m (centring.cuh) into center (M floats), or nothing (null).
+void launch_row_centers(const torch::Tensor& x, int M, int K, float* center, cudaStream_t stream) {
+  if (center != nullptr)
+    check_launch(fgb::row_centers(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, center, stream),
+                 "row_centers");
+}
+
 // x's TF32 parts in mma fragment order for the sm80 / cluster kernels
-// (sm80_prepass_3xtf32), one allocation.
+// (sm80_prepass_3xtf32) and, when centred, its row centres: one allocation.
 struct FragmentX {
   torch::Tensor storage;
   const float* big;
   const float* small;
+  const float* center;  // null: not centred
 };
 
 // `num_batches_tracked`: incremented by the pre-pass in training, else null.
-FragmentX sm80_prepass(const torch::Tensor& x, int M, int K, int64_t* num_batches_tracked, cudaStream_t stream) {
+// centred: the parts are those of rn(x - c_m) (the forwards; not gemm_nt).
+FragmentX sm80_prepass(const torch::Tensor& x, int M, int K, int64_t* num_batches_tracked, bool centred,
+                       cudaStream_t stream) {
+  centred = centred && M >= 1 && K >= 1;
   const int64_t elems = fgb::sm80_prepass_elems(M, K);
-  torch::Tensor storage = torch::empty({2 * elems}, x.options());
+  torch::Tensor storage = torch::empty({2 * elems + (centred ? M : 0)}, x.options());
   float* big = storage.data_ptr<float>();
   float* small = big + elems;
-  check_launch(fgb::sm80_prepass_3xtf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, big, small,
+  float* center = centred ? small + elems : nullptr;
+  launch_row_centers(x, M, K, center, stream);
+  check_launch(fgb::sm80_prepass_3xtf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, center, big, small,
                                         num_batches_tracked, stream),
                "sm80_prepass_3xtf32");
-  return {storage, big, small};
+  return {storage, big, small, center};
 }
 
 // x and its TF32 remainder for the Hopper kernel, whose TMA loads need
 // contiguous, 16-byte aligned rows: the caller's x is used in place when it is
-// so, otherwise copied (never written).  `workspace` is the GEMM's split-tile
-// scratch for an (M, K) x (N, K) product (null if it needs none), allocated
-// with x_small; the pre-pass zeroes its arrival counts.
+// so, otherwise copied (never written).  centred (the forwards; not gemm_nt):
+// the GEMM reads x_centred = rn(x - c_m) instead, and its remainder.
+// `workspace` is the GEMM's split-tile scratch for an (M, K) x (N, K) product
+// (null if it needs none); the pre-pass zeroes its arrival counts.  One
+// allocation: [x_small | x_centred | center (M, padded to 4) | workspace].
 struct RemainderX {
   torch::Tensor x;
-  torch::Tensor storage;  // x_small, then the workspace
+  torch::Tensor storage;
+  const float* big;     // what the GEMM reads as x: x's data or x_centred
   const float* small;
+  const float* center;  // null: not centred
   float* workspace;
 };
 
 RemainderX sm90_prepass(const torch::Tensor& x, int M, int N, int K, bool split_tiles, int64_t* num_batches_tracked,
-                        cudaStream_t stream) {
+                        bool centred, cudaStream_t stream) {
   const bool ready = x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   torch::Tensor xc = ready ? x : x.clone(at::MemoryFormat::Contiguous);
-  const int64_t small_floats = static_cast<int64_t>(M) * K;  // a multiple of 4: the workspace stays 16-byte aligned
+  const int64_t part_floats = static_cast<int64_t>(M) * K;  // a multiple of 4: what follows stays 16-byte aligned
+  const int64_t center_floats = centred ? (static_cast<int64_t>(M) + 3) / 4 * 4 : 0;
   int64_t workspace_floats = 0;
   int zero_ints = 0;
   fgb::sm90_gemm_workspace(M, N, K, split_tiles, &workspace_floats, &zero_ints);
-  torch::Tensor storage = torch::empty({small_floats + workspace_floats}, x.options());
+  torch::Tensor storage =
+      torch::empty({(centred ? 2 : 1) * part_floats + center_floats + workspace_floats}, x.options());
   float* small = storage.data_ptr<float>();
-  float* workspace = workspace_floats > 0 ? small + small_floats : nullptr;
+  float* x_centred = centred ? small + part_floats : nullptr;
+  float* center = centred ? x_centred + part_floats : nullptr;
+  float* workspace = workspace_floats > 0 ? small + (centred ? 2 : 1) * part_floats + center_floats : nullptr;
   int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
-  check_launch(fgb::sm90_prepass_3xtf32(xc.data_ptr<float>(), M, K, small, arrivals, arrivals ? zero_ints : 0,
-                                        num_batches_tracked, stream),
+  launch_row_centers(xc, M, K, center, stream);
+  check_launch(fgb::sm90_prepass_3xtf32(xc.data_ptr<float>(), M, K, center, x_centred, small, arrivals,
+                                        arrivals ? zero_ints : 0, num_batches_tracked, stream),
                "sm90_prepass_3xtf32");
-  return {xc, storage, small, workspace};
+  return {xc, storage, centred ? x_centred : xc.data_ptr<float>(), small, center, workspace};
+}
+
+// gemm.weight's row sums (N (hi, lo) fp32 pairs, 2 N floats: row_sums in
+// centring.cu) for the 3xTF32 forwards' centring: the given tensor (checked;
+// model_new.py keeps it while the weight is unchanged) or one made now.
+struct WeightRowSums {
+  torch::Tensor packed;
+  const float2* row_sum;
+};
+
+WeightRowSums weight_row_sums_of(const torch::Tensor& weight, const c10::optional<torch::Tensor>& given, int N, int K,
+                                 cudaStream_t stream) {
+  WeightRowSums w;
+  if (given.has_value() && given->defined()) {
+    w.packed = *given;
+    TORCH_CHECK(w.packed.device() == weight.device() && w.packed.scalar_type() == torch::kFloat32 &&
+                    w.packed.dim() == 1 && w.packed.numel() == 2 * static_cast<int64_t>(N) &&
+                    w.packed.is_contiguous(),
+                "fused_gemm_bn: w_parts of a 3xTF32 GEMM must be weight_row_sums(gemm.weight): a contiguous float32 "
+                "tensor of ", 2 * static_cast<int64_t>(N), " elements on ", weight.device());
+  } else if (K < 1) {
+    w.packed = torch::zeros({2 * static_cast<int64_t>(N)}, weight.options());  // unused: x is not centred
+  } else {
+    w.packed = torch::empty({2 * static_cast<int64_t>(N)}, weight.options());
+    check_launch(fgb::row_sums(weight.data_ptr<float>(), weight.stride(0), weight.stride(1), N, K,
+                               reinterpret_cast<float2*>(w.packed.data_ptr<float>()), stream),
+                 "row_sums");
+  }
+  w.row_sum = reinterpret_cast<const float2*>(w.packed.data_ptr<float>());
+  return w;
+}
+
+// The centring terms of a 3xTF32 forward (K >= 1: x centred, w's row sums) or none.
+fgb::Centring centring_of(const float* center, const WeightRowSums& w) {
+  return center != nullptr ? fgb::Centring{center, w.row_sum} : fgb::Centring{nullptr, nullptr};
 }
 
 // x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K) fp16 words, x_inv_scale
@@ -4549,14 +4831,16 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
                  "sm90_gemm_fp16x3_train");
   } else if (is_sm90(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
-    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, counter, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_train(xr.x.data_ptr<float>(), xr.small, w, z.data_ptr<float>(), g.part_mean,
-                                             g.part_m2, M, N, K, split_tiles, xr.workspace, stream),
+    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
+    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, counter, true, stream);
+    check_launch(fgb::sm90_gemm_3xtf32_train(xr.big, xr.small, w, centring_of(xr.center, ws), z.data_ptr<float>(),
+                                             g.part_mean, g.part_m2, M, N, K, split_tiles, xr.workspace, stream),
                  "sm90_gemm_3xtf32_train");
   } else {
-    const FragmentX xs = sm80_prepass(x, M, K, counter, stream);
-    check_launch(fgb::sm80_gemm_3xtf32_train(xs.big, xs.small, w, z.data_ptr<float>(), g.part_mean, g.part_m2, M, N,
-                                             K, stream),
+    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
+    const FragmentX xs = sm80_prepass(x, M, K, counter, true, stream);
+    check_launch(fgb::sm80_gemm_3xtf32_train(xs.big, xs.small, w, centring_of(xs.center, ws), z.data_ptr<float>(),
+                                             g.part_mean, g.part_m2, M, N, K, stream),
                  "sm80_gemm_3xtf32_train");
   }
   if (stats != nullptr)
@@ -4594,11 +4878,13 @@ void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const BnTe
 }
 
 // Problem 33's training forward in one cluster launch (sm90_cluster_3xtf32).
-void cluster_train(const torch::Tensor& x, const float* w, torch::Tensor& out, int M, int N, int K, const BnTensors& t,
+void cluster_train(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& w_parts,
+                   torch::Tensor& out, int M, int N, int K, const BnTensors& t,
                    const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
-  const FragmentX xs = sm80_prepass(x, M, K, num_batches_tracked.data_ptr<int64_t>(), stream);
+  const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
+  const FragmentX xs = sm80_prepass(x, M, K, num_batches_tracked.data_ptr<int64_t>(), true, stream);
   check_launch(fgb::sm90_cluster_gemm_3xtf32_train(
-                   xs.big, xs.small, w, out.data_ptr<float>(), t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
+                   xs.big, xs.small, weight.data_ptr<float>(), centring_of(xs.center, ws), out.data_ptr<float>(), t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
                    t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(), t.running_mean.data_ptr<float>(),
                    t.running_var.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
                    static_cast<float>(momentum), static_cast<float>(eps), M, N, K, stream),
@@ -4625,7 +4911,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   const cudaStream_t stream = current_stream(x);
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (gemm == Gemm::kSm90Cluster) {
-    cluster_train(x, weight.data_ptr<float>(), out, M, N, K, t, num_batches_tracked, momentum, eps, stream);
+    cluster_train(x, weight, w_parts, out, M, N, K, t, num_batches_tracked, momentum, eps, stream);
     return out;
   }
   const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
@@ -4667,16 +4953,19 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                  "sm90_gemm_fp16x3_eval");
   } else if (is_sm90(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
-    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_eval(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(),
+    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
+    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, nullptr, true, stream);
+    check_launch(fgb::sm90_gemm_3xtf32_eval(xr.big, xr.small, w, centring_of(xr.center, ws), out.data_ptr<float>(),
                                             t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
                                             t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
                                             t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
                                             fold_eps, scale_after_bn, M, N, K, split_tiles, xr.workspace, stream),
                  "sm90_gemm_3xtf32_eval");
   } else {
-    const FragmentX xs = sm80_prepass(x, M, K, nullptr, stream);
-    check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), t.bias.data_ptr<float>(),
+    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
+    const FragmentX xs = sm80_prepass(x, M, K, nullptr, true, stream);
+    check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, centring_of(xs.center, ws), out.data_ptr<float>(),
+                                            t.bias.data_ptr<float>(),
                                             t.scale.data_ptr<float>(), t.bn_weight.data_ptr<float>(),
                                             t.bn_bias.data_ptr<float>(), t.running_mean.data_ptr<float>(),
                                             t.running_var.data_ptr<float>(), fold_eps, scale_after_bn, M, N, K,
@@ -4755,9 +5044,9 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   }
   if (is_sm90(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
-    const RemainderX xr = sm90_prepass(ac, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_plain(xr.x.data_ptr<float>(), xr.small, w, out.data_ptr<float>(), M, N, K,
-                                             split_tiles, xr.workspace, stream),
+    const RemainderX xr = sm90_prepass(ac, M, N, K, split_tiles, nullptr, false, stream);
+    check_launch(fgb::sm90_gemm_3xtf32_plain(xr.big, xr.small, w, fgb::Centring{nullptr, nullptr},
+                                             out.data_ptr<float>(), M, N, K, split_tiles, xr.workspace, stream),
                  "sm90_gemm_3xtf32_plain");
     return out;
   }
@@ -4765,9 +5054,9 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const torch::Tensor ones = torch::ones({N}, a.options()), zeros = torch::zeros({N}, a.options());
   const float* one = ones.data_ptr<float>();
   const float* zero = zeros.data_ptr<float>();
-  const FragmentX xs = sm80_prepass(ac, M, K, nullptr, stream);
-  check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, out.data_ptr<float>(), zero, one, one, zero, zero, one,
-                                          0.f, false, M, N, K, stream),
+  const FragmentX xs = sm80_prepass(ac, M, K, nullptr, false, stream);
+  check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, fgb::Centring{nullptr, nullptr}, out.data_ptr<float>(),
+                                          zero, one, one, zero, zero, one, 0.f, false, M, N, K, stream),
                "sm80_gemm_3xtf32_eval");
   return out;
 }
@@ -4784,6 +5073,21 @@ torch::Tensor fp16x3_weight_parts(torch::Tensor weight) {
   const c10::cuda::CUDAGuard guard(weight.device());
   return split_weight(weight, static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1)),
                       current_stream(weight));
+}
+
+// gemm.weight's row sums (2 N floats: (hi, lo) pairs of the float64 sums), for
+// the 3xTF32 forwards' w_parts: weight (N, K) float32 CUDA, any strides.  The
+// caller keeps it while the weight is unchanged (model_new.py: _weight_parts).
+torch::Tensor weight_row_sums(torch::Tensor weight) {
+  TORCH_CHECK(weight.is_cuda() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
+              "weight_row_sums: weight must be a float32 CUDA (N, K) tensor, got ", weight.scalar_type(), " ",
+              weight.sizes(), " on ", weight.device());
+  TORCH_CHECK(weight.size(0) >= 1 && weight.size(0) <= INT32_MAX && weight.size(1) <= INT32_MAX,
+              "weight_row_sums: sizes must fit in int32 and N >= 1, got ", weight.sizes());
+  const c10::cuda::CUDAGuard guard(weight.device());
+  return weight_row_sums_of(weight, c10::nullopt, static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1)),
+                            current_stream(weight))
+      .packed;
 }
 
 namespace {
@@ -5625,23 +5929,26 @@ def _kernels(plan_kernels):
 # ---------------------------------------------------------------------------
 
 
-# gemm.weight's fp16x3 parts, kept between calls.  Entries are keyed by the
-# weight tensor object (id, checked through a weak reference that also drops
-# the entry when the weight dies) and valid while the weight's data pointer,
-# version counter, shape, strides, device and the current stream are those of
-# the call that made them.  The entry holds the weight's storage, so its
+# What the GEMMs precompute from gemm.weight, kept between calls: the fp16x3
+# parts, or the row sums of the 3xTF32 GEMMs' centring.  Entries are keyed by
+# the weight tensor object (id, checked through a weak reference that also drops
+# the entry when the weight dies) and valid while the kind, the weight's data
+# pointer, version counter, shape, strides, device and the current stream are
+# those of the call that made them.  The entry holds the weight's storage, so its
 # memory cannot be reused by another tensor at the same address while cached.
 _WeightPartsEntry = collections.namedtuple("_WeightPartsEntry", ["ref", "key", "storage", "parts"])
 _WEIGHT_PARTS = {}
 
 
-def _weight_parts(weight, split=None):
-    """gemm.weight's fp16x3 parts for the sm90_fp16x3 kernels (the extension's
-    fp16x3_weight_parts: w_hi, w_lo as fp16 words, the rows' power-of-two
-    scales and the rows' sums, weight_parts_floats(N, K) = N K + 3 N float32
-    words, about the size of the weight itself), made on the first call and reused while the weight is
-    unchanged; None when the call must split the weight itself (the extension
-    then does, inside the call): caching off (SWITCHES.weight_cache), a CUDA
+def _weight_parts(weight, split=None, kind="fp16x3"):
+    """What the GEMM precomputes from gemm.weight, made on the first call and
+    reused while the weight is unchanged.  kind "fp16x3": the sm90_fp16x3
+    kernels' parts (the extension's fp16x3_weight_parts: w_hi, w_lo as fp16
+    words, the rows' power-of-two scales and the rows' sums, N K + 3 N float32
+    words, about the size of the weight itself); kind "row_sums": the 3xTF32
+    kernels' row sums for their centring (weight_row_sums: 2 N float32 words).
+    None when the call must make them itself (the extension then does, inside
+    the call): caching off (SWITCHES.weight_cache), a CUDA
     graph being captured (a graph must not read a cache that later calls
     replace), or an inference-mode weight (no version counter).
     Seen as changes: anything that bumps the weight's version counter (in-place
@@ -5651,13 +5958,13 @@ def _weight_parts(weight, split=None):
     in-place writes through `weight.data` outside an optimizer step (a tensor
     with a version counter of its own, which autograd does not see either);
     after such writes call clear_weight_cache().
-    `split` makes the parts (default: the extension's fp16x3_weight_parts; the
+    `split` makes them (default: the extension's function for `kind`; the
     CPU tests give their own)."""
     if (not SWITCHES.weight_cache or not _WEIGHT_CACHE_SAFE or weight.is_inference()
             or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
     stream = torch.cuda.current_stream(weight.device).cuda_stream if weight.is_cuda else 0
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.device, stream)
+    key = (kind, weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.device, stream)
     wid = id(weight)
     entry = _WEIGHT_PARTS.get(wid)
     if entry is not None and entry.ref() is weight and entry.key == key:
@@ -5669,7 +5976,9 @@ def _weight_parts(weight, split=None):
         if current is not None and current.ref is ref:
             del _WEIGHT_PARTS[wid]
 
-    parts = (_ext.fp16x3_weight_parts if split is None else split)(weight)
+    if split is None:
+        split = _ext.fp16x3_weight_parts if kind == "fp16x3" else _ext.weight_row_sums
+    parts = split(weight)
     _WEIGHT_PARTS[wid] = _WeightPartsEntry(weakref.ref(weight, drop), key, weight.untyped_storage(), parts)
     return parts
 
@@ -5695,18 +6004,19 @@ if _WEIGHT_CACHE_SAFE:
 
 
 def clear_weight_cache():
-    """Drops every cached fp16x3 weight split (_weight_parts), freeing its memory
-    (one weight's size per cached weight); the next call splits again."""
+    """Drops everything cached from weights (_weight_parts), freeing its memory
+    (up to one weight's size per cached weight); the next call makes it again."""
     _WEIGHT_PARTS.clear()
 
 
 def _weight_args(kernels, gemm, weight):
     """The trailing argument of the float32 extension's forwards: gemm.weight's
-    cached fp16x3 parts on the sm90_fp16x3 path, else None (the 16-bit and
-    torch-op namespaces take none)."""
+    cached fp16x3 parts on the sm90_fp16x3 path, its cached row sums on the
+    3xTF32 paths (None: the extension makes them in the call); nothing for the
+    16-bit and torch-op namespaces."""
     if kernels is not _ext:
         return ()
-    return (_weight_parts(weight) if gemm.startswith("sm90_fp16x3") else None,)
+    return (_weight_parts(weight, kind="fp16x3" if gemm.startswith("sm90_fp16x3") else "row_sums"),)
 
 
 def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params):

@@ -704,13 +704,15 @@ def test_gpu_every_output_element_written(problem, m, k, n, mode, gemm_path):
     allocator is poisoned: a probe call's output block is filled with NaN and
     freed.  The allocator's state is then what it was before the probe, so the
     next call makes the same allocations in the same order and gets that block
-    back (asserted); any element the kernels do not write stays NaN."""
+    back (asserted); any element the kernels do not write stays NaN.  A first
+    call fills the weight cache (model_new._weight_parts), so that the probe
+    and the checked call allocate alike."""
     _, new = gpu_pair(problem, m, k, n)
     new.train(mode == "train")
-    probe = copy.deepcopy(new)
     x = gpu_input("uniform", m, k, cuda_gen(50))
     with torch.no_grad():
-        poison = probe(x)
+        new(x)
+        poison = new(x)
         poison.fill_(float("nan"))
         poisoned_ptr = poison.data_ptr()
         del poison

@@ -20,15 +20,18 @@ picks the GEMM kernel (ModelNew.kernel_path(x) names it):
 
   Model.forward step         kernel file (../kernels/)            launcher
   -------------------------  -----------------------------------  ------------------------------
-  gemm(x) = x W^T (+ b)      prepass_3xtf32.cu, then              sm90_prepass / sm80_prepass_3xtf32,
-                             sm90_gemm_3xtf32_bn.cu (Hopper) or   sm90_gemm_3xtf32_train / _eval,
-                             sm80_gemm_3xtf32_bn.cu (sm_80+)      sm80_gemm_3xtf32_train / _eval
+  gemm(x) = x W^T (+ b)      Hopper: prepass_fp16x3.cu, then      sm90_prepass_fp16x3,
+                             sm90_gemm_fp16x3_bn.cu               sm90_gemm_fp16x3_train / _eval
+                             sm_80+ (and Hopper by switch):       row_centers (+ row_sums, cached),
+                             centring.cu, prepass_3xtf32.cu,      sm80_prepass_3xtf32 / sm90_prepass_3xtf32,
+                             sm80_gemm_3xtf32_bn.cu or            sm80_gemm_3xtf32_train / _eval,
+                             sm90_gemm_3xtf32_bn.cu               sm90_gemm_3xtf32_train / _eval
   training:
   bn (batch statistics),     GEMM epilogue: z and per-tile mean / M2
   running statistics         bn_softmax.cu                        bn_softmax_fold_train
   * scale, softmax           bn_softmax.cu                        softmax_rows (one CTA per row)
   eval:
-  bn, * scale                folded into the GEMM epilogue        *_gemm_3xtf32_eval (scale_after_bn)
+  bn, * scale                folded into the GEMM epilogue        the GEMM's _eval (scale_after_bn)
   softmax                    bn_softmax.cu                        softmax_rows
   checks, stream             torch_binding.cpp                    forward_train / forward_eval
 

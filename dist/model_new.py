@@ -4994,33 +4994,37 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   return out;
 }
 
+namespace {
+
+// The weight argument of the two cache makers below: (N, K) float32 CUDA, any
+// strides, N >= 1, sizes within int32.  Returns (N, K).
+std::pair<int, int> check_cached_weight(const char* fn, const torch::Tensor& weight) {
+  TORCH_CHECK(weight.is_cuda() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 2, fn,
+              ": weight must be a float32 CUDA (N, K) tensor, got ", weight.scalar_type(), " ", weight.sizes(), " on ",
+              weight.device());
+  TORCH_CHECK(weight.size(0) >= 1 && weight.size(0) <= INT32_MAX && weight.size(1) <= INT32_MAX, fn,
+              ": sizes must fit in int32 and N >= 1, got ", weight.sizes());
+  return {static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1))};
+}
+
+}  // namespace
+
 // gemm.weight's fp16x3 parts (weight_parts_floats floats), for forward_*'s
 // w_parts: weight (N, K) float32 CUDA, any strides, K % 8 == 0.  The caller
 // keeps it while the weight is unchanged (model_new.py: _weight_parts).
 torch::Tensor fp16x3_weight_parts(torch::Tensor weight) {
-  TORCH_CHECK(weight.is_cuda() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
-              "fp16x3_weight_parts: weight must be a float32 CUDA (N, K) tensor, got ", weight.scalar_type(), " ",
-              weight.sizes(), " on ", weight.device());
-  TORCH_CHECK(weight.size(0) >= 1 && weight.size(0) <= INT32_MAX && weight.size(1) <= INT32_MAX,
-              "fp16x3_weight_parts: sizes must fit in int32 and N >= 1, got ", weight.sizes());
+  const auto [N, K] = check_cached_weight("fp16x3_weight_parts", weight);
   const c10::cuda::CUDAGuard guard(weight.device());
-  return split_weight(weight, static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1)),
-                      current_stream(weight));
+  return split_weight(weight, N, K, current_stream(weight));
 }
 
 // gemm.weight's row sums (2 N floats: (hi, lo) pairs of the float64 sums), for
 // the 3xTF32 forwards' w_parts: weight (N, K) float32 CUDA, any strides.  The
 // caller keeps it while the weight is unchanged (model_new.py: _weight_parts).
 torch::Tensor weight_row_sums(torch::Tensor weight) {
-  TORCH_CHECK(weight.is_cuda() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
-              "weight_row_sums: weight must be a float32 CUDA (N, K) tensor, got ", weight.scalar_type(), " ",
-              weight.sizes(), " on ", weight.device());
-  TORCH_CHECK(weight.size(0) >= 1 && weight.size(0) <= INT32_MAX && weight.size(1) <= INT32_MAX,
-              "weight_row_sums: sizes must fit in int32 and N >= 1, got ", weight.sizes());
+  const auto [N, K] = check_cached_weight("weight_row_sums", weight);
   const c10::cuda::CUDAGuard guard(weight.device());
-  return weight_row_sums_of(weight, c10::nullopt, static_cast<int>(weight.size(0)), static_cast<int>(weight.size(1)),
-                            current_stream(weight))
-      .packed;
+  return weight_row_sums_of(weight, c10::nullopt, N, K, current_stream(weight)).packed;
 }
 
 namespace {

@@ -90,9 +90,16 @@ CASES = [
     ("a100-small-odd-k", call(m=33, k=37, n=515), A100, DEFAULT, "sm80_3xtf32_train"),
     ("ada-84-train", call(problem=84), ADA, DEFAULT, "sm80_3xtf32_train"),
     # dtypes
-    ("hopper-float16", call(dtype=torch.float16), H200, DEFAULT, "lowp_sm80_train"),
+    ("hopper-float16", call(dtype=torch.float16), H200, DEFAULT, "lowp_sm90_train"),
     ("hopper-bfloat16-eval-grad", call(dtype=torch.bfloat16, training=False, grad=True), H200, DEFAULT,
-     "lowp_sm80_eval_grad"),
+     "lowp_sm90_eval_grad"),
+    ("hopper-float16-84-eval", call(dtype=torch.float16, problem=84, training=False), H200, DEFAULT,
+     "lowp_sm90_eval"),
+    # the Hopper 16-bit kernel's TMA rows need K % 8 == 0; the portable switch and a build
+    # without the sm_90a image take the mma.sync kernel
+    ("hopper-float16-k4", call(m=64, k=36, n=64, dtype=torch.float16), H200, DEFAULT, "lowp_sm80_train"),
+    ("hopper-bfloat16-portable", call(dtype=torch.bfloat16), H200, PORTABLE, "lowp_sm80_train"),
+    ("hopper-float16-no-sm90a", call(dtype=torch.float16), H200_NO_SM90A, DEFAULT, "lowp_sm80_train"),
     ("a100-float16-84", call(dtype=torch.float16, problem=84), A100, DEFAULT, "lowp_sm80_train"),
     ("cuda-float64", call(dtype=torch.float64), H200, DEFAULT, "torch_ops_train"),
     ("cuda-float64-eval-grad", call(dtype=torch.float64, training=False, grad=True), H200, DEFAULT,
@@ -111,7 +118,7 @@ def test_plan_table(case_call, facts, switches, expected):
     result = plan(case_call, facts, switches)
     assert result.name == expected
     assert result.name.startswith(result.gemm)
-    assert result.kernels == {"torch_ops": "torch", "lowp_sm80": "lowp", "empty": None}.get(result.gemm, "ext")
+    assert result.kernels == {"torch_ops": "torch", "lowp_sm80": "lowp", "lowp_sm90": "lowp", "empty": None}.get(result.gemm, "ext")
 
 
 @pytest.mark.parametrize("dtype", [F32, torch.float16, torch.bfloat16])
@@ -185,9 +192,10 @@ LAUNCHES = {
     "sm80_3xtf32": ["sm80_prepass_3xtf32_kernel", "sm80_gemm_3xtf32_bn_kernel"],
     "sm90_cluster_3xtf32": ["sm80_prepass_3xtf32_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel"],
     "lowp_sm80": ["sm80_gemm_bn_16bit_kernel"],
+    "lowp_sm90": ["sm90_gemm_bn_16bit_kernel"],
 }
 GEMM_KERNELS = ["sm90_gemm_fp16x3_bn_kernel", "sm90_gemm_3xtf32_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel",
-                "sm80_gemm_bn_16bit_kernel"]
+                "sm80_gemm_bn_16bit_kernel", "sm90_gemm_bn_16bit_kernel"]
 
 
 def launched_kernels(fn):

@@ -13,7 +13,8 @@ for the eager references (fixture full_precision_reductions, the 16-bit
 counterpart of conftest.py's fp32_matmul): Model then rounds exactly where its
 ops say, which is what ModelNew reproduces.
 
-GPU (names contain "gpu")
+GPU (names contain "gpu"; the main ones run on both 16-bit GEMM kernels, fixture
+lowp_kernel: lowp_sm90 on Hopper where K % 8 == 0, and lowp_sm80)
   - test_gpu_lowp_matches_model [dtype, problem, mode, shape]: three calls (train:
     fresh inputs, running statistics compared after each; eval: after three
     settling training calls, with Model's state copied into ModelNew first):
@@ -116,6 +117,23 @@ def full_precision_reductions():
     m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = saved
 
 
+@pytest.fixture(params=["sm90", "sm80"])
+def lowp_kernel(request, monkeypatch):
+    """Both 16-bit GEMM kernels on a Hopper GPU: lowp_sm90 (the default where K % 8 == 0)
+    and lowp_sm80 (SWITCHES.portable, what sm_80-89 GPUs run).  Off Hopper only
+    lowp_sm80 exists and the sm90 case skips."""
+    if request.param == "sm90" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("lowp_sm90 needs an sm_90 GPU")
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(portable=request.param == "sm80"))
+    return request.param
+
+
+def expect_lowp_kernel(new, x, lowp_kernel):
+    """The path a call takes is the one the fixture asked for (lowp_sm90 only where K % 8 == 0)."""
+    expected = "lowp_sm90" if lowp_kernel == "sm90" and x.shape[1] % 8 == 0 else "lowp_sm80"
+    assert new.kernel_path(x).startswith(expected), (new.kernel_path(x), expected)
+
+
 _BASE = {}
 
 
@@ -201,7 +219,7 @@ def shape_id(shape):
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_gpu_lowp_matches_model(dtype_name, problem, mode, shape, full_precision_reductions):
+def test_gpu_lowp_matches_model(dtype_name, problem, mode, shape, full_precision_reductions, lowp_kernel):
     dtype = DTYPES[dtype_name]
     m, k, n = shape
     ref, new = lowp_pair(problem, k, n, dtype)
@@ -213,6 +231,7 @@ def test_gpu_lowp_matches_model(dtype_name, problem, mode, shape, full_precision
     for step in range(NUM_CALLS):
         x = lowp_input(step, m, k, dtype)
         x_before = x.clone()
+        expect_lowp_kernel(new, x, lowp_kernel)
         with torch.no_grad():
             out_ref, out_new = ref(x), new(x)
         where = f"{dtype_name} {problem} {mode} {shape} call {step}"
@@ -231,7 +250,7 @@ def test_gpu_lowp_matches_model(dtype_name, problem, mode, shape, full_precision
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("shape", ERROR_SHAPES, ids=shape_id)
-def test_gpu_lowp_error_vs_float64(dtype_name, problem, mode, shape, full_precision_reductions):
+def test_gpu_lowp_error_vs_float64(dtype_name, problem, mode, shape, full_precision_reductions, lowp_kernel):
     dtype = DTYPES[dtype_name]
     m, k, n = shape
     ref, new = lowp_pair(problem, k, n, dtype, seed=11)
@@ -241,10 +260,11 @@ def test_gpu_lowp_error_vs_float64(dtype_name, problem, mode, shape, full_precis
     for mod in (ref, new, ref64):
         mod.train(mode == "train")
     x = lowp_input(1, m, k, dtype, seed=11)
+    expect_lowp_kernel(new, x, lowp_kernel)
     with torch.no_grad():
         out64 = ref64(x.double())
         err_eager, err_new = rel_err(ref(x), out64), rel_err(new(x), out64)
-    print(f"\n[error vs float64] {dtype_name} {problem} {mode} {shape}: eager {err_eager:.3e}, "
+    print(f"\n[error vs float64] {lowp_kernel} {dtype_name} {problem} {mode} {shape}: eager {err_eager:.3e}, "
           f"ModelNew {err_new:.3e}, ratio {err_new / err_eager:.4f}")
     assert err_new <= ERR_FACTOR * err_eager + ERR_FLOOR
 
@@ -279,7 +299,7 @@ def test_gpu_lowp_error_criterion_negative_control(dtype_name, full_precision_re
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (3, 8, 5)], ids=shape_id)
-def test_gpu_lowp_every_output_element_written(shape, dtype_name, problem, mode):
+def test_gpu_lowp_every_output_element_written(shape, dtype_name, problem, mode, lowp_kernel):
     """As test_equivalence.py's float32 check: a probe call's output block is
     filled with NaN and freed; the next call makes the same allocations in the
     same order and gets that block back (asserted), so an element the kernels
@@ -308,7 +328,7 @@ def test_gpu_lowp_every_output_element_written(shape, dtype_name, problem, mode)
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("shape", GRAD_SHAPES, ids=shape_id)
-def test_gpu_lowp_grad_enabled(dtype_name, problem, mode, shape, full_precision_reductions):
+def test_gpu_lowp_grad_enabled(dtype_name, problem, mode, shape, full_precision_reductions, lowp_kernel):
     dtype = DTYPES[dtype_name]
     m, k, n = shape
     ref, new = lowp_pair(problem, k, n, dtype, seed=5)
@@ -364,7 +384,7 @@ def test_gpu_lowp_momentum_none(dtype_name, problem, full_precision_reductions):
 @pytest.mark.parametrize("how", ["strided", "transposed", "misaligned"])
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_gpu_lowp_input_layouts(dtype_name, problem, how, full_precision_reductions):
+def test_gpu_lowp_input_layouts(dtype_name, problem, how, full_precision_reductions, lowp_kernel):
     dtype = DTYPES[dtype_name]
     m, k, n = 130, 264, 200
     ref, new = lowp_pair(problem, k, n, dtype)
@@ -448,8 +468,9 @@ def test_cpu_bundle_module_rejects_before_touching_buffers():
 
 def test_cpu_lowp_sources_and_extension_name(tmp_path):
     sources = model_new._lowp_sources()
-    assert {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh", "bn_stats.cuh",
-            "launchers.cuh"} <= set(sources)
+    assert {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "sm90_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh",
+            "sm90_wgmma_16bit.cuh", "bn_stats.cuh", "launchers.cuh", "sm90_gemm_tiles.cuh",
+            "sm90_primitives.cuh"} <= set(sources)  # headers included through other headers too
     assert not any(name.endswith((".cu", ".cpp")) and name in model_new._KERNEL_SOURCES for name in sources), \
         "the 16-bit extension must not compile the float32 sources again"
     flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
@@ -459,7 +480,8 @@ def test_cpu_lowp_sources_and_extension_name(tmp_path):
     changed = dict(sources, **{"bn_16bit.cu": sources["bn_16bit.cu"] + " "})
     assert model_new._extension_name(changed, flags, model_new._LOWP_PREFIX) != name
     model_new._write_headers(str(tmp_path), sources)
-    assert sorted(os.listdir(tmp_path)) == ["bn_stats.cuh", "launchers.cuh", "lowp_types.cuh"]
+    assert sorted(os.listdir(tmp_path)) == ["bn_stats.cuh", "launchers.cuh", "lowp_types.cuh", "sm90_gemm_tiles.cuh",
+                                            "sm90_primitives.cuh", "sm90_wgmma_16bit.cuh"]
     embedded = exec_texts(read(BUNDLE))["_KERNEL_SOURCES"]
     assert not set(embedded) & {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh"}
 

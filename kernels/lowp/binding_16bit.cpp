@@ -6,12 +6,13 @@
 // is prepended there) of the second, 16-bit extension that model_new.py builds
 // on the first 16-bit call; the launchers are declared in ../launchers.cuh.
 //
-// `gemm` names the kernel model_new.py's dispatch chose; this extension has one,
-// lowp_sm80 (mma.sync m16n8k16, sm_80+: sm80_gemm_bn_16bit.cu).  Each entry
+// `gemm` names the kernel model_new.py's dispatch chose: lowp_sm90 (wgmma and
+// TMA, sm_90a, K % 8 == 0: sm90_gemm_bn_16bit.cu) or lowp_sm80 (mma.sync
+// m16n8k16, sm_80+, any K: sm80_gemm_bn_16bit.cu); both write the same outputs.  Each entry
 // point checks every tensor (device; dtype float16 or bfloat16, the same for x,
 // the parameters and the running statistics; shape; contiguity of the vectors),
 // copies a non-contiguous x or weight to a contiguous tensor (never writing the
-// caller's), takes a device guard for x's GPU, launches on that GPU's current
+// caller's; for lowp_sm90 also one whose data is not 16-byte aligned), takes a device guard for x's GPU, launches on that GPU's current
 // stream, and turns any launch error into a RuntimeError naming the kernel.
 // Nothing here synchronises.  scale_after_bn: false = problem 33, true = problem 84.
 //
@@ -41,8 +42,11 @@ namespace {
 
 namespace fgb = fused_gemm_bn;
 
-void check_gemm(const std::string& gemm) {
-  TORCH_CHECK(gemm == "lowp_sm80", "fused_gemm_bn (16-bit): unknown GEMM kernel '", gemm, "' (expected lowp_sm80)");
+// The GEMM kernel a call names: true for lowp_sm90, false for lowp_sm80.
+bool is_sm90(const std::string& gemm) {
+  TORCH_CHECK(gemm == "lowp_sm80" || gemm == "lowp_sm90", "fused_gemm_bn (16-bit): unknown GEMM kernel '", gemm,
+              "' (expected lowp_sm90 or lowp_sm80)");
+  return gemm == "lowp_sm90";
 }
 
 void check_launch(cudaError_t err, const char* what) {
@@ -58,7 +62,8 @@ struct Operands {
   int M, N, K, dtype;
 };
 
-Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight) {
+// sm90: the TMA loads also need 16-byte aligned data (a misaligned x or weight is copied).
+Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, bool sm90) {
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
   TORCH_CHECK(x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kBFloat16,
               "x must be float16 or bfloat16 (the 16-bit extension), got ", x.scalar_type());
@@ -76,8 +81,12 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight) {
               "fused_gemm_bn (16-bit): cannot read the compute capability of ", x.device());
   TORCH_CHECK(major >= 8, "the 16-bit kernels need compute capability >= 8.0 (mma.sync with bfloat16), got ", major,
               ".", minor, " on ", x.device());
-  return {x.contiguous(), weight.contiguous(), static_cast<int>(x.size(0)), static_cast<int>(weight.size(0)),
-          static_cast<int>(x.size(1)), dtype_code(x.scalar_type())};
+  auto ready = [sm90](const torch::Tensor& t) {
+    return t.is_contiguous() && (!sm90 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0);
+  };
+  return {ready(x) ? x : x.clone(at::MemoryFormat::Contiguous),
+          ready(weight) ? weight : weight.clone(at::MemoryFormat::Contiguous), static_cast<int>(x.size(0)),
+          static_cast<int>(weight.size(0)), static_cast<int>(x.size(1)), dtype_code(x.scalar_type())};
 }
 
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x) {
@@ -108,11 +117,25 @@ void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& n
               "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
 }
 
+// The GEMM launch of either kernel (the same arguments and outputs).
+cudaError_t launch_gemm(bool sm90, int dtype, bool train, const Operands& op, torch::Tensor& out,
+                        const BnTensors& t, float eps, bool scale_after_bn, float* part_mean, float* part_m2,
+                        int64_t* num_batches_tracked, cudaStream_t stream) {
+  const void* bn_weight = train ? nullptr : t.bn_weight.data_ptr();
+  const void* bn_bias = train ? nullptr : t.bn_bias.data_ptr();
+  const void* running_mean = train ? nullptr : t.running_mean.data_ptr();
+  const void* running_var = train ? nullptr : t.running_var.data_ptr();
+  auto launcher = sm90 ? fgb::lowp_sm90_gemm_bn : fgb::lowp_gemm_bn;
+  return launcher(dtype, train, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), op.M, op.N, op.K,
+                  t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias, running_mean, running_var, eps,
+                  scale_after_bn, part_mean, part_m2, num_batches_tracked, stream);
+}
+
 // The training forward of either problem.
-torch::Tensor train(const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
+torch::Tensor train(bool sm90, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
                     torch::Tensor& num_batches_tracked, double momentum, double eps, bool scale_after_bn) {
-  const Operands op = check_operands(x_in, weight);
-  const int M = op.M, N = op.N, K = op.K;
+  const Operands op = check_operands(x_in, weight, sm90);
+  const int M = op.M, N = op.N;
   check_training(op.x, M, N, num_batches_tracked);
   check_bn_tensors(t, N, op.x);
   const c10::cuda::CUDAGuard guard(op.x.device());
@@ -131,10 +154,9 @@ torch::Tensor train(const torch::Tensor& x_in, const torch::Tensor& weight, cons
   float* coeff = scratch.data_ptr<float>();
   float* part_mean = coeff + 4 * static_cast<int64_t>(N);
   float* part_m2 = part_mean + part_floats;
-  check_launch(fgb::lowp_gemm_bn(op.dtype, true, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), M, N, K,
-                            t.bias.data_ptr(), t.scale.data_ptr(), nullptr, nullptr, nullptr, nullptr, 0.f,
-                            scale_after_bn, part_mean, part_m2, num_batches_tracked.data_ptr<int64_t>(), stream),
-               "gemm_bn_16bit_kernel (training)");
+  check_launch(launch_gemm(sm90, op.dtype, true, op, out, t, 0.f, scale_after_bn, part_mean, part_m2,
+                           num_batches_tracked.data_ptr<int64_t>(), stream),
+               sm90 ? "sm90_gemm_bn_16bit_kernel (training)" : "sm80_gemm_bn_16bit_kernel (training)");
   check_launch(fgb::lowp_bn_fold_train(op.dtype, part_mean, part_m2, num_m_tiles, block_m, M, N, t.bn_weight.data_ptr(),
                                   t.bn_bias.data_ptr(), num_batches_tracked.data_ptr<int64_t>(),
                                   static_cast<float>(momentum), static_cast<float>(eps), t.running_mean.data_ptr(),
@@ -150,20 +172,18 @@ torch::Tensor train(const torch::Tensor& x_in, const torch::Tensor& weight, cons
 }
 
 // The eval forward of either problem.
-torch::Tensor eval(const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t, double eps,
-                   bool scale_after_bn) {
-  const Operands op = check_operands(x_in, weight);
-  const int M = op.M, N = op.N, K = op.K;
+torch::Tensor eval(bool sm90, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
+                   double eps, bool scale_after_bn) {
+  const Operands op = check_operands(x_in, weight, sm90);
+  const int M = op.M, N = op.N;
   check_bn_tensors(t, N, op.x);
   const c10::cuda::CUDAGuard guard(op.x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, op.x.options());
   if (M == 0 || N == 0) return out;
-  check_launch(fgb::lowp_gemm_bn(op.dtype, false, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), M, N, K,
-                            t.bias.data_ptr(), t.scale.data_ptr(), t.bn_weight.data_ptr(), t.bn_bias.data_ptr(),
-                            t.running_mean.data_ptr(), t.running_var.data_ptr(), static_cast<float>(eps), scale_after_bn,
-                            nullptr, nullptr, nullptr, stream),
-               "gemm_bn_16bit_kernel (eval)");
+  check_launch(launch_gemm(sm90, op.dtype, false, op, out, t, static_cast<float>(eps), scale_after_bn, nullptr,
+                           nullptr, nullptr, stream),
+               sm90 ? "sm90_gemm_bn_16bit_kernel (eval)" : "sm80_gemm_bn_16bit_kernel (eval)");
   if (scale_after_bn)
     check_launch(fgb::lowp_softmax_rows(op.dtype, out.data_ptr(), nullptr, nullptr, M, N, stream),
                  "bn16_softmax_rows_kernel (eval)");
@@ -178,8 +198,7 @@ torch::Tensor forward_train(const std::string& gemm, torch::Tensor x, torch::Ten
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn) {
-  check_gemm(gemm);
-  return train(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, num_batches_tracked, momentum,
+  return train(is_sm90(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, num_batches_tracked, momentum,
                eps, scale_after_bn);
 }
 
@@ -187,6 +206,5 @@ torch::Tensor forward_train(const std::string& gemm, torch::Tensor x, torch::Ten
 torch::Tensor forward_eval(const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn) {
-  check_gemm(gemm);
-  return eval(x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, scale_after_bn);
+  return eval(is_sm90(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, scale_after_bn);
 }

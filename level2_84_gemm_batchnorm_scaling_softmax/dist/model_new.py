@@ -112,8 +112,8 @@ in the order a call uses them after ModelNew.forward at the bottom):
                                                     softmax_rows              * scale, softmax
       backward           bn_backward.cu             bn_batch_stats,           bn's gradients
                                                     bn_backward_train
-    lowp_sm80            lowp/sm80_gemm_bn_16bit.cu, lowp/bn_16bit.cu         the 16-bit chain, rounded
-                                                                              where Model rounds
+    lowp_sm90            lowp/sm90_gemm_bn_16bit.cu (wgmma, TMA), lowp/bn_16bit.cu the 16-bit chain, rounded
+    lowp_sm80            lowp/sm80_gemm_bn_16bit.cu (mma.sync), lowp/bn_16bit.cu  where Model rounds
     torch_ops            the _torch_* functions of this file                  CPU, float64 on CUDA
   kernels/launchers.cuh declares every launcher (both sides include it);
   kernels/torch_binding.cpp and kernels/lowp/binding_16bit.cpp check tensors,
@@ -1764,6 +1764,12 @@ cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, vo
                          const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
                          const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
                          float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream);
+// The same on Hopper (lowp/sm90_gemm_bn_16bit.cu: wgmma, TMA; sm_90a): x and w 16-byte
+// aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout.
+cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
+                              const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
+                              const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
+                              float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream);
 // Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu).
 cudaError_t lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
                                int M, int N, const void* bn_weight, const void* bn_bias,
@@ -5553,13 +5559,16 @@ _lowp_ext = None
 
 def _lowp_sources():
     """{file name: text} of the 16-bit extension: kernels/lowp/*.cu, *.cuh,
-    *.cpp, and the headers of kernels/ that they #include (bn_stats.cuh,
-    launchers.cuh)."""
-    lowp = _read_sources(_LOWP_DIR)
-    text = "".join(lowp.values())
-    sources = {name: t for name, t in _KERNEL_SOURCES.items() if name.endswith(".cuh") and f'"{name}"' in text}
-    sources.update(lowp)
-    return sources
+    *.cpp, and the headers of kernels/ that they #include, directly or through
+    another header (launchers.cuh, bn_stats.cuh, sm90_gemm_tiles.cuh, ...)."""
+    sources = dict(_read_sources(_LOWP_DIR))
+    while True:  # the headers they include, and the headers those include
+        text = "".join(sources.values())
+        added = {name: t for name, t in _KERNEL_SOURCES.items()
+                 if name.endswith(".cuh") and name not in sources and f'"{name}"' in text}
+        if not added:
+            return sources
+        sources.update(added)
 
 
 def _lowp_kernels():
@@ -5749,7 +5758,9 @@ def per_feature_scale(scale, n):
 #   ---------------------------  --------------------------------------------  --------------------
 #   batch of 0                   no kernel                                     empty
 #   CPU tensor, float64 on CUDA  always                                        torch_ops
-#   16-bit float on CUDA         compute capability >= 8.0                     lowp_sm80
+#   16-bit float on CUDA         compute capability 9.0, the sm_90a kernels    lowp_sm90
+#                                available, K % 8 == 0, not SWITCHES.portable
+#                                else: compute capability >= 8.0               lowp_sm80
 #   float32 on CUDA              compute capability 9.0, the sm_90a kernels    sm90_fp16x3
 #                                available, K % 8 == 0, 16-byte aligned        (sm90_fp16x3_nosplit with
 #                                weight, not SWITCHES.portable, SWITCHES.fp16x3 split_tiles off)
@@ -5802,7 +5813,7 @@ Plan.__doc__ = """A call's path, from dispatch():
   name      <gemm>_<train|eval>[_grad]: what ModelNew.kernel_path returns
   gemm      the GEMM kernel: sm90_fp16x3, sm90_fp16x3_nosplit, sm90_3xtf32,
             sm90_3xtf32_nosplit, sm80_3xtf32,
-            sm90_cluster_3xtf32, lowp_sm80, torch_ops, or empty (batch of 0)
+            sm90_cluster_3xtf32, lowp_sm90, lowp_sm80, torch_ops, or empty (batch of 0)
   kernels   who runs it: "ext" (the float32 extension), "lowp" (the 16-bit
             extension), "torch" (the _torch_* functions), or None (empty)
   training  batch statistics (True) or running statistics
@@ -5891,7 +5902,9 @@ def plan(call, facts=None, switches=None):
         if facts.capability < (8, 0):
             raise RuntimeError(f"ModelNew's 16-bit CUDA kernels need compute capability >= 8.0, got "
                                f"{facts.capability[0]}.{facts.capability[1]}")
-        return Plan(f"lowp_sm80_{mode}", "lowp_sm80", "lowp", call.training, call.grad)
+        gemm = ("lowp_sm90" if (not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm
+                                 and call.k >= 8 and call.k % 8 == 0) else "lowp_sm80")
+        return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     cluster_candidate = call.training and not call.grad and not call.scale_after_bn
     gemm = _float32_gemm(call.m, call.n, call.k, call.weight_aligned16, cluster_candidate, facts, switches)
     return Plan(f"{gemm}_{mode}", gemm, "ext", call.training, call.grad)

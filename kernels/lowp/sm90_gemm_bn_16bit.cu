@@ -1,0 +1,386 @@
+// sm90_gemm_bn_16bit.cu -- Linear on Hopper's 16-bit tensor cores in the input's
+// type (__half or __nv_bfloat16; one product, float32 accumulation) through
+// wgmma and TMA, with the per-element part of Linear -> scale -> BatchNorm1d
+// (problem 33) or Linear -> BatchNorm1d -> scale (problem 84) in the epilogue,
+// rounded where PyTorch's eager ops round.  Needs sm_90a (H100 / H200); the
+// mma.sync kernel (sm80_gemm_bn_16bit.cu) serves sm_80-89 and the shapes this
+// one does not take.
+//
+// Formula and rounding points: those of sm80_gemm_bn_16bit.cu, element for
+// element (acc[m, n] = sum_k x[m, k] w[n, k] in float32; rnd = round to the
+// 16-bit type, nearest even; f(v) = float(v)):
+//   z = rnd(acc + f(bias))
+//   kTrain, 33: u = rnd(z f(scale));  84: u = z.  out = u, and the mean and M2 of
+//     u[:, n] over each 128-row block of the batch (part_mean, part_m2, float32,
+//     two passes over the registers), which bn_16bit.cu merges.
+//   kEval, 33: out = rnd(fma(w (rnd(z f(scale)) - rm), invstd, b))
+//   kEval, 84: out = rnd(rnd(fma(w (z - rm), invstd, b)) f(scale))   (then the row softmax)
+//   w, b, rm = f(bn.weight), f(bn.bias), f(running_mean); invstd = rsqrtf(f(running_var) + eps).
+// Expected error: PyTorch's own 16-bit path's (the same rounding points; the
+// float32 sums differ only in order).  The tensor core's fp32 accumulation is
+// the one cuBLAS's 16-bit GEMMs use; no split-K.
+//
+// Tensors (16-bit elements of one type; row-major, contiguous)
+//   x (M, K), w (N, K): K-major, 16-byte aligned, K % 8 == 0 (TMA's 16-byte
+//     global strides); out (M, N); the six vectors (N).
+//   part_mean, part_m2 (ceil(M / 128), N) float32 (kTrain).
+//   num_batches_tracked int64 (kTrain, may be null): CTA 0 adds 1.
+//
+// Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor, 9.7.12.15 mbarrier)
+//   The swapped product z^T = w x^T, as the float32 Hopper kernels: a CTA
+//   computes BLOCK_N = 128 features (wgmma M: two consumer warpgroups of 64) by
+//   BLOCK_M = kBatchTile batch rows (wgmma N: 128 or 256), BLOCK_K = 64 (one
+//   128-byte swizzle row).  Warpgroup 2 is the producer: one thread streams the
+//   k-blocks' w and x tiles by TMA into a ring of kNumStages stages (full /
+//   empty mbarriers).  Each consumer warpgroup issues its BLOCK_K / 16 = 4
+//   m64nBLOCK_Mk16 wgmmas per stage with both operands in shared memory (SS),
+//   as one commit group, then waits for the previous group (wait_group 1) and
+//   releases that group's stage: one group in flight while the next stage's
+//   barrier is awaited.  One tile per CTA; CTAs walk the batch tiles fastest,
+//   so the CTAs sharing a w tile run together and w streams from DRAM about once.
+//   Accumulator layout: sm90_wgmma_16bit.cuh (feature 64 wg + 16 warp + g + 8 h,
+//   batch row 8 i + 2 t + e of the tile).  The epilogue works in registers: the
+//   statistics reduce over the quad (shuffles), the store pairs neighbouring
+//   features through one shuffle so each thread writes 4-byte words.
+//
+// Launchers return the launch error (cudaSuccess if none); they never synchronise.
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "launchers.cuh"
+#include "lowp_types.cuh"
+#include "sm90_gemm_tiles.cuh"
+#include "sm90_wgmma_16bit.cuh"
+
+namespace fused_gemm_bn {
+namespace lowp {
+namespace hopper {
+
+// The batch rows of one CTA (wgmma N): 128 or 256.
+constexpr int kBatchTile = 256;
+// Rows of one statistics block (part_mean / part_m2 rows), as the mma.sync kernel's BLOCK_M.
+constexpr int kStatRows = 128;
+
+template <int kBlockM>
+struct Traits {
+  static constexpr int BLOCK_N = 128;  // features per CTA (wgmma M over the consumer warpgroups)
+  static constexpr int BLOCK_M = kBlockM;  // batch rows per CTA (wgmma N)
+  static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of 16-bit elements
+  static constexpr int WGMMA_K = 16;
+  static constexpr int kKSteps = BLOCK_K / WGMMA_K;
+  static constexpr int kNumConsumers = BLOCK_N / 64;
+  static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
+  static constexpr int kAccRegs = 64 * BLOCK_M / 128;
+  static constexpr int W_TILE_BYTES = BLOCK_N * BLOCK_K * 2;
+  static constexpr int X_TILE_BYTES = BLOCK_M * BLOCK_K * 2;
+  static constexpr int STAGE_BYTES = W_TILE_BYTES + X_TILE_BYTES;
+  static constexpr int kNumStages = (200 * 1024) / STAGE_BYTES < 8 ? (200 * 1024) / STAGE_BYTES : 8;
+  static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kStatBlocks = BLOCK_M / kStatRows;
+
+  static_assert(BLOCK_M == 128 || BLOCK_M == 256, "wgmma m64n128k16 or m64n256k16");
+  static_assert(BLOCK_K * 2 == 128, "tiles are rows of one 128-byte swizzle span");
+  static_assert(W_TILE_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
+  static_assert(kNumStages >= 3, "the ring needs room for a stage in flight on each side");
+  static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
+};
+
+enum class Chain { kTrain, kEval };
+
+struct Args {
+  int M, N, K;
+  uint16_t* out;
+  const uint16_t* bias;
+  const uint16_t* scale;
+  const uint16_t* bn_weight;     // kEval
+  const uint16_t* bn_bias;       // kEval
+  const uint16_t* running_mean;  // kEval
+  const uint16_t* running_var;   // kEval
+  float eps;                     // kEval
+  bool scale_after_bn;           // false: problem 33; true: problem 84
+  float* part_mean;              // kTrain
+  float* part_m2;                // kTrain
+  int64_t* num_batches_tracked;  // kTrain; may be null
+};
+
+template <typename T, int kBlockM>
+__device__ __forceinline__ void issue_wgmma(float (&acc)[64 * kBlockM / 128], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (kBlockM == 128) {
+    sm90::wgmma_m64n128k16_ss<T>(acc, desc_a, desc_b);
+  } else {
+    sm90::wgmma_m64n256k16_ss<T>(acc, desc_a, desc_b);
+  }
+}
+
+template <typename T, Chain kChain, int kBlockM>
+__global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
+    sm90_gemm_bn_16bit_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,
+                              const Args args) {
+#if FUSED_GEMM_BN_SM90A
+  using TR = Traits<kBlockM>;
+  using namespace sm90;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + TR::kNumStages * TR::STAGE_BYTES);
+  uint64_t* empty_bar = full_bar + TR::kNumStages;
+
+  const int M = args.M, N = args.N;
+  const int m_tiles = (M + TR::BLOCK_M - 1) / TR::BLOCK_M;
+  const int m_tile = static_cast<int>(blockIdx.x) % m_tiles;
+  const int m0 = m_tile * TR::BLOCK_M;
+  const int n0 = (static_cast<int>(blockIdx.x) / m_tiles) * TR::BLOCK_N;
+  const int num_k_blocks = (args.K + TR::BLOCK_K - 1) / TR::BLOCK_K;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    if (kChain == Chain::kTrain && blockIdx.x == 0 && args.num_batches_tracked != nullptr)
+      *args.num_batches_tracked += 1;
+#pragma unroll
+    for (int s = 0; s < TR::kNumStages; ++s) {
+      mbar_init(&full_bar[s], 1);
+      mbar_init(&empty_bar[s], TR::kNumConsumers * 4);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warpgroup == TR::kNumConsumers) {
+    setmaxnreg_dec<TR::kProducerRegs>();
+    if (threadIdx.x == TR::kNumConsumers * 128) {
+      tma_prefetch_descriptor(&tmap_w);
+      tma_prefetch_descriptor(&tmap_x);
+      for (int kb = 0; kb < num_k_blocks; ++kb) {
+        const int s = kb % TR::kNumStages;
+        mbar_wait(&empty_bar[s], ((kb / TR::kNumStages) & 1) ^ 1);
+        uint8_t* stage = smem + s * TR::STAGE_BYTES;
+        mbar_arrive_expect_tx(&full_bar[s], TR::STAGE_BYTES);
+        tma_load_2d(stage, &tmap_w, &full_bar[s], kb * TR::BLOCK_K, n0);
+        tma_load_2d(stage + TR::W_TILE_BYTES, &tmap_x, &full_bar[s], kb * TR::BLOCK_K, m0);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<TR::kConsumerRegs>();
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  float acc[TR::kAccRegs];
+#pragma unroll
+  for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = 0.f;
+  auto fence_acc = [&]() {
+#pragma unroll
+    for (int i = 0; i < TR::kAccRegs; ++i) fence_operand(acc[i]);
+  };
+  for (int kb = 0; kb < num_k_blocks; ++kb) {
+    const int s = kb % TR::kNumStages;
+    mbar_wait(&full_bar[s], (kb / TR::kNumStages) & 1);
+    const uint8_t* stage = smem + s * TR::STAGE_BYTES;
+    fence_acc();
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < TR::kKSteps; ++j) {
+      const uint32_t k_bytes = j * TR::WGMMA_K * 2;
+      issue_wgmma<T, kBlockM>(acc, desc_kmajor_sw128(stage + warpgroup * 64 * 128, k_bytes),
+                              desc_kmajor_sw128(stage + TR::W_TILE_BYTES, k_bytes));
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // the previous stage's group is done: release its stage
+    fence_acc();
+    if (kb > 0 && lane == 0) mbar_arrive(&empty_bar[(kb - 1) % TR::kNumStages]);
+  }
+  wgmma_wait<0>();
+  fence_acc();
+
+  // ---- Epilogue: acc[4 i + 2 h + e] is z^T's (feature f_h, batch row b_ie) ----
+  const int f_local = warpgroup * 64 + warp * 16 + g;
+  float p_bias[2], p_scale[2], p_w[2], p_b[2], p_rm[2], p_invstd[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int f = n0 + f_local + 8 * h;
+    const bool ok = f < N;
+    p_bias[h] = ok ? load_float<T>(args.bias + f) : 0.f;
+    p_scale[h] = ok ? load_float<T>(args.scale + f) : 0.f;
+    if constexpr (kChain == Chain::kEval) {
+      p_w[h] = ok ? load_float<T>(args.bn_weight + f) : 0.f;
+      p_b[h] = ok ? load_float<T>(args.bn_bias + f) : 0.f;
+      p_rm[h] = ok ? load_float<T>(args.running_mean + f) : 0.f;
+      p_invstd[h] = ok ? rsqrtf(load_float<T>(args.running_var + f) + args.eps) : 0.f;
+    }
+  }
+  // The chain up to its final rounding (the store rounds; kTrain's u is already a 16-bit value).
+#pragma unroll
+  for (int i = 0; i < TR::kAccRegs / 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& v = acc[4 * i + 2 * h + e];
+        const float z = round16<T>(v + p_bias[h]);
+        if constexpr (kChain == Chain::kTrain) {
+          v = args.scale_after_bn ? z : round16<T>(z * p_scale[h]);
+        } else if (!args.scale_after_bn) {
+          const float y = round16<T>(z * p_scale[h]);
+          v = fmaf(p_w[h] * (y - p_rm[h]), p_invstd[h], p_b[h]);
+        } else {
+          v = round16<T>(fmaf(p_w[h] * (z - p_rm[h]), p_invstd[h], p_b[h])) * p_scale[h];
+        }
+      }
+
+  if constexpr (kChain == Chain::kTrain) {
+    // Per feature and 128-row block: mean, then M2 about it (two passes), float32,
+    // over the block's valid rows; each feature's values live in one quad.
+#pragma unroll
+    for (int sb = 0; sb < TR::kStatBlocks; ++sb) {
+      const int rows_valid = min(kStatRows, M - (m0 + sb * kStatRows));
+      if (rows_valid <= 0) break;  // uniform over the CTA
+      constexpr int kI = kStatRows / 8;  // i per statistics block
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float sum = 0.f;
+#pragma unroll
+        for (int i = sb * kI; i < (sb + 1) * kI; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (8 * (i - sb * kI) + 2 * t + e < rows_valid) sum += acc[4 * i + 2 * h + e];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float mean = sum / static_cast<float>(rows_valid);
+        float m2 = 0.f;
+#pragma unroll
+        for (int i = sb * kI; i < (sb + 1) * kI; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float d = acc[4 * i + 2 * h + e] - mean;
+            if (8 * (i - sb * kI) + 2 * t + e < rows_valid) m2 = fmaf(d, d, m2);
+          }
+        m2 += __shfl_xor_sync(0xffffffffu, m2, 1);
+        m2 += __shfl_xor_sync(0xffffffffu, m2, 2);
+        const int f = n0 + f_local + 8 * h;
+        if (t == 0 && f < N) {
+          const size_t row = static_cast<size_t>(m_tile) * TR::kStatBlocks + sb;
+          args.part_mean[row * N + f] = mean;
+          args.part_m2[row * N + f] = m2;
+        }
+      }
+    }
+  }
+
+  // Store.  With N even, lanes g and g ^ 1 (features f, f + 1) swap one value
+  // so each writes one 4-byte word: the even lane row b (f, f + 1), the odd
+  // lane row b + 1 (f - 1, f).  Otherwise one 2-byte store per element.
+  if (N % 2 == 0) {
+    const bool odd = (g & 1) != 0;
+#pragma unroll
+    for (int i = 0; i < TR::kAccRegs / 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t v0 = to_bits<T>(acc[4 * i + 2 * h]), v1 = to_bits<T>(acc[4 * i + 2 * h + 1]);
+        const uint32_t other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+        const int row = m0 + 8 * i + 2 * t + (odd ? 1 : 0);
+        const int col = n0 + f_local + 8 * h - (odd ? 1 : 0);
+        if (row < M && col < N) {
+          uint16_t* p = args.out + static_cast<size_t>(row) * N + col;
+          const uint16_t lo = static_cast<uint16_t>(odd ? other : v0), hi = static_cast<uint16_t>(odd ? v1 : other);
+          if (col + 1 < N) {
+            *reinterpret_cast<uint32_t*>(p) = pack2(lo, hi);
+          } else {
+            *p = lo;
+          }
+        }
+      }
+  } else {
+#pragma unroll
+    for (int i = 0; i < TR::kAccRegs / 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int row = m0 + 8 * i + 2 * t + e, col = n0 + f_local + 8 * h;
+          if (row < M && col < N) args.out[static_cast<size_t>(row) * N + col] = to_bits<T>(acc[4 * i + 2 * h + e]);
+        }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // this kernel exists only in sm_90a images; the dispatch never selects it elsewhere
+#endif
+}
+
+template <typename T, Chain kChain>
+static cudaError_t launch(const Args& args, const void* x, const void* w, cudaStream_t stream) {
+  using TR = Traits<kBatchTile>;
+  auto kernel = sm90_gemm_bn_16bit_kernel<T, kChain, kBatchTile>;
+  CUtensorMap tmap_w, tmap_x;
+  if (!sm90::make_tensor_map(&tmap_w, w, sm90::TileDtype::kWord16, args.N, args.K, TR::BLOCK_N) ||
+      !sm90::make_tensor_map(&tmap_x, x, sm90::TileDtype::kWord16, args.M, args.K, TR::BLOCK_M))
+    return cudaErrorInvalidValue;
+  constexpr int kMaxDevices = 64;
+  static bool smem_set[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= kMaxDevices || !smem_set[device]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TR::SMEM_BYTES);
+    if (err != cudaSuccess) return err;
+    if (device < kMaxDevices) smem_set[device] = true;
+  }
+  const long long ctas = static_cast<long long>((args.M + TR::BLOCK_M - 1) / TR::BLOCK_M) *
+                         ((args.N + TR::BLOCK_N - 1) / TR::BLOCK_N);
+  if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(ctas), TR::kNumThreads, TR::SMEM_BYTES, stream>>>(tmap_w, tmap_x, args);
+  return cudaGetLastError();
+}
+
+template <typename T>
+static cudaError_t launch_for_type(const Args& args, bool train, const void* x, const void* w, cudaStream_t stream) {
+  return train ? launch<T, Chain::kTrain>(args, x, w, stream) : launch<T, Chain::kEval>(args, x, w, stream);
+}
+
+}  // namespace hopper
+}  // namespace lowp
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launcher (declared in launchers.cuh)
+// ---------------------------------------------------------------------------
+
+// As lowp_gemm_bn, on the Hopper kernel: x, w 16-byte aligned, K % 8 == 0, K >= 8,
+// compute capability 9.0 with this build's sm_90a image (the dispatch checks;
+// cudaErrorInvalidValue otherwise).
+cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M,
+                                             int N, int K, const void* bias, const void* scale, const void* bn_weight,
+                                             const void* bn_bias, const void* running_mean, const void* running_var,
+                                             float eps, bool scale_after_bn, float* part_mean, float* part_m2,
+                                             int64_t* num_batches_tracked, cudaStream_t stream) {
+  using namespace fused_gemm_bn::lowp;
+  if (M == 0 || N == 0) return cudaSuccess;
+  if (M < 0 || N < 0 || K < 8 || K % 8 != 0 || !sm90::aligned16(x) || !sm90::aligned16(w))
+    return cudaErrorInvalidValue;
+  hopper::Args args{};
+  args.M = M;
+  args.N = N;
+  args.K = K;
+  args.out = static_cast<uint16_t*>(out);
+  args.bias = static_cast<const uint16_t*>(bias);
+  args.scale = static_cast<const uint16_t*>(scale);
+  args.bn_weight = static_cast<const uint16_t*>(bn_weight);
+  args.bn_bias = static_cast<const uint16_t*>(bn_bias);
+  args.running_mean = static_cast<const uint16_t*>(running_mean);
+  args.running_var = static_cast<const uint16_t*>(running_var);
+  args.eps = eps;
+  args.scale_after_bn = scale_after_bn;
+  args.part_mean = part_mean;
+  args.part_m2 = part_m2;
+  args.num_batches_tracked = num_batches_tracked;
+  switch (static_cast<Dtype>(dtype)) {
+    case Dtype::kF16:
+      return hopper::launch_for_type<__half>(args, train, x, w, stream);
+    case Dtype::kBF16:
+      return hopper::launch_for_type<__nv_bfloat16>(args, train, x, w, stream);
+  }
+  return cudaErrorInvalidValue;
+}

@@ -80,8 +80,11 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 KERNELBENCH_SHAPE = (1024, 8192, 8192)
-SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (64, 77, 129), (3, 8, 5), (130, 1024, 264)]
-ERROR_SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (130, 1024, 264)]
+# (2305, 64, 136): ten 256-row batch tiles, the last one row deep; (40, 64, 20000): N > 16384,
+# problem 84's row softmax in shared memory instead of registers.
+SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (64, 77, 129), (3, 8, 5), (130, 1024, 264), (2305, 64, 136),
+          (40, 64, 20000)]
+ERROR_SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (130, 1024, 264), (2305, 64, 136)]
 GRAD_SHAPES = [(257, 300, 1000), (130, 1024, 264)]
 NUM_CALLS = 3
 

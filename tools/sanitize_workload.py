@@ -35,8 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model_new  # noqa: E402
 from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84  # noqa: E402
 
-# (M, K, N): tile tails in every dimension, a shape with split tiles, a tiny one.
-SMALL_SHAPES = [(200, 264, 136), (130, 1028, 260), (33, 36, 20)]
+# (M, K, N): tile tails in every dimension, a shape with split tiles, a tiny one, and a batch
+# tile one row deep (2305 = 9 * 256 + 1).
+SMALL_SHAPES = [(200, 264, 136), (130, 1028, 260), (33, 36, 20), (2305, 64, 136)]
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -32,8 +32,10 @@
 //   without (eval: the GEMM epilogue already wrote v):  v = out
 //   out = rnd(expf(v - max v) / sum expf(v - max v)): PyTorch's CUDA softmax on
 //   a 16-bit tensor (max and sum in float32, IEEE expf and division, rounded
-//   once).  The CTA keeps v (16-bit, exact) in shared memory, N * 2 bytes (16 KB
-//   for N = 8192): one read and one write of the row; rows longer than the
+//   once).  Rows of N <= 16384 with 16-byte access keep v in registers (up to
+//   4 groups of 8 per thread, all loads issued first: bn16_softmax_rows_reg_kernel);
+//   otherwise the CTA keeps v (16-bit, exact) in shared memory, N * 2 bytes
+//   (16 KB for N = 8192): one read and one write of the row; rows longer than the
 //   device's shared memory allows take the online variant (running max and
 //   rescaled sum, Milakov & Gimelshein 2018, "Online normalizer calculation for
 //   softmax"), which reads the row twice.  A NaN in a row makes the row NaN
@@ -266,9 +268,64 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
   }
 }
 
+// Rows of at most kRegGroups * kRowThreads groups of 8 (N <= 16384): v kept
+// in registers, every group's load issued before any is used (one global
+// read, as kCached, without the shared-memory round trips).
+constexpr int kRegGroups = 4;
+
+template <typename T, bool kAffine>
+__global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(const RowArgs p) {
+  __shared__ float red[kRowThreads / 32];
+  uint16_t* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
+  const int num_groups = p.N / kVec;
+  float v[kRegGroups][kVec];
+#pragma unroll
+  for (int j = 0; j < kRegGroups; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i < num_groups) {
+      load_logits<T, kVec, kAffine>(p, row, i, v[j]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[j][e] = -INFINITY;
+    }
+  }
+  float thread_max = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kRegGroups; ++j)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) thread_max = fmaxf(thread_max, v[j][e]);
+  const float row_max = block_reduce<true>(thread_max, red);
+  float thread_sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kRegGroups; ++j)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const int i = threadIdx.x + j * blockDim.x;
+      v[j][e] = i < num_groups ? expf(v[j][e] - row_max) : 0.f;  // expf(v - max), reused below
+      thread_sum += v[j][e];
+    }
+  const float row_sum = block_reduce<false>(thread_sum, red);
+#pragma unroll
+  for (int j = 0; j < kRegGroups; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i < num_groups) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[j][e] = v[j][e] / row_sum;
+      reinterpret_cast<uint4*>(row)[i] = pack8<T>(v[j]);
+    }
+  }
+}
+
 template <typename T, int kG, bool kAffine>
 cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   const int num_groups = p.N / kG;
+  if constexpr (kG == kVec) {
+    if (num_groups <= kRegGroups * kRowThreads) {
+      const int threads = max(32, ((num_groups + kRegGroups - 1) / kRegGroups + 31) / 32 * 32);
+      bn16_softmax_rows_reg_kernel<T, kAffine><<<M, threads, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
+  }
   const int threads = min(kRowThreads, max(32, (num_groups + 31) / 32 * 32));
   int device = 0, max_optin = 0;
   cudaError_t err = cudaGetDevice(&device);

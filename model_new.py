@@ -589,7 +589,8 @@ def per_feature_scale(scale, n):
 #   batch of 0                   no kernel                                     empty
 #   CPU tensor, float64 on CUDA  always                                        torch_ops
 #   16-bit float on CUDA         compute capability 9.0, the sm_90a kernels    lowp_sm90
-#                                available, K % 8 == 0, not SWITCHES.portable
+#                                available, not SWITCHES.portable (K % 8 != 0:
+#                                the binding pads K in copies)
 #                                else: compute capability >= 8.0               lowp_sm80
 #   float32 on CUDA              compute capability 9.0, the sm_90a kernels    sm90_fp16x3
 #                                available, K % 8 == 0, 16-byte aligned        (sm90_fp16x3_nosplit with
@@ -732,8 +733,8 @@ def plan(call, facts=None, switches=None):
         if facts.capability < (8, 0):
             raise RuntimeError(f"ModelNew's 16-bit CUDA kernels need compute capability >= 8.0, got "
                                f"{facts.capability[0]}.{facts.capability[1]}")
-        gemm = ("lowp_sm90" if (not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm
-                                 and call.k >= 8 and call.k % 8 == 0) else "lowp_sm80")
+        gemm = ("lowp_sm90" if not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm
+                else "lowp_sm80")
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     cluster_candidate = call.training and not call.grad and not call.scale_after_bn
     gemm = _float32_gemm(call.m, call.n, call.k, call.weight_aligned16, cluster_candidate, facts, switches)

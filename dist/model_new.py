@@ -1695,11 +1695,15 @@ cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, vo
                          const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
                          float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream);
 // The same on Hopper (lowp/sm90_gemm_bn_16bit.cu: wgmma, TMA; sm_90a): x and w 16-byte
-// aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout.
+// aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout;
+// workspace: *floats floats from lowp_sm90_workspace, the last *zero_ints ints zeroed (may be
+// null when *floats is 0).
+void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
                               const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
                               const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
-                              float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream);
+                              float* part_mean, float* part_m2, int64_t* num_batches_tracked, float* workspace,
+                              cudaStream_t stream);
 // Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu).
 cudaError_t lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
                                int M, int N, const void* bn_weight, const void* bn_bias,
@@ -5689,7 +5693,8 @@ def per_feature_scale(scale, n):
 #   batch of 0                   no kernel                                     empty
 #   CPU tensor, float64 on CUDA  always                                        torch_ops
 #   16-bit float on CUDA         compute capability 9.0, the sm_90a kernels    lowp_sm90
-#                                available, K % 8 == 0, not SWITCHES.portable
+#                                available, not SWITCHES.portable (K % 8 != 0:
+#                                the binding pads K in copies)
 #                                else: compute capability >= 8.0               lowp_sm80
 #   float32 on CUDA              compute capability 9.0, the sm_90a kernels    sm90_fp16x3
 #                                available, K % 8 == 0, 16-byte aligned        (sm90_fp16x3_nosplit with
@@ -5832,8 +5837,8 @@ def plan(call, facts=None, switches=None):
         if facts.capability < (8, 0):
             raise RuntimeError(f"ModelNew's 16-bit CUDA kernels need compute capability >= 8.0, got "
                                f"{facts.capability[0]}.{facts.capability[1]}")
-        gemm = ("lowp_sm90" if (not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm
-                                 and call.k >= 8 and call.k % 8 == 0) else "lowp_sm80")
+        gemm = ("lowp_sm90" if not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm
+                else "lowp_sm80")
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     cluster_candidate = call.training and not call.grad and not call.scale_after_bn
     gemm = _float32_gemm(call.m, call.n, call.k, call.weight_aligned16, cluster_candidate, facts, switches)

@@ -202,11 +202,15 @@ cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, vo
                          const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
                          float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream);
 // The same on Hopper (lowp/sm90_gemm_bn_16bit.cu: wgmma, TMA; sm_90a): x and w 16-byte
-// aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout.
+// aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout;
+// workspace: *floats floats from lowp_sm90_workspace, the last *zero_ints ints zeroed (may be
+// null when *floats is 0).
+void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
                               const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
                               const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
-                              float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream);
+                              float* part_mean, float* part_m2, int64_t* num_batches_tracked, float* workspace,
+                              cudaStream_t stream);
 // Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu).
 cudaError_t lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
                                int M, int N, const void* bn_weight, const void* bn_bias,

@@ -7,8 +7,9 @@
 // on the first 16-bit call; the launchers are declared in ../launchers.cuh.
 //
 // `gemm` names the kernel model_new.py's dispatch chose: lowp_sm90 (wgmma and
-// TMA, sm_90a, K % 8 == 0: sm90_gemm_bn_16bit.cu) or lowp_sm80 (mma.sync
-// m16n8k16, sm_80+, any K: sm80_gemm_bn_16bit.cu); both write the same outputs.  Each entry
+// TMA, sm_90a: sm90_gemm_bn_16bit.cu; K padded to a multiple of 8 in copies
+// where it is not) or lowp_sm80 (mma.sync m16n8k16, sm_80+, any K:
+// sm80_gemm_bn_16bit.cu); both write the same outputs.  Each entry
 // point checks every tensor (device; dtype float16 or bfloat16, the same for x,
 // the parameters and the running statistics; shape; contiguity of the vectors),
 // copies a non-contiguous x or weight to a contiguous tensor (never writing the
@@ -62,7 +63,8 @@ struct Operands {
   int M, N, K, dtype;
 };
 
-// sm90: the TMA loads also need 16-byte aligned data (a misaligned x or weight is copied).
+// sm90: the TMA loads also need 16-byte aligned data (a misaligned x or weight is copied)
+// and K % 8 == 0 (otherwise both are copied with K zero-padded to a multiple of 8).
 Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, bool sm90) {
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
   TORCH_CHECK(x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kBFloat16,
@@ -81,12 +83,20 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, boo
               "fused_gemm_bn (16-bit): cannot read the compute capability of ", x.device());
   TORCH_CHECK(major >= 8, "the 16-bit kernels need compute capability >= 8.0 (mma.sync with bfloat16), got ", major,
               ".", minor, " on ", x.device());
+  const int K = static_cast<int>(x.size(1));
+  if (sm90 && K % 8 != 0) {
+    // TMA rows need 16-byte strides: both operands zero-padded along K to a multiple
+    // of 8 (the zeros add exact zeros to every product).
+    const int64_t pad = 8 - K % 8;
+    return {at::constant_pad_nd(x, {0, pad}), at::constant_pad_nd(weight, {0, pad}), static_cast<int>(x.size(0)),
+            static_cast<int>(weight.size(0)), static_cast<int>(K + pad), dtype_code(x.scalar_type())};
+  }
   auto ready = [sm90](const torch::Tensor& t) {
     return t.is_contiguous() && (!sm90 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0);
   };
   return {ready(x) ? x : x.clone(at::MemoryFormat::Contiguous),
           ready(weight) ? weight : weight.clone(at::MemoryFormat::Contiguous), static_cast<int>(x.size(0)),
-          static_cast<int>(weight.size(0)), static_cast<int>(x.size(1)), dtype_code(x.scalar_type())};
+          static_cast<int>(weight.size(0)), K, dtype_code(x.scalar_type())};
 }
 
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x) {
@@ -125,10 +135,25 @@ cudaError_t launch_gemm(bool sm90, int dtype, bool train, const Operands& op, to
   const void* bn_bias = train ? nullptr : t.bn_bias.data_ptr();
   const void* running_mean = train ? nullptr : t.running_mean.data_ptr();
   const void* running_var = train ? nullptr : t.running_var.data_ptr();
-  auto launcher = sm90 ? fgb::lowp_sm90_gemm_bn : fgb::lowp_gemm_bn;
-  return launcher(dtype, train, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), op.M, op.N, op.K,
-                  t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias, running_mean, running_var, eps,
-                  scale_after_bn, part_mean, part_m2, num_batches_tracked, stream);
+  if (!sm90)
+    return fgb::lowp_gemm_bn(dtype, train, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), op.M, op.N, op.K,
+                             t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias, running_mean, running_var,
+                             eps, scale_after_bn, part_mean, part_m2, num_batches_tracked, stream);
+  // The split tiles' workspace (small grids only), its arrival counts zeroed.
+  int64_t workspace_floats = 0;
+  int zero_ints = 0;
+  fgb::lowp_sm90_workspace(op.M, op.N, op.K, &workspace_floats, &zero_ints);
+  torch::Tensor workspace;
+  if (workspace_floats > 0) {
+    workspace = torch::empty({workspace_floats}, op.x.options().dtype(torch::kFloat32));
+    const cudaError_t err = cudaMemsetAsync(workspace.data_ptr<float>() + (workspace_floats - zero_ints), 0,
+                                            static_cast<size_t>(zero_ints) * sizeof(int), stream);
+    if (err != cudaSuccess) return err;
+  }
+  return fgb::lowp_sm90_gemm_bn(dtype, train, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), op.M, op.N,
+                                op.K, t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias, running_mean,
+                                running_var, eps, scale_after_bn, part_mean, part_m2, num_batches_tracked,
+                                workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr, stream);
 }
 
 // The training forward of either problem.

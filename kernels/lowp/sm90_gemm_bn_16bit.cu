@@ -58,8 +58,10 @@ namespace fused_gemm_bn {
 namespace lowp {
 namespace hopper {
 
-// The batch rows of one CTA (wgmma N): 128 or 256.
+// The batch rows of one CTA (wgmma N): 256 while the grid of such tiles fills
+// at least half of the GPU, else 128 with split tiles (kSmallBatchTile, grid_plan).
 constexpr int kBatchTile = 256;
+constexpr int kSmallBatchTile = 128;
 // Rows of one statistics block (part_mean / part_m2 rows), as the mma.sync kernel's BLOCK_M.
 constexpr int kStatRows = 128;
 
@@ -105,6 +107,11 @@ struct Args {
   float* part_mean;              // kTrain
   float* part_m2;                // kTrain
   int64_t* num_batches_tracked;  // kTrain; may be null
+  // The grid's work (BLOCK_M = 128 only: whole tiles and split tiles, sm90_gemm_tiles.cuh;
+  // BLOCK_M = 256: one whole tile per CTA) and the split tiles' workspace.
+  sm90::StreamKPlan plan;
+  float* partials;
+  int* tile_arrivals;
 };
 
 template <typename T, int kBlockM>
@@ -116,88 +123,18 @@ __device__ __forceinline__ void issue_wgmma(float (&acc)[64 * kBlockM / 128], ui
   }
 }
 
+// The epilogue of one finished tile (m_tile; batch rows m0.., features n0..),
+// run by the 256 consumer threads: acc[4 i + 2 h + e] is z^T's (feature
+// 64 wg + 16 warp + g + 8 h, batch row 8 i + 2 t + e) of the tile.
 template <typename T, Chain kChain, int kBlockM>
-__global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
-    sm90_gemm_bn_16bit_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,
-                              const Args args) {
-#if FUSED_GEMM_BN_SM90A
+__device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], const Args& args, int m_tile, int m0,
+                                              int n0) {
   using TR = Traits<kBlockM>;
-  using namespace sm90;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + TR::kNumStages * TR::STAGE_BYTES);
-  uint64_t* empty_bar = full_bar + TR::kNumStages;
-
   const int M = args.M, N = args.N;
-  const int m_tiles = (M + TR::BLOCK_M - 1) / TR::BLOCK_M;
-  const int m_tile = static_cast<int>(blockIdx.x) % m_tiles;
-  const int m0 = m_tile * TR::BLOCK_M;
-  const int n0 = (static_cast<int>(blockIdx.x) / m_tiles) * TR::BLOCK_N;
-  const int num_k_blocks = (args.K + TR::BLOCK_K - 1) / TR::BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
-
-  if (threadIdx.x == 0) {
-    if (kChain == Chain::kTrain && blockIdx.x == 0 && args.num_batches_tracked != nullptr)
-      *args.num_batches_tracked += 1;
-#pragma unroll
-    for (int s = 0; s < TR::kNumStages; ++s) {
-      mbar_init(&full_bar[s], 1);
-      mbar_init(&empty_bar[s], TR::kNumConsumers * 4);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
-
-  if (warpgroup == TR::kNumConsumers) {
-    setmaxnreg_dec<TR::kProducerRegs>();
-    if (threadIdx.x == TR::kNumConsumers * 128) {
-      tma_prefetch_descriptor(&tmap_w);
-      tma_prefetch_descriptor(&tmap_x);
-      for (int kb = 0; kb < num_k_blocks; ++kb) {
-        const int s = kb % TR::kNumStages;
-        mbar_wait(&empty_bar[s], ((kb / TR::kNumStages) & 1) ^ 1);
-        uint8_t* stage = smem + s * TR::STAGE_BYTES;
-        mbar_arrive_expect_tx(&full_bar[s], TR::STAGE_BYTES);
-        tma_load_2d(stage, &tmap_w, &full_bar[s], kb * TR::BLOCK_K, n0);
-        tma_load_2d(stage + TR::W_TILE_BYTES, &tmap_x, &full_bar[s], kb * TR::BLOCK_K, m0);
-      }
-    }
-    return;
-  }
-
-  setmaxnreg_inc<TR::kConsumerRegs>();
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-
-  float acc[TR::kAccRegs];
-#pragma unroll
-  for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = 0.f;
-  auto fence_acc = [&]() {
-#pragma unroll
-    for (int i = 0; i < TR::kAccRegs; ++i) fence_operand(acc[i]);
-  };
-  for (int kb = 0; kb < num_k_blocks; ++kb) {
-    const int s = kb % TR::kNumStages;
-    mbar_wait(&full_bar[s], (kb / TR::kNumStages) & 1);
-    const uint8_t* stage = smem + s * TR::STAGE_BYTES;
-    fence_acc();
-    wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < TR::kKSteps; ++j) {
-      const uint32_t k_bytes = j * TR::WGMMA_K * 2;
-      issue_wgmma<T, kBlockM>(acc, desc_kmajor_sw128(stage + warpgroup * 64 * 128, k_bytes),
-                              desc_kmajor_sw128(stage + TR::W_TILE_BYTES, k_bytes));
-    }
-    wgmma_commit();
-    wgmma_wait<1>();  // the previous stage's group is done: release its stage
-    fence_acc();
-    if (kb > 0 && lane == 0) mbar_arrive(&empty_bar[(kb - 1) % TR::kNumStages]);
-  }
-  wgmma_wait<0>();
-  fence_acc();
-
-  // ---- Epilogue: acc[4 i + 2 h + e] is z^T's (feature f_h, batch row b_ie) ----
   const int f_local = warpgroup * 64 + warp * 16 + g;
   float p_bias[2], p_scale[2], p_w[2], p_b[2], p_rm[2], p_invstd[2];
 #pragma unroll
@@ -305,19 +242,151 @@ __global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
           if (row < M && col < N) args.out[static_cast<size_t>(row) * N + col] = to_bits<T>(acc[4 * i + 2 * h + e]);
         }
   }
+}
+
+template <typename T, Chain kChain, int kBlockM>
+__global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
+    sm90_gemm_bn_16bit_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,
+                              const Args args) {
+#if FUSED_GEMM_BN_SM90A
+  using TR = Traits<kBlockM>;
+  using namespace sm90;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + TR::kNumStages * TR::STAGE_BYTES);
+  uint64_t* empty_bar = full_bar + TR::kNumStages;
+
+  const int m_tiles = (args.M + TR::BLOCK_M - 1) / TR::BLOCK_M;
+  const int num_k_blocks = (args.K + TR::BLOCK_K - 1) / TR::BLOCK_K;
+  const int warpgroup = threadIdx.x / 128;
+  const int cta = static_cast<int>(blockIdx.x);
+  const int num_segments = cta_num_segments(args.plan, cta);
+
+  if (threadIdx.x == 0) {
+    if (kChain == Chain::kTrain && blockIdx.x == 0 && args.num_batches_tracked != nullptr)
+      *args.num_batches_tracked += 1;
+#pragma unroll
+    for (int s = 0; s < TR::kNumStages; ++s) {
+      mbar_init(&full_bar[s], 1);
+      mbar_init(&empty_bar[s], TR::kNumConsumers * 4);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warpgroup == TR::kNumConsumers) {
+    setmaxnreg_dec<TR::kProducerRegs>();
+    if (threadIdx.x == TR::kNumConsumers * 128) {
+      tma_prefetch_descriptor(&tmap_w);
+      tma_prefetch_descriptor(&tmap_x);
+      int q = 0;  // ring slots over the CTA's segments
+      for (int si = 0; si < num_segments; ++si) {
+        const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+        const int m0 = (seg.tile % m_tiles) * TR::BLOCK_M, n0 = (seg.tile / m_tiles) * TR::BLOCK_N;
+        for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
+          const int s = q % TR::kNumStages;
+          mbar_wait(&empty_bar[s], ((q / TR::kNumStages) & 1) ^ 1);
+          uint8_t* stage = smem + s * TR::STAGE_BYTES;
+          mbar_arrive_expect_tx(&full_bar[s], TR::STAGE_BYTES);
+          tma_load_2d(stage, &tmap_w, &full_bar[s], kb * TR::BLOCK_K, n0);
+          tma_load_2d(stage + TR::W_TILE_BYTES, &tmap_x, &full_bar[s], kb * TR::BLOCK_K, m0);
+        }
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<TR::kConsumerRegs>();
+  const int lane = threadIdx.x % 32;
+
+  float acc[TR::kAccRegs];
+  auto fence_acc = [&]() {
+#pragma unroll
+    for (int i = 0; i < TR::kAccRegs; ++i) fence_operand(acc[i]);
+  };
+  // A split tile's pieces meet in split_tile_hand_off (its workspace fields).
+  sm90::Sm90GemmBnArgs split{};
+  split.plan = args.plan;
+  split.partials = args.partials;
+  split.tile_arrivals = args.tile_arrivals;
+  int q = 0;
+  for (int si = 0; si < num_segments; ++si) {
+    const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+#pragma unroll
+    for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = 0.f;
+    for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
+      const int s = q % TR::kNumStages;
+      mbar_wait(&full_bar[s], (q / TR::kNumStages) & 1);
+      const uint8_t* stage = smem + s * TR::STAGE_BYTES;
+      fence_acc();
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < TR::kKSteps; ++j) {
+        const uint32_t k_bytes = j * TR::WGMMA_K * 2;
+        issue_wgmma<T, kBlockM>(acc, desc_kmajor_sw128(stage + warpgroup * 64 * 128, k_bytes),
+                                desc_kmajor_sw128(stage + TR::W_TILE_BYTES, k_bytes));
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous slot's group is done: release its stage
+      fence_acc();
+      if (kb > seg.kb_begin && lane == 0) mbar_arrive(&empty_bar[(q - 1) % TR::kNumStages]);
+    }
+    wgmma_wait<0>();
+    fence_acc();
+    if (lane == 0) mbar_arrive(&empty_bar[(q - 1) % TR::kNumStages]);
+    if constexpr (kBlockM == sm90::kTileM) {
+      if (seg.piece >= 0 && !split_tile_hand_off(acc, split, seg, static_cast<int>(threadIdx.x))) continue;
+    }
+    const int m_tile = seg.tile % m_tiles;
+    const int m0 = m_tile * TR::BLOCK_M, n0 = (seg.tile / m_tiles) * TR::BLOCK_N;
+    tile_epilogue<T, kChain, kBlockM>(acc, args, m_tile, m0, n0);
+  }
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the dispatch never selects it elsewhere
 #endif
 }
 
-template <typename T, Chain kChain>
-static cudaError_t launch(const Args& args, const void* x, const void* w, cudaStream_t stream) {
-  using TR = Traits<kBatchTile>;
-  auto kernel = sm90_gemm_bn_16bit_kernel<T, kChain, kBatchTile>;
+// The tile and grid plan of an (M, K) x (N, K) product: BLOCK_M = 256 with one
+// tile per CTA when those tiles fill at least half of the SMs, else BLOCK_M =
+// 128 and the split-tile plan of the fp16x3 kernel (sm90_gemm_tiles.cuh), which
+// cuts the remainder tiles along K.  Measured (H200, float16, problem 33 eval):
+// 512 x 8192 x 8192 (128 tiles of 256 rows) 0.098 ms, with the split 128-row
+// plan 0.153; 256 x 8192 x 8192 (64 tiles) 0.090 against 0.058 (docs/perf.md v26).
+struct GridPlan {
+  int block_m;
+  sm90::StreamKPlan plan;
+};
+
+static cudaError_t grid_plan(int M, int N, int K, GridPlan* out) {
+  int num_sms = 0;
+  const cudaError_t err = sm90::current_num_sms(&num_sms);
+  if (err != cudaSuccess) return err;
+  const long long n_tiles = (N + 127) / 128;
+  const long long big_tiles = (M + kBatchTile - 1) / kBatchTile * n_tiles;
+  if (2 * big_tiles >= num_sms) {
+    out->block_m = kBatchTile;
+    out->plan = sm90::StreamKPlan{};
+    out->plan.dp_tiles = big_tiles > INT32_MAX ? -1 : static_cast<int>(big_tiles);
+  } else {
+    out->block_m = kSmallBatchTile;
+    out->plan = sm90::stream_k_plan(M, N, K, Traits<kSmallBatchTile>::BLOCK_K, num_sms, true);
+  }
+  return out->plan.dp_tiles < 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
+}
+
+template <typename T, Chain kChain, int kBlockM>
+static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* x, const void* w, float* workspace,
+                          cudaStream_t stream) {
+  using TR = Traits<kBlockM>;
+  auto kernel = sm90_gemm_bn_16bit_kernel<T, kChain, kBlockM>;
   CUtensorMap tmap_w, tmap_x;
   if (!sm90::make_tensor_map(&tmap_w, w, sm90::TileDtype::kWord16, args.N, args.K, TR::BLOCK_N) ||
       !sm90::make_tensor_map(&tmap_x, x, sm90::TileDtype::kWord16, args.M, args.K, TR::BLOCK_M))
     return cudaErrorInvalidValue;
+  if (plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
+  args.plan = plan;
+  args.partials = workspace;
+  args.tile_arrivals = plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + sm90::partial_floats(plan)) : nullptr;
   constexpr int kMaxDevices = 64;
   static bool smem_set[kMaxDevices] = {};
   int device = 0;
@@ -328,16 +397,27 @@ static cudaError_t launch(const Args& args, const void* x, const void* w, cudaSt
     if (err != cudaSuccess) return err;
     if (device < kMaxDevices) smem_set[device] = true;
   }
-  const long long ctas = static_cast<long long>((args.M + TR::BLOCK_M - 1) / TR::BLOCK_M) *
-                         ((args.N + TR::BLOCK_N - 1) / TR::BLOCK_N);
+  const long long ctas = static_cast<long long>(plan.sk_ctas) + plan.dp_tiles;
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
   kernel<<<static_cast<unsigned>(ctas), TR::kNumThreads, TR::SMEM_BYTES, stream>>>(tmap_w, tmap_x, args);
   return cudaGetLastError();
 }
 
+template <typename T, Chain kChain>
+static cudaError_t launch_planned(const Args& args, const void* x, const void* w, float* workspace,
+                                  cudaStream_t stream) {
+  GridPlan gp;
+  const cudaError_t err = grid_plan(args.M, args.N, args.K, &gp);
+  if (err != cudaSuccess) return err;
+  return gp.block_m == kBatchTile ? launch<T, kChain, kBatchTile>(args, gp.plan, x, w, workspace, stream)
+                                  : launch<T, kChain, kSmallBatchTile>(args, gp.plan, x, w, workspace, stream);
+}
+
 template <typename T>
-static cudaError_t launch_for_type(const Args& args, bool train, const void* x, const void* w, cudaStream_t stream) {
-  return train ? launch<T, Chain::kTrain>(args, x, w, stream) : launch<T, Chain::kEval>(args, x, w, stream);
+static cudaError_t launch_for_type(const Args& args, bool train, const void* x, const void* w, float* workspace,
+                                   cudaStream_t stream) {
+  return train ? launch_planned<T, Chain::kTrain>(args, x, w, workspace, stream)
+               : launch_planned<T, Chain::kEval>(args, x, w, workspace, stream);
 }
 
 }  // namespace hopper
@@ -348,14 +428,27 @@ static cudaError_t launch_for_type(const Args& args, bool train, const void* x, 
 // Host launcher (declared in launchers.cuh)
 // ---------------------------------------------------------------------------
 
+// Workspace of lowp_sm90_gemm_bn for an (M, K) x (N, K) product: *floats
+// floats, of which the last *zero_ints ints must be zero at the launch (both 0
+// when no tile is split).
+void fused_gemm_bn::lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints) {
+  using namespace fused_gemm_bn::lowp;
+  *floats = 0;
+  *zero_ints = 0;
+  hopper::GridPlan gp;
+  if (M < 1 || N < 1 || hopper::grid_plan(M, N, K, &gp) != cudaSuccess || gp.plan.sk_ctas == 0) return;
+  *floats = sm90::partial_floats(gp.plan) + gp.plan.sk_tiles;
+  *zero_ints = gp.plan.sk_tiles;
+}
+
 // As lowp_gemm_bn, on the Hopper kernel: x, w 16-byte aligned, K % 8 == 0, K >= 8,
 // compute capability 9.0 with this build's sm_90a image (the dispatch checks;
-// cudaErrorInvalidValue otherwise).
+// cudaErrorInvalidValue otherwise); workspace: lowp_sm90_workspace's.
 cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M,
                                              int N, int K, const void* bias, const void* scale, const void* bn_weight,
                                              const void* bn_bias, const void* running_mean, const void* running_var,
                                              float eps, bool scale_after_bn, float* part_mean, float* part_m2,
-                                             int64_t* num_batches_tracked, cudaStream_t stream) {
+                                             int64_t* num_batches_tracked, float* workspace, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M == 0 || N == 0) return cudaSuccess;
   if (M < 0 || N < 0 || K < 8 || K % 8 != 0 || !sm90::aligned16(x) || !sm90::aligned16(w))
@@ -378,9 +471,9 @@ cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, const void* 
   args.num_batches_tracked = num_batches_tracked;
   switch (static_cast<Dtype>(dtype)) {
     case Dtype::kF16:
-      return hopper::launch_for_type<__half>(args, train, x, w, stream);
+      return hopper::launch_for_type<__half>(args, train, x, w, workspace, stream);
     case Dtype::kBF16:
-      return hopper::launch_for_type<__nv_bfloat16>(args, train, x, w, stream);
+      return hopper::launch_for_type<__nv_bfloat16>(args, train, x, w, workspace, stream);
   }
   return cudaErrorInvalidValue;
 }

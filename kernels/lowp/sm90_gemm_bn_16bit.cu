@@ -29,15 +29,18 @@
 // Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor, 9.7.12.15 mbarrier)
 //   The swapped product z^T = w x^T, as the float32 Hopper kernels: a CTA
 //   computes BLOCK_N = 128 features (wgmma M: two consumer warpgroups of 64) by
-//   BLOCK_M = kBatchTile batch rows (wgmma N: 128 or 256), BLOCK_K = 64 (one
+//   BLOCK_M batch rows (wgmma N: 256, or 128 on small grids: grid_plan), BLOCK_K = 64 (one
 //   128-byte swizzle row).  Warpgroup 2 is the producer: one thread streams the
 //   k-blocks' w and x tiles by TMA into a ring of kNumStages stages (full /
 //   empty mbarriers).  Each consumer warpgroup issues its BLOCK_K / 16 = 4
 //   m64nBLOCK_Mk16 wgmmas per stage with both operands in shared memory (SS),
 //   as one commit group, then waits for the previous group (wait_group 1) and
 //   releases that group's stage: one group in flight while the next stage's
-//   barrier is awaited.  One tile per CTA; CTAs walk the batch tiles fastest,
-//   so the CTAs sharing a w tile run together and w streams from DRAM about once.
+//   barrier is awaited.  BLOCK_M = 256: one tile per CTA.  BLOCK_M = 128: the
+//   grid of sm90_gemm_tiles.cuh (whole tiles, and remainder tiles cut along K
+//   whose pieces meet in split_tile_hand_off: float32 partial sums, the last
+//   piece to arrive runs the epilogue).  Tiles walk the batch fastest, so the
+//   CTAs sharing a w tile run together and w streams from DRAM about once.
 //   Accumulator layout: sm90_wgmma_16bit.cuh (feature 64 wg + 16 warp + g + 8 h,
 //   batch row 8 i + 2 t + e of the tile).  The epilogue works in registers: the
 //   statistics reduce over the quad (shuffles), the store pairs neighbouring

@@ -319,7 +319,8 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
     const int n_blocks = seg.kb_end - seg.kb_begin;
     mainloop(q, n_blocks);
     q += n_blocks;
-    if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
+    if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
+      continue;
     if (args.x_center != nullptr) finish_product<false>(acc, args, seg.tile, m_tiles, w_row, t);
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }

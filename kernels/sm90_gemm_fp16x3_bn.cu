@@ -307,7 +307,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     const int n_blocks = seg.kb_end - seg.kb_begin;
     mainloop(q, n_blocks);
     q += n_blocks;
-    if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
+    if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
+      continue;
     finish_product<true>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }

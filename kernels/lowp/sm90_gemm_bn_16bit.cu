@@ -307,11 +307,6 @@ __global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
 #pragma unroll
     for (int i = 0; i < TR::kAccRegs; ++i) fence_operand(acc[i]);
   };
-  // A split tile's pieces meet in split_tile_hand_off (its workspace fields).
-  sm90::Sm90GemmBnArgs split{};
-  split.plan = args.plan;
-  split.partials = args.partials;
-  split.tile_arrivals = args.tile_arrivals;
   int q = 0;
   for (int si = 0; si < num_segments; ++si) {
     const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
@@ -338,7 +333,8 @@ __global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
     fence_acc();
     if (lane == 0) mbar_arrive(&empty_bar[(q - 1) % TR::kNumStages]);
     if constexpr (kBlockM == sm90::kTileM) {
-      if (seg.piece >= 0 && !split_tile_hand_off(acc, split, seg, static_cast<int>(threadIdx.x))) continue;
+      if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg,
+                                                    static_cast<int>(threadIdx.x))) continue;
     }
     const int m_tile = seg.tile % m_tiles;
     const int m0 = m_tile * TR::BLOCK_M, n0 = (seg.tile / m_tiles) * TR::BLOCK_N;

@@ -3253,7 +3253,8 @@ __global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
     const int n_blocks = seg.kb_end - seg.kb_begin;
     mainloop(q, n_blocks);
     q += n_blocks;
-    if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
+    if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
+      continue;
     if (args.x_center != nullptr) finish_product<false>(acc, args, seg.tile, m_tiles, w_row, t);
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
@@ -3715,7 +3716,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     const int n_blocks = seg.kb_end - seg.kb_begin;
     mainloop(q, n_blocks);
     q += n_blocks;
-    if (seg.piece >= 0 && !split_tile_hand_off(acc, args, seg, ctid)) continue;
+    if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
+      continue;
     finish_product<true>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
@@ -3940,14 +3942,16 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 // the epilogue.  No CTA waits for another, so this cannot deadlock whatever
 // the residency.  Called by all kConsumerThreads consumer threads (ctid =
 // 0 .. 255); true when this CTA finishes tile seg.tile, acc then holding the
-// whole sum.
-__device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args,
-                                                    const WorkSegment& seg, int ctid) {
+// whole sum.  plan, partials, tile_arrivals: the grid's plan and the
+// workspace (Sm90GemmBnArgs' fields of those names).
+__device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], const StreamKPlan& plan,
+                                                    float* partials, int* tile_arrivals, const WorkSegment& seg,
+                                                    int ctid) {
   __shared__ int last_arrival;
   constexpr int kAccQuads = kTileAccRegs / 4;
   auto partial_slot = [&](int tile, int piece) {
-    return reinterpret_cast<float4*>(args.partials) +
-           static_cast<size_t>(tile * args.plan.pieces + piece) * kAccQuads * kConsumerThreads + ctid;
+    return reinterpret_cast<float4*>(partials) +
+           static_cast<size_t>(tile * plan.pieces + piece) * kAccQuads * kConsumerThreads + ctid;
   };
   float4* mine = partial_slot(seg.tile, seg.piece);
 #pragma unroll
@@ -3956,13 +3960,13 @@ __device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], 
   named_barrier_sync<1, kConsumerThreads>();  // the CTA's stores precede the release below
   if (ctid == 0) {
     __threadfence();
-    last_arrival = atomic_add_acq_rel_gpu(&args.tile_arrivals[seg.tile], 1) == args.plan.pieces - 1;
+    last_arrival = atomic_add_acq_rel_gpu(&tile_arrivals[seg.tile], 1) == plan.pieces - 1;
   }
   named_barrier_sync<1, kConsumerThreads>();
   if (!last_arrival) return false;
 #pragma unroll
   for (int i = 0; i < kTileAccRegs; ++i) acc[i] = 0.f;
-  for (int piece = 0; piece < args.plan.pieces; ++piece) {
+  for (int piece = 0; piece < plan.pieces; ++piece) {
     const float4* slot = partial_slot(seg.tile, piece);
 #pragma unroll
     for (int i = 0; i < kAccQuads; ++i) {

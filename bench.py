@@ -40,6 +40,16 @@ noise around its exact value 0, so its max |grad| is reported instead.
 ModelNew counts as close when every gradient error is at most 2x eager's +
 GRAD_FLOOR and its gemm.bias gradient in training is exactly zero.
 
+--autocast float16 / bfloat16 runs every side of the forward or --backward
+bench (eager Model, its torch.compile, ModelNew) inside torch.autocast("cuda",
+dtype) with float32 models and inputs, as mixed-precision training does; the
+error columns compare with Model in float64, and closeness is the 16-bit one
+below.  ModelNew keeps gemm.weight's cast between calls while the weight is
+unchanged (an optimizer step makes it again); Model casts it in every call.
+
+16-bit dtypes and --autocast: a "floor" side times one cuBLAS product of the
+shape in that dtype (torch.mm of pre-cast operands, 16-bit output).
+
 16-bit dtypes: the error columns compare with the same float64 Model (holding
 the 16-bit parameters and input); cuBLAS's reduced-precision split-K reductions
 are switched off for the eager sides (torch.backends.cuda.matmul
@@ -94,17 +104,18 @@ def _softmax_close(y_new, y_ref):
     return bool(((y_new - y_ref).abs() <= SOFTMAX_RTOL * y_ref.abs() + SOFTMAX_ATOL).all())
 
 
-def _lowp_close(y_new, y_ref):
+def _lowp_close(y_new, y_ref, dtype):
     a, b = y_new.double(), y_ref.double()
     outside = int(((a - b).abs() > LOWP_TOL + LOWP_TOL * b.abs()).sum())
-    return outside <= LOWP_MAX_OUTSIDE[y_ref.dtype] * b.numel()
+    return outside <= LOWP_MAX_OUTSIDE[dtype] * b.numel()
 
 
 def close_check(problem, dtype):
-    """(closeness function, its description) for ModelNew vs eager in dtype."""
+    """(closeness function, its description) for ModelNew vs eager computing in
+    dtype (the models' dtype, or the autocast dtype)."""
     if dtype == torch.float32:
         return problem["close"], problem["close_text"]
-    return _lowp_close, (f"at most {LOWP_MAX_OUTSIDE[dtype]:.1%} of elements outside |diff| <= {LOWP_TOL:g} + "
+    return (lambda y_new, y_ref: _lowp_close(y_new, y_ref, dtype)), (f"at most {LOWP_MAX_OUTSIDE[dtype]:.1%} of elements outside |diff| <= {LOWP_TOL:g} + "
                          f"{LOWP_TOL:g} |eager|")
 
 
@@ -150,6 +161,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="dtype of both models and the inputs (default: float32; float16 / bfloat16 run ModelNew's "
                         "16-bit kernels from kernels/lowp/)")
+    p.add_argument("--autocast", choices=("float16", "bfloat16"), default=None,
+                   help="run every side inside torch.autocast('cuda', dtype) with float32 models (needs --dtype "
+                        "float32)")
     p.add_argument("--json", default=os.path.join("results", "bench.json"), metavar="PATH",
                    help="where to write the results (default: results/bench.json)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile(Model) side")
@@ -163,6 +177,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.autocast is not None and args.dtype != "float32":
+        p.error("--autocast runs float32 models inside torch.autocast: it needs --dtype float32")
     if args.backward and args.sweep:
         p.error("--backward times one shape: it cannot be combined with --sweep")
     if args.shape[0] < 2:  # also eval: EVAL_TRAIN_STEPS training steps come first
@@ -223,10 +239,11 @@ def try_compile(model, x):
     return compiled
 
 
-def check_accuracy(problem, sides, ref, x):
+def check_accuracy(problem, sides, ref, x, compute=None):
     """Relative Frobenius error of each side against `ref` copied to float64
     (same parameters and state) on x, plus ModelNew vs eager max |diff| and the
-    closeness test of the problem and x's dtype (close_check).
+    closeness test of the problem and the dtype the GEMM computes in (compute,
+    default x's dtype; close_check).
     Calls the timed models themselves: in train mode that advances their running
     statistics by one step, which the train-mode output and the timings do not depend on."""
     ref64 = copy.deepcopy(ref).double()
@@ -237,7 +254,7 @@ def check_accuracy(problem, sides, ref, x):
         errors = {name: ((y.double() - y64).norm() / y64.norm()).item() for name, y in outs.items()}
         y_ref, y_new = outs["eager"], outs["ModelNew"]
         check = {"max_abs_diff_vs_eager": (y_new.double() - y_ref.double()).abs().max().item(),
-                 "close_vs_eager": close_check(problem, x.dtype)[0](y_new, y_ref)}
+                 "close_vs_eager": close_check(problem, compute or x.dtype)[0](y_new, y_ref)}
     return errors, check
 
 
@@ -268,6 +285,16 @@ def time_fn(fns, inputs, iters, warmup, prepare=None):
     return {name: [start.elapsed_time(end) for start, end in events[name]] for name in names}
 
 
+def compute_dtype(args):
+    """The dtype the GEMM runs in: --autocast's, else --dtype's."""
+    return DTYPES[args.autocast or args.dtype]
+
+
+def autocast_context(args):
+    """torch.autocast("cuda", --autocast's dtype), disabled without --autocast."""
+    return torch.autocast(DEVICE, dtype=compute_dtype(args), enabled=args.autocast is not None)
+
+
 def bench_mode(problem, args, mode):
     """Builds, checks and times every side in one BatchNorm mode; returns (rows, check)."""
     m, k, n = args.shape
@@ -275,15 +302,16 @@ def bench_mode(problem, args, mode):
     ref, new = build_models(problem, args.shape, mode, args.seed, dtype)
     inputs = [torch.rand(m, k, device=DEVICE).to(dtype) for _ in range(NUM_INPUTS)]
     x_check = torch.rand(m, k, device=DEVICE).to(dtype)
-    with torch.set_grad_enabled(args.grad):
+    with torch.set_grad_enabled(args.grad), autocast_context(args):
         sides = {"eager": ref}
         compiled = None if args.no_compile else try_compile(ref, inputs[0])
         if compiled is not None:
             sides["compile"] = compiled
         sides["ModelNew"] = new
-        errors, check = check_accuracy(problem, sides, ref, x_check)
+        errors, check = check_accuracy(problem, sides, ref, x_check, compute_dtype(args))
         check["kernel_path"] = new.kernel_path(inputs[0])  # dispatch's name for the path timed below
-        floor = gemm_floor(m, k, n) if dtype == torch.float32 else None
+        compute = compute_dtype(args)
+        floor = gemm_floor(m, k, n) if compute == torch.float32 else gemm_floor_16bit(m, k, n, compute)
         if floor is not None:
             sides["floor"] = floor
         times = time_fn(sides, inputs, args.iters, args.warmup)
@@ -297,7 +325,26 @@ def bench_mode(problem, args, mode):
                      "rel_err_vs_fp64": errors.get(name, float("nan"))})
     if "floor" in times:
         check["modelnew_time_over_floor"] = statistics.median(times["ModelNew"]) / statistics.median(times["floor"])
-    return rows, dict(check, mode=mode, model=problem["name"])
+    return rows, dict(check, mode=mode, model=problem["name"], floor=_floor_text(compute_dtype(args)))
+
+
+def _floor_text(dtype):
+    if dtype == torch.float32:
+        return "three cuBLAS 16-bit products with float32 output (the fp16x3 GEMM's work)"
+    return f"one cuBLAS {str(dtype).replace('torch.', '')} product (torch.mm, 16-bit output)"
+
+
+def gemm_floor_16bit(m, k, n, dtype):
+    """The 16-bit floor as a timed side: one cuBLAS product of (m, k) x (k, n)
+    operands of dtype (the GEMM ModelNew's 16-bit and autocast paths run), on
+    fixed pre-cast random operands (the argument x is ignored)."""
+    a = torch.rand(m, k, device=DEVICE).to(dtype)
+    b = torch.rand(n, k, device=DEVICE).to(dtype).t()
+
+    def floor(x):
+        torch.mm(a, b)
+
+    return floor
 
 
 def gemm_floor(m, k, n):
@@ -330,7 +377,7 @@ def _gradients(model, x, g):
     return {name: (x if name == "x" else params[name]).grad for name in GRAD_NAMES}
 
 
-def check_grad_accuracy(sides, ref, x, g, training):
+def check_grad_accuracy(sides, ref, x, g, training, compute=None):
     """Per side and gradient: relative Frobenius error against `ref` copied to
     float64 (same parameters and state) on x with output gradient g; in
     training, gemm.bias's max |grad| instead (its exact value is 0).  Calls the
@@ -347,9 +394,10 @@ def check_grad_accuracy(sides, ref, x, g, training):
                 continue
             errors[name][key] = ((got.double() - want).norm() / want.norm()).item()
     bias_max["float64"] = grads64["gemm.bias"].abs().max().item() if training else None
-    floor = GRAD_FLOORS[x.dtype]
+    compute = compute or x.dtype  # the dtype the GEMMs run in (--autocast's for float32 x)
+    floor = GRAD_FLOORS[compute]
     close = all(errors["ModelNew"][k] <= 2 * errors["eager"][k] + floor for k in errors["eager"])
-    if training and x.dtype == torch.float32:
+    if training and compute == torch.float32:
         close = close and bias_max["ModelNew"] == 0.0
     elif training:  # 16-bit: rounding noise around 0, as eager's (tests/test_lowp.py)
         close = close and bias_max["ModelNew"] <= 2 * bias_max["eager"] + 1e-3
@@ -367,7 +415,8 @@ def bench_backward_mode(problem, args, mode):
     g = torch.randn(m, n, device=DEVICE, generator=gen).to(dtype)
     x_check = torch.rand(m, k, device=DEVICE).to(dtype)
     sides = {"eager": ref, "ModelNew": new}
-    errors, bias_max, close = check_grad_accuracy(sides, ref, x_check, g, mode == "train")
+    with autocast_context(args):
+        errors, bias_max, close = check_grad_accuracy(sides, ref, x_check, g, mode == "train", compute_dtype(args))
 
     def step(model):
         return lambda x: model(x).backward(g)
@@ -378,8 +427,9 @@ def bench_backward_mode(problem, args, mode):
             model.zero_grad(set_to_none=True)
         return run
 
-    times = time_fn({name: step(model) for name, model in sides.items()}, inputs, args.iters, args.warmup,
-                    prepare={name: clear(model) for name, model in sides.items()})
+    with autocast_context(args):
+        times = time_fn({name: step(model) for name, model in sides.items()}, inputs, args.iters, args.warmup,
+                        prepare={name: clear(model) for name, model in sides.items()})
     eager_ms = statistics.median(times["eager"])
     rows = []
     for name, ts in times.items():
@@ -389,14 +439,15 @@ def bench_backward_mode(problem, args, mode):
                      "time_ratio_vs_eager": ms / eager_ms, "grad_rel_err_vs_fp64": errors[name],
                      "gemm_bias_grad_max_abs": bias_max.get(name)})
     check = {"mode": mode, "model": problem["name"], "kind": "forward+backward", "close_vs_eager": close,
-             "gemm_bias_grad_max_abs_fp64": bias_max["float64"], "dtype": args.dtype,
-             "grad_floor": GRAD_FLOORS[dtype]}
+             "gemm_bias_grad_max_abs_fp64": bias_max["float64"], "dtype": args.dtype, "autocast": args.autocast,
+             "grad_floor": GRAD_FLOORS[compute_dtype(args)]}
     return rows, check
 
 
 def print_backward_table(problem, rows, check):
+    where = f", float32 models under autocast {check['autocast']}" if check.get("autocast") else ""
     print(f"\nproblem {problem['name']} ({problem['title']}), mode={check['mode']}, "
-          f"forward + backward: model(x).backward(g)")
+          f"forward + backward: model(x).backward(g){where}")
     print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}{'time/eager':>12}")
     for r in rows:
         print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
@@ -412,7 +463,7 @@ def print_backward_table(problem, rows, check):
             print(f"  {key:<13}max |grad| (exact value 0): eager {by_side['eager']['gemm_bias_grad_max_abs']:.1e}, "
                   f"ModelNew {by_side['ModelNew']['gemm_bias_grad_max_abs']:.1e}, "
                   f"float64 {check['gemm_bias_grad_max_abs_fp64']:.1e}")
-    exact_bias = check["mode"] == "train" and check["dtype"] == "float32"
+    exact_bias = check["mode"] == "train" and check["dtype"] == "float32" and not check.get("autocast")
     print(f"ModelNew's gradients within 2x eager's error + {check['grad_floor']:g}"
           f"{' and gemm.bias exactly 0' if exact_bias else ''}: "
           f"{'yes' if check['close_vs_eager'] else 'NO'}")
@@ -427,9 +478,10 @@ def _git_revision():
         return None
 
 
-def print_table(problem, rows, check, grad, dtype=torch.float32):
+def print_table(problem, rows, check, grad, dtype=torch.float32, autocast=None):
+    where = f"float32 models under autocast {autocast}" if autocast else str(dtype).replace('torch.', '')
     print(f"\nproblem {problem['name']} ({problem['title']}), mode={check['mode']}, "
-          f"grad={'enabled' if grad else 'disabled (torch.no_grad)'}, {str(dtype).replace('torch.', '')}")
+          f"grad={'enabled' if grad else 'disabled (torch.no_grad)'}, {where}")
     print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}"
           f"{'time/eager':>12}{'rel err vs fp64':>17}")
     for r in rows:
@@ -437,10 +489,10 @@ def print_table(problem, rows, check, grad, dtype=torch.float32):
         print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
               f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}{err:>17}")
     if "modelnew_time_over_floor" in check:
-        print(f"floor: three cuBLAS 16-bit products with float32 output (the fp16x3 GEMM's work); "
-              f"ModelNew takes {check['modelnew_time_over_floor']:.2f}x the floor's time")
+        print(f"floor: {check['floor']}; ModelNew takes {check['modelnew_time_over_floor']:.2f}x the floor's time")
     print(f"ModelNew vs eager: max |diff| {check['max_abs_diff_vs_eager']:.2e}, "
-          f"{close_check(problem, dtype)[1]}: {'yes' if check['close_vs_eager'] else 'NO'}; "
+          f"{close_check(problem, DTYPES[autocast] if autocast else dtype)[1]}: "
+          f"{'yes' if check['close_vs_eager'] else 'NO'}; "
           f"ModelNew path: {check['kernel_path']}")
 
 
@@ -567,7 +619,7 @@ def main(argv=None):
                 print_backward_table(problem, mode_rows, check)
             else:
                 mode_rows, check = bench_mode(problem, args, mode)
-                print_table(problem, mode_rows, check, args.grad, DTYPES[args.dtype])
+                print_table(problem, mode_rows, check, args.grad, DTYPES[args.dtype], args.autocast)
             rows += [dict(r, model=problem["name"]) for r in mode_rows]
             checks.append(check)
             _reset_dynamo()

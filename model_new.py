@@ -608,8 +608,8 @@ def per_feature_scale(scale, n):
 # The backward's products (grad_x = grad_z W, grad_W = grad_z^T x) are decided
 # the same way per product by dispatch_gemm_nt.
 
-Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused"],
-                                  defaults=(True, True))
+Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused",
+                                              "autocast_fused"], defaults=(True, True, True))
 Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
 replace SWITCHES; nothing reads the environment per call):
   portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
@@ -623,12 +623,16 @@ replace SWITCHES; nothing reads the environment per call):
                (_weight_parts)
   sync_fused   False with FUSED_GEMM_BN_SYNC_TORCH_OPS=1: synchronized BatchNorm on
                float32 CUDA runs the torch-op path (_SyncTrainFn) instead of the
-               fused kernels (_SyncFusedTrainFn; A/B timing, the GPU tests run both)"""
+               fused kernels (_SyncFusedTrainFn; A/B timing, the GPU tests run both)
+  autocast_fused False with FUSED_GEMM_BN_AUTOCAST_TORCH_OPS=1: under mixed precision
+               ModelNew runs Model's own ops (_mixed_precision_forward) instead of
+               the fused 16-bit kernels (_autocast_gemm; A/B timing, the GPU tests run both)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
                     fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1",
                     weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1",
-                    sync_fused=os.environ.get("FUSED_GEMM_BN_SYNC_TORCH_OPS") != "1")
+                    sync_fused=os.environ.get("FUSED_GEMM_BN_SYNC_TORCH_OPS") != "1",
+                    autocast_fused=os.environ.get("FUSED_GEMM_BN_AUTOCAST_TORCH_OPS") != "1")
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
@@ -797,7 +801,9 @@ def _weight_parts(weight, split=None, kind="fp16x3"):
     kernels' parts (the extension's fp16x3_weight_parts: w_hi, w_lo as fp16
     words, the rows' power-of-two scales and the rows' sums, N K + 3 N float32
     words, about the size of the weight itself); kind "row_sums": the 3xTF32
-    kernels' row sums for their centring (weight_row_sums: 2 N float32 words).
+    kernels' row sums for their centring (weight_row_sums: 2 N float32 words);
+    kind "cast_<dtype>": the weight cast to the mixed-precision dtype (N K 16-bit
+    words; _autocast_forward gives `split`).
     None when the call must make them itself (the extension then does, inside
     the call): caching off (SWITCHES.weight_cache), a CUDA
     graph being captured (a graph must not read a cache that later calls
@@ -885,10 +891,13 @@ def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, ep
 
 # bundle: repository-only begins (tools/bundle.py writes BUNDLE_NO_MIXED_PRECISION in place of this block)
 # Inside torch.autocast (CUDA or CPU) Model's nn.Linear runs in the autocast dtype and the ops after it
-# follow torch's type promotion; ModelNew then calls the same torch ops as Model, in the same order, so
-# its outputs, running statistics and gradients are Model's (README "Mixed precision").  A torch-op
-# path: the fused 16-bit kernels do not take it yet.  The harness rules forbid mixed precision in the
-# self-contained files' text, so this block is not in them (they have no mixed-precision path).
+# follow torch's type promotion (README "Mixed precision").  On Hopper (lowp_sm90) ModelNew runs that
+# function on the 16-bit extension's kernels in their autocast form (_autocast_gemm decides; kernels/lowp/
+# binding_16bit.cpp): x cast to the autocast dtype as autocast casts it, gemm.weight's cast kept between
+# calls (_weight_parts), the GEMM in that dtype, everything after it in float32 with Model's rounding
+# points, out float32.  Elsewhere it calls Model's own ops in Model's order (_mixed_precision_forward), so
+# its outputs, running statistics and gradients are Model's.  The harness rules forbid mixed precision in
+# the self-contained files' text, so this block is not in them (they have no mixed-precision path).
 import torch.nn.functional as F  # noqa: E402
 
 
@@ -907,30 +916,127 @@ def _mixed_precision_dtype(x):
     return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
 
 
-def _mixed_precision_path(bn, grad):
-    """kernel_path's name under autocast: torch_ops_autocast_<train|eval>[_grad]."""
-    return "torch_ops_autocast_" + ("train" if bn.training else "eval") + ("_grad" if grad else "")
+def _autocast_gemm(x, gemm, scale, bn, dtype, facts=None, switches=None):
+    """"lowp_sm90" when the fused kernels run this autocast call, else None
+    (Model's ops run it): a CUDA batch of at least one row, the autocast dtype
+    float16 or bfloat16, x float32 or 16-bit (cast as autocast casts it), every parameter
+    and running statistic float32 (the module Model's autocast is made for),
+    the 16-bit kernels present (_LOWP_DIR), not SWITCHES.autocast_fused off,
+    and dispatch's conditions for lowp_sm90 (compute capability 9.0, the sm_90a
+    image, not SWITCHES.portable).  Runs no kernel."""
+    switches = SWITCHES if switches is None else switches
+    if (not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
+            or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or _LOWP_DIR is None
+            or not switches.autocast_fused):
+        return None
+    tensors = (gemm.weight, gemm.bias, scale, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+    if any(t is None or t.dtype != torch.float32 for t in tensors):
+        return None
+    facts = device_facts(x.device) if facts is None else facts
+    if switches.portable or facts.capability != (9, 0) or not facts.sm90_gemm:
+        return None
+    return "lowp_sm90"
 
 
-def _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn):
+def _mixed_precision_path(x, gemm, scale, bn, grad):
+    """kernel_path's name under autocast: lowp_sm90_autocast_<train|eval>[_grad]
+    on the fused kernels (_autocast_gemm), else torch_ops_autocast_<train|eval>[_grad]."""
+    fused = _autocast_gemm(x, gemm, scale, bn, _mixed_precision_dtype(x))
+    return ((fused or "torch_ops") + "_autocast_" + ("train" if bn.training else "eval")
+            + ("_grad" if grad else ""))
+
+
+def _autocast_ops(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, training, momentum, eps,
+                  scale_after_bn):
     """Model's forward under autocast, op for op: nn.Linear's F.linear (in the
     autocast dtype), `* scale` (torch's type promotion: a float32 scale of one
-    or more dims makes the product float32), BatchNorm1d's F.batch_norm with its
-    num_batches_tracked / momentum handling (bn.training decides, as in
-    Model), and problem 84's softmax over dim 1 (float32 under autocast).
-    Returns what Model returns, in its dtype; autograd differentiates the ops."""
-    v = F.linear(x, gemm.weight, gemm.bias)
-    factor = 0.0
-    if bn.training:
-        bn.num_batches_tracked.add_(1)
-        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    or more dims makes the product float32), BatchNorm1d's F.batch_norm
+    (training: batch statistics, and running statistics updated with momentum
+    when they are given; eval: the running statistics), and problem 84's
+    softmax over dim 1 (float32 under autocast).  Returns what Model returns,
+    in its dtype; autograd differentiates the ops."""
+    v = F.linear(x, weight, bias)
 
     def batch_norm(u):
-        return F.batch_norm(u, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.training, factor, bn.eps)
+        return F.batch_norm(u, running_mean, running_var, bn_weight, bn_bias, training, momentum, eps)
 
     if not scale_after_bn:
         return batch_norm(v * scale)
     return torch.softmax(scale * batch_norm(v), dim=1)
+
+
+def _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn):
+    """Model's forward under autocast in Model's own ops (_autocast_ops), with
+    BatchNorm1d's num_batches_tracked / momentum handling (bn.training decides,
+    as in Model)."""
+    factor = 0.0
+    if bn.training:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    return _autocast_ops(x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                         bn.training, factor, bn.eps, scale_after_bn)
+
+
+class _AutocastFn(torch.autograd.Function):
+    """The fused autocast forward with gradients.  forward: the 16-bit
+    extension's autocast call (x16, w16: x and gemm.weight cast to the autocast
+    dtype; out float32), which updates the running statistics once, here.
+    Saved: x and the float32 parameters (no copies), and in eval clones of
+    running_mean / running_var (N each).
+    backward: Model's own autograd, through torch ops: it recomputes the forward
+    with _autocast_ops under the same autocast (training: batch statistics, no
+    running statistics, so nothing is updated twice) on detached inputs and
+    returns torch.autograd.grad of it, so the gradients are Model's, rounded
+    where autocast rounds them.  The cost is one more 16-bit GEMM and Model's
+    temporaries while the backward runs."""
+
+    @staticmethod
+    def forward(ctx, kernels, scale_after_bn, training, buffers, momentum, eps, dtype, x16, w16, x, weight, bias,
+                scale, bn_weight, bn_bias):
+        running = () if training else (buffers[0].clone(), buffers[1].clone())
+        params = (x16, w16, bias, scale, bn_weight, bn_bias)
+        out = _forward_call(kernels, "lowp_sm90", scale_after_bn, training, buffers, momentum, eps, params)
+        ctx.scale_after_bn, ctx.training, ctx.eps, ctx.dtype = scale_after_bn, training, eps, dtype
+        ctx.save_for_backward(x, weight, bias, scale, bn_weight, bn_bias, *running)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad[9:]
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved[:6], needs)]
+        running = saved[6:] if not ctx.training else (None, None)
+        with torch.enable_grad(), torch.autocast("cuda", dtype=ctx.dtype):
+            out = _autocast_ops(*inputs, *running, ctx.training, 0.0, ctx.eps, ctx.scale_after_bn)
+        wanted = [t for t, need in zip(inputs, needs) if need]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True))
+        result = []
+        for t, need in zip(inputs, needs):
+            g = next(grads) if need else None
+            result.append(torch.zeros_like(t) if need and g is None else g)
+        return (None,) * 9 + tuple(result)
+
+
+def _autocast_forward(x, gemm, scale, bn, scale_after_bn, dtype):
+    """The fused autocast forward (_autocast_gemm said lowp_sm90): x cast to
+    dtype (autocast's cast of F.linear's input; no copy when x already is),
+    gemm.weight's cast from the weight cache (_weight_parts, kind "cast_<dtype>":
+    made once while the weight is unchanged, where Model casts it in every
+    call), then one extension call, or _AutocastFn with gradients."""
+    kernels = _lowp_kernels()
+    s = per_feature_scale(scale, gemm.out_features)
+    params = (x, gemm.weight, gemm.bias, s, bn.weight, bn.bias)
+    x16 = x.detach().to(dtype)
+    w16 = _weight_parts(gemm.weight, split=lambda w: w.detach().to(dtype), kind=f"cast_{dtype}")
+    w16 = gemm.weight.detach().to(dtype) if w16 is None else w16
+    momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
+    buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+    if _needs_grad(params):
+        return _AutocastFn.apply(kernels, scale_after_bn, bn.training, buffers, momentum, float(bn.eps), dtype, x16,
+                                 w16, *params)
+    return _forward_call(kernels, "lowp_sm90", scale_after_bn, bn.training, buffers, momentum, float(bn.eps),
+                         (x16, w16) + params[2:])
 # bundle: repository-only ends
 
 
@@ -989,8 +1095,11 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     tracing raises RuntimeError."""
     training = bn.training
     group = sync_process_group(bn)
-    if _mixed_precision_dtype(x) is not None:
+    autocast_dtype = _mixed_precision_dtype(x)
+    if autocast_dtype is not None:
         _check_mixed_precision(x, gemm, scale, bn, group)
+        if _autocast_gemm(x, gemm, scale, bn, autocast_dtype) is not None:
+            return _autocast_forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype)
         return _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn)
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     if torch.jit.is_tracing() and (_OPS is None or _is_16bit_dtype(x.dtype)):
@@ -1031,7 +1140,7 @@ def kernel_path(x, gemm, scale, bn, scale_after_bn):
     if _mixed_precision_dtype(x) is not None:
         _check_mixed_precision(x, gemm, scale, bn, group)
         params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
-        return _mixed_precision_path(bn, _needs_grad(params))
+        return _mixed_precision_path(x, gemm, scale, bn, _needs_grad(params))
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     if group is not None:
         return _sync_path_name(x, gemm.weight, _needs_grad(params))

@@ -204,22 +204,25 @@ cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, vo
 // The same on Hopper (lowp/sm90_gemm_bn_16bit.cu: wgmma, TMA; sm_90a): x and w 16-byte
 // aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout;
 // workspace: *floats floats from lowp_sm90_workspace, the last *zero_ints ints zeroed (may be
-// null when *floats is 0).
+// null when *floats is 0).  float32_io: the vectors and out are float32 (a float32 module
+// under mixed precision; the GEMM in dtype), else 16-bit of dtype.
 void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
-cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
-                              const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
-                              const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
-                              float* part_mean, float* part_m2, int64_t* num_batches_tracked, float* workspace,
-                              cudaStream_t stream);
-// Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu).
-cudaError_t lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
-                               int M, int N, const void* bn_weight, const void* bn_bias,
+cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, const void* x, const void* w, void* out, int M,
+                              int N, int K, const void* bias, const void* scale, const void* bn_weight,
+                              const void* bn_bias, const void* running_mean, const void* running_var, float eps,
+                              bool scale_after_bn, float* part_mean, float* part_m2, int64_t* num_batches_tracked,
+                              float* workspace, cudaStream_t stream);
+// Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu);
+// float32_io: the BatchNorm parameters and running statistics (and below, out and scale) are float32.
+cudaError_t lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mean, const float* part_m2,
+                               int num_m_tiles, int block_m, int M, int N, const void* bn_weight, const void* bn_bias,
                                const int64_t* num_batches_tracked, float momentum, float eps, void* running_mean,
                                void* running_var, float* coeff, cudaStream_t stream);
 // Problem 33, training: BatchNorm of out in place.
-cudaError_t lowp_bn_apply(int dtype, void* out, const float* coeff, int M, int N, cudaStream_t stream);
+cudaError_t lowp_bn_apply(int dtype, bool float32_io, void* out, const float* coeff, int M, int N,
+                          cudaStream_t stream);
 // Problem 84: row softmax in place (coeff and scale: training; coeff null: eval).
-cudaError_t lowp_softmax_rows(int dtype, void* out, const float* coeff, const void* scale, int M, int N,
-                              cudaStream_t stream);
+cudaError_t lowp_softmax_rows(int dtype, bool float32_io, void* out, const float* coeff, const void* scale, int M,
+                              int N, cudaStream_t stream);
 
 }  // namespace fused_gemm_bn

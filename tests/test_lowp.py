@@ -111,17 +111,6 @@ ERR_FACTOR, ERR_FLOOR = 1.05, 1e-6
 GRAD_FLOOR = {dtype: 8 * u for dtype, u in UNIT_ROUNDOFF.items()}
 
 
-@pytest.fixture
-def full_precision_reductions():
-    """Eager 16-bit GEMMs without cuBLAS's reduced-precision split-K reductions; restored after."""
-    m = torch.backends.cuda.matmul
-    saved = m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction
-    m.allow_fp16_reduced_precision_reduction = False
-    m.allow_bf16_reduced_precision_reduction = False
-    yield
-    m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = saved
-
-
 @pytest.fixture(params=["sm90", "sm80"])
 def lowp_kernel(request, monkeypatch):
     """Both 16-bit GEMM kernels on a Hopper GPU: lowp_sm90 (the default where K % 8 == 0)

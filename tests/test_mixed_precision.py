@@ -1,7 +1,11 @@
-"""ModelNew under torch.autocast (README "Mixed precision"): the same outputs,
-dtypes, running statistics, num_batches_tracked and gradients as Model under
-the same autocast, bit for bit (ModelNew calls Model's ops there), on the CPU
-(bfloat16 autocast: runs in CI) and on CUDA (float16 and bfloat16).
+"""ModelNew under torch.autocast (README "Mixed precision") on Model's own ops
+(the path of CPUs, GPUs other than Hopper, and SWITCHES.autocast_fused off):
+the same outputs, dtypes, running statistics, num_batches_tracked and
+gradients as Model under the same autocast, bit for bit, on the CPU (bfloat16
+autocast: runs in CI) and on CUDA (float16 and bfloat16, the fused path
+switched off).  Which calls take the fused kernels instead (_autocast_gemm)
+is checked here on simulated GPUs; tests/test_autocast_fused.py compares the
+fused path with Model.
 
 Negative control: ModelNew outside autocast (its float32 path) is not equal to
 Model under autocast, so the equality tests can fail.
@@ -9,6 +13,7 @@ Model under autocast, so the equality tests can fail.
 import pytest
 import torch
 
+import model_new
 from tests.problems import BOTH, assert_state_equal, make_pair, requires_cuda, snapshot
 
 K, N, M = 48, 40, 16
@@ -100,18 +105,24 @@ def test_autocast_off_inside_autocast_region_uses_kernels_path(problem):
             assert new.kernel_path(x) == "torch_ops_train_grad"
 
 
+@pytest.fixture
+def ops_path(monkeypatch):
+    """Model's ops under autocast on every GPU (the fused kernels switched off)."""
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(autocast_fused=False))
+
+
 @requires_cuda
 @pytest.mark.parametrize("problem", BOTH)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("training,grad", [(True, True), (True, False), (False, True), (False, False)],
                          ids=["train_grad", "train", "eval_grad", "eval"])
-def test_gpu_autocast_matches_model(problem, dtype, training, grad):
+def test_gpu_autocast_matches_model(problem, dtype, training, grad, ops_path):
     _compare(problem, "cuda", dtype, training, grad)
 
 
 @requires_cuda
 @pytest.mark.parametrize("problem", BOTH)
-def test_gpu_autocast_16bit_input_and_frozen_bn(problem):
+def test_gpu_autocast_16bit_input_and_frozen_bn(problem, ops_path):
     """A float16 input under bfloat16 autocast (autocast casts it), and bn.eval()."""
     ref, new = make_pair(problem, 0, K, N, device="cuda", scale="random")
     x = torch.rand(M, K, device="cuda").to(torch.float16)
@@ -134,3 +145,40 @@ def test_cpu_autocast_under_torch_compile(problem):
         out_ref, out_new = ref(x), compiled(x)
     assert out_new.dtype == out_ref.dtype and torch.equal(out_new, out_ref)
     assert_state_equal(snapshot(new), snapshot(ref), "after the compiled call")
+
+
+class _FakeCudaInput:
+    """What _autocast_gemm reads off x, for a simulated CUDA call."""
+    is_cuda = True
+
+    def __init__(self, m, k, dtype):
+        self.shape, self.dtype, self.device = (m, k), dtype, torch.device("cuda", 0)
+
+
+HOPPER = model_new.DeviceFacts(capability=(9, 0), num_sms=132, sm90_gemm=True, cluster_max_active=lambda *a: 1)
+AMPERE = model_new.DeviceFacts(capability=(8, 0), num_sms=108, sm90_gemm=False, cluster_max_active=lambda *a: 0)
+
+
+@pytest.mark.parametrize("problem", BOTH)
+def test_cpu_autocast_fused_decision(problem):
+    """_autocast_gemm: lowp_sm90 for a float32 module on Hopper with float32 or
+    16-bit x under float16 / bfloat16 autocast; Model's ops (None) off Hopper,
+    with SWITCHES.portable or autocast_fused off, for a 16-bit module, for an
+    empty batch, and for x of another dtype."""
+    _, new = make_pair(problem, 0, K, N)
+    on = model_new.SWITCHES._replace(portable=False, autocast_fused=True)
+
+    def decide(x, dtype=torch.bfloat16, facts=HOPPER, switches=on, module=new):
+        return model_new._autocast_gemm(x, module.gemm, module.scale, module.bn, dtype, facts, switches)
+
+    for x_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for dtype in (torch.float16, torch.bfloat16):
+            assert decide(_FakeCudaInput(M, K, x_dtype), dtype) == "lowp_sm90"
+    x = _FakeCudaInput(M, K, torch.float32)
+    assert decide(x, facts=AMPERE) is None
+    assert decide(x, switches=on._replace(portable=True)) is None
+    assert decide(x, switches=on._replace(autocast_fused=False)) is None
+    assert decide(_FakeCudaInput(0, K, torch.float32)) is None
+    assert decide(_FakeCudaInput(M, K, torch.float64)) is None
+    assert decide(torch.rand(M, K)) is None  # a CPU tensor
+    assert decide(x, module=new.to(torch.bfloat16)) is None

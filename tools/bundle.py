@@ -56,7 +56,7 @@ BUNDLE_NO_MIXED_PRECISION = (
     "    return None\n"
     "\n"
     "\n"
-    "_mixed_precision_path = _mixed_precision_forward = None\n"
+    "_mixed_precision_path = _mixed_precision_forward = _autocast_gemm = _autocast_forward = None\n"
 )
 # The name on a block's begin line -> the text that replaces the block.
 REPLACEMENTS = {"BUNDLE_BATCHNORM_BASE": BUNDLE_BATCHNORM_BASE, "BUNDLE_NO_MIXED_PRECISION": BUNDLE_NO_MIXED_PRECISION}

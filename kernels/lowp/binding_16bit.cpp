@@ -17,6 +17,13 @@
 // stream, and turns any launch error into a RuntimeError naming the kernel.
 // Nothing here synchronises.  scale_after_bn: false = problem 33, true = problem 84.
 //
+// Autocast: with 16-bit x and weight but float32 vectors (gemm.bias, scale,
+// BatchNorm's parameters and running statistics: all float32), the call is a
+// float32 module's forward under torch.autocast in x's dtype (lowp_sm90 only):
+// the GEMM in x's dtype on the 16-bit bias, what follows in float32 as
+// torch's type promotion runs it, out float32 (sm90_gemm_bn_16bit.cu lists
+// the rounding points).
+//
 //   forward_train(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                 running_var, num_batches_tracked, momentum, eps, scale_after_bn) -> out (M, N)
 //       problem 33: u = rnd(rnd(x @ weight^T + bias) * scale), problem 84:
@@ -99,9 +106,10 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, boo
           static_cast<int>(weight.size(0)), K, dtype_code(x.scalar_type())};
 }
 
-void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x) {
+void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x, c10::ScalarType type) {
   TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), name, " must be ", x.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == type, name, " must be ", type,
+              " (as gemm.bias: x's dtype, or float32 under autocast), got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == n, name, " must have shape (", n, "), got ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
@@ -110,13 +118,20 @@ struct BnTensors {
   torch::Tensor bias, scale, bn_weight, bn_bias, running_mean, running_var;
 };
 
-void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x) {
-  check_vector(t.bias, "gemm.bias", N, x);
-  check_vector(t.scale, "scale", N, x);
-  check_vector(t.bn_weight, "bn.weight", N, x);
-  check_vector(t.bn_bias, "bn.bias", N, x);
-  check_vector(t.running_mean, "bn.running_mean", N, x);
-  check_vector(t.running_var, "bn.running_var", N, x);
+// Checks the vectors; returns true for the autocast form (float32 vectors), which
+// only lowp_sm90 runs.
+bool check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, bool sm90) {
+  const bool float32_io = t.bias.scalar_type() == torch::kFloat32;
+  const c10::ScalarType type = float32_io ? torch::kFloat32 : x.scalar_type();
+  check_vector(t.bias, "gemm.bias", N, x, type);
+  check_vector(t.scale, "scale", N, x, type);
+  check_vector(t.bn_weight, "bn.weight", N, x, type);
+  check_vector(t.bn_bias, "bn.bias", N, x, type);
+  check_vector(t.running_mean, "bn.running_mean", N, x, type);
+  check_vector(t.running_var, "bn.running_var", N, x, type);
+  TORCH_CHECK(!float32_io || sm90, "fused_gemm_bn (16-bit): float32 parameters with ", x.scalar_type(),
+              " x (the autocast form) need the lowp_sm90 kernel");
+  return float32_io;
 }
 
 void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
@@ -128,7 +143,7 @@ void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& n
 }
 
 // The GEMM launch of either kernel (the same arguments and outputs).
-cudaError_t launch_gemm(bool sm90, int dtype, bool train, const Operands& op, torch::Tensor& out,
+cudaError_t launch_gemm(bool sm90, int dtype, bool train, bool float32_io, const Operands& op, torch::Tensor& out,
                         const BnTensors& t, float eps, bool scale_after_bn, float* part_mean, float* part_m2,
                         int64_t* num_batches_tracked, cudaStream_t stream) {
   const void* bn_weight = train ? nullptr : t.bn_weight.data_ptr();
@@ -150,9 +165,9 @@ cudaError_t launch_gemm(bool sm90, int dtype, bool train, const Operands& op, to
                                             static_cast<size_t>(zero_ints) * sizeof(int), stream);
     if (err != cudaSuccess) return err;
   }
-  return fgb::lowp_sm90_gemm_bn(dtype, train, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), op.M, op.N,
-                                op.K, t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias, running_mean,
-                                running_var, eps, scale_after_bn, part_mean, part_m2, num_batches_tracked,
+  return fgb::lowp_sm90_gemm_bn(dtype, train, float32_io, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(),
+                                op.M, op.N, op.K, t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias,
+                                running_mean, running_var, eps, scale_after_bn, part_mean, part_m2, num_batches_tracked,
                                 workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr, stream);
 }
 
@@ -162,10 +177,10 @@ torch::Tensor train(bool sm90, const torch::Tensor& x_in, const torch::Tensor& w
   const Operands op = check_operands(x_in, weight, sm90);
   const int M = op.M, N = op.N;
   check_training(op.x, M, N, num_batches_tracked);
-  check_bn_tensors(t, N, op.x);
+  const bool float32_io = check_bn_tensors(t, N, op.x, sm90);
   const c10::cuda::CUDAGuard guard(op.x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
-  torch::Tensor out = torch::empty({M, N}, op.x.options());
+  torch::Tensor out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
   if (N == 0) {  // nothing to normalise; the call still counts, as nn.BatchNorm1d's
     num_batches_tracked.add_(1);
     return out;
@@ -179,19 +194,21 @@ torch::Tensor train(bool sm90, const torch::Tensor& x_in, const torch::Tensor& w
   float* coeff = scratch.data_ptr<float>();
   float* part_mean = coeff + 4 * static_cast<int64_t>(N);
   float* part_m2 = part_mean + part_floats;
-  check_launch(launch_gemm(sm90, op.dtype, true, op, out, t, 0.f, scale_after_bn, part_mean, part_m2,
+  check_launch(launch_gemm(sm90, op.dtype, true, float32_io, op, out, t, 0.f, scale_after_bn, part_mean, part_m2,
                            num_batches_tracked.data_ptr<int64_t>(), stream),
                sm90 ? "sm90_gemm_bn_16bit_kernel (training)" : "sm80_gemm_bn_16bit_kernel (training)");
-  check_launch(fgb::lowp_bn_fold_train(op.dtype, part_mean, part_m2, num_m_tiles, block_m, M, N, t.bn_weight.data_ptr(),
-                                  t.bn_bias.data_ptr(), num_batches_tracked.data_ptr<int64_t>(),
-                                  static_cast<float>(momentum), static_cast<float>(eps), t.running_mean.data_ptr(),
-                                  t.running_var.data_ptr(), coeff, stream),
+  check_launch(fgb::lowp_bn_fold_train(op.dtype, float32_io, part_mean, part_m2, num_m_tiles, block_m, M, N,
+                                       t.bn_weight.data_ptr(), t.bn_bias.data_ptr(),
+                                       num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
+                                       static_cast<float>(eps), t.running_mean.data_ptr(), t.running_var.data_ptr(),
+                                       coeff, stream),
                "bn16_fold_train_kernel");
   if (!scale_after_bn) {
-    check_launch(fgb::lowp_bn_apply(op.dtype, out.data_ptr(), coeff, M, N, stream), "bn16_apply_kernel");
+    check_launch(fgb::lowp_bn_apply(op.dtype, float32_io, out.data_ptr(), coeff, M, N, stream), "bn16_apply_kernel");
   } else {
-    check_launch(fgb::lowp_softmax_rows(op.dtype, out.data_ptr(), coeff, t.scale.data_ptr(), M, N, stream),
-                 "bn16_softmax_rows_kernel (training)");
+    check_launch(
+        fgb::lowp_softmax_rows(op.dtype, float32_io, out.data_ptr(), coeff, t.scale.data_ptr(), M, N, stream),
+        "bn16_softmax_rows_kernel (training)");
   }
   return out;
 }
@@ -201,16 +218,16 @@ torch::Tensor eval(bool sm90, const torch::Tensor& x_in, const torch::Tensor& we
                    double eps, bool scale_after_bn) {
   const Operands op = check_operands(x_in, weight, sm90);
   const int M = op.M, N = op.N;
-  check_bn_tensors(t, N, op.x);
+  const bool float32_io = check_bn_tensors(t, N, op.x, sm90);
   const c10::cuda::CUDAGuard guard(op.x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
-  torch::Tensor out = torch::empty({M, N}, op.x.options());
+  torch::Tensor out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
   if (M == 0 || N == 0) return out;
-  check_launch(launch_gemm(sm90, op.dtype, false, op, out, t, static_cast<float>(eps), scale_after_bn, nullptr,
-                           nullptr, nullptr, stream),
+  check_launch(launch_gemm(sm90, op.dtype, false, float32_io, op, out, t, static_cast<float>(eps), scale_after_bn,
+                           nullptr, nullptr, nullptr, stream),
                sm90 ? "sm90_gemm_bn_16bit_kernel (eval)" : "sm80_gemm_bn_16bit_kernel (eval)");
   if (scale_after_bn)
-    check_launch(fgb::lowp_softmax_rows(op.dtype, out.data_ptr(), nullptr, nullptr, M, N, stream),
+    check_launch(fgb::lowp_softmax_rows(op.dtype, float32_io, out.data_ptr(), nullptr, nullptr, M, N, stream),
                  "bn16_softmax_rows_kernel (eval)");
   return out;
 }
@@ -223,13 +240,14 @@ torch::Tensor forward_train(const std::string& gemm, torch::Tensor x, torch::Ten
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn) {
-  return train(is_sm90(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, num_batches_tracked, momentum,
-               eps, scale_after_bn);
+  return train(is_sm90(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
+               num_batches_tracked, momentum, eps, scale_after_bn);
 }
 
 // Either problem, eval mode.
 torch::Tensor forward_eval(const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn) {
-  return eval(is_sm90(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps, scale_after_bn);
+  return eval(is_sm90(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
+              scale_after_bn);
 }

@@ -70,17 +70,19 @@ struct FoldArgs {
   const float* part_mean;
   const float* part_m2;
   int num_m_tiles, block_m, M, N;
-  const uint16_t* bn_weight;
-  const uint16_t* bn_bias;
+  const void* bn_weight;  // S words, as the running statistics
+  const void* bn_bias;
   const int64_t* num_batches_tracked;
   float momentum, eps;
-  uint16_t* running_mean;
-  uint16_t* running_var;
+  void* running_mean;
+  void* running_var;
   float4* coeff;
 };
 
-template <typename T>
+template <typename S>
 __global__ void __launch_bounds__(kFoldThreads) bn16_fold_train_kernel(const FoldArgs p) {
+  using St = Storage<S>;
+  using W = word_t<S>;
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.N) return;
   double mean64, m2;
@@ -90,27 +92,43 @@ __global__ void __launch_bounds__(kFoldThreads) bn16_fold_train_kernel(const Fol
   const float f =
       p.momentum >= 0.f ? p.momentum : static_cast<float>(1.0 / static_cast<double>(*p.num_batches_tracked));
   const float bessel = static_cast<float>(static_cast<double>(p.M) / static_cast<double>(p.M - 1));
-  const float running_mean = load_float<T>(p.running_mean + j);
-  const float running_var = load_float<T>(p.running_var + j);
-  p.running_mean[j] = to_bits<T>(mean * f + (1.f - f) * running_mean);
-  p.running_var[j] = to_bits<T>(var * bessel * f + (1.f - f) * running_var);
-  p.coeff[j] = make_float4(mean, rsqrtf(var + p.eps), load_float<T>(p.bn_weight + j), load_float<T>(p.bn_bias + j));
+  W* running_mean = static_cast<W*>(p.running_mean);
+  W* running_var = static_cast<W*>(p.running_var);
+  const float rm = St::load(running_mean + j);
+  const float rv = St::load(running_var + j);
+  St::store(running_mean + j, mean * f + (1.f - f) * rm);
+  St::store(running_var + j, var * bessel * f + (1.f - f) * rv);
+  p.coeff[j] = make_float4(mean, rsqrtf(var + p.eps), St::load(static_cast<const W*>(p.bn_weight) + j),
+                           St::load(static_cast<const W*>(p.bn_bias) + j));
 }
 
-// kVec consecutive 16-bit elements as floats, and back.
-template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& q, float (&v)[kVec]) {
-  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+// kVec consecutive elements of storage S (16-byte aligned) as floats, and back
+// (store_group rounds to S): one 16-byte access for 16-bit S, two for float.
+template <typename S>
+__device__ __forceinline__ void load_group(const word_t<S>* p, float (&v)[kVec]) {
+  if constexpr (sizeof(word_t<S>) == 2) {
+    const uint4 q = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = Bits<T>::to_float(static_cast<uint16_t>(w[i] & 0xffffu));
-    v[2 * i + 1] = Bits<T>::to_float(static_cast<uint16_t>(w[i] >> 16));
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = Bits<S>::to_float(static_cast<uint16_t>(w[i] & 0xffffu));
+      v[2 * i + 1] = Bits<S>::to_float(static_cast<uint16_t>(w[i] >> 16));
+    }
+  } else {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
   }
 }
-template <typename T>
-__device__ __forceinline__ uint4 pack8(const float (&v)[kVec]) {
-  return make_uint4(pack2(to_bits<T>(v[0]), to_bits<T>(v[1])), pack2(to_bits<T>(v[2]), to_bits<T>(v[3])),
-                    pack2(to_bits<T>(v[4]), to_bits<T>(v[5])), pack2(to_bits<T>(v[6]), to_bits<T>(v[7])));
+template <typename S>
+__device__ __forceinline__ void store_group(word_t<S>* p, const float (&v)[kVec]) {
+  if constexpr (sizeof(word_t<S>) == 2) {
+    *reinterpret_cast<uint4*>(p) =
+        make_uint4(pack2(to_bits<S>(v[0]), to_bits<S>(v[1])), pack2(to_bits<S>(v[2]), to_bits<S>(v[3])),
+                   pack2(to_bits<S>(v[4]), to_bits<S>(v[5])), pack2(to_bits<S>(v[6]), to_bits<S>(v[7])));
+  } else {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
 }
 
 // BatchNorm of one element from its coefficients {mean, invstd, w, b}, before
@@ -118,9 +136,10 @@ __device__ __forceinline__ uint4 pack8(const float (&v)[kVec]) {
 __device__ __forceinline__ float bn_affine(float u, const float4& c) { return fmaf(c.z * (u - c.x), c.y, c.w); }
 
 // Each thread owns kCols columns (8 or 1) and walks rows_per_block rows.
-template <typename T, int kCols>
+template <typename S, int kCols>
 __global__ void __launch_bounds__(kApplyThreads)
-    bn16_apply_kernel(uint16_t* out, const float4* __restrict__ coeff, int M, int N, int rows_per_block) {
+    bn16_apply_kernel(word_t<S>* out, const float4* __restrict__ coeff, int M, int N, int rows_per_block) {
+  using St = Storage<S>;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
   if (col >= N) return;
   float4 c[kCols];
@@ -133,23 +152,23 @@ __global__ void __launch_bounds__(kApplyThreads)
 #pragma unroll
     for (int r = 0; r < kApplyRowBatch; ++r) {
       if (row + r >= row_end) break;
-      const uint16_t* q = out + static_cast<size_t>(row + r) * N + col;
+      const word_t<S>* q = out + static_cast<size_t>(row + r) * N + col;
       if constexpr (kCols == kVec) {
-        unpack8<T>(*reinterpret_cast<const uint4*>(q), v[r]);
+        load_group<S>(q, v[r]);
       } else {
-        v[r][0] = load_float<T>(q);
+        v[r][0] = St::load(q);
       }
     }
 #pragma unroll
     for (int r = 0; r < kApplyRowBatch; ++r) {
       if (row + r >= row_end) break;
-      uint16_t* q = out + static_cast<size_t>(row + r) * N + col;
+      word_t<S>* q = out + static_cast<size_t>(row + r) * N + col;
 #pragma unroll
       for (int e = 0; e < kCols; ++e) v[r][e] = bn_affine(v[r][e], c[e]);
       if constexpr (kCols == kVec) {
-        *reinterpret_cast<uint4*>(q) = pack8<T>(v[r]);
+        store_group<S>(q, v[r]);
       } else {
-        *q = to_bits<T>(v[r][0]);
+        St::store(q, v[r][0]);
       }
     }
   }
@@ -172,51 +191,56 @@ __device__ __forceinline__ float block_reduce(float v, float* red) {
 }
 
 struct RowArgs {
-  uint16_t* out;
+  void* out;               // S words
   const float4* coeff;     // {mean, invstd, w, b} per feature, or nullptr (eval)
-  const uint16_t* scale;   // (N), with coeff
+  const void* scale;       // (N) S words, with coeff
   int N;
 };
 
-// The softmax inputs v of the kG elements of group i of `row` (kG = 8 or 1).
-template <typename T, int kG, bool kAffine>
-__device__ __forceinline__ void load_logits(const RowArgs& p, const uint16_t* row, int i, float (&v)[kG]) {
+// The softmax inputs v of the kG elements of group i of `row` (kG = 8 or 1):
+// BatchNorm's output rounded to T (the dtype of BatchNorm's input), times the
+// scale rounded to S.
+template <typename T, typename S, int kG, bool kAffine>
+__device__ __forceinline__ void load_logits(const RowArgs& p, const word_t<S>* row, int i, float (&v)[kG]) {
+  using St = Storage<S>;
   if constexpr (kG == kVec) {
-    unpack8<T>(reinterpret_cast<const uint4*>(row)[i], v);
+    load_group<S>(row + i * kVec, v);
   } else {
-    v[0] = load_float<T>(row + i);
+    v[0] = St::load(row + i);
   }
   if constexpr (kAffine) {
+    const word_t<S>* scale = static_cast<const word_t<S>*>(p.scale);
     float s[kG];
     if constexpr (kG == kVec) {
-      unpack8<T>(reinterpret_cast<const uint4*>(p.scale)[i], s);
+      load_group<S>(scale + i * kVec, s);
     } else {
-      s[0] = load_float<T>(p.scale + i);
+      s[0] = St::load(scale + i);
     }
 #pragma unroll
-    for (int e = 0; e < kG; ++e) v[e] = round16<T>(round16<T>(bn_affine(v[e], p.coeff[i * kG + e])) * s[e]);
+    for (int e = 0; e < kG; ++e) v[e] = St::round(round16<T>(bn_affine(v[e], p.coeff[i * kG + e])) * s[e]);
   }
 }
 
-// kCached: v kept in dynamic shared memory (16-bit, exact; one global read);
+// kCached: v kept in dynamic shared memory (S words, exact; one global read);
 // else online max / sum and a second read of the row.
-template <typename T, int kG, bool kAffine, bool kCached>
+template <typename T, typename S, int kG, bool kAffine, bool kCached>
 __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const RowArgs p) {
+  using St = Storage<S>;
   extern __shared__ uint4 dynamic_smem[];
-  uint16_t* cache = reinterpret_cast<uint16_t*>(dynamic_smem);
+  word_t<S>* cache = reinterpret_cast<word_t<S>*>(dynamic_smem);
   __shared__ float red[kRowThreads / 32];
-  uint16_t* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
+  word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / kG;
 
   float thread_max = -INFINITY, thread_sum = 0.f;
   for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
     float v[kG];
-    load_logits<T, kG, kAffine>(p, row, i, v);
+    load_logits<T, S, kG, kAffine>(p, row, i, v);
     if constexpr (kCached) {
       if constexpr (kG == kVec) {
-        reinterpret_cast<uint4*>(cache)[i] = pack8<T>(v);  // exact: v is already 16-bit
+        store_group<S>(cache + i * kVec, v);  // exact: v is already an S value
       } else {
-        cache[i] = to_bits<T>(v[0]);
+        St::store(cache + i, v[0]);
       }
 #pragma unroll
       for (int e = 0; e < kG; ++e) thread_max = fmaxf(thread_max, v[e]);
@@ -235,9 +259,9 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
     for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
       float v[kG];
       if constexpr (kG == kVec) {
-        unpack8<T>(reinterpret_cast<const uint4*>(cache)[i], v);
+        load_group<S>(cache + i * kVec, v);
       } else {
-        v[0] = load_float<T>(cache + i);
+        v[0] = St::load(cache + i);
       }
 #pragma unroll
       for (int e = 0; e < kG; ++e) thread_sum += expf(v[e] - row_max);
@@ -251,19 +275,19 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
     float v[kG];
     if constexpr (kCached) {
       if constexpr (kG == kVec) {
-        unpack8<T>(reinterpret_cast<const uint4*>(cache)[i], v);
+        load_group<S>(cache + i * kVec, v);
       } else {
-        v[0] = load_float<T>(cache + i);
+        v[0] = St::load(cache + i);
       }
     } else {
-      load_logits<T, kG, kAffine>(p, row, i, v);
+      load_logits<T, S, kG, kAffine>(p, row, i, v);
     }
 #pragma unroll
     for (int e = 0; e < kG; ++e) v[e] = expf(v[e] - row_max) / row_sum;
     if constexpr (kG == kVec) {
-      reinterpret_cast<uint4*>(row)[i] = pack8<T>(v);
+      store_group<S>(row + i * kVec, v);
     } else {
-      row[i] = to_bits<T>(v[0]);
+      St::store(row + i, v[0]);
     }
   }
 }
@@ -273,17 +297,17 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
 // read, as kCached, without the shared-memory round trips).
 constexpr int kRegGroups = 4;
 
-template <typename T, bool kAffine>
+template <typename T, typename S, bool kAffine>
 __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(const RowArgs p) {
   __shared__ float red[kRowThreads / 32];
-  uint16_t* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
+  word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / kVec;
   float v[kRegGroups][kVec];
 #pragma unroll
   for (int j = 0; j < kRegGroups; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
     if (i < num_groups) {
-      load_logits<T, kVec, kAffine>(p, row, i, v[j]);
+      load_logits<T, S, kVec, kAffine>(p, row, i, v[j]);
     } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[j][e] = -INFINITY;
@@ -311,18 +335,18 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
     if (i < num_groups) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[j][e] = v[j][e] / row_sum;
-      reinterpret_cast<uint4*>(row)[i] = pack8<T>(v[j]);
+      store_group<S>(row + i * kVec, v[j]);
     }
   }
 }
 
-template <typename T, int kG, bool kAffine>
+template <typename T, typename S, int kG, bool kAffine>
 cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   const int num_groups = p.N / kG;
   if constexpr (kG == kVec) {
     if (num_groups <= kRegGroups * kRowThreads) {
       const int threads = max(32, ((num_groups + kRegGroups - 1) / kRegGroups + 31) / 32 * 32);
-      bn16_softmax_rows_reg_kernel<T, kAffine><<<M, threads, 0, stream>>>(p);
+      bn16_softmax_rows_reg_kernel<T, S, kAffine><<<M, threads, 0, stream>>>(p);
       return cudaGetLastError();
     }
   }
@@ -332,32 +356,38 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   err = cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
-  const size_t cache_bytes = (static_cast<size_t>(p.N) * sizeof(uint16_t) + 15) / 16 * 16;
+  const size_t cache_bytes = (static_cast<size_t>(p.N) * sizeof(word_t<S>) + 15) / 16 * 16;
   if (cache_bytes + kStaticSmemBytes <= static_cast<size_t>(max_optin)) {
-    auto kernel = bn16_softmax_rows_kernel<T, kG, kAffine, true>;
+    auto kernel = bn16_softmax_rows_kernel<T, S, kG, kAffine, true>;
     if (cache_bytes > 48 * 1024) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cache_bytes));
       if (err != cudaSuccess) return err;
     }
     kernel<<<M, threads, cache_bytes, stream>>>(p);
   } else {
-    bn16_softmax_rows_kernel<T, kG, kAffine, false><<<M, threads, 0, stream>>>(p);
+    bn16_softmax_rows_kernel<T, S, kG, kAffine, false><<<M, threads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
 
-template <typename T>
-cudaError_t softmax_rows_for_type(const RowArgs& p, int M, cudaStream_t stream) {
+template <typename T, typename S>
+cudaError_t softmax_rows_for_storage(const RowArgs& p, int M, cudaStream_t stream) {
   const bool vec = p.N % kVec == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
                    (p.scale == nullptr || reinterpret_cast<uintptr_t>(p.scale) % 16 == 0);
   if (p.coeff != nullptr) {
-    return vec ? launch_softmax_rows<T, kVec, true>(p, M, stream) : launch_softmax_rows<T, 1, true>(p, M, stream);
+    return vec ? launch_softmax_rows<T, S, kVec, true>(p, M, stream)
+               : launch_softmax_rows<T, S, 1, true>(p, M, stream);
   }
-  return vec ? launch_softmax_rows<T, kVec, false>(p, M, stream) : launch_softmax_rows<T, 1, false>(p, M, stream);
+  return vec ? launch_softmax_rows<T, S, kVec, false>(p, M, stream) : launch_softmax_rows<T, S, 1, false>(p, M, stream);
 }
 
 template <typename T>
-cudaError_t apply_for_type(uint16_t* out, const float4* coeff, int M, int N, cudaStream_t stream) {
+cudaError_t softmax_rows_for_type(const RowArgs& p, bool float32_io, int M, cudaStream_t stream) {
+  return float32_io ? softmax_rows_for_storage<T, float>(p, M, stream) : softmax_rows_for_storage<T, T>(p, M, stream);
+}
+
+template <typename S>
+cudaError_t apply_for_storage(word_t<S>* out, const float4* coeff, int M, int N, cudaStream_t stream) {
   const bool vec = N % kVec == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   const int cols_per_thread = vec ? kVec : 1;
   const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
@@ -365,9 +395,9 @@ cudaError_t apply_for_type(uint16_t* out, const float4* coeff, int M, int N, cud
   const int rows_per_block = max(kApplyRowsPerBlock, (M + 65534) / 65535);
   const dim3 grid((threads_needed + kApplyThreads - 1) / kApplyThreads, (M + rows_per_block - 1) / rows_per_block);
   if (vec) {
-    bn16_apply_kernel<T, kVec><<<grid, kApplyThreads, 0, stream>>>(out, coeff, M, N, rows_per_block);
+    bn16_apply_kernel<S, kVec><<<grid, kApplyThreads, 0, stream>>>(out, coeff, M, N, rows_per_block);
   } else {
-    bn16_apply_kernel<T, 1><<<grid, kApplyThreads, 0, stream>>>(out, coeff, M, N, rows_per_block);
+    bn16_apply_kernel<S, 1><<<grid, kApplyThreads, 0, stream>>>(out, coeff, M, N, rows_per_block);
   }
   return cudaGetLastError();
 }
@@ -382,7 +412,7 @@ cudaError_t apply_for_type(uint16_t* out, const float4* coeff, int M, int N, cud
 
 // Training statistics of both problems: coeff (N float4) and the running
 // statistics, from the GEMM's per-tile statistics.
-cudaError_t fused_gemm_bn::lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2,
+cudaError_t fused_gemm_bn::lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mean, const float* part_m2,
                                               int num_m_tiles, int block_m, int M, int N, const void* bn_weight,
                                               const void* bn_bias, const int64_t* num_batches_tracked, float momentum,
                                               float eps, void* running_mean, void* running_var, float* coeff,
@@ -396,15 +426,19 @@ cudaError_t fused_gemm_bn::lowp_bn_fold_train(int dtype, const float* part_mean,
                    block_m,
                    M,
                    N,
-                   static_cast<const uint16_t*>(bn_weight),
-                   static_cast<const uint16_t*>(bn_bias),
+                   bn_weight,
+                   bn_bias,
                    num_batches_tracked,
                    momentum,
                    eps,
-                   static_cast<uint16_t*>(running_mean),
-                   static_cast<uint16_t*>(running_var),
+                   running_mean,
+                   running_var,
                    reinterpret_cast<float4*>(coeff)};
   const int blocks = (N + kFoldThreads - 1) / kFoldThreads;
+  if (float32_io) {  // float32 parameters and running statistics
+    bn16_fold_train_kernel<float><<<blocks, kFoldThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
   switch (static_cast<Dtype>(dtype)) {
     case Dtype::kF16:
       bn16_fold_train_kernel<__half><<<blocks, kFoldThreads, 0, stream>>>(p);
@@ -417,17 +451,19 @@ cudaError_t fused_gemm_bn::lowp_bn_fold_train(int dtype, const float* part_mean,
 }
 
 // Problem 33, training: out (M, N) <- BatchNorm of out with coeff, in place.
-cudaError_t fused_gemm_bn::lowp_bn_apply(int dtype, void* out, const float* coeff, int M, int N, cudaStream_t stream) {
+cudaError_t fused_gemm_bn::lowp_bn_apply(int dtype, bool float32_io, void* out, const float* coeff, int M, int N,
+                                         cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
-  uint16_t* o = static_cast<uint16_t*>(out);
   const float4* c = reinterpret_cast<const float4*>(coeff);
+  if (float32_io) return apply_for_storage<float>(static_cast<float*>(out), c, M, N, stream);
+  uint16_t* o = static_cast<uint16_t*>(out);
   switch (static_cast<Dtype>(dtype)) {
     case Dtype::kF16:
-      return apply_for_type<__half>(o, c, M, N, stream);
+      return apply_for_storage<__half>(o, c, M, N, stream);
     case Dtype::kBF16:
-      return apply_for_type<__nv_bfloat16>(o, c, M, N, stream);
+      return apply_for_storage<__nv_bfloat16>(o, c, M, N, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -435,18 +471,17 @@ cudaError_t fused_gemm_bn::lowp_bn_apply(int dtype, void* out, const float* coef
 // Problem 84: out (M, N) <- row softmax of rnd(rnd(BatchNorm(out)) * scale)
 // (coeff and scale given: training) or of out itself (coeff == nullptr: eval),
 // in place.
-cudaError_t fused_gemm_bn::lowp_softmax_rows(int dtype, void* out, const float* coeff, const void* scale, int M, int N,
-                                             cudaStream_t stream) {
+cudaError_t fused_gemm_bn::lowp_softmax_rows(int dtype, bool float32_io, void* out, const float* coeff,
+                                             const void* scale, int M, int N, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
-  const RowArgs p{static_cast<uint16_t*>(out), reinterpret_cast<const float4*>(coeff),
-                  coeff != nullptr ? static_cast<const uint16_t*>(scale) : nullptr, N};
+  const RowArgs p{out, reinterpret_cast<const float4*>(coeff), coeff != nullptr ? scale : nullptr, N};
   switch (static_cast<Dtype>(dtype)) {
     case Dtype::kF16:
-      return softmax_rows_for_type<__half>(p, M, stream);
+      return softmax_rows_for_type<__half>(p, float32_io, M, stream);
     case Dtype::kBF16:
-      return softmax_rows_for_type<__nv_bfloat16>(p, M, stream);
+      return softmax_rows_for_type<__nv_bfloat16>(p, float32_io, M, stream);
   }
   return cudaErrorInvalidValue;
 }

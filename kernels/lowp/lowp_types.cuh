@@ -2,7 +2,8 @@
 // conversions every 16-bit kernel uses.  Device helpers only.
 //
 // Element types: __half (IEEE binary16) and __nv_bfloat16 (bfloat16), both
-// 2 bytes.  The host launchers take untyped pointers and a Dtype code (the
+// 2 bytes; the tensors around the GEMM are either of that type or float32
+// (Storage: a float32 module under torch.autocast).  The host launchers take untyped pointers and a Dtype code (the
 // torch binding maps the tensor's dtype to it) and instantiate each kernel for
 // both types; loads and stores move raw 16-bit patterns (uint16_t).
 //
@@ -56,6 +57,28 @@ template <typename T>
 __device__ __forceinline__ float round16(float v) {
   return Bits<T>::to_float(Bits<T>::from_float(v));
 }
+
+// The storage of the tensors beside the GEMM operands (bias, scale, BatchNorm's
+// parameters and running statistics, the output), S: a 16-bit module's (S = T:
+// 16-bit patterns of T) or a float32 module's under torch.autocast (S = float:
+// float32 words, which store() does not round).  Storage<S>::round(v) is the
+// value a tensor of S holding v gives back.
+template <typename S>
+struct Storage {
+  using word = uint16_t;
+  static __device__ __forceinline__ float load(const word* p) { return Bits<S>::to_float(*p); }
+  static __device__ __forceinline__ void store(word* p, float v) { *p = Bits<S>::from_float(v); }
+  static __device__ __forceinline__ float round(float v) { return Bits<S>::to_float(Bits<S>::from_float(v)); }
+};
+template <>
+struct Storage<float> {
+  using word = float;
+  static __device__ __forceinline__ float load(const word* p) { return *p; }
+  static __device__ __forceinline__ void store(word* p, float v) { *p = v; }
+  static __device__ __forceinline__ float round(float v) { return v; }
+};
+template <typename S>
+using word_t = typename Storage<S>::word;
 
 // Two patterns packed into 32 bits, the lower address in the low half.
 __device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {

@@ -96,15 +96,17 @@ struct Traits {
 
 enum class Chain { kTrain, kEval };
 
+// The vectors and out hold words of the storage type S (lowp_types.cuh: T, or float
+// under autocast); the kernel casts them.
 struct Args {
   int M, N, K;
-  uint16_t* out;
-  const uint16_t* bias;
-  const uint16_t* scale;
-  const uint16_t* bn_weight;     // kEval
-  const uint16_t* bn_bias;       // kEval
-  const uint16_t* running_mean;  // kEval
-  const uint16_t* running_var;   // kEval
+  void* out;
+  const void* bias;
+  const void* scale;
+  const void* bn_weight;     // kEval
+  const void* bn_bias;       // kEval
+  const void* running_mean;  // kEval
+  const void* running_var;   // kEval
   float eps;                     // kEval
   bool scale_after_bn;           // false: problem 33; true: problem 84
   float* part_mean;              // kTrain
@@ -129,10 +131,13 @@ __device__ __forceinline__ void issue_wgmma(float (&acc)[64 * kBlockM / 128], ui
 // The epilogue of one finished tile (m_tile; batch rows m0.., features n0..),
 // run by the 256 consumer threads: acc[4 i + 2 h + e] is z^T's (feature
 // 64 wg + 16 warp + g + 8 h, batch row 8 i + 2 t + e) of the tile.
-template <typename T, Chain kChain, int kBlockM>
+template <typename T, typename S, Chain kChain, int kBlockM>
 __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], const Args& args, int m_tile, int m0,
                                               int n0) {
   using TR = Traits<kBlockM>;
+  using St = Storage<S>;
+  using W = word_t<S>;
+  auto vec = [](const void* p) { return static_cast<const W*>(p); };
   const int M = args.M, N = args.N;
   const int warpgroup = threadIdx.x / 128;
   const int warp = (threadIdx.x / 32) % 4;
@@ -144,16 +149,16 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
   for (int h = 0; h < 2; ++h) {
     const int f = n0 + f_local + 8 * h;
     const bool ok = f < N;
-    p_bias[h] = ok ? load_float<T>(args.bias + f) : 0.f;
-    p_scale[h] = ok ? load_float<T>(args.scale + f) : 0.f;
+    p_bias[h] = ok ? round16<T>(St::load(vec(args.bias) + f)) : 0.f;  // autocast's cast of the bias to T
+    p_scale[h] = ok ? St::load(vec(args.scale) + f) : 0.f;
     if constexpr (kChain == Chain::kEval) {
-      p_w[h] = ok ? load_float<T>(args.bn_weight + f) : 0.f;
-      p_b[h] = ok ? load_float<T>(args.bn_bias + f) : 0.f;
-      p_rm[h] = ok ? load_float<T>(args.running_mean + f) : 0.f;
-      p_invstd[h] = ok ? rsqrtf(load_float<T>(args.running_var + f) + args.eps) : 0.f;
+      p_w[h] = ok ? St::load(vec(args.bn_weight) + f) : 0.f;
+      p_b[h] = ok ? St::load(vec(args.bn_bias) + f) : 0.f;
+      p_rm[h] = ok ? St::load(vec(args.running_mean) + f) : 0.f;
+      p_invstd[h] = ok ? rsqrtf(St::load(vec(args.running_var) + f) + args.eps) : 0.f;
     }
   }
-  // The chain up to its final rounding (the store rounds; kTrain's u is already a 16-bit value).
+  // The chain up to its final rounding (the store rounds to S; kTrain's u is already an S value).
 #pragma unroll
   for (int i = 0; i < TR::kAccRegs / 4; ++i)
 #pragma unroll
@@ -163,9 +168,9 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
         float& v = acc[4 * i + 2 * h + e];
         const float z = round16<T>(v + p_bias[h]);
         if constexpr (kChain == Chain::kTrain) {
-          v = args.scale_after_bn ? z : round16<T>(z * p_scale[h]);
+          v = args.scale_after_bn ? z : St::round(z * p_scale[h]);
         } else if (!args.scale_after_bn) {
-          const float y = round16<T>(z * p_scale[h]);
+          const float y = St::round(z * p_scale[h]);
           v = fmaf(p_w[h] * (y - p_rm[h]), p_invstd[h], p_b[h]);
         } else {
           v = round16<T>(fmaf(p_w[h] * (z - p_rm[h]), p_invstd[h], p_b[h])) * p_scale[h];
@@ -211,43 +216,47 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
     }
   }
 
-  // Store.  With N even, lanes g and g ^ 1 (features f, f + 1) swap one value
-  // so each writes one 4-byte word: the even lane row b (f, f + 1), the odd
-  // lane row b + 1 (f - 1, f).  Otherwise one 2-byte store per element.
-  if (N % 2 == 0) {
-    const bool odd = (g & 1) != 0;
+  // Store.  16-bit S with N even: lanes g and g ^ 1 (features f, f + 1) swap
+  // one value so each writes one 4-byte word: the even lane row b (f, f + 1),
+  // the odd lane row b + 1 (f - 1, f).  Otherwise one store per element (4 bytes
+  // for float: a warp's store covers four full 32-byte sectors).
+  if constexpr (sizeof(W) == 2) {
+    if (N % 2 == 0) {
+      const bool odd = (g & 1) != 0;
 #pragma unroll
-    for (int i = 0; i < TR::kAccRegs / 4; ++i)
+      for (int i = 0; i < TR::kAccRegs / 4; ++i)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t v0 = to_bits<T>(acc[4 * i + 2 * h]), v1 = to_bits<T>(acc[4 * i + 2 * h + 1]);
-        const uint32_t other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-        const int row = m0 + 8 * i + 2 * t + (odd ? 1 : 0);
-        const int col = n0 + f_local + 8 * h - (odd ? 1 : 0);
-        if (row < M && col < N) {
-          uint16_t* p = args.out + static_cast<size_t>(row) * N + col;
-          const uint16_t lo = static_cast<uint16_t>(odd ? other : v0), hi = static_cast<uint16_t>(odd ? v1 : other);
-          if (col + 1 < N) {
-            *reinterpret_cast<uint32_t*>(p) = pack2(lo, hi);
-          } else {
-            *p = lo;
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t v0 = to_bits<S>(acc[4 * i + 2 * h]), v1 = to_bits<S>(acc[4 * i + 2 * h + 1]);
+          const uint32_t other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+          const int row = m0 + 8 * i + 2 * t + (odd ? 1 : 0);
+          const int col = n0 + f_local + 8 * h - (odd ? 1 : 0);
+          if (row < M && col < N) {
+            uint16_t* p = static_cast<uint16_t*>(args.out) + static_cast<size_t>(row) * N + col;
+            const uint16_t lo = static_cast<uint16_t>(odd ? other : v0), hi = static_cast<uint16_t>(odd ? v1 : other);
+            if (col + 1 < N) {
+              *reinterpret_cast<uint32_t*>(p) = pack2(lo, hi);
+            } else {
+              *p = lo;
+            }
           }
         }
-      }
-  } else {
-#pragma unroll
-    for (int i = 0; i < TR::kAccRegs / 4; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int row = m0 + 8 * i + 2 * t + e, col = n0 + f_local + 8 * h;
-          if (row < M && col < N) args.out[static_cast<size_t>(row) * N + col] = to_bits<T>(acc[4 * i + 2 * h + e]);
-        }
+      return;
+    }
   }
+#pragma unroll
+  for (int i = 0; i < TR::kAccRegs / 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int row = m0 + 8 * i + 2 * t + e, col = n0 + f_local + 8 * h;
+        if (row < M && col < N)
+          St::store(static_cast<W*>(args.out) + static_cast<size_t>(row) * N + col, acc[4 * i + 2 * h + e]);
+      }
 }
 
-template <typename T, Chain kChain, int kBlockM>
+template <typename T, typename S, Chain kChain, int kBlockM>
 __global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
     sm90_gemm_bn_16bit_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,
                               const Args args) {
@@ -338,7 +347,7 @@ __global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
     }
     const int m_tile = seg.tile % m_tiles;
     const int m0 = m_tile * TR::BLOCK_M, n0 = (seg.tile / m_tiles) * TR::BLOCK_N;
-    tile_epilogue<T, kChain, kBlockM>(acc, args, m_tile, m0, n0);
+    tile_epilogue<T, S, kChain, kBlockM>(acc, args, m_tile, m0, n0);
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the dispatch never selects it elsewhere
@@ -373,11 +382,11 @@ static cudaError_t grid_plan(int M, int N, int K, GridPlan* out) {
   return out->plan.dp_tiles < 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
-template <typename T, Chain kChain, int kBlockM>
+template <typename T, typename S, Chain kChain, int kBlockM>
 static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* x, const void* w, float* workspace,
                           cudaStream_t stream) {
   using TR = Traits<kBlockM>;
-  auto kernel = sm90_gemm_bn_16bit_kernel<T, kChain, kBlockM>;
+  auto kernel = sm90_gemm_bn_16bit_kernel<T, S, kChain, kBlockM>;
   CUtensorMap tmap_w, tmap_x;
   if (!sm90::make_tensor_map(&tmap_w, w, sm90::TileDtype::kWord16, args.N, args.K, TR::BLOCK_N) ||
       !sm90::make_tensor_map(&tmap_x, x, sm90::TileDtype::kWord16, args.M, args.K, TR::BLOCK_M))
@@ -402,21 +411,28 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
   return cudaGetLastError();
 }
 
-template <typename T, Chain kChain>
+template <typename T, typename S, Chain kChain>
 static cudaError_t launch_planned(const Args& args, const void* x, const void* w, float* workspace,
                                   cudaStream_t stream) {
   GridPlan gp;
   const cudaError_t err = grid_plan(args.M, args.N, args.K, &gp);
   if (err != cudaSuccess) return err;
-  return gp.block_m == kBatchTile ? launch<T, kChain, kBatchTile>(args, gp.plan, x, w, workspace, stream)
-                                  : launch<T, kChain, kSmallBatchTile>(args, gp.plan, x, w, workspace, stream);
+  return gp.block_m == kBatchTile ? launch<T, S, kChain, kBatchTile>(args, gp.plan, x, w, workspace, stream)
+                                  : launch<T, S, kChain, kSmallBatchTile>(args, gp.plan, x, w, workspace, stream);
+}
+
+template <typename T, typename S>
+static cudaError_t launch_for_storage(const Args& args, bool train, const void* x, const void* w, float* workspace,
+                                      cudaStream_t stream) {
+  return train ? launch_planned<T, S, Chain::kTrain>(args, x, w, workspace, stream)
+               : launch_planned<T, S, Chain::kEval>(args, x, w, workspace, stream);
 }
 
 template <typename T>
-static cudaError_t launch_for_type(const Args& args, bool train, const void* x, const void* w, float* workspace,
-                                   cudaStream_t stream) {
-  return train ? launch_planned<T, Chain::kTrain>(args, x, w, workspace, stream)
-               : launch_planned<T, Chain::kEval>(args, x, w, workspace, stream);
+static cudaError_t launch_for_type(const Args& args, bool train, bool float32_io, const void* x, const void* w,
+                                   float* workspace, cudaStream_t stream) {
+  return float32_io ? launch_for_storage<T, float>(args, train, x, w, workspace, stream)
+                  : launch_for_storage<T, T>(args, train, x, w, workspace, stream);
 }
 
 }  // namespace hopper
@@ -443,10 +459,10 @@ void fused_gemm_bn::lowp_sm90_workspace(int M, int N, int K, int64_t* floats, in
 // As lowp_gemm_bn, on the Hopper kernel: x, w 16-byte aligned, K % 8 == 0, K >= 8,
 // compute capability 9.0 with this build's sm_90a image (the dispatch checks;
 // cudaErrorInvalidValue otherwise); workspace: lowp_sm90_workspace's.
-cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M,
-                                             int N, int K, const void* bias, const void* scale, const void* bn_weight,
-                                             const void* bn_bias, const void* running_mean, const void* running_var,
-                                             float eps, bool scale_after_bn, float* part_mean, float* part_m2,
+cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, const void* x, const void* w,
+                                             void* out, int M, int N, int K, const void* bias, const void* scale,
+                                             const void* bn_weight, const void* bn_bias, const void* running_mean,
+                                             const void* running_var, float eps, bool scale_after_bn, float* part_mean, float* part_m2,
                                              int64_t* num_batches_tracked, float* workspace, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M == 0 || N == 0) return cudaSuccess;
@@ -456,13 +472,13 @@ cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, const void* 
   args.M = M;
   args.N = N;
   args.K = K;
-  args.out = static_cast<uint16_t*>(out);
-  args.bias = static_cast<const uint16_t*>(bias);
-  args.scale = static_cast<const uint16_t*>(scale);
-  args.bn_weight = static_cast<const uint16_t*>(bn_weight);
-  args.bn_bias = static_cast<const uint16_t*>(bn_bias);
-  args.running_mean = static_cast<const uint16_t*>(running_mean);
-  args.running_var = static_cast<const uint16_t*>(running_var);
+  args.out = out;
+  args.bias = bias;
+  args.scale = scale;
+  args.bn_weight = bn_weight;
+  args.bn_bias = bn_bias;
+  args.running_mean = running_mean;
+  args.running_var = running_var;
   args.eps = eps;
   args.scale_after_bn = scale_after_bn;
   args.part_mean = part_mean;
@@ -470,9 +486,9 @@ cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, const void* 
   args.num_batches_tracked = num_batches_tracked;
   switch (static_cast<Dtype>(dtype)) {
     case Dtype::kF16:
-      return hopper::launch_for_type<__half>(args, train, x, w, workspace, stream);
+      return hopper::launch_for_type<__half>(args, train, float32_io, x, w, workspace, stream);
     case Dtype::kBF16:
-      return hopper::launch_for_type<__nv_bfloat16>(args, train, x, w, workspace, stream);
+      return hopper::launch_for_type<__nv_bfloat16>(args, train, float32_io, x, w, workspace, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1767,23 +1767,26 @@ cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, vo
 // The same on Hopper (lowp/sm90_gemm_bn_16bit.cu: wgmma, TMA; sm_90a): x and w 16-byte
 // aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout;
 // workspace: *floats floats from lowp_sm90_workspace, the last *zero_ints ints zeroed (may be
-// null when *floats is 0).
+// null when *floats is 0).  float32_io: the vectors and out are float32 (a float32 module
+// under mixed precision; the GEMM in dtype), else 16-bit of dtype.
 void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
-cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
-                              const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
-                              const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
-                              float* part_mean, float* part_m2, int64_t* num_batches_tracked, float* workspace,
-                              cudaStream_t stream);
-// Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu).
-cudaError_t lowp_bn_fold_train(int dtype, const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
-                               int M, int N, const void* bn_weight, const void* bn_bias,
+cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, const void* x, const void* w, void* out, int M,
+                              int N, int K, const void* bias, const void* scale, const void* bn_weight,
+                              const void* bn_bias, const void* running_mean, const void* running_var, float eps,
+                              bool scale_after_bn, float* part_mean, float* part_m2, int64_t* num_batches_tracked,
+                              float* workspace, cudaStream_t stream);
+// Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu);
+// float32_io: the BatchNorm parameters and running statistics (and below, out and scale) are float32.
+cudaError_t lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mean, const float* part_m2,
+                               int num_m_tiles, int block_m, int M, int N, const void* bn_weight, const void* bn_bias,
                                const int64_t* num_batches_tracked, float momentum, float eps, void* running_mean,
                                void* running_var, float* coeff, cudaStream_t stream);
 // Problem 33, training: BatchNorm of out in place.
-cudaError_t lowp_bn_apply(int dtype, void* out, const float* coeff, int M, int N, cudaStream_t stream);
+cudaError_t lowp_bn_apply(int dtype, bool float32_io, void* out, const float* coeff, int M, int N,
+                          cudaStream_t stream);
 // Problem 84: row softmax in place (coeff and scale: training; coeff null: eval).
-cudaError_t lowp_softmax_rows(int dtype, void* out, const float* coeff, const void* scale, int M, int N,
-                              cudaStream_t stream);
+cudaError_t lowp_softmax_rows(int dtype, bool float32_io, void* out, const float* coeff, const void* scale, int M,
+                              int N, cudaStream_t stream);
 
 }  // namespace fused_gemm_bn
 ''',
@@ -5786,8 +5789,8 @@ def per_feature_scale(scale, n):
 # The backward's products (grad_x = grad_z W, grad_W = grad_z^T x) are decided
 # the same way per product by dispatch_gemm_nt.
 
-Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused"],
-                                  defaults=(True, True))
+Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused",
+                                              "autocast_fused"], defaults=(True, True, True))
 Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
 replace SWITCHES; nothing reads the environment per call):
   portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
@@ -5801,12 +5804,16 @@ replace SWITCHES; nothing reads the environment per call):
                (_weight_parts)
   sync_fused   False with FUSED_GEMM_BN_SYNC_TORCH_OPS=1: synchronized BatchNorm on
                float32 CUDA runs the torch-op path (_SyncTrainFn) instead of the
-               fused kernels (_SyncFusedTrainFn; A/B timing, the GPU tests run both)"""
+               fused kernels (_SyncFusedTrainFn; A/B timing, the GPU tests run both)
+  autocast_fused False with FUSED_GEMM_BN_AUTOCAST_TORCH_OPS=1: under mixed precision
+               ModelNew runs Model's own ops (_mixed_precision_forward) instead of
+               the fused 16-bit kernels (_autocast_gemm; A/B timing, the GPU tests run both)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
                     fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1",
                     weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1",
-                    sync_fused=os.environ.get("FUSED_GEMM_BN_SYNC_TORCH_OPS") != "1")
+                    sync_fused=os.environ.get("FUSED_GEMM_BN_SYNC_TORCH_OPS") != "1",
+                    autocast_fused=os.environ.get("FUSED_GEMM_BN_AUTOCAST_TORCH_OPS") != "1")
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
@@ -5975,7 +5982,9 @@ def _weight_parts(weight, split=None, kind="fp16x3"):
     kernels' parts (the extension's fp16x3_weight_parts: w_hi, w_lo as fp16
     words, the rows' power-of-two scales and the rows' sums, N K + 3 N float32
     words, about the size of the weight itself); kind "row_sums": the 3xTF32
-    kernels' row sums for their centring (weight_row_sums: 2 N float32 words).
+    kernels' row sums for their centring (weight_row_sums: 2 N float32 words);
+    kind "cast_<dtype>": the weight cast to the mixed-precision dtype (N K 16-bit
+    words; _autocast_forward gives `split`).
     None when the call must make them itself (the extension then does, inside
     the call): caching off (SWITCHES.weight_cache), a CUDA
     graph being captured (a graph must not read a cache that later calls
@@ -6067,7 +6076,7 @@ def _mixed_precision_dtype(x):
     return None
 
 
-_mixed_precision_path = _mixed_precision_forward = None
+_mixed_precision_path = _mixed_precision_forward = _autocast_gemm = _autocast_forward = None
 
 
 def _checked_params(x, gemm, scale, bn, synchronized=False):
@@ -6125,8 +6134,11 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     tracing raises RuntimeError."""
     training = bn.training
     group = sync_process_group(bn)
-    if _mixed_precision_dtype(x) is not None:
+    autocast_dtype = _mixed_precision_dtype(x)
+    if autocast_dtype is not None:
         _check_mixed_precision(x, gemm, scale, bn, group)
+        if _autocast_gemm(x, gemm, scale, bn, autocast_dtype) is not None:
+            return _autocast_forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype)
         return _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn)
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     if torch.jit.is_tracing() and (_OPS is None or _is_16bit_dtype(x.dtype)):
@@ -6167,7 +6179,7 @@ def kernel_path(x, gemm, scale, bn, scale_after_bn):
     if _mixed_precision_dtype(x) is not None:
         _check_mixed_precision(x, gemm, scale, bn, group)
         params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
-        return _mixed_precision_path(bn, _needs_grad(params))
+        return _mixed_precision_path(x, gemm, scale, bn, _needs_grad(params))
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     if group is not None:
         return _sync_path_name(x, gemm.weight, _needs_grad(params))

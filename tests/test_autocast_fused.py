@@ -1,0 +1,263 @@
+"""ModelNew under torch.autocast on the fused 16-bit kernels (issue 19; README
+"Mixed precision"): float32 modules inside torch.autocast("cuda", float16 or
+bfloat16) on Hopper run lowp_sm90's autocast form (kernel path
+lowp_sm90_autocast_<mode>[_grad]) and are compared with Model under the same
+autocast.  Names: M = batch, K = in_features, N = out_features; shapes (M, K, N).
+
+GPU (all need an sm_90 GPU; names contain "gpu")
+  - test_gpu_autocast_fused_matches_model [dtype, problem, mode, shape]: three
+    calls (eval: after three settling training calls, Model's state copied into
+    ModelNew): output float32 as Model's, within the 16-bit closeness of
+    tests/test_lowp.py (both round x, gemm.weight, the bias and the Linear output
+    to the autocast dtype; a float32 sum in another order can land a rounding on
+    the other side of a tie); running_mean / running_var within 1e-3 (float32
+    statistics of the same 16-bit values); num_batches_tracked equal; the
+    caller's x and the parameters unchanged; problem 84's rows sum to 1 within
+    float32 accuracy (1e-5).
+  - test_gpu_autocast_fused_error_vs_float64: err = ||out - out64||_F / ||out64||_F
+    against Model in float64 (same parameters, state and input, no autocast);
+    bound err(ModelNew) <= 1.05 err(Model under autocast) + 1e-6, the bound of
+    test_gpu_lowp_error_vs_float64 (its negative control shows the bound catches
+    one extra rounding; test_gpu_autocast_fused_error_negative_control here: a
+    chain that also rounds `v * scale` to the autocast dtype fails it).
+  - test_gpu_autocast_fused_every_output_element_written: the output block is
+    poisoned (NaN) through the caching allocator; every element finite after.
+  - test_gpu_autocast_fused_grad: with gradients the forward is the fused one
+    (same criteria) and the running statistics are updated once; the backward is
+    Model's own autograd (a recompute in Model's ops under the same autocast), so
+    every gradient is within 1e-5 (relative Frobenius) of Model's, and
+    err(ModelNew's gradient) <= 2 err(Model's) + 8 units of roundoff against
+    float64, the bar the issue sets.
+  - test_gpu_autocast_fused_weight_update_seen: an in-place update of
+    gemm.weight between calls (what an optimizer does) reaches the next call
+    (the cached cast is made again).
+"""
+import copy
+
+import pytest
+import torch
+
+from tests.test_backward import forward_backward, rel_err
+from tests.test_lowp import DTYPES, KERNELBENCH_SHAPE, NUM_CALLS, UNIT_ROUNDOFF, assert_close_16bit, lowp_input, lowp_pair
+
+# Eager 16-bit GEMMs without reduced-precision split-K reductions in every test here (conftest.py).
+pytestmark = pytest.mark.usefixtures("full_precision_reductions")
+
+requires_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                   reason="needs an sm_90 GPU (lowp_sm90's autocast form)")
+
+SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (64, 72, 129), (3, 8, 5), (2305, 72, 4100)]
+GRAD_SHAPES = [(257, 300, 1000), (130, 1024, 264)]
+ERR_FACTOR, ERR_FLOOR = 1.05, 1e-6
+BUFFER_TOL = dict(atol=1e-3, rtol=1e-3)
+
+
+def shape_id(shape):
+    return "x".join(map(str, shape))
+
+
+def autocast_pair(problem, k, n, seed=3):
+    """(Model, ModelNew) in float32 on CUDA with identical state."""
+    return lowp_pair(problem, k, n, torch.float32, seed=seed)
+
+
+def float_input(step, m, k, seed=0):
+    return lowp_input(step, m, k, torch.float32, seed=seed)
+
+
+def settle(ref, new, m, k, dtype):
+    """Training calls of both under autocast (no grad), then Model's state copied into ModelNew."""
+    ref.train()
+    new.train()
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        for step in range(NUM_CALLS):
+            x = float_input(step, m, k, seed=7)
+            ref(x)
+            new(x)
+    new.load_state_dict(ref.state_dict())
+
+
+def expected_path(new, grad):
+    return "lowp_sm90_autocast_" + ("train" if new.bn.training else "eval") + ("_grad" if grad else "")
+
+
+def assert_close_autocast(actual, expected, dtype, where):
+    """assert_close_16bit's criterion for the autocast dtype, on float32 outputs."""
+    assert actual.dtype == expected.dtype == torch.float32, where
+    assert_close_16bit(actual.to(dtype), expected.to(dtype), where)
+
+
+def assert_buffers_close(new, ref, where):
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(new.bn, name), getattr(ref.bn, name), msg=f"{where}: bn.{name}",
+                                   **BUFFER_TOL)
+    assert torch.equal(new.bn.num_batches_tracked, ref.bn.num_batches_tracked), f"{where}: num_batches_tracked"
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_gpu_autocast_fused_matches_model(dtype_name, problem, mode, shape):
+    dtype = DTYPES[dtype_name]
+    m, k, n = shape
+    ref, new = autocast_pair(problem, k, n)
+    if mode == "eval":
+        settle(ref, new, m, k, dtype)
+    ref.train(mode == "train")
+    new.train(mode == "train")
+    params_before = {name: p.detach().clone() for name, p in new.named_parameters()}
+    for step in range(NUM_CALLS):
+        x = float_input(step, m, k)
+        x_before = x.clone()
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+            assert new.kernel_path(x) == expected_path(new, False)
+            out_ref, out_new = ref(x), new(x)
+        where = f"autocast {dtype_name} {problem} {mode} {shape} call {step}"
+        assert out_new.shape == (m, n) and out_new.is_contiguous()
+        assert_close_autocast(out_new, out_ref, dtype, where)
+        assert_buffers_close(new, ref, where)
+        if problem == "84":
+            assert (out_new.double().sum(dim=1) - 1).abs().max().item() <= 1e-5, f"{where}: row sums"
+        assert torch.equal(x, x_before), f"{where}: x was modified"
+    for name, p in new.named_parameters():
+        assert torch.equal(p, params_before[name]), f"{name} was modified"
+
+
+def _errors(problem, mode, shape, dtype, chain=None):
+    """(err(Model under autocast), err(ModelNew or `chain` under autocast)) against Model in float64."""
+    m, k, n = shape
+    ref, new = autocast_pair(problem, k, n, seed=11)
+    if mode == "eval":
+        settle(ref, new, m, k, dtype)
+    ref64 = copy.deepcopy(ref).double()
+    for mod in (ref, new, ref64):
+        mod.train(mode == "train")
+    x = float_input(1, m, k, seed=11)
+    with torch.no_grad():
+        out64 = ref64(x.double())
+        with torch.autocast("cuda", dtype=dtype):
+            assert new.kernel_path(x) == expected_path(new, False)
+            out_ref = ref(x)
+            out_new = new(x) if chain is None else chain(ref, x)
+    return rel_err(out_ref, out64), rel_err(out_new, out64)
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (2305, 72, 4100)], ids=shape_id)
+def test_gpu_autocast_fused_error_vs_float64(dtype_name, problem, mode, shape):
+    err_eager, err_new = _errors(problem, mode, shape, DTYPES[dtype_name])
+    print(f"\n[autocast error vs float64] {dtype_name} {problem} {mode} {shape}: eager {err_eager:.3e}, "
+          f"ModelNew {err_new:.3e}, ratio {err_new / err_eager:.4f}")
+    assert err_new <= ERR_FACTOR * err_eager + ERR_FLOOR
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_gpu_autocast_fused_error_negative_control(dtype_name):
+    """Model's chain with `v * scale` also rounded to the autocast dtype (one
+    rounding more than Model under autocast) fails the bound above."""
+    dtype = DTYPES[dtype_name]
+
+    def extra_rounding(ref, x):
+        v = torch.nn.functional.linear(x, ref.gemm.weight, ref.gemm.bias)
+        u = (v * ref.scale.to(dtype)).float()  # a 16-bit product: the extra rounding
+        return torch.nn.functional.batch_norm(u, None, None, ref.bn.weight, ref.bn.bias, True, 0.0, ref.bn.eps)
+
+    err_eager, err_bad = _errors("33", "train", (257, 300, 1000), dtype, chain=extra_rounding)
+    print(f"\n[autocast negative control] {dtype_name}: eager {err_eager:.3e}, extra rounding {err_bad:.3e}")
+    assert err_bad > ERR_FACTOR * err_eager + ERR_FLOOR
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (3, 8, 5)], ids=shape_id)
+def test_gpu_autocast_fused_every_output_element_written(shape, dtype_name, problem, mode):
+    """As test_gpu_lowp_every_output_element_written: a probe call's output
+    block is filled with NaN and freed; the next call gets it back (asserted)."""
+    dtype = DTYPES[dtype_name]
+    m, k, n = shape
+    _, new = autocast_pair(problem, k, n)
+    new.train(mode == "train")
+    probe = copy.deepcopy(new)
+    x = float_input(0, m, k)
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        x16 = x.to(dtype)  # held, so both calls make the same allocations in the same order
+        poison = probe(x16)
+        poison.fill_(float("nan"))
+        poisoned_ptr = poison.data_ptr()
+        del poison
+        out = new(x16)
+    assert out.data_ptr() == poisoned_ptr, "output did not reuse the poisoned block: the check would be vacuous"
+    bad = int((~torch.isfinite(out)).sum())
+    assert bad == 0, f"{bad} of {out.numel()} output elements not written (NaN left from the poisoned block)"
+    for name, b in new.named_buffers():
+        assert bool(torch.isfinite(b.double()).all()), f"{name} not finite"
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("shape", GRAD_SHAPES, ids=shape_id)
+def test_gpu_autocast_fused_grad(dtype_name, problem, mode, shape):
+    dtype = DTYPES[dtype_name]
+    m, k, n = shape
+    ref, new = autocast_pair(problem, k, n, seed=5)
+    if mode == "eval":
+        settle(ref, new, m, k, dtype)
+    ref64 = copy.deepcopy(ref).double()
+    for mod in (ref, new, ref64):
+        mod.train(mode == "train")
+    x = float_input(2, m, k, seed=5)
+    g = torch.randn(m, n, generator=torch.Generator().manual_seed(9)).to("cuda")
+    out64, grads64 = forward_backward(ref64, x.double(), g.double())
+    with torch.autocast("cuda", dtype=dtype):
+        assert new.kernel_path(x) == expected_path(new, True)
+        out_ref, grads_ref = forward_backward(ref, x, g)
+        out_new, grads_new = forward_backward(new, x, g)
+    where = f"autocast {dtype_name} {problem} {mode} {shape} grad"
+    assert_close_autocast(out_new.detach(), out_ref.detach(), dtype, where)
+    assert_buffers_close(new, ref, where)
+    floor = 8 * UNIT_ROUNDOFF[dtype]
+    for name, want in grads64.items():
+        got, eager = grads_new[name], grads_ref[name]
+        assert got is not None and bool(torch.isfinite(got).all()), f"{where}: {name}"
+        assert got.dtype == eager.dtype, f"{where}: {name} dtype"
+        if mode == "train" and name == "gemm.bias":  # exactly 0 in exact arithmetic: rounding noise
+            assert got.abs().max().item() <= 2 * eager.abs().max().item() + 1e-3, f"{where}: {name}"
+            continue
+        assert rel_err(got, eager) <= 1e-5, f"{where}: {name} differs from Model's ({rel_err(got, eager):.2e})"
+        assert rel_err(got, want) <= 2 * rel_err(eager, want) + floor, f"{where}: {name} vs float64"
+
+
+@requires_sm90
+@pytest.mark.parametrize("problem", ["33", "84"])
+def test_gpu_autocast_fused_weight_update_seen(problem):
+    dtype = torch.bfloat16
+    m, k, n = 257, 300, 1000
+    ref, new = autocast_pair(problem, k, n)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt_new = torch.optim.SGD(new.parameters(), lr=0.5)
+    for step in range(3):
+        x = float_input(step, m, k)
+        g = torch.randn(m, n, generator=torch.Generator().manual_seed(step)).to("cuda")
+        with torch.autocast("cuda", dtype=dtype):
+            out_ref, out_new = ref(x), new(x)
+        assert_close_autocast(out_new.detach(), out_ref.detach(), dtype, f"step {step}")
+        for out, opt in ((out_ref, opt_ref), (out_new, opt_new)):
+            opt.zero_grad()
+            (out * g).sum().backward()
+            opt.step()
+    with torch.no_grad():  # and an in-place write outside an optimizer (bumps the version counter)
+        ref.gemm.weight.mul_(-1)
+        new.gemm.weight.mul_(-1)
+        x = float_input(0, m, k)
+        with torch.autocast("cuda", dtype=dtype):
+            assert_close_autocast(new(x), ref(x), dtype, "after weight.mul_(-1)")

@@ -40,12 +40,14 @@ noise around its exact value 0, so its max |grad| is reported instead.
 ModelNew counts as close when every gradient error is at most 2x eager's +
 GRAD_FLOOR and its gemm.bias gradient in training is exactly zero.
 
---autocast float16 / bfloat16 runs every side of the forward or --backward
-bench (eager Model, its torch.compile, ModelNew) inside torch.autocast("cuda",
-dtype) with float32 models and inputs, as mixed-precision training does; the
-error columns compare with Model in float64, and closeness is the 16-bit one
-below.  ModelNew keeps gemm.weight's cast between calls while the weight is
-unchanged (an optimizer step makes it again); Model casts it in every call.
+--autocast float16 / bfloat16 runs every call of every side (eager Model, its
+torch.compile, ModelNew; --backward: the forward of each step) inside its own
+torch.autocast("cuda", dtype) region, with float32 models and inputs, as
+mixed-precision code is written; the error columns compare with Model in
+float64, and closeness is the 16-bit one below.  Model casts gemm.weight in
+every region; ModelNew keeps its cast while the weight is unchanged, so in
+train mode the bench drops ModelNew's cast before every call (outside the
+events), as a training step's weight update would, and in eval keeps it.
 
 16-bit dtypes and --autocast: a "floor" side times one cuBLAS product of the
 shape in that dtype (torch.mm of pre-cast operands, 16-bit output).
@@ -219,14 +221,14 @@ def _reset_dynamo():
         pass
 
 
-def try_compile(model, x):
-    """torch.compile(model) after its first call (the compilation, excluded from
-    the timings), or None with a printed note if unavailable or failing."""
+def try_compile(model, x, wrap=lambda f: f):
+    """wrap(torch.compile(model)) after its first call (the compilation, excluded
+    from the timings), or None with a printed note if unavailable or failing."""
     if not hasattr(torch, "compile"):
         print("note: this torch has no torch.compile; skipping the compile side")
         return None
     try:
-        compiled = torch.compile(model)
+        compiled = wrap(torch.compile(model))
         t0 = time.perf_counter()
         compiled(x)
         torch.cuda.synchronize()
@@ -295,6 +297,29 @@ def autocast_context(args):
     return torch.autocast(DEVICE, dtype=compute_dtype(args), enabled=args.autocast is not None)
 
 
+def in_autocast(fn, args):
+    """fn with each call inside its own autocast region (fn itself without --autocast)."""
+    if args.autocast is None:
+        return fn
+
+    def call(x):
+        with autocast_context(args):
+            return fn(x)
+
+    return call
+
+
+def weight_cast_drop(args, mode):
+    """prepare hooks for time_fn: under --autocast in train mode, ModelNew's
+    cached weight cast is dropped before each of its calls (the engine's
+    clear_weight_cache), as after a training step's weight update; else None."""
+    if args.autocast is None or mode != "train":
+        return None
+    clear = importlib.import_module("model_new").clear_weight_cache
+    return {"eager": lambda x: None, "compile": lambda x: None, "floor": lambda x: None,
+            "ModelNew": lambda x: clear()}
+
+
 def bench_mode(problem, args, mode):
     """Builds, checks and times every side in one BatchNorm mode; returns (rows, check)."""
     m, k, n = args.shape
@@ -302,19 +327,20 @@ def bench_mode(problem, args, mode):
     ref, new = build_models(problem, args.shape, mode, args.seed, dtype)
     inputs = [torch.rand(m, k, device=DEVICE).to(dtype) for _ in range(NUM_INPUTS)]
     x_check = torch.rand(m, k, device=DEVICE).to(dtype)
-    with torch.set_grad_enabled(args.grad), autocast_context(args):
-        sides = {"eager": ref}
-        compiled = None if args.no_compile else try_compile(ref, inputs[0])
+    with torch.set_grad_enabled(args.grad):
+        sides = {"eager": in_autocast(ref, args)}
+        compiled = None if args.no_compile else try_compile(ref, inputs[0], lambda f: in_autocast(f, args))
         if compiled is not None:
             sides["compile"] = compiled
-        sides["ModelNew"] = new
+        sides["ModelNew"] = in_autocast(new, args)
         errors, check = check_accuracy(problem, sides, ref, x_check, compute_dtype(args))
-        check["kernel_path"] = new.kernel_path(inputs[0])  # dispatch's name for the path timed below
+        with autocast_context(args):
+            check["kernel_path"] = new.kernel_path(inputs[0])  # dispatch's name for the path timed below
         compute = compute_dtype(args)
         floor = gemm_floor(m, k, n) if compute == torch.float32 else gemm_floor_16bit(m, k, n, compute)
         if floor is not None:
             sides["floor"] = floor
-        times = time_fn(sides, inputs, args.iters, args.warmup)
+        times = time_fn(sides, inputs, args.iters, args.warmup, prepare=weight_cast_drop(args, mode))
     eager_ms = statistics.median(times["eager"])
     rows = []
     for name, ts in times.items():
@@ -417,9 +443,11 @@ def bench_backward_mode(problem, args, mode):
     sides = {"eager": ref, "ModelNew": new}
     with autocast_context(args):
         errors, bias_max, close = check_grad_accuracy(sides, ref, x_check, g, mode == "train", compute_dtype(args))
+        path = new.kernel_path(inputs[0])
 
     def step(model):
-        return lambda x: model(x).backward(g)
+        forward = in_autocast(model, args)
+        return lambda x: forward(x).backward(g)
 
     def clear(model):
         def run(x):
@@ -427,9 +455,8 @@ def bench_backward_mode(problem, args, mode):
             model.zero_grad(set_to_none=True)
         return run
 
-    with autocast_context(args):
-        times = time_fn({name: step(model) for name, model in sides.items()}, inputs, args.iters, args.warmup,
-                        prepare={name: clear(model) for name, model in sides.items()})
+    times = time_fn({name: step(model) for name, model in sides.items()}, inputs, args.iters, args.warmup,
+                    prepare={name: clear(model) for name, model in sides.items()})
     eager_ms = statistics.median(times["eager"])
     rows = []
     for name, ts in times.items():
@@ -440,7 +467,7 @@ def bench_backward_mode(problem, args, mode):
                      "gemm_bias_grad_max_abs": bias_max.get(name)})
     check = {"mode": mode, "model": problem["name"], "kind": "forward+backward", "close_vs_eager": close,
              "gemm_bias_grad_max_abs_fp64": bias_max["float64"], "dtype": args.dtype, "autocast": args.autocast,
-             "grad_floor": GRAD_FLOORS[compute_dtype(args)]}
+             "grad_floor": GRAD_FLOORS[compute_dtype(args)], "kernel_path": path}
     return rows, check
 
 
@@ -466,7 +493,7 @@ def print_backward_table(problem, rows, check):
     exact_bias = check["mode"] == "train" and check["dtype"] == "float32" and not check.get("autocast")
     print(f"ModelNew's gradients within 2x eager's error + {check['grad_floor']:g}"
           f"{' and gemm.bias exactly 0' if exact_bias else ''}: "
-          f"{'yes' if check['close_vs_eager'] else 'NO'}")
+          f"{'yes' if check['close_vs_eager'] else 'NO'}; ModelNew path: {check['kernel_path']}")
 
 
 def _git_revision():

@@ -891,12 +891,12 @@ def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, ep
 
 # bundle: repository-only begins (tools/bundle.py writes BUNDLE_NO_MIXED_PRECISION in place of this block)
 # Inside torch.autocast (CUDA or CPU) Model's nn.Linear runs in the autocast dtype and the ops after it
-# follow torch's type promotion (README "Mixed precision").  On Hopper (lowp_sm90) ModelNew runs that
-# function on the 16-bit extension's kernels in their autocast form (_autocast_gemm decides; kernels/lowp/
-# binding_16bit.cpp): x cast to the autocast dtype as autocast casts it, gemm.weight's cast kept between
-# calls (_weight_parts), the GEMM in that dtype, everything after it in float32 with Model's rounding
-# points, out float32.  Elsewhere it calls Model's own ops in Model's order (_mixed_precision_forward), so
-# its outputs, running statistics and gradients are Model's.  The harness rules forbid mixed precision in
+# follow torch's type promotion (README "Mixed precision").  On Hopper (lowp_sm90), without gradients,
+# ModelNew runs that function on the 16-bit extension's kernels in their autocast form (_autocast_gemm
+# decides; kernels/lowp/binding_16bit.cpp): x cast to the autocast dtype as autocast casts it,
+# gemm.weight's cast kept between calls (_weight_parts), the GEMM in that dtype, everything after it in
+# float32 with Model's rounding points, out float32.  Otherwise it calls Model's own ops in Model's order
+# (_mixed_precision_forward), so its outputs, running statistics and gradients are Model's.  The harness rules forbid mixed precision in
 # the self-contained files' text, so this block is not in them (they have no mixed-precision path).
 import torch.nn.functional as F  # noqa: E402
 
@@ -916,16 +916,18 @@ def _mixed_precision_dtype(x):
     return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
 
 
-def _autocast_gemm(x, gemm, scale, bn, dtype, facts=None, switches=None):
+def _autocast_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None):
     """"lowp_sm90" when the fused kernels run this autocast call, else None
-    (Model's ops run it): a CUDA batch of at least one row, the autocast dtype
+    (Model's ops run it): no gradients needed (grad; the fused kernels have no
+    autocast backward yet, and Model's own autograd is cheaper than recomputing
+    the forward for one), a CUDA batch of at least one row, the autocast dtype
     float16 or bfloat16, x float32 or 16-bit (cast as autocast casts it), every parameter
     and running statistic float32 (the module Model's autocast is made for),
     the 16-bit kernels present (_LOWP_DIR), not SWITCHES.autocast_fused off,
     and dispatch's conditions for lowp_sm90 (compute capability 9.0, the sm_90a
     image, not SWITCHES.portable).  Runs no kernel."""
     switches = SWITCHES if switches is None else switches
-    if (not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
+    if (grad or not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
             or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or _LOWP_DIR is None
             or not switches.autocast_fused):
         return None
@@ -941,7 +943,7 @@ def _autocast_gemm(x, gemm, scale, bn, dtype, facts=None, switches=None):
 def _mixed_precision_path(x, gemm, scale, bn, grad):
     """kernel_path's name under autocast: lowp_sm90_autocast_<train|eval>[_grad]
     on the fused kernels (_autocast_gemm), else torch_ops_autocast_<train|eval>[_grad]."""
-    fused = _autocast_gemm(x, gemm, scale, bn, _mixed_precision_dtype(x))
+    fused = _autocast_gemm(x, gemm, scale, bn, _mixed_precision_dtype(x), grad)
     return ((fused or "torch_ops") + "_autocast_" + ("train" if bn.training else "eval")
             + ("_grad" if grad else ""))
 
@@ -977,66 +979,20 @@ def _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn):
                          bn.training, factor, bn.eps, scale_after_bn)
 
 
-class _AutocastFn(torch.autograd.Function):
-    """The fused autocast forward with gradients.  forward: the 16-bit
-    extension's autocast call (x16, w16: x and gemm.weight cast to the autocast
-    dtype; out float32), which updates the running statistics once, here.
-    Saved: x and the float32 parameters (no copies), and in eval clones of
-    running_mean / running_var (N each).
-    backward: Model's own autograd, through torch ops: it recomputes the forward
-    with _autocast_ops under the same autocast (training: batch statistics, no
-    running statistics, so nothing is updated twice) on detached inputs and
-    returns torch.autograd.grad of it, so the gradients are Model's, rounded
-    where autocast rounds them.  The cost is one more 16-bit GEMM and Model's
-    temporaries while the backward runs."""
-
-    @staticmethod
-    def forward(ctx, kernels, scale_after_bn, training, buffers, momentum, eps, dtype, x16, w16, x, weight, bias,
-                scale, bn_weight, bn_bias):
-        running = () if training else (buffers[0].clone(), buffers[1].clone())
-        params = (x16, w16, bias, scale, bn_weight, bn_bias)
-        out = _forward_call(kernels, "lowp_sm90", scale_after_bn, training, buffers, momentum, eps, params)
-        ctx.scale_after_bn, ctx.training, ctx.eps, ctx.dtype = scale_after_bn, training, eps, dtype
-        ctx.save_for_backward(x, weight, bias, scale, bn_weight, bn_bias, *running)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        needs = ctx.needs_input_grad[9:]
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved[:6], needs)]
-        running = saved[6:] if not ctx.training else (None, None)
-        with torch.enable_grad(), torch.autocast("cuda", dtype=ctx.dtype):
-            out = _autocast_ops(*inputs, *running, ctx.training, 0.0, ctx.eps, ctx.scale_after_bn)
-        wanted = [t for t, need in zip(inputs, needs) if need]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True))
-        result = []
-        for t, need in zip(inputs, needs):
-            g = next(grads) if need else None
-            result.append(torch.zeros_like(t) if need and g is None else g)
-        return (None,) * 9 + tuple(result)
-
-
 def _autocast_forward(x, gemm, scale, bn, scale_after_bn, dtype):
-    """The fused autocast forward (_autocast_gemm said lowp_sm90): x cast to
-    dtype (autocast's cast of F.linear's input; no copy when x already is),
-    gemm.weight's cast from the weight cache (_weight_parts, kind "cast_<dtype>":
-    made once while the weight is unchanged, where Model casts it in every
-    call), then one extension call, or _AutocastFn with gradients."""
-    kernels = _lowp_kernels()
-    s = per_feature_scale(scale, gemm.out_features)
-    params = (x, gemm.weight, gemm.bias, s, bn.weight, bn.bias)
-    x16 = x.detach().to(dtype)
-    w16 = _weight_parts(gemm.weight, split=lambda w: w.detach().to(dtype), kind=f"cast_{dtype}")
-    w16 = gemm.weight.detach().to(dtype) if w16 is None else w16
+    """The fused autocast forward without gradients (_autocast_gemm said
+    lowp_sm90): x cast to dtype (autocast's cast of F.linear's input; no copy
+    when x already is), gemm.weight's cast from the weight cache (_weight_parts,
+    kind "cast_<dtype>": made again after the weight changes, where Model casts
+    it in every autocast region), then one extension call (out float32)."""
+    x16 = x.to(dtype)
+    w16 = _weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}")
+    w16 = gemm.weight.to(dtype) if w16 is None else w16
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
-    if _needs_grad(params):
-        return _AutocastFn.apply(kernels, scale_after_bn, bn.training, buffers, momentum, float(bn.eps), dtype, x16,
-                                 w16, *params)
-    return _forward_call(kernels, "lowp_sm90", scale_after_bn, bn.training, buffers, momentum, float(bn.eps),
-                         (x16, w16) + params[2:])
+    params = (x16, w16, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+    return _forward_call(_lowp_kernels(), "lowp_sm90", scale_after_bn, bn.training, buffers, momentum,
+                         float(bn.eps), params)
 # bundle: repository-only ends
 
 
@@ -1098,7 +1054,8 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     autocast_dtype = _mixed_precision_dtype(x)
     if autocast_dtype is not None:
         _check_mixed_precision(x, gemm, scale, bn, group)
-        if _autocast_gemm(x, gemm, scale, bn, autocast_dtype) is not None:
+        grad = _needs_grad((x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias))
+        if _autocast_gemm(x, gemm, scale, bn, autocast_dtype, grad) is not None:
             return _autocast_forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype)
         return _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn)
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)

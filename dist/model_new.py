@@ -6067,7 +6067,8 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     autocast_dtype = _mixed_precision_dtype(x)
     if autocast_dtype is not None:
         _check_mixed_precision(x, gemm, scale, bn, group)
-        if _autocast_gemm(x, gemm, scale, bn, autocast_dtype) is not None:
+        grad = _needs_grad((x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias))
+        if _autocast_gemm(x, gemm, scale, bn, autocast_dtype, grad) is not None:
             return _autocast_forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype)
         return _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn)
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)

@@ -3,7 +3,9 @@ small shapes (both GEMM paths: the Hopper kernel and, with
 FUSED_GEMM_BN_PORTABLE=1, the portable one; tile tails; split tiles) and, with
 --full, one training forward at the KernelBench shape.  --dtype float16 or
 bfloat16 runs the 16-bit kernels of kernels/lowp/ instead (the same shapes: K % 8
-== 0 takes their 16-byte loads, K % 8 != 0 the element-wise path).
+== 0 takes their 16-byte loads, K % 8 != 0 the element-wise path).  --autocast
+float16 or bfloat16 runs float32 models inside torch.autocast, forward calls
+without gradients: the same kernels in their float32-storage (autocast) form.
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python tools/sanitize_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize_workload.py
@@ -49,12 +51,12 @@ def models(k, n, dtype):
             "84": model_new_84.ModelNew(k, n).to("cuda", dtype)}
 
 
-def run_shape(m, k, n, backward, dtype=torch.float32):
+def run_shape(m, k, n, backward, dtype=torch.float32, autocast=None):
     for name, model in models(k, n, dtype).items():
         x = torch.rand(m, k, device="cuda").to(dtype)
         for training in (True, False):
             model.train(training)
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
                 path = model.kernel_path(x)
                 out = model(x)
             assert torch.isfinite(out).all(), f"problem {name} {m}x{k}x{n} {path}: non-finite output"
@@ -95,13 +97,16 @@ def main():
     p.add_argument("--full", action="store_true", help="also one training forward at (1024, 8192, 8192)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="dtype of the models and inputs (default float32; 16-bit: the kernels/lowp/ kernels)")
+    p.add_argument("--autocast", choices=("float16", "bfloat16"), default=None,
+                   help="float32 models inside torch.autocast in this dtype, forward calls only")
     p.add_argument("--no-backward", action="store_true",
                    help="forward calls only (for initcheck with a 16-bit --dtype: see the module docstring)")
     args = p.parse_args()
     dtype = DTYPES[args.dtype]
+    autocast = DTYPES[args.autocast] if args.autocast else None
     for shape in SMALL_SHAPES:
-        run_shape(*shape, backward=not args.no_backward, dtype=dtype)
-        if dtype == torch.float32:
+        run_shape(*shape, backward=not args.no_backward and autocast is None, dtype=dtype, autocast=autocast)
+        if dtype == torch.float32 and autocast is None:
             run_sync_kernels(*shape)
     if args.full:
         model = model_new.ModelNew(8192, 8192, (8192,)).to("cuda", dtype)

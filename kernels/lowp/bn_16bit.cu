@@ -42,7 +42,12 @@
 //   (through the sum), as PyTorch.  16-byte accesses when N % 8 == 0 and out
 //   and scale are 16-byte aligned, else 2-byte.
 //
-// Layout: row-major, contiguous; coeff float4 (N); vectors (N) 16-bit.
+// Autocast form (S = float: a float32 module under torch.autocast in T): out,
+// scale, BatchNorm's parameters and running statistics are float32 and nothing
+// is rounded to S (Storage<float>); problem 84 still rounds BatchNorm's output to
+// T (BatchNorm returns T under autocast), then v = that * f(scale) and the
+// softmax are float32, as PyTorch's type promotion runs them.
+// Layout: row-major, contiguous; coeff float4 (N); vectors (N) and out of S (16-bit T or float32).
 // Preconditions: M >= 2 for the training kernels (the caller raises PyTorch's
 // error for M == 1); any N >= 1.  Launchers return the launch error.
 

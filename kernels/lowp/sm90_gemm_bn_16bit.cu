@@ -16,13 +16,18 @@
 //   kEval, 33: out = rnd(fma(w (rnd(z f(scale)) - rm), invstd, b))
 //   kEval, 84: out = rnd(rnd(fma(w (z - rm), invstd, b)) f(scale))   (then the row softmax)
 //   w, b, rm = f(bn.weight), f(bn.bias), f(running_mean); invstd = rsqrtf(f(running_var) + eps).
+// Autocast form (S = float, Storage in lowp_types.cuh: a float32 module under
+// torch.autocast in T): the vectors and out are float32; bias is rounded to T
+// first (autocast's cast), and the roundings to S above are none:
+//   kTrain, 33: u = z f(scale);  84: u = z.   kEval, 33: out = fma(w (z f(scale) - rm), invstd, b)
+//   kEval, 84: out = rnd(fma(w (z - rm), invstd, b)) f(scale)   (BatchNorm's output is T under autocast)
 // Expected error: PyTorch's own 16-bit path's (the same rounding points; the
 // float32 sums differ only in order).  The tensor core's fp32 accumulation is
 // the one cuBLAS's 16-bit GEMMs use; no split-K.
 //
-// Tensors (16-bit elements of one type; row-major, contiguous)
-//   x (M, K), w (N, K): K-major, 16-byte aligned, K % 8 == 0 (TMA's 16-byte
-//     global strides); out (M, N); the six vectors (N).
+// Tensors (row-major, contiguous)
+//   x (M, K), w (N, K): T, K-major, 16-byte aligned, K % 8 == 0 (TMA's 16-byte
+//     global strides); out (M, N) and the six vectors (N): S (T, or float32).
 //   part_mean, part_m2 (ceil(M / 128), N) float32 (kTrain).
 //   num_batches_tracked int64 (kTrain, may be null): CTA 0 adds 1.
 //

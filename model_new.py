@@ -948,35 +948,25 @@ def _mixed_precision_path(x, gemm, scale, bn, grad):
             + ("_grad" if grad else ""))
 
 
-def _autocast_ops(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, training, momentum, eps,
-                  scale_after_bn):
+def _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn):
     """Model's forward under autocast, op for op: nn.Linear's F.linear (in the
     autocast dtype), `* scale` (torch's type promotion: a float32 scale of one
-    or more dims makes the product float32), BatchNorm1d's F.batch_norm
-    (training: batch statistics, and running statistics updated with momentum
-    when they are given; eval: the running statistics), and problem 84's
-    softmax over dim 1 (float32 under autocast).  Returns what Model returns,
-    in its dtype; autograd differentiates the ops."""
-    v = F.linear(x, weight, bias)
-
-    def batch_norm(u):
-        return F.batch_norm(u, running_mean, running_var, bn_weight, bn_bias, training, momentum, eps)
-
-    if not scale_after_bn:
-        return batch_norm(v * scale)
-    return torch.softmax(scale * batch_norm(v), dim=1)
-
-
-def _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn):
-    """Model's forward under autocast in Model's own ops (_autocast_ops), with
-    BatchNorm1d's num_batches_tracked / momentum handling (bn.training decides,
-    as in Model)."""
+    or more dims makes the product float32), BatchNorm1d's F.batch_norm with its
+    num_batches_tracked / momentum handling (bn.training decides, as in
+    Model), and problem 84's softmax over dim 1 (float32 under autocast).
+    Returns what Model returns, in its dtype; autograd differentiates the ops."""
+    v = F.linear(x, gemm.weight, gemm.bias)
     factor = 0.0
     if bn.training:
         bn.num_batches_tracked.add_(1)
         factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
-    return _autocast_ops(x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias, bn.running_mean, bn.running_var,
-                         bn.training, factor, bn.eps, scale_after_bn)
+
+    def batch_norm(u):
+        return F.batch_norm(u, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.training, factor, bn.eps)
+
+    if not scale_after_bn:
+        return batch_norm(v * scale)
+    return torch.softmax(scale * batch_norm(v), dim=1)
 
 
 def _autocast_forward(x, gemm, scale, bn, scale_after_bn, dtype):

@@ -13,8 +13,10 @@ in the order a call uses them after ModelNew.forward at the bottom):
   ModelNew.forward (FusedModule) -> fused_forward: check_input, per_feature_scale,
     dispatch() -> Plan, then
     no gradient:           forward_train / forward_eval(plan.gemm, ...)  one extension call
-    training + gradient:   _TrainFn: forward_train_saved, backward: bn_backward_train, gemm_nt
-    eval + gradient:       _eval_with_grad: gemm_nt, then the fold in torch ops
+    training + gradient:   _TrainFn: forward_train_saved, backward: bn_backward_train,
+                           gemm_nn (grad_x), gemm_tn (grad_W)
+    eval + gradient:       _eval_with_grad: gemm_nt (backward: gemm_nn, gemm_tn), then the
+                           fold in torch ops
     16-bit:                the 16-bit extension's call (_LowpFn with gradients)
     torch.compile:         the same through the fused_gemm_bn:: custom operators
     synchronized BatchNorm (bn converted to a SyncBatchNorm, training, several
@@ -40,6 +42,9 @@ in the order a call uses them after ModelNew.forward at the bottom):
                                                     softmax_rows              * scale, softmax
       backward           bn_backward.cu             bn_batch_stats,           bn's gradients
                                                     bn_backward_train
+                         prepass_fp16x3_backward.cu sm90_prepass_fp16x3_      grad_x, grad_W on
+                                                    scaled / _columns         sm90_fp16x3 (operands
+                                                                              read MN-major)
     lowp_sm90            lowp/sm90_gemm_bn_16bit.cu (wgmma, TMA), lowp/bn_16bit.cu the 16-bit chain, rounded
     lowp_sm80            lowp/sm80_gemm_bn_16bit.cu (mma.sync), lowp/bn_16bit.cu  where Model rounds
     torch_ops            the _torch_* functions of this file                  CPU, float64 on CUDA
@@ -76,7 +81,7 @@ in the input's dtype, through the same autograd code.
 Surface for problem 84's module and for users (documented, stable):
 FusedModule, LinearParams, BatchNormState, fused_forward, kernel_path,
 check_input, per_feature_scale, sync_process_group;
-dispatch, dispatch_gemm_nt, plan, Call, Plan, DeviceFacts, device_facts,
+dispatch, dispatch_gemm_nt, dispatch_gemm_tn, plan, Call, Plan, DeviceFacts, device_facts,
 Switches, SWITCHES.
 
 Build: at import, the sources (kernels/*.cu, *.cuh, *.cpp) are located and, when
@@ -123,7 +128,8 @@ from torch.optim import optimizer as torch_optimizer
 _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
-_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "bn_backward_train",
+_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "gemm_nn", "gemm_tn",
+                        "bn_backward_train",
                         "fp16x3_weight_parts", "weight_row_sums", "sync_forward_local", "sync_bn_apply", "bn_backward_sums",
                         "bn_backward_grad", "sm90_gemm_available", "sm90_cluster_max_active"]
 # The 16-bit extension: kernels/lowp/ (plus the .cuh headers of kernels/), its own module.
@@ -605,8 +611,10 @@ def per_feature_scale(scale, n):
 #                                else                                          RuntimeError
 #
 # Plan.name = <gemm>_<train|eval>[_grad], e.g. sm90_3xtf32_train, sm80_3xtf32_eval_grad.
-# The backward's products (grad_x = grad_z W, grad_W = grad_z^T x) are decided
-# the same way per product by dispatch_gemm_nt.
+# The backward's products are decided the same way per product: grad_x = grad_z W
+# by dispatch_gemm_nt(grad_z, W^T) (reduction over N), grad_W = grad_z^T x by
+# dispatch_gemm_tn (reduction over M: on Hopper sm90_fp16x3 needs N % 8 == 0
+# and K % 8 == 0 only, the operands being read MN-major where they lie).
 
 Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused",
                                               "autocast_fused"], defaults=(True, True, True))
@@ -767,6 +775,22 @@ def dispatch_gemm_nt(a, b, facts=None, switches=None):
     switches = SWITCHES if switches is None else switches
     b_aligned = not b.is_contiguous() or _aligned16(b)
     return _float32_gemm(a.shape[0], b.shape[0], a.shape[1], b_aligned, False, facts, switches)
+
+
+def dispatch_gemm_tn(a, b, facts=None, switches=None):
+    """The GEMM kernel of a^T @ b (grad_W = grad_z^T x; a (M, N), b (M, K)):
+    sm90_fp16x3[_nosplit] where the Hopper fp16x3 kernel reads both MN-major
+    (N % 8 == 0, K % 8 == 0, any M >= 1), else dispatch_gemm_nt(a^T, b^T) (the
+    extension then copies both transposed), or "torch_ops" for CPU / float64."""
+    if not a.is_cuda or a.dtype == torch.float64:
+        return "torch_ops"
+    facts = device_facts(a.device) if facts is None else facts
+    switches = SWITCHES if switches is None else switches
+    m, n, k = a.shape[0], a.shape[1], b.shape[1]
+    if (not switches.portable and switches.fp16x3 and facts.capability == (9, 0) and facts.sm90_gemm
+            and min(m, n, k) >= 1 and n % 8 == 0 and k % 8 == 0):
+        return "sm90_fp16x3" if switches.split_tiles else "sm90_fp16x3_nosplit"
+    return dispatch_gemm_nt(a.t(), b.t(), facts, switches)
 
 
 def _kernels(plan_kernels):
@@ -1125,6 +1149,24 @@ def _gemm_nt(a, b):
     return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_nt(gemm, a, b)
 
 
+def _gemm_nn(a, b):
+    """a (M, N) @ b (N, K) for the backward (grad_x = grad_z W), on the kernel
+    dispatch_gemm_nt picks for a @ (b^T)^T.  On sm90_fp16x3 the extension reads
+    b's fp16x3 parts MN-major: gemm.weight's, kept from the forward (_weight_parts)."""
+    gemm = dispatch_gemm_nt(a, b.t())
+    if gemm == "torch_ops":
+        return _TORCH_PATH.gemm_nn(gemm, a, b)
+    mn_major = gemm.startswith("sm90_fp16x3") and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0
+    return _ext.gemm_nn(gemm, a, b, _weight_parts(b) if mn_major and a.shape[0] > 0 else None)
+
+
+def _gemm_tn(a, b):
+    """a (M, N)^T @ b (M, K) for the backward (grad_W = grad_z^T x), on the
+    kernel dispatch_gemm_tn picks."""
+    gemm = dispatch_gemm_tn(a, b)
+    return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_tn(gemm, a, b)
+
+
 def _bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
     """The extension's bn_backward_train (float32 CUDA) or _torch_bn_backward_train."""
     kernels = _kernels("ext" if z.is_cuda and z.dtype == torch.float32 else "torch")
@@ -1132,7 +1174,8 @@ def _bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
 
 
 # What eager backward passes call (torch.compile's graphs call _OPS, same names).
-_EAGER_BACKWARD = types.SimpleNamespace(gemm_nt=_gemm_nt, bn_backward_train=_bn_backward_train)
+_EAGER_BACKWARD = types.SimpleNamespace(gemm_nt=_gemm_nt, gemm_nn=_gemm_nn, gemm_tn=_gemm_tn,
+                                        bn_backward_train=_bn_backward_train)
 
 
 def _train_backward(ops, scale_after_bn, eps, grad_out, x, weight, scale, bn_weight, bn_bias, z, stats, out, needs):
@@ -1143,8 +1186,8 @@ def _train_backward(ops, scale_after_bn, eps, grad_out, x, weight, scale, bn_wei
       problem 84: grad_v = out * (grad_out - sum_n grad_out * out)   (row softmax backward)
       grad_z, grad_scale, grad_bn_weight, grad_bn_bias = bn_backward_train(grad_v, z, stats, ...)
       problem 84: grad_scale += bn_bias * sum_m grad_v               (the kernel has no bn_bias)
-      grad_x = grad_z weight = gemm_nt(grad_z, weight^T)             (M, K)
-      grad_weight = grad_z^T x = gemm_nt(grad_z^T, x^T)              (N, K)
+      grad_x = grad_z weight = gemm_nn(grad_z, weight)               (M, K)
+      grad_weight = grad_z^T x = gemm_tn(grad_z, x)                  (N, K)
       grad_bias = 0 exactly: BatchNorm subtracts the batch mean, which holds the bias."""
     need_x, need_w, need_b, need_s, need_g, need_beta = needs
     grad_b = z.new_zeros(z.shape[1]) if need_b else None
@@ -1154,16 +1197,16 @@ def _train_backward(ops, scale_after_bn, eps, grad_out, x, weight, scale, bn_wei
     grad_z, grad_s, grad_g, grad_beta = ops.bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
     if scale_after_bn and need_s:
         grad_s = grad_s + bn_bias * grad_y.sum(dim=0)
-    grad_x = ops.gemm_nt(grad_z, weight.t()) if need_x else None
-    grad_w = ops.gemm_nt(grad_z.t(), x.t()) if need_w else None
+    grad_x = ops.gemm_nn(grad_z, weight) if need_x else None
+    grad_w = ops.gemm_tn(grad_z, x) if need_w else None
     return (grad_x, grad_w, grad_b, grad_s if need_s else None, grad_g if need_g else None,
             grad_beta if need_beta else None)
 
 
 def _gemm_nt_backward(ops, grad, a, b, needs):
-    """out = a b^T: grad_a = grad b = gemm_nt(grad, b^T), grad_b = grad^T a = gemm_nt(grad^T, a^T)."""
-    return (ops.gemm_nt(grad, b.t()) if needs[0] else None,
-            ops.gemm_nt(grad.t(), a.t()) if needs[1] else None)
+    """out = a b^T: grad_a = grad b = gemm_nn(grad, b), grad_b = grad^T a = gemm_tn(grad, a)."""
+    return (ops.gemm_nn(grad, b) if needs[0] else None,
+            ops.gemm_tn(grad, a) if needs[1] else None)
 
 
 class _TrainFn(torch.autograd.Function):
@@ -1737,7 +1780,7 @@ class _SyncFusedTrainFn(torch.autograd.Function):
         x, weight, bias, scale, bn_weight, bn_bias, z, stats, out = ctx.saved_tensors
         needs = ctx.needs_input_grad[6:]
         need_reduce = needs[0] or needs[1] or (needs[3] and not ctx.scale_after_bn)
-        ops = types.SimpleNamespace(gemm_nt=_gemm_nt, bn_backward_train=functools.partial(
+        ops = types.SimpleNamespace(gemm_nn=_gemm_nn, gemm_tn=_gemm_tn, bn_backward_train=functools.partial(
             _sync_fused_bn_backward, ctx.group, ctx.count, bias, need_reduce))
         grads = _train_backward(ops, ctx.scale_after_bn, ctx.eps, grad_out, x, weight, scale, bn_weight, bn_bias,
                                 z, stats, out, needs)
@@ -1772,6 +1815,8 @@ def _sync_forward(group, params, buffers, momentum, eps, scale_after_bn):
 _OP_NAMESPACE = "fused_gemm_bn"
 _OP_SCHEMAS = {
     "gemm_nt": "(Tensor a, Tensor b) -> Tensor",
+    "gemm_nn": "(Tensor a, Tensor b) -> Tensor",
+    "gemm_tn": "(Tensor a, Tensor b) -> Tensor",
     "softmax_rows": "(Tensor v) -> Tensor",
     "bn_backward_train": "(Tensor grad_y, Tensor z, Tensor stats, Tensor scale, Tensor bn_weight, float eps, "
                          "bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor)",
@@ -1789,6 +1834,16 @@ _OP_SCHEMAS = {
 def _op_gemm_nt(a, b):
     """a (M, K) @ b (N, K)^T -> new contiguous (M, N)."""
     return _gemm_nt(a, b)
+
+
+def _op_gemm_nn(a, b):
+    """a (M, N) @ b (N, K) -> new contiguous (M, K)."""
+    return _gemm_nn(a, b)
+
+
+def _op_gemm_tn(a, b):
+    """a (M, N)^T @ b (M, K) -> new contiguous (N, K)."""
+    return _gemm_tn(a, b)
 
 
 def _op_softmax_rows(v):
@@ -1847,6 +1902,14 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
 
 def _fake_gemm_nt(a, b):
     return a.new_empty((a.shape[0], b.shape[0]))
+
+
+def _fake_gemm_nn(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _fake_gemm_tn(a, b):
+    return a.new_empty((a.shape[1], b.shape[1]))
 
 
 def _fake_softmax_rows(v):
@@ -1939,6 +2002,8 @@ def _define_ops():
     if hasattr(namespace, "gemm_nt"):
         return namespace
     impls = {"gemm_nt": (_op_gemm_nt, _fake_gemm_nt, (_backward_gemm_nt, _setup_gemm_nt)),
+             "gemm_nn": (_op_gemm_nn, _fake_gemm_nn, None),
+             "gemm_tn": (_op_gemm_tn, _fake_gemm_tn, None),
              "softmax_rows": (_op_softmax_rows, _fake_softmax_rows, (_backward_softmax_rows, _setup_softmax_rows)),
              "bn_backward_train": (_op_bn_backward_train, _fake_bn_backward_train, None),
              "forward_train": (_op_forward_train, _fake_forward_train, None),
@@ -1998,6 +2063,16 @@ def _torch_gemm_nt(gemm, a, b):
     """a (M, K) @ b (N, K)^T -> (M, N), contiguous, in a's dtype; any strides
     (gemm: the dispatch's name, "torch_ops")."""
     return (a @ b.t()).contiguous()
+
+
+def _torch_gemm_nn(gemm, a, b):
+    """a (M, N) @ b (N, K) -> (M, K), contiguous, in a's dtype; any strides."""
+    return (a @ b).contiguous()
+
+
+def _torch_gemm_tn(gemm, a, b):
+    """a (M, N)^T @ b (M, K) -> (N, K), contiguous, in a's dtype; any strides."""
+    return (a.t() @ b).contiguous()
 
 
 def _torch_forward_train_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
@@ -2090,7 +2165,8 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
 # The torch-op stand-in for `_ext`: the extension's functions by the same names and arguments.
 _TORCH_PATH = types.SimpleNamespace(
     forward_train=_torch_forward_train, forward_eval=_torch_forward_eval,
-    forward_train_saved=_torch_forward_train_saved, gemm_nt=_torch_gemm_nt,
+    forward_train_saved=_torch_forward_train_saved, gemm_nt=_torch_gemm_nt, gemm_nn=_torch_gemm_nn,
+    gemm_tn=_torch_gemm_tn,
     bn_backward_train=_torch_bn_backward_train,
 )
 

@@ -115,18 +115,32 @@ cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const f
 cudaError_t sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, uint16_t* x_hi,
                                 uint16_t* x_lo, float* x_inv_scale, float* center, float2* row_sum, int* zero_ints,
                                 int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream);
+// prepass_fp16x3_backward.cu: the backward products' operands.  a (M, K) fp32
+// (rows contiguous) times col_scale (K, powers of two), each row split with its
+// own scale -> hi, lo (M, K) K-major, inv_scale (M); zero_ints[0 .. num_zero_ints) = 0.
+cudaError_t sm90_prepass_fp16x3_scaled(const float* a, int64_t row_stride, int M, int K, const float* col_scale,
+                                       uint16_t* hi, uint16_t* lo, float* inv_scale, int* zero_ints,
+                                       int num_zero_ints, cudaStream_t stream);
+// a (R, C) fp32 (rows contiguous), each column split with its own scale -> hi, lo
+// (R, C) as stored (an MN-major operand of C rows), inv_scale (C); zero_ints as above.
+cudaError_t sm90_prepass_fp16x3_columns(const float* a, int64_t row_stride, int R, int C, uint16_t* hi, uint16_t* lo,
+                                        float* inv_scale, int* zero_ints, int num_zero_ints, cudaStream_t stream);
 // As sm90_gemm_workspace, for the fp16x3 kernel (its k-blocks are 64 deep).
 void sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
-// An operand's fp16x3 parts from sm90_prepass_fp16x3: hi, lo (rows, K) fp16 words,
-// row-major, 16-byte aligned; inv_scale (rows) fp32, each row's 2^-e.
-// center: the x side's per-row centre c_m (the parts hold x - c_m); row_sum:
-// the w side's per-row sums (hi, lo).  The GEMM adds c_m (sum_k w[n, k]) back.
+// An operand's fp16x3 parts: hi, lo fp16 words, 16-byte aligned, stored (rows, K)
+// row-major ("K-major", from sm90_prepass_fp16x3 or sm90_prepass_fp16x3_scaled)
+// or, with mn_major, (K, rows) row-major ("MN-major", from
+// sm90_prepass_fp16x3_columns); inv_scale (rows) fp32, each row's 2^-e (null on
+// the w side of a plain product: 1).  center: the x side's per-row centre c_m
+// (the parts hold x - c_m); row_sum: the w side's per-row sums (hi, lo).  The
+// GEMM adds c_m (sum_k w[n, k]) back.
 struct Fp16x3Parts {
   const uint16_t* hi;
   const uint16_t* lo;
   const float* inv_scale;
   const float* center;    // x side (M), else null
   const float2* row_sum;  // w side (N), else null
+  bool mn_major = false;
 };
 // z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
 cudaError_t sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean, float* part_m2, int M,
@@ -136,7 +150,8 @@ cudaError_t sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, cons
                                   const float* bn_weight, const float* bn_bias, const float* running_mean,
                                   const float* running_var, float eps, bool scale_after_bn, int M, int N, int K,
                                   bool split_tiles, float* workspace, cudaStream_t stream);
-// out = x @ w^T (the backward's products).
+// out = x @ w^T (the backward's products): both operands K-major, w MN-major
+// (grad_x = grad_z W from W's cached parts), or both MN-major (grad_W = grad_z^T x).
 cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K, bool split_tiles,
                                    float* workspace, cudaStream_t stream);
 

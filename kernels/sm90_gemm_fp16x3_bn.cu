@@ -109,18 +109,24 @@ struct Fp16x3Traits {
   static constexpr int X_PART_BYTES = BLOCK_M * BLOCK_K * 2;
   static constexpr int STAGE_BYTES = 2 * W_PART_BYTES + 2 * X_PART_BYTES;  // w_hi, w_lo, x_hi, x_lo
   static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;
+  static constexpr int MN_BOX_BYTES = kMnBoxRows * kMnBoxK * 2;  // one MN-major TMA box: 64 rows x 64 k
 
   static_assert(BLOCK_K * 2 == 128, "tiles are rows of one 128-byte swizzle span");
   static_assert(BLOCK_K == 2 * SPAN_K, "a stage holds two spans");
   static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k16 halves per batch tile");
   static_assert(W_PART_BYTES % 1024 == 0 && X_PART_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
+  static_assert(kMnBoxK == BLOCK_K && 2 * kMnBoxRows == BLOCK_N && 2 * kMnBoxRows == BLOCK_M &&
+                    kMnBoxRows == WGMMA_M && kMnBoxRows == WGMMA_N && MN_BOX_BYTES == WGMMA_N * 128,
+                "an MN-major part tile is two boxes: one per consumer warpgroup (w) or batch half (x)");
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
   static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
                     kNumConsumers * 128 == kConsumerThreads,
                 "the tile of sm90_gemm_tiles.cuh (its epilogues and split-tile hand-off)");
 };
 
-template <Epilogue kEpilogue>
+// kWMn / kXMn: the w / x operand is MN-major (stored (K, rows), TMA boxes of
+// 64 rows x 64 k, make_tensor_map_mn) instead of K-major (stored (rows, K)).
+template <Epilogue kEpilogue, bool kWMn, bool kXMn>
 __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w_hi,
                                const __grid_constant__ CUtensorMap tmap_w_lo,
@@ -170,10 +176,21 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
           uint8_t* stage = smem + s * T::STAGE_BYTES;
           mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
           const int k0 = kb * T::BLOCK_K;
-          tma_load_2d(stage, &tmap_w_hi, &full_bar[s], k0, n0);
-          tma_load_2d(stage + T::W_PART_BYTES, &tmap_w_lo, &full_bar[s], k0, n0);
-          tma_load_2d(stage + 2 * T::W_PART_BYTES, &tmap_x_hi, &full_bar[s], k0, m0);
-          tma_load_2d(stage + 2 * T::W_PART_BYTES + T::X_PART_BYTES, &tmap_x_lo, &full_bar[s], k0, m0);
+          // One part tile: a K-major box of 128 rows, or two MN-major boxes of 64 rows.
+          auto load_part = [&](uint8_t* dst, const CUtensorMap* map, int r0, auto mn_c) {
+            if constexpr (decltype(mn_c)::value) {
+              tma_load_2d(dst, map, &full_bar[s], r0, k0);
+              tma_load_2d(dst + T::MN_BOX_BYTES, map, &full_bar[s], r0 + kMnBoxRows, k0);
+            } else {
+              tma_load_2d(dst, map, &full_bar[s], k0, r0);
+            }
+          };
+          using WMn = std::integral_constant<bool, kWMn>;
+          using XMn = std::integral_constant<bool, kXMn>;
+          load_part(stage, &tmap_w_hi, n0, WMn{});
+          load_part(stage + T::W_PART_BYTES, &tmap_w_lo, n0, WMn{});
+          load_part(stage + 2 * T::W_PART_BYTES, &tmap_x_hi, m0, XMn{});
+          load_part(stage + 2 * T::W_PART_BYTES + T::X_PART_BYTES, &tmap_x_lo, m0, XMn{});
         }
       }
     }
@@ -189,6 +206,12 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
   // warp's 16 rows, 16-byte chunk l / 16 of the k-step (the A fragment order).
   const int ld_row = warpgroup * T::WGMMA_M + warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
   const int ld_chunk = lane / 16;
+  // MN-major w (ldmatrix .trans): lane l gives k-row (l % 8) + 8 (l / 16) of the
+  // k-step, 16-byte chunk 2 warp + (l / 8) % 2 (the warp's 16 rows) of its
+  // warpgroup's 64-row box; k % 8 == l % 8 picks the swizzle.
+  const int mn_k = (lane % 8) + 8 * (lane / 16);
+  const uint32_t mn_offset =
+      warpgroup * T::MN_BOX_BYTES + mn_k * 128 + (((2 * warp + (lane / 8) % 2) ^ (lane % 8)) << 4);
 
   float acc[T::kAccRegs];
   float part[2][T::kPartRegs];
@@ -204,10 +227,16 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     const uint32_t w_hi = smem_u32(smem + (q % T::kNumStages) * T::STAGE_BYTES);
 #pragma unroll
     for (int j = 0; j < T::kSpanSteps; ++j) {
-      const int chunk = (sub * T::kSpanSteps + j) * (T::WGMMA_K / 8) + ld_chunk;  // 8 fp16 per 16-byte chunk
-      const uint32_t offset = ld_row * 128 + ((chunk ^ (ld_row % 8)) << 4);       // 128-byte swizzle
-      ldmatrix_x4(a[j][0], w_hi + offset);
-      ldmatrix_x4(a[j][1], w_hi + T::W_PART_BYTES + offset);
+      if constexpr (kWMn) {
+        const uint32_t offset = mn_offset + (sub * T::kSpanSteps + j) * T::WGMMA_K * 128;  // 128 bytes per k
+        ldmatrix_x4_trans(a[j][0], w_hi + offset);
+        ldmatrix_x4_trans(a[j][1], w_hi + T::W_PART_BYTES + offset);
+      } else {
+        const int chunk = (sub * T::kSpanSteps + j) * (T::WGMMA_K / 8) + ld_chunk;  // 8 fp16 per 16-byte chunk
+        const uint32_t offset = ld_row * 128 + ((chunk ^ (ld_row % 8)) << 4);       // 128-byte swizzle
+        ldmatrix_x4(a[j][0], w_hi + offset);
+        ldmatrix_x4(a[j][1], w_hi + T::W_PART_BYTES + offset);
+      }
     }
   };
   // The 12 wgmmas of one span (both batch halves, 6 each) as one commit group:
@@ -220,19 +249,23 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     wgmma_fence();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const uint8_t* x_hi = x_tiles + half * T::WGMMA_N * 128;
+      // The half's 64 batch rows: 8 KB in both layouts (K-major: 64 rows of
+      // 128 bytes; MN-major: its own box of 64 k-rows).
+      const uint8_t* x_hi = x_tiles + half * T::MN_BOX_BYTES;
       const uint8_t* x_lo = x_hi + T::X_PART_BYTES;
+      // B descriptor of k-step j of this span.
+      auto desc_b = [&](const uint8_t* tile, int j) {
+        const int k_step = sub * T::kSpanSteps + j;
+        if constexpr (kXMn) return desc_mnmajor_sw128(tile, k_step * T::WGMMA_K * 128, T::MN_BOX_BYTES);
+        else return desc_kmajor_sw128(tile, k_step * T::WGMMA_K * 2);
+      };
 #pragma unroll
       for (int j = 0; j < T::kSpanSteps; ++j) {
-        const uint32_t k_bytes = (sub * T::kSpanSteps + j) * T::WGMMA_K * 2;
-        wgmma_m64n64k16_f16_rs(part[half], a[j][0], desc_kmajor_sw128(x_lo, k_bytes), j != 0);
-        wgmma_m64n64k16_f16_rs(part[half], a[j][1], desc_kmajor_sw128(x_hi, k_bytes), true);
+        wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][0], desc_b(x_lo, j), j != 0);
+        wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][1], desc_b(x_hi, j), true);
       }
 #pragma unroll
-      for (int j = 0; j < T::kSpanSteps; ++j) {
-        const uint32_t k_bytes = (sub * T::kSpanSteps + j) * T::WGMMA_K * 2;
-        wgmma_m64n64k16_f16_rs(part[half], a[j][0], desc_kmajor_sw128(x_hi, k_bytes), true);
-      }
+      for (int j = 0; j < T::kSpanSteps; ++j) wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][0], desc_b(x_hi, j), true);
     }
     wgmma_commit();
   };
@@ -317,16 +350,23 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 #endif
 }
 
-template <Epilogue kEpilogue>
+// The tensor map of one part: K-major (rows, K) in 128-row boxes, or MN-major (K, rows).
+static bool make_part_map(CUtensorMap* map, const uint16_t* part, bool mn_major, int rows, int K, int box_rows) {
+  return mn_major ? make_tensor_map_mn(map, part, rows, K)
+                  : make_tensor_map(map, part, TileDtype::kWord16, rows, K, box_rows);
+}
+
+template <Epilogue kEpilogue, bool kWMn = false, bool kXMn = false>
 static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, bool split_tiles,
                                  float* workspace, cudaStream_t stream) {
   using T = Fp16x3Traits;
-  auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue>;
+  auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn>;
   CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
-  if (!make_tensor_map(&tmap_w_hi, w.hi, TileDtype::kWord16, args.N, args.K, T::BLOCK_N) ||
-      !make_tensor_map(&tmap_w_lo, w.lo, TileDtype::kWord16, args.N, args.K, T::BLOCK_N) ||
-      !make_tensor_map(&tmap_x_hi, x.hi, TileDtype::kWord16, args.M, args.K, T::BLOCK_M) ||
-      !make_tensor_map(&tmap_x_lo, x.lo, TileDtype::kWord16, args.M, args.K, T::BLOCK_M))
+  if (w.mn_major != kWMn || x.mn_major != kXMn ||
+      !make_part_map(&tmap_w_hi, w.hi, kWMn, args.N, args.K, T::BLOCK_N) ||
+      !make_part_map(&tmap_w_lo, w.lo, kWMn, args.N, args.K, T::BLOCK_N) ||
+      !make_part_map(&tmap_x_hi, x.hi, kXMn, args.M, args.K, T::BLOCK_M) ||
+      !make_part_map(&tmap_x_lo, x.lo, kXMn, args.M, args.K, T::BLOCK_M))
     return cudaErrorInvalidValue;
   constexpr int kMaxDevices = 64;
   static bool smem_set[kMaxDevices] = {};
@@ -360,10 +400,20 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
 static bool parts_ok(const Fp16x3Parts& p) {
   return aligned16(p.hi) && aligned16(p.lo) && p.inv_scale != nullptr;
 }
+// The forwards: both operands K-major, x centred, w's row sums.
 static bool fp16x3_launch_ok(const Fp16x3Parts& x, const Fp16x3Parts& w, int M, int N, int K) {
   return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && parts_ok(x) && parts_ok(w) && x.center != nullptr &&
-         w.row_sum != nullptr &&
-         fused_gemm_bn::sm90_gemm_available();
+         w.row_sum != nullptr && !x.mn_major && !w.mn_major && fused_gemm_bn::sm90_gemm_available();
+}
+// The plain product: any centring (x.center and w.row_sum both or neither);
+// K-major operands need K % 8 == 0, MN-major ones rows % 8 == 0 (16-byte TMA
+// strides); w.inv_scale may be null (unscaled w); x K-major with w MN-major,
+// or both of one layout.
+static bool fp16x3_plain_ok(const Fp16x3Parts& x, const Fp16x3Parts& w, int M, int N, int K) {
+  const bool x_ok = aligned16(x.hi) && aligned16(x.lo) && x.inv_scale != nullptr && (x.mn_major ? M % 8 : K % 8) == 0;
+  const bool w_ok = aligned16(w.hi) && aligned16(w.lo) && (w.mn_major ? N % 8 : K % 8) == 0;
+  return M >= 1 && N >= 1 && K >= 1 && x_ok && w_ok && (x.center == nullptr) == (w.row_sum == nullptr) &&
+         !(x.mn_major && !w.mn_major) && fused_gemm_bn::sm90_gemm_available();
 }
 
 }  // namespace sm90
@@ -413,13 +463,17 @@ cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, f
   return launch_fp16x3<sm90::Epilogue::kEval>(x, w, args, split_tiles, workspace, stream);
 }
 
-// out = x @ w^T, nothing else (the backward's products).
+// out = x @ w^T, nothing else (the backward's products), in any of the
+// operand layouts fp16x3_plain_ok accepts.
 cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K,
                                                   bool split_tiles, float* workspace, cudaStream_t stream) {
   using namespace sm90;
-  if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
+  if (!fp16x3_plain_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
+  if (w.mn_major && x.mn_major)
+    return launch_fp16x3<sm90::Epilogue::kPlain, true, true>(x, w, args, split_tiles, workspace, stream);
+  if (w.mn_major) return launch_fp16x3<sm90::Epilogue::kPlain, true, false>(x, w, args, split_tiles, workspace, stream);
   return launch_fp16x3<sm90::Epilogue::kPlain>(x, w, args, split_tiles, workspace, stream);
 }

@@ -146,7 +146,8 @@ __device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], 
 }
 
 // The product's last steps, in place: z = (acc 2^-e_n) 2^-e_m (kScaled: the
-// fp16x3 operands' power-of-two row scales, two exact multiplies) + c_m (hi_n +
+// fp16x3 operands' power-of-two row scales, two exact multiplies; 2^-e_n = 1
+// where args.w_inv_scale is null) + c_m (hi_n +
 // lo_n) where x was centred (args.x_center not null; centring.cuh): two fmas,
 // one rounding of z beyond the tiny lo product.  Rows past M or N hold zeros
 // and stay zero.
@@ -160,7 +161,8 @@ __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int f = n0 + w_row + 8 * h;
-    w_inv[h] = kScaled && f < args.N ? __ldg(args.w_inv_scale + f) : 0.f;
+    // No w scales (an operand used as stored, unscaled): 1.
+    w_inv[h] = kScaled && f < args.N ? (args.w_inv_scale != nullptr ? __ldg(args.w_inv_scale + f) : 1.f) : 0.f;
     w_sum[h] = centred && f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
   }
 #pragma unroll
@@ -298,6 +300,23 @@ static bool make_tensor_map(CUtensorMap* map, const void* ptr, TileDtype dtype, 
   return encode(map, dtype == TileDtype::kFloat32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
                 const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// A (K, rows) row-major matrix of 16-bit words (an MN-major operand: k-row by
+// k-row; rows % 8 == 0 for TMA's 16-byte global stride) read in boxes of 64
+// rows (one 128-byte swizzle span) x 64 k, zero-filled outside the matrix.
+constexpr int kMnBoxRows = 64;
+constexpr int kMnBoxK = 64;
+static bool make_tensor_map_mn(CUtensorMap* map, const void* ptr, int rows, int K) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr || rows % 8 != 0) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(K)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(rows) * 2};
+  const cuuint32_t box[2] = {kMnBoxRows, kMnBoxK};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(ptr), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 

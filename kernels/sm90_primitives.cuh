@@ -148,6 +148,17 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr
 #endif
 }
 
+// The same four matrices transposed (ldmatrix .trans): r[i] of lane 4 g + t
+// holds words g of rows 2 t and 2 t + 1 of matrix i (row 2 t in the low half).
+// From a tile stored k-row by k-row (MN-major), this is the K-major fragment.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t smem_addr) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+#endif
+}
+
 // ---- wgmma ----------------------------------------------------------------
 
 // Shared-memory matrix descriptor (PTX ISA 9.7.15.5.1) for a K-major tile
@@ -162,6 +173,25 @@ __device__ __forceinline__ uint64_t desc_kmajor_sw128(const void* tile, uint32_t
   desc |= static_cast<uint64_t>(1) << 16;                 // leading byte offset (unused when swizzled K-major)
   desc |= static_cast<uint64_t>(1024 >> 4) << 32;         // stride byte offset: next 8-row atom
   desc |= static_cast<uint64_t>(1) << 62;                 // swizzle mode: 128B
+  return desc;
+}
+
+// Descriptor for an MN-major tile of 16-bit words written by TMA with
+// CU_TENSOR_MAP_SWIZZLE_128B: one 128-byte row (64 MN elements) per k, 16-byte
+// chunks XOR-swizzled by (k % 8), 8-k atoms of 1024 bytes (the stride byte
+// offset); MN blocks of 64 elements `mn_block_bytes` apart (the leading byte
+// offset; read only by wgmmas wider than 64 in MN).  The canonical MN-major
+// SWIZZLE_128B layout of PTX ISA 9.7.15.5.1, in CuTe's notation
+// ((8, n), (8, k)) : ((1, LBO), (8, SBO)) in 16-byte units.  A k-step of 16
+// starts two atoms (2048 bytes) further on.
+__device__ __forceinline__ uint64_t desc_mnmajor_sw128(const void* tile, uint32_t byte_offset,
+                                                       uint32_t mn_block_bytes) {
+  const uint32_t addr = smem_u32(tile) + byte_offset;
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);             // start address
+  desc |= static_cast<uint64_t>((mn_block_bytes >> 4) & 0x3FFF) << 16;  // leading byte offset: next 64 MN
+  desc |= static_cast<uint64_t>(1024 >> 4) << 32;                    // stride byte offset: next 8 k
+  desc |= static_cast<uint64_t>(1) << 62;                            // swizzle mode: 128B
   return desc;
 }
 
@@ -222,11 +252,13 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
 // D(64 x 64, fp32) (+)= A(64 x 16, registers) * B(16 x 64, shared memory), fp16
 // inputs (exact products, fp32 accumulation; the tensor core's accumulation
 // chain is not round-to-nearest, so callers promote partial sums).  B is
-// K-major (imm-trans-b 0).  A fragment (PTX ISA 9.7.15.5.2, .f16): warp w of
+// K-major (kTransB false: imm-trans-b 0, desc_kmajor_sw128) or N-major
+// (kTransB true: imm-trans-b 1, desc_mnmajor_sw128).  A fragment (PTX ISA 9.7.15.5.2, .f16): warp w of
 // the warpgroup holds rows 16 w .. 16 w + 15; lane l = 4 g + t holds, as fp16
 // pairs (lower k in the low half), a0 = (16 w + g, 2 t .. 2 t + 1),
 // a1 = (16 w + g + 8, 2 t ..), a2 = (16 w + g, 2 t + 8 ..), a3 = (16 w + g + 8, 2 t + 8 ..).
 // The A registers must stay unchanged until the wgmma has completed.
+template <bool kTransB = false>
 __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
                                                        bool accumulate) {
 #if FUSED_GEMM_BN_SM90A
@@ -235,10 +267,11 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
       ".reg .pred p;\n"
       "setp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FUSED_GEMM_BN_D32_LIST
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
       "}\n"
       : FUSED_GEMM_BN_D32
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)),
+        "n"(kTransB ? 1 : 0));
 #endif
 }
 

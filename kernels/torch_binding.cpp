@@ -51,6 +51,12 @@
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward.
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
+//   gemm_nn(gemm, a (M, N), b (N, K), b_parts) -> a @ b: grad_x = grad_z W; on
+//       sm90_fp16x3 b's fp16x3 parts (b_parts: cached, or None) read MN-major,
+//       a split with b's row scales folded in (prepass_fp16x3_backward.cu)
+//   gemm_tn(gemm, a (M, N), b (M, K)) -> a^T @ b: grad_W = grad_z^T x; on
+//       sm90_fp16x3 both split per column and read MN-major
+//   (both: other GEMM kernels, or N or K not a multiple of 8: gemm_nt on transposed copies)
 //   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4 + 2 N): W's
 //       fp16x3 parts [w_hi | w_lo | w_inv_scale | w_row_sum] for w_parts
 //   weight_row_sums(weight (N, K)) -> float32 (2 N): W's row sums as (hi, lo) pairs,
@@ -610,6 +616,123 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, fgb::Centring{nullptr, nullptr}, out.data_ptr<float>(),
                                           zero, one, one, zero, zero, one, 0.f, false, M, N, K, stream),
                "sm80_gemm_3xtf32_eval");
+  return out;
+}
+
+namespace {
+
+// The checks of gemm_nn / gemm_tn: float32 CUDA a and b on one device, 2-D, a's
+// dim `a_dim` matching b's dim 0 (the reduction), sizes within int32.
+void check_backward_operands(const char* fn, const torch::Tensor& a, const torch::Tensor& b, int a_dim,
+                             const char* expected) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(), fn,
+              ": a and b must be CUDA tensors on one device, got ", a.device(), " and ", b.device());
+  TORCH_CHECK(a.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32, fn,
+              ": a and b must be float32, got ", a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(a_dim) == b.size(0), fn, ": expected ", expected, ", got ",
+              a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.size(0) <= INT32_MAX && a.size(1) <= INT32_MAX && b.size(1) <= INT32_MAX, fn,
+              ": sizes must fit in int32, got ", a.sizes(), " and ", b.sizes());
+}
+
+// t with contiguous rows (t itself when its columns have stride 1 and its rows
+// start 8-byte aligned, else a contiguous copy).
+torch::Tensor with_contiguous_rows(const torch::Tensor& t) {
+  const bool ok = t.stride(1) == 1 && t.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 8 == 0;
+  return ok ? t : t.contiguous();
+}
+
+}  // namespace
+
+// a @ b, float32-accurate, for float32 CUDA a (M, N) and b (N, K): the
+// backward's grad_x = grad_z W.  On sm90_fp16x3[_nosplit] with N % 8 == 0 and
+// K % 8 == 0, b's fp16x3 parts (b_parts: fp16x3_weight_parts(b), the forward's
+// cached split, or made now) are the GEMM's MN-major w operand and a's rows are
+// split with b's row scales folded in (sm90_prepass_fp16x3_scaled): no
+// transposed copy of b.  Otherwise gemm_nt(a, b^T), which copies b transposed.
+// Returns (M, K).
+torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
+                      c10::optional<torch::Tensor> b_parts) {
+  const Gemm gemm = parse_gemm(gemm_name);
+  check_backward_operands("gemm_nn", a, b, 1, "a (M, N) and b (N, K)");
+  const int M = static_cast<int>(a.size(0)), N = static_cast<int>(a.size(1)), K = static_cast<int>(b.size(1));
+  if (!is_fp16x3(gemm) || N % 8 != 0 || K % 8 != 0 || M == 0 || K == 0 || N == 0)
+    return gemm_nt(gemm_name, a, b.t());
+  const c10::cuda::CUDAGuard guard(a.device());
+  const cudaStream_t stream = current_stream(a);
+  const bool split_tiles = splits_tiles(gemm);
+  const WeightParts wp = weight_parts(b, b_parts, N, K, stream);
+  const torch::Tensor ar = with_contiguous_rows(a);
+  // One allocation: a's parts (M N / 2 floats each), inv_scale (M, padded to 4), the GEMM's workspace.
+  const int64_t part_floats = static_cast<int64_t>(M) * N / 2;
+  const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;
+  int64_t workspace_floats = 0;
+  int zero_ints = 0;
+  fgb::sm90_gemm_fp16x3_workspace(M, K, N, split_tiles, &workspace_floats, &zero_ints);
+  torch::Tensor storage = torch::empty({2 * part_floats + scale_floats + workspace_floats}, a.options());
+  float* base = storage.data_ptr<float>();
+  uint16_t* hi = reinterpret_cast<uint16_t*>(base);
+  uint16_t* lo = reinterpret_cast<uint16_t*>(base + part_floats);
+  float* inv_scale = base + 2 * part_floats;
+  float* workspace = workspace_floats > 0 ? inv_scale + scale_floats : nullptr;
+  int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
+  check_launch(fgb::sm90_prepass_fp16x3_scaled(ar.data_ptr<float>(), ar.stride(0), M, N, wp.parts.inv_scale, hi, lo,
+                                               inv_scale, arrivals, arrivals ? zero_ints : 0, stream),
+               "sm90_prepass_fp16x3_scaled");
+  const fgb::Fp16x3Parts x{hi, lo, inv_scale, nullptr, nullptr, false};
+  const fgb::Fp16x3Parts w{wp.parts.hi, wp.parts.lo, nullptr, nullptr, nullptr, true};  // scales folded into x
+  torch::Tensor out = torch::empty({M, K}, a.options());
+  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), M, K, N, split_tiles, workspace, stream),
+               "sm90_gemm_fp16x3_plain (w MN-major)");
+  return out;
+}
+
+// a^T @ b, float32-accurate, for float32 CUDA a (M, N) and b (M, K): the
+// backward's grad_W = grad_z^T x.  On sm90_fp16x3[_nosplit] with N % 8 == 0 and
+// K % 8 == 0, both are split per column (sm90_prepass_fp16x3_columns) and read
+// as MN-major operands where they lie; otherwise gemm_nt(a^T, b^T), which
+// copies both transposed.  Returns (N, K).
+torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tensor b) {
+  const Gemm gemm = parse_gemm(gemm_name);
+  check_backward_operands("gemm_tn", a, b, 0, "a (M, N) and b (M, K)");
+  const int M = static_cast<int>(a.size(0)), N = static_cast<int>(a.size(1)), K = static_cast<int>(b.size(1));
+  if (!is_fp16x3(gemm) || N % 8 != 0 || K % 8 != 0 || M == 0 || K == 0 || N == 0)
+    return gemm_nt(gemm_name, a.t(), b.t());
+  const c10::cuda::CUDAGuard guard(a.device());
+  const cudaStream_t stream = current_stream(a);
+  const bool split_tiles = splits_tiles(gemm);
+  const torch::Tensor ar = with_contiguous_rows(a), br = with_contiguous_rows(b);
+  // One allocation: a's parts (M N / 2 floats each), b's (M K / 2 each), their
+  // column scales (N, K, padded to 4), the GEMM's workspace.
+  const int64_t a_floats = static_cast<int64_t>(M) * N / 2, b_floats = static_cast<int64_t>(M) * K / 2;
+  const int64_t a_scale_floats = (static_cast<int64_t>(N) + 3) / 4 * 4;
+  const int64_t b_scale_floats = (static_cast<int64_t>(K) + 3) / 4 * 4;
+  int64_t workspace_floats = 0;
+  int zero_ints = 0;
+  fgb::sm90_gemm_fp16x3_workspace(N, K, M, split_tiles, &workspace_floats, &zero_ints);
+  torch::Tensor storage =
+      torch::empty({2 * a_floats + 2 * b_floats + a_scale_floats + b_scale_floats + workspace_floats}, a.options());
+  float* base = storage.data_ptr<float>();
+  uint16_t* a_hi = reinterpret_cast<uint16_t*>(base);
+  uint16_t* a_lo = reinterpret_cast<uint16_t*>(base + a_floats);
+  uint16_t* b_hi = reinterpret_cast<uint16_t*>(base + 2 * a_floats);
+  uint16_t* b_lo = reinterpret_cast<uint16_t*>(base + 2 * a_floats + b_floats);
+  float* a_inv = base + 2 * a_floats + 2 * b_floats;
+  float* b_inv = a_inv + a_scale_floats;
+  float* workspace = workspace_floats > 0 ? b_inv + b_scale_floats : nullptr;
+  int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
+  check_launch(fgb::sm90_prepass_fp16x3_columns(ar.data_ptr<float>(), ar.stride(0), M, N, a_hi, a_lo, a_inv, arrivals,
+                                                arrivals ? zero_ints : 0, stream),
+               "sm90_prepass_fp16x3_columns (a)");
+  check_launch(fgb::sm90_prepass_fp16x3_columns(br.data_ptr<float>(), br.stride(0), M, K, b_hi, b_lo, b_inv, nullptr,
+                                                0, stream),
+               "sm90_prepass_fp16x3_columns (b)");
+  // The GEMM's x operand (rows: its M = N here) is a, its w operand (rows: K) is b; both MN-major.
+  const fgb::Fp16x3Parts x{a_hi, a_lo, a_inv, nullptr, nullptr, true};
+  const fgb::Fp16x3Parts w{b_hi, b_lo, b_inv, nullptr, nullptr, true};
+  torch::Tensor out = torch::empty({N, K}, a.options());
+  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), N, K, M, split_tiles, workspace, stream),
+               "sm90_gemm_fp16x3_plain (both MN-major)");
   return out;
 }
 

@@ -325,6 +325,8 @@ def op_cases(device, dtype=torch.float32):
         return [t(n), t(n, positive=True), torch.tensor(3, device=device)]
 
     cases = [("gemm_nt", ops.gemm_nt.default, (t(m, k, grad=True), t(k, n, grad=True).t())),
+             ("gemm_nn", ops.gemm_nn.default, (t(m, n), t(n, k))),
+             ("gemm_tn", ops.gemm_tn.default, (t(m, n), t(m, k))),
              ("softmax_rows", ops.softmax_rows.default, (t(m, n, grad=True),))]
     for scale_after_bn in (False, True):
         tag = "84" if scale_after_bn else "33"
@@ -345,7 +347,7 @@ def op_cases(device, dtype=torch.float32):
     return cases
 
 
-OP_CASE_NAMES = ["gemm_nt", "softmax_rows"] + [f"{op}-{tag}" for tag in ("33", "84")
+OP_CASE_NAMES = ["gemm_nt", "gemm_nn", "gemm_tn", "softmax_rows"] + [f"{op}-{tag}" for tag in ("33", "84")
                                for op in ("forward_train_saved", "forward_train", "forward_eval", "bn_backward_train")]
 
 
@@ -711,6 +713,72 @@ def test_gpu_gemm_nt_any_strides(m, k, n, layout, fp32_matmul):
     print(f"\n[gemm_nt] ({m},{k},{n}) {layout}: err {err_new:.2e}, torch fp32 {err_eager:.2e}")
     assert out.shape == (m, n) and out.is_contiguous()
     assert err_new <= 2 * err_eager + GRAD_FLOOR
+
+
+# (M, N, K) of the backward's products: tile tails, a batch below one tile, M
+# odd (grad_W's reduction), and N or K not a multiple of 8 (the transposed-copy route).
+BACKWARD_PRODUCT_SHAPES = [(64, 96, 80), (300, 1000, 520), (33, 136, 520), (1024, 8192, 8192), (257, 130, 1028),
+                           (130, 1028, 136)]
+
+
+def fp16x3_backward_route(m, n, k):
+    """Whether gemm_nn / gemm_tn read their operands in place (MN-major) here."""
+    on_hopper = torch.cuda.get_device_capability() == (9, 0) and model_new._ext.sm90_gemm_available(0)
+    return on_hopper and not model_new.SWITCHES.portable and n % 8 == 0 and k % 8 == 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("layout", ["contiguous", "a_transposed", "strided"])
+@pytest.mark.parametrize("m,n,k", BACKWARD_PRODUCT_SHAPES)
+def test_gpu_gemm_nn_tn(m, n, k, layout, fp32_matmul):
+    """gemm_nn(a, b) = a b (grad_x = grad_z W) and gemm_tn(a, c) = a^T c
+    (grad_W = grad_z^T x) for a (M, N), b (N, K), c (M, K), a of any strides:
+    error against float64 at most 2x torch's float32 (+ GRAD_FLOOR), with and
+    without b's cached fp16x3 parts; on Hopper with N, K multiples of 8 the
+    launches are the pre-passes and the GEMM only (no transposed copies)."""
+    gen = torch.Generator().manual_seed(29)
+    a = torch.randn(m, n, generator=gen).cuda()
+    b = torch.randn(n, k, generator=gen).cuda()
+    c = torch.randn(m, k, generator=gen).cuda()
+    if layout == "a_transposed":
+        a = a.t().contiguous().t()
+    if layout == "strided":
+        a = torch.zeros(m, 2 * n, device="cuda")[:, ::2].copy_(a)
+    a_before, b_before, c_before = a.clone(), b.clone(), c.clone()
+    in_place = fp16x3_backward_route(m, n, k)
+    gemm_nn = model_new.dispatch_gemm_nt(a, b.t())
+    gemm_tn = model_new.dispatch_gemm_tn(a, c)
+    parts = model_new._ext.fp16x3_weight_parts(b) if in_place else None
+    for name, run, ref64, eager in [
+            ("gemm_nn", lambda: model_new._ext.gemm_nn(gemm_nn, a, b, None), a.double() @ b.double(), a @ b),
+            ("gemm_nn cached", lambda: model_new._ext.gemm_nn(gemm_nn, a, b, parts), a.double() @ b.double(), a @ b),
+            ("gemm_tn", lambda: model_new._ext.gemm_tn(gemm_tn, a, c), a.double().t() @ c.double(), a.t() @ c)]:
+        out = run()
+        err_new, err_eager = rel_err(out, ref64), rel_err(eager, ref64)
+        print(f"\n[{name}] ({m},{n},{k}) {layout} {gemm_nn if name != 'gemm_tn' else gemm_tn}: err {err_new:.2e}, "
+              f"torch fp32 {err_eager:.2e}")
+        assert out.shape == ref64.shape and out.is_contiguous() and out.dtype == torch.float32
+        assert err_new <= 2 * err_eager + GRAD_FLOOR, name
+    assert torch.equal(a, a_before) and torch.equal(b, b_before) and torch.equal(c, c_before)
+    if in_place:
+        assert gemm_nn.startswith("sm90_fp16x3") and gemm_tn.startswith("sm90_fp16x3")
+        names_nn = launched_kernels(lambda: model_new._ext.gemm_nn(gemm_nn, a, b, parts))
+        names_tn = launched_kernels(lambda: model_new._ext.gemm_tn(gemm_tn, a, c))
+        contiguous = layout == "contiguous"
+        expected_nn = ["sm90_prepass_fp16x3_scaled_kernel", "sm90_gemm_fp16x3_bn_kernel"]
+        expected_tn = ["sm90_prepass_fp16x3_columns_kernel"] * 2 + ["sm90_gemm_fp16x3_bn_kernel"]
+        for names, expected in ((names_nn, expected_nn), (names_tn, expected_tn)):
+            assert len(names) == len(expected) + (0 if contiguous else 1), names  # + a's row copy otherwise
+            for fragment in expected:
+                assert any(fragment in n_ for n_ in names), (fragment, names)
+
+
+def launched_kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 @requires_cuda

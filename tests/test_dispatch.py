@@ -177,6 +177,37 @@ def test_backward_products_dispatch():
         gemm(1024, 8192, 8192, True, False, TURING, DEFAULT)
     a, b = torch.rand(64, 32), torch.rand(48, 32)
     assert model_new.dispatch_gemm_nt(a, b) == model_new.dispatch_gemm_nt(a.double(), b.double()) == "torch_ops"
+    assert model_new.dispatch_gemm_tn(a, b.t()) == "torch_ops"
+
+
+def test_gemm_tn_dispatch():
+    """grad_W = grad_z^T x (a (M, N), b (M, K)): sm90_fp16x3 reads both operands
+    MN-major, so any M works when N and K are multiples of 8; otherwise the
+    transposed copies' row, dispatch_gemm_nt(a^T, b^T), whose K is M."""
+    class Shape:  # what dispatch_gemm_tn reads of a CUDA float32 tensor
+        is_cuda, dtype = True, torch.float32
+
+        def __init__(self, *shape):
+            self.shape = shape
+
+        def t(self):
+            return Shape(*reversed(self.shape))
+
+        def is_contiguous(self):
+            return False
+
+    def tn(m, n, k, facts=H200, switches=DEFAULT):
+        return model_new.dispatch_gemm_tn(Shape(m, n), Shape(m, k), facts, switches)
+
+    assert tn(1024, 8192, 8192) == "sm90_fp16x3"
+    assert tn(33, 136, 520) == "sm90_fp16x3"  # M odd: the reduction, any length
+    assert tn(33, 136, 520, switches=NO_SPLIT) == "sm90_fp16x3_nosplit"
+    assert tn(1024, 8192, 8196) == "sm90_fp16x3"  # K % 8 == 4: transposed copies, whose K is M = 1024
+    assert tn(1028, 130, 8192) == "sm90_3xtf32"  # N % 8 == 2, M % 8 == 4
+    assert tn(33, 130, 520) == "sm80_3xtf32"  # copies with K = M = 33
+    assert tn(1024, 8192, 8192, switches=TF32) == "sm90_3xtf32"
+    assert tn(1024, 8192, 8192, switches=PORTABLE) == "sm80_3xtf32"
+    assert tn(1024, 8192, 8192, facts=A100) == "sm80_3xtf32"
 
 
 # ---------------------------------------------------------------------------

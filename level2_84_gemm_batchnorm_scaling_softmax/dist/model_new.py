@@ -85,8 +85,10 @@ in the order a call uses them after ModelNew.forward at the bottom):
   ModelNew.forward (FusedModule) -> fused_forward: check_input, per_feature_scale,
     dispatch() -> Plan, then
     no gradient:           forward_train / forward_eval(plan.gemm, ...)  one extension call
-    training + gradient:   _TrainFn: forward_train_saved, backward: bn_backward_train, gemm_nt
-    eval + gradient:       _eval_with_grad: gemm_nt, then the fold in torch ops
+    training + gradient:   _TrainFn: forward_train_saved, backward: bn_backward_train,
+                           gemm_nn (grad_x), gemm_tn (grad_W)
+    eval + gradient:       _eval_with_grad: gemm_nt (backward: gemm_nn, gemm_tn), then the
+                           fold in torch ops
     16-bit:                the 16-bit extension's call (_LowpFn with gradients)
     torch.compile:         the same through the fused_gemm_bn:: custom operators
     synchronized BatchNorm (bn converted to a SyncBatchNorm, training, several
@@ -112,6 +114,9 @@ in the order a call uses them after ModelNew.forward at the bottom):
                                                     softmax_rows              * scale, softmax
       backward           bn_backward.cu             bn_batch_stats,           bn's gradients
                                                     bn_backward_train
+                         prepass_fp16x3_backward.cu sm90_prepass_fp16x3_      grad_x, grad_W on
+                                                    scaled / _columns         sm90_fp16x3 (operands
+                                                                              read MN-major)
     lowp_sm90            lowp/sm90_gemm_bn_16bit.cu (wgmma, TMA), lowp/bn_16bit.cu the 16-bit chain, rounded
     lowp_sm80            lowp/sm80_gemm_bn_16bit.cu (mma.sync), lowp/bn_16bit.cu  where Model rounds
     torch_ops            the _torch_* functions of this file                  CPU, float64 on CUDA
@@ -148,7 +153,7 @@ in the input's dtype, through the same autograd code.
 Surface for problem 84's module and for users (documented, stable):
 FusedModule, LinearParams, BatchNormState, fused_forward, kernel_path,
 check_input, per_feature_scale, sync_process_group;
-dispatch, dispatch_gemm_nt, plan, Call, Plan, DeviceFacts, device_facts,
+dispatch, dispatch_gemm_nt, dispatch_gemm_tn, plan, Call, Plan, DeviceFacts, device_facts,
 Switches, SWITCHES.
 
 Build: at import, the sources (kernels/*.cu, *.cuh, *.cpp) are located and, when
@@ -195,7 +200,8 @@ from torch.optim import optimizer as torch_optimizer
 _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
-_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "bn_backward_train",
+_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "gemm_nn", "gemm_tn",
+                        "bn_backward_train",
                         "fp16x3_weight_parts", "weight_row_sums", "sync_forward_local", "sync_bn_apply", "bn_backward_sums",
                         "bn_backward_grad", "sm90_gemm_available", "sm90_cluster_max_active"]
 # The 16-bit extension: kernels/lowp/ (plus the .cuh headers of kernels/), its own module.
@@ -1678,18 +1684,32 @@ cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const f
 cudaError_t sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, uint16_t* x_hi,
                                 uint16_t* x_lo, float* x_inv_scale, float* center, float2* row_sum, int* zero_ints,
                                 int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream);
+// prepass_fp16x3_backward.cu: the backward products' operands.  a (M, K) fp32
+// (rows contiguous) times col_scale (K, powers of two), each row split with its
+// own scale -> hi, lo (M, K) K-major, inv_scale (M); zero_ints[0 .. num_zero_ints) = 0.
+cudaError_t sm90_prepass_fp16x3_scaled(const float* a, int64_t row_stride, int M, int K, const float* col_scale,
+                                       uint16_t* hi, uint16_t* lo, float* inv_scale, int* zero_ints,
+                                       int num_zero_ints, cudaStream_t stream);
+// a (R, C) fp32 (rows contiguous), each column split with its own scale -> hi, lo
+// (R, C) as stored (an MN-major operand of C rows), inv_scale (C); zero_ints as above.
+cudaError_t sm90_prepass_fp16x3_columns(const float* a, int64_t row_stride, int R, int C, uint16_t* hi, uint16_t* lo,
+                                        float* inv_scale, int* zero_ints, int num_zero_ints, cudaStream_t stream);
 // As sm90_gemm_workspace, for the fp16x3 kernel (its k-blocks are 64 deep).
 void sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
-// An operand's fp16x3 parts from sm90_prepass_fp16x3: hi, lo (rows, K) fp16 words,
-// row-major, 16-byte aligned; inv_scale (rows) fp32, each row's 2^-e.
-// center: the x side's per-row centre c_m (the parts hold x - c_m); row_sum:
-// the w side's per-row sums (hi, lo).  The GEMM adds c_m (sum_k w[n, k]) back.
+// An operand's fp16x3 parts: hi, lo fp16 words, 16-byte aligned, stored (rows, K)
+// row-major ("K-major", from sm90_prepass_fp16x3 or sm90_prepass_fp16x3_scaled)
+// or, with mn_major, (K, rows) row-major ("MN-major", from
+// sm90_prepass_fp16x3_columns); inv_scale (rows) fp32, each row's 2^-e (null on
+// the w side of a plain product: 1).  center: the x side's per-row centre c_m
+// (the parts hold x - c_m); row_sum: the w side's per-row sums (hi, lo).  The
+// GEMM adds c_m (sum_k w[n, k]) back.
 struct Fp16x3Parts {
   const uint16_t* hi;
   const uint16_t* lo;
   const float* inv_scale;
   const float* center;    // x side (M), else null
   const float2* row_sum;  // w side (N), else null
+  bool mn_major = false;
 };
 // z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
 cudaError_t sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean, float* part_m2, int M,
@@ -1699,7 +1719,8 @@ cudaError_t sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, cons
                                   const float* bn_weight, const float* bn_bias, const float* running_mean,
                                   const float* running_var, float eps, bool scale_after_bn, int M, int N, int K,
                                   bool split_tiles, float* workspace, cudaStream_t stream);
-// out = x @ w^T (the backward's products).
+// out = x @ w^T (the backward's products): both operands K-major, w MN-major
+// (grad_x = grad_z W from W's cached parts), or both MN-major (grad_W = grad_z^T x).
 cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K, bool split_tiles,
                                    float* workspace, cudaStream_t stream);
 
@@ -2133,6 +2154,198 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
     if (vec) launch(sm90_prepass_fp16x3_kernel<true, RowSide::kW>);
     else launch(sm90_prepass_fp16x3_kernel<false, RowSide::kW>);
   }
+  return cudaGetLastError();
+}
+''',
+    'prepass_fp16x3_backward.cu': r'''// prepass_fp16x3_backward.cu -- the pre-passes of the backward's two fp16x3
+// products (sm90_gemm_fp16x3_plain, sm90_gemm_fp16x3_bn.cu), which read their
+// operands where they lie instead of transposed copies:
+//
+//   grad_x = grad_z W, (M, K): grad_x[m, k] = sum_n grad_z[m, n] W[n, k].
+//     W's cached parts (prepass_fp16x3.cu over W's rows: W[n, k] = (hi + lo)[n, k]
+//     2^-e_n, the forward's K-major (N, K) words) are the GEMM's w operand as
+//     they are: MN-major (rows k, reduction n), unscaled.  Their row scales move
+//     to the other operand, which the sum over n allows:
+//       grad_x[m, k] = sum_n (grad_z[m, n] 2^-e_n) (hi + lo)[n, k],
+//     so sm90_prepass_fp16x3_scaled splits the rows of g'[m, n] = grad_z[m, n]
+//     2^-e_n (K-major).  No copy of W, no split of it in the backward.
+//   grad_W = grad_z^T x, (N, K): grad_W[n, k] = sum_m grad_z[m, n] x[m, k].
+//     Both operands reduce over their stored rows, so sm90_prepass_fp16x3_columns
+//     splits each (M, C) matrix per column c (the GEMM's rows) with a scale per
+//     column and stores the parts as the matrix lies (MN-major).
+//
+// Tensors (fp32 inputs rows contiguous, any row stride; read, never written)
+//   _scaled:  a (M, K) fp32, col_scale (K) fp32 powers of two -> hi, lo (M, K) fp16
+//             words row-major, inv_scale (M) fp32
+//   _columns: a (R, C) fp32 -> hi, lo (R, C) fp16 words row-major, inv_scale (C)
+// Both zero zero_ints[0 .. num_zero_ints) (the GEMM's split-tile arrival counts).
+//
+// Numerics (fp16x3_split.cuh: the split and its error, <= 2^-22 |v| per element
+// above the subnormal range of lo, as the forward's):
+//   _scaled: v = a[m, k] col_scale[k] and its row's scale s_m = 2^f_m are applied
+//     as one product in float64, (float)(a (col_scale s_m)): exact wherever the
+//     result is a normal float (a power-of-two scaling), so g' needs no fp32 range
+//     of its own (|grad_z| |W| down to 2^-1000 keeps its bits); s_m from max_k |v|
+//     (fp16x3_scale: clamped to [2^-126, 2^126]).
+//   _columns: s_c from max_r |a[r, c]|, v s_c one exact fp32 product.
+//   No centring: these products feed no batch statistic (the forward centres x
+//   because BatchNorm's mean would keep the tensor cores' truncation bias).
+//   Non-finite inputs: Inf gives hi = Inf, lo = NaN, so the products are NaN
+//   where they involve it (NaN where eager has +-Inf), as in the forward.
+//
+// Structure: _scaled is one 256-thread block per row, two passes over the row
+// (the second from L1 / L2); _columns is one 512-thread block per 64 columns
+// (a lane owns 2 adjacent columns, 16 warps stride over the rows), the column
+// maxima through shared memory, then a second pass (L2 hits: R x 256 bytes per
+// block).  Memory traffic: 8 bytes read and 4 written per element.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "centring.cuh"
+#include "fp16x3_split.cuh"
+#include "launchers.cuh"
+
+namespace fused_gemm_bn {
+namespace {
+
+constexpr int kColumnsWarps = 16;
+constexpr int kColumnsThreads = 32 * kColumnsWarps;
+constexpr int kColumnsPerBlock = 64;  // 32 lanes x 2 adjacent columns
+
+__device__ __forceinline__ void zero_arrivals(int* zero_ints, int num_zero_ints) {
+  if (blockIdx.x == 0)
+    for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
+}
+
+// Row m of g' = a diag(col_scale), split with its own scale (header).
+__global__ void __launch_bounds__(kRowThreads)
+    sm90_prepass_fp16x3_scaled_kernel(const float* __restrict__ a, int64_t row_stride, int K,
+                                      const float* __restrict__ col_scale, uint32_t* __restrict__ hi,
+                                      uint32_t* __restrict__ lo, float* __restrict__ inv_scale, int* zero_ints,
+                                      int num_zero_ints) {
+  __shared__ float scratch[kRowWarps];
+  zero_arrivals(zero_ints, num_zero_ints);
+  const int64_t m = blockIdx.x;
+  const float* row = a + m * row_stride;
+  // Pass 1: max_k |a col_scale| (exact in float64; as a float: exact in the
+  // normal range, Inf / 0 beyond it, which fp16x3_scale's clamp handles).
+  float amax = 0.f;
+  for (int k = threadIdx.x; k < K; k += kRowThreads)
+    amax = fmaxf(amax, static_cast<float>(fabs(static_cast<double>(row[k]) * static_cast<double>(col_scale[k]))));
+  amax = row_block_reduce<1>(amax, scratch);
+  float s, inv_s;
+  fp16x3_scale(amax, s, inv_s);
+  if (threadIdx.x == 0) inv_scale[m] = inv_s;
+
+  // Pass 2 (L1 / L2 hits): the split of a col_scale s, two columns per word.
+  const double sd = static_cast<double>(s);
+  uint32_t* hi_row = hi + m * (K / 2);
+  uint32_t* lo_row = lo + m * (K / 2);
+  for (int p = threadIdx.x; p < K / 2; p += kRowThreads) {
+    const float2 v = *reinterpret_cast<const float2*>(row + 2 * p);
+    const float2 c = *reinterpret_cast<const float2*>(col_scale + 2 * p);
+    const float y0 = static_cast<float>(static_cast<double>(v.x) * (static_cast<double>(c.x) * sd));
+    const float y1 = static_cast<float>(static_cast<double>(v.y) * (static_cast<double>(c.y) * sd));
+    split_fp16x2(y0, y1, hi_row[p], lo_row[p]);
+  }
+}
+
+// Columns [64 b, 64 b + 64) of a (R, C), split per column (header).  kVec:
+// rows 8-byte aligned (float2 loads).
+template <bool kVec>
+__global__ void __launch_bounds__(kColumnsThreads)
+    sm90_prepass_fp16x3_columns_kernel(const float* __restrict__ a, int64_t row_stride, int R, int C,
+                                       uint32_t* __restrict__ hi, uint32_t* __restrict__ lo,
+                                       float* __restrict__ inv_scale, int* zero_ints, int num_zero_ints) {
+  __shared__ float col_max[kColumnsWarps][kColumnsPerBlock];
+  __shared__ float col_scale[kColumnsPerBlock];
+  zero_arrivals(zero_ints, num_zero_ints);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int c0 = blockIdx.x * kColumnsPerBlock + 2 * lane;  // this lane's columns c0, c0 + 1 (C is even)
+  const bool live = c0 < C;
+  auto load = [&](int r) {
+    const float* p = a + static_cast<int64_t>(r) * row_stride + c0;
+    if constexpr (kVec) return *reinterpret_cast<const float2*>(p);
+    else return make_float2(p[0], p[1]);
+  };
+  // Pass 1: the column maxima.
+  float m0 = 0.f, m1 = 0.f;
+  if (live) {
+#pragma unroll 4
+    for (int r = warp; r < R; r += kColumnsWarps) {
+      const float2 v = load(r);
+      m0 = fmaxf(m0, fabsf(v.x));
+      m1 = fmaxf(m1, fabsf(v.y));
+    }
+  }
+  col_max[warp][2 * lane] = m0;
+  col_max[warp][2 * lane + 1] = m1;
+  __syncthreads();
+  if (threadIdx.x < kColumnsPerBlock) {
+    float amax = 0.f;
+#pragma unroll
+    for (int w = 0; w < kColumnsWarps; ++w) amax = fmaxf(amax, col_max[w][threadIdx.x]);
+    float s, inv_s;
+    fp16x3_scale(amax, s, inv_s);
+    col_scale[threadIdx.x] = s;
+    const int c = blockIdx.x * kColumnsPerBlock + threadIdx.x;
+    if (c < C) inv_scale[c] = inv_s;
+  }
+  __syncthreads();
+  if (!live) return;
+  // Pass 2 (L2 hits): the split, one fp16 pair per lane and row.
+  const float s0 = col_scale[2 * lane], s1 = col_scale[2 * lane + 1];
+#pragma unroll 4
+  for (int r = warp; r < R; r += kColumnsWarps) {
+    const float2 v = load(r);
+    const int64_t word = (static_cast<int64_t>(r) * C + c0) / 2;
+    split_fp16x2(v.x * s0, v.y * s1, hi[word], lo[word]);
+  }
+}
+
+}  // namespace
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launchers (declared in launchers.cuh)
+// ---------------------------------------------------------------------------
+
+// Preconditions: M >= 1, K % 8 == 0, a's rows and col_scale 8-byte aligned with
+// an even row stride, hi and lo 16-byte aligned.
+cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_scaled(const float* a, int64_t row_stride, int M, int K,
+                                                      const float* col_scale, uint16_t* hi, uint16_t* lo,
+                                                      float* inv_scale, int* zero_ints, int num_zero_ints,
+                                                      cudaStream_t stream) {
+  if (M < 1 || K % 8 != 0 || row_stride % 2 != 0 || reinterpret_cast<uintptr_t>(a) % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(col_scale) % 8 != 0 || reinterpret_cast<uintptr_t>(hi) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(lo) % 16 != 0)
+    return cudaErrorInvalidValue;
+  sm90_prepass_fp16x3_scaled_kernel<<<M, kRowThreads, 0, stream>>>(
+      a, row_stride, K, col_scale, reinterpret_cast<uint32_t*>(hi), reinterpret_cast<uint32_t*>(lo), inv_scale,
+      zero_ints, num_zero_ints);
+  return cudaGetLastError();
+}
+
+// Preconditions: R >= 1, C >= 1, C % 8 == 0, hi and lo 16-byte aligned.
+cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_columns(const float* a, int64_t row_stride, int R, int C,
+                                                       uint16_t* hi, uint16_t* lo, float* inv_scale, int* zero_ints,
+                                                       int num_zero_ints, cudaStream_t stream) {
+  if (R < 1 || C < 1 || C % 8 != 0 || reinterpret_cast<uintptr_t>(hi) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(lo) % 16 != 0)
+    return cudaErrorInvalidValue;
+  const bool vec = row_stride % 2 == 0 && reinterpret_cast<uintptr_t>(a) % 8 == 0;
+  const unsigned blocks = static_cast<unsigned>((C + kColumnsPerBlock - 1) / kColumnsPerBlock);
+  auto h = reinterpret_cast<uint32_t*>(hi);
+  auto l = reinterpret_cast<uint32_t*>(lo);
+  if (vec)
+    sm90_prepass_fp16x3_columns_kernel<true><<<blocks, kColumnsThreads, 0, stream>>>(a, row_stride, R, C, h, l,
+                                                                                     inv_scale, zero_ints,
+                                                                                     num_zero_ints);
+  else
+    sm90_prepass_fp16x3_columns_kernel<false><<<blocks, kColumnsThreads, 0, stream>>>(a, row_stride, R, C, h, l,
+                                                                                      inv_scale, zero_ints,
+                                                                                      num_zero_ints);
   return cudaGetLastError();
 }
 ''',
@@ -3521,18 +3734,24 @@ struct Fp16x3Traits {
   static constexpr int X_PART_BYTES = BLOCK_M * BLOCK_K * 2;
   static constexpr int STAGE_BYTES = 2 * W_PART_BYTES + 2 * X_PART_BYTES;  // w_hi, w_lo, x_hi, x_lo
   static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;
+  static constexpr int MN_BOX_BYTES = kMnBoxRows * kMnBoxK * 2;  // one MN-major TMA box: 64 rows x 64 k
 
   static_assert(BLOCK_K * 2 == 128, "tiles are rows of one 128-byte swizzle span");
   static_assert(BLOCK_K == 2 * SPAN_K, "a stage holds two spans");
   static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k16 halves per batch tile");
   static_assert(W_PART_BYTES % 1024 == 0 && X_PART_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
+  static_assert(kMnBoxK == BLOCK_K && 2 * kMnBoxRows == BLOCK_N && 2 * kMnBoxRows == BLOCK_M &&
+                    kMnBoxRows == WGMMA_M && kMnBoxRows == WGMMA_N && MN_BOX_BYTES == WGMMA_N * 128,
+                "an MN-major part tile is two boxes: one per consumer warpgroup (w) or batch half (x)");
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
   static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
                     kNumConsumers * 128 == kConsumerThreads,
                 "the tile of sm90_gemm_tiles.cuh (its epilogues and split-tile hand-off)");
 };
 
-template <Epilogue kEpilogue>
+// kWMn / kXMn: the w / x operand is MN-major (stored (K, rows), TMA boxes of
+// 64 rows x 64 k, make_tensor_map_mn) instead of K-major (stored (rows, K)).
+template <Epilogue kEpilogue, bool kWMn, bool kXMn>
 __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w_hi,
                                const __grid_constant__ CUtensorMap tmap_w_lo,
@@ -3582,10 +3801,21 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
           uint8_t* stage = smem + s * T::STAGE_BYTES;
           mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
           const int k0 = kb * T::BLOCK_K;
-          tma_load_2d(stage, &tmap_w_hi, &full_bar[s], k0, n0);
-          tma_load_2d(stage + T::W_PART_BYTES, &tmap_w_lo, &full_bar[s], k0, n0);
-          tma_load_2d(stage + 2 * T::W_PART_BYTES, &tmap_x_hi, &full_bar[s], k0, m0);
-          tma_load_2d(stage + 2 * T::W_PART_BYTES + T::X_PART_BYTES, &tmap_x_lo, &full_bar[s], k0, m0);
+          // One part tile: a K-major box of 128 rows, or two MN-major boxes of 64 rows.
+          auto load_part = [&](uint8_t* dst, const CUtensorMap* map, int r0, auto mn_c) {
+            if constexpr (decltype(mn_c)::value) {
+              tma_load_2d(dst, map, &full_bar[s], r0, k0);
+              tma_load_2d(dst + T::MN_BOX_BYTES, map, &full_bar[s], r0 + kMnBoxRows, k0);
+            } else {
+              tma_load_2d(dst, map, &full_bar[s], k0, r0);
+            }
+          };
+          using WMn = std::integral_constant<bool, kWMn>;
+          using XMn = std::integral_constant<bool, kXMn>;
+          load_part(stage, &tmap_w_hi, n0, WMn{});
+          load_part(stage + T::W_PART_BYTES, &tmap_w_lo, n0, WMn{});
+          load_part(stage + 2 * T::W_PART_BYTES, &tmap_x_hi, m0, XMn{});
+          load_part(stage + 2 * T::W_PART_BYTES + T::X_PART_BYTES, &tmap_x_lo, m0, XMn{});
         }
       }
     }
@@ -3601,6 +3831,12 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
   // warp's 16 rows, 16-byte chunk l / 16 of the k-step (the A fragment order).
   const int ld_row = warpgroup * T::WGMMA_M + warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
   const int ld_chunk = lane / 16;
+  // MN-major w (ldmatrix .trans): lane l gives k-row (l % 8) + 8 (l / 16) of the
+  // k-step, 16-byte chunk 2 warp + (l / 8) % 2 (the warp's 16 rows) of its
+  // warpgroup's 64-row box; k % 8 == l % 8 picks the swizzle.
+  const int mn_k = (lane % 8) + 8 * (lane / 16);
+  const uint32_t mn_offset =
+      warpgroup * T::MN_BOX_BYTES + mn_k * 128 + (((2 * warp + (lane / 8) % 2) ^ (lane % 8)) << 4);
 
   float acc[T::kAccRegs];
   float part[2][T::kPartRegs];
@@ -3616,10 +3852,16 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     const uint32_t w_hi = smem_u32(smem + (q % T::kNumStages) * T::STAGE_BYTES);
 #pragma unroll
     for (int j = 0; j < T::kSpanSteps; ++j) {
-      const int chunk = (sub * T::kSpanSteps + j) * (T::WGMMA_K / 8) + ld_chunk;  // 8 fp16 per 16-byte chunk
-      const uint32_t offset = ld_row * 128 + ((chunk ^ (ld_row % 8)) << 4);       // 128-byte swizzle
-      ldmatrix_x4(a[j][0], w_hi + offset);
-      ldmatrix_x4(a[j][1], w_hi + T::W_PART_BYTES + offset);
+      if constexpr (kWMn) {
+        const uint32_t offset = mn_offset + (sub * T::kSpanSteps + j) * T::WGMMA_K * 128;  // 128 bytes per k
+        ldmatrix_x4_trans(a[j][0], w_hi + offset);
+        ldmatrix_x4_trans(a[j][1], w_hi + T::W_PART_BYTES + offset);
+      } else {
+        const int chunk = (sub * T::kSpanSteps + j) * (T::WGMMA_K / 8) + ld_chunk;  // 8 fp16 per 16-byte chunk
+        const uint32_t offset = ld_row * 128 + ((chunk ^ (ld_row % 8)) << 4);       // 128-byte swizzle
+        ldmatrix_x4(a[j][0], w_hi + offset);
+        ldmatrix_x4(a[j][1], w_hi + T::W_PART_BYTES + offset);
+      }
     }
   };
   // The 12 wgmmas of one span (both batch halves, 6 each) as one commit group:
@@ -3632,19 +3874,23 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     wgmma_fence();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const uint8_t* x_hi = x_tiles + half * T::WGMMA_N * 128;
+      // The half's 64 batch rows: 8 KB in both layouts (K-major: 64 rows of
+      // 128 bytes; MN-major: its own box of 64 k-rows).
+      const uint8_t* x_hi = x_tiles + half * T::MN_BOX_BYTES;
       const uint8_t* x_lo = x_hi + T::X_PART_BYTES;
+      // B descriptor of k-step j of this span.
+      auto desc_b = [&](const uint8_t* tile, int j) {
+        const int k_step = sub * T::kSpanSteps + j;
+        if constexpr (kXMn) return desc_mnmajor_sw128(tile, k_step * T::WGMMA_K * 128, T::MN_BOX_BYTES);
+        else return desc_kmajor_sw128(tile, k_step * T::WGMMA_K * 2);
+      };
 #pragma unroll
       for (int j = 0; j < T::kSpanSteps; ++j) {
-        const uint32_t k_bytes = (sub * T::kSpanSteps + j) * T::WGMMA_K * 2;
-        wgmma_m64n64k16_f16_rs(part[half], a[j][0], desc_kmajor_sw128(x_lo, k_bytes), j != 0);
-        wgmma_m64n64k16_f16_rs(part[half], a[j][1], desc_kmajor_sw128(x_hi, k_bytes), true);
+        wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][0], desc_b(x_lo, j), j != 0);
+        wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][1], desc_b(x_hi, j), true);
       }
 #pragma unroll
-      for (int j = 0; j < T::kSpanSteps; ++j) {
-        const uint32_t k_bytes = (sub * T::kSpanSteps + j) * T::WGMMA_K * 2;
-        wgmma_m64n64k16_f16_rs(part[half], a[j][0], desc_kmajor_sw128(x_hi, k_bytes), true);
-      }
+      for (int j = 0; j < T::kSpanSteps; ++j) wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][0], desc_b(x_hi, j), true);
     }
     wgmma_commit();
   };
@@ -3729,16 +3975,23 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 #endif
 }
 
-template <Epilogue kEpilogue>
+// The tensor map of one part: K-major (rows, K) in 128-row boxes, or MN-major (K, rows).
+static bool make_part_map(CUtensorMap* map, const uint16_t* part, bool mn_major, int rows, int K, int box_rows) {
+  return mn_major ? make_tensor_map_mn(map, part, rows, K)
+                  : make_tensor_map(map, part, TileDtype::kWord16, rows, K, box_rows);
+}
+
+template <Epilogue kEpilogue, bool kWMn = false, bool kXMn = false>
 static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, bool split_tiles,
                                  float* workspace, cudaStream_t stream) {
   using T = Fp16x3Traits;
-  auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue>;
+  auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn>;
   CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
-  if (!make_tensor_map(&tmap_w_hi, w.hi, TileDtype::kWord16, args.N, args.K, T::BLOCK_N) ||
-      !make_tensor_map(&tmap_w_lo, w.lo, TileDtype::kWord16, args.N, args.K, T::BLOCK_N) ||
-      !make_tensor_map(&tmap_x_hi, x.hi, TileDtype::kWord16, args.M, args.K, T::BLOCK_M) ||
-      !make_tensor_map(&tmap_x_lo, x.lo, TileDtype::kWord16, args.M, args.K, T::BLOCK_M))
+  if (w.mn_major != kWMn || x.mn_major != kXMn ||
+      !make_part_map(&tmap_w_hi, w.hi, kWMn, args.N, args.K, T::BLOCK_N) ||
+      !make_part_map(&tmap_w_lo, w.lo, kWMn, args.N, args.K, T::BLOCK_N) ||
+      !make_part_map(&tmap_x_hi, x.hi, kXMn, args.M, args.K, T::BLOCK_M) ||
+      !make_part_map(&tmap_x_lo, x.lo, kXMn, args.M, args.K, T::BLOCK_M))
     return cudaErrorInvalidValue;
   constexpr int kMaxDevices = 64;
   static bool smem_set[kMaxDevices] = {};
@@ -3772,10 +4025,20 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
 static bool parts_ok(const Fp16x3Parts& p) {
   return aligned16(p.hi) && aligned16(p.lo) && p.inv_scale != nullptr;
 }
+// The forwards: both operands K-major, x centred, w's row sums.
 static bool fp16x3_launch_ok(const Fp16x3Parts& x, const Fp16x3Parts& w, int M, int N, int K) {
   return M >= 1 && N >= 1 && K >= 1 && K % 8 == 0 && parts_ok(x) && parts_ok(w) && x.center != nullptr &&
-         w.row_sum != nullptr &&
-         fused_gemm_bn::sm90_gemm_available();
+         w.row_sum != nullptr && !x.mn_major && !w.mn_major && fused_gemm_bn::sm90_gemm_available();
+}
+// The plain product: any centring (x.center and w.row_sum both or neither);
+// K-major operands need K % 8 == 0, MN-major ones rows % 8 == 0 (16-byte TMA
+// strides); w.inv_scale may be null (unscaled w); x K-major with w MN-major,
+// or both of one layout.
+static bool fp16x3_plain_ok(const Fp16x3Parts& x, const Fp16x3Parts& w, int M, int N, int K) {
+  const bool x_ok = aligned16(x.hi) && aligned16(x.lo) && x.inv_scale != nullptr && (x.mn_major ? M % 8 : K % 8) == 0;
+  const bool w_ok = aligned16(w.hi) && aligned16(w.lo) && (w.mn_major ? N % 8 : K % 8) == 0;
+  return M >= 1 && N >= 1 && K >= 1 && x_ok && w_ok && (x.center == nullptr) == (w.row_sum == nullptr) &&
+         !(x.mn_major && !w.mn_major) && fused_gemm_bn::sm90_gemm_available();
 }
 
 }  // namespace sm90
@@ -3825,14 +4088,18 @@ cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, f
   return launch_fp16x3<sm90::Epilogue::kEval>(x, w, args, split_tiles, workspace, stream);
 }
 
-// out = x @ w^T, nothing else (the backward's products).
+// out = x @ w^T, nothing else (the backward's products), in any of the
+// operand layouts fp16x3_plain_ok accepts.
 cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K,
                                                   bool split_tiles, float* workspace, cudaStream_t stream) {
   using namespace sm90;
-  if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
+  if (!fp16x3_plain_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
+  if (w.mn_major && x.mn_major)
+    return launch_fp16x3<sm90::Epilogue::kPlain, true, true>(x, w, args, split_tiles, workspace, stream);
+  if (w.mn_major) return launch_fp16x3<sm90::Epilogue::kPlain, true, false>(x, w, args, split_tiles, workspace, stream);
   return launch_fp16x3<sm90::Epilogue::kPlain>(x, w, args, split_tiles, workspace, stream);
 }
 ''',
@@ -3984,7 +4251,8 @@ __device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], 
 }
 
 // The product's last steps, in place: z = (acc 2^-e_n) 2^-e_m (kScaled: the
-// fp16x3 operands' power-of-two row scales, two exact multiplies) + c_m (hi_n +
+// fp16x3 operands' power-of-two row scales, two exact multiplies; 2^-e_n = 1
+// where args.w_inv_scale is null) + c_m (hi_n +
 // lo_n) where x was centred (args.x_center not null; centring.cuh): two fmas,
 // one rounding of z beyond the tiny lo product.  Rows past M or N hold zeros
 // and stay zero.
@@ -3998,7 +4266,8 @@ __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int f = n0 + w_row + 8 * h;
-    w_inv[h] = kScaled && f < args.N ? __ldg(args.w_inv_scale + f) : 0.f;
+    // No w scales (an operand used as stored, unscaled): 1.
+    w_inv[h] = kScaled && f < args.N ? (args.w_inv_scale != nullptr ? __ldg(args.w_inv_scale + f) : 1.f) : 0.f;
     w_sum[h] = centred && f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
   }
 #pragma unroll
@@ -4136,6 +4405,23 @@ static bool make_tensor_map(CUtensorMap* map, const void* ptr, TileDtype dtype, 
   return encode(map, dtype == TileDtype::kFloat32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
                 const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// A (K, rows) row-major matrix of 16-bit words (an MN-major operand: k-row by
+// k-row; rows % 8 == 0 for TMA's 16-byte global stride) read in boxes of 64
+// rows (one 128-byte swizzle span) x 64 k, zero-filled outside the matrix.
+constexpr int kMnBoxRows = 64;
+constexpr int kMnBoxK = 64;
+static bool make_tensor_map_mn(CUtensorMap* map, const void* ptr, int rows, int K) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr || rows % 8 != 0) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(K)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(rows) * 2};
+  const cuuint32_t box[2] = {kMnBoxRows, kMnBoxK};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(ptr), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -4366,6 +4652,17 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr
 #endif
 }
 
+// The same four matrices transposed (ldmatrix .trans): r[i] of lane 4 g + t
+// holds words g of rows 2 t and 2 t + 1 of matrix i (row 2 t in the low half).
+// From a tile stored k-row by k-row (MN-major), this is the K-major fragment.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t smem_addr) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+#endif
+}
+
 // ---- wgmma ----------------------------------------------------------------
 
 // Shared-memory matrix descriptor (PTX ISA 9.7.15.5.1) for a K-major tile
@@ -4380,6 +4677,25 @@ __device__ __forceinline__ uint64_t desc_kmajor_sw128(const void* tile, uint32_t
   desc |= static_cast<uint64_t>(1) << 16;                 // leading byte offset (unused when swizzled K-major)
   desc |= static_cast<uint64_t>(1024 >> 4) << 32;         // stride byte offset: next 8-row atom
   desc |= static_cast<uint64_t>(1) << 62;                 // swizzle mode: 128B
+  return desc;
+}
+
+// Descriptor for an MN-major tile of 16-bit words written by TMA with
+// CU_TENSOR_MAP_SWIZZLE_128B: one 128-byte row (64 MN elements) per k, 16-byte
+// chunks XOR-swizzled by (k % 8), 8-k atoms of 1024 bytes (the stride byte
+// offset); MN blocks of 64 elements `mn_block_bytes` apart (the leading byte
+// offset; read only by wgmmas wider than 64 in MN).  The canonical MN-major
+// SWIZZLE_128B layout of PTX ISA 9.7.15.5.1, in CuTe's notation
+// ((8, n), (8, k)) : ((1, LBO), (8, SBO)) in 16-byte units.  A k-step of 16
+// starts two atoms (2048 bytes) further on.
+__device__ __forceinline__ uint64_t desc_mnmajor_sw128(const void* tile, uint32_t byte_offset,
+                                                       uint32_t mn_block_bytes) {
+  const uint32_t addr = smem_u32(tile) + byte_offset;
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);             // start address
+  desc |= static_cast<uint64_t>((mn_block_bytes >> 4) & 0x3FFF) << 16;  // leading byte offset: next 64 MN
+  desc |= static_cast<uint64_t>(1024 >> 4) << 32;                    // stride byte offset: next 8 k
+  desc |= static_cast<uint64_t>(1) << 62;                            // swizzle mode: 128B
   return desc;
 }
 
@@ -4440,11 +4756,13 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
 // D(64 x 64, fp32) (+)= A(64 x 16, registers) * B(16 x 64, shared memory), fp16
 // inputs (exact products, fp32 accumulation; the tensor core's accumulation
 // chain is not round-to-nearest, so callers promote partial sums).  B is
-// K-major (imm-trans-b 0).  A fragment (PTX ISA 9.7.15.5.2, .f16): warp w of
+// K-major (kTransB false: imm-trans-b 0, desc_kmajor_sw128) or N-major
+// (kTransB true: imm-trans-b 1, desc_mnmajor_sw128).  A fragment (PTX ISA 9.7.15.5.2, .f16): warp w of
 // the warpgroup holds rows 16 w .. 16 w + 15; lane l = 4 g + t holds, as fp16
 // pairs (lower k in the low half), a0 = (16 w + g, 2 t .. 2 t + 1),
 // a1 = (16 w + g + 8, 2 t ..), a2 = (16 w + g, 2 t + 8 ..), a3 = (16 w + g + 8, 2 t + 8 ..).
 // The A registers must stay unchanged until the wgmma has completed.
+template <bool kTransB = false>
 __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
                                                        bool accumulate) {
 #if FUSED_GEMM_BN_SM90A
@@ -4453,10 +4771,11 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
       ".reg .pred p;\n"
       "setp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FUSED_GEMM_BN_D32_LIST
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
       "}\n"
       : FUSED_GEMM_BN_D32
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)),
+        "n"(kTransB ? 1 : 0));
 #endif
 }
 
@@ -4519,6 +4838,12 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward.
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
+//   gemm_nn(gemm, a (M, N), b (N, K), b_parts) -> a @ b: grad_x = grad_z W; on
+//       sm90_fp16x3 b's fp16x3 parts (b_parts: cached, or None) read MN-major,
+//       a split with b's row scales folded in (prepass_fp16x3_backward.cu)
+//   gemm_tn(gemm, a (M, N), b (M, K)) -> a^T @ b: grad_W = grad_z^T x; on
+//       sm90_fp16x3 both split per column and read MN-major
+//   (both: other GEMM kernels, or N or K not a multiple of 8: gemm_nt on transposed copies)
 //   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4 + 2 N): W's
 //       fp16x3 parts [w_hi | w_lo | w_inv_scale | w_row_sum] for w_parts
 //   weight_row_sums(weight (N, K)) -> float32 (2 N): W's row sums as (hi, lo) pairs,
@@ -5078,6 +5403,123 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, fgb::Centring{nullptr, nullptr}, out.data_ptr<float>(),
                                           zero, one, one, zero, zero, one, 0.f, false, M, N, K, stream),
                "sm80_gemm_3xtf32_eval");
+  return out;
+}
+
+namespace {
+
+// The checks of gemm_nn / gemm_tn: float32 CUDA a and b on one device, 2-D, a's
+// dim `a_dim` matching b's dim 0 (the reduction), sizes within int32.
+void check_backward_operands(const char* fn, const torch::Tensor& a, const torch::Tensor& b, int a_dim,
+                             const char* expected) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(), fn,
+              ": a and b must be CUDA tensors on one device, got ", a.device(), " and ", b.device());
+  TORCH_CHECK(a.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32, fn,
+              ": a and b must be float32, got ", a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(a_dim) == b.size(0), fn, ": expected ", expected, ", got ",
+              a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.size(0) <= INT32_MAX && a.size(1) <= INT32_MAX && b.size(1) <= INT32_MAX, fn,
+              ": sizes must fit in int32, got ", a.sizes(), " and ", b.sizes());
+}
+
+// t with contiguous rows (t itself when its columns have stride 1 and its rows
+// start 8-byte aligned, else a contiguous copy).
+torch::Tensor with_contiguous_rows(const torch::Tensor& t) {
+  const bool ok = t.stride(1) == 1 && t.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 8 == 0;
+  return ok ? t : t.contiguous();
+}
+
+}  // namespace
+
+// a @ b, float32-accurate, for float32 CUDA a (M, N) and b (N, K): the
+// backward's grad_x = grad_z W.  On sm90_fp16x3[_nosplit] with N % 8 == 0 and
+// K % 8 == 0, b's fp16x3 parts (b_parts: fp16x3_weight_parts(b), the forward's
+// cached split, or made now) are the GEMM's MN-major w operand and a's rows are
+// split with b's row scales folded in (sm90_prepass_fp16x3_scaled): no
+// transposed copy of b.  Otherwise gemm_nt(a, b^T), which copies b transposed.
+// Returns (M, K).
+torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
+                      c10::optional<torch::Tensor> b_parts) {
+  const Gemm gemm = parse_gemm(gemm_name);
+  check_backward_operands("gemm_nn", a, b, 1, "a (M, N) and b (N, K)");
+  const int M = static_cast<int>(a.size(0)), N = static_cast<int>(a.size(1)), K = static_cast<int>(b.size(1));
+  if (!is_fp16x3(gemm) || N % 8 != 0 || K % 8 != 0 || M == 0 || K == 0 || N == 0)
+    return gemm_nt(gemm_name, a, b.t());
+  const c10::cuda::CUDAGuard guard(a.device());
+  const cudaStream_t stream = current_stream(a);
+  const bool split_tiles = splits_tiles(gemm);
+  const WeightParts wp = weight_parts(b, b_parts, N, K, stream);
+  const torch::Tensor ar = with_contiguous_rows(a);
+  // One allocation: a's parts (M N / 2 floats each), inv_scale (M, padded to 4), the GEMM's workspace.
+  const int64_t part_floats = static_cast<int64_t>(M) * N / 2;
+  const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;
+  int64_t workspace_floats = 0;
+  int zero_ints = 0;
+  fgb::sm90_gemm_fp16x3_workspace(M, K, N, split_tiles, &workspace_floats, &zero_ints);
+  torch::Tensor storage = torch::empty({2 * part_floats + scale_floats + workspace_floats}, a.options());
+  float* base = storage.data_ptr<float>();
+  uint16_t* hi = reinterpret_cast<uint16_t*>(base);
+  uint16_t* lo = reinterpret_cast<uint16_t*>(base + part_floats);
+  float* inv_scale = base + 2 * part_floats;
+  float* workspace = workspace_floats > 0 ? inv_scale + scale_floats : nullptr;
+  int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
+  check_launch(fgb::sm90_prepass_fp16x3_scaled(ar.data_ptr<float>(), ar.stride(0), M, N, wp.parts.inv_scale, hi, lo,
+                                               inv_scale, arrivals, arrivals ? zero_ints : 0, stream),
+               "sm90_prepass_fp16x3_scaled");
+  const fgb::Fp16x3Parts x{hi, lo, inv_scale, nullptr, nullptr, false};
+  const fgb::Fp16x3Parts w{wp.parts.hi, wp.parts.lo, nullptr, nullptr, nullptr, true};  // scales folded into x
+  torch::Tensor out = torch::empty({M, K}, a.options());
+  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), M, K, N, split_tiles, workspace, stream),
+               "sm90_gemm_fp16x3_plain (w MN-major)");
+  return out;
+}
+
+// a^T @ b, float32-accurate, for float32 CUDA a (M, N) and b (M, K): the
+// backward's grad_W = grad_z^T x.  On sm90_fp16x3[_nosplit] with N % 8 == 0 and
+// K % 8 == 0, both are split per column (sm90_prepass_fp16x3_columns) and read
+// as MN-major operands where they lie; otherwise gemm_nt(a^T, b^T), which
+// copies both transposed.  Returns (N, K).
+torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tensor b) {
+  const Gemm gemm = parse_gemm(gemm_name);
+  check_backward_operands("gemm_tn", a, b, 0, "a (M, N) and b (M, K)");
+  const int M = static_cast<int>(a.size(0)), N = static_cast<int>(a.size(1)), K = static_cast<int>(b.size(1));
+  if (!is_fp16x3(gemm) || N % 8 != 0 || K % 8 != 0 || M == 0 || K == 0 || N == 0)
+    return gemm_nt(gemm_name, a.t(), b.t());
+  const c10::cuda::CUDAGuard guard(a.device());
+  const cudaStream_t stream = current_stream(a);
+  const bool split_tiles = splits_tiles(gemm);
+  const torch::Tensor ar = with_contiguous_rows(a), br = with_contiguous_rows(b);
+  // One allocation: a's parts (M N / 2 floats each), b's (M K / 2 each), their
+  // column scales (N, K, padded to 4), the GEMM's workspace.
+  const int64_t a_floats = static_cast<int64_t>(M) * N / 2, b_floats = static_cast<int64_t>(M) * K / 2;
+  const int64_t a_scale_floats = (static_cast<int64_t>(N) + 3) / 4 * 4;
+  const int64_t b_scale_floats = (static_cast<int64_t>(K) + 3) / 4 * 4;
+  int64_t workspace_floats = 0;
+  int zero_ints = 0;
+  fgb::sm90_gemm_fp16x3_workspace(N, K, M, split_tiles, &workspace_floats, &zero_ints);
+  torch::Tensor storage =
+      torch::empty({2 * a_floats + 2 * b_floats + a_scale_floats + b_scale_floats + workspace_floats}, a.options());
+  float* base = storage.data_ptr<float>();
+  uint16_t* a_hi = reinterpret_cast<uint16_t*>(base);
+  uint16_t* a_lo = reinterpret_cast<uint16_t*>(base + a_floats);
+  uint16_t* b_hi = reinterpret_cast<uint16_t*>(base + 2 * a_floats);
+  uint16_t* b_lo = reinterpret_cast<uint16_t*>(base + 2 * a_floats + b_floats);
+  float* a_inv = base + 2 * a_floats + 2 * b_floats;
+  float* b_inv = a_inv + a_scale_floats;
+  float* workspace = workspace_floats > 0 ? b_inv + b_scale_floats : nullptr;
+  int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
+  check_launch(fgb::sm90_prepass_fp16x3_columns(ar.data_ptr<float>(), ar.stride(0), M, N, a_hi, a_lo, a_inv, arrivals,
+                                                arrivals ? zero_ints : 0, stream),
+               "sm90_prepass_fp16x3_columns (a)");
+  check_launch(fgb::sm90_prepass_fp16x3_columns(br.data_ptr<float>(), br.stride(0), M, K, b_hi, b_lo, b_inv, nullptr,
+                                                0, stream),
+               "sm90_prepass_fp16x3_columns (b)");
+  // The GEMM's x operand (rows: its M = N here) is a, its w operand (rows: K) is b; both MN-major.
+  const fgb::Fp16x3Parts x{a_hi, a_lo, a_inv, nullptr, nullptr, true};
+  const fgb::Fp16x3Parts w{b_hi, b_lo, b_inv, nullptr, nullptr, true};
+  torch::Tensor out = torch::empty({N, K}, a.options());
+  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), N, K, M, split_tiles, workspace, stream),
+               "sm90_gemm_fp16x3_plain (both MN-major)");
   return out;
 }
 
@@ -5786,8 +6228,10 @@ def per_feature_scale(scale, n):
 #                                else                                          RuntimeError
 #
 # Plan.name = <gemm>_<train|eval>[_grad], e.g. sm90_3xtf32_train, sm80_3xtf32_eval_grad.
-# The backward's products (grad_x = grad_z W, grad_W = grad_z^T x) are decided
-# the same way per product by dispatch_gemm_nt.
+# The backward's products are decided the same way per product: grad_x = grad_z W
+# by dispatch_gemm_nt(grad_z, W^T) (reduction over N), grad_W = grad_z^T x by
+# dispatch_gemm_tn (reduction over M: on Hopper sm90_fp16x3 needs N % 8 == 0
+# and K % 8 == 0 only, the operands being read MN-major where they lie).
 
 Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused",
                                               "autocast_fused"], defaults=(True, True, True))
@@ -5948,6 +6392,22 @@ def dispatch_gemm_nt(a, b, facts=None, switches=None):
     switches = SWITCHES if switches is None else switches
     b_aligned = not b.is_contiguous() or _aligned16(b)
     return _float32_gemm(a.shape[0], b.shape[0], a.shape[1], b_aligned, False, facts, switches)
+
+
+def dispatch_gemm_tn(a, b, facts=None, switches=None):
+    """The GEMM kernel of a^T @ b (grad_W = grad_z^T x; a (M, N), b (M, K)):
+    sm90_fp16x3[_nosplit] where the Hopper fp16x3 kernel reads both MN-major
+    (N % 8 == 0, K % 8 == 0, any M >= 1), else dispatch_gemm_nt(a^T, b^T) (the
+    extension then copies both transposed), or "torch_ops" for CPU / float64."""
+    if not a.is_cuda or a.dtype == torch.float64:
+        return "torch_ops"
+    facts = device_facts(a.device) if facts is None else facts
+    switches = SWITCHES if switches is None else switches
+    m, n, k = a.shape[0], a.shape[1], b.shape[1]
+    if (not switches.portable and switches.fp16x3 and facts.capability == (9, 0) and facts.sm90_gemm
+            and min(m, n, k) >= 1 and n % 8 == 0 and k % 8 == 0):
+        return "sm90_fp16x3" if switches.split_tiles else "sm90_fp16x3_nosplit"
+    return dispatch_gemm_nt(a.t(), b.t(), facts, switches)
 
 
 def _kernels(plan_kernels):
@@ -6218,6 +6678,24 @@ def _gemm_nt(a, b):
     return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_nt(gemm, a, b)
 
 
+def _gemm_nn(a, b):
+    """a (M, N) @ b (N, K) for the backward (grad_x = grad_z W), on the kernel
+    dispatch_gemm_nt picks for a @ (b^T)^T.  On sm90_fp16x3 the extension reads
+    b's fp16x3 parts MN-major: gemm.weight's, kept from the forward (_weight_parts)."""
+    gemm = dispatch_gemm_nt(a, b.t())
+    if gemm == "torch_ops":
+        return _TORCH_PATH.gemm_nn(gemm, a, b)
+    mn_major = gemm.startswith("sm90_fp16x3") and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0
+    return _ext.gemm_nn(gemm, a, b, _weight_parts(b) if mn_major and a.shape[0] > 0 else None)
+
+
+def _gemm_tn(a, b):
+    """a (M, N)^T @ b (M, K) for the backward (grad_W = grad_z^T x), on the
+    kernel dispatch_gemm_tn picks."""
+    gemm = dispatch_gemm_tn(a, b)
+    return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_tn(gemm, a, b)
+
+
 def _bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
     """The extension's bn_backward_train (float32 CUDA) or _torch_bn_backward_train."""
     kernels = _kernels("ext" if z.is_cuda and z.dtype == torch.float32 else "torch")
@@ -6225,7 +6703,8 @@ def _bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
 
 
 # What eager backward passes call (torch.compile's graphs call _OPS, same names).
-_EAGER_BACKWARD = types.SimpleNamespace(gemm_nt=_gemm_nt, bn_backward_train=_bn_backward_train)
+_EAGER_BACKWARD = types.SimpleNamespace(gemm_nt=_gemm_nt, gemm_nn=_gemm_nn, gemm_tn=_gemm_tn,
+                                        bn_backward_train=_bn_backward_train)
 
 
 def _train_backward(ops, scale_after_bn, eps, grad_out, x, weight, scale, bn_weight, bn_bias, z, stats, out, needs):
@@ -6236,8 +6715,8 @@ def _train_backward(ops, scale_after_bn, eps, grad_out, x, weight, scale, bn_wei
       problem 84: grad_v = out * (grad_out - sum_n grad_out * out)   (row softmax backward)
       grad_z, grad_scale, grad_bn_weight, grad_bn_bias = bn_backward_train(grad_v, z, stats, ...)
       problem 84: grad_scale += bn_bias * sum_m grad_v               (the kernel has no bn_bias)
-      grad_x = grad_z weight = gemm_nt(grad_z, weight^T)             (M, K)
-      grad_weight = grad_z^T x = gemm_nt(grad_z^T, x^T)              (N, K)
+      grad_x = grad_z weight = gemm_nn(grad_z, weight)               (M, K)
+      grad_weight = grad_z^T x = gemm_tn(grad_z, x)                  (N, K)
       grad_bias = 0 exactly: BatchNorm subtracts the batch mean, which holds the bias."""
     need_x, need_w, need_b, need_s, need_g, need_beta = needs
     grad_b = z.new_zeros(z.shape[1]) if need_b else None
@@ -6247,16 +6726,16 @@ def _train_backward(ops, scale_after_bn, eps, grad_out, x, weight, scale, bn_wei
     grad_z, grad_s, grad_g, grad_beta = ops.bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
     if scale_after_bn and need_s:
         grad_s = grad_s + bn_bias * grad_y.sum(dim=0)
-    grad_x = ops.gemm_nt(grad_z, weight.t()) if need_x else None
-    grad_w = ops.gemm_nt(grad_z.t(), x.t()) if need_w else None
+    grad_x = ops.gemm_nn(grad_z, weight) if need_x else None
+    grad_w = ops.gemm_tn(grad_z, x) if need_w else None
     return (grad_x, grad_w, grad_b, grad_s if need_s else None, grad_g if need_g else None,
             grad_beta if need_beta else None)
 
 
 def _gemm_nt_backward(ops, grad, a, b, needs):
-    """out = a b^T: grad_a = grad b = gemm_nt(grad, b^T), grad_b = grad^T a = gemm_nt(grad^T, a^T)."""
-    return (ops.gemm_nt(grad, b.t()) if needs[0] else None,
-            ops.gemm_nt(grad.t(), a.t()) if needs[1] else None)
+    """out = a b^T: grad_a = grad b = gemm_nn(grad, b), grad_b = grad^T a = gemm_tn(grad, a)."""
+    return (ops.gemm_nn(grad, b) if needs[0] else None,
+            ops.gemm_tn(grad, a) if needs[1] else None)
 
 
 class _TrainFn(torch.autograd.Function):
@@ -6830,7 +7309,7 @@ class _SyncFusedTrainFn(torch.autograd.Function):
         x, weight, bias, scale, bn_weight, bn_bias, z, stats, out = ctx.saved_tensors
         needs = ctx.needs_input_grad[6:]
         need_reduce = needs[0] or needs[1] or (needs[3] and not ctx.scale_after_bn)
-        ops = types.SimpleNamespace(gemm_nt=_gemm_nt, bn_backward_train=functools.partial(
+        ops = types.SimpleNamespace(gemm_nn=_gemm_nn, gemm_tn=_gemm_tn, bn_backward_train=functools.partial(
             _sync_fused_bn_backward, ctx.group, ctx.count, bias, need_reduce))
         grads = _train_backward(ops, ctx.scale_after_bn, ctx.eps, grad_out, x, weight, scale, bn_weight, bn_bias,
                                 z, stats, out, needs)
@@ -6865,6 +7344,8 @@ def _sync_forward(group, params, buffers, momentum, eps, scale_after_bn):
 _OP_NAMESPACE = "fused_gemm_bn"
 _OP_SCHEMAS = {
     "gemm_nt": "(Tensor a, Tensor b) -> Tensor",
+    "gemm_nn": "(Tensor a, Tensor b) -> Tensor",
+    "gemm_tn": "(Tensor a, Tensor b) -> Tensor",
     "softmax_rows": "(Tensor v) -> Tensor",
     "bn_backward_train": "(Tensor grad_y, Tensor z, Tensor stats, Tensor scale, Tensor bn_weight, float eps, "
                          "bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor)",
@@ -6882,6 +7363,16 @@ _OP_SCHEMAS = {
 def _op_gemm_nt(a, b):
     """a (M, K) @ b (N, K)^T -> new contiguous (M, N)."""
     return _gemm_nt(a, b)
+
+
+def _op_gemm_nn(a, b):
+    """a (M, N) @ b (N, K) -> new contiguous (M, K)."""
+    return _gemm_nn(a, b)
+
+
+def _op_gemm_tn(a, b):
+    """a (M, N)^T @ b (M, K) -> new contiguous (N, K)."""
+    return _gemm_tn(a, b)
 
 
 def _op_softmax_rows(v):
@@ -6940,6 +7431,14 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
 
 def _fake_gemm_nt(a, b):
     return a.new_empty((a.shape[0], b.shape[0]))
+
+
+def _fake_gemm_nn(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _fake_gemm_tn(a, b):
+    return a.new_empty((a.shape[1], b.shape[1]))
 
 
 def _fake_softmax_rows(v):
@@ -7032,6 +7531,8 @@ def _define_ops():
     if hasattr(namespace, "gemm_nt"):
         return namespace
     impls = {"gemm_nt": (_op_gemm_nt, _fake_gemm_nt, (_backward_gemm_nt, _setup_gemm_nt)),
+             "gemm_nn": (_op_gemm_nn, _fake_gemm_nn, None),
+             "gemm_tn": (_op_gemm_tn, _fake_gemm_tn, None),
              "softmax_rows": (_op_softmax_rows, _fake_softmax_rows, (_backward_softmax_rows, _setup_softmax_rows)),
              "bn_backward_train": (_op_bn_backward_train, _fake_bn_backward_train, None),
              "forward_train": (_op_forward_train, _fake_forward_train, None),
@@ -7091,6 +7592,16 @@ def _torch_gemm_nt(gemm, a, b):
     """a (M, K) @ b (N, K)^T -> (M, N), contiguous, in a's dtype; any strides
     (gemm: the dispatch's name, "torch_ops")."""
     return (a @ b.t()).contiguous()
+
+
+def _torch_gemm_nn(gemm, a, b):
+    """a (M, N) @ b (N, K) -> (M, K), contiguous, in a's dtype; any strides."""
+    return (a @ b).contiguous()
+
+
+def _torch_gemm_tn(gemm, a, b):
+    """a (M, N)^T @ b (M, K) -> (N, K), contiguous, in a's dtype; any strides."""
+    return (a.t() @ b).contiguous()
 
 
 def _torch_forward_train_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
@@ -7183,7 +7694,8 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
 # The torch-op stand-in for `_ext`: the extension's functions by the same names and arguments.
 _TORCH_PATH = types.SimpleNamespace(
     forward_train=_torch_forward_train, forward_eval=_torch_forward_eval,
-    forward_train_saved=_torch_forward_train_saved, gemm_nt=_torch_gemm_nt,
+    forward_train_saved=_torch_forward_train_saved, gemm_nt=_torch_gemm_nt, gemm_nn=_torch_gemm_nn,
+    gemm_tn=_torch_gemm_tn,
     bn_backward_train=_torch_bn_backward_train,
 )
 

@@ -1,0 +1,191 @@
+// prepass_fp16x3_backward.cu -- the pre-passes of the backward's two fp16x3
+// products (sm90_gemm_fp16x3_plain, sm90_gemm_fp16x3_bn.cu), which read their
+// operands where they lie instead of transposed copies:
+//
+//   grad_x = grad_z W, (M, K): grad_x[m, k] = sum_n grad_z[m, n] W[n, k].
+//     W's cached parts (prepass_fp16x3.cu over W's rows: W[n, k] = (hi + lo)[n, k]
+//     2^-e_n, the forward's K-major (N, K) words) are the GEMM's w operand as
+//     they are: MN-major (rows k, reduction n), unscaled.  Their row scales move
+//     to the other operand, which the sum over n allows:
+//       grad_x[m, k] = sum_n (grad_z[m, n] 2^-e_n) (hi + lo)[n, k],
+//     so sm90_prepass_fp16x3_scaled splits the rows of g'[m, n] = grad_z[m, n]
+//     2^-e_n (K-major).  No copy of W, no split of it in the backward.
+//   grad_W = grad_z^T x, (N, K): grad_W[n, k] = sum_m grad_z[m, n] x[m, k].
+//     Both operands reduce over their stored rows, so sm90_prepass_fp16x3_columns
+//     splits each (M, C) matrix per column c (the GEMM's rows) with a scale per
+//     column and stores the parts as the matrix lies (MN-major).
+//
+// Tensors (fp32 inputs rows contiguous, any row stride; read, never written)
+//   _scaled:  a (M, K) fp32, col_scale (K) fp32 powers of two -> hi, lo (M, K) fp16
+//             words row-major, inv_scale (M) fp32
+//   _columns: a (R, C) fp32 -> hi, lo (R, C) fp16 words row-major, inv_scale (C)
+// Both zero zero_ints[0 .. num_zero_ints) (the GEMM's split-tile arrival counts).
+//
+// Numerics (fp16x3_split.cuh: the split and its error, <= 2^-22 |v| per element
+// above the subnormal range of lo, as the forward's):
+//   _scaled: v = a[m, k] col_scale[k] and its row's scale s_m = 2^f_m are applied
+//     as one product in float64, (float)(a (col_scale s_m)): exact wherever the
+//     result is a normal float (a power-of-two scaling), so g' needs no fp32 range
+//     of its own (|grad_z| |W| down to 2^-1000 keeps its bits); s_m from max_k |v|
+//     (fp16x3_scale: clamped to [2^-126, 2^126]).
+//   _columns: s_c from max_r |a[r, c]|, v s_c one exact fp32 product.
+//   No centring: these products feed no batch statistic (the forward centres x
+//   because BatchNorm's mean would keep the tensor cores' truncation bias).
+//   Non-finite inputs: Inf gives hi = Inf, lo = NaN, so the products are NaN
+//   where they involve it (NaN where eager has +-Inf), as in the forward.
+//
+// Structure: _scaled is one 256-thread block per row, two passes over the row
+// (the second from L1 / L2); _columns is one 512-thread block per 64 columns
+// (a lane owns 2 adjacent columns, 16 warps stride over the rows), the column
+// maxima through shared memory, then a second pass (L2 hits: R x 256 bytes per
+// block).  Memory traffic: 8 bytes read and 4 written per element.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "centring.cuh"
+#include "fp16x3_split.cuh"
+#include "launchers.cuh"
+
+namespace fused_gemm_bn {
+namespace {
+
+constexpr int kColumnsWarps = 16;
+constexpr int kColumnsThreads = 32 * kColumnsWarps;
+constexpr int kColumnsPerBlock = 64;  // 32 lanes x 2 adjacent columns
+
+__device__ __forceinline__ void zero_arrivals(int* zero_ints, int num_zero_ints) {
+  if (blockIdx.x == 0)
+    for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
+}
+
+// Row m of g' = a diag(col_scale), split with its own scale (header).
+__global__ void __launch_bounds__(kRowThreads)
+    sm90_prepass_fp16x3_scaled_kernel(const float* __restrict__ a, int64_t row_stride, int K,
+                                      const float* __restrict__ col_scale, uint32_t* __restrict__ hi,
+                                      uint32_t* __restrict__ lo, float* __restrict__ inv_scale, int* zero_ints,
+                                      int num_zero_ints) {
+  __shared__ float scratch[kRowWarps];
+  zero_arrivals(zero_ints, num_zero_ints);
+  const int64_t m = blockIdx.x;
+  const float* row = a + m * row_stride;
+  // Pass 1: max_k |a col_scale| (exact in float64; as a float: exact in the
+  // normal range, Inf / 0 beyond it, which fp16x3_scale's clamp handles).
+  float amax = 0.f;
+  for (int k = threadIdx.x; k < K; k += kRowThreads)
+    amax = fmaxf(amax, static_cast<float>(fabs(static_cast<double>(row[k]) * static_cast<double>(col_scale[k]))));
+  amax = row_block_reduce<1>(amax, scratch);
+  float s, inv_s;
+  fp16x3_scale(amax, s, inv_s);
+  if (threadIdx.x == 0) inv_scale[m] = inv_s;
+
+  // Pass 2 (L1 / L2 hits): the split of a col_scale s, two columns per word.
+  const double sd = static_cast<double>(s);
+  uint32_t* hi_row = hi + m * (K / 2);
+  uint32_t* lo_row = lo + m * (K / 2);
+  for (int p = threadIdx.x; p < K / 2; p += kRowThreads) {
+    const float2 v = *reinterpret_cast<const float2*>(row + 2 * p);
+    const float2 c = *reinterpret_cast<const float2*>(col_scale + 2 * p);
+    const float y0 = static_cast<float>(static_cast<double>(v.x) * (static_cast<double>(c.x) * sd));
+    const float y1 = static_cast<float>(static_cast<double>(v.y) * (static_cast<double>(c.y) * sd));
+    split_fp16x2(y0, y1, hi_row[p], lo_row[p]);
+  }
+}
+
+// Columns [64 b, 64 b + 64) of a (R, C), split per column (header).  kVec:
+// rows 8-byte aligned (float2 loads).
+template <bool kVec>
+__global__ void __launch_bounds__(kColumnsThreads)
+    sm90_prepass_fp16x3_columns_kernel(const float* __restrict__ a, int64_t row_stride, int R, int C,
+                                       uint32_t* __restrict__ hi, uint32_t* __restrict__ lo,
+                                       float* __restrict__ inv_scale, int* zero_ints, int num_zero_ints) {
+  __shared__ float col_max[kColumnsWarps][kColumnsPerBlock];
+  __shared__ float col_scale[kColumnsPerBlock];
+  zero_arrivals(zero_ints, num_zero_ints);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int c0 = blockIdx.x * kColumnsPerBlock + 2 * lane;  // this lane's columns c0, c0 + 1 (C is even)
+  const bool live = c0 < C;
+  auto load = [&](int r) {
+    const float* p = a + static_cast<int64_t>(r) * row_stride + c0;
+    if constexpr (kVec) return *reinterpret_cast<const float2*>(p);
+    else return make_float2(p[0], p[1]);
+  };
+  // Pass 1: the column maxima.
+  float m0 = 0.f, m1 = 0.f;
+  if (live) {
+#pragma unroll 4
+    for (int r = warp; r < R; r += kColumnsWarps) {
+      const float2 v = load(r);
+      m0 = fmaxf(m0, fabsf(v.x));
+      m1 = fmaxf(m1, fabsf(v.y));
+    }
+  }
+  col_max[warp][2 * lane] = m0;
+  col_max[warp][2 * lane + 1] = m1;
+  __syncthreads();
+  if (threadIdx.x < kColumnsPerBlock) {
+    float amax = 0.f;
+#pragma unroll
+    for (int w = 0; w < kColumnsWarps; ++w) amax = fmaxf(amax, col_max[w][threadIdx.x]);
+    float s, inv_s;
+    fp16x3_scale(amax, s, inv_s);
+    col_scale[threadIdx.x] = s;
+    const int c = blockIdx.x * kColumnsPerBlock + threadIdx.x;
+    if (c < C) inv_scale[c] = inv_s;
+  }
+  __syncthreads();
+  if (!live) return;
+  // Pass 2 (L2 hits): the split, one fp16 pair per lane and row.
+  const float s0 = col_scale[2 * lane], s1 = col_scale[2 * lane + 1];
+#pragma unroll 4
+  for (int r = warp; r < R; r += kColumnsWarps) {
+    const float2 v = load(r);
+    const int64_t word = (static_cast<int64_t>(r) * C + c0) / 2;
+    split_fp16x2(v.x * s0, v.y * s1, hi[word], lo[word]);
+  }
+}
+
+}  // namespace
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launchers (declared in launchers.cuh)
+// ---------------------------------------------------------------------------
+
+// Preconditions: M >= 1, K % 8 == 0, a's rows and col_scale 8-byte aligned with
+// an even row stride, hi and lo 16-byte aligned.
+cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_scaled(const float* a, int64_t row_stride, int M, int K,
+                                                      const float* col_scale, uint16_t* hi, uint16_t* lo,
+                                                      float* inv_scale, int* zero_ints, int num_zero_ints,
+                                                      cudaStream_t stream) {
+  if (M < 1 || K % 8 != 0 || row_stride % 2 != 0 || reinterpret_cast<uintptr_t>(a) % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(col_scale) % 8 != 0 || reinterpret_cast<uintptr_t>(hi) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(lo) % 16 != 0)
+    return cudaErrorInvalidValue;
+  sm90_prepass_fp16x3_scaled_kernel<<<M, kRowThreads, 0, stream>>>(
+      a, row_stride, K, col_scale, reinterpret_cast<uint32_t*>(hi), reinterpret_cast<uint32_t*>(lo), inv_scale,
+      zero_ints, num_zero_ints);
+  return cudaGetLastError();
+}
+
+// Preconditions: R >= 1, C >= 1, C % 8 == 0, hi and lo 16-byte aligned.
+cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_columns(const float* a, int64_t row_stride, int R, int C,
+                                                       uint16_t* hi, uint16_t* lo, float* inv_scale, int* zero_ints,
+                                                       int num_zero_ints, cudaStream_t stream) {
+  if (R < 1 || C < 1 || C % 8 != 0 || reinterpret_cast<uintptr_t>(hi) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(lo) % 16 != 0)
+    return cudaErrorInvalidValue;
+  const bool vec = row_stride % 2 == 0 && reinterpret_cast<uintptr_t>(a) % 8 == 0;
+  const unsigned blocks = static_cast<unsigned>((C + kColumnsPerBlock - 1) / kColumnsPerBlock);
+  auto h = reinterpret_cast<uint32_t*>(hi);
+  auto l = reinterpret_cast<uint32_t*>(lo);
+  if (vec)
+    sm90_prepass_fp16x3_columns_kernel<true><<<blocks, kColumnsThreads, 0, stream>>>(a, row_stride, R, C, h, l,
+                                                                                     inv_scale, zero_ints,
+                                                                                     num_zero_ints);
+  else
+    sm90_prepass_fp16x3_columns_kernel<false><<<blocks, kColumnsThreads, 0, stream>>>(a, row_stride, R, C, h, l,
+                                                                                      inv_scale, zero_ints,
+                                                                                      num_zero_ints);
+  return cudaGetLastError();
+}

@@ -1143,10 +1143,20 @@ def _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
 # ---------------------------------------------------------------------------
 
 
+def _fp16x3_parts(gemm, b):
+    """The cached fp16x3 parts of b (N, K) (gemm.weight: _weight_parts) for a
+    product on `gemm` that reads them, else None (the extension then splits b
+    itself where it needs to)."""
+    if gemm.startswith("sm90_fp16x3") and b.shape[0] > 0 and b.shape[1] % 8 == 0:
+        return _weight_parts(b)
+    return None
+
+
 def _gemm_nt(a, b):
-    """a @ b^T for the backward, on the kernel dispatch_gemm_nt picks."""
+    """a @ b^T (eval with gradients: x weight^T), on the kernel dispatch_gemm_nt
+    picks, with b's cached fp16x3 parts on sm90_fp16x3."""
     gemm = dispatch_gemm_nt(a, b)
-    return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_nt(gemm, a, b)
+    return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_nt(gemm, a, b, _fp16x3_parts(gemm, b))
 
 
 def _gemm_nn(a, b):
@@ -1154,10 +1164,8 @@ def _gemm_nn(a, b):
     dispatch_gemm_nt picks for a @ (b^T)^T.  On sm90_fp16x3 the extension reads
     b's fp16x3 parts MN-major: gemm.weight's, kept from the forward (_weight_parts)."""
     gemm = dispatch_gemm_nt(a, b.t())
-    if gemm == "torch_ops":
-        return _TORCH_PATH.gemm_nn(gemm, a, b)
-    mn_major = gemm.startswith("sm90_fp16x3") and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0
-    return _ext.gemm_nn(gemm, a, b, _weight_parts(b) if mn_major and a.shape[0] > 0 else None)
+    parts = _fp16x3_parts(gemm, b) if a.shape[1] % 8 == 0 else None  # the MN-major route reads them
+    return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_nn(gemm, a, b, parts)
 
 
 def _gemm_tn(a, b):
@@ -1244,7 +1252,7 @@ class _GemmNT(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernels, gemm, a, b):
         ctx.save_for_backward(a, b)
-        return kernels.gemm_nt(gemm, a, b)
+        return kernels.gemm_nt(gemm, a, b, _fp16x3_parts(gemm, b))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -1476,7 +1484,7 @@ def _sync_gemm(a, b):
     gemm = _sync_gemm_kernel(a, b)
     if gemm == "torch_ops":
         return _torch_gemm_nt(gemm, a, b)
-    return _kernels("ext").gemm_nt(gemm, a, b)
+    return _kernels("ext").gemm_nt(gemm, a, b, None)
 
 
 def _sync_path_name(x, weight, grad):
@@ -2059,14 +2067,14 @@ def _torch_batch_stats(z):
     return mean, m2 / count, m2 / (count - 1.0)
 
 
-def _torch_gemm_nt(gemm, a, b):
+def _torch_gemm_nt(gemm, a, b, b_parts=None):
     """a (M, K) @ b (N, K)^T -> (M, N), contiguous, in a's dtype; any strides
-    (gemm: the dispatch's name, "torch_ops")."""
+    (gemm: the dispatch's name, "torch_ops"; b_parts: the extension's argument, unused)."""
     return (a @ b.t()).contiguous()
 
 
-def _torch_gemm_nn(gemm, a, b):
-    """a (M, N) @ b (N, K) -> (M, K), contiguous, in a's dtype; any strides."""
+def _torch_gemm_nn(gemm, a, b, b_parts=None):
+    """a (M, N) @ b (N, K) -> (M, K), contiguous, in a's dtype; any strides (b_parts unused)."""
     return (a @ b).contiguous()
 
 

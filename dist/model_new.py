@@ -2161,6 +2161,7 @@ __global__ void __launch_bounds__(kRowThreads)
   // Pass 1: max_k |a col_scale| (exact in float64; as a float: exact in the
   // normal range, Inf / 0 beyond it, which fp16x3_scale's clamp handles).
   float amax = 0.f;
+#pragma unroll 4
   for (int k = threadIdx.x; k < K; k += kRowThreads)
     amax = fmaxf(amax, static_cast<float>(fabs(static_cast<double>(row[k]) * static_cast<double>(col_scale[k]))));
   amax = row_block_reduce<1>(amax, scratch);
@@ -2172,6 +2173,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const double sd = static_cast<double>(s);
   uint32_t* hi_row = hi + m * (K / 2);
   uint32_t* lo_row = lo + m * (K / 2);
+#pragma unroll 2
   for (int p = threadIdx.x; p < K / 2; p += kRowThreads) {
     const float2 v = *reinterpret_cast<const float2*>(row + 2 * p);
     const float2 c = *reinterpret_cast<const float2*>(col_scale + 2 * p);
@@ -4767,7 +4769,8 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
 //   forward_train_saved(same arguments as forward_train) -> [out, z (M, N), stats (2, N)]
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward.
-//   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
+//   gemm_nt(gemm, a (M, K), b (N, K), any strides, b_parts) -> a @ b^T (3xTF32 or fp16x3;
+//       b_parts as gemm_nn's)
 //   gemm_nn(gemm, a (M, N), b (N, K), b_parts) -> a @ b: grad_x = grad_z W; on
 //       sm90_fp16x3 b's fp16x3 parts (b_parts: cached, or None) read MN-major,
 //       a split with b's row scales folded in (prepass_fp16x3_backward.cu)
@@ -5288,8 +5291,12 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
 }
 
 // a @ b^T, float32-accurate (3xTF32 or fp16x3) for float32 CUDA a (M, K) and b (N, K) of
-// any strides (non-contiguous operands are copied first).  Returns (M, N).
-torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b) {
+// any strides (non-contiguous operands are copied first).  b_parts: on
+// sm90_fp16x3, fp16x3_weight_parts(b) made while b held its current values (the
+// cached split of gemm.weight), or None (split now); ignored by the other kernels.
+// Returns (M, N).
+torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
+                      c10::optional<torch::Tensor> b_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 has no plain epilogue");
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(),
@@ -5310,7 +5317,7 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const float* w = bc.data_ptr<float>();
   if (is_fp16x3(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
-    const WeightParts wp = weight_parts(bc, c10::nullopt, N, K, stream);
+    const WeightParts wp = weight_parts(bc, b_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(ac, M, N, K, split_tiles, nullptr, stream);
     check_launch(fgb::sm90_gemm_fp16x3_plain(xs.parts, wp.parts, out.data_ptr<float>(), M, N,
                                              K, split_tiles, xs.workspace, stream),
@@ -5374,7 +5381,7 @@ torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tens
   check_backward_operands("gemm_nn", a, b, 1, "a (M, N) and b (N, K)");
   const int M = static_cast<int>(a.size(0)), N = static_cast<int>(a.size(1)), K = static_cast<int>(b.size(1));
   if (!is_fp16x3(gemm) || N % 8 != 0 || K % 8 != 0 || M == 0 || K == 0 || N == 0)
-    return gemm_nt(gemm_name, a, b.t());
+    return gemm_nt(gemm_name, a, b.t(), c10::nullopt);
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = current_stream(a);
   const bool split_tiles = splits_tiles(gemm);
@@ -5414,7 +5421,7 @@ torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tens
   check_backward_operands("gemm_tn", a, b, 0, "a (M, N) and b (M, K)");
   const int M = static_cast<int>(a.size(0)), N = static_cast<int>(a.size(1)), K = static_cast<int>(b.size(1));
   if (!is_fp16x3(gemm) || N % 8 != 0 || K % 8 != 0 || M == 0 || K == 0 || N == 0)
-    return gemm_nt(gemm_name, a.t(), b.t());
+    return gemm_nt(gemm_name, a.t(), b.t(), c10::nullopt);
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = current_stream(a);
   const bool split_tiles = splits_tiles(gemm);
@@ -6602,10 +6609,20 @@ def _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
 # ---------------------------------------------------------------------------
 
 
+def _fp16x3_parts(gemm, b):
+    """The cached fp16x3 parts of b (N, K) (gemm.weight: _weight_parts) for a
+    product on `gemm` that reads them, else None (the extension then splits b
+    itself where it needs to)."""
+    if gemm.startswith("sm90_fp16x3") and b.shape[0] > 0 and b.shape[1] % 8 == 0:
+        return _weight_parts(b)
+    return None
+
+
 def _gemm_nt(a, b):
-    """a @ b^T for the backward, on the kernel dispatch_gemm_nt picks."""
+    """a @ b^T (eval with gradients: x weight^T), on the kernel dispatch_gemm_nt
+    picks, with b's cached fp16x3 parts on sm90_fp16x3."""
     gemm = dispatch_gemm_nt(a, b)
-    return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_nt(gemm, a, b)
+    return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_nt(gemm, a, b, _fp16x3_parts(gemm, b))
 
 
 def _gemm_nn(a, b):
@@ -6613,10 +6630,8 @@ def _gemm_nn(a, b):
     dispatch_gemm_nt picks for a @ (b^T)^T.  On sm90_fp16x3 the extension reads
     b's fp16x3 parts MN-major: gemm.weight's, kept from the forward (_weight_parts)."""
     gemm = dispatch_gemm_nt(a, b.t())
-    if gemm == "torch_ops":
-        return _TORCH_PATH.gemm_nn(gemm, a, b)
-    mn_major = gemm.startswith("sm90_fp16x3") and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0
-    return _ext.gemm_nn(gemm, a, b, _weight_parts(b) if mn_major and a.shape[0] > 0 else None)
+    parts = _fp16x3_parts(gemm, b) if a.shape[1] % 8 == 0 else None  # the MN-major route reads them
+    return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_nn(gemm, a, b, parts)
 
 
 def _gemm_tn(a, b):
@@ -6703,7 +6718,7 @@ class _GemmNT(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernels, gemm, a, b):
         ctx.save_for_backward(a, b)
-        return kernels.gemm_nt(gemm, a, b)
+        return kernels.gemm_nt(gemm, a, b, _fp16x3_parts(gemm, b))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -6935,7 +6950,7 @@ def _sync_gemm(a, b):
     gemm = _sync_gemm_kernel(a, b)
     if gemm == "torch_ops":
         return _torch_gemm_nt(gemm, a, b)
-    return _kernels("ext").gemm_nt(gemm, a, b)
+    return _kernels("ext").gemm_nt(gemm, a, b, None)
 
 
 def _sync_path_name(x, weight, grad):
@@ -7518,14 +7533,14 @@ def _torch_batch_stats(z):
     return mean, m2 / count, m2 / (count - 1.0)
 
 
-def _torch_gemm_nt(gemm, a, b):
+def _torch_gemm_nt(gemm, a, b, b_parts=None):
     """a (M, K) @ b (N, K)^T -> (M, N), contiguous, in a's dtype; any strides
-    (gemm: the dispatch's name, "torch_ops")."""
+    (gemm: the dispatch's name, "torch_ops"; b_parts: the extension's argument, unused)."""
     return (a @ b.t()).contiguous()
 
 
-def _torch_gemm_nn(gemm, a, b):
-    """a (M, N) @ b (N, K) -> (M, K), contiguous, in a's dtype; any strides."""
+def _torch_gemm_nn(gemm, a, b, b_parts=None):
+    """a (M, N) @ b (N, K) -> (M, K), contiguous, in a's dtype; any strides (b_parts unused)."""
     return (a @ b).contiguous()
 
 

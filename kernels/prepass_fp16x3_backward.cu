@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(kRowThreads)
   // Pass 1: max_k |a col_scale| (exact in float64; as a float: exact in the
   // normal range, Inf / 0 beyond it, which fp16x3_scale's clamp handles).
   float amax = 0.f;
+#pragma unroll 4
   for (int k = threadIdx.x; k < K; k += kRowThreads)
     amax = fmaxf(amax, static_cast<float>(fabs(static_cast<double>(row[k]) * static_cast<double>(col_scale[k]))));
   amax = row_block_reduce<1>(amax, scratch);
@@ -83,6 +84,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const double sd = static_cast<double>(s);
   uint32_t* hi_row = hi + m * (K / 2);
   uint32_t* lo_row = lo + m * (K / 2);
+#pragma unroll 2
   for (int p = threadIdx.x; p < K / 2; p += kRowThreads) {
     const float2 v = *reinterpret_cast<const float2*>(row + 2 * p);
     const float2 c = *reinterpret_cast<const float2*>(col_scale + 2 * p);

@@ -50,7 +50,8 @@
 //   forward_train_saved(same arguments as forward_train) -> [out, z (M, N), stats (2, N)]
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward.
-//   gemm_nt(gemm, a (M, K), b (N, K), any strides) -> a @ b^T (3xTF32 or fp16x3)
+//   gemm_nt(gemm, a (M, K), b (N, K), any strides, b_parts) -> a @ b^T (3xTF32 or fp16x3;
+//       b_parts as gemm_nn's)
 //   gemm_nn(gemm, a (M, N), b (N, K), b_parts) -> a @ b: grad_x = grad_z W; on
 //       sm90_fp16x3 b's fp16x3 parts (b_parts: cached, or None) read MN-major,
 //       a split with b's row scales folded in (prepass_fp16x3_backward.cu)
@@ -571,8 +572,12 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
 }
 
 // a @ b^T, float32-accurate (3xTF32 or fp16x3) for float32 CUDA a (M, K) and b (N, K) of
-// any strides (non-contiguous operands are copied first).  Returns (M, N).
-torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b) {
+// any strides (non-contiguous operands are copied first).  b_parts: on
+// sm90_fp16x3, fp16x3_weight_parts(b) made while b held its current values (the
+// cached split of gemm.weight), or None (split now); ignored by the other kernels.
+// Returns (M, N).
+torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
+                      c10::optional<torch::Tensor> b_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 has no plain epilogue");
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(),
@@ -593,7 +598,7 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const float* w = bc.data_ptr<float>();
   if (is_fp16x3(gemm)) {
     const bool split_tiles = splits_tiles(gemm);
-    const WeightParts wp = weight_parts(bc, c10::nullopt, N, K, stream);
+    const WeightParts wp = weight_parts(bc, b_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(ac, M, N, K, split_tiles, nullptr, stream);
     check_launch(fgb::sm90_gemm_fp16x3_plain(xs.parts, wp.parts, out.data_ptr<float>(), M, N,
                                              K, split_tiles, xs.workspace, stream),
@@ -657,7 +662,7 @@ torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tens
   check_backward_operands("gemm_nn", a, b, 1, "a (M, N) and b (N, K)");
   const int M = static_cast<int>(a.size(0)), N = static_cast<int>(a.size(1)), K = static_cast<int>(b.size(1));
   if (!is_fp16x3(gemm) || N % 8 != 0 || K % 8 != 0 || M == 0 || K == 0 || N == 0)
-    return gemm_nt(gemm_name, a, b.t());
+    return gemm_nt(gemm_name, a, b.t(), c10::nullopt);
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = current_stream(a);
   const bool split_tiles = splits_tiles(gemm);
@@ -697,7 +702,7 @@ torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tens
   check_backward_operands("gemm_tn", a, b, 0, "a (M, N) and b (M, K)");
   const int M = static_cast<int>(a.size(0)), N = static_cast<int>(a.size(1)), K = static_cast<int>(b.size(1));
   if (!is_fp16x3(gemm) || N % 8 != 0 || K % 8 != 0 || M == 0 || K == 0 || N == 0)
-    return gemm_nt(gemm_name, a.t(), b.t());
+    return gemm_nt(gemm_name, a.t(), b.t(), c10::nullopt);
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = current_stream(a);
   const bool split_tiles = splits_tiles(gemm);

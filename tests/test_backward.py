@@ -707,7 +707,7 @@ def test_gpu_gemm_nt_any_strides(m, k, n, layout, fp32_matmul):
         b = b.t().contiguous().t()
     if layout == "strided":
         a = torch.zeros(m, 2 * k, device="cuda")[:, ::2].copy_(a)
-    out = model_new._ext.gemm_nt(model_new.dispatch_gemm_nt(a, b), a, b)
+    out = model_new._ext.gemm_nt(model_new.dispatch_gemm_nt(a, b), a, b, None)
     ref64 = a.double() @ b.double().t()
     err_new, err_eager = rel_err(out, ref64), rel_err(a @ b.t(), ref64)
     print(f"\n[gemm_nt] ({m},{k},{n}) {layout}: err {err_new:.2e}, torch fp32 {err_eager:.2e}")

@@ -949,8 +949,11 @@ def _autocast_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=N
     and running statistic float32 (the module Model's autocast is made for),
     the 16-bit kernels present (_LOWP_DIR), not SWITCHES.autocast_fused off,
     and dispatch's conditions for lowp_sm90 (compute capability 9.0, the sm_90a
-    image, not SWITCHES.portable).  Runs no kernel."""
+    image, not SWITCHES.portable), and not under torch.compile or
+    torch.jit.trace (Model's ops are what those record).  Runs no kernel."""
     switches = SWITCHES if switches is None else switches
+    if _tracing():  # the extension calls cannot be recorded; Model's ops can (fullgraph=True works)
+        return None
     if (grad or not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
             or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or _LOWP_DIR is None
             or not switches.autocast_fused):
@@ -1058,11 +1061,13 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
       _SyncTrainFn, whose forward merges the batch statistics across processes
       (section "Synchronized BatchNorm"; also under torch.compile, as eager code).
     Under torch.compile, torch.jit.trace (or FUSED_GEMM_BN_EAGER_OPS=1) float32
-    and float64 calls go through the fused_gemm_bn:: operators instead, whose
-    implementations make the same dispatch() decision when they run (the tracer
-    records the operators, so a traced module generalises over the batch size);
-    where this torch has no custom operators (< 2.4), or for 16-bit input,
-    tracing raises RuntimeError."""
+    and float64 calls, and 16-bit calls without gradients, go through the
+    fused_gemm_bn:: operators instead, whose implementations make the same
+    dispatch() decision when they run (the tracer records the operators, so a
+    traced module generalises over the batch size); mixed-precision calls run
+    Model's ops there.  Where this torch has no custom operators (< 2.4), or for
+    16-bit input with gradients, torch.jit.trace raises RuntimeError (and
+    torch.compile breaks the graph at the 16-bit call)."""
     training = bn.training
     group = sync_process_group(bn)
     autocast_dtype = _mixed_precision_dtype(x)
@@ -1073,14 +1078,17 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
             return _autocast_forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype)
         return _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn)
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
-    if torch.jit.is_tracing() and (_OPS is None or _is_16bit_dtype(x.dtype)):
-        raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4) "
-                           "and float32 or float64 input: its kernels are extension calls the tracer cannot "
-                           "record; use torch.compile or torch.export")
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     eps = float(bn.eps)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = _needs_grad(params)
+    # 16-bit calls with gradients run _LowpFn (the extension, then a torch-op recompute), which
+    # the operators do not cover; without gradients the operators run the 16-bit kernels.
+    lowp_grad = _is_16bit_dtype(x.dtype) and grad
+    if torch.jit.is_tracing() and (_OPS is None or lowp_grad):
+        raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4), "
+                           "and 16-bit input only without gradients: its kernels are extension calls the tracer "
+                           "cannot record; use torch.compile or torch.export")
     if group is not None:
         return _sync_forward(group, params, buffers, momentum, eps, scale_after_bn)
     _warn_unsynchronized(bn)
@@ -1088,7 +1096,7 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
         if training:
             bn.num_batches_tracked.add_(1)
         return x.new_empty((0, gemm.out_features))
-    if _use_ops() and not _is_16bit_dtype(x.dtype):
+    if _use_ops() and not lowp_grad:
         return _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
     plan = dispatch(x, gemm.weight, training, grad, scale_after_bn)
     kernels = _kernels(plan.kernels)
@@ -2034,8 +2042,17 @@ _OPS = _define_ops() if hasattr(torch.library, "custom_op") else None
 _OPS_IN_EAGER = os.environ.get("FUSED_GEMM_BN_EAGER_OPS") == "1"
 
 
+def _tracing():
+    """torch.compile (dynamo) or torch.jit.trace is recording this call
+    (torch.compiler.is_compiling from torch 2.3 on, torch._dynamo's before)."""
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if compiling is None:
+        compiling = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return (compiling is not None and compiling()) or torch.jit.is_tracing()
+
+
 def _use_ops():
-    return _OPS is not None and (_OPS_IN_EAGER or torch.compiler.is_compiling() or torch.jit.is_tracing())
+    return _OPS is not None and (_OPS_IN_EAGER or _tracing())
 
 
 # ---------------------------------------------------------------------------

@@ -226,3 +226,25 @@ def test_gpu_autocast_fused_weight_update_seen(problem):
         x = float_input(0, m, k)
         with torch.autocast("cuda", dtype=dtype):
             assert_close_autocast(new(x), ref(x), dtype, "after weight.mul_(-1)")
+
+
+@requires_sm90
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+@pytest.mark.parametrize("problem", ["33", "84"])
+def test_gpu_autocast_compile_fullgraph(problem):
+    """torch.compile(fullgraph=True) of ModelNew under CUDA autocast, without
+    gradients (where eager takes the fused 16-bit kernels): no graph break, and
+    Model's own ops run, so the result is Model's, bit for bit (aot_eager)."""
+    m, k, n = 257, 300, 1000
+    ref, new = autocast_pair(problem, k, n)
+    compiled = torch.compile(new, backend="aot_eager", fullgraph=True)
+    for step, training in enumerate((True, False)):
+        ref.train(training)
+        new.train(training)
+        x = float_input(step, m, k)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            assert new.kernel_path(x) == expected_path(new, grad=False)  # eager's path: the fused kernels
+            out_ref, out_new = ref(x), compiled(x)
+        assert out_new.dtype == out_ref.dtype and torch.equal(out_new, out_ref), f"step {step}"
+        for (name, a), b in zip(new.named_buffers(), ref.buffers()):
+            assert torch.equal(a, b), f"step {step}: {name}"

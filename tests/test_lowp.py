@@ -520,3 +520,30 @@ def test_cpu_lowp_fn_matches_model(problem, training):
         # float32 recomputation; problem 33's grad scale is a difference of large terms (about eps / var)
         bound = 1e-2 if (problem, name, training) == ("33", "scale", True) else 1e-5
         assert rel_err(got, want) <= bound, (name, rel_err(got, want))
+
+
+@requires_cuda
+@pytest.mark.skipif(not hasattr(torch, "compile") or model_new._OPS is None,
+                    reason="needs torch.compile and the fused_gemm_bn:: operators (torch >= 2.4)")
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("problem", ["33", "84"])
+def test_gpu_lowp_compile_fullgraph_without_grad(dtype_name, problem, lowp_kernel):
+    """torch.compile(fullgraph=True) of a 16-bit ModelNew called without
+    gradients: the fused_gemm_bn:: operators run the 16-bit kernels (no graph
+    break), training and eval, with outputs and buffers bit-equal to eager
+    ModelNew's over several calls."""
+    dtype = DTYPES[dtype_name]
+    m, k, n = 130, 1024, 264
+    _, new = lowp_pair(problem, k, n, dtype)
+    twin = copy.deepcopy(new)
+    compiled = torch.compile(new, backend="aot_eager", fullgraph=True)
+    for step, training in enumerate((True, True, False)):
+        new.train(training)
+        twin.train(training)
+        x = lowp_input(step, m, k, dtype)
+        expect_lowp_kernel(twin, x, lowp_kernel)
+        with torch.no_grad():
+            out_c, out_e = compiled(x), twin(x)
+        assert out_c.dtype == dtype and torch.equal(out_c, out_e), f"step {step}"
+        for (name, a), b in zip(new.named_buffers(), twin.buffers()):
+            assert torch.equal(a, b), f"step {step}: {name}"

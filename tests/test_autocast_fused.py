@@ -235,6 +235,10 @@ def test_gpu_autocast_compile_fullgraph(problem):
     """torch.compile(fullgraph=True) of ModelNew under CUDA autocast, without
     gradients (where eager takes the fused 16-bit kernels): no graph break, and
     Model's own ops run, so the result is Model's, bit for bit (aot_eager)."""
+    # Every compiled ModelNew shares FusedModule.forward's code object: start from
+    # an empty dynamo cache, so earlier tests' entries cannot reach the recompile
+    # limit (past it dynamo runs the frame eagerly, which would hide the check).
+    torch._dynamo.reset()
     m, k, n = 257, 300, 1000
     ref, new = autocast_pair(problem, k, n)
     compiled = torch.compile(new, backend="aot_eager", fullgraph=True)

@@ -6635,8 +6635,7 @@ def _gemm_nn(a, b):
     dispatch_gemm_nt picks for a @ (b^T)^T.  On sm90_fp16x3 the extension reads
     b's fp16x3 parts MN-major: gemm.weight's, kept from the forward (_weight_parts)."""
     gemm = dispatch_gemm_nt(a, b.t())
-    parts = _fp16x3_parts(gemm, b) if a.shape[1] % 8 == 0 else None  # the MN-major route reads them
-    return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_nn(gemm, a, b, parts)
+    return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_nn(gemm, a, b, _fp16x3_parts(gemm, b))
 
 
 def _gemm_tn(a, b):

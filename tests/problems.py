@@ -40,6 +40,15 @@ DEFAULT = object()
 # ---------------------------------------------------------------------------
 
 
+def launched_kernels(fn):
+    """Names of the CUDA kernels fn() launches (torch.profiler), in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def rel_err(t, ref):
     """||t - ref||_F / ||ref||_F, computed in float64."""
     t, ref = t.detach().double(), ref.detach().double()

@@ -63,7 +63,7 @@ import model_new
 import reference
 from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84
 from level2_84_gemm_batchnorm_scaling_softmax import reference as reference_84
-from tests.problems import GEMM_PATHS, gemm_switches
+from tests.problems import GEMM_PATHS, gemm_switches, launched_kernels
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (ModelNew's kernels)")
 HAS_CUSTOM_OP = hasattr(torch.library, "custom_op")
@@ -771,14 +771,6 @@ def test_gpu_gemm_nn_tn(m, n, k, layout, fp32_matmul):
             assert len(names) == len(expected) + (0 if contiguous else 1), names  # + a's row copy otherwise
             for fragment in expected:
                 assert any(fragment in n_ for n_ in names), (fragment, names)
-
-
-def launched_kernels(fn):
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 @requires_cuda

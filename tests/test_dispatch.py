@@ -16,7 +16,7 @@ import torch
 import model_new
 from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84
 from model_new import Call, DeviceFacts, Switches, plan
-from tests.problems import GEMM_PATHS, gemm_switches
+from tests.problems import GEMM_PATHS, gemm_switches, launched_kernels
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -227,14 +227,6 @@ LAUNCHES = {
 }
 GEMM_KERNELS = ["sm90_gemm_fp16x3_bn_kernel", "sm90_gemm_3xtf32_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel",
                 "sm80_gemm_bn_16bit_kernel", "sm90_gemm_bn_16bit_kernel"]
-
-
-def launched_kernels(fn):
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 GPU_CASES = [  # (problem, m, k, n, dtype, misaligned weight)

@@ -33,7 +33,8 @@ model(x).backward(g) with x requiring grad and one fixed g ~ N(0, 1) of the
 output's shape, for eager Model and ModelNew (no compile side); the gradients
 of x and every parameter are cleared before each call, outside the events, so
 no call accumulates into an earlier one's.  GEMM TFLOP/s counts the three
-GEMMs (forward, grad x, grad weight): 6*M*N*K.  Gradient errors: relative
+GEMMs (forward, grad x, grad weight): 6*M*N*K.  The floor side is three times
+the forward's floor (below): the step's three products.  Gradient errors: relative
 Frobenius error of each gradient against reference.Model in float64 (same
 state, input and g); in training the float64 gradient of gemm.bias is rounding
 noise around its exact value 0, so its max |grad| is reported instead.
@@ -449,25 +450,45 @@ def bench_backward_mode(problem, args, mode):
         forward = in_autocast(model, args)
         return lambda x: forward(x).backward(g)
 
-    def clear(model):
+    # Under --autocast in train mode ModelNew's cached weight cast is dropped too, as a
+    # training step's weight update would (weight_cast_drop).
+    drop_cast = weight_cast_drop(args, mode) or {}
+
+    def clear(name, model):
         def run(x):
             x.grad = None
             model.zero_grad(set_to_none=True)
+            if name in drop_cast:
+                drop_cast[name](x)
         return run
 
-    times = time_fn({name: step(model) for name, model in sides.items()}, inputs, args.iters, args.warmup,
-                    prepare={name: clear(model) for name, model in sides.items()})
+    fns = {name: step(model) for name, model in sides.items()}
+    prepare = {name: clear(name, model) for name, model in sides.items()}
+    # The floor: the three products of a training step (forward, grad x, grad W), each
+    # the forward's floor (gemm_floor's three fp16 products for float32, else one 16-bit).
+    compute = compute_dtype(args)
+    floor_one = gemm_floor(m, k, n) if compute == torch.float32 else gemm_floor_16bit(m, k, n, compute)
+    if floor_one is not None:
+        def floor(x):
+            for _ in range(3):
+                floor_one(x)
+        fns["floor"] = floor
+        prepare["floor"] = lambda x: None
+    times = time_fn(fns, inputs, args.iters, args.warmup, prepare=prepare)
     eager_ms = statistics.median(times["eager"])
     rows = []
     for name, ts in times.items():
         ms = statistics.median(ts)
         rows.append({"mode": mode, "side": name, "kind": "forward+backward", "median_ms": ms, "min_ms": min(ts),
                      "gemm_tflops": 6.0 * m * n * k / (ms * 1e-3) / 1e12, "speedup_vs_eager": eager_ms / ms,
-                     "time_ratio_vs_eager": ms / eager_ms, "grad_rel_err_vs_fp64": errors[name],
+                     "time_ratio_vs_eager": ms / eager_ms, "grad_rel_err_vs_fp64": errors.get(name, {}),
                      "gemm_bias_grad_max_abs": bias_max.get(name)})
     check = {"mode": mode, "model": problem["name"], "kind": "forward+backward", "close_vs_eager": close,
              "gemm_bias_grad_max_abs_fp64": bias_max["float64"], "dtype": args.dtype, "autocast": args.autocast,
-             "grad_floor": GRAD_FLOORS[compute_dtype(args)], "kernel_path": path}
+             "grad_floor": GRAD_FLOORS[compute], "kernel_path": path}
+    if "floor" in times:
+        check["floor"] = "3 x " + _floor_text(compute)
+        check["modelnew_time_over_floor"] = statistics.median(times["ModelNew"]) / statistics.median(times["floor"])
     return rows, check
 
 
@@ -479,6 +500,8 @@ def print_backward_table(problem, rows, check):
     for r in rows:
         print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
               f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}")
+    if "modelnew_time_over_floor" in check:
+        print(f"floor: {check['floor']}; ModelNew takes {check['modelnew_time_over_floor']:.2f}x the floor's time")
     by_side = {r["side"]: r for r in rows}
     print("gradient error vs float64, ||g - g64||_F / ||g64||_F:")
     print(f"  {'gradient':<13}{'eager':>10}{'ModelNew':>10}")

@@ -136,7 +136,7 @@ _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", 
 _LOWP_SUBDIR = "lowp"
 _LOWP_BINDING = "binding_16bit.cpp"
 _LOWP_PREFIX = "fused_gemm_bn_lowp_"
-_LOWP_FUNCTIONS = ["forward_train", "forward_eval"]
+_LOWP_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "bn_backward_train"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
@@ -942,9 +942,9 @@ def _mixed_precision_dtype(x):
 
 def _autocast_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None):
     """"lowp_sm90" when the fused kernels run this autocast call, else None
-    (Model's ops run it): no gradients needed (grad; the fused kernels have no
-    autocast backward yet, and Model's own autograd is cheaper than recomputing
-    the forward for one), a CUDA batch of at least one row, the autocast dtype
+    (Model's ops run it): no gradients needed, or training (bn.training) with
+    gradients (_LowpTrainFn has the fused backward; eval with gradients takes
+    Model's ops, whose autograd covers it), a CUDA batch of at least one row, the autocast dtype
     float16 or bfloat16, x float32 or 16-bit (cast as autocast casts it), every parameter
     and running statistic float32 (the module Model's autocast is made for),
     the 16-bit kernels present (_LOWP_DIR), not SWITCHES.autocast_fused off,
@@ -954,7 +954,7 @@ def _autocast_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=N
     switches = SWITCHES if switches is None else switches
     if _tracing():  # the extension calls cannot be recorded; Model's ops can (fullgraph=True works)
         return None
-    if (grad or not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
+    if ((grad and not bn.training) or not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
             or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or _LOWP_DIR is None
             or not switches.autocast_fused):
         return None
@@ -996,17 +996,23 @@ def _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn):
     return torch.softmax(scale * batch_norm(v), dim=1)
 
 
-def _autocast_forward(x, gemm, scale, bn, scale_after_bn, dtype):
-    """The fused autocast forward without gradients (_autocast_gemm said
-    lowp_sm90): x cast to dtype (autocast's cast of F.linear's input; no copy
-    when x already is), gemm.weight's cast from the weight cache (_weight_parts,
-    kind "cast_<dtype>": made again after the weight changes, where Model casts
-    it in every autocast region), then one extension call (out float32)."""
+def _autocast_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
+    """The fused autocast forward (_autocast_gemm said lowp_sm90): x cast to
+    dtype (autocast's cast of F.linear's input; no copy when x already is),
+    gemm.weight's cast from the weight cache (_weight_parts, kind
+    "cast_<dtype>": made again after the weight changes, where Model casts it
+    in every autocast region), then one extension call (out float32).  Training
+    with gradients: the same inside _LowpTrainFn, which keeps what its fused
+    backward needs."""
+    momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
+    buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+    if grad:
+        return _LowpTrainFn.apply(_lowp_kernels(), scale_after_bn, buffers, momentum, float(bn.eps), dtype, x,
+                                  gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight,
+                                  bn.bias)
     x16 = x.to(dtype)
     w16 = _weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}")
     w16 = gemm.weight.to(dtype) if w16 is None else w16
-    momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
-    buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     params = (x16, w16, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
     return _forward_call(_lowp_kernels(), "lowp_sm90", scale_after_bn, bn.training, buffers, momentum,
                          float(bn.eps), params)
@@ -1075,7 +1081,7 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
         _check_mixed_precision(x, gemm, scale, bn, group)
         grad = _needs_grad((x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias))
         if _autocast_gemm(x, gemm, scale, bn, autocast_dtype, grad) is not None:
-            return _autocast_forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype)
+            return _autocast_forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype, grad)
         return _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn)
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
@@ -1100,6 +1106,8 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
         return _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
     plan = dispatch(x, gemm.weight, training, grad, scale_after_bn)
     kernels = _kernels(plan.kernels)
+    if plan.gemm == "lowp_sm90" and training and grad:
+        return _LowpTrainFn.apply(kernels, scale_after_bn, buffers, momentum, eps, None, *params)
     if plan.kernels == "lowp" and grad:
         return _LowpFn.apply(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, *params)
     if training and grad:
@@ -1383,6 +1391,76 @@ class _LowpFn(torch.autograd.Function):
             g = next(grads) if need else None
             result.append(torch.zeros_like(t) if need and g is None else g)
         return (None,) * 7 + tuple(result)
+
+
+# bundle: repository-only begins (tools/bundle.py writes BUNDLE_NO_LOWP_TRAIN in place of this block)
+# The 16-bit training step with gradients on Hopper (16-bit modules, and float32 modules under autocast).
+# The self-contained files have no 16-bit kernels (check_input rejects 16-bit CUDA input there).
+def _lowp_train_backward(kernels, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs):
+    """Gradients of the 16-bit training forward (forward_train_saved: the 16-bit
+    module's, or a float32 module's under autocast) with respect to (x,
+    gemm.weight, gemm.bias, scale, bn.weight, bn.bias), from its saved tensors:
+    x16, w16 the GEMM's operands (in the 16-bit dtype T), z (M, N) T the Linear
+    output, coeff (N, 4) the batch's {mean, invstd, bn.weight, bn.bias}, out
+    (problem 84) the softmax output.  Returned in the dtypes the kernels give
+    (autograd casts each to its input's dtype):
+      problem 84: g = torch's softmax backward of (grad_out, out) (one kernel,
+        float32 accumulation, in out's dtype, as Model's)
+      grad_z (T), grad_scale, grad_bn_weight, grad_bn_bias (float32) = bn_backward_train
+        (kernels/lowp/bn_16bit_backward.cu: float64 sums, grad_z rounded once)
+      grad_x = grad_z w16, grad_W = grad_z^T x16: one T product each (cuBLAS's,
+        float32 accumulation, as Model's backward)
+      grad_bias = 0 exactly (BatchNorm subtracts the batch mean, which holds the bias)."""
+    need_x, need_w, need_b, need_s, need_g, need_beta = needs
+    grad_b = coeff.new_zeros(z.shape[1]) if need_b else None
+    if not (need_x or need_w or need_s or need_g or need_beta):
+        return (None, None, grad_b, None, None, None)
+    g = grad_out.contiguous()
+    if scale_after_bn:
+        g = torch._softmax_backward_data(g, out, 1, out.dtype)
+    grad_z, grad_s, grad_g, grad_beta = kernels.bn_backward_train(g, z, coeff, scale, scale_after_bn)
+    grad_x = torch.mm(grad_z, w16) if need_x else None
+    grad_w = torch.mm(grad_z.t(), x16) if need_w else None
+    return (grad_x, grad_w, grad_b, grad_s if need_s else None, grad_g if need_g else None,
+            grad_beta if need_beta else None)
+
+
+class _LowpTrainFn(torch.autograd.Function):
+    """16-bit training forward with gradients on lowp_sm90, and a float32
+    module's under autocast: one forward_train_saved call of the 16-bit
+    extension (the output and running-statistics update of forward_train, which
+    it is, plus z and coeff), then _lowp_train_backward.  cast_dtype: None for
+    a 16-bit module (x and gemm.weight are the GEMM's operands), else the
+    autocast dtype: x is cast per call (autocast's cast) and gemm.weight's cast
+    comes from the weight cache (_weight_parts, kind cast_<dtype>), while the
+    vectors stay float32 (the binding's autocast form).  Saved: the two GEMM
+    operands (the caller's tensors for a 16-bit module), scale, z (M, N) in the
+    16-bit dtype, coeff (N, 4), and for problem 84 out."""
+
+    @staticmethod
+    def forward(ctx, kernels, scale_after_bn, buffers, momentum, eps, cast_dtype, x, weight, bias, scale, bn_weight,
+                bn_bias):
+        x16, w16 = x, weight
+        if cast_dtype is not None:
+            x16 = x.to(cast_dtype)
+            w16 = _weight_parts(weight, split=lambda w: w.to(cast_dtype), kind=f"cast_{cast_dtype}")
+            w16 = weight.to(cast_dtype) if w16 is None else w16
+        out, z, coeff = kernels.forward_train_saved("lowp_sm90", x16, w16, bias, scale, bn_weight, bn_bias, *buffers,
+                                                    momentum, eps, scale_after_bn)
+        ctx.scale_after_bn = scale_after_bn
+        ctx.kernels = kernels
+        ctx.save_for_backward(x16, w16, scale, z, coeff, out if scale_after_bn else None)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        grads = _lowp_train_backward(ctx.kernels, ctx.scale_after_bn, grad_out, *ctx.saved_tensors,
+                                     ctx.needs_input_grad[6:])
+        return (None,) * 6 + tuple(grads)
+
+
+# bundle: repository-only ends
 
 
 # ---------------------------------------------------------------------------

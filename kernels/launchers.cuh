@@ -220,13 +220,14 @@ cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, vo
 // aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout;
 // workspace: *floats floats from lowp_sm90_workspace, the last *zero_ints ints zeroed (may be
 // null when *floats is 0).  float32_io: the vectors and out are float32 (a float32 module
-// under mixed precision; the GEMM in dtype), else 16-bit of dtype.
+// under mixed precision; the GEMM in dtype), else 16-bit of dtype.  z_out (train, may be
+// null): also the Linear output z = rnd(x w^T + bias) (M, N) in dtype, for the backward.
 void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, const void* x, const void* w, void* out, int M,
                               int N, int K, const void* bias, const void* scale, const void* bn_weight,
                               const void* bn_bias, const void* running_mean, const void* running_var, float eps,
                               bool scale_after_bn, float* part_mean, float* part_m2, int64_t* num_batches_tracked,
-                              float* workspace, cudaStream_t stream);
+                              void* z_out, float* workspace, cudaStream_t stream);
 // Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu);
 // float32_io: the BatchNorm parameters and running statistics (and below, out and scale) are float32.
 cudaError_t lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mean, const float* part_m2,
@@ -239,5 +240,11 @@ cudaError_t lowp_bn_apply(int dtype, bool float32_io, void* out, const float* co
 // Problem 84: row softmax in place (coeff and scale: training; coeff null: eval).
 cudaError_t lowp_softmax_rows(int dtype, bool float32_io, void* out, const float* coeff, const void* scale, int M,
                               int N, cudaStream_t stream);
+// The training backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and
+// dscale, dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
+// (g_float32) or dtype, the saved z (M, N) in dtype and coeff (N float4) of the training forward.
+cudaError_t lowp_bn_backward_train(int dtype, bool float32_io, bool g_float32, const void* g, const void* z,
+                                   const float* coeff, const void* scale, bool scale_after_bn, int M, int N, void* dz,
+                                   float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
 
 }  // namespace fused_gemm_bn

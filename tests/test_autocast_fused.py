@@ -22,9 +22,18 @@ GPU (all need an sm_90 GPU; names contain "gpu")
     chain that also rounds `v * scale` to the autocast dtype fails it).
   - test_gpu_autocast_fused_every_output_element_written: the output block is
     poisoned (NaN) through the caching allocator; every element finite after.
-  - test_gpu_autocast_fused_weight_update_seen: optimizer steps and an in-place
-    write to gemm.weight between fused calls reach the next call (the cached
-    cast is made again).  Calls that need gradients take Model's ops
+  - test_gpu_autocast_fused_training_step [dtype, problem, shape]: a training
+    call with gradients (_LowpTrainFn: the fused forward, then the fused
+    backward) against Model under the same autocast: output as above, buffers
+    updated once, output error against float64 at most 1.05x Model's, and every
+    gradient (x and the five parameters, all float32 as Model's) within
+    2 err(Model's gradient) + GRAD_FLOOR[dtype] against the float64 Model
+    (test_gpu_lowp_grad_enabled's bound); gemm.bias's (exactly 0 in exact
+    arithmetic) at most 2x Model's + 1e-3 in max norm.
+  - test_gpu_autocast_fused_weight_update_seen: optimizer steps (their
+    gradients from the fused training step) and an in-place write to
+    gemm.weight between fused calls reach the next call (the cached cast is
+    made again).  Eval calls that need gradients take Model's ops
     (tests/test_mixed_precision.py compares those bit for bit).
 """
 import copy
@@ -32,8 +41,9 @@ import copy
 import pytest
 import torch
 
-from tests.test_backward import rel_err
-from tests.test_lowp import DTYPES, KERNELBENCH_SHAPE, NUM_CALLS, assert_close_16bit, lowp_input, lowp_pair
+from tests.test_backward import PARAM_NAMES, forward_backward, rel_err
+from tests.test_lowp import (DTYPES, GRAD_FLOOR, KERNELBENCH_SHAPE, NUM_CALLS, assert_close_16bit, lowp_input,
+                             lowp_pair)
 
 # Eager 16-bit GEMMs without reduced-precision split-K reductions in every test here (conftest.py).
 pytestmark = pytest.mark.usefixtures("full_precision_reductions")
@@ -119,6 +129,43 @@ def test_gpu_autocast_fused_matches_model(dtype_name, problem, mode, shape):
         assert torch.equal(p, params_before[name]), f"{name} was modified"
 
 
+@requires_sm90
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (130, 1024, 264), (2305, 72, 4100)],
+                         ids=shape_id)
+def test_gpu_autocast_fused_training_step(dtype_name, problem, shape):
+    dtype = DTYPES[dtype_name]
+    m, k, n = shape
+    ref, new = autocast_pair(problem, k, n, seed=5)
+    ref64 = copy.deepcopy(ref).double()
+    x = float_input(2, m, k, seed=5)
+    g = torch.randn(m, n, generator=torch.Generator().manual_seed(77)).to("cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        assert new.kernel_path(x.requires_grad_(True)) == expected_path(new, True)
+        out_ref, grads_ref = forward_backward(ref, x, g)
+        out_new, grads_new = forward_backward(new, x, g)
+    out64, grads64 = forward_backward(ref64, x.double(), g.double())
+    where = f"autocast {dtype_name} {problem} {shape} training step"
+    assert_close_autocast(out_new, out_ref, dtype, where)
+    assert_buffers_close(new, ref, where)
+    err_eager, err_new = rel_err(out_ref, out64), rel_err(out_new, out64)
+    print(f"\n[{where}] output err vs float64: eager {err_eager:.3e}, ModelNew {err_new:.3e}")
+    assert err_new <= ERR_FACTOR * err_eager + ERR_FLOOR
+    for name in ["x"] + PARAM_NAMES:
+        got, eager, want = grads_new[name], grads_ref[name], grads64[name]
+        assert got is not None and got.dtype == eager.dtype == torch.float32 and got.shape == want.shape, name
+        assert bool(torch.isfinite(got).all()), f"{name}: non-finite gradient"
+        if name == "gemm.bias":
+            print(f"[{where}] grad gemm.bias max |.|: ModelNew {got.abs().max().item():.2e}, "
+                  f"Model {eager.abs().max().item():.2e}")
+            assert got.abs().max().item() <= 2 * eager.abs().max().item() + 1e-3
+            continue
+        err_new, err_eager = rel_err(got, want), rel_err(eager, want)
+        print(f"[{where}] grad {name}: err ModelNew {err_new:.2e}, Model {err_eager:.2e}")
+        assert err_new <= 2 * err_eager + GRAD_FLOOR[dtype], name
+
+
 def _errors(problem, mode, shape, dtype, chain=None):
     """(err(Model under autocast), err(ModelNew or `chain` under autocast)) against Model in float64."""
     m, k, n = shape
@@ -201,8 +248,8 @@ def test_gpu_autocast_fused_every_output_element_written(shape, dtype_name, prob
 @pytest.mark.parametrize("problem", ["33", "84"])
 def test_gpu_autocast_fused_weight_update_seen(problem):
     """Fused calls (no grad) between optimizer steps (whose gradients come from
-    Model's ops: a call with gradients takes them) and after an in-place write
-    to gemm.weight see the new weight: the cached cast is made again."""
+    the fused training step) and after an in-place write to gemm.weight see the
+    new weight: the cached cast is made again."""
     dtype = torch.bfloat16
     m, k, n = 257, 300, 1000
     ref, new = autocast_pair(problem, k, n)
@@ -215,7 +262,7 @@ def test_gpu_autocast_fused_weight_update_seen(problem):
             with torch.no_grad():
                 assert new.kernel_path(x) == expected_path(new, False)
                 assert_close_autocast(new(x), ref(x), dtype, f"step {step}")
-            assert new.kernel_path(x) == "torch_ops_autocast_train_grad"
+            assert new.kernel_path(x.requires_grad_(True)) == expected_path(new, True)
             for model, opt in ((ref, opt_ref), (new, opt_new)):
                 opt.zero_grad()
                 (model(x) * g).sum().backward()

@@ -163,8 +163,9 @@ AMPERE = model_new.DeviceFacts(capability=(8, 0), num_sms=108, sm90_gemm=False, 
 def test_cpu_autocast_fused_decision(problem):
     """_autocast_gemm: lowp_sm90 for a float32 module on Hopper with float32 or
     16-bit x under float16 / bfloat16 autocast; Model's ops (None) off Hopper,
-    with SWITCHES.portable or autocast_fused off, with gradients, for a 16-bit
-    module, for an empty batch, and for x of another dtype."""
+    with SWITCHES.portable or autocast_fused off, in eval with gradients (training
+    with gradients takes the fused training step), for a 16-bit module, for an
+    empty batch, and for x of another dtype."""
     _, new = make_pair(problem, 0, K, N)
     on = model_new.SWITCHES._replace(portable=False, autocast_fused=True)
 
@@ -176,7 +177,11 @@ def test_cpu_autocast_fused_decision(problem):
             assert decide(_FakeCudaInput(M, K, x_dtype), dtype) == "lowp_sm90"
     x = _FakeCudaInput(M, K, torch.float32)
     assert decide(x, facts=AMPERE) is None
+    assert decide(x, grad=True) == "lowp_sm90"  # training: the fused step (_LowpTrainFn)
+    new.eval()
     assert decide(x, grad=True) is None
+    assert decide(x) == "lowp_sm90"
+    new.train()
     assert decide(x, switches=on._replace(portable=True)) is None
     assert decide(x, switches=on._replace(autocast_fused=False)) is None
     assert decide(_FakeCudaInput(0, K, torch.float32)) is None

@@ -19,7 +19,9 @@ each begin line names the text that replaces its block (REPLACEMENTS):
     engine warns once when a training call runs under torch.distributed with
     more than one process (README "Multi-GPU");
   - the mixed-precision path (torch.autocast) becomes BUNDLE_NO_MIXED_PRECISION:
-    the files have no such path (README "Mixed precision").
+    the files have no such path (README "Mixed precision");
+  - the 16-bit training step (_LowpTrainFn) becomes BUNDLE_NO_LOWP_TRAIN: the
+    files have no 16-bit kernels.
 
     python tools/bundle.py                 # writes both files
     python tools/bundle.py --check         # exit status 1 when either is stale
@@ -58,8 +60,14 @@ BUNDLE_NO_MIXED_PRECISION = (
     "\n"
     "_mixed_precision_path = _mixed_precision_forward = _autocast_gemm = _autocast_forward = None\n"
 )
+BUNDLE_NO_LOWP_TRAIN = (
+    "# The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),\n"
+    "# so no 16-bit training step either.\n"
+    "_LowpTrainFn = None\n"
+)
 # The name on a block's begin line -> the text that replaces the block.
-REPLACEMENTS = {"BUNDLE_BATCHNORM_BASE": BUNDLE_BATCHNORM_BASE, "BUNDLE_NO_MIXED_PRECISION": BUNDLE_NO_MIXED_PRECISION}
+REPLACEMENTS = {"BUNDLE_BATCHNORM_BASE": BUNDLE_BATCHNORM_BASE, "BUNDLE_NO_MIXED_PRECISION": BUNDLE_NO_MIXED_PRECISION,
+                "BUNDLE_NO_LOWP_TRAIN": BUNDLE_NO_LOWP_TRAIN}
 KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 ENGINE = os.path.join(REPO, "model_new.py")
 KERNEL_DIR = os.path.join(REPO, "kernels")

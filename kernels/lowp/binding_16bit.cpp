@@ -32,6 +32,12 @@
 //       batch mean / invstd, running statistics       (bn_16bit.cu, fold)
 //       problem 33: out = rnd(fma(w (u - mean), invstd, b)) in place (bn_16bit.cu, apply)
 //       problem 84: one CTA per row: rnd(softmax(rnd(rnd(BatchNorm(u)) * scale)))
+//   forward_train_saved(same arguments) -> (out, z, coeff)        (lowp_sm90 only)
+//       forward_train, also keeping the Linear output z = rnd(x @ weight^T + bias)
+//       (M, N) in x's dtype and the batch coefficients coeff (N, 4) float32 =
+//       {mean, invstd, bn.weight, bn.bias} for bn_backward_train.
+//   bn_backward_train(grad_y, z, coeff, scale, scale_after_bn)
+//       -> (grad_z, grad_scale, grad_bn_weight, grad_bn_bias)      (bn_16bit_backward.cu)
 //   forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                running_var, eps, scale_after_bn) -> out (M, N)
 //       one GEMM launch with the whole chain in its epilogue (kEval); problem 84:
@@ -145,7 +151,7 @@ void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& n
 // The GEMM launch of either kernel (the same arguments and outputs).
 cudaError_t launch_gemm(bool sm90, int dtype, bool train, bool float32_io, const Operands& op, torch::Tensor& out,
                         const BnTensors& t, float eps, bool scale_after_bn, float* part_mean, float* part_m2,
-                        int64_t* num_batches_tracked, cudaStream_t stream) {
+                        int64_t* num_batches_tracked, void* z_out, cudaStream_t stream) {
   const void* bn_weight = train ? nullptr : t.bn_weight.data_ptr();
   const void* bn_bias = train ? nullptr : t.bn_bias.data_ptr();
   const void* running_mean = train ? nullptr : t.running_mean.data_ptr();
@@ -168,34 +174,47 @@ cudaError_t launch_gemm(bool sm90, int dtype, bool train, bool float32_io, const
   return fgb::lowp_sm90_gemm_bn(dtype, train, float32_io, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(),
                                 op.M, op.N, op.K, t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias,
                                 running_mean, running_var, eps, scale_after_bn, part_mean, part_m2, num_batches_tracked,
-                                workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr, stream);
+                                z_out, workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr, stream);
 }
 
+// What a training forward returns: out (M, N) in the vectors' dtype; with
+// `saved`, also the Linear output z (M, N) in x's dtype and coeff (N, 4) float32
+// = {mean, invstd, bn.weight, bn.bias} per feature (bn_16bit.cu), for the backward.
+struct TrainResult {
+  torch::Tensor out, z, coeff;
+};
+
 // The training forward of either problem.
-torch::Tensor train(bool sm90, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
-                    torch::Tensor& num_batches_tracked, double momentum, double eps, bool scale_after_bn) {
+TrainResult train(bool sm90, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
+                  torch::Tensor& num_batches_tracked, double momentum, double eps, bool scale_after_bn,
+                  bool saved = false) {
+  TORCH_CHECK(!saved || sm90, "fused_gemm_bn (16-bit): forward_train_saved needs the lowp_sm90 kernel");
   const Operands op = check_operands(x_in, weight, sm90);
   const int M = op.M, N = op.N;
   check_training(op.x, M, N, num_batches_tracked);
   const bool float32_io = check_bn_tensors(t, N, op.x, sm90);
   const c10::cuda::CUDAGuard guard(op.x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
-  torch::Tensor out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
+  const auto f32 = op.x.options().dtype(torch::kFloat32);
+  TrainResult r;
+  r.out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
+  r.coeff = torch::empty({N, 4}, f32);
+  if (saved) r.z = torch::empty({M, N}, op.x.options());
   if (N == 0) {  // nothing to normalise; the call still counts, as nn.BatchNorm1d's
     num_batches_tracked.add_(1);
-    return out;
+    return r;
   }
   const int block_m = fgb::lowp_gemm_block_m();
   const int num_m_tiles = (M + block_m - 1) / block_m;
-  const auto f32 = op.x.options().dtype(torch::kFloat32);
-  // coeff (N float4, 16-byte aligned at the start), then part_mean | part_m2 (num_m_tiles x N each).
+  // part_mean | part_m2 (num_m_tiles x N each).
   const int64_t part_floats = static_cast<int64_t>(num_m_tiles) * N;
-  torch::Tensor scratch = torch::empty({4 * static_cast<int64_t>(N) + 2 * part_floats}, f32);
-  float* coeff = scratch.data_ptr<float>();
-  float* part_mean = coeff + 4 * static_cast<int64_t>(N);
+  torch::Tensor scratch = torch::empty({2 * part_floats}, f32);
+  float* coeff = r.coeff.data_ptr<float>();
+  float* part_mean = scratch.data_ptr<float>();
   float* part_m2 = part_mean + part_floats;
+  torch::Tensor& out = r.out;
   check_launch(launch_gemm(sm90, op.dtype, true, float32_io, op, out, t, 0.f, scale_after_bn, part_mean, part_m2,
-                           num_batches_tracked.data_ptr<int64_t>(), stream),
+                           num_batches_tracked.data_ptr<int64_t>(), saved ? r.z.data_ptr() : nullptr, stream),
                sm90 ? "sm90_gemm_bn_16bit_kernel (training)" : "sm80_gemm_bn_16bit_kernel (training)");
   check_launch(fgb::lowp_bn_fold_train(op.dtype, float32_io, part_mean, part_m2, num_m_tiles, block_m, M, N,
                                        t.bn_weight.data_ptr(), t.bn_bias.data_ptr(),
@@ -210,7 +229,7 @@ torch::Tensor train(bool sm90, const torch::Tensor& x_in, const torch::Tensor& w
         fgb::lowp_softmax_rows(op.dtype, float32_io, out.data_ptr(), coeff, t.scale.data_ptr(), M, N, stream),
         "bn16_softmax_rows_kernel (training)");
   }
-  return out;
+  return r;
 }
 
 // The eval forward of either problem.
@@ -224,7 +243,7 @@ torch::Tensor eval(bool sm90, const torch::Tensor& x_in, const torch::Tensor& we
   torch::Tensor out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
   if (M == 0 || N == 0) return out;
   check_launch(launch_gemm(sm90, op.dtype, false, float32_io, op, out, t, static_cast<float>(eps), scale_after_bn,
-                           nullptr, nullptr, nullptr, stream),
+                           nullptr, nullptr, nullptr, nullptr, stream),
                sm90 ? "sm90_gemm_bn_16bit_kernel (eval)" : "sm80_gemm_bn_16bit_kernel (eval)");
   if (scale_after_bn)
     check_launch(fgb::lowp_softmax_rows(op.dtype, float32_io, out.data_ptr(), nullptr, nullptr, M, N, stream),
@@ -241,7 +260,55 @@ torch::Tensor forward_train(const std::string& gemm, torch::Tensor x, torch::Ten
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn) {
   return train(is_sm90(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
-               num_batches_tracked, momentum, eps, scale_after_bn);
+               num_batches_tracked, momentum, eps, scale_after_bn)
+      .out;
+}
+
+// forward_train, also returning what the backward needs: (out, z, coeff) (TrainResult).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_train_saved(
+    const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+    torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean, torch::Tensor running_var,
+    torch::Tensor num_batches_tracked, double momentum, double eps, bool scale_after_bn) {
+  TrainResult r = train(is_sm90(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
+                        num_batches_tracked, momentum, eps, scale_after_bn, true);
+  return {r.out, r.z, r.coeff};
+}
+
+// The training backward after the GEMM (bn_16bit_backward.cu): grad_y (M, N), dL/dout
+// (problem 33) or dL/d(softmax input) (84), float32 or z's dtype; z (M, N) and coeff (N, 4)
+// from forward_train_saved; scale (N) of the vectors' dtype (z's, or float32 under
+// autocast).  Returns (grad_z (M, N) in z's dtype, grad_scale, grad_bn_weight, grad_bn_bias
+// (N) float32).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backward_train(
+    torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale, bool scale_after_bn) {
+  TORCH_CHECK(z.is_cuda() && (z.scalar_type() == torch::kHalf || z.scalar_type() == torch::kBFloat16) &&
+                  z.dim() == 2 && z.is_contiguous(),
+              "z must be a contiguous 2-D float16 or bfloat16 CUDA tensor, got ", z.scalar_type(), " ", z.sizes());
+  const int64_t M = z.size(0), N = z.size(1);
+  TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "sizes must fit in int32, got ", z.sizes());
+  TORCH_CHECK(grad_y.device() == z.device() && grad_y.sizes() == z.sizes() &&
+                  (grad_y.scalar_type() == torch::kFloat32 || grad_y.scalar_type() == z.scalar_type()),
+              "grad_y must be a ", z.sizes(), " float32 or ", z.scalar_type(), " tensor on ", z.device(), ", got ",
+              grad_y.scalar_type(), " ", grad_y.sizes());
+  TORCH_CHECK(coeff.device() == z.device() && coeff.scalar_type() == torch::kFloat32 && coeff.dim() == 2 &&
+                  coeff.size(0) == N && coeff.size(1) == 4 && coeff.is_contiguous(),
+              "coeff must be a contiguous (", N, ", 4) float32 tensor on ", z.device());
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 || scale.scalar_type() == z.scalar_type(), "scale must be ",
+              z.scalar_type(), " or float32, got ", scale.scalar_type());
+  check_vector(scale, "scale", N, z, scale.scalar_type());
+  const torch::Tensor g = grad_y.contiguous();
+  const c10::cuda::CUDAGuard guard(z.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(z.get_device()).stream();
+  torch::Tensor grad_z = torch::empty_like(z);
+  torch::Tensor grads = torch::empty({3, N}, z.options().dtype(torch::kFloat32));
+  float* gs = grads.data_ptr<float>();
+  check_launch(fgb::lowp_bn_backward_train(dtype_code(z.scalar_type()), scale.scalar_type() == torch::kFloat32,
+                                           g.scalar_type() == torch::kFloat32, g.data_ptr(), z.data_ptr(),
+                                           coeff.data_ptr<float>(), scale.data_ptr(), scale_after_bn,
+                                           static_cast<int>(M), static_cast<int>(N), grad_z.data_ptr(), gs, gs + N,
+                                           gs + 2 * N, stream),
+               "bn16_backward_train_kernel");
+  return {grad_z, grads[0], grads[1], grads[2]};
 }
 
 // Either problem, eval mode.

@@ -12,7 +12,8 @@
 //   z = rnd(acc + f(bias))
 //   kTrain, 33: u = rnd(z f(scale));  84: u = z.  out = u, and the mean and M2 of
 //     u[:, n] over each 128-row block of the batch (part_mean, part_m2, float32,
-//     two passes over the registers), which bn_16bit.cu merges.
+//     two passes over the registers), which bn_16bit.cu merges; with z_out (the
+//     training forward with gradients) also z_out = z, as T.
 //   kEval, 33: out = rnd(fma(w (rnd(z f(scale)) - rm), invstd, b))
 //   kEval, 84: out = rnd(rnd(fma(w (z - rm), invstd, b)) f(scale))   (then the row softmax)
 //   w, b, rm = f(bn.weight), f(bn.bias), f(running_mean); invstd = rsqrtf(f(running_var) + eps).
@@ -29,6 +30,7 @@
 //   x (M, K), w (N, K): T, K-major, 16-byte aligned, K % 8 == 0 (TMA's 16-byte
 //     global strides); out (M, N) and the six vectors (N): S (T, or float32).
 //   part_mean, part_m2 (ceil(M / 128), N) float32 (kTrain).
+//   z_out (M, N) T (kTrain, may be null).
 //   num_batches_tracked int64 (kTrain, may be null): CTA 0 adds 1.
 //
 // Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor, 9.7.12.15 mbarrier)
@@ -117,6 +119,7 @@ struct Args {
   float* part_mean;              // kTrain
   float* part_m2;                // kTrain
   int64_t* num_batches_tracked;  // kTrain; may be null
+  void* z_out;                   // kTrain; may be null: z (M, N) as T (the backward's saved Linear output)
   // The grid's work (BLOCK_M = 128 only: whole tiles and split tiles, sm90_gemm_tiles.cuh;
   // BLOCK_M = 256: one whole tile per CTA) and the split tiles' workspace.
   sm90::StreamKPlan plan;
@@ -131,6 +134,53 @@ __device__ __forceinline__ void issue_wgmma(float (&acc)[64 * kBlockM / 128], ui
   } else {
     sm90::wgmma_m64n256k16_ss<T>(acc, desc_a, desc_b);
   }
+}
+
+// Stores a finished tile's values (acc as in tile_epilogue) as words of S
+// into out (M, N): row-major, rows m0.., this thread's features col0 and col0 + 8.
+// 16-bit S with N even: lanes g and g ^ 1 (features f, f + 1) swap one value so
+// each writes one 4-byte word: the even lane row b (f, f + 1), the odd lane row
+// b + 1 (f - 1, f).  Otherwise one store per element (4 bytes for float: a
+// warp's store covers four full 32-byte sectors).
+template <typename S, int kBlockM>
+__device__ __forceinline__ void store_tile(const float (&acc)[64 * kBlockM / 128], void* out, int M, int N, int m0,
+                                           int col0, int g, int t) {
+  using St = Storage<S>;
+  using W = word_t<S>;
+  constexpr int kAccRegs = 64 * kBlockM / 128;
+  if constexpr (sizeof(W) == 2) {
+    if (N % 2 == 0) {
+      const bool odd = (g & 1) != 0;
+#pragma unroll
+      for (int i = 0; i < kAccRegs / 4; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t v0 = to_bits<S>(acc[4 * i + 2 * h]), v1 = to_bits<S>(acc[4 * i + 2 * h + 1]);
+          const uint32_t other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+          const int row = m0 + 8 * i + 2 * t + (odd ? 1 : 0);
+          const int col = col0 + 8 * h - (odd ? 1 : 0);
+          if (row < M && col < N) {
+            uint16_t* p = static_cast<uint16_t*>(out) + static_cast<size_t>(row) * N + col;
+            const uint16_t lo = static_cast<uint16_t>(odd ? other : v0), hi = static_cast<uint16_t>(odd ? v1 : other);
+            if (col + 1 < N) {
+              *reinterpret_cast<uint32_t*>(p) = pack2(lo, hi);
+            } else {
+              *p = lo;
+            }
+          }
+        }
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kAccRegs / 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int row = m0 + 8 * i + 2 * t + e, col = col0 + 8 * h;
+        if (row < M && col < N) St::store(static_cast<W*>(out) + static_cast<size_t>(row) * N + col, acc[4 * i + 2 * h + e]);
+      }
 }
 
 // The epilogue of one finished tile (m_tile; batch rows m0.., features n0..),
@@ -163,7 +213,14 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
       p_invstd[h] = ok ? rsqrtf(St::load(vec(args.running_var) + f) + args.eps) : 0.f;
     }
   }
-  // The chain up to its final rounding (the store rounds to S; kTrain's u is already an S value).
+  // z = rnd(acc + bias), the Linear output (a T value).
+#pragma unroll
+  for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = round16<T>(acc[i] + p_bias[(i / 2) % 2]);
+  // kTrain with z_out: z itself, for the backward (T words, whatever S is).
+  if constexpr (kChain == Chain::kTrain) {
+    if (args.z_out != nullptr) store_tile<T, kBlockM>(acc, args.z_out, M, N, m0, n0 + f_local, g, t);
+  }
+  // The chain after z up to its final rounding (the store rounds to S; kTrain's u is already an S value).
 #pragma unroll
   for (int i = 0; i < TR::kAccRegs / 4; ++i)
 #pragma unroll
@@ -171,7 +228,7 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& v = acc[4 * i + 2 * h + e];
-        const float z = round16<T>(v + p_bias[h]);
+        const float z = v;
         if constexpr (kChain == Chain::kTrain) {
           v = args.scale_after_bn ? z : St::round(z * p_scale[h]);
         } else if (!args.scale_after_bn) {
@@ -221,44 +278,7 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
     }
   }
 
-  // Store.  16-bit S with N even: lanes g and g ^ 1 (features f, f + 1) swap
-  // one value so each writes one 4-byte word: the even lane row b (f, f + 1),
-  // the odd lane row b + 1 (f - 1, f).  Otherwise one store per element (4 bytes
-  // for float: a warp's store covers four full 32-byte sectors).
-  if constexpr (sizeof(W) == 2) {
-    if (N % 2 == 0) {
-      const bool odd = (g & 1) != 0;
-#pragma unroll
-      for (int i = 0; i < TR::kAccRegs / 4; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t v0 = to_bits<S>(acc[4 * i + 2 * h]), v1 = to_bits<S>(acc[4 * i + 2 * h + 1]);
-          const uint32_t other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-          const int row = m0 + 8 * i + 2 * t + (odd ? 1 : 0);
-          const int col = n0 + f_local + 8 * h - (odd ? 1 : 0);
-          if (row < M && col < N) {
-            uint16_t* p = static_cast<uint16_t*>(args.out) + static_cast<size_t>(row) * N + col;
-            const uint16_t lo = static_cast<uint16_t>(odd ? other : v0), hi = static_cast<uint16_t>(odd ? v1 : other);
-            if (col + 1 < N) {
-              *reinterpret_cast<uint32_t*>(p) = pack2(lo, hi);
-            } else {
-              *p = lo;
-            }
-          }
-        }
-      return;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < TR::kAccRegs / 4; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int row = m0 + 8 * i + 2 * t + e, col = n0 + f_local + 8 * h;
-        if (row < M && col < N)
-          St::store(static_cast<W*>(args.out) + static_cast<size_t>(row) * N + col, acc[4 * i + 2 * h + e]);
-      }
+  store_tile<S, kBlockM>(acc, args.out, M, N, m0, n0 + f_local, g, t);
 }
 
 template <typename T, typename S, Chain kChain, int kBlockM>
@@ -468,7 +488,8 @@ cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, bool float32
                                              void* out, int M, int N, int K, const void* bias, const void* scale,
                                              const void* bn_weight, const void* bn_bias, const void* running_mean,
                                              const void* running_var, float eps, bool scale_after_bn, float* part_mean, float* part_m2,
-                                             int64_t* num_batches_tracked, float* workspace, cudaStream_t stream) {
+                                             int64_t* num_batches_tracked, void* z_out, float* workspace,
+                                             cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M == 0 || N == 0) return cudaSuccess;
   if (M < 0 || N < 0 || K < 8 || K % 8 != 0 || !sm90::aligned16(x) || !sm90::aligned16(w))
@@ -489,6 +510,7 @@ cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, bool float32
   args.part_mean = part_mean;
   args.part_m2 = part_m2;
   args.num_batches_tracked = num_batches_tracked;
+  args.z_out = train ? z_out : nullptr;
   switch (static_cast<Dtype>(dtype)) {
     case Dtype::kF16:
       return hopper::launch_for_type<__half>(args, train, float32_io, x, w, workspace, stream);

@@ -208,7 +208,7 @@ _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", 
 _LOWP_SUBDIR = "lowp"
 _LOWP_BINDING = "binding_16bit.cpp"
 _LOWP_PREFIX = "fused_gemm_bn_lowp_"
-_LOWP_FUNCTIONS = ["forward_train", "forward_eval"]
+_LOWP_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "bn_backward_train"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
@@ -1789,13 +1789,14 @@ cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, vo
 // aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout;
 // workspace: *floats floats from lowp_sm90_workspace, the last *zero_ints ints zeroed (may be
 // null when *floats is 0).  float32_io: the vectors and out are float32 (a float32 module
-// under mixed precision; the GEMM in dtype), else 16-bit of dtype.
+// under mixed precision; the GEMM in dtype), else 16-bit of dtype.  z_out (train, may be
+// null): also the Linear output z = rnd(x w^T + bias) (M, N) in dtype, for the backward.
 void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, const void* x, const void* w, void* out, int M,
                               int N, int K, const void* bias, const void* scale, const void* bn_weight,
                               const void* bn_bias, const void* running_mean, const void* running_var, float eps,
                               bool scale_after_bn, float* part_mean, float* part_m2, int64_t* num_batches_tracked,
-                              float* workspace, cudaStream_t stream);
+                              void* z_out, float* workspace, cudaStream_t stream);
 // Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu);
 // float32_io: the BatchNorm parameters and running statistics (and below, out and scale) are float32.
 cudaError_t lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mean, const float* part_m2,
@@ -1808,6 +1809,12 @@ cudaError_t lowp_bn_apply(int dtype, bool float32_io, void* out, const float* co
 // Problem 84: row softmax in place (coeff and scale: training; coeff null: eval).
 cudaError_t lowp_softmax_rows(int dtype, bool float32_io, void* out, const float* coeff, const void* scale, int M,
                               int N, cudaStream_t stream);
+// The training backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and
+// dscale, dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
+// (g_float32) or dtype, the saved z (M, N) in dtype and coeff (N float4) of the training forward.
+cudaError_t lowp_bn_backward_train(int dtype, bool float32_io, bool g_float32, const void* g, const void* z,
+                                   const float* coeff, const void* scale, bool scale_after_bn, int M, int N, void* dz,
+                                   float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
 
 }  // namespace fused_gemm_bn
 ''',
@@ -6608,7 +6615,7 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
         _check_mixed_precision(x, gemm, scale, bn, group)
         grad = _needs_grad((x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias))
         if _autocast_gemm(x, gemm, scale, bn, autocast_dtype, grad) is not None:
-            return _autocast_forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype)
+            return _autocast_forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype, grad)
         return _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn)
     params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
@@ -6633,6 +6640,8 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
         return _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
     plan = dispatch(x, gemm.weight, training, grad, scale_after_bn)
     kernels = _kernels(plan.kernels)
+    if plan.gemm == "lowp_sm90" and training and grad:
+        return _LowpTrainFn.apply(kernels, scale_after_bn, buffers, momentum, eps, None, *params)
     if plan.kernels == "lowp" and grad:
         return _LowpFn.apply(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, *params)
     if training and grad:
@@ -6916,6 +6925,11 @@ class _LowpFn(torch.autograd.Function):
             g = next(grads) if need else None
             result.append(torch.zeros_like(t) if need and g is None else g)
         return (None,) * 7 + tuple(result)
+
+
+# The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),
+# so no 16-bit training step either.
+_LowpTrainFn = None
 
 
 # ---------------------------------------------------------------------------

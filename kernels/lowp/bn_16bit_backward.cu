@@ -1,0 +1,206 @@
+// bn_16bit_backward.cu -- the training-mode backward of what follows the Linear
+// in the 16-bit forward (sm90_gemm_bn_16bit.cu with z_out, bn_16bit.cu): from
+// the saved Linear output z and the batch coefficients to dL/dz, which the
+// backward's two GEMMs take, and the per-feature parameter gradients.
+//
+// Forward being differentiated, per feature j over the batch's M rows (T the
+// 16-bit type, S the storage: T for a 16-bit module, float for a float32 module
+// under torch.autocast in T; rnd_S = Storage<S>::round, the identity for float;
+// rnd_T = round16<T>):
+//   problem 33: u = rnd_S(z s),  out = BatchNorm(u)                     (dL/dout = g)
+//   problem 84: u = z,  y = rnd_T(BatchNorm(u)),  w = rnd_S(y s),  out = softmax(w)
+//               (g = dL/dw: the caller runs the row softmax's backward)
+// BatchNorm(u) = gamma (u - mean) invstd + beta, with the forward's own batch
+// coefficients coeff[j] = {mean, invstd, gamma, beta} (bn16_fold_train_kernel).
+// Gradients, as autograd gives them for that chain (a rounding's derivative is 1):
+//   dy = g (33) or g s (84);  S1 = sum_m dy,  S2 = sum_m dy (u - mean)
+//   du = gamma invstd (dy - S1 / M - (u - mean) invstd^2 S2 / M)
+//   dz = du s (33) or du (84)                       -> rnd_T: the GEMMs' operand
+//   dgamma = S2 invstd,  dbeta = S1
+//   dscale = sum_m du z (33) or sum_m g y (84)
+// Numerics: loads are exact (16-bit or float32 values); u and y are recomputed
+// exactly as the forward rounded them; the sums and each du in float64, dz
+// rounded once to T.  Eager 16-bit rounds dL/du, the products by scale and the
+// reductions to T at each op, so its gradients carry several 16-bit roundings;
+// these carry one (dz), or none (the float32 parameter gradients).
+//
+// Tensors (row-major, contiguous): g (M, N) G (T, or float32); z, dz (M, N) T;
+// coeff (N) float4; scale (N) S; dscale, dgamma, dbeta (N) float32.
+// Preconditions: M >= 2 (the forward's batch), N >= 1.
+//
+// Kernel: one CTA per 32 features (a warp reads one row's 32 contiguous
+// elements), its 8 warps take every 8th row, as bn_backward.cu.  Pass 1 reduces
+// S1, S2 (and problem 84's dscale), pass 2 re-reads g and z (mostly from L2) and
+// writes dz.  Memory-bound: g and z read twice, dz written once.
+// Launchers return the launch error.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "launchers.cuh"
+#include "lowp_types.cuh"
+
+namespace fused_gemm_bn {
+namespace lowp {
+namespace bn_backward {
+
+constexpr int kCols = 32;     // features per CTA
+constexpr int kWarps = 8;     // row groups per CTA
+constexpr int kRowBatch = 8;  // rows loaded per thread before use
+
+struct Args {
+  const void* g;  // G words
+  const uint16_t* z;
+  const float4* coeff;
+  const void* scale;  // S words
+  bool scale_after_bn;
+  int M, N;
+  uint16_t* dz;
+  float* dscale;
+  float* dgamma;
+  float* dbeta;
+};
+
+// g as float32, for G = float or a 16-bit type.
+template <typename G>
+__device__ __forceinline__ float load_g(const void* g, size_t idx) {
+  if constexpr (sizeof(G) == 4) {
+    return static_cast<const float*>(g)[idx];
+  } else {
+    return load_float<G>(static_cast<const uint16_t*>(g) + idx);
+  }
+}
+
+// Rows row + r * kWarps (r < kRowBatch) of g and z at feature j, every load issued
+// before any is used; rows past M read as g = 0, z = 0.
+template <typename T, typename G>
+__device__ __forceinline__ void load_rows(const Args& p, int row, int j, float (&gv)[kRowBatch],
+                                          float (&zv)[kRowBatch]) {
+#pragma unroll
+  for (int r = 0; r < kRowBatch; ++r) {
+    const int m = row + r * kWarps;
+    const size_t idx = static_cast<size_t>(m) * p.N + j;
+    gv[r] = m < p.M ? load_g<G>(p.g, idx) : 0.f;
+    zv[r] = m < p.M ? load_float<T>(p.z + idx) : 0.f;
+  }
+}
+
+template <typename T, typename S, typename G>
+__global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_train_kernel(const Args p) {
+  using St = Storage<S>;
+  __shared__ double red[3][kWarps][kCols];
+  __shared__ double coef[3][kCols];  // per feature: a = gamma invstd, c1 = S1 / M, c2 = invstd^2 S2 / M
+  const int lane = threadIdx.x % kCols, warp = threadIdx.x / kCols;
+  const int j = blockIdx.x * kCols + lane;
+  const bool valid = j < p.N;
+  const float4 c = valid ? p.coeff[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+  const float s = valid ? St::load(static_cast<const word_t<S>*>(p.scale) + j) : 0.f;
+  const double mean = c.x, sd = s;
+  // u and dy of one element (the forward's values, recomputed).
+  auto u_of = [&](float z) { return p.scale_after_bn ? z : St::round(z * s); };
+
+  double s1 = 0.0, s2 = 0.0, s3 = 0.0;  // s3: problem 84's dscale
+  if (valid) {
+    for (int row = warp; row < p.M; row += kWarps * kRowBatch) {
+      float gv[kRowBatch], zv[kRowBatch];
+      load_rows<T, G>(p, row, j, gv, zv);
+#pragma unroll
+      for (int r = 0; r < kRowBatch; ++r) {
+        if (row + r * kWarps >= p.M) break;
+        const double u = u_of(zv[r]);
+        const double dy = p.scale_after_bn ? gv[r] * sd : gv[r];
+        s1 += dy;
+        s2 += dy * (u - mean);
+        if (p.scale_after_bn) s3 += static_cast<double>(gv[r]) * round16<T>(fmaf(c.z * (zv[r] - c.x), c.y, c.w));
+      }
+    }
+  }
+  red[0][warp][lane] = s1;
+  red[1][warp][lane] = s2;
+  red[2][warp][lane] = s3;
+  __syncthreads();
+  if (warp == 0 && valid) {
+    double S1 = 0.0, S2 = 0.0, S3 = 0.0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      S1 += red[0][w][lane];
+      S2 += red[1][w][lane];
+      S3 += red[2][w][lane];
+    }
+    const double invstd = c.y, M = p.M;
+    coef[0][lane] = static_cast<double>(c.z) * invstd;
+    coef[1][lane] = S1 / M;
+    coef[2][lane] = invstd * invstd * S2 / M;
+    p.dgamma[j] = static_cast<float>(S2 * invstd);
+    p.dbeta[j] = static_cast<float>(S1);
+    if (p.scale_after_bn) p.dscale[j] = static_cast<float>(S3);
+  }
+  __syncthreads();
+  double scale_sum = 0.0;  // problem 33's dscale
+  if (valid) {
+    const double a = coef[0][lane], c1 = coef[1][lane], c2 = coef[2][lane];
+    for (int row = warp; row < p.M; row += kWarps * kRowBatch) {
+      float gv[kRowBatch], zv[kRowBatch];
+      load_rows<T, G>(p, row, j, gv, zv);
+#pragma unroll
+      for (int r = 0; r < kRowBatch; ++r) {
+        const int m = row + r * kWarps;
+        if (m >= p.M) break;
+        const double u = u_of(zv[r]);
+        const double dy = p.scale_after_bn ? gv[r] * sd : gv[r];
+        const double du = a * (dy - c1 - (u - mean) * c2);
+        p.dz[static_cast<size_t>(m) * p.N + j] = to_bits<T>(static_cast<float>(p.scale_after_bn ? du : du * sd));
+        if (!p.scale_after_bn) scale_sum += du * zv[r];
+      }
+    }
+  }
+  if (p.scale_after_bn) return;  // uniform over the grid
+  red[0][warp][lane] = scale_sum;
+  __syncthreads();
+  if (warp == 0 && valid) {
+    double total = 0.0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += red[0][w][lane];
+    p.dscale[j] = static_cast<float>(total);
+  }
+}
+
+template <typename T, typename S>
+cudaError_t launch_for_storage(const Args& p, bool g_float32, cudaStream_t stream) {
+  const int blocks = (p.N + kCols - 1) / kCols;
+  if (g_float32) {
+    bn16_backward_train_kernel<T, S, float><<<blocks, kCols * kWarps, 0, stream>>>(p);
+  } else {
+    bn16_backward_train_kernel<T, S, T><<<blocks, kCols * kWarps, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_for_type(const Args& p, bool float32_io, bool g_float32, cudaStream_t stream) {
+  return float32_io ? launch_for_storage<T, float>(p, g_float32, stream)
+                    : launch_for_storage<T, T>(p, g_float32, stream);
+}
+
+}  // namespace bn_backward
+}  // namespace lowp
+}  // namespace fused_gemm_bn
+
+// dz (M, N) in dtype and dscale, dgamma, dbeta (N) float32 from g (M, N) (formulas above).
+cudaError_t fused_gemm_bn::lowp_bn_backward_train(int dtype, bool float32_io, bool g_float32, const void* g,
+                                                  const void* z, const float* coeff, const void* scale,
+                                                  bool scale_after_bn, int M, int N, void* dz, float* dscale,
+                                                  float* dgamma, float* dbeta, cudaStream_t stream) {
+  using namespace fused_gemm_bn::lowp;
+  using namespace fused_gemm_bn::lowp::bn_backward;
+  if (M == 0 || N == 0) return cudaSuccess;
+  const Args p{g,  static_cast<const uint16_t*>(z), reinterpret_cast<const float4*>(coeff), scale, scale_after_bn, M,
+               N,  static_cast<uint16_t*>(dz),      dscale,                                  dgamma, dbeta};
+  switch (static_cast<Dtype>(dtype)) {
+    case Dtype::kF16:
+      return launch_for_type<__half>(p, float32_io, g_float32, stream);
+    case Dtype::kBF16:
+      return launch_for_type<__nv_bfloat16>(p, float32_io, g_float32, stream);
+  }
+  return cudaErrorInvalidValue;
+}

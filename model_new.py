@@ -1396,20 +1396,44 @@ class _LowpFn(torch.autograd.Function):
 # bundle: repository-only begins (tools/bundle.py writes BUNDLE_NO_LOWP_TRAIN in place of this block)
 # The 16-bit training step with gradients on Hopper (16-bit modules, and float32 modules under autocast).
 # The self-contained files have no 16-bit kernels (check_input rejects 16-bit CUDA input there).
-def _lowp_train_backward(kernels, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs):
+_MM_OUT_DTYPE = None  # whether torch.mm takes out_dtype (torch >= 2.8); decided on first use
+
+
+def _mm_16bit(a, b, out_dtype):
+    """a @ b of 16-bit operands (cuBLAS, float32 accumulation) as out_dtype: the
+    16-bit product itself, or for float32 (a float32 module's gradients under
+    autocast) torch.mm's out_dtype=float32 where this torch has it (the float32
+    accumulator written once, no 16-bit rounding and no cast pass), else the
+    16-bit product cast."""
+    global _MM_OUT_DTYPE
+    if out_dtype == a.dtype:
+        return torch.mm(a, b)
+    if _MM_OUT_DTYPE is None:
+        try:
+            torch.mm(a[:1, :1], b[:1, :1], out_dtype=torch.float32)
+            _MM_OUT_DTYPE = True
+        except (TypeError, RuntimeError):
+            _MM_OUT_DTYPE = False
+    if _MM_OUT_DTYPE and out_dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a, b).to(out_dtype)
+
+
+def _lowp_train_backward(kernels, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs, dtypes):
     """Gradients of the 16-bit training forward (forward_train_saved: the 16-bit
     module's, or a float32 module's under autocast) with respect to (x,
     gemm.weight, gemm.bias, scale, bn.weight, bn.bias), from its saved tensors:
     x16, w16 the GEMM's operands (in the 16-bit dtype T), z (M, N) T the Linear
     output, coeff (N, 4) the batch's {mean, invstd, bn.weight, bn.bias}, out
-    (problem 84) the softmax output.  Returned in the dtypes the kernels give
-    (autograd casts each to its input's dtype):
+    (problem 84) the softmax output; dtypes: (x.dtype, gemm.weight.dtype), the
+    dtypes grad_x and grad_W are returned in (the other gradients come float32,
+    and autograd casts each to its input's dtype):
       problem 84: g = torch's softmax backward of (grad_out, out) (one kernel,
         float32 accumulation, in out's dtype, as Model's)
       grad_z (T), grad_scale, grad_bn_weight, grad_bn_bias (float32) = bn_backward_train
         (kernels/lowp/bn_16bit_backward.cu: float64 sums, grad_z rounded once)
       grad_x = grad_z w16, grad_W = grad_z^T x16: one T product each (cuBLAS's,
-        float32 accumulation, as Model's backward)
+        float32 accumulation, as Model's backward; _mm_16bit)
       grad_bias = 0 exactly (BatchNorm subtracts the batch mean, which holds the bias)."""
     need_x, need_w, need_b, need_s, need_g, need_beta = needs
     grad_b = coeff.new_zeros(z.shape[1]) if need_b else None
@@ -1419,8 +1443,8 @@ def _lowp_train_backward(kernels, scale_after_bn, grad_out, x16, w16, scale, z, 
     if scale_after_bn:
         g = torch._softmax_backward_data(g, out, 1, out.dtype)
     grad_z, grad_s, grad_g, grad_beta = kernels.bn_backward_train(g, z, coeff, scale, scale_after_bn)
-    grad_x = torch.mm(grad_z, w16) if need_x else None
-    grad_w = torch.mm(grad_z.t(), x16) if need_w else None
+    grad_x = _mm_16bit(grad_z, w16, dtypes[0]) if need_x else None
+    grad_w = _mm_16bit(grad_z.t(), x16, dtypes[1]) if need_w else None
     return (grad_x, grad_w, grad_b, grad_s if need_s else None, grad_g if need_g else None,
             grad_beta if need_beta else None)
 
@@ -1449,6 +1473,7 @@ class _LowpTrainFn(torch.autograd.Function):
                                                     momentum, eps, scale_after_bn)
         ctx.scale_after_bn = scale_after_bn
         ctx.kernels = kernels
+        ctx.dtypes = (x.dtype, weight.dtype)
         ctx.save_for_backward(x16, w16, scale, z, coeff, out if scale_after_bn else None)
         return out
 
@@ -1456,7 +1481,7 @@ class _LowpTrainFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         grads = _lowp_train_backward(ctx.kernels, ctx.scale_after_bn, grad_out, *ctx.saved_tensors,
-                                     ctx.needs_input_grad[6:])
+                                     ctx.needs_input_grad[6:], ctx.dtypes)
         return (None,) * 6 + tuple(grads)
 
 

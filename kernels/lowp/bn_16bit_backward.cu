@@ -46,7 +46,7 @@ namespace bn_backward {
 
 constexpr int kCols = 32;     // features per CTA
 constexpr int kWarps = 8;     // row groups per CTA
-constexpr int kRowBatch = 8;  // rows loaded per thread before use
+constexpr int kRowBatch = 16;  // rows loaded per thread before use
 
 struct Args {
   const void* g;  // G words

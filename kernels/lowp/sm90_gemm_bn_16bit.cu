@@ -30,7 +30,7 @@
 //   x (M, K), w (N, K): T, K-major, 16-byte aligned, K % 8 == 0 (TMA's 16-byte
 //     global strides); out (M, N) and the six vectors (N): S (T, or float32).
 //   part_mean, part_m2 (ceil(M / 128), N) float32 (kTrain).
-//   z_out (M, N) T (kTrain, may be null).
+//   z_out (M, N) T (kTrainSaved: the training forward with gradients; else null).
 //   num_batches_tracked int64 (kTrain, may be null): CTA 0 adds 1.
 //
 // Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor, 9.7.12.15 mbarrier)
@@ -101,7 +101,8 @@ struct Traits {
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
 };
 
-enum class Chain { kTrain, kEval };
+// kTrainSaved: kTrain that also stores z (args.z_out), for the training forward with gradients.
+enum class Chain { kTrain, kTrainSaved, kEval };
 
 // The vectors and out hold words of the storage type S (lowp_types.cuh: T, or float
 // under autocast); the kernel casts them.
@@ -119,7 +120,7 @@ struct Args {
   float* part_mean;              // kTrain
   float* part_m2;                // kTrain
   int64_t* num_batches_tracked;  // kTrain; may be null
-  void* z_out;                   // kTrain; may be null: z (M, N) as T (the backward's saved Linear output)
+  void* z_out;                   // kTrainSaved: z (M, N) as T (the backward's saved Linear output)
   // The grid's work (BLOCK_M = 128 only: whole tiles and split tiles, sm90_gemm_tiles.cuh;
   // BLOCK_M = 256: one whole tile per CTA) and the split tiles' workspace.
   sm90::StreamKPlan plan;
@@ -213,33 +214,37 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
       p_invstd[h] = ok ? rsqrtf(St::load(vec(args.running_var) + f) + args.eps) : 0.f;
     }
   }
-  // z = rnd(acc + bias), the Linear output (a T value).
+  if constexpr (kChain == Chain::kTrainSaved) {
+    // z = rnd(acc + bias), the Linear output (a T value), kept for the backward
+    // (T words, whatever S is); then u from it.
 #pragma unroll
-  for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = round16<T>(acc[i] + p_bias[(i / 2) % 2]);
-  // kTrain with z_out: z itself, for the backward (T words, whatever S is).
-  if constexpr (kChain == Chain::kTrain) {
-    if (args.z_out != nullptr) store_tile<T, kBlockM>(acc, args.z_out, M, N, m0, n0 + f_local, g, t);
-  }
-  // The chain after z up to its final rounding (the store rounds to S; kTrain's u is already an S value).
+    for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = round16<T>(acc[i] + p_bias[(i / 2) % 2]);
+    store_tile<T, kBlockM>(acc, args.z_out, M, N, m0, n0 + f_local, g, t);
 #pragma unroll
-  for (int i = 0; i < TR::kAccRegs / 4; ++i)
+    for (int i = 0; i < TR::kAccRegs; ++i)
+      if (!args.scale_after_bn) acc[i] = St::round(acc[i] * p_scale[(i / 2) % 2]);
+  } else {
+    // The chain up to its final rounding (the store rounds to S; kTrain's u is already an S value).
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < TR::kAccRegs / 4; ++i)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& v = acc[4 * i + 2 * h + e];
-        const float z = v;
-        if constexpr (kChain == Chain::kTrain) {
-          v = args.scale_after_bn ? z : St::round(z * p_scale[h]);
-        } else if (!args.scale_after_bn) {
-          const float y = St::round(z * p_scale[h]);
-          v = fmaf(p_w[h] * (y - p_rm[h]), p_invstd[h], p_b[h]);
-        } else {
-          v = round16<T>(fmaf(p_w[h] * (z - p_rm[h]), p_invstd[h], p_b[h])) * p_scale[h];
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& v = acc[4 * i + 2 * h + e];
+          const float z = round16<T>(v + p_bias[h]);
+          if constexpr (kChain == Chain::kTrain) {
+            v = args.scale_after_bn ? z : St::round(z * p_scale[h]);
+          } else if (!args.scale_after_bn) {
+            const float y = St::round(z * p_scale[h]);
+            v = fmaf(p_w[h] * (y - p_rm[h]), p_invstd[h], p_b[h]);
+          } else {
+            v = round16<T>(fmaf(p_w[h] * (z - p_rm[h]), p_invstd[h], p_b[h])) * p_scale[h];
+          }
         }
-      }
+  }
 
-  if constexpr (kChain == Chain::kTrain) {
+  if constexpr (kChain != Chain::kEval) {
     // Per feature and 128-row block: mean, then M2 about it (two passes), float32,
     // over the block's valid rows; each feature's values live in one quad.
 #pragma unroll
@@ -300,7 +305,7 @@ __global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
   const int num_segments = cta_num_segments(args.plan, cta);
 
   if (threadIdx.x == 0) {
-    if (kChain == Chain::kTrain && blockIdx.x == 0 && args.num_batches_tracked != nullptr)
+    if (kChain != Chain::kEval && blockIdx.x == 0 && args.num_batches_tracked != nullptr)
       *args.num_batches_tracked += 1;
 #pragma unroll
     for (int s = 0; s < TR::kNumStages; ++s) {
@@ -449,6 +454,7 @@ static cudaError_t launch_planned(const Args& args, const void* x, const void* w
 template <typename T, typename S>
 static cudaError_t launch_for_storage(const Args& args, bool train, const void* x, const void* w, float* workspace,
                                       cudaStream_t stream) {
+  if (train && args.z_out != nullptr) return launch_planned<T, S, Chain::kTrainSaved>(args, x, w, workspace, stream);
   return train ? launch_planned<T, S, Chain::kTrain>(args, x, w, workspace, stream)
                : launch_planned<T, S, Chain::kEval>(args, x, w, workspace, stream);
 }

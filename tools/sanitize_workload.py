@@ -4,8 +4,10 @@ FUSED_GEMM_BN_PORTABLE=1, the portable one; tile tails; split tiles) and, with
 --full, one training forward at the KernelBench shape.  --dtype float16 or
 bfloat16 runs the 16-bit kernels of kernels/lowp/ instead (the same shapes: K % 8
 == 0 takes their 16-byte loads, K % 8 != 0 the element-wise path).  --autocast
-float16 or bfloat16 runs float32 models inside torch.autocast, forward calls
-without gradients: the same kernels in their float32-storage (autocast) form.
+float16 or bfloat16 runs float32 models inside torch.autocast: the same kernels
+in their float32-storage (autocast) form, and with gradients (training) the
+fused 16-bit training step (model_new._LowpTrainFn: forward_train_saved, then
+bn16_backward_train and two cuBLAS 16-bit products).
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python tools/sanitize_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize_workload.py
@@ -21,11 +23,14 @@ Each call's output is checked for finiteness, so a run that completes under the
 sanitizer also computed something.  Exit code 0 when every call ran.
 
 initcheck and 16-bit dtypes: run it with --no-backward.  The 16-bit backward
-(model_new._LowpFn) recomputes through torch ops, and initcheck does not see the
-stores of cuBLAS's 16-bit Hopper GEMM kernels (nvjet_sm90_*): a later read of such
-a product in never-written memory is reported as uninitialized, with no project
+runs cuBLAS products (the eval backward's torch-op recompute, model_new._LowpFn,
+and the training step's two products), and initcheck does not see the stores of
+cuBLAS's 16-bit Hopper GEMM kernels (nvjet_sm90_*): a later read of such a
+product in never-written memory is reported as uninitialized, with no project
 code involved (tools/initcheck_cublas_16bit.py reproduces it with one torch
-product).  The 16-bit kernels of kernels/lowp/ all run in the forward calls.
+product).  The 16-bit kernels of kernels/lowp/ all run in the forward calls
+except bn16_backward_train (the training step's), which memcheck, racecheck and
+synccheck cover with backward calls.
 
 initcheck and float32: problem 84's backward at the 2305-row shape reports
 4440 uninitialized reads per backward call inside torch's own column-sum
@@ -68,7 +73,9 @@ def run_shape(m, k, n, backward, dtype=torch.float32, autocast=None):
             assert torch.isfinite(out).all(), f"problem {name} {m}x{k}x{n} {path}: non-finite output"
             if backward:
                 xg = x.clone().requires_grad_(True)
-                (model(xg) * torch.randn(m, n, device="cuda").to(dtype)).sum().backward()
+                with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+                    out = model(xg)
+                (out * torch.randn(m, n, device="cuda").to(out.dtype)).sum().backward()
                 assert torch.isfinite(xg.grad).all(), f"problem {name}: non-finite grad"
         torch.cuda.synchronize()
         print(f"problem {name} {m}x{k}x{n}: ok (last path {path})", flush=True)
@@ -104,14 +111,14 @@ def main():
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="dtype of the models and inputs (default float32; 16-bit: the kernels/lowp/ kernels)")
     p.add_argument("--autocast", choices=("float16", "bfloat16"), default=None,
-                   help="float32 models inside torch.autocast in this dtype, forward calls only")
+                   help="float32 models inside torch.autocast in this dtype")
     p.add_argument("--no-backward", action="store_true",
                    help="forward calls only (for initcheck with a 16-bit --dtype: see the module docstring)")
     args = p.parse_args()
     dtype = DTYPES[args.dtype]
     autocast = DTYPES[args.autocast] if args.autocast else None
     for shape in SMALL_SHAPES:
-        run_shape(*shape, backward=not args.no_backward and autocast is None, dtype=dtype, autocast=autocast)
+        run_shape(*shape, backward=not args.no_backward, dtype=dtype, autocast=autocast)
         if dtype == torch.float32 and autocast is None:
             run_sync_kernels(*shape)
     if args.full:

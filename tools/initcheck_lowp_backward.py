@@ -1,0 +1,45 @@
+"""compute-sanitizer workload for the 16-bit training step's own kernels alone:
+kernels/lowp/'s forward_train_saved (the GEMM with its z store, the fold, the
+apply / row softmax) and bn_backward_train, called through the 16-bit extension
+for both problems, both 16-bit dtypes, the 16-bit module's form (16-bit vectors)
+and the autocast form (float32 vectors), at the small shapes of
+tools/sanitize_workload.py.  No cuBLAS product runs, so initcheck sees every
+store (tools/sanitize_workload.py's docstring says why its 16-bit backward
+calls cannot be checked with initcheck).  Exit code 0 when every output is finite.
+
+    compute-sanitizer --tool initcheck --error-exitcode 1 python tools/initcheck_lowp_backward.py
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model_new  # noqa: E402
+from tools.sanitize_workload import SMALL_SHAPES  # noqa: E402
+
+
+def main():
+    ext = model_new._lowp_kernels()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m, k, n in SMALL_SHAPES:
+        for dtype in (torch.float16, torch.bfloat16):
+            for vec_dtype in (dtype, torch.float32):
+                for scale_after_bn in (False, True):
+                    x = torch.rand(m, k, device="cuda", generator=gen).to(dtype)
+                    w = (torch.rand(n, k, device="cuda", generator=gen) - 0.5).to(dtype)
+                    vecs = [torch.rand(n, device="cuda", generator=gen).to(vec_dtype) + 0.5 for _ in range(4)]
+                    running = [torch.zeros(n, device="cuda", dtype=vec_dtype),
+                               torch.ones(n, device="cuda", dtype=vec_dtype)]
+                    nbt = torch.zeros((), dtype=torch.int64, device="cuda")
+                    out, z, coeff = ext.forward_train_saved("lowp_sm90", x, w, *vecs, *running, nbt, 0.1, 1e-5,
+                                                            scale_after_bn)
+                    g = torch.randn(m, n, device="cuda", generator=gen).to(out.dtype)
+                    grads = ext.bn_backward_train(g, z, coeff, vecs[1], scale_after_bn)
+                    torch.cuda.synchronize()
+                    assert all(bool(torch.isfinite(t).all()) for t in (out, z, coeff, *grads)), (m, k, n, dtype)
+            print(f"{m}x{k}x{n}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()

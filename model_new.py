@@ -1007,9 +1007,9 @@ def _autocast_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     if grad:
-        return _LowpTrainFn.apply(_lowp_kernels(), scale_after_bn, buffers, momentum, float(bn.eps), dtype, x,
-                                  gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight,
-                                  bn.bias)
+        params = (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+        return _LowpTrainFn.apply(_lowp_kernels(), "lowp_sm90", scale_after_bn, buffers, momentum, float(bn.eps),
+                                  dtype, *params)
     x16 = x.to(dtype)
     w16 = _weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}")
     w16 = gemm.weight.to(dtype) if w16 is None else w16
@@ -1059,7 +1059,7 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
       no gradient needed: one call of the plan's forward_train / forward_eval;
       training with gradients: _TrainFn (forward_train_saved, then the fused backward);
       eval with gradients: _eval_with_grad over gemm_nt;
-      16-bit: the 16-bit call, or _LowpFn with gradients;
+      16-bit: the 16-bit call; with gradients _LowpTrainFn (training) or _LowpFn (eval);
       mixed precision on (CUDA or CPU; _mixed_precision_dtype): Model's own ops
       (_mixed_precision_forward), so the result is Model's in that mode;
       bn a SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) in training with
@@ -1067,13 +1067,14 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
       _SyncTrainFn, whose forward merges the batch statistics across processes
       (section "Synchronized BatchNorm"; also under torch.compile, as eager code).
     Under torch.compile, torch.jit.trace (or FUSED_GEMM_BN_EAGER_OPS=1) float32
-    and float64 calls, and 16-bit calls without gradients, go through the
-    fused_gemm_bn:: operators instead, whose implementations make the same
-    dispatch() decision when they run (the tracer records the operators, so a
-    traced module generalises over the batch size); mixed-precision calls run
-    Model's ops there.  Where this torch has no custom operators (< 2.4), or for
-    16-bit input with gradients, torch.jit.trace raises RuntimeError (and
-    torch.compile breaks the graph at the 16-bit call)."""
+    and float64 calls, and 16-bit calls other than eval with gradients, go
+    through the fused_gemm_bn:: operators instead, whose implementations make
+    the same dispatch() decision when they run (the tracer records the
+    operators, so a traced module generalises over the batch size);
+    mixed-precision calls run Model's ops there.  Where this torch has no
+    custom operators (< 2.4), or for 16-bit input with gradients in eval,
+    torch.jit.trace raises RuntimeError (and torch.compile breaks the graph
+    at the 16-bit call)."""
     training = bn.training
     group = sync_process_group(bn)
     autocast_dtype = _mixed_precision_dtype(x)
@@ -1088,13 +1089,14 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     eps = float(bn.eps)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = _needs_grad(params)
-    # 16-bit calls with gradients run _LowpFn (the extension, then a torch-op recompute), which
-    # the operators do not cover; without gradients the operators run the 16-bit kernels.
-    lowp_grad = _is_16bit_dtype(x.dtype) and grad
+    # 16-bit calls with gradients in eval run _LowpFn (the extension, then a torch-op recompute),
+    # which the operators do not cover; training with gradients (forward_train_saved) and calls
+    # without gradients go through the operators.
+    lowp_grad = _is_16bit_dtype(x.dtype) and grad and not training
     if torch.jit.is_tracing() and (_OPS is None or lowp_grad):
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4), "
-                           "and 16-bit input only without gradients: its kernels are extension calls the tracer "
-                           "cannot record; use torch.compile or torch.export")
+                           "and 16-bit input with gradients only in training: its kernels are extension calls the "
+                           "tracer cannot record; use torch.compile or torch.export")
     if group is not None:
         return _sync_forward(group, params, buffers, momentum, eps, scale_after_bn)
     _warn_unsynchronized(bn)
@@ -1106,8 +1108,8 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
         return _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
     plan = dispatch(x, gemm.weight, training, grad, scale_after_bn)
     kernels = _kernels(plan.kernels)
-    if plan.gemm == "lowp_sm90" and training and grad:
-        return _LowpTrainFn.apply(kernels, scale_after_bn, buffers, momentum, eps, None, *params)
+    if plan.kernels == "lowp" and training and grad:
+        return _LowpTrainFn.apply(kernels, plan.gemm, scale_after_bn, buffers, momentum, eps, None, *params)
     if plan.kernels == "lowp" and grad:
         return _LowpFn.apply(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, *params)
     if training and grad:
@@ -1419,7 +1421,7 @@ def _mm_16bit(a, b, out_dtype):
     return torch.mm(a, b).to(out_dtype)
 
 
-def _lowp_train_backward(kernels, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs, dtypes):
+def _lowp_train_backward(bn_backward, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs, dtypes):
     """Gradients of the 16-bit training forward (forward_train_saved: the 16-bit
     module's, or a float32 module's under autocast) with respect to (x,
     gemm.weight, gemm.bias, scale, bn.weight, bn.bias), from its saved tensors:
@@ -1430,8 +1432,10 @@ def _lowp_train_backward(kernels, scale_after_bn, grad_out, x16, w16, scale, z, 
     and autograd casts each to its input's dtype):
       problem 84: g = torch's softmax backward of (grad_out, out) (one kernel,
         float32 accumulation, in out's dtype, as Model's)
-      grad_z (T), grad_scale, grad_bn_weight, grad_bn_bias (float32) = bn_backward_train
-        (kernels/lowp/bn_16bit_backward.cu: float64 sums, grad_z rounded once)
+      grad_z (T), grad_scale, grad_bn_weight, grad_bn_bias (float32) = bn_backward(g, z,
+        coeff, scale, scale_after_bn): the 16-bit extension's bn_backward_train
+        (kernels/lowp/bn_16bit_backward.cu: float64 sums, grad_z rounded once), called
+        directly (_LowpTrainFn) or through the fused_gemm_bn::bn_backward_train operator
       grad_x = grad_z w16, grad_W = grad_z^T x16: one T product each (cuBLAS's,
         float32 accumulation, as Model's backward; _mm_16bit)
       grad_bias = 0 exactly (BatchNorm subtracts the batch mean, which holds the bias)."""
@@ -1442,7 +1446,7 @@ def _lowp_train_backward(kernels, scale_after_bn, grad_out, x16, w16, scale, z, 
     g = grad_out.contiguous()
     if scale_after_bn:
         g = torch._softmax_backward_data(g, out, 1, out.dtype)
-    grad_z, grad_s, grad_g, grad_beta = kernels.bn_backward_train(g, z, coeff, scale, scale_after_bn)
+    grad_z, grad_s, grad_g, grad_beta = bn_backward(g, z, coeff, scale, scale_after_bn)
     grad_x = _mm_16bit(grad_z, w16, dtypes[0]) if need_x else None
     grad_w = _mm_16bit(grad_z.t(), x16, dtypes[1]) if need_w else None
     return (grad_x, grad_w, grad_b, grad_s if need_s else None, grad_g if need_g else None,
@@ -1450,8 +1454,8 @@ def _lowp_train_backward(kernels, scale_after_bn, grad_out, x16, w16, scale, z, 
 
 
 class _LowpTrainFn(torch.autograd.Function):
-    """16-bit training forward with gradients on lowp_sm90, and a float32
-    module's under autocast: one forward_train_saved call of the 16-bit
+    """16-bit training forward with gradients (either 16-bit GEMM kernel, `gemm`),
+    and a float32 module's under autocast (lowp_sm90): one forward_train_saved call of the 16-bit
     extension (the output and running-statistics update of forward_train, which
     it is, plus z and coeff), then _lowp_train_backward.  cast_dtype: None for
     a 16-bit module (x and gemm.weight are the GEMM's operands), else the
@@ -1462,14 +1466,14 @@ class _LowpTrainFn(torch.autograd.Function):
     16-bit dtype, coeff (N, 4), and for problem 84 out."""
 
     @staticmethod
-    def forward(ctx, kernels, scale_after_bn, buffers, momentum, eps, cast_dtype, x, weight, bias, scale, bn_weight,
-                bn_bias):
+    def forward(ctx, kernels, gemm, scale_after_bn, buffers, momentum, eps, cast_dtype, x, weight, bias, scale,
+                bn_weight, bn_bias):
         x16, w16 = x, weight
         if cast_dtype is not None:
             x16 = x.to(cast_dtype)
             w16 = _weight_parts(weight, split=lambda w: w.to(cast_dtype), kind=f"cast_{cast_dtype}")
             w16 = weight.to(cast_dtype) if w16 is None else w16
-        out, z, coeff = kernels.forward_train_saved("lowp_sm90", x16, w16, bias, scale, bn_weight, bn_bias, *buffers,
+        out, z, coeff = kernels.forward_train_saved(gemm, x16, w16, bias, scale, bn_weight, bn_bias, *buffers,
                                                     momentum, eps, scale_after_bn)
         ctx.scale_after_bn = scale_after_bn
         ctx.kernels = kernels
@@ -1480,9 +1484,9 @@ class _LowpTrainFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grads = _lowp_train_backward(ctx.kernels, ctx.scale_after_bn, grad_out, *ctx.saved_tensors,
-                                     ctx.needs_input_grad[6:], ctx.dtypes)
-        return (None,) * 6 + tuple(grads)
+        grads = _lowp_train_backward(ctx.kernels.bn_backward_train, ctx.scale_after_bn, grad_out,
+                                     *ctx.saved_tensors, ctx.needs_input_grad[7:], ctx.dtypes)
+        return (None,) * 7 + tuple(grads)
 
 
 # bundle: repository-only ends
@@ -1970,7 +1974,12 @@ def _op_softmax_rows(v):
 
 
 def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
-    """The extension's bn_backward_train (contract: _torch_bn_backward_train), as a tuple."""
+    """The extension's bn_backward_train (contract: _torch_bn_backward_train), as a
+    tuple.  A 16-bit z comes from the 16-bit forward_train_saved: stats is then its
+    coeff (N, 4) and the 16-bit extension's bn_backward_train runs (bn_weight and
+    eps are in coeff)."""
+    if _is_16bit_dtype(z.dtype):
+        return tuple(_lowp_kernels().bn_backward_train(grad_y, z, stats, scale, scale_after_bn))
     return tuple(_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn))
 
 
@@ -2036,6 +2045,8 @@ def _fake_softmax_rows(v):
 
 def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
     n = z.shape[1]
+    if _is_16bit_dtype(z.dtype):  # grad z in z's dtype, the parameter gradients float32
+        return (z.new_empty(z.shape),) + tuple(z.new_empty(n, dtype=torch.float32) for _ in range(3))
     return grad_y.new_empty(z.shape), grad_y.new_empty(n), grad_y.new_empty(n), grad_y.new_empty(n)
 
 
@@ -2052,7 +2063,9 @@ def _fake_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean
 def _fake_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                               num_batches_tracked, momentum, eps, scale_after_bn):
     m, n = x.shape[0], weight.shape[0]
-    return (x.new_empty((m, n)), x.new_empty((m, n)), x.new_empty((2, n)), torch.empty_like(running_mean),
+    # 16-bit x: the 16-bit extension's (out, z, coeff (N, 4) float32)
+    stats = x.new_empty((n, 4), dtype=torch.float32) if _is_16bit_dtype(x.dtype) else x.new_empty((2, n))
+    return (x.new_empty((m, n)), x.new_empty((m, n)), stats, torch.empty_like(running_mean),
             torch.empty_like(running_var), torch.empty_like(num_batches_tracked))
 
 
@@ -2074,12 +2087,18 @@ def _backward_softmax_rows(ctx, grad):
 
 
 def _setup_forward_train_saved(ctx, inputs, output):
-    """Saves what _TrainFn saves; z, stats and the buffer copies are not differentiable."""
+    """Saves what _TrainFn saves (16-bit x: what _LowpTrainFn saves); z, stats and
+    the buffer copies are not differentiable."""
     x, weight, _, scale, bn_weight, bn_bias = inputs[:6]
     eps, scale_after_bn = inputs[10], inputs[11]
     out, z, stats = output[:3]
     ctx.mark_non_differentiable(*output[1:])
     ctx.scale_after_bn, ctx.eps = scale_after_bn, eps
+    ctx.lowp = _is_16bit_dtype(z.dtype)
+    if ctx.lowp:
+        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.save_for_backward(x, weight, scale, bn_weight, z, stats, out if scale_after_bn else None)
+        return
     ctx.save_for_backward(x, weight, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,
                           out if scale_after_bn else None)
 
@@ -2101,6 +2120,15 @@ def _refused_backward(ctx, *grads):
 
 
 def _backward_forward_train_saved(ctx, grad_out, *unused):
+    if ctx.lowp:
+        x, weight, scale, bn_weight, z, coeff, out = ctx.saved_tensors
+
+        def bn_backward(g, z, coeff, scale, scale_after_bn):
+            return _OPS.bn_backward_train(g, z, coeff, scale, bn_weight, ctx.eps, scale_after_bn)
+
+        grads = _lowp_train_backward(bn_backward, ctx.scale_after_bn, grad_out, x, weight, scale, z, coeff, out,
+                                     ctx.needs_input_grad[:6], ctx.dtypes)
+        return tuple(grads) + (None,) * 6
     grads = _train_backward(_OPS, ctx.scale_after_bn, ctx.eps, grad_out, *ctx.saved_tensors,
                             ctx.needs_input_grad[:6])
     return tuple(grads) + (None,) * 6

@@ -1709,12 +1709,14 @@ cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const flo
 
 // ---- lowp/: the 16-bit kernels (second extension; dtype 0 = IEEE half, 1 = bfloat16) ----
 int lowp_gemm_block_m();
-// train: out = u and per-tile statistics, num_batches_tracked += 1 (not null);
+// train: out = u and per-tile statistics, num_batches_tracked += 1 (not null), and
+// with z_out (may be null) the Linear output z = rnd(x w^T + bias) (M, N);
 // else the whole eval chain.  mma.sync m16n8k16, sm_80+ (lowp/sm80_gemm_bn_16bit.cu).
 cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
                          const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
                          const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
-                         float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream);
+                         float* part_mean, float* part_m2, int64_t* num_batches_tracked, void* z_out,
+                         cudaStream_t stream);
 // The same on Hopper (lowp/sm90_gemm_bn_16bit.cu: wgmma, TMA; sm_90a): x and w 16-byte
 // aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout;
 // workspace: *floats floats from lowp_sm90_workspace, the last *zero_ints ints zeroed (may be
@@ -6523,7 +6525,7 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
       no gradient needed: one call of the plan's forward_train / forward_eval;
       training with gradients: _TrainFn (forward_train_saved, then the fused backward);
       eval with gradients: _eval_with_grad over gemm_nt;
-      16-bit: the 16-bit call, or _LowpFn with gradients;
+      16-bit: the 16-bit call; with gradients _LowpTrainFn (training) or _LowpFn (eval);
       mixed precision on (CUDA or CPU; _mixed_precision_dtype): Model's own ops
       (_mixed_precision_forward), so the result is Model's in that mode;
       bn a SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) in training with
@@ -6531,13 +6533,14 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
       _SyncTrainFn, whose forward merges the batch statistics across processes
       (section "Synchronized BatchNorm"; also under torch.compile, as eager code).
     Under torch.compile, torch.jit.trace (or FUSED_GEMM_BN_EAGER_OPS=1) float32
-    and float64 calls, and 16-bit calls without gradients, go through the
-    fused_gemm_bn:: operators instead, whose implementations make the same
-    dispatch() decision when they run (the tracer records the operators, so a
-    traced module generalises over the batch size); mixed-precision calls run
-    Model's ops there.  Where this torch has no custom operators (< 2.4), or for
-    16-bit input with gradients, torch.jit.trace raises RuntimeError (and
-    torch.compile breaks the graph at the 16-bit call)."""
+    and float64 calls, and 16-bit calls other than eval with gradients, go
+    through the fused_gemm_bn:: operators instead, whose implementations make
+    the same dispatch() decision when they run (the tracer records the
+    operators, so a traced module generalises over the batch size);
+    mixed-precision calls run Model's ops there.  Where this torch has no
+    custom operators (< 2.4), or for 16-bit input with gradients in eval,
+    torch.jit.trace raises RuntimeError (and torch.compile breaks the graph
+    at the 16-bit call)."""
     training = bn.training
     group = sync_process_group(bn)
     autocast_dtype = _mixed_precision_dtype(x)
@@ -6552,13 +6555,14 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     eps = float(bn.eps)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = _needs_grad(params)
-    # 16-bit calls with gradients run _LowpFn (the extension, then a torch-op recompute), which
-    # the operators do not cover; without gradients the operators run the 16-bit kernels.
-    lowp_grad = _is_16bit_dtype(x.dtype) and grad
+    # 16-bit calls with gradients in eval run _LowpFn (the extension, then a torch-op recompute),
+    # which the operators do not cover; training with gradients (forward_train_saved) and calls
+    # without gradients go through the operators.
+    lowp_grad = _is_16bit_dtype(x.dtype) and grad and not training
     if torch.jit.is_tracing() and (_OPS is None or lowp_grad):
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4), "
-                           "and 16-bit input only without gradients: its kernels are extension calls the tracer "
-                           "cannot record; use torch.compile or torch.export")
+                           "and 16-bit input with gradients only in training: its kernels are extension calls the "
+                           "tracer cannot record; use torch.compile or torch.export")
     if group is not None:
         return _sync_forward(group, params, buffers, momentum, eps, scale_after_bn)
     _warn_unsynchronized(bn)
@@ -6570,8 +6574,8 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
         return _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
     plan = dispatch(x, gemm.weight, training, grad, scale_after_bn)
     kernels = _kernels(plan.kernels)
-    if plan.gemm == "lowp_sm90" and training and grad:
-        return _LowpTrainFn.apply(kernels, scale_after_bn, buffers, momentum, eps, None, *params)
+    if plan.kernels == "lowp" and training and grad:
+        return _LowpTrainFn.apply(kernels, plan.gemm, scale_after_bn, buffers, momentum, eps, None, *params)
     if plan.kernels == "lowp" and grad:
         return _LowpFn.apply(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, *params)
     if training and grad:
@@ -6859,7 +6863,7 @@ class _LowpFn(torch.autograd.Function):
 
 # The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),
 # so no 16-bit training step either.
-_LowpTrainFn = None
+_LowpTrainFn = _lowp_train_backward = None
 
 
 # ---------------------------------------------------------------------------
@@ -7344,7 +7348,12 @@ def _op_softmax_rows(v):
 
 
 def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
-    """The extension's bn_backward_train (contract: _torch_bn_backward_train), as a tuple."""
+    """The extension's bn_backward_train (contract: _torch_bn_backward_train), as a
+    tuple.  A 16-bit z comes from the 16-bit forward_train_saved: stats is then its
+    coeff (N, 4) and the 16-bit extension's bn_backward_train runs (bn_weight and
+    eps are in coeff)."""
+    if _is_16bit_dtype(z.dtype):
+        return tuple(_lowp_kernels().bn_backward_train(grad_y, z, stats, scale, scale_after_bn))
     return tuple(_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn))
 
 
@@ -7410,6 +7419,8 @@ def _fake_softmax_rows(v):
 
 def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
     n = z.shape[1]
+    if _is_16bit_dtype(z.dtype):  # grad z in z's dtype, the parameter gradients float32
+        return (z.new_empty(z.shape),) + tuple(z.new_empty(n, dtype=torch.float32) for _ in range(3))
     return grad_y.new_empty(z.shape), grad_y.new_empty(n), grad_y.new_empty(n), grad_y.new_empty(n)
 
 
@@ -7426,7 +7437,9 @@ def _fake_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean
 def _fake_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                               num_batches_tracked, momentum, eps, scale_after_bn):
     m, n = x.shape[0], weight.shape[0]
-    return (x.new_empty((m, n)), x.new_empty((m, n)), x.new_empty((2, n)), torch.empty_like(running_mean),
+    # 16-bit x: the 16-bit extension's (out, z, coeff (N, 4) float32)
+    stats = x.new_empty((n, 4), dtype=torch.float32) if _is_16bit_dtype(x.dtype) else x.new_empty((2, n))
+    return (x.new_empty((m, n)), x.new_empty((m, n)), stats, torch.empty_like(running_mean),
             torch.empty_like(running_var), torch.empty_like(num_batches_tracked))
 
 
@@ -7448,12 +7461,18 @@ def _backward_softmax_rows(ctx, grad):
 
 
 def _setup_forward_train_saved(ctx, inputs, output):
-    """Saves what _TrainFn saves; z, stats and the buffer copies are not differentiable."""
+    """Saves what _TrainFn saves (16-bit x: what _LowpTrainFn saves); z, stats and
+    the buffer copies are not differentiable."""
     x, weight, _, scale, bn_weight, bn_bias = inputs[:6]
     eps, scale_after_bn = inputs[10], inputs[11]
     out, z, stats = output[:3]
     ctx.mark_non_differentiable(*output[1:])
     ctx.scale_after_bn, ctx.eps = scale_after_bn, eps
+    ctx.lowp = _is_16bit_dtype(z.dtype)
+    if ctx.lowp:
+        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.save_for_backward(x, weight, scale, bn_weight, z, stats, out if scale_after_bn else None)
+        return
     ctx.save_for_backward(x, weight, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,
                           out if scale_after_bn else None)
 
@@ -7475,6 +7494,15 @@ def _refused_backward(ctx, *grads):
 
 
 def _backward_forward_train_saved(ctx, grad_out, *unused):
+    if ctx.lowp:
+        x, weight, scale, bn_weight, z, coeff, out = ctx.saved_tensors
+
+        def bn_backward(g, z, coeff, scale, scale_after_bn):
+            return _OPS.bn_backward_train(g, z, coeff, scale, bn_weight, ctx.eps, scale_after_bn)
+
+        grads = _lowp_train_backward(bn_backward, ctx.scale_after_bn, grad_out, x, weight, scale, z, coeff, out,
+                                     ctx.needs_input_grad[:6], ctx.dtypes)
+        return tuple(grads) + (None,) * 6
     grads = _train_backward(_OPS, ctx.scale_after_bn, ctx.eps, grad_out, *ctx.saved_tensors,
                             ctx.needs_input_grad[:6])
     return tuple(grads) + (None,) * 6

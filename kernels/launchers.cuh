@@ -210,12 +210,14 @@ cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const flo
 
 // ---- lowp/: the 16-bit kernels (second extension; dtype 0 = IEEE half, 1 = bfloat16) ----
 int lowp_gemm_block_m();
-// train: out = u and per-tile statistics, num_batches_tracked += 1 (not null);
+// train: out = u and per-tile statistics, num_batches_tracked += 1 (not null), and
+// with z_out (may be null) the Linear output z = rnd(x w^T + bias) (M, N);
 // else the whole eval chain.  mma.sync m16n8k16, sm_80+ (lowp/sm80_gemm_bn_16bit.cu).
 cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
                          const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
                          const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
-                         float* part_mean, float* part_m2, int64_t* num_batches_tracked, cudaStream_t stream);
+                         float* part_mean, float* part_m2, int64_t* num_batches_tracked, void* z_out,
+                         cudaStream_t stream);
 // The same on Hopper (lowp/sm90_gemm_bn_16bit.cu: wgmma, TMA; sm_90a): x and w 16-byte
 // aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout;
 // workspace: *floats floats from lowp_sm90_workspace, the last *zero_ints ints zeroed (may be

@@ -48,6 +48,10 @@ lowp_kernel: lowp_sm90 on Hopper, any K, and lowp_sm80)
     badly (problem 33's grad scale is a small difference of large terms).
     gemm.bias in training (exactly 0 in exact arithmetic): max |grad| at most
     2x Model's + 1e-3.
+  - test_gpu_lowp_compile_fullgraph_without_grad / _training_step:
+    torch.compile(fullgraph=True), calls without gradients (bit-equal to eager)
+    and training steps with gradients (outputs and buffers bit-equal, gradients
+    within 1e-2 of eager's), both kernels and dtypes.
   - test_gpu_lowp_momentum_none, test_gpu_lowp_input_layouts (strided,
     transposed and misaligned x: copied or the element-wise path; x unchanged).
 
@@ -551,3 +555,38 @@ def test_gpu_lowp_compile_fullgraph_without_grad(dtype_name, problem, lowp_kerne
         assert out_c.dtype == dtype and torch.equal(out_c, out_e), f"step {step}"
         for (name, a), b in zip(new.named_buffers(), twin.buffers()):
             assert torch.equal(a, b), f"step {step}: {name}"
+
+
+@requires_cuda
+@pytest.mark.skipif(not hasattr(torch, "compile") or model_new._OPS is None,
+                    reason="needs torch.compile and the fused_gemm_bn:: operators (torch >= 2.4)")
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("problem", ["33", "84"])
+def test_gpu_lowp_compile_fullgraph_training_step(dtype_name, problem, lowp_kernel):
+    """torch.compile(fullgraph=True) of a 16-bit ModelNew in a training step with
+    gradients: forward_train_saved and bn_backward_train as operators (no graph
+    break).  Output and buffers bit-equal to eager ModelNew's (the same kernels);
+    every gradient within 1e-2 relative Frobenius of eager's (the compiled
+    backward may decompose problem 84's softmax backward into 16-bit ops)."""
+    torch._dynamo.reset()  # see test_gpu_lowp_compile_fullgraph_without_grad
+    dtype = DTYPES[dtype_name]
+    m, k, n = 130, 1024, 264
+    _, new = lowp_pair(problem, k, n, dtype)
+    twin = copy.deepcopy(new)
+    compiled = torch.compile(new, backend="aot_eager", fullgraph=True)
+    for step in range(2):
+        x = lowp_input(step, m, k, dtype)
+        g = torch.randn(m, n, generator=torch.Generator().manual_seed(step)).to("cuda", dtype)
+        expect_lowp_kernel(twin, x, lowp_kernel)
+        out_c, grads_c = forward_backward(compiled, x, g, params_of=new)
+        out_e, grads_e = forward_backward(twin, x, g)
+        assert out_c.dtype == dtype and torch.equal(out_c, out_e), f"step {step}: output"
+        for (name, a), b in zip(new.named_buffers(), twin.buffers()):
+            assert torch.equal(a, b), f"step {step}: {name}"
+        for name in ["x"] + PARAM_NAMES:
+            got, want = grads_c[name], grads_e[name]
+            assert got is not None and got.dtype == want.dtype, name
+            if want.norm() == 0:
+                assert torch.count_nonzero(got) == 0, name
+                continue
+            assert rel_err(got, want) <= 1e-2, (step, name, rel_err(got, want))

@@ -63,7 +63,7 @@ BUNDLE_NO_MIXED_PRECISION = (
 BUNDLE_NO_LOWP_TRAIN = (
     "# The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),\n"
     "# so no 16-bit training step either.\n"
-    "_LowpTrainFn = None\n"
+    "_LowpTrainFn = _lowp_train_backward = None\n"
 )
 # The name on a block's begin line -> the text that replaces the block.
 REPLACEMENTS = {"BUNDLE_BATCHNORM_BASE": BUNDLE_BATCHNORM_BASE, "BUNDLE_NO_MIXED_PRECISION": BUNDLE_NO_MIXED_PRECISION,

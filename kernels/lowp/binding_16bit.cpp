@@ -32,7 +32,7 @@
 //       batch mean / invstd, running statistics       (bn_16bit.cu, fold)
 //       problem 33: out = rnd(fma(w (u - mean), invstd, b)) in place (bn_16bit.cu, apply)
 //       problem 84: one CTA per row: rnd(softmax(rnd(rnd(BatchNorm(u)) * scale)))
-//   forward_train_saved(same arguments) -> (out, z, coeff)        (lowp_sm90 only)
+//   forward_train_saved(same arguments) -> (out, z, coeff)
 //       forward_train, also keeping the Linear output z = rnd(x @ weight^T + bias)
 //       (M, N) in x's dtype and the batch coefficients coeff (N, 4) float32 =
 //       {mean, invstd, bn.weight, bn.bias} for bn_backward_train.
@@ -159,7 +159,7 @@ cudaError_t launch_gemm(bool sm90, int dtype, bool train, bool float32_io, const
   if (!sm90)
     return fgb::lowp_gemm_bn(dtype, train, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), op.M, op.N, op.K,
                              t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias, running_mean, running_var,
-                             eps, scale_after_bn, part_mean, part_m2, num_batches_tracked, stream);
+                             eps, scale_after_bn, part_mean, part_m2, num_batches_tracked, z_out, stream);
   // The split tiles' workspace (small grids only), its arrival counts zeroed.
   int64_t workspace_floats = 0;
   int zero_ints = 0;
@@ -188,7 +188,6 @@ struct TrainResult {
 TrainResult train(bool sm90, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
                   torch::Tensor& num_batches_tracked, double momentum, double eps, bool scale_after_bn,
                   bool saved = false) {
-  TORCH_CHECK(!saved || sm90, "fused_gemm_bn (16-bit): forward_train_saved needs the lowp_sm90 kernel");
   const Operands op = check_operands(x_in, weight, sm90);
   const int M = op.M, N = op.N;
   check_training(op.x, M, N, num_batches_tracked);

@@ -13,6 +13,8 @@
 //     out = u, and part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
 //     deviations of u[:, n] over the valid rows of M tile mt, float32, two passes
 //     over the staged tile (no E[u^2] - E[u]^2); bn_16bit.cu merges them.
+//   kTrain with z_out (the training forward with gradients): also z_out = z, staged
+//     through the same shared-memory tile before u.
 //   kEval, scale first (33):   y = rnd(z * f(scale))
 //                              out = rnd(fma(w * (y - rm), invstd, b))
 //   kEval, bn first (84):      y = rnd(fma(w * (z - rm), invstd, b))
@@ -134,6 +136,7 @@ struct GemmArgs {
   float* part_mean;              // kTrain
   float* part_m2;                // kTrain
   int64_t* num_batches_tracked;  // kTrain; may be null
+  uint16_t* z_out;               // kTrain; may be null: also z = rnd(acc + bias) (M, N), for the backward
 };
 
 namespace gemm {
@@ -347,45 +350,59 @@ __global__ void __launch_bounds__(GemmTraits::kNumThreads, GemmTraits::kMinBlock
   };
 
   // Accumulator element (mi, ni, r): tile row wm * WARP_M + mi * 16 + g + 8 (r / 2),
-  // tile column wn * WARP_N + ni * 8 + 2 t + r % 2.
+  // tile column wm * WARP_N + ni * 8 + 2 t + r % 2: f(v, column) staged into the tile, rounded.
+  auto stage_tile = [&](auto f) {
 #pragma unroll
-  for (int mi = 0; mi < TR::kMmaTilesM; ++mi) {
+    for (int mi = 0; mi < TR::kMmaTilesM; ++mi) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int trow = wm * TR::WARP_M + mi * TR::MMA_M + g + 8 * h;
+      for (int h = 0; h < 2; ++h) {
+        const int trow = wm * TR::WARP_M + mi * TR::MMA_M + g + 8 * h;
 #pragma unroll
-      for (int ni = 0; ni < TR::kMmaTilesN; ++ni) {
-        const int tcol = wn * TR::WARP_N + ni * TR::MMA_N + 2 * t;
-        const float v0 = chain(acc[mi][ni][2 * h], tcol);
-        const float v1 = chain(acc[mi][ni][2 * h + 1], tcol + 1);
-        *reinterpret_cast<uint32_t*>(tile + trow * TR::TILE_PITCH_ELEMS + tcol) =
-            pack2(to_bits<T>(v0), to_bits<T>(v1));
+        for (int ni = 0; ni < TR::kMmaTilesN; ++ni) {
+          const int tcol = wn * TR::WARP_N + ni * TR::MMA_N + 2 * t;
+          const float v0 = f(acc[mi][ni][2 * h], tcol);
+          const float v1 = f(acc[mi][ni][2 * h + 1], tcol + 1);
+          *reinterpret_cast<uint32_t*>(tile + trow * TR::TILE_PITCH_ELEMS + tcol) =
+              pack2(to_bits<T>(v0), to_bits<T>(v1));
+        }
       }
     }
-  }
-  __syncthreads();
-
+  };
   const int rows_valid = min(TR::BLOCK_M, M - m0);
-  if (N % TR::CHUNK_ELEMS == 0 && reinterpret_cast<uintptr_t>(args.out) % 16 == 0) {
-    constexpr int kChunksPerRow = TR::BLOCK_N / TR::CHUNK_ELEMS;
+  // The staged tile's valid part into dst (M, N).
+  auto copy_tile_out = [&](uint16_t* dst) {
+    if (N % TR::CHUNK_ELEMS == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+      constexpr int kChunksPerRow = TR::BLOCK_N / TR::CHUNK_ELEMS;
 #pragma unroll
-    for (int i = 0; i < TR::BLOCK_M * kChunksPerRow / TR::kNumThreads; ++i) {
-      const int c = threadIdx.x + i * TR::kNumThreads;
-      const int r = c / kChunksPerRow;
-      const int col = (c % kChunksPerRow) * TR::CHUNK_ELEMS;
-      if (r < rows_valid && n0 + col < N)
-        *reinterpret_cast<uint4*>(args.out + static_cast<size_t>(m0 + r) * N + n0 + col) =
-            *reinterpret_cast<const uint4*>(tile + r * TR::TILE_PITCH_ELEMS + col);
-    }
-  } else {
+      for (int i = 0; i < TR::BLOCK_M * kChunksPerRow / TR::kNumThreads; ++i) {
+        const int c = threadIdx.x + i * TR::kNumThreads;
+        const int r = c / kChunksPerRow;
+        const int col = (c % kChunksPerRow) * TR::CHUNK_ELEMS;
+        if (r < rows_valid && n0 + col < N)
+          *reinterpret_cast<uint4*>(dst + static_cast<size_t>(m0 + r) * N + n0 + col) =
+              *reinterpret_cast<const uint4*>(tile + r * TR::TILE_PITCH_ELEMS + col);
+      }
+    } else {
 #pragma unroll 4
-    for (int e = threadIdx.x; e < TR::BLOCK_M * TR::BLOCK_N; e += TR::kNumThreads) {
-      const int r = e / TR::BLOCK_N;
-      const int col = e % TR::BLOCK_N;
-      if (r < rows_valid && n0 + col < N)
-        args.out[static_cast<size_t>(m0 + r) * N + n0 + col] = tile[r * TR::TILE_PITCH_ELEMS + col];
+      for (int e = threadIdx.x; e < TR::BLOCK_M * TR::BLOCK_N; e += TR::kNumThreads) {
+        const int r = e / TR::BLOCK_N;
+        const int col = e % TR::BLOCK_N;
+        if (r < rows_valid && n0 + col < N) dst[static_cast<size_t>(m0 + r) * N + n0 + col] = tile[r * TR::TILE_PITCH_ELEMS + col];
+      }
+    }
+  };
+
+  if constexpr (kMode == Mode::kTrain) {
+    if (args.z_out != nullptr) {  // the training forward with gradients: z first
+      stage_tile([&](float v, int c) { return v + p_bias[c]; });
+      __syncthreads();
+      copy_tile_out(args.z_out);
+      __syncthreads();  // every read of the tile is done before it is restaged
     }
   }
+  stage_tile(chain);
+  __syncthreads();
+  copy_tile_out(args.out);
 
   if constexpr (kMode == Mode::kTrain) {
     // Per-column mean and M2 of the staged (already rounded) values over the
@@ -457,13 +474,14 @@ int fused_gemm_bn::lowp_gemm_block_m() { return lowp::GemmTraits::BLOCK_M; }
 
 // dtype: 0 = IEEE half, 1 = bfloat16 (lowp::Dtype).  train: out = u and the
 // per-tile statistics (part_mean / part_m2, ceil(M / 128) x N float32), and
-// num_batches_tracked += 1 (if not null); else the eval chain (running_mean,
+// num_batches_tracked += 1 (if not null), and with z_out also z = rnd(x w^T + bias)
+// (M, N); else the eval chain (running_mean,
 // running_var, bn_weight, bn_bias, eps used).  scale_after_bn: problem 84's order.
 cudaError_t fused_gemm_bn::lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N,
                                         int K, const void* bias, const void* scale, const void* bn_weight,
                                         const void* bn_bias, const void* running_mean, const void* running_var,
                                         float eps, bool scale_after_bn, float* part_mean, float* part_m2,
-                                        int64_t* num_batches_tracked, cudaStream_t stream) {
+                                        int64_t* num_batches_tracked, void* z_out, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M == 0 || N == 0) return cudaSuccess;
   GemmArgs args{};
@@ -484,6 +502,7 @@ cudaError_t fused_gemm_bn::lowp_gemm_bn(int dtype, bool train, const void* x, co
   args.part_mean = part_mean;
   args.part_m2 = part_m2;
   args.num_batches_tracked = num_batches_tracked;
+  args.z_out = train ? static_cast<uint16_t*>(z_out) : nullptr;
   switch (static_cast<Dtype>(dtype)) {
     case Dtype::kF16:
       return launch_for_type<__half>(args, train, stream);

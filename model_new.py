@@ -1427,9 +1427,9 @@ def _lowp_train_backward(bn_backward, scale_after_bn, grad_out, x16, w16, scale,
     gemm.weight, gemm.bias, scale, bn.weight, bn.bias), from its saved tensors:
     x16, w16 the GEMM's operands (in the 16-bit dtype T), z (M, N) T the Linear
     output, coeff (N, 4) the batch's {mean, invstd, bn.weight, bn.bias}, out
-    (problem 84) the softmax output; dtypes: (x.dtype, gemm.weight.dtype), the
-    dtypes grad_x and grad_W are returned in (the other gradients come float32,
-    and autograd casts each to its input's dtype):
+    (problem 84) the softmax output; dtypes: the six inputs' dtypes, which their
+    gradients are returned in (grad_x and grad_W made in theirs, the others cast
+    from float32):
       problem 84: g = torch's softmax backward of (grad_out, out) (one kernel,
         float32 accumulation, in out's dtype, as Model's)
       grad_z (T), grad_scale, grad_bn_weight, grad_bn_bias (float32) = bn_backward(g, z,
@@ -1440,7 +1440,7 @@ def _lowp_train_backward(bn_backward, scale_after_bn, grad_out, x16, w16, scale,
         float32 accumulation, as Model's backward; _mm_16bit)
       grad_bias = 0 exactly (BatchNorm subtracts the batch mean, which holds the bias)."""
     need_x, need_w, need_b, need_s, need_g, need_beta = needs
-    grad_b = coeff.new_zeros(z.shape[1]) if need_b else None
+    grad_b = coeff.new_zeros(z.shape[1], dtype=dtypes[2]) if need_b else None
     if not (need_x or need_w or need_s or need_g or need_beta):
         return (None, None, grad_b, None, None, None)
     g = grad_out.contiguous()
@@ -1449,8 +1449,8 @@ def _lowp_train_backward(bn_backward, scale_after_bn, grad_out, x16, w16, scale,
     grad_z, grad_s, grad_g, grad_beta = bn_backward(g, z, coeff, scale, scale_after_bn)
     grad_x = _mm_16bit(grad_z, w16, dtypes[0]) if need_x else None
     grad_w = _mm_16bit(grad_z.t(), x16, dtypes[1]) if need_w else None
-    return (grad_x, grad_w, grad_b, grad_s if need_s else None, grad_g if need_g else None,
-            grad_beta if need_beta else None)
+    return (grad_x, grad_w, grad_b, grad_s.to(dtypes[3]) if need_s else None,
+            grad_g.to(dtypes[4]) if need_g else None, grad_beta.to(dtypes[5]) if need_beta else None)
 
 
 class _LowpTrainFn(torch.autograd.Function):
@@ -1477,7 +1477,7 @@ class _LowpTrainFn(torch.autograd.Function):
                                                     momentum, eps, scale_after_bn)
         ctx.scale_after_bn = scale_after_bn
         ctx.kernels = kernels
-        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.dtypes = tuple(t.dtype for t in (x, weight, bias, scale, bn_weight, bn_bias))
         ctx.save_for_backward(x16, w16, scale, z, coeff, out if scale_after_bn else None)
         return out
 
@@ -2096,7 +2096,7 @@ def _setup_forward_train_saved(ctx, inputs, output):
     ctx.scale_after_bn, ctx.eps = scale_after_bn, eps
     ctx.lowp = _is_16bit_dtype(z.dtype)
     if ctx.lowp:
-        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.dtypes = tuple(t.dtype for t in inputs[:6])
         ctx.save_for_backward(x, weight, scale, bn_weight, z, stats, out if scale_after_bn else None)
         return
     ctx.save_for_backward(x, weight, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,

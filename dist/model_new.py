@@ -7470,7 +7470,7 @@ def _setup_forward_train_saved(ctx, inputs, output):
     ctx.scale_after_bn, ctx.eps = scale_after_bn, eps
     ctx.lowp = _is_16bit_dtype(z.dtype)
     if ctx.lowp:
-        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.dtypes = tuple(t.dtype for t in inputs[:6])
         ctx.save_for_backward(x, weight, scale, bn_weight, z, stats, out if scale_after_bn else None)
         return
     ctx.save_for_backward(x, weight, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,

@@ -298,16 +298,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
   const torch::Tensor g = grad_y.contiguous();
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(z.get_device()).stream();
+  // Four separate tensors (no views: the fused_gemm_bn::bn_backward_train operator's outputs may not alias).
   torch::Tensor grad_z = torch::empty_like(z);
-  torch::Tensor grads = torch::empty({3, N}, z.options().dtype(torch::kFloat32));
-  float* gs = grads.data_ptr<float>();
+  const auto f32 = z.options().dtype(torch::kFloat32);
+  torch::Tensor grad_scale = torch::empty({N}, f32), grad_bn_weight = torch::empty({N}, f32),
+                grad_bn_bias = torch::empty({N}, f32);
   check_launch(fgb::lowp_bn_backward_train(dtype_code(z.scalar_type()), scale.scalar_type() == torch::kFloat32,
                                            g.scalar_type() == torch::kFloat32, g.data_ptr(), z.data_ptr(),
                                            coeff.data_ptr<float>(), scale.data_ptr(), scale_after_bn,
-                                           static_cast<int>(M), static_cast<int>(N), grad_z.data_ptr(), gs, gs + N,
-                                           gs + 2 * N, stream),
+                                           static_cast<int>(M), static_cast<int>(N), grad_z.data_ptr(),
+                                           grad_scale.data_ptr<float>(), grad_bn_weight.data_ptr<float>(),
+                                           grad_bn_bias.data_ptr<float>(), stream),
                "bn16_backward_train_kernel");
-  return {grad_z, grads[0], grads[1], grads[2]};
+  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
 }
 
 // Either problem, eval mode.

@@ -81,6 +81,9 @@ from tests.harness import BUNDLE, exec_texts, read
 from tests.test_backward import PARAM_NAMES, forward_backward, make_pair, rel_err
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (ModelNew's kernels)")
+requires_compile_ops = pytest.mark.skipif(
+    not torch.cuda.is_available() or not hasattr(torch, "compile") or model_new._OPS is None,
+    reason="needs a CUDA GPU, torch.compile and the fused_gemm_bn:: operators (torch >= 2.4)")
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 KERNELBENCH_SHAPE = (1024, 8192, 8192)
@@ -526,9 +529,7 @@ def test_cpu_lowp_fn_matches_model(problem, training):
         assert rel_err(got, want) <= bound, (name, rel_err(got, want))
 
 
-@requires_cuda
-@pytest.mark.skipif(not hasattr(torch, "compile") or model_new._OPS is None,
-                    reason="needs torch.compile and the fused_gemm_bn:: operators (torch >= 2.4)")
+@requires_compile_ops
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("problem", ["33", "84"])
 def test_gpu_lowp_compile_fullgraph_without_grad(dtype_name, problem, lowp_kernel):
@@ -557,9 +558,7 @@ def test_gpu_lowp_compile_fullgraph_without_grad(dtype_name, problem, lowp_kerne
             assert torch.equal(a, b), f"step {step}: {name}"
 
 
-@requires_cuda
-@pytest.mark.skipif(not hasattr(torch, "compile") or model_new._OPS is None,
-                    reason="needs torch.compile and the fused_gemm_bn:: operators (torch >= 2.4)")
+@requires_compile_ops
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("problem", ["33", "84"])
 def test_gpu_lowp_compile_fullgraph_training_step(dtype_name, problem, lowp_kernel):

@@ -43,9 +43,7 @@
 //   m64nBLOCK_Mk16 wgmmas per stage with both operands in shared memory (SS),
 //   as one commit group, then waits for the previous group (wait_group 1) and
 //   releases that group's stage: one group in flight while the next stage's
-//   barrier is awaited.  BLOCK_M = 256: one tile per CTA, or with more tiles
-//   than SMs consecutive tiles per CTA back to back (persistent: the producer
-//   streams the next tile while the consumers store one).  BLOCK_M = 128: the
+//   barrier is awaited.  BLOCK_M = 256: one tile per CTA.  BLOCK_M = 128: the
 //   grid of sm90_gemm_tiles.cuh (whole tiles, and remainder tiles cut along K
 //   whose pieces meet in split_tile_hand_off: float32 partial sums, the last
 //   piece to arrive runs the epilogue).  Tiles walk the batch fastest, so the
@@ -386,11 +384,10 @@ __global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
 #endif
 }
 
-// The tile and grid plan of an (M, K) x (N, K) product: BLOCK_M = 256 when those
-// tiles fill at least half of the SMs (one tile per CTA within one wave; with
-// more tiles than SMs a persistent grid of ceil(tiles / waves) CTAs, each running
-// `waves` tiles), else BLOCK_M = 128 and the split-tile plan of the fp16x3 kernel
-// (sm90_gemm_tiles.cuh), which cuts the remainder tiles along K.  Measured (H200, float16, problem 33 eval):
+// The tile and grid plan of an (M, K) x (N, K) product: BLOCK_M = 256 with one
+// tile per CTA when those tiles fill at least half of the SMs, else BLOCK_M =
+// 128 and the split-tile plan of the fp16x3 kernel (sm90_gemm_tiles.cuh), which
+// cuts the remainder tiles along K.  Measured (H200, float16, problem 33 eval):
 // 512 x 8192 x 8192 (128 tiles of 256 rows) 0.098 ms, with the split 128-row
 // plan 0.153; 256 x 8192 x 8192 (64 tiles) 0.090 against 0.058 (docs/perf.md v26).
 struct GridPlan {
@@ -407,18 +404,7 @@ static cudaError_t grid_plan(int M, int N, int K, GridPlan* out) {
   if (2 * big_tiles >= num_sms) {
     out->block_m = kBatchTile;
     out->plan = sm90::StreamKPlan{};
-    const long long waves = (big_tiles + num_sms - 1) / num_sms;
-    if (waves >= 2 && big_tiles <= INT32_MAX) {
-      // Persistent: ceil(tiles / waves) CTAs, each running `waves` consecutive tiles back to
-      // back as the plan's whole-K "tails" (pieces = 1: no split, no hand-off), so the
-      // producer streams the next tile's k-blocks while the consumers run an epilogue.
-      out->plan.sk_tiles = static_cast<int>(big_tiles);
-      out->plan.pieces = 1;
-      out->plan.tails_per_cta = static_cast<int>(waves);
-      out->plan.sk_ctas = static_cast<int>((big_tiles + waves - 1) / waves);
-    } else {
-      out->plan.dp_tiles = big_tiles > INT32_MAX ? -1 : static_cast<int>(big_tiles);
-    }
+    out->plan.dp_tiles = big_tiles > INT32_MAX ? -1 : static_cast<int>(big_tiles);
   } else {
     out->block_m = kSmallBatchTile;
     out->plan = sm90::stream_k_plan(M, N, K, Traits<kSmallBatchTile>::BLOCK_K, num_sms, true);
@@ -435,13 +421,10 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
   if (!sm90::make_tensor_map(&tmap_w, w, sm90::TileDtype::kWord16, args.N, args.K, TR::BLOCK_N) ||
       !sm90::make_tensor_map(&tmap_x, x, sm90::TileDtype::kWord16, args.M, args.K, TR::BLOCK_M))
     return cudaErrorInvalidValue;
-  // Split tiles (BLOCK_M = 128 only) meet in the workspace; 256-row plans split nothing.
-  constexpr bool kSplits = kBlockM == kSmallBatchTile;
-  if (kSplits && plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
+  if (plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.plan = plan;
-  args.partials = kSplits ? workspace : nullptr;
-  args.tile_arrivals =
-      kSplits && plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + sm90::partial_floats(plan)) : nullptr;
+  args.partials = workspace;
+  args.tile_arrivals = plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + sm90::partial_floats(plan)) : nullptr;
   constexpr int kMaxDevices = 64;
   static bool smem_set[kMaxDevices] = {};
   int device = 0;
@@ -499,9 +482,7 @@ void fused_gemm_bn::lowp_sm90_workspace(int M, int N, int K, int64_t* floats, in
   *floats = 0;
   *zero_ints = 0;
   hopper::GridPlan gp;
-  if (M < 1 || N < 1 || hopper::grid_plan(M, N, K, &gp) != cudaSuccess || gp.block_m != hopper::kSmallBatchTile ||
-      gp.plan.sk_ctas == 0)
-    return;
+  if (M < 1 || N < 1 || hopper::grid_plan(M, N, K, &gp) != cudaSuccess || gp.plan.sk_ctas == 0) return;
   *floats = sm90::partial_floats(gp.plan) + gp.plan.sk_tiles;
   *zero_ints = gp.plan.sk_tiles;
 }

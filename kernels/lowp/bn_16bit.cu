@@ -33,7 +33,9 @@
 //   out = rnd(expf(v - max v) / sum expf(v - max v)): PyTorch's CUDA softmax on
 //   a 16-bit tensor (max and sum in float32, IEEE expf and division, rounded
 //   once).  Rows of N <= 16384 with 16-byte access keep v in registers (up to
-//   4 groups of 8 per thread, all loads issued first: bn16_softmax_rows_reg_kernel);
+//   4 groups of 8 per thread, all loads issued first: bn16_softmax_rows_reg_kernel;
+//   training rows of N <= 8192 in batches of >= 512 rows: bn16_softmax_rows_multi_kernel,
+//   one group per thread whose coefficients stay in registers over 4 rows);
 //   otherwise the CTA keeps v (16-bit, exact) in shared memory, N * 2 bytes
 //   (16 KB for N = 8192): one read and one write of the row; rows longer than the
 //   device's shared memory allows take the online variant (running max and
@@ -345,9 +347,67 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
   }
 }
 
+// Training rows of N <= 8 * 1024 with 16-byte access, in tall batches: one thread
+// per group of 8 columns keeps that group's coefficients and scale in registers
+// and runs kMultiRows rows one after another (the reg kernel above reloads them
+// for every row: a float4 per element, 128 KB per row of 8192 from L2).
+constexpr int kMultiRows = 4;
+constexpr int kMultiMaxThreads = 1024;
+
+template <typename T, typename S>
+__global__ void __launch_bounds__(kMultiMaxThreads) bn16_softmax_rows_multi_kernel(const RowArgs p, int M) {
+  using St = Storage<S>;
+  __shared__ float red[kMultiMaxThreads / 32];
+  const int i = threadIdx.x;  // this thread's group: columns 8 i .. 8 i + 7
+  const bool active = i < p.N / kVec;
+  float4 c[kVec];
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) c[e] = p.coeff[i * kVec + e];
+  }
+  const int row_end = min(M, (static_cast<int>(blockIdx.x) + 1) * kMultiRows);
+  for (int r = blockIdx.x * kMultiRows; r < row_end; ++r) {  // uniform over the CTA
+    word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(r) * p.N;
+    float v[kVec];
+    float thread_max = -INFINITY;
+    if (active) {
+      float s[kVec];  // the scale, reloaded per row (L1): 2-4 bytes per element, not 16
+      load_group<S>(static_cast<const word_t<S>*>(p.scale) + i * kVec, s);
+      load_group<S>(row + i * kVec, v);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        v[e] = St::round(round16<T>(bn_affine(v[e], c[e])) * s[e]);  // load_logits' value
+        thread_max = fmaxf(thread_max, v[e]);
+      }
+    }
+    const float row_max = block_reduce<true>(thread_max, red);
+    float thread_sum = 0.f;
+    if (active) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        v[e] = expf(v[e] - row_max);
+        thread_sum += v[e];
+      }
+    }
+    const float row_sum = block_reduce<false>(thread_sum, red);
+    if (active) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = v[e] / row_sum;
+      store_group<S>(row + i * kVec, v);
+    }
+  }
+}
+
 template <typename T, typename S, int kG, bool kAffine>
 cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   const int num_groups = p.N / kG;
+  if constexpr (kG == kVec && kAffine) {
+    if (num_groups <= kMultiMaxThreads && M >= 128 * kMultiRows) {
+      const int threads = max(32, (num_groups + 31) / 32 * 32);
+      bn16_softmax_rows_multi_kernel<T, S><<<(M + kMultiRows - 1) / kMultiRows, threads, 0, stream>>>(p, M);
+      return cudaGetLastError();
+    }
+  }
   if constexpr (kG == kVec) {
     if (num_groups <= kRegGroups * kRowThreads) {
       const int threads = max(32, ((num_groups + kRegGroups - 1) / kRegGroups + 31) / 32 * 32);

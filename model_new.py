@@ -819,7 +819,7 @@ _WeightPartsEntry = collections.namedtuple("_WeightPartsEntry", ["ref", "key", "
 _WEIGHT_PARTS = {}
 
 
-def _weight_parts(weight, split=None, kind="fp16x3"):
+def _weight_parts(weight, split=None, kind="fp16x3", make=True):
     """What the GEMM precomputes from gemm.weight, made on the first call and
     reused while the weight is unchanged.  kind "fp16x3": the sm90_fp16x3
     kernels' parts (the extension's fp16x3_weight_parts: w_hi, w_lo as fp16
@@ -840,7 +840,8 @@ def _weight_parts(weight, split=None, kind="fp16x3"):
     with a version counter of its own, which autograd does not see either);
     after such writes call clear_weight_cache().
     `split` makes them (default: the extension's function for `kind`; the
-    CPU tests give their own)."""
+    CPU tests give their own); with make=False a missing or stale entry gives
+    None instead (the stale one is dropped)."""
     if (not SWITCHES.weight_cache or not _WEIGHT_CACHE_SAFE or weight.is_inference()
             or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
@@ -851,6 +852,8 @@ def _weight_parts(weight, split=None, kind="fp16x3"):
     if entry is not None and entry.ref() is weight and entry.key == key:
         return entry.parts
     _WEIGHT_PARTS.pop(wid, None)  # the old parts go before the new ones are made
+    if not make:
+        return None
 
     def drop(ref, wid=wid):
         current = _WEIGHT_PARTS.get(wid)
@@ -999,21 +1002,26 @@ def _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn):
 def _autocast_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
     """The fused autocast forward (_autocast_gemm said lowp_sm90): x cast to
     dtype (autocast's cast of F.linear's input; no copy when x already is),
-    gemm.weight's cast from the weight cache (_weight_parts, kind
-    "cast_<dtype>": made again after the weight changes, where Model casts it
-    in every autocast region), then one extension call (out float32).  Training
-    with gradients: the same inside _LowpTrainFn, which keeps what its fused
-    backward needs."""
+    then one extension call (out float32).  The GEMM's weight operand is
+    gemm.weight's cast to dtype from the weight cache (_weight_parts, kind
+    "cast_<dtype>") where it holds one for the current weight; else, in
+    training (BatchNorm in training mode: the weight is expected to change
+    between calls), the float32 gemm.weight itself, which the kernel rounds to
+    dtype as it loads each tile (the values autocast's cast gives, with no
+    separate sweep over the weight; 1.19-1.27x the call time with the cached
+    cast, against ~1.5x for casting first: docs/perf.md v30); in eval the cast is made and
+    cached.  Model casts the weight in every autocast region.  Training with
+    gradients: _LowpTrainFn, whose backward needs the cast, takes it from the
+    cache."""
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     if grad:
         params = (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
         return _LowpTrainFn.apply(_lowp_kernels(), "lowp_sm90", scale_after_bn, buffers, momentum, float(bn.eps),
                                   dtype, *params)
-    x16 = x.to(dtype)
-    w16 = _weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}")
-    w16 = gemm.weight.to(dtype) if w16 is None else w16
-    params = (x16, w16, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+    weight = _weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}", make=not bn.training)
+    params = (x.to(dtype), gemm.weight if weight is None else weight, gemm.bias,
+              per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
     return _forward_call(_lowp_kernels(), "lowp_sm90", scale_after_bn, bn.training, buffers, momentum,
                          float(bn.eps), params)
 # bundle: repository-only ends

@@ -224,8 +224,11 @@ cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, vo
 // null when *floats is 0).  float32_io: the vectors and out are float32 (a float32 module
 // under mixed precision; the GEMM in dtype), else 16-bit of dtype.  z_out (train, may be
 // null): also the Linear output z = rnd(x w^T + bias) (M, N) in dtype, for the backward.
+// w_float32 (with float32_io, without z_out): w is float32, rounded to dtype in the kernel
+// as autocast's cast of the weight rounds it.
 void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
-cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, const void* x, const void* w, void* out, int M,
+cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, bool w_float32, const void* x, const void* w,
+                              void* out, int M,
                               int N, int K, const void* bias, const void* scale, const void* bn_weight,
                               const void* bn_bias, const void* running_mean, const void* running_var, float eps,
                               bool scale_after_bn, float* part_mean, float* part_m2, int64_t* num_batches_tracked,

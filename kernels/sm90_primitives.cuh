@@ -97,6 +97,17 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, uint64_
 #endif
 }
 
+// ---- shared-memory loads --------------------------------------------------
+
+// Two float32 words at a shared-memory address (8-byte aligned).
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+  float2 v = make_float2(0.f, 0.f);
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
 // ---- registers per warpgroup role ----------------------------------------
 
 template <uint32_t kRegs>

@@ -30,10 +30,18 @@ GPU (all need an sm_90 GPU; names contain "gpu")
     2 err(Model's gradient) + GRAD_FLOOR[dtype] against the float64 Model
     (test_gpu_lowp_grad_enabled's bound); gemm.bias's (exactly 0 in exact
     arithmetic) at most 2x Model's + 1e-3 in max norm.
+  - test_gpu_autocast_weight_rounded_in_kernel [dtype, problem, mode, shape]:
+    the extension's autocast form with the float32 gemm.weight (the kernel
+    rounds each tile to the 16-bit dtype as it loads it: the path of training
+    calls without a cached cast) against the same call with gemm.weight cast
+    first: out, running_mean, running_var and num_batches_tracked bit-equal
+    (the same 16-bit operands and the same float32 sums); shapes with K not a
+    multiple of the 64-wide k-block, K % 8 != 0 (zero-padded copies), small
+    batches (128-row tiles cut along K) and N not a multiple of 128.
   - test_gpu_autocast_fused_weight_update_seen: optimizer steps (their
     gradients from the fused training step) and an in-place write to
-    gemm.weight between fused calls reach the next call (the cached cast is
-    made again).  Eval calls that need gradients take Model's ops
+    gemm.weight between fused calls reach the next call (a stale cached cast
+    is dropped, and made again where it is used).  Eval calls that need gradients take Model's ops
     (tests/test_mixed_precision.py compares those bit for bit).
 """
 import copy
@@ -232,6 +240,38 @@ def test_gpu_autocast_fused_every_output_element_written(shape, dtype_name, prob
     assert bad == 0, f"{bad} of {out.numel()} output elements not written (NaN left from the poisoned block)"
     for name, b in new.named_buffers():
         assert bool(torch.isfinite(b.double()).all()), f"{name} not finite"
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (64, 72, 129), (2305, 1000, 264),
+                                   (130, 1024, 264), (3, 8, 5)], ids=shape_id)
+def test_gpu_autocast_weight_rounded_in_kernel(dtype_name, problem, mode, shape):
+    import model_new
+
+    dtype = DTYPES[dtype_name]
+    m, k, n = shape
+    _, new = autocast_pair(problem, k, n)
+    kernels = model_new._lowp_kernels()
+    x16 = float_input(0, m, k).to(dtype)
+    w = new.gemm.weight.detach()
+    vectors = (new.gemm.bias.detach(), model_new.per_feature_scale(new.scale.detach(), n), new.bn.weight.detach(),
+               new.bn.bias.detach())
+    sab = problem == "84"
+    results = []
+    for weight in (w.to(dtype), w):
+        buffers = [b.clone() for b in (new.bn.running_mean, new.bn.running_var, new.bn.num_batches_tracked)]
+        if mode == "train":
+            out = kernels.forward_train("lowp_sm90", x16, weight, *vectors, *buffers, 0.1, 1e-5, sab)
+        else:
+            out = kernels.forward_eval("lowp_sm90", x16, weight, *vectors, *buffers[:2], 1e-5, sab)
+        results.append((out, *buffers))
+    assert results[1][0].dtype == torch.float32 and bool(torch.isfinite(results[1][0]).all())
+    for name, a, b in zip(("out", "running_mean", "running_var", "num_batches_tracked"), *results):
+        assert torch.equal(a, b), f"{name}: the float32 weight rounded in the kernel differs from its cast"
+    assert torch.equal(w, new.gemm.weight), "gemm.weight was modified"
 
 
 @requires_sm90

@@ -22,7 +22,9 @@
 // float32 module's forward under torch.autocast in x's dtype (lowp_sm90 only):
 // the GEMM in x's dtype on the 16-bit bias, what follows in float32 as
 // torch's type promotion runs it, out float32 (sm90_gemm_bn_16bit.cu lists
-// the rounding points).
+// the rounding points).  In that form gemm.weight may also be float32 (forward_train
+// and forward_eval): the kernel rounds it to x's dtype as it loads it, the value
+// autocast's cast of the weight gives, instead of a cast pass over the weight.
 //
 //   forward_train(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                 running_var, num_batches_tracked, momentum, eps, scale_after_bn) -> out (M, N)
@@ -71,9 +73,11 @@ void check_launch(cudaError_t err, const char* what) {
 int dtype_code(c10::ScalarType t) { return t == torch::kHalf ? 0 : 1; }
 
 // x and weight checked and made contiguous (copies only where they are not).
+// w_float32: a float32 weight with 16-bit x (the autocast form on lowp_sm90).
 struct Operands {
   torch::Tensor x, weight;
   int M, N, K, dtype;
+  bool w_float32;
 };
 
 // sm90: the TMA loads also need 16-byte aligned data (a misaligned x or weight is copied)
@@ -84,8 +88,9 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, boo
               "x must be float16 or bfloat16 (the 16-bit extension), got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2, "x must have shape (batch, in_features), got ", x.sizes());
   TORCH_CHECK(weight.device() == x.device(), "gemm.weight must be on ", x.device(), ", got ", weight.device());
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "gemm.weight must be ", x.scalar_type(), ", got ",
-              weight.scalar_type());
+  const bool w_float32 = sm90 && weight.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || w_float32, "gemm.weight must be ", x.scalar_type(),
+              sm90 ? " (or float32 under autocast)" : "", ", got ", weight.scalar_type());
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "gemm.weight must have shape (out_features, ",
               x.size(1), "), got ", weight.sizes());
   TORCH_CHECK(x.size(0) <= INT32_MAX && weight.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX,
@@ -102,14 +107,14 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, boo
     // of 8 (the zeros add exact zeros to every product).
     const int64_t pad = 8 - K % 8;
     return {at::constant_pad_nd(x, {0, pad}), at::constant_pad_nd(weight, {0, pad}), static_cast<int>(x.size(0)),
-            static_cast<int>(weight.size(0)), static_cast<int>(K + pad), dtype_code(x.scalar_type())};
+            static_cast<int>(weight.size(0)), static_cast<int>(K + pad), dtype_code(x.scalar_type()), w_float32};
   }
   auto ready = [sm90](const torch::Tensor& t) {
     return t.is_contiguous() && (!sm90 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0);
   };
   return {ready(x) ? x : x.clone(at::MemoryFormat::Contiguous),
           ready(weight) ? weight : weight.clone(at::MemoryFormat::Contiguous), static_cast<int>(x.size(0)),
-          static_cast<int>(weight.size(0)), K, dtype_code(x.scalar_type())};
+          static_cast<int>(weight.size(0)), K, dtype_code(x.scalar_type()), w_float32};
 }
 
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x, c10::ScalarType type) {
@@ -125,8 +130,8 @@ struct BnTensors {
 };
 
 // Checks the vectors; returns true for the autocast form (float32 vectors), which
-// only lowp_sm90 runs.
-bool check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, bool sm90) {
+// only lowp_sm90 runs; a float32 weight (w_float32) needs that form.
+bool check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, bool sm90, bool w_float32) {
   const bool float32_io = t.bias.scalar_type() == torch::kFloat32;
   const c10::ScalarType type = float32_io ? torch::kFloat32 : x.scalar_type();
   check_vector(t.bias, "gemm.bias", N, x, type);
@@ -137,6 +142,9 @@ bool check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, bool sm
   check_vector(t.running_var, "bn.running_var", N, x, type);
   TORCH_CHECK(!float32_io || sm90, "fused_gemm_bn (16-bit): float32 parameters with ", x.scalar_type(),
               " x (the autocast form) need the lowp_sm90 kernel");
+  TORCH_CHECK(!w_float32 || float32_io, "fused_gemm_bn (16-bit): a float32 gemm.weight with ", x.scalar_type(),
+              " x is the autocast form: gemm.bias, scale and BatchNorm's tensors must be float32 too, got ",
+              t.bias.scalar_type());
   return float32_io;
 }
 
@@ -171,8 +179,8 @@ cudaError_t launch_gemm(bool sm90, int dtype, bool train, bool float32_io, const
                                             static_cast<size_t>(zero_ints) * sizeof(int), stream);
     if (err != cudaSuccess) return err;
   }
-  return fgb::lowp_sm90_gemm_bn(dtype, train, float32_io, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(),
-                                op.M, op.N, op.K, t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias,
+  return fgb::lowp_sm90_gemm_bn(dtype, train, float32_io, op.w_float32, op.x.data_ptr(), op.weight.data_ptr(),
+                                out.data_ptr(), op.M, op.N, op.K, t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias,
                                 running_mean, running_var, eps, scale_after_bn, part_mean, part_m2, num_batches_tracked,
                                 z_out, workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr, stream);
 }
@@ -191,7 +199,9 @@ TrainResult train(bool sm90, const torch::Tensor& x_in, const torch::Tensor& wei
   const Operands op = check_operands(x_in, weight, sm90);
   const int M = op.M, N = op.N;
   check_training(op.x, M, N, num_batches_tracked);
-  const bool float32_io = check_bn_tensors(t, N, op.x, sm90);
+  const bool float32_io = check_bn_tensors(t, N, op.x, sm90, op.w_float32);
+  TORCH_CHECK(!saved || !op.w_float32, "forward_train_saved takes gemm.weight in x's dtype (", op.x.scalar_type(),
+              "; the backward's products need it), got float32");
   const c10::cuda::CUDAGuard guard(op.x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
   const auto f32 = op.x.options().dtype(torch::kFloat32);
@@ -236,7 +246,7 @@ torch::Tensor eval(bool sm90, const torch::Tensor& x_in, const torch::Tensor& we
                    double eps, bool scale_after_bn) {
   const Operands op = check_operands(x_in, weight, sm90);
   const int M = op.M, N = op.N;
-  const bool float32_io = check_bn_tensors(t, N, op.x, sm90);
+  const bool float32_io = check_bn_tensors(t, N, op.x, sm90, op.w_float32);
   const c10::cuda::CUDAGuard guard(op.x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
   torch::Tensor out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));

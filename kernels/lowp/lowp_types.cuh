@@ -19,6 +19,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace fused_gemm_bn {
 namespace lowp {
 
@@ -83,6 +85,19 @@ using word_t = typename Storage<S>::word;
 // Two patterns packed into 32 bits, the lower address in the low half.
 __device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// lo and hi rounded to T (to nearest, ties to even: one cvt.rn.f16x2.f32 /
+// cvt.rn.bf16x2.f32, the values to_bits gives) and packed as pack2 packs them.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2_rn(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
 }
 
 }  // namespace lowp

@@ -22,13 +22,19 @@
 // first (autocast's cast), and the roundings to S above are none:
 //   kTrain, 33: u = z f(scale);  84: u = z.   kEval, 33: out = fma(w (z f(scale) - rm), invstd, b)
 //   kEval, 84: out = rnd(fma(w (z - rm), invstd, b)) f(scale)   (BatchNorm's output is T under autocast)
+// In that form w may also be float32 (kWFloat: the training forward without
+// gradients, where no cached cast exists): each consumer rounds its A
+// fragments to T as it reads them from shared memory (cvt.rn.*x2.f32, round to
+// nearest even: the values of autocast's w.to(T)), so the products and sums are
+// those of the cast weight, bit for bit (tests/test_autocast_fused.py).
 // Expected error: PyTorch's own 16-bit path's (the same rounding points; the
 // float32 sums differ only in order).  The tensor core's fp32 accumulation is
 // the one cuBLAS's 16-bit GEMMs use; no split-K.
 //
 // Tensors (row-major, contiguous)
-//   x (M, K), w (N, K): T, K-major, 16-byte aligned, K % 8 == 0 (TMA's 16-byte
-//     global strides); out (M, N) and the six vectors (N): S (T, or float32).
+//   x (M, K), w (N, K): T (w: or float32, kWFloat), K-major, 16-byte aligned,
+//     K % 8 == 0 (TMA's 16-byte global strides); out (M, N) and the six
+//     vectors (N): S (T, or float32).
 //   part_mean, part_m2 (ceil(M / 128), N) float32 (kTrain).
 //   z_out (M, N) T (kTrainSaved: the training forward with gradients; else null).
 //   num_batches_tracked int64 (kTrain, may be null): CTA 0 adds 1.
@@ -48,6 +54,14 @@
 //   whose pieces meet in split_tile_hand_off: float32 partial sums, the last
 //   piece to arrive runs the epilogue).  Tiles walk the batch fastest, so the
 //   CTAs sharing a w tile run together and w streams from DRAM about once.
+//   kWFloat: the w tile is float32 (two 32-wide TMA boxes per k-block, 64 KB
+//   stages, 3 of them at BLOCK_M = 256) and the consumers issue the RS form
+//   (A from registers: float2 shared-memory loads, one cvt per pair, two
+//   register buffers so a k-block's fragments are made while the previous
+//   group runs).  Its call takes 1.19-1.27x the 16-bit w's time at the
+//   KernelBench shape (3 stages instead of 4, 64 KB per k-block from L2
+//   instead of 48, and the conversions: not separated), against ~1.5x for a
+//   cast pass first (docs/perf.md v30).
 //   Accumulator layout: sm90_wgmma_16bit.cuh (feature 64 wg + 16 warp + g + 8 h,
 //   batch row 8 i + 2 t + e of the tile).  The epilogue works in registers: the
 //   statistics reduce over the quad (shuffles), the store pairs neighbouring
@@ -75,7 +89,10 @@ constexpr int kSmallBatchTile = 128;
 // Rows of one statistics block (part_mean / part_m2 rows), as the mma.sync kernel's BLOCK_M.
 constexpr int kStatRows = 128;
 
-template <int kBlockM>
+// kWFloat: w arrives as float32 (a float32 module under autocast) and each
+// consumer converts its A fragments to T in registers (wgmma RS); else w is T
+// in shared memory (wgmma SS).
+template <int kBlockM, bool kWFloat = false>
 struct Traits {
   static constexpr int BLOCK_N = 128;  // features per CTA (wgmma M over the consumer warpgroups)
   static constexpr int BLOCK_M = kBlockM;  // batch rows per CTA (wgmma N)
@@ -85,7 +102,8 @@ struct Traits {
   static constexpr int kNumConsumers = BLOCK_N / 64;
   static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
   static constexpr int kAccRegs = 64 * BLOCK_M / 128;
-  static constexpr int W_TILE_BYTES = BLOCK_N * BLOCK_K * 2;
+  static constexpr int W_BOX_BYTES = BLOCK_N * 128;  // one TMA box: BLOCK_N rows of one 128-byte swizzle span
+  static constexpr int W_TILE_BYTES = BLOCK_N * BLOCK_K * (kWFloat ? 4 : 2);  // float32 w: two boxes of 32 k
   static constexpr int X_TILE_BYTES = BLOCK_M * BLOCK_K * 2;
   static constexpr int STAGE_BYTES = W_TILE_BYTES + X_TILE_BYTES;
   static constexpr int kNumStages = (200 * 1024) / STAGE_BYTES < 8 ? (200 * 1024) / STAGE_BYTES : 8;
@@ -127,6 +145,16 @@ struct Args {
   float* partials;
   int* tile_arrivals;
 };
+
+template <typename T, int kBlockM>
+__device__ __forceinline__ void issue_wgmma_rs(float (&acc)[64 * kBlockM / 128], const uint32_t (&a)[4],
+                                               uint64_t desc_b) {
+  if constexpr (kBlockM == 128) {
+    sm90::wgmma_m64n128k16_rs<T>(acc, a, desc_b);
+  } else {
+    sm90::wgmma_m64n256k16_rs<T>(acc, a, desc_b);
+  }
+}
 
 template <typename T, int kBlockM>
 __device__ __forceinline__ void issue_wgmma(float (&acc)[64 * kBlockM / 128], uint64_t desc_a, uint64_t desc_b) {
@@ -286,12 +314,12 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
   store_tile<S, kBlockM>(acc, args.out, M, N, m0, n0 + f_local, g, t);
 }
 
-template <typename T, typename S, Chain kChain, int kBlockM>
-__global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
+template <typename T, typename S, Chain kChain, int kBlockM, bool kWFloat>
+__global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
     sm90_gemm_bn_16bit_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,
                               const Args args) {
 #if FUSED_GEMM_BN_SM90A
-  using TR = Traits<kBlockM>;
+  using TR = Traits<kBlockM, kWFloat>;
   using namespace sm90;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -331,6 +359,8 @@ __global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
           uint8_t* stage = smem + s * TR::STAGE_BYTES;
           mbar_arrive_expect_tx(&full_bar[s], TR::STAGE_BYTES);
           tma_load_2d(stage, &tmap_w, &full_bar[s], kb * TR::BLOCK_K, n0);
+          if constexpr (kWFloat)  // float32 w: the k-block's second 32-wide box
+            tma_load_2d(stage + TR::W_BOX_BYTES, &tmap_w, &full_bar[s], kb * TR::BLOCK_K + 32, n0);
           tma_load_2d(stage + TR::W_TILE_BYTES, &tmap_x, &full_bar[s], kb * TR::BLOCK_K, m0);
         }
       }
@@ -346,31 +376,101 @@ __global__ void __launch_bounds__(Traits<kBlockM>::kNumThreads, 1)
 #pragma unroll
     for (int i = 0; i < TR::kAccRegs; ++i) fence_operand(acc[i]);
   };
+  // kWFloat: A fragments of one k-block (kKSteps wgmmas) in two buffers: a
+  // k-block's group reads its buffer until the wait_group of the next k-block.
+  uint32_t a_frag[2][TR::kKSteps][4] = {};
+  auto keep_alive = [&](uint32_t(&a)[TR::kKSteps][4]) {
+#pragma unroll
+    for (int j = 0; j < TR::kKSteps; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_operand(a[j][r]);
+  };
+  // Thread (warp, g, t) converts A(row, k) for rows 16 warp + g (+ 8) of its
+  // warpgroup's 64 and k = 16 j + 2 t (+ 8) (+ 1): float2 loads from the
+  // float32 tile (two boxes of 32 k, 128-byte swizzle: chunk c of row r at
+  // c ^ (r % 8), here g), then one cvt to a T pair.  A warp's load covers 16
+  // chunks in 8 distinct positions twice: two wavefronts, the minimum.
+  const int g = lane / 4, t = lane % 4;
+  const uint32_t a_row_bytes = (warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16 + g) * 128;
+  auto load_a = [&](uint32_t(&a)[TR::kKSteps][4], uint32_t stage) {
+#pragma unroll
+    for (int j = 0; j < TR::kKSteps; ++j)
+#pragma unroll
+      for (int hk = 0; hk < 2; ++hk) {
+        const int kk = 16 * j + 8 * hk + 2 * t;  // 0 .. 63
+        const uint32_t offset =
+            (kk / 32) * TR::W_BOX_BYTES + a_row_bytes + ((((kk % 32) / 4) ^ g) << 4) + (kk % 4) * 4;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const float2 v = ld_shared_f32x2(stage + offset + hr * 8 * 128);
+          a[j][2 * hk + hr] = pack2_rn<T>(v.x, v.y);
+        }
+      }
+  };
+  // One k-block (ring slot q) through A buffer kBuf; see the SS loop below for the ring.
+  auto step_rs = [&](auto buf_c, int q, bool first) {
+    constexpr int kBuf = decltype(buf_c)::value;
+    const int s = q % TR::kNumStages;
+    mbar_wait(&full_bar[s], (q / TR::kNumStages) & 1);
+    const uint8_t* stage = smem + s * TR::STAGE_BYTES;
+    load_a(a_frag[kBuf], smem_u32(stage));
+    fence_acc();
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < TR::kKSteps; ++j)
+      issue_wgmma_rs<T, kBlockM>(acc, a_frag[kBuf][j],
+                                 desc_kmajor_sw128(stage + TR::W_TILE_BYTES, j * TR::WGMMA_K * 2));
+    wgmma_commit();
+    wgmma_wait<1>();  // the previous k-block's group is done: its stage and A buffer are free
+    fence_acc();
+    keep_alive(a_frag[kBuf ^ 1]);
+    if (!first && lane == 0) mbar_arrive(&empty_bar[(q - 1) % TR::kNumStages]);
+  };
+  using Buf0 = std::integral_constant<int, 0>;
+  using Buf1 = std::integral_constant<int, 1>;
+
   int q = 0;
   for (int si = 0; si < num_segments; ++si) {
     const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
 #pragma unroll
     for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = 0.f;
-    for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
-      const int s = q % TR::kNumStages;
-      mbar_wait(&full_bar[s], (q / TR::kNumStages) & 1);
-      const uint8_t* stage = smem + s * TR::STAGE_BYTES;
-      fence_acc();
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < TR::kKSteps; ++j) {
-        const uint32_t k_bytes = j * TR::WGMMA_K * 2;
-        issue_wgmma<T, kBlockM>(acc, desc_kmajor_sw128(stage + warpgroup * 64 * 128, k_bytes),
-                                desc_kmajor_sw128(stage + TR::W_TILE_BYTES, k_bytes));
+    if constexpr (kWFloat) {
+      int kb = seg.kb_begin;
+      for (; kb + 1 < seg.kb_end; kb += 2, q += 2) {
+        step_rs(Buf0{}, q, kb == seg.kb_begin);
+        step_rs(Buf1{}, q + 1, false);
       }
-      wgmma_commit();
-      wgmma_wait<1>();  // the previous slot's group is done: release its stage
+      if (kb < seg.kb_end) {
+        step_rs(Buf0{}, q, kb == seg.kb_begin);
+        ++q;
+      }
+      wgmma_wait<0>();
       fence_acc();
-      if (kb > seg.kb_begin && lane == 0) mbar_arrive(&empty_bar[(q - 1) % TR::kNumStages]);
+      keep_alive(a_frag[0]);
+      keep_alive(a_frag[1]);
+      if (lane == 0) mbar_arrive(&empty_bar[(q - 1) % TR::kNumStages]);
+    } else {
+      for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
+        const int s = q % TR::kNumStages;
+        mbar_wait(&full_bar[s], (q / TR::kNumStages) & 1);
+        const uint8_t* stage = smem + s * TR::STAGE_BYTES;
+        fence_acc();
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < TR::kKSteps; ++j) {
+          const uint32_t k_bytes = j * TR::WGMMA_K * 2;
+          issue_wgmma<T, kBlockM>(acc, desc_kmajor_sw128(stage + warpgroup * 64 * 128, k_bytes),
+                                  desc_kmajor_sw128(stage + TR::W_TILE_BYTES, k_bytes));
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous slot's group is done: release its stage
+        fence_acc();
+        if (kb > seg.kb_begin && lane == 0) mbar_arrive(&empty_bar[(q - 1) % TR::kNumStages]);
+      }
+      wgmma_wait<0>();
+      fence_acc();
+      if (lane == 0) mbar_arrive(&empty_bar[(q - 1) % TR::kNumStages]);
     }
-    wgmma_wait<0>();
-    fence_acc();
-    if (lane == 0) mbar_arrive(&empty_bar[(q - 1) % TR::kNumStages]);
     if constexpr (kBlockM == sm90::kTileM) {
       if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg,
                                                     static_cast<int>(threadIdx.x))) continue;
@@ -412,13 +512,14 @@ static cudaError_t grid_plan(int M, int N, int K, GridPlan* out) {
   return out->plan.dp_tiles < 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
-template <typename T, typename S, Chain kChain, int kBlockM>
+template <typename T, typename S, Chain kChain, int kBlockM, bool kWFloat>
 static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* x, const void* w, float* workspace,
                           cudaStream_t stream) {
-  using TR = Traits<kBlockM>;
-  auto kernel = sm90_gemm_bn_16bit_kernel<T, S, kChain, kBlockM>;
+  using TR = Traits<kBlockM, kWFloat>;
+  auto kernel = sm90_gemm_bn_16bit_kernel<T, S, kChain, kBlockM, kWFloat>;
   CUtensorMap tmap_w, tmap_x;
-  if (!sm90::make_tensor_map(&tmap_w, w, sm90::TileDtype::kWord16, args.N, args.K, TR::BLOCK_N) ||
+  if (!sm90::make_tensor_map(&tmap_w, w, kWFloat ? sm90::TileDtype::kFloat32 : sm90::TileDtype::kWord16, args.N,
+                             args.K, TR::BLOCK_N) ||
       !sm90::make_tensor_map(&tmap_x, x, sm90::TileDtype::kWord16, args.M, args.K, TR::BLOCK_M))
     return cudaErrorInvalidValue;
   if (plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
@@ -441,14 +542,15 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
   return cudaGetLastError();
 }
 
-template <typename T, typename S, Chain kChain>
+template <typename T, typename S, Chain kChain, bool kWFloat = false>
 static cudaError_t launch_planned(const Args& args, const void* x, const void* w, float* workspace,
                                   cudaStream_t stream) {
   GridPlan gp;
   const cudaError_t err = grid_plan(args.M, args.N, args.K, &gp);
   if (err != cudaSuccess) return err;
-  return gp.block_m == kBatchTile ? launch<T, S, kChain, kBatchTile>(args, gp.plan, x, w, workspace, stream)
-                                  : launch<T, S, kChain, kSmallBatchTile>(args, gp.plan, x, w, workspace, stream);
+  return gp.block_m == kBatchTile
+             ? launch<T, S, kChain, kBatchTile, kWFloat>(args, gp.plan, x, w, workspace, stream)
+             : launch<T, S, kChain, kSmallBatchTile, kWFloat>(args, gp.plan, x, w, workspace, stream);
 }
 
 template <typename T, typename S>
@@ -459,9 +561,15 @@ static cudaError_t launch_for_storage(const Args& args, bool train, const void* 
                : launch_planned<T, S, Chain::kEval>(args, x, w, workspace, stream);
 }
 
+// w_float32: w is float32 (the autocast form only, without z_out), cast to T in the kernel.
 template <typename T>
-static cudaError_t launch_for_type(const Args& args, bool train, bool float32_io, const void* x, const void* w,
-                                   float* workspace, cudaStream_t stream) {
+static cudaError_t launch_for_type(const Args& args, bool train, bool float32_io, bool w_float32, const void* x,
+                                   const void* w, float* workspace, cudaStream_t stream) {
+  if (w_float32) {
+    if (!float32_io || (train && args.z_out != nullptr)) return cudaErrorInvalidValue;
+    return train ? launch_planned<T, float, Chain::kTrain, true>(args, x, w, workspace, stream)
+                 : launch_planned<T, float, Chain::kEval, true>(args, x, w, workspace, stream);
+  }
   return float32_io ? launch_for_storage<T, float>(args, train, x, w, workspace, stream)
                   : launch_for_storage<T, T>(args, train, x, w, workspace, stream);
 }
@@ -490,7 +598,8 @@ void fused_gemm_bn::lowp_sm90_workspace(int M, int N, int K, int64_t* floats, in
 // As lowp_gemm_bn, on the Hopper kernel: x, w 16-byte aligned, K % 8 == 0, K >= 8,
 // compute capability 9.0 with this build's sm_90a image (the dispatch checks;
 // cudaErrorInvalidValue otherwise); workspace: lowp_sm90_workspace's.
-cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, const void* x, const void* w,
+cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, bool w_float32, const void* x,
+                                             const void* w,
                                              void* out, int M, int N, int K, const void* bias, const void* scale,
                                              const void* bn_weight, const void* bn_bias, const void* running_mean,
                                              const void* running_var, float eps, bool scale_after_bn, float* part_mean, float* part_m2,
@@ -519,9 +628,9 @@ cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, bool float32
   args.z_out = train ? z_out : nullptr;
   switch (static_cast<Dtype>(dtype)) {
     case Dtype::kF16:
-      return hopper::launch_for_type<__half>(args, train, float32_io, x, w, workspace, stream);
+      return hopper::launch_for_type<__half>(args, train, float32_io, w_float32, x, w, workspace, stream);
     case Dtype::kBF16:
-      return hopper::launch_for_type<__nv_bfloat16>(args, train, float32_io, x, w, workspace, stream);
+      return hopper::launch_for_type<__nv_bfloat16>(args, train, float32_io, w_float32, x, w, workspace, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1,9 +1,15 @@
 // sm90_wgmma_16bit.cuh -- the 16-bit wgmma forms of the Hopper 16-bit GEMM
-// (sm90_gemm_bn_16bit.cu): D(64 x N, fp32) += A(64 x 16) B(16 x N), both
-// operands from shared memory (the "SS" form), N = 128 or 256, T = __half or
-// __nv_bfloat16 (fp16 / bf16 inputs, exact products, fp32 accumulation in the
-// tensor core).  A and B are K-major tiles written by TMA with 128-byte
-// swizzle, addressed by desc_kmajor_sw128 (../sm90_primitives.cuh).
+// (sm90_gemm_bn_16bit.cu): D(64 x N, fp32) += A(64 x 16) B(16 x N), N = 128
+// or 256, T = __half or __nv_bfloat16 (fp16 / bf16 inputs, exact products,
+// fp32 accumulation in the tensor core).  B is a K-major tile written by TMA
+// with 128-byte swizzle, addressed by desc_kmajor_sw128 (../sm90_primitives.cuh);
+// A is either such a tile too (the "SS" form) or four registers of T pairs per
+// thread (the "RS" form: the kernel converted float32 w to T itself).
+//
+// A fragment of the RS form (PTX ISA 9.7.15.5.2, "wgmma .m64nNk16 A
+// fragments", 16-bit types): warp w, lane 4 g + t holds a[0] = A(16 w + g,
+// 2 t .. 2 t + 1), a[1] = A(16 w + g + 8, 2 t ..), a[2] = A(16 w + g, 2 t + 8 ..),
+// a[3] = A(16 w + g + 8, 2 t + 8 ..), the lower k in the low half.
 //
 // Accumulator layout (PTX ISA 9.7.15.5.2, "wgmma .m64nNk16 D fragments"):
 // warp w of the warpgroup, lane l = 4 g + t holds d[4 i + 2 h + e] = D(16 w +
@@ -103,6 +109,38 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t de
 }
 
 #undef FGB_LOWP_WGMMA_SS
+
+// The RS form: A from the four registers a[] (IA .. IA + 3), B from shared memory (IB).
+#define FGB_LOWP_WGMMA_RS(SHAPE, TYPE, REGS, IA0, IA1, IA2, IA3, IB, IP)                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " FGB_LOWP_D##REGS##_LIST \
+               ", {%" #IA0 ", %" #IA1 ", %" #IA2 ", %" #IA3 "}, %" #IB ", p, 1, 1, 0;\n}\n"           \
+               : FGB_LOWP_D##REGS##_CONS                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1))
+
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+#if FUSED_GEMM_BN_SM90A
+  if constexpr (std::is_same_v<T, __half>) {
+    FGB_LOWP_WGMMA_RS("m64n128k16", "f16", 64, 64, 65, 66, 67, 68, 69);
+  } else {
+    FGB_LOWP_WGMMA_RS("m64n128k16", "bf16", 64, 64, 65, 66, 67, 68, 69);
+  }
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
+#if FUSED_GEMM_BN_SM90A
+  if constexpr (std::is_same_v<T, __half>) {
+    FGB_LOWP_WGMMA_RS("m64n256k16", "f16", 128, 128, 129, 130, 131, 132, 133);
+  } else {
+    FGB_LOWP_WGMMA_RS("m64n256k16", "bf16", 128, 128, 129, 130, 131, 132, 133);
+  }
+#endif
+}
+
+#undef FGB_LOWP_WGMMA_RS
 
 }  // namespace sm90
 }  // namespace fused_gemm_bn

@@ -1793,8 +1793,11 @@ cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, vo
 // null when *floats is 0).  float32_io: the vectors and out are float32 (a float32 module
 // under mixed precision; the GEMM in dtype), else 16-bit of dtype.  z_out (train, may be
 // null): also the Linear output z = rnd(x w^T + bias) (M, N) in dtype, for the backward.
+// w_float32 (with float32_io, without z_out): w is float32, rounded to dtype in the kernel
+// as autocast's cast of the weight rounds it.
 void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
-cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, const void* x, const void* w, void* out, int M,
+cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, bool w_float32, const void* x, const void* w,
+                              void* out, int M,
                               int N, int K, const void* bias, const void* scale, const void* bn_weight,
                               const void* bn_bias, const void* running_mean, const void* running_var, float eps,
                               bool scale_after_bn, float* part_mean, float* part_m2, int64_t* num_batches_tracked,
@@ -4612,6 +4615,17 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, uint64_
 #endif
 }
 
+// ---- shared-memory loads --------------------------------------------------
+
+// Two float32 words at a shared-memory address (8-byte aligned).
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+  float2 v = make_float2(0.f, 0.f);
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
 // ---- registers per warpgroup role ----------------------------------------
 
 template <uint32_t kRegs>
@@ -6452,7 +6466,7 @@ _WeightPartsEntry = collections.namedtuple("_WeightPartsEntry", ["ref", "key", "
 _WEIGHT_PARTS = {}
 
 
-def _weight_parts(weight, split=None, kind="fp16x3"):
+def _weight_parts(weight, split=None, kind="fp16x3", make=True):
     """What the GEMM precomputes from gemm.weight, made on the first call and
     reused while the weight is unchanged.  kind "fp16x3": the sm90_fp16x3
     kernels' parts (the extension's fp16x3_weight_parts: w_hi, w_lo as fp16
@@ -6473,7 +6487,8 @@ def _weight_parts(weight, split=None, kind="fp16x3"):
     with a version counter of its own, which autograd does not see either);
     after such writes call clear_weight_cache().
     `split` makes them (default: the extension's function for `kind`; the
-    CPU tests give their own)."""
+    CPU tests give their own); with make=False a missing or stale entry gives
+    None instead (the stale one is dropped)."""
     if (not SWITCHES.weight_cache or not _WEIGHT_CACHE_SAFE or weight.is_inference()
             or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
@@ -6484,6 +6499,8 @@ def _weight_parts(weight, split=None, kind="fp16x3"):
     if entry is not None and entry.ref() is weight and entry.key == key:
         return entry.parts
     _WEIGHT_PARTS.pop(wid, None)  # the old parts go before the new ones are made
+    if not make:
+        return None
 
     def drop(ref, wid=wid):
         current = _WEIGHT_PARTS.get(wid)

@@ -64,8 +64,13 @@
 //   cast pass first (docs/perf.md v30).
 //   Accumulator layout: sm90_wgmma_16bit.cuh (feature 64 wg + 16 warp + g + 8 h,
 //   batch row 8 i + 2 t + e of the tile).  The epilogue works in registers: the
-//   statistics reduce over the quad (shuffles), the store pairs neighbouring
-//   features through one shuffle so each thread writes 4-byte words.
+//   statistics reduce over the quad (shuffles).  Stores: with 256-row tiles, a
+//   16-bit out and N % 8 == 0, out goes through the (then free) ring: stmatrix
+//   .trans into one 128-byte-swizzled box of 256 rows x 64 features per
+//   warpgroup, then one TMA store per warpgroup (store_tile_tma; 2-3% off the
+//   call at the KernelBench shape, docs/perf.md v30).  Otherwise (float32 out,
+//   z_out, split tiles) store_tile pairs neighbouring features through one
+//   shuffle so each thread writes 4-byte words.
 //
 // Launchers return the launch error (cudaSuccess if none); they never synchronise.
 
@@ -144,6 +149,9 @@ struct Args {
   sm90::StreamKPlan plan;
   float* partials;
   int* tile_arrivals;
+  // BLOCK_M = 256, 16-bit out with N % 8 == 0: out is written through shared memory
+  // and TMA stores (tmap_out), else by store_tile.
+  bool tma_store;
 };
 
 template <typename T, int kBlockM>
@@ -215,9 +223,52 @@ __device__ __forceinline__ void store_tile(const float (&acc)[64 * kBlockM / 128
 // The epilogue of one finished tile (m_tile; batch rows m0.., features n0..),
 // run by the 256 consumer threads: acc[4 i + 2 h + e] is z^T's (feature
 // 64 wg + 16 warp + g + 8 h, batch row 8 i + 2 t + e) of the tile.
+// Writes the finished tile (acc as in tile_epilogue, already rounded to S, a
+// 16-bit type) through shared memory: each consumer warpgroup stores its 64
+// features x BLOCK_M rows with stmatrix .trans (16 per thread: per 8-row group
+// and 8-feature chunk the transposed 8 x 8 block, rows of out with 8 features in
+// 16 bytes) into a 128-byte-swizzled box of BLOCK_M rows x 64 features at
+// `staging` + 32 KB x warpgroup, and one thread stores the box with TMA (rows >= M
+// and features >= N clipped).  `staging`: the ring, free once both warpgroups'
+// wgmmas are done (the first barrier).
+template <typename S, int kBlockM>
+__device__ __forceinline__ void store_tile_tma(const float (&acc)[64 * kBlockM / 128], const CUtensorMap* tmap_out,
+                                               uint8_t* staging, int m0, int n0) {
+  constexpr int kAccRegs = 64 * kBlockM / 128;
+  const int warpgroup = threadIdx.x / 128;
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  uint8_t* box = staging + warpgroup * (kBlockM * 128);
+  sm90::named_barrier_sync<2, 256>();
+  // Lane l addresses matrix j = l / 8: 8-row group i + j / 2, feature chunk 2 warp + j % 2.
+  const int j = lane / 8;
+  const int chunk = 2 * warp + j % 2;
+#pragma unroll
+  for (int i = 0; i < kAccRegs / 4; i += 2) {
+    uint32_t r[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // matrix q: 8-row group i + q / 2, features 8 (q % 2) + g of the warp's 16
+      const int base = 4 * (i + q / 2) + 2 * (q % 2);
+      r[q] = pack2(to_bits<S>(acc[base]), to_bits<S>(acc[base + 1]));
+    }
+    const int row = 8 * (i + j / 2) + lane % 8;
+    sm90::stmatrix_x4_trans(r, sm90::smem_u32(box) + row * 128 + ((chunk ^ (row % 8)) << 4));
+  }
+  sm90::fence_proxy_async_shared();
+  if (warpgroup == 0) {
+    sm90::named_barrier_sync<3, 128>();
+  } else {
+    sm90::named_barrier_sync<4, 128>();
+  }
+  if (threadIdx.x % 128 == 0) {
+    sm90::tma_store_2d(tmap_out, box, n0 + warpgroup * 64, m0);
+    sm90::tma_store_wait_read();
+  }
+}
+
 template <typename T, typename S, Chain kChain, int kBlockM>
 __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], const Args& args, int m_tile, int m0,
-                                              int n0) {
+                                              int n0, const CUtensorMap* tmap_out, uint8_t* staging) {
   using TR = Traits<kBlockM>;
   using St = Storage<S>;
   using W = word_t<S>;
@@ -311,13 +362,19 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
     }
   }
 
+  if constexpr (sizeof(word_t<S>) == 2 && kBlockM == kBatchTile) {
+    if (args.tma_store) {
+      store_tile_tma<S, kBlockM>(acc, tmap_out, staging, m0, n0);
+      return;
+    }
+  }
   store_tile<S, kBlockM>(acc, args.out, M, N, m0, n0 + f_local, g, t);
 }
 
 template <typename T, typename S, Chain kChain, int kBlockM, bool kWFloat>
 __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
     sm90_gemm_bn_16bit_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,
-                              const Args args) {
+                              const __grid_constant__ CUtensorMap tmap_out, const Args args) {
 #if FUSED_GEMM_BN_SM90A
   using TR = Traits<kBlockM, kWFloat>;
   using namespace sm90;
@@ -477,7 +534,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
     }
     const int m_tile = seg.tile % m_tiles;
     const int m0 = m_tile * TR::BLOCK_M, n0 = (seg.tile / m_tiles) * TR::BLOCK_N;
-    tile_epilogue<T, S, kChain, kBlockM>(acc, args, m_tile, m0, n0);
+    tile_epilogue<T, S, kChain, kBlockM>(acc, args, m_tile, m0, n0, &tmap_out, smem);
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the dispatch never selects it elsewhere
@@ -522,6 +579,9 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
                              args.K, TR::BLOCK_N) ||
       !sm90::make_tensor_map(&tmap_x, x, sm90::TileDtype::kWord16, args.M, args.K, TR::BLOCK_M))
     return cudaErrorInvalidValue;
+  CUtensorMap tmap_out = {};
+  args.tma_store = sizeof(word_t<S>) == 2 && kBlockM == kBatchTile &&
+                   sm90::make_tensor_map(&tmap_out, args.out, sm90::TileDtype::kWord16, args.M, args.N, kBlockM);
   if (plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.plan = plan;
   args.partials = workspace;
@@ -538,7 +598,7 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
   }
   const long long ctas = static_cast<long long>(plan.sk_ctas) + plan.dp_tiles;
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(ctas), TR::kNumThreads, TR::SMEM_BYTES, stream>>>(tmap_w, tmap_x, args);
+  kernel<<<static_cast<unsigned>(ctas), TR::kNumThreads, TR::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_out, args);
   return cudaGetLastError();
 }
 

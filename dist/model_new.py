@@ -4618,6 +4618,48 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t sme
 #endif
 }
 
+// Four 8 x 8 matrices of 16-bit words to shared memory, transposed
+// (stmatrix .trans, PTX ISA 9.7.9.24): r[i] of lane 4 g + t holds words 2 t and
+// 2 t + 1 of row g of matrix i (the lower one in the low half); lanes 8 i ..
+// 8 i + 7 give the addresses of matrix i's stored rows (16 bytes each), row j
+// of the stored matrix being column j of the held one.
+__device__ __forceinline__ void stmatrix_x4_trans(const uint32_t (&r)[4], uint32_t smem_addr) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#endif
+}
+
+// ---- TMA stores (PTX ISA 9.7.9.25.5 cp.async.bulk.tensor, 9.7.9.25.4 bulk groups) ----
+
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy
+// (TMA) reads of them (with a barrier, the CTA's writes before one thread's store).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Stores the box at (inner = c0, outer = c1) of a 2-D tensor map from shared
+// memory; elements outside the tensor are not written.  Completes in the bulk group.
+__device__ __forceinline__ void tma_store_2d(const void* tmap, const void* src, int c0, int c1) {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(tmap)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until this thread's committed TMA stores have read their shared memory.
+__device__ __forceinline__ void tma_store_wait_read() {
+#if FUSED_GEMM_BN_SM90A
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+
 // ---- wgmma ----------------------------------------------------------------
 
 // Shared-memory matrix descriptor (PTX ISA 9.7.15.5.1) for a K-major tile

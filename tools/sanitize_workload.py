@@ -22,7 +22,12 @@ bn_backward_sums, bn_backward_grad.
 Each call's output is checked for finiteness, so a run that completes under the
 sanitizer also computed something.  Exit code 0 when every call ran.
 
-initcheck and 16-bit dtypes: run it with --no-backward.  The 16-bit backward
+initcheck and 16-bit dtypes: lowp_sm90 writes a 16-bit out of its 256-row tiles
+with TMA stores (store_tile_tma), which initcheck does not see either: the
+kernels that read out afterwards (bn16_apply, the row softmax) are then reported
+as reading uninitialized memory at the shapes with 256-row tiles (2048 x 200 x
+2176 here); the poisoned-output tests (tests/test_lowp.py) show every element
+written.  Run it with --no-backward.  The 16-bit backward
 runs cuBLAS products (the eval backward's torch-op recompute, model_new._LowpFn,
 and the training step's two products), and initcheck does not see the stores of
 cuBLAS's 16-bit Hopper GEMM kernels (nvjet_sm90_*): a later read of such a

@@ -617,7 +617,7 @@ def per_feature_scale(scale, n):
 # and K % 8 == 0 only, the operands being read MN-major where they lie).
 
 Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused",
-                                              "autocast_fused"], defaults=(True, True, True))
+                                              "autocast_fused", "lowp_gemm"], defaults=(True, True, True, "auto"))
 Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
 replace SWITCHES; nothing reads the environment per call):
   portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
@@ -634,13 +634,16 @@ replace SWITCHES; nothing reads the environment per call):
                fused kernels (_SyncFusedTrainFn; A/B timing, the GPU tests run both)
   autocast_fused False with FUSED_GEMM_BN_AUTOCAST_TORCH_OPS=1: under mixed precision
                ModelNew runs Model's own ops (_mixed_precision_forward) instead of
-               the fused 16-bit kernels (_autocast_gemm; A/B timing, the GPU tests run both)"""
+               the fused 16-bit kernels (_autocast_gemm; A/B timing, the GPU tests run both)
+  lowp_gemm    "auto", or FUSED_GEMM_BN_LOWP_GEMM names the Hopper 16-bit route
+               that every shape takes (_lowp_hopper_gemm; A/B timing, the GPU tests run each)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
                     fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1",
                     weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1",
                     sync_fused=os.environ.get("FUSED_GEMM_BN_SYNC_TORCH_OPS") != "1",
-                    autocast_fused=os.environ.get("FUSED_GEMM_BN_AUTOCAST_TORCH_OPS") != "1")
+                    autocast_fused=os.environ.get("FUSED_GEMM_BN_AUTOCAST_TORCH_OPS") != "1",
+                    lowp_gemm=os.environ.get("FUSED_GEMM_BN_LOWP_GEMM", "auto"))
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
@@ -723,6 +726,41 @@ def _float32_gemm(m, n, k, w_aligned16, cluster_candidate, facts, switches):
     return "sm80_3xtf32"
 
 
+# bundle: repository-only begins (tools/bundle.py writes BUNDLE_NO_LOWP_ROUTES in place of this block)
+_LOWP_TALL_BATCH = 8192  # rows from which lowp_cublas takes every 16-bit product
+_LOWP_MIN_FILL = 0.9     # 256-row grids filling less of the SMs than this go to lowp_cublas
+
+
+def _lowp_hopper_gemm(m, n, k, training, facts, switches):
+    """The 16-bit product on Hopper: "lowp_sm90" (the project's wgmma kernel, the
+    chain in its epilogue) or "lowp_cublas" (cuBLAS through at::linear, eager
+    nn.Linear's own call, then the chain kernels of lowp/bn_16bit_chain.cu), by
+    switches.lowp_gemm ("sm90" or "cublas": FUSED_GEMM_BN_LOWP_GEMM), or for
+    "auto" by this rule, fitted to both routes' times over bench.py's sweep (H200,
+    both dtypes, problems and modes; docs/perf.md v31), where lowp_sm90 is slower:
+      - batches of _LOWP_TALL_BATCH rows or more (16384 x 4096 x 4096: cuBLAS's
+        route takes 0.81-0.88 of lowp_sm90's time; 8192 x 8192 x 8192 0.93-0.97);
+      - lowp_sm90's 256-row tiles (its plan when they fill at least half of the
+        SMs) filling less than _LOWP_MIN_FILL of them: one partial wave, where
+        cuBLAS splits K (333 x 8192 x 5000: 0.58-0.77; 1000 x 3000 x 3000: 0.71-0.94);
+      - eval on the 128-row plan cut along K (128-row tiles at most half the SMs;
+        1024 x 1024 x 1024: 0.77-0.85).  Training there stays on lowp_sm90 (its
+        epilogue's statistics save a pass: 1.08-1.24).
+    Elsewhere lowp_sm90 is within 3% of the other route or faster (2048 x 1028 x 8190:
+    cuBLAS's route 1.13-1.27)."""
+    if switches.lowp_gemm in ("sm90", "cublas"):
+        return "lowp_" + switches.lowp_gemm
+    sms = facts.num_sms
+    tiles_256 = -(-m // 256) * -(-n // 128)
+    tiles_128 = -(-m // 128) * -(-n // 128)
+    if m >= _LOWP_TALL_BATCH:
+        return "lowp_cublas"
+    if 2 * tiles_256 >= sms:
+        return "lowp_cublas" if tiles_256 < _LOWP_MIN_FILL * sms else "lowp_sm90"
+    return "lowp_cublas" if not training and 2 * tiles_128 <= sms else "lowp_sm90"
+# bundle: repository-only ends
+
+
 Call = collections.namedtuple("Call", ["device_type", "dtype", "m", "n", "k", "weight_aligned16", "training", "grad",
                                        "scale_after_bn"])
 Call.__doc__ = """What dispatch() reads off a call: x's device type ("cuda", "cpu", ...)
@@ -745,8 +783,8 @@ def plan(call, facts=None, switches=None):
         if facts.capability < (8, 0):
             raise RuntimeError(f"ModelNew's 16-bit CUDA kernels need compute capability >= 8.0, got "
                                f"{facts.capability[0]}.{facts.capability[1]}")
-        gemm = ("lowp_sm90" if not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm
-                else "lowp_sm80")
+        gemm = (_lowp_hopper_gemm(call.m, call.n, call.k, call.training, facts, switches)
+                if not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm else "lowp_sm80")
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     cluster_candidate = call.training and not call.grad and not call.scale_after_bn
     gemm = _float32_gemm(call.m, call.n, call.k, call.weight_aligned16, cluster_candidate, facts, switches)

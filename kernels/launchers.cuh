@@ -239,6 +239,16 @@ cudaError_t lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mea
                                int num_m_tiles, int block_m, int M, int N, const void* bn_weight, const void* bn_bias,
                                const int64_t* num_batches_tracked, float momentum, float eps, void* running_mean,
                                void* running_var, float* coeff, cudaStream_t stream);
+// After a cuBLAS product z = rnd(x w^T + bias) (M, N) in dtype (lowp/bn_16bit_chain.cu), what the
+// GEMMs' epilogues do: training, out = u and part_mean / part_m2 (ceil(M / 128), N),
+// num_batches_tracked += 1 (may be null); eval, out = the eval chain.  out may be z (16-bit S).
+cudaError_t lowp_bn_chain_train(int dtype, bool float32_io, const void* z, void* out, const void* scale,
+                                bool scale_after_bn, int M, int N, float* part_mean, float* part_m2,
+                                int64_t* num_batches_tracked, cudaStream_t stream);
+cudaError_t lowp_bn_chain_eval(int dtype, bool float32_io, const void* z, void* out, const void* scale,
+                               const void* bn_weight, const void* bn_bias, const void* running_mean,
+                               const void* running_var, float eps, bool scale_after_bn, int M, int N,
+                               cudaStream_t stream);
 // Problem 33, training: BatchNorm of out in place.
 cudaError_t lowp_bn_apply(int dtype, bool float32_io, void* out, const float* coeff, int M, int N,
                           cudaStream_t stream);

@@ -101,6 +101,28 @@ CASES = [
     ("hopper-bfloat16-portable", call(dtype=torch.bfloat16), H200, PORTABLE, "lowp_sm80_train"),
     ("hopper-float16-no-sm90a", call(dtype=torch.float16), H200_NO_SM90A, DEFAULT, "lowp_sm80_train"),
     ("a100-float16-84", call(dtype=torch.float16, problem=84), A100, DEFAULT, "lowp_sm80_train"),
+    # Hopper's 16-bit routes (_lowp_hopper_gemm): cuBLAS's product and the chain kernels where lowp_sm90's
+    # grid fills the GPU poorly (256-row tiles under 90% of the SMs: 80 tiles), for batches of 8192 rows
+    # or more, and in eval on the small-grid plan (128-row tiles at most half the SMs); SWITCHES.lowp_gemm
+    # forces either route
+    ("hopper-float16-partial-wave", call(m=333, k=8192, n=5000, dtype=torch.float16), H200, DEFAULT,
+     "lowp_cublas_train"),
+    ("hopper-bfloat16-full-wave", call(m=512, k=8192, n=8192, dtype=torch.bfloat16, training=False), H200,
+     DEFAULT, "lowp_sm90_eval"),  # 128 tiles of 256 rows: 97% of 132 SMs
+    ("hopper-bfloat16-tall", call(m=16384, k=4096, n=4096, dtype=torch.bfloat16, training=False), H200, DEFAULT,
+     "lowp_cublas_eval"),
+    ("hopper-float16-tall-minus-one", call(m=8191, k=4096, n=4096, dtype=torch.float16), H200, DEFAULT,
+     "lowp_sm90_train"),
+    ("hopper-float16-small-eval", call(m=1024, k=1024, n=1024, dtype=torch.float16, training=False), H200,
+     DEFAULT, "lowp_cublas_eval"),  # 64 tiles of 128 rows
+    ("hopper-float16-small-train", call(m=1024, k=1024, n=1024, dtype=torch.float16), H200, DEFAULT,
+     "lowp_sm90_train"),
+    ("hopper-float16-eval-128-tiles", call(m=2048, k=1024, n=1024, dtype=torch.float16, training=False),
+     H200, DEFAULT, "lowp_sm90_eval"),  # 128 tiles of 128 rows (more than half the SMs), 64 of 256
+    ("hopper-float16-forced-sm90", call(m=333, k=8192, n=5000, dtype=torch.float16), H200,
+     DEFAULT._replace(lowp_gemm="sm90"), "lowp_sm90_train"),
+    ("hopper-bfloat16-forced-cublas", call(dtype=torch.bfloat16, problem=84), H200,
+     DEFAULT._replace(lowp_gemm="cublas"), "lowp_cublas_train"),
     ("cuda-float64", call(dtype=torch.float64), H200, DEFAULT, "torch_ops_train"),
     ("cuda-float64-eval-grad", call(dtype=torch.float64, training=False, grad=True), H200, DEFAULT,
      "torch_ops_eval_grad"),
@@ -118,7 +140,8 @@ def test_plan_table(case_call, facts, switches, expected):
     result = plan(case_call, facts, switches)
     assert result.name == expected
     assert result.name.startswith(result.gemm)
-    assert result.kernels == {"torch_ops": "torch", "lowp_sm80": "lowp", "lowp_sm90": "lowp", "empty": None}.get(result.gemm, "ext")
+    assert result.kernels == {"torch_ops": "torch", "lowp_sm80": "lowp", "lowp_sm90": "lowp", "lowp_cublas": "lowp",
+                              "empty": None}.get(result.gemm, "ext")
 
 
 @pytest.mark.parametrize("dtype", [F32, torch.float16, torch.bfloat16])
@@ -224,6 +247,7 @@ LAUNCHES = {
     "sm90_cluster_3xtf32": ["sm80_prepass_3xtf32_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel"],
     "lowp_sm80": ["sm80_gemm_bn_16bit_kernel"],
     "lowp_sm90": ["sm90_gemm_bn_16bit_kernel"],
+    "lowp_cublas": ["bn16_chain_"],  # after the library's product: no project GEMM kernel
 }
 GEMM_KERNELS = ["sm90_gemm_fp16x3_bn_kernel", "sm90_gemm_3xtf32_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel",
                 "sm80_gemm_bn_16bit_kernel", "sm90_gemm_bn_16bit_kernel"]

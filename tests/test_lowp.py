@@ -118,20 +118,22 @@ ERR_FACTOR, ERR_FLOOR = 1.05, 1e-6
 GRAD_FLOOR = {dtype: 8 * u for dtype, u in UNIT_ROUNDOFF.items()}
 
 
-@pytest.fixture(params=["sm90", "sm80"])
+@pytest.fixture(params=["sm90", "cublas", "sm80"])
 def lowp_kernel(request, monkeypatch):
-    """Both 16-bit GEMM kernels on a Hopper GPU: lowp_sm90 (the default where K % 8 == 0)
-    and lowp_sm80 (SWITCHES.portable, what sm_80-89 GPUs run).  Off Hopper only
-    lowp_sm80 exists and the sm90 case skips."""
-    if request.param == "sm90" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("lowp_sm90 needs an sm_90 GPU")
-    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(portable=request.param == "sm80"))
+    """Every 16-bit route on a Hopper GPU: lowp_sm90 (the wgmma kernel), lowp_cublas
+    (cuBLAS's product, then the chain kernels; SWITCHES.lowp_gemm forces one or the
+    other over the shape rule) and lowp_sm80 (SWITCHES.portable, what sm_80-89 GPUs
+    run).  Off Hopper only lowp_sm80 exists and the other cases skip."""
+    if request.param != "sm80" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"lowp_{request.param} is a Hopper route (sm_90)")
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(
+        portable=request.param == "sm80", lowp_gemm=request.param if request.param != "sm80" else "auto"))
     return request.param
 
 
 def expect_lowp_kernel(new, x, lowp_kernel):
     """The path a call takes is the one the fixture asked for."""
-    expected = "lowp_sm90" if lowp_kernel == "sm90" else "lowp_sm80"
+    expected = "lowp_" + lowp_kernel
     assert new.kernel_path(x).startswith(expected), (new.kernel_path(x), expected)
 
 
@@ -478,7 +480,7 @@ def test_cpu_bundle_module_rejects_before_touching_buffers():
 def test_cpu_lowp_sources_and_extension_name(tmp_path):
     sources = model_new._lowp_sources()
     assert {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "sm90_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh",
-            "sm90_wgmma_16bit.cuh", "bn_stats.cuh", "launchers.cuh", "sm90_gemm_tiles.cuh",
+            "bn_16bit_chain.cu", "lowp_chain.cuh", "sm90_wgmma_16bit.cuh", "bn_stats.cuh", "launchers.cuh", "sm90_gemm_tiles.cuh",
             "sm90_primitives.cuh"} <= set(sources)  # headers included through other headers too
     assert not any(name.endswith((".cu", ".cpp")) and name in model_new._KERNEL_SOURCES for name in sources), \
         "the 16-bit extension must not compile the float32 sources again"
@@ -489,8 +491,8 @@ def test_cpu_lowp_sources_and_extension_name(tmp_path):
     changed = dict(sources, **{"bn_16bit.cu": sources["bn_16bit.cu"] + " "})
     assert model_new._extension_name(changed, flags, model_new._LOWP_PREFIX) != name
     model_new._write_headers(str(tmp_path), sources)
-    assert sorted(os.listdir(tmp_path)) == ["bn_stats.cuh", "launchers.cuh", "lowp_types.cuh", "sm90_gemm_tiles.cuh",
-                                            "sm90_primitives.cuh", "sm90_wgmma_16bit.cuh"]
+    assert sorted(os.listdir(tmp_path)) == ["bn_stats.cuh", "launchers.cuh", "lowp_chain.cuh", "lowp_types.cuh",
+                                            "sm90_gemm_tiles.cuh", "sm90_primitives.cuh", "sm90_wgmma_16bit.cuh"]
     embedded = exec_texts(read(BUNDLE))["_KERNEL_SOURCES"]
     assert not set(embedded) & {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh"}
 

@@ -65,9 +65,15 @@ BUNDLE_NO_LOWP_TRAIN = (
     "# so no 16-bit training step either.\n"
     "_LowpTrainFn = _lowp_train_backward = None\n"
 )
+BUNDLE_NO_LOWP_ROUTES = (
+    "# The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),\n"
+    "# so one name stands for the Hopper 16-bit routes that the repository chooses between.\n"
+    "def _lowp_hopper_gemm(m, n, k, facts, switches):\n"
+    "    return \"lowp_sm90\"\n"
+)
 # The name on a block's begin line -> the text that replaces the block.
 REPLACEMENTS = {"BUNDLE_BATCHNORM_BASE": BUNDLE_BATCHNORM_BASE, "BUNDLE_NO_MIXED_PRECISION": BUNDLE_NO_MIXED_PRECISION,
-                "BUNDLE_NO_LOWP_TRAIN": BUNDLE_NO_LOWP_TRAIN}
+                "BUNDLE_NO_LOWP_TRAIN": BUNDLE_NO_LOWP_TRAIN, "BUNDLE_NO_LOWP_ROUTES": BUNDLE_NO_LOWP_ROUTES}
 KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 ENGINE = os.path.join(REPO, "model_new.py")
 KERNEL_DIR = os.path.join(REPO, "kernels")

@@ -8,8 +8,10 @@
 //
 // `gemm` names the kernel model_new.py's dispatch chose: lowp_sm90 (wgmma and
 // TMA, sm_90a: sm90_gemm_bn_16bit.cu; K padded to a multiple of 8 in copies
-// where it is not) or lowp_sm80 (mma.sync m16n8k16, sm_80+, any K:
-// sm80_gemm_bn_16bit.cu); both write the same outputs.  Each entry
+// where it is not), lowp_sm80 (mma.sync m16n8k16, sm_80+, any K:
+// sm80_gemm_bn_16bit.cu), or lowp_cublas (the product by at::linear, which
+// is eager nn.Linear's own call, then the chain kernels of bn_16bit_chain.cu);
+// all three write the same outputs.  Each entry
 // point checks every tensor (device; dtype float16 or bfloat16, the same for x,
 // the parameters and the running statistics; shape; contiguity of the vectors),
 // copies a non-contiguous x or weight to a contiguous tensor (never writing the
@@ -22,7 +24,7 @@
 // float32 module's forward under torch.autocast in x's dtype (lowp_sm90 only):
 // the GEMM in x's dtype on the 16-bit bias, what follows in float32 as
 // torch's type promotion runs it, out float32 (sm90_gemm_bn_16bit.cu lists
-// the rounding points).  In that form gemm.weight may also be float32 (forward_train
+// the rounding points; lowp_cublas takes this form too).  In that form gemm.weight may also be float32 (forward_train
 // and forward_eval): the kernel rounds it to x's dtype as it loads it, the value
 // autocast's cast of the weight gives, instead of a cast pass over the weight.
 //
@@ -58,11 +60,21 @@ namespace {
 
 namespace fgb = fused_gemm_bn;
 
-// The GEMM kernel a call names: true for lowp_sm90, false for lowp_sm80.
-bool is_sm90(const std::string& gemm) {
-  TORCH_CHECK(gemm == "lowp_sm80" || gemm == "lowp_sm90", "fused_gemm_bn (16-bit): unknown GEMM kernel '", gemm,
-              "' (expected lowp_sm90 or lowp_sm80)");
-  return gemm == "lowp_sm90";
+// The GEMM a call names.
+enum class Gemm { kSm80, kSm90, kCublas };
+
+Gemm parse_gemm(const std::string& gemm) {
+  if (gemm == "lowp_sm90") return Gemm::kSm90;
+  if (gemm == "lowp_sm80") return Gemm::kSm80;
+  TORCH_CHECK(gemm == "lowp_cublas", "fused_gemm_bn (16-bit): unknown GEMM kernel '", gemm,
+              "' (expected lowp_sm90, lowp_sm80 or lowp_cublas)");
+  return Gemm::kCublas;
+}
+
+const char* gemm_kernel_name(Gemm g, bool train) {
+  if (g == Gemm::kSm90) return train ? "sm90_gemm_bn_16bit_kernel (training)" : "sm90_gemm_bn_16bit_kernel (eval)";
+  if (g == Gemm::kSm80) return train ? "sm80_gemm_bn_16bit_kernel (training)" : "sm80_gemm_bn_16bit_kernel (eval)";
+  return train ? "bn16_chain_train_kernel" : "bn16_chain_eval_kernel";
 }
 
 void check_launch(cudaError_t err, const char* what) {
@@ -73,24 +85,29 @@ void check_launch(cudaError_t err, const char* what) {
 int dtype_code(c10::ScalarType t) { return t == torch::kHalf ? 0 : 1; }
 
 // x and weight checked and made contiguous (copies only where they are not).
-// w_float32: a float32 weight with 16-bit x (the autocast form on lowp_sm90).
+// w_float32: a float32 weight with 16-bit x (the autocast form on lowp_sm90 or lowp_cublas).
 struct Operands {
   torch::Tensor x, weight;
   int M, N, K, dtype;
   bool w_float32;
 };
 
-// sm90: the TMA loads also need 16-byte aligned data (a misaligned x or weight is copied)
+// lowp_sm90: the TMA loads also need 16-byte aligned data (a misaligned x or weight is copied)
 // and K % 8 == 0 (otherwise both are copied with K zero-padded to a multiple of 8).
-Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, bool sm90) {
+// lowp_cublas: contiguous and 16-byte aligned too (copies otherwise), the layout eager's
+// nn.Linear usually gets: cuBLAS picks its algorithm, hence its summation order, by the
+// operands' alignment, and a misaligned bfloat16 x was measured 3% of problem 33's outputs
+// past the 16-bit tests' tolerance against eager on the aligned x (130 x 264 x 200).
+Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, Gemm gemm) {
+  const bool sm90 = gemm == Gemm::kSm90, autocast_form = gemm != Gemm::kSm80;
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
   TORCH_CHECK(x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kBFloat16,
               "x must be float16 or bfloat16 (the 16-bit extension), got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2, "x must have shape (batch, in_features), got ", x.sizes());
   TORCH_CHECK(weight.device() == x.device(), "gemm.weight must be on ", x.device(), ", got ", weight.device());
-  const bool w_float32 = sm90 && weight.scalar_type() == torch::kFloat32;
+  const bool w_float32 = autocast_form && weight.scalar_type() == torch::kFloat32;
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() || w_float32, "gemm.weight must be ", x.scalar_type(),
-              sm90 ? " (or float32 under autocast)" : "", ", got ", weight.scalar_type());
+              autocast_form ? " (or float32 under autocast)" : "", ", got ", weight.scalar_type());
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "gemm.weight must have shape (out_features, ",
               x.size(1), "), got ", weight.sizes());
   TORCH_CHECK(x.size(0) <= INT32_MAX && weight.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX,
@@ -109,8 +126,8 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, boo
     return {at::constant_pad_nd(x, {0, pad}), at::constant_pad_nd(weight, {0, pad}), static_cast<int>(x.size(0)),
             static_cast<int>(weight.size(0)), static_cast<int>(K + pad), dtype_code(x.scalar_type()), w_float32};
   }
-  auto ready = [sm90](const torch::Tensor& t) {
-    return t.is_contiguous() && (!sm90 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0);
+  auto ready = [gemm](const torch::Tensor& t) {
+    return t.is_contiguous() && (gemm == Gemm::kSm80 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0);
   };
   return {ready(x) ? x : x.clone(at::MemoryFormat::Contiguous),
           ready(weight) ? weight : weight.clone(at::MemoryFormat::Contiguous), static_cast<int>(x.size(0)),
@@ -130,8 +147,8 @@ struct BnTensors {
 };
 
 // Checks the vectors; returns true for the autocast form (float32 vectors), which
-// only lowp_sm90 runs; a float32 weight (w_float32) needs that form.
-bool check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, bool sm90, bool w_float32) {
+// lowp_sm90 and lowp_cublas run; a float32 weight (w_float32) needs that form.
+bool check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, Gemm gemm, bool w_float32) {
   const bool float32_io = t.bias.scalar_type() == torch::kFloat32;
   const c10::ScalarType type = float32_io ? torch::kFloat32 : x.scalar_type();
   check_vector(t.bias, "gemm.bias", N, x, type);
@@ -140,8 +157,8 @@ bool check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, bool sm
   check_vector(t.bn_bias, "bn.bias", N, x, type);
   check_vector(t.running_mean, "bn.running_mean", N, x, type);
   check_vector(t.running_var, "bn.running_var", N, x, type);
-  TORCH_CHECK(!float32_io || sm90, "fused_gemm_bn (16-bit): float32 parameters with ", x.scalar_type(),
-              " x (the autocast form) need the lowp_sm90 kernel");
+  TORCH_CHECK(!float32_io || gemm != Gemm::kSm80, "fused_gemm_bn (16-bit): float32 parameters with ",
+              x.scalar_type(), " x (the autocast form) need lowp_sm90 or lowp_cublas");
   TORCH_CHECK(!w_float32 || float32_io, "fused_gemm_bn (16-bit): a float32 gemm.weight with ", x.scalar_type(),
               " x is the autocast form: gemm.bias, scale and BatchNorm's tensors must be float32 too, got ",
               t.bias.scalar_type());
@@ -156,7 +173,17 @@ void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& n
               "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
 }
 
-// The GEMM launch of either kernel (the same arguments and outputs).
+// lowp_cublas's product: z = rnd(x w^T + bias) (M, N) in x's dtype by at::linear, eager
+// nn.Linear's call (under autocast, the weight and bias cast to x's dtype first, as
+// autocast casts them), so z is eager's, bit for bit.
+torch::Tensor cublas_linear(const Operands& op, const BnTensors& t, bool float32_io) {
+  const c10::ScalarType type = op.x.scalar_type();
+  const torch::Tensor w = op.w_float32 ? op.weight.to(type) : op.weight;
+  const torch::Tensor b = float32_io ? t.bias.to(type) : t.bias;
+  return at::linear(op.x, w, b).contiguous();
+}
+
+// The GEMM launch of either fused kernel (the same arguments and outputs; not lowp_cublas).
 cudaError_t launch_gemm(bool sm90, int dtype, bool train, bool float32_io, const Operands& op, torch::Tensor& out,
                         const BnTensors& t, float eps, bool scale_after_bn, float* part_mean, float* part_m2,
                         int64_t* num_batches_tracked, void* z_out, cudaStream_t stream) {
@@ -193,22 +220,26 @@ struct TrainResult {
 };
 
 // The training forward of either problem.
-TrainResult train(bool sm90, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
+TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
                   torch::Tensor& num_batches_tracked, double momentum, double eps, bool scale_after_bn,
                   bool saved = false) {
-  const Operands op = check_operands(x_in, weight, sm90);
+  const Operands op = check_operands(x_in, weight, gemm);
   const int M = op.M, N = op.N;
   check_training(op.x, M, N, num_batches_tracked);
-  const bool float32_io = check_bn_tensors(t, N, op.x, sm90, op.w_float32);
+  const bool float32_io = check_bn_tensors(t, N, op.x, gemm, op.w_float32);
   TORCH_CHECK(!saved || !op.w_float32, "forward_train_saved takes gemm.weight in x's dtype (", op.x.scalar_type(),
               "; the backward's products need it), got float32");
   const c10::cuda::CUDAGuard guard(op.x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
   const auto f32 = op.x.options().dtype(torch::kFloat32);
   TrainResult r;
-  r.out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
   r.coeff = torch::empty({N, 4}, f32);
-  if (saved) r.z = torch::empty({M, N}, op.x.options());
+  torch::Tensor z;  // lowp_cublas: the product, before the chain
+  if (gemm == Gemm::kCublas && N > 0) z = cublas_linear(op, t, float32_io);
+  // lowp_cublas without saved z and 16-bit out: the chain runs in place over z.
+  const bool in_place = z.defined() && !saved && !float32_io;
+  r.out = in_place ? z : torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
+  if (saved) r.z = z.defined() ? z : torch::empty({M, N}, op.x.options());
   if (N == 0) {  // nothing to normalise; the call still counts, as nn.BatchNorm1d's
     num_batches_tracked.add_(1);
     return r;
@@ -222,9 +253,17 @@ TrainResult train(bool sm90, const torch::Tensor& x_in, const torch::Tensor& wei
   float* part_mean = scratch.data_ptr<float>();
   float* part_m2 = part_mean + part_floats;
   torch::Tensor& out = r.out;
-  check_launch(launch_gemm(sm90, op.dtype, true, float32_io, op, out, t, 0.f, scale_after_bn, part_mean, part_m2,
-                           num_batches_tracked.data_ptr<int64_t>(), saved ? r.z.data_ptr() : nullptr, stream),
-               sm90 ? "sm90_gemm_bn_16bit_kernel (training)" : "sm80_gemm_bn_16bit_kernel (training)");
+  if (gemm == Gemm::kCublas) {
+    check_launch(fgb::lowp_bn_chain_train(op.dtype, float32_io, z.data_ptr(), out.data_ptr(), t.scale.data_ptr(),
+                                          scale_after_bn, M, N, part_mean, part_m2,
+                                          num_batches_tracked.data_ptr<int64_t>(), stream),
+                 gemm_kernel_name(gemm, true));
+  } else {
+    check_launch(launch_gemm(gemm == Gemm::kSm90, op.dtype, true, float32_io, op, out, t, 0.f, scale_after_bn,
+                             part_mean, part_m2, num_batches_tracked.data_ptr<int64_t>(),
+                             saved ? r.z.data_ptr() : nullptr, stream),
+                 gemm_kernel_name(gemm, true));
+  }
   check_launch(fgb::lowp_bn_fold_train(op.dtype, float32_io, part_mean, part_m2, num_m_tiles, block_m, M, N,
                                        t.bn_weight.data_ptr(), t.bn_bias.data_ptr(),
                                        num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
@@ -242,18 +281,31 @@ TrainResult train(bool sm90, const torch::Tensor& x_in, const torch::Tensor& wei
 }
 
 // The eval forward of either problem.
-torch::Tensor eval(bool sm90, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
+torch::Tensor eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
                    double eps, bool scale_after_bn) {
-  const Operands op = check_operands(x_in, weight, sm90);
+  const Operands op = check_operands(x_in, weight, gemm);
   const int M = op.M, N = op.N;
-  const bool float32_io = check_bn_tensors(t, N, op.x, sm90, op.w_float32);
+  const bool float32_io = check_bn_tensors(t, N, op.x, gemm, op.w_float32);
   const c10::cuda::CUDAGuard guard(op.x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
+  if (gemm == Gemm::kCublas && M > 0 && N > 0) {
+    const torch::Tensor z = cublas_linear(op, t, float32_io);
+    torch::Tensor out = float32_io ? torch::empty({M, N}, op.x.options().dtype(torch::kFloat32)) : z;  // in place
+    check_launch(fgb::lowp_bn_chain_eval(op.dtype, float32_io, z.data_ptr(), out.data_ptr(), t.scale.data_ptr(),
+                                         t.bn_weight.data_ptr(), t.bn_bias.data_ptr(), t.running_mean.data_ptr(),
+                                         t.running_var.data_ptr(), static_cast<float>(eps), scale_after_bn, M, N,
+                                         stream),
+                 gemm_kernel_name(gemm, false));
+    if (scale_after_bn)
+      check_launch(fgb::lowp_softmax_rows(op.dtype, float32_io, out.data_ptr(), nullptr, nullptr, M, N, stream),
+                   "bn16_softmax_rows_kernel (eval)");
+    return out;
+  }
   torch::Tensor out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
   if (M == 0 || N == 0) return out;
-  check_launch(launch_gemm(sm90, op.dtype, false, float32_io, op, out, t, static_cast<float>(eps), scale_after_bn,
-                           nullptr, nullptr, nullptr, nullptr, stream),
-               sm90 ? "sm90_gemm_bn_16bit_kernel (eval)" : "sm80_gemm_bn_16bit_kernel (eval)");
+  check_launch(launch_gemm(gemm == Gemm::kSm90, op.dtype, false, float32_io, op, out, t, static_cast<float>(eps),
+                           scale_after_bn, nullptr, nullptr, nullptr, nullptr, stream),
+               gemm_kernel_name(gemm, false));
   if (scale_after_bn)
     check_launch(fgb::lowp_softmax_rows(op.dtype, float32_io, out.data_ptr(), nullptr, nullptr, M, N, stream),
                  "bn16_softmax_rows_kernel (eval)");
@@ -268,7 +320,7 @@ torch::Tensor forward_train(const std::string& gemm, torch::Tensor x, torch::Ten
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn) {
-  return train(is_sm90(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
+  return train(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
                num_batches_tracked, momentum, eps, scale_after_bn)
       .out;
 }
@@ -278,7 +330,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_train_saved(
     const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
     torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean, torch::Tensor running_var,
     torch::Tensor num_batches_tracked, double momentum, double eps, bool scale_after_bn) {
-  TrainResult r = train(is_sm90(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
+  TrainResult r = train(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
                         num_batches_tracked, momentum, eps, scale_after_bn, true);
   return {r.out, r.z, r.coeff};
 }
@@ -327,6 +379,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
 torch::Tensor forward_eval(const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn) {
-  return eval(is_sm90(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
+  return eval(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
               scale_after_bn);
 }

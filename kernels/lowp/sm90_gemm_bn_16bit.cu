@@ -79,6 +79,7 @@
 #include <stdint.h>
 
 #include "launchers.cuh"
+#include "lowp_chain.cuh"
 #include "lowp_types.cuh"
 #include "sm90_gemm_tiles.cuh"
 #include "sm90_wgmma_16bit.cuh"
@@ -300,10 +301,9 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
     for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = round16<T>(acc[i] + p_bias[(i / 2) % 2]);
     store_tile<T, kBlockM>(acc, args.z_out, M, N, m0, n0 + f_local, g, t);
 #pragma unroll
-    for (int i = 0; i < TR::kAccRegs; ++i)
-      if (!args.scale_after_bn) acc[i] = St::round(acc[i] * p_scale[(i / 2) % 2]);
+    for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = train_u<S>(acc[i], p_scale[(i / 2) % 2], args.scale_after_bn);
   } else {
-    // The chain up to its final rounding (the store rounds to S; kTrain's u is already an S value).
+    // The chain up to its final rounding (lowp_chain.cuh; the store rounds to S, kTrain's u is already an S value).
 #pragma unroll
     for (int i = 0; i < TR::kAccRegs / 4; ++i)
 #pragma unroll
@@ -313,12 +313,9 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
           float& v = acc[4 * i + 2 * h + e];
           const float z = round16<T>(v + p_bias[h]);
           if constexpr (kChain == Chain::kTrain) {
-            v = args.scale_after_bn ? z : St::round(z * p_scale[h]);
-          } else if (!args.scale_after_bn) {
-            const float y = St::round(z * p_scale[h]);
-            v = fmaf(p_w[h] * (y - p_rm[h]), p_invstd[h], p_b[h]);
+            v = train_u<S>(z, p_scale[h], args.scale_after_bn);
           } else {
-            v = round16<T>(fmaf(p_w[h] * (z - p_rm[h]), p_invstd[h], p_b[h])) * p_scale[h];
+            v = eval_out<T, S>(z, p_scale[h], p_w[h], p_b[h], p_rm[h], p_invstd[h], args.scale_after_bn);
           }
         }
   }

@@ -1808,6 +1808,16 @@ cudaError_t lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mea
                                int num_m_tiles, int block_m, int M, int N, const void* bn_weight, const void* bn_bias,
                                const int64_t* num_batches_tracked, float momentum, float eps, void* running_mean,
                                void* running_var, float* coeff, cudaStream_t stream);
+// After a cuBLAS product z = rnd(x w^T + bias) (M, N) in dtype (lowp/bn_16bit_chain.cu), what the
+// GEMMs' epilogues do: training, out = u and part_mean / part_m2 (ceil(M / 128), N),
+// num_batches_tracked += 1 (may be null); eval, out = the eval chain.  out may be z (16-bit S).
+cudaError_t lowp_bn_chain_train(int dtype, bool float32_io, const void* z, void* out, const void* scale,
+                                bool scale_after_bn, int M, int N, float* part_mean, float* part_m2,
+                                int64_t* num_batches_tracked, cudaStream_t stream);
+cudaError_t lowp_bn_chain_eval(int dtype, bool float32_io, const void* z, void* out, const void* scale,
+                               const void* bn_weight, const void* bn_bias, const void* running_mean,
+                               const void* running_var, float eps, bool scale_after_bn, int M, int N,
+                               cudaStream_t stream);
 // Problem 33, training: BatchNorm of out in place.
 cudaError_t lowp_bn_apply(int dtype, bool float32_io, void* out, const float* coeff, int M, int N,
                           cudaStream_t stream);
@@ -6306,7 +6316,7 @@ def per_feature_scale(scale, n):
 # and K % 8 == 0 only, the operands being read MN-major where they lie).
 
 Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused",
-                                              "autocast_fused"], defaults=(True, True, True))
+                                              "autocast_fused", "lowp_gemm"], defaults=(True, True, True, "auto"))
 Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
 replace SWITCHES; nothing reads the environment per call):
   portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
@@ -6323,13 +6333,16 @@ replace SWITCHES; nothing reads the environment per call):
                fused kernels (_SyncFusedTrainFn; A/B timing, the GPU tests run both)
   autocast_fused False with FUSED_GEMM_BN_AUTOCAST_TORCH_OPS=1: under mixed precision
                ModelNew runs Model's own ops (_mixed_precision_forward) instead of
-               the fused 16-bit kernels (_autocast_gemm; A/B timing, the GPU tests run both)"""
+               the fused 16-bit kernels (_autocast_gemm; A/B timing, the GPU tests run both)
+  lowp_gemm    "auto", or FUSED_GEMM_BN_LOWP_GEMM names the Hopper 16-bit route
+               that every shape takes (_lowp_hopper_gemm; A/B timing, the GPU tests run each)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
                     fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1",
                     weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1",
                     sync_fused=os.environ.get("FUSED_GEMM_BN_SYNC_TORCH_OPS") != "1",
-                    autocast_fused=os.environ.get("FUSED_GEMM_BN_AUTOCAST_TORCH_OPS") != "1")
+                    autocast_fused=os.environ.get("FUSED_GEMM_BN_AUTOCAST_TORCH_OPS") != "1",
+                    lowp_gemm=os.environ.get("FUSED_GEMM_BN_LOWP_GEMM", "auto"))
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
@@ -6412,6 +6425,12 @@ def _float32_gemm(m, n, k, w_aligned16, cluster_candidate, facts, switches):
     return "sm80_3xtf32"
 
 
+# The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),
+# so one name stands for the Hopper 16-bit routes that the repository chooses between.
+def _lowp_hopper_gemm(m, n, k, facts, switches):
+    return "lowp_sm90"
+
+
 Call = collections.namedtuple("Call", ["device_type", "dtype", "m", "n", "k", "weight_aligned16", "training", "grad",
                                        "scale_after_bn"])
 Call.__doc__ = """What dispatch() reads off a call: x's device type ("cuda", "cpu", ...)
@@ -6434,8 +6453,8 @@ def plan(call, facts=None, switches=None):
         if facts.capability < (8, 0):
             raise RuntimeError(f"ModelNew's 16-bit CUDA kernels need compute capability >= 8.0, got "
                                f"{facts.capability[0]}.{facts.capability[1]}")
-        gemm = ("lowp_sm90" if not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm
-                else "lowp_sm80")
+        gemm = (_lowp_hopper_gemm(call.m, call.n, call.k, facts, switches)
+                if not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm else "lowp_sm80")
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     cluster_candidate = call.training and not call.grad and not call.scale_after_bn
     gemm = _float32_gemm(call.m, call.n, call.k, call.weight_aligned16, cluster_candidate, facts, switches)

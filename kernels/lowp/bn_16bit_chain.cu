@@ -1,0 +1,292 @@
+// bn_16bit_chain.cu -- the 16-bit chains after a product made by cuBLAS (the
+// lowp_cublas route: binding_16bit.cpp computes z = rnd(x w^T + bias) with
+// at::linear, the call eager's nn.Linear makes, so z is eager's z bit for bit).
+// These kernels then do what the Hopper GEMM's epilogue does (sm90_gemm_bn_16bit.cu),
+// with the per-element steps of lowp_chain.cuh, so either route rounds at the
+// same points; bn_16bit.cu's fold, apply and row softmax follow as after the GEMMs.
+// Used where the project's wgmma kernel loses to cuBLAS (model_new.py's dispatch,
+// docs/perf.md v31: grids that fill the GPU poorly, short K, very large M).
+//
+// T: the product's 16-bit type (__half or __nv_bfloat16); S: the storage of the
+// vectors and out (T, or float for a float32 module under autocast, lowp_types.cuh).
+//
+// bn16_chain_train (training; both problems)
+//   u = train_u(z, scale) (33: rnd_S(z scale); 84: z) -> out (M, N) of S, and per
+//   feature and 128-row block of the batch the mean and M2 of u (float32, two
+//   passes: the sum, then the squares about the block's mean) -> part_mean,
+//   part_m2 (ceil(M / 128), N), the layout the GEMMs' kTrain epilogues write and
+//   bn16_fold_train merges.  num_batches_tracked += 1 (may be null).
+//   CTA: 16 feature groups x 16 row slices of 8 rows (one 128-row block); a
+//   thread's group is 8 features (16-byte z loads) when N % 8 == 0 and z and out
+//   are 16-byte aligned, else 1: 128 features per CTA, so that small batches
+//   still give enough CTAs (333 x 5000: 120).  A thread loads its 8 rows before
+//   using any.  The slices' sums meet in shared memory.  The second pass reads u
+//   back from out (the thread's own stores), so z may be out (in place, S == T).
+// bn16_chain_eval (eval; both problems, 84's softmax follows in bn16_softmax_rows)
+//   out = eval_out(z, ...) with invstd = rsqrtf(running_var + eps), rounded to S by
+//   the store; in place allowed.  CTA: 16 feature groups x 16 row slices of 8 rows.
+// Layout: z (M, N) T and out (M, N) S row-major contiguous; vectors (N) of S.
+// Memory-bound: train reads z once and out once and writes out once, eval reads z
+// and writes out once.  Launchers return the launch error (cudaSuccess for M or N of 0).
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "launchers.cuh"
+#include "lowp_chain.cuh"
+#include "lowp_types.cuh"
+
+namespace fused_gemm_bn {
+namespace lowp {
+namespace chain {
+
+constexpr int kStatRows = 128;  // rows of one statistics block: the GEMMs' (lowp_gemm_block_m)
+constexpr int kGroups = 16;     // feature groups per CTA
+constexpr int kSlices = 16;     // row slices per CTA
+constexpr int kThreads = kGroups * kSlices;
+constexpr int kSliceRows = kStatRows / kSlices;  // rows per thread (both kernels)
+constexpr int kEvalRows = kSliceRows;
+
+// kV values of T at z + off as float (kV = 8: one 16-byte load).
+template <typename T, int kV>
+__device__ __forceinline__ void load_z(const uint16_t* z, size_t off, float (&v)[kV]) {
+  if constexpr (kV == 8) {
+    const uint4 q = *reinterpret_cast<const uint4*>(z + off);
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[2 * j] = Bits<T>::to_float(static_cast<uint16_t>(w[j] & 0xffffu));
+      v[2 * j + 1] = Bits<T>::to_float(static_cast<uint16_t>(w[j] >> 16));
+    }
+  } else {
+    v[0] = load_float<T>(z + off);
+  }
+}
+
+// kV values of S at p + off (16-bit S: round to nearest even, the store's rounding).
+template <typename S, int kV>
+__device__ __forceinline__ void store_s(word_t<S>* p, size_t off, const float (&v)[kV]) {
+  if constexpr (kV == 8 && sizeof(word_t<S>) == 4) {
+    *reinterpret_cast<float4*>(p + off) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(p + off + 4) = make_float4(v[4], v[5], v[6], v[7]);
+  } else if constexpr (kV == 8) {
+    uint4 q;
+    q.x = pack2(to_bits<S>(v[0]), to_bits<S>(v[1]));
+    q.y = pack2(to_bits<S>(v[2]), to_bits<S>(v[3]));
+    q.z = pack2(to_bits<S>(v[4]), to_bits<S>(v[5]));
+    q.w = pack2(to_bits<S>(v[6]), to_bits<S>(v[7]));
+    *reinterpret_cast<uint4*>(p + off) = q;
+  } else {
+    Storage<S>::store(p + off, v[0]);
+  }
+}
+
+template <typename S, int kV>
+__device__ __forceinline__ void load_s(const word_t<S>* p, size_t off, float (&v)[kV]) {
+  if constexpr (kV == 8 && sizeof(word_t<S>) == 4) {
+    const float4 a = *reinterpret_cast<const float4*>(p + off), b = *reinterpret_cast<const float4*>(p + off + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else if constexpr (kV == 8) {
+    load_z<S, 8>(p, off, v);
+  } else {
+    v[0] = Storage<S>::load(p + off);
+  }
+}
+
+struct TrainArgs {
+  const uint16_t* z;
+  void* out;
+  const void* scale;
+  bool scale_after_bn;
+  int M, N;
+  float* part_mean;
+  float* part_m2;
+  int64_t* num_batches_tracked;
+};
+
+template <typename T, typename S, int kV>
+__global__ void __launch_bounds__(kThreads) bn16_chain_train_kernel(const TrainArgs p) {
+  using W = word_t<S>;
+  __shared__ float red[kSlices][kGroups * kV];
+  const int group = threadIdx.x % kGroups, slice = threadIdx.x / kGroups;
+  const int f0 = (blockIdx.x * kGroups + group) * kV;
+  const int row0 = blockIdx.y * kStatRows;
+  const int rows_valid = min(kStatRows, p.M - row0);
+  const int r_begin = slice * kSliceRows, r_end = min(r_begin + kSliceRows, rows_valid);
+  const bool active = f0 < p.N;  // kV = 8: N % 8 == 0, so the whole group is inside
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && p.num_batches_tracked != nullptr)
+    *p.num_batches_tracked += 1;
+  W* out = static_cast<W*>(p.out);
+  float scale[kV], sum[kV];
+#pragma unroll
+  for (int j = 0; j < kV; ++j) {
+    scale[j] = active ? Storage<S>::load(static_cast<const W*>(p.scale) + f0 + j) : 0.f;
+    sum[j] = 0.f;
+  }
+  if (active) {
+    float v[kSliceRows][kV];
+#pragma unroll
+    for (int r = 0; r < kSliceRows; ++r)  // every load first
+      if (r_begin + r < r_end) load_z<T, kV>(p.z, static_cast<size_t>(row0 + r_begin + r) * p.N + f0, v[r]);
+#pragma unroll
+    for (int r = 0; r < kSliceRows; ++r) {
+      if (r_begin + r >= r_end) break;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        v[r][j] = train_u<S>(v[r][j], scale[j], p.scale_after_bn);
+        sum[j] += v[r][j];
+      }
+      store_s<S, kV>(out, static_cast<size_t>(row0 + r_begin + r) * p.N + f0, v[r]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kV; ++j) red[slice][group * kV + j] = sum[j];
+  __syncthreads();
+  float mean[kV], m2[kV];
+#pragma unroll
+  for (int j = 0; j < kV; ++j) {
+    float total = 0.f;
+#pragma unroll
+    for (int q = 0; q < kSlices; ++q) total += red[q][group * kV + j];
+    mean[j] = total / static_cast<float>(rows_valid);
+    m2[j] = 0.f;
+  }
+  __syncthreads();  // every mean read before red is reused
+  if (active) {
+    float v[kSliceRows][kV];
+#pragma unroll
+    for (int r = 0; r < kSliceRows; ++r)
+      if (r_begin + r < r_end) load_s<S, kV>(out, static_cast<size_t>(row0 + r_begin + r) * p.N + f0, v[r]);
+#pragma unroll
+    for (int r = 0; r < kSliceRows; ++r) {
+      if (r_begin + r >= r_end) break;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        const float d = v[r][j] - mean[j];
+        m2[j] = fmaf(d, d, m2[j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kV; ++j) red[slice][group * kV + j] = m2[j];
+  __syncthreads();
+  if (slice == 0 && active) {
+    const size_t row = static_cast<size_t>(blockIdx.y) * p.N + f0;
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      float total = 0.f;
+#pragma unroll
+      for (int q = 0; q < kSlices; ++q) total += red[q][group * kV + j];
+      p.part_mean[row + j] = mean[j];
+      p.part_m2[row + j] = total;
+    }
+  }
+}
+
+struct EvalArgs {
+  const uint16_t* z;
+  void* out;
+  const void* scale;
+  const void* bn_weight;
+  const void* bn_bias;
+  const void* running_mean;
+  const void* running_var;
+  float eps;
+  bool scale_after_bn;
+  int M, N;
+};
+
+template <typename T, typename S, int kV>
+__global__ void __launch_bounds__(kThreads) bn16_chain_eval_kernel(const EvalArgs p) {
+  using W = word_t<S>;
+  const int group = threadIdx.x % kGroups, slice = threadIdx.x / kGroups;
+  const int f0 = (blockIdx.x * kGroups + group) * kV;
+  if (f0 >= p.N) return;
+  auto vec = [&](const void* q, int j) { return Storage<S>::load(static_cast<const W*>(q) + f0 + j); };
+  float scale[kV], w[kV], b[kV], rm[kV], invstd[kV];
+#pragma unroll
+  for (int j = 0; j < kV; ++j) {
+    scale[j] = vec(p.scale, j);
+    w[j] = vec(p.bn_weight, j);
+    b[j] = vec(p.bn_bias, j);
+    rm[j] = vec(p.running_mean, j);
+    invstd[j] = rsqrtf(vec(p.running_var, j) + p.eps);
+  }
+  const int row0 = (blockIdx.y * kSlices + slice) * kEvalRows;
+  float v[kEvalRows][kV];
+#pragma unroll
+  for (int r = 0; r < kEvalRows; ++r)  // every load first, then the stores (in place: z may be out)
+    if (row0 + r < p.M) load_z<T, kV>(p.z, static_cast<size_t>(row0 + r) * p.N + f0, v[r]);
+#pragma unroll
+  for (int r = 0; r < kEvalRows; ++r) {
+    if (row0 + r >= p.M) break;
+#pragma unroll
+    for (int j = 0; j < kV; ++j) v[r][j] = eval_out<T, S>(v[r][j], scale[j], w[j], b[j], rm[j], invstd[j], p.scale_after_bn);
+    store_s<S, kV>(static_cast<W*>(p.out), static_cast<size_t>(row0 + r) * p.N + f0, v[r]);
+  }
+}
+
+inline bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
+
+template <typename T, typename S>
+cudaError_t train_for_storage(const TrainArgs& p, cudaStream_t stream) {
+  const bool vec = p.N % 8 == 0 && aligned16(p.z) && aligned16(p.out);
+  const int kv = vec ? 8 : 1;
+  const dim3 grid((p.N + kGroups * kv - 1) / (kGroups * kv), (p.M + kStatRows - 1) / kStatRows);
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
+  if (vec) {
+    bn16_chain_train_kernel<T, S, 8><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    bn16_chain_train_kernel<T, S, 1><<<grid, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T, typename S>
+cudaError_t eval_for_storage(const EvalArgs& p, cudaStream_t stream) {
+  const bool vec = p.N % 8 == 0 && aligned16(p.z) && aligned16(p.out);
+  const int kv = vec ? 8 : 1;
+  constexpr int kRowsPerCta = kSlices * kEvalRows;
+  const dim3 grid((p.N + kGroups * kv - 1) / (kGroups * kv), (p.M + kRowsPerCta - 1) / kRowsPerCta);
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
+  if (vec) {
+    bn16_chain_eval_kernel<T, S, 8><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    bn16_chain_eval_kernel<T, S, 1><<<grid, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace chain
+}  // namespace lowp
+}  // namespace fused_gemm_bn
+
+cudaError_t fused_gemm_bn::lowp_bn_chain_train(int dtype, bool float32_io, const void* z, void* out,
+                                               const void* scale, bool scale_after_bn, int M, int N,
+                                               float* part_mean, float* part_m2, int64_t* num_batches_tracked,
+                                               cudaStream_t stream) {
+  using namespace fused_gemm_bn::lowp;
+  if (M <= 0 || N <= 0) return cudaSuccess;
+  const chain::TrainArgs p{static_cast<const uint16_t*>(z), out, scale, scale_after_bn, M, N, part_mean, part_m2,
+                           num_batches_tracked};
+  if (static_cast<Dtype>(dtype) == Dtype::kF16)
+    return float32_io ? chain::train_for_storage<__half, float>(p, stream)
+                      : chain::train_for_storage<__half, __half>(p, stream);
+  return float32_io ? chain::train_for_storage<__nv_bfloat16, float>(p, stream)
+                    : chain::train_for_storage<__nv_bfloat16, __nv_bfloat16>(p, stream);
+}
+
+cudaError_t fused_gemm_bn::lowp_bn_chain_eval(int dtype, bool float32_io, const void* z, void* out,
+                                              const void* scale, const void* bn_weight, const void* bn_bias,
+                                              const void* running_mean, const void* running_var, float eps,
+                                              bool scale_after_bn, int M, int N, cudaStream_t stream) {
+  using namespace fused_gemm_bn::lowp;
+  if (M <= 0 || N <= 0) return cudaSuccess;
+  const chain::EvalArgs p{static_cast<const uint16_t*>(z), out, scale, bn_weight, bn_bias, running_mean,
+                          running_var, eps, scale_after_bn, M, N};
+  if (static_cast<Dtype>(dtype) == Dtype::kF16)
+    return float32_io ? chain::eval_for_storage<__half, float>(p, stream)
+                      : chain::eval_for_storage<__half, __half>(p, stream);
+  return float32_io ? chain::eval_for_storage<__nv_bfloat16, float>(p, stream)
+                    : chain::eval_for_storage<__nv_bfloat16, __nv_bfloat16>(p, stream);
+}

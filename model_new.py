@@ -594,9 +594,11 @@ def per_feature_scale(scale, n):
 #   ---------------------------  --------------------------------------------  --------------------
 #   batch of 0                   no kernel                                     empty
 #   CPU tensor, float64 on CUDA  always                                        torch_ops
-#   16-bit float on CUDA         compute capability 9.0, the sm_90a kernels    lowp_sm90
-#                                available, not SWITCHES.portable (K % 8 != 0:
-#                                the binding pads K in copies)
+#   16-bit float on CUDA         compute capability 9.0, the sm_90a kernels    lowp_sm90, or lowp_cublas
+#                                available, not SWITCHES.portable (K % 8 != 0:  (cuBLAS's product, the
+#                                the binding pads K in copies)                  chain kernels) where
+#                                                                               _lowp_hopper_gemm's rule
+#                                                                               says lowp_sm90 is slower
 #                                else: compute capability >= 8.0               lowp_sm80
 #   float32 on CUDA              compute capability 9.0, the sm_90a kernels    sm90_fp16x3
 #                                available, K % 8 == 0, 16-byte aligned        (sm90_fp16x3_nosplit with
@@ -659,7 +661,8 @@ Plan.__doc__ = """A call's path, from dispatch():
   name      <gemm>_<train|eval>[_grad]: what ModelNew.kernel_path returns
   gemm      the GEMM kernel: sm90_fp16x3, sm90_fp16x3_nosplit, sm90_3xtf32,
             sm90_3xtf32_nosplit, sm80_3xtf32,
-            sm90_cluster_3xtf32, lowp_sm90, lowp_sm80, torch_ops, or empty (batch of 0)
+            sm90_cluster_3xtf32, lowp_sm90, the other Hopper 16-bit route (_lowp_hopper_gemm),
+            lowp_sm80, torch_ops, or empty (batch of 0)
   kernels   who runs it: "ext" (the float32 extension), "lowp" (the 16-bit
             extension), "torch" (the _torch_* functions), or None (empty)
   training  batch statistics (True) or running statistics

@@ -15,7 +15,7 @@
 // point checks every tensor (device; dtype float16 or bfloat16, the same for x,
 // the parameters and the running statistics; shape; contiguity of the vectors),
 // copies a non-contiguous x or weight to a contiguous tensor (never writing the
-// caller's; for lowp_sm90 also one whose data is not 16-byte aligned), takes a device guard for x's GPU, launches on that GPU's current
+// caller's; for lowp_sm90 and lowp_cublas also one whose data is not 16-byte aligned), takes a device guard for x's GPU, launches on that GPU's current
 // stream, and turns any launch error into a RuntimeError naming the kernel.
 // Nothing here synchronises.  scale_after_bn: false = problem 33, true = problem 84.
 //

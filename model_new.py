@@ -498,9 +498,15 @@ class BatchNormState(_BatchNormBase):
 # ---------------------------------------------------------------------------
 
 
+_IS_16BIT = {}  # dtype -> bool, filled on first sight (torch.finfo per call costs ~0.5 us of host time)
+
+
 def _is_16bit_dtype(dtype):
     """True for the two 16-bit float dtypes."""
-    return dtype.is_floating_point and torch.finfo(dtype).bits == 16
+    sixteen = _IS_16BIT.get(dtype)
+    if sixteen is None:
+        sixteen = _IS_16BIT[dtype] = dtype.is_floating_point and torch.finfo(dtype).bits == 16
+    return sixteen
 
 
 def _cuda_dtype_problem(dtype):
@@ -564,11 +570,12 @@ def check_input(x, weight, training, cast=False):
 
 
 def per_feature_scale(scale, n):
-    """The `scale` parameter as an (N,) vector (a view when it already is one),
-    for every shape that multiplies an (M, N) tensor feature by feature and
-    keeps it (M, N), broadcast as torch broadcasts it: one element with at most
-    2 dims ((), (1,), (1, 1)), or N elements as (N,) or (1, N); autograd sums
-    its gradient back to that shape.  Other shapes raise RuntimeError before any
+    """The `scale` parameter as an (N,) view, never a copy, for every shape that
+    multiplies an (M, N) tensor feature by feature and keeps it (M, N), broadcast
+    as torch broadcasts it: one element with at most 2 dims ((), (1,), (1, 1))
+    becomes a stride-0 view of that number (the extensions' bindings materialize
+    it as a contiguous (N,) vector: no copy in Python, docs/perf.md v32), or N
+    elements as (N,) or (1, N); autograd sums its gradient back to that shape.  Other shapes raise RuntimeError before any
     buffer is touched: a per-row (M, 1) or (M, N) scale, which Model accepts at
     that one batch size only, and 3 or more dims, which change Model's output rank."""
     per_feature = scale.dim() <= 2 and (scale.numel() == 1 or (scale.shape[-1] == n and scale.numel() == n))
@@ -578,7 +585,7 @@ def per_feature_scale(scale, n):
             f"(1, {n})), got shape {tuple(scale.shape)}"
         )
     s = scale.reshape(-1)
-    return s if s.shape == (n,) else s.expand(n).contiguous()
+    return s if s.shape == (n,) else s.expand(n)
 
 
 # ---------------------------------------------------------------------------
@@ -803,7 +810,19 @@ def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=Non
                 scale_after_bn)
     if facts is None and x.is_cuda:
         facts = device_facts(x.device)
-    return plan(call, facts, switches)
+    key = (call, facts, SWITCHES if switches is None else switches)
+    made = _PLANS.get(key)
+    if made is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        made = _PLANS[key] = plan(*key)
+    return made
+
+
+# dispatch's memo: plan() is pure in (call, facts, switches), and a call's host
+# time matters at small sizes (docs/perf.md v32).  Cleared whole when full.
+_PLANS = {}
+_PLANS_MAX = 4096
 
 
 def dispatch_gemm_nt(a, b, facts=None, switches=None):
@@ -2221,13 +2240,14 @@ _OPS = _define_ops() if hasattr(torch.library, "custom_op") else None
 _OPS_IN_EAGER = os.environ.get("FUSED_GEMM_BN_EAGER_OPS") == "1"
 
 
+# torch.compiler.is_compiling from torch 2.3 on, torch._dynamo's before (None: neither).
+_IS_COMPILING = (getattr(getattr(torch, "compiler", None), "is_compiling", None)
+                 or getattr(getattr(torch, "_dynamo", None), "is_compiling", None))
+
+
 def _tracing():
-    """torch.compile (dynamo) or torch.jit.trace is recording this call
-    (torch.compiler.is_compiling from torch 2.3 on, torch._dynamo's before)."""
-    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if compiling is None:
-        compiling = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
-    return (compiling is not None and compiling()) or torch.jit.is_tracing()
+    """torch.compile (dynamo) or torch.jit.trace is recording this call."""
+    return (_IS_COMPILING is not None and _IS_COMPILING()) or torch.jit.is_tracing()
 
 
 def _use_ops():

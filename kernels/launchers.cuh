@@ -255,6 +255,11 @@ cudaError_t lowp_bn_apply(int dtype, bool float32_io, void* out, const float* co
 // Problem 84: row softmax in place (coeff and scale: training; coeff null: eval).
 cudaError_t lowp_softmax_rows(int dtype, bool float32_io, void* out, const float* coeff, const void* scale, int M,
                               int N, cudaStream_t stream);
+// Problem 84, eval after lowp_cublas's product: out (M, N) 16-bit, holding z, <- row
+// softmax of BatchNorm (running statistics) * scale of it, in place (bn_16bit.cu, kEval).
+cudaError_t lowp_bn_softmax_rows_eval(int dtype, void* out, const void* scale, const void* bn_weight,
+                                      const void* bn_bias, const void* running_mean, const void* running_var,
+                                      float eps, int M, int N, cudaStream_t stream);
 // The training backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and
 // dscale, dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
 // (g_float32) or dtype, the saved z (M, N) in dtype and coeff (N float4) of the training forward.

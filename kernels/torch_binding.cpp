@@ -114,6 +114,13 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
 }
 
+// The scale as the contiguous (N) vector the kernels read: model_new.per_feature_scale
+// passes one number broadcast to N features as a stride-0 view (no copy in Python);
+// it is materialized here, in one at:: copy.
+torch::Tensor feature_vector(const torch::Tensor& scale) {
+  return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
+}
+
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x) {
   TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
@@ -459,6 +466,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn, c10::optional<torch::Tensor> w_parts) {
+  scale = feature_vector(scale);
   const Gemm gemm = parse_gemm(gemm_name);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
@@ -489,6 +497,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
                            c10::optional<torch::Tensor> w_parts) {
+  scale = feature_vector(scale);
   const Gemm gemm = parse_gemm(gemm_name);
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 has no eval epilogue");
   const auto [M, N, K] = check_gemm_operands(x, weight);
@@ -548,6 +557,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
                                                torch::Tensor running_var, torch::Tensor num_batches_tracked,
                                                double momentum, double eps, bool scale_after_bn,
                                                c10::optional<torch::Tensor> w_parts) {
+  scale = feature_vector(scale);
   const Gemm gemm = parse_gemm(gemm_name);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
@@ -801,6 +811,7 @@ std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor&
 std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
                                              torch::Tensor scale, torch::Tensor bn_weight, double eps,
                                              bool scale_after_bn) {
+  scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
   check_vector(scale, "scale", N, z);
   check_vector(bn_weight, "bn.weight", N, z);
@@ -875,6 +886,7 @@ std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered
                                          torch::Tensor running_mean, torch::Tensor running_var,
                                          torch::Tensor num_batches_tracked, double momentum, double eps,
                                          bool scale_after_bn) {
+  scale = feature_vector(scale);
   TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(),
               "sync_bn_apply: z must be a contiguous float32 CUDA (M, N) tensor");
   const int64_t M = z.size(0), N = z.size(1);
@@ -937,6 +949,7 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
                                             torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
                                             double eps, bool scale_after_bn, torch::Tensor count,
                                             torch::Tensor local_sums, torch::Tensor total_sums) {
+  scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_grad", grad_y, z, stats);
   TORCH_CHECK(count.device() == z.device() && count.scalar_type() == torch::kFloat64 && count.numel() == 1,
               "bn_backward_grad: count must be a one-element float64 tensor on ", z.device(), " (the merged batch's "

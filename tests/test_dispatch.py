@@ -247,7 +247,9 @@ LAUNCHES = {
     "sm90_cluster_3xtf32": ["sm80_prepass_3xtf32_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel"],
     "lowp_sm80": ["sm80_gemm_bn_16bit_kernel"],
     "lowp_sm90": ["sm90_gemm_bn_16bit_kernel"],
-    "lowp_cublas": ["bn16_chain_"],  # after the library's product: no project GEMM kernel
+    # after the library's product, no project GEMM kernel: the chain kernels, or problem 84
+    # eval's row softmax with BatchNorm fused (bn16_softmax_rows_*)
+    "lowp_cublas": ["bn16_"],
 }
 GEMM_KERNELS = ["sm90_gemm_fp16x3_bn_kernel", "sm90_gemm_3xtf32_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel",
                 "sm80_gemm_bn_16bit_kernel", "sm90_gemm_bn_16bit_kernel"]

@@ -45,7 +45,11 @@
 //   forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                running_var, eps, scale_after_bn) -> out (M, N)
 //       one GEMM launch with the whole chain in its epilogue (kEval); problem 84:
-//       then the row softmax.
+//       then the row softmax.  lowp_cublas: at::linear, then problem 33 the chain
+//       kernel (bn_16bit_chain.cu), problem 84 one row-softmax launch that applies
+//       BatchNorm and the scale as it reads z (bn_16bit.cu, kEval; the autocast
+//       form keeps the chain kernel, its z and out being of two dtypes).
+//   The scale may come as a stride-0 (N) view of one number (feature_vector).
 // momentum < 0 means momentum=None (cumulative average).  rnd: rounding to the
 // 16-bit type; the kernel headers list the rounding points, PyTorch's own.
 
@@ -132,6 +136,13 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, Gem
   return {ready(x) ? x : x.clone(at::MemoryFormat::Contiguous),
           ready(weight) ? weight : weight.clone(at::MemoryFormat::Contiguous), static_cast<int>(x.size(0)),
           static_cast<int>(weight.size(0)), K, dtype_code(x.scalar_type()), w_float32};
+}
+
+// The scale as the contiguous (N) vector the kernels read: model_new.per_feature_scale
+// passes one number broadcast to N features as a stride-0 view (no copy in Python);
+// it is materialized here, in one at:: copy.
+torch::Tensor feature_vector(const torch::Tensor& scale) {
+  return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
 }
 
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x, c10::ScalarType type) {
@@ -290,6 +301,13 @@ torch::Tensor eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& we
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
   if (gemm == Gemm::kCublas && M > 0 && N > 0) {
     const torch::Tensor z = cublas_linear(op, t, float32_io);
+    if (scale_after_bn && !float32_io) {  // 84: BatchNorm, scale and softmax in one pass, in place over z
+      check_launch(fgb::lowp_bn_softmax_rows_eval(op.dtype, z.data_ptr(), t.scale.data_ptr(), t.bn_weight.data_ptr(),
+                                                  t.bn_bias.data_ptr(), t.running_mean.data_ptr(),
+                                                  t.running_var.data_ptr(), static_cast<float>(eps), M, N, stream),
+                   "bn16_softmax_rows_kernel (eval, BatchNorm fused)");
+      return z;
+    }
     torch::Tensor out = float32_io ? torch::empty({M, N}, op.x.options().dtype(torch::kFloat32)) : z;  // in place
     check_launch(fgb::lowp_bn_chain_eval(op.dtype, float32_io, z.data_ptr(), out.data_ptr(), t.scale.data_ptr(),
                                          t.bn_weight.data_ptr(), t.bn_bias.data_ptr(), t.running_mean.data_ptr(),
@@ -320,6 +338,7 @@ torch::Tensor forward_train(const std::string& gemm, torch::Tensor x, torch::Ten
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn) {
+  scale = feature_vector(scale);
   return train(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
                num_batches_tracked, momentum, eps, scale_after_bn)
       .out;
@@ -330,6 +349,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_train_saved(
     const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
     torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean, torch::Tensor running_var,
     torch::Tensor num_batches_tracked, double momentum, double eps, bool scale_after_bn) {
+  scale = feature_vector(scale);
   TrainResult r = train(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
                         num_batches_tracked, momentum, eps, scale_after_bn, true);
   return {r.out, r.z, r.coeff};
@@ -342,6 +362,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_train_saved(
 // (N) float32).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backward_train(
     torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale, bool scale_after_bn) {
+  scale = feature_vector(scale);
   TORCH_CHECK(z.is_cuda() && (z.scalar_type() == torch::kHalf || z.scalar_type() == torch::kBFloat16) &&
                   z.dim() == 2 && z.is_contiguous(),
               "z must be a contiguous 2-D float16 or bfloat16 CUDA tensor, got ", z.scalar_type(), " ", z.sizes());
@@ -379,6 +400,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
 torch::Tensor forward_eval(const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn) {
+  scale = feature_vector(scale);
   return eval(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
               scale_after_bn);
 }

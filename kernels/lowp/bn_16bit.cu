@@ -26,15 +26,21 @@
 //   Memory-bound: one read and one write of out; 16-byte accesses (8 elements)
 //   when N % 8 == 0 and out is 16-byte aligned, else 2-byte.
 //
-// bn16_softmax_rows (problem 84; one CTA per row m, in place over out (M, N))
-//   with coeff (training, out = u = z):
+// bn16_softmax_rows (problem 84; one CTA per row m, in place over out (M, N)), in
+// one of three modes (RowMode):
+//   kTrain, with coeff (out = u = z):
 //     v = rnd(rnd(fma(w * (u - mean), invstd, b)) * f(scale))   BatchNorm, then * scale
-//   without (eval: the GEMM epilogue already wrote v):  v = out
+//   kEval, after a cuBLAS product (out = z, 16-bit storage only): the same v with
+//     coefficients made from the running statistics as they are read,
+//     {mean, invstd} = {f(running_mean), rsqrtf(f(running_var) + eps)}: lowp_chain.cuh's
+//     eval_out rounded to S, bit for bit what bn16_chain_eval would store, without
+//     that kernel's launch and pass over z
+//   kPlain (eval after the GEMMs, whose epilogue already wrote v):  v = out
 //   out = rnd(expf(v - max v) / sum expf(v - max v)): PyTorch's CUDA softmax on
 //   a 16-bit tensor (max and sum in float32, IEEE expf and division, rounded
 //   once).  Rows of N <= 16384 with 16-byte access keep v in registers (up to
 //   4 groups of 8 per thread, all loads issued first: bn16_softmax_rows_reg_kernel;
-//   training rows of N <= 8192 in batches of >= 512 rows: bn16_softmax_rows_multi_kernel,
+//   kTrain and kEval rows of N <= 8192 in batches of >= 512 rows: bn16_softmax_rows_multi_kernel,
 //   one group per thread whose coefficients stay in registers over 4 rows);
 //   otherwise the CTA keeps v (16-bit, exact) in shared memory, N * 2 bytes
 //   (16 KB for N = 8192): one read and one write of the row; rows longer than the
@@ -42,7 +48,7 @@
 //   rescaled sum, Milakov & Gimelshein 2018, "Online normalizer calculation for
 //   softmax"), which reads the row twice.  A NaN in a row makes the row NaN
 //   (through the sum), as PyTorch.  16-byte accesses when N % 8 == 0 and out
-//   and scale are 16-byte aligned, else 2-byte.
+//   and the vectors read are 16-byte aligned, else 2-byte.
 //
 // Autocast form (S = float: a float32 module under torch.autocast in T): out,
 // scale, BatchNorm's parameters and running statistics are float32 and nothing
@@ -197,17 +203,54 @@ __device__ __forceinline__ float block_reduce(float v, float* red) {
   return v;
 }
 
+// The softmax's input (RowMode): kPlain reads v itself; kTrain applies BatchNorm
+// from coeff; kEval from the running statistics.
+enum class RowMode { kPlain, kTrain, kEval };
+
 struct RowArgs {
   void* out;               // S words
-  const float4* coeff;     // {mean, invstd, w, b} per feature, or nullptr (eval)
-  const void* scale;       // (N) S words, with coeff
+  const float4* coeff;     // kTrain: {mean, invstd, w, b} per feature
+  const void* scale;       // kTrain, kEval: (N) S words
+  const void* bn_weight;   // kEval: (N) S words each
+  const void* bn_bias;
+  const void* running_mean;
+  const void* running_var;
+  float eps;               // kEval
   int N;
 };
+
+// The BatchNorm coefficients {mean, invstd, w, b} of the kG features from feature
+// i * kG on: kTrain's from coeff; kEval's from the running statistics, invstd =
+// rsqrtf(running_var + eps) as lowp_chain.cuh's eval_out takes it.
+template <typename S, int kG, RowMode kMode>
+__device__ __forceinline__ void load_coeff(const RowArgs& p, int i, float4 (&c)[kG]) {
+  if constexpr (kMode == RowMode::kTrain) {
+#pragma unroll
+    for (int e = 0; e < kG; ++e) c[e] = p.coeff[i * kG + e];
+  } else {
+    using St = Storage<S>;
+    using W = word_t<S>;
+    float rm[kG], rv[kG], w[kG], b[kG];
+    if constexpr (kG == kVec) {
+      load_group<S>(static_cast<const W*>(p.running_mean) + i * kVec, rm);
+      load_group<S>(static_cast<const W*>(p.running_var) + i * kVec, rv);
+      load_group<S>(static_cast<const W*>(p.bn_weight) + i * kVec, w);
+      load_group<S>(static_cast<const W*>(p.bn_bias) + i * kVec, b);
+    } else {
+      rm[0] = St::load(static_cast<const W*>(p.running_mean) + i);
+      rv[0] = St::load(static_cast<const W*>(p.running_var) + i);
+      w[0] = St::load(static_cast<const W*>(p.bn_weight) + i);
+      b[0] = St::load(static_cast<const W*>(p.bn_bias) + i);
+    }
+#pragma unroll
+    for (int e = 0; e < kG; ++e) c[e] = make_float4(rm[e], rsqrtf(rv[e] + p.eps), w[e], b[e]);
+  }
+}
 
 // The softmax inputs v of the kG elements of group i of `row` (kG = 8 or 1):
 // BatchNorm's output rounded to T (the dtype of BatchNorm's input), times the
 // scale rounded to S.
-template <typename T, typename S, int kG, bool kAffine>
+template <typename T, typename S, int kG, RowMode kMode>
 __device__ __forceinline__ void load_logits(const RowArgs& p, const word_t<S>* row, int i, float (&v)[kG]) {
   using St = Storage<S>;
   if constexpr (kG == kVec) {
@@ -215,7 +258,7 @@ __device__ __forceinline__ void load_logits(const RowArgs& p, const word_t<S>* r
   } else {
     v[0] = St::load(row + i);
   }
-  if constexpr (kAffine) {
+  if constexpr (kMode != RowMode::kPlain) {
     const word_t<S>* scale = static_cast<const word_t<S>*>(p.scale);
     float s[kG];
     if constexpr (kG == kVec) {
@@ -223,14 +266,16 @@ __device__ __forceinline__ void load_logits(const RowArgs& p, const word_t<S>* r
     } else {
       s[0] = St::load(scale + i);
     }
+    float4 c[kG];
+    load_coeff<S, kG, kMode>(p, i, c);
 #pragma unroll
-    for (int e = 0; e < kG; ++e) v[e] = St::round(round16<T>(bn_affine(v[e], p.coeff[i * kG + e])) * s[e]);
+    for (int e = 0; e < kG; ++e) v[e] = St::round(round16<T>(bn_affine(v[e], c[e])) * s[e]);
   }
 }
 
 // kCached: v kept in dynamic shared memory (S words, exact; one global read);
 // else online max / sum and a second read of the row.
-template <typename T, typename S, int kG, bool kAffine, bool kCached>
+template <typename T, typename S, int kG, RowMode kMode, bool kCached>
 __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const RowArgs p) {
   using St = Storage<S>;
   extern __shared__ uint4 dynamic_smem[];
@@ -242,7 +287,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
   float thread_max = -INFINITY, thread_sum = 0.f;
   for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
     float v[kG];
-    load_logits<T, S, kG, kAffine>(p, row, i, v);
+    load_logits<T, S, kG, kMode>(p, row, i, v);
     if constexpr (kCached) {
       if constexpr (kG == kVec) {
         store_group<S>(cache + i * kVec, v);  // exact: v is already an S value
@@ -287,7 +332,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
         v[0] = St::load(cache + i);
       }
     } else {
-      load_logits<T, S, kG, kAffine>(p, row, i, v);
+      load_logits<T, S, kG, kMode>(p, row, i, v);
     }
 #pragma unroll
     for (int e = 0; e < kG; ++e) v[e] = expf(v[e] - row_max) / row_sum;
@@ -304,7 +349,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
 // read, as kCached, without the shared-memory round trips).
 constexpr int kRegGroups = 4;
 
-template <typename T, typename S, bool kAffine>
+template <typename T, typename S, RowMode kMode>
 __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(const RowArgs p) {
   __shared__ float red[kRowThreads / 32];
   word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(blockIdx.x) * p.N;
@@ -314,7 +359,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
   for (int j = 0; j < kRegGroups; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
     if (i < num_groups) {
-      load_logits<T, S, kVec, kAffine>(p, row, i, v[j]);
+      load_logits<T, S, kVec, kMode>(p, row, i, v[j]);
     } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[j][e] = -INFINITY;
@@ -347,24 +392,21 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
   }
 }
 
-// Training rows of N <= 8 * 1024 with 16-byte access, in tall batches: one thread
-// per group of 8 columns keeps that group's coefficients and scale in registers
-// and runs kMultiRows rows one after another (the reg kernel above reloads them
-// for every row: a float4 per element, 128 KB per row of 8192 from L2).
+// kTrain and kEval rows of N <= 8 * 1024 with 16-byte access, in tall batches: one
+// thread per group of 8 columns keeps that group's coefficients in registers and
+// runs kMultiRows rows one after another (the reg kernel above reloads them for
+// every row: a float4 per element, 128 KB per row of 8192 from L2).
 constexpr int kMultiRows = 4;
 constexpr int kMultiMaxThreads = 1024;
 
-template <typename T, typename S>
+template <typename T, typename S, RowMode kMode>
 __global__ void __launch_bounds__(kMultiMaxThreads) bn16_softmax_rows_multi_kernel(const RowArgs p, int M) {
   using St = Storage<S>;
   __shared__ float red[kMultiMaxThreads / 32];
   const int i = threadIdx.x;  // this thread's group: columns 8 i .. 8 i + 7
   const bool active = i < p.N / kVec;
   float4 c[kVec];
-  if (active) {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) c[e] = p.coeff[i * kVec + e];
-  }
+  if (active) load_coeff<S, kVec, kMode>(p, i, c);
   const int row_end = min(M, (static_cast<int>(blockIdx.x) + 1) * kMultiRows);
   for (int r = blockIdx.x * kMultiRows; r < row_end; ++r) {  // uniform over the CTA
     word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(r) * p.N;
@@ -398,20 +440,20 @@ __global__ void __launch_bounds__(kMultiMaxThreads) bn16_softmax_rows_multi_kern
   }
 }
 
-template <typename T, typename S, int kG, bool kAffine>
+template <typename T, typename S, int kG, RowMode kMode>
 cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   const int num_groups = p.N / kG;
-  if constexpr (kG == kVec && kAffine) {
+  if constexpr (kG == kVec && kMode != RowMode::kPlain) {
     if (num_groups <= kMultiMaxThreads && M >= 128 * kMultiRows) {
       const int threads = max(32, (num_groups + 31) / 32 * 32);
-      bn16_softmax_rows_multi_kernel<T, S><<<(M + kMultiRows - 1) / kMultiRows, threads, 0, stream>>>(p, M);
+      bn16_softmax_rows_multi_kernel<T, S, kMode><<<(M + kMultiRows - 1) / kMultiRows, threads, 0, stream>>>(p, M);
       return cudaGetLastError();
     }
   }
   if constexpr (kG == kVec) {
     if (num_groups <= kRegGroups * kRowThreads) {
       const int threads = max(32, ((num_groups + kRegGroups - 1) / kRegGroups + 31) / 32 * 32);
-      bn16_softmax_rows_reg_kernel<T, S, kAffine><<<M, threads, 0, stream>>>(p);
+      bn16_softmax_rows_reg_kernel<T, S, kMode><<<M, threads, 0, stream>>>(p);
       return cudaGetLastError();
     }
   }
@@ -423,32 +465,34 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const size_t cache_bytes = (static_cast<size_t>(p.N) * sizeof(word_t<S>) + 15) / 16 * 16;
   if (cache_bytes + kStaticSmemBytes <= static_cast<size_t>(max_optin)) {
-    auto kernel = bn16_softmax_rows_kernel<T, S, kG, kAffine, true>;
+    auto kernel = bn16_softmax_rows_kernel<T, S, kG, kMode, true>;
     if (cache_bytes > 48 * 1024) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cache_bytes));
       if (err != cudaSuccess) return err;
     }
     kernel<<<M, threads, cache_bytes, stream>>>(p);
   } else {
-    bn16_softmax_rows_kernel<T, S, kG, kAffine, false><<<M, threads, 0, stream>>>(p);
+    bn16_softmax_rows_kernel<T, S, kG, kMode, false><<<M, threads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
 
-template <typename T, typename S>
+inline bool aligned16(const void* q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0; }
+
+template <typename T, typename S, RowMode kMode>
 cudaError_t softmax_rows_for_storage(const RowArgs& p, int M, cudaStream_t stream) {
-  const bool vec = p.N % kVec == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
-                   (p.scale == nullptr || reinterpret_cast<uintptr_t>(p.scale) % 16 == 0);
-  if (p.coeff != nullptr) {
-    return vec ? launch_softmax_rows<T, S, kVec, true>(p, M, stream)
-               : launch_softmax_rows<T, S, 1, true>(p, M, stream);
-  }
-  return vec ? launch_softmax_rows<T, S, kVec, false>(p, M, stream) : launch_softmax_rows<T, S, 1, false>(p, M, stream);
+  const bool vec = p.N % kVec == 0 && aligned16(p.out) && aligned16(p.scale) && aligned16(p.bn_weight) &&
+                   aligned16(p.bn_bias) && aligned16(p.running_mean) && aligned16(p.running_var);
+  return vec ? launch_softmax_rows<T, S, kVec, kMode>(p, M, stream) : launch_softmax_rows<T, S, 1, kMode>(p, M, stream);
 }
 
 template <typename T>
 cudaError_t softmax_rows_for_type(const RowArgs& p, bool float32_io, int M, cudaStream_t stream) {
-  return float32_io ? softmax_rows_for_storage<T, float>(p, M, stream) : softmax_rows_for_storage<T, T>(p, M, stream);
+  if (p.coeff != nullptr)
+    return float32_io ? softmax_rows_for_storage<T, float, RowMode::kTrain>(p, M, stream)
+                      : softmax_rows_for_storage<T, T, RowMode::kTrain>(p, M, stream);
+  return float32_io ? softmax_rows_for_storage<T, float, RowMode::kPlain>(p, M, stream)
+                    : softmax_rows_for_storage<T, T, RowMode::kPlain>(p, M, stream);
 }
 
 template <typename S>
@@ -541,12 +585,35 @@ cudaError_t fused_gemm_bn::lowp_softmax_rows(int dtype, bool float32_io, void* o
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
-  const RowArgs p{out, reinterpret_cast<const float4*>(coeff), coeff != nullptr ? scale : nullptr, N};
+  const RowArgs p{out,    reinterpret_cast<const float4*>(coeff), coeff != nullptr ? scale : nullptr,
+                  nullptr, nullptr,                                nullptr,
+                  nullptr, 0.f,                                    N};
   switch (static_cast<Dtype>(dtype)) {
     case Dtype::kF16:
       return softmax_rows_for_type<__half>(p, float32_io, M, stream);
     case Dtype::kBF16:
       return softmax_rows_for_type<__nv_bfloat16>(p, float32_io, M, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Problem 84, eval, after a cuBLAS product: out (M, N) of the 16-bit type, holding
+// z, <- row softmax of rnd(eval_out(z)) in place (kEval: BatchNorm with the running
+// statistics and the scale applied as each row is read).
+cudaError_t fused_gemm_bn::lowp_bn_softmax_rows_eval(int dtype, void* out, const void* scale, const void* bn_weight,
+                                                     const void* bn_bias, const void* running_mean,
+                                                     const void* running_var, float eps, int M, int N,
+                                                     cudaStream_t stream) {
+  using namespace fused_gemm_bn::lowp;
+  using namespace fused_gemm_bn::lowp::bn;
+  if (M == 0 || N == 0) return cudaSuccess;
+  const RowArgs p{out,          nullptr,     scale, bn_weight, bn_bias,
+                  running_mean, running_var, eps,   N};
+  switch (static_cast<Dtype>(dtype)) {
+    case Dtype::kF16:
+      return softmax_rows_for_storage<__half, __half, RowMode::kEval>(p, M, stream);
+    case Dtype::kBF16:
+      return softmax_rows_for_storage<__nv_bfloat16, __nv_bfloat16, RowMode::kEval>(p, M, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -22,7 +22,9 @@
 //   still give enough CTAs (333 x 5000: 120).  A thread loads its 8 rows before
 //   using any.  The slices' sums meet in shared memory.  The second pass reads u
 //   back from out (the thread's own stores), so z may be out (in place, S == T).
-// bn16_chain_eval (eval; both problems, 84's softmax follows in bn16_softmax_rows)
+// bn16_chain_eval (eval; problem 33, and 84 in the autocast form, where
+// bn16_softmax_rows follows; 84 with 16-bit out runs it inside the row softmax
+// instead: bn_16bit.cu's kEval mode, the same values)
 //   out = eval_out(z, ...) with invstd = rsqrtf(running_var + eps), rounded to S by
 //   the store; in place allowed.  CTA: 16 feature groups x 16 row slices of 8 rows.
 // Layout: z (M, N) T and out (M, N) S row-major contiguous; vectors (N) of S.

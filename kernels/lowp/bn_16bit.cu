@@ -38,11 +38,12 @@
 //   kPlain (eval after the GEMMs, whose epilogue already wrote v):  v = out
 //   out = rnd(expf(v - max v) / sum expf(v - max v)): PyTorch's CUDA softmax on
 //   a 16-bit tensor (max and sum in float32, IEEE expf and division, rounded
-//   once).  Rows of N <= 16384 with 16-byte access keep v in registers (up to
-//   4 groups of 8 per thread, all loads issued first: bn16_softmax_rows_reg_kernel;
-//   batches under 512 rows spread a row over up to 512 threads, one group each);
-//   kTrain and kEval rows of N <= 8192 in batches of >= 512 rows: bn16_softmax_rows_multi_kernel,
-//   one group per thread whose coefficients stay in registers over 4 rows);
+//   once).  Rows of N <= 16384 with 16-byte access keep v in registers
+//   (bn16_softmax_rows_reg_kernel: up to 4 groups of 8 per thread, all loads issued
+//   first; batches under 512 rows spread a row over up to 512 threads, one group
+//   each); kTrain and kEval rows of N <= 8192 in batches of >= 512 rows:
+//   bn16_softmax_rows_multi_kernel, one group per thread whose coefficients stay in
+//   registers over 4 rows;
 //   otherwise the CTA keeps v (16-bit, exact) in shared memory, N * 2 bytes
 //   (16 KB for N = 8192): one read and one write of the row; rows longer than the
 //   device's shared memory allows take the online variant (running max and

@@ -40,7 +40,7 @@
 //   a 16-bit tensor (max and sum in float32, IEEE expf and division, rounded
 //   once).  Rows of N <= 16384 with 16-byte access keep v in registers
 //   (bn16_softmax_rows_reg_kernel: up to 4 groups of 8 per thread, all loads issued
-//   first; batches under 512 rows spread a row over up to 512 threads, one group
+//   first; batches under 256 rows spread a row over up to 512 threads, one group
 //   each); kTrain and kEval rows of N <= 8192 in batches of >= 512 rows:
 //   bn16_softmax_rows_multi_kernel, one group per thread whose coefficients stay in
 //   registers over 4 rows;
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
 // in registers, every group's load issued before any is used (one global
 // read, as kCached, without the shared-memory round trips).
 constexpr int kRegGroups = 4;
-constexpr int kSpreadRows = 512;  // fewer rows: each row over up to kRowThreads threads (launch_softmax_rows)
+constexpr int kSpreadRows = 256;  // fewer rows: each row over up to kRowThreads threads (launch_softmax_rows)
 
 template <typename T, typename S, RowMode kMode>
 __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(const RowArgs p) {
@@ -458,8 +458,8 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
       // kRegGroups groups per thread.  Batches of fewer than kSpreadRows rows (one
       // CTA per row) leave too few warps per SM to hide the loads' latency: each
       // row is spread over up to kRowThreads threads instead, one group each
-      // (float16 training: 128 x 4096 8.9 -> 6.3 us, 256 x 2048 9.0 -> 6.0 us;
-      // docs/perf.md v32).
+      // (float16 training: 128 x 4096 8.9 -> 6.3 us, 128 x 8192 11.5 -> 10.3 us;
+      // from 256 rows on it measured mixed, 333 x 5000 14.5 -> 17-18 us: docs/perf.md v32).
       const int per_thread = M < kSpreadRows ? 1 : kRegGroups;
       const int threads =
           min(kRowThreads, max(32, ((num_groups + per_thread - 1) / per_thread + 31) / 32 * 32));

@@ -1824,6 +1824,11 @@ cudaError_t lowp_bn_apply(int dtype, bool float32_io, void* out, const float* co
 // Problem 84: row softmax in place (coeff and scale: training; coeff null: eval).
 cudaError_t lowp_softmax_rows(int dtype, bool float32_io, void* out, const float* coeff, const void* scale, int M,
                               int N, cudaStream_t stream);
+// Problem 84, eval after lowp_cublas's product: out (M, N) 16-bit, holding z, <- row
+// softmax of BatchNorm (running statistics) * scale of it, in place (bn_16bit.cu, kEval).
+cudaError_t lowp_bn_softmax_rows_eval(int dtype, void* out, const void* scale, const void* bn_weight,
+                                      const void* bn_bias, const void* running_mean, const void* running_var,
+                                      float eps, int M, int N, cudaStream_t stream);
 // The training backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and
 // dscale, dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
 // (g_float32) or dtype, the saved z (M, N) in dtype and coeff (N float4) of the training forward.
@@ -4978,6 +4983,13 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
 }
 
+// The scale as the contiguous (N) vector the kernels read: model_new.per_feature_scale
+// passes one number broadcast to N features as a stride-0 view (no copy in Python);
+// it is materialized here, in one at:: copy.
+torch::Tensor feature_vector(const torch::Tensor& scale) {
+  return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
+}
+
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x) {
   TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
@@ -5323,6 +5335,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn, c10::optional<torch::Tensor> w_parts) {
+  scale = feature_vector(scale);
   const Gemm gemm = parse_gemm(gemm_name);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
@@ -5353,6 +5366,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
                            c10::optional<torch::Tensor> w_parts) {
+  scale = feature_vector(scale);
   const Gemm gemm = parse_gemm(gemm_name);
   TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 has no eval epilogue");
   const auto [M, N, K] = check_gemm_operands(x, weight);
@@ -5412,6 +5426,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
                                                torch::Tensor running_var, torch::Tensor num_batches_tracked,
                                                double momentum, double eps, bool scale_after_bn,
                                                c10::optional<torch::Tensor> w_parts) {
+  scale = feature_vector(scale);
   const Gemm gemm = parse_gemm(gemm_name);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
@@ -5665,6 +5680,7 @@ std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor&
 std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
                                              torch::Tensor scale, torch::Tensor bn_weight, double eps,
                                              bool scale_after_bn) {
+  scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
   check_vector(scale, "scale", N, z);
   check_vector(bn_weight, "bn.weight", N, z);
@@ -5739,6 +5755,7 @@ std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered
                                          torch::Tensor running_mean, torch::Tensor running_var,
                                          torch::Tensor num_batches_tracked, double momentum, double eps,
                                          bool scale_after_bn) {
+  scale = feature_vector(scale);
   TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(),
               "sync_bn_apply: z must be a contiguous float32 CUDA (M, N) tensor");
   const int64_t M = z.size(0), N = z.size(1);
@@ -5801,6 +5818,7 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
                                             torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
                                             double eps, bool scale_after_bn, torch::Tensor count,
                                             torch::Tensor local_sums, torch::Tensor total_sums) {
+  scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_grad", grad_y, z, stats);
   TORCH_CHECK(count.device() == z.device() && count.scalar_type() == torch::kFloat64 && count.numel() == 1,
               "bn_backward_grad: count must be a one-element float64 tensor on ", z.device(), " (the merged batch's "
@@ -6197,9 +6215,15 @@ class BatchNormState(_BatchNormBase):
 # ---------------------------------------------------------------------------
 
 
+_IS_16BIT = {}  # dtype -> bool, filled on first sight (torch.finfo per call costs ~0.5 us of host time)
+
+
 def _is_16bit_dtype(dtype):
     """True for the two 16-bit float dtypes."""
-    return dtype.is_floating_point and torch.finfo(dtype).bits == 16
+    sixteen = _IS_16BIT.get(dtype)
+    if sixteen is None:
+        sixteen = _IS_16BIT[dtype] = dtype.is_floating_point and torch.finfo(dtype).bits == 16
+    return sixteen
 
 
 def _cuda_dtype_problem(dtype):
@@ -6263,11 +6287,12 @@ def check_input(x, weight, training, cast=False):
 
 
 def per_feature_scale(scale, n):
-    """The `scale` parameter as an (N,) vector (a view when it already is one),
-    for every shape that multiplies an (M, N) tensor feature by feature and
-    keeps it (M, N), broadcast as torch broadcasts it: one element with at most
-    2 dims ((), (1,), (1, 1)), or N elements as (N,) or (1, N); autograd sums
-    its gradient back to that shape.  Other shapes raise RuntimeError before any
+    """The `scale` parameter as an (N,) view, never a copy, for every shape that
+    multiplies an (M, N) tensor feature by feature and keeps it (M, N), broadcast
+    as torch broadcasts it: one element with at most 2 dims ((), (1,), (1, 1))
+    becomes a stride-0 view of that number (the extensions' bindings materialize
+    it as a contiguous (N,) vector: no copy in Python, docs/perf.md v32), or N
+    elements as (N,) or (1, N); autograd sums its gradient back to that shape.  Other shapes raise RuntimeError before any
     buffer is touched: a per-row (M, 1) or (M, N) scale, which Model accepts at
     that one batch size only, and 3 or more dims, which change Model's output rank."""
     per_feature = scale.dim() <= 2 and (scale.numel() == 1 or (scale.shape[-1] == n and scale.numel() == n))
@@ -6277,7 +6302,7 @@ def per_feature_scale(scale, n):
             f"(1, {n})), got shape {tuple(scale.shape)}"
         )
     s = scale.reshape(-1)
-    return s if s.shape == (n,) else s.expand(n).contiguous()
+    return s if s.shape == (n,) else s.expand(n)
 
 
 # ---------------------------------------------------------------------------
@@ -6473,7 +6498,19 @@ def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=Non
                 scale_after_bn)
     if facts is None and x.is_cuda:
         facts = device_facts(x.device)
-    return plan(call, facts, switches)
+    key = (call, facts, SWITCHES if switches is None else switches)
+    made = _PLANS.get(key)
+    if made is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        made = _PLANS[key] = plan(*key)
+    return made
+
+
+# dispatch's memo: plan() is pure in (call, facts, switches), and a call's host
+# time matters at small sizes (docs/perf.md v32).  Cleared whole when full.
+_PLANS = {}
+_PLANS_MAX = 4096
 
 
 def dispatch_gemm_nt(a, b, facts=None, switches=None):
@@ -7697,13 +7734,14 @@ _OPS = _define_ops() if hasattr(torch.library, "custom_op") else None
 _OPS_IN_EAGER = os.environ.get("FUSED_GEMM_BN_EAGER_OPS") == "1"
 
 
+# torch.compiler.is_compiling from torch 2.3 on, torch._dynamo's before (None: neither).
+_IS_COMPILING = (getattr(getattr(torch, "compiler", None), "is_compiling", None)
+                 or getattr(getattr(torch, "_dynamo", None), "is_compiling", None))
+
+
 def _tracing():
-    """torch.compile (dynamo) or torch.jit.trace is recording this call
-    (torch.compiler.is_compiling from torch 2.3 on, torch._dynamo's before)."""
-    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if compiling is None:
-        compiling = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
-    return (compiling is not None and compiling()) or torch.jit.is_tracing()
+    """torch.compile (dynamo) or torch.jit.trace is recording this call."""
+    return (_IS_COMPILING is not None and _IS_COMPILING()) or torch.jit.is_tracing()
 
 
 def _use_ops():

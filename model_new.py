@@ -744,7 +744,8 @@ _LOWP_MIN_FILL = 0.9     # 256-row grids filling less of the SMs than this go to
 def _lowp_hopper_gemm(m, n, k, training, facts, switches):
     """The 16-bit product on Hopper: "lowp_sm90" (the project's wgmma kernel, the
     chain in its epilogue) or "lowp_cublas" (cuBLAS through at::linear, eager
-    nn.Linear's own call, then the chain kernels of lowp/bn_16bit_chain.cu), by
+    nn.Linear's own call, then the chain kernels of lowp/bn_16bit_chain.cu; problem
+    84's 16-bit eval: one row softmax that applies BatchNorm, lowp/bn_16bit.cu), by
     switches.lowp_gemm ("sm90" or "cublas": FUSED_GEMM_BN_LOWP_GEMM), or for
     "auto" by this rule, fitted to both routes' times over bench.py's sweep (H200,
     both dtypes, problems and modes; docs/perf.md v31), where lowp_sm90 is slower:

@@ -6222,8 +6222,8 @@ def per_feature_scale(scale, n):
     as torch broadcasts it: one element with at most 2 dims ((), (1,), (1, 1))
     becomes a stride-0 view of that number (the extensions' bindings materialize
     it as a contiguous (N,) vector: no copy in Python, docs/perf.md v32), or N
-    elements as (N,) or (1, N); autograd sums its gradient back to that shape.  Other shapes raise RuntimeError before any
-    buffer is touched: a per-row (M, 1) or (M, N) scale, which Model accepts at
+    elements as (N,) or (1, N); autograd sums its gradient back to that shape.
+    Other shapes raise RuntimeError before any buffer is touched: a per-row (M, 1) or (M, N) scale, which Model accepts at
     that one batch size only, and 3 or more dims, which change Model's output rank."""
     per_feature = scale.dim() <= 2 and (scale.numel() == 1 or (scale.shape[-1] == n and scale.numel() == n))
     if not per_feature:
@@ -6419,6 +6419,12 @@ def plan(call, facts=None, switches=None):
     return Plan(f"{gemm}_{mode}", gemm, "ext", call.training, call.grad)
 
 
+# dispatch's memo: plan() is pure in (call, facts, switches), and a call's host
+# time matters at small sizes (docs/perf.md v32).  Cleared whole when full.
+_PLANS = {}
+_PLANS_MAX = 4096
+
+
 def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=None):
     """The Plan of a forward: x (M, K) and weight (N, K) as the module passes
     them (after check_input); training: batch statistics; grad: gradients
@@ -6436,11 +6442,6 @@ def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=Non
         made = _PLANS[key] = plan(*key)
     return made
 
-
-# dispatch's memo: plan() is pure in (call, facts, switches), and a call's host
-# time matters at small sizes (docs/perf.md v32).  Cleared whole when full.
-_PLANS = {}
-_PLANS_MAX = 4096
 
 
 def dispatch_gemm_nt(a, b, facts=None, switches=None):

@@ -826,7 +826,6 @@ def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=Non
     return made
 
 
-
 def dispatch_gemm_nt(a, b, facts=None, switches=None):
     """The GEMM kernel of a @ b^T (the backward's products; a (M, K), b (N, K),
     any strides: the extension copies a non-contiguous b, so only a contiguous

@@ -16,6 +16,10 @@ kernels/lowp/ (compiled on its first 16-bit call, before timing).
 
 How it measures: each side's forward call is bracketed by a pair of CUDA events.
 Before every call, outside the events, a 256 MB buffer is zeroed to flush L2,
+the GPU spins for SPIN_CYCLES clock cycles (so the host has enqueued the whole
+call before the GPU starts it: the events time the GPU's work, not the host's
+launches; the host time per call is reported beside it in the sweep, and a note
+is printed if the GPU reached a call before its launches were all issued),
 and the input rotates among 4 pre-generated torch.rand tensors.  The sides are
 interleaved (each repetition calls every side once, the order rotated by one per
 repetition).  After --warmup untimed repetitions, --iters timed ones give the
@@ -85,6 +89,7 @@ import torch
 
 DEVICE = "cuda"
 L2_FLUSH_BYTES = 256 * 1024 * 1024
+SPIN_CYCLES = 200_000  # GPU clock cycles spun before each timed call (~0.1 ms at 2 GHz): time_fn
 NUM_INPUTS = 4
 EVAL_TRAIN_STEPS = 3  # training steps before --mode eval, so the running statistics are not 0 / 1
 ATOL = RTOL = 1e-4
@@ -261,15 +266,27 @@ def check_accuracy(problem, sides, ref, x, compute=None):
     return errors, check
 
 
-def time_fn(fns, inputs, iters, warmup, prepare=None):
+def time_fn(fns, inputs, iters, warmup, prepare=None, host=None):
     """CUDA-event times in ms of every callable in `fns` (name -> fn(x)), interleaved:
     each repetition calls every side once on the same input, in an order rotated by
     one per repetition; L2 is flushed before each call, outside its events.
+    The events time the GPU's work: before each start event the GPU is given
+    SPIN_CYCLES of spinning (torch.cuda._sleep) besides the flush, so the host has
+    enqueued the whole call before the GPU reaches it (nvbench's blocking-kernel
+    idea).  Without that, a small call whose host time outruns the GPU's work ahead
+    of it is timed partly on the host, and its time moved 3x between runs on an
+    H200 (docs/perf.md v33).  host (name -> dict), when given, receives each side's
+    host time per call ("host_us": the Python call, from before fn(x) to its return)
+    and "gpu_waited": the timed calls whose start event had already completed when
+    the host returned from fn(x) (the GPU may then have waited on the host).
     prepare (name -> fn(x)), when given, runs before the flush, outside the events."""
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
+    spin = getattr(torch.cuda, "_sleep", None)
     names = list(fns)
     events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                      for _ in range(iters)] for name in names}
+    host_us = {name: [] for name in names}
+    waited = dict.fromkeys(names, 0)
     for rep in range(warmup + iters):
         x = inputs[rep % len(inputs)]
         shift = rep % len(names)
@@ -280,11 +297,19 @@ def time_fn(fns, inputs, iters, warmup, prepare=None):
             if rep < warmup:
                 fns[name](x)
                 continue
+            if spin is not None:
+                spin(SPIN_CYCLES)
             start, end = events[name][rep - warmup]
             start.record()
+            t0 = time.perf_counter()
             fns[name](x)
+            host_us[name].append((time.perf_counter() - t0) * 1e6)
+            waited[name] += start.query()
             end.record()
     torch.cuda.synchronize()
+    if host is not None:
+        for name in names:
+            host[name] = {"host_us": host_us[name], "gpu_waited": waited[name]}
     return {name: [start.elapsed_time(end) for start, end in events[name]] for name in names}
 
 
@@ -551,7 +576,7 @@ def run_sweep(problem, args, modes):
     rows = []
     print(f"\nproblem {problem['name']} ({problem['title']})")
     print(f"{'mode':<6}{'M':>6}{'K':>7}{'N':>7}{'eager ms':>11}{'ModelNew ms':>13}{'speedup':>9}"
-          f"{'time/eager':>12}{'TFLOP/s':>9}{'rel err':>10}{'eager err':>11}")
+          f"{'time/eager':>12}{'TFLOP/s':>9}{'rel err':>10}{'eager err':>11}{'host us: eager':>16}{'ModelNew':>10}")
     for mode in modes:
         for shape in SWEEP_SHAPES:
             m, k, n = shape
@@ -561,17 +586,22 @@ def run_sweep(problem, args, modes):
             with torch.no_grad():
                 sides = {"eager": ref, "ModelNew": new}
                 errors, check = check_accuracy(problem, sides, ref, torch.rand(m, k, device=DEVICE).to(dtype))
-                times = time_fn(sides, inputs, args.iters, args.warmup)
+                host = {}
+                times = time_fn(sides, inputs, args.iters, args.warmup, host=host)
             eager_ms, new_ms = statistics.median(times["eager"]), statistics.median(times["ModelNew"])
+            host_us = {name: statistics.median(h["host_us"]) for name, h in host.items()}
+            waited = {name: h["gpu_waited"] for name, h in host.items() if h["gpu_waited"]}
             row = {"mode": mode, "M": m, "K": k, "N": n, "eager_ms": eager_ms, "modelnew_ms": new_ms,
                    "speedup_vs_eager": eager_ms / new_ms, "time_ratio_vs_eager": new_ms / eager_ms,
                    "modelnew_gemm_tflops": 2.0 * m * n * k / (new_ms * 1e-3) / 1e12,
                    "rel_err_vs_fp64": errors["ModelNew"], "eager_rel_err_vs_fp64": errors["eager"],
-                   "close_vs_eager": check["close_vs_eager"]}
+                   "close_vs_eager": check["close_vs_eager"], "eager_host_us": host_us["eager"],
+                   "modelnew_host_us": host_us["ModelNew"], "gpu_waited_on_host": waited}
             rows.append(row)
             print(f"{mode:<6}{m:>6}{k:>7}{n:>7}{eager_ms:>11.3f}{new_ms:>13.3f}{eager_ms / new_ms:>8.2f}x"
                   f"{new_ms / eager_ms:>12.3f}{row['modelnew_gemm_tflops']:>9.1f}{errors['ModelNew']:>10.1e}"
-                  f"{errors['eager']:>11.1e}", flush=True)
+                  f"{errors['eager']:>11.1e}{host_us['eager']:>16.1f}{host_us['ModelNew']:>10.1f}"
+                  + (f"  (GPU reached the call before its launches: {waited})" if waited else ""), flush=True)
             del ref, new, inputs
             torch.cuda.empty_cache()
     return rows
@@ -627,8 +657,11 @@ def sweep_problem(problem, args, modes, env):
     slower = [r for r in rows if r["time_ratio_vs_eager"] > 1.0]
     wrong = [r for r in rows if not r["close_vs_eager"]]
     print(f"\nwrote {json_path}" + (f" and {png}" if png else ""))
-    print(f"problem {problem['name']}: shapes where ModelNew is slower than eager: {len(slower)} of {len(rows)}; "
-          f"not close: {len(wrong)}")
+    slower_host = [r for r in rows if r["modelnew_host_us"] > r["eager_host_us"]]
+    waited = [r for r in rows if r["gpu_waited_on_host"]]
+    print(f"problem {problem['name']}: shapes where ModelNew is slower than eager: {len(slower)} of {len(rows)} "
+          f"(GPU time); host time per call above eager's: {len(slower_host)}; not close: {len(wrong)}"
+          + (f"; shapes where the GPU reached a timed call before its launches: {len(waited)}" if waited else ""))
     return not wrong
 
 

@@ -739,6 +739,8 @@ def _float32_gemm(m, n, k, w_aligned16, cluster_candidate, facts, switches):
 # bundle: repository-only begins (tools/bundle.py writes BUNDLE_NO_LOWP_ROUTES in place of this block)
 _LOWP_TALL_BATCH = 8192  # rows from which lowp_cublas takes every 16-bit product
 _LOWP_MIN_FILL = 0.9     # 256-row grids filling less of the SMs than this go to lowp_cublas
+_LOWP_STRIP_ROWS = 1024  # training batches up to this many rows: bn_16bit_strip.cu after cuBLAS ...
+_LOWP_SMALL_MNK = 1 << 33  # ... when M N K is at most this (17.2 GFLOP): lowp_cublas
 
 
 def _lowp_hopper_gemm(m, n, k, training, facts, switches):
@@ -757,6 +759,12 @@ def _lowp_hopper_gemm(m, n, k, training, facts, switches):
       - eval on the 128-row plan cut along K (128-row tiles at most half the SMs;
         1024 x 1024 x 1024: 0.77-0.85).  Training there stays on lowp_sm90 (its
         epilogue computes the statistics without another read of u: 1.08-1.24).
+      - training batches of at most _LOWP_STRIP_ROWS rows with M N K at most
+        _LOWP_SMALL_MNK, where cuBLAS's product beats the 128-row split-tile plan's
+        by more than the epilogue's statistics save, and the chain after it is one
+        kernel (bn_16bit_strip.cu; docs/perf.md v33, GPU time, bfloat16: problem 33
+        0.61-0.90 of lowp_sm90's time, 84 0.77-1.01; at 256 x 8192 x 8192 lowp_sm90
+        is faster, 0.92-0.96).
     Elsewhere lowp_sm90 is within 3% of the other route or faster (2048 x 1028 x 8190:
     cuBLAS's route 1.13-1.27)."""
     if switches.lowp_gemm in ("sm90", "cublas"):
@@ -765,6 +773,8 @@ def _lowp_hopper_gemm(m, n, k, training, facts, switches):
     tiles_256 = -(-m // 256) * -(-n // 128)
     tiles_128 = -(-m // 128) * -(-n // 128)
     if m >= _LOWP_TALL_BATCH:
+        return "lowp_cublas"
+    if training and m <= _LOWP_STRIP_ROWS and m * n * k <= _LOWP_SMALL_MNK:
         return "lowp_cublas"
     if 2 * tiles_256 >= sms:
         return "lowp_cublas" if tiles_256 < _LOWP_MIN_FILL * sms else "lowp_sm90"
@@ -1495,7 +1505,7 @@ def _lowp_train_backward(bn_backward, scale_after_bn, grad_out, x16, w16, scale,
     module's, or a float32 module's under autocast) with respect to (x,
     gemm.weight, gemm.bias, scale, bn.weight, bn.bias), from its saved tensors:
     x16, w16 the GEMM's operands (in the 16-bit dtype T), z (M, N) T the Linear
-    output, coeff (N, 4) the batch's {mean, invstd, bn.weight, bn.bias}, out
+    output, coeff (4, N) the batch's {mean, invstd, bn.weight, bn.bias}, out
     (problem 84) the softmax output; dtypes: the six inputs' dtypes, which their
     gradients are returned in (grad_x and grad_W made in theirs, the others cast
     from float32):
@@ -1532,7 +1542,7 @@ class _LowpTrainFn(torch.autograd.Function):
     comes from the weight cache (_weight_parts, kind cast_<dtype>), while the
     vectors stay float32 (the binding's autocast form).  Saved: the two GEMM
     operands (the caller's tensors for a 16-bit module), scale, z (M, N) in the
-    16-bit dtype, coeff (N, 4), and for problem 84 out."""
+    16-bit dtype, coeff (4, N), and for problem 84 out."""
 
     @staticmethod
     def forward(ctx, kernels, gemm, scale_after_bn, buffers, momentum, eps, cast_dtype, x, weight, bias, scale,
@@ -2045,7 +2055,7 @@ def _op_softmax_rows(v):
 def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
     """The extension's bn_backward_train (contract: _torch_bn_backward_train), as a
     tuple.  A 16-bit z comes from the 16-bit forward_train_saved: stats is then its
-    coeff (N, 4) and the 16-bit extension's bn_backward_train runs (bn_weight and
+    coeff (4, N) and the 16-bit extension's bn_backward_train runs (bn_weight and
     eps are in coeff)."""
     if _is_16bit_dtype(z.dtype):
         return tuple(_lowp_kernels().bn_backward_train(grad_y, z, stats, scale, scale_after_bn))
@@ -2132,8 +2142,8 @@ def _fake_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean
 def _fake_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                               num_batches_tracked, momentum, eps, scale_after_bn):
     m, n = x.shape[0], weight.shape[0]
-    # 16-bit x: the 16-bit extension's (out, z, coeff (N, 4) float32)
-    stats = x.new_empty((n, 4), dtype=torch.float32) if _is_16bit_dtype(x.dtype) else x.new_empty((2, n))
+    # 16-bit x: the 16-bit extension's (out, z, coeff (4, N) float32)
+    stats = x.new_empty((4, n), dtype=torch.float32) if _is_16bit_dtype(x.dtype) else x.new_empty((2, n))
     return (x.new_empty((m, n)), x.new_empty((m, n)), stats, torch.empty_like(running_mean),
             torch.empty_like(running_var), torch.empty_like(num_batches_tracked))
 

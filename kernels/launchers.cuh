@@ -249,6 +249,17 @@ cudaError_t lowp_bn_chain_eval(int dtype, bool float32_io, const void* z, void* 
                                const void* bn_weight, const void* bn_bias, const void* running_mean,
                                const void* running_var, float eps, bool scale_after_bn, int M, int N,
                                cudaStream_t stream);
+// After a cuBLAS product, training, batches of 2 .. 1024 rows (lowp/bn_16bit_strip.cu): u,
+// the statistics, the running statistics, coeff and (problem 33) out = BatchNorm(u), or
+// (84) out = u, in one kernel.  num_batches_tracked += 1 here when momentum >= 0;
+// momentum < 0 (1 / num_batches_tracked): the caller adds 1 first.  fits: whether
+// the kernel takes this call (M, N % 8, 16-byte alignment); the launcher returns
+// cudaErrorInvalidValue otherwise.
+bool lowp_bn_strip_train_fits(int M, int N, const void* z, const void* out);
+cudaError_t lowp_bn_strip_train(int dtype, bool float32_io, const void* z, void* out, const void* scale,
+                                const void* bn_weight, const void* bn_bias, void* running_mean, void* running_var,
+                                int64_t* num_batches_tracked, float momentum, float eps, bool scale_after_bn, int M,
+                                int N, float* coeff, cudaStream_t stream);
 // Problem 33, training: BatchNorm of out in place.
 cudaError_t lowp_bn_apply(int dtype, bool float32_io, void* out, const float* coeff, int M, int N,
                           cudaStream_t stream);

@@ -97,14 +97,15 @@ CASES = [
      "lowp_sm90_eval"),
     # any K on Hopper (the binding pads K % 8 != 0 for TMA); the portable switch and a build
     # without the sm_90a image take the mma.sync kernel
-    ("hopper-float16-k4", call(m=64, k=36, n=64, dtype=torch.float16), H200, DEFAULT, "lowp_sm90_train"),
+    ("hopper-float16-k4", call(m=2048, k=36, n=64, dtype=torch.float16), H200, DEFAULT, "lowp_sm90_train"),
     ("hopper-bfloat16-portable", call(dtype=torch.bfloat16), H200, PORTABLE, "lowp_sm80_train"),
     ("hopper-float16-no-sm90a", call(dtype=torch.float16), H200_NO_SM90A, DEFAULT, "lowp_sm80_train"),
     ("a100-float16-84", call(dtype=torch.float16, problem=84), A100, DEFAULT, "lowp_sm80_train"),
     # Hopper's 16-bit routes (_lowp_hopper_gemm): cuBLAS's product and the chain kernels where lowp_sm90's
     # grid fills the GPU poorly (256-row tiles under 90% of the SMs: 80 tiles), for batches of 8192 rows
-    # or more, and in eval on the small-grid plan (128-row tiles at most half the SMs); SWITCHES.lowp_gemm
-    # forces either route
+    # or more, in eval on the small-grid plan (128-row tiles at most half the SMs), and in training on
+    # batches of at most 1024 rows with M N K <= 2^33 (bn_16bit_strip.cu); SWITCHES.lowp_gemm forces
+    # either route
     ("hopper-float16-partial-wave", call(m=333, k=8192, n=5000, dtype=torch.float16), H200, DEFAULT,
      "lowp_cublas_train"),
     ("hopper-bfloat16-full-wave", call(m=512, k=8192, n=8192, dtype=torch.bfloat16, training=False), H200,
@@ -116,7 +117,13 @@ CASES = [
     ("hopper-float16-small-eval", call(m=1024, k=1024, n=1024, dtype=torch.float16, training=False), H200,
      DEFAULT, "lowp_cublas_eval"),  # 64 tiles of 128 rows
     ("hopper-float16-small-train", call(m=1024, k=1024, n=1024, dtype=torch.float16), H200, DEFAULT,
-     "lowp_sm90_train"),
+     "lowp_cublas_train"),
+    ("hopper-bfloat16-small-train-128-rows", call(m=128, k=8192, n=8192, dtype=torch.bfloat16, problem=84), H200,
+     DEFAULT, "lowp_cublas_train"),  # M N K = 2^33
+    ("hopper-bfloat16-train-256-rows", call(m=256, k=8192, n=8192, dtype=torch.bfloat16), H200, DEFAULT,
+     "lowp_sm90_train"),  # M N K = 2^34
+    ("hopper-float16-train-1025-rows", call(m=1025, k=1024, n=1024, dtype=torch.float16), H200, DEFAULT,
+     "lowp_sm90_train"),  # more rows than the strip kernel takes
     ("hopper-float16-eval-128-tiles", call(m=2048, k=1024, n=1024, dtype=torch.float16, training=False),
      H200, DEFAULT, "lowp_sm90_eval"),  # 128 tiles of 128 rows (more than half the SMs), 64 of 256
     ("hopper-float16-forced-sm90", call(m=333, k=8192, n=5000, dtype=torch.float16), H200,

@@ -38,7 +38,7 @@
 //       problem 84: one CTA per row: rnd(softmax(rnd(rnd(BatchNorm(u)) * scale)))
 //   forward_train_saved(same arguments) -> (out, z, coeff)
 //       forward_train, also keeping the Linear output z = rnd(x @ weight^T + bias)
-//       (M, N) in x's dtype and the batch coefficients coeff (N, 4) float32 =
+//       (M, N) in x's dtype and the batch coefficients coeff (4, N) float32 (rows) =
 //       {mean, invstd, bn.weight, bn.bias} for bn_backward_train.
 //   bn_backward_train(grad_y, z, coeff, scale, scale_after_bn)
 //       -> (grad_z, grad_scale, grad_bn_weight, grad_bn_bias)      (bn_16bit_backward.cu)
@@ -224,11 +224,19 @@ cudaError_t launch_gemm(bool sm90, int dtype, bool train, bool float32_io, const
 }
 
 // What a training forward returns: out (M, N) in the vectors' dtype; with
-// `saved`, also the Linear output z (M, N) in x's dtype and coeff (N, 4) float32
+// `saved`, also the Linear output z (M, N) in x's dtype and coeff (4, N) float32
 // = {mean, invstd, bn.weight, bn.bias} per feature (bn_16bit.cu), for the backward.
 struct TrainResult {
   torch::Tensor out, z, coeff;
 };
+
+// lowp_cublas training takes bn_16bit_strip.cu's one kernel (batches of at most 1024
+// rows) for problem 33 at every N, and for problem 84 up to this N.  Measured against
+// the chain + fold kernels (H200, bfloat16, GPU time of the whole call, docs/perf.md v33):
+// 84 at N <= 4096 0.85-0.94 of their time; at N >= 5000 1.03-1.05 (the strip kernel's
+// 2-4 CTAs per SM with their serial reductions cost more than the fold's launch
+// there); problem 33 (where it also replaces bn16_apply) 0.70-1.01 everywhere.
+constexpr int kStripMaxFeatures84 = 4096;
 
 // The training forward of either problem.
 TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
@@ -244,7 +252,7 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
   const auto f32 = op.x.options().dtype(torch::kFloat32);
   TrainResult r;
-  r.coeff = torch::empty({N, 4}, f32);
+  r.coeff = torch::empty({4, N}, f32);
   torch::Tensor z;  // lowp_cublas: the product, before the chain
   if (gemm == Gemm::kCublas && N > 0) z = cublas_linear(op, t, float32_io);
   // lowp_cublas without saved z and 16-bit out: the chain runs in place over z.
@@ -255,15 +263,31 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
     num_batches_tracked.add_(1);
     return r;
   }
+  torch::Tensor& out = r.out;
+  float* coeff = r.coeff.data_ptr<float>();
+  if (gemm == Gemm::kCublas && (!scale_after_bn || N <= kStripMaxFeatures84) &&
+      fgb::lowp_bn_strip_train_fits(M, N, z.data_ptr(), out.data_ptr())) {
+    // One kernel for the statistics, the running statistics, coeff and (33) the output.
+    if (momentum < 0) num_batches_tracked.add_(1);  // read by the kernel (momentum=None)
+    check_launch(fgb::lowp_bn_strip_train(op.dtype, float32_io, z.data_ptr(), out.data_ptr(), t.scale.data_ptr(),
+                                          t.bn_weight.data_ptr(), t.bn_bias.data_ptr(), t.running_mean.data_ptr(),
+                                          t.running_var.data_ptr(), num_batches_tracked.data_ptr<int64_t>(),
+                                          static_cast<float>(momentum), static_cast<float>(eps), scale_after_bn, M, N,
+                                          coeff, stream),
+                 "bn16_strip_train_kernel");
+    if (scale_after_bn)
+      check_launch(
+          fgb::lowp_softmax_rows(op.dtype, float32_io, out.data_ptr(), coeff, t.scale.data_ptr(), M, N, stream),
+          "bn16_softmax_rows_kernel (training)");
+    return r;
+  }
   const int block_m = fgb::lowp_gemm_block_m();
   const int num_m_tiles = (M + block_m - 1) / block_m;
   // part_mean | part_m2 (num_m_tiles x N each).
   const int64_t part_floats = static_cast<int64_t>(num_m_tiles) * N;
   torch::Tensor scratch = torch::empty({2 * part_floats}, f32);
-  float* coeff = r.coeff.data_ptr<float>();
   float* part_mean = scratch.data_ptr<float>();
   float* part_m2 = part_mean + part_floats;
-  torch::Tensor& out = r.out;
   if (gemm == Gemm::kCublas) {
     check_launch(fgb::lowp_bn_chain_train(op.dtype, float32_io, z.data_ptr(), out.data_ptr(), t.scale.data_ptr(),
                                           scale_after_bn, M, N, part_mean, part_m2,
@@ -356,7 +380,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_train_saved(
 }
 
 // The training backward after the GEMM (bn_16bit_backward.cu): grad_y (M, N), dL/dout
-// (problem 33) or dL/d(softmax input) (84), float32 or z's dtype; z (M, N) and coeff (N, 4)
+// (problem 33) or dL/d(softmax input) (84), float32 or z's dtype; z (M, N) and coeff (4, N)
 // from forward_train_saved; scale (N) of the vectors' dtype (z's, or float32 under
 // autocast).  Returns (grad_z (M, N) in z's dtype, grad_scale, grad_bn_weight, grad_bn_bias
 // (N) float32).
@@ -373,8 +397,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
               "grad_y must be a ", z.sizes(), " float32 or ", z.scalar_type(), " tensor on ", z.device(), ", got ",
               grad_y.scalar_type(), " ", grad_y.sizes());
   TORCH_CHECK(coeff.device() == z.device() && coeff.scalar_type() == torch::kFloat32 && coeff.dim() == 2 &&
-                  coeff.size(0) == N && coeff.size(1) == 4 && coeff.is_contiguous(),
-              "coeff must be a contiguous (", N, ", 4) float32 tensor on ", z.device());
+                  coeff.size(0) == 4 && coeff.size(1) == N && coeff.is_contiguous(),
+              "coeff must be a contiguous (4, ", N, ") float32 tensor on ", z.device());
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 || scale.scalar_type() == z.scalar_type(), "scale must be ",
               z.scalar_type(), " or float32, got ", scale.scalar_type());
   check_vector(scale, "scale", N, z, scale.scalar_type());

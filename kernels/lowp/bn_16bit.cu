@@ -15,7 +15,7 @@
 //     running_var  = rnd(var * c * f + (1 - f) * f(running_var)),  c = float32(M / (M - 1))
 //     f = momentum, or float32(1 / num_batches_tracked) for momentum=None
 //     (momentum < 0 here; nn.BatchNorm1d passes 1 / num_batches_tracked as the momentum)
-//   Writes coeff[j] = {mean, invstd, f(bn_weight), f(bn_bias)} (float4).
+//   Writes coeff[:, j] = {mean, invstd, f(bn_weight), f(bn_bias)} (lowp_coeff.cuh's (4, N) rows).
 //   The tiles are merged in float64 (merge_tile_statistics, ../bn_stats.cuh:
 //   no E[u^2] - E[u]^2 cancellation); PyTorch's Welford in float32 agrees to
 //   float32 rounding, far below the 16-bit rounding of everything downstream.
@@ -57,7 +57,8 @@
 // is rounded to S (Storage<float>); problem 84 still rounds BatchNorm's output to
 // T (BatchNorm returns T under autocast), then v = that * f(scale) and the
 // softmax are float32, as PyTorch's type promotion runs them.
-// Layout: row-major, contiguous; coeff float4 (N); vectors (N) and out of S (16-bit T or float32).
+// Layout: row-major, contiguous; coeff (4, N) float32 (lowp_coeff.cuh); vectors (N) and out of S
+// (16-bit T or float32).
 // Preconditions: M >= 2 for the training kernels (the caller raises PyTorch's
 // error for M == 1); any N >= 1.  Launchers return the launch error.
 
@@ -67,6 +68,7 @@
 
 #include "bn_stats.cuh"
 #include "launchers.cuh"
+#include "lowp_coeff.cuh"
 #include "lowp_types.cuh"
 
 namespace fused_gemm_bn {
@@ -77,6 +79,7 @@ constexpr int kFoldThreads = 256;
 constexpr int kApplyThreads = 256;
 constexpr int kApplyRowsPerBlock = 16;  // 256 blocks of 256 threads at M = 1024, N = 8192
 constexpr int kApplyRowBatch = 8;       // rows loaded before any is stored (in place: see bn_apply.cu)
+constexpr int kApplyMinBlocks = 256;    // fewer rows per block below this grid (apply_for_storage)
 constexpr int kRowThreads = 512;        // N = 8192: two 16-byte groups per thread
 constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static array
 constexpr int kVec = 8;                 // elements per 16-byte access
@@ -91,7 +94,7 @@ struct FoldArgs {
   float momentum, eps;
   void* running_mean;
   void* running_var;
-  float4* coeff;
+  float* coeff;  // (4, N)
 };
 
 template <typename S>
@@ -113,8 +116,9 @@ __global__ void __launch_bounds__(kFoldThreads) bn16_fold_train_kernel(const Fol
   const float rv = St::load(running_var + j);
   St::store(running_mean + j, mean * f + (1.f - f) * rm);
   St::store(running_var + j, var * bessel * f + (1.f - f) * rv);
-  p.coeff[j] = make_float4(mean, rsqrtf(var + p.eps), St::load(static_cast<const W*>(p.bn_weight) + j),
-                           St::load(static_cast<const W*>(p.bn_bias) + j));
+  coeff_store1(p.coeff, p.N, j,
+               make_float4(mean, rsqrtf(var + p.eps), St::load(static_cast<const W*>(p.bn_weight) + j),
+                           St::load(static_cast<const W*>(p.bn_bias) + j)));
 }
 
 // kVec consecutive elements of storage S (16-byte aligned) as floats, and back
@@ -153,13 +157,16 @@ __device__ __forceinline__ float bn_affine(float u, const float4& c) { return fm
 // Each thread owns kCols columns (8 or 1) and walks rows_per_block rows.
 template <typename S, int kCols>
 __global__ void __launch_bounds__(kApplyThreads)
-    bn16_apply_kernel(word_t<S>* out, const float4* __restrict__ coeff, int M, int N, int rows_per_block) {
+    bn16_apply_kernel(word_t<S>* out, const float* __restrict__ coeff, int M, int N, int rows_per_block) {
   using St = Storage<S>;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
   if (col >= N) return;
   float4 c[kCols];
-#pragma unroll
-  for (int e = 0; e < kCols; ++e) c[e] = coeff[col + e];
+  if constexpr (kCols == kVec) {
+    coeff_load8(coeff, N, col, c);
+  } else {
+    c[0] = coeff_load1(coeff, N, col);
+  }
   const int row0 = blockIdx.y * rows_per_block;
   const int row_end = min(M, row0 + rows_per_block);
   for (int row = row0; row < row_end; row += kApplyRowBatch) {
@@ -211,7 +218,7 @@ enum class RowMode { kPlain, kTrain, kEval };
 
 struct RowArgs {
   void* out;               // S words
-  const float4* coeff;     // kTrain: {mean, invstd, w, b} per feature
+  const float* coeff;      // kTrain: (4, N) {mean, invstd, w, b} rows (lowp_coeff.cuh)
   const void* scale;       // kTrain, kEval: (N) S words
   const void* bn_weight;   // kEval: (N) S words each
   const void* bn_bias;
@@ -227,8 +234,11 @@ struct RowArgs {
 template <typename S, int kG, RowMode kMode>
 __device__ __forceinline__ void load_coeff(const RowArgs& p, int i, float4 (&c)[kG]) {
   if constexpr (kMode == RowMode::kTrain) {
-#pragma unroll
-    for (int e = 0; e < kG; ++e) c[e] = p.coeff[i * kG + e];
+    if constexpr (kG == kVec) {
+      coeff_load8(p.coeff, p.N, i * kVec, c);
+    } else {
+      c[0] = coeff_load1(p.coeff, p.N, i);
+    }
   } else {
     using St = Storage<S>;
     using W = word_t<S>;
@@ -506,13 +516,19 @@ cudaError_t softmax_rows_for_type(const RowArgs& p, bool float32_io, int M, cuda
 }
 
 template <typename S>
-cudaError_t apply_for_storage(word_t<S>* out, const float4* coeff, int M, int N, cudaStream_t stream) {
+cudaError_t apply_for_storage(word_t<S>* out, const float* coeff, int M, int N, cudaStream_t stream) {
   const bool vec = N % kVec == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   const int cols_per_thread = vec ? kVec : 1;
   const int threads_needed = (N + cols_per_thread - 1) / cols_per_thread;
-  // grid.y is capped at 65535: very tall inputs give each block more rows.
-  const int rows_per_block = max(kApplyRowsPerBlock, (M + 65534) / 65535);
-  const dim3 grid((threads_needed + kApplyThreads - 1) / kApplyThreads, (M + rows_per_block - 1) / rows_per_block);
+  // grid.y is capped at 65535: very tall inputs give each block more rows.  Small
+  // inputs give each block fewer rows, down to 1, until the grid has kApplyMinBlocks
+  // blocks (128 x 2048: 8 blocks of 16 rows before, a latency-bound 5.9 us).
+  const int col_blocks = (threads_needed + kApplyThreads - 1) / kApplyThreads;
+  int rows_per_block = max(kApplyRowsPerBlock, (M + 65534) / 65535);
+  while (rows_per_block > 1 && static_cast<int64_t>(col_blocks) * ((M + rows_per_block - 1) / rows_per_block) <
+                                   kApplyMinBlocks)
+    rows_per_block /= 2;
+  const dim3 grid(col_blocks, (M + rows_per_block - 1) / rows_per_block);
   if (vec) {
     bn16_apply_kernel<S, kVec><<<grid, kApplyThreads, 0, stream>>>(out, coeff, M, N, rows_per_block);
   } else {
@@ -552,7 +568,7 @@ cudaError_t fused_gemm_bn::lowp_bn_fold_train(int dtype, bool float32_io, const 
                    eps,
                    running_mean,
                    running_var,
-                   reinterpret_cast<float4*>(coeff)};
+                   coeff};
   const int blocks = (N + kFoldThreads - 1) / kFoldThreads;
   if (float32_io) {  // float32 parameters and running statistics
     bn16_fold_train_kernel<float><<<blocks, kFoldThreads, 0, stream>>>(p);
@@ -575,7 +591,7 @@ cudaError_t fused_gemm_bn::lowp_bn_apply(int dtype, bool float32_io, void* out, 
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
-  const float4* c = reinterpret_cast<const float4*>(coeff);
+  const float* c = coeff;
   if (float32_io) return apply_for_storage<float>(static_cast<float*>(out), c, M, N, stream);
   uint16_t* o = static_cast<uint16_t*>(out);
   switch (static_cast<Dtype>(dtype)) {
@@ -595,7 +611,7 @@ cudaError_t fused_gemm_bn::lowp_softmax_rows(int dtype, bool float32_io, void* o
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
-  const RowArgs p{out,    reinterpret_cast<const float4*>(coeff), coeff != nullptr ? scale : nullptr,
+  const RowArgs p{out,    coeff, coeff != nullptr ? scale : nullptr,
                   nullptr, nullptr,                                nullptr,
                   nullptr, 0.f,                                    N};
   switch (static_cast<Dtype>(dtype)) {

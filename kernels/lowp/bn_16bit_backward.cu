@@ -11,7 +11,7 @@
 //   problem 84: u = z,  y = rnd_T(BatchNorm(u)),  w = rnd_S(y s),  out = softmax(w)
 //               (g = dL/dw: the caller runs the row softmax's backward)
 // BatchNorm(u) = gamma (u - mean) invstd + beta, with the forward's own batch
-// coefficients coeff[j] = {mean, invstd, gamma, beta} (bn16_fold_train_kernel).
+// coefficients coeff[:, j] = {mean, invstd, gamma, beta} (bn16_fold_train_kernel; lowp_coeff.cuh).
 // Gradients, as autograd gives them for that chain (a rounding's derivative is 1):
 //   dy = g (33) or g s (84);  S1 = sum_m dy,  S2 = sum_m dy (u - mean)
 //   du = gamma invstd (dy - S1 / M - (u - mean) invstd^2 S2 / M)
@@ -25,7 +25,7 @@
 // these carry one (dz), or none (the float32 parameter gradients).
 //
 // Tensors (row-major, contiguous): g (M, N) G (T, or float32); z, dz (M, N) T;
-// coeff (N) float4; scale (N) S; dscale, dgamma, dbeta (N) float32.
+// coeff (4, N) float32 (lowp_coeff.cuh); scale (N) S; dscale, dgamma, dbeta (N) float32.
 // Preconditions: M >= 2 (the forward's batch), N >= 1.
 //
 // Kernel: one CTA per 32 features (a warp reads one row's 32 contiguous
@@ -38,6 +38,7 @@
 #include <stdint.h>
 
 #include "launchers.cuh"
+#include "lowp_coeff.cuh"
 #include "lowp_types.cuh"
 
 namespace fused_gemm_bn {
@@ -51,7 +52,7 @@ constexpr int kRowBatch = 16;  // rows loaded per thread before use
 struct Args {
   const void* g;  // G words
   const uint16_t* z;
-  const float4* coeff;
+  const float* coeff;  // (4, N)
   const void* scale;  // S words
   bool scale_after_bn;
   int M, N;
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_train_kernel(c
   const int lane = threadIdx.x % kCols, warp = threadIdx.x / kCols;
   const int j = blockIdx.x * kCols + lane;
   const bool valid = j < p.N;
-  const float4 c = valid ? p.coeff[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4 c = valid ? coeff_load1(p.coeff, p.N, j) : make_float4(0.f, 0.f, 0.f, 0.f);
   const float s = valid ? St::load(static_cast<const word_t<S>*>(p.scale) + j) : 0.f;
   const double mean = c.x, sd = s;
   // u and dy of one element (the forward's values, recomputed).
@@ -194,7 +195,7 @@ cudaError_t fused_gemm_bn::lowp_bn_backward_train(int dtype, bool float32_io, bo
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn_backward;
   if (M == 0 || N == 0) return cudaSuccess;
-  const Args p{g,  static_cast<const uint16_t*>(z), reinterpret_cast<const float4*>(coeff), scale, scale_after_bn, M,
+  const Args p{g,  static_cast<const uint16_t*>(z), coeff, scale, scale_after_bn, M,
                N,  static_cast<uint16_t*>(dz),      dscale,                                  dgamma, dbeta};
   switch (static_cast<Dtype>(dtype)) {
     case Dtype::kF16:

@@ -1818,6 +1818,17 @@ cudaError_t lowp_bn_chain_eval(int dtype, bool float32_io, const void* z, void* 
                                const void* bn_weight, const void* bn_bias, const void* running_mean,
                                const void* running_var, float eps, bool scale_after_bn, int M, int N,
                                cudaStream_t stream);
+// After a cuBLAS product, training, batches of 2 .. 1024 rows (lowp/bn_16bit_strip.cu): u,
+// the statistics, the running statistics, coeff and (problem 33) out = BatchNorm(u), or
+// (84) out = u, in one kernel.  num_batches_tracked += 1 here when momentum >= 0;
+// momentum < 0 (1 / num_batches_tracked): the caller adds 1 first.  fits: whether
+// the kernel takes this call (M, N % 8, 16-byte alignment); the launcher returns
+// cudaErrorInvalidValue otherwise.
+bool lowp_bn_strip_train_fits(int M, int N, const void* z, const void* out);
+cudaError_t lowp_bn_strip_train(int dtype, bool float32_io, const void* z, void* out, const void* scale,
+                                const void* bn_weight, const void* bn_bias, void* running_mean, void* running_var,
+                                int64_t* num_batches_tracked, float momentum, float eps, bool scale_after_bn, int M,
+                                int N, float* coeff, cudaStream_t stream);
 // Problem 33, training: BatchNorm of out in place.
 cudaError_t lowp_bn_apply(int dtype, bool float32_io, void* out, const float* coeff, int M, int N,
                           cudaStream_t stream);
@@ -7538,7 +7549,7 @@ def _op_softmax_rows(v):
 def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
     """The extension's bn_backward_train (contract: _torch_bn_backward_train), as a
     tuple.  A 16-bit z comes from the 16-bit forward_train_saved: stats is then its
-    coeff (N, 4) and the 16-bit extension's bn_backward_train runs (bn_weight and
+    coeff (4, N) and the 16-bit extension's bn_backward_train runs (bn_weight and
     eps are in coeff)."""
     if _is_16bit_dtype(z.dtype):
         return tuple(_lowp_kernels().bn_backward_train(grad_y, z, stats, scale, scale_after_bn))
@@ -7625,8 +7636,8 @@ def _fake_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean
 def _fake_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                               num_batches_tracked, momentum, eps, scale_after_bn):
     m, n = x.shape[0], weight.shape[0]
-    # 16-bit x: the 16-bit extension's (out, z, coeff (N, 4) float32)
-    stats = x.new_empty((n, 4), dtype=torch.float32) if _is_16bit_dtype(x.dtype) else x.new_empty((2, n))
+    # 16-bit x: the 16-bit extension's (out, z, coeff (4, N) float32)
+    stats = x.new_empty((4, n), dtype=torch.float32) if _is_16bit_dtype(x.dtype) else x.new_empty((2, n))
     return (x.new_empty((m, n)), x.new_empty((m, n)), stats, torch.empty_like(running_mean),
             torch.empty_like(running_var), torch.empty_like(num_batches_tracked))
 

@@ -1,0 +1,243 @@
+// bn_16bit_strip.cu -- training-mode BatchNorm after a cuBLAS product (the
+// lowp_cublas route) in one kernel, for batches of at most kStripMaxRows rows:
+// each CTA owns whole columns (features) of z, so it has every row of them and
+// needs no other CTA's statistics.  It replaces bn16_chain_train + bn16_fold_train
+// (+ bn16_apply for problem 33) of bn_16bit_chain.cu / bn_16bit.cu, three launches
+// whose grids are small at small batches (docs/perf.md v33).
+//
+// T: the product's 16-bit type (__half or __nv_bfloat16); S: the storage of the
+// vectors and out (T, or float for a float32 module under autocast, lowp_types.cuh).
+//
+// bn16_strip_train (both problems)
+//   u = train_u(z, scale) (lowp_chain.cuh; 33: rnd_S(z scale), 84: z), then per feature j:
+//     mean = float32(sum of u / M), var = float32(sum of (u - mean)^2 / M), both sums
+//       in float64 (the same statistics bn16_fold_train makes from the GEMMs' tiles,
+//       to float32 rounding; no E[u^2] - E[u]^2 cancellation);
+//     running_mean / running_var updated as bn16_fold_train does (momentum f, or
+//       1 / num_batches_tracked for momentum < 0, Bessel's M / (M - 1), rounded to S);
+//     coeff[:, j] = {mean, rsqrtf(var + eps), f(bn_weight), f(bn_bias)} (lowp_coeff.cuh);
+//   problem 33: out = rnd_S(fma(w (u - mean), invstd, b)), bn16_apply's value;
+//   problem 84: out = u (skipped when out is z: the row softmax reads u = z there).
+//   num_batches_tracked: with momentum >= 0 this kernel adds 1 (nothing reads it);
+//   with momentum < 0 the caller adds 1 before the launch and the kernel reads it.
+// CTA: kStripThreads threads = kStripGroups groups of 8 features (16-byte
+// accesses: N % 8 == 0, z and out 16-byte aligned) x kStripSlices row slices; a
+// thread holds rows slice, slice + kStripSlices, ... (kRows of them: 1, 2, 4 or
+// kStripRowsPerThread = 8, the fewest that cover M; registers grow with kRows),
+// all loaded before any is used.  kStripGroups = 2: each row segment is one
+// 32-byte sector.  The slices' sums meet in shared memory (float64).
+// Layout: z (M, N) T and out (M, N) S row-major contiguous (out may be z); vectors
+// (N) of S; coeff (4, N) float32.  Preconditions (lowp_bn_strip_train_fits): 2 <= M <=
+// kStripMaxRows, N % 8 == 0, z and out 16-byte aligned.  Memory-bound: one read of
+// z and (33, or 84 not in place) one write of out.  The launcher returns the launch error.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "launchers.cuh"
+#include "lowp_chain.cuh"
+#include "lowp_coeff.cuh"
+#include "lowp_types.cuh"
+
+namespace fused_gemm_bn {
+namespace lowp {
+namespace strip {
+
+constexpr int kVec = 8;
+constexpr int kStripGroups = 2;
+constexpr int kStripThreads = 256;
+constexpr int kStripSlices = kStripThreads / kStripGroups;
+constexpr int kStripRowsPerThread = 8;
+constexpr int kStripMaxRows = kStripSlices * kStripRowsPerThread;  // 1024
+constexpr int kFeatures = kStripGroups * kVec;                      // per CTA
+constexpr int kParts = kStripThreads / kFeatures;                   // partial sums per feature in the reduction
+
+struct Args {
+  const uint16_t* z;
+  void* out;
+  const void* scale;
+  const void* bn_weight;
+  const void* bn_bias;
+  void* running_mean;
+  void* running_var;
+  int64_t* num_batches_tracked;
+  float* coeff;  // (4, N)
+  float momentum, eps;
+  bool scale_after_bn;
+  int M, N;
+};
+
+// The CTA's sum over the slices of each feature's per-thread value v[j]
+// (thread: group g, slice s), returned to every thread for its group's features.
+__device__ __forceinline__ void slice_sums(const double (&v)[kVec], int group, int slice,
+                                           double (&red)[kStripSlices][kFeatures], double (&part)[kParts][kFeatures],
+                                           double (&total)[kVec]) {
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) red[slice][group * kVec + j] = v[j];
+  __syncthreads();
+  {  // thread t sums slices q = t / kFeatures, + kParts, ... of feature t % kFeatures
+    const int f = threadIdx.x % kFeatures, q0 = threadIdx.x / kFeatures;
+    double s = 0.0;
+    for (int q = q0; q < kStripSlices; q += kParts) s += red[q][f];
+    part[q0][f] = s;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    double s = 0.0;
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) s += part[q][group * kVec + j];
+    total[j] = s;
+  }
+  __syncthreads();  // red and part are reused by the next call
+}
+
+template <typename T, typename S, int kRows>
+__global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const Args p) {
+  using St = Storage<S>;
+  using W = word_t<S>;
+  __shared__ double red[kStripSlices][kFeatures];
+  __shared__ double part[kParts][kFeatures];
+  const int group = threadIdx.x % kStripGroups, slice = threadIdx.x / kStripGroups;
+  const int f0 = (blockIdx.x * kStripGroups + group) * kVec;
+  const bool active = f0 < p.N;  // N % 8 == 0: the whole group is inside or outside
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.momentum >= 0.f) *p.num_batches_tracked += 1;
+
+  float v[kRows][kVec];
+  float scale[kVec];
+  if (active) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {  // every load first
+      const int row = slice + r * kStripSlices;
+      if (row < p.M) {
+        const uint4 q = *reinterpret_cast<const uint4*>(p.z + static_cast<size_t>(row) * p.N + f0);
+        const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          v[r][2 * i] = Bits<T>::to_float(static_cast<uint16_t>(w[i] & 0xffffu));
+          v[r][2 * i + 1] = Bits<T>::to_float(static_cast<uint16_t>(w[i] >> 16));
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) scale[j] = St::load(static_cast<const W*>(p.scale) + f0 + j);
+  }
+  double sum[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) sum[j] = 0.0;
+  if (active) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (slice + r * kStripSlices >= p.M) break;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        v[r][j] = train_u<S>(v[r][j], scale[j], p.scale_after_bn);
+        sum[j] += v[r][j];
+      }
+    }
+  }
+  double total[kVec];
+  slice_sums(sum, group, slice, red, part, total);
+  double mean64[kVec], m2[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    mean64[j] = total[j] / static_cast<double>(p.M);
+    m2[j] = 0.0;
+  }
+  if (active) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (slice + r * kStripSlices >= p.M) break;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const double d = static_cast<double>(v[r][j]) - mean64[j];
+        m2[j] = fma(d, d, m2[j]);
+      }
+    }
+  }
+  slice_sums(m2, group, slice, red, part, total);
+  if (!active) return;  // no barrier follows
+
+  // Every thread of the group computes its 8 features' coefficients (the same
+  // values); slice 0 writes them and the running statistics.
+  const float f = p.momentum >= 0.f ? p.momentum
+                                    : static_cast<float>(1.0 / static_cast<double>(*p.num_batches_tracked));
+  const float bessel = static_cast<float>(static_cast<double>(p.M) / static_cast<double>(p.M - 1));
+  float4 c[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const float mean = static_cast<float>(mean64[j]);
+    const float var = static_cast<float>(total[j] / static_cast<double>(p.M));
+    c[j] = make_float4(mean, rsqrtf(var + p.eps), St::load(static_cast<const W*>(p.bn_weight) + f0 + j),
+                       St::load(static_cast<const W*>(p.bn_bias) + f0 + j));
+    if (slice == 0) {
+      W* rm = static_cast<W*>(p.running_mean) + f0 + j;
+      W* rv = static_cast<W*>(p.running_var) + f0 + j;
+      const float rm_old = St::load(rm), rv_old = St::load(rv);
+      St::store(rm, mean * f + (1.f - f) * rm_old);
+      St::store(rv, var * bessel * f + (1.f - f) * rv_old);
+    }
+  }
+  if (slice == 0) coeff_store8(p.coeff, p.N, f0, c);
+  const bool store_u = p.scale_after_bn && p.out != static_cast<const void*>(p.z);
+  if (p.scale_after_bn && !store_u) return;
+  W* out = static_cast<W*>(p.out);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = slice + r * kStripSlices;
+    if (row >= p.M) break;
+    float o[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)  // 33: bn16_apply's fma(w (u - mean), invstd, b); 84: u
+      o[j] = p.scale_after_bn ? v[r][j] : fmaf(c[j].z * (v[r][j] - c[j].x), c[j].y, c[j].w);
+    W* q = out + static_cast<size_t>(row) * p.N + f0;
+    if constexpr (sizeof(W) == 2) {
+      *reinterpret_cast<uint4*>(q) =
+          make_uint4(pack2(to_bits<S>(o[0]), to_bits<S>(o[1])), pack2(to_bits<S>(o[2]), to_bits<S>(o[3])),
+                     pack2(to_bits<S>(o[4]), to_bits<S>(o[5])), pack2(to_bits<S>(o[6]), to_bits<S>(o[7])));
+    } else {
+      reinterpret_cast<float4*>(q)[0] = make_float4(o[0], o[1], o[2], o[3]);
+      reinterpret_cast<float4*>(q)[1] = make_float4(o[4], o[5], o[6], o[7]);
+    }
+  }
+}
+
+template <typename T, typename S>
+cudaError_t launch(const Args& p, cudaStream_t stream) {
+  const int blocks = (p.N + kFeatures - 1) / kFeatures;
+  const int rows = (p.M + kStripSlices - 1) / kStripSlices;  // per thread: registers scale with it
+  if (rows <= 1) {
+    bn16_strip_train_kernel<T, S, 1><<<blocks, kStripThreads, 0, stream>>>(p);
+  } else if (rows <= 2) {
+    bn16_strip_train_kernel<T, S, 2><<<blocks, kStripThreads, 0, stream>>>(p);
+  } else if (rows <= 4) {
+    bn16_strip_train_kernel<T, S, 4><<<blocks, kStripThreads, 0, stream>>>(p);
+  } else {
+    bn16_strip_train_kernel<T, S, kStripRowsPerThread><<<blocks, kStripThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace strip
+}  // namespace lowp
+}  // namespace fused_gemm_bn
+
+bool fused_gemm_bn::lowp_bn_strip_train_fits(int M, int N, const void* z, const void* out) {
+  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  return M >= 2 && M <= lowp::strip::kStripMaxRows && N > 0 && N % 8 == 0 && aligned(z) && aligned(out);
+}
+
+cudaError_t fused_gemm_bn::lowp_bn_strip_train(int dtype, bool float32_io, const void* z, void* out,
+                                               const void* scale, const void* bn_weight, const void* bn_bias,
+                                               void* running_mean, void* running_var, int64_t* num_batches_tracked,
+                                               float momentum, float eps, bool scale_after_bn, int M, int N,
+                                               float* coeff, cudaStream_t stream) {
+  using namespace fused_gemm_bn::lowp;
+  if (!lowp_bn_strip_train_fits(M, N, z, out)) return cudaErrorInvalidValue;
+  const strip::Args p{static_cast<const uint16_t*>(z), out, scale, bn_weight, bn_bias, running_mean, running_var,
+                      num_batches_tracked, coeff, momentum, eps, scale_after_bn, M, N};
+  if (static_cast<Dtype>(dtype) == Dtype::kF16)
+    return float32_io ? strip::launch<__half, float>(p, stream) : strip::launch<__half, __half>(p, stream);
+  return float32_io ? strip::launch<__nv_bfloat16, float>(p, stream)
+                    : strip::launch<__nv_bfloat16, __nv_bfloat16>(p, stream);
+}

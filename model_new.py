@@ -746,7 +746,8 @@ _LOWP_SMALL_MNK = 1 << 33  # ... when M N K is at most this (17.2 GFLOP): lowp_c
 def _lowp_hopper_gemm(m, n, k, training, facts, switches):
     """The 16-bit product on Hopper: "lowp_sm90" (the project's wgmma kernel, the
     chain in its epilogue) or "lowp_cublas" (cuBLAS through at::linear, eager
-    nn.Linear's own call, then the chain kernels of lowp/bn_16bit_chain.cu; problem
+    nn.Linear's own call, then the chain kernels of lowp/bn_16bit_chain.cu, or in
+    training batches of at most 1024 rows lowp/bn_16bit_strip.cu's one kernel; problem
     84's 16-bit eval: one row softmax that applies BatchNorm, lowp/bn_16bit.cu), by
     switches.lowp_gemm ("sm90" or "cublas": FUSED_GEMM_BN_LOWP_GEMM), or for
     "auto" by this rule, fitted to both routes' times over bench.py's sweep (H200,
@@ -763,8 +764,8 @@ def _lowp_hopper_gemm(m, n, k, training, facts, switches):
         _LOWP_SMALL_MNK, where cuBLAS's product beats the 128-row split-tile plan's
         by more than the epilogue's statistics save, and the chain after it is one
         kernel (bn_16bit_strip.cu; docs/perf.md v33, GPU time, bfloat16: problem 33
-        0.61-0.90 of lowp_sm90's time, 84 0.77-1.01; at 256 x 8192 x 8192 lowp_sm90
-        is faster, 0.92-0.96).
+        0.65-1.00 of lowp_sm90's time, 84 0.77-1.01; at 256 x 8192 x 8192 lowp_sm90
+        takes 0.93-0.96 of cuBLAS's route's).
     Elsewhere lowp_sm90 is within 3% of the other route or faster (2048 x 1028 x 8190:
     cuBLAS's route 1.13-1.27)."""
     if switches.lowp_gemm in ("sm90", "cublas"):

@@ -233,9 +233,9 @@ struct TrainResult {
 // lowp_cublas training takes bn_16bit_strip.cu's one kernel (batches of at most 1024
 // rows) for problem 33 at every N, and for problem 84 up to this N.  Measured against
 // the chain + fold kernels (H200, bfloat16, GPU time of the whole call, docs/perf.md v33):
-// 84 at N <= 4096 0.85-0.94 of their time; at N >= 5000 1.03-1.05 (the strip kernel's
+// 84 at N <= 4096 0.85-0.96 of their time; at N >= 5000 1.02-1.05 (the strip kernel's
 // 2-4 CTAs per SM with their serial reductions cost more than the fold's launch
-// there); problem 33 (where it also replaces bn16_apply) 0.70-1.01 everywhere.
+// there); problem 33 (where it also replaces bn16_apply) 0.71-1.01 everywhere.
 constexpr int kStripMaxFeatures84 = 4096;
 
 // The training forward of either problem.

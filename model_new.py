@@ -763,7 +763,7 @@ def _lowp_hopper_gemm(m, n, k, training, facts, switches):
       - training batches of at most _LOWP_STRIP_ROWS rows with M N K at most
         _LOWP_SMALL_MNK, where cuBLAS's product beats the 128-row split-tile plan's
         by more than the epilogue's statistics save, and the chain after it is one
-        kernel (bn_16bit_strip.cu; docs/perf.md v33, GPU time, bfloat16: problem 33
+        kernel (bn_16bit_strip.cu; docs/perf.md v33, GPU time: problem 33
         0.65-1.00 of lowp_sm90's time, 84 0.77-1.01; at 256 x 8192 x 8192 lowp_sm90
         takes 0.93-0.96 of cuBLAS's route's).
     Elsewhere lowp_sm90 is within 3% of the other route or faster (2048 x 1028 x 8190:

@@ -482,7 +482,7 @@ def test_cpu_bundle_module_rejects_before_touching_buffers():
 def test_cpu_lowp_sources_and_extension_name(tmp_path):
     sources = model_new._lowp_sources()
     assert {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "sm90_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh",
-            "bn_16bit_chain.cu", "lowp_chain.cuh", "sm90_wgmma_16bit.cuh", "bn_stats.cuh", "launchers.cuh", "sm90_gemm_tiles.cuh",
+            "bn_16bit_chain.cu", "bn_16bit_strip.cu", "lowp_chain.cuh", "lowp_coeff.cuh", "sm90_wgmma_16bit.cuh", "bn_stats.cuh", "launchers.cuh", "sm90_gemm_tiles.cuh",
             "sm90_primitives.cuh"} <= set(sources)  # headers included through other headers too
     assert not any(name.endswith((".cu", ".cpp")) and name in model_new._KERNEL_SOURCES for name in sources), \
         "the 16-bit extension must not compile the float32 sources again"
@@ -493,8 +493,9 @@ def test_cpu_lowp_sources_and_extension_name(tmp_path):
     changed = dict(sources, **{"bn_16bit.cu": sources["bn_16bit.cu"] + " "})
     assert model_new._extension_name(changed, flags, model_new._LOWP_PREFIX) != name
     model_new._write_headers(str(tmp_path), sources)
-    assert sorted(os.listdir(tmp_path)) == ["bn_stats.cuh", "launchers.cuh", "lowp_chain.cuh", "lowp_types.cuh",
-                                            "sm90_gemm_tiles.cuh", "sm90_primitives.cuh", "sm90_wgmma_16bit.cuh"]
+    assert sorted(os.listdir(tmp_path)) == ["bn_stats.cuh", "launchers.cuh", "lowp_chain.cuh", "lowp_coeff.cuh",
+                                            "lowp_types.cuh", "sm90_gemm_tiles.cuh", "sm90_primitives.cuh",
+                                            "sm90_wgmma_16bit.cuh"]
     embedded = exec_texts(read(BUNDLE))["_KERNEL_SOURCES"]
     assert not set(embedded) & {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh"}
 

@@ -233,7 +233,7 @@ cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, bool w_flo
                               const void* bn_bias, const void* running_mean, const void* running_var, float eps,
                               bool scale_after_bn, float* part_mean, float* part_m2, int64_t* num_batches_tracked,
                               void* z_out, float* workspace, cudaStream_t stream);
-// Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu);
+// Training statistics (coeff, (4, N) rows: lowp_coeff.cuh) and the running-statistics update (lowp/bn_16bit.cu);
 // float32_io: the BatchNorm parameters and running statistics (and below, out and scale) are float32.
 cudaError_t lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mean, const float* part_m2,
                                int num_m_tiles, int block_m, int M, int N, const void* bn_weight, const void* bn_bias,
@@ -241,14 +241,16 @@ cudaError_t lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mea
                                void* running_var, float* coeff, cudaStream_t stream);
 // After a cuBLAS product z = rnd(x w^T + bias) (M, N) in dtype (lowp/bn_16bit_chain.cu), what the
 // GEMMs' epilogues do: training, out = u and part_mean / part_m2 (ceil(M / 128), N),
-// num_batches_tracked += 1 (may be null); eval, out = the eval chain.  out may be z (16-bit S).
+// num_batches_tracked += 1 (may be null); eval, out = the eval chain, and where coeff is not
+// null its (4, N) rows {running_mean, invstd, bn.weight, bn.bias} as the chain used them
+// (the eval backward's coefficients).  out may be z (16-bit S).
 cudaError_t lowp_bn_chain_train(int dtype, bool float32_io, const void* z, void* out, const void* scale,
                                 bool scale_after_bn, int M, int N, float* part_mean, float* part_m2,
                                 int64_t* num_batches_tracked, cudaStream_t stream);
 cudaError_t lowp_bn_chain_eval(int dtype, bool float32_io, const void* z, void* out, const void* scale,
                                const void* bn_weight, const void* bn_bias, const void* running_mean,
                                const void* running_var, float eps, bool scale_after_bn, int M, int N,
-                               cudaStream_t stream);
+                               float* coeff, cudaStream_t stream);
 // After a cuBLAS product, training, batches of 2 .. 1024 rows (lowp/bn_16bit_strip.cu): u,
 // the statistics, the running statistics, coeff and (problem 33) out = BatchNorm(u), or
 // (84) out = u, in one kernel.  num_batches_tracked += 1 here when momentum >= 0;
@@ -271,11 +273,12 @@ cudaError_t lowp_softmax_rows(int dtype, bool float32_io, void* out, const float
 cudaError_t lowp_bn_softmax_rows_eval(int dtype, void* out, const void* scale, const void* bn_weight,
                                       const void* bn_bias, const void* running_mean, const void* running_var,
                                       float eps, int M, int N, cudaStream_t stream);
-// The training backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and
-// dscale, dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
-// (g_float32) or dtype, the saved z (M, N) in dtype and coeff (N float4) of the training forward.
-cudaError_t lowp_bn_backward_train(int dtype, bool float32_io, bool g_float32, const void* g, const void* z,
-                                   const float* coeff, const void* scale, bool scale_after_bn, int M, int N, void* dz,
-                                   float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
+// The backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and dscale,
+// dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
+// (g_float32) or dtype, the saved z (M, N) in dtype and coeff ((4, N) rows, lowp_coeff.cuh) of
+// the forward: the batch's (training) or the running statistics' (eval).
+cudaError_t lowp_bn_backward(int dtype, bool float32_io, bool g_float32, bool training, const void* g, const void* z,
+                             const float* coeff, const void* scale, bool scale_after_bn, int M, int N, void* dz,
+                             float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
 
 }  // namespace fused_gemm_bn

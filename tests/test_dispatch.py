@@ -91,8 +91,16 @@ CASES = [
     ("ada-84-train", call(problem=84), ADA, DEFAULT, "sm80_3xtf32_train"),
     # dtypes
     ("hopper-float16", call(dtype=torch.float16), H200, DEFAULT, "lowp_sm90_train"),
+    # 16-bit eval with gradients: lowp_cublas on every GPU and switch (forward_eval_saved keeps the
+    # Linear output z, which only cuBLAS's route writes; the fused GEMMs' eval epilogues do not)
     ("hopper-bfloat16-eval-grad", call(dtype=torch.bfloat16, training=False, grad=True), H200, DEFAULT,
-     "lowp_sm90_eval_grad"),
+     "lowp_cublas_eval_grad"),
+    ("hopper-float16-84-eval-grad-portable", call(dtype=torch.float16, problem=84, training=False, grad=True), H200,
+     PORTABLE, "lowp_cublas_eval_grad"),
+    ("a100-bfloat16-eval-grad", call(dtype=torch.bfloat16, training=False, grad=True), A100, DEFAULT,
+     "lowp_cublas_eval_grad"),
+    ("a100-float16-train-grad", call(dtype=torch.float16, training=True, grad=True), A100, DEFAULT,
+     "lowp_sm80_train_grad"),
     ("hopper-float16-84-eval", call(dtype=torch.float16, problem=84, training=False), H200, DEFAULT,
      "lowp_sm90_eval"),
     # any K on Hopper (the binding pads K % 8 != 0 for TMA); the portable switch and a build
@@ -130,6 +138,8 @@ CASES = [
      DEFAULT._replace(lowp_gemm="sm90"), "lowp_sm90_train"),
     ("hopper-bfloat16-forced-cublas", call(dtype=torch.bfloat16, problem=84), H200,
      DEFAULT._replace(lowp_gemm="cublas"), "lowp_cublas_train"),
+    ("hopper-float16-forced-sm90-eval-grad", call(dtype=torch.float16, training=False, grad=True), H200,
+     DEFAULT._replace(lowp_gemm="sm90"), "lowp_cublas_eval_grad"),
     ("cuda-float64", call(dtype=torch.float64), H200, DEFAULT, "torch_ops_train"),
     ("cuda-float64-eval-grad", call(dtype=torch.float64, training=False, grad=True), H200, DEFAULT,
      "torch_ops_eval_grad"),

@@ -48,10 +48,22 @@ lowp_kernel: lowp_sm90 on Hopper, any K, and lowp_sm80)
     badly (problem 33's grad scale is a small difference of large terms).
     gemm.bias in training (exactly 0 in exact arithmetic): max |grad| at most
     2x Model's + 1e-3.
-  - test_gpu_lowp_compile_fullgraph_without_grad / _training_step:
-    torch.compile(fullgraph=True), calls without gradients (bit-equal to eager)
-    and training steps with gradients (outputs and buffers bit-equal, gradients
+  - test_gpu_lowp_compile_fullgraph_without_grad / _training_step / _eval_with_grad:
+    torch.compile(fullgraph=True), calls without gradients (bit-equal to eager),
+    training steps with gradients and steps with BatchNorm frozen
+    (`model.bn.eval()`, the rest training: forward_eval_saved and
+    bn_backward_eval as operators) (outputs and buffers bit-equal, gradients
     within 1e-2 of eager's), both kernels and dtypes.
+  - test_gpu_lowp_jit_trace_eval_with_grad: torch.jit.trace of a 16-bit module
+    with BatchNorm frozen records forward_eval_saved; the traced module gives
+    eager's output at other batch sizes, and its backward runs.
+  - test_gpu_lowp_eval_backward_keeps_forward_statistics: a change of the running
+    statistics between an eval forward with gradients and its backward (here a
+    training call) leaves the gradients those of the forward that ran (the
+    forward's coeff is saved; eager Model refuses the backward instead, its
+    saved running statistics having been modified in place).
+  - test_gpu_lowp_opcheck: torch.library.opcheck on the operators' 16-bit forms
+    (forward_train_saved, bn_backward_train, forward_eval_saved, bn_backward_eval).
   - test_gpu_lowp_momentum_none, test_gpu_lowp_input_layouts (strided,
     transposed and misaligned x: copied or the element-wise path; x unchanged).
 
@@ -65,10 +77,10 @@ CPU (CI)
     ModelNew on such a tensor raises, every buffer unchanged.
   - test_cpu_lowp_sources_and_extension_name: the 16-bit extension's sources and
     its own hashed name; the bundle embeds none of them.
-  - test_cpu_lowp_fn_matches_model: _LowpFn (the gradient path) driven by the
-    CPU kernels in float64: output and running statistics (updated once) equal
-    Model's (1e-10); every gradient within float32 accuracy of Model's (its
-    backward recomputes in float32).
+  - test_cpu_lowp_only_operators_refuse_other_tensors: forward_eval_saved and
+    bn_backward_eval, whose kernels exist only in the 16-bit extension, raise a
+    RuntimeError naming what they take for CPU or float32/float64 tensors, with
+    nothing built or run.
 """
 import copy
 import os
@@ -500,46 +512,19 @@ def test_cpu_lowp_sources_and_extension_name(tmp_path):
     assert not set(embedded) & {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh"}
 
 
-@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("problem", ["33", "84"])
-def test_cpu_lowp_fn_matches_model(problem, training):
-    """_LowpFn with the torch-op functions (same functions and arguments as the 16-bit
-    extension's) in float64: its forward is the extension call (running
-    statistics updated once), its backward autograd of _lowp_recompute, which
-    computes in float32: gradients within float32 accuracy of Model's."""
-    m, k, n = 19, 13, 11
-    ref, new = make_pair(problem, k, n, seed=4)
-    gen = torch.Generator().manual_seed(5)
-    if not training:
-        settle_x = torch.randn(m, k, generator=gen, dtype=torch.float64)
-        with torch.no_grad():
-            ref(settle_x)
-        new.load_state_dict(ref.state_dict())
-    ref.train(training)
-    x = torch.randn(m, k, generator=gen, dtype=torch.float64) + 0.5
-    g = torch.randn(m, n, generator=gen, dtype=torch.float64)
-    out_ref, grads_ref = forward_backward(ref, x, g)
-
-    new.zero_grad(set_to_none=True)
-    xn = x.clone().requires_grad_(True)
-    buffers = (new.bn.running_mean, new.bn.running_var, new.bn.num_batches_tracked)
-    params = (xn, new.gemm.weight, new.gemm.bias, model_new.per_feature_scale(new.scale, n), new.bn.weight,
-              new.bn.bias)
-    out = model_new._LowpFn.apply(model_new._TORCH_PATH, "torch_ops", problem == "84", training, buffers,
-                                  float(new.bn.momentum), float(new.bn.eps), *params)
-    (out * g).sum().backward()
-    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
-    for (name, a), b in zip(new.named_buffers(), ref.buffers()):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
-    grads_new = {"x": xn.grad, **{name: p.grad for name, p in new.named_parameters()}}
-    for name, want in grads_ref.items():
-        got = grads_new[name]
-        if training and name == "gemm.bias":
-            assert got.abs().max() <= 1e-5 * grads_ref["bn.bias"].abs().max()
-            continue
-        # float32 recomputation; problem 33's grad scale is a difference of large terms (about eps / var)
-        bound = 1e-2 if (problem, name, training) == ("33", "scale", True) else 1e-5
-        assert rel_err(got, want) <= bound, (name, rel_err(got, want))
+@pytest.mark.skipif(model_new._OPS is None, reason="needs the fused_gemm_bn:: operators (torch >= 2.4)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
+def test_cpu_lowp_only_operators_refuse_other_tensors(dtype):
+    m, k, n = 6, 5, 4
+    x, weight = torch.rand(m, k, dtype=dtype), torch.rand(n, k, dtype=dtype)
+    vecs = [torch.rand(n, dtype=dtype) + 0.5 for _ in range(6)]
+    built = model_new._lowp_ext
+    with pytest.raises(RuntimeError, match="forward_eval_saved takes 16-bit CUDA tensors"):
+        model_new._OPS.forward_eval_saved(x, weight, *vecs, 1e-5, False)
+    z, coeff = torch.rand(m, n, dtype=dtype), torch.rand(4, n)
+    with pytest.raises(RuntimeError, match="bn_backward_eval takes 16-bit CUDA tensors"):
+        model_new._OPS.bn_backward_eval(torch.rand(m, n, dtype=dtype), z, coeff, vecs[0], True)
+    assert model_new._lowp_ext is built, "the refusal must come before any build"
 
 
 @requires_compile_ops
@@ -602,3 +587,138 @@ def test_gpu_lowp_compile_fullgraph_training_step(dtype_name, problem, lowp_kern
                 assert torch.count_nonzero(got) == 0, name
                 continue
             assert rel_err(got, want) <= 1e-2, (step, name, rel_err(got, want))
+
+
+def frozen_bn_step(model, x, g, params_of=None):
+    """A fine-tuning step with BatchNorm frozen (`model.bn.eval()`, the rest in
+    training): forward_backward with bn in eval."""
+    (params_of or model).train()
+    (params_of or model).bn.eval()
+    return forward_backward(model, x, g, params_of=params_of)
+
+
+@requires_compile_ops
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("problem", ["33", "84"])
+def test_gpu_lowp_compile_fullgraph_eval_with_grad(dtype_name, problem):
+    """torch.compile(fullgraph=True) of a 16-bit ModelNew whose BatchNorm is
+    frozen while the rest trains: forward_eval_saved and bn_backward_eval as
+    operators (no graph break).  Output bit-equal to eager ModelNew's (the same
+    kernels), buffers untouched by both, every gradient within 1e-2 relative
+    Frobenius of eager's."""
+    torch._dynamo.reset()  # see test_gpu_lowp_compile_fullgraph_without_grad
+    dtype = DTYPES[dtype_name]
+    m, k, n = 130, 1024, 264
+    ref, new = lowp_pair(problem, k, n, dtype)
+    settle(ref, new, m, k, dtype)
+    twin = copy.deepcopy(new)
+    compiled = torch.compile(new, backend="aot_eager", fullgraph=True)
+    before = {name: b.clone() for name, b in new.named_buffers()}
+    for step in range(2):
+        x = lowp_input(step, m, k, dtype)
+        g = torch.randn(m, n, generator=torch.Generator().manual_seed(step)).to("cuda", dtype)
+        out_c, grads_c = frozen_bn_step(compiled, x, g, params_of=new)
+        out_e, grads_e = frozen_bn_step(twin, x, g)
+        assert twin.kernel_path(x) == "lowp_cublas_eval_grad"
+        assert out_c.dtype == dtype and torch.equal(out_c, out_e), f"step {step}: output"
+        for (name, a), b in zip(new.named_buffers(), twin.buffers()):
+            assert torch.equal(a, b) and torch.equal(a, before[name]), f"step {step}: {name}"
+        for name in ["x"] + PARAM_NAMES:
+            got, want = grads_c[name], grads_e[name]
+            assert got is not None and got.dtype == want.dtype, name
+            assert rel_err(got, want) <= 1e-2, (step, name, rel_err(got, want))
+
+
+@requires_compile_ops
+@pytest.mark.parametrize("problem", ["33", "84"])
+def test_gpu_lowp_jit_trace_eval_with_grad(problem):
+    dtype = torch.bfloat16
+    m, k, n = 130, 1024, 264
+    ref, new = lowp_pair(problem, k, n, dtype)
+    settle(ref, new, m, k, dtype)
+    new.bn.eval()
+    twin = copy.deepcopy(new)
+    traced = torch.jit.trace(new, lowp_input(0, m, k, dtype), check_trace=False)
+    for step, rows in enumerate((64, 257)):
+        x = lowp_input(step + 1, rows, k, dtype).requires_grad_(True)
+        out_t, out_e = traced(x), twin(x)
+        assert out_t.shape == (rows, n) and torch.equal(out_t, out_e), f"{rows} rows"
+        out_t.float().sum().backward()
+        assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+
+
+@requires_cuda
+@pytest.mark.parametrize("problem", ["33", "84"])
+def test_gpu_lowp_eval_backward_keeps_forward_statistics(problem, full_precision_reductions):
+    dtype = torch.float16
+    m, k, n = 130, 1024, 264
+    ref, new = lowp_pair(problem, k, n, dtype)
+    settle(ref, new, m, k, dtype)
+    twin = copy.deepcopy(new)
+    x = lowp_input(1, m, k, dtype)
+    g = torch.randn(m, n, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
+    _, want = frozen_bn_step(twin, x, g)
+
+    new.train()
+    new.bn.eval()
+    new.zero_grad(set_to_none=True)
+    xg = x.clone().requires_grad_(True)
+    out = new(xg)
+    new.bn.train()
+    with torch.no_grad():
+        new(lowp_input(2, m, k, dtype))  # moves the running statistics
+    assert not torch.equal(new.bn.running_var, twin.bn.running_var)
+    (out * g).sum().backward()
+    got = {"x": xg.grad, **{name: p.grad for name, p in new.named_parameters()}}
+    for name in ["x"] + PARAM_NAMES:
+        assert torch.equal(got[name], want[name]), name
+
+
+def lowp_op_cases(dtype):
+    """(name, op, args) for opcheck of the operators' 16-bit forms, both problems;
+    inputs the operator differentiates require grad."""
+    ops = torch.ops.fused_gemm_bn
+    m, k, n = 40, 64, 24
+    gen = torch.Generator().manual_seed(9)
+
+    def t(*shape, grad=False, positive=False):
+        v = torch.rand(*shape, generator=gen) + 0.5 if positive else torch.randn(*shape, generator=gen)
+        return v.to("cuda", dtype).requires_grad_(grad)
+
+    def params(grad):
+        return [t(m, k, grad=grad), t(n, k, grad=grad), t(n, grad=grad), t(n, grad=grad),
+                t(n, grad=grad, positive=True), t(n, grad=grad)]
+
+    def buffers():
+        return [t(n), t(n, positive=True), torch.tensor(3, device="cuda")]
+
+    cases = []
+    for scale_after_bn in (False, True):
+        tag = "84" if scale_after_bn else "33"
+        p = [v.detach() for v in params(False)]
+        _, z, coeff = ops.forward_eval_saved(*p, *buffers()[:2], 1e-5, scale_after_bn)
+        _, zt, coeff_t, *_ = ops.forward_train_saved(*p, *buffers(), 0.1, 1e-5, scale_after_bn)
+        cases += [
+            (f"forward_eval_saved-{tag}", ops.forward_eval_saved.default,
+             (*params(True), *buffers()[:2], 1e-5, scale_after_bn)),
+            (f"forward_train_saved-{tag}", ops.forward_train_saved.default,
+             (*params(True), *buffers(), 0.1, 1e-5, scale_after_bn)),
+            (f"bn_backward_eval-{tag}", ops.bn_backward_eval.default, (t(m, n), z, coeff, p[3], scale_after_bn)),
+            (f"bn_backward_train-{tag}", ops.bn_backward_train.default,
+             (t(m, n), zt, coeff_t, p[3], p[4], 1e-5, scale_after_bn)),
+        ]
+    return cases
+
+
+LOWP_OP_CASE_NAMES = [f"{op}-{tag}" for tag in ("33", "84")
+                      for op in ("forward_eval_saved", "forward_train_saved", "bn_backward_eval", "bn_backward_train")]
+
+
+@requires_compile_ops
+@pytest.mark.parametrize("case_name", LOWP_OP_CASE_NAMES)
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_gpu_lowp_opcheck(dtype_name, case_name):
+    cases = {name: (op, args) for name, op, args in lowp_op_cases(DTYPES[dtype_name])}
+    op, args = cases[case_name]
+    result = torch.library.opcheck(op, args)
+    assert all(v == "SUCCESS" for v in result.values()), result

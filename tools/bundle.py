@@ -20,7 +20,7 @@ each begin line names the text that replaces its block (REPLACEMENTS):
     more than one process (README "Multi-GPU");
   - the mixed-precision path (torch.autocast) becomes BUNDLE_NO_MIXED_PRECISION:
     the files have no such path (README "Mixed precision");
-  - the 16-bit training step (_LowpTrainFn) becomes BUNDLE_NO_LOWP_TRAIN: the
+  - the 16-bit step with gradients (_LowpGradFn) becomes BUNDLE_NO_LOWP_TRAIN: the
     files have no 16-bit kernels.
 
     python tools/bundle.py                 # writes both files
@@ -62,13 +62,13 @@ BUNDLE_NO_MIXED_PRECISION = (
 )
 BUNDLE_NO_LOWP_TRAIN = (
     "# The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),\n"
-    "# so no 16-bit training step either.\n"
-    "_LowpTrainFn = _lowp_train_backward = None\n"
+    "# so no 16-bit step with gradients either.\n"
+    "_LowpGradFn = _lowp_backward = None\n"
 )
 BUNDLE_NO_LOWP_ROUTES = (
     "# The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),\n"
     "# so one name stands for the Hopper 16-bit routes that the repository chooses between.\n"
-    "def _lowp_hopper_gemm(m, n, k, facts, switches):\n"
+    "def _lowp_hopper_gemm(m, n, k, training, facts, switches):\n"
     "    return \"lowp_sm90\"\n"
 )
 # The name on a block's begin line -> the text that replaces the block.

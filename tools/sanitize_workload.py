@@ -6,8 +6,10 @@ bfloat16 runs the 16-bit kernels of kernels/lowp/ instead (the same shapes: K % 
 == 0 takes their 16-byte loads, K % 8 != 0 the element-wise path).  --autocast
 float16 or bfloat16 runs float32 models inside torch.autocast: the same kernels
 in their float32-storage (autocast) form, and with gradients (training) the
-fused 16-bit training step (model_new._LowpTrainFn: forward_train_saved, then
-bn16_backward_train and two cuBLAS 16-bit products).
+fused 16-bit training step (model_new._LowpGradFn: forward_train_saved, then
+bn16_backward_kernel and two cuBLAS 16-bit products).  16-bit calls with
+gradients run _LowpGradFn in both modes (eval: forward_eval_saved on
+lowp_cublas, bn16_chain_eval writing coeff, bn16_backward_kernel's eval form).
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python tools/sanitize_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize_workload.py
@@ -28,13 +30,13 @@ kernels that read out afterwards (bn16_apply, the row softmax) are then reported
 as reading uninitialized memory at the shapes with 256-row tiles (2048 x 200 x
 2176 here); the poisoned-output tests (tests/test_lowp.py) show every element
 written.  Run it with --no-backward.  The 16-bit backward
-runs cuBLAS products (the eval backward's torch-op recompute, model_new._LowpFn,
-and the training step's two products), and initcheck does not see the stores of
+runs cuBLAS products (the two products of each step with gradients, and in
+eval the forward's), and initcheck does not see the stores of
 cuBLAS's 16-bit Hopper GEMM kernels (nvjet_sm90_*): a later read of such a
 product in never-written memory is reported as uninitialized, with no project
 code involved (tools/initcheck_cublas_16bit.py reproduces it with one torch
 product).  The 16-bit kernels of kernels/lowp/ all run in the forward calls
-except bn16_backward_train (the training step's), which memcheck, racecheck and
+except bn16_backward_kernel (the backward's), which memcheck, racecheck and
 synccheck cover with backward calls.
 
 initcheck and float32: problem 84's backward at the 2305-row shape reports

@@ -49,6 +49,11 @@
 //       kernel (bn_16bit_chain.cu), problem 84 one row-softmax launch that applies
 //       BatchNorm and the scale as it reads z (bn_16bit.cu, kEval; the autocast
 //       form keeps the chain kernel, its z and out being of two dtypes).
+//   forward_eval_saved(same arguments) -> (out, z, coeff)    (lowp_cublas only)
+//       forward_eval, also keeping z (M, N) in x's dtype and coeff (4, N) float32 (rows) =
+//       {running_mean, rsqrtf(running_var + eps), bn.weight, bn.bias} for bn_backward_eval.
+//   bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn)
+//       -> (grad_z, grad_scale, grad_bn_weight, grad_bn_bias)      (bn_16bit_backward.cu, eval)
 //   The scale may come as a stride-0 (N) view of one number (feature_vector).
 // momentum < 0 means momentum=None (cumulative average).  rnd: rounding to the
 // 16-bit type; the kernel headers list the rounding points, PyTorch's own.
@@ -315,43 +320,100 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   return r;
 }
 
-// The eval forward of either problem.
-torch::Tensor eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
-                   double eps, bool scale_after_bn) {
+// What an eval forward returns: out (M, N) in the vectors' dtype; with `saved` (the
+// eval forward with gradients) also the Linear output z (M, N) in x's dtype and coeff
+// (4, N) float32 (rows) = {running_mean, rsqrtf(running_var + eps), bn.weight, bn.bias}
+// as the chain used them, for bn_backward_eval.
+struct EvalResult {
+  torch::Tensor out, z, coeff;
+};
+
+// The eval forward of either problem.  `saved` runs on lowp_cublas only: the fused
+// GEMMs' eval epilogues keep no z.
+EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t, double eps,
+                bool scale_after_bn, bool saved = false) {
   const Operands op = check_operands(x_in, weight, gemm);
   const int M = op.M, N = op.N;
   const bool float32_io = check_bn_tensors(t, N, op.x, gemm, op.w_float32);
+  TORCH_CHECK(!saved || gemm == Gemm::kCublas,
+              "forward_eval_saved runs on lowp_cublas (the fused GEMMs' eval epilogues keep no Linear output)");
+  TORCH_CHECK(!saved || !op.w_float32, "forward_eval_saved takes gemm.weight in x's dtype (", op.x.scalar_type(),
+              "; the backward's products need it), got float32");
   const c10::cuda::CUDAGuard guard(op.x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
+  EvalResult r;
+  if (saved) r.coeff = torch::empty({4, N}, op.x.options().dtype(torch::kFloat32));
   if (gemm == Gemm::kCublas && M > 0 && N > 0) {
     const torch::Tensor z = cublas_linear(op, t, float32_io);
-    if (scale_after_bn && !float32_io) {  // 84: BatchNorm, scale and softmax in one pass, in place over z
+    if (scale_after_bn && !float32_io && !saved) {  // 84: BatchNorm, scale and softmax in one pass, in place over z
       check_launch(fgb::lowp_bn_softmax_rows_eval(op.dtype, z.data_ptr(), t.scale.data_ptr(), t.bn_weight.data_ptr(),
                                                   t.bn_bias.data_ptr(), t.running_mean.data_ptr(),
                                                   t.running_var.data_ptr(), static_cast<float>(eps), M, N, stream),
                    "bn16_softmax_rows_kernel (eval, BatchNorm fused)");
-      return z;
+      r.out = z;
+      return r;
     }
-    torch::Tensor out = float32_io ? torch::empty({M, N}, op.x.options().dtype(torch::kFloat32)) : z;  // in place
-    check_launch(fgb::lowp_bn_chain_eval(op.dtype, float32_io, z.data_ptr(), out.data_ptr(), t.scale.data_ptr(),
+    // In place over z unless z is kept or out is float32.
+    r.out = float32_io || saved ? torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type())) : z;
+    if (saved) r.z = z;
+    check_launch(fgb::lowp_bn_chain_eval(op.dtype, float32_io, z.data_ptr(), r.out.data_ptr(), t.scale.data_ptr(),
                                          t.bn_weight.data_ptr(), t.bn_bias.data_ptr(), t.running_mean.data_ptr(),
                                          t.running_var.data_ptr(), static_cast<float>(eps), scale_after_bn, M, N,
-                                         stream),
+                                         saved ? r.coeff.data_ptr<float>() : nullptr, stream),
                  gemm_kernel_name(gemm, false));
     if (scale_after_bn)
-      check_launch(fgb::lowp_softmax_rows(op.dtype, float32_io, out.data_ptr(), nullptr, nullptr, M, N, stream),
+      check_launch(fgb::lowp_softmax_rows(op.dtype, float32_io, r.out.data_ptr(), nullptr, nullptr, M, N, stream),
                    "bn16_softmax_rows_kernel (eval)");
-    return out;
+    return r;
   }
-  torch::Tensor out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
-  if (M == 0 || N == 0) return out;
-  check_launch(launch_gemm(gemm == Gemm::kSm90, op.dtype, false, float32_io, op, out, t, static_cast<float>(eps),
+  r.out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
+  if (saved) r.z = torch::empty({M, N}, op.x.options());
+  if (M == 0 || N == 0) return r;  // (saved: coeff is never read, as no row has a gradient)
+  check_launch(launch_gemm(gemm == Gemm::kSm90, op.dtype, false, float32_io, op, r.out, t, static_cast<float>(eps),
                            scale_after_bn, nullptr, nullptr, nullptr, nullptr, stream),
                gemm_kernel_name(gemm, false));
   if (scale_after_bn)
-    check_launch(fgb::lowp_softmax_rows(op.dtype, float32_io, out.data_ptr(), nullptr, nullptr, M, N, stream),
+    check_launch(fgb::lowp_softmax_rows(op.dtype, float32_io, r.out.data_ptr(), nullptr, nullptr, M, N, stream),
                  "bn16_softmax_rows_kernel (eval)");
-  return out;
+  return r;
+}
+
+// The backward after the GEMM (bn_16bit_backward.cu), training (batch coefficients) or eval.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backward(
+    torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale, bool scale_after_bn,
+    bool training) {
+  scale = feature_vector(scale);
+  TORCH_CHECK(z.is_cuda() && (z.scalar_type() == torch::kHalf || z.scalar_type() == torch::kBFloat16) &&
+                  z.dim() == 2 && z.is_contiguous(),
+              "z must be a contiguous 2-D float16 or bfloat16 CUDA tensor, got ", z.scalar_type(), " ", z.sizes());
+  const int64_t M = z.size(0), N = z.size(1);
+  TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "sizes must fit in int32, got ", z.sizes());
+  TORCH_CHECK(grad_y.device() == z.device() && grad_y.sizes() == z.sizes() &&
+                  (grad_y.scalar_type() == torch::kFloat32 || grad_y.scalar_type() == z.scalar_type()),
+              "grad_y must be a ", z.sizes(), " float32 or ", z.scalar_type(), " tensor on ", z.device(), ", got ",
+              grad_y.scalar_type(), " ", grad_y.sizes());
+  TORCH_CHECK(coeff.device() == z.device() && coeff.scalar_type() == torch::kFloat32 && coeff.dim() == 2 &&
+                  coeff.size(0) == 4 && coeff.size(1) == N && coeff.is_contiguous(),
+              "coeff must be a contiguous (4, ", N, ") float32 tensor on ", z.device());
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 || scale.scalar_type() == z.scalar_type(), "scale must be ",
+              z.scalar_type(), " or float32, got ", scale.scalar_type());
+  check_vector(scale, "scale", N, z, scale.scalar_type());
+  const torch::Tensor g = grad_y.contiguous();
+  const c10::cuda::CUDAGuard guard(z.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(z.get_device()).stream();
+  // Four separate tensors (no views: the operators' outputs may not alias); a batch of
+  // no rows gives zero parameter gradients (no kernel runs).
+  torch::Tensor grad_z = torch::empty_like(z);
+  const auto f32 = z.options().dtype(torch::kFloat32);
+  auto vector = [&] { return M == 0 ? torch::zeros({N}, f32) : torch::empty({N}, f32); };
+  torch::Tensor grad_scale = vector(), grad_bn_weight = vector(), grad_bn_bias = vector();
+  check_launch(fgb::lowp_bn_backward(dtype_code(z.scalar_type()), scale.scalar_type() == torch::kFloat32,
+                                     g.scalar_type() == torch::kFloat32, training, g.data_ptr(), z.data_ptr(),
+                                     coeff.data_ptr<float>(), scale.data_ptr(), scale_after_bn, static_cast<int>(M),
+                                     static_cast<int>(N), grad_z.data_ptr(), grad_scale.data_ptr<float>(),
+                                     grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
+               training ? "bn16_backward_kernel (training)" : "bn16_backward_kernel (eval)");
+  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
 }
 
 }  // namespace
@@ -386,38 +448,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_train_saved(
 // (N) float32).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backward_train(
     torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale, bool scale_after_bn) {
-  scale = feature_vector(scale);
-  TORCH_CHECK(z.is_cuda() && (z.scalar_type() == torch::kHalf || z.scalar_type() == torch::kBFloat16) &&
-                  z.dim() == 2 && z.is_contiguous(),
-              "z must be a contiguous 2-D float16 or bfloat16 CUDA tensor, got ", z.scalar_type(), " ", z.sizes());
-  const int64_t M = z.size(0), N = z.size(1);
-  TORCH_CHECK(M <= INT32_MAX && N <= INT32_MAX, "sizes must fit in int32, got ", z.sizes());
-  TORCH_CHECK(grad_y.device() == z.device() && grad_y.sizes() == z.sizes() &&
-                  (grad_y.scalar_type() == torch::kFloat32 || grad_y.scalar_type() == z.scalar_type()),
-              "grad_y must be a ", z.sizes(), " float32 or ", z.scalar_type(), " tensor on ", z.device(), ", got ",
-              grad_y.scalar_type(), " ", grad_y.sizes());
-  TORCH_CHECK(coeff.device() == z.device() && coeff.scalar_type() == torch::kFloat32 && coeff.dim() == 2 &&
-                  coeff.size(0) == 4 && coeff.size(1) == N && coeff.is_contiguous(),
-              "coeff must be a contiguous (4, ", N, ") float32 tensor on ", z.device());
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 || scale.scalar_type() == z.scalar_type(), "scale must be ",
-              z.scalar_type(), " or float32, got ", scale.scalar_type());
-  check_vector(scale, "scale", N, z, scale.scalar_type());
-  const torch::Tensor g = grad_y.contiguous();
-  const c10::cuda::CUDAGuard guard(z.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(z.get_device()).stream();
-  // Four separate tensors (no views: the fused_gemm_bn::bn_backward_train operator's outputs may not alias).
-  torch::Tensor grad_z = torch::empty_like(z);
-  const auto f32 = z.options().dtype(torch::kFloat32);
-  torch::Tensor grad_scale = torch::empty({N}, f32), grad_bn_weight = torch::empty({N}, f32),
-                grad_bn_bias = torch::empty({N}, f32);
-  check_launch(fgb::lowp_bn_backward_train(dtype_code(z.scalar_type()), scale.scalar_type() == torch::kFloat32,
-                                           g.scalar_type() == torch::kFloat32, g.data_ptr(), z.data_ptr(),
-                                           coeff.data_ptr<float>(), scale.data_ptr(), scale_after_bn,
-                                           static_cast<int>(M), static_cast<int>(N), grad_z.data_ptr(),
-                                           grad_scale.data_ptr<float>(), grad_bn_weight.data_ptr<float>(),
-                                           grad_bn_bias.data_ptr<float>(), stream),
-               "bn16_backward_train_kernel");
-  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+  return bn_backward(grad_y, z, coeff, scale, scale_after_bn, true);
+}
+
+// bn_backward_train's eval counterpart: z and coeff from forward_eval_saved (running statistics).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backward_eval(
+    torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale, bool scale_after_bn) {
+  return bn_backward(grad_y, z, coeff, scale, scale_after_bn, false);
 }
 
 // Either problem, eval mode.
@@ -426,5 +463,17 @@ torch::Tensor forward_eval(const std::string& gemm, torch::Tensor x, torch::Tens
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn) {
   scale = feature_vector(scale);
   return eval(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
-              scale_after_bn);
+              scale_after_bn)
+      .out;
+}
+
+// forward_eval, also returning what the backward needs: (out, z, coeff) (EvalResult); lowp_cublas only.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_eval_saved(
+    const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
+    torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean, torch::Tensor running_var, double eps,
+    bool scale_after_bn) {
+  scale = feature_vector(scale);
+  EvalResult r = eval(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
+                      scale_after_bn, true);
+  return {r.out, r.z, r.coeff};
 }

@@ -1,6 +1,8 @@
-// bn_16bit_backward.cu -- the training-mode backward of what follows the Linear
-// in the 16-bit forward (sm90_gemm_bn_16bit.cu with z_out, bn_16bit.cu): from
-// the saved Linear output z and the batch coefficients to dL/dz, which the
+// bn_16bit_backward.cu -- the backward of what follows the Linear in the 16-bit
+// forward, training (batch statistics: sm90/sm80_gemm_bn_16bit.cu with z_out, or
+// bn_16bit_chain.cu / bn_16bit_strip.cu after cuBLAS, then bn_16bit.cu) and eval
+// (running statistics: bn_16bit_chain.cu's eval chain after cuBLAS): from the
+// saved Linear output z and the forward's coefficients to dL/dz, which the
 // backward's two GEMMs take, and the per-feature parameter gradients.
 //
 // Forward being differentiated, per feature j over the batch's M rows (T the
@@ -10,11 +12,15 @@
 //   problem 33: u = rnd_S(z s),  out = BatchNorm(u)                     (dL/dout = g)
 //   problem 84: u = z,  y = rnd_T(BatchNorm(u)),  w = rnd_S(y s),  out = softmax(w)
 //               (g = dL/dw: the caller runs the row softmax's backward)
-// BatchNorm(u) = gamma (u - mean) invstd + beta, with the forward's own batch
-// coefficients coeff[:, j] = {mean, invstd, gamma, beta} (bn16_fold_train_kernel; lowp_coeff.cuh).
+// BatchNorm(u) = gamma (u - mean) invstd + beta, with the forward's own
+// coefficients coeff[:, j] = {mean, invstd, gamma, beta} (lowp_coeff.cuh): the
+// batch's (training: bn16_fold_train / bn16_strip_train) or the running
+// statistics' (eval: running_mean, rsqrtf(running_var + eps), as the forward
+// computed them: bn16_chain_eval with coeff).
 // Gradients, as autograd gives them for that chain (a rounding's derivative is 1):
 //   dy = g (33) or g s (84);  S1 = sum_m dy,  S2 = sum_m dy (u - mean)
-//   du = gamma invstd (dy - S1 / M - (u - mean) invstd^2 S2 / M)
+//   training: du = gamma invstd (dy - S1 / M - (u - mean) invstd^2 S2 / M)
+//   eval:     du = gamma invstd dy            (mean and invstd are constants there)
 //   dz = du s (33) or du (84)                       -> rnd_T: the GEMMs' operand
 //   dgamma = S2 invstd,  dbeta = S1
 //   dscale = sum_m du z (33) or sum_m g y (84)
@@ -26,12 +32,13 @@
 //
 // Tensors (row-major, contiguous): g (M, N) G (T, or float32); z, dz (M, N) T;
 // coeff (4, N) float32 (lowp_coeff.cuh); scale (N) S; dscale, dgamma, dbeta (N) float32.
-// Preconditions: M >= 2 (the forward's batch), N >= 1.
+// Preconditions: M >= 1 (training: M >= 2, the forward's batch), N >= 1.
 //
 // Kernel: one CTA per 32 features (a warp reads one row's 32 contiguous
 // elements), its 8 warps take every 8th row, as bn_backward.cu.  Pass 1 reduces
-// S1, S2 (and problem 84's dscale), pass 2 re-reads g and z (mostly from L2) and
-// writes dz.  Memory-bound: g and z read twice, dz written once.
+// S1, S2 (and problem 84's dscale); training: pass 2 re-reads g and z (mostly
+// from L2) and writes dz; eval, where du needs no sum, pass 1 writes dz too.
+// Memory-bound: g and z read twice (eval: once), dz written once.
 // Launchers return the launch error.
 
 #include <cuda_runtime.h>
@@ -86,33 +93,45 @@ __device__ __forceinline__ void load_rows(const Args& p, int row, int j, float (
   }
 }
 
-template <typename T, typename S, typename G>
-__global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_train_kernel(const Args p) {
+// kTraining: coeff holds the batch statistics (else the running statistics: eval).
+template <typename T, typename S, typename G, bool kTraining>
+__global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const Args p) {
   using St = Storage<S>;
   __shared__ double red[3][kWarps][kCols];
-  __shared__ double coef[3][kCols];  // per feature: a = gamma invstd, c1 = S1 / M, c2 = invstd^2 S2 / M
+  __shared__ double coef[2][kCols];  // per feature, training: c1 = S1 / M, c2 = invstd^2 S2 / M
   const int lane = threadIdx.x % kCols, warp = threadIdx.x / kCols;
   const int j = blockIdx.x * kCols + lane;
   const bool valid = j < p.N;
   const float4 c = valid ? coeff_load1(p.coeff, p.N, j) : make_float4(0.f, 0.f, 0.f, 0.f);
   const float s = valid ? St::load(static_cast<const word_t<S>*>(p.scale) + j) : 0.f;
-  const double mean = c.x, sd = s;
-  // u and dy of one element (the forward's values, recomputed).
+  const double mean = c.x, sd = s, a = static_cast<double>(c.z) * c.y;  // a = gamma invstd
+  // u and dy of one element (the forward's values, recomputed); dz of one du.
   auto u_of = [&](float z) { return p.scale_after_bn ? z : St::round(z * s); };
+  auto dy_of = [&](float g) { return p.scale_after_bn ? g * sd : static_cast<double>(g); };
+  auto store_dz = [&](int m, double du) {
+    p.dz[static_cast<size_t>(m) * p.N + j] = to_bits<T>(static_cast<float>(p.scale_after_bn ? du : du * sd));
+  };
 
-  double s1 = 0.0, s2 = 0.0, s3 = 0.0;  // s3: problem 84's dscale
+  // Pass 1: S1, S2, problem 84's dscale (s3); eval also dz and problem 33's dscale.
+  double s1 = 0.0, s2 = 0.0, s3 = 0.0, scale_sum = 0.0;
   if (valid) {
     for (int row = warp; row < p.M; row += kWarps * kRowBatch) {
       float gv[kRowBatch], zv[kRowBatch];
       load_rows<T, G>(p, row, j, gv, zv);
 #pragma unroll
       for (int r = 0; r < kRowBatch; ++r) {
-        if (row + r * kWarps >= p.M) break;
+        const int m = row + r * kWarps;
+        if (m >= p.M) break;
         const double u = u_of(zv[r]);
-        const double dy = p.scale_after_bn ? gv[r] * sd : gv[r];
+        const double dy = dy_of(gv[r]);
         s1 += dy;
         s2 += dy * (u - mean);
         if (p.scale_after_bn) s3 += static_cast<double>(gv[r]) * round16<T>(fmaf(c.z * (zv[r] - c.x), c.y, c.w));
+        if constexpr (!kTraining) {
+          const double du = a * dy;
+          store_dz(m, du);
+          if (!p.scale_after_bn) scale_sum += du * zv[r];
+        }
       }
     }
   }
@@ -129,17 +148,16 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_train_kernel(c
       S3 += red[2][w][lane];
     }
     const double invstd = c.y, M = p.M;
-    coef[0][lane] = static_cast<double>(c.z) * invstd;
-    coef[1][lane] = S1 / M;
-    coef[2][lane] = invstd * invstd * S2 / M;
+    coef[0][lane] = S1 / M;
+    coef[1][lane] = invstd * invstd * S2 / M;
     p.dgamma[j] = static_cast<float>(S2 * invstd);
     p.dbeta[j] = static_cast<float>(S1);
     if (p.scale_after_bn) p.dscale[j] = static_cast<float>(S3);
   }
   __syncthreads();
-  double scale_sum = 0.0;  // problem 33's dscale
-  if (valid) {
-    const double a = coef[0][lane], c1 = coef[1][lane], c2 = coef[2][lane];
+  // Pass 2 (training): dz and problem 33's dscale.
+  if (kTraining && valid) {
+    const double c1 = coef[0][lane], c2 = coef[1][lane];
     for (int row = warp; row < p.M; row += kWarps * kRowBatch) {
       float gv[kRowBatch], zv[kRowBatch];
       load_rows<T, G>(p, row, j, gv, zv);
@@ -147,10 +165,8 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_train_kernel(c
       for (int r = 0; r < kRowBatch; ++r) {
         const int m = row + r * kWarps;
         if (m >= p.M) break;
-        const double u = u_of(zv[r]);
-        const double dy = p.scale_after_bn ? gv[r] * sd : gv[r];
-        const double du = a * (dy - c1 - (u - mean) * c2);
-        p.dz[static_cast<size_t>(m) * p.N + j] = to_bits<T>(static_cast<float>(p.scale_after_bn ? du : du * sd));
+        const double du = a * (dy_of(gv[r]) - c1 - (u_of(zv[r]) - mean) * c2);
+        store_dz(m, du);
         if (!p.scale_after_bn) scale_sum += du * zv[r];
       }
     }
@@ -166,42 +182,52 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_train_kernel(c
   }
 }
 
-template <typename T, typename S>
-cudaError_t launch_for_storage(const Args& p, bool g_float32, cudaStream_t stream) {
+template <typename T, typename S, typename G>
+void launch_for_mode(const Args& p, bool training, cudaStream_t stream) {
   const int blocks = (p.N + kCols - 1) / kCols;
-  if (g_float32) {
-    bn16_backward_train_kernel<T, S, float><<<blocks, kCols * kWarps, 0, stream>>>(p);
+  if (training) {
+    bn16_backward_kernel<T, S, G, true><<<blocks, kCols * kWarps, 0, stream>>>(p);
   } else {
-    bn16_backward_train_kernel<T, S, T><<<blocks, kCols * kWarps, 0, stream>>>(p);
+    bn16_backward_kernel<T, S, G, false><<<blocks, kCols * kWarps, 0, stream>>>(p);
+  }
+}
+
+template <typename T, typename S>
+cudaError_t launch_for_storage(const Args& p, bool g_float32, bool training, cudaStream_t stream) {
+  if (g_float32) {
+    launch_for_mode<T, S, float>(p, training, stream);
+  } else {
+    launch_for_mode<T, S, T>(p, training, stream);
   }
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launch_for_type(const Args& p, bool float32_io, bool g_float32, cudaStream_t stream) {
-  return float32_io ? launch_for_storage<T, float>(p, g_float32, stream)
-                    : launch_for_storage<T, T>(p, g_float32, stream);
+cudaError_t launch_for_type(const Args& p, bool float32_io, bool g_float32, bool training, cudaStream_t stream) {
+  return float32_io ? launch_for_storage<T, float>(p, g_float32, training, stream)
+                    : launch_for_storage<T, T>(p, g_float32, training, stream);
 }
 
 }  // namespace bn_backward
 }  // namespace lowp
 }  // namespace fused_gemm_bn
 
-// dz (M, N) in dtype and dscale, dgamma, dbeta (N) float32 from g (M, N) (formulas above).
-cudaError_t fused_gemm_bn::lowp_bn_backward_train(int dtype, bool float32_io, bool g_float32, const void* g,
-                                                  const void* z, const float* coeff, const void* scale,
-                                                  bool scale_after_bn, int M, int N, void* dz, float* dscale,
-                                                  float* dgamma, float* dbeta, cudaStream_t stream) {
+// dz (M, N) in dtype and dscale, dgamma, dbeta (N) float32 from g (M, N) (formulas above);
+// training: coeff holds the batch statistics, else the running statistics (eval).
+cudaError_t fused_gemm_bn::lowp_bn_backward(int dtype, bool float32_io, bool g_float32, bool training, const void* g,
+                                            const void* z, const float* coeff, const void* scale,
+                                            bool scale_after_bn, int M, int N, void* dz, float* dscale, float* dgamma,
+                                            float* dbeta, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn_backward;
   if (M == 0 || N == 0) return cudaSuccess;
-  const Args p{g,  static_cast<const uint16_t*>(z), coeff, scale, scale_after_bn, M,
-               N,  static_cast<uint16_t*>(dz),      dscale,                                  dgamma, dbeta};
+  const Args p{g, static_cast<const uint16_t*>(z), coeff, scale, scale_after_bn, M, N,
+               static_cast<uint16_t*>(dz), dscale, dgamma, dbeta};
   switch (static_cast<Dtype>(dtype)) {
     case Dtype::kF16:
-      return launch_for_type<__half>(p, float32_io, g_float32, stream);
+      return launch_for_type<__half>(p, float32_io, g_float32, training, stream);
     case Dtype::kBF16:
-      return launch_for_type<__nv_bfloat16>(p, float32_io, g_float32, stream);
+      return launch_for_type<__nv_bfloat16>(p, float32_io, g_float32, training, stream);
   }
   return cudaErrorInvalidValue;
 }

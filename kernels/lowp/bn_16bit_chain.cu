@@ -26,7 +26,10 @@
 // bn16_softmax_rows follows; 84 with 16-bit out runs it inside the row softmax
 // instead: bn_16bit.cu's kEval mode, the same values)
 //   out = eval_out(z, ...) with invstd = rsqrtf(running_var + eps), rounded to S by
-//   the store; in place allowed.  CTA: 16 feature groups x 16 row slices of 8 rows.
+//   the store; in place allowed.  With coeff (the eval forward with gradients), the first
+//   row block's CTAs also write the (4, N) rows {running_mean, invstd, bn.weight,
+//   bn.bias} they used (lowp_coeff.cuh), for bn_16bit_backward.cu.
+//   CTA: 16 feature groups x 16 row slices of 8 rows.
 // Layout: z (M, N) T and out (M, N) S row-major contiguous; vectors (N) of S.
 // Memory-bound: train reads z once and out once and writes out once, eval reads z
 // and writes out once.  Launchers return the launch error (cudaSuccess for M or N of 0).
@@ -36,6 +39,7 @@
 
 #include "launchers.cuh"
 #include "lowp_chain.cuh"
+#include "lowp_coeff.cuh"
 #include "lowp_types.cuh"
 
 namespace fused_gemm_bn {
@@ -196,6 +200,7 @@ struct EvalArgs {
   float eps;
   bool scale_after_bn;
   int M, N;
+  float* coeff;  // may be null: (4, N) rows {running_mean, invstd, bn.weight, bn.bias} (lowp_coeff.cuh)
 };
 
 template <typename T, typename S, int kV>
@@ -213,6 +218,10 @@ __global__ void __launch_bounds__(kThreads) bn16_chain_eval_kernel(const EvalArg
     b[j] = vec(p.bn_bias, j);
     rm[j] = vec(p.running_mean, j);
     invstd[j] = rsqrtf(vec(p.running_var, j) + p.eps);
+  }
+  if (p.coeff != nullptr && blockIdx.y == 0 && slice == 0) {  // the values used here, for the backward
+#pragma unroll
+    for (int j = 0; j < kV; ++j) coeff_store1(p.coeff, p.N, f0 + j, make_float4(rm[j], invstd[j], w[j], b[j]));
   }
   const int row0 = (blockIdx.y * kSlices + slice) * kEvalRows;
   float v[kEvalRows][kV];
@@ -281,11 +290,11 @@ cudaError_t fused_gemm_bn::lowp_bn_chain_train(int dtype, bool float32_io, const
 cudaError_t fused_gemm_bn::lowp_bn_chain_eval(int dtype, bool float32_io, const void* z, void* out,
                                               const void* scale, const void* bn_weight, const void* bn_bias,
                                               const void* running_mean, const void* running_var, float eps,
-                                              bool scale_after_bn, int M, int N, cudaStream_t stream) {
+                                              bool scale_after_bn, int M, int N, float* coeff, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M <= 0 || N <= 0) return cudaSuccess;
   const chain::EvalArgs p{static_cast<const uint16_t*>(z), out, scale, bn_weight, bn_bias, running_mean,
-                          running_var, eps, scale_after_bn, M, N};
+                          running_var, eps, scale_after_bn, M, N, coeff};
   if (static_cast<Dtype>(dtype) == Dtype::kF16)
     return float32_io ? chain::eval_for_storage<__half, float>(p, stream)
                       : chain::eval_for_storage<__half, __half>(p, stream);

@@ -2,7 +2,7 @@
 // row-major, one row per quantity: coeff[0][j] = mean, [1][j] = invstd =
 // rsqrtf(var + eps), [2][j] = f(bn_weight), [3][j] = f(bn_bias) of feature j
 // (written by bn16_fold_train / bn16_strip_train; read by bn16_apply, the row
-// softmax and bn16_backward_train).  Rows rather than a float4 per feature: a
+// softmax and bn16_backward_kernel).  Rows rather than a float4 per feature: a
 // warp's 16-byte loads of 8 consecutive features then cover whole 32-byte sectors
 // of one row (a float4 per feature put each thread's 8 loads in 8 lines of their
 // own: 32 L1 wavefronts per warp load, the row softmax's bottleneck, docs/perf.md v33).

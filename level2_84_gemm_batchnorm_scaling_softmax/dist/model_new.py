@@ -89,7 +89,9 @@ in the order a call uses them after ModelNew.forward at the bottom):
                            gemm_nn (grad_x), gemm_tn (grad_W)
     eval + gradient:       _eval_with_grad: gemm_nt (backward: gemm_nn, gemm_tn), then the
                            fold in torch ops
-    16-bit:                the 16-bit extension's call (_LowpFn with gradients)
+    16-bit:                the 16-bit extension's call; with gradients _LowpGradFn:
+                           forward_train_saved / forward_eval_saved, backward:
+                           bn_backward_train / bn_backward_eval, then two cuBLAS products
     torch.compile:         the same through the fused_gemm_bn:: custom operators
     synchronized BatchNorm (bn converted to a SyncBatchNorm, training, several
     processes: sync_process_group): _SyncTrainFn, gemm_nt and torch ops around one
@@ -119,6 +121,10 @@ in the order a call uses them after ModelNew.forward at the bottom):
                                                                               read MN-major)
     lowp_sm90            lowp/sm90_gemm_bn_16bit.cu (wgmma, TMA), lowp/bn_16bit.cu the 16-bit chain, rounded
     lowp_sm80            lowp/sm80_gemm_bn_16bit.cu (mma.sync), lowp/bn_16bit.cu  where Model rounds
+    lowp_cublas          cuBLAS (eager's own product), then lowp/bn_16bit_chain.cu or
+                         lowp/bn_16bit_strip.cu, lowp/bn_16bit.cu
+      16-bit backward    lowp/bn_16bit_backward.cu  bn16_backward             bn's gradients (grad_x,
+                                                                              grad_W: cuBLAS)
     torch_ops            the _torch_* functions of this file                  CPU, float64 on CUDA
   kernels/launchers.cuh declares every launcher (both sides include it);
   kernels/torch_binding.cpp and kernels/lowp/binding_16bit.cpp check tensors,
@@ -208,7 +214,8 @@ _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", 
 _LOWP_SUBDIR = "lowp"
 _LOWP_BINDING = "binding_16bit.cpp"
 _LOWP_PREFIX = "fused_gemm_bn_lowp_"
-_LOWP_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "bn_backward_train"]
+_LOWP_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "bn_backward_train", "forward_eval_saved",
+                   "bn_backward_eval"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
@@ -1802,7 +1809,7 @@ cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, bool w_flo
                               const void* bn_bias, const void* running_mean, const void* running_var, float eps,
                               bool scale_after_bn, float* part_mean, float* part_m2, int64_t* num_batches_tracked,
                               void* z_out, float* workspace, cudaStream_t stream);
-// Training statistics (coeff, N float4) and the running-statistics update (lowp/bn_16bit.cu);
+// Training statistics (coeff, (4, N) rows: lowp_coeff.cuh) and the running-statistics update (lowp/bn_16bit.cu);
 // float32_io: the BatchNorm parameters and running statistics (and below, out and scale) are float32.
 cudaError_t lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mean, const float* part_m2,
                                int num_m_tiles, int block_m, int M, int N, const void* bn_weight, const void* bn_bias,
@@ -1810,14 +1817,16 @@ cudaError_t lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mea
                                void* running_var, float* coeff, cudaStream_t stream);
 // After a cuBLAS product z = rnd(x w^T + bias) (M, N) in dtype (lowp/bn_16bit_chain.cu), what the
 // GEMMs' epilogues do: training, out = u and part_mean / part_m2 (ceil(M / 128), N),
-// num_batches_tracked += 1 (may be null); eval, out = the eval chain.  out may be z (16-bit S).
+// num_batches_tracked += 1 (may be null); eval, out = the eval chain, and where coeff is not
+// null its (4, N) rows {running_mean, invstd, bn.weight, bn.bias} as the chain used them
+// (the eval backward's coefficients).  out may be z (16-bit S).
 cudaError_t lowp_bn_chain_train(int dtype, bool float32_io, const void* z, void* out, const void* scale,
                                 bool scale_after_bn, int M, int N, float* part_mean, float* part_m2,
                                 int64_t* num_batches_tracked, cudaStream_t stream);
 cudaError_t lowp_bn_chain_eval(int dtype, bool float32_io, const void* z, void* out, const void* scale,
                                const void* bn_weight, const void* bn_bias, const void* running_mean,
                                const void* running_var, float eps, bool scale_after_bn, int M, int N,
-                               cudaStream_t stream);
+                               float* coeff, cudaStream_t stream);
 // After a cuBLAS product, training, batches of 2 .. 1024 rows (lowp/bn_16bit_strip.cu): u,
 // the statistics, the running statistics, coeff and (problem 33) out = BatchNorm(u), or
 // (84) out = u, in one kernel.  num_batches_tracked += 1 here when momentum >= 0;
@@ -1840,12 +1849,13 @@ cudaError_t lowp_softmax_rows(int dtype, bool float32_io, void* out, const float
 cudaError_t lowp_bn_softmax_rows_eval(int dtype, void* out, const void* scale, const void* bn_weight,
                                       const void* bn_bias, const void* running_mean, const void* running_var,
                                       float eps, int M, int N, cudaStream_t stream);
-// The training backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and
-// dscale, dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
-// (g_float32) or dtype, the saved z (M, N) in dtype and coeff (N float4) of the training forward.
-cudaError_t lowp_bn_backward_train(int dtype, bool float32_io, bool g_float32, const void* g, const void* z,
-                                   const float* coeff, const void* scale, bool scale_after_bn, int M, int N, void* dz,
-                                   float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
+// The backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and dscale,
+// dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
+// (g_float32) or dtype, the saved z (M, N) in dtype and coeff ((4, N) rows, lowp_coeff.cuh) of
+// the forward: the batch's (training) or the running statistics' (eval).
+cudaError_t lowp_bn_backward(int dtype, bool float32_io, bool g_float32, bool training, const void* g, const void* z,
+                             const float* coeff, const void* scale, bool scale_after_bn, int M, int N, void* dz,
+                             float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
 
 }  // namespace fused_gemm_bn
 ''',
@@ -6466,7 +6476,7 @@ def _float32_gemm(m, n, k, w_aligned16, cluster_candidate, facts, switches):
 
 # The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),
 # so one name stands for the Hopper 16-bit routes that the repository chooses between.
-def _lowp_hopper_gemm(m, n, k, facts, switches):
+def _lowp_hopper_gemm(m, n, k, training, facts, switches):
     return "lowp_sm90"
 
 
@@ -6492,8 +6502,12 @@ def plan(call, facts=None, switches=None):
         if facts.capability < (8, 0):
             raise RuntimeError(f"ModelNew's 16-bit CUDA kernels need compute capability >= 8.0, got "
                                f"{facts.capability[0]}.{facts.capability[1]}")
-        gemm = (_lowp_hopper_gemm(call.m, call.n, call.k, call.training, facts, switches)
-                if not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm else "lowp_sm80")
+        if call.grad and not call.training:  # forward_eval_saved keeps z, which only this route makes
+            gemm = "lowp_cublas"
+        elif not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm:
+            gemm = _lowp_hopper_gemm(call.m, call.n, call.k, call.training, facts, switches)
+        else:
+            gemm = "lowp_sm80"
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     cluster_candidate = call.training and not call.grad and not call.scale_after_bn
     gemm = _float32_gemm(call.m, call.n, call.k, call.weight_aligned16, cluster_candidate, facts, switches)
@@ -6724,22 +6738,22 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
       no gradient needed: one call of the plan's forward_train / forward_eval;
       training with gradients: _TrainFn (forward_train_saved, then the fused backward);
       eval with gradients: _eval_with_grad over gemm_nt;
-      16-bit: the 16-bit call; with gradients _LowpTrainFn (training) or _LowpFn (eval);
+      16-bit: the 16-bit call; with gradients _LowpGradFn (forward_train_saved or
+        forward_eval_saved, then the fused backward);
       mixed precision on (CUDA or CPU; _mixed_precision_dtype): Model's own ops
       (_mixed_precision_forward), so the result is Model's in that mode;
       bn a SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) in training with
       torch.distributed initialized over more than one process (sync_process_group):
       _SyncTrainFn, whose forward merges the batch statistics across processes
       (section "Synchronized BatchNorm"; also under torch.compile, as eager code).
-    Under torch.compile, torch.jit.trace (or FUSED_GEMM_BN_EAGER_OPS=1) float32
-    and float64 calls, and 16-bit calls other than eval with gradients, go
-    through the fused_gemm_bn:: operators instead, whose implementations make
-    the same dispatch() decision when they run (the tracer records the
-    operators, so a traced module generalises over the batch size);
-    mixed-precision calls run Model's ops there.  Where this torch has no
-    custom operators (< 2.4), or for 16-bit input with gradients in eval,
-    torch.jit.trace raises RuntimeError (and torch.compile breaks the graph
-    at the 16-bit call)."""
+    Under torch.compile, torch.jit.trace (or FUSED_GEMM_BN_EAGER_OPS=1) every
+    call but the synchronized ones goes through the fused_gemm_bn:: operators
+    instead (_ops_forward), whose implementations make the same dispatch()
+    decision when they run (the tracer records the operators, so a traced
+    module generalises over the batch size); mixed-precision calls run Model's
+    ops there.  Where this torch has no custom operators (< 2.4),
+    torch.jit.trace raises RuntimeError (and torch.compile breaks the graph at
+    the extension call)."""
     training = bn.training
     group = sync_process_group(bn)
     autocast_dtype = _mixed_precision_dtype(x)
@@ -6754,14 +6768,10 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     eps = float(bn.eps)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = _needs_grad(params)
-    # 16-bit calls with gradients in eval run _LowpFn (the extension, then a torch-op recompute),
-    # which the operators do not cover; training with gradients (forward_train_saved) and calls
-    # without gradients go through the operators.
-    lowp_grad = _is_16bit_dtype(x.dtype) and grad and not training
-    if torch.jit.is_tracing() and (_OPS is None or lowp_grad):
-        raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4), "
-                           "and 16-bit input with gradients only in training: its kernels are extension calls the "
-                           "tracer cannot record; use torch.compile or torch.export")
+    if torch.jit.is_tracing() and _OPS is None:
+        raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4): "
+                           "its kernels are extension calls the tracer cannot record; use torch.compile or "
+                           "torch.export")
     if group is not None:
         return _sync_forward(group, params, buffers, momentum, eps, scale_after_bn)
     _warn_unsynchronized(bn)
@@ -6769,14 +6779,12 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
         if training:
             bn.num_batches_tracked.add_(1)
         return x.new_empty((0, gemm.out_features))
-    if _use_ops() and not lowp_grad:
+    if _use_ops():
         return _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
     plan = dispatch(x, gemm.weight, training, grad, scale_after_bn)
     kernels = _kernels(plan.kernels)
-    if plan.kernels == "lowp" and training and grad:
-        return _LowpTrainFn.apply(kernels, plan.gemm, scale_after_bn, buffers, momentum, eps, None, *params)
     if plan.kernels == "lowp" and grad:
-        return _LowpFn.apply(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, *params)
+        return _LowpGradFn.apply(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, None, *params)
     if training and grad:
         return _TrainFn.apply(kernels, plan.gemm, scale_after_bn, buffers, momentum, eps, *params)
     if grad:
@@ -6805,7 +6813,9 @@ def _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
     """fused_forward through the fused_gemm_bn:: operators (what torch.compile,
     torch.jit.trace and torch.export record).  The training operators are
     functional: they return updated copies of the running statistics, which
-    are copied back into the module's buffers here."""
+    are copied back into the module's buffers here.  Eval with gradients:
+    _eval_with_grad over gemm_nt, or for 16-bit CUDA x forward_eval_saved
+    (the 16-bit kernels and their backward, as _LowpGradFn)."""
     if training:
         if grad:
             out, _, _, *new_buffers = _OPS.forward_train_saved(*params, *buffers, momentum, eps, scale_after_bn)
@@ -6815,6 +6825,8 @@ def _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
             for buffer, new in zip(buffers, new_buffers):
                 buffer.copy_(new)
         return out
+    if grad and params[0].is_cuda and _is_16bit_dtype(params[0].dtype):
+        return _OPS.forward_eval_saved(*params, *buffers[:2], eps, scale_after_bn)[0]
     if grad:
         return _eval_with_grad(_OPS.gemm_nt, _OPS.softmax_rows if scale_after_bn else None, *params,
                                *buffers[:2], eps)
@@ -6996,73 +7008,9 @@ def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn
     return z * (scale * g) + (bn_bias + (scale * bias - running_mean) * g)
 
 
-def _lowp_recompute(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, training, eps,
-                    scale_after_bn):
-    """The forward of either problem in differentiable torch ops, for _LowpFn's
-    backward: z = x weight^T in x's dtype (a 16-bit GEMM with float32
-    accumulation, as Model's), everything after it in float32 (batch statistics
-    in training, running statistics in eval), out in float32:
-      problem 33: u = (z + bias) scale,  out = (u - mean) rsqrt(var + eps) bn_weight + bn_bias
-      problem 84: u = z + bias,          out = softmax(((u - mean) rsqrt(var + eps) bn_weight + bn_bias) scale)."""
-    f32 = torch.float32
-    u = _torch_gemm_nt("torch_ops", x, weight).to(f32) + bias.to(f32)
-    s = scale.to(f32)
-    if not scale_after_bn:
-        u = u * s
-    if training:
-        mean = u.mean(dim=0)
-        invstd = torch.rsqrt(((u - mean) ** 2).mean(dim=0) + eps)
-    else:
-        mean = running_mean.to(f32)
-        invstd = torch.rsqrt(running_var.to(f32) + eps)
-    y = (u - mean) * invstd * bn_weight.to(f32) + bn_bias.to(f32)
-    return _SoftmaxRows.apply(y * s) if scale_after_bn else y
-
-
-class _LowpFn(torch.autograd.Function):
-    """16-bit CUDA forward with gradients.  forward: the same 16-bit extension
-    call as without gradients (_forward_call), so the output is the no-grad
-    output (Model's rounding points) and training updates the running statistics
-    once, here.  Saved: x and the parameters (no copies), and in eval clones of
-    running_mean / running_var (N each).
-    backward: the 16-bit backward goes through torch ops, not fused kernels: it
-    recomputes the forward with _lowp_recompute on detached copies of the inputs
-    (training: from the batch statistics, which do not involve the running ones,
-    so nothing is updated twice) and returns torch.autograd.grad of it.  The cost
-    is one more GEMM and float32 (M, N) temporaries while the backward runs;
-    gemm.bias gets rounding noise around its exact training gradient 0, as Model's."""
-
-    @staticmethod
-    def forward(ctx, kernels, gemm, scale_after_bn, training, buffers, momentum, eps, x, weight, bias, scale, bn_weight,
-                bn_bias):
-        params = (x, weight, bias, scale, bn_weight, bn_bias)
-        running = () if training else (buffers[0].clone(), buffers[1].clone())
-        out = _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params)
-        ctx.scale_after_bn, ctx.training, ctx.eps = scale_after_bn, training, eps
-        ctx.save_for_backward(*params, *running)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        needs = ctx.needs_input_grad[7:]
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved[:6], needs)]
-        running = saved[6:] if not ctx.training else (None, None)
-        with torch.enable_grad():
-            out = _lowp_recompute(*inputs, *running, ctx.training, ctx.eps, ctx.scale_after_bn)
-        wanted = [t for t, need in zip(inputs, needs) if need]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True))
-        result = []
-        for t, need in zip(inputs, needs):
-            g = next(grads) if need else None
-            result.append(torch.zeros_like(t) if need and g is None else g)
-        return (None,) * 7 + tuple(result)
-
-
 # The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),
-# so no 16-bit training step either.
-_LowpTrainFn = _lowp_train_backward = None
+# so no 16-bit step with gradients either.
+_LowpGradFn = _lowp_backward = None
 
 
 # ---------------------------------------------------------------------------
@@ -7087,7 +7035,7 @@ _LowpTrainFn = _lowp_train_backward = None
 #   all_reduce of both, _sync_bn_sums (as SyncBatchNorm's sum_dy, sum_dy_xmu),
 #   _sync_grad_u with the merged count, then the GEMMs (_sync_gemm).
 # Elementwise work runs in x's dtype (float32 for 16-bit x, whose GEMM alone is
-# 16-bit, as in _lowp_recompute); per-feature statistics and sums in float64.
+# 16-bit); per-feature statistics and sums in float64.
 #
 # float32 CUDA batches of at least two rows take the fused kernels instead
 # (_sync_fused_gemm decides; _SyncFusedTrainFn): the training GEMM with its tile
@@ -7149,8 +7097,8 @@ def _warn_unsynchronized(bn):
 
 
 def _sync_work_dtype(dtype):
-    """The dtype of the elementwise work: float32 for 16-bit x (as
-    _lowp_recompute and Model's BatchNorm statistics), else x's own."""
+    """The dtype of the elementwise work: float32 for 16-bit x (as Model's
+    BatchNorm statistics), else x's own."""
     return torch.float32 if _is_16bit_dtype(dtype) else dtype
 
 
@@ -7502,7 +7450,7 @@ def _sync_forward(group, params, buffers, momentum, eps, scale_after_bn):
 # Every operator is functional (torch.library.register_autograd refuses
 # operators that mutate an input): the training operators run the kernels on
 # copies of the running statistics and return them; the module copies them
-# back.  forward_train_saved, gemm_nt and softmax_rows have gradients; the
+# back.  forward_train_saved, forward_eval_saved, gemm_nt and softmax_rows have gradients; the
 # others refuse, at the call, inputs that require grad with grad mode on (a
 # clear error instead of an output that fails only at backward).  Each
 # implementation makes dispatch()'s decision for the real tensors it is given.
@@ -7523,6 +7471,11 @@ _OP_SCHEMAS = {
                            "float eps, bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     "forward_eval": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
                     "Tensor running_mean, Tensor running_var, float eps, bool scale_after_bn) -> Tensor",
+    "forward_eval_saved": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
+                          "Tensor running_mean, Tensor running_var, float eps, bool scale_after_bn) "
+                          "-> (Tensor, Tensor, Tensor)",
+    "bn_backward_eval": "(Tensor grad_y, Tensor z, Tensor coeff, Tensor scale, bool scale_after_bn) "
+                        "-> (Tensor, Tensor, Tensor, Tensor)",
 }
 
 
@@ -7600,6 +7553,38 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
                                 scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
 
 
+def _require_lowp_cuda(name, t):
+    """The 16-bit-only operators (forward_eval_saved, bn_backward_eval) refuse
+    other tensors before any kernel or build runs."""
+    if not (t.is_cuda and _is_16bit_dtype(t.dtype)):
+        raise RuntimeError(f"fused_gemm_bn::{name} takes 16-bit CUDA tensors (the 16-bit extension), got {t.dtype} "
+                           f"on {t.device}; float32 and float64 eval with gradients is gemm_nt with the fold in "
+                           f"elementwise ops")
+
+
+def _op_forward_eval_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                           scale_after_bn):
+    """(out, z, coeff): the 16-bit extension's forward_eval_saved on the plan's
+    GEMM (lowp_cublas: dispatch's choice for eval with gradients): forward_eval's
+    out, the Linear output z (M, N) in x's dtype, and coeff (4, N) float32, the
+    running statistics' {mean, invstd, bn.weight, bn.bias} as the forward used
+    them.  16-bit CUDA x only; an empty batch gives empty out and z."""
+    _require_lowp_cuda("forward_eval_saved", x)
+    n = weight.shape[0]
+    if x.shape[0] == 0:
+        return x.new_empty((0, n), dtype=bias.dtype), x.new_empty((0, n)), x.new_zeros((4, n), dtype=torch.float32)
+    plan = dispatch(x, weight, False, True, scale_after_bn)
+    return tuple(_lowp_kernels().forward_eval_saved(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias,
+                                                    running_mean, running_var, eps, scale_after_bn))
+
+
+def _op_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
+    """The 16-bit extension's bn_backward_eval (grad_z (M, N) in z's dtype;
+    grad_scale, grad_bn_weight, grad_bn_bias (N) float32), as a tuple."""
+    _require_lowp_cuda("bn_backward_eval", z)
+    return tuple(_lowp_kernels().bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn))
+
+
 def _fake_gemm_nt(a, b):
     return a.new_empty((a.shape[0], b.shape[0]))
 
@@ -7625,6 +7610,16 @@ def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after
 
 def _fake_forward_eval(x, weight, *args):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _fake_forward_eval_saved(x, weight, bias, *args):
+    m, n = x.shape[0], weight.shape[0]
+    return x.new_empty((m, n), dtype=bias.dtype), x.new_empty((m, n)), x.new_empty((4, n), dtype=torch.float32)
+
+
+def _fake_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
+    n = z.shape[1]
+    return (z.new_empty(z.shape),) + tuple(z.new_empty(n, dtype=torch.float32) for _ in range(3))
 
 
 def _fake_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
@@ -7660,7 +7655,7 @@ def _backward_softmax_rows(ctx, grad):
 
 
 def _setup_forward_train_saved(ctx, inputs, output):
-    """Saves what _TrainFn saves (16-bit x: what _LowpTrainFn saves); z, stats and
+    """Saves what _TrainFn saves (16-bit x: what _LowpGradFn saves); z, stats and
     the buffer copies are not differentiable."""
     x, weight, _, scale, bn_weight, bn_bias = inputs[:6]
     eps, scale_after_bn = inputs[10], inputs[11]
@@ -7699,21 +7694,39 @@ def _backward_forward_train_saved(ctx, grad_out, *unused):
         def bn_backward(g, z, coeff, scale, scale_after_bn):
             return _OPS.bn_backward_train(g, z, coeff, scale, bn_weight, ctx.eps, scale_after_bn)
 
-        grads = _lowp_train_backward(bn_backward, ctx.scale_after_bn, grad_out, x, weight, scale, z, coeff, out,
-                                     ctx.needs_input_grad[:6], ctx.dtypes)
+        grads = _lowp_backward(bn_backward, True, ctx.scale_after_bn, grad_out, x, weight, scale, z, coeff, out,
+                               ctx.needs_input_grad[:6], ctx.dtypes)
         return tuple(grads) + (None,) * 6
     grads = _train_backward(_OPS, ctx.scale_after_bn, ctx.eps, grad_out, *ctx.saved_tensors,
                             ctx.needs_input_grad[:6])
     return tuple(grads) + (None,) * 6
 
 
+def _setup_forward_eval_saved(ctx, inputs, output):
+    """Saves what _LowpGradFn saves in eval; z and coeff are not differentiable."""
+    x, weight, _, scale = inputs[:4]
+    out, z, coeff = output
+    ctx.mark_non_differentiable(z, coeff)
+    ctx.scale_after_bn = inputs[9]
+    ctx.dtypes = tuple(t.dtype for t in inputs[:6])
+    ctx.save_for_backward(x, weight, scale, z, coeff, out if ctx.scale_after_bn else None)
+
+
+def _backward_forward_eval_saved(ctx, grad_out, *unused):
+    grads = _lowp_backward(_OPS.bn_backward_eval, False, ctx.scale_after_bn, grad_out, *ctx.saved_tensors,
+                           ctx.needs_input_grad[:6], ctx.dtypes)
+    return tuple(grads) + (None,) * 4
+
+
 def _define_ops():
-    """Registers fused_gemm_bn::{gemm_nt, softmax_rows, bn_backward_train,
-    forward_train, forward_train_saved, forward_eval} (_OP_SCHEMAS) once per
-    process, with one implementation for every device (dispatch() picks the
-    extension or the _torch_* functions; softmax_rows is torch ops on both), fake
-    implementations, autograd for gemm_nt, softmax_rows and
-    forward_train_saved, and a call-time refusal of inputs that require grad
+    """Registers fused_gemm_bn::{gemm_nt, gemm_nn, gemm_tn, softmax_rows,
+    bn_backward_train, forward_train, forward_train_saved, forward_eval,
+    forward_eval_saved, bn_backward_eval} (_OP_SCHEMAS) once per process, with
+    one implementation for every device (dispatch() picks the extension or the
+    _torch_* functions; softmax_rows is torch ops on both; forward_eval_saved
+    and bn_backward_eval take 16-bit CUDA tensors only), fake implementations,
+    autograd for gemm_nt, softmax_rows, forward_train_saved and
+    forward_eval_saved, and a call-time refusal of inputs that require grad
     for the others.  A second execution of this file (a harness executing
     the text again, or the other problem's self-contained file) finds them
     registered and reuses them.  Returns the namespace torch.ops.fused_gemm_bn."""
@@ -7728,7 +7741,10 @@ def _define_ops():
              "forward_train": (_op_forward_train, _fake_forward_train, None),
              "forward_train_saved": (_op_forward_train_saved, _fake_forward_train_saved,
                                      (_backward_forward_train_saved, _setup_forward_train_saved)),
-             "forward_eval": (_op_forward_eval, _fake_forward_eval, None)}
+             "forward_eval": (_op_forward_eval, _fake_forward_eval, None),
+             "forward_eval_saved": (_op_forward_eval_saved, _fake_forward_eval_saved,
+                                    (_backward_forward_eval_saved, _setup_forward_eval_saved)),
+             "bn_backward_eval": (_op_bn_backward_eval, _fake_bn_backward_eval, None)}
     for name, (impl, fake, autograd) in impls.items():
         op = torch.library.custom_op(f"{_OP_NAMESPACE}::{name}", impl, mutates_args=(), schema=_OP_SCHEMAS[name])
         op.register_fake(fake)

@@ -18,8 +18,10 @@ in the order a call uses them after ModelNew.forward at the bottom):
     eval + gradient:       _eval_with_grad: gemm_nt (backward: gemm_nn, gemm_tn), then the
                            fold in torch ops
     16-bit:                the 16-bit extension's call; with gradients _LowpGradFn:
-                           forward_train_saved / forward_eval_saved, backward:
-                           bn_backward_train / bn_backward_eval, then two cuBLAS products
+                           forward_train_saved (eval: forward_eval_saved with
+                           SWITCHES.lowp_eval_grad_fused, else _LowpFn's recompute),
+                           backward: bn_backward_train / bn_backward_eval, then two
+                           cuBLAS products
     torch.compile:         the same through the fused_gemm_bn:: custom operators
     synchronized BatchNorm (bn converted to a SyncBatchNorm, training, several
     processes: sync_process_group): _SyncTrainFn, gemm_nt and torch ops around one
@@ -633,7 +635,8 @@ def per_feature_scale(scale, n):
 # and K % 8 == 0 only, the operands being read MN-major where they lie).
 
 Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused",
-                                              "autocast_fused", "lowp_gemm"], defaults=(True, True, True, "auto"))
+                                              "autocast_fused", "lowp_gemm", "lowp_eval_grad_fused"],
+                                  defaults=(True, True, True, "auto", False))
 Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
 replace SWITCHES; nothing reads the environment per call):
   portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
@@ -652,14 +655,22 @@ replace SWITCHES; nothing reads the environment per call):
                ModelNew runs Model's own ops (_mixed_precision_forward) instead of
                the fused 16-bit kernels (_autocast_gemm; A/B timing, the GPU tests run both)
   lowp_gemm    "auto", or FUSED_GEMM_BN_LOWP_GEMM names the Hopper 16-bit route
-               that every shape takes (_lowp_hopper_gemm; A/B timing, the GPU tests run each)"""
+               that every shape takes (_lowp_hopper_gemm; A/B timing, the GPU tests run each)
+  lowp_eval_grad_fused True with FUSED_GEMM_BN_LOWP_EVAL_GRAD_FUSED=1: 16-bit eval
+               with gradients runs _LowpGradFn (forward_eval_saved on lowp_cublas,
+               then bn_backward_eval and two cuBLAS products; under torch.compile the
+               operators of those names, no graph break) instead of _LowpFn (the
+               fused eval forward, then a torch-op recompute for the backward; a graph
+               break under torch.compile).  Off until its GPU tests have run: it was
+               written without a GPU (docs/perf.md v34)."""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
                     fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1",
                     weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1",
                     sync_fused=os.environ.get("FUSED_GEMM_BN_SYNC_TORCH_OPS") != "1",
                     autocast_fused=os.environ.get("FUSED_GEMM_BN_AUTOCAST_TORCH_OPS") != "1",
-                    lowp_gemm=os.environ.get("FUSED_GEMM_BN_LOWP_GEMM", "auto"))
+                    lowp_gemm=os.environ.get("FUSED_GEMM_BN_LOWP_GEMM", "auto"),
+                    lowp_eval_grad_fused=os.environ.get("FUSED_GEMM_BN_LOWP_EVAL_GRAD_FUSED") == "1")
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
@@ -812,8 +823,8 @@ def plan(call, facts=None, switches=None):
         if facts.capability < (8, 0):
             raise RuntimeError(f"ModelNew's 16-bit CUDA kernels need compute capability >= 8.0, got "
                                f"{facts.capability[0]}.{facts.capability[1]}")
-        if call.grad and not call.training:  # forward_eval_saved keeps z, which only this route makes
-            gemm = "lowp_cublas"
+        if call.grad and not call.training and switches.lowp_eval_grad_fused:
+            gemm = "lowp_cublas"  # forward_eval_saved keeps z, which only this route makes
         elif not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm:
             gemm = _lowp_hopper_gemm(call.m, call.n, call.k, call.training, facts, switches)
         else:
@@ -1150,22 +1161,23 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
       no gradient needed: one call of the plan's forward_train / forward_eval;
       training with gradients: _TrainFn (forward_train_saved, then the fused backward);
       eval with gradients: _eval_with_grad over gemm_nt;
-      16-bit: the 16-bit call; with gradients _LowpGradFn (forward_train_saved or
-        forward_eval_saved, then the fused backward);
+      16-bit: the 16-bit call; with gradients _LowpGradFn (forward_train_saved, or in
+        eval with SWITCHES.lowp_eval_grad_fused forward_eval_saved; then the fused
+        backward), else in eval _LowpFn (the eval call, then a torch-op recompute);
       mixed precision on (CUDA or CPU; _mixed_precision_dtype): Model's own ops
       (_mixed_precision_forward), so the result is Model's in that mode;
       bn a SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) in training with
       torch.distributed initialized over more than one process (sync_process_group):
       _SyncTrainFn, whose forward merges the batch statistics across processes
       (section "Synchronized BatchNorm"; also under torch.compile, as eager code).
-    Under torch.compile, torch.jit.trace (or FUSED_GEMM_BN_EAGER_OPS=1) every
-    call but the synchronized ones goes through the fused_gemm_bn:: operators
-    instead (_ops_forward), whose implementations make the same dispatch()
-    decision when they run (the tracer records the operators, so a traced
-    module generalises over the batch size); mixed-precision calls run Model's
-    ops there.  Where this torch has no custom operators (< 2.4),
-    torch.jit.trace raises RuntimeError (and torch.compile breaks the graph at
-    the extension call)."""
+    Under torch.compile, torch.jit.trace (or FUSED_GEMM_BN_EAGER_OPS=1) float32
+    and float64 calls, and 16-bit calls other than _LowpFn's, go through the
+    fused_gemm_bn:: operators instead (_ops_forward), whose implementations
+    make the same dispatch() decision when they run (the tracer records the
+    operators, so a traced module generalises over the batch size);
+    mixed-precision calls run Model's ops there.  Where this torch has no
+    custom operators (< 2.4), or for _LowpFn's calls, torch.jit.trace raises
+    RuntimeError (and torch.compile breaks the graph at the extension call)."""
     training = bn.training
     group = sync_process_group(bn)
     autocast_dtype = _mixed_precision_dtype(x)
@@ -1180,10 +1192,14 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     eps = float(bn.eps)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = _needs_grad(params)
-    if torch.jit.is_tracing() and _OPS is None:
-        raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4): "
-                           "its kernels are extension calls the tracer cannot record; use torch.compile or "
-                           "torch.export")
+    # 16-bit calls with gradients in eval run _LowpFn (the extension, then a torch-op recompute),
+    # which the operators do not cover, unless SWITCHES.lowp_eval_grad_fused.
+    lowp_recompute = (_is_16bit_dtype(x.dtype) and grad and not training
+                      and not (SWITCHES.lowp_eval_grad_fused and x.is_cuda))
+    if torch.jit.is_tracing() and (_OPS is None or lowp_recompute):
+        raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4), "
+                           "and 16-bit input with gradients in eval SWITCHES.lowp_eval_grad_fused: its kernels are "
+                           "extension calls the tracer cannot record; use torch.compile or torch.export")
     if group is not None:
         return _sync_forward(group, params, buffers, momentum, eps, scale_after_bn)
     _warn_unsynchronized(bn)
@@ -1191,12 +1207,14 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
         if training:
             bn.num_batches_tracked.add_(1)
         return x.new_empty((0, gemm.out_features))
-    if _use_ops():
+    if _use_ops() and not lowp_recompute:
         return _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
     plan = dispatch(x, gemm.weight, training, grad, scale_after_bn)
     kernels = _kernels(plan.kernels)
-    if plan.kernels == "lowp" and grad:
+    if plan.kernels == "lowp" and grad and (training or SWITCHES.lowp_eval_grad_fused):
         return _LowpGradFn.apply(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, None, *params)
+    if plan.kernels == "lowp" and grad:
+        return _LowpFn.apply(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, *params)
     if training and grad:
         return _TrainFn.apply(kernels, plan.gemm, scale_after_bn, buffers, momentum, eps, *params)
     if grad:
@@ -1420,6 +1438,70 @@ def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn
     return z * (scale * g) + (bn_bias + (scale * bias - running_mean) * g)
 
 
+def _lowp_recompute(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, training, eps,
+                    scale_after_bn):
+    """The forward of either problem in differentiable torch ops, for _LowpFn's
+    backward: z = x weight^T in x's dtype (a 16-bit GEMM with float32
+    accumulation, as Model's), everything after it in float32 (batch statistics
+    in training, running statistics in eval), out in float32:
+      problem 33: u = (z + bias) scale,  out = (u - mean) rsqrt(var + eps) bn_weight + bn_bias
+      problem 84: u = z + bias,          out = softmax(((u - mean) rsqrt(var + eps) bn_weight + bn_bias) scale)."""
+    f32 = torch.float32
+    u = _torch_gemm_nt("torch_ops", x, weight).to(f32) + bias.to(f32)
+    s = scale.to(f32)
+    if not scale_after_bn:
+        u = u * s
+    if training:
+        mean = u.mean(dim=0)
+        invstd = torch.rsqrt(((u - mean) ** 2).mean(dim=0) + eps)
+    else:
+        mean = running_mean.to(f32)
+        invstd = torch.rsqrt(running_var.to(f32) + eps)
+    y = (u - mean) * invstd * bn_weight.to(f32) + bn_bias.to(f32)
+    return _SoftmaxRows.apply(y * s) if scale_after_bn else y
+
+
+class _LowpFn(torch.autograd.Function):
+    """16-bit CUDA forward with gradients.  forward: the same 16-bit extension
+    call as without gradients (_forward_call), so the output is the no-grad
+    output (Model's rounding points) and training updates the running statistics
+    once, here.  Saved: x and the parameters (no copies), and in eval clones of
+    running_mean / running_var (N each).
+    backward: the 16-bit backward goes through torch ops, not fused kernels: it
+    recomputes the forward with _lowp_recompute on detached copies of the inputs
+    (training: from the batch statistics, which do not involve the running ones,
+    so nothing is updated twice) and returns torch.autograd.grad of it.  The cost
+    is one more GEMM and float32 (M, N) temporaries while the backward runs;
+    gemm.bias gets rounding noise around its exact training gradient 0, as Model's."""
+
+    @staticmethod
+    def forward(ctx, kernels, gemm, scale_after_bn, training, buffers, momentum, eps, x, weight, bias, scale, bn_weight,
+                bn_bias):
+        params = (x, weight, bias, scale, bn_weight, bn_bias)
+        running = () if training else (buffers[0].clone(), buffers[1].clone())
+        out = _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params)
+        ctx.scale_after_bn, ctx.training, ctx.eps = scale_after_bn, training, eps
+        ctx.save_for_backward(*params, *running)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad[7:]
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved[:6], needs)]
+        running = saved[6:] if not ctx.training else (None, None)
+        with torch.enable_grad():
+            out = _lowp_recompute(*inputs, *running, ctx.training, ctx.eps, ctx.scale_after_bn)
+        wanted = [t for t, need in zip(inputs, needs) if need]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True))
+        result = []
+        for t, need in zip(inputs, needs):
+            g = next(grads) if need else None
+            result.append(torch.zeros_like(t) if need and g is None else g)
+        return (None,) * 7 + tuple(result)
+
+
 # bundle: repository-only begins (tools/bundle.py writes BUNDLE_NO_LOWP_TRAIN in place of this block)
 # The 16-bit forward with gradients and its backward (16-bit modules, training and eval, and float32
 # modules in training under autocast).
@@ -1486,7 +1568,8 @@ def _lowp_backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, sc
 
 class _LowpGradFn(torch.autograd.Function):
     """The 16-bit forward with gradients, eager (either 16-bit GEMM route `gemm`
-    in training; lowp_cublas in eval, dispatch's choice there), and a float32
+    in training; in eval, with SWITCHES.lowp_eval_grad_fused, lowp_cublas:
+    dispatch's choice there), and a float32
     module's training forward under autocast (lowp_sm90).  training: one
     forward_train_saved call of the 16-bit extension (forward_train's output and
     running-statistics update, plus z and the batch coefficients); eval: one
@@ -2083,8 +2166,9 @@ def _require_lowp_cuda(name, t):
 
 def _op_forward_eval_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
                            scale_after_bn):
-    """(out, z, coeff): the 16-bit extension's forward_eval_saved on the plan's
-    GEMM (lowp_cublas: dispatch's choice for eval with gradients): forward_eval's
+    """(out, z, coeff): the 16-bit extension's forward_eval_saved on lowp_cublas
+    (its one route: the fused GEMMs' eval epilogues keep no z; dispatch's choice
+    for eval with gradients under SWITCHES.lowp_eval_grad_fused): forward_eval's
     out, the Linear output z (M, N) in x's dtype, and coeff (4, N) float32, the
     running statistics' {mean, invstd, bn.weight, bn.bias} as the forward used
     them.  16-bit CUDA x only; an empty batch gives empty out and z."""
@@ -2092,8 +2176,7 @@ def _op_forward_eval_saved(x, weight, bias, scale, bn_weight, bn_bias, running_m
     n = weight.shape[0]
     if x.shape[0] == 0:
         return x.new_empty((0, n), dtype=bias.dtype), x.new_empty((0, n)), x.new_zeros((4, n), dtype=torch.float32)
-    plan = dispatch(x, weight, False, True, scale_after_bn)
-    return tuple(_lowp_kernels().forward_eval_saved(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias,
+    return tuple(_lowp_kernels().forward_eval_saved("lowp_cublas", x, weight, bias, scale, bn_weight, bn_bias,
                                                     running_mean, running_var, eps, scale_after_bn))
 
 
@@ -2484,7 +2567,8 @@ class ModelNew(FusedModule):
     bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
     Differentiable with respect to x and every parameter, in both modes
     (_TrainFn, _eval_with_grad; 16-bit CUDA: _LowpGradFn, fused kernels and
-    cuBLAS products); gemm.bias gets an exact zero gradient in training.
+    cuBLAS products, or in eval _LowpFn, whose backward runs torch ops); gemm.bias
+    gets an exact zero gradient in training.
     bn.training, not the module's flag, selects batch or running statistics, as
     in Model (`model.bn.eval()` freezes BatchNorm while the rest trains).
     nn.SyncBatchNorm.convert_sync_batchnorm converts bn as in Model: training

@@ -25,6 +25,7 @@ PORTABLE = Switches(portable=True, split_tiles=True, fp16x3=True)
 NO_SPLIT = Switches(portable=False, split_tiles=False, fp16x3=True)
 TF32 = Switches(portable=False, split_tiles=True, fp16x3=False)
 TF32_NO_SPLIT = Switches(portable=False, split_tiles=False, fp16x3=False)
+EVAL_GRAD_FUSED = DEFAULT._replace(lowp_eval_grad_fused=True)  # 16-bit eval with gradients: _LowpGradFn
 
 
 def clusters(resident_ctas):
@@ -91,15 +92,22 @@ CASES = [
     ("ada-84-train", call(problem=84), ADA, DEFAULT, "sm80_3xtf32_train"),
     # dtypes
     ("hopper-float16", call(dtype=torch.float16), H200, DEFAULT, "lowp_sm90_train"),
-    # 16-bit eval with gradients: lowp_cublas on every GPU and switch (forward_eval_saved keeps the
-    # Linear output z, which only cuBLAS's route writes; the fused GEMMs' eval epilogues do not)
+    # 16-bit eval with gradients: by default the GEMM the eval forward takes (_LowpFn); with
+    # SWITCHES.lowp_eval_grad_fused lowp_cublas on every GPU and route switch (forward_eval_saved
+    # keeps the Linear output z, which only cuBLAS's route writes; the fused GEMMs' eval epilogues do not)
     ("hopper-bfloat16-eval-grad", call(dtype=torch.bfloat16, training=False, grad=True), H200, DEFAULT,
+     "lowp_sm90_eval_grad"),
+    ("hopper-bfloat16-eval-grad-fused", call(dtype=torch.bfloat16, training=False, grad=True), H200, EVAL_GRAD_FUSED,
      "lowp_cublas_eval_grad"),
-    ("hopper-float16-84-eval-grad-portable", call(dtype=torch.float16, problem=84, training=False, grad=True), H200,
-     PORTABLE, "lowp_cublas_eval_grad"),
+    ("hopper-float16-84-eval-grad-fused-portable", call(dtype=torch.float16, problem=84, training=False, grad=True),
+     H200, EVAL_GRAD_FUSED._replace(portable=True), "lowp_cublas_eval_grad"),
+    ("hopper-float16-eval-grad-fused-forced-sm90", call(dtype=torch.float16, training=False, grad=True), H200,
+     EVAL_GRAD_FUSED._replace(lowp_gemm="sm90"), "lowp_cublas_eval_grad"),
     ("a100-bfloat16-eval-grad", call(dtype=torch.bfloat16, training=False, grad=True), A100, DEFAULT,
+     "lowp_sm80_eval_grad"),
+    ("a100-bfloat16-eval-grad-fused", call(dtype=torch.bfloat16, training=False, grad=True), A100, EVAL_GRAD_FUSED,
      "lowp_cublas_eval_grad"),
-    ("a100-float16-train-grad", call(dtype=torch.float16, training=True, grad=True), A100, DEFAULT,
+    ("a100-float16-train-grad-fused", call(dtype=torch.float16, training=True, grad=True), A100, EVAL_GRAD_FUSED,
      "lowp_sm80_train_grad"),
     ("hopper-float16-84-eval", call(dtype=torch.float16, problem=84, training=False), H200, DEFAULT,
      "lowp_sm90_eval"),
@@ -138,8 +146,6 @@ CASES = [
      DEFAULT._replace(lowp_gemm="sm90"), "lowp_sm90_train"),
     ("hopper-bfloat16-forced-cublas", call(dtype=torch.bfloat16, problem=84), H200,
      DEFAULT._replace(lowp_gemm="cublas"), "lowp_cublas_train"),
-    ("hopper-float16-forced-sm90-eval-grad", call(dtype=torch.float16, training=False, grad=True), H200,
-     DEFAULT._replace(lowp_gemm="sm90"), "lowp_cublas_eval_grad"),
     ("cuda-float64", call(dtype=torch.float64), H200, DEFAULT, "torch_ops_train"),
     ("cuda-float64-eval-grad", call(dtype=torch.float64, training=False, grad=True), H200, DEFAULT,
      "torch_ops_eval_grad"),

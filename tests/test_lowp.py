@@ -48,12 +48,19 @@ lowp_kernel: lowp_sm90 on Hopper, any K, and lowp_sm80)
     badly (problem 33's grad scale is a small difference of large terms).
     gemm.bias in training (exactly 0 in exact arithmetic): max |grad| at most
     2x Model's + 1e-3.
-  - test_gpu_lowp_compile_fullgraph_without_grad / _training_step / _eval_with_grad:
-    torch.compile(fullgraph=True), calls without gradients (bit-equal to eager),
-    training steps with gradients and steps with BatchNorm frozen
-    (`model.bn.eval()`, the rest training: forward_eval_saved and
-    bn_backward_eval as operators) (outputs and buffers bit-equal, gradients
+  - test_gpu_lowp_compile_fullgraph_without_grad / _training_step:
+    torch.compile(fullgraph=True), calls without gradients (bit-equal to eager)
+    and training steps with gradients (outputs and buffers bit-equal, gradients
     within 1e-2 of eager's), both kernels and dtypes.
+  The fused eval with gradients (SWITCHES.lowp_eval_grad_fused, fixture
+  fused_eval_grad; off by default until these have run on a GPU):
+  - test_gpu_lowp_eval_grad_fused: as test_gpu_lowp_grad_enabled in eval, on
+    _LowpGradFn (forward_eval_saved, bn_backward_eval): output as Model's,
+    buffers untouched, gradients within 2x Model's error against float64 (+ the floor).
+  - test_gpu_lowp_compile_fullgraph_eval_with_grad: steps with BatchNorm frozen
+    (`model.bn.eval()`, the rest training) under torch.compile(fullgraph=True):
+    forward_eval_saved and bn_backward_eval as operators (no graph break);
+    output and buffers bit-equal to eager's, gradients within 1e-2 of eager's.
   - test_gpu_lowp_jit_trace_eval_with_grad: torch.jit.trace of a 16-bit module
     with BatchNorm frozen records forward_eval_saved; the traced module gives
     eager's output at other batch sizes, and its backward runs.
@@ -77,6 +84,10 @@ CPU (CI)
     ModelNew on such a tensor raises, every buffer unchanged.
   - test_cpu_lowp_sources_and_extension_name: the 16-bit extension's sources and
     its own hashed name; the bundle embeds none of them.
+  - test_cpu_lowp_fn_matches_model: _LowpFn (the default eval gradient path)
+    driven by the CPU kernels in float64: output and running statistics
+    (updated once) equal Model's (1e-10); every gradient within float32
+    accuracy of Model's (its backward recomputes in float32).
   - test_cpu_lowp_only_operators_refuse_other_tensors: forward_eval_saved and
     bn_backward_eval, whose kernels exist only in the 16-bit extension, raise a
     RuntimeError naming what they take for CPU or float32/float64 tensors, with
@@ -141,6 +152,12 @@ def lowp_kernel(request, monkeypatch):
     monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(
         portable=request.param == "sm80", lowp_gemm=request.param if request.param != "sm80" else "auto"))
     return request.param
+
+
+@pytest.fixture
+def fused_eval_grad(monkeypatch):
+    """SWITCHES.lowp_eval_grad_fused on: 16-bit eval with gradients runs _LowpGradFn."""
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(lowp_eval_grad_fused=True))
 
 
 def expect_lowp_kernel(new, x, lowp_kernel):
@@ -385,6 +402,33 @@ def assert_grads_within(grads_new, grads_ref, grads64, grad_dtype, compute_dtype
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("shape", GRAD_SHAPES + [KERNELBENCH_SHAPE], ids=shape_id)
+def test_gpu_lowp_eval_grad_fused(dtype_name, problem, shape, full_precision_reductions, fused_eval_grad):
+    dtype = DTYPES[dtype_name]
+    m, k, n = shape
+    ref, new = lowp_pair(problem, k, n, dtype, seed=5)
+    settle(ref, new, m, k, dtype)
+    ref64 = copy.deepcopy(ref).double()
+    for mod in (ref, new, ref64):
+        mod.eval()
+    x = lowp_input(2, m, k, dtype, seed=5)
+    assert new.kernel_path(x.requires_grad_(True)) == "lowp_cublas_eval_grad"
+    gen = torch.Generator().manual_seed(77)
+    g = torch.randn(m, n, generator=gen).to("cuda", dtype)
+    before = {name: b.clone() for name, b in new.named_buffers()}
+    out_ref, grads_ref = forward_backward(ref, x, g)
+    out_new, grads_new = forward_backward(new, x, g)
+    _, grads64 = forward_backward(ref64, x.double(), g.double())
+    where = f"{dtype_name} {problem} eval {shape} fused with grad"
+    assert_close_16bit(out_new, out_ref, where)
+    for name, b in new.named_buffers():
+        assert torch.equal(b, before[name]), name
+    assert_grads_within(grads_new, grads_ref, grads64, dtype, dtype, False, where)
+
+
+@requires_cuda
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_gpu_lowp_momentum_none(dtype_name, problem, full_precision_reductions, lowp_kernel):
@@ -512,6 +556,48 @@ def test_cpu_lowp_sources_and_extension_name(tmp_path):
     assert not set(embedded) & {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh"}
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("problem", ["33", "84"])
+def test_cpu_lowp_fn_matches_model(problem, training):
+    """_LowpFn with the torch-op functions (same functions and arguments as the 16-bit
+    extension's) in float64: its forward is the extension call (running
+    statistics updated once), its backward autograd of _lowp_recompute, which
+    computes in float32: gradients within float32 accuracy of Model's."""
+    m, k, n = 19, 13, 11
+    ref, new = make_pair(problem, k, n, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    if not training:
+        settle_x = torch.randn(m, k, generator=gen, dtype=torch.float64)
+        with torch.no_grad():
+            ref(settle_x)
+        new.load_state_dict(ref.state_dict())
+    ref.train(training)
+    x = torch.randn(m, k, generator=gen, dtype=torch.float64) + 0.5
+    g = torch.randn(m, n, generator=gen, dtype=torch.float64)
+    out_ref, grads_ref = forward_backward(ref, x, g)
+
+    new.zero_grad(set_to_none=True)
+    xn = x.clone().requires_grad_(True)
+    buffers = (new.bn.running_mean, new.bn.running_var, new.bn.num_batches_tracked)
+    params = (xn, new.gemm.weight, new.gemm.bias, model_new.per_feature_scale(new.scale, n), new.bn.weight,
+              new.bn.bias)
+    out = model_new._LowpFn.apply(model_new._TORCH_PATH, "torch_ops", problem == "84", training, buffers,
+                                  float(new.bn.momentum), float(new.bn.eps), *params)
+    (out * g).sum().backward()
+    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
+    for (name, a), b in zip(new.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+    grads_new = {"x": xn.grad, **{name: p.grad for name, p in new.named_parameters()}}
+    for name, want in grads_ref.items():
+        got = grads_new[name]
+        if training and name == "gemm.bias":
+            assert got.abs().max() <= 1e-5 * grads_ref["bn.bias"].abs().max()
+            continue
+        # float32 recomputation; problem 33's grad scale is a difference of large terms (about eps / var)
+        bound = 1e-2 if (problem, name, training) == ("33", "scale", True) else 1e-5
+        assert rel_err(got, want) <= bound, (name, rel_err(got, want))
+
+
 @pytest.mark.skipif(model_new._OPS is None, reason="needs the fused_gemm_bn:: operators (torch >= 2.4)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
 def test_cpu_lowp_only_operators_refuse_other_tensors(dtype):
@@ -600,7 +686,7 @@ def frozen_bn_step(model, x, g, params_of=None):
 @requires_compile_ops
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("problem", ["33", "84"])
-def test_gpu_lowp_compile_fullgraph_eval_with_grad(dtype_name, problem):
+def test_gpu_lowp_compile_fullgraph_eval_with_grad(dtype_name, problem, fused_eval_grad):
     """torch.compile(fullgraph=True) of a 16-bit ModelNew whose BatchNorm is
     frozen while the rest trains: forward_eval_saved and bn_backward_eval as
     operators (no graph break).  Output bit-equal to eager ModelNew's (the same
@@ -631,7 +717,7 @@ def test_gpu_lowp_compile_fullgraph_eval_with_grad(dtype_name, problem):
 
 @requires_compile_ops
 @pytest.mark.parametrize("problem", ["33", "84"])
-def test_gpu_lowp_jit_trace_eval_with_grad(problem):
+def test_gpu_lowp_jit_trace_eval_with_grad(problem, fused_eval_grad):
     dtype = torch.bfloat16
     m, k, n = 130, 1024, 264
     ref, new = lowp_pair(problem, k, n, dtype)
@@ -649,7 +735,7 @@ def test_gpu_lowp_jit_trace_eval_with_grad(problem):
 
 @requires_cuda
 @pytest.mark.parametrize("problem", ["33", "84"])
-def test_gpu_lowp_eval_backward_keeps_forward_statistics(problem, full_precision_reductions):
+def test_gpu_lowp_eval_backward_keeps_forward_statistics(problem, full_precision_reductions, fused_eval_grad):
     dtype = torch.float16
     m, k, n = 130, 1024, 264
     ref, new = lowp_pair(problem, k, n, dtype)

@@ -8,8 +8,9 @@ float16 or bfloat16 runs float32 models inside torch.autocast: the same kernels
 in their float32-storage (autocast) form, and with gradients (training) the
 fused 16-bit training step (model_new._LowpGradFn: forward_train_saved, then
 bn16_backward_kernel and two cuBLAS 16-bit products).  16-bit calls with
-gradients run _LowpGradFn in both modes (eval: forward_eval_saved on
-lowp_cublas, bn16_chain_eval writing coeff, bn16_backward_kernel's eval form).
+gradients in eval run _LowpFn (the eval forward, then a torch-op recompute),
+or with FUSED_GEMM_BN_LOWP_EVAL_GRAD_FUSED=1 _LowpGradFn too (forward_eval_saved
+on lowp_cublas, bn16_chain_eval writing coeff, bn16_backward_kernel's eval form).
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python tools/sanitize_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize_workload.py
@@ -31,7 +32,7 @@ as reading uninitialized memory at the shapes with 256-row tiles (2048 x 200 x
 2176 here); the poisoned-output tests (tests/test_lowp.py) show every element
 written.  Run it with --no-backward.  The 16-bit backward
 runs cuBLAS products (the two products of each step with gradients, and in
-eval the forward's), and initcheck does not see the stores of
+eval the recompute's or the forward's), and initcheck does not see the stores of
 cuBLAS's 16-bit Hopper GEMM kernels (nvjet_sm90_*): a later read of such a
 product in never-written memory is reported as uninitialized, with no project
 code involved (tools/initcheck_cublas_16bit.py reproduces it with one torch

@@ -107,10 +107,12 @@ naming) replaced by nn.Module: the bundles cannot be converted to SyncBatchNorm.
 with the kernels/ headers they include) are compiled on the first 16-bit CUDA
 call into fused_gemm_bn_lowp_<hash> by the same helpers; the bundles have no
 16-bit kernels (the harness rules forbid naming the 16-bit types in their text)
-and say so on 16-bit CUDA input (_cuda_dtype_problem).  16-bit tensors never
-take the custom operators: under torch.compile their extension call is a graph break.
+and say so on 16-bit CUDA input (_cuda_dtype_problem).  Under torch.compile 16-bit
+calls take the custom operators too, except eval with gradients on _LowpFn (the
+default): a graph break, which SWITCHES.lowp_eval_grad_fused removes.
 Tests: test_equivalence.py, tests/ (test_dispatch.py, test_backward.py,
-test_lowp.py, test_bundle.py, test_harness.py, test_boundary.py, test_sync_bn.py, ...).
+test_lowp.py, test_lowp_backward.py, test_bundle.py, test_harness.py, test_boundary.py,
+test_sync_bn.py, ...).
 """
 import collections
 import contextlib
@@ -1559,7 +1561,8 @@ def _lowp_backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, sc
         g = torch._softmax_backward_data(g, out, 1, out.dtype)
     grad_z, grad_s, grad_g, grad_beta = bn_backward(g, z, coeff, scale, scale_after_bn)
     if need_b and not training:
-        grad_b = grad_z.sum(dim=0, dtype=torch.float32).to(dtypes[2])
+        acc = torch.float32 if _is_16bit_dtype(grad_z.dtype) else grad_z.dtype  # as Model's 16-bit column sum
+        grad_b = grad_z.sum(dim=0, dtype=acc).to(dtypes[2])
     grad_x = _mm_16bit(grad_z, w16, dtypes[0]) if need_x else None
     grad_w = _mm_16bit(grad_z.t(), x16, dtypes[1]) if need_w else None
     return (grad_x, grad_w, grad_b, grad_s.to(dtypes[3]) if need_s else None,

@@ -182,7 +182,8 @@ call into fused_gemm_bn_lowp_<hash> by the same helpers; the bundles have no
 and say so on 16-bit CUDA input (_cuda_dtype_problem).  16-bit tensors never
 take the custom operators: under torch.compile their extension call is a graph break.
 Tests: test_equivalence.py, tests/ (test_dispatch.py, test_backward.py,
-test_lowp.py, test_bundle.py, test_harness.py, test_boundary.py, test_sync_bn.py, ...).
+test_lowp.py, test_lowp_backward.py, test_bundle.py, test_harness.py, test_boundary.py,
+test_sync_bn.py, ...).
 """
 import collections
 import contextlib

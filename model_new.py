@@ -108,7 +108,7 @@ with the kernels/ headers they include) are compiled on the first 16-bit CUDA
 call into fused_gemm_bn_lowp_<hash> by the same helpers; the bundles have no
 16-bit kernels (the harness rules forbid naming the 16-bit types in their text)
 and say so on 16-bit CUDA input (_cuda_dtype_problem).  Under torch.compile 16-bit
-calls take the custom operators too, except eval with gradients on _LowpFn (the
+calls take the custom operators too, but not eval with gradients on _LowpFn (the
 default): a graph break, which SWITCHES.lowp_eval_grad_fused removes.
 Tests: test_equivalence.py, tests/ (test_dispatch.py, test_backward.py,
 test_lowp.py, test_lowp_backward.py, test_bundle.py, test_harness.py, test_boundary.py,

@@ -109,8 +109,9 @@ naming) replaced by nn.Module: the bundles cannot be converted to SyncBatchNorm.
 with the kernels/ headers they include) are compiled on the first 16-bit CUDA
 call into fused_gemm_bn_lowp_<hash> by the same helpers; the bundles have no
 16-bit kernels (the harness rules forbid naming the 16-bit types in their text)
-and say so on 16-bit CUDA input (_cuda_dtype_problem).  16-bit tensors never
-take the custom operators: under torch.compile their extension call is a graph break.
+and say so on 16-bit CUDA input (_cuda_dtype_problem).  Under torch.compile 16-bit
+calls take the custom operators too, but not eval with gradients on _LowpFn (the
+default): a graph break, which SWITCHES.lowp_eval_grad_fused removes.
 Tests: test_equivalence.py, tests/ (test_dispatch.py, test_backward.py,
 test_lowp.py, test_lowp_backward.py, test_bundle.py, test_harness.py, test_boundary.py,
 test_sync_bn.py, ...).

@@ -1200,8 +1200,9 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
                       and not (SWITCHES.lowp_eval_grad_fused and x.is_cuda))
     if torch.jit.is_tracing() and (_OPS is None or lowp_recompute):
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4), "
-                           "and 16-bit input with gradients in eval SWITCHES.lowp_eval_grad_fused: its kernels are "
-                           "extension calls the tracer cannot record; use torch.compile or torch.export")
+                           "and for 16-bit input with gradients in eval FUSED_GEMM_BN_LOWP_EVAL_GRAD_FUSED=1 "
+                           "(SWITCHES.lowp_eval_grad_fused): its kernels are extension calls the tracer cannot "
+                           "record; use torch.compile or torch.export")
     if group is not None:
         return _sync_forward(group, params, buffers, momentum, eps, scale_after_bn)
     _warn_unsynchronized(bn)
@@ -1538,9 +1539,9 @@ def _lowp_backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, sc
     bn.weight, bn.bias), from its saved tensors: x16, w16 the GEMM's operands
     (in the 16-bit dtype T), z (M, N) T the Linear output, coeff (4, N) the
     forward's {mean, invstd, bn.weight, bn.bias} (the batch's in training, the
-    running statistics' in eval: `training` says which), out (problem 84) the softmax output; dtypes:
-    the six inputs' dtypes, which their gradients are returned in (grad_x and
-    grad_W made in theirs, the others cast from float32):
+    running statistics' in eval: `training` says which), out (problem 84) the
+    softmax output; dtypes: the six inputs' dtypes, which their gradients are
+    returned in (grad_x and grad_W made in theirs, the others cast from float32):
       problem 84: g = torch's softmax backward of (grad_out, out) (one kernel,
         float32 accumulation, in out's dtype, as Model's)
       grad_z (T), grad_scale, grad_bn_weight, grad_bn_bias (float32) = bn_backward(g, z,
@@ -1572,8 +1573,8 @@ def _lowp_backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, sc
 class _LowpGradFn(torch.autograd.Function):
     """The 16-bit forward with gradients, eager (either 16-bit GEMM route `gemm`
     in training; in eval, with SWITCHES.lowp_eval_grad_fused, lowp_cublas:
-    dispatch's choice there), and a float32
-    module's training forward under autocast (lowp_sm90).  training: one
+    dispatch's choice there), and a float32 module's training forward under
+    autocast (lowp_sm90).  training: one
     forward_train_saved call of the 16-bit extension (forward_train's output and
     running-statistics update, plus z and the batch coefficients); eval: one
     forward_eval_saved call (forward_eval's output, plus z and the running

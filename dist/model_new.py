@@ -6718,8 +6718,9 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
                       and not (SWITCHES.lowp_eval_grad_fused and x.is_cuda))
     if torch.jit.is_tracing() and (_OPS is None or lowp_recompute):
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4), "
-                           "and 16-bit input with gradients in eval SWITCHES.lowp_eval_grad_fused: its kernels are "
-                           "extension calls the tracer cannot record; use torch.compile or torch.export")
+                           "and for 16-bit input with gradients in eval FUSED_GEMM_BN_LOWP_EVAL_GRAD_FUSED=1 "
+                           "(SWITCHES.lowp_eval_grad_fused): its kernels are extension calls the tracer cannot "
+                           "record; use torch.compile or torch.export")
     if group is not None:
         return _sync_forward(group, params, buffers, momentum, eps, scale_after_bn)
     _warn_unsynchronized(bn)

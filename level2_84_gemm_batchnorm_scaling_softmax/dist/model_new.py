@@ -6088,14 +6088,17 @@ class _BuildLock:
         return False
 
 
-def _load_extension(sources, functions=_EXTENSION_FUNCTIONS, prefix=_EXTENSION_PREFIX):
+def _load_extension(sources, functions=_EXTENSION_FUNCTIONS, prefix=_EXTENSION_PREFIX, arch_flags=None):
     """Compiles (or loads the earlier build of) `sources` ({file name: text}:
     the .cpp files as load_inline's cpp_sources, the .cu files as its
     cuda_sources, the .cuh files written to an include folder) exporting
-    `functions`, as the module <prefix><hash> (_extension_name)."""
+    `functions`, as the module <prefix><hash> (_extension_name).  arch_flags:
+    the -gencode flags (default _arch_flags(), the visible GPUs'; tools/build_check.py
+    passes its own to compile without a GPU).  The C++ standard is torch's own
+    choice (C++17 up to torch 2.13, C++20 from 2.14): no -std flag here."""
     from torch.utils.cpp_extension import CUDA_HOME, load_inline
 
-    cuda_flags = ["-O3", "-std=c++17"] + _arch_flags()
+    cuda_flags = ["-O3"] + (_arch_flags() if arch_flags is None else list(arch_flags))
     name = _extension_name(sources, cuda_flags, prefix)
     build_dir = _build_directory(name)
     include_dir = os.path.join(build_dir, "include")
@@ -6117,7 +6120,7 @@ def _load_extension(sources, functions=_EXTENSION_FUNCTIONS, prefix=_EXTENSION_P
             cpp_sources=[text for n, text in sorted(sources.items()) if n.endswith(".cpp")],
             cuda_sources=[text for n, text in sorted(sources.items()) if n.endswith(".cu")],
             functions=functions,
-            extra_cflags=["-O3", "-std=c++17"],
+            extra_cflags=["-O3"],
             extra_cuda_cflags=cuda_flags,
             extra_include_paths=[include_dir],
             build_directory=build_dir,
@@ -6792,7 +6795,7 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
                            "(SWITCHES.lowp_eval_grad_fused): its kernels are extension calls the tracer cannot "
                            "record; use torch.compile or torch.export")
     if group is not None:
-        return _sync_forward(group, params, buffers, momentum, eps, scale_after_bn)
+        return _eager(_sync_forward)(group, params, buffers, momentum, eps, scale_after_bn)
     _warn_unsynchronized(bn)
     if x.shape[0] == 0:  # as BatchNorm1d: empty output, the call counted, running statistics untouched
         if training:
@@ -7515,7 +7518,26 @@ class _SyncFusedTrainFn(torch.autograd.Function):
         return (None,) * 6 + tuple(grads)
 
 
-@torch.compiler.disable
+_EAGER_FUNCTIONS = {}
+
+
+def _eager(fn):
+    """fn wrapped so that torch.compile runs it eagerly (a graph break), made on
+    first use: torch.compiler.disable (torch._dynamo.disable before torch 2.1)
+    imports torch._dynamo, about 1 s that an import of this file should not pay."""
+    wrapped = _EAGER_FUNCTIONS.get(fn)
+    if wrapped is None:
+        compiler = getattr(torch, "compiler", None)
+        if compiler is not None and hasattr(compiler, "disable"):
+            wrapped = compiler.disable(fn)
+        else:
+            import torch._dynamo
+
+            wrapped = torch._dynamo.disable(fn)
+        _EAGER_FUNCTIONS[fn] = wrapped
+    return wrapped
+
+
 def _sync_forward(group, params, buffers, momentum, eps, scale_after_bn):
     """fused_forward's synchronized training path: _SyncTrainFn over params
     (x, gemm.weight, gemm.bias, scale (N,), bn.weight, bn.bias), collectives on
@@ -7846,14 +7868,21 @@ _OPS = _define_ops() if hasattr(torch.library, "custom_op") else None
 _OPS_IN_EAGER = os.environ.get("FUSED_GEMM_BN_EAGER_OPS") == "1"
 
 
-# torch.compiler.is_compiling from torch 2.3 on, torch._dynamo's before (None: neither).
-_IS_COMPILING = (getattr(getattr(torch, "compiler", None), "is_compiling", None)
-                 or getattr(getattr(torch, "_dynamo", None), "is_compiling", None))
+# torch.compiler.is_compiling from torch 2.3 on; before, torch._dynamo's (only once
+# something imported torch._dynamo: nothing compiles before that).
+_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
+def _is_compiling():
+    if _IS_COMPILING is not None:
+        return _IS_COMPILING()
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and dynamo.is_compiling()
 
 
 def _tracing():
     """torch.compile (dynamo) or torch.jit.trace is recording this call."""
-    return (_IS_COMPILING is not None and _IS_COMPILING()) or torch.jit.is_tracing()
+    return _is_compiling() or torch.jit.is_tracing()
 
 
 def _use_ops():

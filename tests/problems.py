@@ -393,18 +393,17 @@ def cuda_gen(seed):
 
 
 # "default" takes the kernel the device dispatches to (the fp16x3 wgmma kernel on
-# compute capability 9.0, the portable mma.sync kernel elsewhere); "3xtf32" turns
-# fp16x3 off (the 3xTF32 wgmma kernel on Hopper); "portable" forces the portable
-# kernel, so a Hopper run tests all three.  The engine reads its switches once
-# at import, so the fixture replaces model_new.SWITCHES (a namedtuple
-# Switches(portable, split_tiles, fp16x3)) for the test, not the environment;
-# both problems' ModelNew run on model_new.  Only GPU tests take this fixture.
-GEMM_PATHS = ["default", "3xtf32", "portable"]
+# compute capability 9.0, the portable mma.sync kernel elsewhere); "portable"
+# forces the portable kernel, so a Hopper run tests both.  The engine reads its
+# switches once at import, so the fixture replaces model_new.SWITCHES for the
+# test, not the environment; both problems' ModelNew run on model_new.  Only GPU
+# tests take this fixture.
+GEMM_PATHS = ["default", "portable"]
 
 
 def gemm_switches(path):
     """model_new.SWITCHES for a GEMM_PATHS entry."""
-    return model_new.SWITCHES._replace(portable=path == "portable", fp16x3=path == "default")
+    return model_new.SWITCHES._replace(portable=path == "portable")
 
 
 @pytest.fixture(params=GEMM_PATHS)

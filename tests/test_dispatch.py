@@ -4,8 +4,7 @@ and on the real GPU the kernels a call launches match the path that
 ModelNew.kernel_path named beforehand (profiler kernel names).
 
 Simulated GPUs (DeviceFacts): an H200 with and without the sm_90a kernel, an
-A100 (8.0), an Ada card (8.9) and a Turing card (7.5, refused).  Cluster
-residency is simulated by cluster_max_active; the wave rule is the engine's.
+A100 (8.0), an Ada card (8.9) and a Turing card (7.5, refused).
 """
 import os
 import re
@@ -20,35 +19,25 @@ from tests.problems import GEMM_PATHS, gemm_switches, launched_kernels
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-DEFAULT = Switches(portable=False, split_tiles=True, fp16x3=True)
-PORTABLE = Switches(portable=True, split_tiles=True, fp16x3=True)
-NO_SPLIT = Switches(portable=False, split_tiles=False, fp16x3=True)
-TF32 = Switches(portable=False, split_tiles=True, fp16x3=False)
-TF32_NO_SPLIT = Switches(portable=False, split_tiles=False, fp16x3=False)
-EVAL_GRAD_FUSED = DEFAULT._replace(lowp_eval_grad_fused=True)  # 16-bit eval with gradients: _LowpGradFn
+DEFAULT = Switches(portable=False, weight_cache=True)
+PORTABLE = DEFAULT._replace(portable=True)
 
-
-def clusters(resident_ctas):
-    """cluster_max_active for a GPU where `resident_ctas` CTAs of the cluster kernel fit at once."""
-    return lambda m_tiles, vec16: resident_ctas // m_tiles
-
-
-H200 = DeviceFacts(capability=(9, 0), num_sms=132, sm90_gemm=True, cluster_max_active=clusters(120))
+H200 = DeviceFacts(capability=(9, 0), num_sms=132, sm90_gemm=True)
 H200_NO_SM90A = H200._replace(sm90_gemm=False)  # a build without the sm_90a image
-A100 = DeviceFacts(capability=(8, 0), num_sms=108, sm90_gemm=False, cluster_max_active=clusters(0))
-ADA = DeviceFacts(capability=(8, 9), num_sms=128, sm90_gemm=False, cluster_max_active=clusters(0))
-TURING = DeviceFacts(capability=(7, 5), num_sms=40, sm90_gemm=False, cluster_max_active=clusters(0))
+A100 = DeviceFacts(capability=(8, 0), num_sms=108, sm90_gemm=False)
+ADA = DeviceFacts(capability=(8, 9), num_sms=128, sm90_gemm=False)
+TURING = DeviceFacts(capability=(7, 5), num_sms=40, sm90_gemm=False)
 
 F32 = torch.float32
 
 
-def call(m=1024, k=8192, n=8192, *, dtype=F32, device="cuda", aligned=True, training=True, grad=False, problem=33):
-    return Call(device, dtype, m, n, k, aligned, training, grad, problem == 84)
+def call(m=1024, k=8192, n=8192, *, dtype=F32, device="cuda", training=True, grad=False, problem=33):
+    return Call(device, dtype, m, n, k, training, grad, problem == 84)
 
 
 # (case id, Call, facts, switches, expected Plan.name)
 CASES = [
-    # Hopper default: the fp16x3 wgmma kernel, every mode, both problems
+    # Hopper default: the fp16x3 wgmma kernel, every mode, both problems, any K (the prepass pads K to 8)
     ("hopper-33-train", call(), H200, DEFAULT, "sm90_fp16x3_train"),
     ("hopper-33-eval", call(training=False), H200, DEFAULT, "sm90_fp16x3_eval"),
     ("hopper-33-train-grad", call(grad=True), H200, DEFAULT, "sm90_fp16x3_train_grad"),
@@ -56,58 +45,34 @@ CASES = [
     ("hopper-84-train", call(problem=84), H200, DEFAULT, "sm90_fp16x3_train"),
     ("hopper-84-eval", call(problem=84, training=False), H200, DEFAULT, "sm90_fp16x3_eval"),
     ("hopper-small", call(m=2, k=8, n=8), H200, DEFAULT, "sm90_fp16x3_train"),
-    # K % 8 == 4: the fp16 parts' TMA rows need 16-byte strides; the 3xTF32 wgmma kernel
-    ("hopper-k4", call(m=64, k=36, n=64), H200, DEFAULT, "sm90_3xtf32_train"),
-    ("hopper-k4-84-eval", call(m=64, k=8188, n=64, problem=84, training=False), H200, DEFAULT, "sm90_3xtf32_eval"),
-    # the A/B switches: split tiles, and 3xTF32 instead of fp16x3
-    ("hopper-nosplit", call(), H200, NO_SPLIT, "sm90_fp16x3_nosplit_train"),
-    ("hopper-nosplit-eval-grad", call(training=False, grad=True), H200, NO_SPLIT, "sm90_fp16x3_nosplit_eval_grad"),
-    ("hopper-3xtf32", call(), H200, TF32, "sm90_3xtf32_train"),
-    ("hopper-3xtf32-84-eval-grad", call(problem=84, training=False, grad=True), H200, TF32,
-     "sm90_3xtf32_eval_grad"),
-    ("hopper-3xtf32-nosplit", call(), H200, TF32_NO_SPLIT, "sm90_3xtf32_nosplit_train"),
-    # the portable switch: what an sm_80 GPU runs, never the cluster kernel
+    ("hopper-k4", call(m=64, k=36, n=64), H200, DEFAULT, "sm90_fp16x3_train"),
+    ("hopper-k4-84-eval", call(m=64, k=8188, n=64, problem=84, training=False), H200, DEFAULT, "sm90_fp16x3_eval"),
+    ("hopper-odd-k", call(m=33, k=37, n=515), H200, DEFAULT, "sm90_fp16x3_train"),
+    ("hopper-odd-k-84-grad", call(m=7, k=4095, n=513, problem=84, grad=True), H200, DEFAULT,
+     "sm90_fp16x3_train_grad"),
+    ("hopper-k1", call(m=5, k=1, n=3, training=False), H200, DEFAULT, "sm90_fp16x3_eval"),
+    # the portable switch and a build without the sm_90a image: what an sm_80 GPU runs
     ("portable-train", call(), H200, PORTABLE, "sm80_3xtf32_train"),
     ("portable-eval", call(training=False), H200, PORTABLE, "sm80_3xtf32_eval"),
     ("portable-small-odd-k", call(m=33, k=37, n=515), H200, PORTABLE, "sm80_3xtf32_train"),
-    # unaligned shapes on Hopper: K % 4 != 0 or a misaligned weight leave the wgmma kernel;
-    # problem 33's training without gradients takes the cluster kernel where it costs no extra wave
-    ("hopper-odd-k-cluster", call(m=33, k=37, n=515), H200, DEFAULT, "sm90_cluster_3xtf32_train"),
-    ("hopper-misaligned-w-cluster", call(m=300, k=1000, n=520, aligned=False), H200, DEFAULT,
-     "sm90_cluster_3xtf32_train"),
-    ("hopper-odd-k-84", call(m=33, k=37, n=515, problem=84), H200, DEFAULT, "sm80_3xtf32_train"),
-    ("hopper-odd-k-grad", call(m=33, k=37, n=515, grad=True), H200, DEFAULT, "sm80_3xtf32_train_grad"),
-    ("hopper-odd-k-eval", call(m=33, k=37, n=515, training=False), H200, DEFAULT, "sm80_3xtf32_eval"),
-    # 8 M tiles x 64 N tiles: clusters of 8 fit 15 at a time (120 CTAs), 5 waves against 4 on 132 SMs
-    ("hopper-odd-k-extra-wave", call(m=1024, k=8191, n=8192), H200, DEFAULT, "sm80_3xtf32_train"),
-    ("hopper-odd-k-9-tiles", call(m=1025, k=37, n=515), H200, DEFAULT, "sm80_3xtf32_train"),
-    ("hopper-no-cluster-fits", call(m=33, k=37, n=515), H200._replace(cluster_max_active=clusters(0)), DEFAULT,
-     "sm80_3xtf32_train"),
     ("hopper-no-sm90a", call(), H200_NO_SM90A, DEFAULT, "sm80_3xtf32_train"),
-    ("hopper-no-sm90a-small", call(m=256, k=512, n=384), H200_NO_SM90A, DEFAULT, "sm90_cluster_3xtf32_train"),
     # other GPUs: the portable kernel
     ("a100-train", call(), A100, DEFAULT, "sm80_3xtf32_train"),
     ("a100-eval-grad", call(training=False, grad=True), A100, DEFAULT, "sm80_3xtf32_eval_grad"),
     ("a100-small-odd-k", call(m=33, k=37, n=515), A100, DEFAULT, "sm80_3xtf32_train"),
     ("ada-84-train", call(problem=84), ADA, DEFAULT, "sm80_3xtf32_train"),
-    # dtypes
+    # 16-bit (model_new_lowp.route): eval with gradients lowp_cublas on every GPU and switch
+    # (forward_eval_saved keeps the Linear output z, which only cuBLAS's route writes)
     ("hopper-float16", call(dtype=torch.float16), H200, DEFAULT, "lowp_sm90_train"),
-    # 16-bit eval with gradients: by default the GEMM the eval forward takes (_LowpFn); with
-    # SWITCHES.lowp_eval_grad_fused lowp_cublas on every GPU and route switch (forward_eval_saved
-    # keeps the Linear output z, which only cuBLAS's route writes; the fused GEMMs' eval epilogues do not)
     ("hopper-bfloat16-eval-grad", call(dtype=torch.bfloat16, training=False, grad=True), H200, DEFAULT,
-     "lowp_sm90_eval_grad"),
-    ("hopper-bfloat16-eval-grad-fused", call(dtype=torch.bfloat16, training=False, grad=True), H200, EVAL_GRAD_FUSED,
      "lowp_cublas_eval_grad"),
-    ("hopper-float16-84-eval-grad-fused-portable", call(dtype=torch.float16, problem=84, training=False, grad=True),
-     H200, EVAL_GRAD_FUSED._replace(portable=True), "lowp_cublas_eval_grad"),
-    ("hopper-float16-eval-grad-fused-forced-sm90", call(dtype=torch.float16, training=False, grad=True), H200,
-     EVAL_GRAD_FUSED._replace(lowp_gemm="sm90"), "lowp_cublas_eval_grad"),
+    ("hopper-float16-84-eval-grad-portable", call(dtype=torch.float16, problem=84, training=False, grad=True),
+     H200, PORTABLE, "lowp_cublas_eval_grad"),
+    ("hopper-float16-eval-grad-forced-sm90", call(dtype=torch.float16, training=False, grad=True), H200,
+     DEFAULT._replace(lowp_gemm="sm90"), "lowp_cublas_eval_grad"),
     ("a100-bfloat16-eval-grad", call(dtype=torch.bfloat16, training=False, grad=True), A100, DEFAULT,
-     "lowp_sm80_eval_grad"),
-    ("a100-bfloat16-eval-grad-fused", call(dtype=torch.bfloat16, training=False, grad=True), A100, EVAL_GRAD_FUSED,
      "lowp_cublas_eval_grad"),
-    ("a100-float16-train-grad-fused", call(dtype=torch.float16, training=True, grad=True), A100, EVAL_GRAD_FUSED,
+    ("a100-float16-train-grad", call(dtype=torch.float16, training=True, grad=True), A100, DEFAULT,
      "lowp_sm80_train_grad"),
     ("hopper-float16-84-eval", call(dtype=torch.float16, problem=84, training=False), H200, DEFAULT,
      "lowp_sm90_eval"),
@@ -117,11 +82,11 @@ CASES = [
     ("hopper-bfloat16-portable", call(dtype=torch.bfloat16), H200, PORTABLE, "lowp_sm80_train"),
     ("hopper-float16-no-sm90a", call(dtype=torch.float16), H200_NO_SM90A, DEFAULT, "lowp_sm80_train"),
     ("a100-float16-84", call(dtype=torch.float16, problem=84), A100, DEFAULT, "lowp_sm80_train"),
-    # Hopper's 16-bit routes (_lowp_hopper_gemm): cuBLAS's product and the chain kernels where lowp_sm90's
-    # grid fills the GPU poorly (256-row tiles under 90% of the SMs: 80 tiles), for batches of 8192 rows
-    # or more, in eval on the small-grid plan (128-row tiles at most half the SMs), and in training on
-    # batches of at most 1024 rows with M N K <= 2^33 (bn_16bit_strip.cu); SWITCHES.lowp_gemm forces
-    # either route
+    # Hopper's 16-bit routes (model_new_lowp.hopper_gemm): cuBLAS's product and the chain kernels where
+    # lowp_sm90's grid fills the GPU poorly (256-row tiles under 90% of the SMs: 80 tiles), for batches of
+    # 8192 rows or more, in eval on the small-grid plan (128-row tiles at most half the SMs), and in
+    # training on batches of at most 1024 rows with M N K <= 2^33 (bn_16bit_strip.cu); SWITCHES.lowp_gemm
+    # forces either route
     ("hopper-float16-partial-wave", call(m=333, k=8192, n=5000, dtype=torch.float16), H200, DEFAULT,
      "lowp_cublas_train"),
     ("hopper-bfloat16-full-wave", call(m=512, k=8192, n=8192, dtype=torch.bfloat16, training=False), H200,
@@ -204,56 +169,32 @@ def test_dispatch_reads_tensors_cpu():
 
 
 def test_backward_products_dispatch():
-    """The backward's products a @ b^T take the float32 table row by row (never
-    the cluster kernel): grad_x = gemm_nt(grad_z, W^T) has K = N (odd N leaves
-    the wgmma kernel), grad_W = gemm_nt(grad_z^T, x^T) has K = M; a
-    non-contiguous b is copied (aligned), so only a contiguous b's own alignment
-    counts.  CPU and float64 tensors take torch_ops."""
+    """The backward's products take the float32 table: sm90_fp16x3 on Hopper
+    for any shape (the binding reads operands MN-major where N and K are
+    multiples of 8 and copies them transposed otherwise), sm80_3xtf32 with the
+    portable switch or elsewhere; CPU and float64 tensors take torch_ops."""
     gemm = model_new._float32_gemm
-    assert gemm(1024, 8192, 8192, True, False, H200, DEFAULT) == "sm90_fp16x3"
-    assert gemm(1024, 8192, 8196, True, False, H200, DEFAULT) == "sm90_3xtf32"  # K % 8 == 4
-    assert gemm(1024, 8192, 8192, True, False, H200, TF32) == "sm90_3xtf32"
-    assert gemm(1024, 8192, 515, True, False, H200, DEFAULT) == "sm80_3xtf32"  # K = N = 515
-    assert gemm(33, 37, 515, True, False, H200, DEFAULT) == "sm80_3xtf32"  # never the cluster kernel
-    assert gemm(1024, 8192, 8192, False, False, H200, DEFAULT) == "sm80_3xtf32"
-    assert gemm(1024, 8192, 8192, True, False, H200, PORTABLE) == "sm80_3xtf32"
-    assert gemm(1024, 8192, 8192, True, False, H200, NO_SPLIT) == "sm90_fp16x3_nosplit"
-    assert gemm(1024, 8192, 8192, True, False, A100, DEFAULT) == "sm80_3xtf32"
+    assert gemm(H200, DEFAULT) == "sm90_fp16x3"
+    assert gemm(H200, PORTABLE) == gemm(H200_NO_SM90A, DEFAULT) == gemm(A100, DEFAULT) == "sm80_3xtf32"
     with pytest.raises(RuntimeError, match="compute capability >= 8.0"):
-        gemm(1024, 8192, 8192, True, False, TURING, DEFAULT)
+        gemm(TURING, DEFAULT)
     a, b = torch.rand(64, 32), torch.rand(48, 32)
     assert model_new.dispatch_gemm_nt(a, b) == model_new.dispatch_gemm_nt(a.double(), b.double()) == "torch_ops"
     assert model_new.dispatch_gemm_tn(a, b.t()) == "torch_ops"
 
 
-def test_gemm_tn_dispatch():
-    """grad_W = grad_z^T x (a (M, N), b (M, K)): sm90_fp16x3 reads both operands
-    MN-major, so any M works when N and K are multiples of 8; otherwise the
-    transposed copies' row, dispatch_gemm_nt(a^T, b^T), whose K is M."""
-    class Shape:  # what dispatch_gemm_tn reads of a CUDA float32 tensor
-        is_cuda, dtype = True, torch.float32
-
-        def __init__(self, *shape):
-            self.shape = shape
-
-        def t(self):
-            return Shape(*reversed(self.shape))
-
-        def is_contiguous(self):
-            return False
-
-    def tn(m, n, k, facts=H200, switches=DEFAULT):
-        return model_new.dispatch_gemm_tn(Shape(m, n), Shape(m, k), facts, switches)
-
-    assert tn(1024, 8192, 8192) == "sm90_fp16x3"
-    assert tn(33, 136, 520) == "sm90_fp16x3"  # M odd: the reduction, any length
-    assert tn(33, 136, 520, switches=NO_SPLIT) == "sm90_fp16x3_nosplit"
-    assert tn(1024, 8192, 8196) == "sm90_fp16x3"  # K % 8 == 4: transposed copies, whose K is M = 1024
-    assert tn(1028, 130, 8192) == "sm90_3xtf32"  # N % 8 == 2, M % 8 == 4
-    assert tn(33, 130, 520) == "sm80_3xtf32"  # copies with K = M = 33
-    assert tn(1024, 8192, 8192, switches=TF32) == "sm90_3xtf32"
-    assert tn(1024, 8192, 8192, switches=PORTABLE) == "sm80_3xtf32"
-    assert tn(1024, 8192, 8192, facts=A100) == "sm80_3xtf32"
+def test_every_route_is_a_default():
+    """Each float32 and 16-bit route is what plan() chooses by default
+    (SWITCHES as read at import, no switch set) on some GPU for some input."""
+    default = model_new.Switches(portable=False, weight_cache=True)
+    seen = set()
+    for facts in (H200, A100):
+        for m, k, n in [(1024, 8192, 8192), (333, 8192, 5000), (7, 4095, 513), (16384, 4096, 4096)]:
+            for dtype in (F32, torch.float16):
+                for training, grad in [(True, False), (False, False), (True, True), (False, True)]:
+                    seen.add(plan(call(m=m, k=k, n=n, dtype=dtype, training=training, grad=grad), facts,
+                                  default).gemm)
+    assert seen == {"sm90_fp16x3", "sm80_3xtf32", "lowp_sm90", "lowp_cublas", "lowp_sm80"}
 
 
 # ---------------------------------------------------------------------------
@@ -263,19 +204,15 @@ def test_gemm_tn_dispatch():
 # Kernel-name fragments each GEMM kernel launches, and those it must not.
 LAUNCHES = {
     "sm90_fp16x3": ["sm90_prepass_fp16x3_kernel", "sm90_gemm_fp16x3_bn_kernel"],
-    "sm90_fp16x3_nosplit": ["sm90_prepass_fp16x3_kernel", "sm90_gemm_fp16x3_bn_kernel"],
-    "sm90_3xtf32": ["sm90_prepass_3xtf32_kernel", "sm90_gemm_3xtf32_bn_kernel"],
-    "sm90_3xtf32_nosplit": ["sm90_prepass_3xtf32_kernel", "sm90_gemm_3xtf32_bn_kernel"],
     "sm80_3xtf32": ["sm80_prepass_3xtf32_kernel", "sm80_gemm_3xtf32_bn_kernel"],
-    "sm90_cluster_3xtf32": ["sm80_prepass_3xtf32_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel"],
     "lowp_sm80": ["sm80_gemm_bn_16bit_kernel"],
     "lowp_sm90": ["sm90_gemm_bn_16bit_kernel"],
     # after the library's product, no project GEMM kernel: the chain kernels, or problem 84
     # eval's row softmax with BatchNorm fused (bn16_softmax_rows_*)
     "lowp_cublas": ["bn16_"],
 }
-GEMM_KERNELS = ["sm90_gemm_fp16x3_bn_kernel", "sm90_gemm_3xtf32_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm90_cluster_gemm_3xtf32_bn_kernel",
-                "sm80_gemm_bn_16bit_kernel", "sm90_gemm_bn_16bit_kernel"]
+GEMM_KERNELS = ["sm90_gemm_fp16x3_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm80_gemm_bn_16bit_kernel",
+                "sm90_gemm_bn_16bit_kernel"]
 
 
 GPU_CASES = [  # (problem, m, k, n, dtype, misaligned weight)
@@ -337,5 +274,5 @@ def test_gpu_kernel_path_names_the_launched_kernels(problem, m, k, n, dtype, mis
         assert plan_.gemm == "sm80_3xtf32"
         assert not any("sm90" in name for name in names), (path, gemm_names)
     on_hopper = torch.cuda.get_device_capability() == (9, 0)
-    if dtype == F32 and not portable and on_hopper and k % 8 == 0 and not misaligned:
-        assert plan_.gemm == ("sm90_fp16x3" if path_switch == "default" else "sm90_3xtf32")
+    if dtype == F32 and not portable and on_hopper:
+        assert plan_.gemm == "sm90_fp16x3"

@@ -10,26 +10,18 @@ In both, the kernel sources (kernels/*.cu, *.cuh, *.cpp) are embedded as raw
 strings in place of the engine's line `_EMBEDDED_SOURCES = None`; in problem
 84's file the engine's text replaces the block between `# bundle: engine
 begins` and `# bundle: engine ends` (its import of the engine by module name).
-The engine's blocks between `# bundle: repository-only begins` and `# bundle:
-repository-only ends` hold what the harness rules forbid in the files' text;
-each begin line names the text that replaces its block (REPLACEMENTS):
-  - the import of torch's _BatchNorm (the base class that lets
-    nn.SyncBatchNorm.convert_sync_batchnorm convert BatchNormState) becomes
-    BUNDLE_BATCHNORM_BASE: BatchNormState derives from nn.Module there, and the
-    engine warns once when a training call runs under torch.distributed with
-    more than one process (README "Multi-GPU");
-  - the mixed-precision path (torch.autocast) becomes BUNDLE_NO_MIXED_PRECISION:
-    the files have no such path (README "Mixed precision");
-  - the 16-bit step with gradients (_LowpGradFn) becomes BUNDLE_NO_LOWP_TRAIN: the
-    files have no 16-bit kernels.
+Nothing else changes: model_new.py is the float32 core, which follows the
+harness rules (tools/harness_rules.py) itself; the 16-bit, autocast and
+synchronized-BatchNorm modules beside it (model_new_lowp.py, ...) are not
+embedded, and the core runs without them.
 
     python tools/bundle.py                 # writes both files
     python tools/bundle.py --check         # exit status 1 when either is stale
 
 The embedded strings are the files' bytes decoded as UTF-8, byte for byte
 (tests/test_bundle.py compares them).  The output is deterministic (no dates),
-so a stale file is a text difference.  A file that breaks a harness rule
-(tools/harness_rules.py) is not written.
+so a stale file is a text difference.  A file that breaks a harness rule is
+not written.
 """
 import argparse
 import os
@@ -44,36 +36,6 @@ PLACEHOLDER = "_EMBEDDED_SOURCES = None\n"
 ENGINE_END = "# Problem 33: ModelNew and the KernelBench interface."
 ENGINE_BLOCK_BEGIN = "# bundle: engine begins"
 ENGINE_BLOCK_END = "# bundle: engine ends\n"
-REPOSITORY_ONLY_BEGIN = "# bundle: repository-only begins"
-REPOSITORY_ONLY_END = "# bundle: repository-only ends\n"
-BUNDLE_BATCHNORM_BASE = (
-    "# The self-contained file (tools/bundle.py): the harness rules forbid naming torch's BatchNorm classes, so\n"
-    "# BatchNormState derives from nn.Module and SyncBatchNorm conversion cannot see it (README \"Multi-GPU\").\n"
-    "_BatchNormBase = nn.Module\n"
-)
-BUNDLE_NO_MIXED_PRECISION = (
-    "# The self-contained file (tools/bundle.py): the harness rules forbid mixed precision in its text, so it has\n"
-    "# no mixed-precision path: every call runs the float32 kernels (README \"Mixed precision\").\n"
-    "def _mixed_precision_dtype(x):\n"
-    "    return None\n"
-    "\n"
-    "\n"
-    "_mixed_precision_path = _mixed_precision_forward = _autocast_gemm = _autocast_forward = None\n"
-)
-BUNDLE_NO_LOWP_TRAIN = (
-    "# The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),\n"
-    "# so no 16-bit step with gradients either.\n"
-    "_LowpGradFn = _lowp_backward = None\n"
-)
-BUNDLE_NO_LOWP_ROUTES = (
-    "# The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),\n"
-    "# so one name stands for the Hopper 16-bit routes that the repository chooses between.\n"
-    "def _lowp_hopper_gemm(m, n, k, training, facts, switches):\n"
-    "    return \"lowp_sm90\"\n"
-)
-# The name on a block's begin line -> the text that replaces the block.
-REPLACEMENTS = {"BUNDLE_BATCHNORM_BASE": BUNDLE_BATCHNORM_BASE, "BUNDLE_NO_MIXED_PRECISION": BUNDLE_NO_MIXED_PRECISION,
-                "BUNDLE_NO_LOWP_TRAIN": BUNDLE_NO_LOWP_TRAIN, "BUNDLE_NO_LOWP_ROUTES": BUNDLE_NO_LOWP_ROUTES}
 KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 ENGINE = os.path.join(REPO, "model_new.py")
 KERNEL_DIR = os.path.join(REPO, "kernels")
@@ -117,36 +79,6 @@ def _embed(model, kernel_dir):
     return model.replace(PLACEHOLDER, "_EMBEDDED_SOURCES = {\n" + entries + "}\n")
 
 
-def repository_only_blocks(text):
-    """[(start, end, replacement)] of the engine's repository-only blocks in
-    `text`, in order: character offsets from the start of a block's begin line
-    to the end of its end line, and the REPLACEMENTS text its begin line names."""
-    blocks, at = [], 0
-    while True:
-        begin = text.find(REPOSITORY_ONLY_BEGIN, at)
-        if begin < 0:
-            break
-        end = text.find(REPOSITORY_ONLY_END, begin)
-        line = text[begin:text.index("\n", begin)]
-        names = [name for name in REPLACEMENTS if name in line]
-        if end < 0 or len(names) != 1 or text.find(REPOSITORY_ONLY_BEGIN, begin + 1, end) >= 0:
-            raise ValueError(f"a `{REPOSITORY_ONLY_BEGIN}` line names one of {sorted(REPLACEMENTS)} and its block "
-                             f"closes with `{REPOSITORY_ONLY_END.strip()}` before the next begins")
-        blocks.append((text.rindex("\n", 0, begin) + 1, end + len(REPOSITORY_ONLY_END), REPLACEMENTS[names[0]]))
-        at = end
-    if sorted(b[2] for b in blocks) != sorted(REPLACEMENTS.values()):
-        raise ValueError(f"expected one repository-only block for each of {sorted(REPLACEMENTS)}")
-    return blocks
-
-
-def without_repository_only(text):
-    """`text` (model_new.py's, or the engine part of it) with each repository-only
-    block replaced by the text its begin line names."""
-    for start, end, replacement in reversed(repository_only_blocks(text)):
-        text = text[:start] + replacement + text[end:]
-    return text
-
-
 def engine_text(engine_path=ENGINE):
     """model_new.py above the banner that opens its "Problem 33" section."""
     text = read(engine_path)
@@ -159,13 +91,13 @@ def engine_text(engine_path=ENGINE):
 def render(problem="33", kernel_dir=KERNEL_DIR):
     """The self-contained file's text for `problem` ("33" or "84")."""
     if problem == "33":
-        return HEADER.format(sources="model_new.py") + _embed(without_repository_only(read(ENGINE)), kernel_dir)
+        return HEADER.format(sources="model_new.py") + _embed(read(ENGINE), kernel_dir)
     module = read(PROBLEM_84)
     begin = module.find(ENGINE_BLOCK_BEGIN)
     end = module.find(ENGINE_BLOCK_END)
     if begin < 0 or end < begin:
         raise ValueError(f"{PROBLEM_84}: no `{ENGINE_BLOCK_BEGIN}` ... `{ENGINE_BLOCK_END.strip()}` block")
-    engine = without_repository_only(engine_text())
+    engine = engine_text()
     text = module[:begin] + engine + module[end + len(ENGINE_BLOCK_END):]
     sources = "level2_84_gemm_batchnorm_scaling_softmax/model_new.py, model_new.py"
     return HEADER.format(sources=sources) + _embed(text, kernel_dir)

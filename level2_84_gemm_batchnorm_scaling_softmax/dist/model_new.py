@@ -72,69 +72,41 @@ from torch import nn
 
 """Drop-in replacement for KernelBench level 2 problem 33 (`reference.Model`):
 Linear -> multiply by a per-feature `scale` -> BatchNorm1d, float32; and the
-shared engine of problem 84 (level2_84_gemm_batchnorm_scaling_softmax/model_new.py:
+float32 core of problem 84 (level2_84_gemm_batchnorm_scaling_softmax/model_new.py:
 Linear -> BatchNorm1d -> scale -> Softmax), which imports it.
 
 Names: M = batch, N = out_features, K = in_features.  x is (M, K) row-major,
 gemm.weight is (N, K) row-major (both K-major); the output is (M, N).
 scale_after_bn selects the problem everywhere: False = problem 33, True = 84.
 
-From ModelNew.forward to the kernels (sections of this file, top to bottom,
-in the order a call uses them after ModelNew.forward at the bottom):
+This file is the float32 core, its sections in call order: Build (load_inline
+of kernels/ at import), Extras, Parameters, Input checks, Dispatch, Forward,
+Weight cache, Backward (autograd), Custom operators, Torch-op path, ModelNew
+and the KernelBench interface.  Beside it, loaded by _extra when present
+(tools/bundle.py's self-contained files are this file with the kernels
+embedded, and have none of them): model_new_lowp.py (16-bit modules,
+kernels/lowp/), model_new_autocast.py (mixed precision), model_new_sync.py
+(synchronized BatchNorm).
 
-  ModelNew.forward (FusedModule) -> fused_forward: check_input, per_feature_scale,
-    dispatch() -> Plan, then
-    no gradient:           forward_train / forward_eval(plan.gemm, ...)  one extension call
-    training + gradient:   _TrainFn: forward_train_saved, backward: bn_backward_train,
-                           gemm_nn (grad_x), gemm_tn (grad_W)
-    eval + gradient:       _eval_with_grad: gemm_nt (backward: gemm_nn, gemm_tn), then the
-                           fold in torch ops
-    16-bit:                the 16-bit extension's call; with gradients _LowpGradFn:
-                           forward_train_saved (eval: forward_eval_saved with
-                           SWITCHES.lowp_eval_grad_fused, else _LowpFn's recompute),
-                           backward: bn_backward_train / bn_backward_eval, then two
-                           cuBLAS products
-    torch.compile:         the same through the fused_gemm_bn:: custom operators
-    synchronized BatchNorm (bn converted to a SyncBatchNorm, training, several
-    processes: sync_process_group): _SyncTrainFn, gemm_nt and torch ops around one
-    all_gather (forward) and one all_reduce (backward) of per-feature statistics
-  ModelNew.kernel_path(x): the Plan's name, without running anything
+From ModelNew.forward to the kernels (docs/design.md has the whole map):
 
-  dispatch(): the one decision (table in its section; README "Dispatch")
-    gemm                 kernels (kernels/)                                   steps of Model.forward
-    -------------------  ---------------------------------------------------  --------------------------
-    sm90_fp16x3          prepass_fp16x3.cu          sm90_prepass_fp16x3       W's fp16 parts (cached:
-                                                                              _weight_parts), x's
-                         sm90_gemm_fp16x3_bn.cu     sm90_gemm_fp16x3_*        gemm (wgmma, TMA, fp16x3)
-    sm90_3xtf32          prepass_3xtf32.cu          sm90_prepass_3xtf32       x's TF32 remainder
-                         sm90_gemm_3xtf32_bn.cu     sm90_gemm_3xtf32_*        gemm (wgmma, TMA, 3xTF32)
-    sm80_3xtf32          prepass_3xtf32.cu          sm80_prepass_3xtf32       x's TF32 parts
-                         sm80_gemm_3xtf32_bn.cu     sm80_gemm_3xtf32_*        gemm (mma.sync, 3xTF32)
-    sm90_cluster_3xtf32  sm90_cluster_gemm_3xtf32_bn.cu                       gemm, * scale, bn in one
-                                                                              launch (33, training)
-    after the GEMM (training; eval folds * scale and bn into the GEMM epilogue):
-      problem 33         bn_apply.cu                bn_apply                  batch / running stats, bn
-      problem 84         bn_softmax.cu              bn_softmax_fold_train,    batch / running stats, bn,
-                                                    softmax_rows              * scale, softmax
-      backward           bn_backward.cu             bn_batch_stats,           bn's gradients
-                                                    bn_backward_train
-                         prepass_fp16x3_backward.cu sm90_prepass_fp16x3_      grad_x, grad_W on
-                                                    scaled / _columns         sm90_fp16x3 (operands
-                                                                              read MN-major)
-    lowp_sm90            lowp/sm90_gemm_bn_16bit.cu (wgmma, TMA), lowp/bn_16bit.cu the 16-bit chain, rounded
-    lowp_sm80            lowp/sm80_gemm_bn_16bit.cu (mma.sync), lowp/bn_16bit.cu  where Model rounds
-    lowp_cublas          cuBLAS (eager's own product), then lowp/bn_16bit_chain.cu or
-                         lowp/bn_16bit_strip.cu, lowp/bn_16bit.cu
-      16-bit backward    lowp/bn_16bit_backward.cu  bn16_backward             bn's gradients (grad_x,
-                                                                              grad_W: cuBLAS)
-    torch_ops            the _torch_* functions of this file                  CPU, float64 on CUDA
-  kernels/launchers.cuh declares every launcher (both sides include it);
-  kernels/torch_binding.cpp and kernels/lowp/binding_16bit.cpp check tensors,
-  take the device guard and current stream, and run the named GEMM kernel.
-  Shared headers: bn_stats.cuh (statistics math), sm90_primitives.cuh (wgmma, TMA
-  wrappers), sm90_gemm_tiles.cuh (the Hopper GEMMs' tile, split tiles, epilogues),
-  fp16x3_split.cuh (the fp16 split), sm80_gemm_3xtf32_bn.cuh (the portable kernel body),
-  load_hints.cuh (evict-first loads).
+  ModelNew.forward -> fused_forward: check_input, per_feature_scale, dispatch() -> Plan
+    no gradient:          forward_train / forward_eval (torch_binding.cpp), one extension call
+    training + gradient:  _TrainFn: forward_train_saved; backward bn_backward_train, gemm_nn, gemm_tn
+    eval + gradient:      _eval_with_grad: gemm_nt (backward gemm_nn, gemm_tn), the fold in torch ops
+    torch.compile, jit.trace: the same through the fused_gemm_bn:: custom operators
+
+  gemm          kernels/                                     steps of Model.forward
+  ------------  -------------------------------------------  -----------------------------------
+  sm90_fp16x3   prepass_fp16x3.cu (x's and W's fp16 parts;   gemm: wgmma, TMA, three fp16
+                W's kept: _weight_parts), sm90_gemm_fp16x3_  products (fp16x3); eval folds
+                bn.cu                                        * scale and bn into the epilogue
+  sm80_3xtf32   centring.cu, prepass_3xtf32.cu,              gemm: mma.sync, 3xTF32; eval
+                sm80_gemm_3xtf32_bn.cu                       as above
+  after the GEMM in training: bn_apply.cu (problem 33: statistics, running statistics, bn),
+  bn_softmax.cu (84: the same, * scale, softmax); backward: bn_backward.cu, then
+  prepass_fp16x3_backward.cu and the GEMM for grad_x = grad_z W, grad_W = grad_z^T x.
+  kernels/launchers.cuh declares every launcher (both sides include it).
 
 Algebra (training): with z = x W^T, u = scale * (z + b) has batch mean
 scale * (mean_z + b) and biased variance scale^2 var_z, so
@@ -142,54 +114,37 @@ scale * (mean_z + b) and biased variance scale^2 var_z, so
 the Linear bias cancels from the output and only enters running_mean.
 Eval: out = a z + c with a = scale * bn.weight / sqrt(running_var + eps) and
 c = bn.bias + (scale * b - running_mean) * bn.weight / sqrt(running_var + eps).
-
-Backward (training), with u = scale * (z + b), r = 1 / sqrt(scale^2 var_z + eps):
-BatchNorm's backward through u, chained to z, gives
-    grad_z = a (grad_out - mean_m grad_out - xhat mean_m(grad_out xhat)),  xhat = scale (z - mean_z) r,
+Backward (training), with r = 1 / sqrt(scale^2 var_z + eps), xhat = scale (z - mean_z) r:
+    grad_z = a (grad_out - mean_m grad_out - xhat mean_m(grad_out xhat)),
     grad_scale = bn.weight eps r^3 sum_m grad_out (z - mean_z),
     grad_bn.weight = sum_m grad_out xhat,  grad_bn.bias = sum_m grad_out,  grad_gemm.bias = 0,
 then grad_x = grad_z W and grad_W = grad_z^T x (_torch_bn_backward_train states
 both problems' formulas).  Eval differentiates the fold a z + c.
-
-The GEMM is float32-accurate fp16x3 (Hopper) or 3xTF32 on tensor cores (headers of the .cu files:
-split, rounding, expected error); the 16-bit kernels' headers list their
-rounding points and the PyTorch code they follow.  The _torch_* functions
-(_TORCH_PATH: the extension's names and arguments) compute the same decomposed
-math in plain PyTorch (per-tile partial statistics merged with Chan's formula)
-in the input's dtype, through the same autograd code.
+The GEMMs' numerics (split, rounding, expected error) are in the .cu headers
+and docs/numerics.md.
 
 Surface for problem 84's module and for users (documented, stable):
 FusedModule, LinearParams, BatchNormState, fused_forward, kernel_path,
-check_input, per_feature_scale, sync_process_group;
-dispatch, dispatch_gemm_nt, dispatch_gemm_tn, plan, Call, Plan, DeviceFacts, device_facts,
-Switches, SWITCHES.
+check_input, per_feature_scale, sync_process_group, clear_weight_cache;
+dispatch, dispatch_gemm_nt, dispatch_gemm_tn, plan, Call, Plan, DeviceFacts,
+device_facts, Switches, SWITCHES.
 
 Build: at import, the sources (kernels/*.cu, *.cuh, *.cpp) are located and, when
 a GPU is visible, compiled once by torch.utils.cpp_extension.load_inline with
--gencode flags for the GPUs present (TORCH_CUDA_ARCH_LIST is ignored) into
-$TORCH_EXTENSIONS_DIR (or torch's default extension root)/fused_gemm_bn_<hash>,
-the hash covering sources, flags and versions; a lock there (_BuildLock) makes
-concurrent imports build once, and a compile that was killed never hangs the next.
-The sources are found at $FUSED_GEMM_BN_KERNEL_DIR, else kernels/ next to this
-file, else ./kernels (this text executed without __file__); `python
-tools/bundle.py` writes the self-contained files (dist/model_new.py, and problem
-84's), this text with the sources embedded and its one repository-only block
-(BatchNormState's base, torch's _BatchNorm, which the harness rules forbid
-naming) replaced by nn.Module: the bundles cannot be converted to SyncBatchNorm.  The 16-bit sources (kernels/lowp/,
-with the kernels/ headers they include) are compiled on the first 16-bit CUDA
-call into fused_gemm_bn_lowp_<hash> by the same helpers; the bundles have no
-16-bit kernels (the harness rules forbid naming the 16-bit types in their text)
-and say so on 16-bit CUDA input (_cuda_dtype_problem).  Under torch.compile 16-bit
-calls take the custom operators too, but not eval with gradients on _LowpFn (the
-default): a graph break, which SWITCHES.lowp_eval_grad_fused removes.
-Tests: test_equivalence.py, tests/ (test_dispatch.py, test_backward.py,
-test_lowp.py, test_lowp_backward.py, test_bundle.py, test_harness.py, test_boundary.py,
-test_sync_bn.py, ...).
+-gencode flags for the GPUs present (TORCH_CUDA_ARCH_LIST is ignored; the C++
+standard is torch's choice) into $TORCH_EXTENSIONS_DIR (or torch's default
+extension root)/fused_gemm_bn_<hash>, the hash covering sources, flags and
+versions; a lock there (_BuildLock) makes concurrent imports build once, and a
+compile that was killed never hangs the next.  The sources are found at
+$FUSED_GEMM_BN_KERNEL_DIR, else kernels/ next to this file, else ./kernels
+(this text executed without __file__), or embedded (the self-contained files).
+Tests: test_equivalence.py, tests/.
 """
 import collections
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import math
 import os
 import socket
@@ -213,13 +168,7 @@ _EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "gemm_nn", "gemm_tn",
                         "bn_backward_train",
                         "fp16x3_weight_parts", "weight_row_sums", "sync_forward_local", "sync_bn_apply", "bn_backward_sums",
-                        "bn_backward_grad", "sm90_gemm_available", "sm90_cluster_max_active"]
-# The 16-bit extension: kernels/lowp/ (plus the .cuh headers of kernels/), its own module.
-_LOWP_SUBDIR = "lowp"
-_LOWP_BINDING = "binding_16bit.cpp"
-_LOWP_PREFIX = "fused_gemm_bn_lowp_"
-_LOWP_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "bn_backward_train", "forward_eval_saved",
-                   "bn_backward_eval"]
+                        "bn_backward_grad", "sm90_gemm_available"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
@@ -5927,15 +5876,6 @@ def _kernel_sources():
     return _read_sources(_kernel_dir())
 
 
-def _lowp_dir():
-    """kernels/lowp/, the 16-bit kernels (built on the first 16-bit CUDA call),
-    next to the float32 sources; None where they are not available: the bundle
-    (its text may not name the 16-bit types, tools/harness_rules.py, so it
-    cannot embed them) or a kernels/ folder without them."""
-    if _EMBEDDED_SOURCES is not None:
-        return None
-    folder = os.path.join(_kernel_dir(), _LOWP_SUBDIR)
-    return folder if os.path.isfile(os.path.join(folder, _LOWP_BINDING)) else None
 
 
 def _arch_flags():
@@ -6132,34 +6072,33 @@ def _load_extension(sources, functions=_EXTENSION_FUNCTIONS, prefix=_EXTENSION_P
 # at import; only a machine with a GPU compiles them.
 _KERNEL_SOURCES = _kernel_sources()
 _ext = _load_extension(_KERNEL_SOURCES) if torch.cuda.is_available() else None
-# kernels/lowp/ (found now, next to the sources above), or None; its extension
-# is compiled on the first 16-bit CUDA call (_lowp_kernels).
-_LOWP_DIR = _lowp_dir()
-_lowp_ext = None
 
 
-def _lowp_sources():
-    """{file name: text} of the 16-bit extension: kernels/lowp/*.cu, *.cuh,
-    *.cpp, and the headers of kernels/ that they #include, directly or through
-    another header (launchers.cuh, bn_stats.cuh, sm90_gemm_tiles.cuh, ...)."""
-    sources = dict(_read_sources(_LOWP_DIR))
-    while True:  # the headers they include, and the headers those include
-        text = "".join(sources.values())
-        added = {name: t for name, t in _KERNEL_SOURCES.items()
-                 if name.endswith(".cuh") and name not in sources and f'"{name}"' in text}
-        if not added:
-            return sources
-        sources.update(added)
+# ---------------------------------------------------------------------------
+# Extras: the modules beside this file (none in the self-contained files)
+# ---------------------------------------------------------------------------
 
 
-def _lowp_kernels():
-    """The 16-bit extension (forward_train, forward_eval, with the float32
-    extension's arguments), compiled or loaded on the first call: only 16-bit
-    CUDA input needs it."""
-    global _lowp_ext
-    if _lowp_ext is None:
-        _lowp_ext = _load_extension(_lowp_sources(), _LOWP_FUNCTIONS, _LOWP_PREFIX)
-    return _lowp_ext
+def _extra(name):
+    """The module `name` when its file lies beside this one and this file is
+    imported as the module model_new (the extras import it by that name), else
+    None: the self-contained files, executed from their text, have none.
+    Each extra's top level touches nothing of this module, so it can load here."""
+    if __name__ != "model_new" or "__file__" not in globals():
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    if not os.path.isfile(path):
+        return None
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+_SYNC = _extra("model_new_sync")            # synchronized BatchNorm (SyncBatchNorm conversion, DDP)
+_LOWP = _extra("model_new_lowp")            # 16-bit float modules (kernels/lowp/)
+_AUTOCAST = _extra("model_new_autocast")    # torch.autocast
 
 
 # ---------------------------------------------------------------------------
@@ -6183,13 +6122,9 @@ class LinearParams(nn.Module):
         nn.init.uniform_(self.bias, -bound, bound)
 
 
-# The self-contained file (tools/bundle.py): the harness rules forbid naming torch's BatchNorm classes, so
-# BatchNormState derives from nn.Module and SyncBatchNorm conversion cannot see it (README "Multi-GPU").
-_BatchNormBase = nn.Module
-
-# False in the self-contained files: SyncBatchNorm conversion cannot see their BatchNormState
-# (_warn_unsynchronized says so once, README "Multi-GPU").
-_SYNC_CONVERTIBLE = _BatchNormBase is not nn.Module
+# With model_new_sync.py, torch's _BatchNorm: nn.SyncBatchNorm.convert_sync_batchnorm converts its
+# instances.  The harness rules forbid naming that class in a self-contained file's text.
+_BatchNormBase = nn.Module if _SYNC is None else _SYNC.BATCHNORM_BASE
 
 
 class BatchNormState(_BatchNormBase):
@@ -6201,13 +6136,12 @@ class BatchNormState(_BatchNormBase):
     cumulative average.  A parameter container: ModelNew's forward
     (fused_forward) runs the kernels, and calling the container raises RuntimeError.
 
-    In the repository's model_new.py it derives from torch's _BatchNorm, so
-    nn.SyncBatchNorm.convert_sync_batchnorm replaces it by a SyncBatchNorm that
-    holds the same parameter and buffer objects (fused_forward then merges the
-    batch statistics across processes: section "Synchronized BatchNorm"), and a
-    state dict without num_batches_tracked loads as into BatchNorm1d (the
-    counter keeps its value).  In the self-contained files it derives from
-    nn.Module (the harness rules forbid naming torch's BatchNorm classes)."""
+    With model_new_sync.py beside this file it derives from torch's _BatchNorm,
+    so nn.SyncBatchNorm.convert_sync_batchnorm replaces it by a SyncBatchNorm
+    that holds the same parameter and buffer objects (fused_forward then merges
+    the batch statistics across processes), and a state dict without
+    num_batches_tracked loads as into BatchNorm1d (the counter keeps its value).
+    In the self-contained files it derives from nn.Module."""
 
     def __init__(self, num_features, eps, momentum):
         # The state _NormBase.__init__ registers, written out because the base
@@ -6257,19 +6191,19 @@ def _is_16bit_dtype(dtype):
 def _cuda_dtype_problem(dtype):
     """None when ModelNew runs CUDA tensors of `dtype`, else the error message:
     float32 (the fused kernels) and float64 (torch ops) always; the two 16-bit
-    float dtypes when kernels/lowp/ was found (_LOWP_DIR; never in the bundle)."""
+    float dtypes with model_new_lowp.py beside this file and kernels/lowp/ (never
+    in the self-contained files)."""
     if dtype in (torch.float32, torch.float64):
         return None
     sixteen = _is_16bit_dtype(dtype)
-    if sixteen and _LOWP_DIR is not None:
+    if sixteen and _LOWP is not None and _LOWP.available():
         return None
     if sixteen:
-        return (f"ModelNew: 16-bit CUDA input ({dtype}) needs the repository's kernels/lowp/ folder (the 16-bit "
-                f"kernels, compiled on first use), which this copy of ModelNew does not have: the self-contained "
-                f"bundle (dist/model_new.py) leaves them out, because the harness rules it follows forbid naming "
-                f"16-bit float types in its text. Use model_new.py from the repository (kernels/ next to it, or "
-                f"${_KERNEL_DIR_ENV}) for 16-bit input; here ModelNew supports float32 on CUDA (the fused kernels), "
-                f"float64 on CUDA (plain torch ops) and any float dtype on CPU")
+        return (f"ModelNew: 16-bit CUDA input ({dtype}) needs the repository's model_new_lowp.py and "
+                f"kernels/lowp/ (the 16-bit kernels, compiled on first use), which this copy of ModelNew does not "
+                f"have (the self-contained files leave them out). Use model_new.py from the repository for 16-bit "
+                f"input; here ModelNew supports float32 on CUDA (the fused kernels), float64 on CUDA (plain torch "
+                f"ops) and any float dtype on CPU")
     return (f"ModelNew on CUDA supports float32 (the fused kernels), float64 (plain torch ops) and the 16-bit "
             f"float dtypes (kernels/lowp/), got {dtype}")
 
@@ -6278,8 +6212,8 @@ def check_input(x, weight, training, cast=False):
     """Raises what PyTorch raises for an input the Linear -> BatchNorm1d chain
     cannot take (x's rank, feature count, device, dtype; batch of 1 in
     training), before any buffer is touched.  Used by fused_forward.
-    cast: the call runs under mixed precision, which casts x and the weight to
-    one dtype, so their dtypes are not checked (section "Mixed precision").
+    cast: the call runs under mixed precision (model_new_autocast.py), which
+    casts x and the weight to one dtype, so their dtypes are not checked.
     Ranks: 0-D and 1-D input and 4-D or more raise Model's errors (Linear's
     RuntimeError, BatchNorm1d's ValueError); 3-D input, on which Model's
     BatchNorm1d normalizes over dim 1 instead (or raises), raises RuntimeError."""
@@ -6337,177 +6271,105 @@ def per_feature_scale(scale, n):
 # Dispatch: the one place that decides which kernels a call runs
 # ---------------------------------------------------------------------------
 #
-# dispatch() turns (device, compute capability, dtype, training/eval, gradients
-# needed, problem, shape and alignment, SWITCHES) into a Plan whose name says
-# the path; the extensions carry out the GEMM kernel it names (`gemm`) and pick
-# nothing themselves.  The table (README "Dispatch" has it with examples):
+# plan() turns (device, compute capability, dtype, training/eval, gradients
+# needed, problem, shape, SWITCHES) into a Plan whose name says the path; the
+# extensions carry out the GEMM kernel it names (`gemm`) and pick nothing
+# themselves.  First match (the README's support matrix, checked against this
+# function by tests/test_readme.py):
 #
-#   input (first match)          condition                                     gemm
-#   ---------------------------  --------------------------------------------  --------------------
+#   input                        condition                                     gemm
+#   ---------------------------  --------------------------------------------  -----------------------
 #   batch of 0                   no kernel                                     empty
 #   CPU tensor, float64 on CUDA  always                                        torch_ops
-#   16-bit float on CUDA         compute capability 9.0, the sm_90a kernels    lowp_sm90, or lowp_cublas
-#                                available, not SWITCHES.portable (K % 8 != 0:  (cuBLAS's product, the
-#                                the binding pads K in copies)                  chain kernels) where
-#                                                                               _lowp_hopper_gemm's rule
-#                                                                               says lowp_sm90 is slower
-#                                else: compute capability >= 8.0               lowp_sm80
-#   float32 on CUDA              compute capability 9.0, the sm_90a kernels    sm90_fp16x3
-#                                available, K % 8 == 0, 16-byte aligned        (sm90_fp16x3_nosplit with
-#                                weight, not SWITCHES.portable, SWITCHES.fp16x3 split_tiles off)
-#                                else: the same with K % 4 == 0                sm90_3xtf32
-#                                                                              (sm90_3xtf32_nosplit)
-#                                else: problem 33 training without gradients,  sm90_cluster_3xtf32
-#                                compute capability >= 9.0, M <= 8 * 128, and
-#                                the clusters cost no extra wave, not
-#                                SWITCHES.portable
+#   16-bit float on CUDA         model_new_lowp.route                          lowp_sm90, lowp_cublas,
+#                                                                              lowp_sm80
+#   float32 on CUDA              compute capability 9.0, the sm_90a kernels    sm90_fp16x3 (any K: the
+#                                available, not SWITCHES.portable              pre-pass pads K to 8)
 #                                else: compute capability >= 8.0               sm80_3xtf32
 #                                else                                          RuntimeError
 #
-# Plan.name = <gemm>_<train|eval>[_grad], e.g. sm90_3xtf32_train, sm80_3xtf32_eval_grad.
-# The backward's products are decided the same way per product: grad_x = grad_z W
-# by dispatch_gemm_nt(grad_z, W^T) (reduction over N), grad_W = grad_z^T x by
-# dispatch_gemm_tn (reduction over M: on Hopper sm90_fp16x3 needs N % 8 == 0
-# and K % 8 == 0 only, the operands being read MN-major where they lie).
+# Plan.name = <gemm>_<train|eval>[_grad], e.g. sm90_fp16x3_train, sm80_3xtf32_eval_grad.
+# The backward's products take the same float32 choice per product
+# (dispatch_gemm_nt, dispatch_gemm_tn); the binding reads operands MN-major
+# where the shapes allow and copies them transposed otherwise.
 
-Switches = collections.namedtuple("Switches", ["portable", "split_tiles", "fp16x3", "weight_cache", "sync_fused",
-                                              "autocast_fused", "lowp_gemm", "lowp_eval_grad_fused"],
-                                  defaults=(True, True, True, "auto", False))
-Switches.__doc__ = """Environment switches, read once at import into SWITCHES (tests
-replace SWITCHES; nothing reads the environment per call):
-  portable     FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel on Hopper
-               too (the tests run both GEMM paths on one GPU)
-  split_tiles  False with FUSED_GEMM_BN_NO_SPLIT_TILES=1: the Hopper GEMMs run
-               whole tiles only (sm90_*_nosplit; an A/B switch for timing)
-  fp16x3       False with FUSED_GEMM_BN_3XTF32=1: Hopper takes the 3xTF32 wgmma
-               kernel instead of fp16x3 (A/B timing; the tests run both)
-  weight_cache False with FUSED_GEMM_BN_NO_WEIGHT_CACHE=1: the fp16x3 path splits
-               gemm.weight in every call instead of keeping its parts
-               (_weight_parts)
-  sync_fused   False with FUSED_GEMM_BN_SYNC_TORCH_OPS=1: synchronized BatchNorm on
-               float32 CUDA runs the torch-op path (_SyncTrainFn) instead of the
-               fused kernels (_SyncFusedTrainFn; A/B timing, the GPU tests run both)
-  autocast_fused False with FUSED_GEMM_BN_AUTOCAST_TORCH_OPS=1: under mixed precision
-               ModelNew runs Model's own ops (_mixed_precision_forward) instead of
-               the fused 16-bit kernels (_autocast_gemm; A/B timing, the GPU tests run both)
-  lowp_gemm    "auto", or FUSED_GEMM_BN_LOWP_GEMM names the Hopper 16-bit route
-               that every shape takes (_lowp_hopper_gemm; A/B timing, the GPU tests run each)
-  lowp_eval_grad_fused True with FUSED_GEMM_BN_LOWP_EVAL_GRAD_FUSED=1: 16-bit eval
-               with gradients runs _LowpGradFn (forward_eval_saved on lowp_cublas,
-               then bn_backward_eval and two cuBLAS products; under torch.compile the
-               operators of those names, no graph break) instead of _LowpFn (the
-               fused eval forward, then a torch-op recompute for the backward; a graph
-               break under torch.compile).  Off until its GPU tests have run: it was
-               written without a GPU (docs/perf.md v34)."""
+Switches = collections.namedtuple("Switches", ["portable", "weight_cache", "sync_fused", "autocast_fused",
+                                              "lowp_gemm", "eager_ops"],
+                                  defaults=(True, True, "auto", False))
+Switches.__doc__ = """What a user (the first two, from the environment at import)
+or a test (the rest: tests and tools replace SWITCHES) changes about the
+routes; nothing reads the environment per call:
+  portable       FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel (and
+                 lowp_sm80) on Hopper too
+  weight_cache   False with FUSED_GEMM_BN_NO_WEIGHT_CACHE=1: gemm.weight's parts
+                 are made in every call instead of kept (_weight_parts)
+  sync_fused     False: synchronized BatchNorm on float32 CUDA runs its torch-op
+                 path instead of the fused kernels (model_new_sync.py)
+  autocast_fused False: under mixed precision ModelNew runs Model's own ops
+                 instead of the fused 16-bit kernels (model_new_autocast.py)
+  lowp_gemm      "auto", or the Hopper 16-bit route every shape takes
+                 (model_new_lowp.hopper_gemm)
+  eager_ops      True: eager calls go through the fused_gemm_bn:: operators,
+                 as under torch.compile (tests run the operators' autograd)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
-                    split_tiles=os.environ.get("FUSED_GEMM_BN_NO_SPLIT_TILES") != "1",
-                    fp16x3=os.environ.get("FUSED_GEMM_BN_3XTF32") != "1",
-                    weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1",
-                    sync_fused=os.environ.get("FUSED_GEMM_BN_SYNC_TORCH_OPS") != "1",
-                    autocast_fused=os.environ.get("FUSED_GEMM_BN_AUTOCAST_TORCH_OPS") != "1",
-                    lowp_gemm=os.environ.get("FUSED_GEMM_BN_LOWP_GEMM", "auto"),
-                    lowp_eval_grad_fused=os.environ.get("FUSED_GEMM_BN_LOWP_EVAL_GRAD_FUSED") == "1")
+                    weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1")
 
-DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm", "cluster_max_active"])
+DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
-  capability          (major, minor)
-  num_sms             streaming multiprocessors
-  sm90_gemm           the Hopper kernels of this build run here (sm_90a image,
-                      compute capability 9.0, shared memory, tensor-map encoder)
-  cluster_max_active  function (m_tiles, vec16) -> clusters of m_tiles CTAs of
-                      the cluster kernel resident at once (0: none)"""
+  capability  (major, minor)
+  num_sms     streaming multiprocessors
+  sm90_gemm   the Hopper kernels of this build run here (sm_90a image, compute
+              capability 9.0, shared memory, tensor-map encoder)"""
+
+Call = collections.namedtuple("Call", ["device_type", "dtype", "m", "n", "k", "training", "grad", "scale_after_bn"])
+Call.__doc__ = """What dispatch() reads off a call: x's device type ("cuda", "cpu", ...)
+and dtype; M, N, K; training (batch statistics); grad (gradients needed);
+scale_after_bn (problem 84)."""
 
 Plan = collections.namedtuple("Plan", ["name", "gemm", "kernels", "training", "grad"])
 Plan.__doc__ = """A call's path, from dispatch():
   name      <gemm>_<train|eval>[_grad]: what ModelNew.kernel_path returns
-  gemm      the GEMM kernel: sm90_fp16x3, sm90_fp16x3_nosplit, sm90_3xtf32,
-            sm90_3xtf32_nosplit, sm80_3xtf32,
-            sm90_cluster_3xtf32, lowp_sm90, the other Hopper 16-bit route (_lowp_hopper_gemm),
+  gemm      the GEMM kernel: sm90_fp16x3, sm80_3xtf32, lowp_sm90, lowp_cublas,
             lowp_sm80, torch_ops, or empty (batch of 0)
   kernels   who runs it: "ext" (the float32 extension), "lowp" (the 16-bit
             extension), "torch" (the _torch_* functions), or None (empty)
   training  batch statistics (True) or running statistics
   grad      gradients needed: the autograd path (saved tensors, backward)"""
 
-_SM80_BLOCK_M = 128  # the portable kernel's BLOCK_M and BLOCK_N (sm80_gemm_3xtf32_bn.cuh)
-_SM80_BLOCK_N = 128
-_CLUSTER_MAX_TILES = 8  # portable thread-block cluster size limit
 _DEVICE_FACTS = {}
 
 
 def device_facts(device):
     """DeviceFacts of a CUDA device (torch.device or index), read once per
-    device from torch and the extension's queries (no kernel runs)."""
+    device from torch and the extension's query (no kernel runs)."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     if index not in _DEVICE_FACTS:
         props = torch.cuda.get_device_properties(index)
-        clusters = {}
-
-        def cluster_max_active(m_tiles, vec16):
-            if (m_tiles, vec16) not in clusters:
-                clusters[m_tiles, vec16] = int(_ext.sm90_cluster_max_active(index, m_tiles, vec16))
-            return clusters[m_tiles, vec16]
-
         _DEVICE_FACTS[index] = DeviceFacts(capability=(props.major, props.minor), num_sms=props.multi_processor_count,
-                                           sm90_gemm=bool(_ext.sm90_gemm_available(index)),
-                                           cluster_max_active=cluster_max_active)
+                                           sm90_gemm=bool(_ext.sm90_gemm_available(index)))
     return _DEVICE_FACTS[index]
 
 
-def _aligned16(t):
-    return t.data_ptr() % 16 == 0
-
-
-def _cluster_fits(m, n, k, vec16, facts):
-    """The cluster kernel applies (M <= 8 * BLOCK_M, compute capability >= 9.0)
-    and its clusters of ceil(M / BLOCK_M) CTAs, placed whole inside a GPC, need
-    no more waves than the plain grid over the SMs."""
-    m_tiles = -(-m // _SM80_BLOCK_M)
-    n_tiles = -(-n // _SM80_BLOCK_N)
-    if facts.capability < (9, 0) or not 1 <= m_tiles <= _CLUSTER_MAX_TILES or not 1 <= n_tiles <= 65535:
-        return False
-    max_clusters = facts.cluster_max_active(m_tiles, vec16)
-    if max_clusters == 0:
-        return False
-    ctas = m_tiles * n_tiles
-    return -(-ctas // (max_clusters * m_tiles)) <= -(-ctas // facts.num_sms)
-
-
-def _float32_gemm(m, n, k, w_aligned16, cluster_candidate, facts, switches):
-    """The GEMM kernel for a float32 (m, k) x (n, k) product on a CUDA device."""
+def _float32_gemm(facts, switches):
+    """The GEMM kernel of a float32 product on a CUDA device (any M, N, K >= 1:
+    sm90_fp16x3's prepass pads K to a multiple of 8, and the portable kernel
+    takes any shape)."""
     if facts.capability < (8, 0):
         major, minor = facts.capability
         raise RuntimeError(f"ModelNew's float32 CUDA kernels need compute capability >= 8.0 (tensor-core TF32), "
                            f"got {major}.{minor}; use the module on the CPU or in float64")
-    if (not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm and min(m, n, k) >= 1
-            and k % 4 == 0 and w_aligned16):
-        gemm = "sm90_fp16x3" if switches.fp16x3 and k % 8 == 0 else "sm90_3xtf32"
-        return gemm if switches.split_tiles else gemm + "_nosplit"
-    if (cluster_candidate and not switches.portable
-            and _cluster_fits(m, n, k, k % 4 == 0 and w_aligned16, facts)):
-        return "sm90_cluster_3xtf32"
+    if not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm:
+        return "sm90_fp16x3"
     return "sm80_3xtf32"
-
-
-# The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),
-# so one name stands for the Hopper 16-bit routes that the repository chooses between.
-def _lowp_hopper_gemm(m, n, k, training, facts, switches):
-    return "lowp_sm90"
-
-
-Call = collections.namedtuple("Call", ["device_type", "dtype", "m", "n", "k", "weight_aligned16", "training", "grad",
-                                       "scale_after_bn"])
-Call.__doc__ = """What dispatch() reads off a call: x's device type ("cuda", "cpu", ...)
-and dtype; M, N, K; whether gemm.weight's data is 16-byte aligned; training
-(batch statistics); grad (gradients needed); scale_after_bn (problem 84)."""
 
 
 def plan(call, facts=None, switches=None):
     """The Plan of `call` (a Call) on a GPU described by `facts` (DeviceFacts;
-    needed for CUDA calls) under `switches` (default SWITCHES): the dispatch
-    table above.  Raises RuntimeError for CUDA input on a GPU below compute
-    capability 8.0.  Pure: tests give it simulated GPUs."""
+    needed for CUDA calls) under `switches` (default SWITCHES): the table above.
+    Raises RuntimeError for CUDA input on a GPU below compute capability 8.0,
+    and for 16-bit CUDA input without model_new_lowp.py.  Pure: tests give it
+    simulated GPUs."""
     mode = ("train" if call.training else "eval") + ("_grad" if call.grad else "")
     if call.m == 0:
         return Plan(f"empty_{mode}", "empty", None, call.training, call.grad)
@@ -6515,18 +6377,12 @@ def plan(call, facts=None, switches=None):
         return Plan(f"torch_ops_{mode}", "torch_ops", "torch", call.training, call.grad)
     switches = SWITCHES if switches is None else switches
     if _is_16bit_dtype(call.dtype):
-        if facts.capability < (8, 0):
-            raise RuntimeError(f"ModelNew's 16-bit CUDA kernels need compute capability >= 8.0, got "
-                               f"{facts.capability[0]}.{facts.capability[1]}")
-        if call.grad and not call.training and switches.lowp_eval_grad_fused:
-            gemm = "lowp_cublas"  # forward_eval_saved keeps z, which only this route makes
-        elif not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm:
-            gemm = _lowp_hopper_gemm(call.m, call.n, call.k, call.training, facts, switches)
-        else:
-            gemm = "lowp_sm80"
+        problem = _cuda_dtype_problem(call.dtype)
+        if problem is not None:
+            raise RuntimeError(problem)
+        gemm = _LOWP.route(call, facts, switches)
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
-    cluster_candidate = call.training and not call.grad and not call.scale_after_bn
-    gemm = _float32_gemm(call.m, call.n, call.k, call.weight_aligned16, cluster_candidate, facts, switches)
+    gemm = _float32_gemm(facts, switches)
     return Plan(f"{gemm}_{mode}", gemm, "ext", call.training, call.grad)
 
 
@@ -6541,8 +6397,7 @@ def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=Non
     them (after check_input); training: batch statistics; grad: gradients
     needed; scale_after_bn: problem 84 (else 33).  `facts` default to x's
     device's (device_facts), `switches` to SWITCHES.  Runs no kernel."""
-    call = Call(x.device.type, x.dtype, x.shape[0], weight.shape[0], x.shape[1], _aligned16(weight), training, grad,
-                scale_after_bn)
+    call = Call(x.device.type, x.dtype, x.shape[0], weight.shape[0], x.shape[1], training, grad, scale_after_bn)
     if facts is None and x.is_cuda:
         facts = device_facts(x.device)
     key = (call, facts, SWITCHES if switches is None else switches)
@@ -6555,31 +6410,19 @@ def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=Non
 
 
 def dispatch_gemm_nt(a, b, facts=None, switches=None):
-    """The GEMM kernel of a @ b^T (the backward's products; a (M, K), b (N, K),
-    any strides: the extension copies a non-contiguous b, so only a contiguous
-    b's own alignment matters), or "torch_ops" for CPU / float64 tensors."""
+    """The GEMM kernel of a @ b^T (the backward's products, eval with
+    gradients; a (M, K), b (N, K), any strides), or "torch_ops" for CPU /
+    float64 tensors."""
     if not a.is_cuda or a.dtype == torch.float64:
         return "torch_ops"
-    facts = device_facts(a.device) if facts is None else facts
-    switches = SWITCHES if switches is None else switches
-    b_aligned = not b.is_contiguous() or _aligned16(b)
-    return _float32_gemm(a.shape[0], b.shape[0], a.shape[1], b_aligned, False, facts, switches)
+    return _float32_gemm(device_facts(a.device) if facts is None else facts, SWITCHES if switches is None else switches)
 
 
 def dispatch_gemm_tn(a, b, facts=None, switches=None):
     """The GEMM kernel of a^T @ b (grad_W = grad_z^T x; a (M, N), b (M, K)):
-    sm90_fp16x3[_nosplit] where the Hopper fp16x3 kernel reads both MN-major
-    (N % 8 == 0, K % 8 == 0, any M >= 1), else dispatch_gemm_nt(a^T, b^T) (the
-    extension then copies both transposed), or "torch_ops" for CPU / float64."""
-    if not a.is_cuda or a.dtype == torch.float64:
-        return "torch_ops"
-    facts = device_facts(a.device) if facts is None else facts
-    switches = SWITCHES if switches is None else switches
-    m, n, k = a.shape[0], a.shape[1], b.shape[1]
-    if (not switches.portable and switches.fp16x3 and facts.capability == (9, 0) and facts.sm90_gemm
-            and min(m, n, k) >= 1 and n % 8 == 0 and k % 8 == 0):
-        return "sm90_fp16x3" if switches.split_tiles else "sm90_fp16x3_nosplit"
-    return dispatch_gemm_nt(a.t(), b.t(), facts, switches)
+    as dispatch_gemm_nt (on sm90_fp16x3 the binding reads both operands
+    MN-major where N % 8 == 0 and K % 8 == 0, else copies them transposed)."""
+    return dispatch_gemm_nt(a, b, facts, switches)
 
 
 def _kernels(plan_kernels):
@@ -6589,11 +6432,177 @@ def _kernels(plan_kernels):
         return _TORCH_PATH
     if _ext is None:
         raise RuntimeError("ModelNew: CUDA tensor given but the extension was not built (no GPU at import)")
-    return _lowp_kernels() if plan_kernels == "lowp" else _ext
+    return _LOWP.kernels() if plan_kernels == "lowp" else _ext
 
 
 # ---------------------------------------------------------------------------
 # Forward: carries out a Plan
+# ---------------------------------------------------------------------------
+
+
+def _checked_params(x, gemm, scale, bn, synchronized=False):
+    """(x, gemm.weight, gemm.bias, scale as an (N,) vector, bn.weight, bn.bias)
+    after check_input and per_feature_scale (which raise before anything is
+    touched): what fused_forward and kernel_path both start from.
+    synchronized: the batch statistics are merged across processes
+    (sync_process_group), so one row is a valid share of the batch here (the
+    merged batch is checked after the all-gather)."""
+    check_input(x, gemm.weight, bn.training and not synchronized)
+    return (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+
+
+def _needs_grad(params):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in params)
+
+
+def sync_process_group(bn):
+    """The process group whose batches a training call with `bn` normalises as
+    one batch (model_new_sync.process_group), or None: this process's batch
+    alone, and always without model_new_sync.py (the self-contained files)."""
+    return None if _SYNC is None else _SYNC.process_group(bn)
+
+
+def _distributed_world_size(group=None):
+    """Processes in `group` (None: the default group) when torch.distributed is
+    available and initialized, else 1."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group or dist.group.WORLD)
+
+
+_UNSYNCHRONIZED_WARNED = False
+
+
+def _warn_unsynchronized(bn):
+    """Without model_new_sync.py (the self-contained files): once per process, a
+    training call while torch.distributed runs more than one process warns that
+    this copy keeps per-process batch statistics (SyncBatchNorm conversion
+    cannot see its BatchNormState)."""
+    global _UNSYNCHRONIZED_WARNED
+    if _SYNC is not None or _UNSYNCHRONIZED_WARNED or not bn.training:
+        return
+    world = _distributed_world_size()
+    if world <= 1:
+        return
+    _UNSYNCHRONIZED_WARNED = True
+    warnings.warn(f"ModelNew (self-contained copy): torch.distributed runs {world} processes, but this copy keeps "
+                  f"per-process batch statistics: SyncBatchNorm conversion cannot see its BatchNorm. For "
+                  f"synchronized BatchNorm use the repository's model_new.py (docs/multi-gpu.md).",
+                  UserWarning, stacklevel=3)
+
+
+def fused_forward(x, gemm, scale, bn, scale_after_bn):
+    """The forward of both problems: x (M, K); gemm and bn the parameter
+    containers (LinearParams, BatchNormState); scale the parameter
+    (per_feature_scale's shapes); scale_after_bn selects problem 84 (Linear ->
+    BatchNorm -> scale -> Softmax) over problem 33 (Linear -> scale ->
+    BatchNorm).  bn.training decides batch statistics (and their update of the
+    running statistics and num_batches_tracked) or running statistics, as
+    BatchNorm1d's own flag does inside Model (so `model.bn.eval()` freezes it).
+    Checks the input first (check_input, per_feature_scale: nothing is touched
+    on an error).  Returns out (M, N) in x's dtype.  The path:
+      mixed precision on for x (model_new_autocast.py): its forward;
+      bn a SyncBatchNorm in training over several processes (model_new_sync.py):
+        its forward, which merges the batch statistics across processes;
+      torch.compile or torch.jit.trace recording (or SWITCHES.eager_ops): the
+        fused_gemm_bn:: operators (_ops_forward), whose implementations make
+        the same dispatch() decision when they run (so a traced module
+        generalises over the batch size);
+      else dispatch()'s Plan:
+        16-bit: model_new_lowp.forward;
+        no gradient needed: one call of the plan's forward_train / forward_eval;
+        training with gradients: _TrainFn (forward_train_saved, then the fused backward);
+        eval with gradients: _eval_with_grad over gemm_nt.
+    torch.jit.trace raises RuntimeError where this torch has no custom
+    operators (< 2.4): the extension calls cannot be recorded."""
+    group = sync_process_group(bn)
+    autocast_dtype = None if _AUTOCAST is None else _AUTOCAST.autocast_dtype(x)
+    if autocast_dtype is not None:
+        _AUTOCAST.check(x, gemm, scale, bn, group)
+        return _AUTOCAST.forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype)
+    params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
+    training = bn.training
+    momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
+    eps = float(bn.eps)
+    buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+    grad = _needs_grad(params)
+    if torch.jit.is_tracing() and _OPS is None:
+        raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4): "
+                           "its kernels are extension calls the tracer cannot record; use torch.compile")
+    if group is not None:
+        return _SYNC.forward(group, params, buffers, momentum, eps, scale_after_bn)
+    _warn_unsynchronized(bn)
+    if x.shape[0] == 0:  # as BatchNorm1d: empty output, the call counted, running statistics untouched
+        if training:
+            bn.num_batches_tracked.add_(1)
+        return x.new_empty((0, gemm.out_features))
+    if _use_ops():
+        return _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
+    plan = dispatch(x, gemm.weight, training, grad, scale_after_bn)
+    if plan.kernels == "lowp":
+        return _LOWP.forward(plan, params, buffers, momentum, eps, scale_after_bn, grad)
+    kernels = _kernels(plan.kernels)
+    if training and grad:
+        return _TrainFn.apply(kernels, plan.gemm, scale_after_bn, buffers, momentum, eps, *params)
+    if grad:
+        return _eval_with_grad(functools.partial(_GemmNT.apply, kernels, plan.gemm),
+                               _SoftmaxRows.apply if scale_after_bn else None, *params, *buffers[:2], eps)
+    return _forward_call(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, params)
+
+
+def kernel_path(x, gemm, scale, bn, scale_after_bn):
+    """The Plan name fused_forward(x, ...) would take now (same arguments), from
+    the same checks and dispatch() alone: no kernel runs and nothing is updated.
+    ModelNew.kernel_path calls it.  Under mixed precision or synchronized BatchNorm the
+    name is the extra's path_name, e.g. "lowp_sm90_autocast_eval" or
+    "torch_ops_sync_train_grad"."""
+    group = sync_process_group(bn)
+    if _AUTOCAST is not None and _AUTOCAST.autocast_dtype(x) is not None:
+        _AUTOCAST.check(x, gemm, scale, bn, group)
+        params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
+        return _AUTOCAST.path_name(x, gemm, scale, bn, _needs_grad(params))
+    params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
+    if group is not None:
+        return _SYNC.path_name(x, gemm.weight, _needs_grad(params))
+    return dispatch(x, gemm.weight, bn.training, _needs_grad(params), scale_after_bn).name
+
+
+def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params):
+    """The one extension call of a forward without gradients: forward_train
+    (updates the buffers) or forward_eval."""
+    extra = _weight_args(kernels, gemm, params[1])
+    if training:
+        return kernels.forward_train(gemm, *params, *buffers, momentum, eps, scale_after_bn, *extra)
+    return kernels.forward_eval(gemm, *params, *buffers[:2], eps, scale_after_bn, *extra)
+
+
+def _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn):
+    """fused_forward through the fused_gemm_bn:: operators (what torch.compile,
+    torch.jit.trace and torch.export record).  The training operators are
+    functional: they return updated copies of the running statistics, which
+    are copied back into the module's buffers here.  Eval with gradients:
+    _eval_with_grad over gemm_nt, or for 16-bit CUDA x forward_eval_saved
+    (model_new_lowp's operator: the 16-bit kernels and their backward)."""
+    if training:
+        if grad:
+            out, _, _, *new_buffers = _OPS.forward_train_saved(*params, *buffers, momentum, eps, scale_after_bn)
+        else:
+            out, *new_buffers = _OPS.forward_train(*params, *buffers, momentum, eps, scale_after_bn)
+        with torch.no_grad():
+            for buffer, new in zip(buffers, new_buffers):
+                buffer.copy_(new)
+        return out
+    if grad and params[0].is_cuda and _is_16bit_dtype(params[0].dtype):
+        return _OPS.forward_eval_saved(*params, *buffers[:2], eps, scale_after_bn)[0]
+    if grad:
+        return _eval_with_grad(_OPS.gemm_nt, _OPS.softmax_rows if scale_after_bn else None, *params,
+                               *buffers[:2], eps)
+    return _OPS.forward_eval(*params, *buffers[:2], eps, scale_after_bn)
+
+
+# ---------------------------------------------------------------------------
+# Weight cache
 # ---------------------------------------------------------------------------
 
 
@@ -6616,7 +6625,7 @@ def _weight_parts(weight, split=None, kind="fp16x3", make=True):
     words, about the size of the weight itself); kind "row_sums": the 3xTF32
     kernels' row sums for their centring (weight_row_sums: 2 N float32 words);
     kind "cast_<dtype>": the weight cast to the mixed-precision dtype (N K 16-bit
-    words; _autocast_forward gives `split`).
+    words; model_new_autocast gives `split`).
     None when the call must make them itself (the extension then does, inside
     the call): caching off (SWITCHES.weight_cache), a CUDA
     graph being captured (a graph must not read a cache that later calls
@@ -6684,177 +6693,12 @@ def clear_weight_cache():
 
 def _weight_args(kernels, gemm, weight):
     """The trailing argument of the float32 extension's forwards: gemm.weight's
-    cached fp16x3 parts on the sm90_fp16x3 path, its cached row sums on the
-    3xTF32 paths (None: the extension makes them in the call); nothing for the
-    16-bit and torch-op namespaces."""
+    cached fp16x3 parts on sm90_fp16x3, its cached row sums on sm80_3xtf32
+    (None: the extension makes them in the call); nothing for the 16-bit and
+    torch-op namespaces."""
     if kernels is not _ext:
         return ()
-    return (_weight_parts(weight, kind="fp16x3" if gemm.startswith("sm90_fp16x3") else "row_sums"),)
-
-
-def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params):
-    """The one extension call of a forward without gradients: forward_train
-    (updates the buffers) or forward_eval."""
-    extra = _weight_args(kernels, gemm, params[1])
-    if training:
-        return kernels.forward_train(gemm, *params, *buffers, momentum, eps, scale_after_bn, *extra)
-    return kernels.forward_eval(gemm, *params, *buffers[:2], eps, scale_after_bn, *extra)
-
-
-# ---------------------------------------------------------------------------
-# Mixed precision
-# ---------------------------------------------------------------------------
-
-# The self-contained file (tools/bundle.py): the harness rules forbid mixed precision in its text, so it has
-# no mixed-precision path: every call runs the float32 kernels (README "Mixed precision").
-def _mixed_precision_dtype(x):
-    return None
-
-
-_mixed_precision_path = _mixed_precision_forward = _autocast_gemm = _autocast_forward = None
-
-
-def _checked_params(x, gemm, scale, bn, synchronized=False):
-    """(x, gemm.weight, gemm.bias, scale as an (N,) vector, bn.weight, bn.bias)
-    after check_input and per_feature_scale (which raise before anything is
-    touched): what fused_forward and kernel_path both start from.
-    synchronized: the batch statistics are merged across processes
-    (sync_process_group), so one row is a valid share of the batch here (the
-    merged batch is checked after the all-gather, _sync_check_batch)."""
-    check_input(x, gemm.weight, bn.training and not synchronized)
-    return (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
-
-
-def _needs_grad(params):
-    return torch.is_grad_enabled() and any(t.requires_grad for t in params)
-
-
-def _check_mixed_precision(x, gemm, scale, bn, group):
-    """The checks of a call under mixed precision (_mixed_precision_dtype): the
-    input's (check_input without the dtype rules: the cast makes x and the
-    weight one dtype) and the scale's; synchronized BatchNorm has no mixed-
-    precision path and raises RuntimeError (nothing touched)."""
-    check_input(x, gemm.weight, bn.training, cast=True)
-    per_feature_scale(scale, gemm.out_features)
-    if group is not None:
-        raise RuntimeError("ModelNew has no mixed-precision path with synchronized BatchNorm "
-                           "(nn.SyncBatchNorm.convert_sync_batchnorm across processes); run it in float32")
-
-
-def fused_forward(x, gemm, scale, bn, scale_after_bn):
-    """The forward of both problems: x (M, K); gemm and bn the parameter
-    containers (LinearParams, BatchNormState); scale the parameter
-    (per_feature_scale's shapes); scale_after_bn selects problem 84 (Linear ->
-    BatchNorm -> scale -> Softmax) over problem 33 (Linear -> scale ->
-    BatchNorm).  bn.training decides batch statistics (and their update of the
-    running statistics and num_batches_tracked) or running statistics, as
-    BatchNorm1d's own flag does inside Model (so `model.bn.eval()` freezes it).
-    Checks the input first (check_input, per_feature_scale: nothing is touched
-    on an error).  Returns out (M, N) in x's dtype.  The path is dispatch()'s Plan:
-      no gradient needed: one call of the plan's forward_train / forward_eval;
-      training with gradients: _TrainFn (forward_train_saved, then the fused backward);
-      eval with gradients: _eval_with_grad over gemm_nt;
-      16-bit: the 16-bit call; with gradients _LowpGradFn (forward_train_saved, or in
-        eval with SWITCHES.lowp_eval_grad_fused forward_eval_saved; then the fused
-        backward), else in eval _LowpFn (the eval call, then a torch-op recompute);
-      mixed precision on (CUDA or CPU; _mixed_precision_dtype): Model's own ops
-      (_mixed_precision_forward), so the result is Model's in that mode;
-      bn a SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) in training with
-      torch.distributed initialized over more than one process (sync_process_group):
-      _SyncTrainFn, whose forward merges the batch statistics across processes
-      (section "Synchronized BatchNorm"; also under torch.compile, as eager code).
-    Under torch.compile, torch.jit.trace (or FUSED_GEMM_BN_EAGER_OPS=1) float32
-    and float64 calls, and 16-bit calls other than _LowpFn's, go through the
-    fused_gemm_bn:: operators instead (_ops_forward), whose implementations
-    make the same dispatch() decision when they run (the tracer records the
-    operators, so a traced module generalises over the batch size);
-    mixed-precision calls run Model's ops there.  Where this torch has no
-    custom operators (< 2.4), or for _LowpFn's calls, torch.jit.trace raises
-    RuntimeError (and torch.compile breaks the graph at the extension call)."""
-    training = bn.training
-    group = sync_process_group(bn)
-    autocast_dtype = _mixed_precision_dtype(x)
-    if autocast_dtype is not None:
-        _check_mixed_precision(x, gemm, scale, bn, group)
-        grad = _needs_grad((x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias))
-        if _autocast_gemm(x, gemm, scale, bn, autocast_dtype, grad) is not None:
-            return _autocast_forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype, grad)
-        return _mixed_precision_forward(x, gemm, scale, bn, scale_after_bn)
-    params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
-    momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
-    eps = float(bn.eps)
-    buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
-    grad = _needs_grad(params)
-    # 16-bit calls with gradients in eval run _LowpFn (the extension, then a torch-op recompute),
-    # which the operators do not cover, unless SWITCHES.lowp_eval_grad_fused.
-    lowp_recompute = (_is_16bit_dtype(x.dtype) and grad and not training
-                      and not (SWITCHES.lowp_eval_grad_fused and x.is_cuda))
-    if torch.jit.is_tracing() and (_OPS is None or lowp_recompute):
-        raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4), "
-                           "and for 16-bit input with gradients in eval FUSED_GEMM_BN_LOWP_EVAL_GRAD_FUSED=1 "
-                           "(SWITCHES.lowp_eval_grad_fused): its kernels are extension calls the tracer cannot "
-                           "record; use torch.compile or torch.export")
-    if group is not None:
-        return _eager(_sync_forward)(group, params, buffers, momentum, eps, scale_after_bn)
-    _warn_unsynchronized(bn)
-    if x.shape[0] == 0:  # as BatchNorm1d: empty output, the call counted, running statistics untouched
-        if training:
-            bn.num_batches_tracked.add_(1)
-        return x.new_empty((0, gemm.out_features))
-    if _use_ops() and not lowp_recompute:
-        return _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
-    plan = dispatch(x, gemm.weight, training, grad, scale_after_bn)
-    kernels = _kernels(plan.kernels)
-    if plan.kernels == "lowp" and grad and (training or SWITCHES.lowp_eval_grad_fused):
-        return _LowpGradFn.apply(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, None, *params)
-    if plan.kernels == "lowp" and grad:
-        return _LowpFn.apply(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, *params)
-    if training and grad:
-        return _TrainFn.apply(kernels, plan.gemm, scale_after_bn, buffers, momentum, eps, *params)
-    if grad:
-        return _eval_with_grad(functools.partial(_GemmNT.apply, kernels, plan.gemm),
-                               _SoftmaxRows.apply if scale_after_bn else None, *params, *buffers[:2], eps)
-    return _forward_call(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, params)
-
-
-def kernel_path(x, gemm, scale, bn, scale_after_bn):
-    """The Plan name fused_forward(x, ...) would take now (same arguments), from
-    the same checks and dispatch() alone: no kernel runs and nothing is updated.
-    ModelNew.kernel_path calls it.  Under synchronized BatchNorm
-    (sync_process_group) the name is _sync_path_name's, e.g. "torch_ops_sync_train_grad"."""
-    group = sync_process_group(bn)
-    if _mixed_precision_dtype(x) is not None:
-        _check_mixed_precision(x, gemm, scale, bn, group)
-        params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
-        return _mixed_precision_path(x, gemm, scale, bn, _needs_grad(params))
-    params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
-    if group is not None:
-        return _sync_path_name(x, gemm.weight, _needs_grad(params))
-    return dispatch(x, gemm.weight, bn.training, _needs_grad(params), scale_after_bn).name
-
-
-def _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn):
-    """fused_forward through the fused_gemm_bn:: operators (what torch.compile,
-    torch.jit.trace and torch.export record).  The training operators are
-    functional: they return updated copies of the running statistics, which
-    are copied back into the module's buffers here.  Eval with gradients:
-    _eval_with_grad over gemm_nt, or for 16-bit CUDA x forward_eval_saved
-    (the 16-bit kernels and their backward, as _LowpGradFn)."""
-    if training:
-        if grad:
-            out, _, _, *new_buffers = _OPS.forward_train_saved(*params, *buffers, momentum, eps, scale_after_bn)
-        else:
-            out, *new_buffers = _OPS.forward_train(*params, *buffers, momentum, eps, scale_after_bn)
-        with torch.no_grad():
-            for buffer, new in zip(buffers, new_buffers):
-                buffer.copy_(new)
-        return out
-    if grad and params[0].is_cuda and _is_16bit_dtype(params[0].dtype):
-        return _OPS.forward_eval_saved(*params, *buffers[:2], eps, scale_after_bn)[0]
-    if grad:
-        return _eval_with_grad(_OPS.gemm_nt, _OPS.softmax_rows if scale_after_bn else None, *params,
-                               *buffers[:2], eps)
-    return _OPS.forward_eval(*params, *buffers[:2], eps, scale_after_bn)
+    return (_weight_parts(weight, kind="fp16x3" if gemm == "sm90_fp16x3" else "row_sums"),)
 
 
 # ---------------------------------------------------------------------------
@@ -6866,7 +6710,7 @@ def _fp16x3_parts(gemm, b):
     """The cached fp16x3 parts of b (N, K) (gemm.weight: _weight_parts) for a
     product on `gemm` that reads them, else None (the extension then splits b
     itself where it needs to)."""
-    if gemm.startswith("sm90_fp16x3") and b.shape[0] > 0 and b.shape[1] % 8 == 0:
+    if gemm == "sm90_fp16x3" and b.shape[0] > 0:
         return _weight_parts(b)
     return None
 
@@ -7032,524 +6876,6 @@ def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn
     return z * (scale * g) + (bn_bias + (scale * bias - running_mean) * g)
 
 
-def _lowp_recompute(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, training, eps,
-                    scale_after_bn):
-    """The forward of either problem in differentiable torch ops, for _LowpFn's
-    backward: z = x weight^T in x's dtype (a 16-bit GEMM with float32
-    accumulation, as Model's), everything after it in float32 (batch statistics
-    in training, running statistics in eval), out in float32:
-      problem 33: u = (z + bias) scale,  out = (u - mean) rsqrt(var + eps) bn_weight + bn_bias
-      problem 84: u = z + bias,          out = softmax(((u - mean) rsqrt(var + eps) bn_weight + bn_bias) scale)."""
-    f32 = torch.float32
-    u = _torch_gemm_nt("torch_ops", x, weight).to(f32) + bias.to(f32)
-    s = scale.to(f32)
-    if not scale_after_bn:
-        u = u * s
-    if training:
-        mean = u.mean(dim=0)
-        invstd = torch.rsqrt(((u - mean) ** 2).mean(dim=0) + eps)
-    else:
-        mean = running_mean.to(f32)
-        invstd = torch.rsqrt(running_var.to(f32) + eps)
-    y = (u - mean) * invstd * bn_weight.to(f32) + bn_bias.to(f32)
-    return _SoftmaxRows.apply(y * s) if scale_after_bn else y
-
-
-class _LowpFn(torch.autograd.Function):
-    """16-bit CUDA forward with gradients.  forward: the same 16-bit extension
-    call as without gradients (_forward_call), so the output is the no-grad
-    output (Model's rounding points) and training updates the running statistics
-    once, here.  Saved: x and the parameters (no copies), and in eval clones of
-    running_mean / running_var (N each).
-    backward: the 16-bit backward goes through torch ops, not fused kernels: it
-    recomputes the forward with _lowp_recompute on detached copies of the inputs
-    (training: from the batch statistics, which do not involve the running ones,
-    so nothing is updated twice) and returns torch.autograd.grad of it.  The cost
-    is one more GEMM and float32 (M, N) temporaries while the backward runs;
-    gemm.bias gets rounding noise around its exact training gradient 0, as Model's."""
-
-    @staticmethod
-    def forward(ctx, kernels, gemm, scale_after_bn, training, buffers, momentum, eps, x, weight, bias, scale, bn_weight,
-                bn_bias):
-        params = (x, weight, bias, scale, bn_weight, bn_bias)
-        running = () if training else (buffers[0].clone(), buffers[1].clone())
-        out = _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params)
-        ctx.scale_after_bn, ctx.training, ctx.eps = scale_after_bn, training, eps
-        ctx.save_for_backward(*params, *running)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        needs = ctx.needs_input_grad[7:]
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved[:6], needs)]
-        running = saved[6:] if not ctx.training else (None, None)
-        with torch.enable_grad():
-            out = _lowp_recompute(*inputs, *running, ctx.training, ctx.eps, ctx.scale_after_bn)
-        wanted = [t for t, need in zip(inputs, needs) if need]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True))
-        result = []
-        for t, need in zip(inputs, needs):
-            g = next(grads) if need else None
-            result.append(torch.zeros_like(t) if need and g is None else g)
-        return (None,) * 7 + tuple(result)
-
-
-# The self-contained file (tools/bundle.py) has no 16-bit kernels (check_input rejects 16-bit CUDA input),
-# so no 16-bit step with gradients either.
-_LowpGradFn = _lowp_backward = None
-
-
-# ---------------------------------------------------------------------------
-# Synchronized BatchNorm: the training forward and backward when bn is a
-# SyncBatchNorm (nn.SyncBatchNorm.convert_sync_batchnorm) and several processes
-# share one batch (README "Multi-GPU")
-# ---------------------------------------------------------------------------
-#
-# One function per step, the same code for CPU (gloo) and CUDA (NCCL):
-#   _sync_local_forward   v = x W^T + b (M, N) and this process's (count, mean, M2)
-#                         of v (the BatchNorm input u is v * scale (33) or v (84):
-#                         _sync_input_stats turns merged v statistics into u's)
-#   _sync_all_gather      one all_gather of the (3, N) float64 statistics
-#   _sync_merge_stats     the union's (count, mean, M2), Chan et al.'s formula; count
-#                         stays a device tensor (no host synchronisation)
-#   _sync_check_batch     a merged batch of one row raises, as BatchNorm does (reads
-#                         the merged count on the host only when this process has < 2 rows)
-#   _sync_update_running  running statistics from the merged ones (unbiased variance)
-#   _sync_normalize       (u - mean) invstd bn.weight + bn.bias; 84: softmax of it * scale
-#   backward: _sync_backward_sums (local sum_m g, sum_m g (v - mean_v), g the
-#   gradient of the BatchNorm output (33) or of the softmax input (84)), one
-#   all_reduce of both, _sync_bn_sums (as SyncBatchNorm's sum_dy, sum_dy_xmu),
-#   _sync_grad_u with the merged count, then the GEMMs (_sync_gemm).
-# Elementwise work runs in x's dtype (float32 for 16-bit x, whose GEMM alone is
-# 16-bit); per-feature statistics and sums in float64.
-#
-# float32 CUDA batches of at least two rows take the fused kernels instead
-# (_sync_fused_gemm decides; _SyncFusedTrainFn): the training GEMM with its tile
-# statistics (sync_forward_local), the same all_gather, then one call that
-# merges in float64, updates the running statistics and normalises
-# (sync_bn_apply: bn_sync.cu, then bn_apply's streaming kernel or softmax_rows),
-# and in the backward bn_backward_sums -> the same all_reduce ->
-# bn_backward_grad, then the backward's GEMMs as in the unsynchronized path.
-# The host never waits for the GPU on this path (the merged count stays on the
-# device; with >= 2 local rows the merged batch has >= 2).  Both paths exchange
-# the same statistics in the same collectives, so processes may take different
-# ones (a process with fewer than two rows takes the torch ops).
-
-
-def _distributed_world_size(group=None):
-    """Processes in `group` (None: the default group) when torch.distributed is
-    available and initialized, else 1 (-1 where this process is not in `group`)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group or dist.group.WORLD)
-
-
-def sync_process_group(bn):
-    """The process group whose batches a training call with `bn` normalises as
-    one batch, or None (this process's batch alone).  Decided as
-    nn.SyncBatchNorm.forward decides its need_sync: bn is a SyncBatchNorm (what
-    convert_sync_batchnorm makes of BatchNormState), bn.training,
-    torch.distributed available and initialized, and the group (bn.process_group,
-    else the default group) has more than one process.  Unlike SyncBatchNorm,
-    CPU tensors are accepted (gloo).  Reads no tensor and runs no collective."""
-    if not (isinstance(bn, nn.SyncBatchNorm) and bn.training):
-        return None
-    if _distributed_world_size(bn.process_group) <= 1:
-        return None
-    return bn.process_group or torch.distributed.group.WORLD
-
-
-_UNSYNCHRONIZED_WARNED = False
-
-
-def _warn_unsynchronized(bn):
-    """The self-contained files only (_SYNC_CONVERTIBLE False): once per
-    process, a training call while torch.distributed runs more than one
-    process warns that this copy keeps per-process batch statistics, since
-    convert_sync_batchnorm cannot see its BatchNormState."""
-    global _UNSYNCHRONIZED_WARNED
-    if _SYNC_CONVERTIBLE or _UNSYNCHRONIZED_WARNED or not bn.training or isinstance(bn, nn.SyncBatchNorm):
-        return
-    world = _distributed_world_size()
-    if world <= 1:
-        return
-    _UNSYNCHRONIZED_WARNED = True
-    warnings.warn(f"ModelNew (self-contained copy): torch.distributed runs {world} processes, but this copy keeps "
-                  f"per-process batch statistics: nn.SyncBatchNorm.convert_sync_batchnorm cannot convert its "
-                  f"BatchNorm, which the harness rules this file follows keep from deriving from torch's BatchNorm "
-                  f"classes. For synchronized BatchNorm use the repository's model_new.py (README, Multi-GPU).",
-                  UserWarning, stacklevel=3)
-
-
-def _sync_work_dtype(dtype):
-    """The dtype of the elementwise work: float32 for 16-bit x (as Model's
-    BatchNorm statistics), else x's own."""
-    return torch.float32 if _is_16bit_dtype(dtype) else dtype
-
-
-def _sync_gemm_kernel(a, b):
-    """The GEMM kernel of a @ b^T on this path: dispatch_gemm_nt's for float32
-    CUDA tensors, "torch_ops" otherwise (CPU, float64, and 16-bit CUDA, whose
-    product torch computes in the 16-bit type, as Model's Linear)."""
-    if a.is_cuda and a.dtype == torch.float32:
-        return dispatch_gemm_nt(a, b)
-    return "torch_ops"
-
-
-def _sync_gemm(a, b):
-    """a (M, K) @ b (N, K)^T -> (M, N) in a's dtype, any strides, on
-    _sync_gemm_kernel's kernel; zeros when M, N or K is 0 (no kernel runs)."""
-    if a.numel() == 0 or b.numel() == 0:
-        return a.new_zeros((a.shape[0], b.shape[0]))
-    gemm = _sync_gemm_kernel(a, b)
-    if gemm == "torch_ops":
-        return _torch_gemm_nt(gemm, a, b)
-    return _kernels("ext").gemm_nt(gemm, a, b, None)
-
-
-def _sync_path_name(x, weight, grad):
-    """kernel_path's name under synchronized BatchNorm: <gemm>_sync_fused_train[_grad]
-    on the fused kernels (_sync_fused_gemm), else <gemm>_sync_train[_grad] with
-    <gemm> the torch-op path's product kernel (_sync_gemm_kernel; "empty" for a batch of 0)."""
-    fused = _sync_fused_gemm(x, weight)
-    if fused is not None:
-        return f"{fused}_sync_fused_train" + ("_grad" if grad else "")
-    gemm = "empty" if x.shape[0] == 0 else _sync_gemm_kernel(x, weight)
-    return f"{gemm}_sync_train" + ("_grad" if grad else "")
-
-
-def _sync_local_stats(u):
-    """This process's per-feature statistics of u (M, N) (the product plus bias v),
-    as one (3, N) float64 tensor: row 0 the count M (in every column), row 1 the
-    mean, row 2 M2 = sum_m (u - mean)^2.  M == 0 gives zeros (the process still
-    takes part in the all-gather, as SyncBatchNorm's does)."""
-    u64 = u.double()
-    m = u.shape[0]
-    mean = u64.sum(dim=0) / max(m, 1)
-    m2 = ((u64 - mean) ** 2).sum(dim=0)
-    return torch.stack((torch.full_like(mean, float(m)), mean, m2))
-
-
-def _sync_local_forward(x, weight, bias, scale, scale_after_bn, work_dtype):
-    """The steps before the collective: (v, local) with v = x weight^T + bias
-    (M, N) in work_dtype (x weight^T rounded to x's dtype first: the 16-bit GEMM)
-    and local = _sync_local_stats(v).  Both synchronized paths exchange v's
-    statistics (the fused one from its GEMM's tile statistics of x weight^T,
-    shifted by the bias), so processes may take different paths."""
-    v = _sync_gemm(x, weight).to(work_dtype) + bias.to(work_dtype)
-    return v, _sync_local_stats(v)
-
-
-def _sync_all_gather(local, group):
-    """Every process's (3, N) statistics in `group`, as (world, 3, N) in rank
-    order: one all_gather (float64, which gloo and NCCL both carry; on NCCL
-    all_gather_into_tensor, straight into the one output).  Every process of the
-    group calls it once per training call, also with an empty batch."""
-    dist = torch.distributed
-    world = dist.get_world_size(group)
-    gathered = local.new_empty((world,) + tuple(local.shape))
-    if dist.get_backend(group) == "nccl":
-        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
-    else:
-        dist.all_gather(list(gathered.unbind(0)), local.contiguous(), group=group)
-    return gathered
-
-
-def _sync_merge_stats(gathered):
-    """(count, mean, m2) of the union of the batches from their (world, 3, N)
-    statistics: count a 0-dim float64 tensor on their device (reading it would
-    synchronise with the GPU), mean and m2 (N,) float64, by Chan, Golub
-    and LeVeque's combination over all processes at once:
-      count = sum_r c_r,  mean = sum_r c_r mean_r / count,
-      m2 = sum_r (m2_r + c_r (mean_r - mean)^2).
-    Processes with c_r = 0 add nothing (uneven and empty batches, as
-    SyncBatchNorm drops them); count 0 gives mean 0, m2 0.  Every process
-    computes it from the same values in the same order: the same result everywhere."""
-    counts, means, m2s = gathered[:, 0], gathered[:, 1], gathered[:, 2]
-    count = counts[:, 0].sum()
-    mean = (counts * means).sum(dim=0) / count.clamp(min=1.0)
-    m2 = (m2s + counts * (means - mean) ** 2).sum(dim=0)
-    return count, mean, m2
-
-
-def _sync_merged_rows(count, local_rows):
-    """The merged batch's row count as a Python int where it matters, None
-    otherwise: with local_rows >= 2 here the merged batch has >= 2 rows and the
-    count is not read (reading the device tensor would make the host wait for
-    the GPU in every training call); with fewer it is read."""
-    return None if local_rows >= 2 else int(count)
-
-
-def _sync_check_batch(count, n, local_rows):
-    """BatchNorm's refusal of a batch of one row, for the merged batch (every
-    process raises the same ValueError, after the all-gather and before any
-    buffer changes); count the merged count tensor, local_rows this process's."""
-    if _sync_merged_rows(count, local_rows) == 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size "
-                         f"{torch.Size([1, n])}")
-
-
-def _sync_input_stats(mean_v, m2_v, scale, scale_after_bn):
-    """The BatchNorm input's merged (mean, M2) from v's (float64): u = v * scale
-    (problem 33: scale mean_v, scale^2 M2_v) or u = v (84)."""
-    if scale_after_bn:
-        return mean_v, m2_v
-    s = scale.double()
-    return s * mean_v, s * s * m2_v
-
-
-def _sync_update_running(buffers, count, mean, m2, momentum, local_rows):
-    """BatchNorm's update from the merged batch (count the merged count tensor,
-    mean and m2 the BatchNorm input's): num_batches_tracked += 1, then
-    with factor = momentum (or 1 / num_batches_tracked for momentum < 0, i.e.
-    None), in float64:
-      running_mean = (1 - factor) running_mean + factor mean
-      running_var  = (1 - factor) running_var  + factor m2 / (count - 1)   (unbiased).
-    count 0 (every batch empty) only counts the call, as BatchNorm1d on an empty batch.
-    No host synchronisation when this process has >= 2 rows (_sync_merged_rows)."""
-    running_mean, running_var, num_batches_tracked = buffers
-    num_batches_tracked.add_(1)
-    rows = _sync_merged_rows(count, local_rows)
-    if rows is not None and rows < 2:
-        return
-    factor = momentum if momentum >= 0 else 1.0 / num_batches_tracked.double()
-    running_mean.copy_((1.0 - factor) * running_mean.double() + factor * mean)
-    running_var.copy_((1.0 - factor) * running_var.double() + factor * (m2 / (count - 1.0)))
-
-
-def _sync_normalize(u, mean, invstd, bn_weight, bn_bias):
-    """y = (u - mean) invstd bn_weight + bn_bias (M, N) in u's dtype, the
-    per-feature factor invstd bn_weight formed in float64; mean, invstd (N,) float64."""
-    dt = u.dtype
-    return (u - mean.to(dt)) * (invstd * bn_weight.double()).to(dt) + bn_bias.to(dt)
-
-
-def _sync_backward_sums(g, vmu):
-    """This process's (2, N) float64 sums over its rows, [sum_m g | sum_m g (v - mean_v)]:
-    g (M, N) the gradient with respect to the BatchNorm output (33) or to the
-    softmax's input, scale times it (84), vmu = v - mean_v (M, N).  What every
-    path all-reduces (bn_backward_sums computes the same from z - mean_z =
-    v - mean_v), so processes may take different paths."""
-    return torch.stack((g.sum(dim=0, dtype=torch.float64), (g * vmu).sum(dim=0, dtype=torch.float64)))
-
-
-def _sync_bn_sums(sums, scale, scale_after_bn):
-    """_sync_backward_sums' (S1, S2) as SyncBatchNorm's (sum_dy, sum_dy_xmu) with
-    dy the gradient of the BatchNorm output and xmu = u - mean_u: (S1, s S2) for
-    problem 33 (u = s v), (s S1, s S2) for 84 (dy = s g); float64, no division."""
-    s = scale.double()
-    return torch.stack((s * sums[0] if scale_after_bn else sums[0], s * sums[1]))
-
-
-def _sync_all_reduce(sums, group):
-    """The (2, N) sums added over `group`: one all_reduce (SUM), in place, as
-    SyncBatchNorm's backward does; every process calls it, also with an empty batch."""
-    torch.distributed.all_reduce(sums, torch.distributed.ReduceOp.SUM, group=group)
-    return sums
-
-
-def _sync_grad_u(grad_y, xmu, total, count, invstd, bn_weight):
-    """BatchNorm's input gradient with the merged batch: with the global sums
-    total = (sum_dy, sum_dy_xmu) (2, N) and the merged count C,
-      grad_u = bn_weight invstd (grad_y - sum_dy / C) - xmu bn_weight invstd^3 sum_dy_xmu / C
-    in grad_y's dtype (per-feature factors in float64)."""
-    dt = grad_y.dtype
-    c = count.clamp(min=1.0)
-    a = bn_weight.double() * invstd
-    return grad_y * a.to(dt) - (a * total[0] / c).to(dt) - xmu * (a * invstd * invstd * total[1] / c).to(dt)
-
-
-def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_weight, bn_bias, v, mean_v, invstd,
-                   out, needs):
-    """Gradients of _SyncTrainFn with respect to (x, gemm.weight, gemm.bias,
-    scale, bn.weight, bn.bias), `needs` saying which are wanted, in the work
-    dtype of v (cast by the caller).  With u = v * scale (33) or v (84),
-    xmu = u - mean_u, y = _sync_normalize(u, ...):
-      problem 84: grad_soft = out * (grad_out - sum_n grad_out out) (softmax backward),
-        grad_scale = sum_m grad_soft y, grad_y = grad_soft * scale; problem 33: grad_y = grad_out
-      sums = _sync_bn_sums(_sync_backward_sums(grad_soft or grad_out, v - mean_v)):
-      grad_bn.weight = invstd sum_m grad_y xmu, grad_bn.bias = sum_m grad_y   (this process's rows
-        only, as SyncBatchNorm returns them: DDP averages gradients over processes)
-      grad_u = _sync_grad_u with the all-reduced sums and the merged count (the
-        gradient of every process's loss with respect to this process's u)
-      problem 33: grad_scale = sum_m grad_u v, grad_v = grad_u scale; problem 84: grad_v = grad_u
-      grad_x = grad_v weight, grad_W = grad_v^T x (in x's dtype, _sync_gemm)
-      grad_gemm.bias = 0: its gradient through the merged batch mean sums to exactly
-        0 over the processes (each process's share would be sum_m grad_v), so every
-        process returns 0 and any sum or average of them is that sum.
-    The all_reduce runs when a gradient through u is wanted (x, gemm.weight, or
-    33's scale): the same decision on every process, as SyncBatchNorm's."""
-    need_x, need_w, need_b, need_s, need_g, need_beta = needs
-    dt = v.dtype
-    grad_out = grad_out.to(dt)
-    u = v if scale_after_bn else v * scale
-    mean_u = mean_v if scale_after_bn else scale.double() * mean_v
-    vmu = v - mean_v.to(dt)
-    xmu = vmu if scale_after_bn else u - mean_u.to(dt)
-    grad_scale = None
-    if scale_after_bn:
-        grad_soft = _softmax_rows_backward(out, grad_out)
-        if need_s:
-            y = _sync_normalize(u, mean_u, invstd, bn_weight, bn_bias)
-            grad_scale = (grad_soft * y).sum(dim=0, dtype=torch.float64).to(dt)
-        g, grad_y = grad_soft, grad_soft * scale
-    else:
-        g = grad_y = grad_out
-    local = _sync_backward_sums(g, vmu)
-    sums = _sync_bn_sums(local, scale, scale_after_bn)
-    grad_g = (invstd * sums[1]).to(dt) if need_g else None
-    grad_beta = sums[0].to(dt) if need_beta else None
-    grad_x = grad_w = None
-    if need_x or need_w or (need_s and not scale_after_bn):
-        total = _sync_bn_sums(_sync_all_reduce(local.clone(), group), scale, scale_after_bn)
-        grad_u = _sync_grad_u(grad_y, xmu, total, count, invstd, bn_weight)
-        if not scale_after_bn:
-            grad_scale = (grad_u * v).sum(dim=0, dtype=torch.float64).to(dt) if need_s else None
-            grad_u = grad_u * scale
-        grad_v = grad_u.to(x.dtype)
-        grad_x = _sync_gemm(grad_v, weight.t()) if need_x else None
-        grad_w = _sync_gemm(grad_v.t(), x.t()) if need_w else None
-    grad_b = torch.zeros_like(bn_bias) if need_b else None
-    return (grad_x, grad_w, grad_b, grad_scale, grad_g, grad_beta)
-
-
-class _SyncTrainFn(torch.autograd.Function):
-    """The training forward under synchronized BatchNorm (sync_process_group),
-    both problems, any device and float dtype:
-      v, local = _sync_local_forward(...); count, mean_v, m2_v = _sync_merge_stats(_sync_all_gather(local, group))
-      _sync_check_batch; mean, m2 = _sync_input_stats(...) (u's); _sync_update_running (the module's
-      buffers, in place, once)
-      invstd = 1 / sqrt(m2 / count + eps)   (biased variance of the merged batch, float64)
-      out = _sync_normalize(u, ...) (33), softmax_rows(_sync_normalize(u, ...) * scale) (84), in x's dtype.
-    One all_gather in the forward, one all_reduce in the backward (_sync_backward).
-    Saved: x, gemm.weight, scale, bn.weight, bn.bias (the caller's tensors, or
-    float32 copies for 16-bit x), v (M, N) in the work dtype, mean_v and invstd (N)
-    float64, and for problem 84 out (M, N)."""
-
-    @staticmethod
-    def forward(ctx, scale_after_bn, group, buffers, momentum, eps, x, weight, bias, scale, bn_weight, bn_bias):
-        dt = _sync_work_dtype(x.dtype)
-        scale_w, bn_weight_w, bn_bias_w = scale.to(dt), bn_weight.to(dt), bn_bias.to(dt)
-        v, local = _sync_local_forward(x, weight, bias, scale_w, scale_after_bn, dt)
-        count, mean_v, m2_v = _sync_merge_stats(_sync_all_gather(local, group))
-        _sync_check_batch(count, weight.shape[0], x.shape[0])
-        mean, m2 = _sync_input_stats(mean_v, m2_v, scale_w, scale_after_bn)
-        _sync_update_running(buffers, count, mean, m2, momentum, x.shape[0])
-        invstd = torch.rsqrt(m2 / count.clamp(min=1.0) + eps)
-        y = _sync_normalize(v if scale_after_bn else v * scale_w, mean, invstd, bn_weight_w, bn_bias_w)
-        out = _softmax_rows(y * scale_w) if scale_after_bn else y
-        ctx.scale_after_bn, ctx.group, ctx.count = scale_after_bn, group, count
-        ctx.dtypes = [t.dtype for t in (x, weight, bias, scale, bn_weight, bn_bias)]
-        ctx.save_for_backward(x, weight, scale_w, bn_weight_w, bn_bias_w, v, mean_v, invstd,
-                              out if scale_after_bn else None)
-        return out.to(x.dtype)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        grads = _sync_backward(ctx.scale_after_bn, ctx.group, ctx.count, grad_out, *ctx.saved_tensors,
-                               ctx.needs_input_grad[5:])
-        return (None,) * 5 + tuple(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes))
-
-
-def _sync_fused_gemm(x, weight):
-    """The GEMM kernel of the fused synchronized path for this process's batch,
-    or None (the torch-op path, _SyncTrainFn): x float32 on CUDA with at least
-    two rows (so the merged batch has two: no check that would read the merged
-    count), the extension built, SWITCHES.sync_fused, and dispatch() choosing
-    one of the extension's tile-statistics GEMMs (the training-with-gradients
-    plan: never the cluster kernel)."""
-    if not (SWITCHES.sync_fused and x.is_cuda and x.dtype == torch.float32 and x.shape[0] >= 2 and _ext is not None):
-        return None
-    plan = dispatch(x, weight, True, True, False)
-    return plan.gemm if plan.kernels == "ext" else None
-
-
-def _sync_fused_bn_backward(group, count, bias, need_reduce, grad_y, z, stats, scale, bn_weight, eps,
-                            scale_after_bn):
-    """bn_backward_train's contract for the merged batch (bn_backward.cu):
-    this process's sums, the all_reduce when `need_reduce` (the torch-op path's
-    condition: the same collectives on every process), then grad_z from the
-    global sums and the merged count (a float64 device tensor: no host synchronisation)."""
-    local = _ext.bn_backward_sums(grad_y, z, stats)
-    total = _sync_all_reduce(local.clone(), group) if need_reduce else local
-    return _ext.bn_backward_grad(grad_y, z, stats, bias, scale, bn_weight, eps, scale_after_bn, count, local, total)
-
-
-class _SyncFusedTrainFn(torch.autograd.Function):
-    """_SyncTrainFn's computation on the fused float32 CUDA kernels, the same
-    collectives in the same order:
-      z, local = sync_forward_local(x, W, bias)   (x split: num_batches_tracked += 1; GEMM;
-                                                   local = this process's statistics of v = z + bias)
-      out, stats, count = sync_bn_apply(z, _sync_all_gather(local, group), ...)
-          (the merge, running statistics and coefficients in one kernel, bn_sync.cu;
-           then 33: the BatchNorm apply; 84: the row softmax of it)
-    The host never waits for the GPU (count stays on the device).
-    Saved: x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias (84), z (M, N),
-    stats (2, N) of the merged batch, out (84).  Backward: _train_backward with
-    bn_backward_train replaced by _sync_fused_bn_backward, whose all_reduce runs
-    when a gradient through u is wanted (x, gemm.weight, or 33's scale), as in
-    _sync_backward; grad_gemm.bias = 0 (as there)."""
-
-    @staticmethod
-    def forward(ctx, gemm, scale_after_bn, group, buffers, momentum, eps, x, weight, bias, scale, bn_weight,
-                bn_bias):
-        z, local = _ext.sync_forward_local(gemm, x, weight, bias, buffers[2], *_weight_args(_ext, gemm, weight))
-        out, stats, count = _ext.sync_bn_apply(z, _sync_all_gather(local, group), bias, scale, bn_weight, bn_bias,
-                                               *buffers, momentum, eps, scale_after_bn)
-        ctx.scale_after_bn, ctx.group, ctx.count, ctx.eps = scale_after_bn, group, count, eps
-        ctx.save_for_backward(x, weight, bias, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,
-                              out if scale_after_bn else None)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        x, weight, bias, scale, bn_weight, bn_bias, z, stats, out = ctx.saved_tensors
-        needs = ctx.needs_input_grad[6:]
-        need_reduce = needs[0] or needs[1] or (needs[3] and not ctx.scale_after_bn)
-        ops = types.SimpleNamespace(gemm_nn=_gemm_nn, gemm_tn=_gemm_tn, bn_backward_train=functools.partial(
-            _sync_fused_bn_backward, ctx.group, ctx.count, bias, need_reduce))
-        grads = _train_backward(ops, ctx.scale_after_bn, ctx.eps, grad_out, x, weight, scale, bn_weight, bn_bias,
-                                z, stats, out, needs)
-        return (None,) * 6 + tuple(grads)
-
-
-_EAGER_FUNCTIONS = {}
-
-
-def _eager(fn):
-    """fn wrapped so that torch.compile runs it eagerly (a graph break), made on
-    first use: torch.compiler.disable (torch._dynamo.disable before torch 2.1)
-    imports torch._dynamo, about 1 s that an import of this file should not pay."""
-    wrapped = _EAGER_FUNCTIONS.get(fn)
-    if wrapped is None:
-        compiler = getattr(torch, "compiler", None)
-        if compiler is not None and hasattr(compiler, "disable"):
-            wrapped = compiler.disable(fn)
-        else:
-            import torch._dynamo
-
-            wrapped = torch._dynamo.disable(fn)
-        _EAGER_FUNCTIONS[fn] = wrapped
-    return wrapped
-
-
-def _sync_forward(group, params, buffers, momentum, eps, scale_after_bn):
-    """fused_forward's synchronized training path: _SyncTrainFn over params
-    (x, gemm.weight, gemm.bias, scale (N,), bn.weight, bn.bias), collectives on
-    `group`.  Eager also under torch.compile (a graph break; fullgraph=True
-    refuses it): no custom operator carries the collectives.  float32 CUDA
-    batches take _SyncFusedTrainFn (_sync_fused_gemm), others _SyncTrainFn."""
-    gemm = _sync_fused_gemm(params[0], params[1])
-    if gemm is not None:
-        return _SyncFusedTrainFn.apply(gemm, scale_after_bn, group, buffers, momentum, eps, *params)
-    return _SyncTrainFn.apply(scale_after_bn, group, buffers, momentum, eps, *params)
-
-
 # ---------------------------------------------------------------------------
 # Custom operators (torch >= 2.4): what torch.compile traces
 # ---------------------------------------------------------------------------
@@ -7578,11 +6904,6 @@ _OP_SCHEMAS = {
                            "float eps, bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     "forward_eval": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
                     "Tensor running_mean, Tensor running_var, float eps, bool scale_after_bn) -> Tensor",
-    "forward_eval_saved": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
-                          "Tensor running_mean, Tensor running_var, float eps, bool scale_after_bn) "
-                          "-> (Tensor, Tensor, Tensor)",
-    "bn_backward_eval": "(Tensor grad_y, Tensor z, Tensor coeff, Tensor scale, bool scale_after_bn) "
-                        "-> (Tensor, Tensor, Tensor, Tensor)",
 }
 
 
@@ -7608,11 +6929,10 @@ def _op_softmax_rows(v):
 
 def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
     """The extension's bn_backward_train (contract: _torch_bn_backward_train), as a
-    tuple.  A 16-bit z comes from the 16-bit forward_train_saved: stats is then its
-    coeff (4, N) and the 16-bit extension's bn_backward_train runs (bn_weight and
-    eps are in coeff)."""
+    tuple; for a 16-bit z model_new_lowp's (stats is then the 16-bit
+    forward_train_saved's coeff (4, N), which holds bn_weight and eps)."""
     if _is_16bit_dtype(z.dtype):
-        return tuple(_lowp_kernels().bn_backward_train(grad_y, z, stats, scale, scale_after_bn))
+        return _LOWP.op_bn_backward_train(grad_y, z, stats, scale, scale_after_bn)
     return tuple(_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn))
 
 
@@ -7660,36 +6980,10 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
                                 scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
 
 
-def _require_lowp_cuda(name, t):
-    """The 16-bit-only operators (forward_eval_saved, bn_backward_eval) refuse
-    other tensors before any kernel or build runs."""
-    if not (t.is_cuda and _is_16bit_dtype(t.dtype)):
-        raise RuntimeError(f"fused_gemm_bn::{name} takes 16-bit CUDA tensors (the 16-bit extension), got {t.dtype} "
-                           f"on {t.device}; float32 and float64 eval with gradients is gemm_nt with the fold in "
-                           f"elementwise ops")
 
 
-def _op_forward_eval_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
-                           scale_after_bn):
-    """(out, z, coeff): the 16-bit extension's forward_eval_saved on lowp_cublas
-    (its one route: the fused GEMMs' eval epilogues keep no z; dispatch's choice
-    for eval with gradients under SWITCHES.lowp_eval_grad_fused): forward_eval's
-    out, the Linear output z (M, N) in x's dtype, and coeff (4, N) float32, the
-    running statistics' {mean, invstd, bn.weight, bn.bias} as the forward used
-    them.  16-bit CUDA x only; an empty batch gives empty out and z."""
-    _require_lowp_cuda("forward_eval_saved", x)
-    n = weight.shape[0]
-    if x.shape[0] == 0:
-        return x.new_empty((0, n), dtype=bias.dtype), x.new_empty((0, n)), x.new_zeros((4, n), dtype=torch.float32)
-    return tuple(_lowp_kernels().forward_eval_saved("lowp_cublas", x, weight, bias, scale, bn_weight, bn_bias,
-                                                    running_mean, running_var, eps, scale_after_bn))
 
 
-def _op_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
-    """The 16-bit extension's bn_backward_eval (grad_z (M, N) in z's dtype;
-    grad_scale, grad_bn_weight, grad_bn_bias (N) float32), as a tuple."""
-    _require_lowp_cuda("bn_backward_eval", z)
-    return tuple(_lowp_kernels().bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn))
 
 
 def _fake_gemm_nt(a, b):
@@ -7710,8 +7004,8 @@ def _fake_softmax_rows(v):
 
 def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
     n = z.shape[1]
-    if _is_16bit_dtype(z.dtype):  # grad z in z's dtype, the parameter gradients float32
-        return (z.new_empty(z.shape),) + tuple(z.new_empty(n, dtype=torch.float32) for _ in range(3))
+    if _is_16bit_dtype(z.dtype):
+        return _LOWP.fake_bn_backward(z)
     return grad_y.new_empty(z.shape), grad_y.new_empty(n), grad_y.new_empty(n), grad_y.new_empty(n)
 
 
@@ -7719,14 +7013,8 @@ def _fake_forward_eval(x, weight, *args):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _fake_forward_eval_saved(x, weight, bias, *args):
-    m, n = x.shape[0], weight.shape[0]
-    return x.new_empty((m, n), dtype=bias.dtype), x.new_empty((m, n)), x.new_empty((4, n), dtype=torch.float32)
 
 
-def _fake_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
-    n = z.shape[1]
-    return (z.new_empty(z.shape),) + tuple(z.new_empty(n, dtype=torch.float32) for _ in range(3))
 
 
 def _fake_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
@@ -7738,7 +7026,7 @@ def _fake_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean
 def _fake_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                               num_batches_tracked, momentum, eps, scale_after_bn):
     m, n = x.shape[0], weight.shape[0]
-    # 16-bit x: the 16-bit extension's (out, z, coeff (4, N) float32)
+    # 16-bit x: the 16-bit extension's (out, z, coeff (4, N) float32, model_new_lowp)
     stats = x.new_empty((4, n), dtype=torch.float32) if _is_16bit_dtype(x.dtype) else x.new_empty((2, n))
     return (x.new_empty((m, n)), x.new_empty((m, n)), stats, torch.empty_like(running_mean),
             torch.empty_like(running_var), torch.empty_like(num_batches_tracked))
@@ -7762,8 +7050,8 @@ def _backward_softmax_rows(ctx, grad):
 
 
 def _setup_forward_train_saved(ctx, inputs, output):
-    """Saves what _TrainFn saves (16-bit x: what _LowpGradFn saves); z, stats and
-    the buffer copies are not differentiable."""
+    """Saves what _TrainFn saves (16-bit x: what model_new_lowp's GradFn saves);
+    z, stats and the buffer copies are not differentiable."""
     x, weight, _, scale, bn_weight, bn_bias = inputs[:6]
     eps, scale_after_bn = inputs[10], inputs[11]
     out, z, stats = output[:3]
@@ -7771,9 +7059,7 @@ def _setup_forward_train_saved(ctx, inputs, output):
     ctx.scale_after_bn, ctx.eps = scale_after_bn, eps
     ctx.lowp = _is_16bit_dtype(z.dtype)
     if ctx.lowp:
-        ctx.dtypes = tuple(t.dtype for t in inputs[:6])
-        ctx.save_for_backward(x, weight, scale, bn_weight, z, stats, out if scale_after_bn else None)
-        return
+        return _LOWP.setup_forward_train_saved(ctx, inputs, output)
     ctx.save_for_backward(x, weight, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,
                           out if scale_after_bn else None)
 
@@ -7796,50 +7082,25 @@ def _refused_backward(ctx, *grads):
 
 def _backward_forward_train_saved(ctx, grad_out, *unused):
     if ctx.lowp:
-        x, weight, scale, bn_weight, z, coeff, out = ctx.saved_tensors
-
-        def bn_backward(g, z, coeff, scale, scale_after_bn):
-            return _OPS.bn_backward_train(g, z, coeff, scale, bn_weight, ctx.eps, scale_after_bn)
-
-        grads = _lowp_backward(bn_backward, True, ctx.scale_after_bn, grad_out, x, weight, scale, z, coeff, out,
-                               ctx.needs_input_grad[:6], ctx.dtypes)
-        return tuple(grads) + (None,) * 6
+        return tuple(_LOWP.backward_forward_train_saved(ctx, grad_out)) + (None,) * 6
     grads = _train_backward(_OPS, ctx.scale_after_bn, ctx.eps, grad_out, *ctx.saved_tensors,
                             ctx.needs_input_grad[:6])
     return tuple(grads) + (None,) * 6
 
 
-def _setup_forward_eval_saved(ctx, inputs, output):
-    """Saves what _LowpGradFn saves in eval; z and coeff are not differentiable."""
-    x, weight, _, scale = inputs[:4]
-    out, z, coeff = output
-    ctx.mark_non_differentiable(z, coeff)
-    ctx.scale_after_bn = inputs[9]
-    ctx.dtypes = tuple(t.dtype for t in inputs[:6])
-    ctx.save_for_backward(x, weight, scale, z, coeff, out if ctx.scale_after_bn else None)
-
-
-def _backward_forward_eval_saved(ctx, grad_out, *unused):
-    grads = _lowp_backward(_OPS.bn_backward_eval, False, ctx.scale_after_bn, grad_out, *ctx.saved_tensors,
-                           ctx.needs_input_grad[:6], ctx.dtypes)
-    return tuple(grads) + (None,) * 4
-
-
 def _define_ops():
     """Registers fused_gemm_bn::{gemm_nt, gemm_nn, gemm_tn, softmax_rows,
-    bn_backward_train, forward_train, forward_train_saved, forward_eval,
-    forward_eval_saved, bn_backward_eval} (_OP_SCHEMAS) once per process, with
-    one implementation for every device (dispatch() picks the extension or the
-    _torch_* functions; softmax_rows is torch ops on both; forward_eval_saved
-    and bn_backward_eval take 16-bit CUDA tensors only), fake implementations,
-    autograd for gemm_nt, softmax_rows, forward_train_saved and
-    forward_eval_saved, and a call-time refusal of inputs that require grad
-    for the others.  A second execution of this file (a harness executing
-    the text again, or the other problem's self-contained file) finds them
-    registered and reuses them.  Returns the namespace torch.ops.fused_gemm_bn."""
+    bn_backward_train, forward_train, forward_train_saved, forward_eval}
+    (_OP_SCHEMAS), and with model_new_lowp.py its forward_eval_saved and
+    bn_backward_eval, once per process, with one implementation for every
+    device (dispatch() picks the extension or the _torch_* functions;
+    softmax_rows is torch ops on both), fake implementations, autograd for
+    gemm_nt, softmax_rows, forward_train_saved and forward_eval_saved, and a
+    call-time refusal of inputs that require grad for the others.  An operator
+    already registered (a harness executing this text again, or the other
+    problem's self-contained file) is reused.  Returns torch.ops.fused_gemm_bn."""
     namespace = getattr(torch.ops, _OP_NAMESPACE)
-    if hasattr(namespace, "gemm_nt"):
-        return namespace
+    schemas = dict(_OP_SCHEMAS, **({} if _LOWP is None else _LOWP.SCHEMAS))
     impls = {"gemm_nt": (_op_gemm_nt, _fake_gemm_nt, (_backward_gemm_nt, _setup_gemm_nt)),
              "gemm_nn": (_op_gemm_nn, _fake_gemm_nn, None),
              "gemm_tn": (_op_gemm_tn, _fake_gemm_tn, None),
@@ -7849,11 +7110,11 @@ def _define_ops():
              "forward_train_saved": (_op_forward_train_saved, _fake_forward_train_saved,
                                      (_backward_forward_train_saved, _setup_forward_train_saved)),
              "forward_eval": (_op_forward_eval, _fake_forward_eval, None),
-             "forward_eval_saved": (_op_forward_eval_saved, _fake_forward_eval_saved,
-                                    (_backward_forward_eval_saved, _setup_forward_eval_saved)),
-             "bn_backward_eval": (_op_bn_backward_eval, _fake_bn_backward_eval, None)}
+             **({} if _LOWP is None else _LOWP.OPERATORS)}
     for name, (impl, fake, autograd) in impls.items():
-        op = torch.library.custom_op(f"{_OP_NAMESPACE}::{name}", impl, mutates_args=(), schema=_OP_SCHEMAS[name])
+        if hasattr(namespace, name):
+            continue
+        op = torch.library.custom_op(f"{_OP_NAMESPACE}::{name}", impl, mutates_args=(), schema=schemas[name])
         op.register_fake(fake)
         backward, setup_context = autograd if autograd is not None else (_refused_backward, _no_autograd(name))
         op.register_autograd(backward, setup_context=setup_context)
@@ -7862,10 +7123,6 @@ def _define_ops():
 
 # torch.ops.fused_gemm_bn, or None where this torch has no torch.library.custom_op (< 2.4).
 _OPS = _define_ops() if hasattr(torch.library, "custom_op") else None
-# Eager calls take the extension directly (no operator dispatch on the no-grad
-# path); FUSED_GEMM_BN_EAGER_OPS=1 routes them through the operators too, as
-# under torch.compile (the tests use it to run the operators' autograd eagerly).
-_OPS_IN_EAGER = os.environ.get("FUSED_GEMM_BN_EAGER_OPS") == "1"
 
 
 # torch.compiler.is_compiling from torch 2.3 on; before, torch._dynamo's (only once
@@ -7886,7 +7143,7 @@ def _tracing():
 
 
 def _use_ops():
-    return _OPS is not None and (_OPS_IN_EAGER or _tracing())
+    return _OPS is not None and (SWITCHES.eager_ops or _tracing())
 
 
 # ---------------------------------------------------------------------------
@@ -8049,7 +7306,7 @@ class FusedModule(nn.Module):
         return fused_forward(x, self.gemm, self.scale, self.bn, self.scale_after_bn)
 
     def kernel_path(self, x):
-        """The path forward(x) would take now, e.g. "sm90_3xtf32_train" (see
+        """The path forward(x) would take now, e.g. "sm90_fp16x3_train" (see
         dispatch's table), without running a kernel or touching a buffer."""
         return kernel_path(x, self.gemm, self.scale, self.bn, self.scale_after_bn)
 

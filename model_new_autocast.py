@@ -1,0 +1,142 @@
+"""torch.autocast for ModelNew (model_new.py loads this module when it lies
+beside it; the self-contained files have none, and under autocast they run
+the float32 kernels).
+
+Inside torch.autocast (CUDA or CPU) Model's nn.Linear runs in the autocast
+dtype and the ops after it follow torch's type promotion.  On Hopper (lowp_sm90),
+without gradients or in training with gradients, ModelNew runs that function on
+the 16-bit extension's kernels in their autocast form (fused_gemm decides;
+kernels/lowp/binding_16bit.cpp): x cast to the autocast dtype as autocast casts
+it, gemm.weight's cast kept between calls (model_new._weight_parts), the GEMM in
+that dtype, everything after it in float32 with Model's rounding points, out
+float32.  Otherwise it calls Model's own ops in Model's order (_model_forward),
+so its outputs, running statistics and gradients are Model's.
+
+Entry points (model_new.py calls them): autocast_dtype(x), check(x, gemm, scale, bn,
+group), forward(x, gemm, scale, bn, scale_after_bn, dtype), path_name(x, gemm,
+scale, bn, grad); fused_gemm(...) is the decision, for tests.
+"""
+import torch
+import torch.nn.functional as F
+
+import model_new as core
+
+
+def autocast_dtype(x):
+    """The autocast dtype of x's device type when torch.autocast is on there and
+    would cast x (a floating tensor other than float64), else None."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == torch.float64:
+        return None
+    device = x.device.type
+    if device not in ("cuda", "cpu"):
+        return None
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    if device == "cuda":
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+
+
+def fused_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None):
+    """"lowp_sm90" when the fused kernels run this autocast call, else None
+    (Model's ops run it): no gradients needed, or training (bn.training) with
+    gradients (_LowpGradFn has the fused backward; eval with gradients takes
+    Model's ops, whose autograd covers it), a CUDA batch of at least one row, the autocast dtype
+    float16 or bfloat16, x float32 or 16-bit (cast as autocast casts it), every parameter
+    and running statistic float32 (the module Model's autocast is made for),
+    the 16-bit kernels present (_LOWP_DIR), not SWITCHES.autocast_fused off,
+    and dispatch's conditions for lowp_sm90 (compute capability 9.0, the sm_90a
+    image, not SWITCHES.portable), and not under torch.compile or
+    torch.jit.trace (Model's ops are what those record).  Runs no kernel."""
+    switches = core.SWITCHES if switches is None else switches
+    if core._tracing():  # the extension calls cannot be recorded; Model's ops can (fullgraph=True works)
+        return None
+    if ((grad and not bn.training) or not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
+            or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or core._LOWP is None or not core._LOWP.available()
+            or not switches.autocast_fused):
+        return None
+    tensors = (gemm.weight, gemm.bias, scale, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+    if any(t is None or t.dtype != torch.float32 for t in tensors):
+        return None
+    facts = core.device_facts(x.device) if facts is None else facts
+    if switches.portable or facts.capability != (9, 0) or not facts.sm90_gemm:
+        return None
+    return "lowp_sm90"
+
+
+def path_name(x, gemm, scale, bn, grad):
+    """kernel_path's name under autocast: lowp_sm90_autocast_<train|eval>[_grad]
+    on the fused kernels (_autocast_gemm), else torch_ops_autocast_<train|eval>[_grad]."""
+    fused = fused_gemm(x, gemm, scale, bn, autocast_dtype(x), grad)
+    return ((fused or "torch_ops") + "_autocast_" + ("train" if bn.training else "eval")
+            + ("_grad" if grad else ""))
+
+
+def _model_forward(x, gemm, scale, bn, scale_after_bn):
+    """Model's forward under autocast, op for op: nn.Linear's F.linear (in the
+    autocast dtype), `* scale` (torch's type promotion: a float32 scale of one
+    or more dims makes the product float32), BatchNorm1d's F.batch_norm with its
+    num_batches_tracked / momentum handling (bn.training decides, as in
+    Model), and problem 84's softmax over dim 1 (float32 under autocast).
+    Returns what Model returns, in its dtype; autograd differentiates the ops."""
+    v = F.linear(x, gemm.weight, gemm.bias)
+    factor = 0.0
+    if bn.training:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+
+    def batch_norm(u):
+        return F.batch_norm(u, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.training, factor, bn.eps)
+
+    if not scale_after_bn:
+        return batch_norm(v * scale)
+    return torch.softmax(scale * batch_norm(v), dim=1)
+
+
+def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
+    """The fused autocast forward (_autocast_gemm said lowp_sm90): x cast to
+    dtype (autocast's cast of F.linear's input; no copy when x already is),
+    then one extension call (out float32).  The GEMM's weight operand is
+    gemm.weight's cast to dtype from the weight cache (_weight_parts, kind
+    "cast_<dtype>") where it holds one for the current weight; else, in
+    training (BatchNorm in training mode: the weight is expected to change
+    between calls), the float32 gemm.weight itself, which the kernel rounds to
+    dtype as it loads each tile (the values autocast's cast gives, with no
+    separate sweep over the weight; 1.19-1.27x the call time with the cached
+    cast, against ~1.5x for casting first: docs/perf.md v30); in eval the cast is made and
+    cached.  Model casts the weight in every autocast region.  Training with
+    gradients: _LowpGradFn, whose backward needs the cast, takes it from the
+    cache."""
+    momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
+    buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+    if grad:
+        params = (x, gemm.weight, gemm.bias, core.per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+        return core._LOWP.GradFn.apply(core._LOWP.kernels(), "lowp_sm90", scale_after_bn, True, buffers, momentum,
+                                 float(bn.eps), dtype, *params)
+    weight = core._weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}", make=not bn.training)
+    params = (x.to(dtype), gemm.weight if weight is None else weight, gemm.bias,
+              core.per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+    return core._forward_call(core._LOWP.kernels(), "lowp_sm90", scale_after_bn, bn.training, buffers, momentum,
+                         float(bn.eps), params)
+
+
+def check(x, gemm, scale, bn, group):
+    """The checks of a call under autocast: the input's (check_input without
+    the dtype rules: the cast makes x and the weight one dtype) and the
+    scale's; synchronized BatchNorm has no mixed-precision path and raises
+    RuntimeError (nothing touched)."""
+    core.check_input(x, gemm.weight, bn.training, cast=True)
+    core.per_feature_scale(scale, gemm.out_features)
+    if group is not None:
+        raise RuntimeError("ModelNew has no mixed-precision path with synchronized BatchNorm "
+                           "(nn.SyncBatchNorm.convert_sync_batchnorm across processes); run it in float32")
+
+
+def forward(x, gemm, scale, bn, scale_after_bn, dtype):
+    """ModelNew's forward under autocast (dtype: the autocast dtype, from
+    autocast_dtype(x)), after check(): the fused kernels where fused_gemm says so, else
+    Model's ops."""
+    grad = core._needs_grad((x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias))
+    if fused_gemm(x, gemm, scale, bn, dtype, grad) is not None:
+        return _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad)
+    return _model_forward(x, gemm, scale, bn, scale_after_bn)

@@ -1,0 +1,374 @@
+"""16-bit float modules for ModelNew (model_new.py loads this module when it
+lies beside it; the self-contained files have none): the second extension,
+kernels/lowp/ (compiled on the first 16-bit CUDA call), its routes, its forward
+with gradients and backward, and its custom operators.
+
+A 16-bit module (model.half() or .to(bfloat16): x, the parameters and the
+running statistics in one 16-bit dtype T) runs Model's function with Model's
+rounding points: z = rnd_T(x W^T + b) (float32 accumulation), BatchNorm's
+statistics in float32 (float64 sums in the kernels), its output and `* scale`
+rounded to T where Model's eager ops round (docs/numerics.md lists them).
+Routes (route(); README support matrix):
+  lowp_sm90    Hopper: lowp/sm90_gemm_bn_16bit.cu (wgmma, TMA), the chain in its epilogue
+  lowp_cublas  cuBLAS's product (at::linear, eager's own call), then the chain
+               kernels (lowp/bn_16bit_chain.cu, lowp/bn_16bit_strip.cu, lowp/bn_16bit.cu);
+               Hopper where hopper_gemm says lowp_sm90 is slower, and eval with
+               gradients on every GPU (forward_eval_saved keeps z)
+  lowp_sm80    sm_80-89: lowp/sm80_gemm_bn_16bit.cu (mma.sync)
+With gradients: GradFn (forward_train_saved / forward_eval_saved, then
+lowp/bn_16bit_backward.cu and two cuBLAS products, backward()); under
+torch.compile the fused_gemm_bn:: operators of those names.
+
+Entry points (model_new.py calls them): available(), kernels(), route(call,
+facts, switches), forward(...), and for the custom operators OPERATORS /
+SCHEMAS and the 16-bit branches of the shared operators (op_* functions).
+"""
+import os
+
+import torch
+
+import model_new as core
+
+SUBDIR = "lowp"
+BINDING = "binding_16bit.cpp"
+PREFIX = "fused_gemm_bn_lowp_"
+FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "bn_backward_train", "forward_eval_saved",
+             "bn_backward_eval"]
+
+# ---------------------------------------------------------------------------
+# Build: kernels/lowp/ next to the float32 sources, compiled on first use
+# ---------------------------------------------------------------------------
+
+_ext = None
+
+
+def _dir():
+    """kernels/lowp/, or None where it is missing (a kernels/ folder without it)."""
+    folder = os.path.join(core._kernel_dir(), SUBDIR)
+    return folder if os.path.isfile(os.path.join(folder, BINDING)) else None
+
+
+_DIR = _dir()
+
+
+def available():
+    """Whether the 16-bit kernels' sources were found (16-bit CUDA input runs)."""
+    return _DIR is not None
+
+
+def sources():
+    """{file name: text} of the 16-bit extension: kernels/lowp/*.cu, *.cuh,
+    *.cpp, and the headers of kernels/ that they #include, directly or through
+    another header (launchers.cuh, bn_stats.cuh, sm90_gemm_tiles.cuh, ...)."""
+    found = dict(core._read_sources(_DIR))
+    while True:  # the headers they include, and the headers those include
+        text = "".join(found.values())
+        added = {name: t for name, t in core._KERNEL_SOURCES.items()
+                 if name.endswith(".cuh") and name not in found and f'"{name}"' in text}
+        if not added:
+            return found
+        found.update(added)
+
+
+def kernels():
+    """The 16-bit extension (forward_train, forward_eval, ... with the float32
+    extension's arguments), compiled or loaded on the first call."""
+    global _ext
+    if _ext is None:
+        _ext = core._load_extension(sources(), FUNCTIONS, PREFIX)
+    return _ext
+
+
+# ---------------------------------------------------------------------------
+# Routes
+# ---------------------------------------------------------------------------
+
+TALL_BATCH = 8192  # rows from which lowp_cublas takes every 16-bit product
+MIN_FILL = 0.9     # 256-row grids filling less of the SMs than this go to lowp_cublas
+STRIP_ROWS = 1024  # training batches up to this many rows: bn_16bit_strip.cu after cuBLAS ...
+SMALL_MNK = 1 << 33  # ... when M N K is at most this (17.2 GFLOP): lowp_cublas
+
+
+def hopper_gemm(m, n, k, training, facts, switches):
+    """The 16-bit product on Hopper: "lowp_sm90" (the project's wgmma kernel, the
+    chain in its epilogue) or "lowp_cublas" (cuBLAS through at::linear, eager
+    nn.Linear's own call, then the chain kernels of lowp/bn_16bit_chain.cu, or in
+    training batches of at most 1024 rows lowp/bn_16bit_strip.cu's one kernel; problem
+    84's 16-bit eval: one row softmax that applies BatchNorm, lowp/bn_16bit.cu), by
+    switches.lowp_gemm ("sm90" or "cublas": tests and tools run each), or for
+    "auto" by this rule, fitted to both routes' times over bench.py's sweep (H200,
+    both dtypes, problems and modes; docs/perf.md v31), where lowp_sm90 is slower:
+      - batches of TALL_BATCH rows or more (16384 x 4096 x 4096: cuBLAS's
+        route takes 0.81-0.88 of lowp_sm90's time; 8192 x 8192 x 8192 0.93-0.97);
+      - lowp_sm90's 256-row tiles (its plan when they fill at least half of the
+        SMs) filling less than MIN_FILL of them: one partial wave, where
+        cuBLAS splits K (333 x 8192 x 5000: 0.58-0.77; 1000 x 3000 x 3000: 0.71-0.94);
+      - eval on the 128-row plan cut along K (128-row tiles at most half the SMs;
+        1024 x 1024 x 1024: 0.77-0.85).  Training there stays on lowp_sm90 (its
+        epilogue computes the statistics without another read of u: 1.08-1.24).
+      - training batches of at most STRIP_ROWS rows with M N K at most
+        SMALL_MNK, where cuBLAS's product beats the 128-row split-tile plan's
+        by more than the epilogue's statistics save, and the chain after it is one
+        kernel (bn_16bit_strip.cu; docs/perf.md v33, GPU time: problem 33
+        0.65-1.00 of lowp_sm90's time, 84 0.77-1.01; at 256 x 8192 x 8192 lowp_sm90
+        takes 0.93-0.96 of cuBLAS's route's).
+    Elsewhere lowp_sm90 is within 3% of the other route or faster (2048 x 1028 x 8190:
+    cuBLAS's route 1.13-1.27)."""
+    if switches.lowp_gemm in ("sm90", "cublas"):
+        return "lowp_" + switches.lowp_gemm
+    sms = facts.num_sms
+    tiles_256 = -(-m // 256) * -(-n // 128)
+    tiles_128 = -(-m // 128) * -(-n // 128)
+    if m >= TALL_BATCH:
+        return "lowp_cublas"
+    if training and m <= STRIP_ROWS and m * n * k <= SMALL_MNK:
+        return "lowp_cublas"
+    if 2 * tiles_256 >= sms:
+        return "lowp_cublas" if tiles_256 < MIN_FILL * sms else "lowp_sm90"
+    return "lowp_cublas" if not training and 2 * tiles_128 <= sms else "lowp_sm90"
+
+
+def route(call, facts, switches):
+    """The 16-bit GEMM route of a CUDA call (model_new.Call): lowp_cublas for
+    eval with gradients (forward_eval_saved keeps z, which only that route
+    makes), on Hopper (compute capability 9.0, the sm_90a image, not
+    switches.portable) hopper_gemm's choice, else lowp_sm80.  RuntimeError
+    below compute capability 8.0."""
+    if facts.capability < (8, 0):
+        raise RuntimeError(f"ModelNew's 16-bit CUDA kernels need compute capability >= 8.0, got "
+                           f"{facts.capability[0]}.{facts.capability[1]}")
+    if call.grad and not call.training:
+        return "lowp_cublas"
+    if not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm:
+        return hopper_gemm(call.m, call.n, call.k, call.training, facts, switches)
+    return "lowp_sm80"
+
+
+# ---------------------------------------------------------------------------
+# Forward and backward
+# ---------------------------------------------------------------------------
+
+
+def forward(plan, params, buffers, momentum, eps, scale_after_bn, grad):
+    """A 16-bit module's eager forward on the plan's route: with gradients
+    GradFn, else the extension's forward_train / forward_eval (one call)."""
+    ext = kernels()
+    if grad:
+        return GradFn.apply(ext, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, None, *params)
+    return core._forward_call(ext, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, params)
+
+
+_MM_OUT_DTYPE = None  # whether torch.mm takes out_dtype (torch >= 2.8); decided on first use
+
+
+def _mm_16bit(a, b, out_dtype):
+    """a @ b of 16-bit operands (cuBLAS, float32 accumulation) as out_dtype: the
+    16-bit product itself, or for float32 (a float32 module's gradients under
+    autocast) torch.mm's out_dtype=float32 where this torch has it (the float32
+    accumulator written once, no 16-bit rounding and no cast pass), else the
+    16-bit product cast."""
+    global _MM_OUT_DTYPE
+    if out_dtype == a.dtype:
+        return torch.mm(a, b)
+    if _MM_OUT_DTYPE is None:
+        try:
+            torch.mm(a[:1, :1], b[:1, :1], out_dtype=torch.float32)
+            _MM_OUT_DTYPE = True
+        except (TypeError, RuntimeError):
+            _MM_OUT_DTYPE = False
+    if _MM_OUT_DTYPE and out_dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a, b).to(out_dtype)
+
+
+def backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs, dtypes):
+    """Gradients of the 16-bit forward with gradients (forward_train_saved or
+    forward_eval_saved: the 16-bit module's, or in training a float32 module's
+    under autocast) with respect to (x, gemm.weight, gemm.bias, scale,
+    bn.weight, bn.bias), from its saved tensors: x16, w16 the GEMM's operands
+    (in the 16-bit dtype T), z (M, N) T the Linear output, coeff (4, N) the
+    forward's {mean, invstd, bn.weight, bn.bias} (the batch's in training, the
+    running statistics' in eval: `training` says which), out (problem 84) the
+    softmax output; dtypes: the six inputs' dtypes, which their gradients are
+    returned in (grad_x and grad_W made in theirs, the others cast from float32):
+      problem 84: g = torch's softmax backward of (grad_out, out) (one kernel,
+        float32 accumulation, in out's dtype, as Model's)
+      grad_z (T), grad_scale, grad_bn_weight, grad_bn_bias (float32) = bn_backward(g, z,
+        coeff, scale, scale_after_bn): the 16-bit extension's bn_backward_train or
+        bn_backward_eval (kernels/lowp/bn_16bit_backward.cu: float64 sums, grad_z
+        rounded once), called directly (GradFn) or through the operator of that name
+      grad_x = grad_z w16, grad_W = grad_z^T x16: one T product each (cuBLAS's,
+        float32 accumulation, as Model's backward; _mm_16bit)
+      grad_bias: training 0 exactly (BatchNorm subtracts the batch mean, which
+        holds the bias); eval sum_m grad_z (float32 sums of the T values, as
+        Model's Linear backward sums its T gradient)."""
+    need_x, need_w, need_b, need_s, need_g, need_beta = needs
+    grad_b = coeff.new_zeros(z.shape[1], dtype=dtypes[2]) if need_b and training else None
+    if not (need_x or need_w or need_s or need_g or need_beta or (need_b and not training)):
+        return (None, None, grad_b, None, None, None)
+    g = grad_out.contiguous()
+    if scale_after_bn:
+        g = torch._softmax_backward_data(g, out, 1, out.dtype)
+    grad_z, grad_s, grad_g, grad_beta = bn_backward(g, z, coeff, scale, scale_after_bn)
+    if need_b and not training:
+        acc = torch.float32 if core._is_16bit_dtype(grad_z.dtype) else grad_z.dtype  # as Model's 16-bit column sum
+        grad_b = grad_z.sum(dim=0, dtype=acc).to(dtypes[2])
+    grad_x = _mm_16bit(grad_z, w16, dtypes[0]) if need_x else None
+    grad_w = _mm_16bit(grad_z.t(), x16, dtypes[1]) if need_w else None
+    return (grad_x, grad_w, grad_b, grad_s.to(dtypes[3]) if need_s else None,
+            grad_g.to(dtypes[4]) if need_g else None, grad_beta.to(dtypes[5]) if need_beta else None)
+
+
+class GradFn(torch.autograd.Function):
+    """The 16-bit forward with gradients, eager (the plan's 16-bit route `gemm`
+    in training; in eval lowp_cublas, dispatch's choice there: the one route
+    that keeps z), and a float32 module's training forward under autocast
+    (lowp_sm90).  training: one
+    forward_train_saved call of the 16-bit extension (forward_train's output and
+    running-statistics update, plus z and the batch coefficients); eval: one
+    forward_eval_saved call (forward_eval's output, plus z and the running
+    statistics' coefficients as the forward used them, so a later change of the
+    running statistics does not reach this backward).  Backward: _lowp_backward
+    with bn_backward_train or bn_backward_eval.  cast_dtype: None for a 16-bit
+    module (x and gemm.weight are the GEMM's operands), else the autocast dtype:
+    x is cast per call (autocast's cast) and gemm.weight's cast comes from the
+    weight cache (_weight_parts, kind cast_<dtype>), while the vectors stay
+    float32 (the binding's autocast form).  Saved: the two GEMM operands (the
+    caller's tensors for a 16-bit module), scale, z (M, N) in the 16-bit dtype,
+    coeff (4, N), and for problem 84 out."""
+
+    @staticmethod
+    def forward(ctx, kernels, gemm, scale_after_bn, training, buffers, momentum, eps, cast_dtype, x, weight, bias,
+                scale, bn_weight, bn_bias):
+        x16, w16 = x, weight
+        if cast_dtype is not None:
+            x16 = x.to(cast_dtype)
+            w16 = core._weight_parts(weight, split=lambda w: w.to(cast_dtype), kind=f"cast_{cast_dtype}")
+            w16 = weight.to(cast_dtype) if w16 is None else w16
+        vectors = (bias, scale, bn_weight, bn_bias)
+        if training:
+            out, z, coeff = kernels.forward_train_saved(gemm, x16, w16, *vectors, *buffers, momentum, eps,
+                                                        scale_after_bn)
+        else:
+            out, z, coeff = kernels.forward_eval_saved(gemm, x16, w16, *vectors, *buffers[:2], eps, scale_after_bn)
+        ctx.scale_after_bn, ctx.training = scale_after_bn, training
+        ctx.bn_backward = kernels.bn_backward_train if training else kernels.bn_backward_eval
+        ctx.dtypes = tuple(t.dtype for t in (x, weight, bias, scale, bn_weight, bn_bias))
+        ctx.save_for_backward(x16, w16, scale, z, coeff, out if scale_after_bn else None)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        grads = backward(ctx.bn_backward, ctx.training, ctx.scale_after_bn, grad_out, *ctx.saved_tensors,
+                               ctx.needs_input_grad[8:], ctx.dtypes)
+        return (None,) * 8 + tuple(grads)
+
+
+# ---------------------------------------------------------------------------
+# Custom operators: the 16-bit ones, and the 16-bit branches of the shared ones
+# ---------------------------------------------------------------------------
+
+SCHEMAS = {
+    "forward_eval_saved": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
+                          "Tensor running_mean, Tensor running_var, float eps, bool scale_after_bn) "
+                          "-> (Tensor, Tensor, Tensor)",
+    "bn_backward_eval": "(Tensor grad_y, Tensor z, Tensor coeff, Tensor scale, bool scale_after_bn) "
+                        "-> (Tensor, Tensor, Tensor, Tensor)",
+}
+
+
+def _require_cuda_16bit(name, t):
+    """The 16-bit-only operators refuse other tensors before any kernel or build runs."""
+    if not (t.is_cuda and core._is_16bit_dtype(t.dtype)):
+        raise RuntimeError(f"fused_gemm_bn::{name} takes 16-bit CUDA tensors (the 16-bit extension), got {t.dtype} "
+                           f"on {t.device}; float32 and float64 eval with gradients is gemm_nt with the fold in "
+                           f"elementwise ops")
+
+
+def _op_forward_eval_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                           scale_after_bn):
+    """(out, z, coeff): the 16-bit extension's forward_eval_saved on lowp_cublas
+    (its one route: the fused GEMMs' eval epilogues keep no z): forward_eval's
+    out, the Linear output z (M, N) in x's dtype, and coeff (4, N) float32, the
+    running statistics' {mean, invstd, bn.weight, bn.bias} as the forward used
+    them.  16-bit CUDA x only; an empty batch gives empty out and z."""
+    _require_cuda_16bit("forward_eval_saved", x)
+    n = weight.shape[0]
+    if x.shape[0] == 0:
+        return x.new_empty((0, n), dtype=bias.dtype), x.new_empty((0, n)), x.new_zeros((4, n), dtype=torch.float32)
+    return tuple(kernels().forward_eval_saved("lowp_cublas", x, weight, bias, scale, bn_weight, bn_bias,
+                                              running_mean, running_var, eps, scale_after_bn))
+
+
+def _op_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
+    """The 16-bit extension's bn_backward_eval (grad_z (M, N) in z's dtype;
+    grad_scale, grad_bn_weight, grad_bn_bias (N) float32), as a tuple."""
+    _require_cuda_16bit("bn_backward_eval", z)
+    return tuple(kernels().bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn))
+
+
+def _fake_forward_eval_saved(x, weight, bias, *args):
+    m, n = x.shape[0], weight.shape[0]
+    return x.new_empty((m, n), dtype=bias.dtype), x.new_empty((m, n)), x.new_empty((4, n), dtype=torch.float32)
+
+
+def _fake_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
+    n = z.shape[1]
+    return (z.new_empty(z.shape),) + tuple(z.new_empty(n, dtype=torch.float32) for _ in range(3))
+
+
+def _setup_forward_eval_saved(ctx, inputs, output):
+    """Saves what GradFn saves in eval; z and coeff are not differentiable."""
+    x, weight, _, scale = inputs[:4]
+    out, z, coeff = output
+    ctx.mark_non_differentiable(z, coeff)
+    ctx.scale_after_bn = inputs[9]
+    ctx.dtypes = tuple(t.dtype for t in inputs[:6])
+    ctx.save_for_backward(x, weight, scale, z, coeff, out if ctx.scale_after_bn else None)
+
+
+def _backward_forward_eval_saved(ctx, grad_out, *unused):
+    grads = backward(core._OPS.bn_backward_eval, False, ctx.scale_after_bn, grad_out, *ctx.saved_tensors,
+                     ctx.needs_input_grad[:6], ctx.dtypes)
+    return tuple(grads) + (None,) * 4
+
+
+# name -> (implementation, fake, (backward, setup_context)): model_new._define_ops registers them.
+OPERATORS = {
+    "forward_eval_saved": (_op_forward_eval_saved, _fake_forward_eval_saved,
+                           (_backward_forward_eval_saved, _setup_forward_eval_saved)),
+    "bn_backward_eval": (_op_bn_backward_eval, _fake_bn_backward_eval, None),
+}
+
+
+def op_bn_backward_train(grad_y, z, coeff, scale, scale_after_bn):
+    """fused_gemm_bn::bn_backward_train for a 16-bit z (from the 16-bit
+    forward_train_saved, whose stats are its coeff (4, N): bn.weight and eps
+    are in it): the 16-bit extension's bn_backward_train."""
+    return tuple(kernels().bn_backward_train(grad_y, z, coeff, scale, scale_after_bn))
+
+
+def fake_bn_backward(z):
+    """The fake outputs of a 16-bit bn_backward_*: grad z in z's dtype, the parameter gradients float32."""
+    n = z.shape[1]
+    return (z.new_empty(z.shape),) + tuple(z.new_empty(n, dtype=torch.float32) for _ in range(3))
+
+
+def setup_forward_train_saved(ctx, inputs, output):
+    """fused_gemm_bn::forward_train_saved's setup_context for 16-bit x: saves what GradFn saves."""
+    x, weight, _, scale, bn_weight = inputs[:5]
+    out, z, coeff = output[:3]
+    ctx.dtypes = tuple(t.dtype for t in inputs[:6])
+    ctx.save_for_backward(x, weight, scale, bn_weight, z, coeff, out if ctx.scale_after_bn else None)
+
+
+def backward_forward_train_saved(ctx, grad_out):
+    """fused_gemm_bn::forward_train_saved's backward for 16-bit x (six gradients)."""
+    x, weight, scale, bn_weight, z, coeff, out = ctx.saved_tensors
+
+    def bn_backward(g, z, coeff, scale, scale_after_bn):
+        return core._OPS.bn_backward_train(g, z, coeff, scale, bn_weight, ctx.eps, scale_after_bn)
+
+    return backward(bn_backward, True, ctx.scale_after_bn, grad_out, x, weight, scale, z, coeff, out,
+                    ctx.needs_input_grad[:6], ctx.dtypes)

@@ -6,7 +6,7 @@ GPU, in one process, for
               (level2_84_gemm_batchnorm_scaling_softmax/)
   --model both (default): 33, then 84.
 float32: both ModelNews run the float32-accurate tensor-core GEMM of kernels/
-(fp16x3 on Hopper, 3xTF32 elsewhere or with FUSED_GEMM_BN_3XTF32=1); a "floor"
+(fp16x3 on Hopper, 3xTF32 elsewhere or with FUSED_GEMM_BN_PORTABLE=1); a "floor"
 side times three cuBLAS 16-bit products with float32 output at the same shape
 (the fp16x3 GEMM's work; needs torch.mm's out_dtype), and the table gives
 ModelNew's time over the floor's.

@@ -13,6 +13,7 @@ process_group(bn), path_name(x, weight, grad), forward(group, params, buffers,
 momentum, eps, scale_after_bn).
 """
 import functools
+import importlib
 import types
 
 import torch
@@ -408,17 +409,13 @@ _EAGER_FUNCTIONS = {}
 def _eager(fn):
     """fn wrapped so that torch.compile runs it eagerly (a graph break), made on
     first use: torch.compiler.disable (torch._dynamo.disable before torch 2.1)
-    imports torch._dynamo, about 1 s that an import of this file should not pay."""
+    imports torch._dynamo, about 1 s that importing model_new should not pay."""
     wrapped = _EAGER_FUNCTIONS.get(fn)
     if wrapped is None:
-        compiler = getattr(torch, "compiler", None)
-        if compiler is not None and hasattr(compiler, "disable"):
-            wrapped = compiler.disable(fn)
-        else:
-            import torch._dynamo
-
-            wrapped = torch._dynamo.disable(fn)
-        _EAGER_FUNCTIONS[fn] = wrapped
+        disable = getattr(getattr(torch, "compiler", None), "disable", None)
+        if disable is None:
+            disable = importlib.import_module("torch._dynamo").disable
+        wrapped = _EAGER_FUNCTIONS[fn] = disable(fn)
     return wrapped
 
 

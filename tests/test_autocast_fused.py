@@ -23,7 +23,7 @@ GPU (all need an sm_90 GPU; names contain "gpu")
   - test_gpu_autocast_fused_every_output_element_written: the output block is
     poisoned (NaN) through the caching allocator; every element finite after.
   - test_gpu_autocast_fused_training_step [dtype, problem, shape]: a training
-    call with gradients (_LowpGradFn: the fused forward, then the fused
+    call with gradients (model_new_lowp.GradFn: the fused forward, then the fused
     backward) against Model under the same autocast: output as above, buffers
     updated once, output error against float64 at most 1.05x Model's, and every
     gradient (x and the five parameters, all float32 as Model's) within
@@ -254,7 +254,7 @@ def test_gpu_autocast_weight_rounded_in_kernel(dtype_name, problem, mode, shape)
     dtype = DTYPES[dtype_name]
     m, k, n = shape
     _, new = autocast_pair(problem, k, n)
-    kernels = model_new._lowp_kernels()
+    kernels = model_new._LOWP.kernels()
     x16 = float_input(0, m, k).to(dtype)
     w = new.gemm.weight.detach()
     vectors = (new.gemm.bias.detach(), model_new.per_feature_scale(new.scale.detach(), n), new.bn.weight.detach(),

@@ -10,7 +10,7 @@ Two code paths give the gradients, and the tests run both where they exist:
               extension on CUDA, over the _torch_* functions (same names and
               arguments) on CPU; what eager calls take.
   "ops":      the fused_gemm_bn:: custom operators and their registered autograd
-              (torch >= 2.4), forced in eager with model_new._OPS_IN_EAGER;
+              (torch >= 2.4), forced in eager with SWITCHES.eager_ops;
               what torch.compile traces.
 
 CPU (always run; CI)
@@ -110,7 +110,7 @@ def assert_rel_close(a, b, bound, what):
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
     """Runs the test on the autograd.Function path and again on the custom operators."""
-    monkeypatch.setattr(model_new, "_OPS_IN_EAGER", request.param == "ops")  # the engine of both problems
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(eager_ops=request.param == "ops"))
     return request.param
 
 
@@ -823,7 +823,7 @@ def test_gpu_ops_path_matches_function_path(problem, training, monkeypatch):
     x = torch.rand(m, k, generator=gen).cuda()
     g = torch.randn(m, n, generator=gen).cuda()
     out_f, grads_f = forward_backward(new, x, g)
-    monkeypatch.setattr(model_new, "_OPS_IN_EAGER", True)  # the engine of both problems
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(eager_ops=True))
     out_o, grads_o = forward_backward(twin, x, g)
     # The same calls in the same order; a kernel's reduction order may still vary between calls.
     assert_rel_close(out_o, out_f, 1e-6, "output")

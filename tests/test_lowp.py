@@ -52,10 +52,9 @@ lowp_kernel: lowp_sm90 on Hopper, any K, and lowp_sm80)
     torch.compile(fullgraph=True), calls without gradients (bit-equal to eager)
     and training steps with gradients (outputs and buffers bit-equal, gradients
     within 1e-2 of eager's), both kernels and dtypes.
-  The fused eval with gradients (SWITCHES.lowp_eval_grad_fused, fixture
-  fused_eval_grad; off by default until these have run on a GPU):
+  Eval with gradients (`model.bn.eval()` while fine-tuning; lowp_cublas):
   - test_gpu_lowp_eval_grad_fused: as test_gpu_lowp_grad_enabled in eval, on
-    _LowpGradFn (forward_eval_saved, bn_backward_eval): output as Model's,
+    model_new_lowp.GradFn (forward_eval_saved, bn_backward_eval): output as Model's,
     buffers untouched, gradients within 2x Model's error against float64 (+ the floor).
   - test_gpu_lowp_compile_fullgraph_eval_with_grad: steps with BatchNorm frozen
     (`model.bn.eval()`, the rest training) under torch.compile(fullgraph=True):
@@ -84,10 +83,6 @@ CPU (CI)
     ModelNew on such a tensor raises, every buffer unchanged.
   - test_cpu_lowp_sources_and_extension_name: the 16-bit extension's sources and
     its own hashed name; the bundle embeds none of them.
-  - test_cpu_lowp_fn_matches_model: _LowpFn (the default eval gradient path)
-    driven by the CPU kernels in float64: output and running statistics
-    (updated once) equal Model's (1e-10); every gradient within float32
-    accuracy of Model's (its backward recomputes in float32).
   - test_cpu_lowp_only_operators_refuse_other_tensors: forward_eval_saved and
     bn_backward_eval, whose kernels exist only in the 16-bit extension, raise a
     RuntimeError naming what they take for CPU or float32/float64 tensors, with
@@ -152,12 +147,6 @@ def lowp_kernel(request, monkeypatch):
     monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(
         portable=request.param == "sm80", lowp_gemm=request.param if request.param != "sm80" else "auto"))
     return request.param
-
-
-@pytest.fixture
-def fused_eval_grad(monkeypatch):
-    """SWITCHES.lowp_eval_grad_fused on: 16-bit eval with gradients runs _LowpGradFn."""
-    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(lowp_eval_grad_fused=True))
 
 
 def expect_lowp_kernel(new, x, lowp_kernel):
@@ -405,7 +394,7 @@ def assert_grads_within(grads_new, grads_ref, grads64, grad_dtype, compute_dtype
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("shape", GRAD_SHAPES + [KERNELBENCH_SHAPE], ids=shape_id)
-def test_gpu_lowp_eval_grad_fused(dtype_name, problem, shape, full_precision_reductions, fused_eval_grad):
+def test_gpu_lowp_eval_grad_fused(dtype_name, problem, shape, full_precision_reductions):
     dtype = DTYPES[dtype_name]
     m, k, n = shape
     ref, new = lowp_pair(problem, k, n, dtype, seed=5)
@@ -501,20 +490,21 @@ def test_cpu_bundle_rejects_16bit_cuda_clearly(dtype_name, monkeypatch):
     assert x.is_cuda and x.dtype == dtype
 
     ns = exec_texts(read(BUNDLE))
-    assert ns["_LOWP_DIR"] is None, "the bundle cannot have the 16-bit kernels"
+    assert ns["_LOWP"] is None, "the bundle cannot have the 16-bit kernels"
     with pytest.raises(RuntimeError) as exc:
         ns["check_input"](x, weight, True)
     message = str(exc.value)
-    for part in ("16-bit CUDA input", "kernels/lowp/", "float32 on CUDA", "float64 on CUDA", "CPU"):
+    for part in ("16-bit CUDA input", "model_new_lowp.py", "kernels/lowp/", "float32 on CUDA", "float64 on CUDA",
+                 "CPU"):
         assert part in message, (part, message)
     assert ns["_cuda_dtype_problem"](torch.float32) is None
     assert ns["_cuda_dtype_problem"](torch.float64) is None
 
     # model_new.py from the repository finds kernels/lowp/ and accepts the input ...
-    assert model_new._LOWP_DIR == os.path.join(os.path.dirname(model_new.__file__), "kernels", "lowp")
+    assert model_new._LOWP._DIR == os.path.join(os.path.dirname(model_new.__file__), "kernels", "lowp")
     model_new.check_input(x, weight, True)
     # ... and says the same as the bundle where the folder is missing.
-    monkeypatch.setattr(model_new, "_LOWP_DIR", None)
+    monkeypatch.setattr(model_new._LOWP, "_DIR", None)
     with pytest.raises(RuntimeError, match="kernels/lowp/"):
         model_new.check_input(x, weight, True)
     # Mixed dtypes still raise PyTorch's message first; other dtypes name what is supported.
@@ -536,18 +526,18 @@ def test_cpu_bundle_module_rejects_before_touching_buffers():
 
 
 def test_cpu_lowp_sources_and_extension_name(tmp_path):
-    sources = model_new._lowp_sources()
+    sources = model_new._LOWP.sources()
     assert {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "sm90_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh",
             "bn_16bit_chain.cu", "bn_16bit_strip.cu", "lowp_chain.cuh", "lowp_coeff.cuh", "sm90_wgmma_16bit.cuh", "bn_stats.cuh", "launchers.cuh", "sm90_gemm_tiles.cuh",
             "sm90_primitives.cuh"} <= set(sources)  # headers included through other headers too
     assert not any(name.endswith((".cu", ".cpp")) and name in model_new._KERNEL_SOURCES for name in sources), \
         "the 16-bit extension must not compile the float32 sources again"
     flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
-    name = model_new._extension_name(sources, flags, model_new._LOWP_PREFIX)
+    name = model_new._extension_name(sources, flags, model_new._LOWP.PREFIX)
     assert name.startswith("fused_gemm_bn_lowp_") and name != model_new._extension_name(model_new._KERNEL_SOURCES,
                                                                                          flags)
     changed = dict(sources, **{"bn_16bit.cu": sources["bn_16bit.cu"] + " "})
-    assert model_new._extension_name(changed, flags, model_new._LOWP_PREFIX) != name
+    assert model_new._extension_name(changed, flags, model_new._LOWP.PREFIX) != name
     model_new._write_headers(str(tmp_path), sources)
     assert sorted(os.listdir(tmp_path)) == ["bn_stats.cuh", "launchers.cuh", "lowp_chain.cuh", "lowp_coeff.cuh",
                                             "lowp_types.cuh", "sm90_gemm_tiles.cuh", "sm90_primitives.cuh",
@@ -556,61 +546,19 @@ def test_cpu_lowp_sources_and_extension_name(tmp_path):
     assert not set(embedded) & {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh"}
 
 
-@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("problem", ["33", "84"])
-def test_cpu_lowp_fn_matches_model(problem, training):
-    """_LowpFn with the torch-op functions (same functions and arguments as the 16-bit
-    extension's) in float64: its forward is the extension call (running
-    statistics updated once), its backward autograd of _lowp_recompute, which
-    computes in float32: gradients within float32 accuracy of Model's."""
-    m, k, n = 19, 13, 11
-    ref, new = make_pair(problem, k, n, seed=4)
-    gen = torch.Generator().manual_seed(5)
-    if not training:
-        settle_x = torch.randn(m, k, generator=gen, dtype=torch.float64)
-        with torch.no_grad():
-            ref(settle_x)
-        new.load_state_dict(ref.state_dict())
-    ref.train(training)
-    x = torch.randn(m, k, generator=gen, dtype=torch.float64) + 0.5
-    g = torch.randn(m, n, generator=gen, dtype=torch.float64)
-    out_ref, grads_ref = forward_backward(ref, x, g)
-
-    new.zero_grad(set_to_none=True)
-    xn = x.clone().requires_grad_(True)
-    buffers = (new.bn.running_mean, new.bn.running_var, new.bn.num_batches_tracked)
-    params = (xn, new.gemm.weight, new.gemm.bias, model_new.per_feature_scale(new.scale, n), new.bn.weight,
-              new.bn.bias)
-    out = model_new._LowpFn.apply(model_new._TORCH_PATH, "torch_ops", problem == "84", training, buffers,
-                                  float(new.bn.momentum), float(new.bn.eps), *params)
-    (out * g).sum().backward()
-    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
-    for (name, a), b in zip(new.named_buffers(), ref.buffers()):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
-    grads_new = {"x": xn.grad, **{name: p.grad for name, p in new.named_parameters()}}
-    for name, want in grads_ref.items():
-        got = grads_new[name]
-        if training and name == "gemm.bias":
-            assert got.abs().max() <= 1e-5 * grads_ref["bn.bias"].abs().max()
-            continue
-        # float32 recomputation; problem 33's grad scale is a difference of large terms (about eps / var)
-        bound = 1e-2 if (problem, name, training) == ("33", "scale", True) else 1e-5
-        assert rel_err(got, want) <= bound, (name, rel_err(got, want))
-
-
 @pytest.mark.skipif(model_new._OPS is None, reason="needs the fused_gemm_bn:: operators (torch >= 2.4)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
 def test_cpu_lowp_only_operators_refuse_other_tensors(dtype):
     m, k, n = 6, 5, 4
     x, weight = torch.rand(m, k, dtype=dtype), torch.rand(n, k, dtype=dtype)
     vecs = [torch.rand(n, dtype=dtype) + 0.5 for _ in range(6)]
-    built = model_new._lowp_ext
+    built = model_new._LOWP._ext
     with pytest.raises(RuntimeError, match="forward_eval_saved takes 16-bit CUDA tensors"):
         model_new._OPS.forward_eval_saved(x, weight, *vecs, 1e-5, False)
     z, coeff = torch.rand(m, n, dtype=dtype), torch.rand(4, n)
     with pytest.raises(RuntimeError, match="bn_backward_eval takes 16-bit CUDA tensors"):
         model_new._OPS.bn_backward_eval(torch.rand(m, n, dtype=dtype), z, coeff, vecs[0], True)
-    assert model_new._lowp_ext is built, "the refusal must come before any build"
+    assert model_new._LOWP._ext is built, "the refusal must come before any build"
 
 
 @requires_compile_ops
@@ -686,7 +634,7 @@ def frozen_bn_step(model, x, g, params_of=None):
 @requires_compile_ops
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("problem", ["33", "84"])
-def test_gpu_lowp_compile_fullgraph_eval_with_grad(dtype_name, problem, fused_eval_grad):
+def test_gpu_lowp_compile_fullgraph_eval_with_grad(dtype_name, problem):
     """torch.compile(fullgraph=True) of a 16-bit ModelNew whose BatchNorm is
     frozen while the rest trains: forward_eval_saved and bn_backward_eval as
     operators (no graph break).  Output bit-equal to eager ModelNew's (the same
@@ -717,7 +665,7 @@ def test_gpu_lowp_compile_fullgraph_eval_with_grad(dtype_name, problem, fused_ev
 
 @requires_compile_ops
 @pytest.mark.parametrize("problem", ["33", "84"])
-def test_gpu_lowp_jit_trace_eval_with_grad(problem, fused_eval_grad):
+def test_gpu_lowp_jit_trace_eval_with_grad(problem):
     dtype = torch.bfloat16
     m, k, n = 130, 1024, 264
     ref, new = lowp_pair(problem, k, n, dtype)
@@ -735,7 +683,7 @@ def test_gpu_lowp_jit_trace_eval_with_grad(problem, fused_eval_grad):
 
 @requires_cuda
 @pytest.mark.parametrize("problem", ["33", "84"])
-def test_gpu_lowp_eval_backward_keeps_forward_statistics(problem, full_precision_reductions, fused_eval_grad):
+def test_gpu_lowp_eval_backward_keeps_forward_statistics(problem, full_precision_reductions):
     dtype = torch.float16
     m, k, n = 130, 1024, 264
     ref, new = lowp_pair(problem, k, n, dtype)

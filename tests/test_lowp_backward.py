@@ -1,7 +1,7 @@
 """The 16-bit backward after the GEMM (kernels/lowp/bn_16bit_backward.cu:
 bn_backward_train and bn_backward_eval of the 16-bit extension) against a
 float64 autograd reference of the chain it differentiates, and the Python glue
-around it (model_new._lowp_backward) on the CPU.
+around it (model_new_lowp.backward) on the CPU.
 Names: M = batch, N = out_features, K = in_features.
 
 Run: python -m pytest -q tests/test_lowp_backward.py      (GPU tests skip without CUDA)
@@ -18,7 +18,7 @@ holds the same values, as the forward's fold writes them); eval takes them from
 coeff as constants (the running statistics).  Returns (dz, dscale, dgamma, dbeta).
 
 CPU (CI)
-  - test_cpu_lowp_backward_glue [problem, mode]: model_new._lowp_backward driven
+  - test_cpu_lowp_backward_glue [problem, mode]: model_new_lowp.backward driven
     in float64 by the reference as its bn_backward: the six gradients (x,
     gemm.weight, gemm.bias, scale, bn.weight, bn.bias) equal float64 autograd of
     the whole forward (Linear -> chain -> 84's softmax) within 1e-10; gemm.bias
@@ -109,8 +109,6 @@ def whole_forward(x, w, v, scale_after_bn, training):
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
 def test_cpu_lowp_backward_glue(problem, mode):
-    if getattr(model_new, "_lowp_backward", None) is None:
-        pytest.skip("this model_new has no 16-bit backward")
     scale_after_bn, training = problem == "84", mode == "train"
     m, k, n = 19, 13, 11
     x, w, v, g = problem_inputs(m, k, n, seed=3)
@@ -132,7 +130,7 @@ def test_cpu_lowp_backward_glue(problem, mode):
     def bn_backward(g_y, z_, coeff_, scale_, scale_after_bn_):
         return bn_backward_reference(g_y, z_, coeff_, scale_, scale_after_bn_, training)
 
-    got = model_new._lowp_backward(bn_backward, training, scale_after_bn, g, x, w, v["scale"], z, coeff, out_saved,
+    got = model_new._LOWP.backward(bn_backward, training, scale_after_bn, g, x, w, v["scale"], z, coeff, out_saved,
                                    (True,) * 6, (torch.float64,) * 6)
     names = ["x", "gemm.weight", "gemm.bias", "scale", "bn.weight", "bn.bias"]
     for name, a, b in zip(names, got, want):
@@ -169,7 +167,7 @@ def test_gpu_lowp_bn_backward_contract(dtype_name, problem, mode, g_dtype, stora
                              torch.rsqrt(torch.rand(n, generator=gen).double() + 0.3 + EPS),
                              gamma.double(), beta.double()))
     coeff = coeff.to("cuda", torch.float32).contiguous()
-    ext = model_new._lowp_kernels()
+    ext = model_new._LOWP.kernels()
     fn = ext.bn_backward_train if training else ext.bn_backward_eval
     # A probe call's outputs filled with NaN and freed; the call below makes the same
     # allocations in the same order and gets those blocks back (asserted), so an element the

@@ -3,7 +3,7 @@
 the same outputs, dtypes, running statistics, num_batches_tracked and
 gradients as Model under the same autocast, bit for bit, on the CPU (bfloat16
 autocast: runs in CI) and on CUDA (float16 and bfloat16, the fused path
-switched off).  Which calls take the fused kernels instead (_autocast_gemm)
+switched off).  Which calls take the fused kernels instead (model_new_autocast.fused_gemm)
 is checked here on simulated GPUs; tests/test_autocast_fused.py compares the
 fused path with Model.
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import model_new
+import model_new_autocast
 from tests.problems import BOTH, assert_state_equal, make_pair, requires_cuda, snapshot
 
 K, N, M = 48, 40, 16
@@ -148,20 +149,20 @@ def test_cpu_autocast_under_torch_compile(problem):
 
 
 class _FakeCudaInput:
-    """What _autocast_gemm reads off x, for a simulated CUDA call."""
+    """What model_new_autocast.fused_gemm reads off x, for a simulated CUDA call."""
     is_cuda = True
 
     def __init__(self, m, k, dtype):
         self.shape, self.dtype, self.device = (m, k), dtype, torch.device("cuda", 0)
 
 
-HOPPER = model_new.DeviceFacts(capability=(9, 0), num_sms=132, sm90_gemm=True, cluster_max_active=lambda *a: 1)
-AMPERE = model_new.DeviceFacts(capability=(8, 0), num_sms=108, sm90_gemm=False, cluster_max_active=lambda *a: 0)
+HOPPER = model_new.DeviceFacts(capability=(9, 0), num_sms=132, sm90_gemm=True)
+AMPERE = model_new.DeviceFacts(capability=(8, 0), num_sms=108, sm90_gemm=False)
 
 
 @pytest.mark.parametrize("problem", BOTH)
 def test_cpu_autocast_fused_decision(problem):
-    """_autocast_gemm: lowp_sm90 for a float32 module on Hopper with float32 or
+    """model_new_autocast.fused_gemm: lowp_sm90 for a float32 module on Hopper with float32 or
     16-bit x under float16 / bfloat16 autocast; Model's ops (None) off Hopper,
     with SWITCHES.portable or autocast_fused off, in eval with gradients (training
     with gradients takes the fused training step), for a 16-bit module, for an
@@ -170,14 +171,14 @@ def test_cpu_autocast_fused_decision(problem):
     on = model_new.SWITCHES._replace(portable=False, autocast_fused=True)
 
     def decide(x, dtype=torch.bfloat16, facts=HOPPER, switches=on, module=new, grad=False):
-        return model_new._autocast_gemm(x, module.gemm, module.scale, module.bn, dtype, grad, facts, switches)
+        return model_new_autocast.fused_gemm(x, module.gemm, module.scale, module.bn, dtype, grad, facts, switches)
 
     for x_dtype in (torch.float32, torch.float16, torch.bfloat16):
         for dtype in (torch.float16, torch.bfloat16):
             assert decide(_FakeCudaInput(M, K, x_dtype), dtype) == "lowp_sm90"
     x = _FakeCudaInput(M, K, torch.float32)
     assert decide(x, facts=AMPERE) is None
-    assert decide(x, grad=True) == "lowp_sm90"  # training: the fused step (_LowpGradFn)
+    assert decide(x, grad=True) == "lowp_sm90"  # training: the fused step (model_new_lowp.GradFn)
     new.eval()
     assert decide(x, grad=True) is None
     assert decide(x) == "lowp_sm90"

@@ -94,7 +94,7 @@ def test_gpu_16bit_module_without_lowp_raises_clearly(dtype_name, monkeypatch):
     """16-bit modules on CUDA run the kernels/lowp/ extension (tests/test_lowp.py);
     where that folder is missing (the bundle; simulated here) the call raises a
     RuntimeError that names it, before any buffer changes."""
-    monkeypatch.setattr(model_new, "_LOWP_DIR", None)
+    monkeypatch.setattr(model_new, "_LOWP", None)
     _, new = pair("33", 64, 48, HALF_TYPES[dtype_name], "cuda")
     before = buffers(new)
     with pytest.raises(RuntimeError, match="kernels/lowp/"):

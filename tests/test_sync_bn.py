@@ -290,4 +290,4 @@ def test_bundles_warn_once_and_stay_per_process(tmp_path):
             assert "repository's model_new.py" in messages[0]
         assert result["repository"] == ("SyncBatchNorm", [])
         assert result["repository_unconverted"] == ("BatchNormState", [])
-    assert model_new._SYNC_CONVERTIBLE
+    assert model_new._SYNC is not None

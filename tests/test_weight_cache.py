@@ -11,7 +11,7 @@ Run: python -m pytest -q tests/test_weight_cache.py    (GPU tests skip without C
         writes through `.data` (documented; clear_weight_cache() recovers);
         entry dropped with its weight; off for inference-mode weights and with
         the switch off; the two kinds are kept apart.
-  GPU   the forwards of every GEMM path (sm90_fp16x3, sm90_3xtf32, sm80_3xtf32):
+  GPU   the forwards of every GEMM path (sm90_fp16x3, sm80_3xtf32):
         after each change, the cached call's output is bit-equal to a call that
         makes the cache afresh; a CUDA graph captured over the forward re-splits
         the weight at every replay; the fp16x3 parts take the weight's own size,
@@ -144,7 +144,7 @@ def test_weight_args_only_for_the_extension():
 # ---------------------------------------------------------------------------
 
 # The kernel_path prefix of each tests.problems.GEMM_PATHS entry on an H100 / H200.
-PATH_PREFIX = {"default": "sm90_fp16x3", "3xtf32": "sm90_3xtf32", "portable": "sm80_3xtf32"}
+PATH_PREFIX = {"default": "sm90_fp16x3", "portable": "sm80_3xtf32"}
 
 
 def cached_pair(problem, path="default", m=192, k=256, n=160):

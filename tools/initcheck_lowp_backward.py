@@ -20,7 +20,7 @@ from tools.sanitize_workload import SMALL_SHAPES  # noqa: E402
 
 
 def main():
-    ext = model_new._lowp_kernels()
+    ext = model_new._LOWP.kernels()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for m, k, n in SMALL_SHAPES:
         for dtype in (torch.float16, torch.bfloat16):

@@ -1,12 +1,11 @@
-"""A/B of the two 16-bit eval-with-gradients paths, side by side in one run:
-eager Model, ModelNew with _LowpFn (the default until SWITCHES.lowp_eval_grad_fused
-is verified: the fused eval forward, then a torch-op recompute and its autograd)
-and ModelNew with _LowpGradFn (SWITCHES.lowp_eval_grad_fused: forward_eval_saved on
-lowp_cublas, bn_backward_eval, two cuBLAS products).  Forward + backward
-(model(x).backward(g)) in eval after bench.py's settling steps, CUDA-event medians
-of bench.time_fn (interleaved, L2 flushed, GPU time behind a spin kernel), both
-16-bit dtypes and problems; then every gradient's relative Frobenius error against
-the float64 Model for the three sides (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias).
+"""16-bit eval with gradients (`model.bn.eval()` while fine-tuning a 16-bit
+model), side by side in one run: eager Model and ModelNew (model_new_lowp.GradFn:
+forward_eval_saved on lowp_cublas, bn_backward_eval, two cuBLAS products).
+Forward + backward (model(x).backward(g)) in eval after bench.py's settling
+steps, CUDA-event medians of bench.time_fn (interleaved, L2 flushed, GPU time
+behind a spin kernel), both 16-bit dtypes and problems; then every gradient's
+relative Frobenius error against the float64 Model for both sides (x,
+gemm.weight, gemm.bias, scale, bn.weight, bn.bias) and their ratio.
 
     python tools/lowp_eval_grad_ab.py [M,K,N]      (default: KernelBench's 1024,8192,8192)
 """
@@ -19,25 +18,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
-import model_new  # noqa: E402
+
+NAMES = ("x", "gemm.weight", "gemm.bias", "scale", "bn.weight", "bn.bias")
 
 
-def with_switch(model, fused):
-    """model's forward with SWITCHES.lowp_eval_grad_fused set to `fused` for the call."""
-    def run(x):
-        saved = model_new.SWITCHES
-        model_new.SWITCHES = saved._replace(lowp_eval_grad_fused=fused)
-        try:
-            return model(x)
-        finally:
-            model_new.SWITCHES = saved
-    return run
-
-
-def gradients(fn, module, x, g):
+def gradients(module, x, g):
     module.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(True)
-    out = fn(x)
+    out = module(x)
     (out * g.to(out.dtype)).sum().backward()
     return [x.grad] + [p.grad for p in module.parameters()]
 
@@ -55,15 +43,14 @@ def main():
         for name in ("33", "84"):
             problem = bench.load_problem(name)
             ref, new = bench.build_models(problem, shape, "eval", 0, dtype)
-            sides = {"eager": (ref, ref), "_LowpFn": (with_switch(new, False), new),
-                     "_LowpGradFn": (with_switch(new, True), new)}
+            sides = {"eager": ref, "ModelNew": new}
             gen = torch.Generator(device="cuda").manual_seed(1)
             g = torch.randn(m, n, device="cuda", generator=gen).to(dtype)
             x_check = torch.rand(m, k, device="cuda").to(dtype)
             ref64 = copy.deepcopy(ref).double()
-            want = gradients(ref64, ref64, x_check.double(), g.double())
-            errors = {side: [rel_err(a, b) for a, b in zip(gradients(fn, module, x_check, g), want)]
-                      for side, (fn, module) in sides.items()}
+            want = gradients(ref64, x_check.double(), g.double())
+            errors = {side: [rel_err(a, b) for a, b in zip(gradients(module, x_check, g), want)]
+                      for side, module in sides.items()}
             inputs = [torch.rand(m, k, device="cuda").to(dtype).requires_grad_(True) for _ in range(3)]
 
             def clear(x):
@@ -71,14 +58,14 @@ def main():
                 ref.zero_grad(set_to_none=True)
                 new.zero_grad(set_to_none=True)
 
-            fns = {side: (lambda f: lambda x: f(x).backward(g))(fn) for side, (fn, _) in sides.items()}
+            fns = {side: (lambda f: lambda x: f(x).backward(g))(module) for side, module in sides.items()}
             times = bench.time_fn(fns, inputs, 30, 5, prepare={side: clear for side in sides})
             med = {side: statistics.median(t) for side, t in times.items()}
-            print(f"{name} {str(dtype)[6:]}: " + ", ".join(f"{side} {ms:.3f} ms" for side, ms in med.items())
-                  + f"; over eager: _LowpFn {med['_LowpFn'] / med['eager']:.3f}, "
-                    f"_LowpGradFn {med['_LowpGradFn'] / med['eager']:.3f}")
-            for side, errs in errors.items():
-                print(f"    grad err vs float64, {side:12s}" + " ".join(f"{e:.2e}" for e in errs))
+            print(f"{name} {str(dtype)[6:]}: eager {med['eager']:.3f} ms, ModelNew {med['ModelNew']:.3f} ms, "
+                  f"ModelNew / eager {med['ModelNew'] / med['eager']:.3f}  ({new.kernel_path(inputs[0])})")
+            print("    grad err vs float64 " + "  ".join(f"{n_}: {e:.2e} / {r:.2e} ({e / r:.2f}x)"
+                                                         for n_, e, r in zip(NAMES, errors["ModelNew"],
+                                                                              errors["eager"])))
 
 
 if __name__ == "__main__":

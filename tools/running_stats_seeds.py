@@ -4,7 +4,6 @@ ModelNew against eager Model (relative Frobenius errors), over 10 seeds (model a
 ratio of the mean errors over the seeds and the largest single-seed ratio (docs/perf.md v23).
 
     python tools/running_stats_seeds.py                        # default GEMM path
-    FUSED_GEMM_BN_3XTF32=1 python tools/running_stats_seeds.py # the Hopper 3xTF32 kernel
     FUSED_GEMM_BN_PORTABLE=1 python tools/running_stats_seeds.py"""
 import copy
 import os

@@ -1,16 +1,16 @@
 """A short GPU workload for compute-sanitizer: every kernel of both problems, at
 small shapes (both GEMM paths: the Hopper kernel and, with
-FUSED_GEMM_BN_PORTABLE=1, the portable one; tile tails; split tiles) and, with
+FUSED_GEMM_BN_PORTABLE=1, the portable one; tile tails; split tiles; K not a
+multiple of 8, padded) and, with
 --full, one training forward at the KernelBench shape.  --dtype float16 or
 bfloat16 runs the 16-bit kernels of kernels/lowp/ instead (the same shapes: K % 8
 == 0 takes their 16-byte loads, K % 8 != 0 the element-wise path).  --autocast
 float16 or bfloat16 runs float32 models inside torch.autocast: the same kernels
 in their float32-storage (autocast) form, and with gradients (training) the
-fused 16-bit training step (model_new._LowpGradFn: forward_train_saved, then
+fused 16-bit training step (model_new_lowp.GradFn: forward_train_saved, then
 bn16_backward_kernel and two cuBLAS 16-bit products).  16-bit calls with
-gradients in eval run _LowpFn (the eval forward, then a torch-op recompute),
-or with FUSED_GEMM_BN_LOWP_EVAL_GRAD_FUSED=1 _LowpGradFn too (forward_eval_saved
-on lowp_cublas, bn16_chain_eval writing coeff, bn16_backward_kernel's eval form).
+gradients in eval run GradFn too (forward_eval_saved on lowp_cublas,
+bn16_chain_eval writing coeff, bn16_backward_kernel's eval form).
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python tools/sanitize_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize_workload.py

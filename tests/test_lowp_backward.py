@@ -31,10 +31,49 @@ GPU
     the 16-bit dtype (relative Frobenius: it is rounded once), the float32
     parameter gradients within 1e-4 (float64 sums; the rest is the reference's
     own rounding emulation and the float32 coefficients; problem 33's training
-    dscale, 0 in exact arithmetic up to eps, against the size of its terms).  A probe call's
-    outputs are filled with NaN and freed, the call reuses those blocks
-    (asserted): every element must be written.
+    dscale, 0 in exact arithmetic up to eps, against the size of its terms).  The
+    call's outputs lie in poisoned memory (proved per call: below), and no
+    element of any output may still hold the poison.
+
+Every element written (call_on_poisoned_memory, assert_every_element_written)
+  The binding allocates its outputs itself (torch::empty, no out= argument), so
+  the test cannot hand it poisoned tensors; it poisons the allocator's free
+  memory instead and then PROVES, from addresses, that the outputs landed there:
+    1. a probe call gives the outputs' sizes (and runs any first-call set-up);
+    2. the test allocates blocks of those sizes (rounded up to the allocator's
+       512-byte granularity), fills every byte with 0xFF and frees them,
+       remembering their address ranges;
+    3. the call runs; the allocator's cumulative allocation count (from the
+       poisoning to after the call) must equal the number of non-empty outputs:
+       nothing else was allocated, so no temporary can have overwritten poisoned
+       memory before an output got its block (otherwise: fail, unprovable);
+    4. each output's bytes [data_ptr, data_ptr + nbytes) must lie inside the
+       union of the poisoned ranges.  If one does not, the outputs are kept
+       alive (their blocks leave the free lists) and 2-4 repeat with more
+       poison; after 4 attempts the test FAILS (never a silent pass or skip).
+  Then an element the kernel did not write still has every byte 0xFF, a NaN in
+  float16, bfloat16 and float32 alike: assert_every_element_written counts
+  exactly those bit patterns (plus the finiteness check).  Nothing here assumes
+  which block the allocator picks; PyTorch's best-fit allocator, given the same
+  sizes in the same order after the poison is freed, picks the poisoned blocks
+  on the first attempt.
+
+CPU (CI), negative controls of that checker on FakeCachingMemory (a best-fit,
+splitting and coalescing byte arena, freed when a tensor dies) with a fake
+kernel of the binding's outputs:
+  - test_cpu_poison_checker_passes_a_complete_kernel
+  - test_cpu_poison_checker_catches_a_skipped_element [output, element]: the
+    skipped element holds a previous call's correct value without the poison
+    (invisible to a finiteness or reference check), and is caught with it
+  - test_cpu_poison_checker_retries_until_covered: outputs allocated in another
+    order miss the poison on the first attempt and are covered on the second
+  - test_cpu_poison_checker_refuses_unpoisoned_memory: an allocator that never
+    reuses freed memory fails the test instead of passing it vacuously
+  - test_cpu_poison_checker_refuses_temporaries: a call that allocates more
+    than its outputs fails the test (the poison may have been overwritten)
 """
+import weakref
+
 import pytest
 import torch
 
@@ -106,6 +145,173 @@ def whole_forward(x, w, v, scale_after_bn, training):
     return torch.softmax(y * v["scale"], dim=1) if scale_after_bn else y
 
 
+# ---- every output element written: poisoned memory, proved by addresses (module docstring)
+
+POISON_BYTE = 0xFF          # every byte: a NaN in float16, bfloat16 and float32 alike
+ALLOC_GRANULE_BYTES = 512   # the caching allocator's block granularity (kMinBlockSize)
+POISON_ATTEMPTS = 4
+
+
+class CudaMemory:
+    """PyTorch's CUDA caching allocator on `device`, where the binding's outputs come from."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def empty(self, nbytes):
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def allocations(self):
+        """Cumulative count of the allocator's allocations on the device."""
+        stats = torch.cuda.memory_stats(self.device)
+        if "allocation.all.allocated" not in stats:
+            pytest.fail("torch.cuda.memory_stats has no allocation count (not the native caching allocator?): "
+                        "the outputs' coverage by the poison cannot be proved")
+        return stats["allocation.all.allocated"]
+
+
+def output_span(t):
+    """(first byte address, number of bytes) of a contiguous tensor's elements."""
+    assert t.is_contiguous(), "outputs must be contiguous"
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+def inside(span, ranges):
+    """Whether the bytes [start, start + n) lie inside the union of ranges (start, n)."""
+    start, n = span
+    if n == 0:
+        return True
+    merged = []
+    for lo, size in sorted(ranges):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], lo + size)
+        else:
+            merged.append([lo, lo + size])
+    return any(lo <= start and start + n <= hi for lo, hi in merged)
+
+
+def call_on_poisoned_memory(call, memory, attempts=POISON_ATTEMPTS):
+    """call()'s outputs, computed into memory proved to hold POISON_BYTE before the call.
+
+    The allocator's free memory is poisoned with blocks of the outputs' sizes (from a
+    probe call), in the outputs' order; the call may allocate nothing but its outputs
+    (so nothing overwrites the poison first), and every output must lie inside the
+    poisoned ranges.  A miss keeps that attempt's outputs alive and retries with more
+    poison; running out of attempts fails the test."""
+    probe = call()
+    sizes = [output_span(t)[1] for t in probe]
+    del probe
+    expected_allocations = sum(1 for n in sizes if n > 0)
+    held, misses = [], []
+    for attempt in range(attempts):
+        blocks = [-(-n // ALLOC_GRANULE_BYTES) * ALLOC_GRANULE_BYTES for n in sizes if n > 0]
+        poison = [memory.empty(n).fill_(POISON_BYTE) for n in blocks * 2 ** attempt]
+        ranges = [output_span(p) for p in poison]
+        before = memory.allocations()
+        del poison  # back to the allocator's free lists, still holding the poison
+        got = call()
+        made = memory.allocations() - before
+        if made != expected_allocations:
+            pytest.fail(f"the call allocated {made} blocks for {expected_allocations} non-empty outputs: a "
+                        "temporary may have overwritten the poison before an output got its block, so an "
+                        "unwritten element could go unseen")
+        missed = [i for i, t in enumerate(got) if not inside(output_span(t), ranges)]
+        if not missed:
+            return got
+        misses.append(missed)
+        held.append(got)  # their blocks stay taken: the next attempt's allocator state differs
+    pytest.fail(f"outputs {misses} (per attempt) did not lie in poisoned memory after {attempts} attempts: "
+                "the check could not be made")
+
+
+def unwritten_mask(t):
+    """Elements of t whose every byte is still POISON_BYTE."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).view(flat.numel(), t.element_size()).eq(POISON_BYTE).all(dim=1)
+
+
+def assert_every_element_written(outputs, names):
+    """No output element holds the poison (call_on_poisoned_memory's outputs)."""
+    for name, t in zip(names, outputs):
+        mask = unwritten_mask(t)
+        count = int(mask.sum())
+        if count:
+            flat_index, first = int(mask.nonzero()[0, 0]), []
+            for size in reversed(t.shape):
+                first.insert(0, flat_index % size)
+                flat_index //= size
+            pytest.fail(f"{name}: {count} of {t.numel()} elements not written (poison left), first at {first}")
+
+
+class FakeCachingMemory:
+    """A caching allocator in miniature over one CPU byte buffer, for the checker's CPU
+    controls: ALLOC_GRANULE_BYTES granularity, best fit (smallest free block, then lowest
+    offset) split at its start, a block freed (and coalesced with its free neighbours)
+    when its tensor dies.  reuse=False: freed memory is never handed out again."""
+
+    def __init__(self, capacity=1 << 18, reuse=True):
+        self.buffer = torch.zeros(capacity, dtype=torch.uint8)
+        self.free = {0: capacity}  # offset -> bytes
+        self.count = 0
+        self.reuse = reuse
+
+    def allocations(self):
+        return self.count
+
+    def empty(self, nbytes):
+        return self.tensor((nbytes,), torch.uint8)
+
+    def tensor(self, shape, dtype):
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size = max(1, -(-nbytes // ALLOC_GRANULE_BYTES)) * ALLOC_GRANULE_BYTES
+        fits = [(n, off) for off, n in self.free.items() if n >= size]
+        if not fits:
+            raise MemoryError("FakeCachingMemory: out of memory")
+        n, off = min(fits)
+        del self.free[off]
+        if n > size:
+            self.free[off + size] = n - size
+        self.count += 1
+        t = self.buffer[off:off + nbytes].view(dtype).view(shape)
+        weakref.finalize(t, self._release, off, size)
+        return t
+
+    def _release(self, off, size):
+        if not self.reuse:
+            return
+        after = self.free.pop(off + size, 0)
+        before = next((o for o, n in self.free.items() if o + n == off), None)
+        if before is None:
+            self.free[off] = size + after
+        else:
+            self.free[before] += size + after
+
+
+FAKE_M, FAKE_N = 10, 100  # dz: 2000 bytes (4 granules), each vector 400 bytes (1 granule)
+
+
+def fake_bn_backward(memory, skip=None, order=(0, 1, 2, 3)):
+    """A stand-in for bn_backward_train's binding: allocates (dz (M, N) float16, three (N)
+    float32) from memory in `order`, writes values that depend only on the position, and
+    leaves out element skip = (output, flat index) if given."""
+    specs = [((FAKE_M, FAKE_N), torch.float16)] + [((FAKE_N,), torch.float32)] * 3
+    outputs = [None] * 4
+    for i in order:
+        outputs[i] = memory.tensor(*specs[i])
+    for i, t in enumerate(outputs):
+        flat = t.view(-1)
+        kept = None
+        if skip is not None and skip[0] == i:  # the element keeps whatever bytes the memory held
+            kept = flat[skip[1]:skip[1] + 1].view(torch.uint8).clone()
+        flat.copy_(torch.arange(flat.numel(), dtype=torch.float32).mul_(0.25).add_(i))
+        if kept is not None:
+            flat[skip[1]:skip[1] + 1].view(torch.uint8).copy_(kept)
+    return tuple(outputs)
+
+
+FAKE_NAMES = ["dz", "dscale", "dgamma", "dbeta"]
+
+
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
 def test_cpu_lowp_backward_glue(problem, mode):
@@ -141,6 +347,68 @@ def test_cpu_lowp_backward_glue(problem, mode):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def test_cpu_poison_checker_passes_a_complete_kernel():
+    memory = FakeCachingMemory()
+    got = call_on_poisoned_memory(lambda: fake_bn_backward(memory), memory)
+    assert_every_element_written(got, FAKE_NAMES)
+    for i, t in enumerate(got):
+        assert torch.equal(t.view(-1).float(), torch.arange(t.numel(), dtype=torch.float32) * 0.25 + i)
+
+
+@pytest.mark.parametrize("element", ["first", "middle", "last"])
+@pytest.mark.parametrize("output", range(4), ids=FAKE_NAMES)
+def test_cpu_poison_checker_catches_a_skipped_element(output, element):
+    numel = FAKE_M * FAKE_N if output == 0 else FAKE_N
+    index = {"first": 0, "middle": numel // 2 + 1, "last": numel - 1}[element]
+    memory = FakeCachingMemory()
+    # Without the poison the skipped element holds the previous call's value: the same as
+    # a complete kernel's, finite and exact.
+    complete = [t.clone() for t in fake_bn_backward(memory)]
+    stale = fake_bn_backward(memory, skip=(output, index))
+    assert all(torch.equal(a, b) for a, b in zip(stale, complete)), "the skip should be invisible here"
+    del stale
+    got = call_on_poisoned_memory(lambda: fake_bn_backward(memory, skip=(output, index)), memory)
+    with pytest.raises(pytest.fail.Exception, match=rf"{FAKE_NAMES[output]}: 1 of {numel} elements not written"):
+        assert_every_element_written(got, FAKE_NAMES)
+    assert not bool(torch.isfinite(got[output]).all())
+
+
+def test_cpu_poison_checker_retries_until_covered():
+    memory = FakeCachingMemory()
+    # A free 4-granule hole before the rest: the poison's dz takes it, the vectors the
+    # start of the rest; outputs allocated vectors first fill the hole with them and
+    # put dz where only 3 granules were poisoned.
+    hole, pin = memory.tensor((4 * ALLOC_GRANULE_BYTES,), torch.uint8), memory.empty(1)
+    del hole
+    calls = []
+
+    def call():
+        calls.append(1)
+        return fake_bn_backward(memory, order=(1, 2, 3, 0))
+
+    got = call_on_poisoned_memory(call, memory)
+    assert len(calls) == 3, "probe, a miss, then a covered attempt"
+    assert_every_element_written(got, FAKE_NAMES)
+    del pin
+
+
+def test_cpu_poison_checker_refuses_unpoisoned_memory():
+    memory = FakeCachingMemory(reuse=False)
+    with pytest.raises(pytest.fail.Exception, match="did not lie in poisoned memory"):
+        call_on_poisoned_memory(lambda: fake_bn_backward(memory), memory)
+
+
+def test_cpu_poison_checker_refuses_temporaries():
+    memory = FakeCachingMemory()
+
+    def call():
+        memory.empty(4096).fill_(0)  # a temporary, written and freed before the outputs
+        return fake_bn_backward(memory)
+
+    with pytest.raises(pytest.fail.Exception, match="allocated 5 blocks for 4 non-empty outputs"):
+        call_on_poisoned_memory(call, memory)
+
+
 @requires_cuda
 @pytest.mark.parametrize("storage", ["16bit", "float32"])
 @pytest.mark.parametrize("g_dtype", ["16bit", "float32"])
@@ -169,18 +437,11 @@ def test_gpu_lowp_bn_backward_contract(dtype_name, problem, mode, g_dtype, stora
     coeff = coeff.to("cuda", torch.float32).contiguous()
     ext = model_new._LOWP.kernels()
     fn = ext.bn_backward_train if training else ext.bn_backward_eval
-    # A probe call's outputs filled with NaN and freed; the call below makes the same
-    # allocations in the same order and gets those blocks back (asserted), so an element the
-    # kernel leaves unwritten stays NaN.
-    probe = fn(g, z, coeff, scale, scale_after_bn)
-    for t in probe:
-        t.fill_(float("nan"))
-    poisoned = [t.data_ptr() for t in probe]
-    del probe
-    got = fn(g, z, coeff, scale, scale_after_bn)
-    assert [t.data_ptr() for t in got] == poisoned, "outputs did not reuse the poisoned blocks: the check is vacuous"
-    want = bn_backward_reference(g, z, coeff, scale, scale_after_bn, training, t_dtype, s_dtype)
+    # The outputs land in poisoned memory (proved by their addresses) and keep no poison.
+    got = call_on_poisoned_memory(lambda: fn(g, z, coeff, scale, scale_after_bn), CudaMemory(z.device))
     names = ["dz", "dscale", "dgamma", "dbeta"]
+    assert_every_element_written(got, names)
+    want = bn_backward_reference(g, z, coeff, scale, scale_after_bn, training, t_dtype, s_dtype)
     for name, a, b in zip(names, got, want):
         assert bool(torch.isfinite(a).all()), f"{name}: non-finite (unwritten) elements"
         err = rel_err(a, b)

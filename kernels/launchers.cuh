@@ -209,6 +209,27 @@ cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const flo
                              float* stats, float* coeff, double* count, cudaStream_t stream);
 
 // ---- lowp/: the 16-bit kernels (second extension; dtype 0 = IEEE half, 1 = bfloat16) ----
+// The BatchNorm side of a 16-bit call: filled once per call by lowp/binding_16bit.cpp
+// and passed whole to each launcher below, which reads the fields its step needs
+// (each launcher's comment says which).  Vectors: (N), contiguous, 16-bit words of
+// dtype, or float32 with float32_io; a field a call's steps never read may be null / 0.
+struct LowpBatchNormArgs {
+  int dtype;                     // x's (and z's) type: 0 = IEEE half, 1 = bfloat16 (lowp::Dtype)
+  bool float32_io;               // vectors and out float32: a float32 module under mixed precision
+                                 // (the GEMM still in dtype); else all 16-bit of dtype
+  const void* bias;              // gemm.bias: the fused GEMMs' epilogues (the cuBLAS product adds its own)
+  const void* scale;             // the scale (N)
+  const void* bn_weight;         // bn.weight
+  const void* bn_bias;           // bn.bias
+  void* running_mean;            // read by the eval steps, updated by the training fold / strip
+  void* running_var;
+  int64_t* num_batches_tracked;  // training only (null in eval): += 1 by the step that counts
+                                 // the call, read by the fold / strip for momentum < 0
+  float momentum;                // training only; < 0: momentum=None (1 / num_batches_tracked)
+  float eps;
+  bool scale_after_bn;           // false: problem 33 (scale, then BatchNorm); true: 84 (then softmax)
+};
+
 int lowp_gemm_block_m();
 // train: out = u and per-tile statistics, num_batches_tracked += 1 (not null), and
 // with z_out (may be null) the Linear output z = rnd(x w^T + bias) (M, N);

@@ -209,76 +209,92 @@ cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const flo
                              float* stats, float* coeff, double* count, cudaStream_t stream);
 
 // ---- lowp/: the 16-bit kernels (second extension; dtype 0 = IEEE half, 1 = bfloat16) ----
+// The BatchNorm side of a 16-bit call: filled once per call by lowp/binding_16bit.cpp
+// and passed whole to each launcher below, which reads the fields its step needs
+// (each launcher's comment says which).  Vectors: (N), contiguous, 16-bit words of
+// dtype, or float32 with float32_io; a field a call's steps never read may be null / 0.
+struct LowpBatchNormArgs {
+  int dtype;                     // x's (and z's) type: 0 = IEEE half, 1 = bfloat16 (lowp::Dtype)
+  bool float32_io;               // vectors and out float32: a float32 module under mixed precision
+                                 // (the GEMM still in dtype); else all 16-bit of dtype
+  const void* bias;              // gemm.bias: the fused GEMMs' epilogues (the cuBLAS product adds its own)
+  const void* scale;             // the scale (N)
+  const void* bn_weight;         // bn.weight
+  const void* bn_bias;           // bn.bias
+  void* running_mean;            // read by the eval steps, updated by the training fold / strip
+  void* running_var;
+  int64_t* num_batches_tracked;  // training only (null in eval): += 1 by the step that counts
+                                 // the call, read by the fold / strip for momentum < 0
+  float momentum;                // training only; < 0: momentum=None (1 / num_batches_tracked)
+  float eps;
+  bool scale_after_bn;           // false: problem 33 (scale, then BatchNorm); true: 84 (then softmax)
+};
+
 int lowp_gemm_block_m();
 // train: out = u and per-tile statistics, num_batches_tracked += 1 (not null), and
 // with z_out (may be null) the Linear output z = rnd(x w^T + bias) (M, N);
 // else the whole eval chain.  mma.sync m16n8k16, sm_80+ (lowp/sm80_gemm_bn_16bit.cu).
-cudaError_t lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N, int K,
-                         const void* bias, const void* scale, const void* bn_weight, const void* bn_bias,
-                         const void* running_mean, const void* running_var, float eps, bool scale_after_bn,
-                         float* part_mean, float* part_m2, int64_t* num_batches_tracked, void* z_out,
-                         cudaStream_t stream);
+// bn: dtype, bias, scale, scale_after_bn; training num_batches_tracked; eval bn_weight,
+// bn_bias, running_mean, running_var, eps.  float32_io: cudaErrorInvalidValue.
+cudaError_t lowp_gemm_bn(const LowpBatchNormArgs& bn, bool train, const void* x, const void* w, void* out, int M,
+                         int N, int K, float* part_mean, float* part_m2, void* z_out, cudaStream_t stream);
 // The same on Hopper (lowp/sm90_gemm_bn_16bit.cu: wgmma, TMA; sm_90a): x and w 16-byte
-// aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs and statistics layout;
-// workspace: *floats floats from lowp_sm90_workspace, the last *zero_ints ints zeroed (may be
-// null when *floats is 0).  float32_io: the vectors and out are float32 (a float32 module
-// under mixed precision; the GEMM in dtype), else 16-bit of dtype.  z_out (train, may be
-// null): also the Linear output z = rnd(x w^T + bias) (M, N) in dtype, for the backward.
-// w_float32 (with float32_io, without z_out): w is float32, rounded to dtype in the kernel
-// as autocast's cast of the weight rounds it.
+// aligned, K % 8 == 0 (else cudaErrorInvalidValue).  The same outputs, statistics layout
+// and fields of bn, and float32_io: the vectors and out are float32 (a float32 module
+// under mixed precision; the GEMM in dtype), else 16-bit of dtype.  workspace: *floats
+// floats from lowp_sm90_workspace, the last *zero_ints ints zeroed (may be null when
+// *floats is 0).  z_out (train, may be null): also the Linear output z = rnd(x w^T + bias)
+// (M, N) in dtype, for the backward.  w_float32 (with float32_io, without z_out): w is
+// float32, rounded to dtype in the kernel as autocast's cast of the weight rounds it.
 void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
-cudaError_t lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, bool w_float32, const void* x, const void* w,
-                              void* out, int M,
-                              int N, int K, const void* bias, const void* scale, const void* bn_weight,
-                              const void* bn_bias, const void* running_mean, const void* running_var, float eps,
-                              bool scale_after_bn, float* part_mean, float* part_m2, int64_t* num_batches_tracked,
-                              void* z_out, float* workspace, cudaStream_t stream);
+cudaError_t lowp_sm90_gemm_bn(const LowpBatchNormArgs& bn, bool train, bool w_float32, const void* x, const void* w,
+                              void* out, int M, int N, int K, float* part_mean, float* part_m2, void* z_out,
+                              float* workspace, cudaStream_t stream);
 // Training statistics (coeff, (4, N) rows: lowp_coeff.cuh) and the running-statistics update (lowp/bn_16bit.cu);
 // float32_io: the BatchNorm parameters and running statistics (and below, out and scale) are float32.
-cudaError_t lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mean, const float* part_m2,
-                               int num_m_tiles, int block_m, int M, int N, const void* bn_weight, const void* bn_bias,
-                               const int64_t* num_batches_tracked, float momentum, float eps, void* running_mean,
-                               void* running_var, float* coeff, cudaStream_t stream);
+// bn: dtype, float32_io, bn_weight, bn_bias, running_mean, running_var (updated),
+// num_batches_tracked (read, already counted), momentum, eps.
+cudaError_t lowp_bn_fold_train(const LowpBatchNormArgs& bn, const float* part_mean, const float* part_m2,
+                               int num_m_tiles, int block_m, int M, int N, float* coeff, cudaStream_t stream);
 // After a cuBLAS product z = rnd(x w^T + bias) (M, N) in dtype (lowp/bn_16bit_chain.cu), what the
 // GEMMs' epilogues do: training, out = u and part_mean / part_m2 (ceil(M / 128), N),
 // num_batches_tracked += 1 (may be null); eval, out = the eval chain, and where coeff is not
 // null its (4, N) rows {running_mean, invstd, bn.weight, bn.bias} as the chain used them
 // (the eval backward's coefficients).  out may be z (16-bit S).
-cudaError_t lowp_bn_chain_train(int dtype, bool float32_io, const void* z, void* out, const void* scale,
-                                bool scale_after_bn, int M, int N, float* part_mean, float* part_m2,
-                                int64_t* num_batches_tracked, cudaStream_t stream);
-cudaError_t lowp_bn_chain_eval(int dtype, bool float32_io, const void* z, void* out, const void* scale,
-                               const void* bn_weight, const void* bn_bias, const void* running_mean,
-                               const void* running_var, float eps, bool scale_after_bn, int M, int N,
-                               float* coeff, cudaStream_t stream);
+// bn: dtype, float32_io, scale, scale_after_bn; training num_batches_tracked; eval
+// bn_weight, bn_bias, running_mean, running_var, eps.
+cudaError_t lowp_bn_chain_train(const LowpBatchNormArgs& bn, const void* z, void* out, int M, int N,
+                                float* part_mean, float* part_m2, cudaStream_t stream);
+cudaError_t lowp_bn_chain_eval(const LowpBatchNormArgs& bn, const void* z, void* out, int M, int N, float* coeff,
+                               cudaStream_t stream);
 // After a cuBLAS product, training, batches of 2 .. 1024 rows (lowp/bn_16bit_strip.cu): u,
 // the statistics, the running statistics, coeff and (problem 33) out = BatchNorm(u), or
 // (84) out = u, in one kernel.  num_batches_tracked += 1 here when momentum >= 0;
 // momentum < 0 (1 / num_batches_tracked): the caller adds 1 first.  fits: whether
 // the kernel takes this call (M, N % 8, 16-byte alignment); the launcher returns
-// cudaErrorInvalidValue otherwise.
+// cudaErrorInvalidValue otherwise.  bn: every field but bias.
 bool lowp_bn_strip_train_fits(int M, int N, const void* z, const void* out);
-cudaError_t lowp_bn_strip_train(int dtype, bool float32_io, const void* z, void* out, const void* scale,
-                                const void* bn_weight, const void* bn_bias, void* running_mean, void* running_var,
-                                int64_t* num_batches_tracked, float momentum, float eps, bool scale_after_bn, int M,
-                                int N, float* coeff, cudaStream_t stream);
-// Problem 33, training: BatchNorm of out in place.
-cudaError_t lowp_bn_apply(int dtype, bool float32_io, void* out, const float* coeff, int M, int N,
+cudaError_t lowp_bn_strip_train(const LowpBatchNormArgs& bn, const void* z, void* out, int M, int N, float* coeff,
+                                cudaStream_t stream);
+// Problem 33, training: BatchNorm of out in place (bn: dtype, float32_io).
+cudaError_t lowp_bn_apply(const LowpBatchNormArgs& bn, void* out, const float* coeff, int M, int N,
                           cudaStream_t stream);
-// Problem 84: row softmax in place (coeff and scale: training; coeff null: eval).
-cudaError_t lowp_softmax_rows(int dtype, bool float32_io, void* out, const float* coeff, const void* scale, int M,
-                              int N, cudaStream_t stream);
+// Problem 84: row softmax in place (coeff and bn.scale: training; coeff null: eval, the
+// scale unread).  bn: dtype, float32_io, scale.
+cudaError_t lowp_softmax_rows(const LowpBatchNormArgs& bn, void* out, const float* coeff, int M, int N,
+                              cudaStream_t stream);
 // Problem 84, eval after lowp_cublas's product: out (M, N) 16-bit, holding z, <- row
 // softmax of BatchNorm (running statistics) * scale of it, in place (bn_16bit.cu, kEval).
-cudaError_t lowp_bn_softmax_rows_eval(int dtype, void* out, const void* scale, const void* bn_weight,
-                                      const void* bn_bias, const void* running_mean, const void* running_var,
-                                      float eps, int M, int N, cudaStream_t stream);
+// bn: dtype, scale, bn_weight, bn_bias, running_mean, running_var, eps; float32_io or
+// !scale_after_bn: cudaErrorInvalidValue.
+cudaError_t lowp_bn_softmax_rows_eval(const LowpBatchNormArgs& bn, void* out, int M, int N, cudaStream_t stream);
 // The backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and dscale,
 // dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
 // (g_float32) or dtype, the saved z (M, N) in dtype and coeff ((4, N) rows, lowp_coeff.cuh) of
 // the forward: the batch's (training) or the running statistics' (eval).
-cudaError_t lowp_bn_backward(int dtype, bool float32_io, bool g_float32, bool training, const void* g, const void* z,
-                             const float* coeff, const void* scale, bool scale_after_bn, int M, int N, void* dz,
-                             float* dscale, float* dgamma, float* dbeta, cudaStream_t stream);
+// bn: dtype, float32_io (the scale float32), scale, scale_after_bn.
+cudaError_t lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_float32, bool training, const void* g,
+                             const void* z, const float* coeff, int M, int N, void* dz, float* dscale, float* dgamma,
+                             float* dbeta, cudaStream_t stream);
 
 }  // namespace fused_gemm_bn

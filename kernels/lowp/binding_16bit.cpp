@@ -189,6 +189,24 @@ void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& n
               "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
 }
 
+// The BatchNorm side of one call, filled once and passed whole to every launcher of
+// the call.  num_batches_tracked, momentum: training only (eval: null, 0).
+fgb::LowpBatchNormArgs bn_args(int dtype, bool float32_io, const BnTensors& t, int64_t* num_batches_tracked,
+                               double momentum, double eps, bool scale_after_bn) {
+  return {dtype,
+          float32_io,
+          t.bias.data_ptr(),
+          t.scale.data_ptr(),
+          t.bn_weight.data_ptr(),
+          t.bn_bias.data_ptr(),
+          t.running_mean.data_ptr(),
+          t.running_var.data_ptr(),
+          num_batches_tracked,
+          static_cast<float>(momentum),
+          static_cast<float>(eps),
+          scale_after_bn};
+}
+
 // lowp_cublas's product: z = rnd(x w^T + bias) (M, N) in x's dtype by at::linear, eager
 // nn.Linear's call (under autocast, the weight and bias cast to x's dtype first, as
 // autocast casts them), so z is eager's, bit for bit.
@@ -200,17 +218,12 @@ torch::Tensor cublas_linear(const Operands& op, const BnTensors& t, bool float32
 }
 
 // The GEMM launch of either fused kernel (the same arguments and outputs; not lowp_cublas).
-cudaError_t launch_gemm(bool sm90, int dtype, bool train, bool float32_io, const Operands& op, torch::Tensor& out,
-                        const BnTensors& t, float eps, bool scale_after_bn, float* part_mean, float* part_m2,
-                        int64_t* num_batches_tracked, void* z_out, cudaStream_t stream) {
-  const void* bn_weight = train ? nullptr : t.bn_weight.data_ptr();
-  const void* bn_bias = train ? nullptr : t.bn_bias.data_ptr();
-  const void* running_mean = train ? nullptr : t.running_mean.data_ptr();
-  const void* running_var = train ? nullptr : t.running_var.data_ptr();
+cudaError_t launch_gemm(bool sm90, bool train, const Operands& op, torch::Tensor& out,
+                        const fgb::LowpBatchNormArgs& bn, float* part_mean, float* part_m2, void* z_out,
+                        cudaStream_t stream) {
   if (!sm90)
-    return fgb::lowp_gemm_bn(dtype, train, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), op.M, op.N, op.K,
-                             t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias, running_mean, running_var,
-                             eps, scale_after_bn, part_mean, part_m2, num_batches_tracked, z_out, stream);
+    return fgb::lowp_gemm_bn(bn, train, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), op.M, op.N, op.K,
+                             part_mean, part_m2, z_out, stream);
   // The split tiles' workspace (small grids only), its arrival counts zeroed.
   int64_t workspace_floats = 0;
   int zero_ints = 0;
@@ -222,10 +235,9 @@ cudaError_t launch_gemm(bool sm90, int dtype, bool train, bool float32_io, const
                                             static_cast<size_t>(zero_ints) * sizeof(int), stream);
     if (err != cudaSuccess) return err;
   }
-  return fgb::lowp_sm90_gemm_bn(dtype, train, float32_io, op.w_float32, op.x.data_ptr(), op.weight.data_ptr(),
-                                out.data_ptr(), op.M, op.N, op.K, t.bias.data_ptr(), t.scale.data_ptr(), bn_weight, bn_bias,
-                                running_mean, running_var, eps, scale_after_bn, part_mean, part_m2, num_batches_tracked,
-                                z_out, workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr, stream);
+  return fgb::lowp_sm90_gemm_bn(bn, train, op.w_float32, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(),
+                                op.M, op.N, op.K, part_mean, part_m2, z_out,
+                                workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr, stream);
 }
 
 // What a training forward returns: out (M, N) in the vectors' dtype; with
@@ -270,20 +282,17 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   }
   torch::Tensor& out = r.out;
   float* coeff = r.coeff.data_ptr<float>();
+  const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, num_batches_tracked.data_ptr<int64_t>(),
+                                            momentum, eps, scale_after_bn);
   if (gemm == Gemm::kCublas && (!scale_after_bn || N <= kStripMaxFeatures84) &&
       fgb::lowp_bn_strip_train_fits(M, N, z.data_ptr(), out.data_ptr())) {
     // One kernel for the statistics, the running statistics, coeff and (33) the output.
     if (momentum < 0) num_batches_tracked.add_(1);  // read by the kernel (momentum=None)
-    check_launch(fgb::lowp_bn_strip_train(op.dtype, float32_io, z.data_ptr(), out.data_ptr(), t.scale.data_ptr(),
-                                          t.bn_weight.data_ptr(), t.bn_bias.data_ptr(), t.running_mean.data_ptr(),
-                                          t.running_var.data_ptr(), num_batches_tracked.data_ptr<int64_t>(),
-                                          static_cast<float>(momentum), static_cast<float>(eps), scale_after_bn, M, N,
-                                          coeff, stream),
+    check_launch(fgb::lowp_bn_strip_train(bn, z.data_ptr(), out.data_ptr(), M, N, coeff, stream),
                  "bn16_strip_train_kernel");
     if (scale_after_bn)
-      check_launch(
-          fgb::lowp_softmax_rows(op.dtype, float32_io, out.data_ptr(), coeff, t.scale.data_ptr(), M, N, stream),
-          "bn16_softmax_rows_kernel (training)");
+      check_launch(fgb::lowp_softmax_rows(bn, out.data_ptr(), coeff, M, N, stream),
+                   "bn16_softmax_rows_kernel (training)");
     return r;
   }
   const int block_m = fgb::lowp_gemm_block_m();
@@ -294,28 +303,20 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   float* part_mean = scratch.data_ptr<float>();
   float* part_m2 = part_mean + part_floats;
   if (gemm == Gemm::kCublas) {
-    check_launch(fgb::lowp_bn_chain_train(op.dtype, float32_io, z.data_ptr(), out.data_ptr(), t.scale.data_ptr(),
-                                          scale_after_bn, M, N, part_mean, part_m2,
-                                          num_batches_tracked.data_ptr<int64_t>(), stream),
+    check_launch(fgb::lowp_bn_chain_train(bn, z.data_ptr(), out.data_ptr(), M, N, part_mean, part_m2, stream),
                  gemm_kernel_name(gemm, true));
   } else {
-    check_launch(launch_gemm(gemm == Gemm::kSm90, op.dtype, true, float32_io, op, out, t, 0.f, scale_after_bn,
-                             part_mean, part_m2, num_batches_tracked.data_ptr<int64_t>(),
+    check_launch(launch_gemm(gemm == Gemm::kSm90, true, op, out, bn, part_mean, part_m2,
                              saved ? r.z.data_ptr() : nullptr, stream),
                  gemm_kernel_name(gemm, true));
   }
-  check_launch(fgb::lowp_bn_fold_train(op.dtype, float32_io, part_mean, part_m2, num_m_tiles, block_m, M, N,
-                                       t.bn_weight.data_ptr(), t.bn_bias.data_ptr(),
-                                       num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                                       static_cast<float>(eps), t.running_mean.data_ptr(), t.running_var.data_ptr(),
-                                       coeff, stream),
+  check_launch(fgb::lowp_bn_fold_train(bn, part_mean, part_m2, num_m_tiles, block_m, M, N, coeff, stream),
                "bn16_fold_train_kernel");
   if (!scale_after_bn) {
-    check_launch(fgb::lowp_bn_apply(op.dtype, float32_io, out.data_ptr(), coeff, M, N, stream), "bn16_apply_kernel");
+    check_launch(fgb::lowp_bn_apply(bn, out.data_ptr(), coeff, M, N, stream), "bn16_apply_kernel");
   } else {
-    check_launch(
-        fgb::lowp_softmax_rows(op.dtype, float32_io, out.data_ptr(), coeff, t.scale.data_ptr(), M, N, stream),
-        "bn16_softmax_rows_kernel (training)");
+    check_launch(fgb::lowp_softmax_rows(bn, out.data_ptr(), coeff, M, N, stream),
+                 "bn16_softmax_rows_kernel (training)");
   }
   return r;
 }
@@ -343,12 +344,11 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
   EvalResult r;
   if (saved) r.coeff = torch::empty({4, N}, op.x.options().dtype(torch::kFloat32));
+  const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, nullptr, 0.0, eps, scale_after_bn);
   if (gemm == Gemm::kCublas && M > 0 && N > 0) {
     const torch::Tensor z = cublas_linear(op, t, float32_io);
     if (scale_after_bn && !float32_io && !saved) {  // 84: BatchNorm, scale and softmax in one pass, in place over z
-      check_launch(fgb::lowp_bn_softmax_rows_eval(op.dtype, z.data_ptr(), t.scale.data_ptr(), t.bn_weight.data_ptr(),
-                                                  t.bn_bias.data_ptr(), t.running_mean.data_ptr(),
-                                                  t.running_var.data_ptr(), static_cast<float>(eps), M, N, stream),
+      check_launch(fgb::lowp_bn_softmax_rows_eval(bn, z.data_ptr(), M, N, stream),
                    "bn16_softmax_rows_kernel (eval, BatchNorm fused)");
       r.out = z;
       return r;
@@ -356,24 +356,21 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
     // In place over z unless z is kept or out is float32.
     r.out = float32_io || saved ? torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type())) : z;
     if (saved) r.z = z;
-    check_launch(fgb::lowp_bn_chain_eval(op.dtype, float32_io, z.data_ptr(), r.out.data_ptr(), t.scale.data_ptr(),
-                                         t.bn_weight.data_ptr(), t.bn_bias.data_ptr(), t.running_mean.data_ptr(),
-                                         t.running_var.data_ptr(), static_cast<float>(eps), scale_after_bn, M, N,
+    check_launch(fgb::lowp_bn_chain_eval(bn, z.data_ptr(), r.out.data_ptr(), M, N,
                                          saved ? r.coeff.data_ptr<float>() : nullptr, stream),
                  gemm_kernel_name(gemm, false));
     if (scale_after_bn)
-      check_launch(fgb::lowp_softmax_rows(op.dtype, float32_io, r.out.data_ptr(), nullptr, nullptr, M, N, stream),
+      check_launch(fgb::lowp_softmax_rows(bn, r.out.data_ptr(), nullptr, M, N, stream),
                    "bn16_softmax_rows_kernel (eval)");
     return r;
   }
   r.out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
   if (saved) r.z = torch::empty({M, N}, op.x.options());
   if (M == 0 || N == 0) return r;  // (saved: coeff is never read, as no row has a gradient)
-  check_launch(launch_gemm(gemm == Gemm::kSm90, op.dtype, false, float32_io, op, r.out, t, static_cast<float>(eps),
-                           scale_after_bn, nullptr, nullptr, nullptr, nullptr, stream),
+  check_launch(launch_gemm(gemm == Gemm::kSm90, false, op, r.out, bn, nullptr, nullptr, nullptr, stream),
                gemm_kernel_name(gemm, false));
   if (scale_after_bn)
-    check_launch(fgb::lowp_softmax_rows(op.dtype, float32_io, r.out.data_ptr(), nullptr, nullptr, M, N, stream),
+    check_launch(fgb::lowp_softmax_rows(bn, r.out.data_ptr(), nullptr, M, N, stream),
                  "bn16_softmax_rows_kernel (eval)");
   return r;
 }
@@ -407,11 +404,16 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
   const auto f32 = z.options().dtype(torch::kFloat32);
   auto vector = [&] { return M == 0 ? torch::zeros({N}, f32) : torch::empty({N}, f32); };
   torch::Tensor grad_scale = vector(), grad_bn_weight = vector(), grad_bn_bias = vector();
-  check_launch(fgb::lowp_bn_backward(dtype_code(z.scalar_type()), scale.scalar_type() == torch::kFloat32,
-                                     g.scalar_type() == torch::kFloat32, training, g.data_ptr(), z.data_ptr(),
-                                     coeff.data_ptr<float>(), scale.data_ptr(), scale_after_bn, static_cast<int>(M),
-                                     static_cast<int>(N), grad_z.data_ptr(), grad_scale.data_ptr<float>(),
-                                     grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
+  // The backward reads the scale of the call's BatchNorm side (coeff holds the rest).
+  fgb::LowpBatchNormArgs bn{};
+  bn.dtype = dtype_code(z.scalar_type());
+  bn.float32_io = scale.scalar_type() == torch::kFloat32;
+  bn.scale = scale.data_ptr();
+  bn.scale_after_bn = scale_after_bn;
+  check_launch(fgb::lowp_bn_backward(bn, g.scalar_type() == torch::kFloat32, training, g.data_ptr(), z.data_ptr(),
+                                     coeff.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N),
+                                     grad_z.data_ptr(), grad_scale.data_ptr<float>(), grad_bn_weight.data_ptr<float>(),
+                                     grad_bn_bias.data_ptr<float>(), stream),
                training ? "bn16_backward_kernel (training)" : "bn16_backward_kernel (eval)");
   return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
 }

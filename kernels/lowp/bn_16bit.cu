@@ -542,16 +542,14 @@ cudaError_t apply_for_storage(word_t<S>* out, const float* coeff, int M, int N, 
 }  // namespace fused_gemm_bn
 
 // ---------------------------------------------------------------------------
-// Host launchers (raw pointers; dtype: 0 = IEEE half, 1 = bfloat16, lowp::Dtype)
+// Host launchers (raw pointers and the call's LowpBatchNormArgs, launchers.cuh)
 // ---------------------------------------------------------------------------
 
 // Training statistics of both problems: coeff (N float4) and the running
 // statistics, from the GEMM's per-tile statistics.
-cudaError_t fused_gemm_bn::lowp_bn_fold_train(int dtype, bool float32_io, const float* part_mean, const float* part_m2,
-                                              int num_m_tiles, int block_m, int M, int N, const void* bn_weight,
-                                              const void* bn_bias, const int64_t* num_batches_tracked, float momentum,
-                                              float eps, void* running_mean, void* running_var, float* coeff,
-                                              cudaStream_t stream) {
+cudaError_t fused_gemm_bn::lowp_bn_fold_train(const LowpBatchNormArgs& bn, const float* part_mean,
+                                              const float* part_m2, int num_m_tiles, int block_m, int M, int N,
+                                              float* coeff, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
@@ -561,20 +559,20 @@ cudaError_t fused_gemm_bn::lowp_bn_fold_train(int dtype, bool float32_io, const 
                    block_m,
                    M,
                    N,
-                   bn_weight,
-                   bn_bias,
-                   num_batches_tracked,
-                   momentum,
-                   eps,
-                   running_mean,
-                   running_var,
+                   bn.bn_weight,
+                   bn.bn_bias,
+                   bn.num_batches_tracked,
+                   bn.momentum,
+                   bn.eps,
+                   bn.running_mean,
+                   bn.running_var,
                    coeff};
   const int blocks = (N + kFoldThreads - 1) / kFoldThreads;
-  if (float32_io) {  // float32 parameters and running statistics
+  if (bn.float32_io) {  // float32 parameters and running statistics
     bn16_fold_train_kernel<float><<<blocks, kFoldThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }
-  switch (static_cast<Dtype>(dtype)) {
+  switch (static_cast<Dtype>(bn.dtype)) {
     case Dtype::kF16:
       bn16_fold_train_kernel<__half><<<blocks, kFoldThreads, 0, stream>>>(p);
       return cudaGetLastError();
@@ -586,15 +584,15 @@ cudaError_t fused_gemm_bn::lowp_bn_fold_train(int dtype, bool float32_io, const 
 }
 
 // Problem 33, training: out (M, N) <- BatchNorm of out with coeff, in place.
-cudaError_t fused_gemm_bn::lowp_bn_apply(int dtype, bool float32_io, void* out, const float* coeff, int M, int N,
+cudaError_t fused_gemm_bn::lowp_bn_apply(const LowpBatchNormArgs& bn, void* out, const float* coeff, int M, int N,
                                          cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
   const float* c = coeff;
-  if (float32_io) return apply_for_storage<float>(static_cast<float*>(out), c, M, N, stream);
+  if (bn.float32_io) return apply_for_storage<float>(static_cast<float*>(out), c, M, N, stream);
   uint16_t* o = static_cast<uint16_t*>(out);
-  switch (static_cast<Dtype>(dtype)) {
+  switch (static_cast<Dtype>(bn.dtype)) {
     case Dtype::kF16:
       return apply_for_storage<__half>(o, c, M, N, stream);
     case Dtype::kBF16:
@@ -603,39 +601,39 @@ cudaError_t fused_gemm_bn::lowp_bn_apply(int dtype, bool float32_io, void* out, 
   return cudaErrorInvalidValue;
 }
 
-// Problem 84: out (M, N) <- row softmax of rnd(rnd(BatchNorm(out)) * scale)
-// (coeff and scale given: training) or of out itself (coeff == nullptr: eval),
-// in place.
-cudaError_t fused_gemm_bn::lowp_softmax_rows(int dtype, bool float32_io, void* out, const float* coeff,
-                                             const void* scale, int M, int N, cudaStream_t stream) {
+// Problem 84: out (M, N) <- row softmax of rnd(rnd(BatchNorm(out)) * bn.scale)
+// (coeff given: training) or of out itself (coeff == nullptr: eval, the scale
+// unread), in place.
+cudaError_t fused_gemm_bn::lowp_softmax_rows(const LowpBatchNormArgs& bn, void* out, const float* coeff, int M, int N,
+                                             cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
-  const RowArgs p{out,    coeff, coeff != nullptr ? scale : nullptr,
-                  nullptr, nullptr,                                nullptr,
-                  nullptr, 0.f,                                    N};
-  switch (static_cast<Dtype>(dtype)) {
+  const RowArgs p{out,    coeff, coeff != nullptr ? bn.scale : nullptr,
+                  nullptr, nullptr,                                   nullptr,
+                  nullptr, 0.f,                                       N};
+  switch (static_cast<Dtype>(bn.dtype)) {
     case Dtype::kF16:
-      return softmax_rows_for_type<__half>(p, float32_io, M, stream);
+      return softmax_rows_for_type<__half>(p, bn.float32_io, M, stream);
     case Dtype::kBF16:
-      return softmax_rows_for_type<__nv_bfloat16>(p, float32_io, M, stream);
+      return softmax_rows_for_type<__nv_bfloat16>(p, bn.float32_io, M, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 // Problem 84, eval, after a cuBLAS product: out (M, N) of the 16-bit type, holding
 // z, <- row softmax of rnd(eval_out(z)) in place (kEval: BatchNorm with the running
-// statistics and the scale applied as each row is read).
-cudaError_t fused_gemm_bn::lowp_bn_softmax_rows_eval(int dtype, void* out, const void* scale, const void* bn_weight,
-                                                     const void* bn_bias, const void* running_mean,
-                                                     const void* running_var, float eps, int M, int N,
+// statistics and the scale applied as each row is read).  16-bit vectors only
+// (bn.float32_io: cudaErrorInvalidValue), problem 84 only (bn.scale_after_bn).
+cudaError_t fused_gemm_bn::lowp_bn_softmax_rows_eval(const LowpBatchNormArgs& bn, void* out, int M, int N,
                                                      cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
-  const RowArgs p{out,          nullptr,     scale, bn_weight, bn_bias,
-                  running_mean, running_var, eps,   N};
-  switch (static_cast<Dtype>(dtype)) {
+  if (bn.float32_io || !bn.scale_after_bn) return cudaErrorInvalidValue;
+  const RowArgs p{out,             nullptr,        bn.scale, bn.bn_weight, bn.bn_bias,
+                  bn.running_mean, bn.running_var, bn.eps,   N};
+  switch (static_cast<Dtype>(bn.dtype)) {
     case Dtype::kF16:
       return softmax_rows_for_storage<__half, __half, RowMode::kEval>(p, M, stream);
     case Dtype::kBF16:

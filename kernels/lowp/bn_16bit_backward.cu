@@ -214,20 +214,19 @@ cudaError_t launch_for_type(const Args& p, bool float32_io, bool g_float32, bool
 
 // dz (M, N) in dtype and dscale, dgamma, dbeta (N) float32 from g (M, N) (formulas above);
 // training: coeff holds the batch statistics, else the running statistics (eval).
-cudaError_t fused_gemm_bn::lowp_bn_backward(int dtype, bool float32_io, bool g_float32, bool training, const void* g,
-                                            const void* z, const float* coeff, const void* scale,
-                                            bool scale_after_bn, int M, int N, void* dz, float* dscale, float* dgamma,
-                                            float* dbeta, cudaStream_t stream) {
+cudaError_t fused_gemm_bn::lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_float32, bool training, const void* g,
+                                            const void* z, const float* coeff, int M, int N, void* dz, float* dscale,
+                                            float* dgamma, float* dbeta, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn_backward;
   if (M == 0 || N == 0) return cudaSuccess;
-  const Args p{g, static_cast<const uint16_t*>(z), coeff, scale, scale_after_bn, M, N,
+  const Args p{g, static_cast<const uint16_t*>(z), coeff, bn.scale, bn.scale_after_bn, M, N,
                static_cast<uint16_t*>(dz), dscale, dgamma, dbeta};
-  switch (static_cast<Dtype>(dtype)) {
+  switch (static_cast<Dtype>(bn.dtype)) {
     case Dtype::kF16:
-      return launch_for_type<__half>(p, float32_io, g_float32, training, stream);
+      return launch_for_type<__half>(p, bn.float32_io, g_float32, training, stream);
     case Dtype::kBF16:
-      return launch_for_type<__nv_bfloat16>(p, float32_io, g_float32, training, stream);
+      return launch_for_type<__nv_bfloat16>(p, bn.float32_io, g_float32, training, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -272,32 +272,28 @@ cudaError_t eval_for_storage(const EvalArgs& p, cudaStream_t stream) {
 }  // namespace lowp
 }  // namespace fused_gemm_bn
 
-cudaError_t fused_gemm_bn::lowp_bn_chain_train(int dtype, bool float32_io, const void* z, void* out,
-                                               const void* scale, bool scale_after_bn, int M, int N,
-                                               float* part_mean, float* part_m2, int64_t* num_batches_tracked,
-                                               cudaStream_t stream) {
+cudaError_t fused_gemm_bn::lowp_bn_chain_train(const LowpBatchNormArgs& bn, const void* z, void* out, int M, int N,
+                                               float* part_mean, float* part_m2, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M <= 0 || N <= 0) return cudaSuccess;
-  const chain::TrainArgs p{static_cast<const uint16_t*>(z), out, scale, scale_after_bn, M, N, part_mean, part_m2,
-                           num_batches_tracked};
-  if (static_cast<Dtype>(dtype) == Dtype::kF16)
-    return float32_io ? chain::train_for_storage<__half, float>(p, stream)
-                      : chain::train_for_storage<__half, __half>(p, stream);
-  return float32_io ? chain::train_for_storage<__nv_bfloat16, float>(p, stream)
-                    : chain::train_for_storage<__nv_bfloat16, __nv_bfloat16>(p, stream);
+  const chain::TrainArgs p{static_cast<const uint16_t*>(z), out, bn.scale, bn.scale_after_bn, M, N, part_mean, part_m2,
+                           bn.num_batches_tracked};
+  if (static_cast<Dtype>(bn.dtype) == Dtype::kF16)
+    return bn.float32_io ? chain::train_for_storage<__half, float>(p, stream)
+                         : chain::train_for_storage<__half, __half>(p, stream);
+  return bn.float32_io ? chain::train_for_storage<__nv_bfloat16, float>(p, stream)
+                       : chain::train_for_storage<__nv_bfloat16, __nv_bfloat16>(p, stream);
 }
 
-cudaError_t fused_gemm_bn::lowp_bn_chain_eval(int dtype, bool float32_io, const void* z, void* out,
-                                              const void* scale, const void* bn_weight, const void* bn_bias,
-                                              const void* running_mean, const void* running_var, float eps,
-                                              bool scale_after_bn, int M, int N, float* coeff, cudaStream_t stream) {
+cudaError_t fused_gemm_bn::lowp_bn_chain_eval(const LowpBatchNormArgs& bn, const void* z, void* out, int M, int N,
+                                              float* coeff, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M <= 0 || N <= 0) return cudaSuccess;
-  const chain::EvalArgs p{static_cast<const uint16_t*>(z), out, scale, bn_weight, bn_bias, running_mean,
-                          running_var, eps, scale_after_bn, M, N, coeff};
-  if (static_cast<Dtype>(dtype) == Dtype::kF16)
-    return float32_io ? chain::eval_for_storage<__half, float>(p, stream)
-                      : chain::eval_for_storage<__half, __half>(p, stream);
-  return float32_io ? chain::eval_for_storage<__nv_bfloat16, float>(p, stream)
-                    : chain::eval_for_storage<__nv_bfloat16, __nv_bfloat16>(p, stream);
+  const chain::EvalArgs p{static_cast<const uint16_t*>(z), out, bn.scale, bn.bn_weight, bn.bn_bias, bn.running_mean,
+                          bn.running_var, bn.eps, bn.scale_after_bn, M, N, coeff};
+  if (static_cast<Dtype>(bn.dtype) == Dtype::kF16)
+    return bn.float32_io ? chain::eval_for_storage<__half, float>(p, stream)
+                         : chain::eval_for_storage<__half, __half>(p, stream);
+  return bn.float32_io ? chain::eval_for_storage<__nv_bfloat16, float>(p, stream)
+                       : chain::eval_for_storage<__nv_bfloat16, __nv_bfloat16>(p, stream);
 }

@@ -227,17 +227,26 @@ bool fused_gemm_bn::lowp_bn_strip_train_fits(int M, int N, const void* z, const 
   return M >= 2 && M <= lowp::strip::kStripMaxRows && N > 0 && N % 8 == 0 && aligned(z) && aligned(out);
 }
 
-cudaError_t fused_gemm_bn::lowp_bn_strip_train(int dtype, bool float32_io, const void* z, void* out,
-                                               const void* scale, const void* bn_weight, const void* bn_bias,
-                                               void* running_mean, void* running_var, int64_t* num_batches_tracked,
-                                               float momentum, float eps, bool scale_after_bn, int M, int N,
+cudaError_t fused_gemm_bn::lowp_bn_strip_train(const LowpBatchNormArgs& bn, const void* z, void* out, int M, int N,
                                                float* coeff, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (!lowp_bn_strip_train_fits(M, N, z, out)) return cudaErrorInvalidValue;
-  const strip::Args p{static_cast<const uint16_t*>(z), out, scale, bn_weight, bn_bias, running_mean, running_var,
-                      num_batches_tracked, coeff, momentum, eps, scale_after_bn, M, N};
-  if (static_cast<Dtype>(dtype) == Dtype::kF16)
-    return float32_io ? strip::launch<__half, float>(p, stream) : strip::launch<__half, __half>(p, stream);
-  return float32_io ? strip::launch<__nv_bfloat16, float>(p, stream)
-                    : strip::launch<__nv_bfloat16, __nv_bfloat16>(p, stream);
+  const strip::Args p{static_cast<const uint16_t*>(z),
+                      out,
+                      bn.scale,
+                      bn.bn_weight,
+                      bn.bn_bias,
+                      bn.running_mean,
+                      bn.running_var,
+                      bn.num_batches_tracked,
+                      coeff,
+                      bn.momentum,
+                      bn.eps,
+                      bn.scale_after_bn,
+                      M,
+                      N};
+  if (static_cast<Dtype>(bn.dtype) == Dtype::kF16)
+    return bn.float32_io ? strip::launch<__half, float>(p, stream) : strip::launch<__half, __half>(p, stream);
+  return bn.float32_io ? strip::launch<__nv_bfloat16, float>(p, stream)
+                       : strip::launch<__nv_bfloat16, __nv_bfloat16>(p, stream);
 }

@@ -472,18 +472,18 @@ static cudaError_t launch_for_type(const GemmArgs& args, bool train, cudaStream_
 
 int fused_gemm_bn::lowp_gemm_block_m() { return lowp::GemmTraits::BLOCK_M; }
 
-// dtype: 0 = IEEE half, 1 = bfloat16 (lowp::Dtype).  train: out = u and the
+// bn.dtype: 0 = IEEE half, 1 = bfloat16 (lowp::Dtype).  train: out = u and the
 // per-tile statistics (part_mean / part_m2, ceil(M / 128) x N float32), and
-// num_batches_tracked += 1 (if not null), and with z_out also z = rnd(x w^T + bias)
-// (M, N); else the eval chain (running_mean,
-// running_var, bn_weight, bn_bias, eps used).  scale_after_bn: problem 84's order.
-cudaError_t fused_gemm_bn::lowp_gemm_bn(int dtype, bool train, const void* x, const void* w, void* out, int M, int N,
-                                        int K, const void* bias, const void* scale, const void* bn_weight,
-                                        const void* bn_bias, const void* running_mean, const void* running_var,
-                                        float eps, bool scale_after_bn, float* part_mean, float* part_m2,
-                                        int64_t* num_batches_tracked, void* z_out, cudaStream_t stream) {
+// bn.num_batches_tracked += 1 (if not null), and with z_out also z = rnd(x w^T + bias)
+// (M, N); else the eval chain (running_mean, running_var, bn_weight, bn_bias, eps
+// used).  scale_after_bn: problem 84's order.  The kernel's fields of the other mode
+// stay null / 0; float32_io (float32 vectors) is lowp_sm90_gemm_bn's.
+cudaError_t fused_gemm_bn::lowp_gemm_bn(const LowpBatchNormArgs& bn, bool train, const void* x, const void* w,
+                                        void* out, int M, int N, int K, float* part_mean, float* part_m2, void* z_out,
+                                        cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M == 0 || N == 0) return cudaSuccess;
+  if (bn.float32_io) return cudaErrorInvalidValue;
   GemmArgs args{};
   args.x = static_cast<const uint16_t*>(x);
   args.w = static_cast<const uint16_t*>(w);
@@ -491,19 +491,19 @@ cudaError_t fused_gemm_bn::lowp_gemm_bn(int dtype, bool train, const void* x, co
   args.M = M;
   args.N = N;
   args.K = K;
-  args.bias = static_cast<const uint16_t*>(bias);
-  args.scale = static_cast<const uint16_t*>(scale);
-  args.bn_weight = static_cast<const uint16_t*>(bn_weight);
-  args.bn_bias = static_cast<const uint16_t*>(bn_bias);
-  args.running_mean = static_cast<const uint16_t*>(running_mean);
-  args.running_var = static_cast<const uint16_t*>(running_var);
-  args.eps = eps;
-  args.scale_after_bn = scale_after_bn;
+  args.bias = static_cast<const uint16_t*>(bn.bias);
+  args.scale = static_cast<const uint16_t*>(bn.scale);
+  args.bn_weight = train ? nullptr : static_cast<const uint16_t*>(bn.bn_weight);
+  args.bn_bias = train ? nullptr : static_cast<const uint16_t*>(bn.bn_bias);
+  args.running_mean = train ? nullptr : static_cast<const uint16_t*>(bn.running_mean);
+  args.running_var = train ? nullptr : static_cast<const uint16_t*>(bn.running_var);
+  args.eps = train ? 0.f : bn.eps;
+  args.scale_after_bn = bn.scale_after_bn;
   args.part_mean = part_mean;
   args.part_m2 = part_m2;
-  args.num_batches_tracked = num_batches_tracked;
+  args.num_batches_tracked = train ? bn.num_batches_tracked : nullptr;
   args.z_out = train ? static_cast<uint16_t*>(z_out) : nullptr;
-  switch (static_cast<Dtype>(dtype)) {
+  switch (static_cast<Dtype>(bn.dtype)) {
     case Dtype::kF16:
       return launch_for_type<__half>(args, train, stream);
     case Dtype::kBF16:

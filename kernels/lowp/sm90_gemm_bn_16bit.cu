@@ -655,13 +655,9 @@ void fused_gemm_bn::lowp_sm90_workspace(int M, int N, int K, int64_t* floats, in
 // As lowp_gemm_bn, on the Hopper kernel: x, w 16-byte aligned, K % 8 == 0, K >= 8,
 // compute capability 9.0 with this build's sm_90a image (the dispatch checks;
 // cudaErrorInvalidValue otherwise); workspace: lowp_sm90_workspace's.
-cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, bool float32_io, bool w_float32, const void* x,
-                                             const void* w,
-                                             void* out, int M, int N, int K, const void* bias, const void* scale,
-                                             const void* bn_weight, const void* bn_bias, const void* running_mean,
-                                             const void* running_var, float eps, bool scale_after_bn, float* part_mean, float* part_m2,
-                                             int64_t* num_batches_tracked, void* z_out, float* workspace,
-                                             cudaStream_t stream) {
+cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(const LowpBatchNormArgs& bn, bool train, bool w_float32, const void* x,
+                                             const void* w, void* out, int M, int N, int K, float* part_mean,
+                                             float* part_m2, void* z_out, float* workspace, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M == 0 || N == 0) return cudaSuccess;
   if (M < 0 || N < 0 || K < 8 || K % 8 != 0 || !sm90::aligned16(x) || !sm90::aligned16(w))
@@ -671,23 +667,24 @@ cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(int dtype, bool train, bool float32
   args.N = N;
   args.K = K;
   args.out = out;
-  args.bias = bias;
-  args.scale = scale;
-  args.bn_weight = bn_weight;
-  args.bn_bias = bn_bias;
-  args.running_mean = running_mean;
-  args.running_var = running_var;
-  args.eps = eps;
-  args.scale_after_bn = scale_after_bn;
+  args.bias = bn.bias;
+  args.scale = bn.scale;
+  args.bn_weight = train ? nullptr : bn.bn_weight;  // the other mode's fields stay null / 0
+  args.bn_bias = train ? nullptr : bn.bn_bias;
+  args.running_mean = train ? nullptr : bn.running_mean;
+  args.running_var = train ? nullptr : bn.running_var;
+  args.eps = train ? 0.f : bn.eps;
+  args.scale_after_bn = bn.scale_after_bn;
   args.part_mean = part_mean;
   args.part_m2 = part_m2;
-  args.num_batches_tracked = num_batches_tracked;
+  args.num_batches_tracked = train ? bn.num_batches_tracked : nullptr;
   args.z_out = train ? z_out : nullptr;
-  switch (static_cast<Dtype>(dtype)) {
+  switch (static_cast<Dtype>(bn.dtype)) {
     case Dtype::kF16:
-      return hopper::launch_for_type<__half>(args, train, float32_io, w_float32, x, w, workspace, stream);
+      return hopper::launch_for_type<__half>(args, train, bn.float32_io, w_float32, x, w, workspace, stream);
     case Dtype::kBF16:
-      return hopper::launch_for_type<__nv_bfloat16>(args, train, float32_io, w_float32, x, w, workspace, stream);
+      return hopper::launch_for_type<__nv_bfloat16>(args, train, bn.float32_io, w_float32, x, w, workspace,
+                                                    stream);
   }
   return cudaErrorInvalidValue;
 }

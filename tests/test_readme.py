@@ -29,19 +29,29 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.f
 MODES = {"train": (True, False), "eval": (False, False), "train + grad": (True, True),
          "eval + grad": (False, True)}
 
-H100 = model_new.DeviceFacts(capability=(9, 0), num_sms=132, sm90_gemm=True)
-A100 = model_new.DeviceFacts(capability=(8, 0), num_sms=108, sm90_gemm=False)
-A10 = model_new.DeviceFacts(capability=(8, 6), num_sms=72, sm90_gemm=False)
-L4 = model_new.DeviceFacts(capability=(8, 9), num_sms=58, sm90_gemm=False)
-TURING = model_new.DeviceFacts(capability=(7, 5), num_sms=40, sm90_gemm=False)
+# Simulated GPUs: (capability, SMs, this build's sm_90a kernels run there)
+H100 = ((9, 0), 132, True)
+A100 = ((8, 0), 108, False)
+A10 = ((8, 6), 72, False)
+L4 = ((8, 9), 58, False)
+TURING = ((7, 5), 40, False)
 
-# GPU cell -> [(device_type, DeviceFacts or None, portable)]; every entry must agree with the row
+# GPU cell -> [(device_type, simulated GPU or None, portable)]; every entry must agree with the row
 GPUS = {
     "sm_90": [("cuda", H100, False)],
     "sm_90 + FUSED_GEMM_BN_PORTABLE=1": [("cuda", H100, True)],
     "sm_80-89": [("cuda", A100, False), ("cuda", A10, False), ("cuda", L4, False)],
     "CPU": [("cpu", None, False)],
 }
+
+
+def facts(gpu):
+    """model_new.DeviceFacts of a simulated GPU (None for the CPU); made at call time, so
+    an API mismatch fails these tests and not the collection of the whole suite."""
+    if gpu is None:
+        return None
+    capability, num_sms, sm90_gemm = gpu
+    return model_new.DeviceFacts(capability=capability, num_sms=num_sms, sm90_gemm=sm90_gemm)
 
 # Shapes: tails, K not a multiple of 4 or 8, tiny and large batches, grids of every fill
 M_GRID = (1, 2, 7, 128, 333, 1000, 1024, 4096, 16384)
@@ -81,8 +91,9 @@ def routes_of(cell):
     return set(names)
 
 
-def routes_seen(device_type, facts, portable, dtype, training, grad):
+def routes_seen(device_type, gpu, portable, dtype, training, grad):
     """Every Plan.gemm that plan() gives over the shape grid and both problems."""
+    device = facts(gpu)
     switches = model_new.SWITCHES._replace(portable=portable)
     seen = set()
     for m in M_GRID:
@@ -90,7 +101,7 @@ def routes_seen(device_type, facts, portable, dtype, training, grad):
             for k in K_GRID:
                 for scale_after_bn in (False, True):
                     call = model_new.Call(device_type, dtype, m, n, k, training, grad, scale_after_bn)
-                    seen.add(model_new.plan(call, facts, switches).gemm)
+                    seen.add(model_new.plan(call, device, switches).gemm)
     return seen
 
 
@@ -116,10 +127,10 @@ def check_matrix(rows):
                     problems.append(f"{key} listed twice")
                 listed.add(key)
                 training, grad = MODES[mode]
-                for device_type, facts, portable in GPUS[row["GPU"]]:
-                    seen = routes_seen(device_type, facts, portable, DTYPES[dtype], training, grad)
+                for device_type, gpu, portable in GPUS[row["GPU"]]:
+                    seen = routes_seen(device_type, gpu, portable, DTYPES[dtype], training, grad)
                     if seen != expected:
-                        where = facts.capability if facts is not None else device_type
+                        where = gpu[0] if gpu is not None else device_type
                         problems.append(f"{dtype} on {row['GPU']} ({where}), {mode}: README says "
                                         f"{sorted(expected)}, plan() gives {sorted(seen)}")
     return problems
@@ -179,9 +190,10 @@ def test_batch_of_zero_and_old_gpus():
     text = "\n".join(read_readme())
     assert "`empty`" in text and "RuntimeError" in text
     for dtype in DTYPES.values():
-        for device_type, facts in (("cuda", H100), ("cuda", A100), ("cpu", None)):
+        for device_type, gpu in (("cuda", H100), ("cuda", A100), ("cpu", None)):
             call = model_new.Call(device_type, dtype, 0, 64, 64, True, False, False)
-            assert model_new.plan(call, facts, model_new.SWITCHES).gemm == "empty"
+            assert model_new.plan(call, facts(gpu), model_new.SWITCHES).gemm == "empty"
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         with pytest.raises(RuntimeError, match="compute capability"):
-            model_new.plan(model_new.Call("cuda", dtype, 8, 64, 64, True, False, False), TURING, model_new.SWITCHES)
+            model_new.plan(model_new.Call("cuda", dtype, 8, 64, 64, True, False, False), facts(TURING),
+                           model_new.SWITCHES)

@@ -39,17 +39,10 @@ From ModelNew.forward to the kernels (docs/design.md has the whole map):
 Algebra (training): with z = x W^T, u = scale * (z + b) has batch mean
 scale * (mean_z + b) and biased variance scale^2 var_z, so
     out = (z - mean_z) * a + bn.bias,   a = scale * bn.weight / sqrt(scale^2 var_z + eps):
-the Linear bias cancels from the output and only enters running_mean.
-Eval: out = a z + c with a = scale * bn.weight / sqrt(running_var + eps) and
-c = bn.bias + (scale * b - running_mean) * bn.weight / sqrt(running_var + eps).
-Backward (training), with r = 1 / sqrt(scale^2 var_z + eps), xhat = scale (z - mean_z) r:
-    grad_z = a (grad_out - mean_m grad_out - xhat mean_m(grad_out xhat)),
-    grad_scale = bn.weight eps r^3 sum_m grad_out (z - mean_z),
-    grad_bn.weight = sum_m grad_out xhat,  grad_bn.bias = sum_m grad_out,  grad_gemm.bias = 0,
-then grad_x = grad_z W and grad_W = grad_z^T x (_torch_bn_backward_train states
-both problems' formulas).  Eval differentiates the fold a z + c.
-The GEMMs' numerics (split, rounding, expected error) are in the .cu headers
-and docs/numerics.md.
+the Linear bias cancels from the output and only enters running_mean.  Eval
+folds everything after the GEMM into out = a' z + c' (_torch_forward_eval); the
+backward's formulas are _torch_bn_backward_train's.  The GEMMs' numerics
+(split, rounding, expected error) are in the .cu headers and docs/numerics.md.
 
 Surface for problem 84's module and for users (documented, stable):
 FusedModule, LinearParams, BatchNormState, fused_forward, kernel_path,
@@ -57,15 +50,8 @@ check_input, per_feature_scale, sync_process_group, clear_weight_cache;
 dispatch, dispatch_gemm_nt, dispatch_gemm_tn, plan, Call, Plan, DeviceFacts,
 device_facts, Switches, SWITCHES.
 
-Build: at import, the sources (kernels/*.cu, *.cuh, *.cpp) are located and, when
-a GPU is visible, compiled once by torch.utils.cpp_extension.load_inline with
--gencode flags for the GPUs present (TORCH_CUDA_ARCH_LIST is ignored; the C++
-standard is torch's choice) into $TORCH_EXTENSIONS_DIR (or torch's default
-extension root)/fused_gemm_bn_<hash>, the hash covering sources, flags and
-versions; a lock there (_BuildLock) makes concurrent imports build once, and a
-compile that was killed never hangs the next.  The sources are found at
-$FUSED_GEMM_BN_KERNEL_DIR, else kernels/ next to this file, else ./kernels
-(this text executed without __file__), or embedded (the self-contained files).
+Build (section Build): the sources are compiled once per machine by
+torch.utils.cpp_extension.load_inline when a GPU is visible; docs/design.md.
 Tests: test_equivalence.py, tests/.
 """
 import collections
@@ -140,8 +126,6 @@ def _kernel_sources():
     if _EMBEDDED_SOURCES is not None:
         return dict(_EMBEDDED_SOURCES)
     return _read_sources(_kernel_dir())
-
-
 
 
 def _arch_flags():
@@ -223,19 +207,13 @@ _LOCK_TIMEOUT_DEFAULT_S = 900.0  # a compile takes about a minute
 
 class _BuildLock:
     """Context manager: an exclusive lock on `build_dir` across processes, taken
-    around load_inline, so that an interrupted compile never hangs later imports.
-
-    torch's own lock (<build_dir>/lock, a bare file) makes every other importer
-    wait with no limit, and a compile killed outright (SIGKILL, out of memory,
-    a lost node) leaves it behind: every later import then hangs.  This lock
-    (<build_dir>/model_new.lock) holds "<pid> <host>" of its owner.  Entering:
-      - create it exclusively; if it exists, its owner is on this host and no
-        longer running: remove it (a killed compile) and retry;
-      - otherwise wait, up to timeout_s (default $FUSED_GEMM_BN_BUILD_LOCK_TIMEOUT
-        or 900 s), for it to go; then RuntimeError naming the file to delete.
-    Once held, torch's lock can only be a killed compile's (every importer of
-    this module comes through here first): it is removed, and load_inline
-    rebuilds.  Exiting (also on an exception or Ctrl-C) removes the lock."""
+    around load_inline.  torch's own lock (<build_dir>/lock) makes every other
+    importer wait forever once a compile is killed outright.  This lock
+    (<build_dir>/model_new.lock) holds "<pid> <host>" of its owner: a lock whose
+    owner on this host is gone is removed; otherwise the importer waits up to
+    timeout_s ($FUSED_GEMM_BN_BUILD_LOCK_TIMEOUT, default 900 s), then raises
+    RuntimeError naming the file.  Once held, torch's lock can only be a killed
+    compile's: it is removed.  Exiting removes the lock."""
 
     def __init__(self, build_dir, timeout_s=None):
         self.path = os.path.join(build_dir, "model_new.lock")
@@ -295,13 +273,11 @@ class _BuildLock:
 
 
 def _load_extension(sources, functions=_EXTENSION_FUNCTIONS, prefix=_EXTENSION_PREFIX, arch_flags=None):
-    """Compiles (or loads the earlier build of) `sources` ({file name: text}:
-    the .cpp files as load_inline's cpp_sources, the .cu files as its
-    cuda_sources, the .cuh files written to an include folder) exporting
-    `functions`, as the module <prefix><hash> (_extension_name).  arch_flags:
-    the -gencode flags (default _arch_flags(), the visible GPUs'; tools/build_check.py
-    passes its own to compile without a GPU).  The C++ standard is torch's own
-    choice (C++17 up to torch 2.13, C++20 from 2.14): no -std flag here."""
+    """Compiles (or loads the earlier build of) `sources` ({file name: text}; .cpp
+    as cpp_sources, .cu as cuda_sources, .cuh written to an include folder)
+    exporting `functions`, as the module <prefix><hash>.  arch_flags: the
+    -gencode flags (default: the visible GPUs'; tools/build_check.py passes its
+    own).  No -std flag: the C++ standard is torch's choice (C++20 from 2.14)."""
     from torch.utils.cpp_extension import CUDA_HOME, load_inline
 
     cuda_flags = ["-O3"] + (_arch_flags() if arch_flags is None else list(arch_flags))
@@ -394,20 +370,13 @@ _BatchNormBase = nn.Module if _SYNC is None else _SYNC.BATCHNORM_BASE
 
 
 class BatchNormState(_BatchNormBase):
-    """bn.weight (N), bn.bias (N) and the buffers running_mean (N), running_var (N)
-    and num_batches_tracked (a long scalar) of torch's BatchNorm1d(N, eps,
-    momentum) with affine=True, track_running_stats=True: the same names,
-    registration order, initial values (1, 0, 0, 1, 0) and state_dict keys.
-    `eps` and `momentum` are read at every call; momentum=None selects the
-    cumulative average.  A parameter container: ModelNew's forward
-    (fused_forward) runs the kernels, and calling the container raises RuntimeError.
-
-    With model_new_sync.py beside this file it derives from torch's _BatchNorm,
-    so nn.SyncBatchNorm.convert_sync_batchnorm replaces it by a SyncBatchNorm
-    that holds the same parameter and buffer objects (fused_forward then merges
-    the batch statistics across processes), and a state dict without
-    num_batches_tracked loads as into BatchNorm1d (the counter keeps its value).
-    In the self-contained files it derives from nn.Module."""
+    """bn.weight, bn.bias (N) and the buffers running_mean, running_var (N) and
+    num_batches_tracked of torch's BatchNorm1d(N, eps, momentum): the same names,
+    registration order, initial values and state_dict keys.  `eps` and
+    `momentum` are read at every call (momentum=None: cumulative average).  A
+    parameter container: calling it raises RuntimeError.  With
+    model_new_sync.py it derives from torch's _BatchNorm, so SyncBatchNorm
+    conversion replaces it by a SyncBatchNorm holding the same tensors."""
 
     def __init__(self, num_features, eps, momentum):
         # The state _NormBase.__init__ registers, written out because the base
@@ -476,13 +445,10 @@ def _cuda_dtype_problem(dtype):
 
 def check_input(x, weight, training, cast=False):
     """Raises what PyTorch raises for an input the Linear -> BatchNorm1d chain
-    cannot take (x's rank, feature count, device, dtype; batch of 1 in
-    training), before any buffer is touched.  Used by fused_forward.
-    cast: the call runs under mixed precision (model_new_autocast.py), which
-    casts x and the weight to one dtype, so their dtypes are not checked.
-    Ranks: 0-D and 1-D input and 4-D or more raise Model's errors (Linear's
-    RuntimeError, BatchNorm1d's ValueError); 3-D input, on which Model's
-    BatchNorm1d normalizes over dim 1 instead (or raises), raises RuntimeError."""
+    cannot take (rank, feature count, device, dtype; a batch of 1 in training),
+    before any buffer is touched; a 3-D input, which Model's BatchNorm1d
+    normalizes over dim 1, raises RuntimeError.  cast: mixed precision casts x and
+    the weight to one dtype, so their dtypes are not checked."""
     n, k = weight.shape
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"ModelNew expects a torch.Tensor, got {type(x).__name__}")
@@ -515,14 +481,11 @@ def check_input(x, weight, training, cast=False):
 
 
 def per_feature_scale(scale, n):
-    """The `scale` parameter as an (N,) view, never a copy, for every shape that
-    multiplies an (M, N) tensor feature by feature and keeps it (M, N), broadcast
-    as torch broadcasts it: one element with at most 2 dims ((), (1,), (1, 1))
-    becomes a stride-0 view of that number (the extensions' bindings materialize
-    it as a contiguous (N,) vector: no copy in Python, docs/perf.md v32), or N
-    elements as (N,) or (1, N); autograd sums its gradient back to that shape.
-    Other shapes raise RuntimeError before any buffer is touched: a per-row (M, 1) or (M, N) scale, which Model accepts at
-    that one batch size only, and 3 or more dims, which change Model's output rank."""
+    """The `scale` parameter as an (N,) view, never a copy: one element with at
+    most 2 dims ((), (1,), (1, 1)) as a stride-0 view (the bindings materialize
+    it), or N elements as (N,) or (1, N); autograd sums its gradient back.
+    Other shapes (per-row scales, 3 or more dims) raise RuntimeError before any
+    buffer is touched."""
     per_feature = scale.dim() <= 2 and (scale.numel() == 1 or (scale.shape[-1] == n and scale.numel() == n))
     if not per_feature:
         raise RuntimeError(
@@ -539,25 +502,9 @@ def per_feature_scale(scale, n):
 #
 # plan() turns (device, compute capability, dtype, training/eval, gradients
 # needed, problem, shape, SWITCHES) into a Plan whose name says the path; the
-# extensions carry out the GEMM kernel it names (`gemm`) and pick nothing
-# themselves.  First match (the README's support matrix, checked against this
-# function by tests/test_readme.py):
-#
-#   input                        condition                                     gemm
-#   ---------------------------  --------------------------------------------  -----------------------
-#   batch of 0                   no kernel                                     empty
-#   CPU tensor, float64 on CUDA  always                                        torch_ops
-#   16-bit float on CUDA         model_new_lowp.route                          lowp_sm90, lowp_cublas,
-#                                                                              lowp_sm80
-#   float32 on CUDA              compute capability 9.0, the sm_90a kernels    sm90_fp16x3 (any K: the
-#                                available, not SWITCHES.portable              pre-pass pads K to 8)
-#                                else: compute capability >= 8.0               sm80_3xtf32
-#                                else                                          RuntimeError
-#
-# Plan.name = <gemm>_<train|eval>[_grad], e.g. sm90_fp16x3_train, sm80_3xtf32_eval_grad.
-# The backward's products take the same float32 choice per product
-# (dispatch_gemm_nt, dispatch_gemm_tn); the binding reads operands MN-major
-# where the shapes allow and copies them transposed otherwise.
+# extensions carry out the GEMM kernel it names and pick nothing themselves.
+# The routes are described once, in the README's support matrix, which
+# tests/test_readme.py checks against plan().
 
 Switches = collections.namedtuple("Switches", ["portable", "weight_cache", "sync_fused", "autocast_fused",
                                               "lowp_gemm", "eager_ops"],
@@ -632,7 +579,7 @@ def _float32_gemm(facts, switches):
 
 def plan(call, facts=None, switches=None):
     """The Plan of `call` (a Call) on a GPU described by `facts` (DeviceFacts;
-    needed for CUDA calls) under `switches` (default SWITCHES): the table above.
+    needed for CUDA calls) under `switches` (default SWITCHES): the README's support matrix.
     Raises RuntimeError for CUDA input on a GPU below compute capability 8.0,
     and for 16-bit CUDA input without model_new_lowp.py.  Pure: tests give it
     simulated GPUs."""
@@ -659,10 +606,8 @@ _PLANS_MAX = 4096
 
 
 def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=None):
-    """The Plan of a forward: x (M, K) and weight (N, K) as the module passes
-    them (after check_input); training: batch statistics; grad: gradients
-    needed; scale_after_bn: problem 84 (else 33).  `facts` default to x's
-    device's (device_facts), `switches` to SWITCHES.  Runs no kernel."""
+    """The Plan of a forward: x (M, K), weight (N, K); training: batch statistics;
+    grad: gradients needed; scale_after_bn: problem 84.  Runs no kernel."""
     call = Call(x.device.type, x.dtype, x.shape[0], weight.shape[0], x.shape[1], training, grad, scale_after_bn)
     if facts is None and x.is_cuda:
         facts = device_facts(x.device)
@@ -707,12 +652,9 @@ def _kernels(plan_kernels):
 
 
 def _checked_params(x, gemm, scale, bn, synchronized=False):
-    """(x, gemm.weight, gemm.bias, scale as an (N,) vector, bn.weight, bn.bias)
-    after check_input and per_feature_scale (which raise before anything is
-    touched): what fused_forward and kernel_path both start from.
-    synchronized: the batch statistics are merged across processes
-    (sync_process_group), so one row is a valid share of the batch here (the
-    merged batch is checked after the all-gather)."""
+    """(x, gemm.weight, gemm.bias, scale (N,), bn.weight, bn.bias) after the input
+    checks.  synchronized: statistics merged across processes, so one row is a
+    valid share of the batch (the merged batch is checked after the all-gather)."""
     check_input(x, gemm.weight, bn.training and not synchronized)
     return (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
 
@@ -761,27 +703,18 @@ def _warn_unsynchronized(bn):
 def fused_forward(x, gemm, scale, bn, scale_after_bn):
     """The forward of both problems: x (M, K); gemm and bn the parameter
     containers (LinearParams, BatchNormState); scale the parameter
-    (per_feature_scale's shapes); scale_after_bn selects problem 84 (Linear ->
-    BatchNorm -> scale -> Softmax) over problem 33 (Linear -> scale ->
-    BatchNorm).  bn.training decides batch statistics (and their update of the
-    running statistics and num_batches_tracked) or running statistics, as
-    BatchNorm1d's own flag does inside Model (so `model.bn.eval()` freezes it).
-    Checks the input first (check_input, per_feature_scale: nothing is touched
-    on an error).  Returns out (M, N) in x's dtype.  The path:
-      mixed precision on for x (model_new_autocast.py): its forward;
-      bn a SyncBatchNorm in training over several processes (model_new_sync.py):
-        its forward, which merges the batch statistics across processes;
-      torch.compile or torch.jit.trace recording (or SWITCHES.eager_ops): the
-        fused_gemm_bn:: operators (_ops_forward), whose implementations make
-        the same dispatch() decision when they run (so a traced module
-        generalises over the batch size);
-      else dispatch()'s Plan:
-        16-bit: model_new_lowp.forward;
-        no gradient needed: one call of the plan's forward_train / forward_eval;
-        training with gradients: _TrainFn (forward_train_saved, then the fused backward);
-        eval with gradients: _eval_with_grad over gemm_nt.
-    torch.jit.trace raises RuntimeError where this torch has no custom
-    operators (< 2.4): the extension calls cannot be recorded."""
+    (per_feature_scale's shapes); scale_after_bn selects problem 84.  bn.training
+    decides batch or running statistics, as BatchNorm1d's flag inside Model.
+    Checks the input first (nothing is touched on an error); returns out (M, N)
+    in x's dtype.  The path, first match: mixed precision on for x
+    (model_new_autocast.py); SyncBatchNorm over several processes
+    (model_new_sync.py); torch.compile or torch.jit.trace recording, or
+    SWITCHES.eager_ops: the fused_gemm_bn:: operators (_ops_forward, which make
+    dispatch()'s decision when they run, so a traced module generalises over the
+    batch size); else dispatch()'s Plan: 16-bit model_new_lowp.forward; no
+    gradient one forward_train / forward_eval call; training with gradients
+    _TrainFn; eval with gradients _eval_with_grad.  torch.jit.trace raises
+    RuntimeError where this torch has no custom operators (< 2.4)."""
     group = sync_process_group(bn)
     autocast_dtype = None if _AUTOCAST is None else _AUTOCAST.autocast_dtype(x)
     if autocast_dtype is not None:
@@ -845,11 +778,8 @@ def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, ep
 
 def _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn):
     """fused_forward through the fused_gemm_bn:: operators (what torch.compile,
-    torch.jit.trace and torch.export record).  The training operators are
-    functional: they return updated copies of the running statistics, which
-    are copied back into the module's buffers here.  Eval with gradients:
-    _eval_with_grad over gemm_nt, or for 16-bit CUDA x forward_eval_saved
-    (model_new_lowp's operator: the 16-bit kernels and their backward)."""
+    torch.jit.trace and torch.export record).  The training operators return
+    updated copies of the running statistics, copied back into the buffers here."""
     if training:
         if grad:
             out, _, _, *new_buffers = _OPS.forward_train_saved(*params, *buffers, momentum, eps, scale_after_bn)
@@ -872,40 +802,27 @@ def _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
 # ---------------------------------------------------------------------------
 
 
-# What the GEMMs precompute from gemm.weight, kept between calls: the fp16x3
-# parts, or the row sums of the 3xTF32 GEMMs' centring.  Entries are keyed by
-# the weight tensor object (id, checked through a weak reference that also drops
-# the entry when the weight dies) and valid while the kind, the weight's data
-# pointer, version counter, shape, strides, device and the current stream are
-# those of the call that made them.  The entry holds the weight's storage, so its
-# memory cannot be reused by another tensor at the same address while cached.
+# Entries keyed by id(weight) (checked through a weak reference that drops the
+# entry with the weight), valid while kind, data pointer, version counter,
+# shape, strides, device and stream match; the entry holds the weight's storage.
 _WeightPartsEntry = collections.namedtuple("_WeightPartsEntry", ["ref", "key", "storage", "parts"])
 _WEIGHT_PARTS = {}
 
 
 def _weight_parts(weight, split=None, kind="fp16x3", make=True):
     """What the GEMM precomputes from gemm.weight, made on the first call and
-    reused while the weight is unchanged.  kind "fp16x3": the sm90_fp16x3
-    kernels' parts (the extension's fp16x3_weight_parts: w_hi, w_lo as fp16
-    words, the rows' power-of-two scales and the rows' sums, N K + 3 N float32
-    words, about the size of the weight itself); kind "row_sums": the 3xTF32
-    kernels' row sums for their centring (weight_row_sums: 2 N float32 words);
-    kind "cast_<dtype>": the weight cast to the mixed-precision dtype (N K 16-bit
-    words; model_new_autocast gives `split`).
-    None when the call must make them itself (the extension then does, inside
-    the call): caching off (SWITCHES.weight_cache), a CUDA
-    graph being captured (a graph must not read a cache that later calls
-    replace), or an inference-mode weight (no version counter).
-    Seen as changes: anything that bumps the weight's version counter (in-place
-    ops on the parameter, copy_, load_state_dict), every torch.optim optimizer's
-    step() (a global step hook, _drop_stepped_weights: fused optimizers do not
-    bump the counter), and `.data` assignment (a new storage).  Not seen:
-    in-place writes through `weight.data` outside an optimizer step (a tensor
-    with a version counter of its own, which autograd does not see either);
-    after such writes call clear_weight_cache().
-    `split` makes them (default: the extension's function for `kind`; the
-    CPU tests give their own); with make=False a missing or stale entry gives
-    None instead (the stale one is dropped)."""
+    reused while the weight is unchanged.  kind "fp16x3": sm90_fp16x3's parts
+    (fp16x3_weight_parts: about the size of the weight); "row_sums":
+    sm80_3xtf32's centring sums (2 N floats); "cast_<dtype>": the weight cast
+    for mixed precision (`split` given by model_new_autocast).
+    None when the call must make them itself: caching off
+    (SWITCHES.weight_cache), a CUDA graph being captured, or an inference-mode
+    weight (no version counter).  Seen as changes: the weight's version counter
+    (in-place ops, copy_, load_state_dict), every torch.optim step()
+    (_drop_stepped_weights: fused optimizers keep the counter) and `.data`
+    assignment.  Not seen: writes through `weight.data` outside an optimizer
+    step; call clear_weight_cache() after those.  With make=False a missing or
+    stale entry gives None."""
     if (not SWITCHES.weight_cache or not _WEIGHT_CACHE_SAFE or weight.is_inference()
             or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
@@ -932,10 +849,8 @@ def _weight_parts(weight, split=None, kind="fp16x3", make=True):
 
 
 def _drop_stepped_weights(optimizer, args, kwargs):
-    """Global optimizer step post-hook: drops the cached parts of every
-    parameter the optimizer holds.  Fused optimizers (Adam, AdamW, SGD with
-    fused=True) and optimizers that write through `p.data` leave the version
-    counter unchanged, so the key alone would miss their updates."""
+    """Global optimizer step post-hook: drops the cached parts of every parameter
+    the optimizer holds (fused optimizers leave the version counter unchanged)."""
     if not _WEIGHT_PARTS:
         return
     for group in optimizer.param_groups:
@@ -958,10 +873,8 @@ def clear_weight_cache():
 
 
 def _weight_args(kernels, gemm, weight):
-    """The trailing argument of the float32 extension's forwards: gemm.weight's
-    cached fp16x3 parts on sm90_fp16x3, its cached row sums on sm80_3xtf32
-    (None: the extension makes them in the call); nothing for the 16-bit and
-    torch-op namespaces."""
+    """The float32 forwards' last argument: gemm.weight's cached parts (fp16x3 or
+    row sums; None: the extension makes them); nothing for the other namespaces."""
     if kernels is not _ext:
         return ()
     return (_weight_parts(weight, kind="fp16x3" if gemm == "sm90_fp16x3" else "row_sums"),)
@@ -1046,13 +959,9 @@ def _gemm_nt_backward(ops, grad, a, b, needs):
 
 
 class _TrainFn(torch.autograd.Function):
-    """Training forward with gradients, eager: one call of the plan's
-    forward_train_saved, which also updates the running statistics in place, as
-    forward_train does.  Saved for backward: x, gemm.weight, scale, bn.weight
-    (the caller's tensors, no copies), z (M, N) in x's dtype (float32 on CUDA:
-    the one extra (M, N) buffer, held only while the graph lives), stats (2, N),
-    and for problem 84 bn.bias and out (M, N) (the returned output).  Backward:
-    _train_backward, once differentiable (the extension's functions record no graph)."""
+    """Training forward with gradients, eager: one forward_train_saved call (which
+    updates the running statistics).  Saved: x, gemm.weight, scale, bn.weight
+    (no copies), z (M, N), stats (2, N), and for problem 84 bn.bias and out."""
 
     @staticmethod
     def forward(ctx, kernels, gemm, scale_after_bn, buffers, momentum, eps, x, weight, bias, scale, bn_weight,
@@ -1120,21 +1029,11 @@ class _SoftmaxRows(torch.autograd.Function):
 
 
 def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps):
-    """Eval forward with gradients: z = gemm_nt(x, weight) (a differentiable
-    x weight^T), then the folded per-feature affine in elementwise ops (and, for
-    problem 84, softmax_rows: a differentiable row softmax; None for problem 33), whose
-    autograd gives the gradients of the fold (g = bn.weight / sqrt(running_var + eps)):
-      problem 33: out = a z + c, a = scale g, c = bn.bias + (scale gemm.bias - running_mean) g
-        grad_z = grad_out a; grad_a = sum_m grad_out z; grad_c = sum_m grad_out; then
-        grad_scale = g (grad_a + gemm.bias grad_c), grad_bn.weight = (scale grad_a +
-        (scale gemm.bias - running_mean) grad_c) / sqrt(running_var + eps), grad_bn.bias = grad_c,
-        grad_gemm.bias = scale g grad_c
-      problem 84: v = (z + gemm.bias - running_mean) a + scale bn.bias, out = softmax(v) per row
-        (_SoftmaxRows or the softmax_rows operator: no fused kernel gives this value
-        together with what the backward needs),
-        grad_v = out * (grad_out - sum_n grad_out * out), then as above through v.
-    Saved (by autograd): x, weight, z (problem 33) or z + gemm.bias - running_mean and
-    out (problem 84): one or two (M, N) tensors beside the output."""
+    """Eval forward with gradients: z = gemm_nt(x, weight) (differentiable),
+    then the fold in elementwise ops (g = bn.weight / sqrt(running_var + eps)),
+    whose autograd gives the fold's gradients:
+      problem 33: out = z (scale g) + bn.bias + (scale gemm.bias - running_mean) g
+      problem 84: out = softmax_rows((z + gemm.bias - running_mean) (scale g) + scale bn.bias)"""
     g = bn_weight / torch.sqrt(running_var + eps)
     z = gemm_nt(x, weight)
     if softmax_rows is not None:
@@ -1149,9 +1048,8 @@ def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn
 # Every operator is functional (torch.library.register_autograd refuses
 # operators that mutate an input): the training operators run the kernels on
 # copies of the running statistics and return them; the module copies them
-# back.  forward_train_saved, forward_eval_saved, gemm_nt and softmax_rows have gradients; the
-# others refuse, at the call, inputs that require grad with grad mode on (a
-# clear error instead of an output that fails only at backward).  Each
+# back.  forward_train_saved, forward_eval_saved, gemm_nt and softmax_rows have
+# gradients; the others refuse inputs that require grad with grad mode on.  Each
 # implementation makes dispatch()'s decision for the real tensors it is given.
 
 _OP_NAMESPACE = "fused_gemm_bn"
@@ -1171,21 +1069,6 @@ _OP_SCHEMAS = {
     "forward_eval": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
                     "Tensor running_mean, Tensor running_var, float eps, bool scale_after_bn) -> Tensor",
 }
-
-
-def _op_gemm_nt(a, b):
-    """a (M, K) @ b (N, K)^T -> new contiguous (M, N)."""
-    return _gemm_nt(a, b)
-
-
-def _op_gemm_nn(a, b):
-    """a (M, N) @ b (N, K) -> new contiguous (M, K)."""
-    return _gemm_nn(a, b)
-
-
-def _op_gemm_tn(a, b):
-    """a (M, N)^T @ b (M, K) -> new contiguous (N, K)."""
-    return _gemm_tn(a, b)
 
 
 def _op_softmax_rows(v):
@@ -1246,12 +1129,6 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
                                 scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
 
 
-
-
-
-
-
-
 def _fake_gemm_nt(a, b):
     return a.new_empty((a.shape[0], b.shape[0]))
 
@@ -1277,10 +1154,6 @@ def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after
 
 def _fake_forward_eval(x, weight, *args):
     return x.new_empty((x.shape[0], weight.shape[0]))
-
-
-
-
 
 
 def _fake_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
@@ -1367,9 +1240,9 @@ def _define_ops():
     problem's self-contained file) is reused.  Returns torch.ops.fused_gemm_bn."""
     namespace = getattr(torch.ops, _OP_NAMESPACE)
     schemas = dict(_OP_SCHEMAS, **({} if _LOWP is None else _LOWP.SCHEMAS))
-    impls = {"gemm_nt": (_op_gemm_nt, _fake_gemm_nt, (_backward_gemm_nt, _setup_gemm_nt)),
-             "gemm_nn": (_op_gemm_nn, _fake_gemm_nn, None),
-             "gemm_tn": (_op_gemm_tn, _fake_gemm_tn, None),
+    impls = {"gemm_nt": (_gemm_nt, _fake_gemm_nt, (_backward_gemm_nt, _setup_gemm_nt)),
+             "gemm_nn": (_gemm_nn, _fake_gemm_nn, None),
+             "gemm_tn": (_gemm_tn, _fake_gemm_tn, None),
              "softmax_rows": (_op_softmax_rows, _fake_softmax_rows, (_backward_softmax_rows, _setup_softmax_rows)),
              "bn_backward_train": (_op_bn_backward_train, _fake_bn_backward_train, None),
              "forward_train": (_op_forward_train, _fake_forward_train, None),
@@ -1459,14 +1332,11 @@ def _torch_gemm_tn(gemm, a, b):
 
 def _torch_forward_train_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                                num_batches_tracked, momentum, eps, scale_after_bn):
-    """The training forward of either problem: returns [out (M, N), z = x weight^T
-    (M, N) without bias, stats (2, N): batch mean and biased variance of z] and
-    updates the running statistics in place, as the extension's functions do:
-    num_batches_tracked += 1 first, then with factor = momentum (or
-    1 / num_batches_tracked when momentum < 0, i.e. None)
-      running_mean = (1 - factor) running_mean + factor * mean of the BatchNorm input
-      running_var  = (1 - factor) running_var  + factor * its unbiased variance.
-    Statistics in float64 (per-tile, Chan-merged), output in x's dtype."""
+    """The training forward of either problem: [out (M, N), z = x weight^T (M, N),
+    stats (2, N): batch mean and biased variance of z], updating the running
+    statistics in place as the extension does (num_batches_tracked += 1, then
+    the momentum or cumulative-average update with the unbiased variance of the
+    BatchNorm input).  Statistics in float64 (per tile, Chan-merged)."""
     z = x @ weight.t()
     mean, var_biased, var_unbiased = _torch_batch_stats(z)
     num_batches_tracked.add_(1)
@@ -1559,12 +1429,9 @@ _TORCH_PATH = types.SimpleNamespace(
 
 
 class FusedModule(nn.Module):
-    """The module behaviour both problems' ModelNew share: forward, kernel_path,
-    and a clear error from torch.jit.script.  A subclass creates `gemm`
-    (LinearParams), `scale` (a parameter of a per-feature shape) and `bn`
-    (BatchNormState) in its __init__ and sets `scale_after_bn` (False: problem
-    33, Linear -> scale -> BatchNorm; True: problem 84, Linear -> BatchNorm ->
-    scale -> Softmax)."""
+    """The module behaviour both problems' ModelNew share.  A subclass creates
+    `gemm` (LinearParams), `scale` and `bn` (BatchNormState) and sets
+    `scale_after_bn` (False: problem 33; True: problem 84)."""
 
     scale_after_bn = False
 
@@ -1592,33 +1459,17 @@ class FusedModule(nn.Module):
 class ModelNew(FusedModule):
     """Linear(in_features, out_features) -> * scale -> BatchNorm1d(out_features, eps, momentum).
 
-    Same constructor, parameter/buffer names, random draws and train/eval
-    behaviour as `reference.Model`.  forward(x): x (M, in_features), float32 on
-    CUDA (compute capability >= 8.0: the fused kernels), float64 on CUDA (plain
-    torch ops), a 16-bit float dtype on CUDA (model_new_lowp.py: rounding where
-    Model rounds; not in the self-contained file) or any float dtype on CPU,
-    matching the parameters' dtype; returns (M, out_features).  Training mode
-    updates bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
-    Differentiable with respect to x and every parameter, in both modes
-    (_TrainFn, _eval_with_grad; 16-bit: model_new_lowp.GradFn); gemm.bias gets
-    an exact zero gradient in training.
-    bn.training, not the module's flag, selects batch or running statistics, as
-    in Model (`model.bn.eval()` freezes BatchNorm while the rest trains).
-    nn.SyncBatchNorm.convert_sync_batchnorm converts bn as in Model: training
-    calls then merge the batch statistics of all processes (model_new_sync.py;
-    not in the self-contained file, which warns once).
-    `scale` may have any per-feature shape Model broadcasts ((), (1,), (1, 1),
-    (N,), (1, N)).  kernel_path(x) names the path forward(x) would take
-    (dispatch's Plan.name).  torch.jit.trace records the custom operators
-    (torch >= 2.4); torch.jit.script raises a RuntimeError saying what to use.
-
-    M == 0 gives an empty output (num_batches_tracked still counts the call in
-    training, running statistics are untouched), as torch's BatchNorm1d.
-    Raises ValueError for M == 1 in training (PyTorch's message; synchronized:
-    for a global batch of 1), RuntimeError or ValueError for a wrong rank (as
-    Model's), RuntimeError for a wrong feature count, dtype or device, or a scale
-    that is not per-feature; a rejected call leaves every buffer unchanged.
-    """
+    Same constructor, parameter and buffer names, random draws and train/eval
+    behaviour as `reference.Model` (FusedModule.forward: fused_forward).
+    x (M, in_features): float32 on CUDA (compute capability >= 8.0), float64 on
+    CUDA, 16-bit float on CUDA (model_new_lowp.py) or any float dtype on CPU,
+    matching the parameters; returns (M, out_features).  Differentiable in both
+    modes; gemm.bias gets an exact zero gradient in training.  `scale` may have
+    any per-feature shape ((), (1,), (1, 1), (N,), (1, N)).  M == 0 gives an
+    empty output, as BatchNorm1d.  Raises what Model raises for a batch of one
+    row in training, a wrong rank, feature count, dtype or device, and
+    RuntimeError for a scale that is not per-feature; a rejected call leaves
+    every buffer unchanged."""
 
     def __init__(self, in_features, out_features, scale_shape, eps=1e-5, momentum=0.1):
         super().__init__()

@@ -12,18 +12,18 @@ Names: M = batch, N = out_features, K = in_features.  x is (M, K) row-major,
 gemm.weight (N, K) row-major (both K-major); the output is (M, N), each row a
 probability distribution over the N features.
 
-Data path of `ModelNew.forward` (the root model_new.py's docstring has the map):
-check_input, then fused_forward(..., scale_after_bn=True), whose dispatch()
-picks the GEMM kernel (ModelNew.kernel_path(x) names it):
+Data path of `ModelNew.forward` (the root model_new.py's docstring has the map,
+the README's support matrix the routes): check_input, then
+fused_forward(..., scale_after_bn=True), whose dispatch() picks the GEMM kernel
+(ModelNew.kernel_path(x) names it):
 
   Model.forward step         kernel file (../kernels/)            launcher
   -------------------------  -----------------------------------  ------------------------------
   gemm(x) = x W^T (+ b)      Hopper: prepass_fp16x3.cu, then      sm90_prepass_fp16x3,
                              sm90_gemm_fp16x3_bn.cu               sm90_gemm_fp16x3_train / _eval
-                             sm_80+ (and Hopper by switch):       row_centers (+ row_sums, cached),
-                             centring.cu, prepass_3xtf32.cu,      sm80_prepass_3xtf32 / sm90_prepass_3xtf32,
-                             sm80_gemm_3xtf32_bn.cu or            sm80_gemm_3xtf32_train / _eval,
-                             sm90_gemm_3xtf32_bn.cu               sm90_gemm_3xtf32_train / _eval
+                             sm_80-89 (and Hopper by switch):     row_centers (+ row_sums, cached),
+                             centring.cu, prepass_3xtf32.cu,      sm80_prepass_3xtf32,
+                             sm80_gemm_3xtf32_bn.cu               sm80_gemm_3xtf32_train / _eval
   training:
   bn (batch statistics),     GEMM epilogue: z and per-tile mean / M2
   running statistics         bn_softmax.cu                        bn_softmax_fold_train
@@ -33,11 +33,8 @@ picks the GEMM kernel (ModelNew.kernel_path(x) names it):
   softmax                    bn_softmax.cu                        softmax_rows
   checks, stream             torch_binding.cpp                    forward_train / forward_eval
 
-On a 16-bit CUDA tensor: ../kernels/lowp/sm80_gemm_bn_16bit.cu (z = rnd(x W^T + b),
-per-tile statistics; eval: BatchNorm and scale in its epilogue), then
-../kernels/lowp/bn_16bit.cu (statistics and running statistics, then one CTA
-per row for rnd(softmax(rnd(rnd(BatchNorm(z)) * scale)))), rounding to the
-16-bit type where the reference's eager ops do (../model_new.py's docstring).
+On a 16-bit CUDA tensor: ../model_new_lowp.py and ../kernels/lowp/ (rounding to
+the 16-bit type where the reference's eager ops do; docs/numerics.md).
 
 Algebra (training): BatchNorm sees y = z + b (z = x W^T): mean_y = mean_z + b,
 var_y = var_z, so the softmax input is
@@ -99,14 +96,13 @@ class ModelNew(FusedModule):
     rounding where the reference rounds) or any float dtype on CPU, matching the
     parameters' dtype; returns (M, out_features).  Training mode updates
     bn.running_mean, bn.running_var (unbiased) and bn.num_batches_tracked.
-    Differentiable with respect to x and every parameter in both modes (16-bit
-    CUDA: the backward runs torch ops); gemm.bias gets an exact zero gradient
-    in training (16-bit: rounding noise).  bn.training, not the module's flag,
+    Differentiable with respect to x and every parameter in both modes;
+    gemm.bias gets an exact zero gradient in training.  bn.training, not the module's flag,
     selects batch or running statistics, as in the reference (`model.bn.eval()`
     freezes BatchNorm); nn.SyncBatchNorm.convert_sync_batchnorm converts bn as in
     the reference, and training calls then merge the batch statistics of all
-    processes (the engine's section "Synchronized BatchNorm"; not in the
-    self-contained file, which warns once).  kernel_path(x) names the path
+    processes (../model_new_sync.py; not in the self-contained file, which
+    warns once).  kernel_path(x) names the path
     forward(x) would take.  M == 0 gives an empty output as the reference.
     Raises ValueError for M == 1 in training (PyTorch's message; synchronized:
     for a global batch of 1), Model's errors for a wrong rank, RuntimeError for

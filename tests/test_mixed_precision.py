@@ -1,4 +1,4 @@
-"""ModelNew under torch.autocast (README "Mixed precision") on Model's own ops
+"""ModelNew under torch.autocast (docs/design.md "Mixed precision (`torch.autocast`)") on Model's own ops
 (the path of CPUs, GPUs other than Hopper, and SWITCHES.autocast_fused off):
 the same outputs, dtypes, running statistics, num_batches_tracked and
 gradients as Model under the same autocast, bit for bit, on the CPU (bfloat16

@@ -1,4 +1,4 @@
-"""Synchronized BatchNorm on two GPUs (README "Multi-GPU"): ModelNew converted
+"""Synchronized BatchNorm on two GPUs (docs/multi-gpu.md): ModelNew converted
 by nn.SyncBatchNorm.convert_sync_batchnorm against Model converted the same way,
 both under DistributedDataParallel on NCCL, float32, both problems; and the
 time of a synchronized against a per-process training step.

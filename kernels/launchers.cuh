@@ -22,34 +22,27 @@
 
 namespace fused_gemm_bn {
 
-// ---- prepass_3xtf32.cu: the one pre-pass before each 3xTF32 GEMM ----------
-// Each writes x's TF32 parts and, in the same launch, does the call's small
-// bookkeeping: num_batches_tracked += 1 when it is not null (a training call:
-// nn.BatchNorm1d's first step) and, for the Hopper GEMM, zeroes its split-tile
-// arrival counts.  center (M, from row_centers; null: none): the parts are
-// those of rn(x - c_m), the centred split (centring.cuh).
+// ---- prepass_3xtf32.cu: the pre-pass before each 3xTF32 GEMM ---------------
+// Writes x's TF32 parts and, in the same launch, num_batches_tracked += 1 when
+// it is not null (a training call: nn.BatchNorm1d's first step).  center (M,
+// from row_centers; null: none): the parts are those of rn(x - c_m), the
+// centred split (centring.cuh).
 
 // Floats in each of x_big / x_small for an (M, K) input (fragment order, padded).
 int64_t sm80_prepass_elems(int M, int K);
-// x (any strides) -> x_big, x_small in mma fragment order, for sm80_* / sm90_cluster_*.
+// x (any strides) -> x_big, x_small in mma fragment order, for sm80_gemm_3xtf32_*.
 cudaError_t sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
                                 const float* center, float* x_big, float* x_small, int64_t* num_batches_tracked,
                                 cudaStream_t stream);
-// Contiguous x with K % 4 == 0 -> x_small = v - tf32_trunc(v), for sm90_gemm_3xtf32_*,
-// with v = x, or v = rn(x - c_m) also written to x_centred (M, K) when center is
-// given (the GEMM then reads x_centred); zero_ints[0 .. num_zero_ints) = 0.
-cudaError_t sm90_prepass_3xtf32(const float* x, int M, int K, const float* center, float* x_centred, float* x_small,
-                                int* zero_ints, int num_zero_ints, int64_t* num_batches_tracked,
-                                cudaStream_t stream);
 
-// ---- centring.cu: the centred split's per-row terms for the 3xTF32 GEMMs ----
+// ---- centring.cu: the centred split's per-row terms for the 3xTF32 GEMM -----
 // x (any strides) -> center (M): c_m.
 cudaError_t row_centers(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* center,
                         cudaStream_t stream);
 // w (any strides) -> row_sum (N): sum_k w[n, k] in float64 as fp32 (hi, lo) pairs.
 cudaError_t row_sums(const float* w, int64_t row_stride, int64_t col_stride, int N, int K, float2* row_sum,
                      cudaStream_t stream);
-// What a 3xTF32 GEMM needs to undo the centring: z = the parts' product +
+// What the 3xTF32 GEMM needs to undo the centring: z = the parts' product +
 // c_m (hi_n + lo_n).  Both null: x was split as it is.
 struct Centring {
   const float* x_center;    // (M), row_centers
@@ -69,44 +62,11 @@ cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, cons
                                   const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
                                   int M, int N, int K, cudaStream_t stream);
 
-// ---- sm90_cluster_gemm_3xtf32_bn.cu: the portable kernel as sm_90 clusters --
-// Max active clusters of ceil(M / BLOCK_M) = m_tiles CTAs on the current device
-// (0: none fits); vec16 selects the kernel variant (K % 4 == 0, 16-byte aligned w).
-int sm90_cluster_max_active(int m_tiles, bool vec16);
-// Problem 33's whole training forward in one launch (M <= 8 * BLOCK_M): out is
-// the BatchNorm output; running statistics updated; num_batches_tracked read
-// (already incremented by the pre-pass).
-cudaError_t sm90_cluster_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
-                                           Centring centring, float* out,
-                                           const float* bias, const float* scale, const float* bn_weight,
-                                           const float* bn_bias, float* running_mean, float* running_var,
-                                           const int64_t* num_batches_tracked, float momentum, float eps, int M, int N,
-                                           int K, cudaStream_t stream);
-
-// ---- sm90_gemm_3xtf32_bn.cu: Hopper 3xTF32 GEMM (wgmma, TMA; sm_90a) -------
+// ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
 int sm90_gemm_block_m();
 // True when this build has the sm_90a kernel and the current device can run it
 // (compute capability 9.0, shared memory, the driver's tensor-map encoder).
 bool sm90_gemm_available();
-// Workspace for an (M, K) x (N, K) product: *floats floats, of which the last
-// *zero_ints ints must be zero at the launch (both 0 when no tile is split).
-void sm90_gemm_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
-// z = x @ w^T into out and per-tile mean / M2 (x contiguous, x_small from sm90_prepass_3xtf32).
-cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, Centring centring, float* out,
-                                   float* part_mean, float* part_m2, int M, int N, int K, bool split_tiles,
-                                   float* workspace, cudaStream_t stream);
-// out = a * (x @ w^T) + c, the eval-mode fold.
-cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, Centring centring, float* out,
-                                  const float* bias,
-                                  const float* scale, const float* bn_weight, const float* bn_bias,
-                                  const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
-                                  int M, int N, int K, bool split_tiles, float* workspace, cudaStream_t stream);
-// out = x @ w^T (the backward's products).
-cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, Centring centring,
-                                   float* out, int M, int N, int K, bool split_tiles, float* workspace,
-                                   cudaStream_t stream);
-
-// ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
 // x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0),
 // and exactly one of: center (M, the GEMM's x side: each row is centred on its
 // mean before the split) or row_sum (M, the GEMM's w side: each row's sum as an
@@ -125,8 +85,9 @@ cudaError_t sm90_prepass_fp16x3_scaled(const float* a, int64_t row_stride, int M
 // (R, C) as stored (an MN-major operand of C rows), inv_scale (C); zero_ints as above.
 cudaError_t sm90_prepass_fp16x3_columns(const float* a, int64_t row_stride, int R, int C, uint16_t* hi, uint16_t* lo,
                                         float* inv_scale, int* zero_ints, int num_zero_ints, cudaStream_t stream);
-// As sm90_gemm_workspace, for the fp16x3 kernel (its k-blocks are 64 deep).
-void sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
+// Workspace for an (M, K) x (N, K) product: *floats floats, of which the last
+// *zero_ints ints must be zero at the launch (both 0 when no tile is split).
+void sm90_gemm_fp16x3_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 // An operand's fp16x3 parts: hi, lo fp16 words, 16-byte aligned, stored (rows, K)
 // row-major ("K-major", from sm90_prepass_fp16x3 or sm90_prepass_fp16x3_scaled)
 // or, with mn_major, (K, rows) row-major ("MN-major", from
@@ -144,16 +105,16 @@ struct Fp16x3Parts {
 };
 // z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
 cudaError_t sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean, float* part_m2, int M,
-                                   int N, int K, bool split_tiles, float* workspace, cudaStream_t stream);
+                                   int N, int K, float* workspace, cudaStream_t stream);
 // out = a * (x @ w^T) + c, the eval-mode fold.
 cudaError_t sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const float* bias, const float* scale,
                                   const float* bn_weight, const float* bn_bias, const float* running_mean,
                                   const float* running_var, float eps, bool scale_after_bn, int M, int N, int K,
-                                  bool split_tiles, float* workspace, cudaStream_t stream);
+                                  float* workspace, cudaStream_t stream);
 // out = x @ w^T (the backward's products): both operands K-major, w MN-major
 // (grad_x = grad_z W from W's cached parts), or both MN-major (grad_W = grad_z^T x).
-cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K, bool split_tiles,
-                                   float* workspace, cudaStream_t stream);
+cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K, float* workspace,
+                                   cudaStream_t stream);
 
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
 // Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias));

@@ -20,7 +20,6 @@ namespace fused_gemm_bn {
 template <Epilogue kEpilogue, bool kVec16, int kNumStages>
 __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
     sm80_gemm_3xtf32_bn_kernel(const Sm80GemmBnArgs args) {
-  static_assert(kEpilogue != Epilogue::kClusterTrain, "kClusterTrain runs as sm90_cluster_gemm_3xtf32_bn_kernel");
   sm80_gemm_3xtf32_bn_body<kEpilogue, kVec16, kNumStages>(args);
 }
 

@@ -67,11 +67,17 @@ int sm90_gemm_block_m();
 // True when this build has the sm_90a kernel and the current device can run it
 // (compute capability 9.0, shared memory, the driver's tensor-map encoder).
 bool sm90_gemm_available();
-// x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0),
-// and exactly one of: center (M, the GEMM's x side: each row is centred on its
-// mean before the split) or row_sum (M, the GEMM's w side: each row's sum as an
-// fp32 (hi, lo) pair).  num_batches_tracked += 1 when not null; zero_ints[0 ..
-// num_zero_ints) = 0.
+// The row length of the K-major fp16x3 parts of an operand with K = in_features
+// columns: K rounded up to a multiple of 8 (16-byte rows, as TMA's global
+// strides need); the pre-pass writes zeros in the extra columns, so the GEMM
+// runs over K_pad with the same result (as lowp/binding_16bit.cpp pads its copies).
+constexpr int64_t fp16x3_padded_k(int64_t K) { return (K + 7) / 8 * 8; }
+// x (M, K) fp32, any K >= 1, any strides and alignment -> x_hi, x_lo (M, K_pad =
+// fp16x3_padded_k(K)) fp16 words (columns K .. K_pad - 1 zero) and x_inv_scale
+// (M), and exactly one of: center (M, the GEMM's x side: each row is centred on
+// its mean before the split) or row_sum (M, the GEMM's w side: each row's sum as
+// an fp32 (hi, lo) pair); both over the K real columns.  num_batches_tracked += 1
+// when not null; zero_ints[0 .. num_zero_ints) = 0.
 cudaError_t sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, uint16_t* x_hi,
                                 uint16_t* x_lo, float* x_inv_scale, float* center, float2* row_sum, int* zero_ints,
                                 int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream);
@@ -89,10 +95,10 @@ cudaError_t sm90_prepass_fp16x3_columns(const float* a, int64_t row_stride, int 
 // *zero_ints ints must be zero at the launch (both 0 when no tile is split).
 void sm90_gemm_fp16x3_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 // An operand's fp16x3 parts: hi, lo fp16 words, 16-byte aligned, stored (rows, K)
-// row-major ("K-major", from sm90_prepass_fp16x3 or sm90_prepass_fp16x3_scaled)
-// or, with mn_major, (K, rows) row-major ("MN-major", from
-// sm90_prepass_fp16x3_columns); inv_scale (rows) fp32, each row's 2^-e (null on
-// the w side of a plain product: 1).  center: the x side's per-row centre c_m
+// row-major ("K-major", from sm90_prepass_fp16x3 -- K there is fp16x3_padded_k of
+// the real one -- or sm90_prepass_fp16x3_scaled) or, with mn_major, (K, rows)
+// row-major ("MN-major", from sm90_prepass_fp16x3_columns); inv_scale (rows)
+// fp32, each row's 2^-e (null on the w side of a plain product: 1).  center: the x side's per-row centre c_m
 // (the parts hold x - c_m); row_sum: the w side's per-row sums (hi, lo).  The
 // GEMM adds c_m (sum_k w[n, k]) back.
 struct Fp16x3Parts {
@@ -103,6 +109,8 @@ struct Fp16x3Parts {
   const float2* row_sum;  // w side (N), else null
   bool mn_major = false;
 };
+// The GEMMs below run over K, the parts' K (a multiple of 8 for K-major parts:
+// the forwards pass fp16x3_padded_k(in_features)).
 // z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
 cudaError_t sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean, float* part_m2, int M,
                                    int N, int K, float* workspace, cudaStream_t stream);

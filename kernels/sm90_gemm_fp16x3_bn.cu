@@ -7,8 +7,11 @@
 // epilogues of sm90_gemm_tiles.cuh (kTrain: out = z and per-tile mean / M2;
 // kEval: out = a[n] z + c[n]; kPlain: out = z).
 //
-// Tensors (row-major, contiguous, 16-byte aligned; K % 8 == 0: TMA needs
-// 16-byte global strides of the 16-bit parts)
+// Tensors (row-major, contiguous, 16-byte aligned; K here is the parts' row
+// length, a multiple of 8: TMA needs 16-byte global strides of the 16-bit parts.
+// The forwards run over K_pad = fp16x3_padded_k(in_features), the pre-pass
+// having zeroed columns in_features .. K_pad - 1 of both operands: their
+// products are exact zeros, and the k-block count ceil(K / 64) is unchanged)
 //   w_hi, w_lo   (N, K) fp16 words, K-major: W's parts scaled by 2^e_n (prepass_fp16x3.cu
 //                run over W's rows; model_new.py caches them per weight)
 //   w_inv_scale  (N) fp32: 2^-e_n;  w_row_sum (N) fp32 (hi, lo): sum_k w[n, k]

@@ -19,7 +19,9 @@
 //   sm90_fp16x3           sm90_prepass_fp16x3 over W's rows unless the caller passes
 //                         w_parts (its cached result), then over x (fp16 parts and row
 //                         scales; training: num_batches_tracked += 1), then
-//                         sm90_gemm_fp16x3_{train,eval,plain} (wgmma, TMA; sm_90a)
+//                         sm90_gemm_fp16x3_{train,eval,plain} (wgmma, TMA; sm_90a).
+//                         Any in_features K >= 1 and weight alignment: the parts'
+//                         rows are K_pad = round_up(K, 8) fp16 words, zeros past K
 //   sm80_3xtf32           the forwards: row_sums over W's rows unless the caller passes
 //                         w_parts (its cached result), row_centers over x; then
 //                         sm80_prepass_3xtf32 (x's TF32 parts; training: += 1), then
@@ -51,8 +53,9 @@
 //   gemm_tn(gemm, a (M, N), b (M, K)) -> a^T @ b: grad_W = grad_z^T x; on
 //       sm90_fp16x3 both split per column and read MN-major
 //   (both: other GEMM kernels, or N or K not a multiple of 8: gemm_nt on transposed copies)
-//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4 + 2 N): W's
-//       fp16x3 parts [w_hi | w_lo | w_inv_scale | w_row_sum] for w_parts
+//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K_pad + N rounded up to 4 + 2 N),
+//       K_pad = K rounded up to a multiple of 8: W's fp16x3 parts [w_hi | w_lo |
+//       w_inv_scale | w_row_sum], rows of K_pad fp16 words (zeros past K), for w_parts
 //   weight_row_sums(weight (N, K)) -> float32 (2 N): W's row sums as (hi, lo) pairs,
 //       sm80_3xtf32's w_parts
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
@@ -229,24 +232,35 @@ fgb::Centring centring_of(const float* center, const WeightRowSums& w) {
   return center != nullptr ? fgb::Centring{center, w.row_sum} : fgb::Centring{nullptr, nullptr};
 }
 
-// x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K) fp16 words, x_inv_scale
-// (M), center (M), then the GEMM's split-tile workspace (null if it needs none), one
-// allocation; the pre-pass reads x in place (any strides) and zeroes the
+// in_features as the fp16x3 operands' row length K_pad = round_up(K, 8)
+// (fgb::fp16x3_padded_k): the pre-pass writes x's and W's parts in rows of K_pad
+// fp16 words, zeros past K, and the GEMM runs over K_pad (sm90_gemm_fp16x3_bn.cu).
+int fp16x3_k_pad(int64_t K, const char* fn) {
+  TORCH_CHECK(K >= 1 && K <= INT32_MAX - 7, fn, ": sm90_fp16x3 needs 1 <= in_features <= ", INT32_MAX - 7,
+              ", got in_features = ", K);
+  return static_cast<int>(fgb::fp16x3_padded_k(K));
+}
+
+// x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K_pad) fp16 words,
+// x_inv_scale (M), center (M), then the GEMM's split-tile workspace for an (M,
+// K_pad) x (N, K_pad) product (null if it needs none), one allocation; the
+// pre-pass reads x in place (any strides and alignment) and zeroes the
 // workspace's arrival counts.
 struct SplitX {
   torch::Tensor storage;
   fgb::Fp16x3Parts parts;
   float* workspace;
+  int k_pad;  // the parts' row length: the K the GEMM runs over
 };
 
 SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, int64_t* num_batches_tracked,
                       cudaStream_t stream) {
-  TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
-  const int64_t part_floats = static_cast<int64_t>(M) * K / 2;  // M K fp16 words each
-  const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;   // keeps the workspace 16-byte aligned
+  const int k_pad = fp16x3_k_pad(K, "sm90_prepass_fp16x3");
+  const int64_t part_floats = static_cast<int64_t>(M) * k_pad / 2;    // M K_pad fp16 words each: 16-byte multiple
+  const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;  // keeps the workspace 16-byte aligned
   int64_t workspace_floats = 0;
   int zero_ints = 0;
-  fgb::sm90_gemm_fp16x3_workspace(M, N, K, &workspace_floats, &zero_ints);
+  fgb::sm90_gemm_fp16x3_workspace(M, N, k_pad, &workspace_floats, &zero_ints);
   torch::Tensor storage = torch::empty({2 * part_floats + 2 * scale_floats + workspace_floats}, x.options());
   float* base = storage.data_ptr<float>();
   uint16_t* hi = reinterpret_cast<uint16_t*>(base);
@@ -259,25 +273,29 @@ SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, int64_t* num_
                                         center, nullptr, arrivals, arrivals ? zero_ints : 0, num_batches_tracked,
                                         stream),
                "sm90_prepass_fp16x3");
-  return {storage, {hi, lo, inv_scale, center, nullptr}, workspace};
+  return {storage, {hi, lo, inv_scale, center, nullptr}, workspace, k_pad};
 }
 
-// gemm.weight's fp16x3 parts as one float32 tensor, [w_hi (N K / 2 floats) |
-// w_lo (N K / 2) | w_inv_scale (N, padded to a multiple of 4) | w_row_sum (N
-// (hi, lo) pairs)]: the pre-pass run over W's rows.  model_new.py keeps it
-// between calls (_weight_parts).
-int64_t weight_parts_floats(int64_t N, int64_t K) { return N * K + (N + 3) / 4 * 4 + 2 * N; }
+// gemm.weight's fp16x3 parts as one float32 tensor: [w_hi (N, K_pad) fp16 words
+// (N K_pad / 2 floats) | w_lo (N K_pad / 2) | w_inv_scale (N, padded to a
+// multiple of 4) | w_row_sum (N (hi, lo) pairs)], K_pad = round_up(K, 8) with
+// zeros in columns K .. K_pad - 1: the pre-pass run over W's rows.  model_new.py
+// keeps it between calls (_weight_parts).
+int64_t weight_parts_floats(int64_t N, int64_t K) {
+  return N * fgb::fp16x3_padded_k(K) + (N + 3) / 4 * 4 + 2 * N;
+}
 
-// The fp16x3 parts inside a packed weight tensor (layout above).
+// The fp16x3 parts inside a packed weight tensor (layout above; 16-byte aligned base).
 fgb::Fp16x3Parts packed_weight_parts(float* base, int64_t N, int64_t K) {
-  const int64_t part_floats = N * K / 2;
+  const int64_t part_floats = N * fgb::fp16x3_padded_k(K) / 2;
   float* inv_scale = base + 2 * part_floats;
   return {reinterpret_cast<const uint16_t*>(base), reinterpret_cast<const uint16_t*>(base + part_floats), inv_scale,
           nullptr, reinterpret_cast<const float2*>(inv_scale + (N + 3) / 4 * 4)};
 }
 
+// w (N, K) float32, any strides and alignment.
 torch::Tensor split_weight(const torch::Tensor& w, int N, int K, cudaStream_t stream) {
-  TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
+  fp16x3_k_pad(K, "fp16x3_weight_parts");
   torch::Tensor packed = torch::empty({weight_parts_floats(N, K)}, w.options());
   const fgb::Fp16x3Parts p = packed_weight_parts(packed.data_ptr<float>(), N, K);
   check_launch(fgb::sm90_prepass_fp16x3(w.data_ptr<float>(), w.stride(0), w.stride(1), N, K,
@@ -299,10 +317,13 @@ WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch:
   WeightParts w;
   if (given.has_value() && given->defined()) {
     w.packed = *given;
+    const int64_t floats = weight_parts_floats(N, K);
     TORCH_CHECK(w.packed.device() == weight.device() && w.packed.scalar_type() == torch::kFloat32 &&
-                    w.packed.dim() == 1 && w.packed.numel() == weight_parts_floats(N, K) && w.packed.is_contiguous(),
-                "fused_gemm_bn: w_parts must be fp16x3_weight_parts(gemm.weight): a contiguous float32 tensor of ",
-                weight_parts_floats(N, K), " elements on ", weight.device());
+                    w.packed.dim() == 1 && w.packed.numel() == floats && w.packed.is_contiguous() &&
+                    reinterpret_cast<uintptr_t>(w.packed.data_ptr()) % 16 == 0,
+                "fused_gemm_bn: w_parts must be fp16x3_weight_parts(gemm.weight) of the (", N, ", ", K,
+                ") weight: a contiguous, 16-byte aligned float32 tensor of shape (", floats, ") on ",
+                weight.device(), ", got ", w.packed.scalar_type(), " ", w.packed.sizes(), " on ", w.packed.device());
   } else {
     w.packed = split_weight(weight, N, K, stream);
   }
@@ -337,7 +358,7 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, counter, stream);
     check_launch(fgb::sm90_gemm_fp16x3_train(xs.parts, wp.parts, z.data_ptr<float>(), g.part_mean, g.part_m2, M, N,
-                                             K, xs.workspace, stream),
+                                             xs.k_pad, xs.workspace, stream),
                  "sm90_gemm_fp16x3_train");
   } else {
     const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
@@ -432,7 +453,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                                             t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
                                             t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
                                             t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
-                                            fold_eps, scale_after_bn, M, N, K, xs.workspace, stream),
+                                            fold_eps, scale_after_bn, M, N, xs.k_pad, xs.workspace, stream),
                  "sm90_gemm_fp16x3_eval");
   } else {
     const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
@@ -487,9 +508,10 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
 }
 
 // a @ b^T, float32-accurate (3xTF32 or fp16x3) for float32 CUDA a (M, K) and b (N, K) of
-// any strides (non-contiguous operands are copied first).  b_parts: on
+// any strides (non-contiguous operands are copied first) and any K (sm90_fp16x3:
+// the parts padded to K_pad = round_up(K, 8) with zeros).  b_parts: on
 // sm90_fp16x3, fp16x3_weight_parts(b) made while b held its current values (the
-// cached split of gemm.weight), or None (split now); ignored by the other kernels.
+// cached split of gemm.weight), or None (split now); ignored by sm80_3xtf32.
 // Returns (M, N).
 torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
                       c10::optional<torch::Tensor> b_parts) {
@@ -513,7 +535,8 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   if (is_fp16x3(gemm)) {
     const WeightParts wp = weight_parts(bc, b_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(ac, M, N, K, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.parts, wp.parts, out.data_ptr<float>(), M, N, K, xs.workspace, stream),
+    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.parts, wp.parts, out.data_ptr<float>(), M, N, xs.k_pad, xs.workspace,
+                                             stream),
                  "sm90_gemm_fp16x3_plain");
     return out;
   }
@@ -556,10 +579,12 @@ torch::Tensor with_contiguous_rows(const torch::Tensor& t) {
 // a @ b, float32-accurate, for float32 CUDA a (M, N) and b (N, K): the
 // backward's grad_x = grad_z W.  On sm90_fp16x3 with N % 8 == 0 and
 // K % 8 == 0, b's fp16x3 parts (b_parts: fp16x3_weight_parts(b), the forward's
-// cached split, or made now) are the GEMM's MN-major w operand and a's rows are
-// split with b's row scales folded in (sm90_prepass_fp16x3_scaled): no
-// transposed copy of b.  Otherwise gemm_nt(a, b^T), which copies b transposed.
-// Returns (M, K).
+// cached split, or made now; rows of K_pad = K words, the MN-major operand's
+// row stride) are the GEMM's MN-major w operand and a's rows (N words: TMA's
+// 16-byte row stride) are split with b's row scales folded in
+// (sm90_prepass_fp16x3_scaled): no transposed copy of b.  Otherwise
+// gemm_nt(a, b^T), which copies b transposed (sm90_fp16x3 then pads the
+// reduction N; sm80_3xtf32 takes any shape).  Returns (M, K).
 torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
                       c10::optional<torch::Tensor> b_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
@@ -569,7 +594,7 @@ torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tens
     return gemm_nt(gemm_name, a, b.t(), c10::nullopt);
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = current_stream(a);
-  const WeightParts wp = weight_parts(b, b_parts, N, K, stream);
+  const WeightParts wp = weight_parts(b, b_parts, N, K, stream);  // K % 8 == 0: K_pad == K
   const torch::Tensor ar = with_contiguous_rows(a);
   // One allocation: a's parts (M N / 2 floats each), inv_scale (M, padded to 4), the GEMM's workspace.
   const int64_t part_floats = static_cast<int64_t>(M) * N / 2;
@@ -597,9 +622,10 @@ torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tens
 
 // a^T @ b, float32-accurate, for float32 CUDA a (M, N) and b (M, K): the
 // backward's grad_W = grad_z^T x.  On sm90_fp16x3 with N % 8 == 0 and
-// K % 8 == 0, both are split per column (sm90_prepass_fp16x3_columns) and read
-// as MN-major operands where they lie; otherwise gemm_nt(a^T, b^T), which
-// copies both transposed.  Returns (N, K).
+// K % 8 == 0 (the MN-major operands' rows of N and K words: TMA's 16-byte
+// row strides), both are split per column (sm90_prepass_fp16x3_columns) and
+// read as MN-major operands where they lie; otherwise gemm_nt(a^T, b^T), which
+// copies both transposed (sm90_fp16x3 then pads the reduction M).  Returns (N, K).
 torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tensor b) {
   const Gemm gemm = parse_gemm(gemm_name);
   check_backward_operands("gemm_tn", a, b, 0, "a (M, N) and b (M, K)");
@@ -658,9 +684,12 @@ std::pair<int, int> check_cached_weight(const char* fn, const torch::Tensor& wei
 
 }  // namespace
 
-// gemm.weight's fp16x3 parts (weight_parts_floats floats), for forward_*'s
-// w_parts: weight (N, K) float32 CUDA, any strides, K % 8 == 0.  The caller
-// keeps it while the weight is unchanged (model_new.py: _weight_parts).
+// gemm.weight's fp16x3 parts (weight_parts_floats floats: [w_hi (N, K_pad) fp16
+// words | w_lo | w_inv_scale (N, padded to 4) | w_row_sum (N (hi, lo) pairs)],
+// K_pad = round_up(K, 8), zeros in columns K ..), for forward_*'s w_parts and
+// gemm_nt's / gemm_nn's b_parts: weight (N, K) float32 CUDA, any strides and
+// alignment, K >= 1.  The caller keeps it while the weight is unchanged
+// (model_new.py: _weight_parts).
 torch::Tensor fp16x3_weight_parts(torch::Tensor weight) {
   const auto [N, K] = check_cached_weight("fp16x3_weight_parts", weight);
   const c10::cuda::CUDAGuard guard(weight.device());

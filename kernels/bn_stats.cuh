@@ -105,7 +105,8 @@ __device__ __forceinline__ void bn_update_running(double mean, double m2, double
 }
 
 // The per-feature parameters and running statistics a GEMM epilogue reads
-// (float32 vectors of N; eps as nn.BatchNorm1d's).
+// (float32 vectors of N; eps as nn.BatchNorm1d's): the eval launchers copy
+// them from the call's BatchNormArgs (launchers.cuh) into the kernel's arguments.
 struct BnParams {
   const float* bias;  // Linear bias
   const float* scale;

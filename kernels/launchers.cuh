@@ -22,6 +22,28 @@
 
 namespace fused_gemm_bn {
 
+// ---- the BatchNorm side of a float32 call -----------------------------------
+// Filled once per call by torch_binding.cpp from the module's tensors and
+// passed whole to every launcher below that takes BatchNorm parameters; each
+// launcher's comment names the fields it reads (the others may stay unset).
+// Vectors: (N) float32, contiguous, on the call's device.
+struct BatchNormArgs {
+  const float* bias = nullptr;       // gemm.bias (the Linear's): running_mean, the eval fold, 33's grad_scale
+  const float* scale = nullptr;      // the per-feature scale s
+  const float* bn_weight = nullptr;  // bn.weight (gamma)
+  const float* bn_bias = nullptr;    // bn.bias (beta)
+  // bn.running_mean / running_var: updated in place by the training launchers,
+  // only read by the eval ones (sm80_gemm_3xtf32_eval, sm90_gemm_fp16x3_eval).
+  float* running_mean = nullptr;
+  float* running_var = nullptr;
+  // bn.num_batches_tracked (device int64 scalar), training: already incremented
+  // for this call by the pre-pass; read where momentum < 0.
+  const int64_t* num_batches_tracked = nullptr;
+  float momentum = 0.f;         // training; < 0: cumulative average (momentum=None), f = 1 / num_batches_tracked
+  float eps = 0.f;              // bn.eps
+  bool scale_after_bn = false;  // false: problem 33 (Linear -> scale -> BatchNorm); true: 84 (BatchNorm -> scale)
+};
+
 // ---- prepass_3xtf32.cu: the pre-pass before each 3xTF32 GEMM ---------------
 // Writes x's TF32 parts and, in the same launch, num_batches_tracked += 1 when
 // it is not null (a training call: nn.BatchNorm1d's first step).  center (M,
@@ -55,12 +77,10 @@ int sm80_gemm_block_m();
 cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, Centring centring,
                                    float* out, float* part_mean, float* part_m2, int M, int N, int K,
                                    cudaStream_t stream);
-// out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
+// out = a * (x @ w^T) + c, the eval-mode fold (bn: bias, scale, bn_weight,
+// bn_bias, running_mean, running_var, eps, scale_after_bn).
 cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, Centring centring,
-                                  float* out,
-                                  const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
-                                  const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
-                                  int M, int N, int K, cudaStream_t stream);
+                                  float* out, const BatchNormArgs& bn, int M, int N, int K, cudaStream_t stream);
 
 // ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
 int sm90_gemm_block_m();
@@ -114,34 +134,30 @@ struct Fp16x3Parts {
 // z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
 cudaError_t sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean, float* part_m2, int M,
                                    int N, int K, float* workspace, cudaStream_t stream);
-// out = a * (x @ w^T) + c, the eval-mode fold.
-cudaError_t sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const float* bias, const float* scale,
-                                  const float* bn_weight, const float* bn_bias, const float* running_mean,
-                                  const float* running_var, float eps, bool scale_after_bn, int M, int N, int K,
-                                  float* workspace, cudaStream_t stream);
+// out = a * (x @ w^T) + c, the eval-mode fold (bn: as sm80_gemm_3xtf32_eval).
+cudaError_t sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const BatchNormArgs& bn, int M, int N,
+                                  int K, float* workspace, cudaStream_t stream);
 // out = x @ w^T (the backward's products): both operands K-major, w MN-major
 // (grad_x = grad_z W from W's cached parts), or both MN-major (grad_W = grad_z^T x).
 cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K, float* workspace,
                                    cudaStream_t stream);
 
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
-// Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias));
-// coeff: 2 N floats of scratch (used when num_m_tiles > 8: one merge per feature, then a streaming pass).
+// Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias))
+// (bn: every field but scale_after_bn); coeff: 2 N floats of scratch (used when num_m_tiles > 8: one
+// merge per feature, then a streaming pass).
 cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
-                     int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight,
-                     const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
-                     float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
+                     int block_m, int M, int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
 // out = (z - coeff[0 .. N)) * coeff[N .. 2N) + bn_bias: the apply with given coefficients
 // (synchronized BatchNorm; out may be z).
 cudaError_t bn_apply_folded(const float* z, float* out, const float* coeff, const float* bn_bias, int M, int N,
                             cudaStream_t stream);
 
 // ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
-// Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update.
+// Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update
+// (bn: every field but scale_after_bn, which is true here).
 cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
-                                  int N, const float* bias, const float* scale, const float* bn_weight,
-                                  const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
-                                  float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
+                                  int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
 // out <- row softmax of (out - mean_z) * a + c (coeff) or of out (coeff null), in place.
 cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
 
@@ -149,33 +165,34 @@ cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStrea
 // stats (2, N) = [mean_z | biased var_z] from the per-tile statistics.
 cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
                            float* stats, cudaStream_t stream);
-// grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y.
-cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const float* scale,
-                              const float* bn_weight, float eps, bool scale_after_bn, int M, int N, float* grad_z,
-                              float* grad_scale, float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream);
+// grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
+// (bn: scale, bn_weight, eps, scale_after_bn).
+cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
+                              int N, float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
+                              cudaStream_t stream);
 // Synchronized BatchNorm (statistics merged over processes):
 // the backward split around the all_reduce: this process's sums (2, N) float64 =
 // [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums
 // (total_sums) and the merged row count (*count, device memory), the parameter gradients from local_sums;
-// problem 33's grad_scale sums this process's rows (bias: the Linear bias).
+// problem 33's grad_scale sums this process's rows (bn: bias (gemm.bias), scale, bn_weight, eps,
+// scale_after_bn).
 cudaError_t bn_backward_sums(const float* grad_y, const float* z, const float* stats, int M, int N, double* sums,
                              cudaStream_t stream);
-cudaError_t bn_backward_grad(const float* grad_y, const float* z, const float* stats, const float* bias,
-                             const float* scale, const float* bn_weight, float eps, bool scale_after_bn, int M, int N,
-                             const double* count, const double* local_sums, const double* total_sums, float* grad_z,
-                             float* grad_scale, float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream);
+cudaError_t bn_backward_grad(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
+                             int N, const double* count, const double* local_sums, const double* total_sums,
+                             float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
+                             cudaStream_t stream);
 
 // ---- bn_sync.cu: synchronized BatchNorm's statistics (merged over processes) ----
-// local (3, N) float64 = [M | mean_z + bias | M2_z] of this process's rows, from the per-tile statistics.
+// local (3, N) float64 = [M | mean_z + bias | M2_z] of this process's rows, from the per-tile statistics
+// (bias: gemm.bias, the one BatchNorm vector it reads, before the call's BatchNormArgs exist).
 cudaError_t bn_local_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
                            const float* bias, double* local, cudaStream_t stream);
 // gathered (world, 3, N) float64 (every process's local) -> stats (2, N) = [mean_z | var_z],
 // coeff (2 N or 3 N: bn_apply_folded's or softmax_rows'), count (1) float64, and the
-// running statistics updated in place (num_batches_tracked already incremented).
-cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const float* bias, const float* scale,
-                             const float* bn_weight, const float* bn_bias, const int64_t* num_batches_tracked,
-                             float momentum, float eps, bool scale_after_bn, float* running_mean, float* running_var,
-                             float* stats, float* coeff, double* count, cudaStream_t stream);
+// running statistics updated in place (bn: every field; num_batches_tracked already incremented).
+cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const BatchNormArgs& bn, float* stats,
+                             float* coeff, double* count, cudaStream_t stream);
 
 // ---- lowp/: the 16-bit kernels (second extension; dtype 0 = IEEE half, 1 = bfloat16) ----
 int lowp_gemm_block_m();

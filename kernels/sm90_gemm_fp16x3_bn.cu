@@ -488,18 +488,16 @@ cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, 
   return launch_fp16x3<sm90::Epilogue::kTrain>(x, w, args, workspace, stream);
 }
 
-// out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
-cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const float* bias,
-                                                 const float* scale, const float* bn_weight, const float* bn_bias,
-                                                 const float* running_mean, const float* running_var, float eps,
-                                                 bool scale_after_bn, int M, int N, int K, float* workspace,
-                                                 cudaStream_t stream) {
+// out = a * (x @ w^T) + c, the eval-mode fold (bn.scale_after_bn: problem 84's order).
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const BatchNormArgs& bn,
+                                                 int M, int N, int K, float* workspace, cudaStream_t stream) {
   using namespace sm90;
   if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
-  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
+  args.bn = BnParams{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
+                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn};
   return launch_fp16x3<sm90::Epilogue::kEval>(x, w, args, workspace, stream);
 }
 

@@ -152,6 +152,25 @@ void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x) {
   check_vector(t.running_var, "bn.running_var", N, x);
 }
 
+// The call's BatchNorm side as the launchers take it (launchers.cuh), filled
+// once from the checked tensors.  num_batches_tracked: training (the counter the
+// pre-pass increments), else null; momentum: training only.
+fgb::BatchNormArgs batch_norm_args(const BnTensors& t, double eps, bool scale_after_bn,
+                                   const torch::Tensor* num_batches_tracked = nullptr, double momentum = 0.0) {
+  fgb::BatchNormArgs bn;
+  bn.bias = t.bias.data_ptr<float>();
+  bn.scale = t.scale.data_ptr<float>();
+  bn.bn_weight = t.bn_weight.data_ptr<float>();
+  bn.bn_bias = t.bn_bias.data_ptr<float>();
+  bn.running_mean = t.running_mean.data_ptr<float>();
+  bn.running_var = t.running_var.data_ptr<float>();
+  bn.num_batches_tracked = num_batches_tracked != nullptr ? num_batches_tracked->data_ptr<int64_t>() : nullptr;
+  bn.momentum = static_cast<float>(momentum);
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  return bn;
+}
+
 void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
   TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
               torch::IntArrayRef({M, N}));
@@ -375,28 +394,19 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
 
 // Problem 33's BatchNorm after the training GEMM: out = BatchNorm(scale (z + bias)),
 // running statistics updated (out may be z: in place).
-void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N, const BnTensors& t,
-              const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
+void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N,
+              const fgb::BatchNormArgs& bn, cudaStream_t stream) {
   check_launch(fgb::bn_apply(z.data_ptr<float>(), out.data_ptr<float>(), g.part_mean, g.part_m2, g.num_m_tiles,
-                             g.block_m, M, N, t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                             t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
-                             num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                             static_cast<float>(eps), t.running_mean.data_ptr<float>(),
-                             t.running_var.data_ptr<float>(), g.coeff, stream),
+                             g.block_m, M, N, bn, g.coeff, stream),
                "bn_apply");
 }
 
 // Problem 84's BatchNorm, scale and softmax after the training GEMM: per-feature
 // [mean_z | a | c] and the running-statistics update (bn_softmax_fold_train),
 // then out = softmax((out - mean_z) * a + c) per row, in place.
-void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const BnTensors& t,
-                const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
-  check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N,
-                                          t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                                          t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
-                                          num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                                          static_cast<float>(eps), t.running_mean.data_ptr<float>(),
-                                          t.running_var.data_ptr<float>(), g.coeff, stream),
+void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const fgb::BatchNormArgs& bn,
+                cudaStream_t stream) {
+  check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bn, g.coeff, stream),
                "bn_softmax_fold_train");
   check_launch(fgb::softmax_rows(out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
 }
@@ -418,12 +428,14 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   check_bn_tensors(t, N, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor out = torch::empty({M, N}, x.options());
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
+  const TrainGemm g =
+      train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   if (scale_after_bn) {
-    bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_softmax(g, out, M, N, bn, stream);
   } else {
-    bn_apply(g, out, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_apply(g, out, out, M, N, bn, stream);
   }
   return out;
 }
@@ -445,25 +457,18 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* w = weight.data_ptr<float>();
-  const float fold_eps = static_cast<float>(eps);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn);
   if (is_fp16x3(gemm)) {
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.parts, wp.parts, out.data_ptr<float>(),
-                                            t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                                            t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
-                                            t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
-                                            fold_eps, scale_after_bn, M, N, xs.k_pad, xs.workspace, stream),
+    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.parts, wp.parts, out.data_ptr<float>(), bn, M, N, xs.k_pad,
+                                            xs.workspace, stream),
                  "sm90_gemm_fp16x3_eval");
   } else {
     const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
     const FragmentX xs = sm80_prepass(x, M, K, nullptr, true, stream);
     check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, centring_of(xs.center, ws), out.data_ptr<float>(),
-                                            t.bias.data_ptr<float>(),
-                                            t.scale.data_ptr<float>(), t.bn_weight.data_ptr<float>(),
-                                            t.bn_bias.data_ptr<float>(), t.running_mean.data_ptr<float>(),
-                                            t.running_var.data_ptr<float>(), fold_eps, scale_after_bn, M, N, K,
-                                            stream),
+                                            bn, M, N, K, stream),
                  "sm80_gemm_3xtf32_eval");
   }
   if (scale_after_bn)
@@ -491,6 +496,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   check_bn_tensors(t, N, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = torch::empty({2, N}, x.options());
   const TrainGemm g =
@@ -499,10 +505,10 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   torch::Tensor out;
   if (scale_after_bn) {
     out = z.clone();  // softmax_rows works in place
-    bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_softmax(g, out, M, N, bn, stream);
   } else {
     out = torch::empty({M, N}, x.options());
-    bn_apply(g, z, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_apply(g, z, out, M, N, bn, stream);
   }
   return {out, z, stats};
 }
@@ -542,11 +548,15 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   }
   // The portable kernel's eval epilogue with the identity fold: a = 1 / sqrt(1 + 0) = 1, c = 0 exactly.
   const torch::Tensor ones = torch::ones({N}, a.options()), zeros = torch::zeros({N}, a.options());
-  const float* one = ones.data_ptr<float>();
-  const float* zero = zeros.data_ptr<float>();
+  fgb::BatchNormArgs identity;
+  identity.bias = identity.bn_bias = zeros.data_ptr<float>();
+  identity.scale = identity.bn_weight = ones.data_ptr<float>();
+  identity.running_mean = zeros.data_ptr<float>();  // read only by the eval epilogue
+  identity.running_var = ones.data_ptr<float>();
+  identity.eps = 0.f;
   const FragmentX xs = sm80_prepass(ac, M, K, nullptr, false, stream);
   check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, fgb::Centring{nullptr, nullptr}, out.data_ptr<float>(),
-                                          zero, one, one, zero, zero, one, 0.f, false, M, N, K, stream),
+                                          identity, M, N, K, stream),
                "sm80_gemm_3xtf32_eval");
   return out;
 }
@@ -743,9 +753,12 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   // Three allocations, not views of one: custom operators may not return aliases.
   torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
                 grad_bn_bias = torch::empty({N}, z.options());
-  check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
-                                      scale.data_ptr<float>(), bn_weight.data_ptr<float>(), static_cast<float>(eps),
-                                      scale_after_bn, static_cast<int>(M), static_cast<int>(N),
+  fgb::BatchNormArgs bn;  // what bn_backward_train reads
+  bn.scale = scale.data_ptr<float>();
+  bn.bn_weight = bn_weight.data_ptr<float>();
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                       grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
                                       grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
                "bn_backward_train");
@@ -824,12 +837,9 @@ std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered
   torch::Tensor stats = torch::empty({2, N}, z.options());
   torch::Tensor coeff = torch::empty({scale_after_bn ? 3 : 2, N}, z.options());
   torch::Tensor count = torch::empty({1}, z.options().dtype(torch::kFloat64));
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   check_launch(fgb::sync_bn_finalize(gathered.data_ptr<double>(), static_cast<int>(gathered.size(0)),
-                                     static_cast<int>(N), bias.data_ptr<float>(), scale.data_ptr<float>(),
-                                     bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
-                                     num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                                     static_cast<float>(eps), scale_after_bn, running_mean.data_ptr<float>(),
-                                     running_var.data_ptr<float>(), stats.data_ptr<float>(), coeff.data_ptr<float>(),
+                                     static_cast<int>(N), bn, stats.data_ptr<float>(), coeff.data_ptr<float>(),
                                      count.data_ptr<double>(), stream),
                "sync_bn_finalize");
   torch::Tensor out;
@@ -884,11 +894,15 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
   torch::Tensor grad_z = torch::empty({M, N}, z.options());
   torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
                 grad_bn_bias = torch::empty({N}, z.options());
-  check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
-                                     bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
-                                     static_cast<float>(eps), scale_after_bn, M, N, count.data_ptr<double>(),
-                                     local_sums.data_ptr<double>(), total_sums.data_ptr<double>(),
-                                     grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
+  fgb::BatchNormArgs bn;  // what bn_backward_grad reads
+  bn.bias = bias.data_ptr<float>();
+  bn.scale = scale.data_ptr<float>();
+  bn.bn_weight = bn_weight.data_ptr<float>();
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
+                                     count.data_ptr<double>(), local_sums.data_ptr<double>(),
+                                     total_sums.data_ptr<double>(), grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
                                      grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(),
                                      current_stream(z)),
                "bn_backward_grad");

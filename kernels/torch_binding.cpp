@@ -254,9 +254,10 @@ fgb::Centring centring_of(const float* center, const WeightRowSums& w) {
 // in_features as the fp16x3 operands' row length K_pad = round_up(K, 8)
 // (fgb::fp16x3_padded_k): the pre-pass writes x's and W's parts in rows of K_pad
 // fp16 words, zeros past K, and the GEMM runs over K_pad (sm90_gemm_fp16x3_bn.cu).
-int fp16x3_k_pad(int64_t K, const char* fn) {
-  TORCH_CHECK(K >= 1 && K <= INT32_MAX - 7, fn, ": sm90_fp16x3 needs 1 <= in_features <= ", INT32_MAX - 7,
-              ", got in_features = ", K);
+// `operand` names the (rows, K) tensor being split, for the message.
+int fp16x3_k_pad(int64_t K, const char* operand) {
+  TORCH_CHECK(K >= 1 && K <= INT32_MAX - 7, "fused_gemm_bn: sm90_fp16x3 needs ", operand,
+              " of shape (rows, K) with 1 <= K <= ", INT32_MAX - 7, ", got K = ", K);
   return static_cast<int>(fgb::fp16x3_padded_k(K));
 }
 
@@ -274,7 +275,7 @@ struct SplitX {
 
 SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, int64_t* num_batches_tracked,
                       cudaStream_t stream) {
-  const int k_pad = fp16x3_k_pad(K, "sm90_prepass_fp16x3");
+  const int k_pad = fp16x3_k_pad(K, "x");
   const int64_t part_floats = static_cast<int64_t>(M) * k_pad / 2;    // M K_pad fp16 words each: 16-byte multiple
   const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;  // keeps the workspace 16-byte aligned
   int64_t workspace_floats = 0;
@@ -314,7 +315,7 @@ fgb::Fp16x3Parts packed_weight_parts(float* base, int64_t N, int64_t K) {
 
 // w (N, K) float32, any strides and alignment.
 torch::Tensor split_weight(const torch::Tensor& w, int N, int K, cudaStream_t stream) {
-  fp16x3_k_pad(K, "fp16x3_weight_parts");
+  fp16x3_k_pad(K, "gemm.weight");
   torch::Tensor packed = torch::empty({weight_parts_floats(N, K)}, w.options());
   const fgb::Fp16x3Parts p = packed_weight_parts(packed.data_ptr<float>(), N, K);
   check_launch(fgb::sm90_prepass_fp16x3(w.data_ptr<float>(), w.stride(0), w.stride(1), N, K,

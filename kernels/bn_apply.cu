@@ -204,18 +204,17 @@ void launch_apply(const BnApplyArgs& p, dim3 grid, bool vec4, cudaStream_t strea
 }  // namespace fused_gemm_bn
 
 cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2,
-                                    int num_m_tiles, int block_m, int M, int N, const float* bias, const float* scale,
-                                    const float* bn_weight, const float* bn_bias, const int64_t* num_batches_tracked,
-                                    float momentum, float eps, float* running_mean, float* running_var,
+                                    int num_m_tiles, int block_m, int M, int N, const BatchNormArgs& bn,
                                     float* coeff, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
   const bool folded = num_m_tiles > kFusedMaxTiles;
   if (folded && coeff == nullptr) return cudaErrorInvalidValue;
   auto aligned = [](const float* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   const bool vec4 = N % 4 == 0 && aligned(z) && aligned(out) && aligned(part_mean) && aligned(part_m2);
-  BnApplyArgs p{z,       out,     part_mean,           part_m2,  num_m_tiles, block_m,      M,
-                N,       bias,    scale,               bn_weight, bn_bias,    num_batches_tracked, momentum,
-                eps,     running_mean, running_var,    0,      coeff};
+  BnApplyArgs p{z,           out,          part_mean,    part_m2,   num_m_tiles,
+                block_m,     M,            N,            bn.bias,   bn.scale,
+                bn.bn_weight, bn.bn_bias,  bn.num_batches_tracked, bn.momentum, bn.eps,
+                bn.running_mean, bn.running_var, 0, coeff};
   const dim3 grid = apply_grid(M, N, vec4, folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock, p.rows_per_block);
   if (folded) {
     bn_fold_kernel<<<(N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream>>>(p);

@@ -228,11 +228,10 @@ cudaError_t fused_gemm_bn::bn_batch_stats(const float* part_mean, const float* p
 
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y = dL/dy (formulas above).
 cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z, const float* stats,
-                                             const float* scale, const float* bn_weight, float eps,
-                                             bool scale_after_bn, int M, int N, float* grad_z, float* grad_scale,
+                                             const BatchNormArgs& bn, int M, int N, float* grad_z, float* grad_scale,
                                              float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  const BnBackwardArgs p{grad_y, z,       stats,  scale,   bn_weight, eps,          scale_after_bn,
+  const BnBackwardArgs p{grad_y, z,       stats,  bn.scale, bn.bn_weight, bn.eps,   bn.scale_after_bn,
                          M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
                          grad_bn_bias, nullptr, nullptr, nullptr, nullptr};
   bn_backward_train_kernel<BwdMode::kFull><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
@@ -252,16 +251,15 @@ cudaError_t fused_gemm_bn::bn_backward_sums(const float* grad_y, const float* z,
 // The synchronized backward's second half (formulas above): *count = C (device
 // memory, read by the kernel: the host never waits for it; values below 1 read as 1).
 cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z, const float* stats,
-                                            const float* bias, const float* scale, const float* bn_weight, float eps,
-                                            bool scale_after_bn, int M, int N, const double* count,
+                                            const BatchNormArgs& bn, int M, int N, const double* count,
                                             const double* local_sums, const double* total_sums, float* grad_z,
                                             float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
                                             cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
   if (count == nullptr) return cudaErrorInvalidValue;
-  const BnBackwardArgs p{grad_y,     z,       stats,  scale,      bn_weight,  eps,    scale_after_bn,
+  const BnBackwardArgs p{grad_y,     z,       stats,  bn.scale,   bn.bn_weight, bn.eps, bn.scale_after_bn,
                          M,          N,       0.0,    count,      grad_z,     grad_scale, grad_bn_weight,
-                         grad_bn_bias, bias,  local_sums, total_sums, nullptr};
+                         grad_bn_bias, bn.bias, local_sums, total_sums, nullptr};
   bn_backward_train_kernel<BwdMode::kGrad><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }

@@ -300,16 +300,14 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
 // Training: per-feature coefficients for softmax_rows and the running-statistics
 // update, from the GEMM's per-tile statistics.  coeff: 3 N floats.
 cudaError_t fused_gemm_bn::bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles,
-                                                 int block_m, int M, int N, const float* bias, const float* scale,
-                                                 const float* bn_weight, const float* bn_bias,
-                                                 const int64_t* num_batches_tracked, float momentum, float eps,
-                                                 float* running_mean, float* running_var, float* coeff,
+                                                 int block_m, int M, int N, const BatchNormArgs& bn, float* coeff,
                                                  cudaStream_t stream) {
   using namespace fused_gemm_bn::softmax;
   if (M == 0 || N == 0) return cudaSuccess;
-  const FoldArgs p{part_mean, part_m2,   num_m_tiles, block_m, M,        N,           bias,
-                   scale,     bn_weight, bn_bias,     num_batches_tracked, momentum, eps, running_mean,
-                   running_var, coeff};
+  const FoldArgs p{part_mean,  part_m2,      num_m_tiles, block_m,   M,
+                   N,          bn.bias,      bn.scale,    bn.bn_weight, bn.bn_bias,
+                   bn.num_batches_tracked, bn.momentum, bn.eps, bn.running_mean, bn.running_var,
+                   coeff};
   bn_softmax_fold_train_kernel<<<(N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

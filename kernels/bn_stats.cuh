@@ -1,8 +1,8 @@
 // bn_stats.cuh -- per-feature BatchNorm math shared by the
 // multi-kernel training paths (bn_apply.cu for Linear -> scale -> BatchNorm,
-// bn_softmax.cu for Linear -> BatchNorm -> scale -> Softmax), the fused cluster
-// epilogue (sm80_gemm_3xtf32_bn.cu), and the eval-mode fold used by both GEMMs'
-// epilogues.  Device functions only; the training statistics are float64
+// bn_softmax.cu for Linear -> BatchNorm -> scale -> Softmax, bn_sync.cu,
+// bn_backward.cu) and the eval-mode fold used by both GEMMs' epilogues
+// (sm80_gemm_3xtf32_bn.cuh, sm90_gemm_tiles.cuh).  Device functions only; the training statistics are float64
 // throughout.
 //
 // Algebra (training mode, scale before BatchNorm), z = x @ W^T for one feature
@@ -17,19 +17,6 @@
 #include <stdint.h>
 
 namespace fused_gemm_bn {
-
-// Chan, Golub and LeVeque's pairwise update ("Updating formulae and a pairwise
-// algorithm for computing sample variances", 1979): merges the statistics
-// (n_b, mean_b, m2_b) of one tile into (count, mean, m2); m2 is the sum of
-// squared deviations.  No E[z^2] - E[z]^2 cancellation.
-__device__ __forceinline__ void merge_chan(double& count, double& mean, double& m2, double n_b, double mean_b,
-                                           double m2_b) {
-  const double n = count + n_b;
-  const double delta = mean_b - mean;
-  mean += delta * (n_b / n);
-  m2 += m2_b + delta * delta * (count * n_b / n);
-  count = n;
-}
 
 // Merges the per-tile statistics of feature j, as the GEMMs' kTrain epilogues
 // write them (part_mean / part_m2: (num_m_tiles, N), tile t holding
@@ -118,7 +105,8 @@ __device__ __forceinline__ void bn_update_running(double mean, double m2, double
 }
 
 // The per-feature parameters and running statistics a GEMM epilogue reads
-// (float32 vectors of N; eps as nn.BatchNorm1d's).
+// (float32 vectors of N; eps as nn.BatchNorm1d's): the eval launchers copy
+// them from the call's BatchNormArgs (launchers.cuh) into the kernel's arguments.
 struct BnParams {
   const float* bias;  // Linear bias
   const float* scale;

@@ -120,15 +120,13 @@ cudaError_t fused_gemm_bn::bn_local_stats(const float* part_mean, const float* p
 }
 
 // The merged batch's stats, coeff and count, and the running-statistics update (header).
-cudaError_t fused_gemm_bn::sync_bn_finalize(const double* gathered, int world, int N, const float* bias,
-                                            const float* scale, const float* bn_weight, const float* bn_bias,
-                                            const int64_t* num_batches_tracked, float momentum, float eps,
-                                            bool scale_after_bn, float* running_mean, float* running_var,
+cudaError_t fused_gemm_bn::sync_bn_finalize(const double* gathered, int world, int N, const BatchNormArgs& bn,
                                             float* stats, float* coeff, double* count, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
   if (world < 1) return cudaErrorInvalidValue;
-  const SyncFinalizeArgs p{gathered,  world,        N,           bias,  scale, bn_weight, bn_bias, num_batches_tracked,
-                           momentum,  eps,          scale_after_bn, running_mean, running_var, stats, coeff, count};
+  const SyncFinalizeArgs p{gathered,    world,       N,           bn.bias,        bn.scale,        bn.bn_weight,
+                           bn.bn_bias,  bn.num_batches_tracked,   bn.momentum,    bn.eps,          bn.scale_after_bn,
+                           bn.running_mean, bn.running_var, stats, coeff,         count};
   sync_bn_finalize_kernel<<<(N + kSyncThreads - 1) / kSyncThreads, kSyncThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

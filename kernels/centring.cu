@@ -1,10 +1,10 @@
-// centring.cu -- the centred split's per-row terms for the 3xTF32 GEMMs
-// (sm80_gemm_3xtf32_bn.cuh, sm90_gemm_3xtf32_bn.cu; the fp16x3 pre-pass makes
+// centring.cu -- the centred split's per-row terms for the 3xTF32 GEMM
+// (sm80_gemm_3xtf32_bn.cuh; the fp16x3 pre-pass makes
 // its own in the same pass as its split).  The rule, and why, are in
 // centring.cuh.
 //
 //   row_centers: x (M, K) fp32, any strides (read, never written) -> center (M)
-//                fp32, c_m; the 3xTF32 pre-passes (prepass_3xtf32.cu) then split
+//                fp32, c_m; the 3xTF32 pre-pass (prepass_3xtf32.cu) then splits
 //                rn(x - c_m).
 //   row_sums:    w (N, K) fp32, any strides -> row_sum (N) fp32 (hi, lo) pairs,
 //                sum_k w[n, k] in float64; model_new.py keeps them while the

@@ -22,34 +22,49 @@
 
 namespace fused_gemm_bn {
 
-// ---- prepass_3xtf32.cu: the one pre-pass before each 3xTF32 GEMM ----------
-// Each writes x's TF32 parts and, in the same launch, does the call's small
-// bookkeeping: num_batches_tracked += 1 when it is not null (a training call:
-// nn.BatchNorm1d's first step) and, for the Hopper GEMM, zeroes its split-tile
-// arrival counts.  center (M, from row_centers; null: none): the parts are
-// those of rn(x - c_m), the centred split (centring.cuh).
+// ---- the BatchNorm side of a float32 call -----------------------------------
+// Filled once per call by torch_binding.cpp from the module's tensors and
+// passed whole to every launcher below that takes BatchNorm parameters; each
+// launcher's comment names the fields it reads (the others may stay unset).
+// Vectors: (N) float32, contiguous, on the call's device.
+struct BatchNormArgs {
+  const float* bias = nullptr;       // gemm.bias (the Linear's): running_mean, the eval fold, 33's grad_scale
+  const float* scale = nullptr;      // the per-feature scale s
+  const float* bn_weight = nullptr;  // bn.weight (gamma)
+  const float* bn_bias = nullptr;    // bn.bias (beta)
+  // bn.running_mean / running_var: updated in place by the training launchers,
+  // only read by the eval ones (sm80_gemm_3xtf32_eval, sm90_gemm_fp16x3_eval).
+  float* running_mean = nullptr;
+  float* running_var = nullptr;
+  // bn.num_batches_tracked (device int64 scalar), training: already incremented
+  // for this call by the pre-pass; read where momentum < 0.
+  const int64_t* num_batches_tracked = nullptr;
+  float momentum = 0.f;         // training; < 0: cumulative average (momentum=None), f = 1 / num_batches_tracked
+  float eps = 0.f;              // bn.eps
+  bool scale_after_bn = false;  // false: problem 33 (Linear -> scale -> BatchNorm); true: 84 (BatchNorm -> scale)
+};
+
+// ---- prepass_3xtf32.cu: the pre-pass before each 3xTF32 GEMM ---------------
+// Writes x's TF32 parts and, in the same launch, num_batches_tracked += 1 when
+// it is not null (a training call: nn.BatchNorm1d's first step).  center (M,
+// from row_centers; null: none): the parts are those of rn(x - c_m), the
+// centred split (centring.cuh).
 
 // Floats in each of x_big / x_small for an (M, K) input (fragment order, padded).
 int64_t sm80_prepass_elems(int M, int K);
-// x (any strides) -> x_big, x_small in mma fragment order, for sm80_* / sm90_cluster_*.
+// x (any strides) -> x_big, x_small in mma fragment order, for sm80_gemm_3xtf32_*.
 cudaError_t sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
                                 const float* center, float* x_big, float* x_small, int64_t* num_batches_tracked,
                                 cudaStream_t stream);
-// Contiguous x with K % 4 == 0 -> x_small = v - tf32_trunc(v), for sm90_gemm_3xtf32_*,
-// with v = x, or v = rn(x - c_m) also written to x_centred (M, K) when center is
-// given (the GEMM then reads x_centred); zero_ints[0 .. num_zero_ints) = 0.
-cudaError_t sm90_prepass_3xtf32(const float* x, int M, int K, const float* center, float* x_centred, float* x_small,
-                                int* zero_ints, int num_zero_ints, int64_t* num_batches_tracked,
-                                cudaStream_t stream);
 
-// ---- centring.cu: the centred split's per-row terms for the 3xTF32 GEMMs ----
+// ---- centring.cu: the centred split's per-row terms for the 3xTF32 GEMM -----
 // x (any strides) -> center (M): c_m.
 cudaError_t row_centers(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* center,
                         cudaStream_t stream);
 // w (any strides) -> row_sum (N): sum_k w[n, k] in float64 as fp32 (hi, lo) pairs.
 cudaError_t row_sums(const float* w, int64_t row_stride, int64_t col_stride, int N, int K, float2* row_sum,
                      cudaStream_t stream);
-// What a 3xTF32 GEMM needs to undo the centring: z = the parts' product +
+// What the 3xTF32 GEMM needs to undo the centring: z = the parts' product +
 // c_m (hi_n + lo_n).  Both null: x was split as it is.
 struct Centring {
   const float* x_center;    // (M), row_centers
@@ -62,56 +77,27 @@ int sm80_gemm_block_m();
 cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, Centring centring,
                                    float* out, float* part_mean, float* part_m2, int M, int N, int K,
                                    cudaStream_t stream);
-// out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
+// out = a * (x @ w^T) + c, the eval-mode fold (bn: bias, scale, bn_weight,
+// bn_bias, running_mean, running_var, eps, scale_after_bn).
 cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, Centring centring,
-                                  float* out,
-                                  const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
-                                  const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
-                                  int M, int N, int K, cudaStream_t stream);
+                                  float* out, const BatchNormArgs& bn, int M, int N, int K, cudaStream_t stream);
 
-// ---- sm90_cluster_gemm_3xtf32_bn.cu: the portable kernel as sm_90 clusters --
-// Max active clusters of ceil(M / BLOCK_M) = m_tiles CTAs on the current device
-// (0: none fits); vec16 selects the kernel variant (K % 4 == 0, 16-byte aligned w).
-int sm90_cluster_max_active(int m_tiles, bool vec16);
-// Problem 33's whole training forward in one launch (M <= 8 * BLOCK_M): out is
-// the BatchNorm output; running statistics updated; num_batches_tracked read
-// (already incremented by the pre-pass).
-cudaError_t sm90_cluster_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
-                                           Centring centring, float* out,
-                                           const float* bias, const float* scale, const float* bn_weight,
-                                           const float* bn_bias, float* running_mean, float* running_var,
-                                           const int64_t* num_batches_tracked, float momentum, float eps, int M, int N,
-                                           int K, cudaStream_t stream);
-
-// ---- sm90_gemm_3xtf32_bn.cu: Hopper 3xTF32 GEMM (wgmma, TMA; sm_90a) -------
+// ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
 int sm90_gemm_block_m();
 // True when this build has the sm_90a kernel and the current device can run it
 // (compute capability 9.0, shared memory, the driver's tensor-map encoder).
 bool sm90_gemm_available();
-// Workspace for an (M, K) x (N, K) product: *floats floats, of which the last
-// *zero_ints ints must be zero at the launch (both 0 when no tile is split).
-void sm90_gemm_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
-// z = x @ w^T into out and per-tile mean / M2 (x contiguous, x_small from sm90_prepass_3xtf32).
-cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, Centring centring, float* out,
-                                   float* part_mean, float* part_m2, int M, int N, int K, bool split_tiles,
-                                   float* workspace, cudaStream_t stream);
-// out = a * (x @ w^T) + c, the eval-mode fold.
-cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, Centring centring, float* out,
-                                  const float* bias,
-                                  const float* scale, const float* bn_weight, const float* bn_bias,
-                                  const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
-                                  int M, int N, int K, bool split_tiles, float* workspace, cudaStream_t stream);
-// out = x @ w^T (the backward's products).
-cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, Centring centring,
-                                   float* out, int M, int N, int K, bool split_tiles, float* workspace,
-                                   cudaStream_t stream);
-
-// ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
-// x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0),
-// and exactly one of: center (M, the GEMM's x side: each row is centred on its
-// mean before the split) or row_sum (M, the GEMM's w side: each row's sum as an
-// fp32 (hi, lo) pair).  num_batches_tracked += 1 when not null; zero_ints[0 ..
-// num_zero_ints) = 0.
+// The row length of the K-major fp16x3 parts of an operand with K = in_features
+// columns: K rounded up to a multiple of 8 (16-byte rows, as TMA's global
+// strides need); the pre-pass writes zeros in the extra columns, so the GEMM
+// runs over K_pad with the same result (as lowp/binding_16bit.cpp pads its copies).
+constexpr int64_t fp16x3_padded_k(int64_t K) { return (K + 7) / 8 * 8; }
+// x (M, K) fp32, any K >= 1, any strides and alignment -> x_hi, x_lo (M, K_pad =
+// fp16x3_padded_k(K)) fp16 words (columns K .. K_pad - 1 zero) and x_inv_scale
+// (M), and exactly one of: center (M, the GEMM's x side: each row is centred on
+// its mean before the split) or row_sum (M, the GEMM's w side: each row's sum as
+// an fp32 (hi, lo) pair); both over the K real columns.  num_batches_tracked += 1
+// when not null; zero_ints[0 .. num_zero_ints) = 0.
 cudaError_t sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, uint16_t* x_hi,
                                 uint16_t* x_lo, float* x_inv_scale, float* center, float2* row_sum, int* zero_ints,
                                 int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream);
@@ -125,13 +111,14 @@ cudaError_t sm90_prepass_fp16x3_scaled(const float* a, int64_t row_stride, int M
 // (R, C) as stored (an MN-major operand of C rows), inv_scale (C); zero_ints as above.
 cudaError_t sm90_prepass_fp16x3_columns(const float* a, int64_t row_stride, int R, int C, uint16_t* hi, uint16_t* lo,
                                         float* inv_scale, int* zero_ints, int num_zero_ints, cudaStream_t stream);
-// As sm90_gemm_workspace, for the fp16x3 kernel (its k-blocks are 64 deep).
-void sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
+// Workspace for an (M, K) x (N, K) product: *floats floats, of which the last
+// *zero_ints ints must be zero at the launch (both 0 when no tile is split).
+void sm90_gemm_fp16x3_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 // An operand's fp16x3 parts: hi, lo fp16 words, 16-byte aligned, stored (rows, K)
-// row-major ("K-major", from sm90_prepass_fp16x3 or sm90_prepass_fp16x3_scaled)
-// or, with mn_major, (K, rows) row-major ("MN-major", from
-// sm90_prepass_fp16x3_columns); inv_scale (rows) fp32, each row's 2^-e (null on
-// the w side of a plain product: 1).  center: the x side's per-row centre c_m
+// row-major ("K-major", from sm90_prepass_fp16x3 -- K there is fp16x3_padded_k of
+// the real one -- or sm90_prepass_fp16x3_scaled) or, with mn_major, (K, rows)
+// row-major ("MN-major", from sm90_prepass_fp16x3_columns); inv_scale (rows)
+// fp32, each row's 2^-e (null on the w side of a plain product: 1).  center: the x side's per-row centre c_m
 // (the parts hold x - c_m); row_sum: the w side's per-row sums (hi, lo).  The
 // GEMM adds c_m (sum_k w[n, k]) back.
 struct Fp16x3Parts {
@@ -142,37 +129,35 @@ struct Fp16x3Parts {
   const float2* row_sum;  // w side (N), else null
   bool mn_major = false;
 };
+// The GEMMs below run over K, the parts' K (a multiple of 8 for K-major parts:
+// the forwards pass fp16x3_padded_k(in_features)).
 // z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
 cudaError_t sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean, float* part_m2, int M,
-                                   int N, int K, bool split_tiles, float* workspace, cudaStream_t stream);
-// out = a * (x @ w^T) + c, the eval-mode fold.
-cudaError_t sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const float* bias, const float* scale,
-                                  const float* bn_weight, const float* bn_bias, const float* running_mean,
-                                  const float* running_var, float eps, bool scale_after_bn, int M, int N, int K,
-                                  bool split_tiles, float* workspace, cudaStream_t stream);
+                                   int N, int K, float* workspace, cudaStream_t stream);
+// out = a * (x @ w^T) + c, the eval-mode fold (bn: as sm80_gemm_3xtf32_eval).
+cudaError_t sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const BatchNormArgs& bn, int M, int N,
+                                  int K, float* workspace, cudaStream_t stream);
 // out = x @ w^T (the backward's products): both operands K-major, w MN-major
 // (grad_x = grad_z W from W's cached parts), or both MN-major (grad_W = grad_z^T x).
-cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K, bool split_tiles,
-                                   float* workspace, cudaStream_t stream);
+cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K, float* workspace,
+                                   cudaStream_t stream);
 
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
-// Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias));
-// coeff: 2 N floats of scratch (used when num_m_tiles > 8: one merge per feature, then a streaming pass).
+// Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias))
+// (bn: every field but scale_after_bn); coeff: 2 N floats of scratch (used when num_m_tiles > 8: one
+// merge per feature, then a streaming pass).
 cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
-                     int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight,
-                     const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
-                     float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
+                     int block_m, int M, int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
 // out = (z - coeff[0 .. N)) * coeff[N .. 2N) + bn_bias: the apply with given coefficients
 // (synchronized BatchNorm; out may be z).
 cudaError_t bn_apply_folded(const float* z, float* out, const float* coeff, const float* bn_bias, int M, int N,
                             cudaStream_t stream);
 
 // ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
-// Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update.
+// Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update
+// (bn: every field but scale_after_bn, which is true here).
 cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
-                                  int N, const float* bias, const float* scale, const float* bn_weight,
-                                  const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
-                                  float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
+                                  int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
 // out <- row softmax of (out - mean_z) * a + c (coeff) or of out (coeff null), in place.
 cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
 
@@ -180,33 +165,34 @@ cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStrea
 // stats (2, N) = [mean_z | biased var_z] from the per-tile statistics.
 cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
                            float* stats, cudaStream_t stream);
-// grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y.
-cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const float* scale,
-                              const float* bn_weight, float eps, bool scale_after_bn, int M, int N, float* grad_z,
-                              float* grad_scale, float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream);
+// grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
+// (bn: scale, bn_weight, eps, scale_after_bn).
+cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
+                              int N, float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
+                              cudaStream_t stream);
 // Synchronized BatchNorm (statistics merged over processes):
 // the backward split around the all_reduce: this process's sums (2, N) float64 =
 // [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums
 // (total_sums) and the merged row count (*count, device memory), the parameter gradients from local_sums;
-// problem 33's grad_scale sums this process's rows (bias: the Linear bias).
+// problem 33's grad_scale sums this process's rows (bn: bias (gemm.bias), scale, bn_weight, eps,
+// scale_after_bn).
 cudaError_t bn_backward_sums(const float* grad_y, const float* z, const float* stats, int M, int N, double* sums,
                              cudaStream_t stream);
-cudaError_t bn_backward_grad(const float* grad_y, const float* z, const float* stats, const float* bias,
-                             const float* scale, const float* bn_weight, float eps, bool scale_after_bn, int M, int N,
-                             const double* count, const double* local_sums, const double* total_sums, float* grad_z,
-                             float* grad_scale, float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream);
+cudaError_t bn_backward_grad(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
+                             int N, const double* count, const double* local_sums, const double* total_sums,
+                             float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
+                             cudaStream_t stream);
 
 // ---- bn_sync.cu: synchronized BatchNorm's statistics (merged over processes) ----
-// local (3, N) float64 = [M | mean_z + bias | M2_z] of this process's rows, from the per-tile statistics.
+// local (3, N) float64 = [M | mean_z + bias | M2_z] of this process's rows, from the per-tile statistics
+// (bias: gemm.bias, the one BatchNorm vector it reads, before the call's BatchNormArgs exist).
 cudaError_t bn_local_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
                            const float* bias, double* local, cudaStream_t stream);
 // gathered (world, 3, N) float64 (every process's local) -> stats (2, N) = [mean_z | var_z],
 // coeff (2 N or 3 N: bn_apply_folded's or softmax_rows'), count (1) float64, and the
-// running statistics updated in place (num_batches_tracked already incremented).
-cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const float* bias, const float* scale,
-                             const float* bn_weight, const float* bn_bias, const int64_t* num_batches_tracked,
-                             float momentum, float eps, bool scale_after_bn, float* running_mean, float* running_var,
-                             float* stats, float* coeff, double* count, cudaStream_t stream);
+// running statistics updated in place (bn: every field; num_batches_tracked already incremented).
+cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const BatchNormArgs& bn, float* stats,
+                             float* coeff, double* count, cudaStream_t stream);
 
 // ---- lowp/: the 16-bit kernels (second extension; dtype 0 = IEEE half, 1 = bfloat16) ----
 // The BatchNorm side of a 16-bit call: filled once per call by lowp/binding_16bit.cpp

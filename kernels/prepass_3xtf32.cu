@@ -1,16 +1,15 @@
-// prepass_3xtf32.cu -- the one pre-pass kernel before each 3xTF32 GEMM.  Each
-// launch does three jobs, so that a forward pays one small launch for them:
+// prepass_3xtf32.cu -- the one pre-pass kernel before each 3xTF32 GEMM
+// (sm80_gemm_3xtf32_bn.cu).  Each launch does two jobs, so that a forward pays
+// one small launch for them:
 //   1. split x into its TF32 parts (below; the GEMM then reads them);
 //   2. training only: bn.num_batches_tracked += 1 (thread 0 of block 0), which is
 //      nn.BatchNorm1d's first step; the call's later kernels (bn_apply.cu,
-//      bn_softmax.cu, the cluster GEMM) read the new value by stream order;
-//   3. sm90 only: zero the Hopper GEMM's split-tile arrival counts.
-// The launchers take num_batches_tracked (null: not a training call) and the
-// ints to zero by those names, so every call site shows the side effects.
+//      bn_softmax.cu) read the new value by stream order.
+// The launcher takes num_batches_tracked (null: not a training call) by that
+// name, so every call site shows the side effect.
 //
-// sm80_prepass_3xtf32 (portable GEMM and the sm_90 cluster GEMM): x split into
-// TF32 big and small parts, written in the mma.m16n8k8 A-fragment order that
-// the GEMM reads.
+// sm80_prepass_3xtf32: x split into TF32 big and small parts, written in the
+// mma.m16n8k8 A-fragment order that the GEMM reads.
 //
 //   v     = x, or rn(x - c_m) when center is given (the forwards: the centred
 //           split, centring.cuh; c_m from row_centers in centring.cu)
@@ -33,9 +32,6 @@
 // 8 (kl % 4) + 2 s + kl / 4, the permutation the GEMM applies to w (see
 // sm80_gemm_3xtf32_bn.cuh).  One 16-byte shared load is then one A operand.
 // Memory-bound: reads M*K floats, writes 2*M_pad*K_pad.
-//
-// sm90_prepass_3xtf32 (Hopper GEMM): x's remainder, and x_centred = rn(x - c_m)
-// itself when centring (below, at its kernel).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -90,58 +86,6 @@ __global__ void __launch_bounds__(kSplitThreads)
 #endif
 }
 
-__device__ __forceinline__ float remainder_rna_tf32(float v) {
-  const float r = v - __uint_as_float(__float_as_uint(v) & 0xffffe000u);
-  uint32_t b = __float_as_uint(r);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(b) : "f"(r));
-#endif
-  return __uint_as_float(b);
-}
-
-// Hopper path (sm90_gemm_3xtf32_bn.cu): the tensor core reads x itself as the
-// truncated big part, so only the remainder is materialised:
-//   x_small = rna_tf32(x - tf32_trunc(x))   (the difference is exact in fp32;
-//   tf32_trunc clears the low 13 bits; rounding it to TF32 here instead of
-//   letting the tensor core truncate it halves that part's error, <= 2^-22 |x|)
-// x and x_small: (M, K) float32, contiguous, same layout.  n4 = M*K/4 float4s
-// (the caller guarantees 16-byte alignment and K % 4 == 0).
-__device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
-  return make_float4(remainder_rna_tf32(v.x), remainder_rna_tf32(v.y), remainder_rna_tf32(v.z),
-                     remainder_rna_tf32(v.w));
-}
-
-// Two float4 per thread and iteration, both loads issued first: twice the
-// bytes in flight of one (the kernel is bound by HBM bandwidth).  kCentred:
-// the parts are those of v = rn(x - c_m), and v itself is written to
-// x_centred (the GEMM's TMA reads it in place of x); k4 = K / 4.
-template <bool kCentred>
-__global__ void __launch_bounds__(kSplitThreads)
-    sm90_prepass_3xtf32_kernel(const float4* __restrict__ x, const float* __restrict__ center, int64_t k4,
-                               float4* __restrict__ x_centred, float4* __restrict__ x_small, int64_t n4,
-                               int64_t* num_batches_tracked, int* zero_ints, int num_zero_ints) {
-  if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
-  if (blockIdx.x == 0)
-    for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
-  auto split = [&](int64_t i, float4 v) {
-    if constexpr (kCentred) {
-      const float c = center[i / k4];
-      v = make_float4(v.x - c, v.y - c, v.z - c, v.w - c);
-      x_centred[i] = v;
-    }
-    x_small[i] = remainder_rna_tf32(v);
-  };
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + stride < n4; i += 2 * stride) {
-    const float4 v0 = x[i];
-    const float4 v1 = x[i + stride];
-    split(i, v0);
-    split(i + stride, v1);
-  }
-  if (i < n4) split(i, x[i]);
-}
-
 }  // namespace fused_gemm_bn
 
 // ---------------------------------------------------------------------------
@@ -165,34 +109,5 @@ cudaError_t fused_gemm_bn::sm80_prepass_3xtf32(const float* x, int64_t row_strid
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   sm80_prepass_3xtf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
       x, row_stride, col_stride, M, K, num_slabs, num_quads, center, x_big, x_small, num_batches_tracked);
-  return cudaGetLastError();
-}
-
-// Preconditions: x, x_centred and x_small contiguous and 16-byte aligned,
-// K % 4 == 0; x_centred given exactly when center is.
-cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, const float* center, float* x_centred,
-                                               float* x_small, int* zero_ints, int num_zero_ints,
-                                               int64_t* num_batches_tracked, cudaStream_t stream) {
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (K % 4 != 0 || !aligned(x) || !aligned(x_small) || (center == nullptr) != (x_centred == nullptr) ||
-      !aligned(x_centred))
-    return cudaErrorInvalidValue;
-  const int64_t n4 = static_cast<int64_t>(M) * K / 4;
-  if (n4 == 0 && num_batches_tracked == nullptr && num_zero_ints == 0) return cudaSuccess;
-  int device = 0, num_sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  const int64_t wanted = (n4 + kSplitThreads - 1) / kSplitThreads;
-  const int blocks = static_cast<int>(wanted < 1 ? 1 : wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
-  auto x4 = reinterpret_cast<const float4*>(x);
-  auto small4 = reinterpret_cast<float4*>(x_small);
-  if (center != nullptr)
-    sm90_prepass_3xtf32_kernel<true><<<blocks, kSplitThreads, 0, stream>>>(
-        x4, center, K / 4, reinterpret_cast<float4*>(x_centred), small4, n4, num_batches_tracked, zero_ints,
-        num_zero_ints);
-  else
-    sm90_prepass_3xtf32_kernel<false><<<blocks, kSplitThreads, 0, stream>>>(
-        x4, nullptr, K / 4, nullptr, small4, n4, num_batches_tracked, zero_ints, num_zero_ints);
   return cudaGetLastError();
 }

@@ -4,15 +4,21 @@
 // (no bookkeeping: null counters); model_new.py keeps those parts while the
 // weight is unchanged.
 //
-//   x            (M, K) fp32, any strides (read, never written)
-//   x_hi, x_lo   (M, K) fp16 words, row-major (K % 8 == 0, 16-byte aligned)
+//   x            (M, K) fp32, any K >= 1, any strides and alignment (read, never
+//                written; float4 loads where rows are contiguous, 16-byte aligned
+//                and K % 4 == 0, else one element at a time)
+//   x_hi, x_lo   (M, K_pad) fp16 words, row-major, K_pad = fp16x3_padded_k(K) =
+//                round_up(K, 8) (launchers.cuh): TMA needs 16-byte row strides;
+//                columns K .. K_pad - 1 are written as zeros, which add nothing
+//                to the GEMM's products (it runs over K_pad), 16-byte aligned
 //   x_inv_scale  (M) fp32
 //   center       (M) fp32, the x side only: c_m
 //   row_sum      (M) fp32 pairs, the w side only: sum_k x[m, k] in float64,
 //                stored as hi = rn_fp32(sum), lo = rn_fp32(sum - hi)
 // Row m, x side: c_m and the centred v = rn(x - c_m) (centring.cuh: the rule,
 // and why: the tensor core's truncating accumulation otherwise biases the
-// batch mean); w side: v = x and the row's float64 sum.  e_m from max_k |v|
+// batch mean); w side: v = x and the row's float64 sum.  The row's max, min,
+// sum and c_m are over its K real elements only.  e_m from max_k |v|
 // (fp16x3_split.cuh: s = 2^e_m puts it in [2^14, 2^15)); x_hi = rn_fp16(v s),
 // x_lo = rn_fp16(v s - x_hi), x_inv_scale[m] = 2^-e_m.  Both scalings are exact.
 // The GEMM adds c_m sum_k w[n, k] back (sm90_gemm_fp16x3_bn.cu).  Measured: z's
@@ -39,7 +45,7 @@ namespace {
 
 constexpr int kPrepassThreads = kRowThreads;
 
-// kVec: rows contiguous and 16-byte aligned (float4 loads).  kSide: kX centres
+// kVec: rows contiguous and 16-byte aligned, K % 4 == 0 (float4 loads).  kSide: kX centres
 // each row on c_m and writes center[m]; kW writes row_sum[m] (float64 sum as an
 // fp32 (hi, lo) pair) and splits the row as it is (centring.cuh).
 template <bool kVec, RowSide kSide>
@@ -65,9 +71,12 @@ __global__ void __launch_bounds__(kPrepassThreads)
   fp16x3_scale(amax_c, s, inv_s);
   if (threadIdx.x == 0) x_inv_scale[m] = inv_s;
 
-  // Pass 2 (L1 / L2 hits): the split of (x - c) s.
-  uint32_t* hi_row = x_hi + m * (K / 2);
-  uint32_t* lo_row = x_lo + m * (K / 2);
+  // Pass 2 (L1 / L2 hits): the split of (x - c) s into rows of K_pad words
+  // (K_pad / 2 word pairs); the pairs past K hold zeros (rn_fp16(0) = 0 in
+  // both parts).
+  const int pairs = (K + 7) / 8 * 4;  // K_pad / 2
+  uint32_t* hi_row = x_hi + m * pairs;
+  uint32_t* lo_row = x_lo + m * pairs;
   if constexpr (kVec) {
     const float4* row4 = reinterpret_cast<const float4*>(row);
     for (int i = threadIdx.x; i < K / 4; i += kPrepassThreads) {
@@ -78,10 +87,13 @@ __global__ void __launch_bounds__(kPrepassThreads)
       reinterpret_cast<uint2*>(hi_row)[i] = hi;
       reinterpret_cast<uint2*>(lo_row)[i] = lo;
     }
+    for (int p = K / 2 + threadIdx.x; p < pairs; p += kPrepassThreads) hi_row[p] = lo_row[p] = 0u;  // K % 8 == 4
   } else {
-    for (int p = threadIdx.x; p < K / 2; p += kPrepassThreads) {
-      const float v0 = row[(2 * p) * col_stride], v1 = row[(2 * p + 1) * col_stride];
-      split_fp16x2((v0 - c) * s, (v1 - c) * s, hi_row[p], lo_row[p]);
+    for (int p = threadIdx.x; p < pairs; p += kPrepassThreads) {
+      const int k0 = 2 * p, k1 = 2 * p + 1;
+      const float v0 = k0 < K ? (row[k0 * col_stride] - c) * s : 0.f;
+      const float v1 = k1 < K ? (row[k1 * col_stride] - c) * s : 0.f;
+      split_fp16x2(v0, v1, hi_row[p], lo_row[p]);
     }
   }
 }
@@ -93,16 +105,16 @@ __global__ void __launch_bounds__(kPrepassThreads)
 // Host launcher (declared in launchers.cuh)
 // ---------------------------------------------------------------------------
 
-// Preconditions: M >= 1, K % 8 == 0, x_hi and x_lo 16-byte aligned, exactly one
-// of center / row_sum.
+// Preconditions: M >= 1, 1 <= K <= INT32_MAX - 7, x_hi and x_lo 16-byte aligned
+// ((M, fp16x3_padded_k(K)) words each), exactly one of center / row_sum.
 cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
                                                uint16_t* x_hi, uint16_t* x_lo, float* x_inv_scale, float* center,
                                                float2* row_sum, int* zero_ints, int num_zero_ints,
                                                int64_t* num_batches_tracked, cudaStream_t stream) {
-  if (M < 1 || K % 8 != 0 || reinterpret_cast<uintptr_t>(x_hi) % 16 != 0 ||
+  if (M < 1 || K < 1 || K > INT32_MAX - 7 || reinterpret_cast<uintptr_t>(x_hi) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(x_lo) % 16 != 0 || (center == nullptr) == (row_sum == nullptr))
     return cudaErrorInvalidValue;
-  const bool vec = col_stride == 1 && row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const bool vec = col_stride == 1 && row_stride % 4 == 0 && K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   auto hi = reinterpret_cast<uint32_t*>(x_hi);
   auto lo = reinterpret_cast<uint32_t*>(x_lo);
   auto launch = [&](auto kernel) {

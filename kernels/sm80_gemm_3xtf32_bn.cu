@@ -20,7 +20,6 @@ namespace fused_gemm_bn {
 template <Epilogue kEpilogue, bool kVec16, int kNumStages>
 __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
     sm80_gemm_3xtf32_bn_kernel(const Sm80GemmBnArgs args) {
-  static_assert(kEpilogue != Epilogue::kClusterTrain, "kClusterTrain runs as sm90_cluster_gemm_3xtf32_bn_kernel");
   sm80_gemm_3xtf32_bn_body<kEpilogue, kVec16, kNumStages>(args);
 }
 
@@ -72,17 +71,15 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_train(const float* x_big, const floa
                         : launch_sm80_gemm<Epilogue::kTrain, false>(args, stream);
 }
 
-// scale_after_bn: Linear -> BatchNorm -> scale (problem 84) instead of Linear -> scale -> BatchNorm.
+// bn.scale_after_bn: Linear -> BatchNorm -> scale (problem 84) instead of Linear -> scale -> BatchNorm.
 cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
-                                                 Centring centring, float* out,
-                                                 const float* bias, const float* scale, const float* bn_weight,
-                                                 const float* bn_bias, const float* running_mean,
-                                                 const float* running_var, float eps, bool scale_after_bn, int M,
-                                                 int N, int K, cudaStream_t stream) {
+                                                 Centring centring, float* out, const BatchNormArgs& bn, int M, int N,
+                                                 int K, cudaStream_t stream) {
   if (M < 1 || N < 1 || K < 0 || (centring.x_center == nullptr) != (centring.w_row_sum == nullptr))
     return cudaErrorInvalidValue;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
-  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
+  args.bn = BnParams{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
+                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn};
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
                         : launch_sm80_gemm<Epilogue::kEval, false>(args, stream);
 }

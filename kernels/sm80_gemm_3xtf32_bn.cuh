@@ -1,17 +1,13 @@
 // sm80_gemm_3xtf32_bn.cuh -- float32-accurate GEMM on tensor cores (3xTF32, mma.sync)
-// with a fused BatchNorm epilogue: the kernel body, shared by two kernels.
-//   sm80_gemm_3xtf32_bn.cu          sm80_gemm_3xtf32_bn_kernel (kTrain, kEval): the
-//                                   portable path, every GPU with compute capability >= 8.0
-//   sm90_cluster_gemm_3xtf32_bn.cu  sm90_cluster_gemm_3xtf32_bn_kernel (kClusterTrain):
-//                                   the same body launched as sm_90 thread-block clusters
+// with a fused BatchNorm epilogue: the kernel body of sm80_gemm_3xtf32_bn_kernel
+// (sm80_gemm_3xtf32_bn.cu, which holds its launchers), the portable path on
+// every GPU with compute capability >= 8.0.
 //
 // Formula
 //   z[m, n] = sum_k x[m, k] * w[n, k]                      (z = x @ W^T, no bias)
 //   kTrain:  out = z; part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
 //            deviations of z[:, n] over the rows of M tile mt (bn_apply.cu merges
 //            them and normalises `out` in place).
-//   kClusterTrain: the whole training BatchNorm (problem 33) in the epilogue, see
-//            sm90_cluster_gemm_3xtf32_bn.cu.
 //   kEval:   out = a[n] * z + c[n]: bias, scale and BatchNorm(eval) folded into
 //            one per-feature multiply-add, with scale before BatchNorm (problem
 //            33) or after it (problem 84); bn_eval_affine in bn_stats.cuh
@@ -79,7 +75,6 @@
 #pragma once
 
 #include <cuda_runtime.h>
-#include <cooperative_groups.h>
 #include <stdint.h>
 
 #include "bn_stats.cuh"
@@ -117,12 +112,9 @@ struct Sm80GemmTraits {
   static_assert(BLOCK_N <= kNumThreads, "epilogue uses one thread per tile column");
 };
 
-// kTrain:      write z and per-tile statistics (multi-pass path, any M, sm_80+).
-// kClusterTrain: sm_90 cluster of all M tiles of a column block: statistics merged
-//              over distributed shared memory, output normalised in registers
-//              and written once; running statistics updated by cluster rank 0.
-// kEval:       folded affine epilogue.
-enum class Epilogue { kTrain, kClusterTrain, kEval };
+// kTrain: write z and per-tile statistics (any M).
+// kEval:  folded affine epilogue.
+enum class Epilogue { kTrain, kEval };
 
 namespace sm80 {
 
@@ -250,17 +242,11 @@ struct Sm80GemmBnArgs {
   // kTrain
   float* part_mean;
   float* part_m2;
-  // kEval and kClusterTrain (running_mean / running_var are read by kEval only)
+  // kEval
   BnParams bn;
-  // kClusterTrain (running statistics are updated by cluster rank 0)
-  float* running_mean_out;
-  float* running_var_out;
-  const int64_t* num_batches_tracked;  // already incremented for this call
-  float momentum;                      // < 0: cumulative average (momentum=None)
 };
 
-// The kernel body; each __global__ wrapper (sm80_gemm_3xtf32_bn.cu,
-// sm90_cluster_gemm_3xtf32_bn.cu) is only this call, so both compile to the same code.
+// The kernel body; the __global__ wrapper (sm80_gemm_3xtf32_bn.cu) is only this call.
 template <Epilogue kEpilogue, bool kVec16, int kNumStages>
 __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -481,57 +467,14 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
       __syncthreads();
     }
 
-    if constexpr (kEpilogue == Epilogue::kTrain) {
-      const int col = n0 + threadIdx.x;
-      if (threadIdx.x < T::BLOCK_N && col < N) {
-        args.part_mean[static_cast<size_t>(m_tile) * N + col] = tile_mean[threadIdx.x];
-        args.part_m2[static_cast<size_t>(m_tile) * N + col] = tile_m2[threadIdx.x];
-      }
-    } else {
-#if __CUDA_ARCH__ >= 900
-      // The cluster spans gridDim.x (every M tile) of this column block.
-      namespace cg = cooperative_groups;
-      cg::cluster_group cluster = cg::this_cluster();
-      float* coef_a = tile_m2 + T::BLOCK_N;     // [BLOCK_N]
-      float* coef_mean = coef_a + T::BLOCK_N;  // [BLOCK_N]
-      cluster.sync();  // every rank's tile_mean / tile_m2 are complete
-      const int col = n0 + threadIdx.x;
-      if (threadIdx.x < T::BLOCK_N) {
-        double count = 0.0, mean = 0.0, m2 = 0.0;
-        for (int rank = 0; rank < static_cast<int>(gridDim.x); ++rank) {
-          const double n_b = static_cast<double>(min(T::BLOCK_M, M - rank * T::BLOCK_M));
-          const double mean_b = *cluster.map_shared_rank(tile_mean + threadIdx.x, rank);
-          const double m2_b = *cluster.map_shared_rank(tile_m2 + threadIdx.x, rank);
-          merge_chan(count, mean, m2, n_b, mean_b, m2_b);
-        }
-        if (col < N) {
-          coef_a[threadIdx.x] = bn_train_slope(m2, count, args.bn.scale[col], args.bn.bn_weight[col], args.bn.eps);
-          coef_mean[threadIdx.x] = static_cast<float>(mean);
-          if (m_tile == 0)
-            bn_update_running(mean, m2, count, args.bn.bias[col], args.bn.scale[col], args.momentum,
-                              args.num_batches_tracked, args.running_mean_out + col, args.running_var_out + col);
-        }
-      }
-      cluster.sync();  // remote reads done before any rank exits; coefficients visible
-#pragma unroll
-      for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int tcol = wn * T::WARP_N + ni * T::MMA_N + 2 * t + j;
-          if (n0 + tcol >= N) continue;
-          const float a = coef_a[tcol], mu = coef_mean[tcol], b = args.bn.bn_bias[n0 + tcol];
-#pragma unroll
-          for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
-            acc[mi][ni][j] = fmaf(acc[mi][ni][j] - mu, a, b);
-            acc[mi][ni][2 + j] = fmaf(acc[mi][ni][2 + j] - mu, a, b);
-          }
-        }
-      }
-#endif
+    const int col = n0 + threadIdx.x;
+    if (threadIdx.x < T::BLOCK_N && col < N) {
+      args.part_mean[static_cast<size_t>(m_tile) * N + col] = tile_mean[threadIdx.x];
+      args.part_m2[static_cast<size_t>(m_tile) * N + col] = tile_m2[threadIdx.x];
     }
   }
 
-  // Store z (kTrain) or the final output (kEval, kClusterTrain).
+  // Store z (kTrain) or the final output (kEval).
   const bool pair_ok = (N % 2 == 0);  // 8-byte aligned column pairs
 #pragma unroll
   for (int mi = 0; mi < T::kMmaTilesM; ++mi) {

@@ -1,13 +1,17 @@
 // sm90_gemm_fp16x3_bn.cu -- float32-accurate GEMM on Hopper's 16-bit tensor
 // cores (fp16x3 through wgmma, TMA, warp specialisation) with the BatchNorm
-// epilogues of sm90_gemm_3xtf32_bn.cu.  Needs sm_90a (H100 / H200).
+// epilogues of sm90_gemm_tiles.cuh.  Needs sm_90a (H100 / H200); other GPUs
+// take sm80_gemm_3xtf32_bn.cu.
 //
 // Formula: z[m, n] = sum_k x[m, k] * w[n, k] (z = x @ W^T, no bias), then the
 // epilogues of sm90_gemm_tiles.cuh (kTrain: out = z and per-tile mean / M2;
 // kEval: out = a[n] z + c[n]; kPlain: out = z).
 //
-// Tensors (row-major, contiguous, 16-byte aligned; K % 8 == 0: TMA needs
-// 16-byte global strides of the 16-bit parts)
+// Tensors (row-major, contiguous, 16-byte aligned; K here is the parts' row
+// length, a multiple of 8: TMA needs 16-byte global strides of the 16-bit parts.
+// The forwards run over K_pad = fp16x3_padded_k(in_features), the pre-pass
+// having zeroed columns in_features .. K_pad - 1 of both operands: their
+// products are exact zeros, and the k-block count ceil(K / 64) is unchanged)
 //   w_hi, w_lo   (N, K) fp16 words, K-major: W's parts scaled by 2^e_n (prepass_fp16x3.cu
 //                run over W's rows; model_new.py caches them per weight)
 //   w_inv_scale  (N) fp32: 2^-e_n;  w_row_sum (N) fp32 (hi, lo): sum_k w[n, k]
@@ -17,9 +21,9 @@
 //   out (M, N);  part_mean, part_m2 (ceil(M / 128), N);  vectors (N)
 //
 // Why fp16: Hopper's dense fp16 tensor-core rate is twice its TF32 rate, so
-// three fp16 products cost what 1.5 TF32 products do (3xTF32 kernel: 947 us
-// at M = 1024, K = N = 8192 on an H200, against one cuBLAS fp16 product with
-// fp32 output at 196 us).
+// three fp16 products cost what 1.5 TF32 products do (the retired 3xTF32
+// wgmma kernel: 947 us at M = 1024, K = N = 8192 on an H200, against one
+// cuBLAS fp16 product with fp32 output at 196 us).
 //
 // Numerics (fp16x3_split.cuh derives the split; Ootomo & Yokota, IJHPCA 2022)
 //   Centring (prepass_fp16x3.cu): x's row m is split as x - c_m (c_m its mean,
@@ -74,7 +78,13 @@
 //   at per-half promotions ptxas serialised every wgmma (warning C7514; the
 //   v19 kernel).  Warpgroup 2: producer; one thread issues the TMA loads (w_hi,
 //   w_lo, x_hi, x_lo: 16 KB each) into a ring of kNumStages 64 KB stages.  Grid
-//   and split tiles: sm90_gemm_tiles.cuh (the 3xTF32 kernel's plan, per 64-k block).
+//   and split tiles: sm90_gemm_tiles.cuh (StreamKPlan, per 64-k block): one CTA
+//   per tile, M tiles fastest, so the CTAs sharing a w tile run together and w
+//   is read from DRAM about once; the remainder tiles are split along K.
+//
+// Whether this kernel runs is model_new.py's dispatch decision (compute
+// capability 9.0 and sm90_gemm_available()); launchers given inputs outside
+// their preconditions return cudaErrorInvalidValue, launching nothing.
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -342,7 +352,7 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
       continue;
-    finish_product<true>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
+    finish_product(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
 #elif defined(__CUDA_ARCH__)
@@ -357,8 +367,8 @@ static bool make_part_map(CUtensorMap* map, const uint16_t* part, bool mn_major,
 }
 
 template <Epilogue kEpilogue, bool kWMn = false, bool kXMn = false>
-static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, bool split_tiles,
-                                 float* workspace, cudaStream_t stream) {
+static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, float* workspace,
+                                 cudaStream_t stream) {
   using T = Fp16x3Traits;
   auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn>;
   CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
@@ -381,7 +391,7 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   int num_sms = 0;
   err = current_num_sms(&num_sms);
   if (err != cudaSuccess) return err;
-  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, num_sms, split_tiles);
+  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, num_sms, true);
   if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.partials = workspace;
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
@@ -423,14 +433,44 @@ static bool fp16x3_plain_ok(const Fp16x3Parts& x, const Fp16x3Parts& w, int M, i
 // Host launchers (declared in launchers.cuh)
 // ---------------------------------------------------------------------------
 
-void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats,
-                                               int* zero_ints) {
+int fused_gemm_bn::sm90_gemm_block_m() { return sm90::Fp16x3Traits::BLOCK_M; }
+
+// True when this build holds the sm_90a kernel and the current device can run
+// it: compute capability 9.0, enough shared memory, and the driver's
+// tensor-map encoder.  Cached per device; a query (launches nothing).
+bool fused_gemm_bn::sm90_gemm_available() {
+  using namespace sm90;
+  constexpr int kMaxDevices = 64;
+  static signed char device_ok[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
+  if (device_ok[device] == 0) {
+    int major = 0, minor = 0, smem_optin = 0;
+    cudaFuncAttributes attr{};
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+        major == 9 && minor == 0 && smem_optin >= Fp16x3Traits::SMEM_BYTES &&
+        // the sm_90a cubin reports binaryVersion 90; a build without it does not
+        cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<Epilogue::kTrain, false, false>) == cudaSuccess &&
+        attr.binaryVersion == 90 && encode_tiled_fn() != nullptr;
+    if (!ok) cudaGetLastError();  // a failed query leaves no error behind
+    device_ok[device] = ok ? 1 : -1;
+  }
+  return device_ok[device] == 1;
+}
+
+// *floats floats (split-tile partial sums and, after them, arrival counts), of
+// which the last *zero_ints ints must be zero at the launch.  Both 0 when no
+// tile is split.
+void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, int64_t* floats, int* zero_ints) {
   using namespace sm90;
   *floats = 0;
   *zero_ints = 0;
   int num_sms = 0;
   if (current_num_sms(&num_sms) != cudaSuccess) return;
-  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, num_sms, split_tiles);
+  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, num_sms, true);
   if (p.sk_ctas == 0) return;
   *floats = partial_floats(p) + p.sk_tiles;
   *zero_ints = p.sk_tiles;
@@ -438,42 +478,40 @@ void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_t
 
 // z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
 cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean,
-                                                  float* part_m2, int M, int N, int K, bool split_tiles,
-                                                  float* workspace, cudaStream_t stream) {
+                                                  float* part_m2, int M, int N, int K, float* workspace,
+                                                  cudaStream_t stream) {
   using namespace sm90;
   if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
-  return launch_fp16x3<sm90::Epilogue::kTrain>(x, w, args, split_tiles, workspace, stream);
+  return launch_fp16x3<sm90::Epilogue::kTrain>(x, w, args, workspace, stream);
 }
 
-// out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
-cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const float* bias,
-                                                 const float* scale, const float* bn_weight, const float* bn_bias,
-                                                 const float* running_mean, const float* running_var, float eps,
-                                                 bool scale_after_bn, int M, int N, int K, bool split_tiles,
-                                                 float* workspace, cudaStream_t stream) {
+// out = a * (x @ w^T) + c, the eval-mode fold (bn.scale_after_bn: problem 84's order).
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const BatchNormArgs& bn,
+                                                 int M, int N, int K, float* workspace, cudaStream_t stream) {
   using namespace sm90;
   if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
-  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
-  return launch_fp16x3<sm90::Epilogue::kEval>(x, w, args, split_tiles, workspace, stream);
+  args.bn = BnParams{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
+                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn};
+  return launch_fp16x3<sm90::Epilogue::kEval>(x, w, args, workspace, stream);
 }
 
 // out = x @ w^T, nothing else (the backward's products), in any of the
 // operand layouts fp16x3_plain_ok accepts.
 cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K,
-                                                  bool split_tiles, float* workspace, cudaStream_t stream) {
+                                                  float* workspace, cudaStream_t stream) {
   using namespace sm90;
   if (!fp16x3_plain_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
   if (w.mn_major && x.mn_major)
-    return launch_fp16x3<sm90::Epilogue::kPlain, true, true>(x, w, args, split_tiles, workspace, stream);
-  if (w.mn_major) return launch_fp16x3<sm90::Epilogue::kPlain, true, false>(x, w, args, split_tiles, workspace, stream);
-  return launch_fp16x3<sm90::Epilogue::kPlain>(x, w, args, split_tiles, workspace, stream);
+    return launch_fp16x3<sm90::Epilogue::kPlain, true, true>(x, w, args, workspace, stream);
+  if (w.mn_major) return launch_fp16x3<sm90::Epilogue::kPlain, true, false>(x, w, args, workspace, stream);
+  return launch_fp16x3<sm90::Epilogue::kPlain>(x, w, args, workspace, stream);
 }

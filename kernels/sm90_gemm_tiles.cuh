@@ -1,11 +1,23 @@
-// sm90_gemm_tiles.cuh -- what the two Hopper GEMMs (sm90_gemm_3xtf32_bn.cu,
-// sm90_gemm_fp16x3_bn.cu) share: the 128 x 128 output tile and its register
-// layout, the grid's work split (whole tiles and split tiles, StreamKPlan),
-// the split-tile hand-off, the BatchNorm epilogues (finish_tile), and the
-// host's tensor maps.  The header of sm90_gemm_3xtf32_bn.cu derives the split
-// tiles; the epilogue formulas are in bn_stats.cuh.
+// sm90_gemm_tiles.cuh -- the Hopper GEMMs' shared pieces (sm90_gemm_fp16x3_bn.cu;
+// lowp/sm90_gemm_bn_16bit.cu uses the work split, the hand-off and the tensor
+// maps): the 128 x 128 output tile and its register layout, the grid's work
+// split (whole tiles and split tiles, StreamKPlan), the split-tile hand-off,
+// the BatchNorm epilogues (finish_tile), and the host's tensor maps.  The
+// epilogue formulas are in bn_stats.cuh.
 //
-// Output tile (both kernels): BLOCK_N = 128 features (wgmma M, two consumer
+// Split tiles (a locality-preserving stream-K; StreamKPlan, stream_k_plan)
+//   One CTA per SM fits, so whole tiles alone leave the last wave part-empty
+//   (512 tiles = 3.88 waves of 132 SMs at the KernelBench shape).  The
+//   remainder tiles are cut along K and run first: each piece's CTA writes
+//   its fp32 partial tile to a workspace slot and counts itself in on a
+//   per-tile counter (GPU-scope acq_rel atomic); the last to arrive sums the
+//   slots in piece order (deterministic) and runs the epilogue.  Measured
+//   with the (since retired) 3xTF32 wgmma kernel on an H200: GEMM 1063 ->
+//   1047 us, train 1.117 -> 1.104 ms (docs/perf.md v14).  A piece-sum adds
+//   one fp32 rounding per piece boundary, as the GEMM's promotion of its
+//   partial sums already does every span.
+//
+// Output tile: BLOCK_N = 128 features (wgmma M, two consumer
 // warpgroups of 64) x BLOCK_M = 128 batch rows (wgmma N).  Each consumer
 // thread holds kAccRegs = 64 fp32 accumulators; element 4 i + 2 h + e holds
 // z[b, f] with
@@ -61,10 +73,10 @@ struct Sm90GemmBnArgs {
   // split tile, zeroed before the launch (by the GEMM's pre-pass).
   float* partials;
   int* tile_arrivals;
-  // sm90_gemm_fp16x3 only: 2^-e of each row's power-of-two scale, x's (M
-  // floats) and w's (N floats).  Both GEMMs: x's row centres c_m (M) and w's
-  // row sums (N (hi, lo) pairs), z = the parts' product + c_m (hi_n + lo_n);
-  // null in the 3xTF32 kernel's uncentred calls.
+  // 2^-e of each row's power-of-two scale, x's (M floats) and w's (N floats;
+  // null: 1).  x's row centres c_m (M) and w's row sums (N (hi, lo) pairs),
+  // z = the parts' product + c_m (hi_n + lo_n); both null in the uncentred
+  // plain products.
   const float* x_inv_scale;
   const float* w_inv_scale;
   const float* x_center;
@@ -145,13 +157,11 @@ __device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], 
   return true;
 }
 
-// The product's last steps, in place: z = (acc 2^-e_n) 2^-e_m (kScaled: the
-// fp16x3 operands' power-of-two row scales, two exact multiplies; 2^-e_n = 1
-// where args.w_inv_scale is null) + c_m (hi_n +
-// lo_n) where x was centred (args.x_center not null; centring.cuh): two fmas,
-// one rounding of z beyond the tiny lo product.  Rows past M or N hold zeros
-// and stay zero.
-template <bool kScaled>
+// The product's last steps, in place: z = (acc 2^-e_n) 2^-e_m (the fp16x3
+// operands' power-of-two row scales, two exact multiplies; 2^-e_n = 1 where
+// args.w_inv_scale is null) + c_m (hi_n + lo_n) where x was centred
+// (args.x_center not null; centring.cuh): two fmas, one rounding of z beyond
+// the tiny lo product.  Rows past M or N hold zeros and stay zero.
 __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args, int tile,
                                                int m_tiles, int w_row, int t) {
   const int m0 = (tile % m_tiles) * kTileM, n0 = (tile / m_tiles) * kTileN;
@@ -162,7 +172,7 @@ __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const
   for (int h = 0; h < 2; ++h) {
     const int f = n0 + w_row + 8 * h;
     // No w scales (an operand used as stored, unscaled): 1.
-    w_inv[h] = kScaled && f < args.N ? (args.w_inv_scale != nullptr ? __ldg(args.w_inv_scale + f) : 1.f) : 0.f;
+    w_inv[h] = f < args.N ? (args.w_inv_scale != nullptr ? __ldg(args.w_inv_scale + f) : 1.f) : 0.f;
     w_sum[h] = centred && f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
   }
 #pragma unroll
@@ -170,12 +180,12 @@ __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int b = m0 + 8 * i + 2 * t + e;
-      const float inv = kScaled && b < args.M ? __ldg(args.x_inv_scale + b) : 0.f;
+      const float inv = b < args.M ? __ldg(args.x_inv_scale + b) : 0.f;
       const float c = centred && b < args.M ? __ldg(args.x_center + b) : 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float& z = acc[4 * i + 2 * h + e];
-        if constexpr (kScaled) z = (z * w_inv[h]) * inv;
+        z = (z * w_inv[h]) * inv;
         z = fmaf(c, w_sum[h].x, fmaf(c, w_sum[h].y, z));
       }
     }
@@ -338,7 +348,9 @@ static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 //     back to back per CTA (consecutive tiles: the same w rows), with L set
 //     so both kinds take about as long (one k-block per hand-off counted).
 // kSplitMaxPieces bounds the slots a finishing CTA reads back; kSplitMinIters
-// keeps a piece above pipeline start-up.
+// keeps a piece above pipeline start-up.  split_tiles = false gives whole
+// tiles only; every caller now passes true (the parameter can go together
+// with the `true` of lowp/sm90_gemm_bn_16bit.cu's call).
 constexpr int kSplitMaxPieces = 8;
 constexpr int kSplitMinIters = 4;
 

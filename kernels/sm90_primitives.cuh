@@ -1,7 +1,8 @@
-// sm90_primitives.cuh -- thin PTX wrappers for the Hopper GEMM
-// (sm90_gemm_3xtf32_bn.cu, sm90_gemm_fp16x3_bn.cu): mbarriers, TMA tile loads, named barriers and the
-// GPU-scope atomic of the split-tile hand-off, wgmma shared-memory descriptors and
-// the tf32 and fp16 wgmma forms they issue (A from registers).
+// sm90_primitives.cuh -- thin PTX wrappers for the Hopper GEMMs
+// (sm90_gemm_fp16x3_bn.cu; lowp/sm90_wgmma_16bit.cuh, lowp/sm90_gemm_bn_16bit.cu):
+// mbarriers, TMA tile loads, named barriers and the GPU-scope atomic of the
+// split-tile hand-off, wgmma shared-memory descriptors and the fp16 wgmma form
+// the fp16x3 GEMM issues (A from registers).
 //
 // Every wrapper compiles to nothing unless the pass targets sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL): wgmma and setmaxnreg exist only there.  The
@@ -279,28 +280,6 @@ __device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "
 #define FUSED_GEMM_BN_D32_LIST \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-
-// D(64 x 64, fp32) (+)= A(64 x 8, registers) * B(8 x 64, shared memory), tf32
-// inputs (the tensor core reads the top 19 bits of each fp32 operand, i.e.
-// truncates it).  accumulate == false overwrites D.  A fragment (PTX ISA
-// 9.7.15.5.2, .tf32): warp w of the warpgroup holds rows 16 w .. 16 w + 15;
-// lane l = 4 g + t holds a0 = (16 w + g, t), a1 = (16 w + g + 8, t),
-// a2 = (16 w + g, t + 4), a3 = (16 w + g + 8, t + 4).  The A registers must stay
-// unchanged until the wgmma has completed (wgmma_wait).
-__device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
-                                                  bool accumulate) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " FUSED_GEMM_BN_D32_LIST
-      ", {%32, %33, %34, %35}, %36, p, 1, 1;\n"
-      "}\n"
-      : FUSED_GEMM_BN_D32
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
-#endif
-}
 
 // D(64 x 64, fp32) (+)= A(64 x 16, registers) * B(16 x 64, shared memory), fp16
 // inputs (exact products, fp32 accumulation; the tensor core's accumulation

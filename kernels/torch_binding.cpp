@@ -16,28 +16,23 @@
 //
 //   gemm name             kernels
 //   --------------------  ------------------------------------------------------------
-//   sm90_3xtf32           the forwards: row_sums over W's rows unless the caller passes
-//                         w_parts (its cached result), row_centers over x; then
-//                         sm90_prepass_3xtf32 (x_centred, x_small; training:
-//                         num_batches_tracked += 1), then sm90_gemm_3xtf32_{train,eval}
-//                         (wgmma, TMA); gemm_nt: no centring, sm90_gemm_3xtf32_plain
-//   sm90_3xtf32_nosplit   the same with whole tiles only (A/B switch for measurements)
 //   sm90_fp16x3           sm90_prepass_fp16x3 over W's rows unless the caller passes
 //                         w_parts (its cached result), then over x (fp16 parts and row
-//                         scales; training: += 1), then sm90_gemm_fp16x3_{train,eval,plain}
-//   sm90_fp16x3_nosplit   the same with whole tiles only
-//   sm80_3xtf32           the forwards: row_sums (or w_parts) and row_centers as above;
+//                         scales; training: num_batches_tracked += 1), then
+//                         sm90_gemm_fp16x3_{train,eval,plain} (wgmma, TMA; sm_90a).
+//                         Any in_features K >= 1 and weight alignment: the parts'
+//                         rows are K_pad = round_up(K, 8) fp16 words, zeros past K
+//   sm80_3xtf32           the forwards: row_sums over W's rows unless the caller passes
+//                         w_parts (its cached result), row_centers over x; then
 //                         sm80_prepass_3xtf32 (x's TF32 parts; training: += 1), then
 //                         sm80_gemm_3xtf32_{train,eval} (mma.sync, any sm_80+); gemm_nt uncentred
-//   sm90_cluster_3xtf32   the same pre-passes, then sm90_cluster_gemm_3xtf32_train:
-//                         problem 33's whole training forward (forward_train only)
 //
 //   forward_train(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                 running_var, num_batches_tracked, momentum, eps, scale_after_bn,
 //                 w_parts) -> out (M, N)
 //       w_parts (every forward's last argument): None, or made while the weight held
-//       its current values: fp16x3_weight_parts(weight) for sm90_fp16x3[_nosplit],
-//       weight_row_sums(weight) for the 3xTF32 GEMMs (their centring, centring.cuh).
+//       its current values: fp16x3_weight_parts(weight) for sm90_fp16x3,
+//       weight_row_sums(weight) for sm80_3xtf32 (its centring, centring.cuh).
 //       the pre-pass and the training GEMM: z = x @ weight^T and per-tile mean / M2;
 //       problem 33: bn_apply (merge statistics, running statistics, normalise in place);
 //       problem 84: bn_softmax_fold_train (per-feature mean_z, a, c; running
@@ -58,10 +53,11 @@
 //   gemm_tn(gemm, a (M, N), b (M, K)) -> a^T @ b: grad_W = grad_z^T x; on
 //       sm90_fp16x3 both split per column and read MN-major
 //   (both: other GEMM kernels, or N or K not a multiple of 8: gemm_nt on transposed copies)
-//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4 + 2 N): W's
-//       fp16x3 parts [w_hi | w_lo | w_inv_scale | w_row_sum] for w_parts
+//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K_pad + N rounded up to 4 + 2 N),
+//       K_pad = K rounded up to a multiple of 8: W's fp16x3 parts [w_hi | w_lo |
+//       w_inv_scale | w_row_sum], rows of K_pad fp16 words (zeros past K), for w_parts
 //   weight_row_sums(weight (N, K)) -> float32 (2 N): W's row sums as (hi, lo) pairs,
-//       the 3xTF32 GEMMs' w_parts
+//       sm80_3xtf32's w_parts
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
@@ -76,8 +72,8 @@
 //       stats, bias, scale, bn_weight, eps, scale_after_bn, count (1-element float64 tensor),
 //       local_sums, total_sums)
 //       -> as bn_backward_train: the backward split around the all_reduce
-//   sm90_gemm_available(device) -> bool, sm90_cluster_max_active(device, m_tiles,
-//       vec16) -> int: the device facts the dispatch reads (queries, no launch).
+//   sm90_gemm_available(device) -> bool: the device fact the dispatch reads (a query,
+//       no launch).
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -92,23 +88,15 @@ namespace {
 namespace fgb = fused_gemm_bn;
 
 // The GEMM kernels a `gemm` name selects.
-enum class Gemm { kSm80, kSm90, kSm90NoSplit, kSm90Cluster, kFp16x3, kFp16x3NoSplit };
+enum class Gemm { kSm80, kFp16x3 };
 
 Gemm parse_gemm(const std::string& name) {
   if (name == "sm90_fp16x3") return Gemm::kFp16x3;
-  if (name == "sm90_fp16x3_nosplit") return Gemm::kFp16x3NoSplit;
-  if (name == "sm90_3xtf32") return Gemm::kSm90;
-  if (name == "sm90_3xtf32_nosplit") return Gemm::kSm90NoSplit;
   if (name == "sm80_3xtf32") return Gemm::kSm80;
-  if (name == "sm90_cluster_3xtf32") return Gemm::kSm90Cluster;
-  TORCH_CHECK(false, "fused_gemm_bn: unknown GEMM kernel '", name,
-              "' (expected sm90_fp16x3, sm90_fp16x3_nosplit, sm90_3xtf32, sm90_3xtf32_nosplit, sm80_3xtf32 or "
-              "sm90_cluster_3xtf32)");
+  TORCH_CHECK(false, "fused_gemm_bn: unknown GEMM kernel '", name, "' (expected sm90_fp16x3 or sm80_3xtf32)");
 }
 
-bool is_sm90(Gemm g) { return g == Gemm::kSm90 || g == Gemm::kSm90NoSplit; }
-bool is_fp16x3(Gemm g) { return g == Gemm::kFp16x3 || g == Gemm::kFp16x3NoSplit; }
-bool splits_tiles(Gemm g) { return g == Gemm::kSm90 || g == Gemm::kFp16x3; }
+bool is_fp16x3(Gemm g) { return g == Gemm::kFp16x3; }
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
@@ -164,6 +152,25 @@ void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x) {
   check_vector(t.running_var, "bn.running_var", N, x);
 }
 
+// The call's BatchNorm side as the launchers take it (launchers.cuh), filled
+// once from the checked tensors.  num_batches_tracked: training (the counter the
+// pre-pass increments), else null; momentum: training only.
+fgb::BatchNormArgs batch_norm_args(const BnTensors& t, double eps, bool scale_after_bn,
+                                   const torch::Tensor* num_batches_tracked = nullptr, double momentum = 0.0) {
+  fgb::BatchNormArgs bn;
+  bn.bias = t.bias.data_ptr<float>();
+  bn.scale = t.scale.data_ptr<float>();
+  bn.bn_weight = t.bn_weight.data_ptr<float>();
+  bn.bn_bias = t.bn_bias.data_ptr<float>();
+  bn.running_mean = t.running_mean.data_ptr<float>();
+  bn.running_var = t.running_var.data_ptr<float>();
+  bn.num_batches_tracked = num_batches_tracked != nullptr ? num_batches_tracked->data_ptr<int64_t>() : nullptr;
+  bn.momentum = static_cast<float>(momentum);
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  return bn;
+}
+
 void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
   TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
               torch::IntArrayRef({M, N}));
@@ -183,7 +190,7 @@ void launch_row_centers(const torch::Tensor& x, int M, int K, float* center, cud
                  "row_centers");
 }
 
-// x's TF32 parts in mma fragment order for the sm80 / cluster kernels
+// x's TF32 parts in mma fragment order for the sm80 kernel
 // (sm80_prepass_3xtf32) and, when centred, its row centres: one allocation.
 struct FragmentX {
   torch::Tensor storage;
@@ -207,45 +214,6 @@ FragmentX sm80_prepass(const torch::Tensor& x, int M, int K, int64_t* num_batche
                                         num_batches_tracked, stream),
                "sm80_prepass_3xtf32");
   return {storage, big, small, center};
-}
-
-// x and its TF32 remainder for the Hopper kernel, whose TMA loads need
-// contiguous, 16-byte aligned rows: the caller's x is used in place when it is
-// so, otherwise copied (never written).  centred (the forwards; not gemm_nt):
-// the GEMM reads x_centred = rn(x - c_m) instead, and its remainder.
-// `workspace` is the GEMM's split-tile scratch for an (M, K) x (N, K) product
-// (null if it needs none); the pre-pass zeroes its arrival counts.  One
-// allocation: [x_small | x_centred | center (M, padded to 4) | workspace].
-struct RemainderX {
-  torch::Tensor x;
-  torch::Tensor storage;
-  const float* big;     // what the GEMM reads as x: x's data or x_centred
-  const float* small;
-  const float* center;  // null: not centred
-  float* workspace;
-};
-
-RemainderX sm90_prepass(const torch::Tensor& x, int M, int N, int K, bool split_tiles, int64_t* num_batches_tracked,
-                        bool centred, cudaStream_t stream) {
-  const bool ready = x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
-  torch::Tensor xc = ready ? x : x.clone(at::MemoryFormat::Contiguous);
-  const int64_t part_floats = static_cast<int64_t>(M) * K;  // a multiple of 4: what follows stays 16-byte aligned
-  const int64_t center_floats = centred ? (static_cast<int64_t>(M) + 3) / 4 * 4 : 0;
-  int64_t workspace_floats = 0;
-  int zero_ints = 0;
-  fgb::sm90_gemm_workspace(M, N, K, split_tiles, &workspace_floats, &zero_ints);
-  torch::Tensor storage =
-      torch::empty({(centred ? 2 : 1) * part_floats + center_floats + workspace_floats}, x.options());
-  float* small = storage.data_ptr<float>();
-  float* x_centred = centred ? small + part_floats : nullptr;
-  float* center = centred ? x_centred + part_floats : nullptr;
-  float* workspace = workspace_floats > 0 ? small + (centred ? 2 : 1) * part_floats + center_floats : nullptr;
-  int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
-  launch_row_centers(xc, M, K, center, stream);
-  check_launch(fgb::sm90_prepass_3xtf32(xc.data_ptr<float>(), M, K, center, x_centred, small, arrivals,
-                                        arrivals ? zero_ints : 0, num_batches_tracked, stream),
-               "sm90_prepass_3xtf32");
-  return {xc, storage, centred ? x_centred : xc.data_ptr<float>(), small, center, workspace};
 }
 
 // gemm.weight's row sums (N (hi, lo) fp32 pairs, 2 N floats: row_sums in
@@ -283,24 +251,36 @@ fgb::Centring centring_of(const float* center, const WeightRowSums& w) {
   return center != nullptr ? fgb::Centring{center, w.row_sum} : fgb::Centring{nullptr, nullptr};
 }
 
-// x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K) fp16 words, x_inv_scale
-// (M), center (M), then the GEMM's split-tile workspace (null if it needs none), one
-// allocation; the pre-pass reads x in place (any strides) and zeroes the
+// in_features as the fp16x3 operands' row length K_pad = round_up(K, 8)
+// (fgb::fp16x3_padded_k): the pre-pass writes x's and W's parts in rows of K_pad
+// fp16 words, zeros past K, and the GEMM runs over K_pad (sm90_gemm_fp16x3_bn.cu).
+// `operand` names the (rows, K) tensor being split, for the message.
+int fp16x3_k_pad(int64_t K, const char* operand) {
+  TORCH_CHECK(K >= 1 && K <= INT32_MAX - 7, "fused_gemm_bn: sm90_fp16x3 needs ", operand,
+              " of shape (rows, K) with 1 <= K <= ", INT32_MAX - 7, ", got K = ", K);
+  return static_cast<int>(fgb::fp16x3_padded_k(K));
+}
+
+// x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K_pad) fp16 words,
+// x_inv_scale (M), center (M), then the GEMM's split-tile workspace for an (M,
+// K_pad) x (N, K_pad) product (null if it needs none), one allocation; the
+// pre-pass reads x in place (any strides and alignment) and zeroes the
 // workspace's arrival counts.
 struct SplitX {
   torch::Tensor storage;
   fgb::Fp16x3Parts parts;
   float* workspace;
+  int k_pad;  // the parts' row length: the K the GEMM runs over
 };
 
-SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, bool split_tiles, int64_t* num_batches_tracked,
+SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, int64_t* num_batches_tracked,
                       cudaStream_t stream) {
-  TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
-  const int64_t part_floats = static_cast<int64_t>(M) * K / 2;  // M K fp16 words each
-  const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;   // keeps the workspace 16-byte aligned
+  const int k_pad = fp16x3_k_pad(K, "x");
+  const int64_t part_floats = static_cast<int64_t>(M) * k_pad / 2;    // M K_pad fp16 words each: 16-byte multiple
+  const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;  // keeps the workspace 16-byte aligned
   int64_t workspace_floats = 0;
   int zero_ints = 0;
-  fgb::sm90_gemm_fp16x3_workspace(M, N, K, split_tiles, &workspace_floats, &zero_ints);
+  fgb::sm90_gemm_fp16x3_workspace(M, N, k_pad, &workspace_floats, &zero_ints);
   torch::Tensor storage = torch::empty({2 * part_floats + 2 * scale_floats + workspace_floats}, x.options());
   float* base = storage.data_ptr<float>();
   uint16_t* hi = reinterpret_cast<uint16_t*>(base);
@@ -313,25 +293,29 @@ SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, bool split_ti
                                         center, nullptr, arrivals, arrivals ? zero_ints : 0, num_batches_tracked,
                                         stream),
                "sm90_prepass_fp16x3");
-  return {storage, {hi, lo, inv_scale, center, nullptr}, workspace};
+  return {storage, {hi, lo, inv_scale, center, nullptr}, workspace, k_pad};
 }
 
-// gemm.weight's fp16x3 parts as one float32 tensor, [w_hi (N K / 2 floats) |
-// w_lo (N K / 2) | w_inv_scale (N, padded to a multiple of 4) | w_row_sum (N
-// (hi, lo) pairs)]: the pre-pass run over W's rows.  model_new.py keeps it
-// between calls (_weight_parts).
-int64_t weight_parts_floats(int64_t N, int64_t K) { return N * K + (N + 3) / 4 * 4 + 2 * N; }
+// gemm.weight's fp16x3 parts as one float32 tensor: [w_hi (N, K_pad) fp16 words
+// (N K_pad / 2 floats) | w_lo (N K_pad / 2) | w_inv_scale (N, padded to a
+// multiple of 4) | w_row_sum (N (hi, lo) pairs)], K_pad = round_up(K, 8) with
+// zeros in columns K .. K_pad - 1: the pre-pass run over W's rows.  model_new.py
+// keeps it between calls (_weight_parts).
+int64_t weight_parts_floats(int64_t N, int64_t K) {
+  return N * fgb::fp16x3_padded_k(K) + (N + 3) / 4 * 4 + 2 * N;
+}
 
-// The fp16x3 parts inside a packed weight tensor (layout above).
+// The fp16x3 parts inside a packed weight tensor (layout above; 16-byte aligned base).
 fgb::Fp16x3Parts packed_weight_parts(float* base, int64_t N, int64_t K) {
-  const int64_t part_floats = N * K / 2;
+  const int64_t part_floats = N * fgb::fp16x3_padded_k(K) / 2;
   float* inv_scale = base + 2 * part_floats;
   return {reinterpret_cast<const uint16_t*>(base), reinterpret_cast<const uint16_t*>(base + part_floats), inv_scale,
           nullptr, reinterpret_cast<const float2*>(inv_scale + (N + 3) / 4 * 4)};
 }
 
+// w (N, K) float32, any strides and alignment.
 torch::Tensor split_weight(const torch::Tensor& w, int N, int K, cudaStream_t stream) {
-  TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
+  fp16x3_k_pad(K, "gemm.weight");
   torch::Tensor packed = torch::empty({weight_parts_floats(N, K)}, w.options());
   const fgb::Fp16x3Parts p = packed_weight_parts(packed.data_ptr<float>(), N, K);
   check_launch(fgb::sm90_prepass_fp16x3(w.data_ptr<float>(), w.stride(0), w.stride(1), N, K,
@@ -353,10 +337,13 @@ WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch:
   WeightParts w;
   if (given.has_value() && given->defined()) {
     w.packed = *given;
+    const int64_t floats = weight_parts_floats(N, K);
     TORCH_CHECK(w.packed.device() == weight.device() && w.packed.scalar_type() == torch::kFloat32 &&
-                    w.packed.dim() == 1 && w.packed.numel() == weight_parts_floats(N, K) && w.packed.is_contiguous(),
-                "fused_gemm_bn: w_parts must be fp16x3_weight_parts(gemm.weight): a contiguous float32 tensor of ",
-                weight_parts_floats(N, K), " elements on ", weight.device());
+                    w.packed.dim() == 1 && w.packed.numel() == floats && w.packed.is_contiguous() &&
+                    reinterpret_cast<uintptr_t>(w.packed.data_ptr()) % 16 == 0,
+                "fused_gemm_bn: w_parts must be fp16x3_weight_parts(gemm.weight) of the (", N, ", ", K,
+                ") weight: a contiguous, 16-byte aligned float32 tensor of shape (", floats, ") on ",
+                weight.device(), ", got ", w.packed.scalar_type(), " ", w.packed.sizes(), " on ", w.packed.device());
   } else {
     w.packed = split_weight(weight, N, K, stream);
   }
@@ -364,7 +351,7 @@ WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch:
   return w;
 }
 
-// The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit], sm90_fp16x3[_nosplit]): the pre-pass
+// The training GEMM (sm80_3xtf32 or sm90_fp16x3): the pre-pass
 // (num_batches_tracked += 1 where `counter` is not null), then z = x @ weight^T into `z` with per-tile
 // mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
 // is not null, stats (2, N) = [mean_z | biased var_z].  One allocation, which
@@ -379,9 +366,8 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
                      const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, float* stats, int64_t* counter,
                      int M, int N, int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
-  TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 runs forward_train of problem 33 only");
   TrainGemm g;
-  g.block_m = is_sm90(gemm) || is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
+  g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
   const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
   g.storage = torch::empty({2 * part_floats + 3 * static_cast<int64_t>(N)}, x.options());
@@ -389,19 +375,11 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
   g.part_m2 = g.part_mean + part_floats;
   g.coeff = g.part_m2 + part_floats;
   if (is_fp16x3(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
-    const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, counter, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_train(xs.parts, wp.parts, z.data_ptr<float>(),
-                                             g.part_mean, g.part_m2, M, N, K, split_tiles, xs.workspace, stream),
+    const SplitX xs = fp16x3_prepass(x, M, N, K, counter, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_train(xs.parts, wp.parts, z.data_ptr<float>(), g.part_mean, g.part_m2, M, N,
+                                             xs.k_pad, xs.workspace, stream),
                  "sm90_gemm_fp16x3_train");
-  } else if (is_sm90(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
-    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
-    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, counter, true, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_train(xr.big, xr.small, w, centring_of(xr.center, ws), z.data_ptr<float>(),
-                                             g.part_mean, g.part_m2, M, N, K, split_tiles, xr.workspace, stream),
-                 "sm90_gemm_3xtf32_train");
   } else {
     const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
     const FragmentX xs = sm80_prepass(x, M, K, counter, true, stream);
@@ -417,44 +395,21 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
 
 // Problem 33's BatchNorm after the training GEMM: out = BatchNorm(scale (z + bias)),
 // running statistics updated (out may be z: in place).
-void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N, const BnTensors& t,
-              const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
+void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N,
+              const fgb::BatchNormArgs& bn, cudaStream_t stream) {
   check_launch(fgb::bn_apply(z.data_ptr<float>(), out.data_ptr<float>(), g.part_mean, g.part_m2, g.num_m_tiles,
-                             g.block_m, M, N, t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                             t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
-                             num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                             static_cast<float>(eps), t.running_mean.data_ptr<float>(),
-                             t.running_var.data_ptr<float>(), g.coeff, stream),
+                             g.block_m, M, N, bn, g.coeff, stream),
                "bn_apply");
 }
 
 // Problem 84's BatchNorm, scale and softmax after the training GEMM: per-feature
 // [mean_z | a | c] and the running-statistics update (bn_softmax_fold_train),
 // then out = softmax((out - mean_z) * a + c) per row, in place.
-void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const BnTensors& t,
-                const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
-  check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N,
-                                          t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                                          t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
-                                          num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                                          static_cast<float>(eps), t.running_mean.data_ptr<float>(),
-                                          t.running_var.data_ptr<float>(), g.coeff, stream),
+void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const fgb::BatchNormArgs& bn,
+                cudaStream_t stream) {
+  check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bn, g.coeff, stream),
                "bn_softmax_fold_train");
   check_launch(fgb::softmax_rows(out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
-}
-
-// Problem 33's training forward in one cluster launch (sm90_cluster_3xtf32).
-void cluster_train(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& w_parts,
-                   torch::Tensor& out, int M, int N, int K, const BnTensors& t,
-                   const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
-  const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
-  const FragmentX xs = sm80_prepass(x, M, K, num_batches_tracked.data_ptr<int64_t>(), true, stream);
-  check_launch(fgb::sm90_cluster_gemm_3xtf32_train(
-                   xs.big, xs.small, weight.data_ptr<float>(), centring_of(xs.center, ws), out.data_ptr<float>(), t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                   t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(), t.running_mean.data_ptr<float>(),
-                   t.running_var.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
-                   static_cast<float>(momentum), static_cast<float>(eps), M, N, K, stream),
-               "sm90_cluster_gemm_3xtf32_train");
 }
 
 }  // namespace
@@ -472,20 +427,16 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   check_training(x, M, N, num_batches_tracked);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
   check_bn_tensors(t, N, x);
-  TORCH_CHECK(gemm != Gemm::kSm90Cluster || !scale_after_bn,
-              "fused_gemm_bn: sm90_cluster_3xtf32 holds problem 33's epilogue only");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor out = torch::empty({M, N}, x.options());
-  if (gemm == Gemm::kSm90Cluster) {
-    cluster_train(x, weight, w_parts, out, M, N, K, t, num_batches_tracked, momentum, eps, stream);
-    return out;
-  }
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
+  const TrainGemm g =
+      train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   if (scale_after_bn) {
-    bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_softmax(g, out, M, N, bn, stream);
   } else {
-    bn_apply(g, out, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_apply(g, out, out, M, N, bn, stream);
   }
   return out;
 }
@@ -499,7 +450,6 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            c10::optional<torch::Tensor> w_parts) {
   scale = feature_vector(scale);
   const Gemm gemm = parse_gemm(gemm_name);
-  TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 has no eval epilogue");
   const auto [M, N, K] = check_gemm_operands(x, weight);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
   check_bn_tensors(t, N, x);
@@ -508,36 +458,18 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* w = weight.data_ptr<float>();
-  const float fold_eps = static_cast<float>(eps);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn);
   if (is_fp16x3(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
-    const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.parts, wp.parts, out.data_ptr<float>(),
-                                            t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                                            t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
-                                            t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
-                                            fold_eps, scale_after_bn, M, N, K, split_tiles, xs.workspace, stream),
+    const SplitX xs = fp16x3_prepass(x, M, N, K, nullptr, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.parts, wp.parts, out.data_ptr<float>(), bn, M, N, xs.k_pad,
+                                            xs.workspace, stream),
                  "sm90_gemm_fp16x3_eval");
-  } else if (is_sm90(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
-    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
-    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, nullptr, true, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_eval(xr.big, xr.small, w, centring_of(xr.center, ws), out.data_ptr<float>(),
-                                            t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                                            t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
-                                            t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
-                                            fold_eps, scale_after_bn, M, N, K, split_tiles, xr.workspace, stream),
-                 "sm90_gemm_3xtf32_eval");
   } else {
     const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
     const FragmentX xs = sm80_prepass(x, M, K, nullptr, true, stream);
     check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, centring_of(xs.center, ws), out.data_ptr<float>(),
-                                            t.bias.data_ptr<float>(),
-                                            t.scale.data_ptr<float>(), t.bn_weight.data_ptr<float>(),
-                                            t.bn_bias.data_ptr<float>(), t.running_mean.data_ptr<float>(),
-                                            t.running_var.data_ptr<float>(), fold_eps, scale_after_bn, M, N, K,
-                                            stream),
+                                            bn, M, N, K, stream),
                  "sm80_gemm_3xtf32_eval");
   }
   if (scale_after_bn)
@@ -565,6 +497,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   check_bn_tensors(t, N, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = torch::empty({2, N}, x.options());
   const TrainGemm g =
@@ -573,23 +506,23 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   torch::Tensor out;
   if (scale_after_bn) {
     out = z.clone();  // softmax_rows works in place
-    bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_softmax(g, out, M, N, bn, stream);
   } else {
     out = torch::empty({M, N}, x.options());
-    bn_apply(g, z, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_apply(g, z, out, M, N, bn, stream);
   }
   return {out, z, stats};
 }
 
 // a @ b^T, float32-accurate (3xTF32 or fp16x3) for float32 CUDA a (M, K) and b (N, K) of
-// any strides (non-contiguous operands are copied first).  b_parts: on
+// any strides (non-contiguous operands are copied first) and any K (sm90_fp16x3:
+// the parts padded to K_pad = round_up(K, 8) with zeros).  b_parts: on
 // sm90_fp16x3, fp16x3_weight_parts(b) made while b held its current values (the
-// cached split of gemm.weight), or None (split now); ignored by the other kernels.
+// cached split of gemm.weight), or None (split now); ignored by sm80_3xtf32.
 // Returns (M, N).
 torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
                       c10::optional<torch::Tensor> b_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
-  TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 has no plain epilogue");
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(),
               "gemm_nt: a and b must be CUDA tensors on one device, got ", a.device(), " and ", b.device());
   TORCH_CHECK(a.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32,
@@ -607,29 +540,24 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const torch::Tensor ac = a.contiguous(), bc = b.contiguous();
   const float* w = bc.data_ptr<float>();
   if (is_fp16x3(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(bc, b_parts, N, K, stream);
-    const SplitX xs = fp16x3_prepass(ac, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.parts, wp.parts, out.data_ptr<float>(), M, N,
-                                             K, split_tiles, xs.workspace, stream),
+    const SplitX xs = fp16x3_prepass(ac, M, N, K, nullptr, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.parts, wp.parts, out.data_ptr<float>(), M, N, xs.k_pad, xs.workspace,
+                                             stream),
                  "sm90_gemm_fp16x3_plain");
-    return out;
-  }
-  if (is_sm90(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
-    const RemainderX xr = sm90_prepass(ac, M, N, K, split_tiles, nullptr, false, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_plain(xr.big, xr.small, w, fgb::Centring{nullptr, nullptr},
-                                             out.data_ptr<float>(), M, N, K, split_tiles, xr.workspace, stream),
-                 "sm90_gemm_3xtf32_plain");
     return out;
   }
   // The portable kernel's eval epilogue with the identity fold: a = 1 / sqrt(1 + 0) = 1, c = 0 exactly.
   const torch::Tensor ones = torch::ones({N}, a.options()), zeros = torch::zeros({N}, a.options());
-  const float* one = ones.data_ptr<float>();
-  const float* zero = zeros.data_ptr<float>();
+  fgb::BatchNormArgs identity;
+  identity.bias = identity.bn_bias = zeros.data_ptr<float>();
+  identity.scale = identity.bn_weight = ones.data_ptr<float>();
+  identity.running_mean = zeros.data_ptr<float>();  // read only by the eval epilogue
+  identity.running_var = ones.data_ptr<float>();
+  identity.eps = 0.f;
   const FragmentX xs = sm80_prepass(ac, M, K, nullptr, false, stream);
   check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, fgb::Centring{nullptr, nullptr}, out.data_ptr<float>(),
-                                          zero, one, one, zero, zero, one, 0.f, false, M, N, K, stream),
+                                          identity, M, N, K, stream),
                "sm80_gemm_3xtf32_eval");
   return out;
 }
@@ -660,12 +588,14 @@ torch::Tensor with_contiguous_rows(const torch::Tensor& t) {
 }  // namespace
 
 // a @ b, float32-accurate, for float32 CUDA a (M, N) and b (N, K): the
-// backward's grad_x = grad_z W.  On sm90_fp16x3[_nosplit] with N % 8 == 0 and
+// backward's grad_x = grad_z W.  On sm90_fp16x3 with N % 8 == 0 and
 // K % 8 == 0, b's fp16x3 parts (b_parts: fp16x3_weight_parts(b), the forward's
-// cached split, or made now) are the GEMM's MN-major w operand and a's rows are
-// split with b's row scales folded in (sm90_prepass_fp16x3_scaled): no
-// transposed copy of b.  Otherwise gemm_nt(a, b^T), which copies b transposed.
-// Returns (M, K).
+// cached split, or made now; rows of K_pad = K words, the MN-major operand's
+// row stride) are the GEMM's MN-major w operand and a's rows (N words: TMA's
+// 16-byte row stride) are split with b's row scales folded in
+// (sm90_prepass_fp16x3_scaled): no transposed copy of b.  Otherwise
+// gemm_nt(a, b^T), which copies b transposed (sm90_fp16x3 then pads the
+// reduction N; sm80_3xtf32 takes any shape).  Returns (M, K).
 torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
                       c10::optional<torch::Tensor> b_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
@@ -675,15 +605,14 @@ torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tens
     return gemm_nt(gemm_name, a, b.t(), c10::nullopt);
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = current_stream(a);
-  const bool split_tiles = splits_tiles(gemm);
-  const WeightParts wp = weight_parts(b, b_parts, N, K, stream);
+  const WeightParts wp = weight_parts(b, b_parts, N, K, stream);  // K % 8 == 0: K_pad == K
   const torch::Tensor ar = with_contiguous_rows(a);
   // One allocation: a's parts (M N / 2 floats each), inv_scale (M, padded to 4), the GEMM's workspace.
   const int64_t part_floats = static_cast<int64_t>(M) * N / 2;
   const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;
   int64_t workspace_floats = 0;
   int zero_ints = 0;
-  fgb::sm90_gemm_fp16x3_workspace(M, K, N, split_tiles, &workspace_floats, &zero_ints);
+  fgb::sm90_gemm_fp16x3_workspace(M, K, N, &workspace_floats, &zero_ints);
   torch::Tensor storage = torch::empty({2 * part_floats + scale_floats + workspace_floats}, a.options());
   float* base = storage.data_ptr<float>();
   uint16_t* hi = reinterpret_cast<uint16_t*>(base);
@@ -697,16 +626,17 @@ torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const fgb::Fp16x3Parts x{hi, lo, inv_scale, nullptr, nullptr, false};
   const fgb::Fp16x3Parts w{wp.parts.hi, wp.parts.lo, nullptr, nullptr, nullptr, true};  // scales folded into x
   torch::Tensor out = torch::empty({M, K}, a.options());
-  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), M, K, N, split_tiles, workspace, stream),
+  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), M, K, N, workspace, stream),
                "sm90_gemm_fp16x3_plain (w MN-major)");
   return out;
 }
 
 // a^T @ b, float32-accurate, for float32 CUDA a (M, N) and b (M, K): the
-// backward's grad_W = grad_z^T x.  On sm90_fp16x3[_nosplit] with N % 8 == 0 and
-// K % 8 == 0, both are split per column (sm90_prepass_fp16x3_columns) and read
-// as MN-major operands where they lie; otherwise gemm_nt(a^T, b^T), which
-// copies both transposed.  Returns (N, K).
+// backward's grad_W = grad_z^T x.  On sm90_fp16x3 with N % 8 == 0 and
+// K % 8 == 0 (the MN-major operands' rows of N and K words: TMA's 16-byte
+// row strides), both are split per column (sm90_prepass_fp16x3_columns) and
+// read as MN-major operands where they lie; otherwise gemm_nt(a^T, b^T), which
+// copies both transposed (sm90_fp16x3 then pads the reduction M).  Returns (N, K).
 torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tensor b) {
   const Gemm gemm = parse_gemm(gemm_name);
   check_backward_operands("gemm_tn", a, b, 0, "a (M, N) and b (M, K)");
@@ -715,7 +645,6 @@ torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tens
     return gemm_nt(gemm_name, a.t(), b.t(), c10::nullopt);
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = current_stream(a);
-  const bool split_tiles = splits_tiles(gemm);
   const torch::Tensor ar = with_contiguous_rows(a), br = with_contiguous_rows(b);
   // One allocation: a's parts (M N / 2 floats each), b's (M K / 2 each), their
   // column scales (N, K, padded to 4), the GEMM's workspace.
@@ -724,7 +653,7 @@ torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const int64_t b_scale_floats = (static_cast<int64_t>(K) + 3) / 4 * 4;
   int64_t workspace_floats = 0;
   int zero_ints = 0;
-  fgb::sm90_gemm_fp16x3_workspace(N, K, M, split_tiles, &workspace_floats, &zero_ints);
+  fgb::sm90_gemm_fp16x3_workspace(N, K, M, &workspace_floats, &zero_ints);
   torch::Tensor storage =
       torch::empty({2 * a_floats + 2 * b_floats + a_scale_floats + b_scale_floats + workspace_floats}, a.options());
   float* base = storage.data_ptr<float>();
@@ -746,7 +675,7 @@ torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const fgb::Fp16x3Parts x{a_hi, a_lo, a_inv, nullptr, nullptr, true};
   const fgb::Fp16x3Parts w{b_hi, b_lo, b_inv, nullptr, nullptr, true};
   torch::Tensor out = torch::empty({N, K}, a.options());
-  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), N, K, M, split_tiles, workspace, stream),
+  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), N, K, M, workspace, stream),
                "sm90_gemm_fp16x3_plain (both MN-major)");
   return out;
 }
@@ -766,9 +695,12 @@ std::pair<int, int> check_cached_weight(const char* fn, const torch::Tensor& wei
 
 }  // namespace
 
-// gemm.weight's fp16x3 parts (weight_parts_floats floats), for forward_*'s
-// w_parts: weight (N, K) float32 CUDA, any strides, K % 8 == 0.  The caller
-// keeps it while the weight is unchanged (model_new.py: _weight_parts).
+// gemm.weight's fp16x3 parts (weight_parts_floats floats: [w_hi (N, K_pad) fp16
+// words | w_lo | w_inv_scale (N, padded to 4) | w_row_sum (N (hi, lo) pairs)],
+// K_pad = round_up(K, 8), zeros in columns K ..), for forward_*'s w_parts and
+// gemm_nt's / gemm_nn's b_parts: weight (N, K) float32 CUDA, any strides and
+// alignment, K >= 1.  The caller keeps it while the weight is unchanged
+// (model_new.py: _weight_parts).
 torch::Tensor fp16x3_weight_parts(torch::Tensor weight) {
   const auto [N, K] = check_cached_weight("fp16x3_weight_parts", weight);
   const c10::cuda::CUDAGuard guard(weight.device());
@@ -822,9 +754,12 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   // Three allocations, not views of one: custom operators may not return aliases.
   torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
                 grad_bn_bias = torch::empty({N}, z.options());
-  check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
-                                      scale.data_ptr<float>(), bn_weight.data_ptr<float>(), static_cast<float>(eps),
-                                      scale_after_bn, static_cast<int>(M), static_cast<int>(N),
+  fgb::BatchNormArgs bn;  // what bn_backward_train reads
+  bn.scale = scale.data_ptr<float>();
+  bn.bn_weight = bn_weight.data_ptr<float>();
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                       grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
                                       grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
                "bn_backward_train");
@@ -858,7 +793,6 @@ std::vector<torch::Tensor> sync_forward_local(const std::string& gemm_name, torc
                                               torch::Tensor bias, torch::Tensor num_batches_tracked,
                                               c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
-  TORCH_CHECK(gemm != Gemm::kSm90Cluster, "sync_forward_local: sm90_cluster_3xtf32 has no statistics epilogue");
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
   check_vector(bias, "gemm.bias", N, x);
@@ -904,12 +838,9 @@ std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered
   torch::Tensor stats = torch::empty({2, N}, z.options());
   torch::Tensor coeff = torch::empty({scale_after_bn ? 3 : 2, N}, z.options());
   torch::Tensor count = torch::empty({1}, z.options().dtype(torch::kFloat64));
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   check_launch(fgb::sync_bn_finalize(gathered.data_ptr<double>(), static_cast<int>(gathered.size(0)),
-                                     static_cast<int>(N), bias.data_ptr<float>(), scale.data_ptr<float>(),
-                                     bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
-                                     num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                                     static_cast<float>(eps), scale_after_bn, running_mean.data_ptr<float>(),
-                                     running_var.data_ptr<float>(), stats.data_ptr<float>(), coeff.data_ptr<float>(),
+                                     static_cast<int>(N), bn, stats.data_ptr<float>(), coeff.data_ptr<float>(),
                                      count.data_ptr<double>(), stream),
                "sync_bn_finalize");
   torch::Tensor out;
@@ -964,11 +895,15 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
   torch::Tensor grad_z = torch::empty({M, N}, z.options());
   torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
                 grad_bn_bias = torch::empty({N}, z.options());
-  check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
-                                     bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
-                                     static_cast<float>(eps), scale_after_bn, M, N, count.data_ptr<double>(),
-                                     local_sums.data_ptr<double>(), total_sums.data_ptr<double>(),
-                                     grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
+  fgb::BatchNormArgs bn;  // what bn_backward_grad reads
+  bn.bias = bias.data_ptr<float>();
+  bn.scale = scale.data_ptr<float>();
+  bn.bn_weight = bn_weight.data_ptr<float>();
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
+                                     count.data_ptr<double>(), local_sums.data_ptr<double>(),
+                                     total_sums.data_ptr<double>(), grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
                                      grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(),
                                      current_stream(z)),
                "bn_backward_grad");
@@ -983,10 +918,4 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
 bool sm90_gemm_available(int64_t device) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   return fgb::sm90_gemm_available();
-}
-
-// Clusters of m_tiles CTAs of the cluster kernel resident at once on `device` (0: none).
-int64_t sm90_cluster_max_active(int64_t device, int64_t m_tiles, bool vec16) {
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  return fgb::sm90_cluster_max_active(static_cast<int>(m_tiles), vec16);
 }

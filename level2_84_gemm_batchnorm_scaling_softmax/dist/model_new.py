@@ -362,18 +362,17 @@ void launch_apply(const BnApplyArgs& p, dim3 grid, bool vec4, cudaStream_t strea
 }  // namespace fused_gemm_bn
 
 cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2,
-                                    int num_m_tiles, int block_m, int M, int N, const float* bias, const float* scale,
-                                    const float* bn_weight, const float* bn_bias, const int64_t* num_batches_tracked,
-                                    float momentum, float eps, float* running_mean, float* running_var,
+                                    int num_m_tiles, int block_m, int M, int N, const BatchNormArgs& bn,
                                     float* coeff, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
   const bool folded = num_m_tiles > kFusedMaxTiles;
   if (folded && coeff == nullptr) return cudaErrorInvalidValue;
   auto aligned = [](const float* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   const bool vec4 = N % 4 == 0 && aligned(z) && aligned(out) && aligned(part_mean) && aligned(part_m2);
-  BnApplyArgs p{z,       out,     part_mean,           part_m2,  num_m_tiles, block_m,      M,
-                N,       bias,    scale,               bn_weight, bn_bias,    num_batches_tracked, momentum,
-                eps,     running_mean, running_var,    0,      coeff};
+  BnApplyArgs p{z,           out,          part_mean,    part_m2,   num_m_tiles,
+                block_m,     M,            N,            bn.bias,   bn.scale,
+                bn.bn_weight, bn.bn_bias,  bn.num_batches_tracked, bn.momentum, bn.eps,
+                bn.running_mean, bn.running_var, 0, coeff};
   const dim3 grid = apply_grid(M, N, vec4, folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock, p.rows_per_block);
   if (folded) {
     bn_fold_kernel<<<(N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream>>>(p);
@@ -631,11 +630,10 @@ cudaError_t fused_gemm_bn::bn_batch_stats(const float* part_mean, const float* p
 
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y = dL/dy (formulas above).
 cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z, const float* stats,
-                                             const float* scale, const float* bn_weight, float eps,
-                                             bool scale_after_bn, int M, int N, float* grad_z, float* grad_scale,
+                                             const BatchNormArgs& bn, int M, int N, float* grad_z, float* grad_scale,
                                              float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  const BnBackwardArgs p{grad_y, z,       stats,  scale,   bn_weight, eps,          scale_after_bn,
+  const BnBackwardArgs p{grad_y, z,       stats,  bn.scale, bn.bn_weight, bn.eps,   bn.scale_after_bn,
                          M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
                          grad_bn_bias, nullptr, nullptr, nullptr, nullptr};
   bn_backward_train_kernel<BwdMode::kFull><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
@@ -655,16 +653,15 @@ cudaError_t fused_gemm_bn::bn_backward_sums(const float* grad_y, const float* z,
 // The synchronized backward's second half (formulas above): *count = C (device
 // memory, read by the kernel: the host never waits for it; values below 1 read as 1).
 cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z, const float* stats,
-                                            const float* bias, const float* scale, const float* bn_weight, float eps,
-                                            bool scale_after_bn, int M, int N, const double* count,
+                                            const BatchNormArgs& bn, int M, int N, const double* count,
                                             const double* local_sums, const double* total_sums, float* grad_z,
                                             float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
                                             cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
   if (count == nullptr) return cudaErrorInvalidValue;
-  const BnBackwardArgs p{grad_y,     z,       stats,  scale,      bn_weight,  eps,    scale_after_bn,
+  const BnBackwardArgs p{grad_y,     z,       stats,  bn.scale,   bn.bn_weight, bn.eps, bn.scale_after_bn,
                          M,          N,       0.0,    count,      grad_z,     grad_scale, grad_bn_weight,
-                         grad_bn_bias, bias,  local_sums, total_sums, nullptr};
+                         grad_bn_bias, bn.bias, local_sums, total_sums, nullptr};
   bn_backward_train_kernel<BwdMode::kGrad><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -971,16 +968,14 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
 // Training: per-feature coefficients for softmax_rows and the running-statistics
 // update, from the GEMM's per-tile statistics.  coeff: 3 N floats.
 cudaError_t fused_gemm_bn::bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles,
-                                                 int block_m, int M, int N, const float* bias, const float* scale,
-                                                 const float* bn_weight, const float* bn_bias,
-                                                 const int64_t* num_batches_tracked, float momentum, float eps,
-                                                 float* running_mean, float* running_var, float* coeff,
+                                                 int block_m, int M, int N, const BatchNormArgs& bn, float* coeff,
                                                  cudaStream_t stream) {
   using namespace fused_gemm_bn::softmax;
   if (M == 0 || N == 0) return cudaSuccess;
-  const FoldArgs p{part_mean, part_m2,   num_m_tiles, block_m, M,        N,           bias,
-                   scale,     bn_weight, bn_bias,     num_batches_tracked, momentum, eps, running_mean,
-                   running_var, coeff};
+  const FoldArgs p{part_mean,  part_m2,      num_m_tiles, block_m,   M,
+                   N,          bn.bias,      bn.scale,    bn.bn_weight, bn.bn_bias,
+                   bn.num_batches_tracked, bn.momentum, bn.eps, bn.running_mean, bn.running_var,
+                   coeff};
   bn_softmax_fold_train_kernel<<<(N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -1001,9 +996,9 @@ cudaError_t fused_gemm_bn::softmax_rows(float* out, const float* coeff, int M, i
 ''',
     'bn_stats.cuh': r'''// bn_stats.cuh -- per-feature BatchNorm math shared by the
 // multi-kernel training paths (bn_apply.cu for Linear -> scale -> BatchNorm,
-// bn_softmax.cu for Linear -> BatchNorm -> scale -> Softmax), the fused cluster
-// epilogue (sm80_gemm_3xtf32_bn.cu), and the eval-mode fold used by both GEMMs'
-// epilogues.  Device functions only; the training statistics are float64
+// bn_softmax.cu for Linear -> BatchNorm -> scale -> Softmax, bn_sync.cu,
+// bn_backward.cu) and the eval-mode fold used by both GEMMs' epilogues
+// (sm80_gemm_3xtf32_bn.cuh, sm90_gemm_tiles.cuh).  Device functions only; the training statistics are float64
 // throughout.
 //
 // Algebra (training mode, scale before BatchNorm), z = x @ W^T for one feature
@@ -1018,19 +1013,6 @@ cudaError_t fused_gemm_bn::softmax_rows(float* out, const float* coeff, int M, i
 #include <stdint.h>
 
 namespace fused_gemm_bn {
-
-// Chan, Golub and LeVeque's pairwise update ("Updating formulae and a pairwise
-// algorithm for computing sample variances", 1979): merges the statistics
-// (n_b, mean_b, m2_b) of one tile into (count, mean, m2); m2 is the sum of
-// squared deviations.  No E[z^2] - E[z]^2 cancellation.
-__device__ __forceinline__ void merge_chan(double& count, double& mean, double& m2, double n_b, double mean_b,
-                                           double m2_b) {
-  const double n = count + n_b;
-  const double delta = mean_b - mean;
-  mean += delta * (n_b / n);
-  m2 += m2_b + delta * delta * (count * n_b / n);
-  count = n;
-}
 
 // Merges the per-tile statistics of feature j, as the GEMMs' kTrain epilogues
 // write them (part_mean / part_m2: (num_m_tiles, N), tile t holding
@@ -1119,7 +1101,8 @@ __device__ __forceinline__ void bn_update_running(double mean, double m2, double
 }
 
 // The per-feature parameters and running statistics a GEMM epilogue reads
-// (float32 vectors of N; eps as nn.BatchNorm1d's).
+// (float32 vectors of N; eps as nn.BatchNorm1d's): the eval launchers copy
+// them from the call's BatchNormArgs (launchers.cuh) into the kernel's arguments.
 struct BnParams {
   const float* bias;  // Linear bias
   const float* scale;
@@ -1268,26 +1251,24 @@ cudaError_t fused_gemm_bn::bn_local_stats(const float* part_mean, const float* p
 }
 
 // The merged batch's stats, coeff and count, and the running-statistics update (header).
-cudaError_t fused_gemm_bn::sync_bn_finalize(const double* gathered, int world, int N, const float* bias,
-                                            const float* scale, const float* bn_weight, const float* bn_bias,
-                                            const int64_t* num_batches_tracked, float momentum, float eps,
-                                            bool scale_after_bn, float* running_mean, float* running_var,
+cudaError_t fused_gemm_bn::sync_bn_finalize(const double* gathered, int world, int N, const BatchNormArgs& bn,
                                             float* stats, float* coeff, double* count, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
   if (world < 1) return cudaErrorInvalidValue;
-  const SyncFinalizeArgs p{gathered,  world,        N,           bias,  scale, bn_weight, bn_bias, num_batches_tracked,
-                           momentum,  eps,          scale_after_bn, running_mean, running_var, stats, coeff, count};
+  const SyncFinalizeArgs p{gathered,    world,       N,           bn.bias,        bn.scale,        bn.bn_weight,
+                           bn.bn_bias,  bn.num_batches_tracked,   bn.momentum,    bn.eps,          bn.scale_after_bn,
+                           bn.running_mean, bn.running_var, stats, coeff,         count};
   sync_bn_finalize_kernel<<<(N + kSyncThreads - 1) / kSyncThreads, kSyncThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 ''',
-    'centring.cu': r'''// centring.cu -- the centred split's per-row terms for the 3xTF32 GEMMs
-// (sm80_gemm_3xtf32_bn.cuh, sm90_gemm_3xtf32_bn.cu; the fp16x3 pre-pass makes
+    'centring.cu': r'''// centring.cu -- the centred split's per-row terms for the 3xTF32 GEMM
+// (sm80_gemm_3xtf32_bn.cuh; the fp16x3 pre-pass makes
 // its own in the same pass as its split).  The rule, and why, are in
 // centring.cuh.
 //
 //   row_centers: x (M, K) fp32, any strides (read, never written) -> center (M)
-//                fp32, c_m; the 3xTF32 pre-passes (prepass_3xtf32.cu) then split
+//                fp32, c_m; the 3xTF32 pre-pass (prepass_3xtf32.cu) then splits
 //                rn(x - c_m).
 //   row_sums:    w (N, K) fp32, any strides -> row_sum (N) fp32 (hi, lo) pairs,
 //                sum_k w[n, k] in float64; model_new.py keeps them while the
@@ -1534,34 +1515,49 @@ __device__ __forceinline__ void split_fp16x2(float even, float odd, uint32_t& hi
 
 namespace fused_gemm_bn {
 
-// ---- prepass_3xtf32.cu: the one pre-pass before each 3xTF32 GEMM ----------
-// Each writes x's TF32 parts and, in the same launch, does the call's small
-// bookkeeping: num_batches_tracked += 1 when it is not null (a training call:
-// nn.BatchNorm1d's first step) and, for the Hopper GEMM, zeroes its split-tile
-// arrival counts.  center (M, from row_centers; null: none): the parts are
-// those of rn(x - c_m), the centred split (centring.cuh).
+// ---- the BatchNorm side of a float32 call -----------------------------------
+// Filled once per call by torch_binding.cpp from the module's tensors and
+// passed whole to every launcher below that takes BatchNorm parameters; each
+// launcher's comment names the fields it reads (the others may stay unset).
+// Vectors: (N) float32, contiguous, on the call's device.
+struct BatchNormArgs {
+  const float* bias = nullptr;       // gemm.bias (the Linear's): running_mean, the eval fold, 33's grad_scale
+  const float* scale = nullptr;      // the per-feature scale s
+  const float* bn_weight = nullptr;  // bn.weight (gamma)
+  const float* bn_bias = nullptr;    // bn.bias (beta)
+  // bn.running_mean / running_var: updated in place by the training launchers,
+  // only read by the eval ones (sm80_gemm_3xtf32_eval, sm90_gemm_fp16x3_eval).
+  float* running_mean = nullptr;
+  float* running_var = nullptr;
+  // bn.num_batches_tracked (device int64 scalar), training: already incremented
+  // for this call by the pre-pass; read where momentum < 0.
+  const int64_t* num_batches_tracked = nullptr;
+  float momentum = 0.f;         // training; < 0: cumulative average (momentum=None), f = 1 / num_batches_tracked
+  float eps = 0.f;              // bn.eps
+  bool scale_after_bn = false;  // false: problem 33 (Linear -> scale -> BatchNorm); true: 84 (BatchNorm -> scale)
+};
+
+// ---- prepass_3xtf32.cu: the pre-pass before each 3xTF32 GEMM ---------------
+// Writes x's TF32 parts and, in the same launch, num_batches_tracked += 1 when
+// it is not null (a training call: nn.BatchNorm1d's first step).  center (M,
+// from row_centers; null: none): the parts are those of rn(x - c_m), the
+// centred split (centring.cuh).
 
 // Floats in each of x_big / x_small for an (M, K) input (fragment order, padded).
 int64_t sm80_prepass_elems(int M, int K);
-// x (any strides) -> x_big, x_small in mma fragment order, for sm80_* / sm90_cluster_*.
+// x (any strides) -> x_big, x_small in mma fragment order, for sm80_gemm_3xtf32_*.
 cudaError_t sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
                                 const float* center, float* x_big, float* x_small, int64_t* num_batches_tracked,
                                 cudaStream_t stream);
-// Contiguous x with K % 4 == 0 -> x_small = v - tf32_trunc(v), for sm90_gemm_3xtf32_*,
-// with v = x, or v = rn(x - c_m) also written to x_centred (M, K) when center is
-// given (the GEMM then reads x_centred); zero_ints[0 .. num_zero_ints) = 0.
-cudaError_t sm90_prepass_3xtf32(const float* x, int M, int K, const float* center, float* x_centred, float* x_small,
-                                int* zero_ints, int num_zero_ints, int64_t* num_batches_tracked,
-                                cudaStream_t stream);
 
-// ---- centring.cu: the centred split's per-row terms for the 3xTF32 GEMMs ----
+// ---- centring.cu: the centred split's per-row terms for the 3xTF32 GEMM -----
 // x (any strides) -> center (M): c_m.
 cudaError_t row_centers(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, float* center,
                         cudaStream_t stream);
 // w (any strides) -> row_sum (N): sum_k w[n, k] in float64 as fp32 (hi, lo) pairs.
 cudaError_t row_sums(const float* w, int64_t row_stride, int64_t col_stride, int N, int K, float2* row_sum,
                      cudaStream_t stream);
-// What a 3xTF32 GEMM needs to undo the centring: z = the parts' product +
+// What the 3xTF32 GEMM needs to undo the centring: z = the parts' product +
 // c_m (hi_n + lo_n).  Both null: x was split as it is.
 struct Centring {
   const float* x_center;    // (M), row_centers
@@ -1574,56 +1570,27 @@ int sm80_gemm_block_m();
 cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, Centring centring,
                                    float* out, float* part_mean, float* part_m2, int M, int N, int K,
                                    cudaStream_t stream);
-// out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
+// out = a * (x @ w^T) + c, the eval-mode fold (bn: bias, scale, bn_weight,
+// bn_bias, running_mean, running_var, eps, scale_after_bn).
 cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, Centring centring,
-                                  float* out,
-                                  const float* bias, const float* scale, const float* bn_weight, const float* bn_bias,
-                                  const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
-                                  int M, int N, int K, cudaStream_t stream);
+                                  float* out, const BatchNormArgs& bn, int M, int N, int K, cudaStream_t stream);
 
-// ---- sm90_cluster_gemm_3xtf32_bn.cu: the portable kernel as sm_90 clusters --
-// Max active clusters of ceil(M / BLOCK_M) = m_tiles CTAs on the current device
-// (0: none fits); vec16 selects the kernel variant (K % 4 == 0, 16-byte aligned w).
-int sm90_cluster_max_active(int m_tiles, bool vec16);
-// Problem 33's whole training forward in one launch (M <= 8 * BLOCK_M): out is
-// the BatchNorm output; running statistics updated; num_batches_tracked read
-// (already incremented by the pre-pass).
-cudaError_t sm90_cluster_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
-                                           Centring centring, float* out,
-                                           const float* bias, const float* scale, const float* bn_weight,
-                                           const float* bn_bias, float* running_mean, float* running_var,
-                                           const int64_t* num_batches_tracked, float momentum, float eps, int M, int N,
-                                           int K, cudaStream_t stream);
-
-// ---- sm90_gemm_3xtf32_bn.cu: Hopper 3xTF32 GEMM (wgmma, TMA; sm_90a) -------
+// ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
 int sm90_gemm_block_m();
 // True when this build has the sm_90a kernel and the current device can run it
 // (compute capability 9.0, shared memory, the driver's tensor-map encoder).
 bool sm90_gemm_available();
-// Workspace for an (M, K) x (N, K) product: *floats floats, of which the last
-// *zero_ints ints must be zero at the launch (both 0 when no tile is split).
-void sm90_gemm_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
-// z = x @ w^T into out and per-tile mean / M2 (x contiguous, x_small from sm90_prepass_3xtf32).
-cudaError_t sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w, Centring centring, float* out,
-                                   float* part_mean, float* part_m2, int M, int N, int K, bool split_tiles,
-                                   float* workspace, cudaStream_t stream);
-// out = a * (x @ w^T) + c, the eval-mode fold.
-cudaError_t sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w, Centring centring, float* out,
-                                  const float* bias,
-                                  const float* scale, const float* bn_weight, const float* bn_bias,
-                                  const float* running_mean, const float* running_var, float eps, bool scale_after_bn,
-                                  int M, int N, int K, bool split_tiles, float* workspace, cudaStream_t stream);
-// out = x @ w^T (the backward's products).
-cudaError_t sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w, Centring centring,
-                                   float* out, int M, int N, int K, bool split_tiles, float* workspace,
-                                   cudaStream_t stream);
-
-// ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
-// x (any strides) -> x_hi, x_lo (M, K) fp16 words and x_inv_scale (M) (K % 8 == 0),
-// and exactly one of: center (M, the GEMM's x side: each row is centred on its
-// mean before the split) or row_sum (M, the GEMM's w side: each row's sum as an
-// fp32 (hi, lo) pair).  num_batches_tracked += 1 when not null; zero_ints[0 ..
-// num_zero_ints) = 0.
+// The row length of the K-major fp16x3 parts of an operand with K = in_features
+// columns: K rounded up to a multiple of 8 (16-byte rows, as TMA's global
+// strides need); the pre-pass writes zeros in the extra columns, so the GEMM
+// runs over K_pad with the same result (as lowp/binding_16bit.cpp pads its copies).
+constexpr int64_t fp16x3_padded_k(int64_t K) { return (K + 7) / 8 * 8; }
+// x (M, K) fp32, any K >= 1, any strides and alignment -> x_hi, x_lo (M, K_pad =
+// fp16x3_padded_k(K)) fp16 words (columns K .. K_pad - 1 zero) and x_inv_scale
+// (M), and exactly one of: center (M, the GEMM's x side: each row is centred on
+// its mean before the split) or row_sum (M, the GEMM's w side: each row's sum as
+// an fp32 (hi, lo) pair); both over the K real columns.  num_batches_tracked += 1
+// when not null; zero_ints[0 .. num_zero_ints) = 0.
 cudaError_t sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K, uint16_t* x_hi,
                                 uint16_t* x_lo, float* x_inv_scale, float* center, float2* row_sum, int* zero_ints,
                                 int num_zero_ints, int64_t* num_batches_tracked, cudaStream_t stream);
@@ -1637,13 +1604,14 @@ cudaError_t sm90_prepass_fp16x3_scaled(const float* a, int64_t row_stride, int M
 // (R, C) as stored (an MN-major operand of C rows), inv_scale (C); zero_ints as above.
 cudaError_t sm90_prepass_fp16x3_columns(const float* a, int64_t row_stride, int R, int C, uint16_t* hi, uint16_t* lo,
                                         float* inv_scale, int* zero_ints, int num_zero_ints, cudaStream_t stream);
-// As sm90_gemm_workspace, for the fp16x3 kernel (its k-blocks are 64 deep).
-void sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints);
+// Workspace for an (M, K) x (N, K) product: *floats floats, of which the last
+// *zero_ints ints must be zero at the launch (both 0 when no tile is split).
+void sm90_gemm_fp16x3_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 // An operand's fp16x3 parts: hi, lo fp16 words, 16-byte aligned, stored (rows, K)
-// row-major ("K-major", from sm90_prepass_fp16x3 or sm90_prepass_fp16x3_scaled)
-// or, with mn_major, (K, rows) row-major ("MN-major", from
-// sm90_prepass_fp16x3_columns); inv_scale (rows) fp32, each row's 2^-e (null on
-// the w side of a plain product: 1).  center: the x side's per-row centre c_m
+// row-major ("K-major", from sm90_prepass_fp16x3 -- K there is fp16x3_padded_k of
+// the real one -- or sm90_prepass_fp16x3_scaled) or, with mn_major, (K, rows)
+// row-major ("MN-major", from sm90_prepass_fp16x3_columns); inv_scale (rows)
+// fp32, each row's 2^-e (null on the w side of a plain product: 1).  center: the x side's per-row centre c_m
 // (the parts hold x - c_m); row_sum: the w side's per-row sums (hi, lo).  The
 // GEMM adds c_m (sum_k w[n, k]) back.
 struct Fp16x3Parts {
@@ -1654,37 +1622,35 @@ struct Fp16x3Parts {
   const float2* row_sum;  // w side (N), else null
   bool mn_major = false;
 };
+// The GEMMs below run over K, the parts' K (a multiple of 8 for K-major parts:
+// the forwards pass fp16x3_padded_k(in_features)).
 // z = x @ w^T into out and per-tile mean / M2 (block_m: sm90_gemm_block_m()).
 cudaError_t sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean, float* part_m2, int M,
-                                   int N, int K, bool split_tiles, float* workspace, cudaStream_t stream);
-// out = a * (x @ w^T) + c, the eval-mode fold.
-cudaError_t sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const float* bias, const float* scale,
-                                  const float* bn_weight, const float* bn_bias, const float* running_mean,
-                                  const float* running_var, float eps, bool scale_after_bn, int M, int N, int K,
-                                  bool split_tiles, float* workspace, cudaStream_t stream);
+                                   int N, int K, float* workspace, cudaStream_t stream);
+// out = a * (x @ w^T) + c, the eval-mode fold (bn: as sm80_gemm_3xtf32_eval).
+cudaError_t sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const BatchNormArgs& bn, int M, int N,
+                                  int K, float* workspace, cudaStream_t stream);
 // out = x @ w^T (the backward's products): both operands K-major, w MN-major
 // (grad_x = grad_z W from W's cached parts), or both MN-major (grad_W = grad_z^T x).
-cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K, bool split_tiles,
-                                   float* workspace, cudaStream_t stream);
+cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K, float* workspace,
+                                   cudaStream_t stream);
 
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
-// Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias));
-// coeff: 2 N floats of scratch (used when num_m_tiles > 8: one merge per feature, then a streaming pass).
+// Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias))
+// (bn: every field but scale_after_bn); coeff: 2 N floats of scratch (used when num_m_tiles > 8: one
+// merge per feature, then a streaming pass).
 cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
-                     int block_m, int M, int N, const float* bias, const float* scale, const float* bn_weight,
-                     const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
-                     float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
+                     int block_m, int M, int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
 // out = (z - coeff[0 .. N)) * coeff[N .. 2N) + bn_bias: the apply with given coefficients
 // (synchronized BatchNorm; out may be z).
 cudaError_t bn_apply_folded(const float* z, float* out, const float* coeff, const float* bn_bias, int M, int N,
                             cudaStream_t stream);
 
 // ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
-// Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update.
+// Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update
+// (bn: every field but scale_after_bn, which is true here).
 cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
-                                  int N, const float* bias, const float* scale, const float* bn_weight,
-                                  const float* bn_bias, const int64_t* num_batches_tracked, float momentum, float eps,
-                                  float* running_mean, float* running_var, float* coeff, cudaStream_t stream);
+                                  int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
 // out <- row softmax of (out - mean_z) * a + c (coeff) or of out (coeff null), in place.
 cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
 
@@ -1692,33 +1658,34 @@ cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStrea
 // stats (2, N) = [mean_z | biased var_z] from the per-tile statistics.
 cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
                            float* stats, cudaStream_t stream);
-// grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y.
-cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const float* scale,
-                              const float* bn_weight, float eps, bool scale_after_bn, int M, int N, float* grad_z,
-                              float* grad_scale, float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream);
+// grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
+// (bn: scale, bn_weight, eps, scale_after_bn).
+cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
+                              int N, float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
+                              cudaStream_t stream);
 // Synchronized BatchNorm (statistics merged over processes):
 // the backward split around the all_reduce: this process's sums (2, N) float64 =
 // [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums
 // (total_sums) and the merged row count (*count, device memory), the parameter gradients from local_sums;
-// problem 33's grad_scale sums this process's rows (bias: the Linear bias).
+// problem 33's grad_scale sums this process's rows (bn: bias (gemm.bias), scale, bn_weight, eps,
+// scale_after_bn).
 cudaError_t bn_backward_sums(const float* grad_y, const float* z, const float* stats, int M, int N, double* sums,
                              cudaStream_t stream);
-cudaError_t bn_backward_grad(const float* grad_y, const float* z, const float* stats, const float* bias,
-                             const float* scale, const float* bn_weight, float eps, bool scale_after_bn, int M, int N,
-                             const double* count, const double* local_sums, const double* total_sums, float* grad_z,
-                             float* grad_scale, float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream);
+cudaError_t bn_backward_grad(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
+                             int N, const double* count, const double* local_sums, const double* total_sums,
+                             float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
+                             cudaStream_t stream);
 
 // ---- bn_sync.cu: synchronized BatchNorm's statistics (merged over processes) ----
-// local (3, N) float64 = [M | mean_z + bias | M2_z] of this process's rows, from the per-tile statistics.
+// local (3, N) float64 = [M | mean_z + bias | M2_z] of this process's rows, from the per-tile statistics
+// (bias: gemm.bias, the one BatchNorm vector it reads, before the call's BatchNormArgs exist).
 cudaError_t bn_local_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
                            const float* bias, double* local, cudaStream_t stream);
 // gathered (world, 3, N) float64 (every process's local) -> stats (2, N) = [mean_z | var_z],
 // coeff (2 N or 3 N: bn_apply_folded's or softmax_rows'), count (1) float64, and the
-// running statistics updated in place (num_batches_tracked already incremented).
-cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const float* bias, const float* scale,
-                             const float* bn_weight, const float* bn_bias, const int64_t* num_batches_tracked,
-                             float momentum, float eps, bool scale_after_bn, float* running_mean, float* running_var,
-                             float* stats, float* coeff, double* count, cudaStream_t stream);
+// running statistics updated in place (bn: every field; num_batches_tracked already incremented).
+cudaError_t sync_bn_finalize(const double* gathered, int world, int N, const BatchNormArgs& bn, float* stats,
+                             float* coeff, double* count, cudaStream_t stream);
 
 // ---- lowp/: the 16-bit kernels (second extension; dtype 0 = IEEE half, 1 = bfloat16) ----
 // The BatchNorm side of a 16-bit call: filled once per call by lowp/binding_16bit.cpp
@@ -1837,19 +1804,18 @@ __device__ __forceinline__ float4 ld_evict_first_f4(const float* q) {
 
 }  // namespace fused_gemm_bn
 ''',
-    'prepass_3xtf32.cu': r'''// prepass_3xtf32.cu -- the one pre-pass kernel before each 3xTF32 GEMM.  Each
-// launch does three jobs, so that a forward pays one small launch for them:
+    'prepass_3xtf32.cu': r'''// prepass_3xtf32.cu -- the one pre-pass kernel before each 3xTF32 GEMM
+// (sm80_gemm_3xtf32_bn.cu).  Each launch does two jobs, so that a forward pays
+// one small launch for them:
 //   1. split x into its TF32 parts (below; the GEMM then reads them);
 //   2. training only: bn.num_batches_tracked += 1 (thread 0 of block 0), which is
 //      nn.BatchNorm1d's first step; the call's later kernels (bn_apply.cu,
-//      bn_softmax.cu, the cluster GEMM) read the new value by stream order;
-//   3. sm90 only: zero the Hopper GEMM's split-tile arrival counts.
-// The launchers take num_batches_tracked (null: not a training call) and the
-// ints to zero by those names, so every call site shows the side effects.
+//      bn_softmax.cu) read the new value by stream order.
+// The launcher takes num_batches_tracked (null: not a training call) by that
+// name, so every call site shows the side effect.
 //
-// sm80_prepass_3xtf32 (portable GEMM and the sm_90 cluster GEMM): x split into
-// TF32 big and small parts, written in the mma.m16n8k8 A-fragment order that
-// the GEMM reads.
+// sm80_prepass_3xtf32: x split into TF32 big and small parts, written in the
+// mma.m16n8k8 A-fragment order that the GEMM reads.
 //
 //   v     = x, or rn(x - c_m) when center is given (the forwards: the centred
 //           split, centring.cuh; c_m from row_centers in centring.cu)
@@ -1872,9 +1838,6 @@ __device__ __forceinline__ float4 ld_evict_first_f4(const float* q) {
 // 8 (kl % 4) + 2 s + kl / 4, the permutation the GEMM applies to w (see
 // sm80_gemm_3xtf32_bn.cuh).  One 16-byte shared load is then one A operand.
 // Memory-bound: reads M*K floats, writes 2*M_pad*K_pad.
-//
-// sm90_prepass_3xtf32 (Hopper GEMM): x's remainder, and x_centred = rn(x - c_m)
-// itself when centring (below, at its kernel).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -1929,58 +1892,6 @@ __global__ void __launch_bounds__(kSplitThreads)
 #endif
 }
 
-__device__ __forceinline__ float remainder_rna_tf32(float v) {
-  const float r = v - __uint_as_float(__float_as_uint(v) & 0xffffe000u);
-  uint32_t b = __float_as_uint(r);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(b) : "f"(r));
-#endif
-  return __uint_as_float(b);
-}
-
-// Hopper path (sm90_gemm_3xtf32_bn.cu): the tensor core reads x itself as the
-// truncated big part, so only the remainder is materialised:
-//   x_small = rna_tf32(x - tf32_trunc(x))   (the difference is exact in fp32;
-//   tf32_trunc clears the low 13 bits; rounding it to TF32 here instead of
-//   letting the tensor core truncate it halves that part's error, <= 2^-22 |x|)
-// x and x_small: (M, K) float32, contiguous, same layout.  n4 = M*K/4 float4s
-// (the caller guarantees 16-byte alignment and K % 4 == 0).
-__device__ __forceinline__ float4 remainder_rna_tf32(float4 v) {
-  return make_float4(remainder_rna_tf32(v.x), remainder_rna_tf32(v.y), remainder_rna_tf32(v.z),
-                     remainder_rna_tf32(v.w));
-}
-
-// Two float4 per thread and iteration, both loads issued first: twice the
-// bytes in flight of one (the kernel is bound by HBM bandwidth).  kCentred:
-// the parts are those of v = rn(x - c_m), and v itself is written to
-// x_centred (the GEMM's TMA reads it in place of x); k4 = K / 4.
-template <bool kCentred>
-__global__ void __launch_bounds__(kSplitThreads)
-    sm90_prepass_3xtf32_kernel(const float4* __restrict__ x, const float* __restrict__ center, int64_t k4,
-                               float4* __restrict__ x_centred, float4* __restrict__ x_small, int64_t n4,
-                               int64_t* num_batches_tracked, int* zero_ints, int num_zero_ints) {
-  if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
-  if (blockIdx.x == 0)
-    for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
-  auto split = [&](int64_t i, float4 v) {
-    if constexpr (kCentred) {
-      const float c = center[i / k4];
-      v = make_float4(v.x - c, v.y - c, v.z - c, v.w - c);
-      x_centred[i] = v;
-    }
-    x_small[i] = remainder_rna_tf32(v);
-  };
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + stride < n4; i += 2 * stride) {
-    const float4 v0 = x[i];
-    const float4 v1 = x[i + stride];
-    split(i, v0);
-    split(i + stride, v1);
-  }
-  if (i < n4) split(i, x[i]);
-}
-
 }  // namespace fused_gemm_bn
 
 // ---------------------------------------------------------------------------
@@ -2006,35 +1917,6 @@ cudaError_t fused_gemm_bn::sm80_prepass_3xtf32(const float* x, int64_t row_strid
       x, row_stride, col_stride, M, K, num_slabs, num_quads, center, x_big, x_small, num_batches_tracked);
   return cudaGetLastError();
 }
-
-// Preconditions: x, x_centred and x_small contiguous and 16-byte aligned,
-// K % 4 == 0; x_centred given exactly when center is.
-cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, const float* center, float* x_centred,
-                                               float* x_small, int* zero_ints, int num_zero_ints,
-                                               int64_t* num_batches_tracked, cudaStream_t stream) {
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (K % 4 != 0 || !aligned(x) || !aligned(x_small) || (center == nullptr) != (x_centred == nullptr) ||
-      !aligned(x_centred))
-    return cudaErrorInvalidValue;
-  const int64_t n4 = static_cast<int64_t>(M) * K / 4;
-  if (n4 == 0 && num_batches_tracked == nullptr && num_zero_ints == 0) return cudaSuccess;
-  int device = 0, num_sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  const int64_t wanted = (n4 + kSplitThreads - 1) / kSplitThreads;
-  const int blocks = static_cast<int>(wanted < 1 ? 1 : wanted < 8LL * num_sms ? wanted : 8LL * num_sms);
-  auto x4 = reinterpret_cast<const float4*>(x);
-  auto small4 = reinterpret_cast<float4*>(x_small);
-  if (center != nullptr)
-    sm90_prepass_3xtf32_kernel<true><<<blocks, kSplitThreads, 0, stream>>>(
-        x4, center, K / 4, reinterpret_cast<float4*>(x_centred), small4, n4, num_batches_tracked, zero_ints,
-        num_zero_ints);
-  else
-    sm90_prepass_3xtf32_kernel<false><<<blocks, kSplitThreads, 0, stream>>>(
-        x4, nullptr, K / 4, nullptr, small4, n4, num_batches_tracked, zero_ints, num_zero_ints);
-  return cudaGetLastError();
-}
 ''',
     'prepass_fp16x3.cu': r'''// prepass_fp16x3.cu -- the pre-pass before each fp16x3 GEMM (sm90_gemm_fp16x3_bn.cu):
 // x's fp16 parts and per-row power-of-two scales, and the call's bookkeeping.
@@ -2042,15 +1924,21 @@ cudaError_t fused_gemm_bn::sm90_prepass_3xtf32(const float* x, int M, int K, con
 // (no bookkeeping: null counters); model_new.py keeps those parts while the
 // weight is unchanged.
 //
-//   x            (M, K) fp32, any strides (read, never written)
-//   x_hi, x_lo   (M, K) fp16 words, row-major (K % 8 == 0, 16-byte aligned)
+//   x            (M, K) fp32, any K >= 1, any strides and alignment (read, never
+//                written; float4 loads where rows are contiguous, 16-byte aligned
+//                and K % 4 == 0, else one element at a time)
+//   x_hi, x_lo   (M, K_pad) fp16 words, row-major, K_pad = fp16x3_padded_k(K) =
+//                round_up(K, 8) (launchers.cuh): TMA needs 16-byte row strides;
+//                columns K .. K_pad - 1 are written as zeros, which add nothing
+//                to the GEMM's products (it runs over K_pad), 16-byte aligned
 //   x_inv_scale  (M) fp32
 //   center       (M) fp32, the x side only: c_m
 //   row_sum      (M) fp32 pairs, the w side only: sum_k x[m, k] in float64,
 //                stored as hi = rn_fp32(sum), lo = rn_fp32(sum - hi)
 // Row m, x side: c_m and the centred v = rn(x - c_m) (centring.cuh: the rule,
 // and why: the tensor core's truncating accumulation otherwise biases the
-// batch mean); w side: v = x and the row's float64 sum.  e_m from max_k |v|
+// batch mean); w side: v = x and the row's float64 sum.  The row's max, min,
+// sum and c_m are over its K real elements only.  e_m from max_k |v|
 // (fp16x3_split.cuh: s = 2^e_m puts it in [2^14, 2^15)); x_hi = rn_fp16(v s),
 // x_lo = rn_fp16(v s - x_hi), x_inv_scale[m] = 2^-e_m.  Both scalings are exact.
 // The GEMM adds c_m sum_k w[n, k] back (sm90_gemm_fp16x3_bn.cu).  Measured: z's
@@ -2077,7 +1965,7 @@ namespace {
 
 constexpr int kPrepassThreads = kRowThreads;
 
-// kVec: rows contiguous and 16-byte aligned (float4 loads).  kSide: kX centres
+// kVec: rows contiguous and 16-byte aligned, K % 4 == 0 (float4 loads).  kSide: kX centres
 // each row on c_m and writes center[m]; kW writes row_sum[m] (float64 sum as an
 // fp32 (hi, lo) pair) and splits the row as it is (centring.cuh).
 template <bool kVec, RowSide kSide>
@@ -2103,9 +1991,12 @@ __global__ void __launch_bounds__(kPrepassThreads)
   fp16x3_scale(amax_c, s, inv_s);
   if (threadIdx.x == 0) x_inv_scale[m] = inv_s;
 
-  // Pass 2 (L1 / L2 hits): the split of (x - c) s.
-  uint32_t* hi_row = x_hi + m * (K / 2);
-  uint32_t* lo_row = x_lo + m * (K / 2);
+  // Pass 2 (L1 / L2 hits): the split of (x - c) s into rows of K_pad words
+  // (K_pad / 2 word pairs); the pairs past K hold zeros (rn_fp16(0) = 0 in
+  // both parts).
+  const int pairs = (K + 7) / 8 * 4;  // K_pad / 2
+  uint32_t* hi_row = x_hi + m * pairs;
+  uint32_t* lo_row = x_lo + m * pairs;
   if constexpr (kVec) {
     const float4* row4 = reinterpret_cast<const float4*>(row);
     for (int i = threadIdx.x; i < K / 4; i += kPrepassThreads) {
@@ -2116,10 +2007,13 @@ __global__ void __launch_bounds__(kPrepassThreads)
       reinterpret_cast<uint2*>(hi_row)[i] = hi;
       reinterpret_cast<uint2*>(lo_row)[i] = lo;
     }
+    for (int p = K / 2 + threadIdx.x; p < pairs; p += kPrepassThreads) hi_row[p] = lo_row[p] = 0u;  // K % 8 == 4
   } else {
-    for (int p = threadIdx.x; p < K / 2; p += kPrepassThreads) {
-      const float v0 = row[(2 * p) * col_stride], v1 = row[(2 * p + 1) * col_stride];
-      split_fp16x2((v0 - c) * s, (v1 - c) * s, hi_row[p], lo_row[p]);
+    for (int p = threadIdx.x; p < pairs; p += kPrepassThreads) {
+      const int k0 = 2 * p, k1 = 2 * p + 1;
+      const float v0 = k0 < K ? (row[k0 * col_stride] - c) * s : 0.f;
+      const float v1 = k1 < K ? (row[k1 * col_stride] - c) * s : 0.f;
+      split_fp16x2(v0, v1, hi_row[p], lo_row[p]);
     }
   }
 }
@@ -2131,16 +2025,16 @@ __global__ void __launch_bounds__(kPrepassThreads)
 // Host launcher (declared in launchers.cuh)
 // ---------------------------------------------------------------------------
 
-// Preconditions: M >= 1, K % 8 == 0, x_hi and x_lo 16-byte aligned, exactly one
-// of center / row_sum.
+// Preconditions: M >= 1, 1 <= K <= INT32_MAX - 7, x_hi and x_lo 16-byte aligned
+// ((M, fp16x3_padded_k(K)) words each), exactly one of center / row_sum.
 cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
                                                uint16_t* x_hi, uint16_t* x_lo, float* x_inv_scale, float* center,
                                                float2* row_sum, int* zero_ints, int num_zero_ints,
                                                int64_t* num_batches_tracked, cudaStream_t stream) {
-  if (M < 1 || K % 8 != 0 || reinterpret_cast<uintptr_t>(x_hi) % 16 != 0 ||
+  if (M < 1 || K < 1 || K > INT32_MAX - 7 || reinterpret_cast<uintptr_t>(x_hi) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(x_lo) % 16 != 0 || (center == nullptr) == (row_sum == nullptr))
     return cudaErrorInvalidValue;
-  const bool vec = col_stride == 1 && row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const bool vec = col_stride == 1 && row_stride % 4 == 0 && K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   auto hi = reinterpret_cast<uint32_t*>(x_hi);
   auto lo = reinterpret_cast<uint32_t*>(x_lo);
   auto launch = [&](auto kernel) {
@@ -2373,7 +2267,6 @@ namespace fused_gemm_bn {
 template <Epilogue kEpilogue, bool kVec16, int kNumStages>
 __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
     sm80_gemm_3xtf32_bn_kernel(const Sm80GemmBnArgs args) {
-  static_assert(kEpilogue != Epilogue::kClusterTrain, "kClusterTrain runs as sm90_cluster_gemm_3xtf32_bn_kernel");
   sm80_gemm_3xtf32_bn_body<kEpilogue, kVec16, kNumStages>(args);
 }
 
@@ -2425,35 +2318,29 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_train(const float* x_big, const floa
                         : launch_sm80_gemm<Epilogue::kTrain, false>(args, stream);
 }
 
-// scale_after_bn: Linear -> BatchNorm -> scale (problem 84) instead of Linear -> scale -> BatchNorm.
+// bn.scale_after_bn: Linear -> BatchNorm -> scale (problem 84) instead of Linear -> scale -> BatchNorm.
 cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
-                                                 Centring centring, float* out,
-                                                 const float* bias, const float* scale, const float* bn_weight,
-                                                 const float* bn_bias, const float* running_mean,
-                                                 const float* running_var, float eps, bool scale_after_bn, int M,
-                                                 int N, int K, cudaStream_t stream) {
+                                                 Centring centring, float* out, const BatchNormArgs& bn, int M, int N,
+                                                 int K, cudaStream_t stream) {
   if (M < 1 || N < 1 || K < 0 || (centring.x_center == nullptr) != (centring.w_row_sum == nullptr))
     return cudaErrorInvalidValue;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
-  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
+  args.bn = BnParams{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
+                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn};
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
                         : launch_sm80_gemm<Epilogue::kEval, false>(args, stream);
 }
 ''',
     'sm80_gemm_3xtf32_bn.cuh': r'''// sm80_gemm_3xtf32_bn.cuh -- float32-accurate GEMM on tensor cores (3xTF32, mma.sync)
-// with a fused BatchNorm epilogue: the kernel body, shared by two kernels.
-//   sm80_gemm_3xtf32_bn.cu          sm80_gemm_3xtf32_bn_kernel (kTrain, kEval): the
-//                                   portable path, every GPU with compute capability >= 8.0
-//   sm90_cluster_gemm_3xtf32_bn.cu  sm90_cluster_gemm_3xtf32_bn_kernel (kClusterTrain):
-//                                   the same body launched as sm_90 thread-block clusters
+// with a fused BatchNorm epilogue: the kernel body of sm80_gemm_3xtf32_bn_kernel
+// (sm80_gemm_3xtf32_bn.cu, which holds its launchers), the portable path on
+// every GPU with compute capability >= 8.0.
 //
 // Formula
 //   z[m, n] = sum_k x[m, k] * w[n, k]                      (z = x @ W^T, no bias)
 //   kTrain:  out = z; part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
 //            deviations of z[:, n] over the rows of M tile mt (bn_apply.cu merges
 //            them and normalises `out` in place).
-//   kClusterTrain: the whole training BatchNorm (problem 33) in the epilogue, see
-//            sm90_cluster_gemm_3xtf32_bn.cu.
 //   kEval:   out = a[n] * z + c[n]: bias, scale and BatchNorm(eval) folded into
 //            one per-feature multiply-add, with scale before BatchNorm (problem
 //            33) or after it (problem 84); bn_eval_affine in bn_stats.cuh
@@ -2521,7 +2408,6 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 #pragma once
 
 #include <cuda_runtime.h>
-#include <cooperative_groups.h>
 #include <stdint.h>
 
 #include "bn_stats.cuh"
@@ -2559,12 +2445,9 @@ struct Sm80GemmTraits {
   static_assert(BLOCK_N <= kNumThreads, "epilogue uses one thread per tile column");
 };
 
-// kTrain:      write z and per-tile statistics (multi-pass path, any M, sm_80+).
-// kClusterTrain: sm_90 cluster of all M tiles of a column block: statistics merged
-//              over distributed shared memory, output normalised in registers
-//              and written once; running statistics updated by cluster rank 0.
-// kEval:       folded affine epilogue.
-enum class Epilogue { kTrain, kClusterTrain, kEval };
+// kTrain: write z and per-tile statistics (any M).
+// kEval:  folded affine epilogue.
+enum class Epilogue { kTrain, kEval };
 
 namespace sm80 {
 
@@ -2692,17 +2575,11 @@ struct Sm80GemmBnArgs {
   // kTrain
   float* part_mean;
   float* part_m2;
-  // kEval and kClusterTrain (running_mean / running_var are read by kEval only)
+  // kEval
   BnParams bn;
-  // kClusterTrain (running statistics are updated by cluster rank 0)
-  float* running_mean_out;
-  float* running_var_out;
-  const int64_t* num_batches_tracked;  // already incremented for this call
-  float momentum;                      // < 0: cumulative average (momentum=None)
 };
 
-// The kernel body; each __global__ wrapper (sm80_gemm_3xtf32_bn.cu,
-// sm90_cluster_gemm_3xtf32_bn.cu) is only this call, so both compile to the same code.
+// The kernel body; the __global__ wrapper (sm80_gemm_3xtf32_bn.cu) is only this call.
 template <Epilogue kEpilogue, bool kVec16, int kNumStages>
 __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -2923,57 +2800,14 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
       __syncthreads();
     }
 
-    if constexpr (kEpilogue == Epilogue::kTrain) {
-      const int col = n0 + threadIdx.x;
-      if (threadIdx.x < T::BLOCK_N && col < N) {
-        args.part_mean[static_cast<size_t>(m_tile) * N + col] = tile_mean[threadIdx.x];
-        args.part_m2[static_cast<size_t>(m_tile) * N + col] = tile_m2[threadIdx.x];
-      }
-    } else {
-#if __CUDA_ARCH__ >= 900
-      // The cluster spans gridDim.x (every M tile) of this column block.
-      namespace cg = cooperative_groups;
-      cg::cluster_group cluster = cg::this_cluster();
-      float* coef_a = tile_m2 + T::BLOCK_N;     // [BLOCK_N]
-      float* coef_mean = coef_a + T::BLOCK_N;  // [BLOCK_N]
-      cluster.sync();  // every rank's tile_mean / tile_m2 are complete
-      const int col = n0 + threadIdx.x;
-      if (threadIdx.x < T::BLOCK_N) {
-        double count = 0.0, mean = 0.0, m2 = 0.0;
-        for (int rank = 0; rank < static_cast<int>(gridDim.x); ++rank) {
-          const double n_b = static_cast<double>(min(T::BLOCK_M, M - rank * T::BLOCK_M));
-          const double mean_b = *cluster.map_shared_rank(tile_mean + threadIdx.x, rank);
-          const double m2_b = *cluster.map_shared_rank(tile_m2 + threadIdx.x, rank);
-          merge_chan(count, mean, m2, n_b, mean_b, m2_b);
-        }
-        if (col < N) {
-          coef_a[threadIdx.x] = bn_train_slope(m2, count, args.bn.scale[col], args.bn.bn_weight[col], args.bn.eps);
-          coef_mean[threadIdx.x] = static_cast<float>(mean);
-          if (m_tile == 0)
-            bn_update_running(mean, m2, count, args.bn.bias[col], args.bn.scale[col], args.momentum,
-                              args.num_batches_tracked, args.running_mean_out + col, args.running_var_out + col);
-        }
-      }
-      cluster.sync();  // remote reads done before any rank exits; coefficients visible
-#pragma unroll
-      for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int tcol = wn * T::WARP_N + ni * T::MMA_N + 2 * t + j;
-          if (n0 + tcol >= N) continue;
-          const float a = coef_a[tcol], mu = coef_mean[tcol], b = args.bn.bn_bias[n0 + tcol];
-#pragma unroll
-          for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
-            acc[mi][ni][j] = fmaf(acc[mi][ni][j] - mu, a, b);
-            acc[mi][ni][2 + j] = fmaf(acc[mi][ni][2 + j] - mu, a, b);
-          }
-        }
-      }
-#endif
+    const int col = n0 + threadIdx.x;
+    if (threadIdx.x < T::BLOCK_N && col < N) {
+      args.part_mean[static_cast<size_t>(m_tile) * N + col] = tile_mean[threadIdx.x];
+      args.part_m2[static_cast<size_t>(m_tile) * N + col] = tile_m2[threadIdx.x];
     }
   }
 
-  // Store z (kTrain) or the final output (kEval, kClusterTrain).
+  // Store z (kTrain) or the final output (kEval).
   const bool pair_ok = (N % 2 == 0);  // 8-byte aligned column pairs
 #pragma unroll
   for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
@@ -3018,623 +2852,20 @@ inline bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_c
 
 }  // namespace fused_gemm_bn
 ''',
-    'sm90_cluster_gemm_3xtf32_bn.cu': r'''// sm90_cluster_gemm_3xtf32_bn.cu -- problem 33's whole training forward in one
-// launch on sm_90: the portable 3xTF32 kernel body (sm80_gemm_3xtf32_bn.cuh) with
-// its kClusterTrain epilogue, launched as thread-block clusters (PTX ISA 9.7.1
-// "cluster", CUDA programming guide "Thread Block Clusters").
-//
-// Grid (m_tiles, n_tiles), cluster (m_tiles, 1, 1): one cluster holds every M
-// tile of one BLOCK_N column block, so after the GEMM the per-tile mean / M2 of z
-// are merged over distributed shared memory (Chan's formula, bn_stats.cuh), each
-// CTA normalises its tile in registers and writes the BatchNorm output once;
-// cluster rank 0 updates running_mean / running_var.  No z round trip through
-// memory and no bn_apply launch.
-//
-// Tensors: as sm80_gemm_3xtf32_train (x as fragment-order TF32 parts from
-// sm80_prepass_3xtf32, which has already incremented num_batches_tracked), plus
-// bias, scale, bn_weight, bn_bias, running_mean, running_var (N) float32.
-// Preconditions (the launcher returns cudaErrorInvalidValue otherwise):
-// 1 <= m_tiles = ceil(M / BLOCK_M) <= 8 (the portable cluster size limit),
-// n_tiles <= 65535, N >= 1, compute capability >= 9.0 with 4 pipeline stages of
-// shared memory.  Whether to use it is model_new.py's dispatch decision: where
-// clusters of m_tiles CTAs cost no extra wave (sm90_cluster_max_active below,
-// against the plain grid over the SM count).  Measured on an H200 at M = 1024,
-// N = K = 8192, where they would (5 waves instead of 4): 2.55 ms against 2.10 ms
-// for the multi-pass path.
-
-#include "launchers.cuh"
-#include "sm80_gemm_3xtf32_bn.cuh"
-
-namespace fused_gemm_bn {
-
-constexpr int kMaxClusterTiles = 8;  // portable cluster size limit
-constexpr int kClusterStages = Sm80GemmTraits::kMaxStages;
-constexpr int kClusterSmemBytes = Sm80GemmTraits::smem_bytes(kClusterStages);
-
-template <bool kVec16>
-__global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
-    sm90_cluster_gemm_3xtf32_bn_kernel(const Sm80GemmBnArgs args) {
-  sm80_gemm_3xtf32_bn_body<Epilogue::kClusterTrain, kVec16, kClusterStages>(args);
-}
-
-// The launch configuration of a cluster of m_tiles CTAs per column block.
-inline cudaLaunchConfig_t cluster_config(unsigned m_tiles, unsigned n_tiles, cudaLaunchAttribute* attr,
-                                         cudaStream_t stream) {
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = m_tiles;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(m_tiles, n_tiles);
-  config.blockDim = dim3(Sm80GemmTraits::kNumThreads);
-  config.dynamicSmemBytes = kClusterSmemBytes;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return config;
-}
-
-template <bool kVec16>
-static cudaError_t max_active_clusters(int m_tiles, int* max_clusters) {
-  auto kernel = sm90_cluster_gemm_3xtf32_bn_kernel<kVec16>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kClusterSmemBytes);
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t config = cluster_config(m_tiles, 1, attr, nullptr);
-  return cudaOccupancyMaxActiveClusters(max_clusters, kernel, &config);
-}
-
-template <bool kVec16>
-static cudaError_t launch_cluster_train(const Sm80GemmBnArgs& args, cudaStream_t stream) {
-  using T = Sm80GemmTraits;
-  const unsigned m_tiles = (args.M + T::BLOCK_M - 1) / T::BLOCK_M;
-  const unsigned n_tiles = (args.N + T::BLOCK_N - 1) / T::BLOCK_N;
-  auto kernel = sm90_cluster_gemm_3xtf32_bn_kernel<kVec16>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kClusterSmemBytes);
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t config = cluster_config(m_tiles, n_tiles, attr, stream);
-  err = cudaLaunchKernelEx(&config, kernel, args);
-  if (err != cudaSuccess) return err;
-  return cudaGetLastError();
-}
-
-// Compute capability >= 9.0 and the 4-stage shared memory on the current device.
-static bool cluster_device_ok() {
-  int device = 0, major = 0, smem_optin = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-         major >= 9 && smem_optin >= kClusterSmemBytes;
-}
-
-}  // namespace fused_gemm_bn
-
-// ---------------------------------------------------------------------------
-// Host launchers (declared in launchers.cuh)
-// ---------------------------------------------------------------------------
-
-// Clusters of m_tiles CTAs that fit on the current device at once; 0 where the
-// device cannot run the kernel (compute capability < 9.0, too little shared
-// memory) or m_tiles is out of range.  A query: launches nothing.
-int fused_gemm_bn::sm90_cluster_max_active(int m_tiles, bool vec16) {
-  if (m_tiles < 1 || m_tiles > kMaxClusterTiles || !cluster_device_ok()) return 0;
-  int max_clusters = 0;
-  const cudaError_t err =
-      vec16 ? max_active_clusters<true>(m_tiles, &max_clusters) : max_active_clusters<false>(m_tiles, &max_clusters);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear the query's error: nothing was launched
-    return 0;
-  }
-  return max_clusters;
-}
-
-cudaError_t fused_gemm_bn::sm90_cluster_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
-                                                          Centring centring, float* out, const float* bias, const float* scale,
-                                                          const float* bn_weight, const float* bn_bias,
-                                                          float* running_mean, float* running_var,
-                                                          const int64_t* num_batches_tracked, float momentum,
-                                                          float eps, int M, int N, int K, cudaStream_t stream) {
-  using T = Sm80GemmTraits;
-  const long long m_tiles = (static_cast<long long>(M) + T::BLOCK_M - 1) / T::BLOCK_M;
-  const long long n_tiles = (static_cast<long long>(N) + T::BLOCK_N - 1) / T::BLOCK_N;
-  if (m_tiles < 1 || m_tiles > kMaxClusterTiles || n_tiles < 1 || n_tiles > 65535 || K < 0 ||
-      (centring.x_center == nullptr) != (centring.w_row_sum == nullptr) || !cluster_device_ok())
-    return cudaErrorInvalidValue;
-  Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
-  args.bn = BnParams{bias, scale, bn_weight, bn_bias, nullptr, nullptr, eps, false};
-  args.running_mean_out = running_mean;
-  args.running_var_out = running_var;
-  args.num_batches_tracked = num_batches_tracked;
-  args.momentum = momentum;
-  return vec16_ok(w, K) ? launch_cluster_train<true>(args, stream) : launch_cluster_train<false>(args, stream);
-}
-''',
-    'sm90_gemm_3xtf32_bn.cu': r'''// sm90_gemm_3xtf32_bn.cu -- float32-accurate GEMM on Hopper tensor cores
-// (3xTF32 through wgmma, TMA, warp specialisation) with the BatchNorm epilogues.
-// Needs sm_90a (H100 / H200); other GPUs take sm80_gemm_3xtf32_bn.cu.
-//
-// Formula (the same two epilogues as the portable kernel)
-//   z[m, n] = sum_k x[m, k] * w[n, k]                     (z = x @ W^T, no bias)
-//   kTrain: out = z; part_mean[mt, n], part_m2[mt, n] = mean and sum of squared
-//           deviations of z[:, n] over the rows of M tile mt (BLOCK_M rows; the
-//           last tile holds the rest).  bn_apply.cu finishes.
-//   kEval:  out = a[n] * z + c[n]: bias, scale and BatchNorm(eval) folded, with
-//           scale before BatchNorm (problem 33) or after it (problem 84);
-//           bn_eval_affine in bn_stats.cuh has both formulas
-//
-// Tensors (float32, row-major, contiguous, 16-byte aligned, K % 4 == 0: TMA
-// needs 16-byte global strides)
-//   x        (M, K)  K-major: the caller's input or its centred rows, read raw by TMA
-//   x_small  (M, K)  K-major: rna_tf32(x - tf32_trunc(x)), sm90_prepass_3xtf32
-//   w        (N, K)  K-major: nn.Linear weight
-//   out      (M, N);  part_mean, part_m2 (ceil(M / BLOCK_M), N);  vectors (N)
-//
-// Swapped product.  The kernel computes the transposed tile z^T = W x^T: wgmma's
-// M dimension runs over output features (w is operand A), its N dimension over
-// batch rows (x is operand B).  Operand A may come from registers, so w's split
-// is made there from the shared tile (three ALU ops per element) and never
-// touches memory; x's small part is made once per forward by the pre-pass
-// (M*K floats against the N*K of w).  Each accumulator row is one feature, so
-// the BatchNorm statistics are row reductions inside one warp.
-//
-// Numerics (3xTF32: CUTLASS example 27; Ootomo & Yokota, IJHPCA 2022)
-//   wgmma .tf32 reads the top 19 bits of each fp32 operand (truncation).
-//   w = w_big + w_small: w_big = rna_tf32(w) (exact TF32), w_small = w - w_big
-//     (exact, |w_small| <= 2^-11 |w|; the tensor core truncates it: < 2^-22 |w| lost).
-//   x = x_big + x_small: x_big = the raw x tile (the tensor core truncates it),
-//     x_small = rna_tf32(x - tf32_trunc(x)) (|x_small| < 2^-10 |x|, <= 2^-22 |x| lost).
-//   Per k-step: w_big*x_big + w_big*x_small + w_small*x_big; dropped:
-//   w_small * x_small (< 2^-21 |wx|).
-//   Accumulation: the tensor core does not round to nearest when it adds into
-//   its fp32 accumulator (docs/perf.md, v1: error linear in K).  The wgmmas of
-//   kPromoteBlocks * BLOCK_K = 32 k (12 per 64-row half) therefore go into a
-//   fresh register tile `part`, which is added to `acc` with ordinary
-//   round-to-nearest FADDs (DeepGEMM's FP8 promotion).  Within a slab the
-//   correction products go first, while |part| is small (a truncating add loses
-//   in proportion to the running |part|).  Measured (v18, H200)
-//   ||y - y64|| / ||y64|| 0.19-0.46x eager FP32's on the tested shapes of K >= 1000
-//   (docs/perf.md; promoting every 64 k was 1.5% faster, at 0.9-1.0x eager's error in eval).
-//   Non-finite inputs: inf - inf = NaN in the split, so an inf operand gives NaN.
-//   Centring (the forwards; centring.cuh): x is x_centred = rn(x - c_m) and
-//   the epilogue adds c_m (hi_n + lo_n) back (finish_product), so the
-//   truncating accumulation's error has no common sign over a feature's rows.
-//
-// Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor; DeepGEMM's
-// sm90 GEMMs were read for the warp-specialised pattern)
-//   CTA tile BLOCK_N (features) x BLOCK_M (batch) = 128 x 128, BLOCK_K = 32.
-//   Warpgroups 0, 1: consumers, 64 features each, wgmma m64n64k8 with A from
-//   registers, registers raised to kConsumerRegs.  A consumer issues each
-//   SLAB_K = 16 slab (both batch halves) as one commit group and waits with
-//   wait_group 1, so the tensor pipe drains only at the promotion once per
-//   k-block (v18: GEMM 1039-1050 -> 947-951 us at the KernelBench shape, H200).  Warpgroup 2: producer; one
-//   thread issues the TMA loads of w, x, x_small into a kNumStages ring of
-//   48 KB stages guarded by full (TMA bytes) and empty (one arrive per
-//   consumer warp) mbarriers.  Tiles are 128-byte swizzled by TMA and read in
-//   place by wgmma.  Grid: one CTA per tile, M tiles fastest, so the CTAs
-//   sharing a w tile run together and w is read from DRAM about once.
-//
-// Split tiles (a locality-preserving stream-K; StreamKPlan, stream_k_plan)
-//   One CTA per SM fits, so whole tiles alone leave the last wave part-empty
-//   (512 tiles = 3.88 waves of 132 SMs at the KernelBench shape).  The
-//   remainder tiles are cut along K and run first: each piece's CTA writes
-//   its fp32 partial tile to a workspace slot and counts itself in on a
-//   per-tile counter (GPU-scope acq_rel atomic); the last to arrive sums the
-//   slots in piece order (deterministic) and runs the epilogue.  Measured
-//   (H200): GEMM 1063 -> 1047 us, train 1.117 -> 1.104 ms (docs/perf.md v14).
-//   A piece-sum adds one fp32 rounding per piece boundary, as the per-slab
-//   promotion already does every 16 k.
-//
-// Whether this kernel runs is model_new.py's dispatch decision (compute
-// capability 9.0 and sm90_gemm_available(), K % 4 == 0, 16-byte aligned w);
-// launchers given inputs outside those preconditions return
-// cudaErrorInvalidValue, launching nothing.  split_tiles = false (the dispatch's
-// `sm90_3xtf32_nosplit` GEMM, an A/B switch for measurements) runs whole tiles only.
-
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
-
-#include <algorithm>
-#include <type_traits>
-
-#include "launchers.cuh"
-#include "sm90_gemm_tiles.cuh"
-
-namespace fused_gemm_bn {
-namespace sm90 {
-
-struct Sm90GemmTraits {
-  static constexpr int BLOCK_N = 128;  // features per CTA (wgmma M, over the consumer warpgroups)
-  static constexpr int BLOCK_M = 128;  // batch rows per CTA (wgmma N)
-  static constexpr int BLOCK_K = 32;   // one 128-byte swizzle row of fp32
-  static constexpr int WGMMA_M = 64;
-  static constexpr int WGMMA_N = 64;   // half the batch tile per wgmma
-  static constexpr int WGMMA_K = 8;
-  static constexpr int SLAB_K = 16;                      // k per A-fragment buffer (one commit group)
-  static constexpr int kSlabSteps = SLAB_K / WGMMA_K;    // wgmma k-steps per slab
-  static constexpr int kPromoteBlocks = 1;  // k-blocks (of BLOCK_K) per promotion of the partial sums (v18)
-  static constexpr int kNumConsumers = BLOCK_N / WGMMA_M;
-  static constexpr int kNumThreads = 128 * (kNumConsumers + 1);
-  static constexpr int kNumStages = 4;
-  static constexpr int kAccRegs = WGMMA_M * BLOCK_M / 128;   // 64 x 128 fp32 per warpgroup
-  static constexpr int kPartRegs = WGMMA_M * WGMMA_N / 128;  // one 64 x 64 half
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
-  static constexpr int W_TILE_BYTES = BLOCK_N * BLOCK_K * 4;
-  static constexpr int X_TILE_BYTES = BLOCK_M * BLOCK_K * 4;
-  static constexpr int STAGE_BYTES = W_TILE_BYTES + 2 * X_TILE_BYTES;
-  static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;  // + barriers, alignment
-
-  static_assert(BLOCK_K == 2 * SLAB_K, "a stage holds two slabs, one per A-fragment buffer");
-  static_assert(BLOCK_K * 4 == 128, "tiles are rows of one 128-byte swizzle span");
-  static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k8 halves per batch tile");
-  static_assert(W_TILE_BYTES % 1024 == 0 && X_TILE_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
-  static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
-  static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
-                    kNumConsumers * 128 == kConsumerThreads,
-                "the tile of sm90_gemm_tiles.cuh (its epilogues and split-tile hand-off)");
-};
-
-// v rounded to TF32 (nearest, ties away from zero; = cvt.rna.tf32.f32 for
-// finite v) with two integer ops: the low 13 bits are cleared after adding half
-// their range.
-__device__ __forceinline__ float round_tf32(float v) {
-  return __uint_as_float((__float_as_uint(v) + 0x1000u) & 0xffffe000u);
-}
-
-template <Epilogue kEpilogue>
-__global__ void __launch_bounds__(Sm90GemmTraits::kNumThreads, 1)
-    sm90_gemm_3xtf32_bn_kernel(const __grid_constant__ CUtensorMap tmap_w,
-                               const __grid_constant__ CUtensorMap tmap_x,
-                               const __grid_constant__ CUtensorMap tmap_x_small, const Sm90GemmBnArgs args) {
-#if FUSED_GEMM_BN_SM90A
-  using T = Sm90GemmTraits;
-  extern __shared__ uint8_t smem_raw[];
-  // 128-byte swizzle atoms must start on 1024-byte boundaries.
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + T::kNumStages * T::STAGE_BYTES);
-  uint64_t* empty_bar = full_bar + T::kNumStages;
-
-  const int M = args.M;
-  const int m_tiles = (M + T::BLOCK_M - 1) / T::BLOCK_M;
-  const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
-  const int warpgroup = threadIdx.x / 128;
-  const int cta = static_cast<int>(blockIdx.x);
-  const int num_segments = cta_num_segments(args.plan, cta);
-
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < T::kNumStages; ++s) {
-      mbar_init(&full_bar[s], 1);
-      mbar_init(&empty_bar[s], T::kNumConsumers * 4);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
-
-  if (warpgroup == T::kNumConsumers) {
-    // Producer warpgroup: one thread streams the k-blocks of every segment
-    // through the ring; `q` counts ring slots over the whole CTA.
-    setmaxnreg_dec<T::kProducerRegs>();
-    if (threadIdx.x == T::kNumConsumers * 128) {
-      tma_prefetch_descriptor(&tmap_w);
-      tma_prefetch_descriptor(&tmap_x);
-      tma_prefetch_descriptor(&tmap_x_small);
-      int q = 0;
-      for (int si = 0; si < num_segments; ++si) {
-        const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
-        const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
-        for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
-          const int s = q % T::kNumStages;
-          mbar_wait(&empty_bar[s], ((q / T::kNumStages) & 1) ^ 1);
-          uint8_t* stage = smem + s * T::STAGE_BYTES;
-          mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
-          const int k0 = kb * T::BLOCK_K;
-          tma_load_2d(stage, &tmap_w, &full_bar[s], k0, n0);
-          tma_load_2d(stage + T::W_TILE_BYTES, &tmap_x, &full_bar[s], k0, m0);
-          tma_load_2d(stage + T::W_TILE_BYTES + T::X_TILE_BYTES, &tmap_x_small, &full_bar[s], k0, m0);
-        }
-      }
-    }
-    return;
-  }
-
-  // Consumer warpgroups: 64 features each, as two 64 x 64 halves of the batch
-  // tile.  A stage's BLOCK_K = 32 is consumed as two slabs of SLAB_K = 16, each
-  // one commit group of 12 wgmmas (6 per half, into part[half]); the A
-  // fragments of the next slab are loaded while the previous one runs.  Every
-  // kPromoteBlocks k-blocks `part` is added to `acc` (the one full drain).
-  setmaxnreg_inc<T::kConsumerRegs>();
-  const int warp = (threadIdx.x / 32) % 4;
-  const int lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int w_row = warpgroup * T::WGMMA_M + warp * 16 + g;  // this thread's first A row in the w tile
-
-  float acc[T::kAccRegs];
-  float part[2][T::kPartRegs];
-  // w's TF32 parts for one slab in the A-fragment layout: [k-step][big, small][reg].
-  // Two buffers, one per slab of a stage: a slab's wgmmas still read theirs
-  // while the next slab's are loaded.
-  uint32_t a_frag[2][T::kSlabSteps][2][4];
-
-  // The lambdas below take `q`, the ring slot counter (stage q % kNumStages,
-  // mbarrier phase q / kNumStages), which runs on over both segments.
-  // Slab `sub` (0, 1) of slot q: k-steps kSlabSteps * sub + j of the tiles.
-  auto load_a = [&](uint32_t(&a)[T::kSlabSteps][2][4], int q, int sub) {
-    const uint8_t* w_tile = smem + (q % T::kNumStages) * T::STAGE_BYTES;
-#pragma unroll
-    for (int j = 0; j < T::kSlabSteps; ++j) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = w_row + 8 * (r & 1);
-        const int col = (sub * T::kSlabSteps + j) * T::WGMMA_K + t + 4 * (r >> 1);
-        const float v = *reinterpret_cast<const float*>(w_tile + sw128_offset(row, col));
-        const float big = round_tf32(v);
-        a[j][0][r] = __float_as_uint(big);
-        a[j][1][r] = __float_as_uint(v - big);
-      }
-    }
-  };
-  // The 12 wgmmas of one slab (both batch halves, 6 each) as one commit group.
-  // fresh: the slab's first wgmma per half overwrites `part` (a promotion just
-  // emptied it) instead of adding to it.
-  auto issue_slab = [&](const uint32_t(&a)[T::kSlabSteps][2][4], int q, int sub, bool fresh) {
-    const uint8_t* x_tiles = smem + (q % T::kNumStages) * T::STAGE_BYTES + T::W_TILE_BYTES;
-    wgmma_fence();
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const uint8_t* x_big_tile = x_tiles + half * 64 * 128;
-      const uint8_t* x_small_tile = x_big_tile + T::X_TILE_BYTES;
-      // Corrections first, while |part| is small (the tensor core's truncating
-      // adds lose in proportion to the running |part|), then the big products.
-#pragma unroll
-      for (int j = 0; j < T::kSlabSteps; ++j) {
-        const uint32_t k_bytes = (sub * T::kSlabSteps + j) * T::WGMMA_K * 4;
-        wgmma_m64n64k8_rs(part[half], a[j][0], desc_kmajor_sw128(x_small_tile, k_bytes), !(fresh && j == 0));
-        wgmma_m64n64k8_rs(part[half], a[j][1], desc_kmajor_sw128(x_big_tile, k_bytes), true);
-      }
-#pragma unroll
-      for (int j = 0; j < T::kSlabSteps; ++j) {
-        const uint32_t k_bytes = (sub * T::kSlabSteps + j) * T::WGMMA_K * 4;
-        wgmma_m64n64k8_rs(part[half], a[j][0], desc_kmajor_sw128(x_big_tile, k_bytes), true);
-      }
-    }
-    wgmma_commit();
-  };
-  auto promote = [&]() {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < T::kPartRegs; ++i) {
-        fence_operand(part[h][i]);  // read only after the wgmma wait
-        acc[h * T::kPartRegs + i] += part[h][i];
-        fence_operand(acc[h * T::kPartRegs + i]);  // add before the next wgmma overwrites part
-      }
-  };
-  auto keep_alive = [&](uint32_t(&a)[T::kSlabSteps][2][4]) {
-#pragma unroll
-    for (int j = 0; j < T::kSlabSteps; ++j)
-#pragma unroll
-      for (int p = 0; p < 2; ++p)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) fence_operand(a[j][p][r]);
-  };
-  // Slab `sub` of ring slot q, its A fragments in buffer `sub`.  On entry the
-  // previous slab's group may be in flight; wait<1> retires the one before it,
-  // the last reader of buffer `sub` (and, for sub == 1, of slot q - 1, which is
-  // then released).  With promote_now the partial sums are first added to acc
-  // (wait<0>: the tensor pipe of this warpgroup drains once per promotion, not
-  // once per slab).  `sub` is a compile-time constant, so the register arrays
-  // are never indexed at run time.
-  auto slab = [&](auto sub_c, int q, int q0, bool promote_now) {
-    constexpr int kSub = decltype(sub_c)::value;
-    if (kSub == 0) mbar_wait(&full_bar[q % T::kNumStages], (q / T::kNumStages) & 1);
-    wgmma_wait<1>();
-    keep_alive(a_frag[kSub]);
-    if (kSub == 1 && q > q0 && lane == 0) mbar_arrive(&empty_bar[(q - 1) % T::kNumStages]);
-    load_a(a_frag[kSub], q, kSub);
-    if (promote_now) {
-      wgmma_wait<0>();
-      keep_alive(a_frag[kSub ^ 1]);
-      promote();
-    }
-    issue_slab(a_frag[kSub], q, kSub, promote_now);
-  };
-  using Sub0 = std::integral_constant<int, 0>;
-  using Sub1 = std::integral_constant<int, 1>;
-
-  // acc = the sum over the segment's n k-blocks, from ring slot q0 on.  The
-  // partial sums are promoted every kPromoteBlocks k-blocks.
-  auto mainloop = [&](int q0, int n) {
-#pragma unroll
-    for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.f;
-    mbar_wait(&full_bar[q0 % T::kNumStages], (q0 / T::kNumStages) & 1);
-    load_a(a_frag[0], q0, 0);
-    issue_slab(a_frag[0], q0, 0, true);
-    slab(Sub1{}, q0, q0, false);
-    for (int q = q0 + 1; q < q0 + n; ++q) {
-      slab(Sub0{}, q, q0, (q - q0) % T::kPromoteBlocks == 0);
-      slab(Sub1{}, q, q0, false);
-    }
-    wgmma_wait<0>();
-    keep_alive(a_frag[0]);
-    keep_alive(a_frag[1]);
-    promote();
-    if (lane == 0) mbar_arrive(&empty_bar[(q0 + n - 1) % T::kNumStages]);
-  };
-
-  const int ctid = threadIdx.x;  // 0 .. 255 over the consumer warpgroups
-  int q = 0;
-  for (int si = 0; si < num_segments; ++si) {
-    const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
-    const int n_blocks = seg.kb_end - seg.kb_begin;
-    mainloop(q, n_blocks);
-    q += n_blocks;
-    if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
-      continue;
-    if (args.x_center != nullptr) finish_product<false>(acc, args, seg.tile, m_tiles, w_row, t);
-    finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
-  }
-#elif defined(__CUDA_ARCH__)
-  __trap();  // this kernel exists only in sm_90a images; the launcher never selects it elsewhere
-#endif
-}
-
-// ---------------------------------------------------------------------------
-// Host side: tensor maps and launch
-// ---------------------------------------------------------------------------
-
-template <Epilogue kEpilogue>
-static cudaError_t launch_sm90_gemm(const float* x, const float* x_small, const float* w, Sm90GemmBnArgs args,
-                                    bool split_tiles, float* workspace, cudaStream_t stream) {
-  using T = Sm90GemmTraits;
-  auto kernel = sm90_gemm_3xtf32_bn_kernel<kEpilogue>;
-  CUtensorMap tmap_w, tmap_x, tmap_x_small;
-  if (!make_tensor_map(&tmap_w, w, TileDtype::kFloat32, args.N, args.K, T::BLOCK_N) ||
-      !make_tensor_map(&tmap_x, x, TileDtype::kFloat32, args.M, args.K, T::BLOCK_M) ||
-      !make_tensor_map(&tmap_x_small, x_small, TileDtype::kFloat32, args.M, args.K, T::BLOCK_M))
-    return cudaErrorInvalidValue;
-  // The shared-memory opt-in is set once per device (it costs microseconds of host time per call).
-  constexpr int kMaxDevices = 64;
-  static bool smem_set[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device >= kMaxDevices || !smem_set[device]) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
-    if (err != cudaSuccess) return err;
-    if (device < kMaxDevices) smem_set[device] = true;
-  }
-  int num_sms = 0;
-  err = current_num_sms(&num_sms);
-  if (err != cudaSuccess) return err;
-  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, num_sms, split_tiles);
-  if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
-  args.partials = workspace;
-  args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
-  const long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;
-  if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_x_small, args);
-  return cudaGetLastError();
-}
-
-// Preconditions of the launchers below, as the dispatch guarantees them.
-static bool launch_ok(const float* x, const float* x_small, const float* w, Centring centring, int M, int N, int K) {
-  return M >= 1 && N >= 1 && K >= 1 && K % 4 == 0 && aligned16(x) && aligned16(x_small) && aligned16(w) &&
-         (centring.x_center == nullptr) == (centring.w_row_sum == nullptr) && fused_gemm_bn::sm90_gemm_available();
-}
-
-// The arguments every epilogue takes.
-static Sm90GemmBnArgs gemm_args(Centring centring, float* out, int M, int N, int K) {
-  Sm90GemmBnArgs args{};
-  args.M = M; args.N = N; args.K = K;
-  args.out = out;
-  args.x_center = centring.x_center;
-  args.w_row_sum = centring.w_row_sum;
-  return args;
-}
-
-}  // namespace sm90
-}  // namespace fused_gemm_bn
-
-// ---------------------------------------------------------------------------
-// Host launchers (declared in launchers.cuh)
-// ---------------------------------------------------------------------------
-
-int fused_gemm_bn::sm90_gemm_block_m() { return sm90::Sm90GemmTraits::BLOCK_M; }
-
-// True when this build holds the sm_90a kernel and the current device can run
-// it: compute capability 9.0, enough shared memory, and the driver's
-// tensor-map encoder.  Cached per device; a query (launches nothing).
-bool fused_gemm_bn::sm90_gemm_available() {
-  using namespace sm90;
-  constexpr int kMaxDevices = 64;
-  static signed char device_ok[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
-  if (device_ok[device] == 0) {
-    int major = 0, minor = 0, smem_optin = 0;
-    cudaFuncAttributes attr{};
-    const bool ok =
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
-        cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-        major == 9 && minor == 0 && smem_optin >= Sm90GemmTraits::SMEM_BYTES &&
-        // the sm_90a cubin reports binaryVersion 90; a build without it does not
-        cudaFuncGetAttributes(&attr, sm90_gemm_3xtf32_bn_kernel<sm90::Epilogue::kTrain>) == cudaSuccess &&
-        attr.binaryVersion == 90 && encode_tiled_fn() != nullptr;
-    if (!ok) cudaGetLastError();  // a failed query leaves no error behind
-    device_ok[device] = ok ? 1 : -1;
-  }
-  return device_ok[device] == 1;
-}
-
-// *floats floats (split-tile partial sums and, after them, arrival counts), of
-// which the last *zero_ints ints must be zero at the launch.  Both 0 when no
-// tile is split.
-void fused_gemm_bn::sm90_gemm_workspace(int M, int N, int K, bool split_tiles, int64_t* floats, int* zero_ints) {
-  using namespace sm90;
-  *floats = 0;
-  *zero_ints = 0;
-  int num_sms = 0;
-  if (current_num_sms(&num_sms) != cudaSuccess) return;
-  const StreamKPlan p = stream_k_plan(M, N, K, Sm90GemmTraits::BLOCK_K, num_sms, split_tiles);
-  if (p.sk_ctas == 0) return;
-  *floats = partial_floats(p) + p.sk_tiles;
-  *zero_ints = p.sk_tiles;
-}
-
-// z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
-// x_small = rna_tf32(x - tf32_trunc(x)) (sm90_prepass_3xtf32); x is the
-// centred x_centred when centring is given.  `workspace`: as
-// sm90_gemm_workspace says (null when it needs none).
-cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_train(const float* x, const float* x_small, const float* w,
-                                                  Centring centring, float* out, float* part_mean, float* part_m2,
-                                                  int M, int N, int K, bool split_tiles, float* workspace,
-                                                  cudaStream_t stream) {
-  using namespace sm90;
-  if (!launch_ok(x, x_small, w, centring, M, N, K)) return cudaErrorInvalidValue;
-  Sm90GemmBnArgs args = gemm_args(centring, out, M, N, K);
-  args.part_mean = part_mean; args.part_m2 = part_m2;
-  return launch_sm90_gemm<sm90::Epilogue::kTrain>(x, x_small, w, args, split_tiles, workspace, stream);
-}
-
-// out = a * (x @ w^T) + c with the eval-mode fold of bias, scale and BatchNorm
-// (scale_after_bn: Linear -> BatchNorm -> scale instead of Linear -> scale -> BatchNorm).
-cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_eval(const float* x, const float* x_small, const float* w,
-                                                 Centring centring, float* out, const float* bias, const float* scale, const float* bn_weight,
-                                                 const float* bn_bias, const float* running_mean,
-                                                 const float* running_var, float eps, bool scale_after_bn, int M,
-                                                 int N, int K, bool split_tiles, float* workspace,
-                                                 cudaStream_t stream) {
-  using namespace sm90;
-  if (!launch_ok(x, x_small, w, centring, M, N, K)) return cudaErrorInvalidValue;
-  Sm90GemmBnArgs args = gemm_args(centring, out, M, N, K);
-  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
-  return launch_sm90_gemm<sm90::Epilogue::kEval>(x, x_small, w, args, split_tiles, workspace, stream);
-}
-
-// out = x @ w^T, nothing else (the backward's products).
-cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x_small, const float* w,
-                                                  Centring centring, float* out, int M, int N, int K,
-                                                  bool split_tiles, float* workspace, cudaStream_t stream) {
-  using namespace sm90;
-  if (!launch_ok(x, x_small, w, centring, M, N, K)) return cudaErrorInvalidValue;
-  Sm90GemmBnArgs args = gemm_args(centring, out, M, N, K);
-  return launch_sm90_gemm<sm90::Epilogue::kPlain>(x, x_small, w, args, split_tiles, workspace, stream);
-}
-''',
     'sm90_gemm_fp16x3_bn.cu': r'''// sm90_gemm_fp16x3_bn.cu -- float32-accurate GEMM on Hopper's 16-bit tensor
 // cores (fp16x3 through wgmma, TMA, warp specialisation) with the BatchNorm
-// epilogues of sm90_gemm_3xtf32_bn.cu.  Needs sm_90a (H100 / H200).
+// epilogues of sm90_gemm_tiles.cuh.  Needs sm_90a (H100 / H200); other GPUs
+// take sm80_gemm_3xtf32_bn.cu.
 //
 // Formula: z[m, n] = sum_k x[m, k] * w[n, k] (z = x @ W^T, no bias), then the
 // epilogues of sm90_gemm_tiles.cuh (kTrain: out = z and per-tile mean / M2;
 // kEval: out = a[n] z + c[n]; kPlain: out = z).
 //
-// Tensors (row-major, contiguous, 16-byte aligned; K % 8 == 0: TMA needs
-// 16-byte global strides of the 16-bit parts)
+// Tensors (row-major, contiguous, 16-byte aligned; K here is the parts' row
+// length, a multiple of 8: TMA needs 16-byte global strides of the 16-bit parts.
+// The forwards run over K_pad = fp16x3_padded_k(in_features), the pre-pass
+// having zeroed columns in_features .. K_pad - 1 of both operands: their
+// products are exact zeros, and the k-block count ceil(K / 64) is unchanged)
 //   w_hi, w_lo   (N, K) fp16 words, K-major: W's parts scaled by 2^e_n (prepass_fp16x3.cu
 //                run over W's rows; model_new.py caches them per weight)
 //   w_inv_scale  (N) fp32: 2^-e_n;  w_row_sum (N) fp32 (hi, lo): sum_k w[n, k]
@@ -3644,9 +2875,9 @@ cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x
 //   out (M, N);  part_mean, part_m2 (ceil(M / 128), N);  vectors (N)
 //
 // Why fp16: Hopper's dense fp16 tensor-core rate is twice its TF32 rate, so
-// three fp16 products cost what 1.5 TF32 products do (3xTF32 kernel: 947 us
-// at M = 1024, K = N = 8192 on an H200, against one cuBLAS fp16 product with
-// fp32 output at 196 us).
+// three fp16 products cost what 1.5 TF32 products do (the retired 3xTF32
+// wgmma kernel: 947 us at M = 1024, K = N = 8192 on an H200, against one
+// cuBLAS fp16 product with fp32 output at 196 us).
 //
 // Numerics (fp16x3_split.cuh derives the split; Ootomo & Yokota, IJHPCA 2022)
 //   Centring (prepass_fp16x3.cu): x's row m is split as x - c_m (c_m its mean,
@@ -3701,7 +2932,13 @@ cudaError_t fused_gemm_bn::sm90_gemm_3xtf32_plain(const float* x, const float* x
 //   at per-half promotions ptxas serialised every wgmma (warning C7514; the
 //   v19 kernel).  Warpgroup 2: producer; one thread issues the TMA loads (w_hi,
 //   w_lo, x_hi, x_lo: 16 KB each) into a ring of kNumStages 64 KB stages.  Grid
-//   and split tiles: sm90_gemm_tiles.cuh (the 3xTF32 kernel's plan, per 64-k block).
+//   and split tiles: sm90_gemm_tiles.cuh (StreamKPlan, per 64-k block): one CTA
+//   per tile, M tiles fastest, so the CTAs sharing a w tile run together and w
+//   is read from DRAM about once; the remainder tiles are split along K.
+//
+// Whether this kernel runs is model_new.py's dispatch decision (compute
+// capability 9.0 and sm90_gemm_available()); launchers given inputs outside
+// their preconditions return cudaErrorInvalidValue, launching nothing.
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -3969,7 +3206,7 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
       continue;
-    finish_product<true>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
+    finish_product(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
     finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
   }
 #elif defined(__CUDA_ARCH__)
@@ -3984,8 +3221,8 @@ static bool make_part_map(CUtensorMap* map, const uint16_t* part, bool mn_major,
 }
 
 template <Epilogue kEpilogue, bool kWMn = false, bool kXMn = false>
-static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, bool split_tiles,
-                                 float* workspace, cudaStream_t stream) {
+static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, float* workspace,
+                                 cudaStream_t stream) {
   using T = Fp16x3Traits;
   auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn>;
   CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
@@ -4008,7 +3245,7 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   int num_sms = 0;
   err = current_num_sms(&num_sms);
   if (err != cudaSuccess) return err;
-  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, num_sms, split_tiles);
+  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, num_sms, true);
   if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.partials = workspace;
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
@@ -4050,14 +3287,44 @@ static bool fp16x3_plain_ok(const Fp16x3Parts& x, const Fp16x3Parts& w, int M, i
 // Host launchers (declared in launchers.cuh)
 // ---------------------------------------------------------------------------
 
-void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_tiles, int64_t* floats,
-                                               int* zero_ints) {
+int fused_gemm_bn::sm90_gemm_block_m() { return sm90::Fp16x3Traits::BLOCK_M; }
+
+// True when this build holds the sm_90a kernel and the current device can run
+// it: compute capability 9.0, enough shared memory, and the driver's
+// tensor-map encoder.  Cached per device; a query (launches nothing).
+bool fused_gemm_bn::sm90_gemm_available() {
+  using namespace sm90;
+  constexpr int kMaxDevices = 64;
+  static signed char device_ok[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
+  if (device_ok[device] == 0) {
+    int major = 0, minor = 0, smem_optin = 0;
+    cudaFuncAttributes attr{};
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+        major == 9 && minor == 0 && smem_optin >= Fp16x3Traits::SMEM_BYTES &&
+        // the sm_90a cubin reports binaryVersion 90; a build without it does not
+        cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<Epilogue::kTrain, false, false>) == cudaSuccess &&
+        attr.binaryVersion == 90 && encode_tiled_fn() != nullptr;
+    if (!ok) cudaGetLastError();  // a failed query leaves no error behind
+    device_ok[device] = ok ? 1 : -1;
+  }
+  return device_ok[device] == 1;
+}
+
+// *floats floats (split-tile partial sums and, after them, arrival counts), of
+// which the last *zero_ints ints must be zero at the launch.  Both 0 when no
+// tile is split.
+void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, int64_t* floats, int* zero_ints) {
   using namespace sm90;
   *floats = 0;
   *zero_ints = 0;
   int num_sms = 0;
   if (current_num_sms(&num_sms) != cudaSuccess) return;
-  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, num_sms, split_tiles);
+  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, num_sms, true);
   if (p.sk_ctas == 0) return;
   *floats = partial_floats(p) + p.sk_tiles;
   *zero_ints = p.sk_tiles;
@@ -4065,54 +3332,64 @@ void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, bool split_t
 
 // z = x @ w^T into `out`, and per-(M tile, feature) mean / M2 of z.
 cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_train(Fp16x3Parts x, Fp16x3Parts w, float* out, float* part_mean,
-                                                  float* part_m2, int M, int N, int K, bool split_tiles,
-                                                  float* workspace, cudaStream_t stream) {
+                                                  float* part_m2, int M, int N, int K, float* workspace,
+                                                  cudaStream_t stream) {
   using namespace sm90;
   if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out; args.part_mean = part_mean; args.part_m2 = part_m2;
-  return launch_fp16x3<sm90::Epilogue::kTrain>(x, w, args, split_tiles, workspace, stream);
+  return launch_fp16x3<sm90::Epilogue::kTrain>(x, w, args, workspace, stream);
 }
 
-// out = a * (x @ w^T) + c, the eval-mode fold (scale_after_bn: problem 84's order).
-cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const float* bias,
-                                                 const float* scale, const float* bn_weight, const float* bn_bias,
-                                                 const float* running_mean, const float* running_var, float eps,
-                                                 bool scale_after_bn, int M, int N, int K, bool split_tiles,
-                                                 float* workspace, cudaStream_t stream) {
+// out = a * (x @ w^T) + c, the eval-mode fold (bn.scale_after_bn: problem 84's order).
+cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, float* out, const BatchNormArgs& bn,
+                                                 int M, int N, int K, float* workspace, cudaStream_t stream) {
   using namespace sm90;
   if (!fp16x3_launch_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
-  args.bn = BnParams{bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn};
-  return launch_fp16x3<sm90::Epilogue::kEval>(x, w, args, split_tiles, workspace, stream);
+  args.bn = BnParams{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
+                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn};
+  return launch_fp16x3<sm90::Epilogue::kEval>(x, w, args, workspace, stream);
 }
 
 // out = x @ w^T, nothing else (the backward's products), in any of the
 // operand layouts fp16x3_plain_ok accepts.
 cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int M, int N, int K,
-                                                  bool split_tiles, float* workspace, cudaStream_t stream) {
+                                                  float* workspace, cudaStream_t stream) {
   using namespace sm90;
   if (!fp16x3_plain_ok(x, w, M, N, K)) return cudaErrorInvalidValue;
   Sm90GemmBnArgs args{};
   args.M = M; args.N = N; args.K = K;
   args.out = out;
   if (w.mn_major && x.mn_major)
-    return launch_fp16x3<sm90::Epilogue::kPlain, true, true>(x, w, args, split_tiles, workspace, stream);
-  if (w.mn_major) return launch_fp16x3<sm90::Epilogue::kPlain, true, false>(x, w, args, split_tiles, workspace, stream);
-  return launch_fp16x3<sm90::Epilogue::kPlain>(x, w, args, split_tiles, workspace, stream);
+    return launch_fp16x3<sm90::Epilogue::kPlain, true, true>(x, w, args, workspace, stream);
+  if (w.mn_major) return launch_fp16x3<sm90::Epilogue::kPlain, true, false>(x, w, args, workspace, stream);
+  return launch_fp16x3<sm90::Epilogue::kPlain>(x, w, args, workspace, stream);
 }
 ''',
-    'sm90_gemm_tiles.cuh': r'''// sm90_gemm_tiles.cuh -- what the two Hopper GEMMs (sm90_gemm_3xtf32_bn.cu,
-// sm90_gemm_fp16x3_bn.cu) share: the 128 x 128 output tile and its register
-// layout, the grid's work split (whole tiles and split tiles, StreamKPlan),
-// the split-tile hand-off, the BatchNorm epilogues (finish_tile), and the
-// host's tensor maps.  The header of sm90_gemm_3xtf32_bn.cu derives the split
-// tiles; the epilogue formulas are in bn_stats.cuh.
+    'sm90_gemm_tiles.cuh': r'''// sm90_gemm_tiles.cuh -- the Hopper GEMMs' shared pieces (sm90_gemm_fp16x3_bn.cu;
+// lowp/sm90_gemm_bn_16bit.cu uses the work split, the hand-off and the tensor
+// maps): the 128 x 128 output tile and its register layout, the grid's work
+// split (whole tiles and split tiles, StreamKPlan), the split-tile hand-off,
+// the BatchNorm epilogues (finish_tile), and the host's tensor maps.  The
+// epilogue formulas are in bn_stats.cuh.
 //
-// Output tile (both kernels): BLOCK_N = 128 features (wgmma M, two consumer
+// Split tiles (a locality-preserving stream-K; StreamKPlan, stream_k_plan)
+//   One CTA per SM fits, so whole tiles alone leave the last wave part-empty
+//   (512 tiles = 3.88 waves of 132 SMs at the KernelBench shape).  The
+//   remainder tiles are cut along K and run first: each piece's CTA writes
+//   its fp32 partial tile to a workspace slot and counts itself in on a
+//   per-tile counter (GPU-scope acq_rel atomic); the last to arrive sums the
+//   slots in piece order (deterministic) and runs the epilogue.  Measured
+//   with the (since retired) 3xTF32 wgmma kernel on an H200: GEMM 1063 ->
+//   1047 us, train 1.117 -> 1.104 ms (docs/perf.md v14).  A piece-sum adds
+//   one fp32 rounding per piece boundary, as the GEMM's promotion of its
+//   partial sums already does every span.
+//
+// Output tile: BLOCK_N = 128 features (wgmma M, two consumer
 // warpgroups of 64) x BLOCK_M = 128 batch rows (wgmma N).  Each consumer
 // thread holds kAccRegs = 64 fp32 accumulators; element 4 i + 2 h + e holds
 // z[b, f] with
@@ -4168,10 +3445,10 @@ struct Sm90GemmBnArgs {
   // split tile, zeroed before the launch (by the GEMM's pre-pass).
   float* partials;
   int* tile_arrivals;
-  // sm90_gemm_fp16x3 only: 2^-e of each row's power-of-two scale, x's (M
-  // floats) and w's (N floats).  Both GEMMs: x's row centres c_m (M) and w's
-  // row sums (N (hi, lo) pairs), z = the parts' product + c_m (hi_n + lo_n);
-  // null in the 3xTF32 kernel's uncentred calls.
+  // 2^-e of each row's power-of-two scale, x's (M floats) and w's (N floats;
+  // null: 1).  x's row centres c_m (M) and w's row sums (N (hi, lo) pairs),
+  // z = the parts' product + c_m (hi_n + lo_n); both null in the uncentred
+  // plain products.
   const float* x_inv_scale;
   const float* w_inv_scale;
   const float* x_center;
@@ -4252,13 +3529,11 @@ __device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], 
   return true;
 }
 
-// The product's last steps, in place: z = (acc 2^-e_n) 2^-e_m (kScaled: the
-// fp16x3 operands' power-of-two row scales, two exact multiplies; 2^-e_n = 1
-// where args.w_inv_scale is null) + c_m (hi_n +
-// lo_n) where x was centred (args.x_center not null; centring.cuh): two fmas,
-// one rounding of z beyond the tiny lo product.  Rows past M or N hold zeros
-// and stay zero.
-template <bool kScaled>
+// The product's last steps, in place: z = (acc 2^-e_n) 2^-e_m (the fp16x3
+// operands' power-of-two row scales, two exact multiplies; 2^-e_n = 1 where
+// args.w_inv_scale is null) + c_m (hi_n + lo_n) where x was centred
+// (args.x_center not null; centring.cuh): two fmas, one rounding of z beyond
+// the tiny lo product.  Rows past M or N hold zeros and stay zero.
 __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args, int tile,
                                                int m_tiles, int w_row, int t) {
   const int m0 = (tile % m_tiles) * kTileM, n0 = (tile / m_tiles) * kTileN;
@@ -4269,7 +3544,7 @@ __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const
   for (int h = 0; h < 2; ++h) {
     const int f = n0 + w_row + 8 * h;
     // No w scales (an operand used as stored, unscaled): 1.
-    w_inv[h] = kScaled && f < args.N ? (args.w_inv_scale != nullptr ? __ldg(args.w_inv_scale + f) : 1.f) : 0.f;
+    w_inv[h] = f < args.N ? (args.w_inv_scale != nullptr ? __ldg(args.w_inv_scale + f) : 1.f) : 0.f;
     w_sum[h] = centred && f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
   }
 #pragma unroll
@@ -4277,12 +3552,12 @@ __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int b = m0 + 8 * i + 2 * t + e;
-      const float inv = kScaled && b < args.M ? __ldg(args.x_inv_scale + b) : 0.f;
+      const float inv = b < args.M ? __ldg(args.x_inv_scale + b) : 0.f;
       const float c = centred && b < args.M ? __ldg(args.x_center + b) : 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float& z = acc[4 * i + 2 * h + e];
-        if constexpr (kScaled) z = (z * w_inv[h]) * inv;
+        z = (z * w_inv[h]) * inv;
         z = fmaf(c, w_sum[h].x, fmaf(c, w_sum[h].y, z));
       }
     }
@@ -4445,7 +3720,9 @@ static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 //     back to back per CTA (consecutive tiles: the same w rows), with L set
 //     so both kinds take about as long (one k-block per hand-off counted).
 // kSplitMaxPieces bounds the slots a finishing CTA reads back; kSplitMinIters
-// keeps a piece above pipeline start-up.
+// keeps a piece above pipeline start-up.  split_tiles = false gives whole
+// tiles only; every caller now passes true (the parameter can go together
+// with the `true` of lowp/sm90_gemm_bn_16bit.cu's call).
 constexpr int kSplitMaxPieces = 8;
 constexpr int kSplitMinIters = 4;
 
@@ -4504,10 +3781,11 @@ static long long partial_floats(const StreamKPlan& p) {
 }  // namespace sm90
 }  // namespace fused_gemm_bn
 ''',
-    'sm90_primitives.cuh': r'''// sm90_primitives.cuh -- thin PTX wrappers for the Hopper GEMM
-// (sm90_gemm_3xtf32_bn.cu, sm90_gemm_fp16x3_bn.cu): mbarriers, TMA tile loads, named barriers and the
-// GPU-scope atomic of the split-tile hand-off, wgmma shared-memory descriptors and
-// the tf32 and fp16 wgmma forms they issue (A from registers).
+    'sm90_primitives.cuh': r'''// sm90_primitives.cuh -- thin PTX wrappers for the Hopper GEMMs
+// (sm90_gemm_fp16x3_bn.cu; lowp/sm90_wgmma_16bit.cuh, lowp/sm90_gemm_bn_16bit.cu):
+// mbarriers, TMA tile loads, named barriers and the GPU-scope atomic of the
+// split-tile hand-off, wgmma shared-memory descriptors and the fp16 wgmma form
+// the fp16x3 GEMM issues (A from registers).
 //
 // Every wrapper compiles to nothing unless the pass targets sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL): wgmma and setmaxnreg exist only there.  The
@@ -4786,28 +4064,6 @@ __device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 
-// D(64 x 64, fp32) (+)= A(64 x 8, registers) * B(8 x 64, shared memory), tf32
-// inputs (the tensor core reads the top 19 bits of each fp32 operand, i.e.
-// truncates it).  accumulate == false overwrites D.  A fragment (PTX ISA
-// 9.7.15.5.2, .tf32): warp w of the warpgroup holds rows 16 w .. 16 w + 15;
-// lane l = 4 g + t holds a0 = (16 w + g, t), a1 = (16 w + g + 8, t),
-// a2 = (16 w + g, t + 4), a3 = (16 w + g + 8, t + 4).  The A registers must stay
-// unchanged until the wgmma has completed (wgmma_wait).
-__device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
-                                                  bool accumulate) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " FUSED_GEMM_BN_D32_LIST
-      ", {%32, %33, %34, %35}, %36, p, 1, 1;\n"
-      "}\n"
-      : FUSED_GEMM_BN_D32
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
-#endif
-}
-
 // D(64 x 64, fp32) (+)= A(64 x 16, registers) * B(16 x 64, shared memory), fp16
 // inputs (exact products, fp32 accumulation; the tensor core's accumulation
 // chain is not round-to-nearest, so callers promote partial sums).  B is
@@ -4858,28 +4114,23 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
 //
 //   gemm name             kernels
 //   --------------------  ------------------------------------------------------------
-//   sm90_3xtf32           the forwards: row_sums over W's rows unless the caller passes
-//                         w_parts (its cached result), row_centers over x; then
-//                         sm90_prepass_3xtf32 (x_centred, x_small; training:
-//                         num_batches_tracked += 1), then sm90_gemm_3xtf32_{train,eval}
-//                         (wgmma, TMA); gemm_nt: no centring, sm90_gemm_3xtf32_plain
-//   sm90_3xtf32_nosplit   the same with whole tiles only (A/B switch for measurements)
 //   sm90_fp16x3           sm90_prepass_fp16x3 over W's rows unless the caller passes
 //                         w_parts (its cached result), then over x (fp16 parts and row
-//                         scales; training: += 1), then sm90_gemm_fp16x3_{train,eval,plain}
-//   sm90_fp16x3_nosplit   the same with whole tiles only
-//   sm80_3xtf32           the forwards: row_sums (or w_parts) and row_centers as above;
+//                         scales; training: num_batches_tracked += 1), then
+//                         sm90_gemm_fp16x3_{train,eval,plain} (wgmma, TMA; sm_90a).
+//                         Any in_features K >= 1 and weight alignment: the parts'
+//                         rows are K_pad = round_up(K, 8) fp16 words, zeros past K
+//   sm80_3xtf32           the forwards: row_sums over W's rows unless the caller passes
+//                         w_parts (its cached result), row_centers over x; then
 //                         sm80_prepass_3xtf32 (x's TF32 parts; training: += 1), then
 //                         sm80_gemm_3xtf32_{train,eval} (mma.sync, any sm_80+); gemm_nt uncentred
-//   sm90_cluster_3xtf32   the same pre-passes, then sm90_cluster_gemm_3xtf32_train:
-//                         problem 33's whole training forward (forward_train only)
 //
 //   forward_train(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                 running_var, num_batches_tracked, momentum, eps, scale_after_bn,
 //                 w_parts) -> out (M, N)
 //       w_parts (every forward's last argument): None, or made while the weight held
-//       its current values: fp16x3_weight_parts(weight) for sm90_fp16x3[_nosplit],
-//       weight_row_sums(weight) for the 3xTF32 GEMMs (their centring, centring.cuh).
+//       its current values: fp16x3_weight_parts(weight) for sm90_fp16x3,
+//       weight_row_sums(weight) for sm80_3xtf32 (its centring, centring.cuh).
 //       the pre-pass and the training GEMM: z = x @ weight^T and per-tile mean / M2;
 //       problem 33: bn_apply (merge statistics, running statistics, normalise in place);
 //       problem 84: bn_softmax_fold_train (per-feature mean_z, a, c; running
@@ -4900,10 +4151,11 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
 //   gemm_tn(gemm, a (M, N), b (M, K)) -> a^T @ b: grad_W = grad_z^T x; on
 //       sm90_fp16x3 both split per column and read MN-major
 //   (both: other GEMM kernels, or N or K not a multiple of 8: gemm_nt on transposed copies)
-//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K + N rounded up to 4 + 2 N): W's
-//       fp16x3 parts [w_hi | w_lo | w_inv_scale | w_row_sum] for w_parts
+//   fp16x3_weight_parts(weight (N, K)) -> float32 (N K_pad + N rounded up to 4 + 2 N),
+//       K_pad = K rounded up to a multiple of 8: W's fp16x3 parts [w_hi | w_lo |
+//       w_inv_scale | w_row_sum], rows of K_pad fp16 words (zeros past K), for w_parts
 //   weight_row_sums(weight (N, K)) -> float32 (2 N): W's row sums as (hi, lo) pairs,
-//       the 3xTF32 GEMMs' w_parts
+//       sm80_3xtf32's w_parts
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
@@ -4918,8 +4170,8 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uin
 //       stats, bias, scale, bn_weight, eps, scale_after_bn, count (1-element float64 tensor),
 //       local_sums, total_sums)
 //       -> as bn_backward_train: the backward split around the all_reduce
-//   sm90_gemm_available(device) -> bool, sm90_cluster_max_active(device, m_tiles,
-//       vec16) -> int: the device facts the dispatch reads (queries, no launch).
+//   sm90_gemm_available(device) -> bool: the device fact the dispatch reads (a query,
+//       no launch).
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -4934,23 +4186,15 @@ namespace {
 namespace fgb = fused_gemm_bn;
 
 // The GEMM kernels a `gemm` name selects.
-enum class Gemm { kSm80, kSm90, kSm90NoSplit, kSm90Cluster, kFp16x3, kFp16x3NoSplit };
+enum class Gemm { kSm80, kFp16x3 };
 
 Gemm parse_gemm(const std::string& name) {
   if (name == "sm90_fp16x3") return Gemm::kFp16x3;
-  if (name == "sm90_fp16x3_nosplit") return Gemm::kFp16x3NoSplit;
-  if (name == "sm90_3xtf32") return Gemm::kSm90;
-  if (name == "sm90_3xtf32_nosplit") return Gemm::kSm90NoSplit;
   if (name == "sm80_3xtf32") return Gemm::kSm80;
-  if (name == "sm90_cluster_3xtf32") return Gemm::kSm90Cluster;
-  TORCH_CHECK(false, "fused_gemm_bn: unknown GEMM kernel '", name,
-              "' (expected sm90_fp16x3, sm90_fp16x3_nosplit, sm90_3xtf32, sm90_3xtf32_nosplit, sm80_3xtf32 or "
-              "sm90_cluster_3xtf32)");
+  TORCH_CHECK(false, "fused_gemm_bn: unknown GEMM kernel '", name, "' (expected sm90_fp16x3 or sm80_3xtf32)");
 }
 
-bool is_sm90(Gemm g) { return g == Gemm::kSm90 || g == Gemm::kSm90NoSplit; }
-bool is_fp16x3(Gemm g) { return g == Gemm::kFp16x3 || g == Gemm::kFp16x3NoSplit; }
-bool splits_tiles(Gemm g) { return g == Gemm::kSm90 || g == Gemm::kFp16x3; }
+bool is_fp16x3(Gemm g) { return g == Gemm::kFp16x3; }
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
@@ -5006,6 +4250,25 @@ void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x) {
   check_vector(t.running_var, "bn.running_var", N, x);
 }
 
+// The call's BatchNorm side as the launchers take it (launchers.cuh), filled
+// once from the checked tensors.  num_batches_tracked: training (the counter the
+// pre-pass increments), else null; momentum: training only.
+fgb::BatchNormArgs batch_norm_args(const BnTensors& t, double eps, bool scale_after_bn,
+                                   const torch::Tensor* num_batches_tracked = nullptr, double momentum = 0.0) {
+  fgb::BatchNormArgs bn;
+  bn.bias = t.bias.data_ptr<float>();
+  bn.scale = t.scale.data_ptr<float>();
+  bn.bn_weight = t.bn_weight.data_ptr<float>();
+  bn.bn_bias = t.bn_bias.data_ptr<float>();
+  bn.running_mean = t.running_mean.data_ptr<float>();
+  bn.running_var = t.running_var.data_ptr<float>();
+  bn.num_batches_tracked = num_batches_tracked != nullptr ? num_batches_tracked->data_ptr<int64_t>() : nullptr;
+  bn.momentum = static_cast<float>(momentum);
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  return bn;
+}
+
 void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
   TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
               torch::IntArrayRef({M, N}));
@@ -5025,7 +4288,7 @@ void launch_row_centers(const torch::Tensor& x, int M, int K, float* center, cud
                  "row_centers");
 }
 
-// x's TF32 parts in mma fragment order for the sm80 / cluster kernels
+// x's TF32 parts in mma fragment order for the sm80 kernel
 // (sm80_prepass_3xtf32) and, when centred, its row centres: one allocation.
 struct FragmentX {
   torch::Tensor storage;
@@ -5049,45 +4312,6 @@ FragmentX sm80_prepass(const torch::Tensor& x, int M, int K, int64_t* num_batche
                                         num_batches_tracked, stream),
                "sm80_prepass_3xtf32");
   return {storage, big, small, center};
-}
-
-// x and its TF32 remainder for the Hopper kernel, whose TMA loads need
-// contiguous, 16-byte aligned rows: the caller's x is used in place when it is
-// so, otherwise copied (never written).  centred (the forwards; not gemm_nt):
-// the GEMM reads x_centred = rn(x - c_m) instead, and its remainder.
-// `workspace` is the GEMM's split-tile scratch for an (M, K) x (N, K) product
-// (null if it needs none); the pre-pass zeroes its arrival counts.  One
-// allocation: [x_small | x_centred | center (M, padded to 4) | workspace].
-struct RemainderX {
-  torch::Tensor x;
-  torch::Tensor storage;
-  const float* big;     // what the GEMM reads as x: x's data or x_centred
-  const float* small;
-  const float* center;  // null: not centred
-  float* workspace;
-};
-
-RemainderX sm90_prepass(const torch::Tensor& x, int M, int N, int K, bool split_tiles, int64_t* num_batches_tracked,
-                        bool centred, cudaStream_t stream) {
-  const bool ready = x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
-  torch::Tensor xc = ready ? x : x.clone(at::MemoryFormat::Contiguous);
-  const int64_t part_floats = static_cast<int64_t>(M) * K;  // a multiple of 4: what follows stays 16-byte aligned
-  const int64_t center_floats = centred ? (static_cast<int64_t>(M) + 3) / 4 * 4 : 0;
-  int64_t workspace_floats = 0;
-  int zero_ints = 0;
-  fgb::sm90_gemm_workspace(M, N, K, split_tiles, &workspace_floats, &zero_ints);
-  torch::Tensor storage =
-      torch::empty({(centred ? 2 : 1) * part_floats + center_floats + workspace_floats}, x.options());
-  float* small = storage.data_ptr<float>();
-  float* x_centred = centred ? small + part_floats : nullptr;
-  float* center = centred ? x_centred + part_floats : nullptr;
-  float* workspace = workspace_floats > 0 ? small + (centred ? 2 : 1) * part_floats + center_floats : nullptr;
-  int* arrivals = workspace != nullptr ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
-  launch_row_centers(xc, M, K, center, stream);
-  check_launch(fgb::sm90_prepass_3xtf32(xc.data_ptr<float>(), M, K, center, x_centred, small, arrivals,
-                                        arrivals ? zero_ints : 0, num_batches_tracked, stream),
-               "sm90_prepass_3xtf32");
-  return {xc, storage, centred ? x_centred : xc.data_ptr<float>(), small, center, workspace};
 }
 
 // gemm.weight's row sums (N (hi, lo) fp32 pairs, 2 N floats: row_sums in
@@ -5125,24 +4349,36 @@ fgb::Centring centring_of(const float* center, const WeightRowSums& w) {
   return center != nullptr ? fgb::Centring{center, w.row_sum} : fgb::Centring{nullptr, nullptr};
 }
 
-// x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K) fp16 words, x_inv_scale
-// (M), center (M), then the GEMM's split-tile workspace (null if it needs none), one
-// allocation; the pre-pass reads x in place (any strides) and zeroes the
+// in_features as the fp16x3 operands' row length K_pad = round_up(K, 8)
+// (fgb::fp16x3_padded_k): the pre-pass writes x's and W's parts in rows of K_pad
+// fp16 words, zeros past K, and the GEMM runs over K_pad (sm90_gemm_fp16x3_bn.cu).
+// `operand` names the (rows, K) tensor being split, for the message.
+int fp16x3_k_pad(int64_t K, const char* operand) {
+  TORCH_CHECK(K >= 1 && K <= INT32_MAX - 7, "fused_gemm_bn: sm90_fp16x3 needs ", operand,
+              " of shape (rows, K) with 1 <= K <= ", INT32_MAX - 7, ", got K = ", K);
+  return static_cast<int>(fgb::fp16x3_padded_k(K));
+}
+
+// x's fp16x3 parts for the fp16x3 kernel: x_hi, x_lo (M, K_pad) fp16 words,
+// x_inv_scale (M), center (M), then the GEMM's split-tile workspace for an (M,
+// K_pad) x (N, K_pad) product (null if it needs none), one allocation; the
+// pre-pass reads x in place (any strides and alignment) and zeroes the
 // workspace's arrival counts.
 struct SplitX {
   torch::Tensor storage;
   fgb::Fp16x3Parts parts;
   float* workspace;
+  int k_pad;  // the parts' row length: the K the GEMM runs over
 };
 
-SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, bool split_tiles, int64_t* num_batches_tracked,
+SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, int64_t* num_batches_tracked,
                       cudaStream_t stream) {
-  TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
-  const int64_t part_floats = static_cast<int64_t>(M) * K / 2;  // M K fp16 words each
-  const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;   // keeps the workspace 16-byte aligned
+  const int k_pad = fp16x3_k_pad(K, "x");
+  const int64_t part_floats = static_cast<int64_t>(M) * k_pad / 2;    // M K_pad fp16 words each: 16-byte multiple
+  const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;  // keeps the workspace 16-byte aligned
   int64_t workspace_floats = 0;
   int zero_ints = 0;
-  fgb::sm90_gemm_fp16x3_workspace(M, N, K, split_tiles, &workspace_floats, &zero_ints);
+  fgb::sm90_gemm_fp16x3_workspace(M, N, k_pad, &workspace_floats, &zero_ints);
   torch::Tensor storage = torch::empty({2 * part_floats + 2 * scale_floats + workspace_floats}, x.options());
   float* base = storage.data_ptr<float>();
   uint16_t* hi = reinterpret_cast<uint16_t*>(base);
@@ -5155,25 +4391,29 @@ SplitX fp16x3_prepass(const torch::Tensor& x, int M, int N, int K, bool split_ti
                                         center, nullptr, arrivals, arrivals ? zero_ints : 0, num_batches_tracked,
                                         stream),
                "sm90_prepass_fp16x3");
-  return {storage, {hi, lo, inv_scale, center, nullptr}, workspace};
+  return {storage, {hi, lo, inv_scale, center, nullptr}, workspace, k_pad};
 }
 
-// gemm.weight's fp16x3 parts as one float32 tensor, [w_hi (N K / 2 floats) |
-// w_lo (N K / 2) | w_inv_scale (N, padded to a multiple of 4) | w_row_sum (N
-// (hi, lo) pairs)]: the pre-pass run over W's rows.  model_new.py keeps it
-// between calls (_weight_parts).
-int64_t weight_parts_floats(int64_t N, int64_t K) { return N * K + (N + 3) / 4 * 4 + 2 * N; }
+// gemm.weight's fp16x3 parts as one float32 tensor: [w_hi (N, K_pad) fp16 words
+// (N K_pad / 2 floats) | w_lo (N K_pad / 2) | w_inv_scale (N, padded to a
+// multiple of 4) | w_row_sum (N (hi, lo) pairs)], K_pad = round_up(K, 8) with
+// zeros in columns K .. K_pad - 1: the pre-pass run over W's rows.  model_new.py
+// keeps it between calls (_weight_parts).
+int64_t weight_parts_floats(int64_t N, int64_t K) {
+  return N * fgb::fp16x3_padded_k(K) + (N + 3) / 4 * 4 + 2 * N;
+}
 
-// The fp16x3 parts inside a packed weight tensor (layout above).
+// The fp16x3 parts inside a packed weight tensor (layout above; 16-byte aligned base).
 fgb::Fp16x3Parts packed_weight_parts(float* base, int64_t N, int64_t K) {
-  const int64_t part_floats = N * K / 2;
+  const int64_t part_floats = N * fgb::fp16x3_padded_k(K) / 2;
   float* inv_scale = base + 2 * part_floats;
   return {reinterpret_cast<const uint16_t*>(base), reinterpret_cast<const uint16_t*>(base + part_floats), inv_scale,
           nullptr, reinterpret_cast<const float2*>(inv_scale + (N + 3) / 4 * 4)};
 }
 
+// w (N, K) float32, any strides and alignment.
 torch::Tensor split_weight(const torch::Tensor& w, int N, int K, cudaStream_t stream) {
-  TORCH_CHECK(K % 8 == 0, "fused_gemm_bn: sm90_fp16x3 needs in_features % 8 == 0, got ", K);
+  fp16x3_k_pad(K, "gemm.weight");
   torch::Tensor packed = torch::empty({weight_parts_floats(N, K)}, w.options());
   const fgb::Fp16x3Parts p = packed_weight_parts(packed.data_ptr<float>(), N, K);
   check_launch(fgb::sm90_prepass_fp16x3(w.data_ptr<float>(), w.stride(0), w.stride(1), N, K,
@@ -5195,10 +4435,13 @@ WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch:
   WeightParts w;
   if (given.has_value() && given->defined()) {
     w.packed = *given;
+    const int64_t floats = weight_parts_floats(N, K);
     TORCH_CHECK(w.packed.device() == weight.device() && w.packed.scalar_type() == torch::kFloat32 &&
-                    w.packed.dim() == 1 && w.packed.numel() == weight_parts_floats(N, K) && w.packed.is_contiguous(),
-                "fused_gemm_bn: w_parts must be fp16x3_weight_parts(gemm.weight): a contiguous float32 tensor of ",
-                weight_parts_floats(N, K), " elements on ", weight.device());
+                    w.packed.dim() == 1 && w.packed.numel() == floats && w.packed.is_contiguous() &&
+                    reinterpret_cast<uintptr_t>(w.packed.data_ptr()) % 16 == 0,
+                "fused_gemm_bn: w_parts must be fp16x3_weight_parts(gemm.weight) of the (", N, ", ", K,
+                ") weight: a contiguous, 16-byte aligned float32 tensor of shape (", floats, ") on ",
+                weight.device(), ", got ", w.packed.scalar_type(), " ", w.packed.sizes(), " on ", w.packed.device());
   } else {
     w.packed = split_weight(weight, N, K, stream);
   }
@@ -5206,7 +4449,7 @@ WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch:
   return w;
 }
 
-// The training GEMM (sm80_3xtf32, sm90_3xtf32[_nosplit], sm90_fp16x3[_nosplit]): the pre-pass
+// The training GEMM (sm80_3xtf32 or sm90_fp16x3): the pre-pass
 // (num_batches_tracked += 1 where `counter` is not null), then z = x @ weight^T into `z` with per-tile
 // mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
 // is not null, stats (2, N) = [mean_z | biased var_z].  One allocation, which
@@ -5221,9 +4464,8 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
                      const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, float* stats, int64_t* counter,
                      int M, int N, int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
-  TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 runs forward_train of problem 33 only");
   TrainGemm g;
-  g.block_m = is_sm90(gemm) || is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
+  g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
   const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
   g.storage = torch::empty({2 * part_floats + 3 * static_cast<int64_t>(N)}, x.options());
@@ -5231,19 +4473,11 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
   g.part_m2 = g.part_mean + part_floats;
   g.coeff = g.part_m2 + part_floats;
   if (is_fp16x3(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
-    const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, counter, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_train(xs.parts, wp.parts, z.data_ptr<float>(),
-                                             g.part_mean, g.part_m2, M, N, K, split_tiles, xs.workspace, stream),
+    const SplitX xs = fp16x3_prepass(x, M, N, K, counter, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_train(xs.parts, wp.parts, z.data_ptr<float>(), g.part_mean, g.part_m2, M, N,
+                                             xs.k_pad, xs.workspace, stream),
                  "sm90_gemm_fp16x3_train");
-  } else if (is_sm90(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
-    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
-    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, counter, true, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_train(xr.big, xr.small, w, centring_of(xr.center, ws), z.data_ptr<float>(),
-                                             g.part_mean, g.part_m2, M, N, K, split_tiles, xr.workspace, stream),
-                 "sm90_gemm_3xtf32_train");
   } else {
     const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
     const FragmentX xs = sm80_prepass(x, M, K, counter, true, stream);
@@ -5259,44 +4493,21 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
 
 // Problem 33's BatchNorm after the training GEMM: out = BatchNorm(scale (z + bias)),
 // running statistics updated (out may be z: in place).
-void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N, const BnTensors& t,
-              const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
+void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N,
+              const fgb::BatchNormArgs& bn, cudaStream_t stream) {
   check_launch(fgb::bn_apply(z.data_ptr<float>(), out.data_ptr<float>(), g.part_mean, g.part_m2, g.num_m_tiles,
-                             g.block_m, M, N, t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                             t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
-                             num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                             static_cast<float>(eps), t.running_mean.data_ptr<float>(),
-                             t.running_var.data_ptr<float>(), g.coeff, stream),
+                             g.block_m, M, N, bn, g.coeff, stream),
                "bn_apply");
 }
 
 // Problem 84's BatchNorm, scale and softmax after the training GEMM: per-feature
 // [mean_z | a | c] and the running-statistics update (bn_softmax_fold_train),
 // then out = softmax((out - mean_z) * a + c) per row, in place.
-void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const BnTensors& t,
-                const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
-  check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N,
-                                          t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                                          t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
-                                          num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                                          static_cast<float>(eps), t.running_mean.data_ptr<float>(),
-                                          t.running_var.data_ptr<float>(), g.coeff, stream),
+void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const fgb::BatchNormArgs& bn,
+                cudaStream_t stream) {
+  check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bn, g.coeff, stream),
                "bn_softmax_fold_train");
   check_launch(fgb::softmax_rows(out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
-}
-
-// Problem 33's training forward in one cluster launch (sm90_cluster_3xtf32).
-void cluster_train(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& w_parts,
-                   torch::Tensor& out, int M, int N, int K, const BnTensors& t,
-                   const torch::Tensor& num_batches_tracked, double momentum, double eps, cudaStream_t stream) {
-  const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
-  const FragmentX xs = sm80_prepass(x, M, K, num_batches_tracked.data_ptr<int64_t>(), true, stream);
-  check_launch(fgb::sm90_cluster_gemm_3xtf32_train(
-                   xs.big, xs.small, weight.data_ptr<float>(), centring_of(xs.center, ws), out.data_ptr<float>(), t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                   t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(), t.running_mean.data_ptr<float>(),
-                   t.running_var.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(),
-                   static_cast<float>(momentum), static_cast<float>(eps), M, N, K, stream),
-               "sm90_cluster_gemm_3xtf32_train");
 }
 
 }  // namespace
@@ -5314,20 +4525,16 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   check_training(x, M, N, num_batches_tracked);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
   check_bn_tensors(t, N, x);
-  TORCH_CHECK(gemm != Gemm::kSm90Cluster || !scale_after_bn,
-              "fused_gemm_bn: sm90_cluster_3xtf32 holds problem 33's epilogue only");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor out = torch::empty({M, N}, x.options());
-  if (gemm == Gemm::kSm90Cluster) {
-    cluster_train(x, weight, w_parts, out, M, N, K, t, num_batches_tracked, momentum, eps, stream);
-    return out;
-  }
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
+  const TrainGemm g =
+      train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   if (scale_after_bn) {
-    bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_softmax(g, out, M, N, bn, stream);
   } else {
-    bn_apply(g, out, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_apply(g, out, out, M, N, bn, stream);
   }
   return out;
 }
@@ -5341,7 +4548,6 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            c10::optional<torch::Tensor> w_parts) {
   scale = feature_vector(scale);
   const Gemm gemm = parse_gemm(gemm_name);
-  TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 has no eval epilogue");
   const auto [M, N, K] = check_gemm_operands(x, weight);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
   check_bn_tensors(t, N, x);
@@ -5350,36 +4556,18 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* w = weight.data_ptr<float>();
-  const float fold_eps = static_cast<float>(eps);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn);
   if (is_fp16x3(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
-    const SplitX xs = fp16x3_prepass(x, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.parts, wp.parts, out.data_ptr<float>(),
-                                            t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                                            t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
-                                            t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
-                                            fold_eps, scale_after_bn, M, N, K, split_tiles, xs.workspace, stream),
+    const SplitX xs = fp16x3_prepass(x, M, N, K, nullptr, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_eval(xs.parts, wp.parts, out.data_ptr<float>(), bn, M, N, xs.k_pad,
+                                            xs.workspace, stream),
                  "sm90_gemm_fp16x3_eval");
-  } else if (is_sm90(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
-    const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
-    const RemainderX xr = sm90_prepass(x, M, N, K, split_tiles, nullptr, true, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_eval(xr.big, xr.small, w, centring_of(xr.center, ws), out.data_ptr<float>(),
-                                            t.bias.data_ptr<float>(), t.scale.data_ptr<float>(),
-                                            t.bn_weight.data_ptr<float>(), t.bn_bias.data_ptr<float>(),
-                                            t.running_mean.data_ptr<float>(), t.running_var.data_ptr<float>(),
-                                            fold_eps, scale_after_bn, M, N, K, split_tiles, xr.workspace, stream),
-                 "sm90_gemm_3xtf32_eval");
   } else {
     const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
     const FragmentX xs = sm80_prepass(x, M, K, nullptr, true, stream);
     check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, centring_of(xs.center, ws), out.data_ptr<float>(),
-                                            t.bias.data_ptr<float>(),
-                                            t.scale.data_ptr<float>(), t.bn_weight.data_ptr<float>(),
-                                            t.bn_bias.data_ptr<float>(), t.running_mean.data_ptr<float>(),
-                                            t.running_var.data_ptr<float>(), fold_eps, scale_after_bn, M, N, K,
-                                            stream),
+                                            bn, M, N, K, stream),
                  "sm80_gemm_3xtf32_eval");
   }
   if (scale_after_bn)
@@ -5407,6 +4595,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   check_bn_tensors(t, N, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = torch::empty({2, N}, x.options());
   const TrainGemm g =
@@ -5415,23 +4604,23 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   torch::Tensor out;
   if (scale_after_bn) {
     out = z.clone();  // softmax_rows works in place
-    bn_softmax(g, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_softmax(g, out, M, N, bn, stream);
   } else {
     out = torch::empty({M, N}, x.options());
-    bn_apply(g, z, out, M, N, t, num_batches_tracked, momentum, eps, stream);
+    bn_apply(g, z, out, M, N, bn, stream);
   }
   return {out, z, stats};
 }
 
 // a @ b^T, float32-accurate (3xTF32 or fp16x3) for float32 CUDA a (M, K) and b (N, K) of
-// any strides (non-contiguous operands are copied first).  b_parts: on
+// any strides (non-contiguous operands are copied first) and any K (sm90_fp16x3:
+// the parts padded to K_pad = round_up(K, 8) with zeros).  b_parts: on
 // sm90_fp16x3, fp16x3_weight_parts(b) made while b held its current values (the
-// cached split of gemm.weight), or None (split now); ignored by the other kernels.
+// cached split of gemm.weight), or None (split now); ignored by sm80_3xtf32.
 // Returns (M, N).
 torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
                       c10::optional<torch::Tensor> b_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
-  TORCH_CHECK(gemm != Gemm::kSm90Cluster, "fused_gemm_bn: sm90_cluster_3xtf32 has no plain epilogue");
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(),
               "gemm_nt: a and b must be CUDA tensors on one device, got ", a.device(), " and ", b.device());
   TORCH_CHECK(a.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32,
@@ -5449,29 +4638,24 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const torch::Tensor ac = a.contiguous(), bc = b.contiguous();
   const float* w = bc.data_ptr<float>();
   if (is_fp16x3(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
     const WeightParts wp = weight_parts(bc, b_parts, N, K, stream);
-    const SplitX xs = fp16x3_prepass(ac, M, N, K, split_tiles, nullptr, stream);
-    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.parts, wp.parts, out.data_ptr<float>(), M, N,
-                                             K, split_tiles, xs.workspace, stream),
+    const SplitX xs = fp16x3_prepass(ac, M, N, K, nullptr, stream);
+    check_launch(fgb::sm90_gemm_fp16x3_plain(xs.parts, wp.parts, out.data_ptr<float>(), M, N, xs.k_pad, xs.workspace,
+                                             stream),
                  "sm90_gemm_fp16x3_plain");
-    return out;
-  }
-  if (is_sm90(gemm)) {
-    const bool split_tiles = splits_tiles(gemm);
-    const RemainderX xr = sm90_prepass(ac, M, N, K, split_tiles, nullptr, false, stream);
-    check_launch(fgb::sm90_gemm_3xtf32_plain(xr.big, xr.small, w, fgb::Centring{nullptr, nullptr},
-                                             out.data_ptr<float>(), M, N, K, split_tiles, xr.workspace, stream),
-                 "sm90_gemm_3xtf32_plain");
     return out;
   }
   // The portable kernel's eval epilogue with the identity fold: a = 1 / sqrt(1 + 0) = 1, c = 0 exactly.
   const torch::Tensor ones = torch::ones({N}, a.options()), zeros = torch::zeros({N}, a.options());
-  const float* one = ones.data_ptr<float>();
-  const float* zero = zeros.data_ptr<float>();
+  fgb::BatchNormArgs identity;
+  identity.bias = identity.bn_bias = zeros.data_ptr<float>();
+  identity.scale = identity.bn_weight = ones.data_ptr<float>();
+  identity.running_mean = zeros.data_ptr<float>();  // read only by the eval epilogue
+  identity.running_var = ones.data_ptr<float>();
+  identity.eps = 0.f;
   const FragmentX xs = sm80_prepass(ac, M, K, nullptr, false, stream);
   check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, fgb::Centring{nullptr, nullptr}, out.data_ptr<float>(),
-                                          zero, one, one, zero, zero, one, 0.f, false, M, N, K, stream),
+                                          identity, M, N, K, stream),
                "sm80_gemm_3xtf32_eval");
   return out;
 }
@@ -5502,12 +4686,14 @@ torch::Tensor with_contiguous_rows(const torch::Tensor& t) {
 }  // namespace
 
 // a @ b, float32-accurate, for float32 CUDA a (M, N) and b (N, K): the
-// backward's grad_x = grad_z W.  On sm90_fp16x3[_nosplit] with N % 8 == 0 and
+// backward's grad_x = grad_z W.  On sm90_fp16x3 with N % 8 == 0 and
 // K % 8 == 0, b's fp16x3 parts (b_parts: fp16x3_weight_parts(b), the forward's
-// cached split, or made now) are the GEMM's MN-major w operand and a's rows are
-// split with b's row scales folded in (sm90_prepass_fp16x3_scaled): no
-// transposed copy of b.  Otherwise gemm_nt(a, b^T), which copies b transposed.
-// Returns (M, K).
+// cached split, or made now; rows of K_pad = K words, the MN-major operand's
+// row stride) are the GEMM's MN-major w operand and a's rows (N words: TMA's
+// 16-byte row stride) are split with b's row scales folded in
+// (sm90_prepass_fp16x3_scaled): no transposed copy of b.  Otherwise
+// gemm_nt(a, b^T), which copies b transposed (sm90_fp16x3 then pads the
+// reduction N; sm80_3xtf32 takes any shape).  Returns (M, K).
 torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
                       c10::optional<torch::Tensor> b_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
@@ -5517,15 +4703,14 @@ torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tens
     return gemm_nt(gemm_name, a, b.t(), c10::nullopt);
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = current_stream(a);
-  const bool split_tiles = splits_tiles(gemm);
-  const WeightParts wp = weight_parts(b, b_parts, N, K, stream);
+  const WeightParts wp = weight_parts(b, b_parts, N, K, stream);  // K % 8 == 0: K_pad == K
   const torch::Tensor ar = with_contiguous_rows(a);
   // One allocation: a's parts (M N / 2 floats each), inv_scale (M, padded to 4), the GEMM's workspace.
   const int64_t part_floats = static_cast<int64_t>(M) * N / 2;
   const int64_t scale_floats = (static_cast<int64_t>(M) + 3) / 4 * 4;
   int64_t workspace_floats = 0;
   int zero_ints = 0;
-  fgb::sm90_gemm_fp16x3_workspace(M, K, N, split_tiles, &workspace_floats, &zero_ints);
+  fgb::sm90_gemm_fp16x3_workspace(M, K, N, &workspace_floats, &zero_ints);
   torch::Tensor storage = torch::empty({2 * part_floats + scale_floats + workspace_floats}, a.options());
   float* base = storage.data_ptr<float>();
   uint16_t* hi = reinterpret_cast<uint16_t*>(base);
@@ -5539,16 +4724,17 @@ torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const fgb::Fp16x3Parts x{hi, lo, inv_scale, nullptr, nullptr, false};
   const fgb::Fp16x3Parts w{wp.parts.hi, wp.parts.lo, nullptr, nullptr, nullptr, true};  // scales folded into x
   torch::Tensor out = torch::empty({M, K}, a.options());
-  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), M, K, N, split_tiles, workspace, stream),
+  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), M, K, N, workspace, stream),
                "sm90_gemm_fp16x3_plain (w MN-major)");
   return out;
 }
 
 // a^T @ b, float32-accurate, for float32 CUDA a (M, N) and b (M, K): the
-// backward's grad_W = grad_z^T x.  On sm90_fp16x3[_nosplit] with N % 8 == 0 and
-// K % 8 == 0, both are split per column (sm90_prepass_fp16x3_columns) and read
-// as MN-major operands where they lie; otherwise gemm_nt(a^T, b^T), which
-// copies both transposed.  Returns (N, K).
+// backward's grad_W = grad_z^T x.  On sm90_fp16x3 with N % 8 == 0 and
+// K % 8 == 0 (the MN-major operands' rows of N and K words: TMA's 16-byte
+// row strides), both are split per column (sm90_prepass_fp16x3_columns) and
+// read as MN-major operands where they lie; otherwise gemm_nt(a^T, b^T), which
+// copies both transposed (sm90_fp16x3 then pads the reduction M).  Returns (N, K).
 torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tensor b) {
   const Gemm gemm = parse_gemm(gemm_name);
   check_backward_operands("gemm_tn", a, b, 0, "a (M, N) and b (M, K)");
@@ -5557,7 +4743,6 @@ torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tens
     return gemm_nt(gemm_name, a.t(), b.t(), c10::nullopt);
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = current_stream(a);
-  const bool split_tiles = splits_tiles(gemm);
   const torch::Tensor ar = with_contiguous_rows(a), br = with_contiguous_rows(b);
   // One allocation: a's parts (M N / 2 floats each), b's (M K / 2 each), their
   // column scales (N, K, padded to 4), the GEMM's workspace.
@@ -5566,7 +4751,7 @@ torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const int64_t b_scale_floats = (static_cast<int64_t>(K) + 3) / 4 * 4;
   int64_t workspace_floats = 0;
   int zero_ints = 0;
-  fgb::sm90_gemm_fp16x3_workspace(N, K, M, split_tiles, &workspace_floats, &zero_ints);
+  fgb::sm90_gemm_fp16x3_workspace(N, K, M, &workspace_floats, &zero_ints);
   torch::Tensor storage =
       torch::empty({2 * a_floats + 2 * b_floats + a_scale_floats + b_scale_floats + workspace_floats}, a.options());
   float* base = storage.data_ptr<float>();
@@ -5588,7 +4773,7 @@ torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tens
   const fgb::Fp16x3Parts x{a_hi, a_lo, a_inv, nullptr, nullptr, true};
   const fgb::Fp16x3Parts w{b_hi, b_lo, b_inv, nullptr, nullptr, true};
   torch::Tensor out = torch::empty({N, K}, a.options());
-  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), N, K, M, split_tiles, workspace, stream),
+  check_launch(fgb::sm90_gemm_fp16x3_plain(x, w, out.data_ptr<float>(), N, K, M, workspace, stream),
                "sm90_gemm_fp16x3_plain (both MN-major)");
   return out;
 }
@@ -5608,9 +4793,12 @@ std::pair<int, int> check_cached_weight(const char* fn, const torch::Tensor& wei
 
 }  // namespace
 
-// gemm.weight's fp16x3 parts (weight_parts_floats floats), for forward_*'s
-// w_parts: weight (N, K) float32 CUDA, any strides, K % 8 == 0.  The caller
-// keeps it while the weight is unchanged (model_new.py: _weight_parts).
+// gemm.weight's fp16x3 parts (weight_parts_floats floats: [w_hi (N, K_pad) fp16
+// words | w_lo | w_inv_scale (N, padded to 4) | w_row_sum (N (hi, lo) pairs)],
+// K_pad = round_up(K, 8), zeros in columns K ..), for forward_*'s w_parts and
+// gemm_nt's / gemm_nn's b_parts: weight (N, K) float32 CUDA, any strides and
+// alignment, K >= 1.  The caller keeps it while the weight is unchanged
+// (model_new.py: _weight_parts).
 torch::Tensor fp16x3_weight_parts(torch::Tensor weight) {
   const auto [N, K] = check_cached_weight("fp16x3_weight_parts", weight);
   const c10::cuda::CUDAGuard guard(weight.device());
@@ -5664,9 +4852,12 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   // Three allocations, not views of one: custom operators may not return aliases.
   torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
                 grad_bn_bias = torch::empty({N}, z.options());
-  check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
-                                      scale.data_ptr<float>(), bn_weight.data_ptr<float>(), static_cast<float>(eps),
-                                      scale_after_bn, static_cast<int>(M), static_cast<int>(N),
+  fgb::BatchNormArgs bn;  // what bn_backward_train reads
+  bn.scale = scale.data_ptr<float>();
+  bn.bn_weight = bn_weight.data_ptr<float>();
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                       grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
                                       grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
                "bn_backward_train");
@@ -5700,7 +4891,6 @@ std::vector<torch::Tensor> sync_forward_local(const std::string& gemm_name, torc
                                               torch::Tensor bias, torch::Tensor num_batches_tracked,
                                               c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name);
-  TORCH_CHECK(gemm != Gemm::kSm90Cluster, "sync_forward_local: sm90_cluster_3xtf32 has no statistics epilogue");
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
   check_vector(bias, "gemm.bias", N, x);
@@ -5746,12 +4936,9 @@ std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered
   torch::Tensor stats = torch::empty({2, N}, z.options());
   torch::Tensor coeff = torch::empty({scale_after_bn ? 3 : 2, N}, z.options());
   torch::Tensor count = torch::empty({1}, z.options().dtype(torch::kFloat64));
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   check_launch(fgb::sync_bn_finalize(gathered.data_ptr<double>(), static_cast<int>(gathered.size(0)),
-                                     static_cast<int>(N), bias.data_ptr<float>(), scale.data_ptr<float>(),
-                                     bn_weight.data_ptr<float>(), bn_bias.data_ptr<float>(),
-                                     num_batches_tracked.data_ptr<int64_t>(), static_cast<float>(momentum),
-                                     static_cast<float>(eps), scale_after_bn, running_mean.data_ptr<float>(),
-                                     running_var.data_ptr<float>(), stats.data_ptr<float>(), coeff.data_ptr<float>(),
+                                     static_cast<int>(N), bn, stats.data_ptr<float>(), coeff.data_ptr<float>(),
                                      count.data_ptr<double>(), stream),
                "sync_bn_finalize");
   torch::Tensor out;
@@ -5806,11 +4993,15 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
   torch::Tensor grad_z = torch::empty({M, N}, z.options());
   torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
                 grad_bn_bias = torch::empty({N}, z.options());
-  check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(),
-                                     bias.data_ptr<float>(), scale.data_ptr<float>(), bn_weight.data_ptr<float>(),
-                                     static_cast<float>(eps), scale_after_bn, M, N, count.data_ptr<double>(),
-                                     local_sums.data_ptr<double>(), total_sums.data_ptr<double>(),
-                                     grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
+  fgb::BatchNormArgs bn;  // what bn_backward_grad reads
+  bn.bias = bias.data_ptr<float>();
+  bn.scale = scale.data_ptr<float>();
+  bn.bn_weight = bn_weight.data_ptr<float>();
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
+                                     count.data_ptr<double>(), local_sums.data_ptr<double>(),
+                                     total_sums.data_ptr<double>(), grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
                                      grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(),
                                      current_stream(z)),
                "bn_backward_grad");
@@ -5825,12 +5016,6 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
 bool sm90_gemm_available(int64_t device) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   return fgb::sm90_gemm_available();
-}
-
-// Clusters of m_tiles CTAs of the cluster kernel resident at once on `device` (0: none).
-int64_t sm90_cluster_max_active(int64_t device, int64_t m_tiles, bool vec16) {
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  return fgb::sm90_cluster_max_active(static_cast<int>(m_tiles), vec16);
 }
 ''',
 }

@@ -2,7 +2,7 @@
 kernels/lowp/binding_16bit.cpp) the way load_inline does, on a machine without
 a GPU: torch/extension.h first, then the binding, then the pybind11 module that
 load_inline generates for the exported functions (model_new.py's
-_EXTENSION_FUNCTIONS / _LOWP_FUNCTIONS), syntax and types only (g++
+_EXTENSION_FUNCTIONS, model_new_lowp.py's FUNCTIONS), syntax and types only (g++
 -fsyntax-only), against the installed torch's headers and the CUDA headers of
 the nvcc on PATH (or $CUDA_HOME).  With kernels/launchers.cuh included by the
 bindings and by every .cu that defines a launcher (compiled by .ci/run), a
@@ -27,19 +27,20 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_DIR = os.path.join(REPO, "kernels")
-# binding source (relative to the kernel folder) -> the model_new.py list of its exported functions
-BINDINGS = {"torch_binding.cpp": "_EXTENSION_FUNCTIONS", os.path.join("lowp", "binding_16bit.cpp"): "_LOWP_FUNCTIONS"}
+# binding source (relative to the kernel folder) -> (the module, its list of the exported functions)
+BINDINGS = {"torch_binding.cpp": ("model_new.py", "_EXTENSION_FUNCTIONS"),
+            os.path.join("lowp", "binding_16bit.cpp"): ("model_new_lowp.py", "FUNCTIONS")}
 CMAKE_MACROS = os.path.join("c10", "cuda", "impl", "cuda_cmake_macros.h")
 
 
-def exported_functions(list_name, model_new=os.path.join(REPO, "model_new.py")):
-    """The literal list `list_name = [...]` of model_new.py."""
-    with open(model_new, encoding="utf-8") as f:
+def exported_functions(list_name, module="model_new.py"):
+    """The literal list `list_name = [...]` of the repository's `module`."""
+    with open(os.path.join(REPO, module), encoding="utf-8") as f:
         tree = ast.parse(f.read())
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == list_name for t in node.targets):
             return ast.literal_eval(node.value)
-    raise ValueError(f"model_new.py has no {list_name}")
+    raise ValueError(f"{module} has no {list_name}")
 
 
 def cuda_includes():
@@ -94,8 +95,8 @@ def compile_binding(source_path, functions, kernel_dir=KERNEL_DIR):
 
 def main():
     failed = False
-    for rel, list_name in BINDINGS.items():
-        ok, log = compile_binding(os.path.join(KERNEL_DIR, rel), exported_functions(list_name))
+    for rel, (module, list_name) in BINDINGS.items():
+        ok, log = compile_binding(os.path.join(KERNEL_DIR, rel), exported_functions(list_name, module))
         print(f"{'ok  ' if ok else 'FAIL'} kernels/{rel} ({list_name})", flush=True)
         if not ok:
             print(log)

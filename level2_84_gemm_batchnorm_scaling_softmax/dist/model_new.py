@@ -3307,7 +3307,7 @@ bool fused_gemm_bn::sm90_gemm_available() {
         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
         major == 9 && minor == 0 && smem_optin >= Fp16x3Traits::SMEM_BYTES &&
         // the sm_90a cubin reports binaryVersion 90; a build without it does not
-        cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<Epilogue::kTrain, false, false>) == cudaSuccess &&
+        cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<sm90::Epilogue::kTrain, false, false>) == cudaSuccess &&
         attr.binaryVersion == 90 && encode_tiled_fn() != nullptr;
     if (!ok) cudaGetLastError();  // a failed query leaves no error behind
     device_ok[device] = ok ? 1 : -1;

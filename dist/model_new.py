@@ -1313,9 +1313,12 @@ struct RowTerms {
   float vmax, vmin, c;
 };
 
-// Reads row m (kVec: contiguous and 16-byte aligned, float4 loads; else
-// element stride col_stride) once.  Thread 0 writes center[m] (x side) or
-// row_sum[m] (w side).  Every thread of the block must call it.
+// Reads row m (kVec: contiguous, 16-byte aligned and K % 4 == 0, float4 loads;
+// else element stride col_stride) once.  Thread 0 writes center[m] (x side) or
+// row_sum[m] (w side).  Every thread of the block must call it.  Both forms add
+// the elements in one order (thread t: elements 4i .. 4i + 3 for i = t, t +
+// kRowThreads, ...; then the K % 4 tail), so a strided, transposed or
+// misaligned copy of a row gets the same sum, centre and parts, bit for bit.
 template <bool kVec, RowSide kSide>
 __device__ __forceinline__ RowTerms row_terms(const float* __restrict__ row, int64_t col_stride, int K, int64_t m,
                                               float* __restrict__ center, float2* __restrict__ row_sum) {
@@ -1337,7 +1340,11 @@ __device__ __forceinline__ RowTerms row_terms(const float* __restrict__ row, int
       take(v.x), take(v.y), take(v.z), take(v.w);
     }
   } else {
-    for (int k = threadIdx.x; k < K; k += kRowThreads) take(row[k * col_stride]);
+    for (int i = threadIdx.x; i < K / 4; i += kRowThreads) {
+      const float* v = row + 4 * static_cast<int64_t>(i) * col_stride;
+      take(v[0]), take(v[col_stride]), take(v[2 * col_stride]), take(v[3 * col_stride]);
+    }
+    for (int k = K / 4 * 4 + threadIdx.x; k < K; k += kRowThreads) take(row[k * col_stride]);
   }
   RowTerms r;
   r.vmax = row_block_reduce<1>(vmax, scratch_f);

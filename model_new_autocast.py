@@ -52,8 +52,8 @@ def fused_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None)
     if core._tracing():  # the extension calls cannot be recorded; Model's ops can (fullgraph=True works)
         return None
     if ((grad and not bn.training) or not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
-            or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or core._LOWP is None or not core._LOWP.available()
-            or not switches.autocast_fused):
+            or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not switches.autocast_fused
+            or core._LOWP is None or not core._LOWP.available()):
         return None
     tensors = (gemm.weight, gemm.bias, scale, bn.weight, bn.bias, bn.running_mean, bn.running_var)
     if any(t is None or t.dtype != torch.float32 for t in tensors):
@@ -105,19 +105,19 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
     separate sweep over the weight; 1.19-1.27x the call time with the cached
     cast, against ~1.5x for casting first: docs/perf.md v30); in eval the cast is made and
     cached.  Model casts the weight in every autocast region.  Training with
-    gradients: _LowpGradFn, whose backward needs the cast, takes it from the
+    gradients: model_new_lowp.GradFn, whose backward needs the cast, takes it from the
     cache."""
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     if grad:
         params = (x, gemm.weight, gemm.bias, core.per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
         return core._LOWP.GradFn.apply(core._LOWP.kernels(), "lowp_sm90", scale_after_bn, True, buffers, momentum,
-                                 float(bn.eps), dtype, *params)
+                                       float(bn.eps), dtype, *params)
     weight = core._weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}", make=not bn.training)
     params = (x.to(dtype), gemm.weight if weight is None else weight, gemm.bias,
               core.per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
     return core._forward_call(core._LOWP.kernels(), "lowp_sm90", scale_after_bn, bn.training, buffers, momentum,
-                         float(bn.eps), params)
+                              float(bn.eps), params)
 
 
 def check(x, gemm, scale, bn, group):

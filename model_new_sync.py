@@ -347,7 +347,8 @@ def _sync_fused_gemm(x, weight):
     count), the extension built, SWITCHES.sync_fused, and dispatch() choosing
     one of the extension's tile-statistics GEMMs (the training-with-gradients
     plan: never the cluster kernel)."""
-    if not (core.SWITCHES.sync_fused and x.is_cuda and x.dtype == torch.float32 and x.shape[0] >= 2 and core._ext is not None):
+    if not (core.SWITCHES.sync_fused and x.is_cuda and x.dtype == torch.float32 and x.shape[0] >= 2
+            and core._ext is not None):
         return None
     plan = core.dispatch(x, weight, True, True, False)
     return plan.gemm if plan.kernels == "ext" else None
@@ -361,7 +362,8 @@ def _sync_fused_bn_backward(group, count, bias, need_reduce, grad_y, z, stats, s
     global sums and the merged count (a float64 device tensor: no host synchronisation)."""
     local = core._ext.bn_backward_sums(grad_y, z, stats)
     total = _sync_all_reduce(local.clone(), group) if need_reduce else local
-    return core._ext.bn_backward_grad(grad_y, z, stats, bias, scale, bn_weight, eps, scale_after_bn, count, local, total)
+    return core._ext.bn_backward_grad(grad_y, z, stats, bias, scale, bn_weight, eps, scale_after_bn, count, local,
+                                      total)
 
 
 class _SyncFusedTrainFn(torch.autograd.Function):
@@ -382,9 +384,10 @@ class _SyncFusedTrainFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gemm, scale_after_bn, group, buffers, momentum, eps, x, weight, bias, scale, bn_weight,
                 bn_bias):
-        z, local = core._ext.sync_forward_local(gemm, x, weight, bias, buffers[2], *core._weight_args(core._ext, gemm, weight))
-        out, stats, count = core._ext.sync_bn_apply(z, _sync_all_gather(local, group), bias, scale, bn_weight, bn_bias,
-                                               *buffers, momentum, eps, scale_after_bn)
+        z, local = core._ext.sync_forward_local(gemm, x, weight, bias, buffers[2],
+                                                *core._weight_args(core._ext, gemm, weight))
+        out, stats, count = core._ext.sync_bn_apply(z, _sync_all_gather(local, group), bias, scale, bn_weight,
+                                                    bn_bias, *buffers, momentum, eps, scale_after_bn)
         ctx.scale_after_bn, ctx.group, ctx.count, ctx.eps = scale_after_bn, group, count, eps
         ctx.save_for_backward(x, weight, bias, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,
                               out if scale_after_bn else None)
@@ -398,8 +401,8 @@ class _SyncFusedTrainFn(torch.autograd.Function):
         need_reduce = needs[0] or needs[1] or (needs[3] and not ctx.scale_after_bn)
         ops = types.SimpleNamespace(gemm_nn=core._gemm_nn, gemm_tn=core._gemm_tn, bn_backward_train=functools.partial(
             _sync_fused_bn_backward, ctx.group, ctx.count, bias, need_reduce))
-        grads = core._train_backward(ops, ctx.scale_after_bn, ctx.eps, grad_out, x, weight, scale, bn_weight, bn_bias,
-                                z, stats, out, needs)
+        grads = core._train_backward(ops, ctx.scale_after_bn, ctx.eps, grad_out, x, weight, scale, bn_weight,
+                                     bn_bias, z, stats, out, needs)
         return (None,) * 6 + tuple(grads)
 
 

@@ -149,9 +149,8 @@ _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "gemm_nn", "gemm_tn",
-                        "bn_backward_train",
-                        "fp16x3_weight_parts", "weight_row_sums", "sync_forward_local", "sync_bn_apply", "bn_backward_sums",
-                        "bn_backward_grad", "sm90_gemm_available"]
+                        "bn_backward_train", "fp16x3_weight_parts", "weight_row_sums", "sync_forward_local",
+                        "sync_bn_apply", "bn_backward_sums", "bn_backward_grad", "sm90_gemm_available"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
@@ -6054,7 +6053,8 @@ def _op_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_
     buffers = (running_mean.clone(), running_var.clone(), num_batches_tracked.clone())
     kernels = _kernels(plan.kernels)
     out, z, stats = kernels.forward_train_saved(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers,
-                                                momentum, eps, scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
+                                                momentum, eps, scale_after_bn,
+                                                *_weight_args(kernels, plan.gemm, weight))
     return (out, z, stats) + buffers
 
 

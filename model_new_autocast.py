@@ -40,11 +40,11 @@ def autocast_dtype(x):
 def fused_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None):
     """"lowp_sm90" when the fused kernels run this autocast call, else None
     (Model's ops run it): no gradients needed, or training (bn.training) with
-    gradients (_LowpGradFn has the fused backward; eval with gradients takes
+    gradients (model_new_lowp.GradFn has the fused backward; eval with gradients takes
     Model's ops, whose autograd covers it), a CUDA batch of at least one row, the autocast dtype
     float16 or bfloat16, x float32 or 16-bit (cast as autocast casts it), every parameter
     and running statistic float32 (the module Model's autocast is made for),
-    the 16-bit kernels present (_LOWP_DIR), not SWITCHES.autocast_fused off,
+    the 16-bit kernels present (model_new_lowp), not SWITCHES.autocast_fused off,
     and dispatch's conditions for lowp_sm90 (compute capability 9.0, the sm_90a
     image, not SWITCHES.portable), and not under torch.compile or
     torch.jit.trace (Model's ops are what those record).  Runs no kernel."""
@@ -66,7 +66,7 @@ def fused_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None)
 
 def path_name(x, gemm, scale, bn, grad):
     """kernel_path's name under autocast: lowp_sm90_autocast_<train|eval>[_grad]
-    on the fused kernels (_autocast_gemm), else torch_ops_autocast_<train|eval>[_grad]."""
+    on the fused kernels (fused_gemm), else torch_ops_autocast_<train|eval>[_grad]."""
     fused = fused_gemm(x, gemm, scale, bn, autocast_dtype(x), grad)
     return ((fused or "torch_ops") + "_autocast_" + ("train" if bn.training else "eval")
             + ("_grad" if grad else ""))
@@ -94,7 +94,7 @@ def _model_forward(x, gemm, scale, bn, scale_after_bn):
 
 
 def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
-    """The fused autocast forward (_autocast_gemm said lowp_sm90): x cast to
+    """The fused autocast forward (fused_gemm said lowp_sm90): x cast to
     dtype (autocast's cast of F.linear's input; no copy when x already is),
     then one extension call (out float32).  The GEMM's weight operand is
     gemm.weight's cast to dtype from the weight cache (_weight_parts, kind

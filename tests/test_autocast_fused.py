@@ -310,6 +310,7 @@ def test_gpu_autocast_fused_weight_update_seen(problem):
 
 @requires_sm90
 @pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+@pytest.mark.requires_torch_compile
 @pytest.mark.parametrize("problem", ["33", "84"])
 def test_gpu_autocast_compile_fullgraph(problem):
     """torch.compile(fullgraph=True) of ModelNew under CUDA autocast, without

@@ -53,7 +53,8 @@ def _copy_kernels(tmp_path):
 
 
 def _nvcc(cu, include_dir):
-    cmd = ["nvcc", "-c", "-std=c++17", "-I", str(include_dir), "-gencode=arch=compute_90a,code=sm_90a", "-o",
+    std = check_boundary.torch_std()["nvcc"]  # the installed torch's standard, as load_inline compiles the .cu
+    cmd = ["nvcc", "-c", f"-std={std}", "-I", str(include_dir), "-gencode=arch=compute_90a,code=sm_90a", "-o",
            os.devnull, str(cu)]
     return subprocess.run(cmd, capture_output=True, text=True)
 

@@ -134,6 +134,7 @@ def test_gpu_autocast_16bit_input_and_frozen_bn(problem, ops_path):
     assert out_new.dtype == out_ref.dtype and torch.equal(out_new, out_ref)
 
 
+@pytest.mark.requires_torch_compile
 @pytest.mark.parametrize("problem", BOTH)
 def test_cpu_autocast_under_torch_compile(problem):
     """torch.compile(fullgraph=True) of ModelNew under autocast: Model's result."""

@@ -130,6 +130,8 @@ def test_converted_without_distributed_is_unconverted(problem):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.min_torch("2.2", reason="BatchNorm1d.load_state_dict resets a missing num_batches_tracked to 0 "
+                                      "before pytorch/pytorch#110850")
 def test_batch_norm_state_is_a_container():
     _, new = make_pair(PROBLEMS["33"], 0, 12, 10)
     bn = new.bn

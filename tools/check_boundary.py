@@ -9,6 +9,12 @@ bindings and by every .cu that defines a launcher (compiled by .ci/run), a
 signature that drifts on either side fails here, not at load_inline on a GPU.
 
     python tools/check_boundary.py            # both bindings; exit status 1 on a failure
+    python tools/check_boundary.py --std nvcc # prints the -std value load_inline gives nvcc (c++17, c++20)
+
+The C++ standard is the installed torch's choice (C++17 up to torch 2.12, C++20
+from 2.13; torch 2.14's headers refuse C++17): torch_std() reads it from the
+build.ninja that torch.utils.cpp_extension writes for a probe extension, so it
+is never written here.
 
 A CPU-only torch wheel ships c10/cuda's headers but not the one header CMake
 generates for CUDA builds (c10/cuda/impl/cuda_cmake_macros.h, one export macro):
@@ -17,6 +23,7 @@ wheel lacks it.  tests/test_boundary.py holds the negative control (a changed
 prototype must fail this compile).
 """
 import ast
+import inspect
 import os
 import re
 import shutil
@@ -43,22 +50,92 @@ def exported_functions(list_name, module="model_new.py"):
     raise ValueError(f"{module} has no {list_name}")
 
 
-def cuda_includes():
-    """The include folders nvcc itself uses (its --dryrun INCLUDES / SYSTEM_INCLUDES),
-    so a wrapper script on PATH or a non-standard install is handled; else $CUDA_HOME/include."""
-    if os.environ.get("CUDA_HOME"):
-        return [os.path.join(os.environ["CUDA_HOME"], "include")]
+def torch_std():
+    """{"cxx": ..., "nvcc": ...}: the -std= values (e.g. "c++20") that the installed
+    torch's load_inline passes to the host compiler and to nvcc, read from the
+    build.ninja its writer (torch.utils.cpp_extension._write_ninja_file_to_build_library,
+    private: its arguments differ between releases, so they are passed by name,
+    those it lacks left out) produces for a probe of one .cpp and one .cu; nothing
+    is compiled.  So that torch asks no GPU for its architecture flags, the probe
+    passes -gencode (read by recent torch) and sets TORCH_CUDA_ARCH_LIST (read
+    by torch 2.0, which ignores the flags) when unset; a CPU-only torch has no
+    CUDA_HOME, so the writer is given cuda_home().  Both restored after."""
+    from torch.utils import cpp_extension
+
+    writer = cpp_extension._write_ninja_file_to_build_library
+    saved_cuda_home = cpp_extension.CUDA_HOME
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = [os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe_cuda.cu")]
+        for s in sources:
+            open(s, "w").close()
+        args = dict(path=os.path.join(tmp, "build.ninja"), name="std_probe", sources=sources, extra_cflags=[],
+                    extra_cuda_cflags=["-gencode=arch=compute_80,code=sm_80"], extra_sycl_cflags=[],
+                    extra_ldflags=[], extra_include_paths=[], with_cuda=True, with_sycl=False,
+                    is_python_module=True, is_standalone=False)
+        params = inspect.signature(writer).parameters
+        missing = [p for p in params if p not in args and params[p].default is inspect.Parameter.empty]
+        if missing:
+            raise RuntimeError(f"torch {torch_version()}: {writer.__name__} takes arguments unknown here: {missing}")
+        saved_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        try:
+            cpp_extension.CUDA_HOME = saved_cuda_home or cuda_home()
+            os.environ["TORCH_CUDA_ARCH_LIST"] = saved_arch_list or "8.0"
+            writer(**{k: v for k, v in args.items() if k in params})
+        finally:
+            cpp_extension.CUDA_HOME = saved_cuda_home
+            if saved_arch_list is None:
+                del os.environ["TORCH_CUDA_ARCH_LIST"]
+        with open(args["path"], encoding="utf-8") as f:
+            ninja = f.read()
+    found = {}
+    for key, var in (("cxx", "cflags"), ("nvcc", "cuda_cflags")):
+        line = re.search(rf"^{var} = (.*)$", ninja, flags=re.M)
+        stds = re.findall(r"(?:^|\s)-std=(\S+)", line.group(1)) if line else []
+        if not stds:
+            raise RuntimeError(f"torch {torch_version()}: no -std= in the {var} of its build.ninja:\n{ninja}")
+        found[key] = stds[-1]  # the compiler takes the last one
+    return found
+
+
+def torch_version():
+    import torch
+
+    return torch.__version__
+
+
+def _nvcc_dryrun():
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise RuntimeError("no nvcc on PATH and no $CUDA_HOME: the bindings need the CUDA headers")
     r = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull], capture_output=True,
                        text=True)
+    return nvcc, r.stdout + r.stderr
+
+
+def cuda_home():
+    """$CUDA_HOME, else the toolkit root of the nvcc on PATH (its --dryrun TOP, so
+    a wrapper script such as /usr/local/bin/nvcc resolves to the real toolkit)."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    nvcc, out = _nvcc_dryrun()
+    top = re.search(r"^#\$ TOP=(.*)$", out, flags=re.M)
+    if top is None:
+        raise RuntimeError(f"could not read the toolkit root from `{nvcc} --dryrun`:\n{out}")
+    return os.path.normpath(top.group(1).strip())
+
+
+def cuda_includes():
+    """The include folders nvcc itself uses (its --dryrun INCLUDES / SYSTEM_INCLUDES),
+    so a wrapper script on PATH or a non-standard install is handled; else $CUDA_HOME/include."""
+    if os.environ.get("CUDA_HOME"):
+        return [os.path.join(os.environ["CUDA_HOME"], "include")]
+    nvcc, out = _nvcc_dryrun()
     found = []
-    for line in (r.stdout + r.stderr).splitlines():
+    for line in out.splitlines():
         if "INCLUDES=" in line:
             found += re.findall(r'(?:-I|-isystem"? ")"?([^" ]+)', line)
     if not found:
-        raise RuntimeError(f"could not read nvcc's include folders from `{nvcc} --dryrun`:\n{r.stdout}{r.stderr}")
+        raise RuntimeError(f"could not read nvcc's include folders from `{nvcc} --dryrun`:\n{out}")
     return found
 
 
@@ -85,7 +162,8 @@ def compile_binding(source_path, functions, kernel_dir=KERNEL_DIR):
         tu = os.path.join(tmp, "main.cpp")
         with open(tu, "w", encoding="utf-8") as f:
             f.write(translation_unit(text, functions))
-        cmd = [os.environ.get("CXX", "g++"), "-fsyntax-only", "-std=c++17", "-DTORCH_EXTENSION_NAME=boundary_check"]
+        cmd = [os.environ.get("CXX", "g++"), "-fsyntax-only", f"-std={torch_std()['cxx']}",
+               "-DTORCH_EXTENSION_NAME=boundary_check"]
         cmd += [arg for p in torch_includes for arg in ("-isystem", p)]
         cmd += ["-isystem", sysconfig.get_paths()["include"]] + [a for p in cuda_includes() for a in ("-isystem", p)]
         cmd += ["-I", kernel_dir, "-I", os.path.dirname(source_path), tu]
@@ -94,6 +172,9 @@ def compile_binding(source_path, functions, kernel_dir=KERNEL_DIR):
 
 
 def main():
+    if sys.argv[1:2] == ["--std"]:
+        print(torch_std()[sys.argv[2] if len(sys.argv) > 2 else "cxx"])
+        return
     failed = False
     for rel, (module, list_name) in BINDINGS.items():
         ok, log = compile_binding(os.path.join(KERNEL_DIR, rel), exported_functions(list_name, module))

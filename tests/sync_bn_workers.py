@@ -80,8 +80,25 @@ SCENARIOS = _scenarios()
 SYNCHRONIZED = sorted(name for name, sc in SCENARIOS.items()
                       if sc.convert and sc.group != "own" and sc.dtype in (F64, F32))
 LOWP = sorted(name for name, sc in SCENARIOS.items() if sc.dtype == torch.bfloat16)
-# Scenarios that run here: CUDA ones where a GPU is visible (gloo carries CUDA tensors).
-RUNNABLE = sorted(name for name, sc in SCENARIOS.items() if sc.device == "cpu" or torch.cuda.is_available())
+
+
+def _gloo_reduces_bfloat16():
+    """Whether this torch's gloo backend all_reduces bfloat16 (the bfloat16
+    scenarios' gradient averaging); torch 2.0.1's raises "Invalid scalar type"."""
+    if not (dist.is_available() and dist.is_gloo_available()):
+        return False
+    try:
+        dist.ProcessGroupGloo(dist.HashStore(), 0, 1).allreduce([torch.ones(1, dtype=torch.bfloat16)]).wait()
+    except RuntimeError:
+        return False
+    return True
+
+
+GLOO_BFLOAT16 = _gloo_reduces_bfloat16()
+# Scenarios that run here: CUDA ones where a GPU is visible (gloo carries CUDA tensors),
+# bfloat16 ones where gloo reduces bfloat16.
+RUNNABLE = sorted(name for name, sc in SCENARIOS.items() if (sc.device == "cpu" or torch.cuda.is_available())
+                  and (sc.dtype != torch.bfloat16 or GLOO_BFLOAT16))
 
 
 # ---------------------------------------------------------------------------

@@ -192,6 +192,8 @@ def test_synchronized_training_equals_global_batch(trained, name):
             _close(got["buffers"][key], want, tol, f"{where} {key}")
 
 
+@pytest.mark.skipif(not workers.GLOO_BFLOAT16, reason="this torch's gloo cannot all_reduce bfloat16 (torch 2.0.1: "
+                                                     "'Invalid scalar type'), which the bfloat16 scenarios need")
 @pytest.mark.parametrize("name", workers.LOWP)
 def test_synchronized_16bit_as_accurate_as_model(trained, name):
     """Error against float64 (Model from the same bfloat16 state and data):

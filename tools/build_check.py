@@ -51,7 +51,7 @@ def lowp_extension():
     """(sources, exported functions, module prefix) of the 16-bit extension (kernels/lowp/)."""
     import model_new
 
-    return model_new._lowp_sources(), model_new._LOWP_FUNCTIONS, model_new._LOWP_PREFIX
+    return model_new._LOWP.sources(), model_new._LOWP.FUNCTIONS, model_new._LOWP.PREFIX
 
 
 EXTENSIONS = {"float32": float32_extension, "16-bit": lowp_extension}

@@ -11,10 +11,10 @@ signature that drifts on either side fails here, not at load_inline on a GPU.
     python tools/check_boundary.py            # both bindings; exit status 1 on a failure
     python tools/check_boundary.py --std nvcc # prints the -std value load_inline gives nvcc (c++17, c++20)
 
-The C++ standard is the installed torch's choice (C++17 up to torch 2.12, C++20
-from 2.13; torch 2.14's headers refuse C++17): torch_std() reads it from the
-build.ninja that torch.utils.cpp_extension writes for a probe extension, so it
-is never written here.
+The C++ standard is the installed torch's choice (seen: C++17 on torch 2.0.1,
+C++20 on 2.13.0 and 2.14.1, whose headers refuse C++17): torch_std() reads it
+from the build.ninja that torch.utils.cpp_extension writes for a probe
+extension, so it is never written here.
 
 A CPU-only torch wheel ships c10/cuda's headers but not the one header CMake
 generates for CUDA builds (c10/cuda/impl/cuda_cmake_macros.h, one export macro):

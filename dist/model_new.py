@@ -5323,7 +5323,8 @@ def check_input(x, weight, training, cast=False):
     n, k = weight.shape
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"ModelNew expects a torch.Tensor, got {type(x).__name__}")
-    if x.dim() == 0:
+    if x.dim() == 0:  # torch's own message (it names matmul up to torch 2.0, linear after)
+        torch.ops.aten.linear(x, weight)
         raise RuntimeError("both arguments to linear need to be at least 1D, but they are 0D and 2D")
     if x.dim() == 3:
         raise RuntimeError(f"ModelNew takes x of shape (batch, {k}), got {tuple(x.shape)}: on a 3D input "

@@ -7,7 +7,15 @@ behind a spin kernel), both 16-bit dtypes and problems; then every gradient's
 relative Frobenius error against the float64 Model for both sides (x,
 gemm.weight, gemm.bias, scale, bn.weight, bn.bias) and their ratio.
 
-    python tools/lowp_eval_grad_ab.py [M,K,N]      (default: KernelBench's 1024,8192,8192)
+Each side is compared with a float64 Model that carries that side's own state
+(parameters and running statistics): bench.build_models' settling steps leave
+the two sides with running statistics that differ by their training-mode
+rounding, and in eval the gradients depend on them, so one float64 Model for
+both would charge that difference to the backward.  `--shared-reference`
+compares both with the float64 copy of eager's state instead (the old reading).
+
+    python tools/lowp_eval_grad_ab.py [M,K,N] [--shared-reference]
+                                             (default shape: KernelBench's 1024,8192,8192)
 """
 import copy
 import os
@@ -35,7 +43,9 @@ def rel_err(a, b):
 
 
 def main():
-    shape = tuple(int(v) for v in sys.argv[1].split(",")) if len(sys.argv) > 1 else (1024, 8192, 8192)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    shared = "--shared-reference" in sys.argv[1:]
+    shape = tuple(int(v) for v in args[0].split(",")) if args else (1024, 8192, 8192)
     m, k, n = shape
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}; M,K,N = {shape}; "
           f"eval, forward + backward")
@@ -47,10 +57,15 @@ def main():
             gen = torch.Generator(device="cuda").manual_seed(1)
             g = torch.randn(m, n, device="cuda", generator=gen).to(dtype)
             x_check = torch.rand(m, k, device="cuda").to(dtype)
-            ref64 = copy.deepcopy(ref).double()
-            want = gradients(ref64, x_check.double(), g.double())
-            errors = {side: [rel_err(a, b) for a, b in zip(gradients(module, x_check, g), want)]
-                      for side, module in sides.items()}
+            errors = {}
+            for side, module in sides.items():
+                ref64 = copy.deepcopy(ref).double()
+                if not shared:
+                    ref64.load_state_dict(module.state_dict())
+                want = gradients(ref64, x_check.double(), g.double())
+                errors[side] = [rel_err(a, b) for a, b in zip(gradients(module, x_check, g), want)]
+            stats = "  ".join(f"{key}: {rel_err(new.state_dict()[key], v):.1e}" for key, v in ref.state_dict().items()
+                              if key.startswith("bn.running"))
             inputs = [torch.rand(m, k, device="cuda").to(dtype).requires_grad_(True) for _ in range(3)]
 
             def clear(x):
@@ -63,6 +78,7 @@ def main():
             med = {side: statistics.median(t) for side, t in times.items()}
             print(f"{name} {str(dtype)[6:]}: eager {med['eager']:.3f} ms, ModelNew {med['ModelNew']:.3f} ms, "
                   f"ModelNew / eager {med['ModelNew'] / med['eager']:.3f}  ({new.kernel_path(inputs[0])})")
+            print(f"    ModelNew's running statistics against eager's (relative): {stats}")
             print("    grad err vs float64 " + "  ".join(f"{n_}: {e:.2e} / {r:.2e} ({e / r:.2f}x)"
                                                          for n_, e, r in zip(NAMES, errors["ModelNew"],
                                                                               errors["eager"])))

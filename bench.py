@@ -53,6 +53,9 @@ float64, and closeness is the 16-bit one below.  Model casts gemm.weight in
 every region; ModelNew keeps its cast while the weight is unchanged, so in
 train mode the bench drops ModelNew's cast before every call (outside the
 events), as a training step's weight update would, and in eval keeps it.
+--one-region instead runs all of a side's calls in one autocast region with
+nothing dropped (an evaluation loop inside one region: Model's autocast
+caches its weight cast for the region, ModelNew keeps its own).
 
 16-bit dtypes and --autocast: a "floor" side times one cuBLAS product of the
 shape in that dtype (torch.mm of pre-cast operands, 16-bit output).
@@ -74,6 +77,7 @@ above); 2 no CUDA GPU.
 M = batch, K = in_features, N = out_features.
 """
 import argparse
+import contextlib
 import copy
 import importlib
 import json
@@ -172,6 +176,9 @@ def parse_args(argv=None):
     p.add_argument("--autocast", choices=("float16", "bfloat16"), default=None,
                    help="run every side inside torch.autocast('cuda', dtype) with float32 models (needs --dtype "
                         "float32)")
+    p.add_argument("--one-region", action="store_true",
+                   help="with --autocast: one autocast region around all calls, no cast dropped (default: a "
+                        "region per call)")
     p.add_argument("--json", default=os.path.join("results", "bench.json"), metavar="PATH",
                    help="where to write the results (default: results/bench.json)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile(Model) side")
@@ -187,6 +194,8 @@ def parse_args(argv=None):
         p.error("--iters must be >= 1 and --warmup >= 0")
     if args.autocast is not None and args.dtype != "float32":
         p.error("--autocast runs float32 models inside torch.autocast: it needs --dtype float32")
+    if args.one_region and args.autocast is None:
+        p.error("--one-region needs --autocast")
     if args.backward and args.sweep:
         p.error("--backward times one shape: it cannot be combined with --sweep")
     if args.shape[0] < 2:  # also eval: EVAL_TRAIN_STEPS training steps come first
@@ -324,8 +333,9 @@ def autocast_context(args):
 
 
 def in_autocast(fn, args):
-    """fn with each call inside its own autocast region (fn itself without --autocast)."""
-    if args.autocast is None:
+    """fn with each call inside its own autocast region (fn itself without
+    --autocast, or with --one-region: the caller holds the region)."""
+    if args.autocast is None or args.one_region:
         return fn
 
     def call(x):
@@ -335,11 +345,16 @@ def in_autocast(fn, args):
     return call
 
 
+def one_region(args):
+    """--one-region's autocast region around a mode's checks and timings (else nothing)."""
+    return autocast_context(args) if args.one_region else contextlib.nullcontext()
+
+
 def weight_cast_drop(args, mode):
     """prepare hooks for time_fn: under --autocast in train mode, ModelNew's
     cached weight cast is dropped before each of its calls (the engine's
     clear_weight_cache), as after a training step's weight update; else None."""
-    if args.autocast is None or mode != "train":
+    if args.autocast is None or mode != "train" or args.one_region:
         return None
     clear = importlib.import_module("model_new").clear_weight_cache
     return {"eager": lambda x: None, "compile": lambda x: None, "floor": lambda x: None,
@@ -353,7 +368,7 @@ def bench_mode(problem, args, mode):
     ref, new = build_models(problem, args.shape, mode, args.seed, dtype)
     inputs = [torch.rand(m, k, device=DEVICE).to(dtype) for _ in range(NUM_INPUTS)]
     x_check = torch.rand(m, k, device=DEVICE).to(dtype)
-    with torch.set_grad_enabled(args.grad):
+    with torch.set_grad_enabled(args.grad), one_region(args):
         sides = {"eager": in_autocast(ref, args)}
         compiled = None if args.no_compile else try_compile(ref, inputs[0], lambda f: in_autocast(f, args))
         if compiled is not None:
@@ -499,7 +514,8 @@ def bench_backward_mode(problem, args, mode):
                 floor_one(x)
         fns["floor"] = floor
         prepare["floor"] = lambda x: None
-    times = time_fn(fns, inputs, args.iters, args.warmup, prepare=prepare)
+    with one_region(args):
+        times = time_fn(fns, inputs, args.iters, args.warmup, prepare=prepare)
     eager_ms = statistics.median(times["eager"])
     rows = []
     for name, ts in times.items():

@@ -103,8 +103,10 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
     between calls), the float32 gemm.weight itself, which the kernel rounds to
     dtype as it loads each tile (the values autocast's cast gives, with no
     separate sweep over the weight; 1.19-1.27x the call time with the cached
-    cast, against ~1.5x for casting first: docs/perf.md v30); in eval the cast is made and
-    cached.  Model casts the weight in every autocast region.  Training with
+    cast, against ~1.5x for casting first: docs/perf.md v30), and the cast is
+    made and cached when a later call finds the weight unchanged (a loop of
+    calls in training mode without an optimizer step); in eval the cast is made
+    and cached at once.  Model casts the weight once per autocast region.  Training with
     gradients: model_new_lowp.GradFn, whose backward needs the cast, takes it from the
     cache."""
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
@@ -113,7 +115,8 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
         params = (x, gemm.weight, gemm.bias, core.per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
         return core._LOWP.GradFn.apply(core._LOWP.kernels(), "lowp_sm90", scale_after_bn, True, buffers, momentum,
                                        float(bn.eps), dtype, *params)
-    weight = core._weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}", make=not bn.training)
+    weight = core._weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}",
+                                make="reused" if bn.training else True)
     params = (x.to(dtype), gemm.weight if weight is None else weight, gemm.bias,
               core.per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
     return core._forward_call(core._LOWP.kernels(), "lowp_sm90", scale_after_bn, bn.training, buffers, momentum,

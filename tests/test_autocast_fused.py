@@ -333,3 +333,37 @@ def test_gpu_autocast_compile_fullgraph(problem):
         assert out_new.dtype == out_ref.dtype and torch.equal(out_new, out_ref), f"step {step}"
         for (name, a), b in zip(new.named_buffers(), ref.buffers()):
             assert torch.equal(a, b), f"step {step}: {name}"
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("problem", ["33", "84"])
+def test_gpu_autocast_training_calls_reuse_the_cast(dtype_name, problem):
+    """Training-mode calls without gradients in one autocast region (an
+    evaluation loop that keeps BatchNorm in training mode): the first call
+    rounds the float32 weight in the kernel, the second finds it unchanged and
+    caches its cast, later calls read that cast; every call's output is the
+    first's bit for bit (the same 16-bit operands), the buffers follow Model's,
+    and an optimizer step drops the cast (the next call rounds in the kernel)."""
+    import model_new
+
+    dtype = DTYPES[dtype_name]
+    m, k, n = 257, 300, 1000
+    ref, new = autocast_pair(problem, k, n)
+    x = float_input(0, m, k)
+    model_new.clear_weight_cache()
+    entry = lambda: model_new._WEIGHT_PARTS.get(id(new.gemm.weight))  # noqa: E731
+    outs = []
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        for call in range(3):
+            assert new.kernel_path(x) == "lowp_sm90_autocast_train"
+            outs.append(new(x))
+            assert_close_autocast(outs[-1], ref(x), dtype, f"call {call}")
+            cached = entry() is not None and entry().parts is not None
+            assert cached == (call >= 1), f"call {call}: cast cached {cached}"
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert_buffers_close(new, ref, "three calls")
+    new.gemm.weight.grad = torch.ones_like(new.gemm.weight)
+    torch.optim.SGD(new.parameters(), lr=1e-3).step()
+    assert entry() is None
+    model_new.clear_weight_cache()

@@ -10,7 +10,8 @@ Run: python -m pytest -q tests/test_weight_cache.py    (GPU tests skip without C
         foreach, fused), copy_, load_state_dict and `.data` assignment; not after
         writes through `.data` (documented; clear_weight_cache() recovers);
         entry dropped with its weight; off for inference-mode weights and with
-        the switch off; the two kinds are kept apart.
+        the switch off; the two kinds are kept apart; make="reused" makes the
+        parts on the second sight of an unchanged weight.
   GPU   the forwards of every GEMM path (sm90_fp16x3, sm80_3xtf32):
         after each change, the cached call's output is bit-equal to a call that
         makes the cache afresh; a CUDA graph captured over the forward re-splits
@@ -71,6 +72,23 @@ def test_reused_until_changed(fresh_cache):
     first = model_new._weight_parts(lin.weight, split)
     assert model_new._weight_parts(lin.weight, split) is first and split.calls == 1
     assert torch.equal(first, lin.weight)
+
+
+def test_made_when_reused(fresh_cache):
+    """make="reused" (autocast's training calls): the first sight of a weight
+    makes nothing, the second sight of it unchanged makes the parts, a change
+    in between starts over; make=False never makes them (negative control)."""
+    lin, split = linear(), CountingSplit()
+    assert model_new._weight_parts(lin.weight, split, make=False) is None
+    assert model_new._weight_parts(lin.weight, split, make="reused") is None and split.calls == 0
+    CHANGES["mul_ under no_grad"](lin)
+    assert model_new._weight_parts(lin.weight, split, make="reused") is None and split.calls == 0
+    assert model_new._weight_parts(lin.weight, split, make=False) is None and split.calls == 0
+    parts = model_new._weight_parts(lin.weight, split, make="reused")
+    assert split.calls == 1 and torch.equal(parts, lin.weight)
+    assert model_new._weight_parts(lin.weight, split, make="reused") is parts and split.calls == 1
+    step(lin, torch.optim.SGD(lin.parameters(), lr=0.1))
+    assert model_new._weight_parts(lin.weight, split, make="reused") is None and split.calls == 1
 
 
 CHANGES = {

@@ -118,9 +118,6 @@ FusedModule, LinearParams, BatchNormState, fused_forward, kernel_path,
 check_input, per_feature_scale, sync_process_group, clear_weight_cache;
 dispatch, dispatch_gemm_nt, dispatch_gemm_tn, plan, Call, Plan, DeviceFacts,
 device_facts, Switches, SWITCHES.
-
-Build (section Build): the sources are compiled once per machine by
-torch.utils.cpp_extension.load_inline when a GPU is visible; docs/design.md.
 Tests: test_equivalence.py, tests/.
 """
 import collections
@@ -5117,16 +5114,12 @@ def _write_headers(include_dir, sources):
         os.replace(tmp, path)
 
 
-class _BuildFailure:
+class _BuildFailure(contextlib.AbstractContextManager):
     """Context manager around the compile: a failure is re-raised as one
     RuntimeError naming nvcc and a log file holding the compiler's output."""
 
     def __init__(self, build_dir, nvcc):
-        self.build_dir = build_dir
-        self.nvcc = nvcc
-
-    def __enter__(self):
-        return self
+        self.build_dir, self.nvcc = build_dir, nvcc
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None or not issubclass(exc_type, Exception):
@@ -5425,6 +5418,8 @@ def per_feature_scale(scale, n):
     it), or N elements as (N,) or (1, N); autograd sums its gradient back.
     Other shapes (per-row scales, 3 or more dims) raise RuntimeError before any
     buffer is touched."""
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"unsupported operand type(s) for *: 'Tensor' and '{type(scale).__name__}'")
     per_feature = scale.dim() <= 2 and (scale.numel() == 1 or (scale.shape[-1] == n and scale.numel() == n))
     if not per_feature:
         raise RuntimeError(
@@ -5433,6 +5428,41 @@ def per_feature_scale(scale, n):
         )
     s = scale.reshape(-1)
     return s if s.shape == (n,) else s.expand(n)
+
+
+_LinearCall = collections.namedtuple("_LinearCall", "weight bias in_features out_features")
+_BatchNormCall = collections.namedtuple("_BatchNormCall", "training weight bias running_mean running_var "
+                                                          "num_batches_tracked momentum eps")
+
+
+def module_call(gemm, bn):
+    """(gemm, bn) as one call sees them, as torch's Linear and BatchNorm1d read them:
+    a None gemm.bias, bn.weight, bn.bias (affine=False) reads as zeros / ones /
+    zeros; `training` is BatchNorm1d's bn_training (bn.training, or both running
+    statistics None); buffers BatchNorm1d would not write (track_running_stats
+    False, running statistics or num_batches_tracked None) are replaced by
+    scratch tensors the kernels may write.  Raises torch's exception (TypeError:
+    gemm.weight None; ValueError / RuntimeError: one running statistic None)
+    before anything is touched."""
+    if not isinstance(gemm.weight, torch.Tensor):
+        raise TypeError(f"linear(): argument 'weight' must be Tensor, not {type(gemm.weight).__name__}")
+    mean, var, tracked = bn.running_mean, bn.running_var, bn.num_batches_tracked
+    if (mean is None) != (var is None):
+        if bn.training:
+            raise ValueError("running_mean and running_var must either both be None or neither be None")
+        raise RuntimeError(f"{'running_mean' if mean is None else 'running_var'} must be defined in evaluation mode")
+    weight, n = gemm.weight, gemm.weight.shape[0]
+    like = next((t for t in (mean, bn.weight, bn.bias, gemm.bias) if t is not None), weight)
+    filled = functools.partial(torch.full, (n,), dtype=like.dtype, device=like.device)
+    training, tracking = bn.training or mean is None, bn.training and bn.track_running_stats
+    if training and not (tracking and mean is not None and (tracked is not None or bn.momentum is not None)):
+        mean, var = filled(0.0), filled(1.0)  # (momentum and num_batches_tracked None: BatchNorm1d's factor is 0)
+    if training and not (tracking and tracked is not None):
+        tracked = torch.zeros((), dtype=torch.long, device=weight.device)
+    bias = torch.zeros(n, dtype=weight.dtype, device=weight.device) if gemm.bias is None else gemm.bias
+    return (_LinearCall(weight, bias, weight.shape[1], n),
+            _BatchNormCall(training, filled(1.0) if bn.weight is None else bn.weight,
+                           filled(0.0) if bn.bias is None else bn.bias, mean, var, tracked, bn.momentum, bn.eps))
 
 
 # ---------------------------------------------------------------------------
@@ -5641,20 +5671,30 @@ def _warn_unsynchronized(bn):
 
 def fused_forward(x, gemm, scale, bn, scale_after_bn):
     """The forward of both problems: x (M, K); gemm and bn the parameter
-    containers (LinearParams, BatchNormState); scale the parameter
-    (per_feature_scale's shapes); scale_after_bn selects problem 84.  bn.training
-    decides batch or running statistics, as BatchNorm1d's flag inside Model.
-    Checks the input first (nothing is touched on an error); returns out (M, N)
-    in x's dtype.  The path, first match: mixed precision on for x
-    (model_new_autocast.py); SyncBatchNorm over several processes
+    containers (LinearParams, BatchNormState), read as torch's Linear and BatchNorm1d
+    read theirs (module_call: batch or running statistics, optional state);
+    scale the parameter (per_feature_scale's shapes); scale_after_bn selects
+    problem 84.  Checks the input first (nothing is touched on an error);
+    returns out (M, N) in x's dtype.  The path, first match: mixed precision on
+    for x (model_new_autocast.py); SyncBatchNorm over several processes
     (model_new_sync.py); torch.compile or torch.jit.trace recording, or
     SWITCHES.eager_ops: the fused_gemm_bn:: operators (_ops_forward, which make
     dispatch()'s decision when they run, so a traced module generalises over the
     batch size); else dispatch()'s Plan: 16-bit model_new_lowp.forward; no
     gradient one forward_train / forward_eval call; training with gradients
-    _TrainFn; eval with gradients _eval_with_grad.  torch.jit.trace raises
-    RuntimeError where this torch has no custom operators (< 2.4)."""
+    _TrainFn; eval with gradients _eval_with_grad.  Under torch.jit.trace the
+    checks run once, at trace time, by design (their TracerWarnings are
+    silenced); it raises RuntimeError where this torch has no custom operators (< 2.4)."""
+    if not torch.jit.is_tracing():
+        return _fused_forward(x, gemm, scale, bn, scale_after_bn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return _fused_forward(x, gemm, scale, bn, scale_after_bn)
+
+
+def _fused_forward(x, gemm, scale, bn, scale_after_bn):
     group = sync_process_group(bn)
+    gemm, bn = module_call(gemm, bn)
     autocast_dtype = None if _AUTOCAST is None else _AUTOCAST.autocast_dtype(x)
     if autocast_dtype is not None:
         _AUTOCAST.check(x, gemm, scale, bn, group)
@@ -5665,6 +5705,8 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     eps = float(bn.eps)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = _needs_grad(params)
+    if torch.jit.is_tracing():  # one graph for both grad modes (the trace check re-records under no_grad)
+        grad = any(t.requires_grad for t in params)
     if torch.jit.is_tracing() and _OPS is None:
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4): "
                            "its kernels are extension calls the tracer cannot record; use torch.compile")
@@ -5673,7 +5715,7 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     _warn_unsynchronized(bn)
     if x.shape[0] == 0:  # as BatchNorm1d: empty output, the call counted, running statistics untouched
         if training:
-            bn.num_batches_tracked.add_(1)
+            bn.num_batches_tracked.add_(1)  # (a scratch tensor where BatchNorm1d would not count: module_call)
         return x.new_empty((0, gemm.out_features))
     if _use_ops():
         return _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
@@ -5696,6 +5738,7 @@ def kernel_path(x, gemm, scale, bn, scale_after_bn):
     name is the extra's path_name, e.g. "lowp_sm90_autocast_eval" or
     "torch_ops_sync_train_grad"."""
     group = sync_process_group(bn)
+    gemm, bn = module_call(gemm, bn)
     if _AUTOCAST is not None and _AUTOCAST.autocast_dtype(x) is not None:
         _AUTOCAST.check(x, gemm, scale, bn, group)
         params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
@@ -5761,7 +5804,8 @@ def _weight_parts(weight, split=None, kind="fp16x3", make=True):
     (_drop_stepped_weights: fused optimizers keep the counter) and `.data`
     assignment.  Not seen: writes through `weight.data` outside an optimizer
     step; call clear_weight_cache() after those.  With make=False a missing or
-    stale entry gives None."""
+    stale entry gives None; with make="reused" too, but the weight is noted,
+    and a later call that finds it unchanged makes the parts."""
     if (not SWITCHES.weight_cache or not _WEIGHT_CACHE_SAFE or weight.is_inference()
             or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
@@ -5769,7 +5813,8 @@ def _weight_parts(weight, split=None, kind="fp16x3", make=True):
     key = (kind, weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.device, stream)
     wid = id(weight)
     entry = _WEIGHT_PARTS.get(wid)
-    if entry is not None and entry.ref() is weight and entry.key == key:
+    seen = entry is not None and entry.ref() is weight and entry.key == key
+    if seen and (entry.parts is not None or not make):
         return entry.parts
     _WEIGHT_PARTS.pop(wid, None)  # the old parts go before the new ones are made
     if not make:
@@ -5782,7 +5827,7 @@ def _weight_parts(weight, split=None, kind="fp16x3", make=True):
 
     if split is None:
         split = _ext.fp16x3_weight_parts if kind == "fp16x3" else _ext.weight_row_sums
-    parts = split(weight)
+    parts = None if make == "reused" and not seen else split(weight)
     _WEIGHT_PARTS[wid] = _WeightPartsEntry(weakref.ref(weight, drop), key, weight.untyped_storage(), parts)
     return parts
 
@@ -6010,11 +6055,6 @@ _OP_SCHEMAS = {
 }
 
 
-def _op_softmax_rows(v):
-    """Row softmax of v (M, N) -> new contiguous (M, N) (torch ops, any device)."""
-    return _softmax_rows(v).contiguous()
-
-
 def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
     """The extension's bn_backward_train (contract: _torch_bn_backward_train), as a
     tuple; for a 16-bit z model_new_lowp's (stats is then the 16-bit
@@ -6024,39 +6064,22 @@ def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_b
     return tuple(_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn))
 
 
-def _check_training_batch(x, weight):
-    """The raw training operators refuse what the module refuses: a batch of
-    fewer than 2 rows (the module itself handles M = 0), before any buffer is touched."""
+def _op_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
+                      momentum, eps, scale_after_bn, saved=False):
+    """(out, running_mean', running_var', num_batches_tracked'): the plan's
+    forward_train run on copies of the buffers, which it returns updated;
+    saved: forward_train_saved's (out, z, stats, the three buffers).  Refuses
+    what the module refuses (a batch of fewer than 2 rows) before touching anything."""
     if x.shape[0] < 2:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size "
                          f"{torch.Size([x.shape[0], weight.shape[0]])}")
-
-
-def _op_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
-                      momentum, eps, scale_after_bn):
-    """(out, running_mean', running_var', num_batches_tracked'): the plan's
-    forward_train run on copies of the buffers, which it returns updated."""
-    _check_training_batch(x, weight)
-    plan = dispatch(x, weight, True, False, scale_after_bn)
+    plan = dispatch(x, weight, True, saved, scale_after_bn)
     buffers = (running_mean.clone(), running_var.clone(), num_batches_tracked.clone())
     kernels = _kernels(plan.kernels)
-    out = kernels.forward_train(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers, momentum, eps,
-                                scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
-    return (out,) + buffers
-
-
-def _op_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
-                            num_batches_tracked, momentum, eps, scale_after_bn):
-    """(out, z, stats, running_mean', running_var', num_batches_tracked'): the
-    plan's forward_train_saved run on copies of the buffers, which it returns updated."""
-    _check_training_batch(x, weight)
-    plan = dispatch(x, weight, True, True, scale_after_bn)
-    buffers = (running_mean.clone(), running_var.clone(), num_batches_tracked.clone())
-    kernels = _kernels(plan.kernels)
-    out, z, stats = kernels.forward_train_saved(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers,
-                                                momentum, eps, scale_after_bn,
-                                                *_weight_args(kernels, plan.gemm, weight))
-    return (out, z, stats) + buffers
+    run = kernels.forward_train_saved if saved else kernels.forward_train
+    out = run(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias, *buffers, momentum, eps, scale_after_bn,
+              *_weight_args(kernels, plan.gemm, weight))
+    return (*out, *buffers) if saved else (out, *buffers)
 
 
 def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn):
@@ -6069,22 +6092,6 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
                                 scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
 
 
-def _fake_gemm_nt(a, b):
-    return a.new_empty((a.shape[0], b.shape[0]))
-
-
-def _fake_gemm_nn(a, b):
-    return a.new_empty((a.shape[0], b.shape[1]))
-
-
-def _fake_gemm_tn(a, b):
-    return a.new_empty((a.shape[1], b.shape[1]))
-
-
-def _fake_softmax_rows(v):
-    return v.new_empty(v.shape)
-
-
 def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
     n = z.shape[1]
     if _is_16bit_dtype(z.dtype):
@@ -6092,23 +6099,15 @@ def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after
     return grad_y.new_empty(z.shape), grad_y.new_empty(n), grad_y.new_empty(n), grad_y.new_empty(n)
 
 
-def _fake_forward_eval(x, weight, *args):
-    return x.new_empty((x.shape[0], weight.shape[0]))
-
-
 def _fake_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
-                        momentum, eps, scale_after_bn):
-    return (x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(running_mean), torch.empty_like(running_var),
-            torch.empty_like(num_batches_tracked))
-
-
-def _fake_forward_train_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
-                              num_batches_tracked, momentum, eps, scale_after_bn):
+                        momentum, eps, scale_after_bn, saved=False):
     m, n = x.shape[0], weight.shape[0]
+    buffers = (torch.empty_like(running_mean), torch.empty_like(running_var), torch.empty_like(num_batches_tracked))
+    if not saved:
+        return (x.new_empty((m, n)), *buffers)
     # 16-bit x: the 16-bit extension's (out, z, coeff (4, N) float32, model_new_lowp)
     stats = x.new_empty((4, n), dtype=torch.float32) if _is_16bit_dtype(x.dtype) else x.new_empty((2, n))
-    return (x.new_empty((m, n)), x.new_empty((m, n)), stats, torch.empty_like(running_mean),
-            torch.empty_like(running_var), torch.empty_like(num_batches_tracked))
+    return (x.new_empty((m, n)), x.new_empty((m, n)), stats, *buffers)
 
 
 def _setup_gemm_nt(ctx, inputs, output):
@@ -6180,15 +6179,19 @@ def _define_ops():
     problem's self-contained file) is reused.  Returns torch.ops.fused_gemm_bn."""
     namespace = getattr(torch.ops, _OP_NAMESPACE)
     schemas = dict(_OP_SCHEMAS, **({} if _LOWP is None else _LOWP.SCHEMAS))
-    impls = {"gemm_nt": (_gemm_nt, _fake_gemm_nt, (_backward_gemm_nt, _setup_gemm_nt)),
-             "gemm_nn": (_gemm_nn, _fake_gemm_nn, None),
-             "gemm_tn": (_gemm_tn, _fake_gemm_tn, None),
-             "softmax_rows": (_op_softmax_rows, _fake_softmax_rows, (_backward_softmax_rows, _setup_softmax_rows)),
+    saved = functools.partial  # forward_train_saved: the forward_train functions with saved=True
+    impls = {"gemm_nt": (_gemm_nt, lambda a, b: a.new_empty((a.shape[0], b.shape[0])),
+                         (_backward_gemm_nt, _setup_gemm_nt)),
+             "gemm_nn": (_gemm_nn, lambda a, b: a.new_empty((a.shape[0], b.shape[1])), None),
+             "gemm_tn": (_gemm_tn, lambda a, b: a.new_empty((a.shape[1], b.shape[1])), None),
+             "softmax_rows": (lambda v: _softmax_rows(v).contiguous(), lambda v: v.new_empty(v.shape),
+                              (_backward_softmax_rows, _setup_softmax_rows)),
              "bn_backward_train": (_op_bn_backward_train, _fake_bn_backward_train, None),
              "forward_train": (_op_forward_train, _fake_forward_train, None),
-             "forward_train_saved": (_op_forward_train_saved, _fake_forward_train_saved,
+             "forward_train_saved": (saved(_op_forward_train, saved=True), saved(_fake_forward_train, saved=True),
                                      (_backward_forward_train_saved, _setup_forward_train_saved)),
-             "forward_eval": (_op_forward_eval, _fake_forward_eval, None),
+             "forward_eval": (_op_forward_eval, lambda x, weight, *args: x.new_empty((x.shape[0], weight.shape[0])),
+                              None),
              **({} if _LOWP is None else _LOWP.OPERATORS)}
     for name, (impl, fake, autograd) in impls.items():
         if hasattr(namespace, name):
@@ -6357,10 +6360,7 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
 # The torch-op stand-in for `_ext`: the extension's functions by the same names and arguments.
 _TORCH_PATH = types.SimpleNamespace(
     forward_train=_torch_forward_train, forward_eval=_torch_forward_eval,
-    forward_train_saved=_torch_forward_train_saved, gemm_nt=_torch_gemm_nt, gemm_nn=_torch_gemm_nn,
-    gemm_tn=_torch_gemm_tn,
-    bn_backward_train=_torch_bn_backward_train,
-)
+    forward_train_saved=_torch_forward_train_saved, gemm_nt=_torch_gemm_nt, gemm_nn=_torch_gemm_nn, gemm_tn=_torch_gemm_tn, bn_backward_train=_torch_bn_backward_train)
 
 
 # ---------------------------------------------------------------------------

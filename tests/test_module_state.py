@@ -56,7 +56,7 @@ def run(model, xs, grad):
         with torch.set_grad_enabled(grad):
             out = model(x)
             if grad and i == len(xs) - 1:
-                g = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+                g = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
                 (out * g).sum().backward()
                 outs.append(x.grad)
         outs.append(out.detach())

@@ -49,9 +49,10 @@
 //   by 2 * 0.7 u * sum over the span's MMAs of Var(part after it) / Var(span):
 //   2 * 5.5 * 0.7 u ~ 8 u with SPAN_K = 32 in the per-k-step term order below,
 //   1.4 u with SPAN_K = 8 (tools/sm80_span_model.py emulates it: -7.7 u and
-//   -1.3 u at 64 x 512 x 256 on log-normal x).  That bias is what running_var keeps on
-//   inputs whose variance dominates it (log-normal); the switches above the
-//   traits (SPAN_K, FUSED_GEMM_BN_SM80_SMALL_TERMS_FIRST) are its A/B knobs.
+//   -1.3 u at 64 x 512 x 256 on log-normal x).  running_var keeps that bias
+//   where the batch variance dominates it (log-normal x; uniform x leaves
+//   running_var near its initial 1).  The switches before the traits (SPAN_K,
+//   small terms first, float64 tile statistics) are the A/B knobs for it.
 //   Non-finite inputs: inf - inf = NaN in the split, so an inf operand yields NaN.
 //   Centring (centring.cuh): the forwards split x - c_m (c_m the row mean) and
 //   the epilogue adds c_m (hi_n + lo_n) back, so that the truncating

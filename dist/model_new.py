@@ -2307,11 +2307,21 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 //
 //   Accumulation: the tensor core adds into its fp32 accumulator without
 //   round-to-nearest (measured on H200: a 3072-MMA chain over K = 8192 gave 10x
-//   eager's error, growing linearly with K).  So each (mma tile, BLOCK_K slab)
-//   accumulates its 12 MMAs into a zeroed register quad, which is added to
-//   the main accumulator with an ordinary round-to-nearest FADD (the promotion
-//   that DeepGEMM uses for FP8).  Expected ||z - z64|| / ||z64|| below eager
-//   FP32 SGEMM's (docs/perf.md has the measurements).
+//   eager's error, growing linearly with K).  So each (mma tile, span of SPAN_K
+//   k columns; default one BLOCK_K slab) accumulates its MMAs into a zeroed
+//   register quad `part`, which is added to the main accumulator with an
+//   ordinary round-to-nearest FADD (the promotion that DeepGEMM uses for FP8).
+//   Expected ||z - z64|| / ||z64|| below eager FP32 SGEMM's (docs/perf.md has
+//   the measurements).  What the truncation still costs: each MMA result loses
+//   ~0.7 u of |part| on average (u = 2^-24), always towards zero, so every span
+//   shrinks its own contribution to z and the batch variance of z comes out low
+//   by 2 * 0.7 u * sum over the span's MMAs of Var(part after it) / Var(span):
+//   2 * 5.5 * 0.7 u ~ 8 u with SPAN_K = 32 in the per-k-step term order below,
+//   1.4 u with SPAN_K = 8 (tools/sm80_span_model.py emulates it: -7.7 u and
+//   -1.3 u at 64 x 512 x 256 on log-normal x).  running_var keeps that bias
+//   where the batch variance dominates it (log-normal x; uniform x leaves
+//   running_var near its initial 1).  The switches before the traits (SPAN_K,
+//   small terms first, float64 tile statistics) are the A/B knobs for it.
 //   Non-finite inputs: inf - inf = NaN in the split, so an inf operand yields NaN.
 //   Centring (centring.cuh): the forwards split x - c_m (c_m the row mean) and
 //   the epilogue adds c_m (hi_n + lo_n) back, so that the truncating
@@ -2346,8 +2356,25 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "bn_stats.cuh"
 #include "launchers.cuh"
+
+// Numerics switches, each a compile-time constant that a -D flag overrides
+// (the A/B builds of devrun experiments); the defaults are the measured kernel.
+// SPAN_K: k columns per promotion (8, 16, 32 = BLOCK_K, or a multiple of BLOCK_K).
+#ifndef FUSED_GEMM_BN_SM80_SPAN_K
+#define FUSED_GEMM_BN_SM80_SPAN_K 32
+#endif
+// 1: within a span, every small-term MMA before any big*big one (SPAN_K <= BLOCK_K).
+#ifndef FUSED_GEMM_BN_SM80_SMALL_TERMS_FIRST
+#define FUSED_GEMM_BN_SM80_SMALL_TERMS_FIRST 0
+#endif
+// 1: the kTrain epilogue sums a tile's mean and M2 in float64 (as sm90_gemm_tiles.cuh).
+#ifndef FUSED_GEMM_BN_SM80_TILE_STATS_F64
+#define FUSED_GEMM_BN_SM80_TILE_STATS_F64 0
+#endif
 
 namespace fused_gemm_bn {
 
@@ -2374,11 +2401,22 @@ struct Sm80GemmTraits {
   // 4 stages (192 KB) on Hopper, 3 (144 KB) on A100, 2 (96 KB) on sm_86 / sm_89.
   static constexpr int kMaxStages = 4;
   static constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES; }
+  // The promotion interval (Numerics above): SPAN_K k columns go into the
+  // zeroed register tile `part` on the tensor core, then acc += part rounds to
+  // nearest.  A span is kSpanSteps mma k-steps of one slab, or kSpanSlabs whole slabs.
+  static constexpr int SPAN_K = FUSED_GEMM_BN_SM80_SPAN_K;
+  static constexpr int kSpanSteps = (SPAN_K < BLOCK_K ? SPAN_K : BLOCK_K) / MMA_K;
+  static constexpr int kSpanSlabs = SPAN_K > BLOCK_K ? SPAN_K / BLOCK_K : 1;
+  static constexpr bool kSmallTermsFirst = FUSED_GEMM_BN_SM80_SMALL_TERMS_FIRST != 0;
+  static constexpr bool kTileStatsF64 = FUSED_GEMM_BN_SM80_TILE_STATS_F64 != 0;
 
   static_assert(BLOCK_K == 4 * MMA_K, "the K permutation assumes 4 mma k-steps per slab");
   static_assert(WARP_M % MMA_M == 0 && WARP_N % MMA_N == 0, "warp tile must be whole mma tiles");
   static_assert(BLOCK_K / 4 == 8, "the w swizzle permutes the 8 16-byte chunks of a row");
   static_assert(BLOCK_N <= kNumThreads, "epilogue uses one thread per tile column");
+  static_assert(SPAN_K == MMA_K || SPAN_K == 2 * MMA_K || (SPAN_K > 0 && SPAN_K % BLOCK_K == 0),
+                "a span is 1, 2 or 4 mma k-steps, or whole slabs");
+  static_assert(!kSmallTermsFirst || SPAN_K <= BLOCK_K, "small terms first: the span must lie in one slab");
 };
 
 // kTrain: write z and per-tile statistics (any M).
@@ -2487,12 +2525,91 @@ __device__ __forceinline__ void load_frag_slab(float* stage, const float* __rest
   }
 }
 
-__device__ __forceinline__ float warp_sum_over_rows(float v) {
+template <typename StatT>
+__device__ __forceinline__ StatT warp_sum_over_rows(StatT v) {
   // Lanes that share lane % 4 hold the same accumulator columns (rows differ).
   v += __shfl_xor_sync(0xffffffffu, v, 4);
   v += __shfl_xor_sync(0xffffffffu, v, 8);
   v += __shfl_xor_sync(0xffffffffu, v, 16);
   return v;
+}
+
+using AccTiles = float[Sm80GemmTraits::kMmaTilesM][Sm80GemmTraits::kMmaTilesN][4];
+using WFrags = uint32_t[Sm80GemmTraits::kMmaTilesN][4];
+
+__device__ __forceinline__ void zero_tiles(AccTiles& tiles) {
+#pragma unroll
+  for (int mi = 0; mi < Sm80GemmTraits::kMmaTilesM; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < Sm80GemmTraits::kMmaTilesN; ++ni)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) tiles[mi][ni][r] = 0.f;
+}
+
+// acc += part with round-to-nearest FADDs: the promotion.
+__device__ __forceinline__ void promote(AccTiles& acc, const AccTiles& part) {
+#pragma unroll
+  for (int mi = 0; mi < Sm80GemmTraits::kMmaTilesM; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < Sm80GemmTraits::kMmaTilesN; ++ni)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mi][ni][r] += part[mi][ni][r];
+}
+
+// This thread's w fragments of one half slab (two k-steps) for every ni,
+// split into TF32 parts: element 2 * step + j is k-step `step`'s b_j.
+__device__ __forceinline__ void load_w_half(const float* b_s, int b_row, int t, int half, WFrags& b_big,
+                                            WFrags& b_small) {
+#pragma unroll
+  for (int ni = 0; ni < Sm80GemmTraits::kMmaTilesN; ++ni) {
+    const float4 v = *reinterpret_cast<const float4*>(
+        b_s + w_smem_offset(b_row + ni * Sm80GemmTraits::MMA_N, 8 * t + 4 * half));
+    split_tf32(v.x, b_big[ni][0], b_small[ni][0]);
+    split_tf32(v.y, b_big[ni][1], b_small[ni][1]);
+    split_tf32(v.z, b_big[ni][2], b_small[ni][2]);
+    split_tf32(v.w, b_big[ni][3], b_small[ni][3]);
+  }
+}
+
+// Which of a k-step's three products mma_k_step issues (a bit mask).
+constexpr int kTermsSmall = 1;  // x_small w_big, x_big w_small
+constexpr int kTermsBig = 2;    // x_big w_big
+constexpr int kTermsAll = kTermsSmall | kTermsBig;
+
+// One k-step's MMAs for mma row tile mi (part_mi = part[mi]): the x fragments
+// at float offset `off` of the warp's fragment blocks (one 16-byte load each is
+// one A operand: a0: row g, k t; a1: row g+8, k t; a2: row g, k t+4; a3: row
+// g+8, k t+4), w's from load_w_half.
+template <int kTerms>
+__device__ __forceinline__ void mma_k_step(float (&part_mi)[Sm80GemmTraits::kMmaTilesN][4], const float* a_big_s,
+                                           const float* a_small_s, int off, const WFrags& b_big,
+                                           const WFrags& b_small, int step) {
+  using T = Sm80GemmTraits;
+  const uint32_t bb[T::kMmaTilesN][2] = {{b_big[0][2 * step], b_big[0][2 * step + 1]},
+                                         {b_big[1][2 * step], b_big[1][2 * step + 1]},
+                                         {b_big[2][2 * step], b_big[2][2 * step + 1]},
+                                         {b_big[3][2 * step], b_big[3][2 * step + 1]}};
+  const uint32_t bs[T::kMmaTilesN][2] = {{b_small[0][2 * step], b_small[0][2 * step + 1]},
+                                         {b_small[1][2 * step], b_small[1][2 * step + 1]},
+                                         {b_small[2][2 * step], b_small[2][2 * step + 1]},
+                                         {b_small[3][2 * step], b_small[3][2 * step + 1]}};
+  static_assert(T::kMmaTilesN == 4, "bb / bs initialisers list kMmaTilesN tiles");
+  const uint4 xb = *reinterpret_cast<const uint4*>(a_big_s + off);
+  const uint32_t a_big[4] = {xb.x, xb.y, xb.z, xb.w};
+  // Term-major over ni: consecutive MMAs write different accumulators, so none
+  // waits on the one before it (ncu: "wait" stalls).
+  if constexpr ((kTerms & kTermsSmall) != 0) {
+    const uint4 xs = *reinterpret_cast<const uint4*>(a_small_s + off);
+    const uint32_t a_small[4] = {xs.x, xs.y, xs.z, xs.w};
+#pragma unroll
+    for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part_mi[ni], a_small, bb[ni]);
+#pragma unroll
+    for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part_mi[ni], a_big, bs[ni]);
+  }
+  if constexpr ((kTerms & kTermsBig) != 0) {
+#pragma unroll
+    for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part_mi[ni], a_big, bb[ni]);
+  }
 }
 
 }  // namespace sm80
@@ -2546,6 +2663,9 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[mi][ni][r] = 0.f;
 
+  // The current span's partial sums (zeroed when a span opens, added into acc when it closes).
+  float part[T::kMmaTilesM][T::kMmaTilesN][4];
+
   const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;  // == slabs of the x parts
   const int num_mb = (M + T::MMA_M - 1) / T::MMA_M;             // 16-row blocks of the x parts
   const int mb0 = m0 / T::MMA_M;
@@ -2578,69 +2698,58 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
     const float* b_s = stage + 2 * T::A_STAGE_ELEMS;
     const int b_row = wn * T::WARP_N + g;  // + ni * MMA_N; row % 8 == g
 
-    // Partial sums of this slab for every mma tile: 16 independent 12-deep MMA
-    // chains, so the tensor pipe always has independent work.
-    float part[T::kMmaTilesM][T::kMmaTilesN][4];
-#pragma unroll
-    for (int mi = 0; mi < T::kMmaTilesM; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < T::kMmaTilesN; ++ni)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) part[mi][ni][r] = 0.f;
+    // Span boundaries at slab granularity (always true for spans within a slab).
+    const bool span_opens = T::kSpanSlabs == 1 || k_tile % T::kSpanSlabs == 0;
+    const bool span_closes = T::kSpanSlabs == 1 || (k_tile + 1) % T::kSpanSlabs == 0 || k_tile + 1 == num_k_tiles;
 
     // The slab is consumed in two halves of two k-steps.  Thread (g, t) reads w's
     // shared columns 8t + 4 * half .. +3; k-step `step` of the half uses elements
-    // 2 * step (b0: k = t) and 2 * step + 1 (b1: k = t + 4).
+    // 2 * step (b0: k = t) and 2 * step + 1 (b1: k = t + 4).  A span's MMAs go into
+    // `part`: 16 independent MMA chains, so the tensor pipe always has independent work.
+    if constexpr (!T::kSmallTermsFirst || T::kSpanSteps == 1) {
+      // Per k-step: x_small w_big, x_big w_small, then x_big w_big.
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      // w fragments of this half, split once and reused by every mi.
-      uint32_t b_big[T::kMmaTilesN][4], b_small[T::kMmaTilesN][4];
+      for (int half = 0; half < 2; ++half) {
+        // w fragments of this half, split once and reused by every mi.
+        uint32_t b_big[T::kMmaTilesN][4], b_small[T::kMmaTilesN][4];
+        load_w_half(b_s, b_row, t, half, b_big, b_small);
 #pragma unroll
-      for (int ni = 0; ni < T::kMmaTilesN; ++ni) {
-        const float4 v =
-            *reinterpret_cast<const float4*>(b_s + w_smem_offset(b_row + ni * T::MMA_N, 8 * t + 4 * half));
-        split_tf32(v.x, b_big[ni][0], b_small[ni][0]);
-        split_tf32(v.y, b_big[ni][1], b_small[ni][1]);
-        split_tf32(v.z, b_big[ni][2], b_small[ni][2]);
-        split_tf32(v.w, b_big[ni][3], b_small[ni][3]);
-      }
+        for (int step = 0; step < 2; ++step) {
+          const int k_step = 2 * half + step;
+          if (k_step % T::kSpanSteps == 0 && span_opens) zero_tiles(part);
 #pragma unroll
-      for (int step = 0; step < 2; ++step) {
-        const uint32_t bb[T::kMmaTilesN][2] = {{b_big[0][2 * step], b_big[0][2 * step + 1]},
-                                               {b_big[1][2 * step], b_big[1][2 * step + 1]},
-                                               {b_big[2][2 * step], b_big[2][2 * step + 1]},
-                                               {b_big[3][2 * step], b_big[3][2 * step + 1]}};
-        const uint32_t bs[T::kMmaTilesN][2] = {{b_small[0][2 * step], b_small[0][2 * step + 1]},
-                                               {b_small[1][2 * step], b_small[1][2 * step + 1]},
-                                               {b_small[2][2 * step], b_small[2][2 * step + 1]},
-                                               {b_small[3][2 * step], b_small[3][2 * step + 1]}};
-        static_assert(T::kMmaTilesN == 4, "bb / bs initialisers list kMmaTilesN tiles");
-#pragma unroll
-        for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
-          // x fragments: one 16-byte load each is one A operand
-          // (a0: row g, k t; a1: row g+8, k t; a2: row g, k t+4; a3: row g+8, k t+4).
-          const int off = (mi * 4 + 2 * half + step) * 32 * 4;
-          const uint4 xb = *reinterpret_cast<const uint4*>(a_big_s + off);
-          const uint4 xs = *reinterpret_cast<const uint4*>(a_small_s + off);
-          const uint32_t a_big[4] = {xb.x, xb.y, xb.z, xb.w};
-          const uint32_t a_small[4] = {xs.x, xs.y, xs.z, xs.w};
-          // Term-major over ni: consecutive MMAs write different accumulators,
-          // so none waits on the one before it (ncu: "wait" stalls).
-#pragma unroll
-          for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part[mi][ni], a_small, bb[ni]);
-#pragma unroll
-          for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part[mi][ni], a_big, bs[ni]);
-#pragma unroll
-          for (int ni = 0; ni < T::kMmaTilesN; ++ni) mma_tf32(part[mi][ni], a_big, bb[ni]);
+          for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+            mma_k_step<kTermsAll>(part[mi], a_big_s, a_small_s, (mi * 4 + k_step) * 32 * 4, b_big, b_small, step);
+          if ((k_step + 1) % T::kSpanSteps == 0 && span_closes) promote(acc, part);
         }
       }
+    } else {
+      // Every small-term MMA of the span, then its x_big w_big MMAs in k order:
+      // the small terms are truncated against a small |part|.
+#pragma unroll
+      for (int span = 0; span < 4 / T::kSpanSteps; ++span) {
+        zero_tiles(part);
+#pragma unroll
+        for (int terms = kTermsSmall; terms <= kTermsBig; terms *= 2) {
+#pragma unroll
+          for (int half = span * T::kSpanSteps / 2; half < (span + 1) * T::kSpanSteps / 2; ++half) {
+            uint32_t b_big[T::kMmaTilesN][4], b_small[T::kMmaTilesN][4];
+            load_w_half(b_s, b_row, t, half, b_big, b_small);
+#pragma unroll
+            for (int step = 0; step < 2; ++step)
+#pragma unroll
+              for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
+                const int off = (mi * 4 + 2 * half + step) * 32 * 4;
+                if (terms == kTermsSmall)
+                  mma_k_step<kTermsSmall>(part[mi], a_big_s, a_small_s, off, b_big, b_small, step);
+                else
+                  mma_k_step<kTermsBig>(part[mi], a_big_s, a_small_s, off, b_big, b_small, step);
+              }
+          }
+        }
+        promote(acc, part);
+      }
     }
-#pragma unroll
-    for (int mi = 0; mi < T::kMmaTilesM; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < T::kMmaTilesN; ++ni)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[mi][ni][r] += part[mi][ni][r];  // round-to-nearest promotion
   }
   cp_async_wait<0>();
 
@@ -2694,11 +2803,12 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
   } else {
     // Per-column mean and M2 over this tile's valid rows: `moment` 0 sums the
     // values, 1 the squared deviations from the tile mean (no E[z^2] - E[z]^2
-    // cancellation).
+    // cancellation).  Sums in StatT; mean and M2 are then rounded to float.
+    using StatT = typename std::conditional<T::kTileStatsF64, double, float>::type;
     __syncthreads();  // all warps are done with the pipeline smem; reuse it
-    float* red = smem;                                   // [WARPS_M][BLOCK_N]
-    float* tile_mean = red + T::WARPS_M * T::BLOCK_N;    // [BLOCK_N]
-    float* tile_m2 = tile_mean + T::BLOCK_N;             // [BLOCK_N]
+    StatT* red = reinterpret_cast<StatT*>(smem);                                // [WARPS_M][BLOCK_N]
+    float* tile_mean = reinterpret_cast<float*>(red + T::WARPS_M * T::BLOCK_N);  // [BLOCK_N]
+    float* tile_m2 = tile_mean + T::BLOCK_N;                                     // [BLOCK_N]
     const int rows_valid = min(T::BLOCK_M, M - m0);
 
 #pragma unroll
@@ -2709,12 +2819,12 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
         for (int j = 0; j < 2; ++j) {
           const int tcol = wn * T::WARP_N + ni * T::MMA_N + 2 * t + j;
           const float mu = moment == 0 ? 0.f : tile_mean[tcol];
-          float sum = 0.f;
+          StatT sum = 0.f;
 #pragma unroll
           for (int mi = 0; mi < T::kMmaTilesM; ++mi) {
             const int r = row_base + mi * T::MMA_M;
-            const float d0 = acc[mi][ni][j] - mu;
-            const float d1 = acc[mi][ni][2 + j] - mu;
+            const StatT d0 = static_cast<StatT>(acc[mi][ni][j] - mu);
+            const StatT d1 = static_cast<StatT>(acc[mi][ni][2 + j] - mu);
             if (r < M) sum += moment == 0 ? d0 : d0 * d0;
             if (r + 8 < M) sum += moment == 0 ? d1 : d1 * d1;
           }
@@ -2724,13 +2834,13 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
       }
       __syncthreads();
       if (threadIdx.x < T::BLOCK_N) {
-        float total = 0.f;
+        StatT total = 0.f;
 #pragma unroll
         for (int w = 0; w < T::WARPS_M; ++w) total += red[w * T::BLOCK_N + threadIdx.x];
         if (moment == 0) {
-          tile_mean[threadIdx.x] = total / static_cast<float>(rows_valid);
+          tile_mean[threadIdx.x] = static_cast<float>(total / static_cast<StatT>(rows_valid));
         } else {
-          tile_m2[threadIdx.x] = total;
+          tile_m2[threadIdx.x] = static_cast<float>(total);
         }
       }
       __syncthreads();

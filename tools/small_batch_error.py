@@ -28,7 +28,8 @@ Aggregates: the ratio of one cell is err(ModelNew) / err(eager) for one seed;
 a group's statistic is the geometric mean of its cells' ratios (bar_violations
 says why not the arithmetic mean).  Printed: a table of each cell's ratio
 (geometric mean over the seeds, M across), the groups the bar reads, the
-7 x 4095 x 513 cells, the worst single cells and the kernel paths.
+7 x 4095 x 513 cells, the worst single cells, the kernel paths, and the CUDA
+kernels eager and ModelNew launch at 7 x 4095 x 513.
 
 Names: M = batch, K = in_features, N = out_features.
 """
@@ -50,7 +51,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from tests.problems import FROBENIUS_FLOOR, PROBLEMS, make_pair, max_rel_err, rel_err  # noqa: E402
+from tests.problems import (FROBENIUS_FLOOR, PROBLEMS, launched_kernels, make_pair, max_rel_err,  # noqa: E402
+                            rel_err)
 
 # The input families: test_equivalence.py's (uniform, normal, 100 + uniform) and
 # tools/running_stats_check.py's (exponential, log-normal with torch's default
@@ -378,6 +380,23 @@ def print_report(records, seeds):
         print(f"  {p} {k} x {n} {mode:5s}: {', '.join(sorted(names))}")
 
 
+def print_focus_kernels(focus=FOCUS):
+    """The CUDA kernels one eager Model call and one ModelNew call launch at the
+    focus shape, problem 33, both modes (torch.profiler): which cuBLAS kernel
+    eager's error comes from (split-K, gemv) beside ModelNew's."""
+    m, k, n = focus
+    trio = Trio(PROBLEMS["33"], k, n, seed=0)
+    x = torch.rand(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    print(f"\nkernels at M, K, N = {m}, {k}, {n} (problem 33, uniform x):")
+    for mode in ("train", "eval"):
+        for name, module in (("eager", trio.eager), ("ModelNew", trio.new)):
+            module.train(mode == "train")
+            with torch.no_grad():
+                module(x)  # first call: ModelNew's weight cache
+                names = launched_kernels(lambda: module(x))
+            print(f"  {mode:5s} {name:8s}: " + " | ".join(v[:90] for v in names))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--portable", action="store_true",
@@ -406,6 +425,8 @@ def main(argv=None):
           f"({args.settle})")
     records = run_cells(features, seeds, settle=args.settle)
     print_report(records, seeds)
+    if any(focus_records(records)):
+        print_focus_kernels()
     bad = bar_violations(records)
     print(f"\nbar (group geometric mean <= {GROUP_BOUND}; every cell <= {CELL_BOUND:g}x + {CELL_FLOOR:g}): "
           + ("met" if not bad else f"{len(bad)} violation(s)"))

@@ -77,8 +77,7 @@ model_new.SWITCHES)
     inputs uniform, normal, offset; (257, 4100, 130), KernelBench
   - test_gpu_running_statistics_vs_float64 [gemm_path]: running_mean and
     running_var after 5 training calls no further from float64 Model's than
-    eager float32's, averaged over 10 seeds (3xTF32 kernels on log-normal
-    inputs: at most 1.2x / 2.6x, measured); (256, 1024, 512), uniform and
+    eager float32's, averaged over 10 seeds; (256, 1024, 512), uniform and
     log-normal inputs
   - test_gpu_every_output_element_written [gemm_path]: caching allocator
     poisoned with NaN (the output block reuse is asserted), train and eval
@@ -653,10 +652,11 @@ def test_gpu_accuracy_vs_float64(problem, m, k, n, kind, mode, fp32_matmul, gemm
 
 RUNNING_STATS_SHAPE = (256, 1024, 512)
 # Largest allowed ratio of ModelNew's mean error to eager's, (running_mean,
-# running_var); 1 unless listed.  The 3xTF32 kernels on log-normal inputs
-# measured 0.90-1.04x / 1.53-2.34x (H200, docs/perf.md v25; not diagnosed: not
-# the truncated small part of w, which was tried); the fp16x3 kernel 0.58x / 0.70x.
-RUNNING_STATS_BOUND = {("3xtf32", "lognormal"): (1.2, 2.6), ("portable", "lognormal"): (1.2, 2.6)}
+# running_var); 1 unless listed.  The portable kernel's log-normal running_var,
+# 2.26-2.99x before it promoted every 16 k with the small terms first (a
+# truncating accumulation's downward bias, docs/perf.md v36), measures 0.73-0.74x
+# here; the fp16x3 kernel 0.58x / 0.70x.
+RUNNING_STATS_BOUND = {}
 
 
 @requires_cuda

@@ -2308,7 +2308,7 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 //   Accumulation: the tensor core adds into its fp32 accumulator without
 //   round-to-nearest (measured on H200: a 3072-MMA chain over K = 8192 gave 10x
 //   eager's error, growing linearly with K).  So each (mma tile, span of SPAN_K
-//   k columns; default one BLOCK_K slab) accumulates its MMAs into a zeroed
+//   k columns: 16, half a BLOCK_K slab) accumulates its MMAs into a zeroed
 //   register quad `part`, which is added to the main accumulator with an
 //   ordinary round-to-nearest FADD (the promotion that DeepGEMM uses for FP8).
 //   Expected ||z - z64|| / ||z64|| below eager FP32 SGEMM's (docs/perf.md has
@@ -2320,8 +2320,13 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 //   1.4 u with SPAN_K = 8 (tools/sm80_span_model.py emulates it: -7.7 u and
 //   -1.3 u at 64 x 512 x 256 on log-normal x).  running_var keeps that bias
 //   where the batch variance dominates it (log-normal x; uniform x leaves
-//   running_var near its initial 1).  The switches before the traits (SPAN_K,
-//   small terms first, float64 tile statistics) are the A/B knobs for it.
+//   running_var near its initial 1).  Hence the defaults (the switches before
+//   the traits, -D overrides for A/B builds): SPAN_K = 16 with each span's
+//   small-term MMAs before its big*big ones (the model's bias ~1.5 u, as the
+//   fp16x3 kernel's) and each tile's mean / M2 summed in float64.  Measured
+//   (docs/perf.md v36, ten seeds, log-normal x, 64 x 512 x 256): running_var
+//   0.99-1.00x eager's error against float64 (SPAN_K = 32 in k-step order:
+//   2.87-2.99x), at the KernelBench shape's speed.
 //   Non-finite inputs: inf - inf = NaN in the split, so an inf operand yields NaN.
 //   Centring (centring.cuh): the forwards split x - c_m (c_m the row mean) and
 //   the epilogue adds c_m (hi_n + lo_n) back, so that the truncating
@@ -2365,15 +2370,15 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 // (the A/B builds of devrun experiments); the defaults are the measured kernel.
 // SPAN_K: k columns per promotion (8, 16, 32 = BLOCK_K, or a multiple of BLOCK_K).
 #ifndef FUSED_GEMM_BN_SM80_SPAN_K
-#define FUSED_GEMM_BN_SM80_SPAN_K 32
+#define FUSED_GEMM_BN_SM80_SPAN_K 16
 #endif
 // 1: within a span, every small-term MMA before any big*big one (SPAN_K <= BLOCK_K).
 #ifndef FUSED_GEMM_BN_SM80_SMALL_TERMS_FIRST
-#define FUSED_GEMM_BN_SM80_SMALL_TERMS_FIRST 0
+#define FUSED_GEMM_BN_SM80_SMALL_TERMS_FIRST 1
 #endif
 // 1: the kTrain epilogue sums a tile's mean and M2 in float64 (as sm90_gemm_tiles.cuh).
 #ifndef FUSED_GEMM_BN_SM80_TILE_STATS_F64
-#define FUSED_GEMM_BN_SM80_TILE_STATS_F64 0
+#define FUSED_GEMM_BN_SM80_TILE_STATS_F64 1
 #endif
 
 namespace fused_gemm_bn {

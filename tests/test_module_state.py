@@ -13,7 +13,6 @@ SWITCHES.eager_ops) and, where a GPU is present, the fused float32 kernels.
   - one running statistic None, gemm.weight None, scale None: Model's exception
     type (and message where torch's is fixed), nothing touched.
 """
-import itertools
 
 import pytest
 import torch

@@ -13,16 +13,22 @@ the two sides with running statistics that differ by their training-mode
 rounding, and in eval the gradients depend on them, so one float64 Model for
 both would charge that difference to the backward.  `--shared-reference`
 compares both with the float64 copy of eager's state instead (the old reading).
+`--full-precision-reductions` turns off cuBLAS's reduced-precision reductions
+for 16-bit products (torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_
+precision_reduction) for both sides; the strides of each side's gradient of
+the Linear output (the grad_W product's left operand, transposed) are printed.
 
-    python tools/lowp_eval_grad_ab.py [M,K,N] [--shared-reference]
+    python tools/lowp_eval_grad_ab.py [M,K,N] [--shared-reference] [--full-precision-reductions]
                                              (default shape: KernelBench's 1024,8192,8192)
 """
+import contextlib
 import copy
 import os
 import statistics
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
@@ -30,11 +36,26 @@ import bench  # noqa: E402
 NAMES = ("x", "gemm.weight", "gemm.bias", "scale", "bn.weight", "bn.bias")
 
 
-def gradients(module, x, g):
+class MatmulLog(TorchDispatchMode):
+    """Records (op, operand shapes and strides) of every aten mm / addmm the backward runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("mm", "addmm", "bmm"):
+            self.calls.append(f"{func.__name__}" + "".join(
+                f" {tuple(a.shape)}/{a.stride()}" for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+
+def gradients(module, x, g, log=None):
     module.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(True)
     out = module(x)
-    (out * g.to(out.dtype)).sum().backward()
+    with log if log is not None else contextlib.nullcontext():
+        (out * g.to(out.dtype)).sum().backward()
     return [x.grad] + [p.grad for p in module.parameters()]
 
 
@@ -45,6 +66,9 @@ def rel_err(a, b):
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     shared = "--shared-reference" in sys.argv[1:]
+    if "--full-precision-reductions" in sys.argv[1:]:
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     shape = tuple(int(v) for v in args[0].split(",")) if args else (1024, 8192, 8192)
     m, k, n = shape
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}; M,K,N = {shape}; "
@@ -63,7 +87,9 @@ def main():
                 if not shared:
                     ref64.load_state_dict(module.state_dict())
                 want = gradients(ref64, x_check.double(), g.double())
-                errors[side] = [rel_err(a, b) for a, b in zip(gradients(module, x_check, g), want)]
+                log = MatmulLog()
+                errors[side] = [rel_err(a, b) for a, b in zip(gradients(module, x_check, g, log), want)]
+                print(f"    {side} backward products: " + "; ".join(log.calls))
             stats = "  ".join(f"{key}: {rel_err(new.state_dict()[key], v):.1e}" for key, v in ref.state_dict().items()
                               if key.startswith("bn.running"))
             inputs = [torch.rand(m, k, device="cuda").to(dtype).requires_grad_(True) for _ in range(3)]

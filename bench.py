@@ -142,10 +142,13 @@ PROBLEMS = {
            "init": lambda k, n: (k, n), "close": _softmax_close,
            "close_text": f"|diff| <= {SOFTMAX_RTOL:g} |eager| + {SOFTMAX_ATOL:g}"},
 }
-# --sweep grid (M, K, N): batch 128..4096 x features 1024..8192 (K = N), plus
-# shapes whose sizes are not multiples of the tiles.
-SWEEP_SHAPES = ([(m, f, f) for f in (1024, 2048, 4096, 8192) for m in (128, 256, 512, 1024, 2048, 4096)] +
-                [(8192, 4096, 4096), (16384, 4096, 4096), (16384, 1024, 1024), (8192, 8192, 8192)] +
+# --sweep grid (M, K, N): batch 128..16384 x features 1024..8192 (K = N; 16384 x 4096 x 4096
+# is issue 39's large-batch shape), plus shapes whose sizes are not multiples of the tiles
+# (two with K % 8 != 0: the floor pads K, _padded_k).  The largest, 16384 x 8192 x 8192,
+# holds about 4 GiB of inputs, output and float64 check on the GPU.
+SWEEP_BATCHES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+SWEEP_FEATURES = (1024, 2048, 4096, 8192)
+SWEEP_SHAPES = ([(m, f, f) for f in SWEEP_FEATURES for m in SWEEP_BATCHES] +
                 [(1000, 3000, 3000), (4000, 8188, 1000), (333, 8192, 5000), (2048, 1028, 8190)])
 
 
@@ -378,7 +381,7 @@ def bench_mode(problem, args, mode):
         with autocast_context(args):
             check["kernel_path"] = new.kernel_path(inputs[0])  # dispatch's name for the path timed below
         compute = compute_dtype(args)
-        floor = gemm_floor(m, k, n) if compute == torch.float32 else gemm_floor_16bit(m, k, n, compute)
+        floor = make_floor(m, k, n, compute)
         if floor is not None:
             sides["floor"] = floor
         times = time_fn(sides, inputs, args.iters, args.warmup, prepare=weight_cast_drop(args, mode))
@@ -414,24 +417,56 @@ def gemm_floor_16bit(m, k, n, dtype):
     return floor
 
 
-def gemm_floor(m, k, n):
-    """The fp16x3 floor as a timed side: three cuBLAS products of (m, k) x (k, n)
-    16-bit operands with float32 output (torch.mm's out_dtype), on fixed
-    pre-converted random operands (the argument x is ignored: the floor computes
-    no model output).  None, with a note, where this torch's mm has no out_dtype."""
-    a = torch.rand(m, k, device=DEVICE).half()
-    b = torch.rand(n, k, device=DEVICE).half().t()
+def _padded_k(k):
+    """K rounded up to a multiple of 8: sm90_fp16x3's prepass pads K with zero
+    columns so every 16-bit row is 16-byte aligned; the floor does the same work
+    (cuBLAS's fp16 path on unaligned rows is slow: measured 1.5-3 ms at
+    1024 x 8191 x 8192 against 0.52 ms at K = 8192)."""
+    return -(-k // 8) * 8
+
+
+def _fp16_operand(rows, k):
+    """A (rows, _padded_k(k)) float16 tensor: torch.rand in the first k columns,
+    zeros after (the padding)."""
+    t = torch.zeros(rows, _padded_k(k), device=DEVICE, dtype=torch.float16)
+    t[:, :k] = torch.rand(rows, k, device=DEVICE)
+    return t
+
+
+def _has_out_dtype():
+    """Whether this torch's mm takes out_dtype (16-bit operands, float32 output)."""
+    a = torch.zeros(1, 8, device=DEVICE, dtype=torch.float16)
     try:
-        torch.mm(a[:1], b[:, :1], out_dtype=torch.float32)
+        torch.mm(a, a.t(), out_dtype=torch.float32)
     except (TypeError, RuntimeError):
         print("note: this torch's mm has no out_dtype; no floor side")
+        return False
+    return True
+
+
+def gemm_floor(m, k, n):
+    """The fp16x3 floor as a timed side: three cuBLAS products of (m, K8) x (K8, n)
+    float16 operands with float32 output (torch.mm's out_dtype), K8 = k rounded
+    up to a multiple of 8 with zero columns (_padded_k: the padded fp16x3 GEMM's
+    work), on fixed pre-converted random operands (the argument x is ignored: the
+    floor computes no model output).  None, with a note, where this torch's mm
+    has no out_dtype."""
+    if not _has_out_dtype():
         return None
+    a = _fp16_operand(m, k)
+    b = _fp16_operand(n, k).t()
 
     def floor(x):
         for _ in range(3):
             torch.mm(a, b, out_dtype=torch.float32)
 
     return floor
+
+
+def make_floor(m, k, n, compute):
+    """The forward's floor side for GEMMs computing in `compute`: gemm_floor
+    (float32) or gemm_floor_16bit; None where there is none."""
+    return gemm_floor(m, k, n) if compute == torch.float32 else gemm_floor_16bit(m, k, n, compute)
 
 
 def _gradients(model, x, g):
@@ -588,43 +623,56 @@ def print_table(problem, rows, check, grad, dtype=torch.float32, autocast=None):
 
 
 def run_sweep(problem, args, modes):
-    """Eager Model vs ModelNew over SWEEP_SHAPES; returns the rows (one per shape and mode)."""
+    """Eager Model, ModelNew and the floor (make_floor: for float32 three cuBLAS
+    float16 products over K padded to a multiple of 8) over SWEEP_SHAPES; returns
+    the rows (one per shape and mode)."""
     rows = []
-    print(f"\nproblem {problem['name']} ({problem['title']})")
+    dtype = DTYPES[args.dtype]
+    print(f"\nproblem {problem['name']} ({problem['title']}); floor: {_floor_text(dtype)}")
     print(f"{'mode':<6}{'M':>6}{'K':>7}{'N':>7}{'eager ms':>11}{'ModelNew ms':>13}{'speedup':>9}"
-          f"{'time/eager':>12}{'TFLOP/s':>9}{'rel err':>10}{'eager err':>11}{'host us: eager':>16}{'ModelNew':>10}")
+          f"{'time/eager':>12}{'floor ms':>10}{'new/floor':>11}{'TFLOP/s':>9}{'rel err':>10}{'eager err':>11}"
+          f"{'host us: eager':>16}{'ModelNew':>10}")
     for mode in modes:
         for shape in SWEEP_SHAPES:
             m, k, n = shape
-            dtype = DTYPES[args.dtype]
             ref, new = build_models(problem, shape, mode, args.seed, dtype)
             inputs = [torch.rand(m, k, device=DEVICE).to(dtype) for _ in range(NUM_INPUTS)]
             with torch.no_grad():
                 sides = {"eager": ref, "ModelNew": new}
                 errors, check = check_accuracy(problem, sides, ref, torch.rand(m, k, device=DEVICE).to(dtype))
+                floor = make_floor(m, k, n, dtype)
+                if floor is not None:
+                    sides["floor"] = floor
                 host = {}
                 times = time_fn(sides, inputs, args.iters, args.warmup, host=host)
             eager_ms, new_ms = statistics.median(times["eager"]), statistics.median(times["ModelNew"])
+            floor_ms = statistics.median(times["floor"]) if "floor" in times else None
             host_us = {name: statistics.median(h["host_us"]) for name, h in host.items()}
             waited = {name: h["gpu_waited"] for name, h in host.items() if h["gpu_waited"]}
             row = {"mode": mode, "M": m, "K": k, "N": n, "eager_ms": eager_ms, "modelnew_ms": new_ms,
                    "speedup_vs_eager": eager_ms / new_ms, "time_ratio_vs_eager": new_ms / eager_ms,
+                   "floor_ms": floor_ms, "modelnew_time_over_floor": new_ms / floor_ms if floor_ms else None,
                    "modelnew_gemm_tflops": 2.0 * m * n * k / (new_ms * 1e-3) / 1e12,
                    "rel_err_vs_fp64": errors["ModelNew"], "eager_rel_err_vs_fp64": errors["eager"],
                    "close_vs_eager": check["close_vs_eager"], "eager_host_us": host_us["eager"],
                    "modelnew_host_us": host_us["ModelNew"], "gpu_waited_on_host": waited}
             rows.append(row)
+            floor_cols = (f"{floor_ms:>10.3f}{row['modelnew_time_over_floor']:>10.2f}x" if floor_ms
+                          else f"{'-':>10}{'-':>11}")
             print(f"{mode:<6}{m:>6}{k:>7}{n:>7}{eager_ms:>11.3f}{new_ms:>13.3f}{eager_ms / new_ms:>8.2f}x"
-                  f"{new_ms / eager_ms:>12.3f}{row['modelnew_gemm_tflops']:>9.1f}{errors['ModelNew']:>10.1e}"
-                  f"{errors['eager']:>11.1e}{host_us['eager']:>16.1f}{host_us['ModelNew']:>10.1f}"
+                  f"{new_ms / eager_ms:>12.3f}{floor_cols}{row['modelnew_gemm_tflops']:>9.1f}"
+                  f"{errors['ModelNew']:>10.1e}{errors['eager']:>11.1e}{host_us['eager']:>16.1f}"
+                  f"{host_us['ModelNew']:>10.1f}"
                   + (f"  (GPU reached the call before its launches: {waited})" if waited else ""), flush=True)
-            del ref, new, inputs
+            del ref, new, inputs, sides, floor
             torch.cuda.empty_cache()
     return rows
 
 
 def plot_sweep(rows, path, env):
-    """Speedup over eager against M, one line per (K = N) feature size and mode; tails as points."""
+    """Two panels against M, one line per (K = N) feature size and mode, tails as
+    points: speedup over eager, and ModelNew's time over the floor's (where the
+    rows have a floor)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -632,24 +680,29 @@ def plot_sweep(rows, path, env):
     except ImportError:
         print("note: matplotlib is not installed; no plot written")
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for mode in sorted({r["mode"] for r in rows}):
-        for f in sorted({r["N"] for r in rows if r["K"] == r["N"]}):
-            pts = sorted((r["M"], r["speedup_vs_eager"]) for r in rows
-                         if r["mode"] == mode and r["K"] == r["N"] == f)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    linestyle="-" if mode == "train" else "--", label=f"{mode}, K = N = {f}")
-        tails = [r for r in rows if r["mode"] == mode and r["K"] != r["N"]]
-        ax.scatter([r["M"] for r in tails], [r["speedup_vs_eager"] for r in tails], marker="x",
-                   label=f"{mode}, tails (K != N)")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch M")
-    ax.set_ylabel("speedup over eager Model (x)")
-    ax.set_title(f"problem {env['model']}: ModelNew vs eager, {env['dtype']}, {env['device']}, torch {env['torch']}")
-    ax.legend(fontsize=7)
+    panels = [("speedup_vs_eager", "speedup over eager Model (x)", "ModelNew vs eager")]
+    if all(r.get("modelnew_time_over_floor") for r in rows):
+        panels.append(("modelnew_time_over_floor", "ModelNew time / floor time (x)", "ModelNew vs floor"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels), 5), squeeze=False)
+    for ax, (key, ylabel, title) in zip(axes[0], panels):
+        for mode in sorted({r["mode"] for r in rows}):
+            for f in sorted({r["N"] for r in rows if r["K"] == r["N"]}):
+                pts = sorted((r["M"], r[key]) for r in rows if r["mode"] == mode and r["K"] == r["N"] == f)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        linestyle="-" if mode == "train" else "--", label=f"{mode}, K = N = {f}")
+            tails = [r for r in rows if r["mode"] == mode and r["K"] != r["N"]]
+            ax.scatter([r["M"] for r in tails], [r[key] for r in tails], marker="x",
+                       label=f"{mode}, tails (K != N)")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch M")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"problem {env['model']}: {title}, {env['dtype']}, {env['device']}, torch {env['torch']}",
+                     fontsize=9)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path
 
 
@@ -678,6 +731,11 @@ def sweep_problem(problem, args, modes, env):
     print(f"problem {problem['name']}: shapes where ModelNew is slower than eager: {len(slower)} of {len(rows)} "
           f"(GPU time); host time per call above eager's: {len(slower_host)}; not close: {len(wrong)}"
           + (f"; shapes where the GPU reached a timed call before its launches: {len(waited)}" if waited else ""))
+    over_floor = [r["modelnew_time_over_floor"] for r in rows if r.get("modelnew_time_over_floor")]
+    if over_floor:
+        worst = max(rows, key=lambda r: r.get("modelnew_time_over_floor") or 0.0)
+        print(f"problem {problem['name']}: ModelNew time / floor time: median {statistics.median(over_floor):.2f}x, "
+              f"max {worst['modelnew_time_over_floor']:.2f}x ({worst['mode']} {worst['M']}x{worst['K']}x{worst['N']})")
     return not wrong
 
 

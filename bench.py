@@ -7,9 +7,13 @@ GPU, in one process, for
   --model both (default): 33, then 84.
 float32: both ModelNews run the float32-accurate tensor-core GEMM of kernels/
 (fp16x3 on Hopper, 3xTF32 elsewhere or with FUSED_GEMM_BN_PORTABLE=1); a "floor"
-side times three cuBLAS 16-bit products with float32 output at the same shape
-(the fp16x3 GEMM's work; needs torch.mm's out_dtype), and the table gives
-ModelNew's time over the floor's.
+side times three cuBLAS float16 products with float32 output at the same shape
+(torch.mm(a16, b16.t(), out_dtype=torch.float32): the fp16x3 GEMM's work without
+BatchNorm; needs torch.mm's out_dtype), and the table gives ModelNew's time over
+the floor's.  The floor's operands have K padded with zero columns to a multiple
+of 8, as sm90_fp16x3's prepass pads them: the padded GEMM's work, and cuBLAS's
+float16 path on rows that are not 16-byte aligned is slow (measured 1.5-3 ms at
+1024 x 8191 x 8192 against 0.52 ms at K = 8192).
 float16 / bfloat16: both models are built in float32 from one seed and moved
 with .to(dtype), as harnesses do; ModelNew runs the 16-bit kernels of
 kernels/lowp/ (compiled on its first 16-bit call, before timing).
@@ -37,13 +41,33 @@ model(x).backward(g) with x requiring grad and one fixed g ~ N(0, 1) of the
 output's shape, for eager Model and ModelNew (no compile side); the gradients
 of x and every parameter are cleared before each call, outside the events, so
 no call accumulates into an earlier one's.  GEMM TFLOP/s counts the three
-GEMMs (forward, grad x, grad weight): 6*M*N*K.  The floor side is three times
-the forward's floor (below): the step's three products.  Gradient errors: relative
+GEMMs (forward, grad x, grad weight): 6*M*N*K.  The floor side runs those three
+GEMMs at their own shapes and layouts (z = x W^T, grad x = g W, grad W = g^T x),
+each as the forward's floor does (float32: three float16 products with float32
+output over K padded to a multiple of 8, nine in all; 16-bit: one product each).
+Gradient errors: relative
 Frobenius error of each gradient against reference.Model in float64 (same
 state, input and g); in training the float64 gradient of gemm.bias is rounding
 noise around its exact value 0, so its max |grad| is reported instead.
 ModelNew counts as close when every gradient error is at most 2x eager's +
 GRAD_FLOOR and its gemm.bias gradient in training is exactly zero.
+
+--optimizer sgd (with --backward) adds an optimizer step to every timed call:
+model(x).backward(g) then torch.optim.SGD(model.parameters(), lr=OPTIMIZER_LR)
+.step(), one optimizer per side.  The step writes every parameter, so each of
+ModelNew's forwards finds gemm.weight changed and splits it again (its cached
+weight parts are dropped by the step), as in a training loop; the floor side
+stays the step's GEMM products (no update).  Both models start from one state; the
+gradient check runs before the timed steps, after which the weights drift apart
+(the timings do not depend on the values).
+
+--sweep times eager Model, ModelNew and the floor (no compile side) in --mode
+over SWEEP_SHAPES: batches 128..16384 x K = N 1024..8192, plus tails (K % 8 != 0
+included); per shape median ms, ModelNew's speedup over eager, its time over the
+floor's, errors against float64 and host time per call.  It writes
+results/sweep.json (problem 84: sweep_84.json) beside --json, a table, and
+results/sweep.png (speedup over eager and ModelNew / floor against M; needs
+matplotlib).
 
 --autocast float16 / bfloat16 runs every call of every side (eager Model, its
 torch.compile, ModelNew; --backward: the forward of each step) inside its own
@@ -99,6 +123,9 @@ EVAL_TRAIN_STEPS = 3  # training steps before --mode eval, so the running statis
 ATOL = RTOL = 1e-4
 SOFTMAX_RTOL, SOFTMAX_ATOL = 1e-4, 1e-7
 GRAD_FLOOR = 1e-6  # --backward closeness floor, relative Frobenius, as in tests/test_backward.py
+# --optimizer sgd's learning rate: the step's cost does not depend on it; a small rate keeps
+# the drifting weights (fixed g every step) near their initial scale.
+OPTIMIZER_LR = 1e-5
 GRAD_NAMES = ["x", "gemm.weight", "gemm.bias", "scale", "bn.weight", "bn.bias"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # 16-bit closeness (tests/test_lowp.py): the fraction of elements allowed outside 1e-2 + 1e-2 |eager|.
@@ -145,7 +172,8 @@ PROBLEMS = {
 # --sweep grid (M, K, N): batch 128..16384 x features 1024..8192 (K = N; 16384 x 4096 x 4096
 # is issue 39's large-batch shape), plus shapes whose sizes are not multiples of the tiles
 # (two with K % 8 != 0: the floor pads K, _padded_k).  The largest, 16384 x 8192 x 8192,
-# holds about 4 GiB of inputs, output and float64 check on the GPU.
+# peaks under 8 GiB on the GPU (four 512 MiB inputs, the float64 check's input and output,
+# each side's output, the floor's operands).
 SWEEP_BATCHES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SWEEP_FEATURES = (1024, 2048, 4096, 8192)
 SWEEP_SHAPES = ([(m, f, f) for f in SWEEP_FEATURES for m in SWEEP_BATCHES] +
@@ -187,10 +215,15 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile(Model) side")
     p.add_argument("--grad", action="store_true", help="time with autograd enabled instead of torch.no_grad()")
     p.add_argument("--backward", action="store_true",
-                   help="time forward + backward (model(x).backward(g)) of eager Model and ModelNew, and report "
-                        "every gradient's error against float64")
+                   help="time forward + backward (model(x).backward(g)) of eager Model and ModelNew beside the "
+                        "floor of the step's three GEMMs, and report every gradient's error against float64")
+    p.add_argument("--optimizer", choices=("sgd",), default=None,
+                   help="with --backward: each timed call also takes an optimizer step, "
+                        f"torch.optim.SGD(lr={OPTIMIZER_LR:g}), so ModelNew re-splits the changed weight every call; "
+                        "the floor stays the step's GEMM products (no update)")
     p.add_argument("--sweep", action="store_true",
-                   help="time eager Model and ModelNew (no compile side) over SWEEP_SHAPES in --mode; "
+                   help="time eager Model, ModelNew and the floor (three fp16 products over K padded to a "
+                        "multiple of 8; no compile side) over SWEEP_SHAPES (batch up to 16384) in --mode; "
                         "writes results/sweep.json, a table and results/sweep.png (if matplotlib is installed)")
     args = p.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
@@ -199,6 +232,8 @@ def parse_args(argv=None):
         p.error("--autocast runs float32 models inside torch.autocast: it needs --dtype float32")
     if args.one_region and args.autocast is None:
         p.error("--one-region needs --autocast")
+    if args.optimizer is not None and not args.backward:
+        p.error("--optimizer times a training step: it needs --backward")
     if args.backward and args.sweep:
         p.error("--backward times one shape: it cannot be combined with --sweep")
     if args.shape[0] < 2:  # also eval: EVAL_TRAIN_STEPS training steps come first
@@ -400,7 +435,8 @@ def bench_mode(problem, args, mode):
 
 def _floor_text(dtype):
     if dtype == torch.float32:
-        return "three cuBLAS 16-bit products with float32 output (the fp16x3 GEMM's work)"
+        return ("three cuBLAS float16 products with float32 output over K padded to a multiple of 8 "
+                "(the fp16x3 GEMM's work)")
     return f"one cuBLAS {str(dtype).replace('torch.', '')} product (torch.mm, 16-bit output)"
 
 
@@ -463,6 +499,36 @@ def gemm_floor(m, k, n):
     return floor
 
 
+def gemm_floor_step(m, k, n, dtype=torch.float32):
+    """The training step's floor as a timed side: its three GEMMs at their own
+    shapes and layouts, forward z = x W^T (m, n), grad x = g W (m, K8) and
+    grad W = g^T x (n, K8), each as the forward's floor does it: for float32
+    three cuBLAS float16 products with float32 output over K padded to K8 (nine
+    products in all; gemm_floor), for a 16-bit dtype one product in that dtype
+    over the unpadded k (three in all; gemm_floor_16bit).  Fixed random
+    operands (x ignored).  None, with a note, where a float32 floor needs
+    out_dtype and this torch's mm lacks it."""
+    if dtype == torch.float32:
+        if not _has_out_dtype():
+            return None
+        x16, w16 = _fp16_operand(m, k), _fp16_operand(n, k)
+        g16 = torch.randn(m, n, device=DEVICE).half()
+        products = [(x16, w16.t()), (g16, w16), (g16.t(), x16)]
+        repeat, mm = 3, lambda a, b: torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        x16, w16 = torch.rand(m, k, device=DEVICE).to(dtype), torch.rand(n, k, device=DEVICE).to(dtype)
+        g16 = torch.randn(m, n, device=DEVICE).to(dtype)
+        products = [(x16, w16.t()), (g16, w16), (g16.t(), x16)]
+        repeat, mm = 1, torch.mm
+
+    def floor(x):
+        for a, b in products:
+            for _ in range(repeat):
+                mm(a, b)
+
+    return floor
+
+
 def make_floor(m, k, n, compute):
     """The forward's floor side for GEMMs computing in `compute`: gemm_floor
     (float32) or gemm_floor_16bit; None where there is none."""
@@ -506,6 +572,19 @@ def check_grad_accuracy(sides, ref, x, g, training, compute=None):
     return errors, bias_max, close
 
 
+def make_optimizer(name, model):
+    """--optimizer's optimizer over model's parameters (None for no optimizer):
+    "sgd" is torch.optim.SGD(lr=OPTIMIZER_LR), no momentum, torch's default
+    (foreach) implementation.  Its step() writes every parameter, so the next
+    forward of ModelNew finds gemm.weight changed and splits it again (the
+    weight cache is dropped by the step), as in a training loop."""
+    if name is None:
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=OPTIMIZER_LR)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
 def bench_backward_mode(problem, args, mode):
     """Forward + backward of eager Model and ModelNew in one BatchNorm mode;
     returns (rows, check)."""
@@ -521,9 +600,21 @@ def bench_backward_mode(problem, args, mode):
         errors, bias_max, close = check_grad_accuracy(sides, ref, x_check, g, mode == "train", compute_dtype(args))
         path = new.kernel_path(inputs[0])
 
-    def step(model):
+    # --optimizer: each side steps its own optimizer inside the timed call, after the
+    # accuracy check (the weights drift from here on; both sides start from one state).
+    optimizers = {name: make_optimizer(args.optimizer, model) for name, model in sides.items()}
+
+    def step(name, model):
         forward = in_autocast(model, args)
-        return lambda x: forward(x).backward(g)
+        optimizer = optimizers[name]
+        if optimizer is None:
+            return lambda x: forward(x).backward(g)
+
+        def run(x):
+            forward(x).backward(g)
+            optimizer.step()
+
+        return run
 
     # Under --autocast in train mode ModelNew's cached weight cast is dropped too, as a
     # training step's weight update would (weight_cast_drop).
@@ -537,41 +628,41 @@ def bench_backward_mode(problem, args, mode):
                 drop_cast[name](x)
         return run
 
-    fns = {name: step(model) for name, model in sides.items()}
+    fns = {name: step(name, model) for name, model in sides.items()}
     prepare = {name: clear(name, model) for name, model in sides.items()}
-    # The floor: the three products of a training step (forward, grad x, grad W), each
-    # the forward's floor (gemm_floor's three fp16 products for float32, else one 16-bit).
+    # The floor: the three products of a training step (forward, grad x, grad W) at their
+    # shapes, each as the forward's floor (gemm_floor_step); no optimizer update.
     compute = compute_dtype(args)
-    floor_one = gemm_floor(m, k, n) if compute == torch.float32 else gemm_floor_16bit(m, k, n, compute)
-    if floor_one is not None:
-        def floor(x):
-            for _ in range(3):
-                floor_one(x)
+    floor = gemm_floor_step(m, k, n, compute)
+    if floor is not None:
         fns["floor"] = floor
         prepare["floor"] = lambda x: None
     with one_region(args):
         times = time_fn(fns, inputs, args.iters, args.warmup, prepare=prepare)
+    kind = "forward+backward" + (f"+{args.optimizer}" if args.optimizer else "")
     eager_ms = statistics.median(times["eager"])
     rows = []
     for name, ts in times.items():
         ms = statistics.median(ts)
-        rows.append({"mode": mode, "side": name, "kind": "forward+backward", "median_ms": ms, "min_ms": min(ts),
+        rows.append({"mode": mode, "side": name, "kind": kind, "median_ms": ms, "min_ms": min(ts),
                      "gemm_tflops": 6.0 * m * n * k / (ms * 1e-3) / 1e12, "speedup_vs_eager": eager_ms / ms,
                      "time_ratio_vs_eager": ms / eager_ms, "grad_rel_err_vs_fp64": errors.get(name, {}),
                      "gemm_bias_grad_max_abs": bias_max.get(name)})
-    check = {"mode": mode, "model": problem["name"], "kind": "forward+backward", "close_vs_eager": close,
+    check = {"mode": mode, "model": problem["name"], "kind": kind, "optimizer": args.optimizer,
+             "optimizer_lr": OPTIMIZER_LR if args.optimizer else None, "close_vs_eager": close,
              "gemm_bias_grad_max_abs_fp64": bias_max["float64"], "dtype": args.dtype, "autocast": args.autocast,
              "grad_floor": GRAD_FLOORS[compute], "kernel_path": path}
     if "floor" in times:
-        check["floor"] = "3 x " + _floor_text(compute)
+        check["floor"] = "forward, grad x and grad W, each " + _floor_text(compute)
         check["modelnew_time_over_floor"] = statistics.median(times["ModelNew"]) / statistics.median(times["floor"])
     return rows, check
 
 
 def print_backward_table(problem, rows, check):
     where = f", float32 models under autocast {check['autocast']}" if check.get("autocast") else ""
+    step = (f" + {check['optimizer']}(lr={check['optimizer_lr']:g}).step()" if check.get("optimizer") else "")
     print(f"\nproblem {problem['name']} ({problem['title']}), mode={check['mode']}, "
-          f"forward + backward: model(x).backward(g){where}")
+          f"forward + backward{' + optimizer step' if step else ''}: model(x).backward(g){step}{where}")
     print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}{'time/eager':>12}")
     for r in rows:
         print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"

@@ -123,9 +123,10 @@ EVAL_TRAIN_STEPS = 3  # training steps before --mode eval, so the running statis
 ATOL = RTOL = 1e-4
 SOFTMAX_RTOL, SOFTMAX_ATOL = 1e-4, 1e-7
 GRAD_FLOOR = 1e-6  # --backward closeness floor, relative Frobenius, as in tests/test_backward.py
-# --optimizer sgd's learning rate: the step's cost does not depend on it; a small rate keeps
-# the drifting weights (fixed g every step) near their initial scale.
-OPTIMIZER_LR = 1e-5
+# --optimizer sgd's learning rate: the step's cost does not depend on it; the weights drift
+# the same way every step (one fixed g): in 60 steps at 1024 x 2048 x 2048 (CPU), gemm.weight's
+# largest change was 3x its largest initial entry at 1e-5, 0.75x at 1e-6.
+OPTIMIZER_LR = 1e-6
 GRAD_NAMES = ["x", "gemm.weight", "gemm.bias", "scale", "bn.weight", "bn.bias"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # 16-bit closeness (tests/test_lowp.py): the fraction of elements allowed outside 1e-2 + 1e-2 |eager|.

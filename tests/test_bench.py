@@ -137,3 +137,70 @@ def test_plot_sweep(tmp_path):
 def test_main_without_gpu():
     assert bench.main(["--sweep"]) == 2
     assert bench.main(["--backward", "--optimizer", "sgd"]) == 2
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    """bench on the CPU: DEVICE "cpu", time_fn replaced by a stand-in that makes
+    the same calls (prepare, then the side) and returns fixed times, and torch.mm
+    taking out_dtype (float32 products of the 16-bit operands) where the CPU lacks
+    it.  Returns the number of calls per side."""
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    calls = {}
+
+    def time_fn(fns, inputs, iters, warmup, prepare=None, host=None):
+        for rep in range(warmup + iters):
+            x = inputs[rep % len(inputs)]
+            for name, fn in fns.items():
+                if prepare is not None:
+                    prepare[name](x)
+                fn(x)
+                calls[name] = calls.get(name, 0) + 1
+        if host is not None:
+            host.update({name: {"host_us": [1.0], "gpu_waited": 0} for name in fns})
+        return {name: [2.0 if name == "eager" else 1.0] * iters for name in fns}
+
+    real_mm = torch.mm
+
+    def mm(a, b, out_dtype=None):
+        return real_mm(a.float(), b.float()) if out_dtype is not None else real_mm(a, b)
+
+    monkeypatch.setattr(bench, "time_fn", time_fn)
+    monkeypatch.setattr(torch, "mm", mm)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_backward_optimizer_flow(cpu_bench, monkeypatch, mode):
+    """--backward --optimizer sgd: each timed call of eager and ModelNew steps its own
+    optimizer (the weights change, both from one state), the floor is timed beside."""
+    args = bench.parse_args(["--backward", "--optimizer", "sgd", "--model", "33", "--shape", "16,13,12",
+                             "--iters", "3", "--warmup", "1", "--mode", mode])
+    problem = bench.load_problem("33")
+    built = {}
+    real_build = bench.build_models
+
+    def build_models(*a, **kw):
+        ref, new = real_build(*a, **kw)
+        built["weights"] = [m.gemm.weight.detach().clone() for m in (ref, new)]
+        built["models"] = (ref, new)
+        return ref, new
+
+    monkeypatch.setattr(bench, "build_models", build_models)
+    rows, check = bench.bench_backward_mode(problem, args, mode)
+    assert cpu_bench == {"eager": 4, "ModelNew": 4, "floor": 4}
+    assert {r["side"] for r in rows} == {"eager", "ModelNew", "floor"}
+    assert all(r["kind"] == "forward+backward+sgd" for r in rows)
+    assert check["optimizer"] == "sgd" and check["modelnew_time_over_floor"] == 1.0
+    assert torch.equal(*built["weights"])  # one starting state
+    for model, w0 in zip(built["models"], built["weights"]):
+        assert not torch.equal(model.gemm.weight.detach(), w0)  # the optimizer stepped
+
+
+def test_sweep_flow(cpu_bench, monkeypatch):
+    monkeypatch.setattr(bench, "SWEEP_SHAPES", [(8, 16, 16), (5, 13, 7)])
+    args = bench.parse_args(["--sweep", "--iters", "2", "--warmup", "1", "--model", "33"])
+    rows = bench.run_sweep(bench.load_problem("33"), args, ["train"])
+    assert [(r["M"], r["K"], r["N"]) for r in rows] == [(8, 16, 16), (5, 13, 7)]
+    assert all(r["floor_ms"] == 1.0 and r["modelnew_time_over_floor"] == 1.0 for r in rows)
+    assert cpu_bench == {"eager": 6, "ModelNew": 6, "floor": 6}

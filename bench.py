@@ -7,9 +7,13 @@ GPU, in one process, for
   --model both (default): 33, then 84.
 float32: both ModelNews run the float32-accurate tensor-core GEMM of kernels/
 (fp16x3 on Hopper, 3xTF32 elsewhere or with FUSED_GEMM_BN_PORTABLE=1); a "floor"
-side times three cuBLAS 16-bit products with float32 output at the same shape
-(the fp16x3 GEMM's work; needs torch.mm's out_dtype), and the table gives
-ModelNew's time over the floor's.
+side times three cuBLAS float16 products with float32 output at the same shape
+(torch.mm(a16, b16.t(), out_dtype=torch.float32): the fp16x3 GEMM's work without
+BatchNorm; needs torch.mm's out_dtype), and the table gives ModelNew's time over
+the floor's.  The floor's operands have K padded with zero columns to a multiple
+of 8, as sm90_fp16x3's prepass pads them: the padded GEMM's work, and cuBLAS's
+float16 path on rows that are not 16-byte aligned is slow (measured 1.5-3 ms at
+1024 x 8191 x 8192 against 0.52 ms at K = 8192).
 float16 / bfloat16: both models are built in float32 from one seed and moved
 with .to(dtype), as harnesses do; ModelNew runs the 16-bit kernels of
 kernels/lowp/ (compiled on its first 16-bit call, before timing).
@@ -37,13 +41,33 @@ model(x).backward(g) with x requiring grad and one fixed g ~ N(0, 1) of the
 output's shape, for eager Model and ModelNew (no compile side); the gradients
 of x and every parameter are cleared before each call, outside the events, so
 no call accumulates into an earlier one's.  GEMM TFLOP/s counts the three
-GEMMs (forward, grad x, grad weight): 6*M*N*K.  The floor side is three times
-the forward's floor (below): the step's three products.  Gradient errors: relative
+GEMMs (forward, grad x, grad weight): 6*M*N*K.  The floor side runs those three
+GEMMs at their own shapes and layouts (z = x W^T, grad x = g W, grad W = g^T x),
+each as the forward's floor does (float32: three float16 products with float32
+output over K padded to a multiple of 8, nine in all; 16-bit: one product each).
+Gradient errors: relative
 Frobenius error of each gradient against reference.Model in float64 (same
 state, input and g); in training the float64 gradient of gemm.bias is rounding
 noise around its exact value 0, so its max |grad| is reported instead.
 ModelNew counts as close when every gradient error is at most 2x eager's +
 GRAD_FLOOR and its gemm.bias gradient in training is exactly zero.
+
+--optimizer sgd (with --backward) adds an optimizer step to every timed call:
+model(x).backward(g) then torch.optim.SGD(model.parameters(), lr=OPTIMIZER_LR)
+.step(), one optimizer per side.  The step writes every parameter, so each of
+ModelNew's forwards finds gemm.weight changed and splits it again (its cached
+weight parts are dropped by the step), as in a training loop; the floor side
+stays the step's GEMM products (no update).  Both models start from one state; the
+gradient check runs before the timed steps, after which the weights drift apart
+(the timings do not depend on the values).
+
+--sweep times eager Model, ModelNew and the floor (no compile side) in --mode
+over SWEEP_SHAPES: batches 128..16384 x K = N 1024..8192, plus tails (K % 8 != 0
+included); per shape median ms, ModelNew's speedup over eager, its time over the
+floor's, errors against float64 and host time per call.  It writes
+results/sweep.json (problem 84: sweep_84.json) beside --json, a table, and
+results/sweep.png (speedup over eager and ModelNew / floor against M; needs
+matplotlib).
 
 --autocast float16 / bfloat16 runs every call of every side (eager Model, its
 torch.compile, ModelNew; --backward: the forward of each step) inside its own
@@ -99,6 +123,10 @@ EVAL_TRAIN_STEPS = 3  # training steps before --mode eval, so the running statis
 ATOL = RTOL = 1e-4
 SOFTMAX_RTOL, SOFTMAX_ATOL = 1e-4, 1e-7
 GRAD_FLOOR = 1e-6  # --backward closeness floor, relative Frobenius, as in tests/test_backward.py
+# --optimizer sgd's learning rate: the step's cost does not depend on it; the weights drift
+# the same way every step (one fixed g): in 60 steps at 1024 x 2048 x 2048 (CPU), gemm.weight's
+# largest change was 3x its largest initial entry at 1e-5, 0.75x at 1e-6.
+OPTIMIZER_LR = 1e-6
 GRAD_NAMES = ["x", "gemm.weight", "gemm.bias", "scale", "bn.weight", "bn.bias"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # 16-bit closeness (tests/test_lowp.py): the fraction of elements allowed outside 1e-2 + 1e-2 |eager|.
@@ -142,10 +170,14 @@ PROBLEMS = {
            "init": lambda k, n: (k, n), "close": _softmax_close,
            "close_text": f"|diff| <= {SOFTMAX_RTOL:g} |eager| + {SOFTMAX_ATOL:g}"},
 }
-# --sweep grid (M, K, N): batch 128..4096 x features 1024..8192 (K = N), plus
-# shapes whose sizes are not multiples of the tiles.
-SWEEP_SHAPES = ([(m, f, f) for f in (1024, 2048, 4096, 8192) for m in (128, 256, 512, 1024, 2048, 4096)] +
-                [(8192, 4096, 4096), (16384, 4096, 4096), (16384, 1024, 1024), (8192, 8192, 8192)] +
+# --sweep grid (M, K, N): batch 128..16384 x features 1024..8192 (K = N; 16384 x 4096 x 4096
+# is issue 39's large-batch shape), plus shapes whose sizes are not multiples of the tiles
+# (two with K % 8 != 0: the floor pads K, _padded_k).  The largest, 16384 x 8192 x 8192,
+# peaks under 8 GiB on the GPU (four 512 MiB inputs, the float64 check's input and output,
+# each side's output, the floor's operands).
+SWEEP_BATCHES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+SWEEP_FEATURES = (1024, 2048, 4096, 8192)
+SWEEP_SHAPES = ([(m, f, f) for f in SWEEP_FEATURES for m in SWEEP_BATCHES] +
                 [(1000, 3000, 3000), (4000, 8188, 1000), (333, 8192, 5000), (2048, 1028, 8190)])
 
 
@@ -184,10 +216,15 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile(Model) side")
     p.add_argument("--grad", action="store_true", help="time with autograd enabled instead of torch.no_grad()")
     p.add_argument("--backward", action="store_true",
-                   help="time forward + backward (model(x).backward(g)) of eager Model and ModelNew, and report "
-                        "every gradient's error against float64")
+                   help="time forward + backward (model(x).backward(g)) of eager Model and ModelNew beside the "
+                        "floor of the step's three GEMMs, and report every gradient's error against float64")
+    p.add_argument("--optimizer", choices=("sgd",), default=None,
+                   help="with --backward: each timed call also takes an optimizer step, "
+                        f"torch.optim.SGD(lr={OPTIMIZER_LR:g}), so ModelNew re-splits the changed weight every call; "
+                        "the floor stays the step's GEMM products (no update)")
     p.add_argument("--sweep", action="store_true",
-                   help="time eager Model and ModelNew (no compile side) over SWEEP_SHAPES in --mode; "
+                   help="time eager Model, ModelNew and the floor (three fp16 products over K padded to a "
+                        "multiple of 8; no compile side) over SWEEP_SHAPES (batch up to 16384) in --mode; "
                         "writes results/sweep.json, a table and results/sweep.png (if matplotlib is installed)")
     args = p.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
@@ -196,6 +233,8 @@ def parse_args(argv=None):
         p.error("--autocast runs float32 models inside torch.autocast: it needs --dtype float32")
     if args.one_region and args.autocast is None:
         p.error("--one-region needs --autocast")
+    if args.optimizer is not None and not args.backward:
+        p.error("--optimizer times a training step: it needs --backward")
     if args.backward and args.sweep:
         p.error("--backward times one shape: it cannot be combined with --sweep")
     if args.shape[0] < 2:  # also eval: EVAL_TRAIN_STEPS training steps come first
@@ -378,7 +417,7 @@ def bench_mode(problem, args, mode):
         with autocast_context(args):
             check["kernel_path"] = new.kernel_path(inputs[0])  # dispatch's name for the path timed below
         compute = compute_dtype(args)
-        floor = gemm_floor(m, k, n) if compute == torch.float32 else gemm_floor_16bit(m, k, n, compute)
+        floor = make_floor(m, k, n, compute)
         if floor is not None:
             sides["floor"] = floor
         times = time_fn(sides, inputs, args.iters, args.warmup, prepare=weight_cast_drop(args, mode))
@@ -397,7 +436,8 @@ def bench_mode(problem, args, mode):
 
 def _floor_text(dtype):
     if dtype == torch.float32:
-        return "three cuBLAS 16-bit products with float32 output (the fp16x3 GEMM's work)"
+        return ("three cuBLAS float16 products with float32 output over K padded to a multiple of 8 "
+                "(the fp16x3 GEMM's work)")
     return f"one cuBLAS {str(dtype).replace('torch.', '')} product (torch.mm, 16-bit output)"
 
 
@@ -414,24 +454,86 @@ def gemm_floor_16bit(m, k, n, dtype):
     return floor
 
 
-def gemm_floor(m, k, n):
-    """The fp16x3 floor as a timed side: three cuBLAS products of (m, k) x (k, n)
-    16-bit operands with float32 output (torch.mm's out_dtype), on fixed
-    pre-converted random operands (the argument x is ignored: the floor computes
-    no model output).  None, with a note, where this torch's mm has no out_dtype."""
-    a = torch.rand(m, k, device=DEVICE).half()
-    b = torch.rand(n, k, device=DEVICE).half().t()
+def _padded_k(k):
+    """K rounded up to a multiple of 8: sm90_fp16x3's prepass pads K with zero
+    columns so every 16-bit row is 16-byte aligned; the floor does the same work
+    (cuBLAS's fp16 path on unaligned rows is slow: measured 1.5-3 ms at
+    1024 x 8191 x 8192 against 0.52 ms at K = 8192)."""
+    return -(-k // 8) * 8
+
+
+def _fp16_operand(rows, k):
+    """A (rows, _padded_k(k)) float16 tensor: torch.rand in the first k columns,
+    zeros after (the padding)."""
+    t = torch.zeros(rows, _padded_k(k), device=DEVICE, dtype=torch.float16)
+    t[:, :k] = torch.rand(rows, k, device=DEVICE)
+    return t
+
+
+def _has_out_dtype():
+    """Whether this torch's mm takes out_dtype (16-bit operands, float32 output)."""
+    a = torch.zeros(1, 8, device=DEVICE, dtype=torch.float16)
     try:
-        torch.mm(a[:1], b[:, :1], out_dtype=torch.float32)
+        torch.mm(a, a.t(), out_dtype=torch.float32)
     except (TypeError, RuntimeError):
         print("note: this torch's mm has no out_dtype; no floor side")
+        return False
+    return True
+
+
+def gemm_floor(m, k, n):
+    """The fp16x3 floor as a timed side: three cuBLAS products of (m, K8) x (K8, n)
+    float16 operands with float32 output (torch.mm's out_dtype), K8 = k rounded
+    up to a multiple of 8 with zero columns (_padded_k: the padded fp16x3 GEMM's
+    work), on fixed pre-converted random operands (the argument x is ignored: the
+    floor computes no model output).  None, with a note, where this torch's mm
+    has no out_dtype."""
+    if not _has_out_dtype():
         return None
+    a = _fp16_operand(m, k)
+    b = _fp16_operand(n, k).t()
 
     def floor(x):
         for _ in range(3):
             torch.mm(a, b, out_dtype=torch.float32)
 
     return floor
+
+
+def gemm_floor_step(m, k, n, dtype=torch.float32):
+    """The training step's floor as a timed side: its three GEMMs at their own
+    shapes and layouts, forward z = x W^T (m, n), grad x = g W (m, K8) and
+    grad W = g^T x (n, K8), each as the forward's floor does it: for float32
+    three cuBLAS float16 products with float32 output over K padded to K8 (nine
+    products in all; gemm_floor), for a 16-bit dtype one product in that dtype
+    over the unpadded k (three in all; gemm_floor_16bit).  Fixed random
+    operands (x ignored).  None, with a note, where a float32 floor needs
+    out_dtype and this torch's mm lacks it."""
+    if dtype == torch.float32:
+        if not _has_out_dtype():
+            return None
+        x16, w16 = _fp16_operand(m, k), _fp16_operand(n, k)
+        g16 = torch.randn(m, n, device=DEVICE).half()
+        products = [(x16, w16.t()), (g16, w16), (g16.t(), x16)]
+        repeat, mm = 3, lambda a, b: torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        x16, w16 = torch.rand(m, k, device=DEVICE).to(dtype), torch.rand(n, k, device=DEVICE).to(dtype)
+        g16 = torch.randn(m, n, device=DEVICE).to(dtype)
+        products = [(x16, w16.t()), (g16, w16), (g16.t(), x16)]
+        repeat, mm = 1, torch.mm
+
+    def floor(x):
+        for a, b in products:
+            for _ in range(repeat):
+                mm(a, b)
+
+    return floor
+
+
+def make_floor(m, k, n, compute):
+    """The forward's floor side for GEMMs computing in `compute`: gemm_floor
+    (float32) or gemm_floor_16bit; None where there is none."""
+    return gemm_floor(m, k, n) if compute == torch.float32 else gemm_floor_16bit(m, k, n, compute)
 
 
 def _gradients(model, x, g):
@@ -471,6 +573,19 @@ def check_grad_accuracy(sides, ref, x, g, training, compute=None):
     return errors, bias_max, close
 
 
+def make_optimizer(name, model):
+    """--optimizer's optimizer over model's parameters (None for no optimizer):
+    "sgd" is torch.optim.SGD(lr=OPTIMIZER_LR), no momentum, torch's default
+    (foreach) implementation.  Its step() writes every parameter, so the next
+    forward of ModelNew finds gemm.weight changed and splits it again (the
+    weight cache is dropped by the step), as in a training loop."""
+    if name is None:
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=OPTIMIZER_LR)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
 def bench_backward_mode(problem, args, mode):
     """Forward + backward of eager Model and ModelNew in one BatchNorm mode;
     returns (rows, check)."""
@@ -486,9 +601,21 @@ def bench_backward_mode(problem, args, mode):
         errors, bias_max, close = check_grad_accuracy(sides, ref, x_check, g, mode == "train", compute_dtype(args))
         path = new.kernel_path(inputs[0])
 
-    def step(model):
+    # --optimizer: each side steps its own optimizer inside the timed call, after the
+    # accuracy check (the weights drift from here on; both sides start from one state).
+    optimizers = {name: make_optimizer(args.optimizer, model) for name, model in sides.items()}
+
+    def step(name, model):
         forward = in_autocast(model, args)
-        return lambda x: forward(x).backward(g)
+        optimizer = optimizers[name]
+        if optimizer is None:
+            return lambda x: forward(x).backward(g)
+
+        def run(x):
+            forward(x).backward(g)
+            optimizer.step()
+
+        return run
 
     # Under --autocast in train mode ModelNew's cached weight cast is dropped too, as a
     # training step's weight update would (weight_cast_drop).
@@ -502,41 +629,41 @@ def bench_backward_mode(problem, args, mode):
                 drop_cast[name](x)
         return run
 
-    fns = {name: step(model) for name, model in sides.items()}
+    fns = {name: step(name, model) for name, model in sides.items()}
     prepare = {name: clear(name, model) for name, model in sides.items()}
-    # The floor: the three products of a training step (forward, grad x, grad W), each
-    # the forward's floor (gemm_floor's three fp16 products for float32, else one 16-bit).
+    # The floor: the three products of a training step (forward, grad x, grad W) at their
+    # shapes, each as the forward's floor (gemm_floor_step); no optimizer update.
     compute = compute_dtype(args)
-    floor_one = gemm_floor(m, k, n) if compute == torch.float32 else gemm_floor_16bit(m, k, n, compute)
-    if floor_one is not None:
-        def floor(x):
-            for _ in range(3):
-                floor_one(x)
+    floor = gemm_floor_step(m, k, n, compute)
+    if floor is not None:
         fns["floor"] = floor
         prepare["floor"] = lambda x: None
     with one_region(args):
         times = time_fn(fns, inputs, args.iters, args.warmup, prepare=prepare)
+    kind = "forward+backward" + (f"+{args.optimizer}" if args.optimizer else "")
     eager_ms = statistics.median(times["eager"])
     rows = []
     for name, ts in times.items():
         ms = statistics.median(ts)
-        rows.append({"mode": mode, "side": name, "kind": "forward+backward", "median_ms": ms, "min_ms": min(ts),
+        rows.append({"mode": mode, "side": name, "kind": kind, "median_ms": ms, "min_ms": min(ts),
                      "gemm_tflops": 6.0 * m * n * k / (ms * 1e-3) / 1e12, "speedup_vs_eager": eager_ms / ms,
                      "time_ratio_vs_eager": ms / eager_ms, "grad_rel_err_vs_fp64": errors.get(name, {}),
                      "gemm_bias_grad_max_abs": bias_max.get(name)})
-    check = {"mode": mode, "model": problem["name"], "kind": "forward+backward", "close_vs_eager": close,
+    check = {"mode": mode, "model": problem["name"], "kind": kind, "optimizer": args.optimizer,
+             "optimizer_lr": OPTIMIZER_LR if args.optimizer else None, "close_vs_eager": close,
              "gemm_bias_grad_max_abs_fp64": bias_max["float64"], "dtype": args.dtype, "autocast": args.autocast,
              "grad_floor": GRAD_FLOORS[compute], "kernel_path": path}
     if "floor" in times:
-        check["floor"] = "3 x " + _floor_text(compute)
+        check["floor"] = "forward, grad x and grad W, each " + _floor_text(compute)
         check["modelnew_time_over_floor"] = statistics.median(times["ModelNew"]) / statistics.median(times["floor"])
     return rows, check
 
 
 def print_backward_table(problem, rows, check):
     where = f", float32 models under autocast {check['autocast']}" if check.get("autocast") else ""
+    step = (f" + {check['optimizer']}(lr={check['optimizer_lr']:g}).step()" if check.get("optimizer") else "")
     print(f"\nproblem {problem['name']} ({problem['title']}), mode={check['mode']}, "
-          f"forward + backward: model(x).backward(g){where}")
+          f"forward + backward{' + optimizer step' if step else ''}: model(x).backward(g){step}{where}")
     print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}{'time/eager':>12}")
     for r in rows:
         print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
@@ -588,43 +715,56 @@ def print_table(problem, rows, check, grad, dtype=torch.float32, autocast=None):
 
 
 def run_sweep(problem, args, modes):
-    """Eager Model vs ModelNew over SWEEP_SHAPES; returns the rows (one per shape and mode)."""
+    """Eager Model, ModelNew and the floor (make_floor: for float32 three cuBLAS
+    float16 products over K padded to a multiple of 8) over SWEEP_SHAPES; returns
+    the rows (one per shape and mode)."""
     rows = []
-    print(f"\nproblem {problem['name']} ({problem['title']})")
+    dtype = DTYPES[args.dtype]
+    print(f"\nproblem {problem['name']} ({problem['title']}); floor: {_floor_text(dtype)}")
     print(f"{'mode':<6}{'M':>6}{'K':>7}{'N':>7}{'eager ms':>11}{'ModelNew ms':>13}{'speedup':>9}"
-          f"{'time/eager':>12}{'TFLOP/s':>9}{'rel err':>10}{'eager err':>11}{'host us: eager':>16}{'ModelNew':>10}")
+          f"{'time/eager':>12}{'floor ms':>10}{'new/floor':>11}{'TFLOP/s':>9}{'rel err':>10}{'eager err':>11}"
+          f"{'host us: eager':>16}{'ModelNew':>10}")
     for mode in modes:
         for shape in SWEEP_SHAPES:
             m, k, n = shape
-            dtype = DTYPES[args.dtype]
             ref, new = build_models(problem, shape, mode, args.seed, dtype)
             inputs = [torch.rand(m, k, device=DEVICE).to(dtype) for _ in range(NUM_INPUTS)]
             with torch.no_grad():
                 sides = {"eager": ref, "ModelNew": new}
                 errors, check = check_accuracy(problem, sides, ref, torch.rand(m, k, device=DEVICE).to(dtype))
+                floor = make_floor(m, k, n, dtype)
+                if floor is not None:
+                    sides["floor"] = floor
                 host = {}
                 times = time_fn(sides, inputs, args.iters, args.warmup, host=host)
             eager_ms, new_ms = statistics.median(times["eager"]), statistics.median(times["ModelNew"])
+            floor_ms = statistics.median(times["floor"]) if "floor" in times else None
             host_us = {name: statistics.median(h["host_us"]) for name, h in host.items()}
             waited = {name: h["gpu_waited"] for name, h in host.items() if h["gpu_waited"]}
             row = {"mode": mode, "M": m, "K": k, "N": n, "eager_ms": eager_ms, "modelnew_ms": new_ms,
                    "speedup_vs_eager": eager_ms / new_ms, "time_ratio_vs_eager": new_ms / eager_ms,
+                   "floor_ms": floor_ms, "modelnew_time_over_floor": new_ms / floor_ms if floor_ms else None,
                    "modelnew_gemm_tflops": 2.0 * m * n * k / (new_ms * 1e-3) / 1e12,
                    "rel_err_vs_fp64": errors["ModelNew"], "eager_rel_err_vs_fp64": errors["eager"],
                    "close_vs_eager": check["close_vs_eager"], "eager_host_us": host_us["eager"],
                    "modelnew_host_us": host_us["ModelNew"], "gpu_waited_on_host": waited}
             rows.append(row)
+            floor_cols = (f"{floor_ms:>10.3f}{row['modelnew_time_over_floor']:>10.2f}x" if floor_ms
+                          else f"{'-':>10}{'-':>11}")
             print(f"{mode:<6}{m:>6}{k:>7}{n:>7}{eager_ms:>11.3f}{new_ms:>13.3f}{eager_ms / new_ms:>8.2f}x"
-                  f"{new_ms / eager_ms:>12.3f}{row['modelnew_gemm_tflops']:>9.1f}{errors['ModelNew']:>10.1e}"
-                  f"{errors['eager']:>11.1e}{host_us['eager']:>16.1f}{host_us['ModelNew']:>10.1f}"
+                  f"{new_ms / eager_ms:>12.3f}{floor_cols}{row['modelnew_gemm_tflops']:>9.1f}"
+                  f"{errors['ModelNew']:>10.1e}{errors['eager']:>11.1e}{host_us['eager']:>16.1f}"
+                  f"{host_us['ModelNew']:>10.1f}"
                   + (f"  (GPU reached the call before its launches: {waited})" if waited else ""), flush=True)
-            del ref, new, inputs
+            del ref, new, inputs, sides, floor
             torch.cuda.empty_cache()
     return rows
 
 
 def plot_sweep(rows, path, env):
-    """Speedup over eager against M, one line per (K = N) feature size and mode; tails as points."""
+    """Two panels against M, one line per (K = N) feature size and mode, tails as
+    points: speedup over eager, and ModelNew's time over the floor's (where the
+    rows have a floor)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -632,24 +772,29 @@ def plot_sweep(rows, path, env):
     except ImportError:
         print("note: matplotlib is not installed; no plot written")
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for mode in sorted({r["mode"] for r in rows}):
-        for f in sorted({r["N"] for r in rows if r["K"] == r["N"]}):
-            pts = sorted((r["M"], r["speedup_vs_eager"]) for r in rows
-                         if r["mode"] == mode and r["K"] == r["N"] == f)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    linestyle="-" if mode == "train" else "--", label=f"{mode}, K = N = {f}")
-        tails = [r for r in rows if r["mode"] == mode and r["K"] != r["N"]]
-        ax.scatter([r["M"] for r in tails], [r["speedup_vs_eager"] for r in tails], marker="x",
-                   label=f"{mode}, tails (K != N)")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch M")
-    ax.set_ylabel("speedup over eager Model (x)")
-    ax.set_title(f"problem {env['model']}: ModelNew vs eager, {env['dtype']}, {env['device']}, torch {env['torch']}")
-    ax.legend(fontsize=7)
+    panels = [("speedup_vs_eager", "speedup over eager Model (x)", "ModelNew vs eager")]
+    if all(r.get("modelnew_time_over_floor") for r in rows):
+        panels.append(("modelnew_time_over_floor", "ModelNew time / floor time (x)", "ModelNew vs floor"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels), 5), squeeze=False)
+    for ax, (key, ylabel, title) in zip(axes[0], panels):
+        for mode in sorted({r["mode"] for r in rows}):
+            for f in sorted({r["N"] for r in rows if r["K"] == r["N"]}):
+                pts = sorted((r["M"], r[key]) for r in rows if r["mode"] == mode and r["K"] == r["N"] == f)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        linestyle="-" if mode == "train" else "--", label=f"{mode}, K = N = {f}")
+            tails = [r for r in rows if r["mode"] == mode and r["K"] != r["N"]]
+            ax.scatter([r["M"] for r in tails], [r[key] for r in tails], marker="x",
+                       label=f"{mode}, tails (K != N)")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch M")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"problem {env['model']}: {title}, {env['dtype']}, {env['device']}, torch {env['torch']}",
+                     fontsize=9)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path
 
 
@@ -678,6 +823,11 @@ def sweep_problem(problem, args, modes, env):
     print(f"problem {problem['name']}: shapes where ModelNew is slower than eager: {len(slower)} of {len(rows)} "
           f"(GPU time); host time per call above eager's: {len(slower_host)}; not close: {len(wrong)}"
           + (f"; shapes where the GPU reached a timed call before its launches: {len(waited)}" if waited else ""))
+    over_floor = [r["modelnew_time_over_floor"] for r in rows if r.get("modelnew_time_over_floor")]
+    if over_floor:
+        worst = max(rows, key=lambda r: r.get("modelnew_time_over_floor") or 0.0)
+        print(f"problem {problem['name']}: ModelNew time / floor time: median {statistics.median(over_floor):.2f}x, "
+              f"max {worst['modelnew_time_over_floor']:.2f}x ({worst['mode']} {worst['M']}x{worst['K']}x{worst['N']})")
     return not wrong
 
 

@@ -3041,7 +3041,8 @@ struct Fp16x3Traits {
 
 // kWMn / kXMn: the w / x operand is MN-major (stored (K, rows), TMA boxes of
 // 64 rows x 64 k, make_tensor_map_mn) instead of K-major (stored (rows, K)).
-template <Epilogue kEpilogue, bool kWMn, bool kXMn>
+// kGroupedOrder: the tile order (sm90_gemm_tiles.cuh, tile_coord).
+template <Epilogue kEpilogue, bool kWMn, bool kXMn, bool kGroupedOrder>
 __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w_hi,
                                const __grid_constant__ CUtensorMap tmap_w_lo,
@@ -3084,7 +3085,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
       int q = 0;
       for (int si = 0; si < num_segments; ++si) {
         const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
-        const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
+        const TileCoord tc = tile_coord<kGroupedOrder>(seg.tile, m_tiles, args.N);
+        const int m0 = tc.m * T::BLOCK_M, n0 = tc.n * T::BLOCK_N;
         for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
           const int s = q % T::kNumStages;
           mbar_wait(&empty_bar[s], ((q / T::kNumStages) & 1) ^ 1);
@@ -3257,8 +3259,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
       continue;
-    finish_product(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
-    finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
+    finish_product<kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
+    finish_tile<kEpilogue, kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the launcher never selects it elsewhere
@@ -3275,7 +3277,9 @@ template <Epilogue kEpilogue, bool kWMn = false, bool kXMn = false>
 static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, float* workspace,
                                  cudaStream_t stream) {
   using T = Fp16x3Traits;
-  auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn>;
+  const bool grouped = (args.M + T::BLOCK_M - 1) / T::BLOCK_M > kBatchFastestMaxTiles;
+  auto kernel = grouped ? sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, true>
+                        : sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false>;
   CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
   if (w.mn_major != kWMn || x.mn_major != kXMn ||
       !make_part_map(&tmap_w_hi, w.hi, kWMn, args.N, args.K, T::BLOCK_N) ||
@@ -3284,14 +3288,14 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
       !make_part_map(&tmap_x_lo, x.lo, kXMn, args.M, args.K, T::BLOCK_M))
     return cudaErrorInvalidValue;
   constexpr int kMaxDevices = 64;
-  static bool smem_set[kMaxDevices] = {};
+  static bool smem_set[2][kMaxDevices] = {};  // per instantiation (tile order) and device
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device >= kMaxDevices || !smem_set[device]) {
+  if (device >= kMaxDevices || !smem_set[grouped][device]) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
     if (err != cudaSuccess) return err;
-    if (device < kMaxDevices) smem_set[device] = true;
+    if (device < kMaxDevices) smem_set[grouped][device] = true;
   }
   int num_sms = 0;
   err = current_num_sms(&num_sms);
@@ -3358,7 +3362,7 @@ bool fused_gemm_bn::sm90_gemm_available() {
         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
         major == 9 && minor == 0 && smem_optin >= Fp16x3Traits::SMEM_BYTES &&
         // the sm_90a cubin reports binaryVersion 90; a build without it does not
-        cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<sm90::Epilogue::kTrain, false, false>) == cudaSuccess &&
+        cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<sm90::Epilogue::kTrain, false, false, false>) == cudaSuccess &&
         attr.binaryVersion == 90 && encode_tiled_fn() != nullptr;
     if (!ok) cudaGetLastError();  // a failed query leaves no error behind
     device_ok[device] = ok ? 1 : -1;
@@ -3506,6 +3510,40 @@ struct Sm90GemmBnArgs {
   const float2* w_row_sum;
 };
 
+// Tile order.  The grid's CTAs take tiles in index order, one CTA per SM, so
+// a wave is a run of consecutive tile indices and should share operands.
+// kGroupedOrder false (batch-fastest): tile = n_tile * m_tiles + m_tile.
+// kGroupedOrder true: tiles go in groups of kTileGroupN feature tiles, and in
+// a group the feature tile is the fastest index, then the batch tile; a wave
+// of 132 CTAs then covers about 16 batch tiles x 8 feature tiles and reads
+// those rows of x's and W's parts (51 MB at K = 4096).  Batch-fastest reads
+// every batch tile of x in each wave: at 16384 x 4096 x 4096 the GEMM read
+// 8.8 GB from DRAM for 0.3 GB of operands (ncu), and grouped order is 11-13%
+// faster there (docs/perf.md v36).  Up to kBatchFastestMaxTiles batch tiles a
+// wave of either order covers the same tiles (all of x), and the launcher
+// keeps batch-fastest (the KernelBench shape, 8 batch tiles: the grouped
+// instantiation measured 3% slower in training there).
+constexpr int kTileGroupN = 8;
+constexpr int kBatchFastestMaxTiles = 16;
+
+struct TileCoord {
+  int m, n;  // batch tile, feature tile
+};
+
+template <bool kGroupedOrder>
+__device__ __forceinline__ TileCoord tile_coord(int tile, int m_tiles, int N) {
+  if constexpr (!kGroupedOrder) {
+    return {tile % m_tiles, tile / m_tiles};
+  } else {
+    const int n_tiles = (N + kTileN - 1) / kTileN;
+    const int per_group = kTileGroupN * m_tiles;
+    const int group = tile / per_group, first_n = group * kTileGroupN;
+    const int group_n = min(kTileGroupN, n_tiles - first_n);
+    const int r = tile - group * per_group;
+    return {r / group_n, first_n + r % group_n};
+  }
+}
+
 // k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.
 struct WorkSegment {
   int tile, kb_begin, kb_end, piece;
@@ -3585,9 +3623,11 @@ __device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], 
 // args.w_inv_scale is null) + c_m (hi_n + lo_n) where x was centred
 // (args.x_center not null; centring.cuh): two fmas, one rounding of z beyond
 // the tiny lo product.  Rows past M or N hold zeros and stay zero.
+template <bool kGroupedOrder>
 __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args, int tile,
                                                int m_tiles, int w_row, int t) {
-  const int m0 = (tile % m_tiles) * kTileM, n0 = (tile / m_tiles) * kTileN;
+  const TileCoord tc = tile_coord<kGroupedOrder>(tile, m_tiles, args.N);
+  const int m0 = tc.m * kTileM, n0 = tc.n * kTileN;
   const bool centred = args.x_center != nullptr;
   float w_inv[2];
   float2 w_sum[2];
@@ -3617,11 +3657,12 @@ __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const
 // The epilogue of one finished tile (layout in this header's comment): kEval
 // folds bias, scale and BatchNorm into a * z + c; kTrain writes the tile's
 // per-feature mean and M2; every epilogue then stores the tile.
-template <Epilogue kEpilogue>
+template <Epilogue kEpilogue, bool kGroupedOrder>
 __device__ __forceinline__ void finish_tile(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args, int tile,
                                             int m_tiles, int w_row, int t) {
   const int M = args.M, N = args.N;
-  const int m_tile = tile % m_tiles, n_tile = tile / m_tiles;
+  const TileCoord tc = tile_coord<kGroupedOrder>(tile, m_tiles, N);
+  const int m_tile = tc.m, n_tile = tc.n;
   const int m0 = m_tile * kTileM, n0 = n_tile * kTileN;
   const int f_base = n0 + w_row;
   if constexpr (kEpilogue == Epilogue::kEval) {

@@ -136,7 +136,8 @@ struct Fp16x3Traits {
 
 // kWMn / kXMn: the w / x operand is MN-major (stored (K, rows), TMA boxes of
 // 64 rows x 64 k, make_tensor_map_mn) instead of K-major (stored (rows, K)).
-template <Epilogue kEpilogue, bool kWMn, bool kXMn>
+// kGroupedOrder: the tile order (sm90_gemm_tiles.cuh, tile_coord).
+template <Epilogue kEpilogue, bool kWMn, bool kXMn, bool kGroupedOrder>
 __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w_hi,
                                const __grid_constant__ CUtensorMap tmap_w_lo,
@@ -179,7 +180,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
       int q = 0;
       for (int si = 0; si < num_segments; ++si) {
         const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
-        const int m0 = (seg.tile % m_tiles) * T::BLOCK_M, n0 = (seg.tile / m_tiles) * T::BLOCK_N;
+        const TileCoord tc = tile_coord<kGroupedOrder>(seg.tile, m_tiles, args.N);
+        const int m0 = tc.m * T::BLOCK_M, n0 = tc.n * T::BLOCK_N;
         for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
           const int s = q % T::kNumStages;
           mbar_wait(&empty_bar[s], ((q / T::kNumStages) & 1) ^ 1);
@@ -352,8 +354,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
       continue;
-    finish_product(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
-    finish_tile<kEpilogue>(acc, args, seg.tile, m_tiles, w_row, t);
+    finish_product<kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
+    finish_tile<kEpilogue, kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the launcher never selects it elsewhere
@@ -370,7 +372,9 @@ template <Epilogue kEpilogue, bool kWMn = false, bool kXMn = false>
 static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, float* workspace,
                                  cudaStream_t stream) {
   using T = Fp16x3Traits;
-  auto kernel = sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn>;
+  const bool grouped = (args.M + T::BLOCK_M - 1) / T::BLOCK_M > kBatchFastestMaxTiles;
+  auto kernel = grouped ? sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, true>
+                        : sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false>;
   CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
   if (w.mn_major != kWMn || x.mn_major != kXMn ||
       !make_part_map(&tmap_w_hi, w.hi, kWMn, args.N, args.K, T::BLOCK_N) ||
@@ -379,14 +383,14 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
       !make_part_map(&tmap_x_lo, x.lo, kXMn, args.M, args.K, T::BLOCK_M))
     return cudaErrorInvalidValue;
   constexpr int kMaxDevices = 64;
-  static bool smem_set[kMaxDevices] = {};
+  static bool smem_set[2][kMaxDevices] = {};  // per instantiation (tile order) and device
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device >= kMaxDevices || !smem_set[device]) {
+  if (device >= kMaxDevices || !smem_set[grouped][device]) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
     if (err != cudaSuccess) return err;
-    if (device < kMaxDevices) smem_set[device] = true;
+    if (device < kMaxDevices) smem_set[grouped][device] = true;
   }
   int num_sms = 0;
   err = current_num_sms(&num_sms);
@@ -453,7 +457,7 @@ bool fused_gemm_bn::sm90_gemm_available() {
         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
         major == 9 && minor == 0 && smem_optin >= Fp16x3Traits::SMEM_BYTES &&
         // the sm_90a cubin reports binaryVersion 90; a build without it does not
-        cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<sm90::Epilogue::kTrain, false, false>) == cudaSuccess &&
+        cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<sm90::Epilogue::kTrain, false, false, false>) == cudaSuccess &&
         attr.binaryVersion == 90 && encode_tiled_fn() != nullptr;
     if (!ok) cudaGetLastError();  // a failed query leaves no error behind
     device_ok[device] = ok ? 1 : -1;

@@ -83,6 +83,40 @@ struct Sm90GemmBnArgs {
   const float2* w_row_sum;
 };
 
+// Tile order.  The grid's CTAs take tiles in index order, one CTA per SM, so
+// a wave is a run of consecutive tile indices and should share operands.
+// kGroupedOrder false (batch-fastest): tile = n_tile * m_tiles + m_tile.
+// kGroupedOrder true: tiles go in groups of kTileGroupN feature tiles, and in
+// a group the feature tile is the fastest index, then the batch tile; a wave
+// of 132 CTAs then covers about 16 batch tiles x 8 feature tiles and reads
+// those rows of x's and W's parts (51 MB at K = 4096).  Batch-fastest reads
+// every batch tile of x in each wave: at 16384 x 4096 x 4096 the GEMM read
+// 8.8 GB from DRAM for 0.3 GB of operands (ncu), and grouped order is 11-13%
+// faster there (docs/perf.md v36).  Up to kBatchFastestMaxTiles batch tiles a
+// wave of either order covers the same tiles (all of x), and the launcher
+// keeps batch-fastest (the KernelBench shape, 8 batch tiles: the grouped
+// instantiation measured 3% slower in training there).
+constexpr int kTileGroupN = 8;
+constexpr int kBatchFastestMaxTiles = 16;
+
+struct TileCoord {
+  int m, n;  // batch tile, feature tile
+};
+
+template <bool kGroupedOrder>
+__device__ __forceinline__ TileCoord tile_coord(int tile, int m_tiles, int N) {
+  if constexpr (!kGroupedOrder) {
+    return {tile % m_tiles, tile / m_tiles};
+  } else {
+    const int n_tiles = (N + kTileN - 1) / kTileN;
+    const int per_group = kTileGroupN * m_tiles;
+    const int group = tile / per_group, first_n = group * kTileGroupN;
+    const int group_n = min(kTileGroupN, n_tiles - first_n);
+    const int r = tile - group * per_group;
+    return {r / group_n, first_n + r % group_n};
+  }
+}
+
 // k-blocks [kb_begin, kb_end) of tile `tile`; piece -1 for a whole tile.
 struct WorkSegment {
   int tile, kb_begin, kb_end, piece;
@@ -162,9 +196,11 @@ __device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], 
 // args.w_inv_scale is null) + c_m (hi_n + lo_n) where x was centred
 // (args.x_center not null; centring.cuh): two fmas, one rounding of z beyond
 // the tiny lo product.  Rows past M or N hold zeros and stay zero.
+template <bool kGroupedOrder>
 __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args, int tile,
                                                int m_tiles, int w_row, int t) {
-  const int m0 = (tile % m_tiles) * kTileM, n0 = (tile / m_tiles) * kTileN;
+  const TileCoord tc = tile_coord<kGroupedOrder>(tile, m_tiles, args.N);
+  const int m0 = tc.m * kTileM, n0 = tc.n * kTileN;
   const bool centred = args.x_center != nullptr;
   float w_inv[2];
   float2 w_sum[2];
@@ -194,11 +230,12 @@ __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const
 // The epilogue of one finished tile (layout in this header's comment): kEval
 // folds bias, scale and BatchNorm into a * z + c; kTrain writes the tile's
 // per-feature mean and M2; every epilogue then stores the tile.
-template <Epilogue kEpilogue>
+template <Epilogue kEpilogue, bool kGroupedOrder>
 __device__ __forceinline__ void finish_tile(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args, int tile,
                                             int m_tiles, int w_row, int t) {
   const int M = args.M, N = args.N;
-  const int m_tile = tile % m_tiles, n_tile = tile / m_tiles;
+  const TileCoord tc = tile_coord<kGroupedOrder>(tile, m_tiles, N);
+  const int m_tile = tc.m, n_tile = tc.n;
   const int m0 = m_tile * kTileM, n0 = n_tile * kTileN;
   const int f_base = n0 + w_row;
   if constexpr (kEpilogue == Epilogue::kEval) {

@@ -494,29 +494,13 @@ _BatchNormCall = collections.namedtuple("_BatchNormCall", "training weight bias 
                                                           "num_batches_tracked momentum eps")
 
 
-_STAND_INS = {}  # (value, shape, dtype, device) -> module_call's stand-in tensor, made once
-
-
-def _stand_in(value, shape, like):
-    """A tensor of `value` in like's dtype and device, kept per (value, shape, dtype, device) (made
-    outside inference mode: autograd may save it); fresh while a CUDA graph captures or a tracer records."""
-    key = (value, shape, like.dtype, like.device)
-    if key in _STAND_INS:
-        return _STAND_INS[key]
-    with torch.inference_mode(False):
-        made = torch.full(shape, value, dtype=like.dtype, device=like.device)
-    if _tracing() or (made.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return made
-    return _STAND_INS.setdefault(key, made)
-
-
 def module_call(gemm, bn):
     """(gemm, bn) as one call sees them, as torch's Linear and BatchNorm1d read them:
     a None gemm.bias, bn.weight, bn.bias (affine=False) reads as zeros / ones /
     zeros; `training` is BatchNorm1d's bn_training (bn.training, or both running
     statistics None); buffers BatchNorm1d would not write (track_running_stats False, running
     statistics or num_batches_tracked None) are replaced by scratch tensors the kernels may write,
-    whose contents reach no output (calls share them: _stand_in).  Raises torch's exception
+    whose contents reach no output (made per call).  Raises torch's exception
     (TypeError: gemm.weight None; ValueError / RuntimeError: one running statistic None) first."""
     if not isinstance(gemm.weight, torch.Tensor):
         raise TypeError(f"linear(): argument 'weight' must be Tensor, not {type(gemm.weight).__name__}")
@@ -527,15 +511,16 @@ def module_call(gemm, bn):
         raise RuntimeError(f"{'running_mean' if mean is None else 'running_var'} must be defined in evaluation mode")
     weight, n = gemm.weight, gemm.weight.shape[0]
     like = next((t for t in (mean, bn.weight, bn.bias, gemm.bias) if t is not None), weight)
+    filled = functools.partial(torch.full, (n,), dtype=like.dtype, device=like.device)
     training, tracking = bn.training or mean is None, bn.training and bn.track_running_stats
     if training and not (tracking and mean is not None and (tracked is not None or bn.momentum is not None)):
-        mean, var = _stand_in(0.0, (2, n), like).unbind(0)  # (no momentum, no count: BatchNorm1d's factor is 0)
+        mean, var = filled(0.0), filled(1.0)  # (momentum and num_batches_tracked None: BatchNorm1d's factor is 0)
     if training and not (tracking and tracked is not None):
-        tracked = _stand_in(0, (), torch.empty(0, dtype=torch.long, device=weight.device))
-    return (_LinearCall(weight, _stand_in(0.0, (n,), weight) if gemm.bias is None else gemm.bias, weight.shape[1], n),
-            _BatchNormCall(training, _stand_in(1.0, (n,), like) if bn.weight is None else bn.weight,
-                           _stand_in(0.0, (n,), like) if bn.bias is None else bn.bias, mean, var, tracked,
-                           bn.momentum, bn.eps))
+        tracked = torch.zeros((), dtype=torch.long, device=weight.device)
+    bias = torch.zeros(n, dtype=weight.dtype, device=weight.device) if gemm.bias is None else gemm.bias
+    return (_LinearCall(weight, bias, weight.shape[1], n),
+            _BatchNormCall(training, filled(1.0) if bn.weight is None else bn.weight,
+                           filled(0.0) if bn.bias is None else bn.bias, mean, var, tracked, bn.momentum, bn.eps))
 
 
 # ---------------------------------------------------------------------------

@@ -46,12 +46,10 @@ folds everything after the GEMM into out = a' z + c' (_torch_forward_eval); the
 backward's formulas are _torch_bn_backward_train's.  The GEMMs' numerics
 (split, rounding, expected error) are in the .cu headers and docs/numerics.md.
 
-Surface for problem 84's module and for users (documented, stable):
-FusedModule, LinearParams, BatchNormState, fused_forward, kernel_path,
-check_input, per_feature_scale, sync_process_group, clear_weight_cache;
-dispatch, dispatch_gemm_nt, dispatch_gemm_tn, plan, Call, Plan, DeviceFacts,
-device_facts, Switches, SWITCHES.
-Tests: test_equivalence.py, tests/.
+Surface for problem 84's module and for users (documented, stable): FusedModule, LinearParams,
+BatchNormState, fused_forward, kernel_path, module_call, check_input, per_feature_scale,
+sync_process_group, clear_weight_cache; dispatch, dispatch_gemm_nt, dispatch_gemm_tn, plan, Call,
+Plan, DeviceFacts, device_facts, Switches, SWITCHES.  Tests: test_equivalence.py, tests/.
 """
 import collections
 import contextlib
@@ -5528,11 +5526,10 @@ def module_call(gemm, bn):
     """(gemm, bn) as one call sees them, as torch's Linear and BatchNorm1d read them:
     a None gemm.bias, bn.weight, bn.bias (affine=False) reads as zeros / ones /
     zeros; `training` is BatchNorm1d's bn_training (bn.training, or both running
-    statistics None); buffers BatchNorm1d would not write (track_running_stats
-    False, running statistics or num_batches_tracked None) are replaced by
-    scratch tensors the kernels may write.  Raises torch's exception (TypeError:
-    gemm.weight None; ValueError / RuntimeError: one running statistic None)
-    before anything is touched."""
+    statistics None); buffers BatchNorm1d would not write (track_running_stats False, running
+    statistics or num_batches_tracked None) are replaced by scratch tensors the kernels may write,
+    whose contents reach no output (made per call).  Raises torch's exception
+    (TypeError: gemm.weight None; ValueError / RuntimeError: one running statistic None) first."""
     if not isinstance(gemm.weight, torch.Tensor):
         raise TypeError(f"linear(): argument 'weight' must be Tensor, not {type(gemm.weight).__name__}")
     mean, var, tracked = bn.running_mean, bn.running_var, bn.num_batches_tracked
@@ -5687,16 +5684,13 @@ def dispatch_gemm_nt(a, b, facts=None, switches=None):
     return _float32_gemm(device_facts(a.device) if facts is None else facts, SWITCHES if switches is None else switches)
 
 
-def dispatch_gemm_tn(a, b, facts=None, switches=None):
-    """The GEMM kernel of a^T @ b (grad_W = grad_z^T x; a (M, N), b (M, K)):
-    as dispatch_gemm_nt (on sm90_fp16x3 the binding reads both operands
-    MN-major where N % 8 == 0 and K % 8 == 0, else copies them transposed)."""
-    return dispatch_gemm_nt(a, b, facts, switches)
+# The GEMM kernel of a^T @ b (grad_W = grad_z^T x; a (M, N), b (M, K)): dispatch_gemm_nt's (on sm90_fp16x3
+# the binding reads both operands MN-major where N % 8 == 0 and K % 8 == 0, else copies them transposed).
+dispatch_gemm_tn = dispatch_gemm_nt
 
 
 def _kernels(plan_kernels):
-    """The namespace that runs a Plan: the float32 extension, the 16-bit one
-    (compiled on first use), or the torch-op functions."""
+    """The namespace running a Plan: the float32 extension, the 16-bit one (built on first use), or torch ops."""
     if plan_kernels == "torch":
         return _TORCH_PATH
     if _ext is None:
@@ -5710,9 +5704,8 @@ def _kernels(plan_kernels):
 
 
 def _checked_params(x, gemm, scale, bn, synchronized=False):
-    """(x, gemm.weight, gemm.bias, scale (N,), bn.weight, bn.bias) after the input
-    checks.  synchronized: statistics merged across processes, so one row is a
-    valid share of the batch (the merged batch is checked after the all-gather)."""
+    """(x, gemm.weight, gemm.bias, scale (N,), bn.weight, bn.bias) after the input checks.  synchronized:
+    statistics merged across processes, so one row is a valid share of the batch (checked after the gather)."""
     check_input(x, gemm.weight, bn.training and not synchronized)
     return (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
 
@@ -5729,8 +5722,7 @@ def sync_process_group(bn):
 
 
 def _distributed_world_size(group=None):
-    """Processes in `group` (None: the default group) when torch.distributed is
-    available and initialized, else 1."""
+    """Processes in `group` (None: the default group) when torch.distributed runs, else 1."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return 1
@@ -5741,10 +5733,9 @@ _UNSYNCHRONIZED_WARNED = False
 
 
 def _warn_unsynchronized(bn):
-    """Without model_new_sync.py (the self-contained files): once per process, a
-    training call while torch.distributed runs more than one process warns that
-    this copy keeps per-process batch statistics (SyncBatchNorm conversion
-    cannot see its BatchNormState)."""
+    """Without model_new_sync.py (the self-contained files): once per process, a training call
+    under torch.distributed with more than one process warns that this copy keeps per-process
+    batch statistics (SyncBatchNorm conversion cannot see its BatchNormState)."""
     global _UNSYNCHRONIZED_WARNED
     if _SYNC is not None or _UNSYNCHRONIZED_WARNED or not bn.training:
         return
@@ -5821,11 +5812,9 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn):
 
 
 def kernel_path(x, gemm, scale, bn, scale_after_bn):
-    """The Plan name fused_forward(x, ...) would take now (same arguments), from
-    the same checks and dispatch() alone: no kernel runs and nothing is updated.
-    ModelNew.kernel_path calls it.  Under mixed precision or synchronized BatchNorm the
-    name is the extra's path_name, e.g. "lowp_sm90_autocast_eval" or
-    "torch_ops_sync_train_grad"."""
+    """The Plan name fused_forward(x, ...) would take now (same arguments), from the same checks
+    and dispatch() alone: nothing is updated.  Under mixed precision or synchronized BatchNorm,
+    the extra's path_name, e.g. "lowp_sm90_autocast_eval" or "torch_ops_sync_train_grad"."""
     group = sync_process_group(bn)
     gemm, bn = module_call(gemm, bn)
     if _AUTOCAST is not None and _AUTOCAST.autocast_dtype(x) is not None:
@@ -5839,8 +5828,7 @@ def kernel_path(x, gemm, scale, bn, scale_after_bn):
 
 
 def _forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params):
-    """The one extension call of a forward without gradients: forward_train
-    (updates the buffers) or forward_eval."""
+    """The one extension call of a forward without gradients: forward_train (updates the buffers) or forward_eval."""
     extra = _weight_args(kernels, gemm, params[1])
     if training:
         return kernels.forward_train(gemm, *params, *buffers, momentum, eps, scale_after_bn, *extra)
@@ -6056,8 +6044,7 @@ class _TrainFn(torch.autograd.Function):
 
 
 class _GemmNT(torch.autograd.Function):
-    """z = a b^T (a (M, K), b (N, K)) through kernels.gemm_nt with the plan's
-    GEMM kernel.  Saved: a, b (no copies).  Backward: _gemm_nt_backward."""
+    """z = a b^T (a (M, K), b (N, K)) by kernels.gemm_nt.  Saved: a, b (no copies).  Backward: _gemm_nt_backward."""
 
     @staticmethod
     def forward(ctx, kernels, gemm, a, b):
@@ -6118,12 +6105,10 @@ def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn
 # Custom operators (torch >= 2.4): what torch.compile traces
 # ---------------------------------------------------------------------------
 #
-# Every operator is functional (torch.library.register_autograd refuses
-# operators that mutate an input): the training operators run the kernels on
-# copies of the running statistics and return them; the module copies them
-# back.  forward_train_saved, forward_eval_saved, gemm_nt and softmax_rows have
-# gradients; the others refuse inputs that require grad with grad mode on.  Each
-# implementation makes dispatch()'s decision for the real tensors it is given.
+# Every operator is functional (register_autograd refuses operators that mutate an input): the
+# training operators run the kernels on copies of the running statistics and return them; the module
+# copies them back.  forward_train_saved, forward_eval_saved, gemm_nt and softmax_rows have gradients;
+# the others refuse inputs that require grad.  Each makes dispatch()'s decision for its real tensors.
 
 _OP_NAMESPACE = "fused_gemm_bn"
 _OP_SCHEMAS = {
@@ -6449,7 +6434,8 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
 # The torch-op stand-in for `_ext`: the extension's functions by the same names and arguments.
 _TORCH_PATH = types.SimpleNamespace(
     forward_train=_torch_forward_train, forward_eval=_torch_forward_eval,
-    forward_train_saved=_torch_forward_train_saved, gemm_nt=_torch_gemm_nt, gemm_nn=_torch_gemm_nn, gemm_tn=_torch_gemm_tn, bn_backward_train=_torch_bn_backward_train)
+    forward_train_saved=_torch_forward_train_saved, gemm_nt=_torch_gemm_nt, gemm_nn=_torch_gemm_nn,
+    gemm_tn=_torch_gemm_tn, bn_backward_train=_torch_bn_backward_train)
 
 
 # ---------------------------------------------------------------------------

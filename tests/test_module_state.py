@@ -162,19 +162,15 @@ def test_gpu_optional_state_as_model(problem, case, training, grad, fp32_matmul)
 
 
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
-def test_stand_ins_are_shared_and_stay_put(problem):
-    """The stand-ins for None parameters are made once and keep their values
-    (the kernels only read them); made under inference mode first, they still
-    serve a later call whose backward saves them; the scratch statistics of an
-    untracked training call are not the module's."""
+def test_stand_ins(problem):
+    """module_call's stand-ins: zeros / ones for the None parameters, scratch
+    statistics that are not the module's; a call under inference mode first
+    leaves a later differentiable call as Model's."""
     ref, new = pair(problem, "everything_optional_off", True)
     with torch.inference_mode():
         new(inputs()[0])
     compare(ref, new, inputs(), True, rtol=1e-10, atol=1e-12)
     gemm, bn = model_new.module_call(new.gemm, new.bn)
-    again, bn_again = model_new.module_call(new.gemm, new.bn)
-    assert gemm.bias is again.bias and bn.weight is bn_again.weight
-    assert bn.running_mean.data_ptr() == bn_again.running_mean.data_ptr()
     assert torch.equal(gemm.bias, torch.zeros_like(gemm.bias)) and torch.equal(bn.weight, torch.ones_like(bn.weight))
     assert torch.equal(bn.bias, torch.zeros_like(bn.bias))
     assert bn.running_mean is not new.bn.running_mean and bn.num_batches_tracked is not new.bn.num_batches_tracked

@@ -18,7 +18,7 @@ kernels/lowp/), model_new_autocast.py (mixed precision), model_new_sync.py
 
 From ModelNew.forward to the kernels (docs/design.md has the whole map):
 
-  ModelNew.forward -> fused_forward: check_input, per_feature_scale, dispatch() -> Plan
+  ModelNew.forward -> fused_forward: module_call, check_input, per_feature_scale, dispatch() -> Plan
     no gradient:          forward_train / forward_eval (torch_binding.cpp), one extension call
     training + gradient:  _TrainFn: forward_train_saved; backward bn_backward_train, gemm_nn, gemm_tn
     eval + gradient:      _eval_with_grad: gemm_nt (backward gemm_nn, gemm_tn), the fold in torch ops

@@ -5597,25 +5597,31 @@ def module_call(gemm, bn):
     statistics or num_batches_tracked None) are replaced by scratch tensors the kernels may write,
     whose contents reach no output (made per call).  Raises torch's exception
     (TypeError: gemm.weight None; ValueError / RuntimeError: one running statistic None) first."""
-    if not isinstance(gemm.weight, torch.Tensor):
-        raise TypeError(f"linear(): argument 'weight' must be Tensor, not {type(gemm.weight).__name__}")
-    mean, var, tracked = bn.running_mean, bn.running_var, bn.num_batches_tracked
+    weight, bias, bn_weight, bn_bias = gemm.weight, gemm.bias, bn.weight, bn.bias  # each read once:
+    mean, var, tracked = bn.running_mean, bn.running_var, bn.num_batches_tracked  # Module attributes are slow
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"linear(): argument 'weight' must be Tensor, not {type(weight).__name__}")
     if (mean is None) != (var is None):
         if bn.training:
             raise ValueError("running_mean and running_var must either both be None or neither be None")
         raise RuntimeError(f"{'running_mean' if mean is None else 'running_var'} must be defined in evaluation mode")
-    weight, n = gemm.weight, gemm.weight.shape[0]
-    like = next((t for t in (mean, bn.weight, bn.bias, gemm.bias) if t is not None), weight)
+    n, training, momentum = weight.shape[0], bn.training, bn.momentum
+    if mean is not None and bias is not None and bn_weight is not None and bn_bias is not None and not (
+            training and (tracked is None or not bn.track_running_stats)):  # the common case: as they are
+        return (_LinearCall(weight, bias, weight.shape[1], n),
+                _BatchNormCall(training, bn_weight, bn_bias, mean, var, tracked, momentum, bn.eps))
+    like = next((t for t in (mean, bn_weight, bn_bias, bias) if t is not None), weight)
     filled = functools.partial(torch.full, (n,), dtype=like.dtype, device=like.device)
-    training, tracking = bn.training or mean is None, bn.training and bn.track_running_stats
-    if training and not (tracking and mean is not None and (tracked is not None or bn.momentum is not None)):
+    tracking = training and bn.track_running_stats
+    training = training or mean is None
+    if training and not (tracking and mean is not None and (tracked is not None or momentum is not None)):
         mean, var = filled(0.0), filled(1.0)  # (momentum and num_batches_tracked None: BatchNorm1d's factor is 0)
     if training and not (tracking and tracked is not None):
         tracked = torch.zeros((), dtype=torch.long, device=weight.device)
-    bias = torch.zeros(n, dtype=weight.dtype, device=weight.device) if gemm.bias is None else gemm.bias
-    return (_LinearCall(weight, bias, weight.shape[1], n),
-            _BatchNormCall(training, filled(1.0) if bn.weight is None else bn.weight,
-                           filled(0.0) if bn.bias is None else bn.bias, mean, var, tracked, bn.momentum, bn.eps))
+    return (_LinearCall(weight, torch.zeros(n, dtype=weight.dtype, device=weight.device) if bias is None else bias,
+                        weight.shape[1], n),
+            _BatchNormCall(training, filled(1.0) if bn_weight is None else bn_weight,
+                           filled(0.0) if bn_bias is None else bn_bias, mean, var, tracked, momentum, bn.eps))
 
 
 # ---------------------------------------------------------------------------

@@ -367,8 +367,11 @@ def compute_dtype(args):
 
 
 def autocast_context(args):
-    """torch.autocast("cuda", --autocast's dtype), disabled without --autocast."""
-    return torch.autocast(DEVICE, dtype=compute_dtype(args), enabled=args.autocast is not None)
+    """torch.autocast("cuda", --autocast's dtype); without --autocast no context (torch 2.0's
+    CPU autocast refuses float32 as its dtype even when disabled)."""
+    if args.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(DEVICE, dtype=compute_dtype(args))
 
 
 def in_autocast(fn, args):

@@ -139,8 +139,16 @@ def test_refused_state_raises_as_model_and_touches_nothing(problem, training):
             apply(model)
             model.train(training)
         x = inputs()[0]
-        with pytest.raises(error):
-            ref(x)
+        if name == "running_mean" or name == "running_var":
+            model_error = None
+            try:  # torch < 2.1's BatchNorm1d takes one running statistic None in training
+                ref(x)
+            except (ValueError, RuntimeError) as e:
+                model_error = type(e)
+            assert model_error in (error, None), name
+        else:
+            with pytest.raises(error):
+                ref(x)
         before = {k: v.clone() for k, v in new.state_dict().items()}
         with pytest.raises(error):
             new(x)

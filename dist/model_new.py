@@ -2365,7 +2365,7 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 #include "launchers.cuh"
 
 // Numerics switches, each a compile-time constant that a -D flag overrides
-// (the A/B builds of devrun experiments); the defaults are the measured kernel.
+// (the A/B builds of tools/sm80_promote.sh); the defaults are the measured kernel.
 // SPAN_K: k columns per promotion (8, 16, 32 = BLOCK_K, or a multiple of BLOCK_K).
 #ifndef FUSED_GEMM_BN_SM80_SPAN_K
 #define FUSED_GEMM_BN_SM80_SPAN_K 16

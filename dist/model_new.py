@@ -1479,10 +1479,11 @@ struct BatchNormArgs {
 
 // Floats in each of x_big / x_small for an (M, K) input (fragment order, padded).
 int64_t sm80_prepass_elems(int M, int K);
-// x (any strides) -> x_big, x_small in mma fragment order, for sm80_gemm_3xtf32_*.
+// x (any strides) -> x_big, x_small in mma fragment order, for sm80_gemm_3xtf32_*;
+// zero_ints[0 .. num_zero_ints) = 0 (the GEMM's split-K arrival counts).
 cudaError_t sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
                                 const float* center, float* x_big, float* x_small, int64_t* num_batches_tracked,
-                                cudaStream_t stream);
+                                int* zero_ints, int num_zero_ints, cudaStream_t stream);
 
 // ---- centring.cu: the centred split's per-row terms for the 3xTF32 GEMM -----
 // x (any strides) -> center (M): c_m.
@@ -1500,14 +1501,19 @@ struct Centring {
 
 // ---- sm80_gemm_3xtf32_bn.cu: portable 3xTF32 GEMM (mma.sync, sm_80+) --------
 int sm80_gemm_block_m();
+// Workspace of an (M, K) x (N, K) product on the current device (its split
+// K): *floats floats, of which the last *zero_ints ints must be zero at the
+// launch (the pre-pass zeroes them); both 0 when K is not split.
+cudaError_t sm80_gemm_3xtf32_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 // z = x @ w^T into out, and per-(M tile, feature) mean / M2 of z.
 cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, Centring centring,
                                    float* out, float* part_mean, float* part_m2, int M, int N, int K,
-                                   cudaStream_t stream);
+                                   float* workspace, cudaStream_t stream);
 // out = a * (x @ w^T) + c, the eval-mode fold (bn: bias, scale, bn_weight,
 // bn_bias, running_mean, running_var, eps, scale_after_bn).
 cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, Centring centring,
-                                  float* out, const BatchNormArgs& bn, int M, int N, int K, cudaStream_t stream);
+                                  float* out, const BatchNormArgs& bn, int M, int N, int K, float* workspace,
+                                  cudaStream_t stream);
 
 // ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
 int sm90_gemm_block_m();
@@ -1744,7 +1750,9 @@ __device__ __forceinline__ float4 ld_evict_first_f4(const float* q) {
 //   1. split x into its TF32 parts (below; the GEMM then reads them);
 //   2. training only: bn.num_batches_tracked += 1 (thread 0 of block 0), which is
 //      nn.BatchNorm1d's first step; the call's later kernels (bn_apply.cu,
-//      bn_softmax.cu) read the new value by stream order.
+//      bn_softmax.cu) read the new value by stream order;
+//   3. zero_ints[0 .. num_zero_ints) = 0 (block 0): the GEMM's split-K arrival
+//      counts (sm80_gemm_3xtf32_bn.cuh, "Split K").
 // The launcher takes num_batches_tracked (null: not a training call) by that
 // name, so every call site shows the side effect.
 //
@@ -1796,9 +1804,12 @@ __device__ __forceinline__ void split_rna_tf32(float v, float& big, float& small
 __global__ void __launch_bounds__(kSplitThreads)
     sm80_prepass_3xtf32_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int M, int K,
                       int num_slabs, int64_t num_quads, const float* __restrict__ center,
-                      float* __restrict__ big, float* __restrict__ small, int64_t* num_batches_tracked) {
+                      float* __restrict__ big, float* __restrict__ small, int64_t* num_batches_tracked,
+                      int* zero_ints, int num_zero_ints) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
+  if (blockIdx.x == 0)
+    for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (q >= num_quads) return;
   const int lane = static_cast<int>(q % 32);
@@ -1840,15 +1851,18 @@ int64_t fused_gemm_bn::sm80_prepass_elems(int M, int K) {
 
 cudaError_t fused_gemm_bn::sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
                                                const float* center, float* x_big, float* x_small,
-                                               int64_t* num_batches_tracked, cudaStream_t stream) {
+                                               int64_t* num_batches_tracked, int* zero_ints, int num_zero_ints,
+                                               cudaStream_t stream) {
+  if (num_zero_ints < 0 || (num_zero_ints > 0 && zero_ints == nullptr)) return cudaErrorInvalidValue;
   const int num_slabs = (K + kFragSlabK - 1) / kFragSlabK;
   const int64_t num_quads = sm80_prepass_elems(M, K) / 4;
   int64_t blocks = (num_quads + kSplitThreads - 1) / kSplitThreads;
-  if (blocks == 0 && num_batches_tracked == nullptr) return cudaSuccess;
-  if (blocks == 0) blocks = 1;  // still counts the call
+  if (blocks == 0 && num_batches_tracked == nullptr && num_zero_ints == 0) return cudaSuccess;
+  if (blocks == 0) blocks = 1;  // still counts the call / zeroes the counts
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   sm80_prepass_3xtf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
-      x, row_stride, col_stride, M, K, num_slabs, num_quads, center, x_big, x_small, num_batches_tracked);
+      x, row_stride, col_stride, M, K, num_slabs, num_quads, center, x_big, x_small, num_batches_tracked, zero_ints,
+      num_zero_ints);
   return cudaGetLastError();
 }
 ''',
@@ -2191,7 +2205,11 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_columns(const float* a, int64_t r
 // or not (centring: both pointers or neither).
 // Preconditions: M, N >= 1, K >= 0; x_big / x_small 16-byte aligned; w 4-byte
 // aligned (the 16-byte w loads are used where K % 4 == 0 and w is 16-byte aligned).
+// workspace: sm80_gemm_3xtf32_workspace(M, N, K) floats, its last zero_ints
+// ints zero at the launch (the pre-pass zeroes them); null where that is 0.
 // They return the launch error (cudaSuccess if none) and never synchronise.
+
+#include <algorithm>
 
 #include "launchers.cuh"
 #include "sm80_gemm_3xtf32_bn.cuh"
@@ -2204,6 +2222,48 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
   sm80_gemm_3xtf32_bn_body<kEpilogue, kVec16, kNumStages>(args);
 }
 
+// Split K (sm80_gemm_3xtf32_bn.cuh, "Split K").  Pieces per tile: enough to
+// fill the SMs once (one CTA per SM fits), each piece at least
+// kMinPieceKTiles slabs; below kSmallBatchRows rows also at most
+// kSmallBatchPieceK k per piece; at most FUSED_GEMM_BN_SM80_MAX_PIECES.
+// Then every piece but the last has k_tiles_per_piece slabs, the last the
+// rest (>= 1).  pieces == 1: no split, no workspace.
+struct Sm80SplitPlan {
+  int pieces = 1;
+  int k_tiles_per_piece = 0;
+};
+constexpr int kMinPieceKTiles = 4;
+constexpr int kSmallBatchRows = 16;
+constexpr int kSmallBatchPieceK = 512;
+
+static Sm80SplitPlan sm80_split_plan(int M, int N, int K, int num_sms) {
+  using T = Sm80GemmTraits;
+  Sm80SplitPlan plan;
+  const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;
+  plan.k_tiles_per_piece = num_k_tiles;
+  const long long tiles = static_cast<long long>((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
+  if (num_k_tiles < 2 || tiles < 1) return plan;
+  long long pieces = tiles < num_sms ? num_sms / tiles : 1;
+  pieces = std::min<long long>(pieces, num_k_tiles / kMinPieceKTiles);
+  if (M < kSmallBatchRows) {
+    constexpr int kSmallBatchPieceTiles = kSmallBatchPieceK / T::BLOCK_K;
+    pieces = std::max<long long>(pieces, (num_k_tiles + kSmallBatchPieceTiles - 1) / kSmallBatchPieceTiles);
+  }
+  pieces = std::min<long long>(pieces, FUSED_GEMM_BN_SM80_MAX_PIECES);
+  if (pieces < 2) return plan;
+  plan.k_tiles_per_piece = static_cast<int>((num_k_tiles + pieces - 1) / pieces);
+  plan.pieces = (num_k_tiles + plan.k_tiles_per_piece - 1) / plan.k_tiles_per_piece;
+  if (plan.pieces < 2) plan = Sm80SplitPlan{1, num_k_tiles};
+  return plan;
+}
+
+static cudaError_t sm80_num_sms(int* num_sms) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+}
+
 template <Epilogue kEpilogue, bool kVec16, int kNumStages>
 static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStream_t stream) {
   using T = Sm80GemmTraits;
@@ -2211,18 +2271,30 @@ static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStrea
   constexpr int kSmemBytes = T::smem_bytes(kNumStages);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid((args.M + T::BLOCK_M - 1) / T::BLOCK_M, (args.N + T::BLOCK_N - 1) / T::BLOCK_N);
-  if (grid.y > 65535u) return cudaErrorInvalidConfiguration;
+  const dim3 grid((args.M + T::BLOCK_M - 1) / T::BLOCK_M, (args.N + T::BLOCK_N - 1) / T::BLOCK_N, args.pieces);
+  if (grid.y > 65535u || grid.z > 65535u) return cudaErrorInvalidConfiguration;
   kernel<<<grid, T::kNumThreads, kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 
-// Picks the deepest pipeline that fits the current device's shared memory.
+// Plans the split (the workspace must hold sm80_gemm_3xtf32_workspace's size
+// for this shape on this device; null only where that is 0), then picks the
+// deepest pipeline that fits the current device's shared memory.
 template <Epilogue kEpilogue, bool kVec16>
-static cudaError_t launch_sm80_gemm(const Sm80GemmBnArgs& args, cudaStream_t stream) {
+static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaStream_t stream) {
   using T = Sm80GemmTraits;
-  int device = 0, smem_optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  int device = 0, smem_optin = 0, num_sms = 0;
+  cudaError_t err = sm80_num_sms(&num_sms);
+  if (err != cudaSuccess) return err;
+  const Sm80SplitPlan plan = sm80_split_plan(args.M, args.N, args.K, num_sms);
+  args.pieces = plan.pieces;
+  args.k_tiles_per_piece = plan.k_tiles_per_piece;
+  if (plan.pieces > 1) {
+    if (workspace == nullptr) return cudaErrorInvalidValue;
+    args.partials = workspace;
+    args.tile_arrivals = reinterpret_cast<int*>(workspace + static_cast<int64_t>(plan.pieces) * args.M * args.N);
+  }
+  err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
@@ -2240,29 +2312,48 @@ static cudaError_t launch_sm80_gemm(const Sm80GemmBnArgs& args, cudaStream_t str
 
 int fused_gemm_bn::sm80_gemm_block_m() { return Sm80GemmTraits::BLOCK_M; }
 
+// *floats floats: the split's partial sums (pieces x M x N) and, after them,
+// one arrival count per output tile, the last *zero_ints ints, which must be
+// zero at the launch.  Both 0 when the plan does not split.
+cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_workspace(int M, int N, int K, int64_t* floats, int* zero_ints) {
+  using T = Sm80GemmTraits;
+  *floats = 0;
+  *zero_ints = 0;
+  if (M < 1 || N < 1 || K < 0) return cudaSuccess;
+  int num_sms = 0;
+  const cudaError_t err = sm80_num_sms(&num_sms);
+  if (err != cudaSuccess) return err;
+  const Sm80SplitPlan plan = sm80_split_plan(M, N, K, num_sms);
+  if (plan.pieces < 2) return cudaSuccess;
+  const int tiles = ((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
+  *floats = static_cast<int64_t>(plan.pieces) * M * N + tiles;
+  *zero_ints = tiles;
+  return cudaSuccess;
+}
+
 cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
                                                   Centring centring, float* out, float* part_mean, float* part_m2,
-                                                  int M, int N, int K, cudaStream_t stream) {
+                                                  int M, int N, int K, float* workspace, cudaStream_t stream) {
   if (M < 1 || N < 1 || K < 0 || (centring.x_center == nullptr) != (centring.w_row_sum == nullptr))
     return cudaErrorInvalidValue;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.part_mean = part_mean;
   args.part_m2 = part_m2;
-  return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kTrain, true>(args, stream)
-                        : launch_sm80_gemm<Epilogue::kTrain, false>(args, stream);
+  return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kTrain, true>(args, workspace, stream)
+                        : launch_sm80_gemm<Epilogue::kTrain, false>(args, workspace, stream);
 }
 
 // bn.scale_after_bn: Linear -> BatchNorm -> scale (problem 84) instead of Linear -> scale -> BatchNorm.
 cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
                                                  Centring centring, float* out, const BatchNormArgs& bn, int M, int N,
-                                                 int K, cudaStream_t stream) {
+                                                 int K, float* workspace, cudaStream_t stream) {
   if (M < 1 || N < 1 || K < 0 || (centring.x_center == nullptr) != (centring.w_row_sum == nullptr))
     return cudaErrorInvalidValue;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.bn = BnParams{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
                      bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn};
-  return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
-                        : launch_sm80_gemm<Epilogue::kEval, false>(args, stream);
+  return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, workspace, stream)
+                        : launch_sm80_gemm<Epilogue::kEval, false>(args, workspace, stream);
 }
 ''',
     'sm80_gemm_3xtf32_bn.cuh': r'''// sm80_gemm_3xtf32_bn.cuh -- float32-accurate GEMM on tensor cores (3xTF32, mma.sync)
@@ -2341,6 +2432,18 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 // w's shared rows are XOR-swizzled in 16-byte chunks (w_smem_offset) so that
 // the 16-byte cp.async stores and fragment loads are bank-conflict free.
 //
+// Split K (sm80_split_plan in sm80_gemm_3xtf32_bn.cu): where the output tiles
+// alone leave SMs idle (fewer tiles than SMs), or the batch is below 16 rows,
+// each tile's K slabs are cut into `pieces` runs (grid z), one CTA each.  Each
+// piece writes its partial sums to a workspace slice and counts itself in on a
+// per-tile counter; the last to arrive sums the slices in piece order in
+// float64 and runs the epilogue (split_k_hand_off; as sm90_gemm_tiles.cuh's
+// split tiles).  Why below 16 rows: one CTA's promotion chain over all of K
+// is K / SPAN_K round-to-nearest additions, relative error ~ u sqrt(K / SPAN_K),
+// and cuBLAS at a few rows splits K: unsplit, this kernel measured 1.06-1.87x
+// eager's output error over batches 1-15 (up to 4.0x at 7 x 4095 x 513;
+// docs/perf.md v36).  A piece holds at most kSmallBatchPieceK = 512 k there.
+//
 // K permutation: within one BLOCK_K slab, mma k-step s (0..3) and fragment
 // column kl (0..7) read shared column 8 * (kl % 4) + 2 * s + kl / 4.  The same
 // bijection is used for A (applied by prepass_3xtf32.cu) and B, so the dot product
@@ -2377,6 +2480,10 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 // 1: the kTrain epilogue sums a tile's mean and M2 in float64 (as sm90_gemm_tiles.cuh).
 #ifndef FUSED_GEMM_BN_SM80_TILE_STATS_F64
 #define FUSED_GEMM_BN_SM80_TILE_STATS_F64 1
+#endif
+// Most K pieces per tile (Split K above); 1 turns the split off (the A/B baseline).
+#ifndef FUSED_GEMM_BN_SM80_MAX_PIECES
+#define FUSED_GEMM_BN_SM80_MAX_PIECES 64
 #endif
 
 namespace fused_gemm_bn {
@@ -2633,7 +2740,76 @@ struct Sm80GemmBnArgs {
   float* part_m2;
   // kEval
   BnParams bn;
+  // Split K (header, "Split K"; sm80_split_plan): blockIdx.z is the piece, slabs
+  // [piece * k_tiles_per_piece, +k_tiles_per_piece) of K; pieces == 1: whole K.
+  // partials (pieces, M, N) float32 and tile_arrivals (m_tiles * n_tiles ints,
+  // zero at the launch: the pre-pass zeroes them) are read only when pieces > 1.
+  int pieces = 1;
+  int k_tiles_per_piece = 0;
+  float* partials = nullptr;
+  int* tile_arrivals = nullptr;
 };
+
+namespace sm80 {
+
+// Split-K hand-off (header, "Split K").  Each piece's CTA stores its fp32
+// partial sums (valid rows and columns only) in its slice of args.partials,
+// then counts itself in on the tile's arrival counter (fence, atomic: the
+// threadFenceReduction pattern of the CUDA samples).  The last to arrive sums
+// all slices in piece order in float64, its own read back too (so the result
+// does not depend on arrival order), and rounds once.  No CTA waits for
+// another: no deadlock whatever the residency.  True when this CTA finishes
+// the tile (acc then holds the whole sum; rows past M / columns past N hold 0).
+__device__ __forceinline__ bool split_k_hand_off(AccTiles& acc, const Sm80GemmBnArgs& args, int tile,
+                                                 int row_base, int col_base) {
+  using T = Sm80GemmTraits;
+  __shared__ int last_arrival;
+  const int M = args.M, N = args.N;
+  const size_t slice = static_cast<size_t>(M) * N;
+  float* mine = args.partials + blockIdx.z * slice;
+#pragma unroll
+  for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_base + mi * T::MMA_M + 8 * h;
+      if (row >= M) continue;
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = col_base + ni * T::MMA_N + j;
+          if (col < N) __stcg(mine + static_cast<size_t>(row) * N + col, acc[mi][ni][2 * h + j]);
+        }
+    }
+  __threadfence();  // this thread's stores, visible GPU-wide before the count below
+  __syncthreads();
+  if (threadIdx.x == 0) last_arrival = atomicAdd(args.tile_arrivals + tile, 1) == args.pieces - 1;
+  __syncthreads();
+  if (!last_arrival) return false;
+  __threadfence();  // the other pieces' stores, observed after their counts
+#pragma unroll
+  for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_base + mi * T::MMA_M + 8 * h;
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = col_base + ni * T::MMA_N + j;
+          double sum = 0.0;
+          if (row < M && col < N) {
+            const float* p = args.partials + static_cast<size_t>(row) * N + col;
+#pragma unroll 4
+            for (int piece = 0; piece < args.pieces; ++piece) sum += __ldcg(p + piece * slice);
+          }
+          acc[mi][ni][2 * h + j] = static_cast<float>(sum);
+        }
+    }
+  return true;
+}
+
+}  // namespace sm80
 
 // The kernel body; the __global__ wrapper (sm80_gemm_3xtf32_bn.cu) is only this call.
 template <Epilogue kEpilogue, bool kVec16, int kNumStages>
@@ -2672,7 +2848,11 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
   const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;  // == slabs of the x parts
   const int num_mb = (M + T::MMA_M - 1) / T::MMA_M;             // 16-row blocks of the x parts
   const int mb0 = m0 / T::MMA_M;
+  // This CTA's slabs [kt_begin, kt_end): its piece of K (all of K when pieces == 1).
+  const int kt_begin = args.pieces > 1 ? static_cast<int>(blockIdx.z) * args.k_tiles_per_piece : 0;
+  const int kt_end = args.pieces > 1 ? min(num_k_tiles, kt_begin + args.k_tiles_per_piece) : num_k_tiles;
 
+  // k tile k_tile goes to stage k_tile % kNumStages (a ring from any start).
   auto load_stage = [&](int k_tile) {
     float* stage = smem + (k_tile % kNumStages) * T::STAGE_ELEMS;
     load_frag_slab(stage, args.x_big, mb0, num_mb, k_tile, num_k_tiles);
@@ -2682,16 +2862,16 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
 
 #pragma unroll
   for (int s = 0; s < kNumStages - 1; ++s) {
-    if (s < num_k_tiles) load_stage(s);
+    if (kt_begin + s < kt_end) load_stage(kt_begin + s);
     cp_async_commit();
   }
 
-  for (int k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
+  for (int k_tile = kt_begin; k_tile < kt_end; ++k_tile) {
     cp_async_wait<kNumStages - 2>();
     // Makes stage k_tile visible to all warps, and frees the stage that the
     // next load overwrites (it was consumed in iteration k_tile - 1).
     __syncthreads();
-    if (k_tile + kNumStages - 1 < num_k_tiles) load_stage(k_tile + kNumStages - 1);
+    if (k_tile + kNumStages - 1 < kt_end) load_stage(k_tile + kNumStages - 1);
     cp_async_commit();
 
     const float* stage = smem + (k_tile % kNumStages) * T::STAGE_ELEMS;
@@ -2702,8 +2882,8 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
     const int b_row = wn * T::WARP_N + g;  // + ni * MMA_N; row % 8 == g
 
     // Span boundaries at slab granularity (always true for spans within a slab).
-    const bool span_opens = T::kSpanSlabs == 1 || k_tile % T::kSpanSlabs == 0;
-    const bool span_closes = T::kSpanSlabs == 1 || (k_tile + 1) % T::kSpanSlabs == 0 || k_tile + 1 == num_k_tiles;
+    const bool span_opens = T::kSpanSlabs == 1 || (k_tile - kt_begin) % T::kSpanSlabs == 0;
+    const bool span_closes = T::kSpanSlabs == 1 || (k_tile - kt_begin + 1) % T::kSpanSlabs == 0 || k_tile + 1 == kt_end;
 
     // The slab is consumed in two halves of two k-steps.  Thread (g, t) reads w's
     // shared columns 8t + 4 * half .. +3; k-step `step` of the half uses elements
@@ -2761,6 +2941,10 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
   //   col = n0 + wn * WARP_N + ni * 8 + 2 * t + (r % 2)
   const int row_base = m0 + wm * T::WARP_M + g;
   const int col_base = n0 + wn * T::WARP_N + 2 * t;
+
+  // Split K: every piece but the tile's last to arrive leaves here; that one
+  // holds the whole sum and runs the epilogue.
+  if (args.pieces > 1 && !split_k_hand_off(acc, args, m_tile * gridDim.y + blockIdx.y, row_base, col_base)) return;
 
   // z = the parts' product + c_m (hi_n + lo_n): two fmas, one rounding of z
   // beyond the tiny lo product.  Rows past M and columns past N add 0.
@@ -2972,13 +3156,15 @@ inline bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_c
 //   CTA tile BLOCK_N (features) x BLOCK_M (batch) = 128 x 128, BLOCK_K = 64,
 //   the tile of sm90_gemm_tiles.cuh (swapped product z^T = W x^T: w is operand
 //   A from registers, x operand B from shared memory).  Warpgroups 0, 1:
-//   consumers, 64 features each, as two 64 x 64 halves of the batch tile
-//   (wgmma m64n64k16, part[half]).  Per span: wait_group 1 (the group before
-//   the previous one, the last reader of this span's A buffer), ldmatrix the
-//   span's w_hi / w_lo A fragments (4 ldmatrix.x4 per warp), wait_group 0 and
-//   the promotion (the other consumer warpgroup's groups keep the tensor cores
-//   busy meanwhile), then issue the span's 12 wgmmas (6 per half) as one group.  One group outstanding at the loop's back edge: with wait_group 1
-//   at per-half promotions ptxas serialised every wgmma (warning C7514; the
+//   consumers, 64 features each over the whole batch tile (wgmma m64n128k16;
+//   two m64n64k16 halves, 12 wgmmas per span, were 5-7% slower: docs/perf.md
+//   v37).  Per span: wait_group 1 (the group before the previous one, the
+//   last reader of this span's A buffer), ldmatrix the span's w_hi / w_lo A
+//   fragments (4 ldmatrix.x4 per warp), wait_group 0 and the promotion (the
+//   other consumer warpgroup's groups keep the tensor cores busy meanwhile),
+//   then issue the span's 6 wgmmas as one group.  One group outstanding at
+//   the loop's back edge: with wait_group 1 at per-half promotions ptxas
+//   serialised every wgmma (warning C7514; the
 //   v19 kernel).  Warpgroup 2: producer; one thread issues the TMA loads (w_hi,
 //   w_lo, x_hi, x_lo: 16 KB each) into a ring of kNumStages 64 KB stages.  Grid
 //   and split tiles: sm90_gemm_tiles.cuh (StreamKPlan, per 64-k block): one CTA
@@ -3007,7 +3193,7 @@ struct Fp16x3Traits {
   static constexpr int BLOCK_M = 128;  // batch rows per CTA (wgmma N)
   static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of fp16: two spans
   static constexpr int WGMMA_M = 64;
-  static constexpr int WGMMA_N = 64;   // half the batch tile per wgmma
+  static constexpr int WGMMA_N = 128;  // the whole batch tile per wgmma
   static constexpr int WGMMA_K = 16;
   static constexpr int SPAN_K = 32;    // k per A-fragment buffer (one commit group)
   static constexpr int kSpanSteps = SPAN_K / WGMMA_K;  // wgmma k-steps per span
@@ -3026,10 +3212,10 @@ struct Fp16x3Traits {
 
   static_assert(BLOCK_K * 2 == 128, "tiles are rows of one 128-byte swizzle span");
   static_assert(BLOCK_K == 2 * SPAN_K, "a stage holds two spans");
-  static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k16 halves per batch tile");
+  static_assert(WGMMA_N == BLOCK_M && kPartRegs == kAccRegs, "one m64n128k16 over the batch tile");
   static_assert(W_PART_BYTES % 1024 == 0 && X_PART_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
   static_assert(kMnBoxK == BLOCK_K && 2 * kMnBoxRows == BLOCK_N && 2 * kMnBoxRows == BLOCK_M &&
-                    kMnBoxRows == WGMMA_M && kMnBoxRows == WGMMA_N && MN_BOX_BYTES == WGMMA_N * 128,
+                    kMnBoxRows == WGMMA_M && MN_BOX_BYTES == kMnBoxRows * 128,
                 "an MN-major part tile is two boxes: one per consumer warpgroup (w) or batch half (x)");
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
   static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
@@ -3129,7 +3315,7 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
       warpgroup * T::MN_BOX_BYTES + mn_k * 128 + (((2 * warp + (lane / 8) % 2) ^ (lane % 8)) << 4);
 
   float acc[T::kAccRegs];
-  float part[2][T::kPartRegs];
+  float part[T::kPartRegs];
   // w's fp16 parts of one span (32 k) in the A-fragment layout:
   // [buffer][k-step][hi, lo][reg].  Two buffers, one per span of a stage: the
   // previous span's wgmmas still read theirs while the next is loaded.
@@ -3154,46 +3340,40 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
       }
     }
   };
-  // The 12 wgmmas of one span (both batch halves, 6 each) as one commit group:
-  // per half the small products first, while |part| is small (the tensor
-  // core's truncating adds lose in proportion to the running |part|), then
-  // the big one.  The span's first wgmma per half overwrites `part` (the
-  // promotion before it emptied it).
+  // The 6 wgmmas of one span (m64n128k16: the whole batch tile) as one commit
+  // group: the small products first, while |part| is small (the tensor core's
+  // truncating adds lose in proportion to the running |part|), then the big
+  // one.  The span's first wgmma overwrites `part` (the promotion before it
+  // emptied it).
   auto issue_span = [&](const uint32_t(&a)[T::kSpanSteps][2][4], int q, int sub) {
-    const uint8_t* x_tiles = smem + (q % T::kNumStages) * T::STAGE_BYTES + 2 * T::W_PART_BYTES;
+    // x's parts: 128 batch rows, 16 KB each (K-major: 128 rows of 128 bytes;
+    // MN-major: two boxes of 64 rows, MN_BOX_BYTES apart).
+    const uint8_t* x_hi = smem + (q % T::kNumStages) * T::STAGE_BYTES + 2 * T::W_PART_BYTES;
+    const uint8_t* x_lo = x_hi + T::X_PART_BYTES;
+    // B descriptor of k-step j of this span.
+    auto desc_b = [&](const uint8_t* tile, int j) {
+      const int k_step = sub * T::kSpanSteps + j;
+      if constexpr (kXMn) return desc_mnmajor_sw128(tile, k_step * T::WGMMA_K * 128, T::MN_BOX_BYTES);
+      else return desc_kmajor_sw128(tile, k_step * T::WGMMA_K * 2);
+    };
     wgmma_fence();
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      // The half's 64 batch rows: 8 KB in both layouts (K-major: 64 rows of
-      // 128 bytes; MN-major: its own box of 64 k-rows).
-      const uint8_t* x_hi = x_tiles + half * T::MN_BOX_BYTES;
-      const uint8_t* x_lo = x_hi + T::X_PART_BYTES;
-      // B descriptor of k-step j of this span.
-      auto desc_b = [&](const uint8_t* tile, int j) {
-        const int k_step = sub * T::kSpanSteps + j;
-        if constexpr (kXMn) return desc_mnmajor_sw128(tile, k_step * T::WGMMA_K * 128, T::MN_BOX_BYTES);
-        else return desc_kmajor_sw128(tile, k_step * T::WGMMA_K * 2);
-      };
-#pragma unroll
-      for (int j = 0; j < T::kSpanSteps; ++j) {
-        wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][0], desc_b(x_lo, j), j != 0);
-        wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][1], desc_b(x_hi, j), true);
-      }
-#pragma unroll
-      for (int j = 0; j < T::kSpanSteps; ++j) wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][0], desc_b(x_hi, j), true);
+    for (int j = 0; j < T::kSpanSteps; ++j) {
+      wgmma_m64n128k16_f16_rs<kXMn>(part, a[j][0], desc_b(x_lo, j), j != 0);
+      wgmma_m64n128k16_f16_rs<kXMn>(part, a[j][1], desc_b(x_hi, j), true);
     }
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j) wgmma_m64n128k16_f16_rs<kXMn>(part, a[j][0], desc_b(x_hi, j), true);
     wgmma_commit();
   };
   // acc += part, round to nearest (the promotion).
   auto promote = [&]() {
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < T::kPartRegs; ++i) {
-        fence_operand(part[h][i]);  // read only after the wgmma wait
-        acc[h * T::kPartRegs + i] += part[h][i];
-        fence_operand(acc[h * T::kPartRegs + i]);  // add before the next wgmma overwrites part
-      }
+    for (int i = 0; i < T::kPartRegs; ++i) {
+      fence_operand(part[i]);  // read only after the wgmma wait
+      acc[i] += part[i];
+      fence_operand(acc[i]);  // add before the next wgmma overwrites part
+    }
   };
   auto keep_alive = [&](uint32_t(&a)[T::kSpanSteps][2][4]) {
 #pragma unroll
@@ -4145,43 +4325,53 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-#define FUSED_GEMM_BN_D32 \
+#define FUSED_GEMM_BN_D64 \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define FUSED_GEMM_BN_D32_LIST \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define FUSED_GEMM_BN_D64_LIST \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
-// D(64 x 64, fp32) (+)= A(64 x 16, registers) * B(16 x 64, shared memory), fp16
+// D(64 x 128, fp32) (+)= A(64 x 16, registers) * B(16 x 128, shared memory), fp16
 // inputs (exact products, fp32 accumulation; the tensor core's accumulation
 // chain is not round-to-nearest, so callers promote partial sums).  B is
 // K-major (kTransB false: imm-trans-b 0, desc_kmajor_sw128) or N-major
-// (kTransB true: imm-trans-b 1, desc_mnmajor_sw128).  A fragment (PTX ISA 9.7.15.5.2, .f16): warp w of
-// the warpgroup holds rows 16 w .. 16 w + 15; lane l = 4 g + t holds, as fp16
-// pairs (lower k in the low half), a0 = (16 w + g, 2 t .. 2 t + 1),
-// a1 = (16 w + g + 8, 2 t ..), a2 = (16 w + g, 2 t + 8 ..), a3 = (16 w + g + 8, 2 t + 8 ..).
-// The A registers must stay unchanged until the wgmma has completed.
+// (kTransB true: imm-trans-b 1, desc_mnmajor_sw128, its two 64-column blocks
+// the descriptor's leading byte offset apart).  A fragment (PTX ISA
+// 9.7.15.5.2, .f16): warp w of the warpgroup holds rows 16 w .. 16 w + 15;
+// lane l = 4 g + t holds, as fp16 pairs (lower k in the low half),
+// a0 = (16 w + g, 2 t .. 2 t + 1), a1 = (16 w + g + 8, 2 t ..),
+// a2 = (16 w + g, 2 t + 8 ..), a3 = (16 w + g + 8, 2 t + 8 ..).  The A
+// registers must stay unchanged until the wgmma has completed.  D register
+// 4 i + 2 h + e (i = 0 .. 15) holds row 16 w + g + 8 h, column 8 i + 2 t + e
+// (the m64nNk16 D fragment).
 template <bool kTransB = false>
-__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
-                                                       bool accumulate) {
+__device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
+                                                        bool accumulate) {
 #if FUSED_GEMM_BN_SM90A
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
-      "setp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FUSED_GEMM_BN_D32_LIST
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " FUSED_GEMM_BN_D64_LIST
+      ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n"
       "}\n"
-      : FUSED_GEMM_BN_D32
+      : FUSED_GEMM_BN_D64
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)),
         "n"(kTransB ? 1 : 0));
 #endif
 }
 
-#undef FUSED_GEMM_BN_D32
-#undef FUSED_GEMM_BN_D32_LIST
+#undef FUSED_GEMM_BN_D64
+#undef FUSED_GEMM_BN_D64_LIST
 
 }  // namespace sm90
 }  // namespace fused_gemm_bn
@@ -4379,29 +4569,37 @@ void launch_row_centers(const torch::Tensor& x, int M, int K, float* center, cud
 }
 
 // x's TF32 parts in mma fragment order for the sm80 kernel
-// (sm80_prepass_3xtf32) and, when centred, its row centres: one allocation.
+// (sm80_prepass_3xtf32), when centred its row centres, and the (M, K) x (N, K)
+// GEMM's split-K workspace (its arrival counts zeroed by the pre-pass): one allocation.
 struct FragmentX {
   torch::Tensor storage;
   const float* big;
   const float* small;
   const float* center;  // null: not centred
+  float* workspace;     // null: K not split
 };
 
 // `num_batches_tracked`: incremented by the pre-pass in training, else null.
 // centred: the parts are those of rn(x - c_m) (the forwards; not gemm_nt).
-FragmentX sm80_prepass(const torch::Tensor& x, int M, int K, int64_t* num_batches_tracked, bool centred,
+FragmentX sm80_prepass(const torch::Tensor& x, int M, int N, int K, int64_t* num_batches_tracked, bool centred,
                        cudaStream_t stream) {
   centred = centred && M >= 1 && K >= 1;
   const int64_t elems = fgb::sm80_prepass_elems(M, K);
-  torch::Tensor storage = torch::empty({2 * elems + (centred ? M : 0)}, x.options());
+  int64_t workspace_floats = 0;
+  int zero_ints = 0;
+  check_launch(fgb::sm80_gemm_3xtf32_workspace(M, N, K, &workspace_floats, &zero_ints), "sm80_gemm_3xtf32_workspace");
+  const int64_t center_floats = centred ? M : 0;
+  torch::Tensor storage = torch::empty({2 * elems + center_floats + workspace_floats}, x.options());
   float* big = storage.data_ptr<float>();
   float* small = big + elems;
   float* center = centred ? small + elems : nullptr;
+  float* workspace = workspace_floats > 0 ? small + elems + center_floats : nullptr;
+  int* arrivals = zero_ints > 0 ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
   launch_row_centers(x, M, K, center, stream);
   check_launch(fgb::sm80_prepass_3xtf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, center, big, small,
-                                        num_batches_tracked, stream),
+                                        num_batches_tracked, arrivals, zero_ints, stream),
                "sm80_prepass_3xtf32");
-  return {storage, big, small, center};
+  return {storage, big, small, center, workspace};
 }
 
 // gemm.weight's row sums (N (hi, lo) fp32 pairs, 2 N floats: row_sums in
@@ -4570,9 +4768,9 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
                  "sm90_gemm_fp16x3_train");
   } else {
     const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
-    const FragmentX xs = sm80_prepass(x, M, K, counter, true, stream);
+    const FragmentX xs = sm80_prepass(x, M, N, K, counter, true, stream);
     check_launch(fgb::sm80_gemm_3xtf32_train(xs.big, xs.small, w, centring_of(xs.center, ws), z.data_ptr<float>(),
-                                             g.part_mean, g.part_m2, M, N, K, stream),
+                                             g.part_mean, g.part_m2, M, N, K, xs.workspace, stream),
                  "sm80_gemm_3xtf32_train");
   }
   if (stats != nullptr)
@@ -4655,9 +4853,9 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                  "sm90_gemm_fp16x3_eval");
   } else {
     const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
-    const FragmentX xs = sm80_prepass(x, M, K, nullptr, true, stream);
+    const FragmentX xs = sm80_prepass(x, M, N, K, nullptr, true, stream);
     check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, centring_of(xs.center, ws), out.data_ptr<float>(),
-                                            bn, M, N, K, stream),
+                                            bn, M, N, K, xs.workspace, stream),
                  "sm80_gemm_3xtf32_eval");
   }
   if (scale_after_bn)
@@ -4743,9 +4941,9 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   identity.running_mean = zeros.data_ptr<float>();  // read only by the eval epilogue
   identity.running_var = ones.data_ptr<float>();
   identity.eps = 0.f;
-  const FragmentX xs = sm80_prepass(ac, M, K, nullptr, false, stream);
+  const FragmentX xs = sm80_prepass(ac, M, N, K, nullptr, false, stream);
   check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, fgb::Centring{nullptr, nullptr}, out.data_ptr<float>(),
-                                          identity, M, N, K, stream),
+                                          identity, M, N, K, xs.workspace, stream),
                "sm80_gemm_3xtf32_eval");
   return out;
 }

@@ -52,10 +52,11 @@ struct BatchNormArgs {
 
 // Floats in each of x_big / x_small for an (M, K) input (fragment order, padded).
 int64_t sm80_prepass_elems(int M, int K);
-// x (any strides) -> x_big, x_small in mma fragment order, for sm80_gemm_3xtf32_*.
+// x (any strides) -> x_big, x_small in mma fragment order, for sm80_gemm_3xtf32_*;
+// zero_ints[0 .. num_zero_ints) = 0 (the GEMM's split-K arrival counts).
 cudaError_t sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
                                 const float* center, float* x_big, float* x_small, int64_t* num_batches_tracked,
-                                cudaStream_t stream);
+                                int* zero_ints, int num_zero_ints, cudaStream_t stream);
 
 // ---- centring.cu: the centred split's per-row terms for the 3xTF32 GEMM -----
 // x (any strides) -> center (M): c_m.
@@ -73,14 +74,19 @@ struct Centring {
 
 // ---- sm80_gemm_3xtf32_bn.cu: portable 3xTF32 GEMM (mma.sync, sm_80+) --------
 int sm80_gemm_block_m();
+// Workspace of an (M, K) x (N, K) product on the current device (its split
+// K): *floats floats, of which the last *zero_ints ints must be zero at the
+// launch (the pre-pass zeroes them); both 0 when K is not split.
+cudaError_t sm80_gemm_3xtf32_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 // z = x @ w^T into out, and per-(M tile, feature) mean / M2 of z.
 cudaError_t sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w, Centring centring,
                                    float* out, float* part_mean, float* part_m2, int M, int N, int K,
-                                   cudaStream_t stream);
+                                   float* workspace, cudaStream_t stream);
 // out = a * (x @ w^T) + c, the eval-mode fold (bn: bias, scale, bn_weight,
 // bn_bias, running_mean, running_var, eps, scale_after_bn).
 cudaError_t sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w, Centring centring,
-                                  float* out, const BatchNormArgs& bn, int M, int N, int K, cudaStream_t stream);
+                                  float* out, const BatchNormArgs& bn, int M, int N, int K, float* workspace,
+                                  cudaStream_t stream);
 
 // ---- prepass_fp16x3.cu, sm90_gemm_fp16x3_bn.cu: Hopper fp16x3 GEMM (sm_90a) --
 int sm90_gemm_block_m();

@@ -4,7 +4,9 @@
 //   1. split x into its TF32 parts (below; the GEMM then reads them);
 //   2. training only: bn.num_batches_tracked += 1 (thread 0 of block 0), which is
 //      nn.BatchNorm1d's first step; the call's later kernels (bn_apply.cu,
-//      bn_softmax.cu) read the new value by stream order.
+//      bn_softmax.cu) read the new value by stream order;
+//   3. zero_ints[0 .. num_zero_ints) = 0 (block 0): the GEMM's split-K arrival
+//      counts (sm80_gemm_3xtf32_bn.cuh, "Split K").
 // The launcher takes num_batches_tracked (null: not a training call) by that
 // name, so every call site shows the side effect.
 //
@@ -56,9 +58,12 @@ __device__ __forceinline__ void split_rna_tf32(float v, float& big, float& small
 __global__ void __launch_bounds__(kSplitThreads)
     sm80_prepass_3xtf32_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int M, int K,
                       int num_slabs, int64_t num_quads, const float* __restrict__ center,
-                      float* __restrict__ big, float* __restrict__ small, int64_t* num_batches_tracked) {
+                      float* __restrict__ big, float* __restrict__ small, int64_t* num_batches_tracked,
+                      int* zero_ints, int num_zero_ints) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if (num_batches_tracked != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
+  if (blockIdx.x == 0)
+    for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (q >= num_quads) return;
   const int lane = static_cast<int>(q % 32);
@@ -100,14 +105,17 @@ int64_t fused_gemm_bn::sm80_prepass_elems(int M, int K) {
 
 cudaError_t fused_gemm_bn::sm80_prepass_3xtf32(const float* x, int64_t row_stride, int64_t col_stride, int M, int K,
                                                const float* center, float* x_big, float* x_small,
-                                               int64_t* num_batches_tracked, cudaStream_t stream) {
+                                               int64_t* num_batches_tracked, int* zero_ints, int num_zero_ints,
+                                               cudaStream_t stream) {
+  if (num_zero_ints < 0 || (num_zero_ints > 0 && zero_ints == nullptr)) return cudaErrorInvalidValue;
   const int num_slabs = (K + kFragSlabK - 1) / kFragSlabK;
   const int64_t num_quads = sm80_prepass_elems(M, K) / 4;
   int64_t blocks = (num_quads + kSplitThreads - 1) / kSplitThreads;
-  if (blocks == 0 && num_batches_tracked == nullptr) return cudaSuccess;
-  if (blocks == 0) blocks = 1;  // still counts the call
+  if (blocks == 0 && num_batches_tracked == nullptr && num_zero_ints == 0) return cudaSuccess;
+  if (blocks == 0) blocks = 1;  // still counts the call / zeroes the counts
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   sm80_prepass_3xtf32_kernel<<<static_cast<unsigned>(blocks), kSplitThreads, 0, stream>>>(
-      x, row_stride, col_stride, M, K, num_slabs, num_quads, center, x_big, x_small, num_batches_tracked);
+      x, row_stride, col_stride, M, K, num_slabs, num_quads, center, x_big, x_small, num_batches_tracked, zero_ints,
+      num_zero_ints);
   return cudaGetLastError();
 }

@@ -10,7 +10,11 @@
 // or not (centring: both pointers or neither).
 // Preconditions: M, N >= 1, K >= 0; x_big / x_small 16-byte aligned; w 4-byte
 // aligned (the 16-byte w loads are used where K % 4 == 0 and w is 16-byte aligned).
+// workspace: sm80_gemm_3xtf32_workspace(M, N, K) floats, its last zero_ints
+// ints zero at the launch (the pre-pass zeroes them); null where that is 0.
 // They return the launch error (cudaSuccess if none) and never synchronise.
+
+#include <algorithm>
 
 #include "launchers.cuh"
 #include "sm80_gemm_3xtf32_bn.cuh"
@@ -23,6 +27,48 @@ __global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
   sm80_gemm_3xtf32_bn_body<kEpilogue, kVec16, kNumStages>(args);
 }
 
+// Split K (sm80_gemm_3xtf32_bn.cuh, "Split K").  Pieces per tile: enough to
+// fill the SMs once (one CTA per SM fits), each piece at least
+// kMinPieceKTiles slabs; below kSmallBatchRows rows also at most
+// kSmallBatchPieceK k per piece; at most FUSED_GEMM_BN_SM80_MAX_PIECES.
+// Then every piece but the last has k_tiles_per_piece slabs, the last the
+// rest (>= 1).  pieces == 1: no split, no workspace.
+struct Sm80SplitPlan {
+  int pieces = 1;
+  int k_tiles_per_piece = 0;
+};
+constexpr int kMinPieceKTiles = 4;
+constexpr int kSmallBatchRows = 16;
+constexpr int kSmallBatchPieceK = 512;
+
+static Sm80SplitPlan sm80_split_plan(int M, int N, int K, int num_sms) {
+  using T = Sm80GemmTraits;
+  Sm80SplitPlan plan;
+  const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;
+  plan.k_tiles_per_piece = num_k_tiles;
+  const long long tiles = static_cast<long long>((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
+  if (num_k_tiles < 2 || tiles < 1) return plan;
+  long long pieces = tiles < num_sms ? num_sms / tiles : 1;
+  pieces = std::min<long long>(pieces, num_k_tiles / kMinPieceKTiles);
+  if (M < kSmallBatchRows) {
+    constexpr int kSmallBatchPieceTiles = kSmallBatchPieceK / T::BLOCK_K;
+    pieces = std::max<long long>(pieces, (num_k_tiles + kSmallBatchPieceTiles - 1) / kSmallBatchPieceTiles);
+  }
+  pieces = std::min<long long>(pieces, FUSED_GEMM_BN_SM80_MAX_PIECES);
+  if (pieces < 2) return plan;
+  plan.k_tiles_per_piece = static_cast<int>((num_k_tiles + pieces - 1) / pieces);
+  plan.pieces = (num_k_tiles + plan.k_tiles_per_piece - 1) / plan.k_tiles_per_piece;
+  if (plan.pieces < 2) plan = Sm80SplitPlan{1, num_k_tiles};
+  return plan;
+}
+
+static cudaError_t sm80_num_sms(int* num_sms) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+}
+
 template <Epilogue kEpilogue, bool kVec16, int kNumStages>
 static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStream_t stream) {
   using T = Sm80GemmTraits;
@@ -30,18 +76,30 @@ static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStrea
   constexpr int kSmemBytes = T::smem_bytes(kNumStages);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid((args.M + T::BLOCK_M - 1) / T::BLOCK_M, (args.N + T::BLOCK_N - 1) / T::BLOCK_N);
-  if (grid.y > 65535u) return cudaErrorInvalidConfiguration;
+  const dim3 grid((args.M + T::BLOCK_M - 1) / T::BLOCK_M, (args.N + T::BLOCK_N - 1) / T::BLOCK_N, args.pieces);
+  if (grid.y > 65535u || grid.z > 65535u) return cudaErrorInvalidConfiguration;
   kernel<<<grid, T::kNumThreads, kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 
-// Picks the deepest pipeline that fits the current device's shared memory.
+// Plans the split (the workspace must hold sm80_gemm_3xtf32_workspace's size
+// for this shape on this device; null only where that is 0), then picks the
+// deepest pipeline that fits the current device's shared memory.
 template <Epilogue kEpilogue, bool kVec16>
-static cudaError_t launch_sm80_gemm(const Sm80GemmBnArgs& args, cudaStream_t stream) {
+static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaStream_t stream) {
   using T = Sm80GemmTraits;
-  int device = 0, smem_optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  int device = 0, smem_optin = 0, num_sms = 0;
+  cudaError_t err = sm80_num_sms(&num_sms);
+  if (err != cudaSuccess) return err;
+  const Sm80SplitPlan plan = sm80_split_plan(args.M, args.N, args.K, num_sms);
+  args.pieces = plan.pieces;
+  args.k_tiles_per_piece = plan.k_tiles_per_piece;
+  if (plan.pieces > 1) {
+    if (workspace == nullptr) return cudaErrorInvalidValue;
+    args.partials = workspace;
+    args.tile_arrivals = reinterpret_cast<int*>(workspace + static_cast<int64_t>(plan.pieces) * args.M * args.N);
+  }
+  err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
@@ -59,27 +117,46 @@ static cudaError_t launch_sm80_gemm(const Sm80GemmBnArgs& args, cudaStream_t str
 
 int fused_gemm_bn::sm80_gemm_block_m() { return Sm80GemmTraits::BLOCK_M; }
 
+// *floats floats: the split's partial sums (pieces x M x N) and, after them,
+// one arrival count per output tile, the last *zero_ints ints, which must be
+// zero at the launch.  Both 0 when the plan does not split.
+cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_workspace(int M, int N, int K, int64_t* floats, int* zero_ints) {
+  using T = Sm80GemmTraits;
+  *floats = 0;
+  *zero_ints = 0;
+  if (M < 1 || N < 1 || K < 0) return cudaSuccess;
+  int num_sms = 0;
+  const cudaError_t err = sm80_num_sms(&num_sms);
+  if (err != cudaSuccess) return err;
+  const Sm80SplitPlan plan = sm80_split_plan(M, N, K, num_sms);
+  if (plan.pieces < 2) return cudaSuccess;
+  const int tiles = ((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
+  *floats = static_cast<int64_t>(plan.pieces) * M * N + tiles;
+  *zero_ints = tiles;
+  return cudaSuccess;
+}
+
 cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_train(const float* x_big, const float* x_small, const float* w,
                                                   Centring centring, float* out, float* part_mean, float* part_m2,
-                                                  int M, int N, int K, cudaStream_t stream) {
+                                                  int M, int N, int K, float* workspace, cudaStream_t stream) {
   if (M < 1 || N < 1 || K < 0 || (centring.x_center == nullptr) != (centring.w_row_sum == nullptr))
     return cudaErrorInvalidValue;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.part_mean = part_mean;
   args.part_m2 = part_m2;
-  return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kTrain, true>(args, stream)
-                        : launch_sm80_gemm<Epilogue::kTrain, false>(args, stream);
+  return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kTrain, true>(args, workspace, stream)
+                        : launch_sm80_gemm<Epilogue::kTrain, false>(args, workspace, stream);
 }
 
 // bn.scale_after_bn: Linear -> BatchNorm -> scale (problem 84) instead of Linear -> scale -> BatchNorm.
 cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float* x_small, const float* w,
                                                  Centring centring, float* out, const BatchNormArgs& bn, int M, int N,
-                                                 int K, cudaStream_t stream) {
+                                                 int K, float* workspace, cudaStream_t stream) {
   if (M < 1 || N < 1 || K < 0 || (centring.x_center == nullptr) != (centring.w_row_sum == nullptr))
     return cudaErrorInvalidValue;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.bn = BnParams{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
                      bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn};
-  return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, stream)
-                        : launch_sm80_gemm<Epilogue::kEval, false>(args, stream);
+  return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, workspace, stream)
+                        : launch_sm80_gemm<Epilogue::kEval, false>(args, workspace, stream);
 }

@@ -74,6 +74,18 @@
 // w's shared rows are XOR-swizzled in 16-byte chunks (w_smem_offset) so that
 // the 16-byte cp.async stores and fragment loads are bank-conflict free.
 //
+// Split K (sm80_split_plan in sm80_gemm_3xtf32_bn.cu): where the output tiles
+// alone leave SMs idle (fewer tiles than SMs), or the batch is below 16 rows,
+// each tile's K slabs are cut into `pieces` runs (grid z), one CTA each.  Each
+// piece writes its partial sums to a workspace slice and counts itself in on a
+// per-tile counter; the last to arrive sums the slices in piece order in
+// float64 and runs the epilogue (split_k_hand_off; as sm90_gemm_tiles.cuh's
+// split tiles).  Why below 16 rows: one CTA's promotion chain over all of K
+// is K / SPAN_K round-to-nearest additions, relative error ~ u sqrt(K / SPAN_K),
+// and cuBLAS at a few rows splits K: unsplit, this kernel measured 1.06-1.87x
+// eager's output error over batches 1-15 (up to 4.0x at 7 x 4095 x 513;
+// docs/perf.md v36).  A piece holds at most kSmallBatchPieceK = 512 k there.
+//
 // K permutation: within one BLOCK_K slab, mma k-step s (0..3) and fragment
 // column kl (0..7) read shared column 8 * (kl % 4) + 2 * s + kl / 4.  The same
 // bijection is used for A (applied by prepass_3xtf32.cu) and B, so the dot product
@@ -110,6 +122,10 @@
 // 1: the kTrain epilogue sums a tile's mean and M2 in float64 (as sm90_gemm_tiles.cuh).
 #ifndef FUSED_GEMM_BN_SM80_TILE_STATS_F64
 #define FUSED_GEMM_BN_SM80_TILE_STATS_F64 1
+#endif
+// Most K pieces per tile (Split K above); 1 turns the split off (the A/B baseline).
+#ifndef FUSED_GEMM_BN_SM80_MAX_PIECES
+#define FUSED_GEMM_BN_SM80_MAX_PIECES 64
 #endif
 
 namespace fused_gemm_bn {
@@ -366,7 +382,76 @@ struct Sm80GemmBnArgs {
   float* part_m2;
   // kEval
   BnParams bn;
+  // Split K (header, "Split K"; sm80_split_plan): blockIdx.z is the piece, slabs
+  // [piece * k_tiles_per_piece, +k_tiles_per_piece) of K; pieces == 1: whole K.
+  // partials (pieces, M, N) float32 and tile_arrivals (m_tiles * n_tiles ints,
+  // zero at the launch: the pre-pass zeroes them) are read only when pieces > 1.
+  int pieces = 1;
+  int k_tiles_per_piece = 0;
+  float* partials = nullptr;
+  int* tile_arrivals = nullptr;
 };
+
+namespace sm80 {
+
+// Split-K hand-off (header, "Split K").  Each piece's CTA stores its fp32
+// partial sums (valid rows and columns only) in its slice of args.partials,
+// then counts itself in on the tile's arrival counter (fence, atomic: the
+// threadFenceReduction pattern of the CUDA samples).  The last to arrive sums
+// all slices in piece order in float64, its own read back too (so the result
+// does not depend on arrival order), and rounds once.  No CTA waits for
+// another: no deadlock whatever the residency.  True when this CTA finishes
+// the tile (acc then holds the whole sum; rows past M / columns past N hold 0).
+__device__ __forceinline__ bool split_k_hand_off(AccTiles& acc, const Sm80GemmBnArgs& args, int tile,
+                                                 int row_base, int col_base) {
+  using T = Sm80GemmTraits;
+  __shared__ int last_arrival;
+  const int M = args.M, N = args.N;
+  const size_t slice = static_cast<size_t>(M) * N;
+  float* mine = args.partials + blockIdx.z * slice;
+#pragma unroll
+  for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_base + mi * T::MMA_M + 8 * h;
+      if (row >= M) continue;
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = col_base + ni * T::MMA_N + j;
+          if (col < N) __stcg(mine + static_cast<size_t>(row) * N + col, acc[mi][ni][2 * h + j]);
+        }
+    }
+  __threadfence();  // this thread's stores, visible GPU-wide before the count below
+  __syncthreads();
+  if (threadIdx.x == 0) last_arrival = atomicAdd(args.tile_arrivals + tile, 1) == args.pieces - 1;
+  __syncthreads();
+  if (!last_arrival) return false;
+  __threadfence();  // the other pieces' stores, observed after their counts
+#pragma unroll
+  for (int mi = 0; mi < T::kMmaTilesM; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_base + mi * T::MMA_M + 8 * h;
+#pragma unroll
+      for (int ni = 0; ni < T::kMmaTilesN; ++ni)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = col_base + ni * T::MMA_N + j;
+          double sum = 0.0;
+          if (row < M && col < N) {
+            const float* p = args.partials + static_cast<size_t>(row) * N + col;
+#pragma unroll 4
+            for (int piece = 0; piece < args.pieces; ++piece) sum += __ldcg(p + piece * slice);
+          }
+          acc[mi][ni][2 * h + j] = static_cast<float>(sum);
+        }
+    }
+  return true;
+}
+
+}  // namespace sm80
 
 // The kernel body; the __global__ wrapper (sm80_gemm_3xtf32_bn.cu) is only this call.
 template <Epilogue kEpilogue, bool kVec16, int kNumStages>
@@ -405,7 +490,11 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
   const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;  // == slabs of the x parts
   const int num_mb = (M + T::MMA_M - 1) / T::MMA_M;             // 16-row blocks of the x parts
   const int mb0 = m0 / T::MMA_M;
+  // This CTA's slabs [kt_begin, kt_end): its piece of K (all of K when pieces == 1).
+  const int kt_begin = args.pieces > 1 ? static_cast<int>(blockIdx.z) * args.k_tiles_per_piece : 0;
+  const int kt_end = args.pieces > 1 ? min(num_k_tiles, kt_begin + args.k_tiles_per_piece) : num_k_tiles;
 
+  // k tile k_tile goes to stage k_tile % kNumStages (a ring from any start).
   auto load_stage = [&](int k_tile) {
     float* stage = smem + (k_tile % kNumStages) * T::STAGE_ELEMS;
     load_frag_slab(stage, args.x_big, mb0, num_mb, k_tile, num_k_tiles);
@@ -415,16 +504,16 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
 
 #pragma unroll
   for (int s = 0; s < kNumStages - 1; ++s) {
-    if (s < num_k_tiles) load_stage(s);
+    if (kt_begin + s < kt_end) load_stage(kt_begin + s);
     cp_async_commit();
   }
 
-  for (int k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
+  for (int k_tile = kt_begin; k_tile < kt_end; ++k_tile) {
     cp_async_wait<kNumStages - 2>();
     // Makes stage k_tile visible to all warps, and frees the stage that the
     // next load overwrites (it was consumed in iteration k_tile - 1).
     __syncthreads();
-    if (k_tile + kNumStages - 1 < num_k_tiles) load_stage(k_tile + kNumStages - 1);
+    if (k_tile + kNumStages - 1 < kt_end) load_stage(k_tile + kNumStages - 1);
     cp_async_commit();
 
     const float* stage = smem + (k_tile % kNumStages) * T::STAGE_ELEMS;
@@ -435,8 +524,8 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
     const int b_row = wn * T::WARP_N + g;  // + ni * MMA_N; row % 8 == g
 
     // Span boundaries at slab granularity (always true for spans within a slab).
-    const bool span_opens = T::kSpanSlabs == 1 || k_tile % T::kSpanSlabs == 0;
-    const bool span_closes = T::kSpanSlabs == 1 || (k_tile + 1) % T::kSpanSlabs == 0 || k_tile + 1 == num_k_tiles;
+    const bool span_opens = T::kSpanSlabs == 1 || (k_tile - kt_begin) % T::kSpanSlabs == 0;
+    const bool span_closes = T::kSpanSlabs == 1 || (k_tile - kt_begin + 1) % T::kSpanSlabs == 0 || k_tile + 1 == kt_end;
 
     // The slab is consumed in two halves of two k-steps.  Thread (g, t) reads w's
     // shared columns 8t + 4 * half .. +3; k-step `step` of the half uses elements
@@ -494,6 +583,10 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
   //   col = n0 + wn * WARP_N + ni * 8 + 2 * t + (r % 2)
   const int row_base = m0 + wm * T::WARP_M + g;
   const int col_base = n0 + wn * T::WARP_N + 2 * t;
+
+  // Split K: every piece but the tile's last to arrive leaves here; that one
+  // holds the whole sum and runs the epilogue.
+  if (args.pieces > 1 && !split_k_hand_off(acc, args, m_tile * gridDim.y + blockIdx.y, row_base, col_base)) return;
 
   // z = the parts' product + c_m (hi_n + lo_n): two fmas, one rounding of z
   // beyond the tiny lo product.  Rows past M and columns past N add 0.

@@ -69,13 +69,15 @@
 //   CTA tile BLOCK_N (features) x BLOCK_M (batch) = 128 x 128, BLOCK_K = 64,
 //   the tile of sm90_gemm_tiles.cuh (swapped product z^T = W x^T: w is operand
 //   A from registers, x operand B from shared memory).  Warpgroups 0, 1:
-//   consumers, 64 features each, as two 64 x 64 halves of the batch tile
-//   (wgmma m64n64k16, part[half]).  Per span: wait_group 1 (the group before
-//   the previous one, the last reader of this span's A buffer), ldmatrix the
-//   span's w_hi / w_lo A fragments (4 ldmatrix.x4 per warp), wait_group 0 and
-//   the promotion (the other consumer warpgroup's groups keep the tensor cores
-//   busy meanwhile), then issue the span's 12 wgmmas (6 per half) as one group.  One group outstanding at the loop's back edge: with wait_group 1
-//   at per-half promotions ptxas serialised every wgmma (warning C7514; the
+//   consumers, 64 features each over the whole batch tile (wgmma m64n128k16;
+//   two m64n64k16 halves, 12 wgmmas per span, were 5-7% slower: docs/perf.md
+//   v37).  Per span: wait_group 1 (the group before the previous one, the
+//   last reader of this span's A buffer), ldmatrix the span's w_hi / w_lo A
+//   fragments (4 ldmatrix.x4 per warp), wait_group 0 and the promotion (the
+//   other consumer warpgroup's groups keep the tensor cores busy meanwhile),
+//   then issue the span's 6 wgmmas as one group.  One group outstanding at
+//   the loop's back edge: with wait_group 1 at per-half promotions ptxas
+//   serialised every wgmma (warning C7514; the
 //   v19 kernel).  Warpgroup 2: producer; one thread issues the TMA loads (w_hi,
 //   w_lo, x_hi, x_lo: 16 KB each) into a ring of kNumStages 64 KB stages.  Grid
 //   and split tiles: sm90_gemm_tiles.cuh (StreamKPlan, per 64-k block): one CTA
@@ -104,7 +106,7 @@ struct Fp16x3Traits {
   static constexpr int BLOCK_M = 128;  // batch rows per CTA (wgmma N)
   static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of fp16: two spans
   static constexpr int WGMMA_M = 64;
-  static constexpr int WGMMA_N = 64;   // half the batch tile per wgmma
+  static constexpr int WGMMA_N = 128;  // the whole batch tile per wgmma
   static constexpr int WGMMA_K = 16;
   static constexpr int SPAN_K = 32;    // k per A-fragment buffer (one commit group)
   static constexpr int kSpanSteps = SPAN_K / WGMMA_K;  // wgmma k-steps per span
@@ -123,10 +125,10 @@ struct Fp16x3Traits {
 
   static_assert(BLOCK_K * 2 == 128, "tiles are rows of one 128-byte swizzle span");
   static_assert(BLOCK_K == 2 * SPAN_K, "a stage holds two spans");
-  static_assert(2 * WGMMA_N == BLOCK_M && kPartRegs == 32, "two m64n64k16 halves per batch tile");
+  static_assert(WGMMA_N == BLOCK_M && kPartRegs == kAccRegs, "one m64n128k16 over the batch tile");
   static_assert(W_PART_BYTES % 1024 == 0 && X_PART_BYTES % 1024 == 0, "tiles start on 1024-byte swizzle atoms");
   static_assert(kMnBoxK == BLOCK_K && 2 * kMnBoxRows == BLOCK_N && 2 * kMnBoxRows == BLOCK_M &&
-                    kMnBoxRows == WGMMA_M && kMnBoxRows == WGMMA_N && MN_BOX_BYTES == WGMMA_N * 128,
+                    kMnBoxRows == WGMMA_M && MN_BOX_BYTES == kMnBoxRows * 128,
                 "an MN-major part tile is two boxes: one per consumer warpgroup (w) or batch half (x)");
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
   static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
@@ -226,7 +228,7 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
       warpgroup * T::MN_BOX_BYTES + mn_k * 128 + (((2 * warp + (lane / 8) % 2) ^ (lane % 8)) << 4);
 
   float acc[T::kAccRegs];
-  float part[2][T::kPartRegs];
+  float part[T::kPartRegs];
   // w's fp16 parts of one span (32 k) in the A-fragment layout:
   // [buffer][k-step][hi, lo][reg].  Two buffers, one per span of a stage: the
   // previous span's wgmmas still read theirs while the next is loaded.
@@ -251,46 +253,40 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
       }
     }
   };
-  // The 12 wgmmas of one span (both batch halves, 6 each) as one commit group:
-  // per half the small products first, while |part| is small (the tensor
-  // core's truncating adds lose in proportion to the running |part|), then
-  // the big one.  The span's first wgmma per half overwrites `part` (the
-  // promotion before it emptied it).
+  // The 6 wgmmas of one span (m64n128k16: the whole batch tile) as one commit
+  // group: the small products first, while |part| is small (the tensor core's
+  // truncating adds lose in proportion to the running |part|), then the big
+  // one.  The span's first wgmma overwrites `part` (the promotion before it
+  // emptied it).
   auto issue_span = [&](const uint32_t(&a)[T::kSpanSteps][2][4], int q, int sub) {
-    const uint8_t* x_tiles = smem + (q % T::kNumStages) * T::STAGE_BYTES + 2 * T::W_PART_BYTES;
+    // x's parts: 128 batch rows, 16 KB each (K-major: 128 rows of 128 bytes;
+    // MN-major: two boxes of 64 rows, MN_BOX_BYTES apart).
+    const uint8_t* x_hi = smem + (q % T::kNumStages) * T::STAGE_BYTES + 2 * T::W_PART_BYTES;
+    const uint8_t* x_lo = x_hi + T::X_PART_BYTES;
+    // B descriptor of k-step j of this span.
+    auto desc_b = [&](const uint8_t* tile, int j) {
+      const int k_step = sub * T::kSpanSteps + j;
+      if constexpr (kXMn) return desc_mnmajor_sw128(tile, k_step * T::WGMMA_K * 128, T::MN_BOX_BYTES);
+      else return desc_kmajor_sw128(tile, k_step * T::WGMMA_K * 2);
+    };
     wgmma_fence();
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      // The half's 64 batch rows: 8 KB in both layouts (K-major: 64 rows of
-      // 128 bytes; MN-major: its own box of 64 k-rows).
-      const uint8_t* x_hi = x_tiles + half * T::MN_BOX_BYTES;
-      const uint8_t* x_lo = x_hi + T::X_PART_BYTES;
-      // B descriptor of k-step j of this span.
-      auto desc_b = [&](const uint8_t* tile, int j) {
-        const int k_step = sub * T::kSpanSteps + j;
-        if constexpr (kXMn) return desc_mnmajor_sw128(tile, k_step * T::WGMMA_K * 128, T::MN_BOX_BYTES);
-        else return desc_kmajor_sw128(tile, k_step * T::WGMMA_K * 2);
-      };
-#pragma unroll
-      for (int j = 0; j < T::kSpanSteps; ++j) {
-        wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][0], desc_b(x_lo, j), j != 0);
-        wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][1], desc_b(x_hi, j), true);
-      }
-#pragma unroll
-      for (int j = 0; j < T::kSpanSteps; ++j) wgmma_m64n64k16_f16_rs<kXMn>(part[half], a[j][0], desc_b(x_hi, j), true);
+    for (int j = 0; j < T::kSpanSteps; ++j) {
+      wgmma_m64n128k16_f16_rs<kXMn>(part, a[j][0], desc_b(x_lo, j), j != 0);
+      wgmma_m64n128k16_f16_rs<kXMn>(part, a[j][1], desc_b(x_hi, j), true);
     }
+#pragma unroll
+    for (int j = 0; j < T::kSpanSteps; ++j) wgmma_m64n128k16_f16_rs<kXMn>(part, a[j][0], desc_b(x_hi, j), true);
     wgmma_commit();
   };
   // acc += part, round to nearest (the promotion).
   auto promote = [&]() {
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < T::kPartRegs; ++i) {
-        fence_operand(part[h][i]);  // read only after the wgmma wait
-        acc[h * T::kPartRegs + i] += part[h][i];
-        fence_operand(acc[h * T::kPartRegs + i]);  // add before the next wgmma overwrites part
-      }
+    for (int i = 0; i < T::kPartRegs; ++i) {
+      fence_operand(part[i]);  // read only after the wgmma wait
+      acc[i] += part[i];
+      fence_operand(acc[i]);  // add before the next wgmma overwrites part
+    }
   };
   auto keep_alive = [&](uint32_t(&a)[T::kSpanSteps][2][4]) {
 #pragma unroll

@@ -272,43 +272,53 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-#define FUSED_GEMM_BN_D32 \
+#define FUSED_GEMM_BN_D64 \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define FUSED_GEMM_BN_D32_LIST \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define FUSED_GEMM_BN_D64_LIST \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
-// D(64 x 64, fp32) (+)= A(64 x 16, registers) * B(16 x 64, shared memory), fp16
+// D(64 x 128, fp32) (+)= A(64 x 16, registers) * B(16 x 128, shared memory), fp16
 // inputs (exact products, fp32 accumulation; the tensor core's accumulation
 // chain is not round-to-nearest, so callers promote partial sums).  B is
 // K-major (kTransB false: imm-trans-b 0, desc_kmajor_sw128) or N-major
-// (kTransB true: imm-trans-b 1, desc_mnmajor_sw128).  A fragment (PTX ISA 9.7.15.5.2, .f16): warp w of
-// the warpgroup holds rows 16 w .. 16 w + 15; lane l = 4 g + t holds, as fp16
-// pairs (lower k in the low half), a0 = (16 w + g, 2 t .. 2 t + 1),
-// a1 = (16 w + g + 8, 2 t ..), a2 = (16 w + g, 2 t + 8 ..), a3 = (16 w + g + 8, 2 t + 8 ..).
-// The A registers must stay unchanged until the wgmma has completed.
+// (kTransB true: imm-trans-b 1, desc_mnmajor_sw128, its two 64-column blocks
+// the descriptor's leading byte offset apart).  A fragment (PTX ISA
+// 9.7.15.5.2, .f16): warp w of the warpgroup holds rows 16 w .. 16 w + 15;
+// lane l = 4 g + t holds, as fp16 pairs (lower k in the low half),
+// a0 = (16 w + g, 2 t .. 2 t + 1), a1 = (16 w + g + 8, 2 t ..),
+// a2 = (16 w + g, 2 t + 8 ..), a3 = (16 w + g + 8, 2 t + 8 ..).  The A
+// registers must stay unchanged until the wgmma has completed.  D register
+// 4 i + 2 h + e (i = 0 .. 15) holds row 16 w + g + 8 h, column 8 i + 2 t + e
+// (the m64nNk16 D fragment).
 template <bool kTransB = false>
-__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
-                                                       bool accumulate) {
+__device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
+                                                        bool accumulate) {
 #if FUSED_GEMM_BN_SM90A
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
-      "setp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FUSED_GEMM_BN_D32_LIST
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " FUSED_GEMM_BN_D64_LIST
+      ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n"
       "}\n"
-      : FUSED_GEMM_BN_D32
+      : FUSED_GEMM_BN_D64
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)),
         "n"(kTransB ? 1 : 0));
 #endif
 }
 
-#undef FUSED_GEMM_BN_D32
-#undef FUSED_GEMM_BN_D32_LIST
+#undef FUSED_GEMM_BN_D64
+#undef FUSED_GEMM_BN_D64_LIST
 
 }  // namespace sm90
 }  // namespace fused_gemm_bn

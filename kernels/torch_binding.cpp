@@ -191,29 +191,37 @@ void launch_row_centers(const torch::Tensor& x, int M, int K, float* center, cud
 }
 
 // x's TF32 parts in mma fragment order for the sm80 kernel
-// (sm80_prepass_3xtf32) and, when centred, its row centres: one allocation.
+// (sm80_prepass_3xtf32), when centred its row centres, and the (M, K) x (N, K)
+// GEMM's split-K workspace (its arrival counts zeroed by the pre-pass): one allocation.
 struct FragmentX {
   torch::Tensor storage;
   const float* big;
   const float* small;
   const float* center;  // null: not centred
+  float* workspace;     // null: K not split
 };
 
 // `num_batches_tracked`: incremented by the pre-pass in training, else null.
 // centred: the parts are those of rn(x - c_m) (the forwards; not gemm_nt).
-FragmentX sm80_prepass(const torch::Tensor& x, int M, int K, int64_t* num_batches_tracked, bool centred,
+FragmentX sm80_prepass(const torch::Tensor& x, int M, int N, int K, int64_t* num_batches_tracked, bool centred,
                        cudaStream_t stream) {
   centred = centred && M >= 1 && K >= 1;
   const int64_t elems = fgb::sm80_prepass_elems(M, K);
-  torch::Tensor storage = torch::empty({2 * elems + (centred ? M : 0)}, x.options());
+  int64_t workspace_floats = 0;
+  int zero_ints = 0;
+  check_launch(fgb::sm80_gemm_3xtf32_workspace(M, N, K, &workspace_floats, &zero_ints), "sm80_gemm_3xtf32_workspace");
+  const int64_t center_floats = centred ? M : 0;
+  torch::Tensor storage = torch::empty({2 * elems + center_floats + workspace_floats}, x.options());
   float* big = storage.data_ptr<float>();
   float* small = big + elems;
   float* center = centred ? small + elems : nullptr;
+  float* workspace = workspace_floats > 0 ? small + elems + center_floats : nullptr;
+  int* arrivals = zero_ints > 0 ? reinterpret_cast<int*>(workspace + workspace_floats - zero_ints) : nullptr;
   launch_row_centers(x, M, K, center, stream);
   check_launch(fgb::sm80_prepass_3xtf32(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, center, big, small,
-                                        num_batches_tracked, stream),
+                                        num_batches_tracked, arrivals, zero_ints, stream),
                "sm80_prepass_3xtf32");
-  return {storage, big, small, center};
+  return {storage, big, small, center, workspace};
 }
 
 // gemm.weight's row sums (N (hi, lo) fp32 pairs, 2 N floats: row_sums in
@@ -382,9 +390,9 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
                  "sm90_gemm_fp16x3_train");
   } else {
     const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
-    const FragmentX xs = sm80_prepass(x, M, K, counter, true, stream);
+    const FragmentX xs = sm80_prepass(x, M, N, K, counter, true, stream);
     check_launch(fgb::sm80_gemm_3xtf32_train(xs.big, xs.small, w, centring_of(xs.center, ws), z.data_ptr<float>(),
-                                             g.part_mean, g.part_m2, M, N, K, stream),
+                                             g.part_mean, g.part_m2, M, N, K, xs.workspace, stream),
                  "sm80_gemm_3xtf32_train");
   }
   if (stats != nullptr)
@@ -467,9 +475,9 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                  "sm90_gemm_fp16x3_eval");
   } else {
     const WeightRowSums ws = weight_row_sums_of(weight, w_parts, N, K, stream);
-    const FragmentX xs = sm80_prepass(x, M, K, nullptr, true, stream);
+    const FragmentX xs = sm80_prepass(x, M, N, K, nullptr, true, stream);
     check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, centring_of(xs.center, ws), out.data_ptr<float>(),
-                                            bn, M, N, K, stream),
+                                            bn, M, N, K, xs.workspace, stream),
                  "sm80_gemm_3xtf32_eval");
   }
   if (scale_after_bn)
@@ -555,9 +563,9 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   identity.running_mean = zeros.data_ptr<float>();  // read only by the eval epilogue
   identity.running_var = ones.data_ptr<float>();
   identity.eps = 0.f;
-  const FragmentX xs = sm80_prepass(ac, M, K, nullptr, false, stream);
+  const FragmentX xs = sm80_prepass(ac, M, N, K, nullptr, false, stream);
   check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, fgb::Centring{nullptr, nullptr}, out.data_ptr<float>(),
-                                          identity, M, N, K, stream),
+                                          identity, M, N, K, xs.workspace, stream),
                "sm80_gemm_3xtf32_eval");
   return out;
 }

@@ -23,8 +23,8 @@ Measures as in test_equivalence.py: relative Frobenius, and for problem 84
 also the largest elementwise relative error.
 
 GPU (skipped without CUDA; [gemm_path]: the kernel the device dispatches to,
-and the portable sm80_3xtf32 forced through model_new.SWITCHES, a strict xfail
-until it meets the bar: PORTABLE_SMALL_BATCH):
+and the portable sm80_3xtf32 forced through model_new.SWITCHES, which splits K
+below 16 rows to meet the bar: docs/perf.md v37):
   - test_gpu_small_batch_accuracy_vs_float64: the bar, and every call on the
     route's float32 kernel (ModelNew.kernel_path)
   - test_gpu_small_batch_negative_control_tf32_operands: Model with x and
@@ -117,23 +117,10 @@ def trios():
     kept.clear()
 
 
-# Known gap, measured (H200, docs/perf.md v36): the portable sm80_3xtf32 kernel
-# (the default on sm_80-89) misses the bar at these batches: 1.06-1.87x eager's
-# error per family (geometric means), up to 4.0x at 7 x 4095 x 513 (the fp16x3
-# kernel meets the bar on Hopper).  Its GEMM accumulates all of K in one CTA
-# (one promotion chain of K / 16 spans) and truncates w's small part, where
-# cuBLAS at a few rows splits K; the fix (split-K for few tiles) is open.
-# Strict: the test fails once the kernel meets the bar, so the mark goes then.
-PORTABLE_SMALL_BATCH = ("sm80_3xtf32 at batches below 16: up to 1.9x eager's error (docs/perf.md v36); "
-                        "split-K for few output tiles is open")
-
-
 @requires_cuda
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", BOTH)
-def test_gpu_small_batch_accuracy_vs_float64(problem, mode, trios, fp32_matmul, gemm_path, request):
-    if gemm_path == "portable":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=PORTABLE_SMALL_BATCH))
+def test_gpu_small_batch_accuracy_vs_float64(problem, mode, trios, fp32_matmul, gemm_path):
     records = sbe.run_cells(GPU_FEATURES, sbe.SEEDS, problems=(problem.name,), modes=(mode,), trios=trios)
     probe = torch.empty(1, 8, device="cuda")
     gemm = model_new.dispatch_gemm_nt(probe, probe)

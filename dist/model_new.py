@@ -3384,8 +3384,7 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
         for (int r = 0; r < 4; ++r) fence_operand(a[j][p][r]);
   };
   // Span `sub` of ring slot q.  On entry the previous span's group may be in
-  // flight; wait<1> retires the one before it, the last reader of buffer `sub`
-  // (and, for sub == 0, of slot q - 1, which is then released).  Then the
+  // flight; wait<1> retires the one before it, the last reader of buffer `sub`.  Then the
   // previous span's partial sums are added to acc (wait<0>: this warpgroup's
   // tensor pipe drains once per span; the other warpgroup's groups keep the
   // tensor cores busy meanwhile; promoting only every 64 k (v20a) was 5%
@@ -3393,14 +3392,18 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
   // the loop's back edge and the full drain at the promotion: with wait<1>
   // promotions ptxas serialises every wgmma (warning C7514).  `sub` is a
   // compile-time constant, so the register arrays are never indexed at run time.
+  //   Slot q - 1 is released after the wait<0>, when its last reader (the
+  // previous span's group, whose wgmmas read its x tiles) has retired.
+  // Promoting every 64 k instead (span 1 accumulating onto span 0's `part`)
+  // measured no faster and failed the small-batch bar (docs/perf.md v37).
   auto span = [&](auto sub_c, int q, int q0) {
     constexpr int kSub = decltype(sub_c)::value;
     if (kSub == 0) mbar_wait(&full_bar[q % T::kNumStages], (q / T::kNumStages) & 1);
     wgmma_wait<1>();
     keep_alive(a_frag[kSub]);
-    if (kSub == 0 && q > q0 && lane == 0) mbar_arrive(&empty_bar[(q - 1) % T::kNumStages]);
     load_a(a_frag[kSub], q, kSub);
     wgmma_wait<0>();
+    if (kSub == 0 && q > q0 && lane == 0) mbar_arrive(&empty_bar[(q - 1) % T::kNumStages]);
     keep_alive(a_frag[kSub ^ 1]);
     promote();
     issue_span(a_frag[kSub], q, kSub);

@@ -2210,17 +2210,29 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_columns(const float* a, int64_t r
 // They return the launch error (cudaSuccess if none) and never synchronise.
 
 #include <algorithm>
+#include <type_traits>
 
 #include "launchers.cuh"
 #include "sm80_gemm_3xtf32_bn.cuh"
 
 namespace fused_gemm_bn {
 
-template <Epilogue kEpilogue, bool kVec16, int kNumStages>
-__global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
-    sm80_gemm_3xtf32_bn_kernel(const Sm80GemmBnArgs args) {
-  sm80_gemm_3xtf32_bn_body<kEpilogue, kVec16, kNumStages>(args);
+template <class T, Epilogue kEpilogue, bool kVec16, int kNumStages>
+__global__ void __launch_bounds__(T::kNumThreads, 1) sm80_gemm_3xtf32_bn_kernel(const Sm80GemmBnArgs args) {
+  sm80_gemm_3xtf32_bn_body<T, kEpilogue, kVec16, kNumStages>(args);
 }
+
+// The CTA tile of a batch of M rows: Sm80SmallMTraits up to its BLOCK_M rows
+// (one batch tile either way, so the training statistics' per-tile layout,
+// ceil(M / sm80_gemm_block_m()) rows, is the same), else Sm80GemmTraits.
+struct Sm80TileDims {
+  int block_m, block_n;
+};
+static Sm80TileDims sm80_tile_dims(int M) {
+  if (M <= Sm80SmallMTraits::BLOCK_M) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
+  return {Sm80GemmTraits::BLOCK_M, Sm80GemmTraits::BLOCK_N};
+}
+static_assert(Sm80SmallMTraits::BLOCK_M <= Sm80GemmTraits::BLOCK_M, "one batch tile in both tiles");
 
 // Split K (sm80_gemm_3xtf32_bn.cuh, "Split K").  Pieces per tile: enough to
 // fill the SMs once (one CTA per SM fits), each piece at least
@@ -2237,11 +2249,12 @@ constexpr int kSmallBatchRows = 16;
 constexpr int kSmallBatchPieceK = 512;
 
 static Sm80SplitPlan sm80_split_plan(int M, int N, int K, int num_sms) {
-  using T = Sm80GemmTraits;
+  using T = Sm80GemmTraits;  // BLOCK_K: the same in both tiles
+  const Sm80TileDims d = sm80_tile_dims(M);
   Sm80SplitPlan plan;
   const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;
   plan.k_tiles_per_piece = num_k_tiles;
-  const long long tiles = static_cast<long long>((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
+  const long long tiles = static_cast<long long>((M + d.block_m - 1) / d.block_m) * ((N + d.block_n - 1) / d.block_n);
   if (num_k_tiles < 2 || tiles < 1) return plan;
   long long pieces = tiles < num_sms ? num_sms / tiles : 1;
   pieces = std::min<long long>(pieces, num_k_tiles / kMinPieceKTiles);
@@ -2264,10 +2277,9 @@ static cudaError_t sm80_num_sms(int* num_sms) {
   return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
 }
 
-template <Epilogue kEpilogue, bool kVec16, int kNumStages>
+template <class T, Epilogue kEpilogue, bool kVec16, int kNumStages>
 static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStream_t stream) {
-  using T = Sm80GemmTraits;
-  auto kernel = sm80_gemm_3xtf32_bn_kernel<kEpilogue, kVec16, kNumStages>;
+  auto kernel = sm80_gemm_3xtf32_bn_kernel<T, kEpilogue, kVec16, kNumStages>;
   constexpr int kSmemBytes = T::smem_bytes(kNumStages);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -2277,12 +2289,24 @@ static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStrea
   return cudaGetLastError();
 }
 
+// Picks the deepest pipeline of tile T that fits the current device's shared
+// memory: 4, 3 or 2 stages (the small-M tile: 4 or 2).
+template <class T, Epilogue kEpilogue, bool kVec16>
+static cudaError_t launch_sm80_tile(const Sm80GemmBnArgs& args, int smem_optin, cudaStream_t stream) {
+  constexpr bool kThreeStages = std::is_same<T, Sm80GemmTraits>::value;
+  if (smem_optin >= T::smem_bytes(4)) return launch_sm80_gemm_stages<T, kEpilogue, kVec16, 4>(args, stream);
+  if constexpr (kThreeStages) {
+    if (smem_optin >= T::smem_bytes(3)) return launch_sm80_gemm_stages<T, kEpilogue, kVec16, 3>(args, stream);
+  }
+  if (smem_optin >= T::smem_bytes(2)) return launch_sm80_gemm_stages<T, kEpilogue, kVec16, 2>(args, stream);
+  return cudaErrorInvalidConfiguration;
+}
+
 // Plans the split (the workspace must hold sm80_gemm_3xtf32_workspace's size
-// for this shape on this device; null only where that is 0), then picks the
-// deepest pipeline that fits the current device's shared memory.
+// for this shape on this device; null only where that is 0), then launches
+// the tile of the batch size (sm80_tile_dims).
 template <Epilogue kEpilogue, bool kVec16>
 static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaStream_t stream) {
-  using T = Sm80GemmTraits;
   int device = 0, smem_optin = 0, num_sms = 0;
   cudaError_t err = sm80_num_sms(&num_sms);
   if (err != cudaSuccess) return err;
@@ -2298,10 +2322,9 @@ static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaS
   if (err != cudaSuccess) return err;
   err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
-  if (smem_optin >= T::smem_bytes(4)) return launch_sm80_gemm_stages<kEpilogue, kVec16, 4>(args, stream);
-  if (smem_optin >= T::smem_bytes(3)) return launch_sm80_gemm_stages<kEpilogue, kVec16, 3>(args, stream);
-  if (smem_optin >= T::smem_bytes(2)) return launch_sm80_gemm_stages<kEpilogue, kVec16, 2>(args, stream);
-  return cudaErrorInvalidConfiguration;
+  if (args.M <= Sm80SmallMTraits::BLOCK_M)
+    return launch_sm80_tile<Sm80SmallMTraits, kEpilogue, kVec16>(args, smem_optin, stream);
+  return launch_sm80_tile<Sm80GemmTraits, kEpilogue, kVec16>(args, smem_optin, stream);
 }
 
 }  // namespace fused_gemm_bn
@@ -2316,7 +2339,6 @@ int fused_gemm_bn::sm80_gemm_block_m() { return Sm80GemmTraits::BLOCK_M; }
 // one arrival count per output tile, the last *zero_ints ints, which must be
 // zero at the launch.  Both 0 when the plan does not split.
 cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_workspace(int M, int N, int K, int64_t* floats, int* zero_ints) {
-  using T = Sm80GemmTraits;
   *floats = 0;
   *zero_ints = 0;
   if (M < 1 || N < 1 || K < 0) return cudaSuccess;
@@ -2325,7 +2347,8 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_workspace(int M, int N, int K, int64
   if (err != cudaSuccess) return err;
   const Sm80SplitPlan plan = sm80_split_plan(M, N, K, num_sms);
   if (plan.pieces < 2) return cudaSuccess;
-  const int tiles = ((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
+  const Sm80TileDims d = sm80_tile_dims(M);
+  const int tiles = ((M + d.block_m - 1) / d.block_m) * ((N + d.block_n - 1) / d.block_n);
   *floats = static_cast<int64_t>(plan.pieces) * M * N + tiles;
   *zero_ints = tiles;
   return cudaSuccess;
@@ -2423,7 +2446,8 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 //   mean (BatchNorm's statistic) then averages it out (docs/perf.md v25).
 //
 // Tiling: BLOCK_M x BLOCK_N x BLOCK_K = 128 x 128 x 32 per CTA, 8 warps in a
-// 2 x 4 grid of 64 x 32 warp tiles, mma.sync.m16n8k8 (PTX ISA 9.7.13.4.13,
+// 2 x 4 grid of 64 x 32 warp tiles (Sm80GemmTraits; batches of at most 16 rows:
+// 16 x 256 x 32, 1 x 8 warps of 16 x 32, Sm80SmallMTraits), mma.sync.m16n8k8 (PTX ISA 9.7.13.4.13,
 // "Matrix Fragments for mma.m16n8k8", .tf32), kNumStages-deep cp.async ring
 // (PTX ISA 9.7.9.25; 4 / 3 / 2 stages of 48 KB by the device's shared memory)
 // holding x_big, x_small and w slabs.  x slabs arrive in
@@ -2488,28 +2512,28 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 
 namespace fused_gemm_bn {
 
-struct Sm80GemmTraits {
-  static constexpr int BLOCK_M = 128;
-  static constexpr int BLOCK_N = 128;
+// One CTA tile shape: BLOCK_M x BLOCK_N outputs, WARPS_M x WARPS_N warps.
+template <int kBlockM, int kBlockN, int kWarpsM, int kWarpsN>
+struct Sm80Tile {
+  static constexpr int BLOCK_M = kBlockM;
+  static constexpr int BLOCK_N = kBlockN;
   static constexpr int BLOCK_K = 32;
-  static constexpr int WARPS_M = 2;
-  static constexpr int WARPS_N = 4;
-  static constexpr int WARP_M = BLOCK_M / WARPS_M;  // 64
-  static constexpr int WARP_N = BLOCK_N / WARPS_N;  // 32
+  static constexpr int WARPS_M = kWarpsM;
+  static constexpr int WARPS_N = kWarpsN;
+  static constexpr int WARP_M = BLOCK_M / WARPS_M;
+  static constexpr int WARP_N = BLOCK_N / WARPS_N;
   static constexpr int MMA_M = 16;
   static constexpr int MMA_N = 8;
   static constexpr int MMA_K = 8;
-  static constexpr int kMmaTilesM = WARP_M / MMA_M;  // 4
-  static constexpr int kMmaTilesN = WARP_N / MMA_N;  // 4
+  static constexpr int kMmaTilesM = WARP_M / MMA_M;
+  static constexpr int kMmaTilesN = WARP_N / MMA_N;
   static constexpr int kNumThreads = WARPS_M * WARPS_N * 32;
   static constexpr int FRAG_BLOCK_ELEMS = MMA_M * BLOCK_K;  // one (16 x 32) fragment-order block of x
   static constexpr int A_STAGE_ELEMS = BLOCK_M * BLOCK_K;    // one of x_big / x_small, fragment order
   static constexpr int B_STAGE_ELEMS = BLOCK_N * BLOCK_K;    // w, 16-byte chunks XOR-swizzled per row
   static constexpr int STAGE_ELEMS = 2 * A_STAGE_ELEMS + B_STAGE_ELEMS;
-  static constexpr int STAGE_BYTES = STAGE_ELEMS * 4;  // 48 KB
-  // Pipeline depth is chosen at launch from the opt-in shared-memory limit:
-  // 4 stages (192 KB) on Hopper, 3 (144 KB) on A100, 2 (96 KB) on sm_86 / sm_89.
-  static constexpr int kMaxStages = 4;
+  static constexpr int STAGE_BYTES = STAGE_ELEMS * 4;
+  // Pipeline depth is chosen at launch from the opt-in shared-memory limit.
   static constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES; }
   // The promotion interval (Numerics above): SPAN_K k columns go into the
   // zeroed register tile `part` on the tensor core, then acc += part rounds to
@@ -2524,10 +2548,20 @@ struct Sm80GemmTraits {
   static_assert(WARP_M % MMA_M == 0 && WARP_N % MMA_N == 0, "warp tile must be whole mma tiles");
   static_assert(BLOCK_K / 4 == 8, "the w swizzle permutes the 8 16-byte chunks of a row");
   static_assert(BLOCK_N <= kNumThreads, "epilogue uses one thread per tile column");
+  static_assert(kMmaTilesN == 4, "mma_k_step's initialisers list 4 mma column tiles per warp");
+  static_assert(kNumThreads == 256, "load_slab / load_frag_slab split a slab over 256 threads");
   static_assert(SPAN_K == MMA_K || SPAN_K == 2 * MMA_K || (SPAN_K > 0 && SPAN_K % BLOCK_K == 0),
                 "a span is 1, 2 or 4 mma k-steps, or whole slabs");
   static_assert(!kSmallTermsFirst || SPAN_K <= BLOCK_K, "small terms first: the span must lie in one slab");
 };
+
+// The tile for every batch: 128 x 128, 2 x 4 warps of 64 x 32 (48 KB stages:
+// 4 = 192 KB on Hopper, 3 = 144 KB on A100, 2 = 96 KB on sm_86 / sm_89).
+using Sm80GemmTraits = Sm80Tile<128, 128, 2, 4>;
+// Batches of at most 16 rows: 16 x 256, 1 x 8 warps of 16 x 32 (36 KB stages: 4
+// or 2), which computes 1/8 of the big tile's rows of MMA work per output
+// column (at 15 x 8192 x 8192 the big tile took 1.5x eager's time; docs/perf.md v37).
+using Sm80SmallMTraits = Sm80Tile<16, 256, 1, 8>;
 
 // kTrain: write z and per-tile statistics (any M).
 // kEval:  folded affine epilogue.
@@ -2617,15 +2651,16 @@ __device__ __forceinline__ void load_slab(float* stage, const float* __restrict_
 
 // Loads the (BLOCK_M x BLOCK_K) slab `slab` of a fragment-order x part: BLOCK_M / 16
 // contiguous 2 KB blocks, copied linearly.
+template <class T>
 __device__ __forceinline__ void load_frag_slab(float* stage, const float* __restrict__ g, int mb0, int num_mb,
                                                int slab, int num_slabs) {
-  using T = Sm80GemmTraits;
   constexpr int kChunksPerBlock = T::FRAG_BLOCK_ELEMS / 4;
   constexpr int kChunks = (T::BLOCK_M / T::MMA_M) * kChunksPerBlock;
-  static_assert(kChunks % T::kNumThreads == 0, "slab must split evenly over threads");
+  static_assert(kChunks % T::kNumThreads == 0 || kChunks < T::kNumThreads, "slab must split evenly over threads");
 #pragma unroll
-  for (int i = 0; i < kChunks / T::kNumThreads; ++i) {
+  for (int i = 0; i < (kChunks + T::kNumThreads - 1) / T::kNumThreads; ++i) {
     const int c = threadIdx.x + i * T::kNumThreads;
+    if (kChunks < T::kNumThreads && c >= kChunks) break;
     const int blk = c / kChunksPerBlock;
     const int within = (c % kChunksPerBlock) * 4;
     const bool valid = mb0 + blk < num_mb;
@@ -2644,24 +2679,27 @@ __device__ __forceinline__ StatT warp_sum_over_rows(StatT v) {
   return v;
 }
 
-using AccTiles = float[Sm80GemmTraits::kMmaTilesM][Sm80GemmTraits::kMmaTilesN][4];
-using WFrags = uint32_t[Sm80GemmTraits::kMmaTilesN][4];
+template <class T>
+using AccTiles = float[T::kMmaTilesM][T::kMmaTilesN][4];
+using WFrags = uint32_t[Sm80GemmTraits::kMmaTilesN][4];  // kMmaTilesN == 4 in every tile
 
-__device__ __forceinline__ void zero_tiles(AccTiles& tiles) {
+template <class T>
+__device__ __forceinline__ void zero_tiles(AccTiles<T>& tiles) {
 #pragma unroll
-  for (int mi = 0; mi < Sm80GemmTraits::kMmaTilesM; ++mi)
+  for (int mi = 0; mi < T::kMmaTilesM; ++mi)
 #pragma unroll
-    for (int ni = 0; ni < Sm80GemmTraits::kMmaTilesN; ++ni)
+    for (int ni = 0; ni < T::kMmaTilesN; ++ni)
 #pragma unroll
       for (int r = 0; r < 4; ++r) tiles[mi][ni][r] = 0.f;
 }
 
 // acc += part with round-to-nearest FADDs: the promotion.
-__device__ __forceinline__ void promote(AccTiles& acc, const AccTiles& part) {
+template <class T>
+__device__ __forceinline__ void promote(AccTiles<T>& acc, const AccTiles<T>& part) {
 #pragma unroll
-  for (int mi = 0; mi < Sm80GemmTraits::kMmaTilesM; ++mi)
+  for (int mi = 0; mi < T::kMmaTilesM; ++mi)
 #pragma unroll
-    for (int ni = 0; ni < Sm80GemmTraits::kMmaTilesN; ++ni)
+    for (int ni = 0; ni < T::kMmaTilesN; ++ni)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[mi][ni][r] += part[mi][ni][r];
 }
@@ -2760,9 +2798,9 @@ namespace sm80 {
 // does not depend on arrival order), and rounds once.  No CTA waits for
 // another: no deadlock whatever the residency.  True when this CTA finishes
 // the tile (acc then holds the whole sum; rows past M / columns past N hold 0).
-__device__ __forceinline__ bool split_k_hand_off(AccTiles& acc, const Sm80GemmBnArgs& args, int tile,
+template <class T>
+__device__ __forceinline__ bool split_k_hand_off(AccTiles<T>& acc, const Sm80GemmBnArgs& args, int tile,
                                                  int row_base, int col_base) {
-  using T = Sm80GemmTraits;
   __shared__ int last_arrival;
   const int M = args.M, N = args.N;
   const size_t slice = static_cast<size_t>(M) * N;
@@ -2812,10 +2850,9 @@ __device__ __forceinline__ bool split_k_hand_off(AccTiles& acc, const Sm80GemmBn
 }  // namespace sm80
 
 // The kernel body; the __global__ wrapper (sm80_gemm_3xtf32_bn.cu) is only this call.
-template <Epilogue kEpilogue, bool kVec16, int kNumStages>
+template <class T, Epilogue kEpilogue, bool kVec16, int kNumStages>
 __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  using T = Sm80GemmTraits;
   using namespace sm80;
   extern __shared__ __align__(16) float smem[];
   // Stage layout: [x_big slab | x_small slab | w slab] (fragment order, fragment order, swizzled).
@@ -2855,8 +2892,8 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
   // k tile k_tile goes to stage k_tile % kNumStages (a ring from any start).
   auto load_stage = [&](int k_tile) {
     float* stage = smem + (k_tile % kNumStages) * T::STAGE_ELEMS;
-    load_frag_slab(stage, args.x_big, mb0, num_mb, k_tile, num_k_tiles);
-    load_frag_slab(stage + T::A_STAGE_ELEMS, args.x_small, mb0, num_mb, k_tile, num_k_tiles);
+    load_frag_slab<T>(stage, args.x_big, mb0, num_mb, k_tile, num_k_tiles);
+    load_frag_slab<T>(stage + T::A_STAGE_ELEMS, args.x_small, mb0, num_mb, k_tile, num_k_tiles);
     load_slab<T::BLOCK_N, kVec16>(stage + 2 * T::A_STAGE_ELEMS, args.w, n0, N, k_tile * T::BLOCK_K, K);
   };
 
@@ -2899,11 +2936,11 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
 #pragma unroll
         for (int step = 0; step < 2; ++step) {
           const int k_step = 2 * half + step;
-          if (k_step % T::kSpanSteps == 0 && span_opens) zero_tiles(part);
+          if (k_step % T::kSpanSteps == 0 && span_opens) zero_tiles<T>(part);
 #pragma unroll
           for (int mi = 0; mi < T::kMmaTilesM; ++mi)
             mma_k_step<kTermsAll>(part[mi], a_big_s, a_small_s, (mi * 4 + k_step) * 32 * 4, b_big, b_small, step);
-          if ((k_step + 1) % T::kSpanSteps == 0 && span_closes) promote(acc, part);
+          if ((k_step + 1) % T::kSpanSteps == 0 && span_closes) promote<T>(acc, part);
         }
       }
     } else {
@@ -2911,7 +2948,7 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
       // the small terms are truncated against a small |part|.
 #pragma unroll
       for (int span = 0; span < 4 / T::kSpanSteps; ++span) {
-        zero_tiles(part);
+        zero_tiles<T>(part);
 #pragma unroll
         for (int terms = kTermsSmall; terms <= kTermsBig; terms *= 2) {
 #pragma unroll
@@ -2930,7 +2967,7 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
               }
           }
         }
-        promote(acc, part);
+        promote<T>(acc, part);
       }
     }
   }
@@ -2944,7 +2981,7 @@ __device__ __forceinline__ void sm80_gemm_3xtf32_bn_body(const Sm80GemmBnArgs& a
 
   // Split K: every piece but the tile's last to arrive leaves here; that one
   // holds the whole sum and runs the epilogue.
-  if (args.pieces > 1 && !split_k_hand_off(acc, args, m_tile * gridDim.y + blockIdx.y, row_base, col_base)) return;
+  if (args.pieces > 1 && !split_k_hand_off<T>(acc, args, m_tile * gridDim.y + blockIdx.y, row_base, col_base)) return;
 
   // z = the parts' product + c_m (hi_n + lo_n): two fmas, one rounding of z
   // beyond the tiny lo product.  Rows past M and columns past N add 0.

@@ -15,17 +15,29 @@
 // They return the launch error (cudaSuccess if none) and never synchronise.
 
 #include <algorithm>
+#include <type_traits>
 
 #include "launchers.cuh"
 #include "sm80_gemm_3xtf32_bn.cuh"
 
 namespace fused_gemm_bn {
 
-template <Epilogue kEpilogue, bool kVec16, int kNumStages>
-__global__ void __launch_bounds__(Sm80GemmTraits::kNumThreads, 1)
-    sm80_gemm_3xtf32_bn_kernel(const Sm80GemmBnArgs args) {
-  sm80_gemm_3xtf32_bn_body<kEpilogue, kVec16, kNumStages>(args);
+template <class T, Epilogue kEpilogue, bool kVec16, int kNumStages>
+__global__ void __launch_bounds__(T::kNumThreads, 1) sm80_gemm_3xtf32_bn_kernel(const Sm80GemmBnArgs args) {
+  sm80_gemm_3xtf32_bn_body<T, kEpilogue, kVec16, kNumStages>(args);
 }
+
+// The CTA tile of a batch of M rows: Sm80SmallMTraits up to its BLOCK_M rows
+// (one batch tile either way, so the training statistics' per-tile layout,
+// ceil(M / sm80_gemm_block_m()) rows, is the same), else Sm80GemmTraits.
+struct Sm80TileDims {
+  int block_m, block_n;
+};
+static Sm80TileDims sm80_tile_dims(int M) {
+  if (M <= Sm80SmallMTraits::BLOCK_M) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
+  return {Sm80GemmTraits::BLOCK_M, Sm80GemmTraits::BLOCK_N};
+}
+static_assert(Sm80SmallMTraits::BLOCK_M <= Sm80GemmTraits::BLOCK_M, "one batch tile in both tiles");
 
 // Split K (sm80_gemm_3xtf32_bn.cuh, "Split K").  Pieces per tile: enough to
 // fill the SMs once (one CTA per SM fits), each piece at least
@@ -42,11 +54,12 @@ constexpr int kSmallBatchRows = 16;
 constexpr int kSmallBatchPieceK = 512;
 
 static Sm80SplitPlan sm80_split_plan(int M, int N, int K, int num_sms) {
-  using T = Sm80GemmTraits;
+  using T = Sm80GemmTraits;  // BLOCK_K: the same in both tiles
+  const Sm80TileDims d = sm80_tile_dims(M);
   Sm80SplitPlan plan;
   const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;
   plan.k_tiles_per_piece = num_k_tiles;
-  const long long tiles = static_cast<long long>((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
+  const long long tiles = static_cast<long long>((M + d.block_m - 1) / d.block_m) * ((N + d.block_n - 1) / d.block_n);
   if (num_k_tiles < 2 || tiles < 1) return plan;
   long long pieces = tiles < num_sms ? num_sms / tiles : 1;
   pieces = std::min<long long>(pieces, num_k_tiles / kMinPieceKTiles);
@@ -69,10 +82,9 @@ static cudaError_t sm80_num_sms(int* num_sms) {
   return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
 }
 
-template <Epilogue kEpilogue, bool kVec16, int kNumStages>
+template <class T, Epilogue kEpilogue, bool kVec16, int kNumStages>
 static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStream_t stream) {
-  using T = Sm80GemmTraits;
-  auto kernel = sm80_gemm_3xtf32_bn_kernel<kEpilogue, kVec16, kNumStages>;
+  auto kernel = sm80_gemm_3xtf32_bn_kernel<T, kEpilogue, kVec16, kNumStages>;
   constexpr int kSmemBytes = T::smem_bytes(kNumStages);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -82,12 +94,24 @@ static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStrea
   return cudaGetLastError();
 }
 
+// Picks the deepest pipeline of tile T that fits the current device's shared
+// memory: 4, 3 or 2 stages (the small-M tile: 4 or 2).
+template <class T, Epilogue kEpilogue, bool kVec16>
+static cudaError_t launch_sm80_tile(const Sm80GemmBnArgs& args, int smem_optin, cudaStream_t stream) {
+  constexpr bool kThreeStages = std::is_same<T, Sm80GemmTraits>::value;
+  if (smem_optin >= T::smem_bytes(4)) return launch_sm80_gemm_stages<T, kEpilogue, kVec16, 4>(args, stream);
+  if constexpr (kThreeStages) {
+    if (smem_optin >= T::smem_bytes(3)) return launch_sm80_gemm_stages<T, kEpilogue, kVec16, 3>(args, stream);
+  }
+  if (smem_optin >= T::smem_bytes(2)) return launch_sm80_gemm_stages<T, kEpilogue, kVec16, 2>(args, stream);
+  return cudaErrorInvalidConfiguration;
+}
+
 // Plans the split (the workspace must hold sm80_gemm_3xtf32_workspace's size
-// for this shape on this device; null only where that is 0), then picks the
-// deepest pipeline that fits the current device's shared memory.
+// for this shape on this device; null only where that is 0), then launches
+// the tile of the batch size (sm80_tile_dims).
 template <Epilogue kEpilogue, bool kVec16>
 static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaStream_t stream) {
-  using T = Sm80GemmTraits;
   int device = 0, smem_optin = 0, num_sms = 0;
   cudaError_t err = sm80_num_sms(&num_sms);
   if (err != cudaSuccess) return err;
@@ -103,10 +127,9 @@ static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaS
   if (err != cudaSuccess) return err;
   err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
-  if (smem_optin >= T::smem_bytes(4)) return launch_sm80_gemm_stages<kEpilogue, kVec16, 4>(args, stream);
-  if (smem_optin >= T::smem_bytes(3)) return launch_sm80_gemm_stages<kEpilogue, kVec16, 3>(args, stream);
-  if (smem_optin >= T::smem_bytes(2)) return launch_sm80_gemm_stages<kEpilogue, kVec16, 2>(args, stream);
-  return cudaErrorInvalidConfiguration;
+  if (args.M <= Sm80SmallMTraits::BLOCK_M)
+    return launch_sm80_tile<Sm80SmallMTraits, kEpilogue, kVec16>(args, smem_optin, stream);
+  return launch_sm80_tile<Sm80GemmTraits, kEpilogue, kVec16>(args, smem_optin, stream);
 }
 
 }  // namespace fused_gemm_bn
@@ -121,7 +144,6 @@ int fused_gemm_bn::sm80_gemm_block_m() { return Sm80GemmTraits::BLOCK_M; }
 // one arrival count per output tile, the last *zero_ints ints, which must be
 // zero at the launch.  Both 0 when the plan does not split.
 cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_workspace(int M, int N, int K, int64_t* floats, int* zero_ints) {
-  using T = Sm80GemmTraits;
   *floats = 0;
   *zero_ints = 0;
   if (M < 1 || N < 1 || K < 0) return cudaSuccess;
@@ -130,7 +152,8 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_workspace(int M, int N, int K, int64
   if (err != cudaSuccess) return err;
   const Sm80SplitPlan plan = sm80_split_plan(M, N, K, num_sms);
   if (plan.pieces < 2) return cudaSuccess;
-  const int tiles = ((M + T::BLOCK_M - 1) / T::BLOCK_M) * ((N + T::BLOCK_N - 1) / T::BLOCK_N);
+  const Sm80TileDims d = sm80_tile_dims(M);
+  const int tiles = ((M + d.block_m - 1) / d.block_m) * ((N + d.block_n - 1) / d.block_n);
   *floats = static_cast<int64_t>(plan.pieces) * M * N + tiles;
   *zero_ints = tiles;
   return cudaSuccess;

@@ -60,7 +60,9 @@ from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84  
 # tile one row deep (2305 = 9 * 256 + 1).
 # (2048, 200, 2176): 136 tiles of 256 rows, so lowp_sm90 takes its 256-row tiles (the
 # float32-weight form's 3-stage ring included) with a partial last k-block.
-SMALL_SHAPES = [(200, 264, 136), (130, 1028, 260), (33, 36, 20), (2305, 64, 136), (2048, 200, 2176)]
+# (7, 4095, 513): a few rows, K odd: sm80_3xtf32's 16-row tile, split K, 4-byte w loads.
+SMALL_SHAPES = [(200, 264, 136), (130, 1028, 260), (33, 36, 20), (2305, 64, 136), (2048, 200, 2176),
+                (7, 4095, 513)]
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

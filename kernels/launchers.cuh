@@ -73,7 +73,8 @@ struct Centring {
 };
 
 // ---- sm80_gemm_3xtf32_bn.cu: portable 3xTF32 GEMM (mma.sync, sm_80+) --------
-int sm80_gemm_block_m();
+// Rows per batch tile for a batch of M rows (the training statistics' tiles).
+int sm80_gemm_block_m(int M);
 // Workspace of an (M, K) x (N, K) product on the current device (its split
 // K): *floats floats, of which the last *zero_ints ints must be zero at the
 // launch (the pre-pass zeroes them); both 0 when K is not split.

@@ -27,17 +27,17 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) sm80_gemm_3xtf32_bn_kernel(
   sm80_gemm_3xtf32_bn_body<T, kEpilogue, kVec16, kNumStages>(args);
 }
 
-// The CTA tile of a batch of M rows: Sm80SmallMTraits up to its BLOCK_M rows
-// (one batch tile either way, so the training statistics' per-tile layout,
-// ceil(M / sm80_gemm_block_m()) rows, is the same), else Sm80GemmTraits.
+// The CTA tile of a batch of M rows: Sm80SmallMTraits up to kSmallTileMaxRows
+// rows (1-4 batch tiles of 16), else Sm80GemmTraits.  The training statistics
+// are per batch tile: ceil(M / sm80_gemm_block_m(M)) rows of part_mean / part_m2.
+constexpr int kSmallTileMaxRows = 64;
 struct Sm80TileDims {
   int block_m, block_n;
 };
 static Sm80TileDims sm80_tile_dims(int M) {
-  if (M <= Sm80SmallMTraits::BLOCK_M) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
+  if (M <= kSmallTileMaxRows) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
   return {Sm80GemmTraits::BLOCK_M, Sm80GemmTraits::BLOCK_N};
 }
-static_assert(Sm80SmallMTraits::BLOCK_M <= Sm80GemmTraits::BLOCK_M, "one batch tile in both tiles");
 
 // Split K (sm80_gemm_3xtf32_bn.cuh, "Split K").  Pieces per tile: enough to
 // fill the SMs once (one CTA per SM fits), each piece at least
@@ -127,8 +127,7 @@ static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaS
   if (err != cudaSuccess) return err;
   err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
-  if (args.M <= Sm80SmallMTraits::BLOCK_M)
-    return launch_sm80_tile<Sm80SmallMTraits, kEpilogue, kVec16>(args, smem_optin, stream);
+  if (args.M <= kSmallTileMaxRows) return launch_sm80_tile<Sm80SmallMTraits, kEpilogue, kVec16>(args, smem_optin, stream);
   return launch_sm80_tile<Sm80GemmTraits, kEpilogue, kVec16>(args, smem_optin, stream);
 }
 
@@ -138,7 +137,7 @@ static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaS
 // Host launchers (declared in launchers.cuh)
 // ---------------------------------------------------------------------------
 
-int fused_gemm_bn::sm80_gemm_block_m() { return Sm80GemmTraits::BLOCK_M; }
+int fused_gemm_bn::sm80_gemm_block_m(int M) { return sm80_tile_dims(M).block_m; }
 
 // *floats floats: the split's partial sums (pieces x M x N) and, after them,
 // one arrival count per output tile, the last *zero_ints ints, which must be

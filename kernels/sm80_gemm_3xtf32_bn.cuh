@@ -65,7 +65,7 @@
 //   mean (BatchNorm's statistic) then averages it out (docs/perf.md v25).
 //
 // Tiling: BLOCK_M x BLOCK_N x BLOCK_K = 128 x 128 x 32 per CTA, 8 warps in a
-// 2 x 4 grid of 64 x 32 warp tiles (Sm80GemmTraits; batches of at most 16 rows:
+// 2 x 4 grid of 64 x 32 warp tiles (Sm80GemmTraits; batches of at most 64 rows:
 // 16 x 256 x 32, 1 x 8 warps of 16 x 32, Sm80SmallMTraits), mma.sync.m16n8k8 (PTX ISA 9.7.13.4.13,
 // "Matrix Fragments for mma.m16n8k8", .tf32), kNumStages-deep cp.async ring
 // (PTX ISA 9.7.9.25; 4 / 3 / 2 stages of 48 KB by the device's shared memory)
@@ -177,9 +177,9 @@ struct Sm80Tile {
 // The tile for every batch: 128 x 128, 2 x 4 warps of 64 x 32 (48 KB stages:
 // 4 = 192 KB on Hopper, 3 = 144 KB on A100, 2 = 96 KB on sm_86 / sm_89).
 using Sm80GemmTraits = Sm80Tile<128, 128, 2, 4>;
-// Batches of at most 16 rows: 16 x 256, 1 x 8 warps of 16 x 32 (36 KB stages: 4
-// or 2), which computes 1/8 of the big tile's rows of MMA work per output
-// column (at 15 x 8192 x 8192 the big tile took 1.5x eager's time; docs/perf.md v37).
+// Batches of at most 64 rows (kSmallTileMaxRows): 16 x 256, 1 x 8 warps of 16 x 32
+// (36 KB stages: 4 or 2), which wastes at most 15 rows of MMA work per batch
+// tile (at 15 x 8192 x 8192 the big tile took 1.5x eager's time; docs/perf.md v37).
 using Sm80SmallMTraits = Sm80Tile<16, 256, 1, 8>;
 
 // kTrain: write z and per-tile statistics (any M).

@@ -375,7 +375,7 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
                      int M, int N, int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
   TrainGemm g;
-  g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
+  g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m(M);
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
   const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
   g.storage = torch::empty({2 * part_floats + 3 * static_cast<int64_t>(N)}, x.options());

@@ -1567,7 +1567,8 @@ struct Centring {
 };
 
 // ---- sm80_gemm_3xtf32_bn.cu: portable 3xTF32 GEMM (mma.sync, sm_80+) --------
-int sm80_gemm_block_m();
+// Rows per batch tile for a batch of M rows (the training statistics' tiles).
+int sm80_gemm_block_m(int M);
 // Workspace of an (M, K) x (N, K) product on the current device (its split
 // K): *floats floats, of which the last *zero_ints ints must be zero at the
 // launch (the pre-pass zeroes them); both 0 when K is not split.
@@ -2289,17 +2290,17 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) sm80_gemm_3xtf32_bn_kernel(
   sm80_gemm_3xtf32_bn_body<T, kEpilogue, kVec16, kNumStages>(args);
 }
 
-// The CTA tile of a batch of M rows: Sm80SmallMTraits up to its BLOCK_M rows
-// (one batch tile either way, so the training statistics' per-tile layout,
-// ceil(M / sm80_gemm_block_m()) rows, is the same), else Sm80GemmTraits.
+// The CTA tile of a batch of M rows: Sm80SmallMTraits up to kSmallTileMaxRows
+// rows (1-4 batch tiles of 16), else Sm80GemmTraits.  The training statistics
+// are per batch tile: ceil(M / sm80_gemm_block_m(M)) rows of part_mean / part_m2.
+constexpr int kSmallTileMaxRows = 64;
 struct Sm80TileDims {
   int block_m, block_n;
 };
 static Sm80TileDims sm80_tile_dims(int M) {
-  if (M <= Sm80SmallMTraits::BLOCK_M) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
+  if (M <= kSmallTileMaxRows) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
   return {Sm80GemmTraits::BLOCK_M, Sm80GemmTraits::BLOCK_N};
 }
-static_assert(Sm80SmallMTraits::BLOCK_M <= Sm80GemmTraits::BLOCK_M, "one batch tile in both tiles");
 
 // Split K (sm80_gemm_3xtf32_bn.cuh, "Split K").  Pieces per tile: enough to
 // fill the SMs once (one CTA per SM fits), each piece at least
@@ -2389,8 +2390,7 @@ static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaS
   if (err != cudaSuccess) return err;
   err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
-  if (args.M <= Sm80SmallMTraits::BLOCK_M)
-    return launch_sm80_tile<Sm80SmallMTraits, kEpilogue, kVec16>(args, smem_optin, stream);
+  if (args.M <= kSmallTileMaxRows) return launch_sm80_tile<Sm80SmallMTraits, kEpilogue, kVec16>(args, smem_optin, stream);
   return launch_sm80_tile<Sm80GemmTraits, kEpilogue, kVec16>(args, smem_optin, stream);
 }
 
@@ -2400,7 +2400,7 @@ static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaS
 // Host launchers (declared in launchers.cuh)
 // ---------------------------------------------------------------------------
 
-int fused_gemm_bn::sm80_gemm_block_m() { return Sm80GemmTraits::BLOCK_M; }
+int fused_gemm_bn::sm80_gemm_block_m(int M) { return sm80_tile_dims(M).block_m; }
 
 // *floats floats: the split's partial sums (pieces x M x N) and, after them,
 // one arrival count per output tile, the last *zero_ints ints, which must be
@@ -2513,7 +2513,7 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 //   mean (BatchNorm's statistic) then averages it out (docs/perf.md v25).
 //
 // Tiling: BLOCK_M x BLOCK_N x BLOCK_K = 128 x 128 x 32 per CTA, 8 warps in a
-// 2 x 4 grid of 64 x 32 warp tiles (Sm80GemmTraits; batches of at most 16 rows:
+// 2 x 4 grid of 64 x 32 warp tiles (Sm80GemmTraits; batches of at most 64 rows:
 // 16 x 256 x 32, 1 x 8 warps of 16 x 32, Sm80SmallMTraits), mma.sync.m16n8k8 (PTX ISA 9.7.13.4.13,
 // "Matrix Fragments for mma.m16n8k8", .tf32), kNumStages-deep cp.async ring
 // (PTX ISA 9.7.9.25; 4 / 3 / 2 stages of 48 KB by the device's shared memory)
@@ -2625,9 +2625,9 @@ struct Sm80Tile {
 // The tile for every batch: 128 x 128, 2 x 4 warps of 64 x 32 (48 KB stages:
 // 4 = 192 KB on Hopper, 3 = 144 KB on A100, 2 = 96 KB on sm_86 / sm_89).
 using Sm80GemmTraits = Sm80Tile<128, 128, 2, 4>;
-// Batches of at most 16 rows: 16 x 256, 1 x 8 warps of 16 x 32 (36 KB stages: 4
-// or 2), which computes 1/8 of the big tile's rows of MMA work per output
-// column (at 15 x 8192 x 8192 the big tile took 1.5x eager's time; docs/perf.md v37).
+// Batches of at most 64 rows (kSmallTileMaxRows): 16 x 256, 1 x 8 warps of 16 x 32
+// (36 KB stages: 4 or 2), which wastes at most 15 rows of MMA work per batch
+// tile (at 15 x 8192 x 8192 the big tile took 1.5x eager's time; docs/perf.md v37).
 using Sm80SmallMTraits = Sm80Tile<16, 256, 1, 8>;
 
 // kTrain: write z and per-tile statistics (any M).
@@ -4860,7 +4860,7 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
                      int M, int N, int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
   TrainGemm g;
-  g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m();
+  g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m(M);
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
   const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
   g.storage = torch::empty({2 * part_floats + 3 * static_cast<int64_t>(N)}, x.options());

@@ -32,8 +32,8 @@ From ModelNew.forward to the kernels (docs/design.md has the whole map):
   sm80_3xtf32   centring.cu, prepass_3xtf32.cu,              gemm: mma.sync, 3xTF32; eval
                 sm80_gemm_3xtf32_bn.cu                       as above
   after the GEMM in training: bn_apply.cu (problem 33: statistics, running statistics, bn),
-  bn_softmax.cu (84: the same, * scale, softmax); backward: bn_backward.cu, then
-  prepass_fp16x3_backward.cu and the GEMM for grad_x = grad_z W, grad_W = grad_z^T x.
+  bn_softmax.cu (84: the same, * scale, softmax); backward: softmax_rows_backward.cu (84),
+  bn_backward.cu, prepass_fp16x3_backward.cu and the GEMM: grad_x = grad_z W, grad_W = grad_z^T x.
   kernels/launchers.cuh declares every launcher (both sides include it).
 
 Algebra (training): with z = x W^T, u = scale * (z + b) has batch mean
@@ -75,8 +75,9 @@ _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "gemm_nn", "gemm_tn",
-                        "bn_backward_train", "fp16x3_weight_parts", "weight_row_sums", "sync_forward_local",
-                        "sync_bn_apply", "bn_backward_sums", "bn_backward_grad", "sm90_gemm_available"]
+                        "bn_backward_train", "softmax_rows_backward", "fp16x3_weight_parts", "weight_row_sums",
+                        "sync_forward_local", "sync_bn_apply", "bn_backward_sums", "bn_backward_grad",
+                        "sm90_gemm_available"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
@@ -1043,7 +1044,11 @@ def _softmax_rows(v):
 
 
 def _softmax_rows_backward(out, grad_out):
-    """Row softmax backward: grad_v = out * (grad_out - sum_n grad_out * out)."""
+    """Row softmax backward: grad_v = out * (grad_out - sum_n grad_out * out); one extension
+    kernel for plain float32 CUDA tensors (eager), torch ops otherwise (compile's traced ones)."""
+    if type(out) is torch.Tensor and type(grad_out) is torch.Tensor and out.is_cuda and _ext is not None \
+            and out.dtype == grad_out.dtype == torch.float32 and out.dim() == 2:
+        return _ext.softmax_rows_backward(out, grad_out)
     return out * (grad_out - (grad_out * out).sum(dim=1, keepdim=True))
 
 

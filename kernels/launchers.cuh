@@ -168,6 +168,11 @@ cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, 
 // out <- row softmax of (out - mean_z) * a + c (coeff) or of out (coeff null), in place.
 cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
 
+// ---- softmax_rows_backward.cu: the row softmax's backward (problem 84) ------
+// grad_v = out * (grad_out - sum_n grad_out * out) per row; (M, N) contiguous each.
+cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float* grad_v, int M, int N,
+                                  cudaStream_t stream);
+
 // ---- bn_backward.cu: the training backward's BatchNorm ----------------------
 // stats (2, N) = [mean_z | biased var_z] from the per-tile statistics.
 cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,

@@ -61,6 +61,8 @@
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
+//   softmax_rows_backward(out, grad_out) -> grad_v = out * (grad_out - sum_n grad_out * out)
+//       per row (softmax_rows_backward.cu): problem 84's row softmax backward
 //   Synchronized BatchNorm (statistics merged across processes in Python between calls):
 //   sync_forward_local(gemm, x, weight, bias, num_batches_tracked, w_parts) -> [z (M, N),
 //       local (3, N) float64 = [M | mean_z + bias | M2_z]]: the pre-pass (+= 1) and training GEMM
@@ -772,6 +774,30 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
                                       grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
                "bn_backward_train");
   return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+}
+
+// The row softmax's backward: grad_v = out * (grad_out - sum_n grad_out * out)
+// for float32 CUDA out and grad_out (M, N) on one device (any strides: copied
+// contiguous where they are not).  Returns grad_v (M, N), contiguous.
+torch::Tensor softmax_rows_backward(torch::Tensor out, torch::Tensor grad_out) {
+  TORCH_CHECK(out.is_cuda() && grad_out.is_cuda() && out.device() == grad_out.device(),
+              "softmax_rows_backward: out and grad_out must be CUDA tensors on one device, got ", out.device(),
+              " and ", grad_out.device());
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && grad_out.scalar_type() == torch::kFloat32,
+              "softmax_rows_backward: out and grad_out must be float32, got ", out.scalar_type(), " and ",
+              grad_out.scalar_type());
+  TORCH_CHECK(out.dim() == 2 && out.sizes() == grad_out.sizes(),
+              "softmax_rows_backward: expected out and grad_out of one (M, N) shape, got ", out.sizes(), " and ",
+              grad_out.sizes());
+  TORCH_CHECK(out.size(0) <= INT32_MAX && out.size(1) <= INT32_MAX, "softmax_rows_backward: sizes must fit in int32");
+  const c10::cuda::CUDAGuard guard(out.device());
+  const torch::Tensor o = out.contiguous(), g = grad_out.contiguous();
+  torch::Tensor grad_v = torch::empty_like(o);
+  check_launch(fgb::softmax_rows_backward(o.data_ptr<float>(), g.data_ptr<float>(), grad_v.data_ptr<float>(),
+                                          static_cast<int>(o.size(0)), static_cast<int>(o.size(1)),
+                                          current_stream(o)),
+               "softmax_rows_backward");
+  return grad_v;
 }
 
 // ---------------------------------------------------------------------------

@@ -48,8 +48,8 @@ GPU (skipped without CUDA; float32; TF32 off for the eager references)
     both printed; gemm.bias in training exactly zero (the float64 oracle's is
     rounding noise, asserted)
   - test_gpu_forward_train_saved_contract, test_gpu_gemm_nt_any_strides,
-    test_gpu_bn_backward_train_contract: the new extension functions against
-    float64, with the same 2x-eager criterion
+    test_gpu_bn_backward_train_contract, test_gpu_softmax_rows_backward: the
+    extension functions against float64, with the same 2x-eager criterion
   - test_gpu_ops_path_matches_function_path, test_gpu_opcheck,
     test_gpu_compile_inductor, test_gpu_sgd_loop, test_gpu_inputs_unmodified
 """
@@ -806,6 +806,34 @@ def test_gpu_bn_backward_train_contract(scale_after_bn, m, n):
               f"torch fp32 autograd {err_eager:.2e}")
         assert a.shape == w.shape and a.dtype == torch.float32
         assert err_new <= 2 * err_eager + GRAD_FLOOR, name
+
+
+@requires_cuda
+@pytest.mark.parametrize("layout", ["contiguous", "grad_transposed"])
+@pytest.mark.parametrize("m,n", [(1024, 8192), (257, 130), (3, 1001), (1, 7)])
+def test_gpu_softmax_rows_backward(m, n, layout):
+    """The extension's softmax_rows_backward (problem 84's row softmax backward)
+    against float64: error at most 2x torch ops' float32 error + GRAD_FLOOR;
+    16-byte (n % 4 == 0) and 4-byte paths, a transposed grad_out (copied);
+    _softmax_rows_backward takes it for plain float32 CUDA tensors (the result is
+    the kernel's, bit for bit); negative control: a kernel that dropped the row
+    term s_m would fail the bound."""
+    gen = torch.Generator().manual_seed(7)
+    out64 = torch.softmax(torch.randn(m, n, dtype=torch.float64, generator=gen) * 3, dim=1).cuda()
+    g64 = torch.randn(m, n, dtype=torch.float64, generator=gen).cuda()
+    want = out64 * (g64 - (g64 * out64).sum(1, keepdim=True))
+    out, g = out64.float(), g64.float()
+    if layout == "grad_transposed":
+        g = g.t().contiguous().t()
+    got = model_new._ext.softmax_rows_backward(out, g)
+    eager = out * (g - (g * out).sum(1, keepdim=True))
+    err_new, err_eager = rel_err(got, want), rel_err(eager, want)
+    print(f"\n[softmax_rows_backward] ({m},{n}) {layout}: err {err_new:.2e}, torch ops fp32 {err_eager:.2e}")
+    assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
+    assert torch.isfinite(got).all()
+    assert err_new <= 2 * err_eager + GRAD_FLOOR
+    assert torch.equal(model_new._softmax_rows_backward(out, g), got)
+    assert rel_err(out * g, want) > 2 * err_eager + GRAD_FLOOR  # the control
 
 
 @requires_cuda

@@ -101,8 +101,8 @@ From ModelNew.forward to the kernels (docs/design.md has the whole map):
   sm80_3xtf32   centring.cu, prepass_3xtf32.cu,              gemm: mma.sync, 3xTF32; eval
                 sm80_gemm_3xtf32_bn.cu                       as above
   after the GEMM in training: bn_apply.cu (problem 33: statistics, running statistics, bn),
-  bn_softmax.cu (84: the same, * scale, softmax); backward: bn_backward.cu, then
-  prepass_fp16x3_backward.cu and the GEMM for grad_x = grad_z W, grad_W = grad_z^T x.
+  bn_softmax.cu (84: the same, * scale, softmax); backward: softmax_rows_backward.cu (84),
+  bn_backward.cu, prepass_fp16x3_backward.cu and the GEMM: grad_x = grad_z W, grad_W = grad_z^T x.
   kernels/launchers.cuh declares every launcher (both sides include it).
 
 Algebra (training): with z = x W^T, u = scale * (z + b) has batch mean
@@ -144,8 +144,9 @@ _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "gemm_nn", "gemm_tn",
-                        "bn_backward_train", "fp16x3_weight_parts", "weight_row_sums", "sync_forward_local",
-                        "sync_bn_apply", "bn_backward_sums", "bn_backward_grad", "sm90_gemm_available"]
+                        "bn_backward_train", "softmax_rows_backward", "fp16x3_weight_parts", "weight_row_sums",
+                        "sync_forward_local", "sync_bn_apply", "bn_backward_sums", "bn_backward_grad",
+                        "sm90_gemm_available"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
@@ -1661,6 +1662,11 @@ cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, 
                                   int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
 // out <- row softmax of (out - mean_z) * a + c (coeff) or of out (coeff null), in place.
 cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
+
+// ---- softmax_rows_backward.cu: the row softmax's backward (problem 84) ------
+// grad_v = out * (grad_out - sum_n grad_out * out) per row; (M, N) contiguous each.
+cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float* grad_v, int M, int N,
+                                  cudaStream_t stream);
 
 // ---- bn_backward.cu: the training backward's BatchNorm ----------------------
 // stats (2, N) = [mean_z | biased var_z] from the per-tile statistics.
@@ -4483,6 +4489,103 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 }  // namespace sm90
 }  // namespace fused_gemm_bn
 ''',
+    'softmax_rows_backward.cu': r'''// softmax_rows_backward.cu -- the backward of problem 84's row softmax (KernelBench
+// level 2, problem 84: out = softmax(v) along dim 1), in one kernel:
+//
+//   grad_v[m, n] = out[m, n] * (grad_out[m, n] - s_m),   s_m = sum_n grad_out[m, n] out[m, n]
+//
+// (torch ops spell it out * (grad_out - (grad_out * out).sum(1, keepdim=True)):
+// five passes over (M, N) tensors; this is two reads of each input, the second
+// mostly from L2, and one write).
+//
+// Tensors: out, grad_out, grad_v (M, N) float32, row-major, contiguous; 16-byte
+// accesses when N % 4 == 0 and all three are 16-byte aligned, else 4-byte.
+// One CTA of kThreads per row.  Any M >= 0, N >= 0.
+//
+// Numerics: each product grad_out * out is exact in float64 and s_m is summed
+// in float64 (per thread, then a warp and CTA tree), then rounded to float32
+// once; grad_v is then one float32 subtraction and one multiply, each rounded
+// to nearest, as torch's (whose s_m is a float32 tree sum).  NaN or Inf in a
+// row propagates through s_m to the whole row, as torch's.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "launchers.cuh"
+
+namespace fused_gemm_bn {
+namespace softmax_backward {
+
+constexpr int kThreads = 256;
+
+// Sum over the CTA, returned to every thread.
+__device__ __forceinline__ double block_sum(double v, double* red) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  double total = 0.0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) total += red[w];
+  return total;
+}
+
+template <bool kVec4>
+__global__ void __launch_bounds__(kThreads) softmax_rows_backward_kernel(const float* __restrict__ out,
+                                                                         const float* __restrict__ grad_out,
+                                                                         float* __restrict__ grad_v, int N) {
+  __shared__ double red[kThreads / 32];
+  const size_t base = static_cast<size_t>(blockIdx.x) * N;
+  double dot = 0.0;
+  if constexpr (kVec4) {
+    const float4* o4 = reinterpret_cast<const float4*>(out + base);
+    const float4* g4 = reinterpret_cast<const float4*>(grad_out + base);
+    for (int i = threadIdx.x; i < N / 4; i += kThreads) {
+      const float4 o = o4[i], g = g4[i];
+      dot += static_cast<double>(o.x) * g.x;
+      dot += static_cast<double>(o.y) * g.y;
+      dot += static_cast<double>(o.z) * g.z;
+      dot += static_cast<double>(o.w) * g.w;
+    }
+  } else {
+    for (int i = threadIdx.x; i < N; i += kThreads) dot += static_cast<double>(out[base + i]) * grad_out[base + i];
+  }
+  const float s = static_cast<float>(block_sum(dot, red));
+  if constexpr (kVec4) {
+    const float4* o4 = reinterpret_cast<const float4*>(out + base);
+    const float4* g4 = reinterpret_cast<const float4*>(grad_out + base);
+    float4* v4 = reinterpret_cast<float4*>(grad_v + base);
+    for (int i = threadIdx.x; i < N / 4; i += kThreads) {
+      const float4 o = o4[i], g = g4[i];
+      v4[i] = make_float4(o.x * (g.x - s), o.y * (g.y - s), o.z * (g.z - s), o.w * (g.w - s));
+    }
+  } else {
+    for (int i = threadIdx.x; i < N; i += kThreads) grad_v[base + i] = out[base + i] * (grad_out[base + i] - s);
+  }
+}
+
+}  // namespace softmax_backward
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launcher (declared in launchers.cuh)
+// ---------------------------------------------------------------------------
+
+cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* grad_out, float* grad_v, int M, int N,
+                                                 cudaStream_t stream) {
+  using namespace softmax_backward;
+  if (M < 0 || N < 0) return cudaErrorInvalidValue;
+  if (M == 0 || N == 0) return cudaSuccess;
+  const bool vec4 = N % 4 == 0 && (reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(grad_out) |
+                                   reinterpret_cast<uintptr_t>(grad_v)) % 16 == 0;
+  if (vec4) {
+    softmax_rows_backward_kernel<true><<<M, kThreads, 0, stream>>>(out, grad_out, grad_v, N);
+  } else {
+    softmax_rows_backward_kernel<false><<<M, kThreads, 0, stream>>>(out, grad_out, grad_v, N);
+  }
+  return cudaGetLastError();
+}
+''',
     'torch_binding.cpp': r'''// torch_binding.cpp -- PyTorch entry points of the float32 extension: the fused
 // forwards of Linear -> scale -> BatchNorm1d (problem 33) and Linear ->
 // BatchNorm1d -> scale -> Softmax (problem 84), and the backward's pieces.
@@ -4546,6 +4649,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
+//   softmax_rows_backward(out, grad_out) -> grad_v = out * (grad_out - sum_n grad_out * out)
+//       per row (softmax_rows_backward.cu): problem 84's row softmax backward
 //   Synchronized BatchNorm (statistics merged across processes in Python between calls):
 //   sync_forward_local(gemm, x, weight, bias, num_batches_tracked, w_parts) -> [z (M, N),
 //       local (3, N) float64 = [M | mean_z + bias | M2_z]]: the pre-pass (+= 1) and training GEMM
@@ -5257,6 +5362,30 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
                                       grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
                "bn_backward_train");
   return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+}
+
+// The row softmax's backward: grad_v = out * (grad_out - sum_n grad_out * out)
+// for float32 CUDA out and grad_out (M, N) on one device (any strides: copied
+// contiguous where they are not).  Returns grad_v (M, N), contiguous.
+torch::Tensor softmax_rows_backward(torch::Tensor out, torch::Tensor grad_out) {
+  TORCH_CHECK(out.is_cuda() && grad_out.is_cuda() && out.device() == grad_out.device(),
+              "softmax_rows_backward: out and grad_out must be CUDA tensors on one device, got ", out.device(),
+              " and ", grad_out.device());
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && grad_out.scalar_type() == torch::kFloat32,
+              "softmax_rows_backward: out and grad_out must be float32, got ", out.scalar_type(), " and ",
+              grad_out.scalar_type());
+  TORCH_CHECK(out.dim() == 2 && out.sizes() == grad_out.sizes(),
+              "softmax_rows_backward: expected out and grad_out of one (M, N) shape, got ", out.sizes(), " and ",
+              grad_out.sizes());
+  TORCH_CHECK(out.size(0) <= INT32_MAX && out.size(1) <= INT32_MAX, "softmax_rows_backward: sizes must fit in int32");
+  const c10::cuda::CUDAGuard guard(out.device());
+  const torch::Tensor o = out.contiguous(), g = grad_out.contiguous();
+  torch::Tensor grad_v = torch::empty_like(o);
+  check_launch(fgb::softmax_rows_backward(o.data_ptr<float>(), g.data_ptr<float>(), grad_v.data_ptr<float>(),
+                                          static_cast<int>(o.size(0)), static_cast<int>(o.size(1)),
+                                          current_stream(o)),
+               "softmax_rows_backward");
+  return grad_v;
 }
 
 // ---------------------------------------------------------------------------
@@ -6376,7 +6505,11 @@ def _softmax_rows(v):
 
 
 def _softmax_rows_backward(out, grad_out):
-    """Row softmax backward: grad_v = out * (grad_out - sum_n grad_out * out)."""
+    """Row softmax backward: grad_v = out * (grad_out - sum_n grad_out * out); one extension
+    kernel for plain float32 CUDA tensors (eager), torch ops otherwise (compile's traced ones)."""
+    if type(out) is torch.Tensor and type(grad_out) is torch.Tensor and out.is_cuda and _ext is not None \
+            and out.dtype == grad_out.dtype == torch.float32 and out.dim() == 2:
+        return _ext.softmax_rows_backward(out, grad_out)
     return out * (grad_out - (grad_out * out).sum(dim=1, keepdim=True))
 
 

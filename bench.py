@@ -237,6 +237,8 @@ def parse_args(argv=None):
         p.error("--optimizer times a training step: it needs --backward")
     if args.backward and args.sweep:
         p.error("--backward times one shape: it cannot be combined with --sweep")
+    if args.sweep and (args.autocast is not None or args.grad):
+        p.error("--sweep times float32 (or --dtype) calls without gradients: it takes neither --autocast nor --grad")
     if args.shape[0] < 2:  # also eval: EVAL_TRAIN_STEPS training steps come first
         p.error("BatchNorm1d training needs a batch M >= 2")
     return args

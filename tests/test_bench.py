@@ -48,7 +48,8 @@ def test_parse_args_optimizer():
 
 
 @pytest.mark.parametrize("argv", [["--optimizer", "sgd"], ["--backward", "--optimizer", "adam"],
-                                  ["--backward", "--sweep"], ["--sweep", "--optimizer", "sgd"]])
+                                  ["--backward", "--sweep"], ["--sweep", "--optimizer", "sgd"],
+                                  ["--sweep", "--autocast", "float16"], ["--sweep", "--grad"]])
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)

@@ -6206,13 +6206,13 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     checks run once, at trace time, by design (their TracerWarnings are
     silenced); it raises RuntimeError where this torch has no custom operators (< 2.4)."""
     if not torch.jit.is_tracing():
-        return _fused_forward(x, gemm, scale, bn, scale_after_bn)
+        return _fused_forward(x, gemm, scale, bn, scale_after_bn, False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        return _fused_forward(x, gemm, scale, bn, scale_after_bn)
+        return _fused_forward(x, gemm, scale, bn, scale_after_bn, True)
 
 
-def _fused_forward(x, gemm, scale, bn, scale_after_bn):
+def _fused_forward(x, gemm, scale, bn, scale_after_bn, tracing):
     group = sync_process_group(bn)
     gemm, bn = module_call(gemm, bn)
     autocast_dtype = None if _AUTOCAST is None else _AUTOCAST.autocast_dtype(x)
@@ -6225,9 +6225,9 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn):
     eps = float(bn.eps)
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     grad = _needs_grad(params)
-    if torch.jit.is_tracing():  # one graph for both grad modes (the trace check re-records under no_grad)
+    if tracing:  # one graph for both grad modes (the trace check re-records under no_grad)
         grad = any(t.requires_grad for t in params)
-    if torch.jit.is_tracing() and _OPS is None:
+    if tracing and _OPS is None:
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4): "
                            "its kernels are extension calls the tracer cannot record; use torch.compile")
     if group is not None:
@@ -6697,7 +6697,6 @@ def _define_ops():
     problem's self-contained file) is reused.  Returns torch.ops.fused_gemm_bn."""
     namespace = getattr(torch.ops, _OP_NAMESPACE)
     schemas = dict(_OP_SCHEMAS, **({} if _LOWP is None else _LOWP.SCHEMAS))
-    saved = functools.partial  # forward_train_saved: the forward_train functions with saved=True
     impls = {"gemm_nt": (_gemm_nt, lambda a, b: a.new_empty((a.shape[0], b.shape[0])),
                          (_backward_gemm_nt, _setup_gemm_nt)),
              "gemm_nn": (_gemm_nn, lambda a, b: a.new_empty((a.shape[0], b.shape[1])), None),
@@ -6706,7 +6705,8 @@ def _define_ops():
                               (_backward_softmax_rows, _setup_softmax_rows)),
              "bn_backward_train": (_op_bn_backward_train, _fake_bn_backward_train, None),
              "forward_train": (_op_forward_train, _fake_forward_train, None),
-             "forward_train_saved": (saved(_op_forward_train, saved=True), saved(_fake_forward_train, saved=True),
+             "forward_train_saved": (functools.partial(_op_forward_train, saved=True),
+                                     functools.partial(_fake_forward_train, saved=True),
                                      (_backward_forward_train_saved, _setup_forward_train_saved)),
              "forward_eval": (_op_forward_eval, lambda x, weight, *args: x.new_empty((x.shape[0], weight.shape[0])),
                               None),

@@ -956,10 +956,10 @@ def _gemm_tn(a, b):
     return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_tn(gemm, a, b)
 
 
-def _bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
+def _bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     """The extension's bn_backward_train (float32 CUDA) or _torch_bn_backward_train."""
     kernels = _kernels("ext" if z.is_cuda and z.dtype == torch.float32 else "torch")
-    return kernels.bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
+    return kernels.bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias)
 
 
 # What eager backward passes call (torch.compile's graphs call _OPS, same names).
@@ -974,7 +974,7 @@ def _train_backward(ops, scale_after_bn, eps, grad_out, x, weight, scale, bn_wei
     namespace _OPS; `needs` says which of the six are wanted (others None).
       problem 84: grad_v = out * (grad_out - sum_n grad_out * out)   (row softmax backward)
       grad_z, grad_scale, grad_bn_weight, grad_bn_bias = bn_backward_train(grad_v, z, stats, ...)
-      problem 84: grad_scale += bn_bias * sum_m grad_v               (the kernel has no bn_bias)
+        (problem 84's grad_scale holds bn_bias * sum_m grad_v: bn_bias is given)
       grad_x = grad_z weight = gemm_nn(grad_z, weight)               (M, K)
       grad_weight = grad_z^T x = gemm_tn(grad_z, x)                  (N, K)
       grad_bias = 0 exactly: BatchNorm subtracts the batch mean, which holds the bias."""
@@ -983,9 +983,8 @@ def _train_backward(ops, scale_after_bn, eps, grad_out, x, weight, scale, bn_wei
     if not (need_x or need_w or need_s or need_g or need_beta):
         return (None, None, grad_b, None, None, None)
     grad_y = _softmax_rows_backward(out, grad_out) if scale_after_bn else grad_out.contiguous()
-    grad_z, grad_s, grad_g, grad_beta = ops.bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
-    if scale_after_bn and need_s:
-        grad_s = grad_s + bn_bias * grad_y.sum(dim=0)
+    grad_z, grad_s, grad_g, grad_beta = ops.bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn,
+                                                              bn_bias if scale_after_bn else None)
     grad_x = ops.gemm_nn(grad_z, weight) if need_x else None
     grad_w = ops.gemm_tn(grad_z, x) if need_w else None
     return (grad_x, grad_w, grad_b, grad_s if need_s else None, grad_g if need_g else None,
@@ -1100,7 +1099,7 @@ _OP_SCHEMAS = {
     "gemm_tn": "(Tensor a, Tensor b) -> Tensor",
     "softmax_rows": "(Tensor v) -> Tensor",
     "bn_backward_train": "(Tensor grad_y, Tensor z, Tensor stats, Tensor scale, Tensor bn_weight, float eps, "
-                         "bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor)",
+                         "bool scale_after_bn, Tensor? bn_bias=None) -> (Tensor, Tensor, Tensor, Tensor)",
     "forward_train": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
                      "Tensor running_mean, Tensor running_var, Tensor num_batches_tracked, float momentum, "
                      "float eps, bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor)",
@@ -1112,13 +1111,16 @@ _OP_SCHEMAS = {
 }
 
 
-def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
+def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     """The extension's bn_backward_train (contract: _torch_bn_backward_train), as a
     tuple; for a 16-bit z model_new_lowp's (stats is then the 16-bit
-    forward_train_saved's coeff (4, N), which holds bn_weight and eps)."""
+    forward_train_saved's coeff (4, N), which holds bn_weight and eps; its
+    callers give no bn_bias, which is refused there)."""
     if _is_16bit_dtype(z.dtype):
+        if bn_bias is not None:
+            raise ValueError("fused_gemm_bn::bn_backward_train takes no bn_bias for a 16-bit z")
         return _LOWP.op_bn_backward_train(grad_y, z, stats, scale, scale_after_bn)
-    return tuple(_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn))
+    return tuple(_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias))
 
 
 def _op_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
@@ -1149,7 +1151,7 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
                                 scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
 
 
-def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
+def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     n = z.shape[1]
     if _is_16bit_dtype(z.dtype):
         return _LOWP.fake_bn_backward(z)
@@ -1377,7 +1379,7 @@ def _torch_forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, runnin
     return z * (scale * g) + (bn_bias + (scale * bias - running_mean) * g)
 
 
-def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
+def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     """Training-mode BatchNorm backward with batch statistics, the contract of the
     extension's bn_backward_train.  grad_y, z (M, N); stats (2, N) = (mu, var),
     biased; scale, bn_weight (N).  Returns [grad_z (M, N), grad_scale, grad_bn_weight,
@@ -1389,7 +1391,7 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
         grad_scale = bn_weight eps r^3 S_gd,  grad_bn_weight = scale r S_gd,  grad_bn_bias = S_g
       scale_after_bn True (problem 84), y = scale (bn_weight d r + bn_bias), r = 1 / sqrt(var + eps):
         grad_z = a (grad_y - S_g / M) - scale bn_weight r^3 S_gd d / M
-        grad_scale = bn_weight r S_gd   (the bn_bias S_g term is the caller's: bn_bias is no argument)
+        grad_scale = bn_weight r S_gd + bn_bias S_g   (the last term only where bn_bias is given)
         grad_bn_weight = scale r S_gd,  grad_bn_bias = scale S_g."""
     m = z.shape[0]
     mean, var = stats[0], stats[1].double()
@@ -1399,7 +1401,7 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
     s, gamma = scale.double(), bn_weight.double()
     if scale_after_bn:
         r = torch.rsqrt(var + eps)
-        grad_scale = gamma * r * sum_gd
+        grad_scale = gamma * r * sum_gd + (0.0 if bn_bias is None else bn_bias.double() * sum_g)
         grad_beta = s * sum_g
         coeff_d = s * gamma * r ** 3 * sum_gd / m
     else:

@@ -355,7 +355,7 @@ def _sync_fused_gemm(x, weight):
 
 
 def _sync_fused_bn_backward(group, count, bias, need_reduce, grad_y, z, stats, scale, bn_weight, eps,
-                            scale_after_bn):
+                            scale_after_bn, bn_bias=None):
     """bn_backward_train's contract for the merged batch (bn_backward.cu):
     this process's sums, the all_reduce when `need_reduce` (the torch-op path's
     condition: the same collectives on every process), then grad_z from the
@@ -363,7 +363,7 @@ def _sync_fused_bn_backward(group, count, bias, need_reduce, grad_y, z, stats, s
     local = core._ext.bn_backward_sums(grad_y, z, stats)
     total = _sync_all_reduce(local.clone(), group) if need_reduce else local
     return core._ext.bn_backward_grad(grad_y, z, stats, bias, scale, bn_weight, eps, scale_after_bn, count, local,
-                                      total)
+                                      total, bn_bias)
 
 
 class _SyncFusedTrainFn(torch.autograd.Function):

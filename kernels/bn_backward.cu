@@ -11,8 +11,8 @@
 // With g = dL/dy, S1 = sum_m g, S2 = sum_m g (z - mu), xhat = (z - mu)/sigma:
 //   problem 33: dbeta = S1,   dgamma = s S2 / sigma,   dscale = gamma S2 eps / sigma^3
 //               dz = a (g - S1 / M - (z - mu) s^2 S2 / (sigma^2 M))
-//   problem 84: dbeta = s S1, dgamma = s S2 / sigma,   dscale = gamma S2 / sigma (+ beta S1,
-//               which the caller adds: it needs no pass over the batch)
+//   problem 84: dbeta = s S1, dgamma = s S2 / sigma,   dscale = gamma S2 / sigma + beta S1
+//               (beta S1 where bn.bias is given, else the caller's)
 //               dz = a (g - S1 / M - (z - mu) S2 / (sigma^2 M)),  a = s gamma / sigma
 // The Linear bias's gradient is exactly zero in training (sum_m dz = 0 in
 // exact arithmetic) and is not computed.  dscale of problem 33 is exact in
@@ -78,6 +78,7 @@ struct BnBackwardArgs {
   const double* local_sums;  // kGrad: (2, N) this process's S1, S2
   const double* total_sums;  // kGrad: (2, N) every process's
   double* sums_out;          // kSums: (2, N)
+  const float* beta;         // problem 84: bn.bias (dscale's beta S1 term), or null (the caller's)
 };
 
 // Rows row + r * kBwdWarps (r < kBwdRowBatch) of g and z at feature j, all
@@ -152,7 +153,8 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
       if (p.scale_after_bn) {
         p.dbeta[j] = static_cast<float>(s * S1);
         p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-        p.dscale[j] = static_cast<float>(gamma * S2 / sigma);
+        const double beta = p.beta != nullptr ? static_cast<double>(p.beta[j]) : 0.0;
+        p.dscale[j] = static_cast<float>(gamma * S2 / sigma + beta * S1);
       } else {
         p.dbeta[j] = static_cast<float>(S1);
         p.dgamma[j] = static_cast<float>(s * S2 / sigma);
@@ -233,7 +235,7 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
   if (N == 0) return cudaSuccess;
   const BnBackwardArgs p{grad_y, z,       stats,  bn.scale, bn.bn_weight, bn.eps,   bn.scale_after_bn,
                          M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
-                         grad_bn_bias, nullptr, nullptr, nullptr, nullptr};
+                         grad_bn_bias, nullptr, nullptr, nullptr, nullptr, bn.bn_bias};
   bn_backward_train_kernel<BwdMode::kFull><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -259,7 +261,7 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
   if (count == nullptr) return cudaErrorInvalidValue;
   const BnBackwardArgs p{grad_y,     z,       stats,  bn.scale,   bn.bn_weight, bn.eps, bn.scale_after_bn,
                          M,          N,       0.0,    count,      grad_z,     grad_scale, grad_bn_weight,
-                         grad_bn_bias, bn.bias, local_sums, total_sums, nullptr};
+                         grad_bn_bias, bn.bias, local_sums, total_sums, nullptr, bn.bn_bias};
   bn_backward_train_kernel<BwdMode::kGrad><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }

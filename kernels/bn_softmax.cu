@@ -16,9 +16,10 @@
 //   bn_stats.cuh); mean_z, a, c rounded to float32 once each.  Subtracting
 //   mean_z before scaling keeps v accurate when |mean_z| >> std(z).
 //
-// softmax_rows (training and eval; one CTA per row m, in place over out (M, N))
-//   out[m, :] = softmax(v[m, :]),  v = (out - mean_z) * a + c with coeff, or
-//   v = out without (eval: the GEMM epilogue already wrote v).
+// softmax_rows (training and eval; one CTA per row m, from in (M, N) to out (M, N),
+// which may be the same tensor)
+//   out[m, :] = softmax(v[m, :]),  v = (in - mean_z) * a + c with coeff, or
+//   v = in without (eval: the GEMM epilogue already wrote v).
 //   softmax(v)_j = exp(v_j - max v) / sum_i exp(v_i - max v): the row maximum
 //   is subtracted (no overflow), expf and the division are IEEE float32
 //   (no fast-math), the row sum is a float32 tree reduction; error about
@@ -121,6 +122,7 @@ __device__ __forceinline__ float block_reduce(float v, float* red) {
 }
 
 struct RowArgs {
+  const float* in;     // v's source rows (may be out: in place)
   float* out;
   const float* coeff;  // [mean_z | a | c] or nullptr
   int N;
@@ -149,7 +151,8 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
   extern __shared__ float4 dynamic_smem[];
   V* cache = reinterpret_cast<V*>(dynamic_smem);
   __shared__ float red[kRowThreads / 32];
-  float* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
+  const float* row = p.in + static_cast<size_t>(blockIdx.x) * p.N;
+  float* out_row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / kVec;
 
   float thread_max = -INFINITY, thread_sum = 0.f;
@@ -197,7 +200,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
     }
 #pragma unroll
     for (int e = 0; e < kVec; ++e) elem(v, e) = elem(v, e) / row_sum;
-    reinterpret_cast<V*>(row)[i] = v;
+    reinterpret_cast<V*>(out_row)[i] = v;
   }
 }
 
@@ -214,7 +217,8 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
 template <bool kAffine>
 __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_kernel(const RowArgs p) {
   __shared__ float red[kRowThreads / 32];
-  float* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
+  const float* row = p.in + static_cast<size_t>(blockIdx.x) * p.N;
+  float* out_row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / 4;
   float4 v[kRegGroups];
 #pragma unroll
@@ -257,7 +261,7 @@ __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_
     if (i < num_groups) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) elem(v[g], e) = elem(v[g], e) / row_sum;
-      reinterpret_cast<float4*>(row)[i] = v[g];
+      reinterpret_cast<float4*>(out_row)[i] = v[g];
     }
   }
 }
@@ -312,14 +316,15 @@ cudaError_t fused_gemm_bn::bn_softmax_fold_train(const float* part_mean, const f
   return cudaGetLastError();
 }
 
-// out (M, N) <- softmax over each row of (out - mean_z) * a + c (coeff = [mean_z | a | c])
-// or of out itself (coeff == nullptr), in place.
-cudaError_t fused_gemm_bn::softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream) {
+// out (M, N) <- softmax over each row of (in - mean_z) * a + c (coeff = [mean_z | a | c])
+// or of in itself (coeff == nullptr); in may be out (in place).
+cudaError_t fused_gemm_bn::softmax_rows(const float* in, float* out, const float* coeff, int M, int N,
+                                        cudaStream_t stream) {
   using namespace fused_gemm_bn::softmax;
   if (M == 0 || N == 0) return cudaSuccess;
-  const RowArgs p{out, coeff, N};
-  const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(coeff) % 16 == 0;
+  const RowArgs p{in, out, coeff, N};
+  const bool vec4 = N % 4 == 0 && (reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out) |
+                                   reinterpret_cast<uintptr_t>(coeff)) % 16 == 0;
   if (coeff != nullptr) {
     return vec4 ? launch_softmax_rows<4, true>(p, M, stream) : launch_softmax_rows<1, true>(p, M, stream);
   }

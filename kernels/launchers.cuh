@@ -165,8 +165,8 @@ cudaError_t bn_apply_folded(const float* z, float* out, const float* coeff, cons
 // (bn: every field but scale_after_bn, which is true here).
 cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
                                   int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
-// out <- row softmax of (out - mean_z) * a + c (coeff) or of out (coeff null), in place.
-cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
+// out <- row softmax of (in - mean_z) * a + c (coeff) or of in (coeff null); in may be out.
+cudaError_t softmax_rows(const float* in, float* out, const float* coeff, int M, int N, cudaStream_t stream);
 
 // ---- softmax_rows_backward.cu: the row softmax's backward (problem 84) ------
 // grad_v = out * (grad_out - sum_n grad_out * out) per row; (M, N) contiguous each.
@@ -178,7 +178,8 @@ cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float
 cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
                            float* stats, cudaStream_t stream);
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
-// (bn: scale, bn_weight, eps, scale_after_bn).
+// (bn: scale, bn_weight, eps, scale_after_bn; problem 84: bn_bias, or null for a
+// grad_scale without its bn_bias * sum_m grad_y term).
 cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
                               int N, float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
                               cudaStream_t stream);
@@ -187,7 +188,7 @@ cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* 
 // [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums
 // (total_sums) and the merged row count (*count, device memory), the parameter gradients from local_sums;
 // problem 33's grad_scale sums this process's rows (bn: bias (gemm.bias), scale, bn_weight, eps,
-// scale_after_bn).
+// scale_after_bn; problem 84: bn_bias as bn_backward_train's).
 cudaError_t bn_backward_sums(const float* grad_y, const float* z, const float* stats, int M, int N, double* sums,
                              cudaStream_t stream);
 cudaError_t bn_backward_grad(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,

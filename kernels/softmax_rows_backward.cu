@@ -9,7 +9,13 @@
 //
 // Tensors: out, grad_out, grad_v (M, N) float32, row-major, contiguous; 16-byte
 // accesses when N % 4 == 0 and all three are 16-byte aligned, else 4-byte.
-// One CTA of kThreads per row.  Any M >= 0, N >= 0.
+// One CTA per row.  Any M >= 0, N >= 0.
+// Rows of 16-byte groups that fit kRegGroups per thread (N <= 8192 at 512
+// threads) are held in registers, every load issued before the first use: one
+// read of each input from DRAM (softmax_rows_backward_regs_kernel; the loop
+// kernel's dependent float64 sum kept few loads in flight: 53 us at 1024 x 8192
+// on an H100, docs/perf.md v38).  Other rows: the loop kernel, whose second
+// pass reads the row again (mostly from L2).
 //
 // Numerics: each product grad_out * out is exact in float64 and s_m is summed
 // in float64 (per thread, then a warp and CTA tree), then rounded to float32
@@ -25,18 +31,59 @@
 namespace fused_gemm_bn {
 namespace softmax_backward {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;     // the loop kernel
+constexpr int kRegThreads = 512;  // the register kernel, at most
+constexpr int kRegGroups = 4;     // float4 groups per input and thread (register kernel)
 
-// Sum over the CTA, returned to every thread.
+// Sum over the CTA (blockDim.x a multiple of 32), returned to every thread.
 __device__ __forceinline__ double block_sum(double v, double* red) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
   __syncthreads();
   double total = 0.0;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) total += red[w];
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += red[w];
   return total;
+}
+
+// The row in registers: thread t holds groups t, t + blockDim.x, ... of both
+// inputs (num_groups = N / 4 <= kRegGroups blockDim.x).
+__global__ void __launch_bounds__(kRegThreads) softmax_rows_backward_regs_kernel(const float* __restrict__ out,
+                                                                                 const float* __restrict__ grad_out,
+                                                                                 float* __restrict__ grad_v, int N) {
+  __shared__ double red[kRegThreads / 32];
+  const size_t base = static_cast<size_t>(blockIdx.x) * N;
+  const float4* o4 = reinterpret_cast<const float4*>(out + base);
+  const float4* g4 = reinterpret_cast<const float4*>(grad_out + base);
+  const int num_groups = N / 4;
+  float4 o[kRegGroups], g[kRegGroups];
+#pragma unroll
+  for (int r = 0; r < kRegGroups; ++r) {
+    const int i = threadIdx.x + r * blockDim.x;
+    if (i < num_groups) {
+      o[r] = o4[i];
+      g[r] = g4[i];
+    }
+  }
+  double dot = 0.0;
+#pragma unroll
+  for (int r = 0; r < kRegGroups; ++r) {
+    if (threadIdx.x + r * blockDim.x < num_groups) {
+      dot += static_cast<double>(o[r].x) * g[r].x;
+      dot += static_cast<double>(o[r].y) * g[r].y;
+      dot += static_cast<double>(o[r].z) * g[r].z;
+      dot += static_cast<double>(o[r].w) * g[r].w;
+    }
+  }
+  const float s = static_cast<float>(block_sum(dot, red));
+  float4* v4 = reinterpret_cast<float4*>(grad_v + base);
+#pragma unroll
+  for (int r = 0; r < kRegGroups; ++r) {
+    const int i = threadIdx.x + r * blockDim.x;
+    if (i < num_groups)
+      v4[i] = make_float4(o[r].x * (g[r].x - s), o[r].y * (g[r].y - s), o[r].z * (g[r].z - s),
+                          o[r].w * (g[r].w - s));
+  }
 }
 
 template <bool kVec4>
@@ -87,7 +134,12 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
   if (M == 0 || N == 0) return cudaSuccess;
   const bool vec4 = N % 4 == 0 && (reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(grad_out) |
                                    reinterpret_cast<uintptr_t>(grad_v)) % 16 == 0;
-  if (vec4) {
+  const int num_groups = N / 4;
+  // Four groups per thread where the row allows (N = 8192: 512 threads), at least one warp.
+  const int reg_threads = min(kRegThreads, max(32, (num_groups / kRegGroups + 31) / 32 * 32));
+  if (vec4 && num_groups <= kRegGroups * reg_threads) {
+    softmax_rows_backward_regs_kernel<<<M, reg_threads, 0, stream>>>(out, grad_out, grad_v, N);
+  } else if (vec4) {
     softmax_rows_backward_kernel<true><<<M, kThreads, 0, stream>>>(out, grad_out, grad_v, N);
   } else {
     softmax_rows_backward_kernel<false><<<M, kThreads, 0, stream>>>(out, grad_out, grad_v, N);

@@ -58,9 +58,9 @@
 //       w_inv_scale | w_row_sum], rows of K_pad fp16 words (zeros past K), for w_parts
 //   weight_row_sums(weight (N, K)) -> float32 (2 N): W's row sums as (hi, lo) pairs,
 //       sm80_3xtf32's w_parts
-//   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
+//   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
-//       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
+//       bn_bias None: problem 84's grad_scale without its bn_bias * sum(grad_y) term)
 //   softmax_rows_backward(out, grad_out) -> grad_v = out * (grad_out - sum_n grad_out * out)
 //       per row (softmax_rows_backward.cu): problem 84's row softmax backward
 //   Synchronized BatchNorm (statistics merged across processes in Python between calls):
@@ -72,7 +72,7 @@
 //       normalisation (problem 84: and the row softmax)
 //   bn_backward_sums(grad_y, z, stats) -> (2, N) float64; bn_backward_grad(grad_y, z,
 //       stats, bias, scale, bn_weight, eps, scale_after_bn, count (1-element float64 tensor),
-//       local_sums, total_sums)
+//       local_sums, total_sums, bn_bias)
 //       -> as bn_backward_train: the backward split around the all_reduce
 //   sm90_gemm_available(device) -> bool: the device fact the dispatch reads (a query,
 //       no launch).
@@ -414,12 +414,12 @@ void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, in
 
 // Problem 84's BatchNorm, scale and softmax after the training GEMM: per-feature
 // [mean_z | a | c] and the running-statistics update (bn_softmax_fold_train),
-// then out = softmax((out - mean_z) * a + c) per row, in place.
-void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const fgb::BatchNormArgs& bn,
-                cudaStream_t stream) {
+// then out = softmax((z - mean_z) * a + c) per row (out may be z: in place).
+void bn_softmax(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N,
+                const fgb::BatchNormArgs& bn, cudaStream_t stream) {
   check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bn, g.coeff, stream),
                "bn_softmax_fold_train");
-  check_launch(fgb::softmax_rows(out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
+  check_launch(fgb::softmax_rows(z.data_ptr<float>(), out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
 }
 
 }  // namespace
@@ -444,7 +444,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   const TrainGemm g =
       train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   if (scale_after_bn) {
-    bn_softmax(g, out, M, N, bn, stream);
+    bn_softmax(g, out, out, M, N, bn, stream);
   } else {
     bn_apply(g, out, out, M, N, bn, stream);
   }
@@ -483,7 +483,8 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                  "sm80_gemm_3xtf32_eval");
   }
   if (scale_after_bn)
-    check_launch(fgb::softmax_rows(out.data_ptr<float>(), nullptr, M, N, stream), "softmax_rows");
+    check_launch(fgb::softmax_rows(out.data_ptr<float>(), out.data_ptr<float>(), nullptr, M, N, stream),
+                 "softmax_rows");
   return out;
 }
 
@@ -513,12 +514,10 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   const TrainGemm g =
       train_gemm(gemm, x, weight, w_parts, z, stats.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(), M,
                  N, K, stream);
-  torch::Tensor out;
+  torch::Tensor out = torch::empty({M, N}, x.options());
   if (scale_after_bn) {
-    out = z.clone();  // softmax_rows works in place
-    bn_softmax(g, out, M, N, bn, stream);
+    bn_softmax(g, z, out, M, N, bn, stream);
   } else {
-    out = torch::empty({M, N}, x.options());
     bn_apply(g, z, out, M, N, bn, stream);
   }
   return {out, z, stats};
@@ -748,15 +747,16 @@ std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor&
 // Training-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy
 // (M, N), z and stats of forward_train_saved, returns [grad_z (M, N),
 // grad_scale, grad_bn_weight, grad_bn_bias (N each)].  scale_after_bn (problem
-// 84): y = scale * BN(z + b), the pre-softmax logits; its grad_scale then lacks
-// the bn_bias * sum_m grad_y term, which the caller adds.
+// 84): y = scale * BN(z + b), the pre-softmax logits; its grad_scale includes
+// the bn_bias * sum_m grad_y term where bn_bias is given (else the caller adds it).
 std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
                                              torch::Tensor scale, torch::Tensor bn_weight, double eps,
-                                             bool scale_after_bn) {
+                                             bool scale_after_bn, c10::optional<torch::Tensor> bn_bias) {
   scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
   check_vector(scale, "scale", N, z);
   check_vector(bn_weight, "bn.weight", N, z);
+  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = current_stream(z);
   const torch::Tensor g = grad_y.contiguous();
@@ -769,6 +769,7 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   bn.bn_weight = bn_weight.data_ptr<float>();
   bn.eps = static_cast<float>(eps);
   bn.scale_after_bn = scale_after_bn;
+  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
   check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                       grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
                                       grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
@@ -846,7 +847,7 @@ std::vector<torch::Tensor> sync_forward_local(const std::string& gemm_name, torc
 // statistics (gathered (world, 3, N) float64, the all_gather's output):
 // sync_bn_finalize (merge, coefficients, running statistics updated in place),
 // then problem 33: out = (z - mean_z) a + bn_bias (bn_apply_folded); problem 84:
-// out = row softmax of (z - mean_z) a + c (softmax_rows on a copy of z).  z is
+// out = row softmax of (z - mean_z) a + c (softmax_rows from z).  z is
 // not written.  Returns [out (M, N), stats (2, N) float32 = [mean_z | biased
 // var_z] of the merged batch, count (1) float64 = its rows] for the backward.
 std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered, torch::Tensor bias,
@@ -877,14 +878,12 @@ std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered
                                      static_cast<int>(N), bn, stats.data_ptr<float>(), coeff.data_ptr<float>(),
                                      count.data_ptr<double>(), stream),
                "sync_bn_finalize");
-  torch::Tensor out;
+  torch::Tensor out = torch::empty({M, N}, z.options());
   if (scale_after_bn) {
-    out = z.clone();  // softmax_rows works in place
-    check_launch(fgb::softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), static_cast<int>(M),
-                                   static_cast<int>(N), stream),
+    check_launch(fgb::softmax_rows(z.data_ptr<float>(), out.data_ptr<float>(), coeff.data_ptr<float>(),
+                                   static_cast<int>(M), static_cast<int>(N), stream),
                  "softmax_rows");
   } else {
-    out = torch::empty({M, N}, z.options());
     check_launch(fgb::bn_apply_folded(z.data_ptr<float>(), out.data_ptr<float>(), coeff.data_ptr<float>(),
                                       bn_bias.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N), stream),
                  "bn_apply_folded");
@@ -907,13 +906,15 @@ torch::Tensor bn_backward_sums(torch::Tensor grad_y, torch::Tensor z, torch::Ten
 // bn_backward_train with the merged batch: grad_z from total_sums (every process's
 // bn_backward_sums added) and count (the merged batch's rows: a one-element
 // float64 tensor on z's device, read by the kernel); grad_bn_weight,
-// grad_bn_bias and problem 84's grad_scale from local_sums (this process's rows);
+// grad_bn_bias and problem 84's grad_scale from local_sums (this process's rows;
+// its bn_bias term as bn_backward_train's);
 // problem 33's grad_scale over this process's rows (bias: gemm.bias).
 // Returns [grad_z (M, N), grad_scale, grad_bn_weight, grad_bn_bias (N)].
 std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
                                             torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
                                             double eps, bool scale_after_bn, torch::Tensor count,
-                                            torch::Tensor local_sums, torch::Tensor total_sums) {
+                                            torch::Tensor local_sums, torch::Tensor total_sums,
+                                            c10::optional<torch::Tensor> bn_bias) {
   scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_grad", grad_y, z, stats);
   TORCH_CHECK(count.device() == z.device() && count.scalar_type() == torch::kFloat64 && count.numel() == 1,
@@ -922,6 +923,7 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
   check_vector(bias, "gemm.bias", N, z);
   check_vector(scale, "scale", N, z);
   check_vector(bn_weight, "bn.weight", N, z);
+  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
   check_f64_rows(local_sums, "bn_backward_grad: local_sums", 2, N, z);
   check_f64_rows(total_sums, "bn_backward_grad: total_sums", 2, N, z);
   const c10::cuda::CUDAGuard guard(z.device());
@@ -935,6 +937,7 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
   bn.bn_weight = bn_weight.data_ptr<float>();
   bn.eps = static_cast<float>(eps);
   bn.scale_after_bn = scale_after_bn;
+  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
   check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                      count.data_ptr<double>(), local_sums.data_ptr<double>(),
                                      total_sums.data_ptr<double>(), grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),

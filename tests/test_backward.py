@@ -200,10 +200,10 @@ def test_cpu_gradcheck(problem, scale_shape, training, path):
     assert torch.autograd.gradcheck(f, (x, *params), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
-def _bn_backward_without_mean_of_g_xhat(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
+def _bn_backward_without_mean_of_g_xhat(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     """_torch_bn_backward_train with grad_z's term - a xhat mean_m(grad_y xhat) left
     out (xhat = scale (z - mu) r for problem 33, (z - mu) r for 84)."""
-    out = model_new._torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
+    out = model_new._torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias)
     d = z - stats[0]
     s2 = torch.ones_like(scale) if scale_after_bn else scale * scale
     r = torch.rsqrt(s2 * stats[1] + eps)
@@ -278,9 +278,9 @@ def _unfused_bn_train(z, stats_unused, scale, bn_weight, bn_bias, eps, scale_aft
 @pytest.mark.parametrize("scale_after_bn", [False, True], ids=["33", "84"])
 def test_torch_bn_backward_train_contract(scale_after_bn):
     """_torch_bn_backward_train (= what the extension's bn_backward_train must
-    return) against autograd of the unfused BatchNorm in float64.  For
-    scale_after_bn the returned grad_scale excludes the bn_bias * sum_m grad_y
-    term (bn_bias is no argument); the caller adds it."""
+    return) against autograd of the unfused BatchNorm in float64, bn_bias given
+    (problem 84's grad_scale then holds bn_bias * sum_m grad_y).  Without
+    bn_bias, grad_scale lacks exactly that term and nothing else changes."""
     m, n, eps = 37, 11, 1e-3
     gen = torch.Generator().manual_seed(7)
     d = dict(dtype=torch.float64, generator=gen)
@@ -292,11 +292,14 @@ def test_torch_bn_backward_train_contract(scale_after_bn):
     y = _unfused_bn_train(z, None, scale, bn_weight, bn_bias, eps, scale_after_bn)
     want = torch.autograd.grad(y, (z, scale, bn_weight, bn_bias), grad_y)
     stats = torch.stack((z.detach().mean(0), z.detach().var(0, unbiased=False)))
-    got = model_new._torch_bn_backward_train(grad_y, z.detach(), stats, scale.detach(), bn_weight.detach(), eps,
-                                           scale_after_bn)
-    if scale_after_bn:
-        got[1] = got[1] + bn_bias.detach() * grad_y.sum(0)
+    args = (grad_y, z.detach(), stats, scale.detach(), bn_weight.detach(), eps, scale_after_bn)
+    got = model_new._torch_bn_backward_train(*args, bn_bias.detach())
     for name, a, b in zip(["grad_z", "grad_scale", "grad_bn_weight", "grad_bn_bias"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+    without = model_new._torch_bn_backward_train(*args)
+    if scale_after_bn:
+        without[1] = without[1] + bn_bias.detach() * grad_y.sum(0)
+    for name, a, b in zip(["grad_z", "grad_scale", "grad_bn_weight", "grad_bn_bias"], without, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
 
 
@@ -778,8 +781,9 @@ def test_gpu_gemm_nn_tn(m, n, k, layout, fp32_matmul):
 @pytest.mark.parametrize("m,n", [(257, 130), (1024, 8192), (2, 5)])
 def test_gpu_bn_backward_train_contract(scale_after_bn, m, n):
     """The extension's bn_backward_train against autograd of the unfused
-    BatchNorm in float64 (for problem 84 plus bn_bias * sum_m grad_y, the term the
-    caller adds): each output's error at most 2x that of the float32 autograd."""
+    BatchNorm in float64, bn.bias passed (problem 84's grad_scale holds
+    bn_bias * sum_m grad_y): each output's error at most 2x that of the float32
+    autograd."""
     gen = torch.Generator().manual_seed(24)
     d = dict(dtype=torch.float64, generator=gen)
     z64 = (torch.randn(m, n, **d) * 3 + 2).cuda()
@@ -797,9 +801,7 @@ def test_gpu_bn_backward_train_contract(scale_after_bn, m, n):
     z = z64.float()
     stats = torch.stack((z64.mean(0), z64.var(0, unbiased=False))).float()
     got = list(model_new._ext.bn_backward_train(grad_y64.float(), z, stats, vecs64[0].float(), vecs64[1].float(),
-                                                eps, scale_after_bn))
-    if scale_after_bn:
-        got[1] = got[1] + vecs64[2].float() * grad_y64.float().sum(0)
+                                                eps, scale_after_bn, vecs64[2].float()))
     for name, a, e, w in zip(["grad_z", "grad_scale", "grad_bn_weight", "grad_bn_bias"], got, eager, want):
         err_new, err_eager = rel_err(a, w), rel_err(e, w)
         print(f"\n[bn_backward_train] {'84' if scale_after_bn else '33'} ({m},{n}) {name}: err {err_new:.2e}, "
@@ -810,11 +812,12 @@ def test_gpu_bn_backward_train_contract(scale_after_bn, m, n):
 
 @requires_cuda
 @pytest.mark.parametrize("layout", ["contiguous", "grad_transposed"])
-@pytest.mark.parametrize("m,n", [(1024, 8192), (257, 130), (3, 1001), (1, 7)])
+@pytest.mark.parametrize("m,n", [(1024, 8192), (257, 132), (5, 8196), (257, 130), (3, 1001), (1, 7)])
 def test_gpu_softmax_rows_backward(m, n, layout):
     """The extension's softmax_rows_backward (problem 84's row softmax backward)
     against float64: error at most 2x torch ops' float32 error + GRAD_FLOOR;
-    16-byte (n % 4 == 0) and 4-byte paths, a transposed grad_out (copied);
+    the register kernel (n % 4 == 0, n <= 8192), the 16-byte loop (n = 8196) and
+    the 4-byte loop, a transposed grad_out (copied);
     _softmax_rows_backward takes it for plain float32 CUDA tensors (the result is
     the kernel's, bit for bit); negative control: a kernel that dropped the row
     term s_m would fail the bound."""

@@ -43,7 +43,7 @@ def eager(dtype):
 dz64 = eager(torch.float64)
 report("float64 (reference)", dz64, dz64)
 report("eager float32", eager(torch.float32), dz64)
-dzk = model_new._ext.bn_backward_train(gy, z, stats, s, gamma, eps, False)[0]
+dzk = model_new._ext.bn_backward_train(gy, z, stats, s, gamma, eps, False, None)[0]
 report("kernel", dzk, dz64)
 dzt = model_new._torch_bn_backward_train(gy, z, stats, s, gamma, eps, False)[0]
 report("torch-op twin", dzt, dz64)
@@ -68,6 +68,6 @@ report("variant: f32 mu, 1 rounding", variant(False, True), dz64)
 ts = []
 for _ in range(25):
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record(); model_new._ext.bn_backward_train(gy, z, stats, s, gamma, eps, False); e1.record(); e1.synchronize()
+    e0.record(); model_new._ext.bn_backward_train(gy, z, stats, s, gamma, eps, False, None); e1.record(); e1.synchronize()
     ts.append(e0.elapsed_time(e1))
 ts.sort(); print(f"bn_backward_train KB median {ts[len(ts)//2]*1e3:.1f} us (CUDA events, one call)")

@@ -111,7 +111,7 @@ def run_sync_kernels(m, k, n):
             g = torch.randn(m, n, device="cuda")
             sums = ext.bn_backward_sums(g, z, stats)
             grads = ext.bn_backward_grad(g, z, stats, lin.bias, scale, bn.weight, bn.eps, scale_after_bn, count,
-                                         sums, sums.clone())
+                                         sums, sums.clone(), bn.bias)
         torch.cuda.synchronize()
         assert all(torch.isfinite(t).all() for t in (out, stats, count, sums, *grads)), f"problem {name}: non-finite"
         print(f"problem {name} {m}x{k}x{n}: synchronized-BatchNorm kernels ok ({gemm})", flush=True)

@@ -408,8 +408,8 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
 // With g = dL/dy, S1 = sum_m g, S2 = sum_m g (z - mu), xhat = (z - mu)/sigma:
 //   problem 33: dbeta = S1,   dgamma = s S2 / sigma,   dscale = gamma S2 eps / sigma^3
 //               dz = a (g - S1 / M - (z - mu) s^2 S2 / (sigma^2 M))
-//   problem 84: dbeta = s S1, dgamma = s S2 / sigma,   dscale = gamma S2 / sigma (+ beta S1,
-//               which the caller adds: it needs no pass over the batch)
+//   problem 84: dbeta = s S1, dgamma = s S2 / sigma,   dscale = gamma S2 / sigma + beta S1
+//               (beta S1 where bn.bias is given, else the caller's)
 //               dz = a (g - S1 / M - (z - mu) S2 / (sigma^2 M)),  a = s gamma / sigma
 // The Linear bias's gradient is exactly zero in training (sum_m dz = 0 in
 // exact arithmetic) and is not computed.  dscale of problem 33 is exact in
@@ -475,6 +475,7 @@ struct BnBackwardArgs {
   const double* local_sums;  // kGrad: (2, N) this process's S1, S2
   const double* total_sums;  // kGrad: (2, N) every process's
   double* sums_out;          // kSums: (2, N)
+  const float* beta;         // problem 84: bn.bias (dscale's beta S1 term), or null (the caller's)
 };
 
 // Rows row + r * kBwdWarps (r < kBwdRowBatch) of g and z at feature j, all
@@ -549,7 +550,8 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
       if (p.scale_after_bn) {
         p.dbeta[j] = static_cast<float>(s * S1);
         p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-        p.dscale[j] = static_cast<float>(gamma * S2 / sigma);
+        const double beta = p.beta != nullptr ? static_cast<double>(p.beta[j]) : 0.0;
+        p.dscale[j] = static_cast<float>(gamma * S2 / sigma + beta * S1);
       } else {
         p.dbeta[j] = static_cast<float>(S1);
         p.dgamma[j] = static_cast<float>(s * S2 / sigma);
@@ -630,7 +632,7 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
   if (N == 0) return cudaSuccess;
   const BnBackwardArgs p{grad_y, z,       stats,  bn.scale, bn.bn_weight, bn.eps,   bn.scale_after_bn,
                          M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
-                         grad_bn_bias, nullptr, nullptr, nullptr, nullptr};
+                         grad_bn_bias, nullptr, nullptr, nullptr, nullptr, bn.bn_bias};
   bn_backward_train_kernel<BwdMode::kFull><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -656,7 +658,7 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
   if (count == nullptr) return cudaErrorInvalidValue;
   const BnBackwardArgs p{grad_y,     z,       stats,  bn.scale,   bn.bn_weight, bn.eps, bn.scale_after_bn,
                          M,          N,       0.0,    count,      grad_z,     grad_scale, grad_bn_weight,
-                         grad_bn_bias, bn.bias, local_sums, total_sums, nullptr};
+                         grad_bn_bias, bn.bias, local_sums, total_sums, nullptr, bn.bn_bias};
   bn_backward_train_kernel<BwdMode::kGrad><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -679,9 +681,10 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
 //   bn_stats.cuh); mean_z, a, c rounded to float32 once each.  Subtracting
 //   mean_z before scaling keeps v accurate when |mean_z| >> std(z).
 //
-// softmax_rows (training and eval; one CTA per row m, in place over out (M, N))
-//   out[m, :] = softmax(v[m, :]),  v = (out - mean_z) * a + c with coeff, or
-//   v = out without (eval: the GEMM epilogue already wrote v).
+// softmax_rows (training and eval; one CTA per row m, from in (M, N) to out (M, N),
+// which may be the same tensor)
+//   out[m, :] = softmax(v[m, :]),  v = (in - mean_z) * a + c with coeff, or
+//   v = in without (eval: the GEMM epilogue already wrote v).
 //   softmax(v)_j = exp(v_j - max v) / sum_i exp(v_i - max v): the row maximum
 //   is subtracted (no overflow), expf and the division are IEEE float32
 //   (no fast-math), the row sum is a float32 tree reduction; error about
@@ -784,6 +787,7 @@ __device__ __forceinline__ float block_reduce(float v, float* red) {
 }
 
 struct RowArgs {
+  const float* in;     // v's source rows (may be out: in place)
   float* out;
   const float* coeff;  // [mean_z | a | c] or nullptr
   int N;
@@ -812,7 +816,8 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
   extern __shared__ float4 dynamic_smem[];
   V* cache = reinterpret_cast<V*>(dynamic_smem);
   __shared__ float red[kRowThreads / 32];
-  float* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
+  const float* row = p.in + static_cast<size_t>(blockIdx.x) * p.N;
+  float* out_row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / kVec;
 
   float thread_max = -INFINITY, thread_sum = 0.f;
@@ -860,7 +865,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
     }
 #pragma unroll
     for (int e = 0; e < kVec; ++e) elem(v, e) = elem(v, e) / row_sum;
-    reinterpret_cast<V*>(row)[i] = v;
+    reinterpret_cast<V*>(out_row)[i] = v;
   }
 }
 
@@ -877,7 +882,8 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
 template <bool kAffine>
 __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_kernel(const RowArgs p) {
   __shared__ float red[kRowThreads / 32];
-  float* row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
+  const float* row = p.in + static_cast<size_t>(blockIdx.x) * p.N;
+  float* out_row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / 4;
   float4 v[kRegGroups];
 #pragma unroll
@@ -920,7 +926,7 @@ __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_
     if (i < num_groups) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) elem(v[g], e) = elem(v[g], e) / row_sum;
-      reinterpret_cast<float4*>(row)[i] = v[g];
+      reinterpret_cast<float4*>(out_row)[i] = v[g];
     }
   }
 }
@@ -975,14 +981,15 @@ cudaError_t fused_gemm_bn::bn_softmax_fold_train(const float* part_mean, const f
   return cudaGetLastError();
 }
 
-// out (M, N) <- softmax over each row of (out - mean_z) * a + c (coeff = [mean_z | a | c])
-// or of out itself (coeff == nullptr), in place.
-cudaError_t fused_gemm_bn::softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream) {
+// out (M, N) <- softmax over each row of (in - mean_z) * a + c (coeff = [mean_z | a | c])
+// or of in itself (coeff == nullptr); in may be out (in place).
+cudaError_t fused_gemm_bn::softmax_rows(const float* in, float* out, const float* coeff, int M, int N,
+                                        cudaStream_t stream) {
   using namespace fused_gemm_bn::softmax;
   if (M == 0 || N == 0) return cudaSuccess;
-  const RowArgs p{out, coeff, N};
-  const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(coeff) % 16 == 0;
+  const RowArgs p{in, out, coeff, N};
+  const bool vec4 = N % 4 == 0 && (reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out) |
+                                   reinterpret_cast<uintptr_t>(coeff)) % 16 == 0;
   if (coeff != nullptr) {
     return vec4 ? launch_softmax_rows<4, true>(p, M, stream) : launch_softmax_rows<1, true>(p, M, stream);
   }
@@ -1660,8 +1667,8 @@ cudaError_t bn_apply_folded(const float* z, float* out, const float* coeff, cons
 // (bn: every field but scale_after_bn, which is true here).
 cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
                                   int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
-// out <- row softmax of (out - mean_z) * a + c (coeff) or of out (coeff null), in place.
-cudaError_t softmax_rows(float* out, const float* coeff, int M, int N, cudaStream_t stream);
+// out <- row softmax of (in - mean_z) * a + c (coeff) or of in (coeff null); in may be out.
+cudaError_t softmax_rows(const float* in, float* out, const float* coeff, int M, int N, cudaStream_t stream);
 
 // ---- softmax_rows_backward.cu: the row softmax's backward (problem 84) ------
 // grad_v = out * (grad_out - sum_n grad_out * out) per row; (M, N) contiguous each.
@@ -1673,7 +1680,8 @@ cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float
 cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
                            float* stats, cudaStream_t stream);
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
-// (bn: scale, bn_weight, eps, scale_after_bn).
+// (bn: scale, bn_weight, eps, scale_after_bn; problem 84: bn_bias, or null for a
+// grad_scale without its bn_bias * sum_m grad_y term).
 cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
                               int N, float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
                               cudaStream_t stream);
@@ -1682,7 +1690,7 @@ cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* 
 // [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums
 // (total_sums) and the merged row count (*count, device memory), the parameter gradients from local_sums;
 // problem 33's grad_scale sums this process's rows (bn: bias (gemm.bias), scale, bn_weight, eps,
-// scale_after_bn).
+// scale_after_bn; problem 84: bn_bias as bn_backward_train's).
 cudaError_t bn_backward_sums(const float* grad_y, const float* z, const float* stats, int M, int N, double* sums,
                              cudaStream_t stream);
 cudaError_t bn_backward_grad(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
@@ -4500,7 +4508,13 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //
 // Tensors: out, grad_out, grad_v (M, N) float32, row-major, contiguous; 16-byte
 // accesses when N % 4 == 0 and all three are 16-byte aligned, else 4-byte.
-// One CTA of kThreads per row.  Any M >= 0, N >= 0.
+// One CTA per row.  Any M >= 0, N >= 0.
+// Rows of 16-byte groups that fit kRegGroups per thread (N <= 8192 at 512
+// threads) are held in registers, every load issued before the first use: one
+// read of each input from DRAM (softmax_rows_backward_regs_kernel; the loop
+// kernel's dependent float64 sum kept few loads in flight: 53 us at 1024 x 8192
+// on an H100, docs/perf.md v38).  Other rows: the loop kernel, whose second
+// pass reads the row again (mostly from L2).
 //
 // Numerics: each product grad_out * out is exact in float64 and s_m is summed
 // in float64 (per thread, then a warp and CTA tree), then rounded to float32
@@ -4516,18 +4530,59 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 namespace fused_gemm_bn {
 namespace softmax_backward {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;     // the loop kernel
+constexpr int kRegThreads = 512;  // the register kernel, at most
+constexpr int kRegGroups = 4;     // float4 groups per input and thread (register kernel)
 
-// Sum over the CTA, returned to every thread.
+// Sum over the CTA (blockDim.x a multiple of 32), returned to every thread.
 __device__ __forceinline__ double block_sum(double v, double* red) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
   __syncthreads();
   double total = 0.0;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) total += red[w];
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += red[w];
   return total;
+}
+
+// The row in registers: thread t holds groups t, t + blockDim.x, ... of both
+// inputs (num_groups = N / 4 <= kRegGroups blockDim.x).
+__global__ void __launch_bounds__(kRegThreads) softmax_rows_backward_regs_kernel(const float* __restrict__ out,
+                                                                                 const float* __restrict__ grad_out,
+                                                                                 float* __restrict__ grad_v, int N) {
+  __shared__ double red[kRegThreads / 32];
+  const size_t base = static_cast<size_t>(blockIdx.x) * N;
+  const float4* o4 = reinterpret_cast<const float4*>(out + base);
+  const float4* g4 = reinterpret_cast<const float4*>(grad_out + base);
+  const int num_groups = N / 4;
+  float4 o[kRegGroups], g[kRegGroups];
+#pragma unroll
+  for (int r = 0; r < kRegGroups; ++r) {
+    const int i = threadIdx.x + r * blockDim.x;
+    if (i < num_groups) {
+      o[r] = o4[i];
+      g[r] = g4[i];
+    }
+  }
+  double dot = 0.0;
+#pragma unroll
+  for (int r = 0; r < kRegGroups; ++r) {
+    if (threadIdx.x + r * blockDim.x < num_groups) {
+      dot += static_cast<double>(o[r].x) * g[r].x;
+      dot += static_cast<double>(o[r].y) * g[r].y;
+      dot += static_cast<double>(o[r].z) * g[r].z;
+      dot += static_cast<double>(o[r].w) * g[r].w;
+    }
+  }
+  const float s = static_cast<float>(block_sum(dot, red));
+  float4* v4 = reinterpret_cast<float4*>(grad_v + base);
+#pragma unroll
+  for (int r = 0; r < kRegGroups; ++r) {
+    const int i = threadIdx.x + r * blockDim.x;
+    if (i < num_groups)
+      v4[i] = make_float4(o[r].x * (g[r].x - s), o[r].y * (g[r].y - s), o[r].z * (g[r].z - s),
+                          o[r].w * (g[r].w - s));
+  }
 }
 
 template <bool kVec4>
@@ -4578,7 +4633,12 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
   if (M == 0 || N == 0) return cudaSuccess;
   const bool vec4 = N % 4 == 0 && (reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(grad_out) |
                                    reinterpret_cast<uintptr_t>(grad_v)) % 16 == 0;
-  if (vec4) {
+  const int num_groups = N / 4;
+  // Four groups per thread where the row allows (N = 8192: 512 threads), at least one warp.
+  const int reg_threads = min(kRegThreads, max(32, (num_groups / kRegGroups + 31) / 32 * 32));
+  if (vec4 && num_groups <= kRegGroups * reg_threads) {
+    softmax_rows_backward_regs_kernel<<<M, reg_threads, 0, stream>>>(out, grad_out, grad_v, N);
+  } else if (vec4) {
     softmax_rows_backward_kernel<true><<<M, kThreads, 0, stream>>>(out, grad_out, grad_v, N);
   } else {
     softmax_rows_backward_kernel<false><<<M, kThreads, 0, stream>>>(out, grad_out, grad_v, N);
@@ -4646,9 +4706,9 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
 //       w_inv_scale | w_row_sum], rows of K_pad fp16 words (zeros past K), for w_parts
 //   weight_row_sums(weight (N, K)) -> float32 (2 N): W's row sums as (hi, lo) pairs,
 //       sm80_3xtf32's w_parts
-//   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
+//   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
-//       problem 84's grad_scale without its bn_bias * sum(grad_y) term)
+//       bn_bias None: problem 84's grad_scale without its bn_bias * sum(grad_y) term)
 //   softmax_rows_backward(out, grad_out) -> grad_v = out * (grad_out - sum_n grad_out * out)
 //       per row (softmax_rows_backward.cu): problem 84's row softmax backward
 //   Synchronized BatchNorm (statistics merged across processes in Python between calls):
@@ -4660,7 +4720,7 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
 //       normalisation (problem 84: and the row softmax)
 //   bn_backward_sums(grad_y, z, stats) -> (2, N) float64; bn_backward_grad(grad_y, z,
 //       stats, bias, scale, bn_weight, eps, scale_after_bn, count (1-element float64 tensor),
-//       local_sums, total_sums)
+//       local_sums, total_sums, bn_bias)
 //       -> as bn_backward_train: the backward split around the all_reduce
 //   sm90_gemm_available(device) -> bool: the device fact the dispatch reads (a query,
 //       no launch).
@@ -5002,12 +5062,12 @@ void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, in
 
 // Problem 84's BatchNorm, scale and softmax after the training GEMM: per-feature
 // [mean_z | a | c] and the running-statistics update (bn_softmax_fold_train),
-// then out = softmax((out - mean_z) * a + c) per row, in place.
-void bn_softmax(const TrainGemm& g, torch::Tensor& out, int M, int N, const fgb::BatchNormArgs& bn,
-                cudaStream_t stream) {
+// then out = softmax((z - mean_z) * a + c) per row (out may be z: in place).
+void bn_softmax(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N,
+                const fgb::BatchNormArgs& bn, cudaStream_t stream) {
   check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bn, g.coeff, stream),
                "bn_softmax_fold_train");
-  check_launch(fgb::softmax_rows(out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
+  check_launch(fgb::softmax_rows(z.data_ptr<float>(), out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
 }
 
 }  // namespace
@@ -5032,7 +5092,7 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   const TrainGemm g =
       train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   if (scale_after_bn) {
-    bn_softmax(g, out, M, N, bn, stream);
+    bn_softmax(g, out, out, M, N, bn, stream);
   } else {
     bn_apply(g, out, out, M, N, bn, stream);
   }
@@ -5071,7 +5131,8 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                  "sm80_gemm_3xtf32_eval");
   }
   if (scale_after_bn)
-    check_launch(fgb::softmax_rows(out.data_ptr<float>(), nullptr, M, N, stream), "softmax_rows");
+    check_launch(fgb::softmax_rows(out.data_ptr<float>(), out.data_ptr<float>(), nullptr, M, N, stream),
+                 "softmax_rows");
   return out;
 }
 
@@ -5101,12 +5162,10 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   const TrainGemm g =
       train_gemm(gemm, x, weight, w_parts, z, stats.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(), M,
                  N, K, stream);
-  torch::Tensor out;
+  torch::Tensor out = torch::empty({M, N}, x.options());
   if (scale_after_bn) {
-    out = z.clone();  // softmax_rows works in place
-    bn_softmax(g, out, M, N, bn, stream);
+    bn_softmax(g, z, out, M, N, bn, stream);
   } else {
-    out = torch::empty({M, N}, x.options());
     bn_apply(g, z, out, M, N, bn, stream);
   }
   return {out, z, stats};
@@ -5336,15 +5395,16 @@ std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor&
 // Training-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy
 // (M, N), z and stats of forward_train_saved, returns [grad_z (M, N),
 // grad_scale, grad_bn_weight, grad_bn_bias (N each)].  scale_after_bn (problem
-// 84): y = scale * BN(z + b), the pre-softmax logits; its grad_scale then lacks
-// the bn_bias * sum_m grad_y term, which the caller adds.
+// 84): y = scale * BN(z + b), the pre-softmax logits; its grad_scale includes
+// the bn_bias * sum_m grad_y term where bn_bias is given (else the caller adds it).
 std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
                                              torch::Tensor scale, torch::Tensor bn_weight, double eps,
-                                             bool scale_after_bn) {
+                                             bool scale_after_bn, c10::optional<torch::Tensor> bn_bias) {
   scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
   check_vector(scale, "scale", N, z);
   check_vector(bn_weight, "bn.weight", N, z);
+  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = current_stream(z);
   const torch::Tensor g = grad_y.contiguous();
@@ -5357,6 +5417,7 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   bn.bn_weight = bn_weight.data_ptr<float>();
   bn.eps = static_cast<float>(eps);
   bn.scale_after_bn = scale_after_bn;
+  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
   check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                       grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
                                       grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
@@ -5434,7 +5495,7 @@ std::vector<torch::Tensor> sync_forward_local(const std::string& gemm_name, torc
 // statistics (gathered (world, 3, N) float64, the all_gather's output):
 // sync_bn_finalize (merge, coefficients, running statistics updated in place),
 // then problem 33: out = (z - mean_z) a + bn_bias (bn_apply_folded); problem 84:
-// out = row softmax of (z - mean_z) a + c (softmax_rows on a copy of z).  z is
+// out = row softmax of (z - mean_z) a + c (softmax_rows from z).  z is
 // not written.  Returns [out (M, N), stats (2, N) float32 = [mean_z | biased
 // var_z] of the merged batch, count (1) float64 = its rows] for the backward.
 std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered, torch::Tensor bias,
@@ -5465,14 +5526,12 @@ std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered
                                      static_cast<int>(N), bn, stats.data_ptr<float>(), coeff.data_ptr<float>(),
                                      count.data_ptr<double>(), stream),
                "sync_bn_finalize");
-  torch::Tensor out;
+  torch::Tensor out = torch::empty({M, N}, z.options());
   if (scale_after_bn) {
-    out = z.clone();  // softmax_rows works in place
-    check_launch(fgb::softmax_rows(out.data_ptr<float>(), coeff.data_ptr<float>(), static_cast<int>(M),
-                                   static_cast<int>(N), stream),
+    check_launch(fgb::softmax_rows(z.data_ptr<float>(), out.data_ptr<float>(), coeff.data_ptr<float>(),
+                                   static_cast<int>(M), static_cast<int>(N), stream),
                  "softmax_rows");
   } else {
-    out = torch::empty({M, N}, z.options());
     check_launch(fgb::bn_apply_folded(z.data_ptr<float>(), out.data_ptr<float>(), coeff.data_ptr<float>(),
                                       bn_bias.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N), stream),
                  "bn_apply_folded");
@@ -5495,13 +5554,15 @@ torch::Tensor bn_backward_sums(torch::Tensor grad_y, torch::Tensor z, torch::Ten
 // bn_backward_train with the merged batch: grad_z from total_sums (every process's
 // bn_backward_sums added) and count (the merged batch's rows: a one-element
 // float64 tensor on z's device, read by the kernel); grad_bn_weight,
-// grad_bn_bias and problem 84's grad_scale from local_sums (this process's rows);
+// grad_bn_bias and problem 84's grad_scale from local_sums (this process's rows;
+// its bn_bias term as bn_backward_train's);
 // problem 33's grad_scale over this process's rows (bias: gemm.bias).
 // Returns [grad_z (M, N), grad_scale, grad_bn_weight, grad_bn_bias (N)].
 std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
                                             torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
                                             double eps, bool scale_after_bn, torch::Tensor count,
-                                            torch::Tensor local_sums, torch::Tensor total_sums) {
+                                            torch::Tensor local_sums, torch::Tensor total_sums,
+                                            c10::optional<torch::Tensor> bn_bias) {
   scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_grad", grad_y, z, stats);
   TORCH_CHECK(count.device() == z.device() && count.scalar_type() == torch::kFloat64 && count.numel() == 1,
@@ -5510,6 +5571,7 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
   check_vector(bias, "gemm.bias", N, z);
   check_vector(scale, "scale", N, z);
   check_vector(bn_weight, "bn.weight", N, z);
+  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
   check_f64_rows(local_sums, "bn_backward_grad: local_sums", 2, N, z);
   check_f64_rows(total_sums, "bn_backward_grad: total_sums", 2, N, z);
   const c10::cuda::CUDAGuard guard(z.device());
@@ -5523,6 +5585,7 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
   bn.bn_weight = bn_weight.data_ptr<float>();
   bn.eps = static_cast<float>(eps);
   bn.scale_after_bn = scale_after_bn;
+  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
   check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                      count.data_ptr<double>(), local_sums.data_ptr<double>(),
                                      total_sums.data_ptr<double>(), grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
@@ -6417,10 +6480,10 @@ def _gemm_tn(a, b):
     return _kernels("torch" if gemm == "torch_ops" else "ext").gemm_tn(gemm, a, b)
 
 
-def _bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
+def _bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     """The extension's bn_backward_train (float32 CUDA) or _torch_bn_backward_train."""
     kernels = _kernels("ext" if z.is_cuda and z.dtype == torch.float32 else "torch")
-    return kernels.bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
+    return kernels.bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias)
 
 
 # What eager backward passes call (torch.compile's graphs call _OPS, same names).
@@ -6435,7 +6498,7 @@ def _train_backward(ops, scale_after_bn, eps, grad_out, x, weight, scale, bn_wei
     namespace _OPS; `needs` says which of the six are wanted (others None).
       problem 84: grad_v = out * (grad_out - sum_n grad_out * out)   (row softmax backward)
       grad_z, grad_scale, grad_bn_weight, grad_bn_bias = bn_backward_train(grad_v, z, stats, ...)
-      problem 84: grad_scale += bn_bias * sum_m grad_v               (the kernel has no bn_bias)
+        (problem 84's grad_scale holds bn_bias * sum_m grad_v: bn_bias is given)
       grad_x = grad_z weight = gemm_nn(grad_z, weight)               (M, K)
       grad_weight = grad_z^T x = gemm_tn(grad_z, x)                  (N, K)
       grad_bias = 0 exactly: BatchNorm subtracts the batch mean, which holds the bias."""
@@ -6444,9 +6507,8 @@ def _train_backward(ops, scale_after_bn, eps, grad_out, x, weight, scale, bn_wei
     if not (need_x or need_w or need_s or need_g or need_beta):
         return (None, None, grad_b, None, None, None)
     grad_y = _softmax_rows_backward(out, grad_out) if scale_after_bn else grad_out.contiguous()
-    grad_z, grad_s, grad_g, grad_beta = ops.bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn)
-    if scale_after_bn and need_s:
-        grad_s = grad_s + bn_bias * grad_y.sum(dim=0)
+    grad_z, grad_s, grad_g, grad_beta = ops.bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn,
+                                                              bn_bias if scale_after_bn else None)
     grad_x = ops.gemm_nn(grad_z, weight) if need_x else None
     grad_w = ops.gemm_tn(grad_z, x) if need_w else None
     return (grad_x, grad_w, grad_b, grad_s if need_s else None, grad_g if need_g else None,
@@ -6561,7 +6623,7 @@ _OP_SCHEMAS = {
     "gemm_tn": "(Tensor a, Tensor b) -> Tensor",
     "softmax_rows": "(Tensor v) -> Tensor",
     "bn_backward_train": "(Tensor grad_y, Tensor z, Tensor stats, Tensor scale, Tensor bn_weight, float eps, "
-                         "bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor)",
+                         "bool scale_after_bn, Tensor? bn_bias=None) -> (Tensor, Tensor, Tensor, Tensor)",
     "forward_train": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
                      "Tensor running_mean, Tensor running_var, Tensor num_batches_tracked, float momentum, "
                      "float eps, bool scale_after_bn) -> (Tensor, Tensor, Tensor, Tensor)",
@@ -6573,13 +6635,16 @@ _OP_SCHEMAS = {
 }
 
 
-def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
+def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     """The extension's bn_backward_train (contract: _torch_bn_backward_train), as a
     tuple; for a 16-bit z model_new_lowp's (stats is then the 16-bit
-    forward_train_saved's coeff (4, N), which holds bn_weight and eps)."""
+    forward_train_saved's coeff (4, N), which holds bn_weight and eps; its
+    callers give no bn_bias, which is refused there)."""
     if _is_16bit_dtype(z.dtype):
+        if bn_bias is not None:
+            raise ValueError("fused_gemm_bn::bn_backward_train takes no bn_bias for a 16-bit z")
         return _LOWP.op_bn_backward_train(grad_y, z, stats, scale, scale_after_bn)
-    return tuple(_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn))
+    return tuple(_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias))
 
 
 def _op_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
@@ -6610,7 +6675,7 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
                                 scale_after_bn, *_weight_args(kernels, plan.gemm, weight))
 
 
-def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
+def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     n = z.shape[1]
     if _is_16bit_dtype(z.dtype):
         return _LOWP.fake_bn_backward(z)
@@ -6838,7 +6903,7 @@ def _torch_forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, runnin
     return z * (scale * g) + (bn_bias + (scale * bias - running_mean) * g)
 
 
-def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn):
+def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     """Training-mode BatchNorm backward with batch statistics, the contract of the
     extension's bn_backward_train.  grad_y, z (M, N); stats (2, N) = (mu, var),
     biased; scale, bn_weight (N).  Returns [grad_z (M, N), grad_scale, grad_bn_weight,
@@ -6850,7 +6915,7 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
         grad_scale = bn_weight eps r^3 S_gd,  grad_bn_weight = scale r S_gd,  grad_bn_bias = S_g
       scale_after_bn True (problem 84), y = scale (bn_weight d r + bn_bias), r = 1 / sqrt(var + eps):
         grad_z = a (grad_y - S_g / M) - scale bn_weight r^3 S_gd d / M
-        grad_scale = bn_weight r S_gd   (the bn_bias S_g term is the caller's: bn_bias is no argument)
+        grad_scale = bn_weight r S_gd + bn_bias S_g   (the last term only where bn_bias is given)
         grad_bn_weight = scale r S_gd,  grad_bn_bias = scale S_g."""
     m = z.shape[0]
     mean, var = stats[0], stats[1].double()
@@ -6860,7 +6925,7 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
     s, gamma = scale.double(), bn_weight.double()
     if scale_after_bn:
         r = torch.rsqrt(var + eps)
-        grad_scale = gamma * r * sum_gd
+        grad_scale = gamma * r * sum_gd + (0.0 if bn_bias is None else bn_bias.double() * sum_g)
         grad_beta = s * sum_g
         coeff_d = s * gamma * r ** 3 * sum_gd / m
     else:

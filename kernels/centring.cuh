@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdint.h>
 
 namespace fused_gemm_bn {
@@ -57,56 +58,70 @@ struct RowTerms {
   float vmax, vmin, c;
 };
 
-// Reads row m (kVec: contiguous, 16-byte aligned and K % 4 == 0, float4 loads;
-// else element stride col_stride) once.  Thread 0 writes center[m] (x side) or
-// row_sum[m] (w side).  Every thread of the block must call it.  Both forms add
-// the elements in one order (thread t: elements 4i .. 4i + 3 for i = t, t +
-// kRowThreads, ...; then the K % 4 tail), so a strided, transposed or
-// misaligned copy of a row gets the same sum, centre and parts, bit for bit.
-template <bool kVec, RowSide kSide>
-__device__ __forceinline__ RowTerms row_terms(const float* __restrict__ row, int64_t col_stride, int K, int64_t m,
-                                              float* __restrict__ center, float2* __restrict__ row_sum) {
-  __shared__ float scratch_f[kRowWarps];
-  __shared__ double scratch_d[kRowWarps];
-  const float inf = __int_as_float(0x7f800000);
-  float vmax = -inf, vmin = inf, sum_f = 0.f;
+// One thread's share of a row's max, min and sum: take() its elements in the
+// row order below, then finish_row_terms() reduces over the block.
+template <RowSide kSide>
+struct RowAccum {
+  float vmax = -INFINITY, vmin = INFINITY, sum_f = 0.f;
   double sum_d = 0.0;
-  auto take = [&](float v) {
+  __device__ __forceinline__ void take(float v) {
     vmax = fmaxf(vmax, v);
     vmin = fminf(vmin, v);
     if constexpr (kSide == RowSide::kX) sum_f += v;
     else sum_d += static_cast<double>(v);
-  };
-  if constexpr (kVec) {
-    const float4* row4 = reinterpret_cast<const float4*>(row);
-    for (int i = threadIdx.x; i < K / 4; i += kRowThreads) {
-      const float4 v = row4[i];
-      take(v.x), take(v.y), take(v.z), take(v.w);
-    }
-  } else {
-    for (int i = threadIdx.x; i < K / 4; i += kRowThreads) {
-      const float* v = row + 4 * static_cast<int64_t>(i) * col_stride;
-      take(v[0]), take(v[col_stride]), take(v[2 * col_stride]), take(v[3 * col_stride]);
-    }
-    for (int k = K / 4 * 4 + threadIdx.x; k < K; k += kRowThreads) take(row[k * col_stride]);
   }
+  __device__ __forceinline__ void take(const float4& v) { take(v.x), take(v.y), take(v.z), take(v.w); }
+};
+
+// The block-wide reductions of every thread's RowAccum for row m; thread 0
+// writes center[m] (x side) or row_sum[m] (w side).  Every thread of the block
+// must call it.
+template <RowSide kSide>
+__device__ __forceinline__ RowTerms finish_row_terms(RowAccum<kSide> a, int K, int64_t m, float* __restrict__ center,
+                                                     float2* __restrict__ row_sum) {
+  __shared__ float scratch_f[kRowWarps];
+  __shared__ double scratch_d[kRowWarps];
   RowTerms r;
-  r.vmax = row_block_reduce<1>(vmax, scratch_f);
-  r.vmin = row_block_reduce<2>(vmin, scratch_f);
+  r.vmax = row_block_reduce<1>(a.vmax, scratch_f);
+  r.vmin = row_block_reduce<2>(a.vmin, scratch_f);
   r.c = 0.f;
   if constexpr (kSide == RowSide::kX) {
     const float amax = fmaxf(fmaxf(r.vmax, -r.vmin), 0.f);  // max |x|; 0 for an all-NaN row
-    sum_f = row_block_reduce<0>(sum_f, scratch_f);
+    const float sum_f = row_block_reduce<0>(a.sum_f, scratch_f);
     if (amax < kMaxCentredAmax && isfinite(sum_f)) r.c = sum_f * (1.f / static_cast<float>(K));
     if (threadIdx.x == 0) center[m] = r.c;
   } else {
-    sum_d = row_block_reduce<0>(sum_d, scratch_d);
+    const double sum_d = row_block_reduce<0>(a.sum_d, scratch_d);
     if (threadIdx.x == 0) {
       const float hi = static_cast<float>(sum_d);
       row_sum[m] = make_float2(hi, static_cast<float>(sum_d - static_cast<double>(hi)));
     }
   }
   return r;
+}
+
+// Reads row m (kVec: contiguous, 16-byte aligned and K % 4 == 0, float4 loads;
+// else element stride col_stride) once.  Thread 0 writes center[m] (x side) or
+// row_sum[m] (w side).  Every thread of the block must call it.  Both forms add
+// the elements in one order (thread t: elements 4i .. 4i + 3 for i = t, t +
+// kRowThreads, ...; then the K % 4 tail), so a strided, transposed or
+// misaligned copy of a row gets the same sum, centre and parts, bit for bit
+// (as does prepass_fp16x3.cu's register form, which takes them in this order).
+template <bool kVec, RowSide kSide>
+__device__ __forceinline__ RowTerms row_terms(const float* __restrict__ row, int64_t col_stride, int K, int64_t m,
+                                              float* __restrict__ center, float2* __restrict__ row_sum) {
+  RowAccum<kSide> a;
+  if constexpr (kVec) {
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int i = threadIdx.x; i < K / 4; i += kRowThreads) a.take(row4[i]);
+  } else {
+    for (int i = threadIdx.x; i < K / 4; i += kRowThreads) {
+      const float* v = row + 4 * static_cast<int64_t>(i) * col_stride;
+      a.take(v[0]), a.take(v[col_stride]), a.take(v[2 * col_stride]), a.take(v[3 * col_stride]);
+    }
+    for (int k = K / 4 * 4 + threadIdx.x; k < K; k += kRowThreads) a.take(row[k * col_stride]);
+  }
+  return finish_row_terms(a, K, m, center, row_sum);
 }
 
 }  // namespace fused_gemm_bn

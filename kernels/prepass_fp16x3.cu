@@ -30,8 +30,13 @@
 // arrival counts).
 //
 // One 256-thread block per row: a pass for max, min and sum (block reductions),
-// then a second read of the row (L1 / L2 hits: 32 KB at K = 8192) for the split.
-// Memory traffic per call: 4 M K bytes read, 4 M K written.
+// then the split.  Rows of contiguous, 16-byte aligned float4 groups that fit
+// kRegGroups per thread (K <= 8192) are held in registers, every load issued
+// before the first use (one read; the loop form's dependent float64 sum of the
+// w side kept one load per thread in flight: the weight's split took 260 us at
+// 8192 x 8192 on an H100, docs/perf.md v38); other rows are read a second time
+// for the split (L1 / L2 hits: 32 KB at K = 8192).  Both forms give the same
+// bits.  Memory traffic per call: 4 M K bytes read, 4 M K written.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -44,11 +49,24 @@ namespace fused_gemm_bn {
 namespace {
 
 constexpr int kPrepassThreads = kRowThreads;
+constexpr int kRegGroups = 8;  // float4 groups per thread of the register form: K <= 8192
 
-// kVec: rows contiguous and 16-byte aligned, K % 4 == 0 (float4 loads).  kSide: kX centres
-// each row on c_m and writes center[m]; kW writes row_sum[m] (float64 sum as an
-// fp32 (hi, lo) pair) and splits the row as it is (centring.cuh).
-template <bool kVec, RowSide kSide>
+// The split of v = (x - c) s for the 4 elements of float4 group i into rows of
+// fp16 word pairs (hi_row, lo_row).
+__device__ __forceinline__ void split_group(const float4& v, float c, float s, int i, uint32_t* hi_row,
+                                            uint32_t* lo_row) {
+  uint2 hi, lo;
+  split_fp16x2((v.x - c) * s, (v.y - c) * s, hi.x, lo.x);
+  split_fp16x2((v.z - c) * s, (v.w - c) * s, hi.y, lo.y);
+  reinterpret_cast<uint2*>(hi_row)[i] = hi;
+  reinterpret_cast<uint2*>(lo_row)[i] = lo;
+}
+
+// kVec: rows contiguous and 16-byte aligned, K % 4 == 0 (float4 loads); kRegs
+// (with kVec, K <= 4 kRegGroups kPrepassThreads): the row held in registers.
+// kSide: kX centres each row on c_m and writes center[m]; kW writes row_sum[m]
+// (float64 sum as an fp32 (hi, lo) pair) and splits the row as it is (centring.cuh).
+template <bool kVec, bool kRegs, RowSide kSide>
 __global__ void __launch_bounds__(kPrepassThreads)
     sm90_prepass_fp16x3_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int K,
                                uint32_t* __restrict__ x_hi, uint32_t* __restrict__ x_lo,
@@ -59,10 +77,28 @@ __global__ void __launch_bounds__(kPrepassThreads)
     if (num_batches_tracked != nullptr && threadIdx.x == 0) *num_batches_tracked += 1;
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   }
+  static_assert(kVec || !kRegs, "the register form reads float4 groups");
   const int64_t m = blockIdx.x;
   const float* row = x + m * row_stride;
   // Pass 1: the row's max, min and sum; c_m or the row's sum written.
-  const RowTerms r = row_terms<kVec, kSide>(row, col_stride, K, m, center, row_sum);
+  float4 held[kRegs ? kRegGroups : 1];
+  RowTerms r;
+  if constexpr (kRegs) {
+    // Thread t holds groups t, t + kPrepassThreads, ...: row_terms' order.
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+#pragma unroll
+    for (int g = 0; g < kRegGroups; ++g) {
+      const int i = threadIdx.x + g * kPrepassThreads;
+      if (i < K / 4) held[g] = row4[i];
+    }
+    RowAccum<kSide> a;
+#pragma unroll
+    for (int g = 0; g < kRegGroups; ++g)
+      if (threadIdx.x + g * kPrepassThreads < K / 4) a.take(held[g]);
+    r = finish_row_terms(a, K, m, center, row_sum);
+  } else {
+    r = row_terms<kVec, kSide>(row, col_stride, K, m, center, row_sum);
+  }
   const float vmax = r.vmax, vmin = r.vmin, c = r.c;
   const float amax = fmaxf(fmaxf(vmax, -vmin), 0.f);  // max |x|; 0 for an all-NaN row
   // max |rn(x - c)| <= max(rn(vmax - c), rn(c - vmin)): rounding is monotonic.
@@ -71,22 +107,22 @@ __global__ void __launch_bounds__(kPrepassThreads)
   fp16x3_scale(amax_c, s, inv_s);
   if (threadIdx.x == 0) x_inv_scale[m] = inv_s;
 
-  // Pass 2 (L1 / L2 hits): the split of (x - c) s into rows of K_pad words
-  // (K_pad / 2 word pairs); the pairs past K hold zeros (rn_fp16(0) = 0 in
-  // both parts).
+  // Pass 2 (from registers, else L1 / L2 hits): the split of (x - c) s into
+  // rows of K_pad words (K_pad / 2 word pairs); the pairs past K hold zeros
+  // (rn_fp16(0) = 0 in both parts).
   const int pairs = (K + 7) / 8 * 4;  // K_pad / 2
   uint32_t* hi_row = x_hi + m * pairs;
   uint32_t* lo_row = x_lo + m * pairs;
-  if constexpr (kVec) {
-    const float4* row4 = reinterpret_cast<const float4*>(row);
-    for (int i = threadIdx.x; i < K / 4; i += kPrepassThreads) {
-      const float4 v = row4[i];
-      uint2 hi, lo;
-      split_fp16x2((v.x - c) * s, (v.y - c) * s, hi.x, lo.x);
-      split_fp16x2((v.z - c) * s, (v.w - c) * s, hi.y, lo.y);
-      reinterpret_cast<uint2*>(hi_row)[i] = hi;
-      reinterpret_cast<uint2*>(lo_row)[i] = lo;
+  if constexpr (kRegs) {
+#pragma unroll
+    for (int g = 0; g < kRegGroups; ++g) {
+      const int i = threadIdx.x + g * kPrepassThreads;
+      if (i < K / 4) split_group(held[g], c, s, i, hi_row, lo_row);
     }
+    for (int p = K / 2 + threadIdx.x; p < pairs; p += kPrepassThreads) hi_row[p] = lo_row[p] = 0u;  // K % 8 == 4
+  } else if constexpr (kVec) {
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int i = threadIdx.x; i < K / 4; i += kPrepassThreads) split_group(row4[i], c, s, i, hi_row, lo_row);
     for (int p = K / 2 + threadIdx.x; p < pairs; p += kPrepassThreads) hi_row[p] = lo_row[p] = 0u;  // K % 8 == 4
   } else {
     for (int p = threadIdx.x; p < pairs; p += kPrepassThreads) {
@@ -115,6 +151,7 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
       reinterpret_cast<uintptr_t>(x_lo) % 16 != 0 || (center == nullptr) == (row_sum == nullptr))
     return cudaErrorInvalidValue;
   const bool vec = col_stride == 1 && row_stride % 4 == 0 && K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const bool regs = vec && K <= 4 * kRegGroups * kPrepassThreads;
   auto hi = reinterpret_cast<uint32_t*>(x_hi);
   auto lo = reinterpret_cast<uint32_t*>(x_lo);
   auto launch = [&](auto kernel) {
@@ -122,11 +159,13 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
                                               num_batches_tracked, zero_ints, num_zero_ints);
   };
   if (center != nullptr) {
-    if (vec) launch(sm90_prepass_fp16x3_kernel<true, RowSide::kX>);
-    else launch(sm90_prepass_fp16x3_kernel<false, RowSide::kX>);
+    if (regs) launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kX>);
+    else if (vec) launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kX>);
+    else launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kX>);
   } else {
-    if (vec) launch(sm90_prepass_fp16x3_kernel<true, RowSide::kW>);
-    else launch(sm90_prepass_fp16x3_kernel<false, RowSide::kW>);
+    if (regs) launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kW>);
+    else if (vec) launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kW>);
+    else launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kW>);
   }
   return cudaGetLastError();
 }

@@ -36,9 +36,11 @@
 //
 // Structure: _scaled is one 256-thread block per row, two passes over the row
 // (the second from L1 / L2); _columns is one 512-thread block per 64 columns
-// (a lane owns 2 adjacent columns, 16 warps stride over the rows), the column
-// maxima through shared memory, then a second pass (L2 hits: R x 256 bytes per
-// block).  Memory traffic: 8 bytes read and 4 written per element.
+// (a lane owns 2 adjacent columns, 32 warps stride over the rows, 8 rows'
+// loads in flight per warp: with 16 warps and 4 rows the pair of column splits
+// of the KernelBench backward took 2 x 38 us on an H100, docs/perf.md v38), the
+// column maxima through shared memory, then a second pass (L2 hits: R x 256
+// bytes per block).  Memory traffic: 8 bytes read and 4 written per element.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -50,7 +52,7 @@
 namespace fused_gemm_bn {
 namespace {
 
-constexpr int kColumnsWarps = 16;
+constexpr int kColumnsWarps = 32;
 constexpr int kColumnsThreads = 32 * kColumnsWarps;
 constexpr int kColumnsPerBlock = 64;  // 32 lanes x 2 adjacent columns
 
@@ -115,7 +117,7 @@ __global__ void __launch_bounds__(kColumnsThreads)
   // Pass 1: the column maxima.
   float m0 = 0.f, m1 = 0.f;
   if (live) {
-#pragma unroll 4
+#pragma unroll 8
     for (int r = warp; r < R; r += kColumnsWarps) {
       const float2 v = load(r);
       m0 = fmaxf(m0, fabsf(v.x));
@@ -139,7 +141,7 @@ __global__ void __launch_bounds__(kColumnsThreads)
   if (!live) return;
   // Pass 2 (L2 hits): the split, one fp16 pair per lane and row.
   const float s0 = col_scale[2 * lane], s1 = col_scale[2 * lane + 1];
-#pragma unroll 4
+#pragma unroll 8
   for (int r = warp; r < R; r += kColumnsWarps) {
     const float2 v = load(r);
     const int64_t word = (static_cast<int64_t>(r) * C + c0) / 2;

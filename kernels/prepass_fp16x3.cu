@@ -31,7 +31,7 @@
 //
 // One 256-thread block per row: a pass for max, min and sum (block reductions),
 // then the split.  Rows of contiguous, 16-byte aligned float4 groups that fit
-// kRegGroups per thread (K <= 8192) are held in registers, every load issued
+// kPrepassRegGroups per thread (K <= 8192) are held in registers, every load issued
 // before the first use (one read; the loop form's dependent float64 sum of the
 // w side kept one load per thread in flight: the weight's split took 260 us at
 // 8192 x 8192 on an H100, docs/perf.md v38); other rows are read a second time
@@ -49,7 +49,7 @@ namespace fused_gemm_bn {
 namespace {
 
 constexpr int kPrepassThreads = kRowThreads;
-constexpr int kRegGroups = 8;  // float4 groups per thread of the register form: K <= 8192
+constexpr int kPrepassRegGroups = 8;  // float4 groups per thread of the register form: K <= 8192
 
 // The split of v = (x - c) s for the 4 elements of float4 group i into rows of
 // fp16 word pairs (hi_row, lo_row).
@@ -63,7 +63,7 @@ __device__ __forceinline__ void split_group(const float4& v, float c, float s, i
 }
 
 // kVec: rows contiguous and 16-byte aligned, K % 4 == 0 (float4 loads); kRegs
-// (with kVec, K <= 4 kRegGroups kPrepassThreads): the row held in registers.
+// (with kVec, K <= 4 kPrepassRegGroups kPrepassThreads): the row held in registers.
 // kSide: kX centres each row on c_m and writes center[m]; kW writes row_sum[m]
 // (float64 sum as an fp32 (hi, lo) pair) and splits the row as it is (centring.cuh).
 template <bool kVec, bool kRegs, RowSide kSide>
@@ -81,19 +81,19 @@ __global__ void __launch_bounds__(kPrepassThreads)
   const int64_t m = blockIdx.x;
   const float* row = x + m * row_stride;
   // Pass 1: the row's max, min and sum; c_m or the row's sum written.
-  float4 held[kRegs ? kRegGroups : 1];
+  float4 held[kRegs ? kPrepassRegGroups : 1];
   RowTerms r;
   if constexpr (kRegs) {
     // Thread t holds groups t, t + kPrepassThreads, ...: row_terms' order.
     const float4* row4 = reinterpret_cast<const float4*>(row);
 #pragma unroll
-    for (int g = 0; g < kRegGroups; ++g) {
+    for (int g = 0; g < kPrepassRegGroups; ++g) {
       const int i = threadIdx.x + g * kPrepassThreads;
       if (i < K / 4) held[g] = row4[i];
     }
     RowAccum<kSide> a;
 #pragma unroll
-    for (int g = 0; g < kRegGroups; ++g)
+    for (int g = 0; g < kPrepassRegGroups; ++g)
       if (threadIdx.x + g * kPrepassThreads < K / 4) a.take(held[g]);
     r = finish_row_terms(a, K, m, center, row_sum);
   } else {
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kPrepassThreads)
   uint32_t* lo_row = x_lo + m * pairs;
   if constexpr (kRegs) {
 #pragma unroll
-    for (int g = 0; g < kRegGroups; ++g) {
+    for (int g = 0; g < kPrepassRegGroups; ++g) {
       const int i = threadIdx.x + g * kPrepassThreads;
       if (i < K / 4) split_group(held[g], c, s, i, hi_row, lo_row);
     }
@@ -151,7 +151,7 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
       reinterpret_cast<uintptr_t>(x_lo) % 16 != 0 || (center == nullptr) == (row_sum == nullptr))
     return cudaErrorInvalidValue;
   const bool vec = col_stride == 1 && row_stride % 4 == 0 && K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  const bool regs = vec && K <= 4 * kRegGroups * kPrepassThreads;
+  const bool regs = vec && K <= 4 * kPrepassRegGroups * kPrepassThreads;
   auto hi = reinterpret_cast<uint32_t*>(x_hi);
   auto lo = reinterpret_cast<uint32_t*>(x_lo);
   auto launch = [&](auto kernel) {

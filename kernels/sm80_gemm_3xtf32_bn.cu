@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "device_facts.cuh"
 #include "launchers.cuh"
 #include "sm80_gemm_3xtf32_bn.cuh"
 
@@ -31,11 +32,12 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) sm80_gemm_3xtf32_bn_kernel(
 // rows (1-4 batch tiles of 16), else Sm80GemmTraits.  The training statistics
 // are per batch tile: ceil(M / sm80_gemm_block_m(M)) rows of part_mean / part_m2.
 constexpr int kSmallTileMaxRows = 64;
+static bool sm80_small_tile(int M) { return M <= kSmallTileMaxRows; }
 struct Sm80TileDims {
   int block_m, block_n;
 };
 static Sm80TileDims sm80_tile_dims(int M) {
-  if (M <= kSmallTileMaxRows) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
+  if (sm80_small_tile(M)) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
   return {Sm80GemmTraits::BLOCK_M, Sm80GemmTraits::BLOCK_N};
 }
 
@@ -44,7 +46,8 @@ static Sm80TileDims sm80_tile_dims(int M) {
 // kMinPieceKTiles slabs; below kSmallBatchRows rows also at most
 // kSmallBatchPieceK k per piece; at most FUSED_GEMM_BN_SM80_MAX_PIECES.
 // Then every piece but the last has k_tiles_per_piece slabs, the last the
-// rest (>= 1).  pieces == 1: no split, no workspace.
+// rest (>= 1; 2 <= pieces <= num_k_tiles keeps at least two pieces after the
+// rounding).  pieces == 1: no split, no workspace.
 struct Sm80SplitPlan {
   int pieces = 1;
   int k_tiles_per_piece = 0;
@@ -71,23 +74,22 @@ static Sm80SplitPlan sm80_split_plan(int M, int N, int K, int num_sms) {
   if (pieces < 2) return plan;
   plan.k_tiles_per_piece = static_cast<int>((num_k_tiles + pieces - 1) / pieces);
   plan.pieces = (num_k_tiles + plan.k_tiles_per_piece - 1) / plan.k_tiles_per_piece;
-  if (plan.pieces < 2) plan = Sm80SplitPlan{1, num_k_tiles};
   return plan;
-}
-
-static cudaError_t sm80_num_sms(int* num_sms) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
 }
 
 template <class T, Epilogue kEpilogue, bool kVec16, int kNumStages>
 static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStream_t stream) {
   auto kernel = sm80_gemm_3xtf32_bn_kernel<T, kEpilogue, kVec16, kNumStages>;
   constexpr int kSmemBytes = T::smem_bytes(kNumStages);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  static bool smem_set[kMaxCachedDevices] = {};  // per instantiation and device
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
+  if (device >= kMaxCachedDevices || !smem_set[device]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+    if (device < kMaxCachedDevices) smem_set[device] = true;
+  }
   const dim3 grid((args.M + T::BLOCK_M - 1) / T::BLOCK_M, (args.N + T::BLOCK_N - 1) / T::BLOCK_N, args.pieces);
   if (grid.y > 65535u || grid.z > 65535u) return cudaErrorInvalidConfiguration;
   kernel<<<grid, T::kNumThreads, kSmemBytes, stream>>>(args);
@@ -112,10 +114,10 @@ static cudaError_t launch_sm80_tile(const Sm80GemmBnArgs& args, int smem_optin, 
 // the tile of the batch size (sm80_tile_dims).
 template <Epilogue kEpilogue, bool kVec16>
 static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaStream_t stream) {
-  int device = 0, smem_optin = 0, num_sms = 0;
-  cudaError_t err = sm80_num_sms(&num_sms);
+  DeviceFacts facts;
+  const cudaError_t err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
-  const Sm80SplitPlan plan = sm80_split_plan(args.M, args.N, args.K, num_sms);
+  const Sm80SplitPlan plan = sm80_split_plan(args.M, args.N, args.K, facts.num_sms);
   args.pieces = plan.pieces;
   args.k_tiles_per_piece = plan.k_tiles_per_piece;
   if (plan.pieces > 1) {
@@ -123,12 +125,9 @@ static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaS
     args.partials = workspace;
     args.tile_arrivals = reinterpret_cast<int*>(workspace + static_cast<int64_t>(plan.pieces) * args.M * args.N);
   }
-  err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return err;
-  if (args.M <= kSmallTileMaxRows) return launch_sm80_tile<Sm80SmallMTraits, kEpilogue, kVec16>(args, smem_optin, stream);
-  return launch_sm80_tile<Sm80GemmTraits, kEpilogue, kVec16>(args, smem_optin, stream);
+  if (sm80_small_tile(args.M))
+    return launch_sm80_tile<Sm80SmallMTraits, kEpilogue, kVec16>(args, facts.smem_optin, stream);
+  return launch_sm80_tile<Sm80GemmTraits, kEpilogue, kVec16>(args, facts.smem_optin, stream);
 }
 
 }  // namespace fused_gemm_bn
@@ -146,10 +145,10 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_workspace(int M, int N, int K, int64
   *floats = 0;
   *zero_ints = 0;
   if (M < 1 || N < 1 || K < 0) return cudaSuccess;
-  int num_sms = 0;
-  const cudaError_t err = sm80_num_sms(&num_sms);
+  DeviceFacts facts;
+  const cudaError_t err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
-  const Sm80SplitPlan plan = sm80_split_plan(M, N, K, num_sms);
+  const Sm80SplitPlan plan = sm80_split_plan(M, N, K, facts.num_sms);
   if (plan.pieces < 2) return cudaSuccess;
   const Sm80TileDims d = sm80_tile_dims(M);
   const int tiles = ((M + d.block_m - 1) / d.block_m) * ((N + d.block_n - 1) / d.block_n);

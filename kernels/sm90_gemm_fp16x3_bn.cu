@@ -94,6 +94,7 @@
 
 #include <type_traits>
 
+#include "device_facts.cuh"
 #include "fp16x3_split.cuh"
 #include "launchers.cuh"
 #include "sm90_gemm_tiles.cuh"
@@ -381,20 +382,19 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
       !make_part_map(&tmap_x_hi, x.hi, kXMn, args.M, args.K, T::BLOCK_M) ||
       !make_part_map(&tmap_x_lo, x.lo, kXMn, args.M, args.K, T::BLOCK_M))
     return cudaErrorInvalidValue;
-  constexpr int kMaxDevices = 64;
-  static bool smem_set[2][kMaxDevices] = {};  // per instantiation (tile order) and device
+  static bool smem_set[2][kMaxCachedDevices] = {};  // per instantiation (tile order) and device
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device >= kMaxDevices || !smem_set[grouped][device]) {
+  if (device >= kMaxCachedDevices || !smem_set[grouped][device]) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
     if (err != cudaSuccess) return err;
-    if (device < kMaxDevices) smem_set[grouped][device] = true;
+    if (device < kMaxCachedDevices) smem_set[grouped][device] = true;
   }
-  int num_sms = 0;
-  err = current_num_sms(&num_sms);
+  DeviceFacts facts;
+  err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
-  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, num_sms, true);
+  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, facts.num_sms, true);
   if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.partials = workspace;
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
@@ -471,9 +471,9 @@ void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, int64_t* flo
   using namespace sm90;
   *floats = 0;
   *zero_ints = 0;
-  int num_sms = 0;
-  if (current_num_sms(&num_sms) != cudaSuccess) return;
-  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, num_sms, true);
+  DeviceFacts facts;
+  if (current_device_facts(&facts) != cudaSuccess) return;
+  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, facts.num_sms, true);
   if (p.sk_ctas == 0) return;
   *floats = partial_floats(p) + p.sk_tiles;
   *zero_ints = p.sk_tiles;

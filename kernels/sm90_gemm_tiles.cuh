@@ -421,22 +421,6 @@ static StreamKPlan stream_k_plan(int M, int N, int K, int block_k, int num_sms, 
   return p;
 }
 
-// Streaming multiprocessors of the current device (cached per device).
-static cudaError_t current_num_sms(int* num_sms) {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < kMaxDevices && cached[device] > 0) {
-    *num_sms = cached[device];
-    return cudaSuccess;
-  }
-  err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess && device < kMaxDevices) cached[device] = *num_sms;
-  return err;
-}
-
 // Workspace floats of the split tiles' partial sums (one slot per piece),
 // followed by one int per split tile (the arrival counts).
 static long long partial_floats(const StreamKPlan& p) {

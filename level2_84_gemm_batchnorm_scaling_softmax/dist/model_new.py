@@ -1345,6 +1345,7 @@ cudaError_t fused_gemm_bn::row_sums(const float* w, int64_t row_stride, int64_t 
 #pragma once
 
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdint.h>
 
 namespace fused_gemm_bn {
@@ -1382,56 +1383,109 @@ struct RowTerms {
   float vmax, vmin, c;
 };
 
-// Reads row m (kVec: contiguous, 16-byte aligned and K % 4 == 0, float4 loads;
-// else element stride col_stride) once.  Thread 0 writes center[m] (x side) or
-// row_sum[m] (w side).  Every thread of the block must call it.  Both forms add
-// the elements in one order (thread t: elements 4i .. 4i + 3 for i = t, t +
-// kRowThreads, ...; then the K % 4 tail), so a strided, transposed or
-// misaligned copy of a row gets the same sum, centre and parts, bit for bit.
-template <bool kVec, RowSide kSide>
-__device__ __forceinline__ RowTerms row_terms(const float* __restrict__ row, int64_t col_stride, int K, int64_t m,
-                                              float* __restrict__ center, float2* __restrict__ row_sum) {
-  __shared__ float scratch_f[kRowWarps];
-  __shared__ double scratch_d[kRowWarps];
-  const float inf = __int_as_float(0x7f800000);
-  float vmax = -inf, vmin = inf, sum_f = 0.f;
+// One thread's share of a row's max, min and sum: take() its elements in the
+// row order below, then finish_row_terms() reduces over the block.
+template <RowSide kSide>
+struct RowAccum {
+  float vmax = -INFINITY, vmin = INFINITY, sum_f = 0.f;
   double sum_d = 0.0;
-  auto take = [&](float v) {
+  __device__ __forceinline__ void take(float v) {
     vmax = fmaxf(vmax, v);
     vmin = fminf(vmin, v);
     if constexpr (kSide == RowSide::kX) sum_f += v;
     else sum_d += static_cast<double>(v);
-  };
-  if constexpr (kVec) {
-    const float4* row4 = reinterpret_cast<const float4*>(row);
-    for (int i = threadIdx.x; i < K / 4; i += kRowThreads) {
-      const float4 v = row4[i];
-      take(v.x), take(v.y), take(v.z), take(v.w);
-    }
-  } else {
-    for (int i = threadIdx.x; i < K / 4; i += kRowThreads) {
-      const float* v = row + 4 * static_cast<int64_t>(i) * col_stride;
-      take(v[0]), take(v[col_stride]), take(v[2 * col_stride]), take(v[3 * col_stride]);
-    }
-    for (int k = K / 4 * 4 + threadIdx.x; k < K; k += kRowThreads) take(row[k * col_stride]);
   }
+  __device__ __forceinline__ void take(const float4& v) { take(v.x), take(v.y), take(v.z), take(v.w); }
+};
+
+// The block-wide reductions of every thread's RowAccum for row m; thread 0
+// writes center[m] (x side) or row_sum[m] (w side).  Every thread of the block
+// must call it.
+template <RowSide kSide>
+__device__ __forceinline__ RowTerms finish_row_terms(RowAccum<kSide> a, int K, int64_t m, float* __restrict__ center,
+                                                     float2* __restrict__ row_sum) {
+  __shared__ float scratch_f[kRowWarps];
+  __shared__ double scratch_d[kRowWarps];
   RowTerms r;
-  r.vmax = row_block_reduce<1>(vmax, scratch_f);
-  r.vmin = row_block_reduce<2>(vmin, scratch_f);
+  r.vmax = row_block_reduce<1>(a.vmax, scratch_f);
+  r.vmin = row_block_reduce<2>(a.vmin, scratch_f);
   r.c = 0.f;
   if constexpr (kSide == RowSide::kX) {
     const float amax = fmaxf(fmaxf(r.vmax, -r.vmin), 0.f);  // max |x|; 0 for an all-NaN row
-    sum_f = row_block_reduce<0>(sum_f, scratch_f);
+    const float sum_f = row_block_reduce<0>(a.sum_f, scratch_f);
     if (amax < kMaxCentredAmax && isfinite(sum_f)) r.c = sum_f * (1.f / static_cast<float>(K));
     if (threadIdx.x == 0) center[m] = r.c;
   } else {
-    sum_d = row_block_reduce<0>(sum_d, scratch_d);
+    const double sum_d = row_block_reduce<0>(a.sum_d, scratch_d);
     if (threadIdx.x == 0) {
       const float hi = static_cast<float>(sum_d);
       row_sum[m] = make_float2(hi, static_cast<float>(sum_d - static_cast<double>(hi)));
     }
   }
   return r;
+}
+
+// Reads row m (kVec: contiguous, 16-byte aligned and K % 4 == 0, float4 loads;
+// else element stride col_stride) once.  Thread 0 writes center[m] (x side) or
+// row_sum[m] (w side).  Every thread of the block must call it.  Both forms add
+// the elements in one order (thread t: elements 4i .. 4i + 3 for i = t, t +
+// kRowThreads, ...; then the K % 4 tail), so a strided, transposed or
+// misaligned copy of a row gets the same sum, centre and parts, bit for bit
+// (as does prepass_fp16x3.cu's register form, which takes them in this order).
+template <bool kVec, RowSide kSide>
+__device__ __forceinline__ RowTerms row_terms(const float* __restrict__ row, int64_t col_stride, int K, int64_t m,
+                                              float* __restrict__ center, float2* __restrict__ row_sum) {
+  RowAccum<kSide> a;
+  if constexpr (kVec) {
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int i = threadIdx.x; i < K / 4; i += kRowThreads) a.take(row4[i]);
+  } else {
+    for (int i = threadIdx.x; i < K / 4; i += kRowThreads) {
+      const float* v = row + 4 * static_cast<int64_t>(i) * col_stride;
+      a.take(v[0]), a.take(v[col_stride]), a.take(v[2 * col_stride]), a.take(v[3 * col_stride]);
+    }
+    for (int k = K / 4 * 4 + threadIdx.x; k < K; k += kRowThreads) a.take(row[k * col_stride]);
+  }
+  return finish_row_terms(a, K, m, center, row_sum);
+}
+
+}  // namespace fused_gemm_bn
+''',
+    'device_facts.cuh': r'''// device_facts.cuh -- what the GEMM launchers plan with about the current
+// device (sm80_gemm_3xtf32_bn.cu, sm90_gemm_fp16x3_bn.cu): its streaming
+// multiprocessor count and the opt-in shared memory per block, queried once per
+// device with cudaDeviceGetAttribute and cached for the process (they do not
+// change while it runs).  Host code only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace fused_gemm_bn {
+
+constexpr int kMaxCachedDevices = 64;  // devices past this are queried on every call
+
+struct DeviceFacts {
+  int num_sms = 0;     // cudaDevAttrMultiProcessorCount
+  int smem_optin = 0;  // cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes
+};
+
+// The current device's facts; an error from cudaGetDevice or the queries is returned as it is.
+static cudaError_t current_device_facts(DeviceFacts* facts) {
+  static DeviceFacts cached[kMaxCachedDevices];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < kMaxCachedDevices && cached[device].num_sms > 0) {
+    *facts = cached[device];
+    return cudaSuccess;
+  }
+  DeviceFacts f;
+  err = cudaDeviceGetAttribute(&f.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&f.num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  if (device < kMaxCachedDevices) cached[device] = f;
+  *facts = f;
+  return cudaSuccess;
 }
 
 }  // namespace fused_gemm_bn
@@ -1980,8 +2034,13 @@ cudaError_t fused_gemm_bn::sm80_prepass_3xtf32(const float* x, int64_t row_strid
 // arrival counts).
 //
 // One 256-thread block per row: a pass for max, min and sum (block reductions),
-// then a second read of the row (L1 / L2 hits: 32 KB at K = 8192) for the split.
-// Memory traffic per call: 4 M K bytes read, 4 M K written.
+// then the split.  Rows of contiguous, 16-byte aligned float4 groups that fit
+// kPrepassRegGroups per thread (K <= 8192) are held in registers, every load issued
+// before the first use (one read; the loop form's dependent float64 sum of the
+// w side kept one load per thread in flight: the weight's split took 260 us at
+// 8192 x 8192 on an H100, docs/perf.md v38); other rows are read a second time
+// for the split (L1 / L2 hits: 32 KB at K = 8192).  Both forms give the same
+// bits.  Memory traffic per call: 4 M K bytes read, 4 M K written.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -1994,11 +2053,24 @@ namespace fused_gemm_bn {
 namespace {
 
 constexpr int kPrepassThreads = kRowThreads;
+constexpr int kPrepassRegGroups = 8;  // float4 groups per thread of the register form: K <= 8192
 
-// kVec: rows contiguous and 16-byte aligned, K % 4 == 0 (float4 loads).  kSide: kX centres
-// each row on c_m and writes center[m]; kW writes row_sum[m] (float64 sum as an
-// fp32 (hi, lo) pair) and splits the row as it is (centring.cuh).
-template <bool kVec, RowSide kSide>
+// The split of v = (x - c) s for the 4 elements of float4 group i into rows of
+// fp16 word pairs (hi_row, lo_row).
+__device__ __forceinline__ void split_group(const float4& v, float c, float s, int i, uint32_t* hi_row,
+                                            uint32_t* lo_row) {
+  uint2 hi, lo;
+  split_fp16x2((v.x - c) * s, (v.y - c) * s, hi.x, lo.x);
+  split_fp16x2((v.z - c) * s, (v.w - c) * s, hi.y, lo.y);
+  reinterpret_cast<uint2*>(hi_row)[i] = hi;
+  reinterpret_cast<uint2*>(lo_row)[i] = lo;
+}
+
+// kVec: rows contiguous and 16-byte aligned, K % 4 == 0 (float4 loads); kRegs
+// (with kVec, K <= 4 kPrepassRegGroups kPrepassThreads): the row held in registers.
+// kSide: kX centres each row on c_m and writes center[m]; kW writes row_sum[m]
+// (float64 sum as an fp32 (hi, lo) pair) and splits the row as it is (centring.cuh).
+template <bool kVec, bool kRegs, RowSide kSide>
 __global__ void __launch_bounds__(kPrepassThreads)
     sm90_prepass_fp16x3_kernel(const float* __restrict__ x, int64_t row_stride, int64_t col_stride, int K,
                                uint32_t* __restrict__ x_hi, uint32_t* __restrict__ x_lo,
@@ -2009,10 +2081,28 @@ __global__ void __launch_bounds__(kPrepassThreads)
     if (num_batches_tracked != nullptr && threadIdx.x == 0) *num_batches_tracked += 1;
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
   }
+  static_assert(kVec || !kRegs, "the register form reads float4 groups");
   const int64_t m = blockIdx.x;
   const float* row = x + m * row_stride;
   // Pass 1: the row's max, min and sum; c_m or the row's sum written.
-  const RowTerms r = row_terms<kVec, kSide>(row, col_stride, K, m, center, row_sum);
+  float4 held[kRegs ? kPrepassRegGroups : 1];
+  RowTerms r;
+  if constexpr (kRegs) {
+    // Thread t holds groups t, t + kPrepassThreads, ...: row_terms' order.
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+#pragma unroll
+    for (int g = 0; g < kPrepassRegGroups; ++g) {
+      const int i = threadIdx.x + g * kPrepassThreads;
+      if (i < K / 4) held[g] = row4[i];
+    }
+    RowAccum<kSide> a;
+#pragma unroll
+    for (int g = 0; g < kPrepassRegGroups; ++g)
+      if (threadIdx.x + g * kPrepassThreads < K / 4) a.take(held[g]);
+    r = finish_row_terms(a, K, m, center, row_sum);
+  } else {
+    r = row_terms<kVec, kSide>(row, col_stride, K, m, center, row_sum);
+  }
   const float vmax = r.vmax, vmin = r.vmin, c = r.c;
   const float amax = fmaxf(fmaxf(vmax, -vmin), 0.f);  // max |x|; 0 for an all-NaN row
   // max |rn(x - c)| <= max(rn(vmax - c), rn(c - vmin)): rounding is monotonic.
@@ -2021,22 +2111,22 @@ __global__ void __launch_bounds__(kPrepassThreads)
   fp16x3_scale(amax_c, s, inv_s);
   if (threadIdx.x == 0) x_inv_scale[m] = inv_s;
 
-  // Pass 2 (L1 / L2 hits): the split of (x - c) s into rows of K_pad words
-  // (K_pad / 2 word pairs); the pairs past K hold zeros (rn_fp16(0) = 0 in
-  // both parts).
+  // Pass 2 (from registers, else L1 / L2 hits): the split of (x - c) s into
+  // rows of K_pad words (K_pad / 2 word pairs); the pairs past K hold zeros
+  // (rn_fp16(0) = 0 in both parts).
   const int pairs = (K + 7) / 8 * 4;  // K_pad / 2
   uint32_t* hi_row = x_hi + m * pairs;
   uint32_t* lo_row = x_lo + m * pairs;
-  if constexpr (kVec) {
-    const float4* row4 = reinterpret_cast<const float4*>(row);
-    for (int i = threadIdx.x; i < K / 4; i += kPrepassThreads) {
-      const float4 v = row4[i];
-      uint2 hi, lo;
-      split_fp16x2((v.x - c) * s, (v.y - c) * s, hi.x, lo.x);
-      split_fp16x2((v.z - c) * s, (v.w - c) * s, hi.y, lo.y);
-      reinterpret_cast<uint2*>(hi_row)[i] = hi;
-      reinterpret_cast<uint2*>(lo_row)[i] = lo;
+  if constexpr (kRegs) {
+#pragma unroll
+    for (int g = 0; g < kPrepassRegGroups; ++g) {
+      const int i = threadIdx.x + g * kPrepassThreads;
+      if (i < K / 4) split_group(held[g], c, s, i, hi_row, lo_row);
     }
+    for (int p = K / 2 + threadIdx.x; p < pairs; p += kPrepassThreads) hi_row[p] = lo_row[p] = 0u;  // K % 8 == 4
+  } else if constexpr (kVec) {
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int i = threadIdx.x; i < K / 4; i += kPrepassThreads) split_group(row4[i], c, s, i, hi_row, lo_row);
     for (int p = K / 2 + threadIdx.x; p < pairs; p += kPrepassThreads) hi_row[p] = lo_row[p] = 0u;  // K % 8 == 4
   } else {
     for (int p = threadIdx.x; p < pairs; p += kPrepassThreads) {
@@ -2065,6 +2155,7 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
       reinterpret_cast<uintptr_t>(x_lo) % 16 != 0 || (center == nullptr) == (row_sum == nullptr))
     return cudaErrorInvalidValue;
   const bool vec = col_stride == 1 && row_stride % 4 == 0 && K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const bool regs = vec && K <= 4 * kPrepassRegGroups * kPrepassThreads;
   auto hi = reinterpret_cast<uint32_t*>(x_hi);
   auto lo = reinterpret_cast<uint32_t*>(x_lo);
   auto launch = [&](auto kernel) {
@@ -2072,11 +2163,13 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
                                               num_batches_tracked, zero_ints, num_zero_ints);
   };
   if (center != nullptr) {
-    if (vec) launch(sm90_prepass_fp16x3_kernel<true, RowSide::kX>);
-    else launch(sm90_prepass_fp16x3_kernel<false, RowSide::kX>);
+    if (regs) launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kX>);
+    else if (vec) launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kX>);
+    else launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kX>);
   } else {
-    if (vec) launch(sm90_prepass_fp16x3_kernel<true, RowSide::kW>);
-    else launch(sm90_prepass_fp16x3_kernel<false, RowSide::kW>);
+    if (regs) launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kW>);
+    else if (vec) launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kW>);
+    else launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kW>);
   }
   return cudaGetLastError();
 }
@@ -2119,9 +2212,11 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
 //
 // Structure: _scaled is one 256-thread block per row, two passes over the row
 // (the second from L1 / L2); _columns is one 512-thread block per 64 columns
-// (a lane owns 2 adjacent columns, 16 warps stride over the rows), the column
-// maxima through shared memory, then a second pass (L2 hits: R x 256 bytes per
-// block).  Memory traffic: 8 bytes read and 4 written per element.
+// (a lane owns 2 adjacent columns, 32 warps stride over the rows, 8 rows'
+// loads in flight per warp: with 16 warps and 4 rows the pair of column splits
+// of the KernelBench backward took 2 x 38 us on an H100, docs/perf.md v38), the
+// column maxima through shared memory, then a second pass (L2 hits: R x 256
+// bytes per block).  Memory traffic: 8 bytes read and 4 written per element.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -2133,7 +2228,7 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
 namespace fused_gemm_bn {
 namespace {
 
-constexpr int kColumnsWarps = 16;
+constexpr int kColumnsWarps = 32;
 constexpr int kColumnsThreads = 32 * kColumnsWarps;
 constexpr int kColumnsPerBlock = 64;  // 32 lanes x 2 adjacent columns
 
@@ -2198,7 +2293,7 @@ __global__ void __launch_bounds__(kColumnsThreads)
   // Pass 1: the column maxima.
   float m0 = 0.f, m1 = 0.f;
   if (live) {
-#pragma unroll 4
+#pragma unroll 8
     for (int r = warp; r < R; r += kColumnsWarps) {
       const float2 v = load(r);
       m0 = fmaxf(m0, fabsf(v.x));
@@ -2222,7 +2317,7 @@ __global__ void __launch_bounds__(kColumnsThreads)
   if (!live) return;
   // Pass 2 (L2 hits): the split, one fp16 pair per lane and row.
   const float s0 = col_scale[2 * lane], s1 = col_scale[2 * lane + 1];
-#pragma unroll 4
+#pragma unroll 8
   for (int r = warp; r < R; r += kColumnsWarps) {
     const float2 v = load(r);
     const int64_t word = (static_cast<int64_t>(r) * C + c0) / 2;
@@ -2294,6 +2389,7 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_columns(const float* a, int64_t r
 #include <algorithm>
 #include <type_traits>
 
+#include "device_facts.cuh"
 #include "launchers.cuh"
 #include "sm80_gemm_3xtf32_bn.cuh"
 
@@ -2308,11 +2404,12 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) sm80_gemm_3xtf32_bn_kernel(
 // rows (1-4 batch tiles of 16), else Sm80GemmTraits.  The training statistics
 // are per batch tile: ceil(M / sm80_gemm_block_m(M)) rows of part_mean / part_m2.
 constexpr int kSmallTileMaxRows = 64;
+static bool sm80_small_tile(int M) { return M <= kSmallTileMaxRows; }
 struct Sm80TileDims {
   int block_m, block_n;
 };
 static Sm80TileDims sm80_tile_dims(int M) {
-  if (M <= kSmallTileMaxRows) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
+  if (sm80_small_tile(M)) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
   return {Sm80GemmTraits::BLOCK_M, Sm80GemmTraits::BLOCK_N};
 }
 
@@ -2321,7 +2418,8 @@ static Sm80TileDims sm80_tile_dims(int M) {
 // kMinPieceKTiles slabs; below kSmallBatchRows rows also at most
 // kSmallBatchPieceK k per piece; at most FUSED_GEMM_BN_SM80_MAX_PIECES.
 // Then every piece but the last has k_tiles_per_piece slabs, the last the
-// rest (>= 1).  pieces == 1: no split, no workspace.
+// rest (>= 1; 2 <= pieces <= num_k_tiles keeps at least two pieces after the
+// rounding).  pieces == 1: no split, no workspace.
 struct Sm80SplitPlan {
   int pieces = 1;
   int k_tiles_per_piece = 0;
@@ -2348,23 +2446,22 @@ static Sm80SplitPlan sm80_split_plan(int M, int N, int K, int num_sms) {
   if (pieces < 2) return plan;
   plan.k_tiles_per_piece = static_cast<int>((num_k_tiles + pieces - 1) / pieces);
   plan.pieces = (num_k_tiles + plan.k_tiles_per_piece - 1) / plan.k_tiles_per_piece;
-  if (plan.pieces < 2) plan = Sm80SplitPlan{1, num_k_tiles};
   return plan;
-}
-
-static cudaError_t sm80_num_sms(int* num_sms) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
 }
 
 template <class T, Epilogue kEpilogue, bool kVec16, int kNumStages>
 static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStream_t stream) {
   auto kernel = sm80_gemm_3xtf32_bn_kernel<T, kEpilogue, kVec16, kNumStages>;
   constexpr int kSmemBytes = T::smem_bytes(kNumStages);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  static bool smem_set[kMaxCachedDevices] = {};  // per instantiation and device
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
+  if (device >= kMaxCachedDevices || !smem_set[device]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+    if (device < kMaxCachedDevices) smem_set[device] = true;
+  }
   const dim3 grid((args.M + T::BLOCK_M - 1) / T::BLOCK_M, (args.N + T::BLOCK_N - 1) / T::BLOCK_N, args.pieces);
   if (grid.y > 65535u || grid.z > 65535u) return cudaErrorInvalidConfiguration;
   kernel<<<grid, T::kNumThreads, kSmemBytes, stream>>>(args);
@@ -2389,10 +2486,10 @@ static cudaError_t launch_sm80_tile(const Sm80GemmBnArgs& args, int smem_optin, 
 // the tile of the batch size (sm80_tile_dims).
 template <Epilogue kEpilogue, bool kVec16>
 static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaStream_t stream) {
-  int device = 0, smem_optin = 0, num_sms = 0;
-  cudaError_t err = sm80_num_sms(&num_sms);
+  DeviceFacts facts;
+  const cudaError_t err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
-  const Sm80SplitPlan plan = sm80_split_plan(args.M, args.N, args.K, num_sms);
+  const Sm80SplitPlan plan = sm80_split_plan(args.M, args.N, args.K, facts.num_sms);
   args.pieces = plan.pieces;
   args.k_tiles_per_piece = plan.k_tiles_per_piece;
   if (plan.pieces > 1) {
@@ -2400,12 +2497,9 @@ static cudaError_t launch_sm80_gemm(Sm80GemmBnArgs args, float* workspace, cudaS
     args.partials = workspace;
     args.tile_arrivals = reinterpret_cast<int*>(workspace + static_cast<int64_t>(plan.pieces) * args.M * args.N);
   }
-  err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return err;
-  if (args.M <= kSmallTileMaxRows) return launch_sm80_tile<Sm80SmallMTraits, kEpilogue, kVec16>(args, smem_optin, stream);
-  return launch_sm80_tile<Sm80GemmTraits, kEpilogue, kVec16>(args, smem_optin, stream);
+  if (sm80_small_tile(args.M))
+    return launch_sm80_tile<Sm80SmallMTraits, kEpilogue, kVec16>(args, facts.smem_optin, stream);
+  return launch_sm80_tile<Sm80GemmTraits, kEpilogue, kVec16>(args, facts.smem_optin, stream);
 }
 
 }  // namespace fused_gemm_bn
@@ -2423,10 +2517,10 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_workspace(int M, int N, int K, int64
   *floats = 0;
   *zero_ints = 0;
   if (M < 1 || N < 1 || K < 0) return cudaSuccess;
-  int num_sms = 0;
-  const cudaError_t err = sm80_num_sms(&num_sms);
+  DeviceFacts facts;
+  const cudaError_t err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
-  const Sm80SplitPlan plan = sm80_split_plan(M, N, K, num_sms);
+  const Sm80SplitPlan plan = sm80_split_plan(M, N, K, facts.num_sms);
   if (plan.pieces < 2) return cudaSuccess;
   const Sm80TileDims d = sm80_tile_dims(M);
   const int tiles = ((M + d.block_m - 1) / d.block_m) * ((N + d.block_n - 1) / d.block_n);
@@ -3299,6 +3393,7 @@ inline bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_c
 
 #include <type_traits>
 
+#include "device_facts.cuh"
 #include "fp16x3_split.cuh"
 #include "launchers.cuh"
 #include "sm90_gemm_tiles.cuh"
@@ -3586,20 +3681,19 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
       !make_part_map(&tmap_x_hi, x.hi, kXMn, args.M, args.K, T::BLOCK_M) ||
       !make_part_map(&tmap_x_lo, x.lo, kXMn, args.M, args.K, T::BLOCK_M))
     return cudaErrorInvalidValue;
-  constexpr int kMaxDevices = 64;
-  static bool smem_set[2][kMaxDevices] = {};  // per instantiation (tile order) and device
+  static bool smem_set[2][kMaxCachedDevices] = {};  // per instantiation (tile order) and device
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device >= kMaxDevices || !smem_set[grouped][device]) {
+  if (device >= kMaxCachedDevices || !smem_set[grouped][device]) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
     if (err != cudaSuccess) return err;
-    if (device < kMaxDevices) smem_set[grouped][device] = true;
+    if (device < kMaxCachedDevices) smem_set[grouped][device] = true;
   }
-  int num_sms = 0;
-  err = current_num_sms(&num_sms);
+  DeviceFacts facts;
+  err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
-  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, num_sms, true);
+  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, facts.num_sms, true);
   if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.partials = workspace;
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
@@ -3676,9 +3770,9 @@ void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, int64_t* flo
   using namespace sm90;
   *floats = 0;
   *zero_ints = 0;
-  int num_sms = 0;
-  if (current_num_sms(&num_sms) != cudaSuccess) return;
-  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, num_sms, true);
+  DeviceFacts facts;
+  if (current_device_facts(&facts) != cudaSuccess) return;
+  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, facts.num_sms, true);
   if (p.sk_ctas == 0) return;
   *floats = partial_floats(p) + p.sk_tiles;
   *zero_ints = p.sk_tiles;
@@ -4145,22 +4239,6 @@ static StreamKPlan stream_k_plan(int M, int N, int K, int block_k, int num_sms, 
   p.sk_ctas = rem * (pieces - 1) + (rem + tails_per_cta - 1) / tails_per_cta;
   p.dp_tiles = static_cast<int>(tiles - rem);
   return p;
-}
-
-// Streaming multiprocessors of the current device (cached per device).
-static cudaError_t current_num_sms(int* num_sms) {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < kMaxDevices && cached[device] > 0) {
-    *num_sms = cached[device];
-    return cudaSuccess;
-  }
-  err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess && device < kMaxDevices) cached[device] = *num_sms;
-  return err;
 }
 
 // Workspace floats of the split tiles' partial sums (one slot per piece),

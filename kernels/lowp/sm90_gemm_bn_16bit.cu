@@ -78,6 +78,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "device_facts.cuh"
 #include "launchers.cuh"
 #include "lowp_chain.cuh"
 #include "lowp_types.cuh"
@@ -550,9 +551,10 @@ struct GridPlan {
 };
 
 static cudaError_t grid_plan(int M, int N, int K, GridPlan* out) {
-  int num_sms = 0;
-  const cudaError_t err = sm90::current_num_sms(&num_sms);
+  DeviceFacts facts;
+  const cudaError_t err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
+  const int num_sms = facts.num_sms;
   const long long n_tiles = (N + 127) / 128;
   const long long big_tiles = (M + kBatchTile - 1) / kBatchTile * n_tiles;
   if (2 * big_tiles >= num_sms) {

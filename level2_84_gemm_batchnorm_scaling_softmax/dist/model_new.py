@@ -2231,14 +2231,35 @@ namespace {
 constexpr int kColumnsWarps = 32;
 constexpr int kColumnsThreads = 32 * kColumnsWarps;
 constexpr int kColumnsPerBlock = 64;  // 32 lanes x 2 adjacent columns
+constexpr int kScaledRegGroups = 8;   // float4 groups per thread of _scaled's register form: K <= 8192
 
 __device__ __forceinline__ void zero_arrivals(int* zero_ints, int num_zero_ints) {
   if (blockIdx.x == 0)
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
 }
 
-// Row m of g' = a diag(col_scale), split with its own scale (header).
-__global__ void __launch_bounds__(kRowThreads)
+// |v c| as a float, from the exact float64 product: exact in the normal range,
+// Inf / 0 beyond it, which fp16x3_scale's clamp handles.
+__device__ __forceinline__ float abs_scaled(float v, float c) {
+  return static_cast<float>(fabs(static_cast<double>(v) * static_cast<double>(c)));
+}
+
+// The split of (v0 c0 s, v1 c1 s) into one word of each part (v c s: one
+// float64 product of exact factors, rounded once).
+__device__ __forceinline__ void split_scaled_pair(float v0, float v1, float c0, float c1, double sd, uint32_t& hi,
+                                                  uint32_t& lo) {
+  const float y0 = static_cast<float>(static_cast<double>(v0) * (static_cast<double>(c0) * sd));
+  const float y1 = static_cast<float>(static_cast<double>(v1) * (static_cast<double>(c1) * sd));
+  split_fp16x2(y0, y1, hi, lo);
+}
+
+// Row m of g' = a diag(col_scale), split with its own scale (header).  kRegs:
+// rows of float4 groups (16-byte aligned, K <= 4 kScaledRegGroups kRowThreads)
+// held in registers, every load issued before the first use (one read of the
+// row; the loop form, which reads it again from L1 / L2, took 30 us at 1024 x
+// 8192 on an H100, docs/perf.md v38).  Both forms give the same bits.
+template <bool kRegs>
+__global__ void __launch_bounds__(kRowThreads, 2)
     sm90_prepass_fp16x3_scaled_kernel(const float* __restrict__ a, int64_t row_stride, int K,
                                       const float* __restrict__ col_scale, uint32_t* __restrict__ hi,
                                       uint32_t* __restrict__ lo, float* __restrict__ inv_scale, int* zero_ints,
@@ -2247,28 +2268,59 @@ __global__ void __launch_bounds__(kRowThreads)
   zero_arrivals(zero_ints, num_zero_ints);
   const int64_t m = blockIdx.x;
   const float* row = a + m * row_stride;
-  // Pass 1: max_k |a col_scale| (exact in float64; as a float: exact in the
-  // normal range, Inf / 0 beyond it, which fp16x3_scale's clamp handles).
+  uint32_t* hi_row = hi + m * (K / 2);
+  uint32_t* lo_row = lo + m * (K / 2);
+  // Pass 1: max_k |a col_scale|.
   float amax = 0.f;
+  float4 v[kRegs ? kScaledRegGroups : 1];
+  const float4* c4 = reinterpret_cast<const float4*>(col_scale);  // every row's: L1 / L2 hits
+  if constexpr (kRegs) {
+#pragma unroll
+    for (int g = 0; g < kScaledRegGroups; ++g) {
+      const int i = threadIdx.x + g * kRowThreads;
+      if (i < K / 4) v[g] = reinterpret_cast<const float4*>(row)[i];
+    }
+#pragma unroll
+    for (int g = 0; g < kScaledRegGroups; ++g) {
+      const int i = threadIdx.x + g * kRowThreads;
+      if (i < K / 4) {
+        const float4 c = c4[i];
+        amax = fmaxf(fmaxf(amax, fmaxf(abs_scaled(v[g].x, c.x), abs_scaled(v[g].y, c.y))),
+                     fmaxf(abs_scaled(v[g].z, c.z), abs_scaled(v[g].w, c.w)));
+      }
+    }
+  } else {
 #pragma unroll 4
-  for (int k = threadIdx.x; k < K; k += kRowThreads)
-    amax = fmaxf(amax, static_cast<float>(fabs(static_cast<double>(row[k]) * static_cast<double>(col_scale[k]))));
+    for (int k = threadIdx.x; k < K; k += kRowThreads) amax = fmaxf(amax, abs_scaled(row[k], col_scale[k]));
+  }
   amax = row_block_reduce<1>(amax, scratch);
   float s, inv_s;
   fp16x3_scale(amax, s, inv_s);
   if (threadIdx.x == 0) inv_scale[m] = inv_s;
 
-  // Pass 2 (L1 / L2 hits): the split of a col_scale s, two columns per word.
+  // Pass 2 (from registers, else L1 / L2 hits): the split of a col_scale s,
+  // two columns per word.
   const double sd = static_cast<double>(s);
-  uint32_t* hi_row = hi + m * (K / 2);
-  uint32_t* lo_row = lo + m * (K / 2);
+  if constexpr (kRegs) {
+#pragma unroll
+    for (int g = 0; g < kScaledRegGroups; ++g) {
+      const int i = threadIdx.x + g * kRowThreads;
+      if (i < K / 4) {
+        const float4 c = c4[i];
+        uint2 h, l;
+        split_scaled_pair(v[g].x, v[g].y, c.x, c.y, sd, h.x, l.x);
+        split_scaled_pair(v[g].z, v[g].w, c.z, c.w, sd, h.y, l.y);
+        reinterpret_cast<uint2*>(hi_row)[i] = h;
+        reinterpret_cast<uint2*>(lo_row)[i] = l;
+      }
+    }
+  } else {
 #pragma unroll 2
-  for (int p = threadIdx.x; p < K / 2; p += kRowThreads) {
-    const float2 v = *reinterpret_cast<const float2*>(row + 2 * p);
-    const float2 c = *reinterpret_cast<const float2*>(col_scale + 2 * p);
-    const float y0 = static_cast<float>(static_cast<double>(v.x) * (static_cast<double>(c.x) * sd));
-    const float y1 = static_cast<float>(static_cast<double>(v.y) * (static_cast<double>(c.y) * sd));
-    split_fp16x2(y0, y1, hi_row[p], lo_row[p]);
+    for (int p = threadIdx.x; p < K / 2; p += kRowThreads) {
+      const float2 vp = *reinterpret_cast<const float2*>(row + 2 * p);
+      const float2 cp = *reinterpret_cast<const float2*>(col_scale + 2 * p);
+      split_scaled_pair(vp.x, vp.y, cp.x, cp.y, sd, hi_row[p], lo_row[p]);
+    }
   }
 }
 
@@ -2342,9 +2394,16 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_scaled(const float* a, int64_t ro
       reinterpret_cast<uintptr_t>(col_scale) % 8 != 0 || reinterpret_cast<uintptr_t>(hi) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(lo) % 16 != 0)
     return cudaErrorInvalidValue;
-  sm90_prepass_fp16x3_scaled_kernel<<<M, kRowThreads, 0, stream>>>(
-      a, row_stride, K, col_scale, reinterpret_cast<uint32_t*>(hi), reinterpret_cast<uint32_t*>(lo), inv_scale,
-      zero_ints, num_zero_ints);
+  const bool regs = K <= 4 * kScaledRegGroups * kRowThreads && row_stride % 4 == 0 &&
+                    (reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(col_scale)) % 16 == 0;
+  auto h = reinterpret_cast<uint32_t*>(hi);
+  auto l = reinterpret_cast<uint32_t*>(lo);
+  if (regs)
+    sm90_prepass_fp16x3_scaled_kernel<true><<<M, kRowThreads, 0, stream>>>(a, row_stride, K, col_scale, h, l,
+                                                                           inv_scale, zero_ints, num_zero_ints);
+  else
+    sm90_prepass_fp16x3_scaled_kernel<false><<<M, kRowThreads, 0, stream>>>(a, row_stride, K, col_scale, h, l,
+                                                                            inv_scale, zero_ints, num_zero_ints);
   return cudaGetLastError();
 }
 

@@ -442,10 +442,7 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <algorithm>
-
 #include "bn_stats.cuh"
-#include "device_facts.cuh"
 #include "launchers.cuh"
 
 namespace fused_gemm_bn {
@@ -453,7 +450,6 @@ namespace fused_gemm_bn {
 constexpr int kBwdCols = 32;   // features per CTA (one warp's width)
 constexpr int kBwdWarps = 8;   // row groups per CTA
 constexpr int kBwdRowBatch = 8;  // rows loaded per thread before use
-constexpr int kBwdCtasPerSm = 0;  // 0: one CTA per strip of kBwdCols features
 constexpr int kStatsThreads = 256;
 
 // kFull: one process's batch (bn_backward_train); kSums: pass 1 only
@@ -495,13 +491,12 @@ __device__ __forceinline__ void load_rows(const BnBackwardArgs& p, int row, int 
   }
 }
 
-// Features [kBwdCols strip, kBwdCols (strip + 1)): both passes.
 template <BwdMode kMode>
-__device__ __forceinline__ void bn_backward_strip(const BnBackwardArgs& p, int strip) {
+__global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(const BnBackwardArgs p) {
   __shared__ double red[2][kBwdWarps][kBwdCols];
   __shared__ double coef[3][kBwdCols];  // per feature: a, c1 = S1 / C, c2 (slope of the xhat term)
   const int lane = threadIdx.x % kBwdCols, warp = threadIdx.x / kBwdCols;
-  const int j = strip * kBwdCols + lane;
+  const int j = blockIdx.x * kBwdCols + lane;
   const bool valid = j < p.N;
   const float mu = valid ? p.stats[j] : 0.f;
 
@@ -607,31 +602,6 @@ __device__ __forceinline__ void bn_backward_strip(const BnBackwardArgs& p, int s
   }
 }
 
-// Strips blockIdx.x, blockIdx.x + gridDim.x, ...: with kBwdCtasPerSm > 0 the
-// grid holds that many CTAs per SM, so the strips in flight (their pass-2
-// re-reads) fit in L2.
-template <BwdMode kMode>
-__global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(const BnBackwardArgs p) {
-  const int strips = (p.N + kBwdCols - 1) / kBwdCols;
-  for (int strip = blockIdx.x; strip < strips; strip += gridDim.x) {
-    bn_backward_strip<kMode>(p, strip);
-    __syncthreads();  // the strip's shared arrays are reused by the next
-  }
-}
-
-// The backward grid: one CTA per strip, or kBwdCtasPerSm per SM.
-static cudaError_t bn_backward_grid(int N, unsigned* grid) {
-  const int strips = (N + kBwdCols - 1) / kBwdCols;
-  *grid = static_cast<unsigned>(strips);
-  if constexpr (kBwdCtasPerSm > 0) {
-    DeviceFacts facts;
-    const cudaError_t err = current_device_facts(&facts);
-    if (err != cudaSuccess) return err;
-    *grid = static_cast<unsigned>(std::min(strips, kBwdCtasPerSm * facts.num_sms));
-  }
-  return cudaSuccess;
-}
-
 // stats[0][j] = mean, stats[1][j] = biased variance of z[:, j], from the
 // GEMM's per-tile statistics (bn_stats.cuh, merge_tile_statistics).
 __global__ void __launch_bounds__(kStatsThreads)
@@ -663,10 +633,7 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
   const BnBackwardArgs p{grad_y, z,       stats,  bn.scale, bn.bn_weight, bn.eps,   bn.scale_after_bn,
                          M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
                          grad_bn_bias, nullptr, nullptr, nullptr, nullptr, bn.bn_bias};
-  unsigned grid = 0;
-  const cudaError_t err = bn_backward_grid(N, &grid);
-  if (err != cudaSuccess) return err;
-  bn_backward_train_kernel<BwdMode::kFull><<<grid, kBwdCols * kBwdWarps, 0, stream>>>(p);
+  bn_backward_train_kernel<BwdMode::kFull><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -676,10 +643,7 @@ cudaError_t fused_gemm_bn::bn_backward_sums(const float* grad_y, const float* z,
   if (N == 0) return cudaSuccess;
   const BnBackwardArgs p{grad_y,  z,       stats,   nullptr, nullptr, 0.f,     false,   M,   N, static_cast<double>(M),
                          nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, sums};
-  unsigned grid = 0;
-  const cudaError_t err = bn_backward_grid(N, &grid);
-  if (err != cudaSuccess) return err;
-  bn_backward_train_kernel<BwdMode::kSums><<<grid, kBwdCols * kBwdWarps, 0, stream>>>(p);
+  bn_backward_train_kernel<BwdMode::kSums><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -695,10 +659,7 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
   const BnBackwardArgs p{grad_y,     z,       stats,  bn.scale,   bn.bn_weight, bn.eps, bn.scale_after_bn,
                          M,          N,       0.0,    count,      grad_z,     grad_scale, grad_bn_weight,
                          grad_bn_bias, bn.bias, local_sums, total_sums, nullptr, bn.bn_bias};
-  unsigned grid = 0;
-  const cudaError_t err = bn_backward_grid(N, &grid);
-  if (err != cudaSuccess) return err;
-  bn_backward_train_kernel<BwdMode::kGrad><<<grid, kBwdCols * kBwdWarps, 0, stream>>>(p);
+  bn_backward_train_kernel<BwdMode::kGrad><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
   return cudaGetLastError();
 }
 ''',

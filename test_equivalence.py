@@ -60,8 +60,9 @@ model_new.SWITCHES)
     (outputs and running statistics, rtol = atol = 1e-4) and eval against
     float32 Model (TF32 off); 33: KernelBench shape (1024, 8192, 8192), (1000,
     1000, 1000), (257, 4100, 130), (33, 37, 515), (2, 8, 8), (4096, 256, 1000),
-    (64, 8191, 300); 84: (1024, 8192, 8192), (257, 4100, 130), (33, 37, 515)
-    (K % 4 != 0: 4-byte load path)
+    (64, 8191, 300), (64, 8200, 136); 84: (1024, 8192, 8192), (257, 4100, 130),
+    (33, 37, 515) (K % 4 != 0: 4-byte load path; K > 8192: the pre-passes' loop
+    forms instead of rows held in registers)
   - test_gpu_momentum_eps_scale_variants: 33: scale (1,) + eps 1e-3 + momentum
     0.3, momentum None, momentum 0 + eps 0.5; 84: momentum None, momentum 0.3 +
     eps 1e-3 + scale -0.8, scale (N,) random, scale (1, N) random + momentum None
@@ -93,7 +94,9 @@ GPU tests, problem 33 only
     TF32 matmuls enabled fails the accuracy criterion, so the criterion can tell
     3xTF32 from plain TF32
   - test_gpu_input_unmodified_and_layouts: strided, transposed and misaligned x
-    (4-byte cp.async path), same output and state as for the aligned copy
+    (4-byte cp.async path), same output and state as for the aligned copy (bit
+    for bit: also the pre-pass's register form at K <= 8192 and its 16-byte loop
+    at K = 8200 against the element-wise loop)
   - test_gpu_no_grad_and_grad_enabled: same output, backward fills every
     gradient (accuracy of the gradients in tests/test_backward.py)
 """
@@ -541,7 +544,7 @@ def test_ptxas_no_spills_no_stack(cu_file, tmp_path):
 
 GPU_SHAPES = {
     "33": [KERNELBENCH_SHAPE, (1000, 1000, 1000), (257, 4100, 130), (33, 37, 515), (2, 8, 8),
-           (4096, 256, 1000), (64, 8191, 300)],
+           (4096, 256, 1000), (64, 8191, 300), (64, 8200, 136)],
     "84": [KERNELBENCH_SHAPE, (257, 4100, 130), (33, 37, 515)],
 }
 ACCURACY_SHAPES = {
@@ -826,7 +829,7 @@ def test_gpu_negative_control_plain_tf32_fails_accuracy_check(mode, fp32_matmul)
 
 @requires_cuda
 @pytest.mark.parametrize("how", ["strided", "transposed", "misaligned"])
-@pytest.mark.parametrize("m,k,n", [(257, 4100, 130), (33, 36, 515)])
+@pytest.mark.parametrize("m,k,n", [(257, 4100, 130), (33, 36, 515), (9, 8200, 130)])
 def test_gpu_input_unmodified_and_layouts(m, k, n, how):
     ref, new = gpu_pair(P33, m, k, n)
     new_c = copy.deepcopy(new)

@@ -720,8 +720,9 @@ def test_gpu_gemm_nt_any_strides(m, k, n, layout, fp32_matmul):
 
 # (M, N, K) of the backward's products: tile tails, a batch below one tile, M
 # odd (grad_W's reduction), and N or K not a multiple of 8 (the transposed-copy route).
+# (40, 8200, 136): rows of grad z longer than 8192, the pre-passes' loop forms (not held in registers).
 BACKWARD_PRODUCT_SHAPES = [(64, 96, 80), (300, 1000, 520), (33, 136, 520), (1024, 8192, 8192), (257, 130, 1028),
-                           (130, 1028, 136)]
+                           (130, 1028, 136), (40, 8200, 136)]
 
 
 def fp16x3_backward_route(m, n, k):

@@ -52,7 +52,7 @@ namespace fused_gemm_bn {
 
 constexpr int kBwdCols = 32;   // features per CTA (one warp's width)
 constexpr int kBwdWarps = 8;   // row groups per CTA
-constexpr int kBwdRowBatch = 8;  // rows loaded per thread before use
+constexpr int kBwdRowBatch = 16;  // rows loaded per thread before use (8 was 3-12% slower from 1024 rows up, docs/perf.md v38)
 constexpr int kStatsThreads = 256;
 
 // kFull: one process's batch (bn_backward_train); kSums: pass 1 only

@@ -49,10 +49,11 @@ g = bn.weight / sqrt(running_var + eps).
 Softmax: exp(v - max v) / sum exp(v - max v) per row, float32.
 
 Backward (training; ../model_new.py `_train_backward`): the row softmax's
-backward grad_v = out * (grad_out - sum_n grad_out * out) in elementwise ops,
-then bn_backward_train(scale_after_bn=True) for grad_z, grad_scale (plus
-bn.bias * sum_m grad_v, added in Python), grad_bn.weight, grad_bn.bias, then
-gemm_nt for grad_x and grad_W; grad_gemm.bias = 0.  Eval differentiates
+backward grad_v = out * (grad_out - sum_n grad_out * out) (one kernel on float32
+CUDA tensors, torch ops elsewhere), then bn_backward_train(scale_after_bn=True,
+bn.bias) for grad_z, grad_scale (its bn.bias * sum_m grad_v term included),
+grad_bn.weight, grad_bn.bias, then gemm_nn for grad_x and gemm_tn for grad_W;
+grad_gemm.bias = 0.  Eval differentiates
 softmax((z + b - running_mean) a + scale bn.bias) (`_eval_with_grad`).
 
 `scale` may have any shape that multiplies each feature by one number:

@@ -37,10 +37,14 @@
 //     in pass 2 (per process it has no closed form: the eps / sigma^3 form above
 //     holds for the sum over all processes).
 //
-// Kernel: one CTA per 32 features (a warp reads 128 contiguous bytes of a
-// row); its 8 warps take every 8th row.  Pass 1 reduces S1 and S2, pass 2
-// re-reads g and z (from L2: 2 x 128 KB per CTA at M = 1024) and writes dz.
-// Memory-bound: reads g and z twice (the second time mostly from L2), writes dz.
+// Kernels (bn_backward_train picks one: resident_strip_pays):
+//   two-pass: one CTA per 32 features (a warp reads 128 contiguous bytes of a
+//     row); its 8 warps take every 8th row.  Pass 1 reduces S1 and S2, pass 2
+//     re-reads g and z (from L2 while the strips in flight fit it) and writes
+//     dz.  Every mode (kFull, kSums, kGrad).
+//   resident strip (kFull, M <= 1024): one CTA per 16 features holds its
+//     strip of g and z in registers between the passes: g and z read once.
+// Memory-bound: dz written once; g and z read once (resident) or twice.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -205,6 +209,108 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
   }
 }
 
+// kFull for batches of at most kResMaxRows rows: the strip of kResCols features
+// is read once and held in registers between the passes (512 threads, 32 row
+// groups of 16 features; each thread keeps its kResRows rows of g and z, 64
+// floats, all loads issued before the first use; 119 registers, one CTA per SM).  The two-pass kernel above
+// re-reads the strip for pass 2, from DRAM once the strips in flight outgrow
+// L2 (at 1024 x 8192 all 256 CTAs are resident: 64 MB); this one moves g and
+// z once.  Same formulas; S1 and S2 are summed per row group, then over the
+// 32 groups in order, in float64.
+constexpr int kResCols = 16;                          // features per CTA (64 bytes of a row)
+constexpr int kResThreads = 512;
+constexpr int kResRowGroups = kResThreads / kResCols;  // 32
+constexpr int kResRows = 32;                           // rows per thread
+constexpr int kResMaxRows = kResRowGroups * kResRows;  // 1024
+
+__global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(const BnBackwardArgs p) {
+  __shared__ double red[2][kResRowGroups][kResCols];
+  __shared__ double coef[3][kResCols];
+  const int c = threadIdx.x % kResCols, group = threadIdx.x / kResCols;
+  const int j = blockIdx.x * kResCols + c;
+  const bool valid = j < p.N;
+  const float mu = valid ? p.stats[j] : 0.f;
+  // This thread's rows: group + i kResRowGroups for i < rows (M * N < 2^31: int
+  // offsets).  Every load is issued (rows past M and features past N read row
+  // M - 1 / feature N - 1 again) and masked afterwards: g = 0, z = mu.
+  const int rows = valid ? (p.M - group + kResRowGroups - 1) / kResRowGroups : 0;
+  const int row_step = kResRowGroups * p.N;
+  const int first = min(group, p.M - 1) * p.N + min(j, p.N - 1);
+  const float* gp = p.g + first;
+  const float* zp = p.z + first;
+  float gv[kResRows], zv[kResRows];
+#pragma unroll
+  for (int i = 0; i < kResRows; ++i) {
+    gv[i] = __ldg(gp);
+    zv[i] = __ldg(zp);
+    if (i + 1 < rows) gp += row_step, zp += row_step;
+  }
+#pragma unroll
+  for (int i = 0; i < kResRows; ++i) {
+    if (i >= rows) gv[i] = 0.f, zv[i] = mu;
+  }
+  double s1 = 0.0, s2 = 0.0;
+#pragma unroll
+  for (int i = 0; i < kResRows; ++i) {
+    s1 += gv[i];
+    s2 += static_cast<double>(gv[i]) * static_cast<double>(zv[i] - mu);
+  }
+  red[0][group][c] = s1;
+  red[1][group][c] = s2;
+  __syncthreads();
+  if (group == 0 && valid) {
+    double S1 = 0.0, S2 = 0.0;
+#pragma unroll 1
+    for (int w = 0; w < kResRowGroups; ++w) {
+      S1 += red[0][w][c];
+      S2 += red[1][w][c];
+    }
+    const double s = p.scale[j], gamma = p.gamma[j], var = p.stats[p.N + j];
+    const double sigma2 = (p.scale_after_bn ? var : s * s * var) + static_cast<double>(p.eps);
+    const double sigma = sqrt(sigma2);
+    coef[0][c] = s * gamma / sigma;
+    coef[1][c] = S1 / p.count;
+    coef[2][c] = (p.scale_after_bn ? 1.0 : s * s) * S2 / (sigma2 * p.count);
+    if (p.scale_after_bn) {
+      p.dbeta[j] = static_cast<float>(s * S1);
+      p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+      const double beta = p.beta != nullptr ? static_cast<double>(p.beta[j]) : 0.0;
+      p.dscale[j] = static_cast<float>(gamma * S2 / sigma + beta * S1);
+    } else {
+      p.dbeta[j] = static_cast<float>(S1);
+      p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+      p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.eps) / (sigma2 * sigma));
+    }
+  }
+  __syncthreads();
+  if (!valid) return;
+  // Keep g and z as float32 between the passes (the compiler otherwise keeps
+  // pass 1's float64 conversions alive: twice the registers, and spills).
+#pragma unroll
+  for (int i = 0; i < kResRows; ++i) asm volatile("" : "+f"(gv[i]), "+f"(zv[i]));
+  const double a = coef[0][c], c1 = coef[1][c], c2 = coef[2][c], mud = mu;
+  float* dzp = p.dz + first;
+#pragma unroll
+  for (int i = 0; i < kResRows; ++i) {
+    if (i < rows) {
+      const double inner = static_cast<double>(gv[i]) - c1 - (static_cast<double>(zv[i]) - mud) * c2;
+      *dzp = static_cast<float>(a * inner);
+      dzp += row_step;
+    }
+  }
+}
+
+// Where the resident kernel is the faster one (H200, devrun A/B, outputs
+// identical; docs/perf.md v39): from 768 rows at N = 8192 (640: a tie; 1024 x
+// 8192 57.6 -> 47.7 us), from 256 rows where N <= 2048 (the two-pass kernel's
+// N / 32 CTAs leave SMs idle: 1024 x 130 30.4 -> 10.4 us); below, the two-pass
+// kernel's strips fit L2 and its 256-thread CTAs fill the GPU better (128 x
+// 8192: 10.8 against 26.3 us).  Offsets are 32-bit: M N < 2^31.
+static bool resident_strip_pays(int M, int N) {
+  if (M > kResMaxRows || static_cast<int64_t>(M) * N > INT32_MAX) return false;
+  return M >= 768 || (N <= 2048 && M >= 256);
+}
+
 // stats[0][j] = mean, stats[1][j] = biased variance of z[:, j], from the
 // GEMM's per-tile statistics (bn_stats.cuh, merge_tile_statistics).
 __global__ void __launch_bounds__(kStatsThreads)
@@ -236,7 +342,11 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
   const BnBackwardArgs p{grad_y, z,       stats,  bn.scale, bn.bn_weight, bn.eps,   bn.scale_after_bn,
                          M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
                          grad_bn_bias, nullptr, nullptr, nullptr, nullptr, bn.bn_bias};
-  bn_backward_train_kernel<BwdMode::kFull><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
+  if (resident_strip_pays(M, N)) {
+    bn_backward_resident_kernel<<<(N + kResCols - 1) / kResCols, kResThreads, 0, stream>>>(p);
+  } else {
+    bn_backward_train_kernel<BwdMode::kFull><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

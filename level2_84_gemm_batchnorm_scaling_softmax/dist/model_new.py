@@ -496,6 +496,34 @@ __device__ __forceinline__ void load_rows(const BnBackwardArgs& p, int row, int 
   }
 }
 
+// Feature j, once its sums are known: the coefficients of dz = a (g - c1 - (z
+// - mu) c2) from the sums dz needs (T1, T2 over `count` rows: every process's
+// in the synchronized backward), and the parameter gradients from this
+// process's S1, S2 (problem 33's dscale only where kScaleFromSums: the
+// synchronized backward sums it in pass 2).
+template <bool kScaleFromSums>
+__device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, double S1, double S2, double T1,
+                                               double T2, double count, double& a, double& c1, double& c2) {
+  const double s = p.scale[j], gamma = p.gamma[j], var = p.stats[p.N + j];
+  const double s2_var = p.scale_after_bn ? var : s * s * var;
+  const double sigma2 = s2_var + static_cast<double>(p.eps);
+  const double sigma = sqrt(sigma2);
+  a = s * gamma / sigma;
+  c1 = T1 / count;
+  c2 = (p.scale_after_bn ? 1.0 : s * s) * T2 / (sigma2 * count);
+  if (p.scale_after_bn) {
+    p.dbeta[j] = static_cast<float>(s * S1);
+    p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+    const double beta = p.beta != nullptr ? static_cast<double>(p.beta[j]) : 0.0;
+    p.dscale[j] = static_cast<float>(gamma * S2 / sigma + beta * S1);
+  } else {
+    p.dbeta[j] = static_cast<float>(S1);
+    p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+    if constexpr (kScaleFromSums)
+      p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.eps) / (sigma2 * sigma));
+  }
+}
+
 template <BwdMode kMode>
 __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(const BnBackwardArgs p) {
   __shared__ double red[2][kBwdWarps][kBwdCols];
@@ -542,27 +570,8 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
       const double T1 = kMode == BwdMode::kGrad ? p.total_sums[j] : S1;
       const double T2 = kMode == BwdMode::kGrad ? p.total_sums[p.N + j] : S2;
       const double count = kMode == BwdMode::kGrad ? fmax(*p.merged_count, 1.0) : p.count;
-      const double s = p.scale[j], gamma = p.gamma[j], var = p.stats[p.N + j];
-      const double s2_var = p.scale_after_bn ? var : s * s * var;
-      const double sigma2 = s2_var + static_cast<double>(p.eps);
-      const double sigma = sqrt(sigma2);
-      const double a = s * gamma / sigma;
-      // dz = a (g - T1 / C - (z - mu) * c2)
-      const double c2 = (p.scale_after_bn ? 1.0 : s * s) * T2 / (sigma2 * count);
-      coef[0][lane] = a;
-      coef[1][lane] = T1 / count;
-      coef[2][lane] = c2;
-      if (p.scale_after_bn) {
-        p.dbeta[j] = static_cast<float>(s * S1);
-        p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-        const double beta = p.beta != nullptr ? static_cast<double>(p.beta[j]) : 0.0;
-        p.dscale[j] = static_cast<float>(gamma * S2 / sigma + beta * S1);
-      } else {
-        p.dbeta[j] = static_cast<float>(S1);
-        p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-        if constexpr (kMode == BwdMode::kFull)
-          p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.eps) / (sigma2 * sigma));
-      }
+      finish_feature<kMode == BwdMode::kFull>(p, j, S1, S2, T1, T2, count, coef[0][lane], coef[1][lane],
+                                               coef[2][lane]);
     }
   }
   if constexpr (kMode == BwdMode::kSums) return;
@@ -610,11 +619,11 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
 // kFull for batches of at most kResMaxRows rows: the strip of kResCols features
 // is read once and held in registers between the passes (512 threads, 32 row
 // groups of 16 features; each thread keeps its kResRows rows of g and z, 64
-// floats, all loads issued before the first use; 119 registers, one CTA per SM).  The two-pass kernel above
-// re-reads the strip for pass 2, from DRAM once the strips in flight outgrow
-// L2 (at 1024 x 8192 all 256 CTAs are resident: 64 MB); this one moves g and
-// z once.  Same formulas; S1 and S2 are summed per row group, then over the
-// 32 groups in order, in float64.
+// floats, all loads issued before the first use; 119 registers, one CTA per
+// SM).  The two-pass kernel above re-reads the strip for pass 2, from DRAM once
+// the strips in flight outgrow L2 (at 1024 x 8192 all 256 CTAs are resident:
+// 64 MB); this one moves g and z once.  Same formulas (finish_feature); S1 and
+// S2 are summed per row group, then over the 32 groups in order, in float64.
 constexpr int kResCols = 16;                          // features per CTA (64 bytes of a row)
 constexpr int kResThreads = 512;
 constexpr int kResRowGroups = kResThreads / kResCols;  // 32
@@ -663,22 +672,7 @@ __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(co
       S1 += red[0][w][c];
       S2 += red[1][w][c];
     }
-    const double s = p.scale[j], gamma = p.gamma[j], var = p.stats[p.N + j];
-    const double sigma2 = (p.scale_after_bn ? var : s * s * var) + static_cast<double>(p.eps);
-    const double sigma = sqrt(sigma2);
-    coef[0][c] = s * gamma / sigma;
-    coef[1][c] = S1 / p.count;
-    coef[2][c] = (p.scale_after_bn ? 1.0 : s * s) * S2 / (sigma2 * p.count);
-    if (p.scale_after_bn) {
-      p.dbeta[j] = static_cast<float>(s * S1);
-      p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-      const double beta = p.beta != nullptr ? static_cast<double>(p.beta[j]) : 0.0;
-      p.dscale[j] = static_cast<float>(gamma * S2 / sigma + beta * S1);
-    } else {
-      p.dbeta[j] = static_cast<float>(S1);
-      p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-      p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.eps) / (sigma2 * sigma));
-    }
+    finish_feature<true>(p, j, S1, S2, S1, S2, p.count, coef[0][c], coef[1][c], coef[2][c]);
   }
   __syncthreads();
   if (!valid) return;

@@ -46,7 +46,10 @@ constexpr int kTileAccRegs = 64;        // fp32 accumulators per consumer thread
 
 enum class Epilogue { kTrain, kEval, kPlain };
 
-// Work of the grid (header, "Split tiles").  The first sk_ctas CTAs compute
+// Work of the grid (header, "Split tiles"), in work units: unit i is CTA i's
+// work in a grid of one CTA per unit; a persistent grid (the fp16x3 kernel's,
+// where it pays) runs units blockIdx.x, + gridDim.x, ... per CTA, and the
+// functions below take the unit for `cta`.  The first sk_ctas CTAs compute
 // tiles 0 .. sk_tiles - 1, each cut along K into `pieces` runs of piece_blocks
 // k-blocks (the last piece takes the rest): pieces 0 .. pieces - 2 of tile t go
 // to CTAs t * (pieces - 1) + j, one each; the last pieces go tails_per_cta
@@ -136,6 +139,27 @@ __device__ __forceinline__ WorkSegment cta_segment(const StreamKPlan& p, int cta
     return {cta / (p.pieces - 1), j * p.piece_blocks, (j + 1) * p.piece_blocks, j};
   }
   return {(cta - dedicated) * p.tails_per_cta + si, (p.pieces - 1) * p.piece_blocks, num_k_blocks, p.pieces - 1};
+}
+
+// body(seg) for each segment of this CTA's work, in order: CTA `cta` =
+// blockIdx.x runs unit cta's num_segments = cta_num_segments(p, cta) segments
+// (kPersistent false: one CTA per unit), or the segments of units cta, cta +
+// gridDim.x, ... (true: a persistent grid).  The persistent walk advances
+// (unit, segment) in one loop: as two nested loops ptxas kept the unit in
+// local memory in the fp16x3 kernel's kTrain instantiation (a spill).
+template <bool kPersistent, typename Body>
+__device__ __forceinline__ void for_each_segment(const StreamKPlan& p, int cta, int num_segments, int num_k_blocks,
+                                                 Body&& body) {
+  if constexpr (kPersistent) {
+    int unit = cta, si = 0;
+    while (unit < p.sk_ctas + p.dp_tiles) {
+      const WorkSegment seg = cta_segment(p, unit, si, num_k_blocks);
+      if (++si == cta_num_segments(p, unit)) si = 0, unit += static_cast<int>(gridDim.x);
+      body(seg);
+    }
+  } else {
+    for (int si = 0; si < num_segments; ++si) body(cta_segment(p, cta, si, num_k_blocks));
+  }
 }
 
 // Byte offset of element (row, col) of a 128-byte-swizzled K-major tile.

@@ -3543,9 +3543,12 @@ inline bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_c
 //   serialised every wgmma (warning C7514; the
 //   v19 kernel).  Warpgroup 2: producer; one thread issues the TMA loads (w_hi,
 //   w_lo, x_hi, x_lo: 16 KB each) into a ring of kNumStages 64 KB stages.  Grid
-//   and split tiles: sm90_gemm_tiles.cuh (StreamKPlan, per 64-k block): one CTA
-//   per tile, M tiles fastest, so the CTAs sharing a w tile run together and w
-//   is read from DRAM about once; the remainder tiles are split along K.
+//   and split tiles: sm90_gemm_tiles.cuh (StreamKPlan, per 64-k block): one work
+//   unit per tile, M tiles fastest, so the units sharing a w tile run together
+//   and w is read from DRAM about once; the remainder tiles are split along K.
+//   One CTA per unit, or, where tiles are short in k (persistent_grid_pays),
+//   one CTA per SM looping over units blockIdx.x, + gridDim.x, ...: the
+//   producer's ring slot count q runs on across them.
 //
 // Whether this kernel runs is model_new.py's dispatch decision (compute
 // capability 9.0 and sm90_gemm_available()); launchers given inputs outside
@@ -3602,8 +3605,9 @@ struct Fp16x3Traits {
 
 // kWMn / kXMn: the w / x operand is MN-major (stored (K, rows), TMA boxes of
 // 64 rows x 64 k, make_tensor_map_mn) instead of K-major (stored (rows, K)).
-// kGroupedOrder: the tile order (sm90_gemm_tiles.cuh, tile_coord).
-template <Epilogue kEpilogue, bool kWMn, bool kXMn, bool kGroupedOrder>
+// kGroupedOrder: the tile order (sm90_gemm_tiles.cuh, tile_coord).  kPersistent:
+// the grid's walk over the work units (for_each_segment; persistent_grid_pays).
+template <Epilogue kEpilogue, bool kWMn, bool kXMn, bool kGroupedOrder, bool kPersistent>
 __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w_hi,
                                const __grid_constant__ CUtensorMap tmap_w_lo,
@@ -3622,7 +3626,7 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
   const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
   const int cta = static_cast<int>(blockIdx.x);
-  const int num_segments = cta_num_segments(args.plan, cta);
+  const int num_segments = cta_num_segments(args.plan, cta);  // kPersistent: of unit cta only (unused)
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -3644,8 +3648,7 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
       tma_prefetch_descriptor(&tmap_x_hi);
       tma_prefetch_descriptor(&tmap_x_lo);
       int q = 0;
-      for (int si = 0; si < num_segments; ++si) {
-        const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+      for_each_segment<kPersistent>(args.plan, cta, num_segments, num_k_blocks, [&](const WorkSegment& seg) {
         const TileCoord tc = tile_coord<kGroupedOrder>(seg.tile, m_tiles, args.N);
         const int m0 = tc.m * T::BLOCK_M, n0 = tc.n * T::BLOCK_N;
         for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
@@ -3670,7 +3673,7 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
           load_part(stage + 2 * T::W_PART_BYTES, &tmap_x_hi, m0, XMn{});
           load_part(stage + 2 * T::W_PART_BYTES + T::X_PART_BYTES, &tmap_x_lo, m0, XMn{});
         }
-      }
+      });
     }
     return;
   }
@@ -3810,19 +3813,34 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 
   const int ctid = threadIdx.x;  // 0 .. 255 over the consumer warpgroups
   int q = 0;
-  for (int si = 0; si < num_segments; ++si) {
-    const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+  for_each_segment<kPersistent>(args.plan, cta, num_segments, num_k_blocks, [&](const WorkSegment& seg) {
     const int n_blocks = seg.kb_end - seg.kb_begin;
     mainloop(q, n_blocks);
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
-      continue;
+      return;
     finish_product<kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
     finish_tile<kEpilogue, kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);
-  }
+  });
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the launcher never selects it elsewhere
 #endif
+}
+
+// Whether the grid is persistent (one CTA per SM, each looping over work units
+// cta, cta + gridDim.x, ...) rather than one CTA per unit.  With a CTA per
+// unit (one fits an SM), each tile pays a CTA start (barrier set-up, the first
+// TMA fills) that no other tile's mainloop covers; looping, the producer fills
+// the next tile's stages while the consumers finish this one.  That pays where
+// tiles are short in k.  H200, per GEMM, against the one-CTA-per-unit kernel
+// (docs/perf.md v40): grad W = grad z^T x (k = the batch) at 256 x 8192 x 8192
+// 279 -> 224 us, 512 rows 390 -> 361, 1024 rows 645 -> 639; forwards 8192 x
+// 512 x 8192 463 -> 405, 4096 x 1024 x 4096 188 -> 177, 16384 x 2048 x 2048
+// 622 -> 610; but 1024 x 2048 x 8192 (512 tiles) 164.5 -> 168.  At 64
+// k-blocks it was mixed, at 128 up to 8% slower: those keep a CTA per unit.
+constexpr int kPersistentMaxKBlocks = 32;
+static bool persistent_grid_pays(int K) {
+  return (K + Fp16x3Traits::BLOCK_K - 1) / Fp16x3Traits::BLOCK_K <= kPersistentMaxKBlocks;
 }
 
 // The tensor map of one part: K-major (rows, K) in 128-row boxes, or MN-major (K, rows).
@@ -3836,8 +3854,13 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
                                  cudaStream_t stream) {
   using T = Fp16x3Traits;
   const bool grouped = (args.M + T::BLOCK_M - 1) / T::BLOCK_M > kBatchFastestMaxTiles;
-  auto kernel = grouped ? sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, true>
-                        : sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false>;
+  const bool persistent = persistent_grid_pays(args.K);
+  decltype(&sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false>) kernels[2][2] = {
+      {sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false>,
+       sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, true>},
+      {sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, true, false>,
+       sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, true, true>}};
+  auto kernel = kernels[grouped][persistent];
   CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
   if (w.mn_major != kWMn || x.mn_major != kXMn ||
       !make_part_map(&tmap_w_hi, w.hi, kWMn, args.N, args.K, T::BLOCK_N) ||
@@ -3845,14 +3868,14 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
       !make_part_map(&tmap_x_hi, x.hi, kXMn, args.M, args.K, T::BLOCK_M) ||
       !make_part_map(&tmap_x_lo, x.lo, kXMn, args.M, args.K, T::BLOCK_M))
     return cudaErrorInvalidValue;
-  static bool smem_set[2][kMaxCachedDevices] = {};  // per instantiation (tile order) and device
+  static bool smem_set[2][2][kMaxCachedDevices] = {};  // per instantiation (tile order, grid) and device
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device >= kMaxCachedDevices || !smem_set[grouped][device]) {
+  if (device >= kMaxCachedDevices || !smem_set[grouped][persistent][device]) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
     if (err != cudaSuccess) return err;
-    if (device < kMaxCachedDevices) smem_set[grouped][device] = true;
+    if (device < kMaxCachedDevices) smem_set[grouped][persistent][device] = true;
   }
   DeviceFacts facts;
   err = current_device_facts(&facts);
@@ -3865,8 +3888,9 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   args.w_inv_scale = w.inv_scale;
   args.x_center = x.center;
   args.w_row_sum = w.row_sum;
-  const long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;
+  long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;  // work units
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
+  if (persistent && ctas > facts.num_sms) ctas = facts.num_sms;
   kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w_hi, tmap_w_lo, tmap_x_hi,
                                                                                  tmap_x_lo, args);
   return cudaGetLastError();
@@ -3919,7 +3943,8 @@ bool fused_gemm_bn::sm90_gemm_available() {
         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
         major == 9 && minor == 0 && smem_optin >= Fp16x3Traits::SMEM_BYTES &&
         // the sm_90a cubin reports binaryVersion 90; a build without it does not
-        cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<sm90::Epilogue::kTrain, false, false, false>) == cudaSuccess &&
+        cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<sm90::Epilogue::kTrain, false, false, false, false>) ==
+            cudaSuccess &&
         attr.binaryVersion == 90 && encode_tiled_fn() != nullptr;
     if (!ok) cudaGetLastError();  // a failed query leaves no error behind
     device_ok[device] = ok ? 1 : -1;
@@ -4030,7 +4055,10 @@ constexpr int kTileAccRegs = 64;        // fp32 accumulators per consumer thread
 
 enum class Epilogue { kTrain, kEval, kPlain };
 
-// Work of the grid (header, "Split tiles").  The first sk_ctas CTAs compute
+// Work of the grid (header, "Split tiles"), in work units: unit i is CTA i's
+// work in a grid of one CTA per unit; a persistent grid (the fp16x3 kernel's,
+// where it pays) runs units blockIdx.x, + gridDim.x, ... per CTA, and the
+// functions below take the unit for `cta`.  The first sk_ctas CTAs compute
 // tiles 0 .. sk_tiles - 1, each cut along K into `pieces` runs of piece_blocks
 // k-blocks (the last piece takes the rest): pieces 0 .. pieces - 2 of tile t go
 // to CTAs t * (pieces - 1) + j, one each; the last pieces go tails_per_cta
@@ -4120,6 +4148,27 @@ __device__ __forceinline__ WorkSegment cta_segment(const StreamKPlan& p, int cta
     return {cta / (p.pieces - 1), j * p.piece_blocks, (j + 1) * p.piece_blocks, j};
   }
   return {(cta - dedicated) * p.tails_per_cta + si, (p.pieces - 1) * p.piece_blocks, num_k_blocks, p.pieces - 1};
+}
+
+// body(seg) for each segment of this CTA's work, in order: CTA `cta` =
+// blockIdx.x runs unit cta's num_segments = cta_num_segments(p, cta) segments
+// (kPersistent false: one CTA per unit), or the segments of units cta, cta +
+// gridDim.x, ... (true: a persistent grid).  The persistent walk advances
+// (unit, segment) in one loop: as two nested loops ptxas kept the unit in
+// local memory in the fp16x3 kernel's kTrain instantiation (a spill).
+template <bool kPersistent, typename Body>
+__device__ __forceinline__ void for_each_segment(const StreamKPlan& p, int cta, int num_segments, int num_k_blocks,
+                                                 Body&& body) {
+  if constexpr (kPersistent) {
+    int unit = cta, si = 0;
+    while (unit < p.sk_ctas + p.dp_tiles) {
+      const WorkSegment seg = cta_segment(p, unit, si, num_k_blocks);
+      if (++si == cta_num_segments(p, unit)) si = 0, unit += static_cast<int>(gridDim.x);
+      body(seg);
+    }
+  } else {
+    for (int si = 0; si < num_segments; ++si) body(cta_segment(p, cta, si, num_k_blocks));
+  }
 }
 
 // Byte offset of element (row, col) of a 128-byte-swizzled K-major tile.

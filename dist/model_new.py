@@ -163,18 +163,22 @@ struct BnApplyArgs {
   float* running_var;
   int rows_per_block;
   float* coeff;  // two-launch form: [mean_z | a], 2 N floats, written by bn_fold_kernel
+  float* stats;  // (2, N) [mean_z | biased var_z] for the backward, or null
 };
 
 // Feature j's merged batch statistics (mean, m2) of z -> (mean_z, a); updates
-// its running statistics when `update_running`.
+// its running statistics and writes its saved statistics (p.stats) when
+// `update_running` (one thread per feature).
 __device__ __forceinline__ void coefficients_from_stats(const BnApplyArgs& p, int j, double mean, double m2,
                                                         bool update_running, float& mu, float& a) {
   const double count = static_cast<double>(p.M);
   mu = static_cast<float>(mean);
   a = bn_train_slope(m2, count, p.scale[j], p.bn_weight[j], p.eps);
-  if (update_running)
+  if (update_running) {
     bn_update_running(mean, m2, count, p.bias[j], p.scale[j], p.momentum, p.num_batches_tracked,
                       p.running_mean + j, p.running_var + j);
+    write_batch_stats(p.stats, p.N, j, mean, m2, count);
+  }
 }
 
 // Batch statistics of feature j -> (mean_z, a), one tile load after another.
@@ -291,7 +295,7 @@ void launch_apply(const BnApplyArgs& p, dim3 grid, bool vec4, cudaStream_t strea
 
 cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2,
                                     int num_m_tiles, int block_m, int M, int N, const BatchNormArgs& bn,
-                                    float* coeff, cudaStream_t stream) {
+                                    float* coeff, float* stats, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
   const bool folded = num_m_tiles > kFusedMaxTiles;
   if (folded && coeff == nullptr) return cudaErrorInvalidValue;
@@ -300,7 +304,7 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
   BnApplyArgs p{z,           out,          part_mean,    part_m2,   num_m_tiles,
                 block_m,     M,            N,            bn.bias,   bn.scale,
                 bn.bn_weight, bn.bn_bias,  bn.num_batches_tracked, bn.momentum, bn.eps,
-                bn.running_mean, bn.running_var, 0, coeff};
+                bn.running_mean, bn.running_var, 0, coeff, stats};
   const dim3 grid = apply_grid(M, N, vec4, folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock, p.rows_per_block);
   if (folded) {
     bn_fold_kernel<<<(N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream>>>(p);
@@ -328,8 +332,9 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
   return cudaGetLastError();
 }
 ''',
-    'bn_backward.cu': r'''// bn_backward.cu -- training-mode BatchNorm backward for the fused models, and
-// the per-feature batch statistics it needs from the forward.
+    'bn_backward.cu': r'''// bn_backward.cu -- training-mode BatchNorm backward for the fused models.  The
+// batch statistics it reads (stats) come from the training forward's
+// bn_apply / bn_softmax_fold_train (write_batch_stats, bn_stats.cuh).
 //
 // Forward being differentiated (z = x @ W^T, no bias: the bias cancels), per
 // feature j over the M rows of the batch, mu = mean(z), var = biased var(z):
@@ -387,7 +392,6 @@ namespace fused_gemm_bn {
 constexpr int kBwdCols = 32;   // features per CTA (one warp's width)
 constexpr int kBwdWarps = 8;   // row groups per CTA
 constexpr int kBwdRowBatch = 16;  // rows loaded per thread before use (8 was 3-12% slower from 1024 rows up, docs/perf.md v38)
-constexpr int kStatsThreads = 256;
 
 // kFull: one process's batch (bn_backward_train); kSums: pass 1 only
 // (bn_backward_sums); kGrad: pass 2 from given sums (bn_backward_grad).
@@ -635,28 +639,7 @@ static bool resident_strip_pays(int M, int N) {
   return M >= 768 || (N <= 2048 && M >= 256);
 }
 
-// stats[0][j] = mean, stats[1][j] = biased variance of z[:, j], from the
-// GEMM's per-tile statistics (bn_stats.cuh, merge_tile_statistics).
-__global__ void __launch_bounds__(kStatsThreads)
-    bn_batch_stats_kernel(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
-                          float* stats) {
-  const int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= N) return;
-  double mean, m2;
-  merge_tile_statistics(part_mean, part_m2, num_m_tiles, block_m, M, N, j, mean, m2);
-  stats[j] = static_cast<float>(mean);
-  stats[N + j] = static_cast<float>(m2 / static_cast<double>(M));
-}
-
 }  // namespace fused_gemm_bn
-
-cudaError_t fused_gemm_bn::bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
-                                          int M, int N, float* stats, cudaStream_t stream) {
-  if (M == 0 || N == 0) return cudaSuccess;
-  bn_batch_stats_kernel<<<(N + kStatsThreads - 1) / kStatsThreads, kStatsThreads, 0, stream>>>(
-      part_mean, part_m2, num_m_tiles, block_m, M, N, stats);
-  return cudaGetLastError();
-}
 
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y = dL/dy (formulas above).
 cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z, const float* stats,
@@ -776,6 +759,7 @@ struct FoldArgs {
   float* running_mean;
   float* running_var;
   float* coeff;  // [mean_z | a | c], 3 N
+  float* stats;  // (2, N) [mean_z | biased var_z] for the backward, or null
 };
 
 __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(const FoldArgs p) {
@@ -791,6 +775,7 @@ __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(con
   // BatchNorm normalises z + bias itself: the scale does not enter the running statistics.
   bn_update_running(mean, m2, count, p.bias[j], 1.0f, p.momentum, p.num_batches_tracked, p.running_mean + j,
                     p.running_var + j);
+  write_batch_stats(p.stats, p.N, j, mean, m2, count);
 }
 
 template <int kVec>
@@ -1007,13 +992,13 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
 // update, from the GEMM's per-tile statistics.  coeff: 3 N floats.
 cudaError_t fused_gemm_bn::bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles,
                                                  int block_m, int M, int N, const BatchNormArgs& bn, float* coeff,
-                                                 cudaStream_t stream) {
+                                                 float* stats, cudaStream_t stream) {
   using namespace fused_gemm_bn::softmax;
   if (M == 0 || N == 0) return cudaSuccess;
   const FoldArgs p{part_mean,  part_m2,      num_m_tiles, block_m,   M,
                    N,          bn.bias,      bn.scale,    bn.bn_weight, bn.bn_bias,
                    bn.num_batches_tracked, bn.momentum, bn.eps, bn.running_mean, bn.running_var,
-                   coeff};
+                   coeff, stats};
   bn_softmax_fold_train_kernel<<<(N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -1125,6 +1110,14 @@ __device__ __forceinline__ void merge_tile_statistics4(const float* part_mean, c
 __device__ __forceinline__ float bn_train_slope(double m2, double count, float scale, float bn_weight, float eps) {
   const double s = scale;
   return static_cast<float>(s * bn_weight / sqrt(s * s * (m2 / count) + static_cast<double>(eps)));
+}
+
+// The training backward's saved statistics of feature j, when stats is given:
+// stats (2, N) = [mean_z | biased var_z], each rounded once to float32.
+__device__ __forceinline__ void write_batch_stats(float* stats, int N, int j, double mean, double m2, double count) {
+  if (stats == nullptr) return;
+  stats[j] = static_cast<float>(mean);
+  stats[N + j] = static_cast<float>(m2 / count);
 }
 
 // Updates one feature's running statistics in place (scale = 1 for a
@@ -1745,19 +1738,22 @@ cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
 // Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias))
 // (bn: every field but scale_after_bn); coeff: 2 N floats of scratch (used when num_m_tiles > 8: one
-// merge per feature, then a streaming pass).
+// merge per feature, then a streaming pass); stats: (2, N) = [mean_z | biased var_z] for the
+// backward, or null.
 cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
-                     int block_m, int M, int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
+                     int block_m, int M, int N, const BatchNormArgs& bn, float* coeff, float* stats,
+                     cudaStream_t stream);
 // out = (z - coeff[0 .. N)) * coeff[N .. 2N) + bn_bias: the apply with given coefficients
 // (synchronized BatchNorm; out may be z).
 cudaError_t bn_apply_folded(const float* z, float* out, const float* coeff, const float* bn_bias, int M, int N,
                             cudaStream_t stream);
 
 // ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
-// Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update
-// (bn: every field but scale_after_bn, which is true here).
+// Training: coeff (3 N floats: mean_z | a | c), the running-statistics update
+// (bn: every field but scale_after_bn, which is true here) and, when given,
+// stats (2, N) = [mean_z | biased var_z] for the backward.
 cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
-                                  int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
+                                  int N, const BatchNormArgs& bn, float* coeff, float* stats, cudaStream_t stream);
 // out <- row softmax of (in - mean_z) * a + c (coeff) or of in (coeff null); in may be out.
 cudaError_t softmax_rows(const float* in, float* out, const float* coeff, int M, int N, cudaStream_t stream);
 
@@ -1767,9 +1763,6 @@ cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float
                                   cudaStream_t stream);
 
 // ---- bn_backward.cu: the training backward's BatchNorm ----------------------
-// stats (2, N) = [mean_z | biased var_z] from the per-tile statistics.
-cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
-                           float* stats, cudaStream_t stream);
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
 // (bn: scale, bn_weight, eps, scale_after_bn; problem 84: bn_bias, or null for a
 // grad_scale without its bn_bias * sum_m grad_y term).
@@ -5234,8 +5227,8 @@ WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch:
 
 // The training GEMM (sm80_3xtf32 or sm90_fp16x3): the pre-pass
 // (num_batches_tracked += 1 where `counter` is not null), then z = x @ weight^T into `z` with per-tile
-// mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
-// is not null, stats (2, N) = [mean_z | biased var_z].  One allocation, which
+// mean / M2 of z (part_mean, part_m2: num_m_tiles x N each; bn_apply /
+// bn_softmax merge them, and write the backward's stats).  One allocation, which
 // also holds `coeff` (3 N floats): the BatchNorm kernels' per-feature scratch.
 struct TrainGemm {
   torch::Tensor storage;
@@ -5244,8 +5237,8 @@ struct TrainGemm {
 };
 
 TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, float* stats, int64_t* counter,
-                     int M, int N, int K, cudaStream_t stream) {
+                     const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, int64_t* counter, int M, int N,
+                     int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
   TrainGemm g;
   g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m(M);
@@ -5268,28 +5261,28 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
                                              g.part_mean, g.part_m2, M, N, K, xs.workspace, stream),
                  "sm80_gemm_3xtf32_train");
   }
-  if (stats != nullptr)
-    check_launch(fgb::bn_batch_stats(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, stats, stream),
-                 "bn_batch_stats");
   return g;
 }
 
 // Problem 33's BatchNorm after the training GEMM: out = BatchNorm(scale (z + bias)),
-// running statistics updated (out may be z: in place).
-void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N,
+// running statistics updated, stats (2, N) = [mean_z | biased var_z] written
+// when not null (out may be z: in place).
+void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, float* stats, int M, int N,
               const fgb::BatchNormArgs& bn, cudaStream_t stream) {
   check_launch(fgb::bn_apply(z.data_ptr<float>(), out.data_ptr<float>(), g.part_mean, g.part_m2, g.num_m_tiles,
-                             g.block_m, M, N, bn, g.coeff, stream),
+                             g.block_m, M, N, bn, g.coeff, stats, stream),
                "bn_apply");
 }
 
 // Problem 84's BatchNorm, scale and softmax after the training GEMM: per-feature
 // [mean_z | a | c] and the running-statistics update (bn_softmax_fold_train),
-// then out = softmax((z - mean_z) * a + c) per row (out may be z: in place).
-void bn_softmax(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N,
+// and stats when not null, then out = softmax((z - mean_z) * a + c) per row
+// (out may be z: in place).
+void bn_softmax(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, float* stats, int M, int N,
                 const fgb::BatchNormArgs& bn, cudaStream_t stream) {
-  check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bn, g.coeff, stream),
-               "bn_softmax_fold_train");
+  check_launch(
+      fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bn, g.coeff, stats, stream),
+      "bn_softmax_fold_train");
   check_launch(fgb::softmax_rows(z.data_ptr<float>(), out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
 }
 
@@ -5312,12 +5305,11 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   const cudaStream_t stream = current_stream(x);
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor out = torch::empty({M, N}, x.options());
-  const TrainGemm g =
-      train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   if (scale_after_bn) {
-    bn_softmax(g, out, out, M, N, bn, stream);
+    bn_softmax(g, out, out, nullptr, M, N, bn, stream);
   } else {
-    bn_apply(g, out, out, M, N, bn, stream);
+    bn_apply(g, out, out, nullptr, M, N, bn, stream);
   }
   return out;
 }
@@ -5382,14 +5374,12 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = torch::empty({2, N}, x.options());
-  const TrainGemm g =
-      train_gemm(gemm, x, weight, w_parts, z, stats.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(), M,
-                 N, K, stream);
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (scale_after_bn) {
-    bn_softmax(g, z, out, M, N, bn, stream);
+    bn_softmax(g, z, out, stats.data_ptr<float>(), M, N, bn, stream);
   } else {
-    bn_apply(g, z, out, M, N, bn, stream);
+    bn_apply(g, z, out, stats.data_ptr<float>(), M, N, bn, stream);
   }
   return {out, z, stats};
 }
@@ -5706,8 +5696,7 @@ std::vector<torch::Tensor> sync_forward_local(const std::string& gemm_name, torc
   const cudaStream_t stream = current_stream(x);
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor local = torch::empty({3, N}, x.options().dtype(torch::kFloat64));
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N,
-                                 K, stream);
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   check_launch(fgb::bn_local_stats(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bias.data_ptr<float>(),
                                    local.data_ptr<double>(), stream),
                "bn_local_stats");

@@ -77,18 +77,22 @@ struct BnApplyArgs {
   float* running_var;
   int rows_per_block;
   float* coeff;  // two-launch form: [mean_z | a], 2 N floats, written by bn_fold_kernel
+  float* stats;  // (2, N) [mean_z | biased var_z] for the backward, or null
 };
 
 // Feature j's merged batch statistics (mean, m2) of z -> (mean_z, a); updates
-// its running statistics when `update_running`.
+// its running statistics and writes its saved statistics (p.stats) when
+// `update_running` (one thread per feature).
 __device__ __forceinline__ void coefficients_from_stats(const BnApplyArgs& p, int j, double mean, double m2,
                                                         bool update_running, float& mu, float& a) {
   const double count = static_cast<double>(p.M);
   mu = static_cast<float>(mean);
   a = bn_train_slope(m2, count, p.scale[j], p.bn_weight[j], p.eps);
-  if (update_running)
+  if (update_running) {
     bn_update_running(mean, m2, count, p.bias[j], p.scale[j], p.momentum, p.num_batches_tracked,
                       p.running_mean + j, p.running_var + j);
+    write_batch_stats(p.stats, p.N, j, mean, m2, count);
+  }
 }
 
 // Batch statistics of feature j -> (mean_z, a), one tile load after another.
@@ -205,7 +209,7 @@ void launch_apply(const BnApplyArgs& p, dim3 grid, bool vec4, cudaStream_t strea
 
 cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2,
                                     int num_m_tiles, int block_m, int M, int N, const BatchNormArgs& bn,
-                                    float* coeff, cudaStream_t stream) {
+                                    float* coeff, float* stats, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
   const bool folded = num_m_tiles > kFusedMaxTiles;
   if (folded && coeff == nullptr) return cudaErrorInvalidValue;
@@ -214,7 +218,7 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
   BnApplyArgs p{z,           out,          part_mean,    part_m2,   num_m_tiles,
                 block_m,     M,            N,            bn.bias,   bn.scale,
                 bn.bn_weight, bn.bn_bias,  bn.num_batches_tracked, bn.momentum, bn.eps,
-                bn.running_mean, bn.running_var, 0, coeff};
+                bn.running_mean, bn.running_var, 0, coeff, stats};
   const dim3 grid = apply_grid(M, N, vec4, folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock, p.rows_per_block);
   if (folded) {
     bn_fold_kernel<<<(N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream>>>(p);

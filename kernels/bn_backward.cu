@@ -1,5 +1,6 @@
-// bn_backward.cu -- training-mode BatchNorm backward for the fused models, and
-// the per-feature batch statistics it needs from the forward.
+// bn_backward.cu -- training-mode BatchNorm backward for the fused models.  The
+// batch statistics it reads (stats) come from the training forward's
+// bn_apply / bn_softmax_fold_train (write_batch_stats, bn_stats.cuh).
 //
 // Forward being differentiated (z = x @ W^T, no bias: the bias cancels), per
 // feature j over the M rows of the batch, mu = mean(z), var = biased var(z):
@@ -57,7 +58,6 @@ namespace fused_gemm_bn {
 constexpr int kBwdCols = 32;   // features per CTA (one warp's width)
 constexpr int kBwdWarps = 8;   // row groups per CTA
 constexpr int kBwdRowBatch = 16;  // rows loaded per thread before use (8 was 3-12% slower from 1024 rows up, docs/perf.md v38)
-constexpr int kStatsThreads = 256;
 
 // kFull: one process's batch (bn_backward_train); kSums: pass 1 only
 // (bn_backward_sums); kGrad: pass 2 from given sums (bn_backward_grad).
@@ -305,28 +305,7 @@ static bool resident_strip_pays(int M, int N) {
   return M >= 768 || (N <= 2048 && M >= 256);
 }
 
-// stats[0][j] = mean, stats[1][j] = biased variance of z[:, j], from the
-// GEMM's per-tile statistics (bn_stats.cuh, merge_tile_statistics).
-__global__ void __launch_bounds__(kStatsThreads)
-    bn_batch_stats_kernel(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
-                          float* stats) {
-  const int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= N) return;
-  double mean, m2;
-  merge_tile_statistics(part_mean, part_m2, num_m_tiles, block_m, M, N, j, mean, m2);
-  stats[j] = static_cast<float>(mean);
-  stats[N + j] = static_cast<float>(m2 / static_cast<double>(M));
-}
-
 }  // namespace fused_gemm_bn
-
-cudaError_t fused_gemm_bn::bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m,
-                                          int M, int N, float* stats, cudaStream_t stream) {
-  if (M == 0 || N == 0) return cudaSuccess;
-  bn_batch_stats_kernel<<<(N + kStatsThreads - 1) / kStatsThreads, kStatsThreads, 0, stream>>>(
-      part_mean, part_m2, num_m_tiles, block_m, M, N, stats);
-  return cudaGetLastError();
-}
 
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y = dL/dy (formulas above).
 cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z, const float* stats,

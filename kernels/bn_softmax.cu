@@ -74,6 +74,7 @@ struct FoldArgs {
   float* running_mean;
   float* running_var;
   float* coeff;  // [mean_z | a | c], 3 N
+  float* stats;  // (2, N) [mean_z | biased var_z] for the backward, or null
 };
 
 __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(const FoldArgs p) {
@@ -89,6 +90,7 @@ __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(con
   // BatchNorm normalises z + bias itself: the scale does not enter the running statistics.
   bn_update_running(mean, m2, count, p.bias[j], 1.0f, p.momentum, p.num_batches_tracked, p.running_mean + j,
                     p.running_var + j);
+  write_batch_stats(p.stats, p.N, j, mean, m2, count);
 }
 
 template <int kVec>
@@ -305,13 +307,13 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
 // update, from the GEMM's per-tile statistics.  coeff: 3 N floats.
 cudaError_t fused_gemm_bn::bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles,
                                                  int block_m, int M, int N, const BatchNormArgs& bn, float* coeff,
-                                                 cudaStream_t stream) {
+                                                 float* stats, cudaStream_t stream) {
   using namespace fused_gemm_bn::softmax;
   if (M == 0 || N == 0) return cudaSuccess;
   const FoldArgs p{part_mean,  part_m2,      num_m_tiles, block_m,   M,
                    N,          bn.bias,      bn.scale,    bn.bn_weight, bn.bn_bias,
                    bn.num_batches_tracked, bn.momentum, bn.eps, bn.running_mean, bn.running_var,
-                   coeff};
+                   coeff, stats};
   bn_softmax_fold_train_kernel<<<(N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

@@ -92,6 +92,14 @@ __device__ __forceinline__ float bn_train_slope(double m2, double count, float s
   return static_cast<float>(s * bn_weight / sqrt(s * s * (m2 / count) + static_cast<double>(eps)));
 }
 
+// The training backward's saved statistics of feature j, when stats is given:
+// stats (2, N) = [mean_z | biased var_z], each rounded once to float32.
+__device__ __forceinline__ void write_batch_stats(float* stats, int N, int j, double mean, double m2, double count) {
+  if (stats == nullptr) return;
+  stats[j] = static_cast<float>(mean);
+  stats[N + j] = static_cast<float>(m2 / count);
+}
+
 // Updates one feature's running statistics in place (scale = 1 for a
 // BatchNorm that sees z + bias directly).
 __device__ __forceinline__ void bn_update_running(double mean, double m2, double count, float bias, float scale,

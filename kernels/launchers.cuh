@@ -152,19 +152,22 @@ cudaError_t sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, float* out, int
 // ---- bn_apply.cu: problem 33's BatchNorm after the training GEMM ------------
 // Merge the per-tile statistics, update the running statistics, out = BatchNorm(scale * (z + bias))
 // (bn: every field but scale_after_bn); coeff: 2 N floats of scratch (used when num_m_tiles > 8: one
-// merge per feature, then a streaming pass).
+// merge per feature, then a streaming pass); stats: (2, N) = [mean_z | biased var_z] for the
+// backward, or null.
 cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const float* part_m2, int num_m_tiles,
-                     int block_m, int M, int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
+                     int block_m, int M, int N, const BatchNormArgs& bn, float* coeff, float* stats,
+                     cudaStream_t stream);
 // out = (z - coeff[0 .. N)) * coeff[N .. 2N) + bn_bias: the apply with given coefficients
 // (synchronized BatchNorm; out may be z).
 cudaError_t bn_apply_folded(const float* z, float* out, const float* coeff, const float* bn_bias, int M, int N,
                             cudaStream_t stream);
 
 // ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
-// Training: coeff (3 N floats: mean_z | a | c) and the running-statistics update
-// (bn: every field but scale_after_bn, which is true here).
+// Training: coeff (3 N floats: mean_z | a | c), the running-statistics update
+// (bn: every field but scale_after_bn, which is true here) and, when given,
+// stats (2, N) = [mean_z | biased var_z] for the backward.
 cudaError_t bn_softmax_fold_train(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M,
-                                  int N, const BatchNormArgs& bn, float* coeff, cudaStream_t stream);
+                                  int N, const BatchNormArgs& bn, float* coeff, float* stats, cudaStream_t stream);
 // out <- row softmax of (in - mean_z) * a + c (coeff) or of in (coeff null); in may be out.
 cudaError_t softmax_rows(const float* in, float* out, const float* coeff, int M, int N, cudaStream_t stream);
 
@@ -174,9 +177,6 @@ cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float
                                   cudaStream_t stream);
 
 // ---- bn_backward.cu: the training backward's BatchNorm ----------------------
-// stats (2, N) = [mean_z | biased var_z] from the per-tile statistics.
-cudaError_t bn_batch_stats(const float* part_mean, const float* part_m2, int num_m_tiles, int block_m, int M, int N,
-                           float* stats, cudaStream_t stream);
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
 // (bn: scale, bn_weight, eps, scale_after_bn; problem 84: bn_bias, or null for a
 // grad_scale without its bn_bias * sum_m grad_y term).

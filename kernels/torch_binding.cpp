@@ -363,8 +363,8 @@ WeightParts weight_parts(const torch::Tensor& weight, const c10::optional<torch:
 
 // The training GEMM (sm80_3xtf32 or sm90_fp16x3): the pre-pass
 // (num_batches_tracked += 1 where `counter` is not null), then z = x @ weight^T into `z` with per-tile
-// mean / M2 of z (part_mean, part_m2: num_m_tiles x N each), and, when `stats`
-// is not null, stats (2, N) = [mean_z | biased var_z].  One allocation, which
+// mean / M2 of z (part_mean, part_m2: num_m_tiles x N each; bn_apply /
+// bn_softmax merge them, and write the backward's stats).  One allocation, which
 // also holds `coeff` (3 N floats): the BatchNorm kernels' per-feature scratch.
 struct TrainGemm {
   torch::Tensor storage;
@@ -373,8 +373,8 @@ struct TrainGemm {
 };
 
 TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, float* stats, int64_t* counter,
-                     int M, int N, int K, cudaStream_t stream) {
+                     const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, int64_t* counter, int M, int N,
+                     int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
   TrainGemm g;
   g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m(M);
@@ -397,28 +397,28 @@ TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& wei
                                              g.part_mean, g.part_m2, M, N, K, xs.workspace, stream),
                  "sm80_gemm_3xtf32_train");
   }
-  if (stats != nullptr)
-    check_launch(fgb::bn_batch_stats(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, stats, stream),
-                 "bn_batch_stats");
   return g;
 }
 
 // Problem 33's BatchNorm after the training GEMM: out = BatchNorm(scale (z + bias)),
-// running statistics updated (out may be z: in place).
-void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N,
+// running statistics updated, stats (2, N) = [mean_z | biased var_z] written
+// when not null (out may be z: in place).
+void bn_apply(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, float* stats, int M, int N,
               const fgb::BatchNormArgs& bn, cudaStream_t stream) {
   check_launch(fgb::bn_apply(z.data_ptr<float>(), out.data_ptr<float>(), g.part_mean, g.part_m2, g.num_m_tiles,
-                             g.block_m, M, N, bn, g.coeff, stream),
+                             g.block_m, M, N, bn, g.coeff, stats, stream),
                "bn_apply");
 }
 
 // Problem 84's BatchNorm, scale and softmax after the training GEMM: per-feature
 // [mean_z | a | c] and the running-statistics update (bn_softmax_fold_train),
-// then out = softmax((z - mean_z) * a + c) per row (out may be z: in place).
-void bn_softmax(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, int M, int N,
+// and stats when not null, then out = softmax((z - mean_z) * a + c) per row
+// (out may be z: in place).
+void bn_softmax(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, float* stats, int M, int N,
                 const fgb::BatchNormArgs& bn, cudaStream_t stream) {
-  check_launch(fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bn, g.coeff, stream),
-               "bn_softmax_fold_train");
+  check_launch(
+      fgb::bn_softmax_fold_train(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bn, g.coeff, stats, stream),
+      "bn_softmax_fold_train");
   check_launch(fgb::softmax_rows(z.data_ptr<float>(), out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
 }
 
@@ -441,12 +441,11 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   const cudaStream_t stream = current_stream(x);
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor out = torch::empty({M, N}, x.options());
-  const TrainGemm g =
-      train_gemm(gemm, x, weight, w_parts, out, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   if (scale_after_bn) {
-    bn_softmax(g, out, out, M, N, bn, stream);
+    bn_softmax(g, out, out, nullptr, M, N, bn, stream);
   } else {
-    bn_apply(g, out, out, M, N, bn, stream);
+    bn_apply(g, out, out, nullptr, M, N, bn, stream);
   }
   return out;
 }
@@ -511,14 +510,12 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = torch::empty({2, N}, x.options());
-  const TrainGemm g =
-      train_gemm(gemm, x, weight, w_parts, z, stats.data_ptr<float>(), num_batches_tracked.data_ptr<int64_t>(), M,
-                 N, K, stream);
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (scale_after_bn) {
-    bn_softmax(g, z, out, M, N, bn, stream);
+    bn_softmax(g, z, out, stats.data_ptr<float>(), M, N, bn, stream);
   } else {
-    bn_apply(g, z, out, M, N, bn, stream);
+    bn_apply(g, z, out, stats.data_ptr<float>(), M, N, bn, stream);
   }
   return {out, z, stats};
 }
@@ -835,8 +832,7 @@ std::vector<torch::Tensor> sync_forward_local(const std::string& gemm_name, torc
   const cudaStream_t stream = current_stream(x);
   torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor local = torch::empty({3, N}, x.options().dtype(torch::kFloat64));
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, nullptr, num_batches_tracked.data_ptr<int64_t>(), M, N,
-                                 K, stream);
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   check_launch(fgb::bn_local_stats(g.part_mean, g.part_m2, g.num_m_tiles, g.block_m, M, N, bias.data_ptr<float>(),
                                    local.data_ptr<double>(), stream),
                "bn_local_stats");

@@ -98,6 +98,18 @@ __device__ __forceinline__ void load_rows(const BnBackwardArgs& p, int row, int 
   }
 }
 
+// Pass 1 over a thread's kRows rows of feature j (rows past M hold g = 0, z =
+// mu): S1 += g, S2 += g (z - mu), in float64, in row order.
+template <int kRows>
+__device__ __forceinline__ void add_sums(const float (&gv)[kRows], const float (&zv)[kRows], float mu, double& s1,
+                                         double& s2) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    s1 += gv[r];
+    s2 += static_cast<double>(gv[r]) * static_cast<double>(zv[r] - mu);
+  }
+}
+
 // Feature j, once its sums are known: the coefficients of dz = a (g - c1 - (z
 // - mu) c2) from the sums dz needs (T1, T2 over `count` rows: every process's
 // in the synchronized backward), and the parameter gradients from this
@@ -141,11 +153,7 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
       for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
         float gv[kBwdRowBatch], zv[kBwdRowBatch];
         load_rows(p, row, j, mu, gv, zv);
-#pragma unroll
-        for (int r = 0; r < kBwdRowBatch; ++r) {
-          s1 += gv[r];
-          s2 += static_cast<double>(gv[r]) * static_cast<double>(zv[r] - mu);
-        }
+        add_sums(gv, zv, mu, s1, s2);
       }
     }
     red[0][warp][lane] = s1;
@@ -259,11 +267,7 @@ __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(co
     if (i >= rows) gv[i] = 0.f, zv[i] = mu;
   }
   double s1 = 0.0, s2 = 0.0;
-#pragma unroll
-  for (int i = 0; i < kResRows; ++i) {
-    s1 += gv[i];
-    s2 += static_cast<double>(gv[i]) * static_cast<double>(zv[i] - mu);
-  }
+  add_sums(gv, zv, mu, s1, s2);
   red[0][group][c] = s1;
   red[1][group][c] = s2;
   __syncthreads();

@@ -162,8 +162,11 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
   const int m_tiles = (M + T::BLOCK_M - 1) / T::BLOCK_M;
   const int num_k_blocks = (args.K + T::BLOCK_K - 1) / T::BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
+  // Unit cta's segment count, here before the warpgroups split as the
+  // one-CTA-per-unit kernels always had it (their SASS is unchanged by the
+  // persistent walk); for_each_segment<true> counts per unit instead.
   const int cta = static_cast<int>(blockIdx.x);
-  const int num_segments = cta_num_segments(args.plan, cta);  // kPersistent: of unit cta only (unused)
+  const int num_segments = cta_num_segments(args.plan, cta);
 
   if (threadIdx.x == 0) {
 #pragma unroll

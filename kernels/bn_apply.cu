@@ -40,6 +40,7 @@
 
 #include "bn_stats.cuh"
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 
@@ -118,6 +119,7 @@ __device__ __forceinline__ void feature_coefficients4(const BnApplyArgs& p, int 
 // Two-launch form, first launch: one thread per feature merges its tiles once,
 // writes (mean_z, a) to coeff and updates the running statistics.
 __global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_kernel(const BnApplyArgs p) {
+  pdl_wait_then_release();
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.N) return;
   float mu, a;
@@ -131,6 +133,7 @@ __global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_kernel(const BnAppl
 // values either way, so both forms give bit-identical outputs.
 template <bool kVec4, bool kFolded>
 __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyArgs p) {
+  pdl_wait_then_release();
   constexpr int kCols = kVec4 ? 4 : 1;
   constexpr int kRowBatch = kVec4 ? kRowBatchVec4 : kRowBatchScalar;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
@@ -197,12 +200,9 @@ dim3 apply_grid(int M, int N, bool vec4, int max_rows, int& rows_per_block) {
 }
 
 template <bool kFolded>
-void launch_apply(const BnApplyArgs& p, dim3 grid, bool vec4, cudaStream_t stream) {
-  if (vec4) {
-    bn_apply_kernel<true, kFolded><<<grid, kApplyThreads, 0, stream>>>(p);
-  } else {
-    bn_apply_kernel<false, kFolded><<<grid, kApplyThreads, 0, stream>>>(p);
-  }
+cudaError_t launch_apply(const BnApplyArgs& p, dim3 grid, bool vec4, cudaStream_t stream) {
+  return launch_kernel(vec4 ? bn_apply_kernel<true, kFolded> : bn_apply_kernel<false, kFolded>, grid, kApplyThreads, 0,
+                       stream, p);
 }
 
 }  // namespace fused_gemm_bn
@@ -220,15 +220,10 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
                 bn.bn_weight, bn.bn_bias,  bn.num_batches_tracked, bn.momentum, bn.eps,
                 bn.running_mean, bn.running_var, 0, coeff, stats};
   const dim3 grid = apply_grid(M, N, vec4, folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock, p.rows_per_block);
-  if (folded) {
-    bn_fold_kernel<<<(N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream>>>(p);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-    launch_apply<true>(p, grid, vec4, stream);
-  } else {
-    launch_apply<false>(p, grid, vec4, stream);
-  }
-  return cudaGetLastError();
+  if (!folded) return launch_apply<false>(p, grid, vec4, stream);
+  const cudaError_t err =
+      launch_kernel(bn_fold_kernel, (N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream, p);
+  return err != cudaSuccess ? err : launch_apply<true>(p, grid, vec4, stream);
 }
 
 // out = (z - coeff[0]) * coeff[1] + bn_bias with given per-feature coeff = [mean_z | a]
@@ -242,6 +237,5 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
   BnApplyArgs p{};
   p.z = z, p.out = out, p.M = M, p.N = N, p.bn_bias = bn_bias;
   p.coeff = const_cast<float*>(coeff);  // read only by the kFolded apply kernel
-  launch_apply<true>(p, apply_grid(M, N, vec4, kFoldedRowsPerBlock, p.rows_per_block), vec4, stream);
-  return cudaGetLastError();
+  return launch_apply<true>(p, apply_grid(M, N, vec4, kFoldedRowsPerBlock, p.rows_per_block), vec4, stream);
 }

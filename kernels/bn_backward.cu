@@ -52,6 +52,7 @@
 
 #include "bn_stats.cuh"
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 
@@ -140,6 +141,7 @@ __device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, d
 
 template <BwdMode kMode>
 __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(const BnBackwardArgs p) {
+  pdl_wait_then_release();
   __shared__ double red[2][kBwdWarps][kBwdCols];
   __shared__ double coef[3][kBwdCols];  // per feature: a, c1 = S1 / C, c2 (slope of the xhat term)
   const int lane = threadIdx.x % kBwdCols, warp = threadIdx.x / kBwdCols;
@@ -241,6 +243,7 @@ constexpr int kResRows = 32;                           // rows per thread
 constexpr int kResMaxRows = kResRowGroups * kResRows;  // 1024
 
 __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(const BnBackwardArgs p) {
+  pdl_wait_then_release();
   __shared__ double red[2][kResRowGroups][kResCols];
   __shared__ double coef[3][kResCols];
   const int c = threadIdx.x % kResCols, group = threadIdx.x / kResCols;
@@ -319,12 +322,10 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
   const BnBackwardArgs p{grad_y, z,       stats,  bn.scale, bn.bn_weight, bn.eps,   bn.scale_after_bn,
                          M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
                          grad_bn_bias, nullptr, nullptr, nullptr, nullptr, bn.bn_bias};
-  if (resident_strip_pays(M, N)) {
-    bn_backward_resident_kernel<<<(N + kResCols - 1) / kResCols, kResThreads, 0, stream>>>(p);
-  } else {
-    bn_backward_train_kernel<BwdMode::kFull><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  if (resident_strip_pays(M, N))
+    return launch_kernel(bn_backward_resident_kernel, (N + kResCols - 1) / kResCols, kResThreads, 0, stream, p);
+  return launch_kernel(bn_backward_train_kernel<BwdMode::kFull>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
+                       0, stream, p);
 }
 
 // sums (2, N) float64 = this process's [S1 | S2], S2 about the merged mean stats[0].
@@ -333,8 +334,8 @@ cudaError_t fused_gemm_bn::bn_backward_sums(const float* grad_y, const float* z,
   if (N == 0) return cudaSuccess;
   const BnBackwardArgs p{grad_y,  z,       stats,   nullptr, nullptr, 0.f,     false,   M,   N, static_cast<double>(M),
                          nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, sums};
-  bn_backward_train_kernel<BwdMode::kSums><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(bn_backward_train_kernel<BwdMode::kSums>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
+                       0, stream, p);
 }
 
 // The synchronized backward's second half (formulas above): *count = C (device
@@ -349,6 +350,6 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
   const BnBackwardArgs p{grad_y,     z,       stats,  bn.scale,   bn.bn_weight, bn.eps, bn.scale_after_bn,
                          M,          N,       0.0,    count,      grad_z,     grad_scale, grad_bn_weight,
                          grad_bn_bias, bn.bias, local_sums, total_sums, nullptr, bn.bn_bias};
-  bn_backward_train_kernel<BwdMode::kGrad><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(bn_backward_train_kernel<BwdMode::kGrad>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
+                       0, stream, p);
 }

@@ -44,6 +44,7 @@
 #include "bn_stats.cuh"
 #include "load_hints.cuh"
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 namespace softmax {
@@ -78,6 +79,7 @@ struct FoldArgs {
 };
 
 __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(const FoldArgs p) {
+  pdl_wait_then_release();
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.N) return;
   double mean, m2;
@@ -149,6 +151,7 @@ __device__ __forceinline__ typename Vec<kVec>::type load_v(const RowArgs& p, con
 // max / sum and a second read of the row.
 template <int kVec, bool kAffine, bool kCached>
 __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs p) {
+  pdl_wait_then_release();
   using V = typename Vec<kVec>::type;
   extern __shared__ float4 dynamic_smem[];
   V* cache = reinterpret_cast<V*>(dynamic_smem);
@@ -218,6 +221,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
 // shape against 19.8-20.0 with the hint; 20.8-21.0 before).
 template <bool kAffine>
 __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_kernel(const RowArgs p) {
+  pdl_wait_then_release();
   __shared__ float red[kRowThreads / 32];
   const float* row = p.in + static_cast<size_t>(blockIdx.x) * p.N;
   float* out_row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
@@ -276,10 +280,7 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   // M = 16384), at least one warp, at most kRowThreads.
   const int threads = min(kRowThreads, max(32, (num_groups / 4 + 31) / 32 * 32));
   if constexpr (kVec == 4) {
-    if (num_groups <= threads * kRegGroups) {
-      softmax_rows_regs_kernel<kAffine><<<M, threads, 0, stream>>>(p);
-      return cudaGetLastError();
-    }
+    if (num_groups <= threads * kRegGroups) return launch_kernel(softmax_rows_regs_kernel<kAffine>, M, threads, 0, stream, p);
   }
   int device = 0, max_optin = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -293,11 +294,9 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cache_bytes));
       if (err != cudaSuccess) return err;
     }
-    kernel<<<M, threads, cache_bytes, stream>>>(p);
-  } else {
-    softmax_rows_kernel<kVec, kAffine, false><<<M, threads, 0, stream>>>(p);
+    return launch_kernel(kernel, M, threads, cache_bytes, stream, p);
   }
-  return cudaGetLastError();
+  return launch_kernel(softmax_rows_kernel<kVec, kAffine, false>, M, threads, 0, stream, p);
 }
 
 }  // namespace softmax
@@ -314,8 +313,7 @@ cudaError_t fused_gemm_bn::bn_softmax_fold_train(const float* part_mean, const f
                    N,          bn.bias,      bn.scale,    bn.bn_weight, bn.bn_bias,
                    bn.num_batches_tracked, bn.momentum, bn.eps, bn.running_mean, bn.running_var,
                    coeff, stats};
-  bn_softmax_fold_train_kernel<<<(N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(bn_softmax_fold_train_kernel, (N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream, p);
 }
 
 // out (M, N) <- softmax over each row of (in - mean_z) * a + c (coeff = [mean_z | a | c])

@@ -44,6 +44,7 @@
 #include "centring.cuh"
 #include "fp16x3_split.cuh"
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 namespace {
@@ -73,6 +74,7 @@ __global__ void __launch_bounds__(kPrepassThreads)
                                float* __restrict__ x_inv_scale, float* __restrict__ center,
                                float2* __restrict__ row_sum, int64_t* num_batches_tracked, int* zero_ints,
                                int num_zero_ints) {
+  pdl_wait_then_release();
   if (blockIdx.x == 0) {
     if (num_batches_tracked != nullptr && threadIdx.x == 0) *num_batches_tracked += 1;
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
@@ -155,17 +157,15 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
   auto hi = reinterpret_cast<uint32_t*>(x_hi);
   auto lo = reinterpret_cast<uint32_t*>(x_lo);
   auto launch = [&](auto kernel) {
-    kernel<<<M, kPrepassThreads, 0, stream>>>(x, row_stride, col_stride, K, hi, lo, x_inv_scale, center, row_sum,
-                                              num_batches_tracked, zero_ints, num_zero_ints);
+    return launch_kernel(kernel, M, kPrepassThreads, 0, stream, x, row_stride, col_stride, K, hi, lo, x_inv_scale,
+                         center, row_sum, num_batches_tracked, zero_ints, num_zero_ints);
   };
   if (center != nullptr) {
-    if (regs) launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kX>);
-    else if (vec) launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kX>);
-    else launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kX>);
-  } else {
-    if (regs) launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kW>);
-    else if (vec) launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kW>);
-    else launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kW>);
+    if (regs) return launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kX>);
+    if (vec) return launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kX>);
+    return launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kX>);
   }
-  return cudaGetLastError();
+  if (regs) return launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kW>);
+  if (vec) return launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kW>);
+  return launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kW>);
 }

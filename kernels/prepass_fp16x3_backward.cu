@@ -48,6 +48,7 @@
 #include "centring.cuh"
 #include "fp16x3_split.cuh"
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 namespace {
@@ -88,6 +89,7 @@ __global__ void __launch_bounds__(kRowThreads, 2)
                                       const float* __restrict__ col_scale, uint32_t* __restrict__ hi,
                                       uint32_t* __restrict__ lo, float* __restrict__ inv_scale, int* zero_ints,
                                       int num_zero_ints) {
+  pdl_wait_then_release();
   __shared__ float scratch[kRowWarps];
   zero_arrivals(zero_ints, num_zero_ints);
   const int64_t m = blockIdx.x;
@@ -155,6 +157,7 @@ __global__ void __launch_bounds__(kColumnsThreads)
     sm90_prepass_fp16x3_columns_kernel(const float* __restrict__ a, int64_t row_stride, int R, int C,
                                        uint32_t* __restrict__ hi, uint32_t* __restrict__ lo,
                                        float* __restrict__ inv_scale, int* zero_ints, int num_zero_ints) {
+  pdl_wait_then_release();
   __shared__ float col_max[kColumnsWarps][kColumnsPerBlock];
   __shared__ float col_scale[kColumnsPerBlock];
   zero_arrivals(zero_ints, num_zero_ints);
@@ -222,13 +225,8 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_scaled(const float* a, int64_t ro
                     (reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(col_scale)) % 16 == 0;
   auto h = reinterpret_cast<uint32_t*>(hi);
   auto l = reinterpret_cast<uint32_t*>(lo);
-  if (regs)
-    sm90_prepass_fp16x3_scaled_kernel<true><<<M, kRowThreads, 0, stream>>>(a, row_stride, K, col_scale, h, l,
-                                                                           inv_scale, zero_ints, num_zero_ints);
-  else
-    sm90_prepass_fp16x3_scaled_kernel<false><<<M, kRowThreads, 0, stream>>>(a, row_stride, K, col_scale, h, l,
-                                                                            inv_scale, zero_ints, num_zero_ints);
-  return cudaGetLastError();
+  return launch_kernel(regs ? sm90_prepass_fp16x3_scaled_kernel<true> : sm90_prepass_fp16x3_scaled_kernel<false>, M,
+                       kRowThreads, 0, stream, a, row_stride, K, col_scale, h, l, inv_scale, zero_ints, num_zero_ints);
 }
 
 // Preconditions: R >= 1, C >= 1, C % 8 == 0, hi and lo 16-byte aligned.
@@ -242,13 +240,7 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_columns(const float* a, int64_t r
   const unsigned blocks = static_cast<unsigned>((C + kColumnsPerBlock - 1) / kColumnsPerBlock);
   auto h = reinterpret_cast<uint32_t*>(hi);
   auto l = reinterpret_cast<uint32_t*>(lo);
-  if (vec)
-    sm90_prepass_fp16x3_columns_kernel<true><<<blocks, kColumnsThreads, 0, stream>>>(a, row_stride, R, C, h, l,
-                                                                                     inv_scale, zero_ints,
-                                                                                     num_zero_ints);
-  else
-    sm90_prepass_fp16x3_columns_kernel<false><<<blocks, kColumnsThreads, 0, stream>>>(a, row_stride, R, C, h, l,
-                                                                                      inv_scale, zero_ints,
-                                                                                      num_zero_ints);
-  return cudaGetLastError();
+  return launch_kernel(vec ? sm90_prepass_fp16x3_columns_kernel<true> : sm90_prepass_fp16x3_columns_kernel<false>,
+                       blocks, kColumnsThreads, 0, stream, a, row_stride, R, C, h, l, inv_scale, zero_ints,
+                       num_zero_ints);
 }

@@ -27,6 +27,7 @@
 #include <stdint.h>
 
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 namespace softmax_backward {
@@ -51,6 +52,7 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
 __global__ void __launch_bounds__(kRegThreads) softmax_rows_backward_regs_kernel(const float* __restrict__ out,
                                                                                  const float* __restrict__ grad_out,
                                                                                  float* __restrict__ grad_v, int N) {
+  pdl_wait_then_release();
   __shared__ double red[kRegThreads / 32];
   const size_t base = static_cast<size_t>(blockIdx.x) * N;
   const float4* o4 = reinterpret_cast<const float4*>(out + base);
@@ -90,6 +92,7 @@ template <bool kVec4>
 __global__ void __launch_bounds__(kThreads) softmax_rows_backward_kernel(const float* __restrict__ out,
                                                                          const float* __restrict__ grad_out,
                                                                          float* __restrict__ grad_v, int N) {
+  pdl_wait_then_release();
   __shared__ double red[kThreads / 32];
   const size_t base = static_cast<size_t>(blockIdx.x) * N;
   double dot = 0.0;
@@ -137,12 +140,8 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
   const int num_groups = N / 4;
   // Four groups per thread where the row allows (N = 8192: 512 threads), at least one warp.
   const int reg_threads = min(kRegThreads, max(32, (num_groups / kRegGroups + 31) / 32 * 32));
-  if (vec4 && num_groups <= kRegGroups * reg_threads) {
-    softmax_rows_backward_regs_kernel<<<M, reg_threads, 0, stream>>>(out, grad_out, grad_v, N);
-  } else if (vec4) {
-    softmax_rows_backward_kernel<true><<<M, kThreads, 0, stream>>>(out, grad_out, grad_v, N);
-  } else {
-    softmax_rows_backward_kernel<false><<<M, kThreads, 0, stream>>>(out, grad_out, grad_v, N);
-  }
-  return cudaGetLastError();
+  if (vec4 && num_groups <= kRegGroups * reg_threads)
+    return launch_kernel(softmax_rows_backward_regs_kernel, M, reg_threads, 0, stream, out, grad_out, grad_v, N);
+  return launch_kernel(vec4 ? softmax_rows_backward_kernel<true> : softmax_rows_backward_kernel<false>, M, kThreads, 0,
+                       stream, out, grad_out, grad_v, N);
 }

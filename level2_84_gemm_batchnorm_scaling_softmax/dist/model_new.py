@@ -194,6 +194,7 @@ _EMBEDDED_SOURCES = {
 
 #include "bn_stats.cuh"
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 
@@ -272,6 +273,7 @@ __device__ __forceinline__ void feature_coefficients4(const BnApplyArgs& p, int 
 // Two-launch form, first launch: one thread per feature merges its tiles once,
 // writes (mean_z, a) to coeff and updates the running statistics.
 __global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_kernel(const BnApplyArgs p) {
+  pdl_wait_then_release();
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.N) return;
   float mu, a;
@@ -285,6 +287,7 @@ __global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_kernel(const BnAppl
 // values either way, so both forms give bit-identical outputs.
 template <bool kVec4, bool kFolded>
 __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyArgs p) {
+  pdl_wait_then_release();
   constexpr int kCols = kVec4 ? 4 : 1;
   constexpr int kRowBatch = kVec4 ? kRowBatchVec4 : kRowBatchScalar;
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
@@ -351,12 +354,9 @@ dim3 apply_grid(int M, int N, bool vec4, int max_rows, int& rows_per_block) {
 }
 
 template <bool kFolded>
-void launch_apply(const BnApplyArgs& p, dim3 grid, bool vec4, cudaStream_t stream) {
-  if (vec4) {
-    bn_apply_kernel<true, kFolded><<<grid, kApplyThreads, 0, stream>>>(p);
-  } else {
-    bn_apply_kernel<false, kFolded><<<grid, kApplyThreads, 0, stream>>>(p);
-  }
+cudaError_t launch_apply(const BnApplyArgs& p, dim3 grid, bool vec4, cudaStream_t stream) {
+  return launch_kernel(vec4 ? bn_apply_kernel<true, kFolded> : bn_apply_kernel<false, kFolded>, grid, kApplyThreads, 0,
+                       stream, p);
 }
 
 }  // namespace fused_gemm_bn
@@ -374,15 +374,10 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
                 bn.bn_weight, bn.bn_bias,  bn.num_batches_tracked, bn.momentum, bn.eps,
                 bn.running_mean, bn.running_var, 0, coeff, stats};
   const dim3 grid = apply_grid(M, N, vec4, folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock, p.rows_per_block);
-  if (folded) {
-    bn_fold_kernel<<<(N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream>>>(p);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-    launch_apply<true>(p, grid, vec4, stream);
-  } else {
-    launch_apply<false>(p, grid, vec4, stream);
-  }
-  return cudaGetLastError();
+  if (!folded) return launch_apply<false>(p, grid, vec4, stream);
+  const cudaError_t err =
+      launch_kernel(bn_fold_kernel, (N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0, stream, p);
+  return err != cudaSuccess ? err : launch_apply<true>(p, grid, vec4, stream);
 }
 
 // out = (z - coeff[0]) * coeff[1] + bn_bias with given per-feature coeff = [mean_z | a]
@@ -396,8 +391,7 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
   BnApplyArgs p{};
   p.z = z, p.out = out, p.M = M, p.N = N, p.bn_bias = bn_bias;
   p.coeff = const_cast<float*>(coeff);  // read only by the kFolded apply kernel
-  launch_apply<true>(p, apply_grid(M, N, vec4, kFoldedRowsPerBlock, p.rows_per_block), vec4, stream);
-  return cudaGetLastError();
+  return launch_apply<true>(p, apply_grid(M, N, vec4, kFoldedRowsPerBlock, p.rows_per_block), vec4, stream);
 }
 ''',
     'bn_backward.cu': r'''// bn_backward.cu -- training-mode BatchNorm backward for the fused models.  The
@@ -454,6 +448,7 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
 
 #include "bn_stats.cuh"
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 
@@ -542,6 +537,7 @@ __device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, d
 
 template <BwdMode kMode>
 __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(const BnBackwardArgs p) {
+  pdl_wait_then_release();
   __shared__ double red[2][kBwdWarps][kBwdCols];
   __shared__ double coef[3][kBwdCols];  // per feature: a, c1 = S1 / C, c2 (slope of the xhat term)
   const int lane = threadIdx.x % kBwdCols, warp = threadIdx.x / kBwdCols;
@@ -643,6 +639,7 @@ constexpr int kResRows = 32;                           // rows per thread
 constexpr int kResMaxRows = kResRowGroups * kResRows;  // 1024
 
 __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(const BnBackwardArgs p) {
+  pdl_wait_then_release();
   __shared__ double red[2][kResRowGroups][kResCols];
   __shared__ double coef[3][kResCols];
   const int c = threadIdx.x % kResCols, group = threadIdx.x / kResCols;
@@ -721,12 +718,10 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
   const BnBackwardArgs p{grad_y, z,       stats,  bn.scale, bn.bn_weight, bn.eps,   bn.scale_after_bn,
                          M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
                          grad_bn_bias, nullptr, nullptr, nullptr, nullptr, bn.bn_bias};
-  if (resident_strip_pays(M, N)) {
-    bn_backward_resident_kernel<<<(N + kResCols - 1) / kResCols, kResThreads, 0, stream>>>(p);
-  } else {
-    bn_backward_train_kernel<BwdMode::kFull><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  if (resident_strip_pays(M, N))
+    return launch_kernel(bn_backward_resident_kernel, (N + kResCols - 1) / kResCols, kResThreads, 0, stream, p);
+  return launch_kernel(bn_backward_train_kernel<BwdMode::kFull>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
+                       0, stream, p);
 }
 
 // sums (2, N) float64 = this process's [S1 | S2], S2 about the merged mean stats[0].
@@ -735,8 +730,8 @@ cudaError_t fused_gemm_bn::bn_backward_sums(const float* grad_y, const float* z,
   if (N == 0) return cudaSuccess;
   const BnBackwardArgs p{grad_y,  z,       stats,   nullptr, nullptr, 0.f,     false,   M,   N, static_cast<double>(M),
                          nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, sums};
-  bn_backward_train_kernel<BwdMode::kSums><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(bn_backward_train_kernel<BwdMode::kSums>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
+                       0, stream, p);
 }
 
 // The synchronized backward's second half (formulas above): *count = C (device
@@ -751,8 +746,8 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
   const BnBackwardArgs p{grad_y,     z,       stats,  bn.scale,   bn.bn_weight, bn.eps, bn.scale_after_bn,
                          M,          N,       0.0,    count,      grad_z,     grad_scale, grad_bn_weight,
                          grad_bn_bias, bn.bias, local_sums, total_sums, nullptr, bn.bn_bias};
-  bn_backward_train_kernel<BwdMode::kGrad><<<(N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(bn_backward_train_kernel<BwdMode::kGrad>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
+                       0, stream, p);
 }
 ''',
     'bn_softmax.cu': r'''// bn_softmax.cu -- after the GEMM, the rest of Linear -> BatchNorm1d -> scale ->
@@ -801,6 +796,7 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
 #include "bn_stats.cuh"
 #include "load_hints.cuh"
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 namespace softmax {
@@ -835,6 +831,7 @@ struct FoldArgs {
 };
 
 __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(const FoldArgs p) {
+  pdl_wait_then_release();
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.N) return;
   double mean, m2;
@@ -906,6 +903,7 @@ __device__ __forceinline__ typename Vec<kVec>::type load_v(const RowArgs& p, con
 // max / sum and a second read of the row.
 template <int kVec, bool kAffine, bool kCached>
 __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs p) {
+  pdl_wait_then_release();
   using V = typename Vec<kVec>::type;
   extern __shared__ float4 dynamic_smem[];
   V* cache = reinterpret_cast<V*>(dynamic_smem);
@@ -975,6 +973,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
 // shape against 19.8-20.0 with the hint; 20.8-21.0 before).
 template <bool kAffine>
 __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_kernel(const RowArgs p) {
+  pdl_wait_then_release();
   __shared__ float red[kRowThreads / 32];
   const float* row = p.in + static_cast<size_t>(blockIdx.x) * p.N;
   float* out_row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
@@ -1033,10 +1032,7 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   // M = 16384), at least one warp, at most kRowThreads.
   const int threads = min(kRowThreads, max(32, (num_groups / 4 + 31) / 32 * 32));
   if constexpr (kVec == 4) {
-    if (num_groups <= threads * kRegGroups) {
-      softmax_rows_regs_kernel<kAffine><<<M, threads, 0, stream>>>(p);
-      return cudaGetLastError();
-    }
+    if (num_groups <= threads * kRegGroups) return launch_kernel(softmax_rows_regs_kernel<kAffine>, M, threads, 0, stream, p);
   }
   int device = 0, max_optin = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -1050,11 +1046,9 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cache_bytes));
       if (err != cudaSuccess) return err;
     }
-    kernel<<<M, threads, cache_bytes, stream>>>(p);
-  } else {
-    softmax_rows_kernel<kVec, kAffine, false><<<M, threads, 0, stream>>>(p);
+    return launch_kernel(kernel, M, threads, cache_bytes, stream, p);
   }
-  return cudaGetLastError();
+  return launch_kernel(softmax_rows_kernel<kVec, kAffine, false>, M, threads, 0, stream, p);
 }
 
 }  // namespace softmax
@@ -1071,8 +1065,7 @@ cudaError_t fused_gemm_bn::bn_softmax_fold_train(const float* part_mean, const f
                    N,          bn.bias,      bn.scale,    bn.bn_weight, bn.bn_bias,
                    bn.num_batches_tracked, bn.momentum, bn.eps, bn.running_mean, bn.running_var,
                    coeff, stats};
-  bn_softmax_fold_train_kernel<<<(N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(bn_softmax_fold_train_kernel, (N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream, p);
 }
 
 // out (M, N) <- softmax over each row of (in - mean_z) * a + c (coeff = [mean_z | a | c])
@@ -1553,11 +1546,12 @@ __device__ __forceinline__ RowTerms row_terms(const float* __restrict__ row, int
 
 }  // namespace fused_gemm_bn
 ''',
-    'device_facts.cuh': r'''// device_facts.cuh -- what the GEMM launchers plan with about the current
-// device (sm80_gemm_3xtf32_bn.cu, sm90_gemm_fp16x3_bn.cu): its streaming
-// multiprocessor count and the opt-in shared memory per block, queried once per
-// device with cudaDeviceGetAttribute and cached for the process (they do not
-// change while it runs).  Host code only.
+    'device_facts.cuh': r'''// device_facts.cuh -- what the launchers plan with about the current device
+// (sm80_gemm_3xtf32_bn.cu, sm90_gemm_fp16x3_bn.cu, pdl.cuh): its streaming
+// multiprocessor count, the opt-in shared memory per block and the compute
+// capability's major number, queried once per device with
+// cudaDeviceGetAttribute and cached for the process (they do not change while
+// it runs).  Host code only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -1569,6 +1563,7 @@ constexpr int kMaxCachedDevices = 64;  // devices past this are queried on every
 struct DeviceFacts {
   int num_sms = 0;     // cudaDevAttrMultiProcessorCount
   int smem_optin = 0;  // cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes
+  int cc_major = 0;    // cudaDevAttrComputeCapabilityMajor
 };
 
 // The current device's facts; an error from cudaGetDevice or the queries is returned as it is.
@@ -1583,6 +1578,7 @@ static cudaError_t current_device_facts(DeviceFacts* facts) {
   }
   DeviceFacts f;
   err = cudaDeviceGetAttribute(&f.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&f.cc_major, cudaDevAttrComputeCapabilityMajor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&f.num_sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   if (device < kMaxCachedDevices) cached[device] = f;
@@ -1982,6 +1978,92 @@ __device__ __forceinline__ float4 ld_evict_first_f4(const float* q) {
 
 }  // namespace fused_gemm_bn
 ''',
+    'pdl.cuh': r'''// pdl.cuh -- programmatic dependent launch (PDL) for the kernels around the
+// fp16x3 GEMM: the pre-passes, the BatchNorm and softmax kernels and the
+// backward's row and column kernels, each launched right after the previous
+// kernel on the same stream.
+//
+// Without PDL a kernel's CTAs are launched only once the previous kernel has
+// finished; the launch and the CTAs' start then sit between the two (0.9-2.3 us
+// per kernel boundary in the training step on an H200, docs/perf.md v40).
+// With PDL (compute capability 9.0+; CUDA programming guide, "Programmatic
+// Dependent Launch and Synchronization"; PTX ISA 9.7.13.14 griddepcontrol) the
+// next kernel may be launched once every CTA of the current one has run
+// pdl_wait_then_release() (or exited), and its CTAs take SMs as the current
+// kernel's CTAs leave them; each then waits in griddepcontrol.wait until the
+// previous kernel has completed and its memory writes are visible.
+//
+// The GEMM (sm90_gemm_fp16x3_bn.cu) is launched without PDL and does not
+// release its successor early, so the kernel after it is launched as it exits
+// and finds every SM free.  Measured on an H200 (docs/perf.md v41): with the
+// GEMM releasing at its start, the single-wave bn_apply after it was launched
+// during the GEMM's last wave and the GEMM took 20 us longer; with the GEMM
+// itself launched early after the pre-pass, the training step was 12 us slower
+// than with it launched as before.
+//
+// The rule (device side): every kernel launched with launch_kernel() calls
+// pdl_wait_then_release() before it reads or writes global memory and before
+// any of its CTAs can return; then nothing it touches can race with the
+// kernels before it, whatever they are.  Waiting before releasing keeps at most
+// two kernels' CTAs on the GPU at once (the one running and the next, waiting).
+// On the host, launch_kernel() asks for PDL only on devices of compute
+// capability 9.0 or more and on streams that are not capturing a CUDA graph;
+// otherwise it launches as <<<>>> does, and griddepcontrol.wait returns at once.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "device_facts.cuh"
+
+namespace fused_gemm_bn {
+
+// griddepcontrol.wait (the previous kernel on the stream has completed, its
+// writes visible), then griddepcontrol.launch_dependents (the next kernel may
+// launch once every CTA of this one has got here).  No-ops below sm_90 and in
+// kernels launched without PDL.
+__device__ __forceinline__ void pdl_wait_then_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent
+// launch where the device and stream allow it (header).  Returns the launch's
+// error (cudaSuccess if none) and leaves none behind.
+template <typename... Params, typename... Args>
+static cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                 Args&&... args) {
+#if CUDART_VERSION >= 11080
+  DeviceFacts facts;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const bool pdl = current_device_facts(&facts) == cudaSuccess && facts.cc_major >= 9 &&
+                   cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone;
+  if (pdl) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+    if (err != cudaSuccess) cudaGetLastError();
+    return err;
+  }
+  cudaGetLastError();  // a failed query above leaves no error behind
+#endif
+  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+  return cudaGetLastError();
+}
+
+}  // namespace fused_gemm_bn
+''',
     'prepass_3xtf32.cu': r'''// prepass_3xtf32.cu -- the one pre-pass kernel before each 3xTF32 GEMM
 // (sm80_gemm_3xtf32_bn.cu).  Each launch does two jobs, so that a forward pays
 // one small launch for them:
@@ -2150,6 +2232,7 @@ cudaError_t fused_gemm_bn::sm80_prepass_3xtf32(const float* x, int64_t row_strid
 #include "centring.cuh"
 #include "fp16x3_split.cuh"
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 namespace {
@@ -2179,6 +2262,7 @@ __global__ void __launch_bounds__(kPrepassThreads)
                                float* __restrict__ x_inv_scale, float* __restrict__ center,
                                float2* __restrict__ row_sum, int64_t* num_batches_tracked, int* zero_ints,
                                int num_zero_ints) {
+  pdl_wait_then_release();
   if (blockIdx.x == 0) {
     if (num_batches_tracked != nullptr && threadIdx.x == 0) *num_batches_tracked += 1;
     for (int j = threadIdx.x; j < num_zero_ints; j += blockDim.x) zero_ints[j] = 0;
@@ -2261,19 +2345,17 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
   auto hi = reinterpret_cast<uint32_t*>(x_hi);
   auto lo = reinterpret_cast<uint32_t*>(x_lo);
   auto launch = [&](auto kernel) {
-    kernel<<<M, kPrepassThreads, 0, stream>>>(x, row_stride, col_stride, K, hi, lo, x_inv_scale, center, row_sum,
-                                              num_batches_tracked, zero_ints, num_zero_ints);
+    return launch_kernel(kernel, M, kPrepassThreads, 0, stream, x, row_stride, col_stride, K, hi, lo, x_inv_scale,
+                         center, row_sum, num_batches_tracked, zero_ints, num_zero_ints);
   };
   if (center != nullptr) {
-    if (regs) launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kX>);
-    else if (vec) launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kX>);
-    else launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kX>);
-  } else {
-    if (regs) launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kW>);
-    else if (vec) launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kW>);
-    else launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kW>);
+    if (regs) return launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kX>);
+    if (vec) return launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kX>);
+    return launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kX>);
   }
-  return cudaGetLastError();
+  if (regs) return launch(sm90_prepass_fp16x3_kernel<true, true, RowSide::kW>);
+  if (vec) return launch(sm90_prepass_fp16x3_kernel<true, false, RowSide::kW>);
+  return launch(sm90_prepass_fp16x3_kernel<false, false, RowSide::kW>);
 }
 ''',
     'prepass_fp16x3_backward.cu': r'''// prepass_fp16x3_backward.cu -- the pre-passes of the backward's two fp16x3
@@ -2326,6 +2408,7 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3(const float* x, int64_t row_strid
 #include "centring.cuh"
 #include "fp16x3_split.cuh"
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 namespace {
@@ -2366,6 +2449,7 @@ __global__ void __launch_bounds__(kRowThreads, 2)
                                       const float* __restrict__ col_scale, uint32_t* __restrict__ hi,
                                       uint32_t* __restrict__ lo, float* __restrict__ inv_scale, int* zero_ints,
                                       int num_zero_ints) {
+  pdl_wait_then_release();
   __shared__ float scratch[kRowWarps];
   zero_arrivals(zero_ints, num_zero_ints);
   const int64_t m = blockIdx.x;
@@ -2433,6 +2517,7 @@ __global__ void __launch_bounds__(kColumnsThreads)
     sm90_prepass_fp16x3_columns_kernel(const float* __restrict__ a, int64_t row_stride, int R, int C,
                                        uint32_t* __restrict__ hi, uint32_t* __restrict__ lo,
                                        float* __restrict__ inv_scale, int* zero_ints, int num_zero_ints) {
+  pdl_wait_then_release();
   __shared__ float col_max[kColumnsWarps][kColumnsPerBlock];
   __shared__ float col_scale[kColumnsPerBlock];
   zero_arrivals(zero_ints, num_zero_ints);
@@ -2500,13 +2585,8 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_scaled(const float* a, int64_t ro
                     (reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(col_scale)) % 16 == 0;
   auto h = reinterpret_cast<uint32_t*>(hi);
   auto l = reinterpret_cast<uint32_t*>(lo);
-  if (regs)
-    sm90_prepass_fp16x3_scaled_kernel<true><<<M, kRowThreads, 0, stream>>>(a, row_stride, K, col_scale, h, l,
-                                                                           inv_scale, zero_ints, num_zero_ints);
-  else
-    sm90_prepass_fp16x3_scaled_kernel<false><<<M, kRowThreads, 0, stream>>>(a, row_stride, K, col_scale, h, l,
-                                                                            inv_scale, zero_ints, num_zero_ints);
-  return cudaGetLastError();
+  return launch_kernel(regs ? sm90_prepass_fp16x3_scaled_kernel<true> : sm90_prepass_fp16x3_scaled_kernel<false>, M,
+                       kRowThreads, 0, stream, a, row_stride, K, col_scale, h, l, inv_scale, zero_ints, num_zero_ints);
 }
 
 // Preconditions: R >= 1, C >= 1, C % 8 == 0, hi and lo 16-byte aligned.
@@ -2520,15 +2600,9 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_columns(const float* a, int64_t r
   const unsigned blocks = static_cast<unsigned>((C + kColumnsPerBlock - 1) / kColumnsPerBlock);
   auto h = reinterpret_cast<uint32_t*>(hi);
   auto l = reinterpret_cast<uint32_t*>(lo);
-  if (vec)
-    sm90_prepass_fp16x3_columns_kernel<true><<<blocks, kColumnsThreads, 0, stream>>>(a, row_stride, R, C, h, l,
-                                                                                     inv_scale, zero_ints,
-                                                                                     num_zero_ints);
-  else
-    sm90_prepass_fp16x3_columns_kernel<false><<<blocks, kColumnsThreads, 0, stream>>>(a, row_stride, R, C, h, l,
-                                                                                      inv_scale, zero_ints,
-                                                                                      num_zero_ints);
-  return cudaGetLastError();
+  return launch_kernel(vec ? sm90_prepass_fp16x3_columns_kernel<true> : sm90_prepass_fp16x3_columns_kernel<false>,
+                       blocks, kColumnsThreads, 0, stream, a, row_stride, R, C, h, l, inv_scale, zero_ints,
+                       num_zero_ints);
 }
 ''',
     'sm80_gemm_3xtf32_bn.cu': r'''// sm80_gemm_3xtf32_bn.cu -- the portable 3xTF32 GEMM with a fused BatchNorm
@@ -4817,6 +4891,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 #include <stdint.h>
 
 #include "launchers.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 namespace softmax_backward {
@@ -4841,6 +4916,7 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
 __global__ void __launch_bounds__(kRegThreads) softmax_rows_backward_regs_kernel(const float* __restrict__ out,
                                                                                  const float* __restrict__ grad_out,
                                                                                  float* __restrict__ grad_v, int N) {
+  pdl_wait_then_release();
   __shared__ double red[kRegThreads / 32];
   const size_t base = static_cast<size_t>(blockIdx.x) * N;
   const float4* o4 = reinterpret_cast<const float4*>(out + base);
@@ -4880,6 +4956,7 @@ template <bool kVec4>
 __global__ void __launch_bounds__(kThreads) softmax_rows_backward_kernel(const float* __restrict__ out,
                                                                          const float* __restrict__ grad_out,
                                                                          float* __restrict__ grad_v, int N) {
+  pdl_wait_then_release();
   __shared__ double red[kThreads / 32];
   const size_t base = static_cast<size_t>(blockIdx.x) * N;
   double dot = 0.0;
@@ -4927,14 +5004,10 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
   const int num_groups = N / 4;
   // Four groups per thread where the row allows (N = 8192: 512 threads), at least one warp.
   const int reg_threads = min(kRegThreads, max(32, (num_groups / kRegGroups + 31) / 32 * 32));
-  if (vec4 && num_groups <= kRegGroups * reg_threads) {
-    softmax_rows_backward_regs_kernel<<<M, reg_threads, 0, stream>>>(out, grad_out, grad_v, N);
-  } else if (vec4) {
-    softmax_rows_backward_kernel<true><<<M, kThreads, 0, stream>>>(out, grad_out, grad_v, N);
-  } else {
-    softmax_rows_backward_kernel<false><<<M, kThreads, 0, stream>>>(out, grad_out, grad_v, N);
-  }
-  return cudaGetLastError();
+  if (vec4 && num_groups <= kRegGroups * reg_threads)
+    return launch_kernel(softmax_rows_backward_regs_kernel, M, reg_threads, 0, stream, out, grad_out, grad_v, N);
+  return launch_kernel(vec4 ? softmax_rows_backward_kernel<true> : softmax_rows_backward_kernel<false>, M, kThreads, 0,
+                       stream, out, grad_out, grad_v, N);
 }
 ''',
     'torch_binding.cpp': r'''// torch_binding.cpp -- PyTorch entry points of the float32 extension: the fused

@@ -1,0 +1,85 @@
+// pdl.cuh -- programmatic dependent launch (PDL) for the kernels around the
+// fp16x3 GEMM: the pre-passes, the BatchNorm and softmax kernels and the
+// backward's row and column kernels, each launched right after the previous
+// kernel on the same stream.
+//
+// Without PDL a kernel's CTAs are launched only once the previous kernel has
+// finished; the launch and the CTAs' start then sit between the two (0.9-2.3 us
+// per kernel boundary in the training step on an H200, docs/perf.md v40).
+// With PDL (compute capability 9.0+; CUDA programming guide, "Programmatic
+// Dependent Launch and Synchronization"; PTX ISA 9.7.13.14 griddepcontrol) the
+// next kernel may be launched once every CTA of the current one has run
+// pdl_wait_then_release() (or exited), and its CTAs take SMs as the current
+// kernel's CTAs leave them; each then waits in griddepcontrol.wait until the
+// previous kernel has completed and its memory writes are visible.
+//
+// The GEMM (sm90_gemm_fp16x3_bn.cu) is launched without PDL and does not
+// release its successor early, so the kernel after it is launched as it exits
+// and finds every SM free.  Measured on an H200 (docs/perf.md v41): with the
+// GEMM releasing at its start, the single-wave bn_apply after it was launched
+// during the GEMM's last wave and the GEMM took 20 us longer; with the GEMM
+// itself launched early after the pre-pass, the training step was 12 us slower
+// than with it launched as before.
+//
+// The rule (device side): every kernel launched with launch_kernel() calls
+// pdl_wait_then_release() before it reads or writes global memory and before
+// any of its CTAs can return; then nothing it touches can race with the
+// kernels before it, whatever they are.  Waiting before releasing keeps at most
+// two kernels' CTAs on the GPU at once (the one running and the next, waiting).
+// On the host, launch_kernel() asks for PDL only on devices of compute
+// capability 9.0 or more and on streams that are not capturing a CUDA graph;
+// otherwise it launches as <<<>>> does, and griddepcontrol.wait returns at once.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "device_facts.cuh"
+
+namespace fused_gemm_bn {
+
+// griddepcontrol.wait (the previous kernel on the stream has completed, its
+// writes visible), then griddepcontrol.launch_dependents (the next kernel may
+// launch once every CTA of this one has got here).  No-ops below sm_90 and in
+// kernels launched without PDL.
+__device__ __forceinline__ void pdl_wait_then_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent
+// launch where the device and stream allow it (header).  Returns the launch's
+// error (cudaSuccess if none) and leaves none behind.
+template <typename... Params, typename... Args>
+static cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                 Args&&... args) {
+#if CUDART_VERSION >= 11080
+  DeviceFacts facts;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const bool pdl = current_device_facts(&facts) == cudaSuccess && facts.cc_major >= 9 &&
+                   cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone;
+  if (pdl) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+    if (err != cudaSuccess) cudaGetLastError();
+    return err;
+  }
+  cudaGetLastError();  // a failed query above leaves no error behind
+#endif
+  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+  return cudaGetLastError();
+}
+
+}  // namespace fused_gemm_bn

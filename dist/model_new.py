@@ -1919,8 +1919,8 @@ __device__ __forceinline__ float4 ld_evict_first_f4(const float* q) {
 // finished; the launch and the CTAs' start then sit between the two (0.9-2.3 us
 // per kernel boundary in the training step on an H200, docs/perf.md v40).
 // With PDL (compute capability 9.0+; CUDA programming guide, "Programmatic
-// Dependent Launch and Synchronization"; PTX ISA 9.7.13.14 griddepcontrol) the
-// next kernel may be launched once every CTA of the current one has run
+// Dependent Launch and Synchronization"; PTX ISA, griddepcontrol) the next
+// kernel may be launched once every CTA of the current one has run
 // pdl_wait_then_release() (or exited), and its CTAs take SMs as the current
 // kernel's CTAs leave them; each then waits in griddepcontrol.wait until the
 // previous kernel has completed and its memory writes are visible.

@@ -964,7 +964,8 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   // M = 16384), at least one warp, at most kRowThreads.
   const int threads = min(kRowThreads, max(32, (num_groups / 4 + 31) / 32 * 32));
   if constexpr (kVec == 4) {
-    if (num_groups <= threads * kRegGroups) return launch_kernel(softmax_rows_regs_kernel<kAffine>, M, threads, 0, stream, p);
+    if (num_groups <= threads * kRegGroups)
+      return launch_kernel(softmax_rows_regs_kernel<kAffine>, M, threads, 0, stream, p);
   }
   int device = 0, max_optin = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -3843,7 +3844,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 // 279 -> 224 us, 512 rows 390 -> 361, 1024 rows 645 -> 639; forwards 8192 x
 // 512 x 8192 463 -> 405, 4096 x 1024 x 4096 188 -> 177, 16384 x 2048 x 2048
 // 622 -> 610; but 1024 x 2048 x 8192 (512 tiles) 164.5 -> 168.  At 64
-// k-blocks it was mixed, at 128 up to 8% slower: those keep a CTA per unit.
+// k-blocks it was mixed, at 128 5-15% slower (the KernelBench forward's GEMM
+// 582 -> 613-620 us, docs/perf.md v41): those keep a CTA per unit.
 constexpr int kPersistentMaxKBlocks = 32;
 static bool persistent_grid_pays(int K) {
   return (K + Fp16x3Traits::BLOCK_K - 1) / Fp16x3Traits::BLOCK_K <= kPersistentMaxKBlocks;
@@ -5385,7 +5387,8 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   const cudaStream_t stream = current_stream(x);
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor out = torch::empty({M, N}, x.options());
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
+  const TrainGemm g =
+      train_gemm(gemm, x, weight, w_parts, out, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   if (scale_after_bn) {
     bn_softmax(g, out, out, nullptr, M, N, bn, stream);
   } else {

@@ -280,7 +280,8 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   // M = 16384), at least one warp, at most kRowThreads.
   const int threads = min(kRowThreads, max(32, (num_groups / 4 + 31) / 32 * 32));
   if constexpr (kVec == 4) {
-    if (num_groups <= threads * kRegGroups) return launch_kernel(softmax_rows_regs_kernel<kAffine>, M, threads, 0, stream, p);
+    if (num_groups <= threads * kRegGroups)
+      return launch_kernel(softmax_rows_regs_kernel<kAffine>, M, threads, 0, stream, p);
   }
   int device = 0, max_optin = 0;
   cudaError_t err = cudaGetDevice(&device);

@@ -377,7 +377,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 // 279 -> 224 us, 512 rows 390 -> 361, 1024 rows 645 -> 639; forwards 8192 x
 // 512 x 8192 463 -> 405, 4096 x 1024 x 4096 188 -> 177, 16384 x 2048 x 2048
 // 622 -> 610; but 1024 x 2048 x 8192 (512 tiles) 164.5 -> 168.  At 64
-// k-blocks it was mixed, at 128 up to 8% slower: those keep a CTA per unit.
+// k-blocks it was mixed, at 128 5-15% slower (the KernelBench forward's GEMM
+// 582 -> 613-620 us, docs/perf.md v41): those keep a CTA per unit.
 constexpr int kPersistentMaxKBlocks = 32;
 static bool persistent_grid_pays(int K) {
   return (K + Fp16x3Traits::BLOCK_K - 1) / Fp16x3Traits::BLOCK_K <= kPersistentMaxKBlocks;

@@ -441,7 +441,8 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
   const cudaStream_t stream = current_stream(x);
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor out = torch::empty({M, N}, x.options());
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, out, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
+  const TrainGemm g =
+      train_gemm(gemm, x, weight, w_parts, out, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   if (scale_after_bn) {
     bn_softmax(g, out, out, nullptr, M, N, bn, stream);
   } else {

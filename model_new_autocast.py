@@ -12,14 +12,22 @@ that dtype, everything after it in float32 with Model's rounding points, out
 float32.  Otherwise it calls Model's own ops in Model's order (_model_forward),
 so its outputs, running statistics and gradients are Model's.
 
-Entry points (model_new.py calls them): autocast_dtype(x), check(x, gemm, scale, bn,
-group), forward(x, gemm, scale, bn, scale_after_bn, dtype), path_name(x, gemm,
-scale, bn, grad); fused_gemm(...) is the decision, for tests.
+Entry points (model_new.py calls them): bind(engine), autocast_dtype(x), check(x,
+gemm, scale, bn, group), forward(x, gemm, scale, bn, scale_after_bn, dtype),
+path_name(x, gemm, scale, bn, grad); fused_gemm(...) is the decision, for tests.
+This module imports nothing of the core: the core that loads it hands it its
+face (model_new.Engine, whose `lowp` is the 16-bit extra) through bind().
 """
 import torch
 import torch.nn.functional as F
 
-import model_new as core
+engine = None  # the core's face (model_new.Engine), set by bind()
+
+
+def bind(core_engine):
+    """Called once by the core that loaded this module, with its face."""
+    global engine
+    engine = core_engine
 
 
 def autocast_dtype(x):
@@ -48,17 +56,17 @@ def fused_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None)
     and dispatch's conditions for lowp_sm90 (compute capability 9.0, the sm_90a
     image, not SWITCHES.portable), and not under torch.compile or
     torch.jit.trace (Model's ops are what those record).  Runs no kernel."""
-    switches = core.SWITCHES if switches is None else switches
-    if core._tracing():  # the extension calls cannot be recorded; Model's ops can (fullgraph=True works)
+    switches = engine.switches() if switches is None else switches
+    if engine.tracing():  # the extension calls cannot be recorded; Model's ops can (fullgraph=True works)
         return None
     if ((grad and not bn.training) or not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
             or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not switches.autocast_fused
-            or core._LOWP is None or not core._LOWP.available()):
+            or engine.lowp is None or not engine.lowp.available()):
         return None
     tensors = (gemm.weight, gemm.bias, scale, bn.weight, bn.bias, bn.running_mean, bn.running_var)
     if any(t is None or t.dtype != torch.float32 for t in tensors):
         return None
-    facts = core.device_facts(x.device) if facts is None else facts
+    facts = engine.device_facts(x.device) if facts is None else facts
     if switches.portable or facts.capability != (9, 0) or not facts.sm90_gemm:
         return None
     return "lowp_sm90"
@@ -112,15 +120,15 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     if grad:
-        params = (x, gemm.weight, gemm.bias, core.per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
-        return core._LOWP.GradFn.apply(core._LOWP.kernels(), "lowp_sm90", scale_after_bn, True, buffers, momentum,
-                                       float(bn.eps), dtype, *params)
-    weight = core._weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}",
+        params = (x, gemm.weight, gemm.bias, engine.per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+        return engine.lowp.GradFn.apply(engine.lowp.kernels(), "lowp_sm90", scale_after_bn, True, buffers, momentum,
+                                        float(bn.eps), dtype, *params)
+    weight = engine.weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}",
                                 make="reused" if bn.training else True)
     params = (x.to(dtype), gemm.weight if weight is None else weight, gemm.bias,
-              core.per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
-    return core._forward_call(core._LOWP.kernels(), "lowp_sm90", scale_after_bn, bn.training, buffers, momentum,
-                              float(bn.eps), params)
+              engine.per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+    return engine.forward_call(engine.lowp.kernels(), "lowp_sm90", scale_after_bn, bn.training, buffers, momentum,
+                               float(bn.eps), params)
 
 
 def check(x, gemm, scale, bn, group):
@@ -128,8 +136,8 @@ def check(x, gemm, scale, bn, group):
     the dtype rules: the cast makes x and the weight one dtype) and the
     scale's; synchronized BatchNorm has no mixed-precision path and raises
     RuntimeError (nothing touched)."""
-    core.check_input(x, gemm.weight, bn.training, cast=True)
-    core.per_feature_scale(scale, gemm.out_features)
+    engine.check_input(x, gemm.weight, bn.training, cast=True)
+    engine.per_feature_scale(scale, gemm.out_features)
     if group is not None:
         raise RuntimeError("ModelNew has no mixed-precision path with synchronized BatchNorm "
                            "(nn.SyncBatchNorm.convert_sync_batchnorm across processes); run it in float32")
@@ -139,7 +147,7 @@ def forward(x, gemm, scale, bn, scale_after_bn, dtype):
     """ModelNew's forward under autocast (dtype: the autocast dtype, from
     autocast_dtype(x)), after check(): the fused kernels where fused_gemm says so, else
     Model's ops."""
-    grad = core._needs_grad((x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias))
+    grad = engine.needs_grad((x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias))
     if fused_gemm(x, gemm, scale, bn, dtype, grad) is not None:
         return _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad)
     return _model_forward(x, gemm, scale, bn, scale_after_bn)

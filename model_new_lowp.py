@@ -19,15 +19,13 @@ With gradients: GradFn (forward_train_saved / forward_eval_saved, then
 lowp/bn_16bit_backward.cu and two cuBLAS products, backward()); under
 torch.compile the fused_gemm_bn:: operators of those names.
 
-Entry points (model_new.py calls them): available(), kernels(), route(call,
-facts, switches), forward(...), and for the custom operators OPERATORS /
-SCHEMAS and the 16-bit branches of the shared operators (op_* functions).
+Entry points (model_new.py calls them): bind(engine), available(), kernels(),
+route(call, facts, switches), forward(...), and for the custom operators
+OPERATORS / SCHEMAS and the 16-bit branches of the shared operators (op_*
+functions).  This module imports nothing of the core: the core that loads it
+hands it its face (model_new.Engine) through bind().
 """
-import os
-
 import torch
-
-import model_new as core
 
 SUBDIR = "lowp"
 BINDING = "binding_16bit.cpp"
@@ -39,35 +37,29 @@ FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "bn_backwar
 # Build: kernels/lowp/ next to the float32 sources, compiled on first use
 # ---------------------------------------------------------------------------
 
+engine = None    # the core's face (model_new.Engine), set by bind()
+_SOURCES = None  # {file name: text}: kernels/lowp/ and the kernels/ headers it includes
 _ext = None
 
 
-def _dir():
-    """kernels/lowp/, or None where it is missing (a kernels/ folder without it)."""
-    folder = os.path.join(core._kernel_dir(), SUBDIR)
-    return folder if os.path.isfile(os.path.join(folder, BINDING)) else None
-
-
-_DIR = _dir()
+def bind(core_engine):
+    """Called once by the core that loaded this module, with its face: reads the
+    16-bit sources (None where kernels/lowp/ is missing)."""
+    global engine, _SOURCES
+    engine = core_engine
+    _SOURCES = engine.extension_sources(SUBDIR, BINDING)
 
 
 def available():
     """Whether the 16-bit kernels' sources were found (16-bit CUDA input runs)."""
-    return _DIR is not None
+    return _SOURCES is not None
 
 
 def sources():
     """{file name: text} of the 16-bit extension: kernels/lowp/*.cu, *.cuh,
     *.cpp, and the headers of kernels/ that they #include, directly or through
     another header (launchers.cuh, bn_stats.cuh, sm90_gemm_tiles.cuh, ...)."""
-    found = dict(core._read_sources(_DIR))
-    while True:  # the headers they include, and the headers those include
-        text = "".join(found.values())
-        added = {name: t for name, t in core._KERNEL_SOURCES.items()
-                 if name.endswith(".cuh") and name not in found and f'"{name}"' in text}
-        if not added:
-            return found
-        found.update(added)
+    return dict(_SOURCES)
 
 
 def kernels():
@@ -75,7 +67,7 @@ def kernels():
     extension's arguments), compiled or loaded on the first call."""
     global _ext
     if _ext is None:
-        _ext = core._load_extension(sources(), FUNCTIONS, PREFIX)
+        _ext = engine.load_extension(sources(), FUNCTIONS, PREFIX)
     return _ext
 
 
@@ -155,7 +147,7 @@ def forward(plan, params, buffers, momentum, eps, scale_after_bn, grad):
     ext = kernels()
     if grad:
         return GradFn.apply(ext, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, None, *params)
-    return core._forward_call(ext, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, params)
+    return engine.forward_call(ext, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, params)
 
 
 _MM_OUT_DTYPE = None  # whether torch.mm takes out_dtype (torch >= 2.8); decided on first use
@@ -211,7 +203,7 @@ def backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, scale, z
         g = torch._softmax_backward_data(g, out, 1, out.dtype)
     grad_z, grad_s, grad_g, grad_beta = bn_backward(g, z, coeff, scale, scale_after_bn)
     if need_b and not training:
-        acc = torch.float32 if core._is_16bit_dtype(grad_z.dtype) else grad_z.dtype  # as Model's 16-bit column sum
+        acc = torch.float32 if engine.is_16bit_dtype(grad_z.dtype) else grad_z.dtype  # as Model's 16-bit column sum
         grad_b = grad_z.sum(dim=0, dtype=acc).to(dtypes[2])
     grad_x = _mm_16bit(grad_z, w16, dtypes[0]) if need_x else None
     grad_w = _mm_16bit(grad_z.t(), x16, dtypes[1]) if need_w else None
@@ -243,7 +235,7 @@ class GradFn(torch.autograd.Function):
         x16, w16 = x, weight
         if cast_dtype is not None:
             x16 = x.to(cast_dtype)
-            w16 = core._weight_parts(weight, split=lambda w: w.to(cast_dtype), kind=f"cast_{cast_dtype}")
+            w16 = engine.weight_parts(weight, split=lambda w: w.to(cast_dtype), kind=f"cast_{cast_dtype}")
             w16 = weight.to(cast_dtype) if w16 is None else w16
         vectors = (bias, scale, bn_weight, bn_bias)
         if training:
@@ -280,7 +272,7 @@ SCHEMAS = {
 
 def _require_cuda_16bit(name, t):
     """The 16-bit-only operators refuse other tensors before any kernel or build runs."""
-    if not (t.is_cuda and core._is_16bit_dtype(t.dtype)):
+    if not (t.is_cuda and engine.is_16bit_dtype(t.dtype)):
         raise RuntimeError(f"fused_gemm_bn::{name} takes 16-bit CUDA tensors (the 16-bit extension), got {t.dtype} "
                            f"on {t.device}; float32 and float64 eval with gradients is gemm_nt with the fold in "
                            f"elementwise ops")
@@ -329,7 +321,7 @@ def _setup_forward_eval_saved(ctx, inputs, output):
 
 
 def _backward_forward_eval_saved(ctx, grad_out, *unused):
-    grads = backward(core._OPS.bn_backward_eval, False, ctx.scale_after_bn, grad_out, *ctx.saved_tensors,
+    grads = backward(engine.ops.bn_backward_eval, False, ctx.scale_after_bn, grad_out, *ctx.saved_tensors,
                      ctx.needs_input_grad[:6], ctx.dtypes)
     return tuple(grads) + (None,) * 4
 
@@ -368,7 +360,7 @@ def backward_forward_train_saved(ctx, grad_out):
     x, weight, scale, bn_weight, z, coeff, out = ctx.saved_tensors
 
     def bn_backward(g, z, coeff, scale, scale_after_bn):
-        return core._OPS.bn_backward_train(g, z, coeff, scale, bn_weight, ctx.eps, scale_after_bn)
+        return engine.ops.bn_backward_train(g, z, coeff, scale, bn_weight, ctx.eps, scale_after_bn)
 
     return backward(bn_backward, True, ctx.scale_after_bn, grad_out, x, weight, scale, z, coeff, out,
                     ctx.needs_input_grad[:6], ctx.dtypes)

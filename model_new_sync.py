@@ -9,8 +9,9 @@ K = in_features; scale_after_bn selects problem 84.
 
 Entry points (model_new.py calls them): BATCHNORM_BASE (the base class of
 BatchNormState: torch's _BatchNorm, which convert_sync_batchnorm converts),
-process_group(bn), path_name(x, weight, grad), forward(group, params, buffers,
-momentum, eps, scale_after_bn).
+bind(engine), process_group(bn), path_name(x, weight, grad), forward(group,
+params, buffers, momentum, eps, scale_after_bn).  This module imports nothing of
+the core: the core that loads it hands it its face (model_new.Engine) through bind().
 """
 import functools
 import importlib
@@ -18,10 +19,16 @@ import types
 
 import torch
 from torch import nn
-# First, before model_new is imported: model_new's BatchNormState derives from it.
+# The core's BatchNormState derives from it.
 from torch.nn.modules.batchnorm import _BatchNorm as BATCHNORM_BASE  # noqa: F401
 
-import model_new as core
+engine = None  # the core's face (model_new.Engine), set by bind()
+
+
+def bind(core_engine):
+    """Called once by the core that loaded this module, with its face."""
+    global engine
+    engine = core_engine
 
 # One function per step, the same code for CPU (gloo) and CUDA (NCCL):
 #   _sync_local_forward   v = x W^T + b (M, N) and this process's (count, mean, M2)
@@ -64,7 +71,7 @@ def process_group(bn):
     CPU tensors are accepted (gloo).  Reads no tensor and runs no collective."""
     if not (isinstance(bn, nn.SyncBatchNorm) and bn.training):
         return None
-    if core._distributed_world_size(bn.process_group) <= 1:
+    if engine.world_size(bn.process_group) <= 1:
         return None
     return bn.process_group or torch.distributed.group.WORLD
 
@@ -72,7 +79,7 @@ def process_group(bn):
 def _sync_work_dtype(dtype):
     """The dtype of the elementwise work: float32 for 16-bit x (as Model's
     BatchNorm statistics), else x's own."""
-    return torch.float32 if core._is_16bit_dtype(dtype) else dtype
+    return torch.float32 if engine.is_16bit_dtype(dtype) else dtype
 
 
 def _sync_gemm_kernel(a, b):
@@ -80,7 +87,7 @@ def _sync_gemm_kernel(a, b):
     CUDA tensors, "torch_ops" otherwise (CPU, float64, and 16-bit CUDA, whose
     product torch computes in the 16-bit type, as Model's Linear)."""
     if a.is_cuda and a.dtype == torch.float32:
-        return core.dispatch_gemm_nt(a, b)
+        return engine.dispatch_gemm_nt(a, b)
     return "torch_ops"
 
 
@@ -90,9 +97,7 @@ def _sync_gemm(a, b):
     if a.numel() == 0 or b.numel() == 0:
         return a.new_zeros((a.shape[0], b.shape[0]))
     gemm = _sync_gemm_kernel(a, b)
-    if gemm == "torch_ops":
-        return core._torch_gemm_nt(gemm, a, b)
-    return core._kernels("ext").gemm_nt(gemm, a, b, None)
+    return engine.kernels("torch" if gemm == "torch_ops" else "ext").gemm_nt(gemm, a, b, None)
 
 
 def path_name(x, weight, grad):
@@ -276,7 +281,7 @@ def _sync_backward(scale_after_bn, group, count, grad_out, x, weight, scale, bn_
     xmu = vmu if scale_after_bn else u - mean_u.to(dt)
     grad_scale = None
     if scale_after_bn:
-        grad_soft = core._softmax_rows_backward(out, grad_out)
+        grad_soft = engine.softmax_rows_backward(out, grad_out)
         if need_s:
             y = _sync_normalize(u, mean_u, invstd, bn_weight, bn_bias)
             grad_scale = (grad_soft * y).sum(dim=0, dtype=torch.float64).to(dt)
@@ -325,7 +330,7 @@ class _SyncTrainFn(torch.autograd.Function):
         _sync_update_running(buffers, count, mean, m2, momentum, x.shape[0])
         invstd = torch.rsqrt(m2 / count.clamp(min=1.0) + eps)
         y = _sync_normalize(v if scale_after_bn else v * scale_w, mean, invstd, bn_weight_w, bn_bias_w)
-        out = core._softmax_rows(y * scale_w) if scale_after_bn else y
+        out = engine.softmax_rows(y * scale_w) if scale_after_bn else y
         ctx.scale_after_bn, ctx.group, ctx.count = scale_after_bn, group, count
         ctx.dtypes = [t.dtype for t in (x, weight, bias, scale, bn_weight, bn_bias)]
         ctx.save_for_backward(x, weight, scale_w, bn_weight_w, bn_bias_w, v, mean_v, invstd,
@@ -347,10 +352,10 @@ def _sync_fused_gemm(x, weight):
     count), the extension built, SWITCHES.sync_fused, and dispatch() choosing
     one of the extension's tile-statistics GEMMs (the training-with-gradients
     plan: never the cluster kernel)."""
-    if not (core.SWITCHES.sync_fused and x.is_cuda and x.dtype == torch.float32 and x.shape[0] >= 2
-            and core._ext is not None):
+    if not (engine.switches().sync_fused and x.is_cuda and x.dtype == torch.float32 and x.shape[0] >= 2
+            and engine.extension is not None):
         return None
-    plan = core.dispatch(x, weight, True, True, False)
+    plan = engine.dispatch(x, weight, True, True, False)
     return plan.gemm if plan.kernels == "ext" else None
 
 
@@ -360,10 +365,10 @@ def _sync_fused_bn_backward(group, count, bias, need_reduce, grad_y, z, stats, s
     this process's sums, the all_reduce when `need_reduce` (the torch-op path's
     condition: the same collectives on every process), then grad_z from the
     global sums and the merged count (a float64 device tensor: no host synchronisation)."""
-    local = core._ext.bn_backward_sums(grad_y, z, stats)
+    local = engine.extension.bn_backward_sums(grad_y, z, stats)
     total = _sync_all_reduce(local.clone(), group) if need_reduce else local
-    return core._ext.bn_backward_grad(grad_y, z, stats, bias, scale, bn_weight, eps, scale_after_bn, count, local,
-                                      total, bn_bias)
+    return engine.extension.bn_backward_grad(grad_y, z, stats, bias, scale, bn_weight, eps, scale_after_bn, count,
+                                             local, total, bn_bias)
 
 
 class _SyncFusedTrainFn(torch.autograd.Function):
@@ -384,10 +389,10 @@ class _SyncFusedTrainFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gemm, scale_after_bn, group, buffers, momentum, eps, x, weight, bias, scale, bn_weight,
                 bn_bias):
-        z, local = core._ext.sync_forward_local(gemm, x, weight, bias, buffers[2],
-                                                *core._weight_args(core._ext, gemm, weight))
-        out, stats, count = core._ext.sync_bn_apply(z, _sync_all_gather(local, group), bias, scale, bn_weight,
-                                                    bn_bias, *buffers, momentum, eps, scale_after_bn)
+        ext = engine.extension
+        z, local = ext.sync_forward_local(gemm, x, weight, bias, buffers[2], *engine.weight_args(ext, gemm, weight))
+        out, stats, count = ext.sync_bn_apply(z, _sync_all_gather(local, group), bias, scale, bn_weight,
+                                              bn_bias, *buffers, momentum, eps, scale_after_bn)
         ctx.scale_after_bn, ctx.group, ctx.count, ctx.eps = scale_after_bn, group, count, eps
         ctx.save_for_backward(x, weight, bias, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,
                               out if scale_after_bn else None)
@@ -399,9 +404,10 @@ class _SyncFusedTrainFn(torch.autograd.Function):
         x, weight, bias, scale, bn_weight, bn_bias, z, stats, out = ctx.saved_tensors
         needs = ctx.needs_input_grad[6:]
         need_reduce = needs[0] or needs[1] or (needs[3] and not ctx.scale_after_bn)
-        ops = types.SimpleNamespace(gemm_nn=core._gemm_nn, gemm_tn=core._gemm_tn, bn_backward_train=functools.partial(
+        eager = engine.eager_backward
+        ops = types.SimpleNamespace(gemm_nn=eager.gemm_nn, gemm_tn=eager.gemm_tn, bn_backward_train=functools.partial(
             _sync_fused_bn_backward, ctx.group, ctx.count, bias, need_reduce))
-        grads = core._train_backward(ops, ctx.scale_after_bn, ctx.eps, grad_out, x, weight, scale, bn_weight,
+        grads = engine.train_backward(ops, ctx.scale_after_bn, ctx.eps, grad_out, x, weight, scale, bn_weight,
                                      bn_bias, z, stats, out, needs)
         return (None,) * 6 + tuple(grads)
 

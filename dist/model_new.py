@@ -12,11 +12,12 @@ scale_after_bn selects the problem everywhere: False = problem 33, True = 84.
 This file is the float32 core, its sections in call order: Build (load_inline
 of kernels/ at import), Extras, Parameters, Input checks, Dispatch, Forward,
 Weight cache, Backward (autograd), Custom operators, Torch-op path, ModelNew
-and the KernelBench interface.  Beside it, loaded by _extra when present
-(tools/bundle.py's self-contained files are this file with the kernels
-embedded, and have none of them): model_new_lowp.py (16-bit modules,
-kernels/lowp/), model_new_autocast.py (mixed precision), model_new_sync.py
-(synchronized BatchNorm).
+and the KernelBench interface.  Beside it, found by location and bound to
+this core whatever its module name (_load_extra; each gets ENGINE, the core's
+face, through bind(); tools/bundle.py's self-contained files are this file with
+the kernels embedded, and have none of them): model_new_lowp.py (16-bit
+modules, kernels/lowp/), model_new_autocast.py (mixed precision),
+model_new_sync.py (synchronized BatchNorm).
 
 From ModelNew.forward to the kernels (docs/design.md has the whole map):
 
@@ -49,7 +50,9 @@ backward's formulas are _torch_bn_backward_train's.  The GEMMs' numerics
 Surface for problem 84's module and for users (documented, stable): FusedModule, LinearParams,
 BatchNormState, fused_forward, kernel_path, module_call, check_input, per_feature_scale,
 sync_process_group, clear_weight_cache; dispatch, dispatch_gemm_nt, dispatch_gemm_tn, plan, Call,
-Plan, DeviceFacts, device_facts, Switches, SWITCHES.  Tests: test_equivalence.py, tests/.
+Plan, DeviceFacts, device_facts, Switches, SWITCHES; extra, extra_missing, extension_sources.
+Surface for the extras: Engine / ENGINE only (docs/design.md, "The core and its extras").
+Tests: test_equivalence.py, tests/.
 """
 import collections
 import contextlib
@@ -5942,6 +5945,27 @@ def _kernel_sources():
     return _read_sources(_kernel_dir())
 
 
+def extension_sources(subdir, binding):
+    """{file name: text} of a second extension whose sources lie in kernels/<subdir>/
+    (the 16-bit one: "lowp", "binding_16bit.cpp"): its *.cu, *.cuh and *.cpp, and the
+    headers of kernels/ they #include by name, directly or through another
+    header.  None where kernels/<subdir>/<binding> is missing (a copy of kernels/
+    without it, and the self-contained files)."""
+    if _EMBEDDED_SOURCES is not None:
+        return None
+    folder = os.path.join(_kernel_dir(), subdir)
+    if not os.path.isfile(os.path.join(folder, binding)):
+        return None
+    found = _read_sources(folder)
+    while True:
+        text = "".join(found.values())
+        added = {name: t for name, t in _KERNEL_SOURCES.items()
+                 if name.endswith(".cuh") and name not in found and f'"{name}"' in text}
+        if not added:
+            return found
+        found.update(added)
+
+
 def _arch_flags():
     """-gencode flags for every visible GPU.  Passed explicitly so that
     TORCH_CUDA_ARCH_LIST (often set by harnesses to another GPU) is not used;
@@ -6127,30 +6151,70 @@ _ext = _load_extension(_KERNEL_SOURCES) if torch.cuda.is_available() else None
 
 
 # ---------------------------------------------------------------------------
-# Extras: the modules beside this file (none in the self-contained files)
+# Extras: the optional modules beside this file (none in the self-contained files)
 # ---------------------------------------------------------------------------
+# Dependencies run one way: this core finds each extra by location (the file
+# beside its own), executes it, and at the end of the engine hands it ENGINE,
+# the documented face below (bind); an extra imports nothing of the core and
+# reads no module name, so the files work under any module name, vendored into
+# a package, and as two copies in one process, each copy with its own extras
+# (docs/design.md, "The core and its extras").
+
+_EXTRAS = ("model_new_sync", "model_new_lowp", "model_new_autocast")  # the files' names, less ".py"
+_EXTRAS_MISSING = {}  # extra -> why it is not loaded (the message names the missing file)
 
 
-def _extra(name):
-    """The module `name` when its file lies beside this one and this file is
-    imported as the module model_new (the extras import it by that name), else
-    None: the self-contained files, executed from their text, have none.
-    Each extra's top level touches nothing of this module, so it can load here."""
-    if __name__ != "model_new" or "__file__" not in globals():
+def _own_file():
+    """This file's absolute path, or None for text executed without a file (the self-contained files)."""
+    return os.path.abspath(__file__) if "__file__" in globals() else None
+
+
+def _load_extra(extra_name):
+    """The extra `extra_name` (of _EXTRAS), executed from <extra_name>.py beside
+    this file, or None (its reason in _EXTRAS_MISSING).  It is registered in
+    sys.modules under this module's name followed by the extra's suffix
+    ("model_new" -> "model_new_lowp", "pkg.model_new" -> "pkg.model_new_lowp",
+    "other" -> "other_lowp"); a name held by another copy gets "_2", "_3", ...  A
+    module already there from the same file and not yet bound (a user imported
+    the extra first) is taken as it is."""
+    own = _own_file()
+    if _EMBEDDED_SOURCES is not None or own is None:
+        _EXTRAS_MISSING[extra_name] = "self-contained"
         return None
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    path = os.path.join(os.path.dirname(own), extra_name + ".py")
     if not os.path.isfile(path):
+        _EXTRAS_MISSING[extra_name] = f"{path} is missing"
         return None
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
+    base = __name__ + extra_name[len("model_new"):]
+    for n in range(1, 1000):
+        name = base if n == 1 else f"{base}_{n}"
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        if getattr(module, "__file__", None) == path and getattr(module, "engine", True) is None:
+            return module
+    raise RuntimeError(f"model_new: no free module name for {path} (tried {base} to {base}_999)")
 
 
-_SYNC = _extra("model_new_sync")            # synchronized BatchNorm (SyncBatchNorm conversion, DDP)
-_LOWP = _extra("model_new_lowp")            # 16-bit float modules (kernels/lowp/)
-_AUTOCAST = _extra("model_new_autocast")    # torch.autocast
+_SYNC = _load_extra("model_new_sync")            # synchronized BatchNorm (SyncBatchNorm conversion, DDP)
+_LOWP = _load_extra("model_new_lowp")            # 16-bit float modules (kernels/lowp/)
+_AUTOCAST = _load_extra("model_new_autocast")    # mixed precision
+
+
+def extra(extra_name):
+    """The extra module "model_new_sync", "model_new_lowp" or "model_new_autocast"
+    (its file's name) that this core loaded and bound, or None where its file is
+    missing (extra_missing says which) or in the self-contained files."""
+    return dict(zip(_EXTRAS, (_SYNC, _LOWP, _AUTOCAST)))[extra_name]
+
+
+def extra_missing(extra_name):
+    """Why extra(extra_name) is None: "self-contained" for the self-contained
+    files, else "<path> is missing"; None when the extra is loaded."""
+    return _EXTRAS_MISSING.get(extra_name)
 
 
 # ---------------------------------------------------------------------------
@@ -6243,12 +6307,20 @@ def _cuda_dtype_problem(dtype):
     sixteen = _is_16bit_dtype(dtype)
     if sixteen and _LOWP is not None and _LOWP.available():
         return None
-    if sixteen:
+    if sixteen and extra_missing("model_new_lowp") == "self-contained":
         return (f"ModelNew: 16-bit CUDA input ({dtype}) needs the repository's model_new_lowp.py and "
-                f"kernels/lowp/ (the 16-bit kernels, compiled on first use), which this copy of ModelNew does not "
-                f"have (the self-contained files leave them out). Use model_new.py from the repository for 16-bit "
-                f"input; here ModelNew supports float32 on CUDA (the fused kernels), float64 on CUDA (plain torch "
-                f"ops) and any float dtype on CPU")
+                f"kernels/lowp/ (the 16-bit kernels, compiled on first use), which this self-contained copy of "
+                f"ModelNew leaves out. Use model_new.py from the repository for 16-bit input; here ModelNew "
+                f"supports float32 on CUDA (the fused kernels), float64 on CUDA (plain torch ops) and any float "
+                f"dtype on CPU")
+    if sixteen:
+        missing = extra_missing("model_new_lowp")
+        if missing is None:  # the extra is here, its sources are not
+            missing = os.path.join(_kernel_dir(), "lowp", getattr(_LOWP, "BINDING", "")) + " is missing"
+        return (f"ModelNew: 16-bit CUDA input ({dtype}) needs the 16-bit kernels (model_new_lowp.py beside "
+                f"model_new.py, kernels/lowp/ beside kernels/), and {missing}. Copy it from the repository; "
+                f"float32 on CUDA (the fused kernels), float64 on CUDA (plain torch ops) and any float dtype on "
+                f"CPU run without it")
     return (f"ModelNew on CUDA supports float32 (the fused kernels), float64 (plain torch ops) and the 16-bit "
             f"float dtypes (kernels/lowp/), got {dtype}")
 
@@ -6541,9 +6613,12 @@ def _warn_unsynchronized(bn):
     if world <= 1:
         return
     _UNSYNCHRONIZED_WARNED = True
-    warnings.warn(f"ModelNew (self-contained copy): torch.distributed runs {world} processes, but this copy keeps "
-                  f"per-process batch statistics: SyncBatchNorm conversion cannot see its BatchNorm. For "
-                  f"synchronized BatchNorm use the repository's model_new.py (docs/multi-gpu.md).",
+    missing = extra_missing("model_new_sync")
+    which = ("this self-contained copy leaves out model_new_sync.py" if missing == "self-contained"
+             else f"synchronized BatchNorm needs model_new_sync.py beside model_new.py, and {missing}")
+    warnings.warn(f"ModelNew: torch.distributed runs {world} processes, but this copy keeps per-process batch "
+                  f"statistics ({which}): SyncBatchNorm conversion cannot see its BatchNorm. For synchronized "
+                  f"BatchNorm use the repository's model_new.py with its model_new_sync.py (docs/multi-gpu.md).",
                   UserWarning, stacklevel=3)
 
 
@@ -6911,7 +6986,44 @@ def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn
 # copies them back.  forward_train_saved, forward_eval_saved, gemm_nt and softmax_rows have gradients;
 # the others refuse inputs that require grad.  Each makes dispatch()'s decision for its real tensors.
 
-_OP_NAMESPACE = "fused_gemm_bn"
+_OP_NAMESPACE_BASE = "fused_gemm_bn"
+# A module in sys.modules (no file) that every copy of this engine in the process
+# shares: {operator namespace: the identity of the engine that registered it}.
+_OP_REGISTRY = "fused_gemm_bn_op_namespaces"
+
+
+def _engine_identity():
+    """SHA-256 over what the operators' implementations run: the kernel sources,
+    the extras' files, and this file's text where it has one.  Two copies with the
+    same identity run the same code, so they may share operators."""
+    h = hashlib.sha256()
+    texts = dict(_KERNEL_SOURCES)
+    own = _own_file()
+    if own is not None:
+        for path in [own] + [os.path.join(os.path.dirname(own), name + ".py") for name in _EXTRAS]:
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    texts[os.path.basename(path)] = f.read().decode("utf-8")
+    for name, text in sorted(texts.items()):
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+    return h.hexdigest()
+
+
+def _op_namespace(identity):
+    """The operator namespace of this copy: "fused_gemm_bn" where it is free or was
+    registered by a copy of the same identity (a harness executing this text again,
+    the other problem's self-contained file), else "fused_gemm_bn_2", "_3", ...: a
+    copy that runs other code (another version, or one with other extras) never
+    reuses, nor replaces, another copy's operators."""
+    shared = sys.modules.setdefault(_OP_REGISTRY, types.ModuleType(_OP_REGISTRY))
+    owners = shared.__dict__.setdefault("owners", {})
+    for n in range(1, 1000):
+        name = _OP_NAMESPACE_BASE if n == 1 else f"{_OP_NAMESPACE_BASE}_{n}"
+        owner = owners.get(name)
+        if owner == identity or (owner is None and not hasattr(getattr(torch.ops, name), "gemm_nt")):
+            owners[name] = identity
+            return name
+    raise RuntimeError(f"model_new: no free operator namespace (tried {_OP_NAMESPACE_BASE} to {name})")
 _OP_SCHEMAS = {
     "gemm_nt": "(Tensor a, Tensor b) -> Tensor",
     "gemm_nn": "(Tensor a, Tensor b) -> Tensor",
@@ -7026,7 +7138,7 @@ def _no_autograd(name):
     raises, so the call fails clearly and leaves the caller's tensors as they were."""
     def setup_context(ctx, inputs, output):
         raise RuntimeError(
-            f"fused_gemm_bn::{name} has no autograd formula, and an input requires grad: call it under "
+            f"{_OP_NAMESPACE}::{name} has no autograd formula, and an input requires grad: call it under "
             f"torch.no_grad(), or use the differentiable operators (forward_train_saved, gemm_nt) as ModelNew does"
         )
     return setup_context
@@ -7045,7 +7157,7 @@ def _backward_forward_train_saved(ctx, grad_out, *unused):
 
 
 def _define_ops():
-    """Registers fused_gemm_bn::{gemm_nt, gemm_nn, gemm_tn, softmax_rows,
+    """Registers <_OP_NAMESPACE>::{gemm_nt, gemm_nn, gemm_tn, softmax_rows,
     bn_backward_train, forward_train, forward_train_saved, forward_eval}
     (_OP_SCHEMAS), and with model_new_lowp.py its forward_eval_saved and
     bn_backward_eval, once per process, with one implementation for every
@@ -7053,8 +7165,8 @@ def _define_ops():
     softmax_rows is torch ops on both), fake implementations, autograd for
     gemm_nt, softmax_rows, forward_train_saved and forward_eval_saved, and a
     call-time refusal of inputs that require grad for the others.  An operator
-    already registered (a harness executing this text again, or the other
-    problem's self-contained file) is reused.  Returns torch.ops.fused_gemm_bn."""
+    already registered (by a copy of the same identity: _op_namespace) is
+    reused.  Returns torch.ops.<_OP_NAMESPACE>."""
     namespace = getattr(torch.ops, _OP_NAMESPACE)
     schemas = dict(_OP_SCHEMAS, **({} if _LOWP is None else _LOWP.SCHEMAS))
     impls = {"gemm_nt": (_gemm_nt, lambda a, b: a.new_empty((a.shape[0], b.shape[0])),
@@ -7081,7 +7193,9 @@ def _define_ops():
     return namespace
 
 
-# torch.ops.fused_gemm_bn, or None where this torch has no torch.library.custom_op (< 2.4).
+# The operators' namespace (torch.ops.fused_gemm_bn for the first copy of the engine in a process,
+# _op_namespace) and torch.ops.<it>, or None where this torch has no torch.library.custom_op (< 2.4).
+_OP_NAMESPACE = _op_namespace(_engine_identity()) if hasattr(torch.library, "custom_op") else _OP_NAMESPACE_BASE
 _OPS = _define_ops() if hasattr(torch.library, "custom_op") else None
 
 
@@ -7266,6 +7380,60 @@ class FusedModule(nn.Module):
         raise RuntimeError("torch.jit.script does not support ModelNew (its forward calls CUDA extension functions "
                            "and custom operators TorchScript cannot compile); use torch.compile, torch.export, or "
                            "torch.jit.trace (torch >= 2.4), which generalises over the batch size")
+
+
+# ---------------------------------------------------------------------------
+# The face the extras see: everything model_new_sync.py, model_new_lowp.py and
+# model_new_autocast.py use of the core, handed to each one's bind()
+# ---------------------------------------------------------------------------
+
+
+def _current_switches():
+    return SWITCHES  # read per call: tests and tools replace SWITCHES
+
+
+Engine = collections.namedtuple("Engine", [
+    "extension_sources", "load_extension", "extension", "kernels", "ops", "switches", "device_facts",
+    "dispatch", "dispatch_gemm_nt", "check_input", "per_feature_scale", "needs_grad", "tracing", "is_16bit_dtype",
+    "forward_call", "weight_parts", "weight_args", "train_backward", "eager_backward", "softmax_rows",
+    "softmax_rows_backward", "world_size", "lowp"])
+Engine.__doc__ = """The core's face to its extras (docs/design.md, "The core and its
+extras"), one ENGINE per copy of the core, handed to each extra's bind().
+Build:
+  extension_sources(subdir, binding)  {file: text} of kernels/<subdir>/ and the headers it includes, or None
+  load_extension(sources, functions, prefix)  compile / load an extension (content-hashed build folder)
+  extension          the float32 extension (None without a GPU at import)
+  kernels(where)     "ext" | "lowp" | "torch": the namespace that runs a Plan
+  ops                torch.ops.<this copy's operator namespace>, or None (torch < 2.4)
+Decisions:
+  switches()         the current SWITCHES
+  device_facts(device), dispatch(x, weight, training, grad, scale_after_bn), dispatch_gemm_nt(a, b)
+  check_input(x, weight, training, cast), per_feature_scale(scale, n): the checks, as in fused_forward
+  needs_grad(params), tracing(), is_16bit_dtype(dtype)
+Forward:
+  forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params)
+                     one forward_train / forward_eval call (no gradients)
+  weight_parts(weight, split, kind, make), weight_args(kernels, gemm, weight): the weight cache
+Backward:
+  train_backward(ops, scale_after_bn, eps, grad_out, x, weight, scale, bn_weight, bn_bias, z, stats, out, needs)
+  eager_backward     the namespace (gemm_nn, gemm_tn, bn_backward_train) eager backwards run
+  softmax_rows(v), softmax_rows_backward(out, grad_out)
+Other extras:
+  world_size(group)  processes in a torch.distributed group (1 without one)
+  lowp               the bound 16-bit extra (model_new_lowp), or None"""
+
+ENGINE = Engine(
+    extension_sources=extension_sources, load_extension=_load_extension, extension=_ext, kernels=_kernels,
+    ops=_OPS, switches=_current_switches, device_facts=device_facts, dispatch=dispatch,
+    dispatch_gemm_nt=dispatch_gemm_nt, check_input=check_input, per_feature_scale=per_feature_scale,
+    needs_grad=_needs_grad, tracing=_tracing, is_16bit_dtype=_is_16bit_dtype, forward_call=_forward_call,
+    weight_parts=_weight_parts, weight_args=_weight_args, train_backward=_train_backward,
+    eager_backward=_EAGER_BACKWARD, softmax_rows=_softmax_rows, softmax_rows_backward=_softmax_rows_backward,
+    world_size=_distributed_world_size, lowp=_LOWP)
+
+for _module in (_SYNC, _LOWP, _AUTOCAST):
+    if _module is not None:
+        _module.bind(ENGINE)
 
 
 # ===========================================================================

@@ -504,12 +504,15 @@ def test_cpu_bundle_rejects_16bit_cuda_clearly(dtype_name, monkeypatch):
     assert ns["_cuda_dtype_problem"](torch.float64) is None
 
     # model_new.py from the repository finds kernels/lowp/ and accepts the input ...
-    assert model_new._LOWP._DIR == os.path.join(os.path.dirname(model_new.__file__), "kernels", "lowp")
+    lowp = model_new.extra("model_new_lowp")
+    assert set(lowp.sources()) >= set(os.listdir(os.path.join(os.path.dirname(model_new.__file__), "kernels", "lowp")))
     model_new.check_input(x, weight, True)
-    # ... and says the same as the bundle where the folder is missing.
-    monkeypatch.setattr(model_new._LOWP, "_DIR", None)
-    with pytest.raises(RuntimeError, match="kernels/lowp/"):
+    # ... and names the missing file where the folder is missing.
+    monkeypatch.setattr(lowp, "_SOURCES", None)
+    with pytest.raises(RuntimeError, match="kernels/lowp/") as exc:
         model_new.check_input(x, weight, True)
+    assert os.path.join("kernels", "lowp", "binding_16bit.cpp") + " is missing" in str(exc.value)
+    assert "self-contained" not in str(exc.value)
     # Mixed dtypes still raise PyTorch's message first; other dtypes name what is supported.
     with pytest.raises(RuntimeError, match="must have the same dtype"):
         model_new.check_input(x, weight.float(), True)

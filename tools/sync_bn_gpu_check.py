@@ -5,6 +5,7 @@ time of a synchronized against a per-process training step.
 
     python tools/sync_bn_gpu_check.py          # 2 GPUs: batches 1024+1024 and 300+212, K = N = 8192
     python tools/sync_bn_gpu_check.py --cpu    # smoke test: 2 CPU processes on gloo, K = 48, N = 40, float64
+    python tools/sync_bn_gpu_check.py --package mypkg --package-root DIR   # a vendored copy: DIR/mypkg/model_new.py, ...
 
 It starts its two processes itself (no torchrun).  For each problem and each
 split of the global batch (rows per rank), from one seeded state:
@@ -28,6 +29,7 @@ reduction).  CPU times say nothing about GPUs.
 """
 import argparse
 import copy
+import importlib
 import json
 import os
 import statistics
@@ -63,6 +65,10 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--bar", type=float, default=1e-6, help="largest relative difference allowed")
+    parser.add_argument("--package", default="", help="run a vendored copy: PACKAGE.model_new, PACKAGE.reference, "
+                        "PACKAGE.level2_84_gemm_batchnorm_scaling_softmax.{model_new,reference} (default: the "
+                        "repository's modules)")
+    parser.add_argument("--package-root", default="", help="the folder holding --package (put on sys.path)")
     args = parser.parse_args(argv)
     for key, value in (CPU_DEFAULTS if args.cpu else GPU_DEFAULTS).items():
         if getattr(args, key) is None:
@@ -75,22 +81,28 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------
 
 
-def problem_classes(problem):
+def load_module(args, name):
+    """The module `name` of the repository, or of the vendored copy --package."""
+    if args.package_root and args.package_root not in sys.path:
+        sys.path.insert(0, args.package_root)
+    return importlib.import_module(f"{args.package}.{name}" if args.package else name)
+
+
+def problem_classes(problem, args):
     """(Model, ModelNew, constructor arguments for K, N) of a problem."""
     if problem == "33":
-        import model_new
-        import reference
-        return reference.Model, model_new.ModelNew, lambda k, n: (k, n, (n,))
-    from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84
-    from level2_84_gemm_batchnorm_scaling_softmax import reference as reference_84
-    return reference_84.Model, model_new_84.ModelNew, lambda k, n: (k, n)
+        return (load_module(args, "reference").Model, load_module(args, "model_new").ModelNew,
+                lambda k, n: (k, n, (n,)))
+    folder = "level2_84_gemm_batchnorm_scaling_softmax"
+    return (load_module(args, f"{folder}.reference").Model, load_module(args, f"{folder}.model_new").ModelNew,
+            lambda k, n: (k, n))
 
 
-def make_models(problem, k, n, device, dtype):
+def make_models(problem, k, n, device, dtype, args):
     """(Model, ModelNew) with one state (ModelNew loads Model's), on `device` in
     `dtype`; scale uniform in [-2, 2) (problem 84's default, all ones, would
     leave the scale untested)."""
-    model_cls, new_cls, init = problem_classes(problem)
+    model_cls, new_cls, init = problem_classes(problem, args)
     torch.manual_seed(SEED)
     ref = model_cls(*init(k, n))
     new = new_cls(*init(k, n))
@@ -179,7 +191,7 @@ def compare_training(problem, split, args, rank, device, dtype, synchronized=Tru
     NaN on --cpu, whose run is float64 already)."""
     k, n = (int(v) for v in args.shape.split(","))
     m = sum(split)
-    ref, new = make_models(problem, k, n, device, dtype)
+    ref, new = make_models(problem, k, n, device, dtype, args)
     batches = [global_batch(step, m, k, n, dtype, device) for step in range(args.steps)]
     rows = rank_rows(split, rank)
     ref64 = None
@@ -238,7 +250,7 @@ def time_steps(problem, split, args, rank, device, dtype):
     x, g = global_batch(0, sum(split), k, n, dtype, device)
     rows = rank_rows(split, rank)
     x, g = x[rows], g[rows]
-    ref, new = make_models(problem, k, n, device, dtype)
+    ref, new = make_models(problem, k, n, device, dtype, args)
     out = {}
     for label, module in (("Model", ref), ("ModelNew", new)):
         for synchronized in (False, True):
@@ -358,7 +370,9 @@ def main(argv=None):
     args = parse_args(argv)
     if not args.cpu and torch.cuda.device_count() < WORLD:
         sys.exit(f"needs {WORLD} GPUs, found {torch.cuda.device_count()} (--cpu runs the smoke test)")
-    import model_new  # noqa: F401  (a GPU build happens here once, not in both processes)
+    core = load_module(args, "model_new")  # a GPU build happens here once, not in both processes
+    print(f"engine: {core.__file__} (module {core.__name__}); synchronized BatchNorm extra: "
+          f"{getattr(core.extra('model_new_sync'), '__name__', None)}")
     with tempfile.TemporaryDirectory() as out_dir:
         rendezvous = f"file://{os.path.join(out_dir, 'rendezvous')}"
         torch.multiprocessing.spawn(worker, args=(WORLD, rendezvous, args, out_dir), nprocs=WORLD, join=True)

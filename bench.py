@@ -30,6 +30,11 @@ repetition).  After --warmup untimed repetitions, --iters timed ones give the
 median (the reported figure) and the minimum.  Building the CUDA extension
 (importing model_new) and torch.compile's compilation (its first call) happen
 before timing and are excluded.  Calls run under torch.no_grad() unless --grad.
+Every mode is timed in two protocols, one after the other on the same sides:
+back to back (above: the GPU's time per call, the host ahead of it; median ms)
+and synchronized per call (sync ms: the host synchronises, records the start
+event, calls, records the end event and synchronises again, as a harness times a
+trial and a server answers one request: host time per call included).
 
 Reported per side: median and min ms; GEMM TFLOP/s = 2*M*N*K / median time (the
 scale and BatchNorm work is not counted); speedup = eager_ms / ms; time ratio =
@@ -62,9 +67,11 @@ gradient check runs before the timed steps, after which the weights drift apart
 (the timings do not depend on the values).
 
 --sweep times eager Model, ModelNew and the floor (no compile side) in --mode
-over SWEEP_SHAPES: batches 128..16384 x K = N 1024..8192, plus tails (K % 8 != 0
-included); per shape median ms, ModelNew's speedup over eager, its time over the
-floor's, errors against float64 and host time per call.  It writes
+over SWEEP_SHAPES: batches 1..64 x K = N 4096, 8192 (small batches), 128..16384 x
+K = N 1024..8192, plus tails (K % 8 != 0 included); per shape median ms, ModelNew's
+speedup over eager (back to back and synchronized per call), its time over the
+floor's and over reading W once (w_read: half a copy_ of W's size), errors against
+float64 and host time per call.  It writes
 results/sweep.json (problem 84: sweep_84.json) beside --json, a table, and
 results/sweep.png (speedup over eager and ModelNew / floor against M; needs
 matplotlib).
@@ -117,6 +124,8 @@ import torch
 
 DEVICE = "cuda"
 L2_FLUSH_BYTES = 256 * 1024 * 1024
+SYNC_NOTE = ("median / min ms: back to back (the host ahead of the GPU: GPU time per call); sync ms: each call "
+             "alone, synchronized before and after (the latency a harness or a server sees, host time included)")
 SPIN_CYCLES = 400_000  # GPU clock cycles spun before each timed call (~0.2 ms at 2 GHz): time_fn
 NUM_INPUTS = 4
 EVAL_TRAIN_STEPS = 3  # training steps before --mode eval, so the running statistics are not 0 / 1
@@ -177,8 +186,12 @@ PROBLEMS = {
 # each side's output, the floor's operands).
 SWEEP_BATCHES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SWEEP_FEATURES = (1024, 2048, 4096, 8192)
-SWEEP_SHAPES = ([(m, f, f) for f in SWEEP_FEATURES for m in SWEEP_BATCHES] +
-                [(1000, 3000, 3000), (4000, 8188, 1000), (333, 8192, 5000), (2048, 1028, 8190)])
+# Small batches (issue 50): M = 1..64 at K = N = 4096 and 8192, where reading W once is the floor
+# (the w_read column).
+SWEEP_SMALL_BATCHES = (1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64)
+SWEEP_SHAPES = ([(m, f, f) for f in (4096, 8192) for m in SWEEP_SMALL_BATCHES]
+                + [(m, f, f) for f in SWEEP_FEATURES for m in SWEEP_BATCHES]
+                + [(1000, 3000, 3000), (4000, 8188, 1000), (333, 8192, 5000), (2048, 1028, 8190)])
 
 
 def _parse_shape(text):
@@ -316,7 +329,7 @@ def check_accuracy(problem, sides, ref, x, compute=None):
     return errors, check
 
 
-def time_fn(fns, inputs, iters, warmup, prepare=None, host=None):
+def time_fn(fns, inputs, iters, warmup, prepare=None, host=None, synchronized=False):
     """CUDA-event times in ms of every callable in `fns` (name -> fn(x)), interleaved:
     each repetition calls every side once on the same input, in an order rotated by
     one per repetition; L2 is flushed before each call, outside its events.
@@ -329,7 +342,12 @@ def time_fn(fns, inputs, iters, warmup, prepare=None, host=None):
     host time per call ("host_us": the Python call, from before fn(x) to its return)
     and "gpu_waited": the timed calls whose start event had already completed when
     the host returned from fn(x) (the GPU may then have waited on the host).
-    prepare (name -> fn(x)), when given, runs before the flush, outside the events."""
+    prepare (name -> fn(x)), when given, runs before the flush, outside the events.
+    synchronized=True times the other protocol, each call alone as a harness times
+    a trial or a server answers one request: no spin; the host synchronises, records
+    the start event, calls fn(x), records the end event and synchronises again, so
+    the time holds the host's time per call (launches, Python) wherever the GPU
+    waits for it."""
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
     spin = getattr(torch.cuda, "_sleep", None)
     names = list(fns)
@@ -347,7 +365,9 @@ def time_fn(fns, inputs, iters, warmup, prepare=None, host=None):
             if rep < warmup:
                 fns[name](x)
                 continue
-            if spin is not None:
+            if synchronized:
+                torch.cuda.synchronize()
+            elif spin is not None:
                 spin(SPIN_CYCLES)
             start, end = events[name][rep - warmup]
             start.record()
@@ -356,11 +376,27 @@ def time_fn(fns, inputs, iters, warmup, prepare=None, host=None):
             host_us[name].append((time.perf_counter() - t0) * 1e6)
             waited[name] += start.query()
             end.record()
+            if synchronized:
+                torch.cuda.synchronize()
     torch.cuda.synchronize()
     if host is not None:
         for name in names:
             host[name] = {"host_us": host_us[name], "gpu_waited": waited[name]}
     return {name: [start.elapsed_time(end) for start, end in events[name]] for name in names}
+
+
+def protocol_rows(times, sync_times, flops):
+    """One row per side from both protocols' times (time_fn): back to back
+    (median_ms, min_ms, gemm_tflops, speedup_vs_eager, time_ratio_vs_eager) and
+    synchronized per call (sync_median_ms, sync_speedup_vs_eager)."""
+    eager_ms, eager_sync_ms = statistics.median(times["eager"]), statistics.median(sync_times["eager"])
+    rows = []
+    for name, ts in times.items():
+        ms, sync_ms = statistics.median(ts), statistics.median(sync_times[name])
+        rows.append({"side": name, "median_ms": ms, "min_ms": min(ts), "gemm_tflops": flops / (ms * 1e-3) / 1e12,
+                     "speedup_vs_eager": eager_ms / ms, "time_ratio_vs_eager": ms / eager_ms,
+                     "sync_median_ms": sync_ms, "sync_speedup_vs_eager": eager_sync_ms / sync_ms})
+    return rows
 
 
 def compute_dtype(args):
@@ -426,14 +462,11 @@ def bench_mode(problem, args, mode):
         if floor is not None:
             sides["floor"] = floor
         times = time_fn(sides, inputs, args.iters, args.warmup, prepare=weight_cast_drop(args, mode))
-    eager_ms = statistics.median(times["eager"])
-    rows = []
-    for name, ts in times.items():
-        ms = statistics.median(ts)
-        rows.append({"mode": mode, "side": name, "median_ms": ms, "min_ms": min(ts),
-                     "gemm_tflops": 2.0 * m * n * k / (ms * 1e-3) / 1e12,
-                     "speedup_vs_eager": eager_ms / ms, "time_ratio_vs_eager": ms / eager_ms,
-                     "rel_err_vs_fp64": errors.get(name, float("nan"))})
+        sync_times = time_fn(sides, inputs, args.iters, args.warmup, prepare=weight_cast_drop(args, mode),
+                             synchronized=True)
+    rows = protocol_rows(times, sync_times, 2.0 * m * n * k)
+    for row in rows:
+        row.update(mode=mode, rel_err_vs_fp64=errors.get(row["side"], float("nan")))
     if "floor" in times:
         check["modelnew_time_over_floor"] = statistics.median(times["ModelNew"]) / statistics.median(times["floor"])
     return rows, dict(check, mode=mode, model=problem["name"], floor=_floor_text(compute_dtype(args)))
@@ -503,6 +536,15 @@ def gemm_floor(m, k, n):
             torch.mm(a, b, out_dtype=torch.float32)
 
     return floor
+
+
+def w_read_floor(n, k, dtype):
+    """A timed side whose time is twice reading W (n, k) once: a copy_ of W's size
+    (read plus write); half its time is the floor of any forward that reads W once
+    (small batches, where W's bytes dominate).  Fixed buffers; x ignored."""
+    src = torch.rand(n, k, device=DEVICE).to(dtype)
+    dst = torch.empty_like(src)
+    return lambda x: dst.copy_(src)
 
 
 def gemm_floor_step(m, k, n, dtype=torch.float32):
@@ -645,15 +687,12 @@ def bench_backward_mode(problem, args, mode):
         prepare["floor"] = lambda x: None
     with one_region(args):
         times = time_fn(fns, inputs, args.iters, args.warmup, prepare=prepare)
+        sync_times = time_fn(fns, inputs, args.iters, args.warmup, prepare=prepare, synchronized=True)
     kind = "forward+backward" + (f"+{args.optimizer}" if args.optimizer else "")
-    eager_ms = statistics.median(times["eager"])
-    rows = []
-    for name, ts in times.items():
-        ms = statistics.median(ts)
-        rows.append({"mode": mode, "side": name, "kind": kind, "median_ms": ms, "min_ms": min(ts),
-                     "gemm_tflops": 6.0 * m * n * k / (ms * 1e-3) / 1e12, "speedup_vs_eager": eager_ms / ms,
-                     "time_ratio_vs_eager": ms / eager_ms, "grad_rel_err_vs_fp64": errors.get(name, {}),
-                     "gemm_bias_grad_max_abs": bias_max.get(name)})
+    rows = protocol_rows(times, sync_times, 6.0 * m * n * k)
+    for row in rows:
+        row.update(mode=mode, kind=kind, grad_rel_err_vs_fp64=errors.get(row["side"], {}),
+                   gemm_bias_grad_max_abs=bias_max.get(row["side"]))
     check = {"mode": mode, "model": problem["name"], "kind": kind, "optimizer": args.optimizer,
              "optimizer_lr": OPTIMIZER_LR if args.optimizer else None, "close_vs_eager": close,
              "gemm_bias_grad_max_abs_fp64": bias_max["float64"], "dtype": args.dtype, "autocast": args.autocast,
@@ -669,10 +708,13 @@ def print_backward_table(problem, rows, check):
     step = (f" + {check['optimizer']}(lr={check['optimizer_lr']:g}).step()" if check.get("optimizer") else "")
     print(f"\nproblem {problem['name']} ({problem['title']}), mode={check['mode']}, "
           f"forward + backward{' + optimizer step' if step else ''}: model(x).backward(g){step}{where}")
-    print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}{'time/eager':>12}")
+    print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}{'time/eager':>12}"
+          f"{'sync ms':>10}{'sync speedup':>14}")
     for r in rows:
         print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
-              f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}")
+              f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}"
+              f"{r['sync_median_ms']:>10.3f}{r['sync_speedup_vs_eager']:>13.2f}x")
+    print(SYNC_NOTE)
     if "modelnew_time_over_floor" in check:
         print(f"floor: {check['floor']}; ModelNew takes {check['modelnew_time_over_floor']:.2f}x the floor's time")
     by_side = {r["side"]: r for r in rows}
@@ -706,11 +748,13 @@ def print_table(problem, rows, check, grad, dtype=torch.float32, autocast=None):
     print(f"\nproblem {problem['name']} ({problem['title']}), mode={check['mode']}, "
           f"grad={'enabled' if grad else 'disabled (torch.no_grad)'}, {where}")
     print(f"{'side':<10}{'median ms':>11}{'min ms':>10}{'GEMM TFLOP/s':>14}{'speedup':>10}"
-          f"{'time/eager':>12}{'rel err vs fp64':>17}")
+          f"{'time/eager':>12}{'rel err vs fp64':>17}{'sync ms':>10}{'sync speedup':>14}")
     for r in rows:
         err = "-" if math.isnan(r["rel_err_vs_fp64"]) else f"{r['rel_err_vs_fp64']:.2e}"
         print(f"{r['side']:<10}{r['median_ms']:>11.3f}{r['min_ms']:>10.3f}{r['gemm_tflops']:>14.1f}"
-              f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}{err:>17}")
+              f"{r['speedup_vs_eager']:>9.2f}x{r['time_ratio_vs_eager']:>12.3f}{err:>17}"
+              f"{r['sync_median_ms']:>10.3f}{r['sync_speedup_vs_eager']:>13.2f}x")
+    print(SYNC_NOTE)
     if "modelnew_time_over_floor" in check:
         print(f"floor: {check['floor']}; ModelNew takes {check['modelnew_time_over_floor']:.2f}x the floor's time")
     print(f"ModelNew vs eager: max |diff| {check['max_abs_diff_vs_eager']:.2e}, "
@@ -727,8 +771,8 @@ def run_sweep(problem, args, modes):
     dtype = DTYPES[args.dtype]
     print(f"\nproblem {problem['name']} ({problem['title']}); floor: {_floor_text(dtype)}")
     print(f"{'mode':<6}{'M':>6}{'K':>7}{'N':>7}{'eager ms':>11}{'ModelNew ms':>13}{'speedup':>9}"
-          f"{'time/eager':>12}{'floor ms':>10}{'new/floor':>11}{'TFLOP/s':>9}{'rel err':>10}{'eager err':>11}"
-          f"{'host us: eager':>16}{'ModelNew':>10}")
+          f"{'time/eager':>12}{'floor ms':>10}{'new/floor':>11}{'W read ms':>11}{'new/W read':>12}"
+          f"{'sync speedup':>14}{'TFLOP/s':>9}{'rel err':>10}{'eager err':>11}{'host us: eager':>16}{'ModelNew':>10}")
     for mode in modes:
         for shape in SWEEP_SHAPES:
             m, k, n = shape
@@ -740,15 +784,23 @@ def run_sweep(problem, args, modes):
                 floor = make_floor(m, k, n, dtype)
                 if floor is not None:
                     sides["floor"] = floor
+                sides["w_copy"] = w_read_floor(n, k, dtype)
                 host = {}
                 times = time_fn(sides, inputs, args.iters, args.warmup, host=host)
+                sync = {name: fn for name, fn in sides.items() if name in ("eager", "ModelNew")}
+                sync_times = time_fn(sync, inputs, args.iters, args.warmup, synchronized=True)
             eager_ms, new_ms = statistics.median(times["eager"]), statistics.median(times["ModelNew"])
             floor_ms = statistics.median(times["floor"]) if "floor" in times else None
+            w_read_ms = statistics.median(times["w_copy"]) / 2
+            sync_speedup = statistics.median(sync_times["eager"]) / statistics.median(sync_times["ModelNew"])
             host_us = {name: statistics.median(h["host_us"]) for name, h in host.items()}
             waited = {name: h["gpu_waited"] for name, h in host.items() if h["gpu_waited"]}
             row = {"mode": mode, "M": m, "K": k, "N": n, "eager_ms": eager_ms, "modelnew_ms": new_ms,
                    "speedup_vs_eager": eager_ms / new_ms, "time_ratio_vs_eager": new_ms / eager_ms,
                    "floor_ms": floor_ms, "modelnew_time_over_floor": new_ms / floor_ms if floor_ms else None,
+                   "w_read_ms": w_read_ms, "modelnew_time_over_w_read": new_ms / w_read_ms,
+                   "eager_sync_ms": statistics.median(sync_times["eager"]),
+                   "modelnew_sync_ms": statistics.median(sync_times["ModelNew"]), "sync_speedup_vs_eager": sync_speedup,
                    "modelnew_gemm_tflops": 2.0 * m * n * k / (new_ms * 1e-3) / 1e12,
                    "rel_err_vs_fp64": errors["ModelNew"], "eager_rel_err_vs_fp64": errors["eager"],
                    "close_vs_eager": check["close_vs_eager"], "eager_host_us": host_us["eager"],
@@ -757,7 +809,8 @@ def run_sweep(problem, args, modes):
             floor_cols = (f"{floor_ms:>10.3f}{row['modelnew_time_over_floor']:>10.2f}x" if floor_ms
                           else f"{'-':>10}{'-':>11}")
             print(f"{mode:<6}{m:>6}{k:>7}{n:>7}{eager_ms:>11.3f}{new_ms:>13.3f}{eager_ms / new_ms:>8.2f}x"
-                  f"{new_ms / eager_ms:>12.3f}{floor_cols}{row['modelnew_gemm_tflops']:>9.1f}"
+                  f"{new_ms / eager_ms:>12.3f}{floor_cols}{w_read_ms:>11.3f}{new_ms / w_read_ms:>11.2f}x"
+                  f"{sync_speedup:>13.2f}x{row['modelnew_gemm_tflops']:>9.1f}"
                   f"{errors['ModelNew']:>10.1e}{errors['eager']:>11.1e}{host_us['eager']:>16.1f}"
                   f"{host_us['ModelNew']:>10.1f}"
                   + (f"  (GPU reached the call before its launches: {waited})" if waited else ""), flush=True)

@@ -149,7 +149,7 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     calls = {}
 
-    def time_fn(fns, inputs, iters, warmup, prepare=None, host=None):
+    def time_fn(fns, inputs, iters, warmup, prepare=None, host=None, synchronized=False):
         for rep in range(warmup + iters):
             x = inputs[rep % len(inputs)]
             for name, fn in fns.items():
@@ -189,7 +189,8 @@ def test_backward_optimizer_flow(cpu_bench, monkeypatch, mode):
 
     monkeypatch.setattr(bench, "build_models", build_models)
     rows, check = bench.bench_backward_mode(problem, args, mode)
-    assert cpu_bench == {"eager": 4, "ModelNew": 4, "floor": 4}
+    assert cpu_bench == {"eager": 8, "ModelNew": 8, "floor": 8}  # both protocols: back to back, synchronized
+    assert all(r["sync_median_ms"] == 1.0 or r["side"] == "eager" for r in rows)
     assert {r["side"] for r in rows} == {"eager", "ModelNew", "floor"}
     assert all(r["kind"] == "forward+backward+sgd" for r in rows)
     assert check["optimizer"] == "sgd" and check["modelnew_time_over_floor"] == 1.0
@@ -204,4 +205,6 @@ def test_sweep_flow(cpu_bench, monkeypatch):
     rows = bench.run_sweep(bench.load_problem("33"), args, ["train"])
     assert [(r["M"], r["K"], r["N"]) for r in rows] == [(8, 16, 16), (5, 13, 7)]
     assert all(r["floor_ms"] == 1.0 and r["modelnew_time_over_floor"] == 1.0 for r in rows)
-    assert cpu_bench == {"eager": 6, "ModelNew": 6, "floor": 6}
+    # eager and ModelNew in both protocols; the floors back to back only
+    assert cpu_bench == {"eager": 12, "ModelNew": 12, "floor": 6, "w_copy": 6}
+    assert all(r["w_read_ms"] == 0.5 and r["sync_speedup_vs_eager"] == 2.0 for r in rows)

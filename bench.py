@@ -577,6 +577,21 @@ def gemm_floor_step(m, k, n, dtype=torch.float32):
     return floor
 
 
+def optimizer_floor(products, n, k, dtype):
+    """The step-with-optimizer floor as a timed side: `products` (gemm_floor_step's
+    side), then SGD's update of a weight of gemm.weight's shape and dtype, w -= lr g
+    (read W and its gradient, write W: what torch.optim.SGD's step does to it; the
+    vectors' updates are N-sized and left out).  Fixed random buffers; x ignored."""
+    w = torch.rand(n, k, device=DEVICE).to(dtype)
+    g = torch.rand(n, k, device=DEVICE).to(dtype)
+
+    def floor(x):
+        products(x)
+        w.add_(g, alpha=-OPTIMIZER_LR)
+
+    return floor
+
+
 def make_floor(m, k, n, compute):
     """The forward's floor side for GEMMs computing in `compute`: gemm_floor
     (float32) or gemm_floor_16bit; None where there is none."""
@@ -679,9 +694,12 @@ def bench_backward_mode(problem, args, mode):
     fns = {name: step(name, model) for name, model in sides.items()}
     prepare = {name: clear(name, model) for name, model in sides.items()}
     # The floor: the three products of a training step (forward, grad x, grad W) at their
-    # shapes, each as the forward's floor (gemm_floor_step); no optimizer update.
+    # shapes, each as the forward's floor (gemm_floor_step); with --optimizer, plus the
+    # optimizer's own update of gemm.weight (optimizer_floor).
     compute = compute_dtype(args)
     floor = gemm_floor_step(m, k, n, compute)
+    if floor is not None and args.optimizer:
+        floor = optimizer_floor(floor, n, k, DTYPES[args.dtype])
     if floor is not None:
         fns["floor"] = floor
         prepare["floor"] = lambda x: None
@@ -698,7 +716,9 @@ def bench_backward_mode(problem, args, mode):
              "gemm_bias_grad_max_abs_fp64": bias_max["float64"], "dtype": args.dtype, "autocast": args.autocast,
              "grad_floor": GRAD_FLOORS[compute], "kernel_path": path}
     if "floor" in times:
-        check["floor"] = "forward, grad x and grad W, each " + _floor_text(compute)
+        check["floor"] = ("forward, grad x and grad W, each " + _floor_text(compute)
+                          + (", then SGD's update of gemm.weight (read W and its gradient, write W)"
+                             if args.optimizer else ""))
         check["modelnew_time_over_floor"] = statistics.median(times["ModelNew"]) / statistics.median(times["floor"])
     return rows, check
 

@@ -83,11 +83,15 @@
 
 #include <string>
 
+#include "binding_checks.cuh"
 #include "launchers.cuh"
 
 namespace {
 
 namespace fgb = fused_gemm_bn;
+using fgb::binding::check_training;
+using fgb::binding::current_stream;
+using fgb::binding::feature_vector;
 
 // The GEMM kernels a `gemm` name selects.
 enum class Gemm { kSm80, kFp16x3 };
@@ -102,13 +106,6 @@ bool is_fp16x3(Gemm g) { return g == Gemm::kFp16x3; }
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
-}
-
-// The scale as the contiguous (N) vector the kernels read: model_new.per_feature_scale
-// passes one number broadcast to N features as a stride-0 view (no copy in Python);
-// it is materialized here, in one at:: copy.
-torch::Tensor feature_vector(const torch::Tensor& scale) {
-  return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
 }
 
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x) {
@@ -171,18 +168,6 @@ fgb::BatchNormArgs batch_norm_args(const BnTensors& t, double eps, bool scale_af
   bn.eps = static_cast<float>(eps);
   bn.scale_after_bn = scale_after_bn;
   return bn;
-}
-
-void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
-  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
-              torch::IntArrayRef({M, N}));
-  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
-                  num_batches_tracked.numel() == 1,
-              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
-}
-
-cudaStream_t current_stream(const torch::Tensor& x) {
-  return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
 }
 
 // x's row centres c_m (centring.cuh) into center (M floats), or nothing (null).
@@ -740,6 +725,35 @@ std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor&
   return {static_cast<int>(z.size(0)), static_cast<int>(z.size(1))};
 }
 
+// What bn_backward_train and bn_backward_grad read of the BatchNorm: scale, bn.weight and
+// (problem 84, optional) bn.bias checked against z's N and device, and the BatchNormArgs
+// of those fields (bias, gemm.bias, left null: only bn_backward_grad reads it).
+fgb::BatchNormArgs backward_bn_args(const torch::Tensor& z, int N, const torch::Tensor& scale,
+                                    const torch::Tensor& bn_weight, double eps, bool scale_after_bn,
+                                    const c10::optional<torch::Tensor>& bn_bias) {
+  check_vector(scale, "scale", N, z);
+  check_vector(bn_weight, "bn.weight", N, z);
+  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
+  fgb::BatchNormArgs bn;
+  bn.scale = scale.data_ptr<float>();
+  bn.bn_weight = bn_weight.data_ptr<float>();
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
+  return bn;
+}
+
+// The backward's outputs: grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N),
+// four allocations, not views of one: custom operators may not return aliases.
+struct BackwardGrads {
+  torch::Tensor grad_z, grad_scale, grad_bn_weight, grad_bn_bias;
+};
+
+BackwardGrads backward_grads(const torch::Tensor& z, int M, int N) {
+  return {torch::empty({M, N}, z.options()), torch::empty({N}, z.options()), torch::empty({N}, z.options()),
+          torch::empty({N}, z.options())};
+}
+
 }  // namespace
 
 // Training-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy
@@ -752,27 +766,16 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
                                              bool scale_after_bn, c10::optional<torch::Tensor> bn_bias) {
   scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
-  check_vector(scale, "scale", N, z);
-  check_vector(bn_weight, "bn.weight", N, z);
-  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
+  const fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias);
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = current_stream(z);
   const torch::Tensor g = grad_y.contiguous();
-  torch::Tensor grad_z = torch::empty({M, N}, z.options());
-  // Three allocations, not views of one: custom operators may not return aliases.
-  torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
-                grad_bn_bias = torch::empty({N}, z.options());
-  fgb::BatchNormArgs bn;  // what bn_backward_train reads
-  bn.scale = scale.data_ptr<float>();
-  bn.bn_weight = bn_weight.data_ptr<float>();
-  bn.eps = static_cast<float>(eps);
-  bn.scale_after_bn = scale_after_bn;
-  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
+  const BackwardGrads r = backward_grads(z, M, N);
   check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
-                                      grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
-                                      grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
+                                      r.grad_z.data_ptr<float>(), r.grad_scale.data_ptr<float>(),
+                                      r.grad_bn_weight.data_ptr<float>(), r.grad_bn_bias.data_ptr<float>(), stream),
                "bn_backward_train");
-  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+  return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
 
 // The row softmax's backward: grad_v = out * (grad_out - sum_n grad_out * out)
@@ -918,30 +921,20 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
               "bn_backward_grad: count must be a one-element float64 tensor on ", z.device(), " (the merged batch's "
               "rows), got ", count.scalar_type(), " ", count.sizes(), " on ", count.device());
   check_vector(bias, "gemm.bias", N, z);
-  check_vector(scale, "scale", N, z);
-  check_vector(bn_weight, "bn.weight", N, z);
-  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
+  fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias);
+  bn.bias = bias.data_ptr<float>();
   check_f64_rows(local_sums, "bn_backward_grad: local_sums", 2, N, z);
   check_f64_rows(total_sums, "bn_backward_grad: total_sums", 2, N, z);
   const c10::cuda::CUDAGuard guard(z.device());
   const torch::Tensor g = grad_y.contiguous();
-  torch::Tensor grad_z = torch::empty({M, N}, z.options());
-  torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
-                grad_bn_bias = torch::empty({N}, z.options());
-  fgb::BatchNormArgs bn;  // what bn_backward_grad reads
-  bn.bias = bias.data_ptr<float>();
-  bn.scale = scale.data_ptr<float>();
-  bn.bn_weight = bn_weight.data_ptr<float>();
-  bn.eps = static_cast<float>(eps);
-  bn.scale_after_bn = scale_after_bn;
-  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
+  const BackwardGrads r = backward_grads(z, M, N);
   check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                      count.data_ptr<double>(), local_sums.data_ptr<double>(),
-                                     total_sums.data_ptr<double>(), grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
-                                     grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(),
-                                     current_stream(z)),
+                                     total_sums.data_ptr<double>(), r.grad_z.data_ptr<float>(),
+                                     r.grad_scale.data_ptr<float>(), r.grad_bn_weight.data_ptr<float>(),
+                                     r.grad_bn_bias.data_ptr<float>(), current_stream(z)),
                "bn_backward_grad");
-  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+  return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
 
 // ---------------------------------------------------------------------------

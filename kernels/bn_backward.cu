@@ -214,17 +214,12 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
   }
   if constexpr (kScaleSum) {
     if (p.scale_after_bn) return;  // uniform over the grid
-    red[0][warp][lane] = scale_sum;
-    __syncthreads();
-    if (warp == 0 && valid) {
-      double total = 0.0;
-#pragma unroll
-      for (int w = 0; w < kBwdWarps; ++w) total += red[0][w][lane];
+    row_groups_total(scale_sum, red[0], warp, lane, warp == 0 && valid, [&](double total) {
       // dL/du = dz / s = (gamma / sigma) (g - c1 - (z - mu) c2); a / s = gamma / sigma.
       const double s = p.scale[j], gamma = p.gamma[j];
       const double sigma = sqrt(s * s * static_cast<double>(p.stats[p.N + j]) + static_cast<double>(p.eps));
       p.dscale[j] = static_cast<float>(gamma / sigma * total);
-    }
+    });
   }
 }
 

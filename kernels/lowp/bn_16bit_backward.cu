@@ -44,6 +44,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "bn_stats.cuh"
 #include "launchers.cuh"
 #include "lowp_coeff.cuh"
 #include "lowp_types.cuh"
@@ -172,14 +173,8 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const A
     }
   }
   if (p.scale_after_bn) return;  // uniform over the grid
-  red[0][warp][lane] = scale_sum;
-  __syncthreads();
-  if (warp == 0 && valid) {
-    double total = 0.0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += red[0][w][lane];
-    p.dscale[j] = static_cast<float>(total);
-  }
+  row_groups_total(scale_sum, red[0], warp, lane, warp == 0 && valid,
+                   [dscale = p.dscale + j](double total) { *dscale = static_cast<float>(total); });
 }
 
 template <typename T, typename S, typename G>

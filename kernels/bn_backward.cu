@@ -38,7 +38,7 @@
 //     in pass 2 (per process it has no closed form: the eps / sigma^3 form above
 //     holds for the sum over all processes).
 //
-// Kernels (bn_backward_train picks one: resident_strip_pays):
+// Kernels (bn_backward_train picks one: resident_strip_pays, heuristics_common.cuh):
 //   two-pass: one CTA per 32 features (a warp reads 128 contiguous bytes of a
 //     row); its 8 warps take every 8th row.  Pass 1 reduces S1 and S2, pass 2
 //     re-reads g and z (from L2 while the strips in flight fit it) and writes
@@ -51,6 +51,7 @@
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "heuristics_common.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
 
@@ -236,6 +237,7 @@ constexpr int kResThreads = 512;
 constexpr int kResRowGroups = kResThreads / kResCols;  // 32
 constexpr int kResRows = 32;                           // rows per thread
 constexpr int kResMaxRows = kResRowGroups * kResRows;  // 1024
+static_assert(kResMaxRows == kResidentStripMaxRows, "resident_strip_pays (heuristics_common.cuh) counts these rows");
 
 __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(const BnBackwardArgs p) {
   pdl_wait_then_release();
@@ -294,17 +296,6 @@ __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(co
       dzp += row_step;
     }
   }
-}
-
-// Where the resident kernel is the faster one (H200, devrun A/B, outputs
-// identical; docs/perf.md v39): from 768 rows at N = 8192 (640: a tie; 1024 x
-// 8192 57.6 -> 47.7 us), from 256 rows where N <= 2048 (the two-pass kernel's
-// N / 32 CTAs leave SMs idle: 1024 x 130 30.4 -> 10.4 us); below, the two-pass
-// kernel's strips fit L2 and its 256-thread CTAs fill the GPU better (128 x
-// 8192: 10.8 against 26.3 us).  Offsets are 32-bit: M N < 2^31.
-static bool resident_strip_pays(int M, int N) {
-  if (M > kResMaxRows || static_cast<int64_t>(M) * N > INT32_MAX) return false;
-  return M >= 768 || (N <= 2048 && M >= 256);
 }
 
 }  // namespace fused_gemm_bn

@@ -407,6 +407,35 @@ void bn_softmax(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, 
   check_launch(fgb::softmax_rows(z.data_ptr<float>(), out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
 }
 
+// forward_train and forward_train_saved: the checks, the training GEMM into z, then
+// BatchNorm (problem 84: and the row softmax) into out.  saved: returns [out, z, stats
+// (2, N) = [mean_z | biased var_z]] for the backward; else [out], BatchNorm in place (out is z).
+std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_name, const torch::Tensor& x,
+                                         const torch::Tensor& weight, BnTensors t,
+                                         const torch::Tensor& num_batches_tracked, double momentum, double eps,
+                                         bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
+  t.scale = feature_vector(t.scale);
+  const Gemm gemm = parse_gemm(gemm_name);
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_training(x, M, N, num_batches_tracked);
+  check_bn_tensors(t, N, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
+  torch::Tensor z = torch::empty({M, N}, x.options());
+  torch::Tensor stats = saved ? torch::empty({2, N}, x.options()) : torch::Tensor();
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
+  torch::Tensor out = saved ? torch::empty({M, N}, x.options()) : z;
+  float* const stats_out = saved ? stats.data_ptr<float>() : nullptr;
+  if (scale_after_bn) {
+    bn_softmax(g, z, out, stats_out, M, N, bn, stream);
+  } else {
+    bn_apply(g, z, out, stats_out, M, N, bn, stream);
+  }
+  if (saved) return {out, z, stats};
+  return {out};
+}
+
 }  // namespace
 
 // Linear -> scale -> BatchNorm1d (problem 33) or Linear -> BatchNorm1d -> scale
@@ -416,24 +445,8 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn, c10::optional<torch::Tensor> w_parts) {
-  scale = feature_vector(scale);
-  const Gemm gemm = parse_gemm(gemm_name);
-  const auto [M, N, K] = check_gemm_operands(x, weight);
-  check_training(x, M, N, num_batches_tracked);
-  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
-  check_bn_tensors(t, N, x);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = current_stream(x);
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
-  torch::Tensor out = torch::empty({M, N}, x.options());
-  const TrainGemm g =
-      train_gemm(gemm, x, weight, w_parts, out, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
-  if (scale_after_bn) {
-    bn_softmax(g, out, out, nullptr, M, N, bn, stream);
-  } else {
-    bn_apply(g, out, out, nullptr, M, N, bn, stream);
-  }
-  return out;
+  return train_forward(false, gemm_name, x, weight, BnTensors{bias, scale, bn_weight, bn_bias, running_mean,
+                       running_var}, num_batches_tracked, momentum, eps, scale_after_bn, w_parts)[0];
 }
 
 // Eval mode of either problem: out = a * (x @ weight^T) + c with the folded
@@ -485,25 +498,8 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
                                                torch::Tensor running_var, torch::Tensor num_batches_tracked,
                                                double momentum, double eps, bool scale_after_bn,
                                                c10::optional<torch::Tensor> w_parts) {
-  scale = feature_vector(scale);
-  const Gemm gemm = parse_gemm(gemm_name);
-  const auto [M, N, K] = check_gemm_operands(x, weight);
-  check_training(x, M, N, num_batches_tracked);
-  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
-  check_bn_tensors(t, N, x);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = current_stream(x);
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
-  torch::Tensor z = torch::empty({M, N}, x.options());
-  torch::Tensor stats = torch::empty({2, N}, x.options());
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
-  torch::Tensor out = torch::empty({M, N}, x.options());
-  if (scale_after_bn) {
-    bn_softmax(g, z, out, stats.data_ptr<float>(), M, N, bn, stream);
-  } else {
-    bn_apply(g, z, out, stats.data_ptr<float>(), M, N, bn, stream);
-  }
-  return {out, z, stats};
+  return train_forward(true, gemm_name, x, weight, BnTensors{bias, scale, bn_weight, bn_bias, running_mean,
+                       running_var}, num_batches_tracked, momentum, eps, scale_after_bn, w_parts);
 }
 
 // a @ b^T, float32-accurate (3xTF32 or fp16x3) for float32 CUDA a (M, K) and b (N, K) of

@@ -2,7 +2,9 @@
 // multi-kernel training paths (bn_apply.cu for Linear -> scale -> BatchNorm,
 // bn_softmax.cu for Linear -> BatchNorm -> scale -> Softmax, bn_sync.cu,
 // bn_backward.cu) and the eval-mode fold used by both GEMMs' epilogues
-// (sm80_gemm_3xtf32_bn.cuh, sm90_gemm_tiles.cuh).  Device functions only; the training statistics are float64
+// (sm80_gemm_3xtf32_bn.cuh, sm90_gemm_tiles.cuh), and the backward's per-feature
+// sum over a CTA's row groups (bn_backward.cu, lowp/bn_16bit_backward.cu:
+// row_groups_total).  Device functions only; the training statistics are float64
 // throughout.
 //
 // Algebra (training mode, scale before BatchNorm), z = x @ W^T for one feature

@@ -68,14 +68,7 @@ struct BnApplyArgs {
   const float* part_mean;
   const float* part_m2;
   int num_m_tiles, block_m, M, N;
-  const float* bias;
-  const float* scale;
-  const float* bn_weight;
-  const float* bn_bias;
-  const int64_t* num_batches_tracked;
-  float momentum, eps;
-  float* running_mean;
-  float* running_var;
+  BatchNormArgs bn;  // bias, scale, bn_weight, bn_bias, running statistics, momentum, eps
   int rows_per_block;
   float* coeff;  // two-launch form: [mean_z | a], 2 N floats, written by bn_fold_kernel
   float* stats;  // (2, N) [mean_z | biased var_z] for the backward, or null
@@ -88,10 +81,10 @@ __device__ __forceinline__ void coefficients_from_stats(const BnApplyArgs& p, in
                                                         bool update_running, float& mu, float& a) {
   const double count = static_cast<double>(p.M);
   mu = static_cast<float>(mean);
-  a = bn_train_slope(m2, count, p.scale[j], p.bn_weight[j], p.eps);
+  a = bn_train_slope(m2, count, p.bn.scale[j], p.bn.bn_weight[j], p.bn.eps);
   if (update_running) {
-    bn_update_running(mean, m2, count, p.bias[j], p.scale[j], p.momentum, p.num_batches_tracked,
-                      p.running_mean + j, p.running_var + j);
+    bn_update_running(mean, m2, count, p.bn.bias[j], p.bn.scale[j], p.bn.momentum, p.bn.num_batches_tracked,
+                      p.bn.running_mean + j, p.bn.running_var + j);
     write_batch_stats(p.stats, p.N, j, mean, m2, count);
   }
 }
@@ -149,7 +142,7 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
     } else if constexpr (!kVec4) {
       feature_coefficients(p, col + c, update_running, mu[c], a[c]);
     }
-    b[c] = p.bn_bias[col + c];
+    b[c] = p.bn.bn_bias[col + c];
   }
   const int row0 = blockIdx.y * p.rows_per_block;
   const int row_end = min(p.M, row0 + p.rows_per_block);
@@ -215,10 +208,7 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
   if (folded && coeff == nullptr) return cudaErrorInvalidValue;
   auto aligned = [](const float* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   const bool vec4 = N % 4 == 0 && aligned(z) && aligned(out) && aligned(part_mean) && aligned(part_m2);
-  BnApplyArgs p{z,           out,          part_mean,    part_m2,   num_m_tiles,
-                block_m,     M,            N,            bn.bias,   bn.scale,
-                bn.bn_weight, bn.bn_bias,  bn.num_batches_tracked, bn.momentum, bn.eps,
-                bn.running_mean, bn.running_var, 0, coeff, stats};
+  BnApplyArgs p{z, out, part_mean, part_m2, num_m_tiles, block_m, M, N, bn, 0, coeff, stats};
   const dim3 grid = apply_grid(M, N, vec4, folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock, p.rows_per_block);
   if (!folded) return launch_apply<false>(p, grid, vec4, stream);
   const cudaError_t err =
@@ -235,7 +225,7 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
   auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   const bool vec4 = N % 4 == 0 && aligned(z) && aligned(out) && aligned(coeff) && aligned(bn_bias);
   BnApplyArgs p{};
-  p.z = z, p.out = out, p.M = M, p.N = N, p.bn_bias = bn_bias;
+  p.z = z, p.out = out, p.M = M, p.N = N, p.bn.bn_bias = bn_bias;
   p.coeff = const_cast<float*>(coeff);  // read only by the kFolded apply kernel
   return launch_apply<true>(p, apply_grid(M, N, vec4, kFoldedRowsPerBlock, p.rows_per_block), vec4, stream);
 }

@@ -38,7 +38,7 @@
 //     in pass 2 (per process it has no closed form: the eps / sigma^3 form above
 //     holds for the sum over all processes).
 //
-// Kernels (bn_backward_train picks one: resident_strip_pays):
+// Kernels (bn_backward_train picks one: resident_strip_pays, heuristics_common.cuh):
 //   two-pass: one CTA per 32 features (a warp reads 128 contiguous bytes of a
 //     row); its 8 warps take every 8th row.  Pass 1 reduces S1 and S2, pass 2
 //     re-reads g and z (from L2 while the strips in flight fit it) and writes
@@ -51,6 +51,7 @@
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "heuristics_common.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
 
@@ -68,10 +69,9 @@ struct BnBackwardArgs {
   const float* g;
   const float* z;
   const float* stats;
-  const float* scale;
-  const float* gamma;
-  float eps;
-  bool scale_after_bn;
+  // scale, bn_weight, eps, scale_after_bn; kGrad, problem 33: bias (the Linear's, v = z + bias);
+  // problem 84: bn_bias (dscale's beta S1 term), or null (the caller adds it)
+  BatchNormArgs bn;
   int M, N;
   double count;                 // rows the statistics cover (kFull, kSums: M)
   const double* merged_count;   // kGrad: the merged batch's C, a device scalar
@@ -79,11 +79,9 @@ struct BnBackwardArgs {
   float* dscale;
   float* dgamma;
   float* dbeta;
-  const float* bias;         // kGrad, problem 33: the Linear bias (v = z + bias)
   const double* local_sums;  // kGrad: (2, N) this process's S1, S2
   const double* total_sums;  // kGrad: (2, N) every process's
   double* sums_out;          // kSums: (2, N)
-  const float* beta;         // problem 84: bn.bias (dscale's beta S1 term), or null (the caller's)
 };
 
 // Rows row + r * kBwdWarps (r < kBwdRowBatch) of g and z at feature j, all
@@ -119,23 +117,23 @@ __device__ __forceinline__ void add_sums(const float (&gv)[kRows], const float (
 template <bool kScaleFromSums>
 __device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, double S1, double S2, double T1,
                                                double T2, double count, double& a, double& c1, double& c2) {
-  const double s = p.scale[j], gamma = p.gamma[j], var = p.stats[p.N + j];
-  const double s2_var = p.scale_after_bn ? var : s * s * var;
-  const double sigma2 = s2_var + static_cast<double>(p.eps);
+  const double s = p.bn.scale[j], gamma = p.bn.bn_weight[j], var = p.stats[p.N + j];
+  const double s2_var = p.bn.scale_after_bn ? var : s * s * var;
+  const double sigma2 = s2_var + static_cast<double>(p.bn.eps);
   const double sigma = sqrt(sigma2);
   a = s * gamma / sigma;
   c1 = T1 / count;
-  c2 = (p.scale_after_bn ? 1.0 : s * s) * T2 / (sigma2 * count);
-  if (p.scale_after_bn) {
+  c2 = (p.bn.scale_after_bn ? 1.0 : s * s) * T2 / (sigma2 * count);
+  if (p.bn.scale_after_bn) {
     p.dbeta[j] = static_cast<float>(s * S1);
     p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-    const double beta = p.beta != nullptr ? static_cast<double>(p.beta[j]) : 0.0;
+    const double beta = p.bn.bn_bias != nullptr ? static_cast<double>(p.bn.bn_bias[j]) : 0.0;
     p.dscale[j] = static_cast<float>(gamma * S2 / sigma + beta * S1);
   } else {
     p.dbeta[j] = static_cast<float>(S1);
     p.dgamma[j] = static_cast<float>(s * S2 / sigma);
     if constexpr (kScaleFromSums)
-      p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.eps) / (sigma2 * sigma));
+      p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.bn.eps) / (sigma2 * sigma));
   }
 }
 
@@ -196,7 +194,7 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
     // sum of dz, zero in exact arithmetic, kept about eager's error, which the
     // weight gradient carries into the next batch's mean (docs/perf.md v24).
     const double a = coef[0][lane], c1 = coef[1][lane], c2 = coef[2][lane], mud = mu;
-    const double b = kScaleSum && !p.scale_after_bn ? static_cast<double>(p.bias[j]) : 0.0;
+    const double b = kScaleSum && !p.bn.scale_after_bn ? static_cast<double>(p.bn.bias[j]) : 0.0;
     for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
       float gv[kBwdRowBatch], zv[kBwdRowBatch];
       load_rows(p, row, j, mu, gv, zv);
@@ -207,24 +205,19 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
           const double zd = zv[r];
           const double inner = static_cast<double>(gv[r]) - c1 - (zd - mud) * c2;
           p.dz[static_cast<size_t>(m) * p.N + j] = static_cast<float>(a * inner);
-          if (kScaleSum && !p.scale_after_bn) scale_sum += inner * (zd + b);
+          if (kScaleSum && !p.bn.scale_after_bn) scale_sum += inner * (zd + b);
         }
       }
     }
   }
   if constexpr (kScaleSum) {
-    if (p.scale_after_bn) return;  // uniform over the grid
-    red[0][warp][lane] = scale_sum;
-    __syncthreads();
-    if (warp == 0 && valid) {
-      double total = 0.0;
-#pragma unroll
-      for (int w = 0; w < kBwdWarps; ++w) total += red[0][w][lane];
+    if (p.bn.scale_after_bn) return;  // uniform over the grid
+    row_groups_total(scale_sum, red[0], warp, lane, warp == 0 && valid, [&](double total) {
       // dL/du = dz / s = (gamma / sigma) (g - c1 - (z - mu) c2); a / s = gamma / sigma.
-      const double s = p.scale[j], gamma = p.gamma[j];
-      const double sigma = sqrt(s * s * static_cast<double>(p.stats[p.N + j]) + static_cast<double>(p.eps));
+      const double s = p.bn.scale[j], gamma = p.bn.bn_weight[j];
+      const double sigma = sqrt(s * s * static_cast<double>(p.stats[p.N + j]) + static_cast<double>(p.bn.eps));
       p.dscale[j] = static_cast<float>(gamma / sigma * total);
-    }
+    });
   }
 }
 
@@ -241,6 +234,7 @@ constexpr int kResThreads = 512;
 constexpr int kResRowGroups = kResThreads / kResCols;  // 32
 constexpr int kResRows = 32;                           // rows per thread
 constexpr int kResMaxRows = kResRowGroups * kResRows;  // 1024
+static_assert(kResMaxRows == kResidentStripMaxRows, "resident_strip_pays (heuristics_common.cuh) counts these rows");
 
 __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(const BnBackwardArgs p) {
   pdl_wait_then_release();
@@ -301,17 +295,6 @@ __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(co
   }
 }
 
-// Where the resident kernel is the faster one (H200, devrun A/B, outputs
-// identical; docs/perf.md v39): from 768 rows at N = 8192 (640: a tie; 1024 x
-// 8192 57.6 -> 47.7 us), from 256 rows where N <= 2048 (the two-pass kernel's
-// N / 32 CTAs leave SMs idle: 1024 x 130 30.4 -> 10.4 us); below, the two-pass
-// kernel's strips fit L2 and its 256-thread CTAs fill the GPU better (128 x
-// 8192: 10.8 against 26.3 us).  Offsets are 32-bit: M N < 2^31.
-static bool resident_strip_pays(int M, int N) {
-  if (M > kResMaxRows || static_cast<int64_t>(M) * N > INT32_MAX) return false;
-  return M >= 768 || (N <= 2048 && M >= 256);
-}
-
 }  // namespace fused_gemm_bn
 
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y = dL/dy (formulas above).
@@ -319,9 +302,8 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
                                              const BatchNormArgs& bn, int M, int N, float* grad_z, float* grad_scale,
                                              float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  const BnBackwardArgs p{grad_y, z,       stats,  bn.scale, bn.bn_weight, bn.eps,   bn.scale_after_bn,
-                         M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
-                         grad_bn_bias, nullptr, nullptr, nullptr, nullptr, bn.bn_bias};
+  const BnBackwardArgs p{grad_y, z, stats, bn, M, N, static_cast<double>(M), nullptr, grad_z, grad_scale,
+                         grad_bn_weight, grad_bn_bias, nullptr, nullptr, nullptr};
   if (resident_strip_pays(M, N))
     return launch_kernel(bn_backward_resident_kernel, (N + kResCols - 1) / kResCols, kResThreads, 0, stream, p);
   return launch_kernel(bn_backward_train_kernel<BwdMode::kFull>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
@@ -332,8 +314,8 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
 cudaError_t fused_gemm_bn::bn_backward_sums(const float* grad_y, const float* z, const float* stats, int M, int N,
                                             double* sums, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  const BnBackwardArgs p{grad_y,  z,       stats,   nullptr, nullptr, 0.f,     false,   M,   N, static_cast<double>(M),
-                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, sums};
+  const BnBackwardArgs p{grad_y, z, stats, BatchNormArgs{}, M, N, static_cast<double>(M), nullptr, nullptr, nullptr,
+                         nullptr, nullptr, nullptr, nullptr, sums};
   return launch_kernel(bn_backward_train_kernel<BwdMode::kSums>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
                        0, stream, p);
 }
@@ -347,9 +329,8 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
                                             cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
   if (count == nullptr) return cudaErrorInvalidValue;
-  const BnBackwardArgs p{grad_y,     z,       stats,  bn.scale,   bn.bn_weight, bn.eps, bn.scale_after_bn,
-                         M,          N,       0.0,    count,      grad_z,     grad_scale, grad_bn_weight,
-                         grad_bn_bias, bn.bias, local_sums, total_sums, nullptr, bn.bn_bias};
+  const BnBackwardArgs p{grad_y, z, stats, bn, M, N, 0.0, count, grad_z, grad_scale, grad_bn_weight, grad_bn_bias,
+                         local_sums, total_sums, nullptr};
   return launch_kernel(bn_backward_train_kernel<BwdMode::kGrad>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
                        0, stream, p);
 }

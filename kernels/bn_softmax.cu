@@ -41,6 +41,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "block_reduce.cuh"
 #include "bn_stats.cuh"
 #include "load_hints.cuh"
 #include "launchers.cuh"
@@ -66,14 +67,7 @@ struct FoldArgs {
   const float* part_mean;
   const float* part_m2;
   int num_m_tiles, block_m, M, N;
-  const float* bias;
-  const float* scale;
-  const float* bn_weight;
-  const float* bn_bias;
-  const int64_t* num_batches_tracked;
-  float momentum, eps;
-  float* running_mean;
-  float* running_var;
+  BatchNormArgs bn;  // bias, scale, bn_weight, bn_bias, running statistics, momentum, eps
   float* coeff;  // [mean_z | a | c], 3 N
   float* stats;  // (2, N) [mean_z | biased var_z] for the backward, or null
 };
@@ -85,13 +79,13 @@ __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(con
   double mean, m2;
   merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
   const double count = static_cast<double>(p.M);
-  const double s = p.scale[j];
+  const double s = p.bn.scale[j];
   p.coeff[j] = static_cast<float>(mean);
-  p.coeff[p.N + j] = static_cast<float>(s * p.bn_weight[j] / sqrt(m2 / count + static_cast<double>(p.eps)));
-  p.coeff[2 * p.N + j] = static_cast<float>(s * p.bn_bias[j]);
+  p.coeff[p.N + j] = static_cast<float>(s * p.bn.bn_weight[j] / sqrt(m2 / count + static_cast<double>(p.bn.eps)));
+  p.coeff[2 * p.N + j] = static_cast<float>(s * p.bn.bn_bias[j]);
   // BatchNorm normalises z + bias itself: the scale does not enter the running statistics.
-  bn_update_running(mean, m2, count, p.bias[j], 1.0f, p.momentum, p.num_batches_tracked, p.running_mean + j,
-                    p.running_var + j);
+  bn_update_running(mean, m2, count, p.bn.bias[j], 1.0f, p.bn.momentum, p.bn.num_batches_tracked,
+                    p.bn.running_mean + j, p.bn.running_var + j);
   write_batch_stats(p.stats, p.N, j, mean, m2, count);
 }
 
@@ -108,22 +102,6 @@ struct Vec<1> {
 
 __device__ __forceinline__ float& elem(float4& v, int e) { return (&v.x)[e]; }
 __device__ __forceinline__ float& elem(float& v, int) { return v; }
-
-// Max or sum over the CTA, returned to every thread.  `red` holds one value per warp.
-template <bool kMax>
-__device__ __forceinline__ float block_reduce(float v, float* red) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = kMax ? fmaxf(v, other) : v + other;
-  }
-  __syncthreads();  // red is reused by consecutive reductions
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = red[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) v = kMax ? fmaxf(v, red[w]) : v + red[w];
-  return v;
-}
 
 struct RowArgs {
   const float* in;     // v's source rows (may be out: in place)
@@ -310,10 +288,7 @@ cudaError_t fused_gemm_bn::bn_softmax_fold_train(const float* part_mean, const f
                                                  float* stats, cudaStream_t stream) {
   using namespace fused_gemm_bn::softmax;
   if (M == 0 || N == 0) return cudaSuccess;
-  const FoldArgs p{part_mean,  part_m2,      num_m_tiles, block_m,   M,
-                   N,          bn.bias,      bn.scale,    bn.bn_weight, bn.bn_bias,
-                   bn.num_batches_tracked, bn.momentum, bn.eps, bn.running_mean, bn.running_var,
-                   coeff, stats};
+  const FoldArgs p{part_mean, part_m2, num_m_tiles, block_m, M, N, bn, coeff, stats};
   return launch_kernel(bn_softmax_fold_train_kernel, (N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream, p);
 }
 

@@ -2,7 +2,9 @@
 // multi-kernel training paths (bn_apply.cu for Linear -> scale -> BatchNorm,
 // bn_softmax.cu for Linear -> BatchNorm -> scale -> Softmax, bn_sync.cu,
 // bn_backward.cu) and the eval-mode fold used by both GEMMs' epilogues
-// (sm80_gemm_3xtf32_bn.cuh, sm90_gemm_tiles.cuh).  Device functions only; the training statistics are float64
+// (sm80_gemm_3xtf32_bn.cuh, sm90_gemm_tiles.cuh), and the backward's per-feature
+// sum over a CTA's row groups (bn_backward.cu, lowp/bn_16bit_backward.cu:
+// row_groups_total).  Device functions only; the training statistics are float64
 // throughout.
 //
 // Algebra (training mode, scale before BatchNorm), z = x @ W^T for one feature
@@ -137,6 +139,25 @@ __device__ __forceinline__ void bn_eval_affine(const BnParams& p, int j, float& 
   a = s * gw;
   c = p.scale_after_bn ? s * fmaf(p.bias[j] - p.running_mean[j], gw, p.bn_bias[j])
                        : fmaf(fmaf(s, p.bias[j], -p.running_mean[j]), gw, p.bn_bias[j]);
+}
+
+// The backward's per-feature sum over the row groups of a CTA (bn_backward.cu,
+// lowp/bn_16bit_backward.cu: warp w of the CTA takes rows w, w + kWarps, ...,
+// lane l feature l): each thread's float64 partial v goes to red[warp][lane];
+// after the barrier the threads with `active` (warp 0 of a feature in range)
+// add the kWarps partials of their feature in warp order, the same order at
+// every launch, and call use(total).  Every thread of the CTA calls it (a __syncthreads).
+template <int kWarps, int kCols, typename Use>
+__device__ __forceinline__ void row_groups_total(double v, double (&red)[kWarps][kCols], int warp, int lane,
+                                                 bool active, Use&& use) {
+  red[warp][lane] = v;
+  __syncthreads();
+  if (active) {
+    double total = 0.0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += red[w][lane];
+    use(total);
+  }
 }
 
 }  // namespace fused_gemm_bn

@@ -59,15 +59,7 @@ __global__ void __launch_bounds__(kSyncThreads)
 struct SyncFinalizeArgs {
   const double* gathered;
   int world, N;
-  const float* bias;
-  const float* scale;
-  const float* bn_weight;
-  const float* bn_bias;
-  const int64_t* num_batches_tracked;
-  float momentum, eps;
-  bool scale_after_bn;
-  float* running_mean;
-  float* running_var;
+  BatchNormArgs bn;  // every field
   float* stats;
   float* coeff;
   double* count;
@@ -91,19 +83,19 @@ __global__ void __launch_bounds__(kSyncThreads) sync_bn_finalize_kernel(const Sy
     const double d = p.gathered[r * rank_stride + p.N + j] - mean;
     m2 += p.gathered[r * rank_stride + 2 * p.N + j] + c * d * d;
   }
-  const double mean_z = mean - static_cast<double>(p.bias[j]);
+  const double mean_z = mean - static_cast<double>(p.bn.bias[j]);
   const double var_z = m2 / count;
-  const double s = p.scale[j], gamma = p.bn_weight[j];
+  const double s = p.bn.scale[j], gamma = p.bn.bn_weight[j];
   p.stats[j] = static_cast<float>(mean_z);
   p.stats[p.N + j] = static_cast<float>(var_z);
   p.coeff[j] = static_cast<float>(mean_z);
-  const double s_u = p.scale_after_bn ? 1.0 : s;  // u = s_u v
-  p.coeff[p.N + j] = static_cast<float>(s * gamma / sqrt(s_u * s_u * var_z + static_cast<double>(p.eps)));
-  if (p.scale_after_bn) p.coeff[2 * p.N + j] = static_cast<float>(s * static_cast<double>(p.bn_bias[j]));
-  const double f = p.momentum >= 0.f ? static_cast<double>(p.momentum)
-                                     : 1.0 / static_cast<double>(*p.num_batches_tracked);
-  p.running_mean[j] = static_cast<float>((1.0 - f) * p.running_mean[j] + f * s_u * mean);
-  p.running_var[j] = static_cast<float>((1.0 - f) * p.running_var[j] + f * s_u * s_u * (m2 / (count - 1.0)));
+  const double s_u = p.bn.scale_after_bn ? 1.0 : s;  // u = s_u v
+  p.coeff[p.N + j] = static_cast<float>(s * gamma / sqrt(s_u * s_u * var_z + static_cast<double>(p.bn.eps)));
+  if (p.bn.scale_after_bn) p.coeff[2 * p.N + j] = static_cast<float>(s * static_cast<double>(p.bn.bn_bias[j]));
+  const double f = p.bn.momentum >= 0.f ? static_cast<double>(p.bn.momentum)
+                                        : 1.0 / static_cast<double>(*p.bn.num_batches_tracked);
+  p.bn.running_mean[j] = static_cast<float>((1.0 - f) * p.bn.running_mean[j] + f * s_u * mean);
+  p.bn.running_var[j] = static_cast<float>((1.0 - f) * p.bn.running_var[j] + f * s_u * s_u * (m2 / (count - 1.0)));
   if (j == 0) *p.count = count;
 }
 
@@ -124,9 +116,7 @@ cudaError_t fused_gemm_bn::sync_bn_finalize(const double* gathered, int world, i
                                             float* stats, float* coeff, double* count, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
   if (world < 1) return cudaErrorInvalidValue;
-  const SyncFinalizeArgs p{gathered,    world,       N,           bn.bias,        bn.scale,        bn.bn_weight,
-                           bn.bn_bias,  bn.num_batches_tracked,   bn.momentum,    bn.eps,          bn.scale_after_bn,
-                           bn.running_mean, bn.running_var, stats, coeff,         count};
+  const SyncFinalizeArgs p{gathered, world, N, bn, stats, coeff, count};
   sync_bn_finalize_kernel<<<(N + kSyncThreads - 1) / kSyncThreads, kSyncThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "device_facts.cuh"
+#include "heuristics_sm80.cuh"
 #include "launchers.cuh"
 #include "sm80_gemm_3xtf32_bn.cuh"
 
@@ -28,54 +29,13 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) sm80_gemm_3xtf32_bn_kernel(
   sm80_gemm_3xtf32_bn_body<T, kEpilogue, kVec16, kNumStages>(args);
 }
 
-// The CTA tile of a batch of M rows: Sm80SmallMTraits up to kSmallTileMaxRows
-// rows (1-4 batch tiles of 16), else Sm80GemmTraits.  The training statistics
-// are per batch tile: ceil(M / sm80_gemm_block_m(M)) rows of part_mean / part_m2.
-constexpr int kSmallTileMaxRows = 64;
-static bool sm80_small_tile(int M) { return M <= kSmallTileMaxRows; }
-struct Sm80TileDims {
-  int block_m, block_n;
-};
-static Sm80TileDims sm80_tile_dims(int M) {
-  if (sm80_small_tile(M)) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
-  return {Sm80GemmTraits::BLOCK_M, Sm80GemmTraits::BLOCK_N};
-}
-
-// Split K (sm80_gemm_3xtf32_bn.cuh, "Split K").  Pieces per tile: enough to
-// fill the SMs once (one CTA per SM fits), each piece at least
-// kMinPieceKTiles slabs; below kSmallBatchRows rows also at most
-// kSmallBatchPieceK k per piece; at most FUSED_GEMM_BN_SM80_MAX_PIECES.
-// Then every piece but the last has k_tiles_per_piece slabs, the last the
-// rest (>= 1; 2 <= pieces <= num_k_tiles keeps at least two pieces after the
-// rounding).  pieces == 1: no split, no workspace.
-struct Sm80SplitPlan {
-  int pieces = 1;
-  int k_tiles_per_piece = 0;
-};
-constexpr int kMinPieceKTiles = 4;
-constexpr int kSmallBatchRows = 16;
-constexpr int kSmallBatchPieceK = 512;
-
-static Sm80SplitPlan sm80_split_plan(int M, int N, int K, int num_sms) {
-  using T = Sm80GemmTraits;  // BLOCK_K: the same in both tiles
-  const Sm80TileDims d = sm80_tile_dims(M);
-  Sm80SplitPlan plan;
-  const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;
-  plan.k_tiles_per_piece = num_k_tiles;
-  const long long tiles = static_cast<long long>((M + d.block_m - 1) / d.block_m) * ((N + d.block_n - 1) / d.block_n);
-  if (num_k_tiles < 2 || tiles < 1) return plan;
-  long long pieces = tiles < num_sms ? num_sms / tiles : 1;
-  pieces = std::min<long long>(pieces, num_k_tiles / kMinPieceKTiles);
-  if (M < kSmallBatchRows) {
-    constexpr int kSmallBatchPieceTiles = kSmallBatchPieceK / T::BLOCK_K;
-    pieces = std::max<long long>(pieces, (num_k_tiles + kSmallBatchPieceTiles - 1) / kSmallBatchPieceTiles);
-  }
-  pieces = std::min<long long>(pieces, FUSED_GEMM_BN_SM80_MAX_PIECES);
-  if (pieces < 2) return plan;
-  plan.k_tiles_per_piece = static_cast<int>((num_k_tiles + pieces - 1) / pieces);
-  plan.pieces = (num_k_tiles + plan.k_tiles_per_piece - 1) / plan.k_tiles_per_piece;
-  return plan;
-}
+// The tiles and the split are planned in heuristics_sm80.cuh (sm80_tile_dims,
+// sm80_split_plan) from the tile sizes it names: they must be these traits'.
+static_assert(Sm80GemmTraits::BLOCK_M == kSm80Tile.block_m && Sm80GemmTraits::BLOCK_N == kSm80Tile.block_n &&
+                  Sm80SmallMTraits::BLOCK_M == kSm80SmallMTile.block_m &&
+                  Sm80SmallMTraits::BLOCK_N == kSm80SmallMTile.block_n &&
+                  Sm80GemmTraits::BLOCK_K == kSm80BlockK && Sm80SmallMTraits::BLOCK_K == kSm80BlockK,
+              "heuristics_sm80.cuh plans with these tiles");
 
 template <class T, Epilogue kEpilogue, bool kVec16, int kNumStages>
 static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStream_t stream) {

@@ -75,7 +75,7 @@
 // w's shared rows are XOR-swizzled in 16-byte chunks (w_smem_offset) so that
 // the 16-byte cp.async stores and fragment loads are bank-conflict free.
 //
-// Split K (sm80_split_plan in sm80_gemm_3xtf32_bn.cu): where the output tiles
+// Split K (sm80_split_plan in heuristics_sm80.cuh): where the output tiles
 // alone leave SMs idle (fewer tiles than SMs), or the batch is below 16 rows,
 // each tile's K slabs are cut into `pieces` runs (grid z), one CTA each.  Each
 // piece writes its partial sums to a workspace slice and counts itself in on a
@@ -123,10 +123,6 @@
 // 1: the kTrain epilogue sums a tile's mean and M2 in float64 (as sm90_gemm_tiles.cuh).
 #ifndef FUSED_GEMM_BN_SM80_TILE_STATS_F64
 #define FUSED_GEMM_BN_SM80_TILE_STATS_F64 1
-#endif
-// Most K pieces per tile (Split K above); 1 turns the split off (the A/B baseline).
-#ifndef FUSED_GEMM_BN_SM80_MAX_PIECES
-#define FUSED_GEMM_BN_SM80_MAX_PIECES 64
 #endif
 
 namespace fused_gemm_bn {

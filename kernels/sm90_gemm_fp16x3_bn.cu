@@ -83,7 +83,7 @@
 //   and split tiles: sm90_gemm_tiles.cuh (StreamKPlan, per 64-k block): one work
 //   unit per tile, M tiles fastest, so the units sharing a w tile run together
 //   and w is read from DRAM about once; the remainder tiles are split along K.
-//   One CTA per unit, or, where tiles are short in k (persistent_grid_pays),
+//   One CTA per unit, or, where tiles are short in k (persistent_grid_pays, heuristics_sm90.cuh),
 //   one CTA per SM looping over units blockIdx.x, + gridDim.x, ...: the
 //   producer's ring slot count q runs on across them.
 //
@@ -99,6 +99,7 @@
 
 #include "device_facts.cuh"
 #include "fp16x3_split.cuh"
+#include "heuristics_sm90.cuh"
 #include "launchers.cuh"
 #include "sm90_gemm_tiles.cuh"
 
@@ -367,23 +368,6 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 #endif
 }
 
-// Whether the grid is persistent (one CTA per SM, each looping over work units
-// cta, cta + gridDim.x, ...) rather than one CTA per unit.  With a CTA per
-// unit (one fits an SM), each tile pays a CTA start (barrier set-up, the first
-// TMA fills) that no other tile's mainloop covers; looping, the producer fills
-// the next tile's stages while the consumers finish this one.  That pays where
-// tiles are short in k.  H200, per GEMM, against the one-CTA-per-unit kernel
-// (docs/perf.md v40): grad W = grad z^T x (k = the batch) at 256 x 8192 x 8192
-// 279 -> 224 us, 512 rows 390 -> 361, 1024 rows 645 -> 639; forwards 8192 x
-// 512 x 8192 463 -> 405, 4096 x 1024 x 4096 188 -> 177, 16384 x 2048 x 2048
-// 622 -> 610; but 1024 x 2048 x 8192 (512 tiles) 164.5 -> 168.  At 64
-// k-blocks it was mixed, at 128 5-15% slower (the KernelBench forward's GEMM
-// 582 -> 613-620 us, docs/perf.md v41): those keep a CTA per unit.
-constexpr int kPersistentMaxKBlocks = 32;
-static bool persistent_grid_pays(int K) {
-  return (K + Fp16x3Traits::BLOCK_K - 1) / Fp16x3Traits::BLOCK_K <= kPersistentMaxKBlocks;
-}
-
 // The tensor map of one part: K-major (rows, K) in 128-row boxes, or MN-major (K, rows).
 static bool make_part_map(CUtensorMap* map, const uint16_t* part, bool mn_major, int rows, int K, int box_rows) {
   return mn_major ? make_tensor_map_mn(map, part, rows, K)
@@ -395,7 +379,7 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
                                  cudaStream_t stream) {
   using T = Fp16x3Traits;
   const bool grouped = (args.M + T::BLOCK_M - 1) / T::BLOCK_M > kBatchFastestMaxTiles;
-  const bool persistent = persistent_grid_pays(args.K);
+  const bool persistent = persistent_grid_pays(args.K, T::BLOCK_K);
   decltype(&sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false>) kernels[2][2] = {
       {sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false>,
        sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, true>},
@@ -421,7 +405,7 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   DeviceFacts facts;
   err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
-  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, facts.num_sms, true);
+  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, facts.num_sms);
   if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.partials = workspace;
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
@@ -502,7 +486,7 @@ void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, int64_t* flo
   *zero_ints = 0;
   DeviceFacts facts;
   if (current_device_facts(&facts) != cudaSuccess) return;
-  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, facts.num_sms, true);
+  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, facts.num_sms);
   if (p.sk_ctas == 0) return;
   *floats = partial_floats(p) + p.sk_tiles;
   *zero_ints = p.sk_tiles;

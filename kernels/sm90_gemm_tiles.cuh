@@ -5,7 +5,8 @@
 // the BatchNorm epilogues (finish_tile), and the host's tensor maps.  The
 // epilogue formulas are in bn_stats.cuh.
 //
-// Split tiles (a locality-preserving stream-K; StreamKPlan, stream_k_plan)
+// Split tiles (a locality-preserving stream-K; StreamKPlan and its rule,
+// stream_k_plan, in heuristics_sm90.cuh)
 //   One CTA per SM fits, so whole tiles alone leave the last wave part-empty
 //   (512 tiles = 3.88 waves of 132 SMs at the KernelBench shape).  The
 //   remainder tiles are cut along K and run first: each piece's CTA writes
@@ -34,35 +35,16 @@
 #include <algorithm>
 
 #include "bn_stats.cuh"
+#include "heuristics_sm90.cuh"
 #include "sm90_primitives.cuh"
 
 namespace fused_gemm_bn {
 namespace sm90 {
 
-constexpr int kTileN = 128;             // features per CTA
-constexpr int kTileM = 128;             // batch rows per CTA
 constexpr int kConsumerThreads = 256;   // two consumer warpgroups
 constexpr int kTileAccRegs = 64;        // fp32 accumulators per consumer thread
 
 enum class Epilogue { kTrain, kEval, kPlain };
-
-// Work of the grid (header, "Split tiles"), in work units: unit i is CTA i's
-// work in a grid of one CTA per unit; a persistent grid (the fp16x3 kernel's,
-// where it pays) runs units blockIdx.x, + gridDim.x, ... per CTA, and the
-// functions below take the unit for `cta`.  The first sk_ctas CTAs compute
-// tiles 0 .. sk_tiles - 1, each cut along K into `pieces` runs of piece_blocks
-// k-blocks (the last piece takes the rest): pieces 0 .. pieces - 2 of tile t go
-// to CTAs t * (pieces - 1) + j, one each; the last pieces go tails_per_cta
-// tiles at a time to the CTAs after those, run back to back.  CTA sk_ctas + i
-// then computes tile sk_tiles + i whole.  sk_ctas == 0: no tile is split.
-struct StreamKPlan {
-  int sk_tiles = 0;
-  int pieces = 1;
-  int piece_blocks = 0;
-  int tails_per_cta = 1;
-  int sk_ctas = 0;
-  int dp_tiles = 0;
-};
 
 struct Sm90GemmBnArgs {
   int M, N, K;
@@ -392,58 +374,6 @@ static bool make_tensor_map_mn(CUtensorMap* map, const void* ptr, int rows, int 
 }
 
 static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Split tiles (header).  With one CTA per SM, `tiles` tiles take
-// ceil(tiles / num_sms) waves and the last leaves SMs idle (the KernelBench
-// shape: 512 tiles = 3.88 waves of 132).  The R remainder tiles (tiles %
-// num_sms, or all tiles when fewer than the SMs) are instead cut along K and
-// run first, on CTAs that each take about the same number of k-blocks; the
-// whole tiles follow in whole waves.  Unlike stream-K's even cut of the
-// flattened tile x k space (Osama et al., PPoPP 2023), which was measured
-// 7% slower here (CTAs sharing an x or w block read it at different times,
-// so the pass ran out of L2 and became DRAM-bound), every piece starts at
-// one of few k offsets, so CTAs read the same k-blocks at the same time:
-//   2 R <= num_sms: p equal pieces per tile (split-K), p <= num_sms / R;
-//   otherwise: a first piece of L k-blocks per tile on R CTAs, all starting
-//     at k = 0, and the K - L tails, tails_per_cta = ceil(R / (num_sms - R))
-//     back to back per CTA (consecutive tiles: the same w rows), with L set
-//     so both kinds take about as long (one k-block per hand-off counted).
-// kSplitMaxPieces bounds the slots a finishing CTA reads back; kSplitMinIters
-// keeps a piece above pipeline start-up.  split_tiles = false gives whole
-// tiles only; every caller now passes true (the parameter can go together
-// with the `true` of lowp/sm90_gemm_bn_16bit.cu's call).
-constexpr int kSplitMaxPieces = 8;
-constexpr int kSplitMinIters = 4;
-
-static StreamKPlan stream_k_plan(int M, int N, int K, int block_k, int num_sms, bool split_tiles) {
-  const long long tiles = static_cast<long long>((M + kTileM - 1) / kTileM) * ((N + kTileN - 1) / kTileN);
-  const int num_k_blocks = (K + block_k - 1) / block_k;
-  StreamKPlan p;
-  p.dp_tiles = static_cast<int>(tiles);
-  if (num_sms <= 0 || tiles > INT32_MAX / 8 || !split_tiles) return p;
-  const int rem = static_cast<int>(tiles >= num_sms ? tiles % num_sms : tiles);
-  if (rem == 0) return p;
-  int pieces, piece_blocks, tails_per_cta;
-  if (2 * rem <= num_sms) {
-    pieces = std::min({kSplitMaxPieces, num_sms / rem, num_k_blocks / kSplitMinIters});
-    if (pieces < 2) return p;
-    piece_blocks = (num_k_blocks + pieces - 1) / pieces;
-    pieces = (num_k_blocks + piece_blocks - 1) / piece_blocks;  // no empty last piece
-    tails_per_cta = 1;
-  } else {
-    pieces = 2;
-    tails_per_cta = (rem + (num_sms - rem) - 1) / (num_sms - rem);
-    piece_blocks = (tails_per_cta * (num_k_blocks + 1) - 1 + tails_per_cta) / (tails_per_cta + 1);
-    if (num_k_blocks - piece_blocks < kSplitMinIters) return p;
-  }
-  p.sk_tiles = rem;
-  p.pieces = pieces;
-  p.piece_blocks = piece_blocks;
-  p.tails_per_cta = tails_per_cta;
-  p.sk_ctas = rem * (pieces - 1) + (rem + tails_per_cta - 1) / tails_per_cta;
-  p.dp_tiles = static_cast<int>(tiles - rem);
-  return p;
-}
 
 // Workspace floats of the split tiles' partial sums (one slot per piece),
 // followed by one int per split tile (the arrival counts).

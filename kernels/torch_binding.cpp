@@ -83,11 +83,15 @@
 
 #include <string>
 
+#include "binding_checks.cuh"
 #include "launchers.cuh"
 
 namespace {
 
 namespace fgb = fused_gemm_bn;
+using fgb::binding::check_training;
+using fgb::binding::current_stream;
+using fgb::binding::feature_vector;
 
 // The GEMM kernels a `gemm` name selects.
 enum class Gemm { kSm80, kFp16x3 };
@@ -102,13 +106,6 @@ bool is_fp16x3(Gemm g) { return g == Gemm::kFp16x3; }
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
-}
-
-// The scale as the contiguous (N) vector the kernels read: model_new.per_feature_scale
-// passes one number broadcast to N features as a stride-0 view (no copy in Python);
-// it is materialized here, in one at:: copy.
-torch::Tensor feature_vector(const torch::Tensor& scale) {
-  return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
 }
 
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x) {
@@ -171,18 +168,6 @@ fgb::BatchNormArgs batch_norm_args(const BnTensors& t, double eps, bool scale_af
   bn.eps = static_cast<float>(eps);
   bn.scale_after_bn = scale_after_bn;
   return bn;
-}
-
-void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
-  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
-              torch::IntArrayRef({M, N}));
-  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
-                  num_batches_tracked.numel() == 1,
-              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
-}
-
-cudaStream_t current_stream(const torch::Tensor& x) {
-  return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
 }
 
 // x's row centres c_m (centring.cuh) into center (M floats), or nothing (null).
@@ -422,6 +407,35 @@ void bn_softmax(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, 
   check_launch(fgb::softmax_rows(z.data_ptr<float>(), out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
 }
 
+// forward_train and forward_train_saved: the checks, the training GEMM into z, then
+// BatchNorm (problem 84: and the row softmax) into out.  saved: returns [out, z, stats
+// (2, N) = [mean_z | biased var_z]] for the backward; else [out], BatchNorm in place (out is z).
+std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_name, const torch::Tensor& x,
+                                         const torch::Tensor& weight, BnTensors t,
+                                         const torch::Tensor& num_batches_tracked, double momentum, double eps,
+                                         bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
+  t.scale = feature_vector(t.scale);
+  const Gemm gemm = parse_gemm(gemm_name);
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_training(x, M, N, num_batches_tracked);
+  check_bn_tensors(t, N, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
+  torch::Tensor z = torch::empty({M, N}, x.options());
+  torch::Tensor stats = saved ? torch::empty({2, N}, x.options()) : torch::Tensor();
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
+  torch::Tensor out = saved ? torch::empty({M, N}, x.options()) : z;
+  float* const stats_out = saved ? stats.data_ptr<float>() : nullptr;
+  if (scale_after_bn) {
+    bn_softmax(g, z, out, stats_out, M, N, bn, stream);
+  } else {
+    bn_apply(g, z, out, stats_out, M, N, bn, stream);
+  }
+  if (saved) return {out, z, stats};
+  return {out};
+}
+
 }  // namespace
 
 // Linear -> scale -> BatchNorm1d (problem 33) or Linear -> BatchNorm1d -> scale
@@ -431,24 +445,8 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn, c10::optional<torch::Tensor> w_parts) {
-  scale = feature_vector(scale);
-  const Gemm gemm = parse_gemm(gemm_name);
-  const auto [M, N, K] = check_gemm_operands(x, weight);
-  check_training(x, M, N, num_batches_tracked);
-  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
-  check_bn_tensors(t, N, x);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = current_stream(x);
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
-  torch::Tensor out = torch::empty({M, N}, x.options());
-  const TrainGemm g =
-      train_gemm(gemm, x, weight, w_parts, out, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
-  if (scale_after_bn) {
-    bn_softmax(g, out, out, nullptr, M, N, bn, stream);
-  } else {
-    bn_apply(g, out, out, nullptr, M, N, bn, stream);
-  }
-  return out;
+  return train_forward(false, gemm_name, x, weight, BnTensors{bias, scale, bn_weight, bn_bias, running_mean,
+                       running_var}, num_batches_tracked, momentum, eps, scale_after_bn, w_parts)[0];
 }
 
 // Eval mode of either problem: out = a * (x @ weight^T) + c with the folded
@@ -500,25 +498,8 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
                                                torch::Tensor running_var, torch::Tensor num_batches_tracked,
                                                double momentum, double eps, bool scale_after_bn,
                                                c10::optional<torch::Tensor> w_parts) {
-  scale = feature_vector(scale);
-  const Gemm gemm = parse_gemm(gemm_name);
-  const auto [M, N, K] = check_gemm_operands(x, weight);
-  check_training(x, M, N, num_batches_tracked);
-  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
-  check_bn_tensors(t, N, x);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = current_stream(x);
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
-  torch::Tensor z = torch::empty({M, N}, x.options());
-  torch::Tensor stats = torch::empty({2, N}, x.options());
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
-  torch::Tensor out = torch::empty({M, N}, x.options());
-  if (scale_after_bn) {
-    bn_softmax(g, z, out, stats.data_ptr<float>(), M, N, bn, stream);
-  } else {
-    bn_apply(g, z, out, stats.data_ptr<float>(), M, N, bn, stream);
-  }
-  return {out, z, stats};
+  return train_forward(true, gemm_name, x, weight, BnTensors{bias, scale, bn_weight, bn_bias, running_mean,
+                       running_var}, num_batches_tracked, momentum, eps, scale_after_bn, w_parts);
 }
 
 // a @ b^T, float32-accurate (3xTF32 or fp16x3) for float32 CUDA a (M, K) and b (N, K) of
@@ -740,6 +721,35 @@ std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor&
   return {static_cast<int>(z.size(0)), static_cast<int>(z.size(1))};
 }
 
+// What bn_backward_train and bn_backward_grad read of the BatchNorm: scale, bn.weight and
+// (problem 84, optional) bn.bias checked against z's N and device, and the BatchNormArgs
+// of those fields (bias, gemm.bias, left null: only bn_backward_grad reads it).
+fgb::BatchNormArgs backward_bn_args(const torch::Tensor& z, int N, const torch::Tensor& scale,
+                                    const torch::Tensor& bn_weight, double eps, bool scale_after_bn,
+                                    const c10::optional<torch::Tensor>& bn_bias) {
+  check_vector(scale, "scale", N, z);
+  check_vector(bn_weight, "bn.weight", N, z);
+  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
+  fgb::BatchNormArgs bn;
+  bn.scale = scale.data_ptr<float>();
+  bn.bn_weight = bn_weight.data_ptr<float>();
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
+  return bn;
+}
+
+// The backward's outputs: grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N),
+// four allocations, not views of one: custom operators may not return aliases.
+struct BackwardGrads {
+  torch::Tensor grad_z, grad_scale, grad_bn_weight, grad_bn_bias;
+};
+
+BackwardGrads backward_grads(const torch::Tensor& z, int M, int N) {
+  return {torch::empty({M, N}, z.options()), torch::empty({N}, z.options()), torch::empty({N}, z.options()),
+          torch::empty({N}, z.options())};
+}
+
 }  // namespace
 
 // Training-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy
@@ -752,27 +762,16 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
                                              bool scale_after_bn, c10::optional<torch::Tensor> bn_bias) {
   scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
-  check_vector(scale, "scale", N, z);
-  check_vector(bn_weight, "bn.weight", N, z);
-  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
+  const fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias);
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = current_stream(z);
   const torch::Tensor g = grad_y.contiguous();
-  torch::Tensor grad_z = torch::empty({M, N}, z.options());
-  // Three allocations, not views of one: custom operators may not return aliases.
-  torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
-                grad_bn_bias = torch::empty({N}, z.options());
-  fgb::BatchNormArgs bn;  // what bn_backward_train reads
-  bn.scale = scale.data_ptr<float>();
-  bn.bn_weight = bn_weight.data_ptr<float>();
-  bn.eps = static_cast<float>(eps);
-  bn.scale_after_bn = scale_after_bn;
-  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
+  const BackwardGrads r = backward_grads(z, M, N);
   check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
-                                      grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
-                                      grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
+                                      r.grad_z.data_ptr<float>(), r.grad_scale.data_ptr<float>(),
+                                      r.grad_bn_weight.data_ptr<float>(), r.grad_bn_bias.data_ptr<float>(), stream),
                "bn_backward_train");
-  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+  return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
 
 // The row softmax's backward: grad_v = out * (grad_out - sum_n grad_out * out)
@@ -918,30 +917,20 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
               "bn_backward_grad: count must be a one-element float64 tensor on ", z.device(), " (the merged batch's "
               "rows), got ", count.scalar_type(), " ", count.sizes(), " on ", count.device());
   check_vector(bias, "gemm.bias", N, z);
-  check_vector(scale, "scale", N, z);
-  check_vector(bn_weight, "bn.weight", N, z);
-  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
+  fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias);
+  bn.bias = bias.data_ptr<float>();
   check_f64_rows(local_sums, "bn_backward_grad: local_sums", 2, N, z);
   check_f64_rows(total_sums, "bn_backward_grad: total_sums", 2, N, z);
   const c10::cuda::CUDAGuard guard(z.device());
   const torch::Tensor g = grad_y.contiguous();
-  torch::Tensor grad_z = torch::empty({M, N}, z.options());
-  torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
-                grad_bn_bias = torch::empty({N}, z.options());
-  fgb::BatchNormArgs bn;  // what bn_backward_grad reads
-  bn.bias = bias.data_ptr<float>();
-  bn.scale = scale.data_ptr<float>();
-  bn.bn_weight = bn_weight.data_ptr<float>();
-  bn.eps = static_cast<float>(eps);
-  bn.scale_after_bn = scale_after_bn;
-  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
+  const BackwardGrads r = backward_grads(z, M, N);
   check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                      count.data_ptr<double>(), local_sums.data_ptr<double>(),
-                                     total_sums.data_ptr<double>(), grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
-                                     grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(),
-                                     current_stream(z)),
+                                     total_sums.data_ptr<double>(), r.grad_z.data_ptr<float>(),
+                                     r.grad_scale.data_ptr<float>(), r.grad_bn_weight.data_ptr<float>(),
+                                     r.grad_bn_bias.data_ptr<float>(), current_stream(z)),
                "bn_backward_grad");
-  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+  return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
 
 // ---------------------------------------------------------------------------

@@ -64,10 +64,14 @@
 
 #include <string>
 
+#include "binding_checks.cuh"
 #include "launchers.cuh"
 namespace {
 
 namespace fgb = fused_gemm_bn;
+using fgb::binding::check_training;
+using fgb::binding::current_stream;
+using fgb::binding::feature_vector;
 
 // The GEMM a call names.
 enum class Gemm { kSm80, kSm90, kCublas };
@@ -143,13 +147,6 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, Gem
           static_cast<int>(weight.size(0)), K, dtype_code(x.scalar_type()), w_float32};
 }
 
-// The scale as the contiguous (N) vector the kernels read: model_new.per_feature_scale
-// passes one number broadcast to N features as a stride-0 view (no copy in Python);
-// it is materialized here, in one at:: copy.
-torch::Tensor feature_vector(const torch::Tensor& scale) {
-  return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
-}
-
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x, c10::ScalarType type) {
   TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == type, name, " must be ", type,
@@ -179,14 +176,6 @@ bool check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, Gemm ge
               " x is the autocast form: gemm.bias, scale and BatchNorm's tensors must be float32 too, got ",
               t.bias.scalar_type());
   return float32_io;
-}
-
-void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
-  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
-              torch::IntArrayRef({M, N}));
-  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
-                  num_batches_tracked.numel() == 1,
-              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
 }
 
 // The BatchNorm side of one call, filled once and passed whole to every launcher of
@@ -266,7 +255,7 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   TORCH_CHECK(!saved || !op.w_float32, "forward_train_saved takes gemm.weight in x's dtype (", op.x.scalar_type(),
               "; the backward's products need it), got float32");
   const c10::cuda::CUDAGuard guard(op.x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
+  const cudaStream_t stream = current_stream(op.x);
   const auto f32 = op.x.options().dtype(torch::kFloat32);
   TrainResult r;
   r.coeff = torch::empty({4, N}, f32);
@@ -341,7 +330,7 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
   TORCH_CHECK(!saved || !op.w_float32, "forward_eval_saved takes gemm.weight in x's dtype (", op.x.scalar_type(),
               "; the backward's products need it), got float32");
   const c10::cuda::CUDAGuard guard(op.x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(op.x.get_device()).stream();
+  const cudaStream_t stream = current_stream(op.x);
   EvalResult r;
   if (saved) r.coeff = torch::empty({4, N}, op.x.options().dtype(torch::kFloat32));
   const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, nullptr, 0.0, eps, scale_after_bn);
@@ -397,7 +386,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
   check_vector(scale, "scale", N, z, scale.scalar_type());
   const torch::Tensor g = grad_y.contiguous();
   const c10::cuda::CUDAGuard guard(z.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(z.get_device()).stream();
+  const cudaStream_t stream = current_stream(z);
   // Four separate tensors (no views: the operators' outputs may not alias); a batch of
   // no rows gives zero parameter gradients (no kernel runs).
   torch::Tensor grad_z = torch::empty_like(z);

@@ -66,6 +66,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "block_reduce.cuh"
 #include "bn_stats.cuh"
 #include "launchers.cuh"
 #include "lowp_coeff.cuh"
@@ -194,22 +195,6 @@ __global__ void __launch_bounds__(kApplyThreads)
       }
     }
   }
-}
-
-// Max or sum over the CTA, returned to every thread.  `red` holds one value per warp.
-template <bool kMax>
-__device__ __forceinline__ float block_reduce(float v, float* red) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = kMax ? fmaxf(v, other) : v + other;
-  }
-  __syncthreads();  // red is reused by consecutive reductions
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = red[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) v = kMax ? fmaxf(v, red[w]) : v + red[w];
-  return v;
 }
 
 // The softmax's input (RowMode): kPlain reads v itself; kTrain applies BatchNorm

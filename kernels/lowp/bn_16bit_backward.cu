@@ -44,6 +44,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "bn_stats.cuh"
 #include "launchers.cuh"
 #include "lowp_coeff.cuh"
 #include "lowp_types.cuh"
@@ -93,6 +94,22 @@ __device__ __forceinline__ void load_rows(const Args& p, int row, int j, float (
   }
 }
 
+// f(m, g, z) for feature j's rows m = warp, warp + kWarps, ... < M, kRowBatch of
+// them loaded (load_rows) before the first call.
+template <typename T, typename G, typename F>
+__device__ __forceinline__ void for_each_row(const Args& p, int warp, int j, F&& f) {
+  for (int row = warp; row < p.M; row += kWarps * kRowBatch) {
+    float gv[kRowBatch], zv[kRowBatch];
+    load_rows<T, G>(p, row, j, gv, zv);
+#pragma unroll
+    for (int r = 0; r < kRowBatch; ++r) {
+      const int m = row + r * kWarps;
+      if (m >= p.M) break;
+      f(m, gv[r], zv[r]);
+    }
+  }
+}
+
 // kTraining: coeff holds the batch statistics (else the running statistics: eval).
 template <typename T, typename S, typename G, bool kTraining>
 __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const Args p) {
@@ -115,25 +132,18 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const A
   // Pass 1: S1, S2, problem 84's dscale (s3); eval also dz and problem 33's dscale.
   double s1 = 0.0, s2 = 0.0, s3 = 0.0, scale_sum = 0.0;
   if (valid) {
-    for (int row = warp; row < p.M; row += kWarps * kRowBatch) {
-      float gv[kRowBatch], zv[kRowBatch];
-      load_rows<T, G>(p, row, j, gv, zv);
-#pragma unroll
-      for (int r = 0; r < kRowBatch; ++r) {
-        const int m = row + r * kWarps;
-        if (m >= p.M) break;
-        const double u = u_of(zv[r]);
-        const double dy = dy_of(gv[r]);
-        s1 += dy;
-        s2 += dy * (u - mean);
-        if (p.scale_after_bn) s3 += static_cast<double>(gv[r]) * round16<T>(fmaf(c.z * (zv[r] - c.x), c.y, c.w));
-        if constexpr (!kTraining) {
-          const double du = a * dy;
-          store_dz(m, du);
-          if (!p.scale_after_bn) scale_sum += du * zv[r];
-        }
+    for_each_row<T, G>(p, warp, j, [&](int m, float gv, float zv) {
+      const double u = u_of(zv);
+      const double dy = dy_of(gv);
+      s1 += dy;
+      s2 += dy * (u - mean);
+      if (p.scale_after_bn) s3 += static_cast<double>(gv) * round16<T>(fmaf(c.z * (zv - c.x), c.y, c.w));
+      if constexpr (!kTraining) {
+        const double du = a * dy;
+        store_dz(m, du);
+        if (!p.scale_after_bn) scale_sum += du * zv;
       }
-    }
+    });
   }
   red[0][warp][lane] = s1;
   red[1][warp][lane] = s2;
@@ -158,28 +168,15 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const A
   // Pass 2 (training): dz and problem 33's dscale.
   if (kTraining && valid) {
     const double c1 = coef[0][lane], c2 = coef[1][lane];
-    for (int row = warp; row < p.M; row += kWarps * kRowBatch) {
-      float gv[kRowBatch], zv[kRowBatch];
-      load_rows<T, G>(p, row, j, gv, zv);
-#pragma unroll
-      for (int r = 0; r < kRowBatch; ++r) {
-        const int m = row + r * kWarps;
-        if (m >= p.M) break;
-        const double du = a * (dy_of(gv[r]) - c1 - (u_of(zv[r]) - mean) * c2);
-        store_dz(m, du);
-        if (!p.scale_after_bn) scale_sum += du * zv[r];
-      }
-    }
+    for_each_row<T, G>(p, warp, j, [&](int m, float gv, float zv) {
+      const double du = a * (dy_of(gv) - c1 - (u_of(zv) - mean) * c2);
+      store_dz(m, du);
+      if (!p.scale_after_bn) scale_sum += du * zv;
+    });
   }
   if (p.scale_after_bn) return;  // uniform over the grid
-  red[0][warp][lane] = scale_sum;
-  __syncthreads();
-  if (warp == 0 && valid) {
-    double total = 0.0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += red[0][w][lane];
-    p.dscale[j] = static_cast<float>(total);
-  }
+  row_groups_total(scale_sum, red[0], warp, lane, warp == 0 && valid,
+                   [dscale = p.dscale + j](double total) { *dscale = static_cast<float>(total); });
 }
 
 template <typename T, typename S, typename G>

@@ -192,13 +192,7 @@ __global__ void __launch_bounds__(kThreads) bn16_chain_train_kernel(const TrainA
 struct EvalArgs {
   const uint16_t* z;
   void* out;
-  const void* scale;
-  const void* bn_weight;
-  const void* bn_bias;
-  const void* running_mean;
-  const void* running_var;
-  float eps;
-  bool scale_after_bn;
+  LowpBatchNormArgs bn;  // scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn
   int M, N;
   float* coeff;  // may be null: (4, N) rows {running_mean, invstd, bn.weight, bn.bias} (lowp_coeff.cuh)
 };
@@ -213,11 +207,11 @@ __global__ void __launch_bounds__(kThreads) bn16_chain_eval_kernel(const EvalArg
   float scale[kV], w[kV], b[kV], rm[kV], invstd[kV];
 #pragma unroll
   for (int j = 0; j < kV; ++j) {
-    scale[j] = vec(p.scale, j);
-    w[j] = vec(p.bn_weight, j);
-    b[j] = vec(p.bn_bias, j);
-    rm[j] = vec(p.running_mean, j);
-    invstd[j] = rsqrtf(vec(p.running_var, j) + p.eps);
+    scale[j] = vec(p.bn.scale, j);
+    w[j] = vec(p.bn.bn_weight, j);
+    b[j] = vec(p.bn.bn_bias, j);
+    rm[j] = vec(p.bn.running_mean, j);
+    invstd[j] = rsqrtf(vec(p.bn.running_var, j) + p.bn.eps);
   }
   if (p.coeff != nullptr && blockIdx.y == 0 && slice == 0) {  // the values used here, for the backward
 #pragma unroll
@@ -232,7 +226,8 @@ __global__ void __launch_bounds__(kThreads) bn16_chain_eval_kernel(const EvalArg
   for (int r = 0; r < kEvalRows; ++r) {
     if (row0 + r >= p.M) break;
 #pragma unroll
-    for (int j = 0; j < kV; ++j) v[r][j] = eval_out<T, S>(v[r][j], scale[j], w[j], b[j], rm[j], invstd[j], p.scale_after_bn);
+    for (int j = 0; j < kV; ++j)
+      v[r][j] = eval_out<T, S>(v[r][j], scale[j], w[j], b[j], rm[j], invstd[j], p.bn.scale_after_bn);
     store_s<S, kV>(static_cast<W*>(p.out), static_cast<size_t>(row0 + r) * p.N + f0, v[r]);
   }
 }
@@ -289,8 +284,7 @@ cudaError_t fused_gemm_bn::lowp_bn_chain_eval(const LowpBatchNormArgs& bn, const
                                               float* coeff, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M <= 0 || N <= 0) return cudaSuccess;
-  const chain::EvalArgs p{static_cast<const uint16_t*>(z), out, bn.scale, bn.bn_weight, bn.bn_bias, bn.running_mean,
-                          bn.running_var, bn.eps, bn.scale_after_bn, M, N, coeff};
+  const chain::EvalArgs p{static_cast<const uint16_t*>(z), out, bn, M, N, coeff};
   if (static_cast<Dtype>(bn.dtype) == Dtype::kF16)
     return bn.float32_io ? chain::eval_for_storage<__half, float>(p, stream)
                          : chain::eval_for_storage<__half, __half>(p, stream);

@@ -42,7 +42,7 @@
 // Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor, 9.7.12.15 mbarrier)
 //   The swapped product z^T = w x^T, as the float32 Hopper kernels: a CTA
 //   computes BLOCK_N = 128 features (wgmma M: two consumer warpgroups of 64) by
-//   BLOCK_M batch rows (wgmma N: 256, or 128 on small grids: grid_plan), BLOCK_K = 64 (one
+//   BLOCK_M batch rows (wgmma N: 256, or 128 on small grids: lowp_grid_plan), BLOCK_K = 64 (one
 //   128-byte swizzle row).  Warpgroup 2 is the producer: one thread streams the
 //   k-blocks' w and x tiles by TMA into a ring of kNumStages stages (full /
 //   empty mbarriers).  Each consumer warpgroup issues its BLOCK_K / 16 = 4
@@ -79,6 +79,7 @@
 #include <stdint.h>
 
 #include "device_facts.cuh"
+#include "heuristics_sm90.cuh"
 #include "launchers.cuh"
 #include "lowp_chain.cuh"
 #include "lowp_types.cuh"
@@ -90,9 +91,9 @@ namespace lowp {
 namespace hopper {
 
 // The batch rows of one CTA (wgmma N): 256 while the grid of such tiles fills
-// at least half of the GPU, else 128 with split tiles (kSmallBatchTile, grid_plan).
-constexpr int kBatchTile = 256;
-constexpr int kSmallBatchTile = 128;
+// at least half of the GPU, else 128 with split tiles (lowp_grid_plan, heuristics_sm90.cuh).
+constexpr int kBatchTile = sm90::kLowpBatchTile;
+constexpr int kSmallBatchTile = sm90::kLowpSmallBatchTile;
 // Rows of one statistics block (part_mean / part_m2 rows), as the mma.sync kernel's BLOCK_M.
 constexpr int kStatRows = 128;
 
@@ -539,32 +540,13 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
 #endif
 }
 
-// The tile and grid plan of an (M, K) x (N, K) product: BLOCK_M = 256 with one
-// tile per CTA when those tiles fill at least half of the SMs, else BLOCK_M =
-// 128 and the split-tile plan of the fp16x3 kernel (sm90_gemm_tiles.cuh), which
-// cuts the remainder tiles along K.  Measured (H200, float16, problem 33 eval):
-// 512 x 8192 x 8192 (128 tiles of 256 rows) 0.098 ms, with the split 128-row
-// plan 0.153; 256 x 8192 x 8192 (64 tiles) 0.090 against 0.058 (docs/perf.md v26).
-struct GridPlan {
-  int block_m;
-  sm90::StreamKPlan plan;
-};
-
-static cudaError_t grid_plan(int M, int N, int K, GridPlan* out) {
+// The batch tile and the split for this shape on the current device (lowp_grid_plan,
+// heuristics_sm90.cuh); cudaErrorInvalidConfiguration where the tiles overflow an int.
+static cudaError_t grid_plan(int M, int N, int K, sm90::LowpGridPlan* out) {
   DeviceFacts facts;
   const cudaError_t err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
-  const int num_sms = facts.num_sms;
-  const long long n_tiles = (N + 127) / 128;
-  const long long big_tiles = (M + kBatchTile - 1) / kBatchTile * n_tiles;
-  if (2 * big_tiles >= num_sms) {
-    out->block_m = kBatchTile;
-    out->plan = sm90::StreamKPlan{};
-    out->plan.dp_tiles = big_tiles > INT32_MAX ? -1 : static_cast<int>(big_tiles);
-  } else {
-    out->block_m = kSmallBatchTile;
-    out->plan = sm90::stream_k_plan(M, N, K, Traits<kSmallBatchTile>::BLOCK_K, num_sms, true);
-  }
+  *out = sm90::lowp_grid_plan(M, N, K, Traits<kSmallBatchTile>::BLOCK_K, facts.num_sms);
   return out->plan.dp_tiles < 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
@@ -604,7 +586,7 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
 template <typename T, typename S, Chain kChain, bool kWFloat = false>
 static cudaError_t launch_planned(const Args& args, const void* x, const void* w, float* workspace,
                                   cudaStream_t stream) {
-  GridPlan gp;
+  sm90::LowpGridPlan gp;
   const cudaError_t err = grid_plan(args.M, args.N, args.K, &gp);
   if (err != cudaSuccess) return err;
   return gp.block_m == kBatchTile
@@ -648,7 +630,7 @@ void fused_gemm_bn::lowp_sm90_workspace(int M, int N, int K, int64_t* floats, in
   using namespace fused_gemm_bn::lowp;
   *floats = 0;
   *zero_ints = 0;
-  hopper::GridPlan gp;
+  sm90::LowpGridPlan gp;
   if (M < 1 || N < 1 || hopper::grid_plan(M, N, K, &gp) != cudaSuccess || gp.plan.sk_ctas == 0) return;
   *floats = sm90::partial_floats(gp.plan) + gp.plan.sk_tiles;
   *zero_ints = gp.plan.sk_tiles;

@@ -1,0 +1,40 @@
+// binding_checks.cuh -- the input checks and stream lookup that both torch
+// bindings (torch_binding.cpp, lowp/binding_16bit.cpp) share, so that a check
+// and its message read the same in the float32 and the 16-bit extension.
+// Host C++ with torch headers: included only by the bindings, never by a .cu
+// (those compile without torch).  A .cuh because the loaders write kernels/*.cuh
+// into the extensions' include folder (model_new_lowp.py takes the kernels/
+// headers its sources #include by name).
+
+#pragma once
+
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/extension.h>
+
+namespace fused_gemm_bn {
+namespace binding {
+
+// The scale as the contiguous (N) vector the kernels read: model_new.per_feature_scale
+// passes one number broadcast to N features as a stride-0 view (no copy in Python);
+// it is materialized here, in one at:: copy.
+inline torch::Tensor feature_vector(const torch::Tensor& scale) {
+  return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
+}
+
+// nn.BatchNorm1d's training precondition (more than one row) and the counter's form.
+inline void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
+  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
+              torch::IntArrayRef({M, N}));
+  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
+                  num_batches_tracked.numel() == 1,
+              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
+}
+
+// The current stream of x's device: every launch goes there.
+inline cudaStream_t current_stream(const torch::Tensor& x) {
+  return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+}
+
+}  // namespace binding
+}  // namespace fused_gemm_bn

@@ -87,6 +87,82 @@ _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
 # tools/bundle.py writes a copy of this file with the sources in their place.
 _EMBEDDED_SOURCES = {
+    'binding_checks.cuh': r'''// binding_checks.cuh -- the input checks and stream lookup that both torch
+// bindings (torch_binding.cpp, lowp/binding_16bit.cpp) share, so that a check
+// and its message read the same in the float32 and the 16-bit extension.
+// Host C++ with torch headers: included only by the bindings, never by a .cu
+// (those compile without torch).  A .cuh because the loaders write kernels/*.cuh
+// into the extensions' include folder (model_new_lowp.py takes the kernels/
+// headers its sources #include by name).
+
+#pragma once
+
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/extension.h>
+
+namespace fused_gemm_bn {
+namespace binding {
+
+// The scale as the contiguous (N) vector the kernels read: model_new.per_feature_scale
+// passes one number broadcast to N features as a stride-0 view (no copy in Python);
+// it is materialized here, in one at:: copy.
+inline torch::Tensor feature_vector(const torch::Tensor& scale) {
+  return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
+}
+
+// nn.BatchNorm1d's training precondition (more than one row) and the counter's form.
+inline void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
+  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
+              torch::IntArrayRef({M, N}));
+  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
+                  num_batches_tracked.numel() == 1,
+              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
+}
+
+// The current stream of x's device: every launch goes there.
+inline cudaStream_t current_stream(const torch::Tensor& x) {
+  return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+}
+
+}  // namespace binding
+}  // namespace fused_gemm_bn
+''',
+    'block_reduce.cuh': r'''// block_reduce.cuh -- the row softmax's CTA-wide max and sum, shared by the
+// float32 softmax (bn_softmax.cu) and the 16-bit one (lowp/bn_16bit.cu).  The
+// block size is read at run time (blockDim.x, a multiple of 32); centring.cuh's
+// row_block_reduce is the fixed-size form (kRowThreads, unrolled over its warps),
+// kept apart so that neither kernel's code changes.
+//
+// Result: every thread gets the reduction over all threads, a float32 tree
+// (a butterfly within each warp, then the warps' values in warp order), the
+// same order on every call.  fmaxf ignores NaN; a NaN in a sum propagates.
+
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace fused_gemm_bn {
+
+// Max (kMax) or sum over the CTA, returned to every thread.  `red` (shared)
+// holds one value per warp: blockDim.x / 32 floats.
+template <bool kMax>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = kMax ? fmaxf(v, other) : v + other;
+  }
+  __syncthreads();  // red is reused by consecutive reductions
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = red[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) v = kMax ? fmaxf(v, red[w]) : v + red[w];
+  return v;
+}
+
+}  // namespace fused_gemm_bn
+''',
     'bn_apply.cu': r'''// bn_apply.cu -- training-mode BatchNorm from the GEMM's per-tile statistics:
 // merge them per feature, update the running statistics, and normalise z
 // (in place, or into a separate `out` when the caller keeps z for backward).
@@ -157,14 +233,7 @@ struct BnApplyArgs {
   const float* part_mean;
   const float* part_m2;
   int num_m_tiles, block_m, M, N;
-  const float* bias;
-  const float* scale;
-  const float* bn_weight;
-  const float* bn_bias;
-  const int64_t* num_batches_tracked;
-  float momentum, eps;
-  float* running_mean;
-  float* running_var;
+  BatchNormArgs bn;  // bias, scale, bn_weight, bn_bias, running statistics, momentum, eps
   int rows_per_block;
   float* coeff;  // two-launch form: [mean_z | a], 2 N floats, written by bn_fold_kernel
   float* stats;  // (2, N) [mean_z | biased var_z] for the backward, or null
@@ -177,10 +246,10 @@ __device__ __forceinline__ void coefficients_from_stats(const BnApplyArgs& p, in
                                                         bool update_running, float& mu, float& a) {
   const double count = static_cast<double>(p.M);
   mu = static_cast<float>(mean);
-  a = bn_train_slope(m2, count, p.scale[j], p.bn_weight[j], p.eps);
+  a = bn_train_slope(m2, count, p.bn.scale[j], p.bn.bn_weight[j], p.bn.eps);
   if (update_running) {
-    bn_update_running(mean, m2, count, p.bias[j], p.scale[j], p.momentum, p.num_batches_tracked,
-                      p.running_mean + j, p.running_var + j);
+    bn_update_running(mean, m2, count, p.bn.bias[j], p.bn.scale[j], p.bn.momentum, p.bn.num_batches_tracked,
+                      p.bn.running_mean + j, p.bn.running_var + j);
     write_batch_stats(p.stats, p.N, j, mean, m2, count);
   }
 }
@@ -238,7 +307,7 @@ __global__ void __launch_bounds__(kApplyThreads) bn_apply_kernel(const BnApplyAr
     } else if constexpr (!kVec4) {
       feature_coefficients(p, col + c, update_running, mu[c], a[c]);
     }
-    b[c] = p.bn_bias[col + c];
+    b[c] = p.bn.bn_bias[col + c];
   }
   const int row0 = blockIdx.y * p.rows_per_block;
   const int row_end = min(p.M, row0 + p.rows_per_block);
@@ -304,10 +373,7 @@ cudaError_t fused_gemm_bn::bn_apply(const float* z, float* out, const float* par
   if (folded && coeff == nullptr) return cudaErrorInvalidValue;
   auto aligned = [](const float* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   const bool vec4 = N % 4 == 0 && aligned(z) && aligned(out) && aligned(part_mean) && aligned(part_m2);
-  BnApplyArgs p{z,           out,          part_mean,    part_m2,   num_m_tiles,
-                block_m,     M,            N,            bn.bias,   bn.scale,
-                bn.bn_weight, bn.bn_bias,  bn.num_batches_tracked, bn.momentum, bn.eps,
-                bn.running_mean, bn.running_var, 0, coeff, stats};
+  BnApplyArgs p{z, out, part_mean, part_m2, num_m_tiles, block_m, M, N, bn, 0, coeff, stats};
   const dim3 grid = apply_grid(M, N, vec4, folded ? kFoldedRowsPerBlock : kApplyRowsPerBlock, p.rows_per_block);
   if (!folded) return launch_apply<false>(p, grid, vec4, stream);
   const cudaError_t err =
@@ -324,7 +390,7 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
   auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   const bool vec4 = N % 4 == 0 && aligned(z) && aligned(out) && aligned(coeff) && aligned(bn_bias);
   BnApplyArgs p{};
-  p.z = z, p.out = out, p.M = M, p.N = N, p.bn_bias = bn_bias;
+  p.z = z, p.out = out, p.M = M, p.N = N, p.bn.bn_bias = bn_bias;
   p.coeff = const_cast<float*>(coeff);  // read only by the kFolded apply kernel
   return launch_apply<true>(p, apply_grid(M, N, vec4, kFoldedRowsPerBlock, p.rows_per_block), vec4, stream);
 }
@@ -369,7 +435,7 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
 //     in pass 2 (per process it has no closed form: the eps / sigma^3 form above
 //     holds for the sum over all processes).
 //
-// Kernels (bn_backward_train picks one: resident_strip_pays):
+// Kernels (bn_backward_train picks one: resident_strip_pays, heuristics_common.cuh):
 //   two-pass: one CTA per 32 features (a warp reads 128 contiguous bytes of a
 //     row); its 8 warps take every 8th row.  Pass 1 reduces S1 and S2, pass 2
 //     re-reads g and z (from L2 while the strips in flight fit it) and writes
@@ -382,6 +448,7 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "heuristics_common.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
 
@@ -399,10 +466,9 @@ struct BnBackwardArgs {
   const float* g;
   const float* z;
   const float* stats;
-  const float* scale;
-  const float* gamma;
-  float eps;
-  bool scale_after_bn;
+  // scale, bn_weight, eps, scale_after_bn; kGrad, problem 33: bias (the Linear's, v = z + bias);
+  // problem 84: bn_bias (dscale's beta S1 term), or null (the caller adds it)
+  BatchNormArgs bn;
   int M, N;
   double count;                 // rows the statistics cover (kFull, kSums: M)
   const double* merged_count;   // kGrad: the merged batch's C, a device scalar
@@ -410,11 +476,9 @@ struct BnBackwardArgs {
   float* dscale;
   float* dgamma;
   float* dbeta;
-  const float* bias;         // kGrad, problem 33: the Linear bias (v = z + bias)
   const double* local_sums;  // kGrad: (2, N) this process's S1, S2
   const double* total_sums;  // kGrad: (2, N) every process's
   double* sums_out;          // kSums: (2, N)
-  const float* beta;         // problem 84: bn.bias (dscale's beta S1 term), or null (the caller's)
 };
 
 // Rows row + r * kBwdWarps (r < kBwdRowBatch) of g and z at feature j, all
@@ -450,23 +514,23 @@ __device__ __forceinline__ void add_sums(const float (&gv)[kRows], const float (
 template <bool kScaleFromSums>
 __device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, double S1, double S2, double T1,
                                                double T2, double count, double& a, double& c1, double& c2) {
-  const double s = p.scale[j], gamma = p.gamma[j], var = p.stats[p.N + j];
-  const double s2_var = p.scale_after_bn ? var : s * s * var;
-  const double sigma2 = s2_var + static_cast<double>(p.eps);
+  const double s = p.bn.scale[j], gamma = p.bn.bn_weight[j], var = p.stats[p.N + j];
+  const double s2_var = p.bn.scale_after_bn ? var : s * s * var;
+  const double sigma2 = s2_var + static_cast<double>(p.bn.eps);
   const double sigma = sqrt(sigma2);
   a = s * gamma / sigma;
   c1 = T1 / count;
-  c2 = (p.scale_after_bn ? 1.0 : s * s) * T2 / (sigma2 * count);
-  if (p.scale_after_bn) {
+  c2 = (p.bn.scale_after_bn ? 1.0 : s * s) * T2 / (sigma2 * count);
+  if (p.bn.scale_after_bn) {
     p.dbeta[j] = static_cast<float>(s * S1);
     p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-    const double beta = p.beta != nullptr ? static_cast<double>(p.beta[j]) : 0.0;
+    const double beta = p.bn.bn_bias != nullptr ? static_cast<double>(p.bn.bn_bias[j]) : 0.0;
     p.dscale[j] = static_cast<float>(gamma * S2 / sigma + beta * S1);
   } else {
     p.dbeta[j] = static_cast<float>(S1);
     p.dgamma[j] = static_cast<float>(s * S2 / sigma);
     if constexpr (kScaleFromSums)
-      p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.eps) / (sigma2 * sigma));
+      p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.bn.eps) / (sigma2 * sigma));
   }
 }
 
@@ -527,7 +591,7 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
     // sum of dz, zero in exact arithmetic, kept about eager's error, which the
     // weight gradient carries into the next batch's mean (docs/perf.md v24).
     const double a = coef[0][lane], c1 = coef[1][lane], c2 = coef[2][lane], mud = mu;
-    const double b = kScaleSum && !p.scale_after_bn ? static_cast<double>(p.bias[j]) : 0.0;
+    const double b = kScaleSum && !p.bn.scale_after_bn ? static_cast<double>(p.bn.bias[j]) : 0.0;
     for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
       float gv[kBwdRowBatch], zv[kBwdRowBatch];
       load_rows(p, row, j, mu, gv, zv);
@@ -538,24 +602,19 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
           const double zd = zv[r];
           const double inner = static_cast<double>(gv[r]) - c1 - (zd - mud) * c2;
           p.dz[static_cast<size_t>(m) * p.N + j] = static_cast<float>(a * inner);
-          if (kScaleSum && !p.scale_after_bn) scale_sum += inner * (zd + b);
+          if (kScaleSum && !p.bn.scale_after_bn) scale_sum += inner * (zd + b);
         }
       }
     }
   }
   if constexpr (kScaleSum) {
-    if (p.scale_after_bn) return;  // uniform over the grid
-    red[0][warp][lane] = scale_sum;
-    __syncthreads();
-    if (warp == 0 && valid) {
-      double total = 0.0;
-#pragma unroll
-      for (int w = 0; w < kBwdWarps; ++w) total += red[0][w][lane];
+    if (p.bn.scale_after_bn) return;  // uniform over the grid
+    row_groups_total(scale_sum, red[0], warp, lane, warp == 0 && valid, [&](double total) {
       // dL/du = dz / s = (gamma / sigma) (g - c1 - (z - mu) c2); a / s = gamma / sigma.
-      const double s = p.scale[j], gamma = p.gamma[j];
-      const double sigma = sqrt(s * s * static_cast<double>(p.stats[p.N + j]) + static_cast<double>(p.eps));
+      const double s = p.bn.scale[j], gamma = p.bn.bn_weight[j];
+      const double sigma = sqrt(s * s * static_cast<double>(p.stats[p.N + j]) + static_cast<double>(p.bn.eps));
       p.dscale[j] = static_cast<float>(gamma / sigma * total);
-    }
+    });
   }
 }
 
@@ -572,6 +631,7 @@ constexpr int kResThreads = 512;
 constexpr int kResRowGroups = kResThreads / kResCols;  // 32
 constexpr int kResRows = 32;                           // rows per thread
 constexpr int kResMaxRows = kResRowGroups * kResRows;  // 1024
+static_assert(kResMaxRows == kResidentStripMaxRows, "resident_strip_pays (heuristics_common.cuh) counts these rows");
 
 __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(const BnBackwardArgs p) {
   pdl_wait_then_release();
@@ -632,17 +692,6 @@ __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(co
   }
 }
 
-// Where the resident kernel is the faster one (H200, devrun A/B, outputs
-// identical; docs/perf.md v39): from 768 rows at N = 8192 (640: a tie; 1024 x
-// 8192 57.6 -> 47.7 us), from 256 rows where N <= 2048 (the two-pass kernel's
-// N / 32 CTAs leave SMs idle: 1024 x 130 30.4 -> 10.4 us); below, the two-pass
-// kernel's strips fit L2 and its 256-thread CTAs fill the GPU better (128 x
-// 8192: 10.8 against 26.3 us).  Offsets are 32-bit: M N < 2^31.
-static bool resident_strip_pays(int M, int N) {
-  if (M > kResMaxRows || static_cast<int64_t>(M) * N > INT32_MAX) return false;
-  return M >= 768 || (N <= 2048 && M >= 256);
-}
-
 }  // namespace fused_gemm_bn
 
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y = dL/dy (formulas above).
@@ -650,9 +699,8 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
                                              const BatchNormArgs& bn, int M, int N, float* grad_z, float* grad_scale,
                                              float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  const BnBackwardArgs p{grad_y, z,       stats,  bn.scale, bn.bn_weight, bn.eps,   bn.scale_after_bn,
-                         M,      N,       static_cast<double>(M), nullptr, grad_z, grad_scale, grad_bn_weight,
-                         grad_bn_bias, nullptr, nullptr, nullptr, nullptr, bn.bn_bias};
+  const BnBackwardArgs p{grad_y, z, stats, bn, M, N, static_cast<double>(M), nullptr, grad_z, grad_scale,
+                         grad_bn_weight, grad_bn_bias, nullptr, nullptr, nullptr};
   if (resident_strip_pays(M, N))
     return launch_kernel(bn_backward_resident_kernel, (N + kResCols - 1) / kResCols, kResThreads, 0, stream, p);
   return launch_kernel(bn_backward_train_kernel<BwdMode::kFull>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
@@ -663,8 +711,8 @@ cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z
 cudaError_t fused_gemm_bn::bn_backward_sums(const float* grad_y, const float* z, const float* stats, int M, int N,
                                             double* sums, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  const BnBackwardArgs p{grad_y,  z,       stats,   nullptr, nullptr, 0.f,     false,   M,   N, static_cast<double>(M),
-                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, sums};
+  const BnBackwardArgs p{grad_y, z, stats, BatchNormArgs{}, M, N, static_cast<double>(M), nullptr, nullptr, nullptr,
+                         nullptr, nullptr, nullptr, nullptr, sums};
   return launch_kernel(bn_backward_train_kernel<BwdMode::kSums>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
                        0, stream, p);
 }
@@ -678,9 +726,8 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
                                             cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
   if (count == nullptr) return cudaErrorInvalidValue;
-  const BnBackwardArgs p{grad_y,     z,       stats,  bn.scale,   bn.bn_weight, bn.eps, bn.scale_after_bn,
-                         M,          N,       0.0,    count,      grad_z,     grad_scale, grad_bn_weight,
-                         grad_bn_bias, bn.bias, local_sums, total_sums, nullptr, bn.bn_bias};
+  const BnBackwardArgs p{grad_y, z, stats, bn, M, N, 0.0, count, grad_z, grad_scale, grad_bn_weight, grad_bn_bias,
+                         local_sums, total_sums, nullptr};
   return launch_kernel(bn_backward_train_kernel<BwdMode::kGrad>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
                        0, stream, p);
 }
@@ -728,6 +775,7 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
 #include <math.h>
 #include <stdint.h>
 
+#include "block_reduce.cuh"
 #include "bn_stats.cuh"
 #include "load_hints.cuh"
 #include "launchers.cuh"
@@ -753,14 +801,7 @@ struct FoldArgs {
   const float* part_mean;
   const float* part_m2;
   int num_m_tiles, block_m, M, N;
-  const float* bias;
-  const float* scale;
-  const float* bn_weight;
-  const float* bn_bias;
-  const int64_t* num_batches_tracked;
-  float momentum, eps;
-  float* running_mean;
-  float* running_var;
+  BatchNormArgs bn;  // bias, scale, bn_weight, bn_bias, running statistics, momentum, eps
   float* coeff;  // [mean_z | a | c], 3 N
   float* stats;  // (2, N) [mean_z | biased var_z] for the backward, or null
 };
@@ -772,13 +813,13 @@ __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(con
   double mean, m2;
   merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
   const double count = static_cast<double>(p.M);
-  const double s = p.scale[j];
+  const double s = p.bn.scale[j];
   p.coeff[j] = static_cast<float>(mean);
-  p.coeff[p.N + j] = static_cast<float>(s * p.bn_weight[j] / sqrt(m2 / count + static_cast<double>(p.eps)));
-  p.coeff[2 * p.N + j] = static_cast<float>(s * p.bn_bias[j]);
+  p.coeff[p.N + j] = static_cast<float>(s * p.bn.bn_weight[j] / sqrt(m2 / count + static_cast<double>(p.bn.eps)));
+  p.coeff[2 * p.N + j] = static_cast<float>(s * p.bn.bn_bias[j]);
   // BatchNorm normalises z + bias itself: the scale does not enter the running statistics.
-  bn_update_running(mean, m2, count, p.bias[j], 1.0f, p.momentum, p.num_batches_tracked, p.running_mean + j,
-                    p.running_var + j);
+  bn_update_running(mean, m2, count, p.bn.bias[j], 1.0f, p.bn.momentum, p.bn.num_batches_tracked,
+                    p.bn.running_mean + j, p.bn.running_var + j);
   write_batch_stats(p.stats, p.N, j, mean, m2, count);
 }
 
@@ -795,22 +836,6 @@ struct Vec<1> {
 
 __device__ __forceinline__ float& elem(float4& v, int e) { return (&v.x)[e]; }
 __device__ __forceinline__ float& elem(float& v, int) { return v; }
-
-// Max or sum over the CTA, returned to every thread.  `red` holds one value per warp.
-template <bool kMax>
-__device__ __forceinline__ float block_reduce(float v, float* red) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = kMax ? fmaxf(v, other) : v + other;
-  }
-  __syncthreads();  // red is reused by consecutive reductions
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = red[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) v = kMax ? fmaxf(v, red[w]) : v + red[w];
-  return v;
-}
 
 struct RowArgs {
   const float* in;     // v's source rows (may be out: in place)
@@ -997,10 +1022,7 @@ cudaError_t fused_gemm_bn::bn_softmax_fold_train(const float* part_mean, const f
                                                  float* stats, cudaStream_t stream) {
   using namespace fused_gemm_bn::softmax;
   if (M == 0 || N == 0) return cudaSuccess;
-  const FoldArgs p{part_mean,  part_m2,      num_m_tiles, block_m,   M,
-                   N,          bn.bias,      bn.scale,    bn.bn_weight, bn.bn_bias,
-                   bn.num_batches_tracked, bn.momentum, bn.eps, bn.running_mean, bn.running_var,
-                   coeff, stats};
+  const FoldArgs p{part_mean, part_m2, num_m_tiles, block_m, M, N, bn, coeff, stats};
   return launch_kernel(bn_softmax_fold_train_kernel, (N + kFoldThreads - 1) / kFoldThreads, kFoldThreads, 0, stream, p);
 }
 
@@ -1023,7 +1045,9 @@ cudaError_t fused_gemm_bn::softmax_rows(const float* in, float* out, const float
 // multi-kernel training paths (bn_apply.cu for Linear -> scale -> BatchNorm,
 // bn_softmax.cu for Linear -> BatchNorm -> scale -> Softmax, bn_sync.cu,
 // bn_backward.cu) and the eval-mode fold used by both GEMMs' epilogues
-// (sm80_gemm_3xtf32_bn.cuh, sm90_gemm_tiles.cuh).  Device functions only; the training statistics are float64
+// (sm80_gemm_3xtf32_bn.cuh, sm90_gemm_tiles.cuh), and the backward's per-feature
+// sum over a CTA's row groups (bn_backward.cu, lowp/bn_16bit_backward.cu:
+// row_groups_total).  Device functions only; the training statistics are float64
 // throughout.
 //
 // Algebra (training mode, scale before BatchNorm), z = x @ W^T for one feature
@@ -1160,6 +1184,25 @@ __device__ __forceinline__ void bn_eval_affine(const BnParams& p, int j, float& 
                        : fmaf(fmaf(s, p.bias[j], -p.running_mean[j]), gw, p.bn_bias[j]);
 }
 
+// The backward's per-feature sum over the row groups of a CTA (bn_backward.cu,
+// lowp/bn_16bit_backward.cu: warp w of the CTA takes rows w, w + kWarps, ...,
+// lane l feature l): each thread's float64 partial v goes to red[warp][lane];
+// after the barrier the threads with `active` (warp 0 of a feature in range)
+// add the kWarps partials of their feature in warp order, the same order at
+// every launch, and call use(total).  Every thread of the CTA calls it (a __syncthreads).
+template <int kWarps, int kCols, typename Use>
+__device__ __forceinline__ void row_groups_total(double v, double (&red)[kWarps][kCols], int warp, int lane,
+                                                 bool active, Use&& use) {
+  red[warp][lane] = v;
+  __syncthreads();
+  if (active) {
+    double total = 0.0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += red[w][lane];
+    use(total);
+  }
+}
+
 }  // namespace fused_gemm_bn
 ''',
     'bn_sync.cu': r'''// bn_sync.cu -- synchronized BatchNorm's per-feature statistics: this
@@ -1223,15 +1266,7 @@ __global__ void __launch_bounds__(kSyncThreads)
 struct SyncFinalizeArgs {
   const double* gathered;
   int world, N;
-  const float* bias;
-  const float* scale;
-  const float* bn_weight;
-  const float* bn_bias;
-  const int64_t* num_batches_tracked;
-  float momentum, eps;
-  bool scale_after_bn;
-  float* running_mean;
-  float* running_var;
+  BatchNormArgs bn;  // every field
   float* stats;
   float* coeff;
   double* count;
@@ -1255,19 +1290,19 @@ __global__ void __launch_bounds__(kSyncThreads) sync_bn_finalize_kernel(const Sy
     const double d = p.gathered[r * rank_stride + p.N + j] - mean;
     m2 += p.gathered[r * rank_stride + 2 * p.N + j] + c * d * d;
   }
-  const double mean_z = mean - static_cast<double>(p.bias[j]);
+  const double mean_z = mean - static_cast<double>(p.bn.bias[j]);
   const double var_z = m2 / count;
-  const double s = p.scale[j], gamma = p.bn_weight[j];
+  const double s = p.bn.scale[j], gamma = p.bn.bn_weight[j];
   p.stats[j] = static_cast<float>(mean_z);
   p.stats[p.N + j] = static_cast<float>(var_z);
   p.coeff[j] = static_cast<float>(mean_z);
-  const double s_u = p.scale_after_bn ? 1.0 : s;  // u = s_u v
-  p.coeff[p.N + j] = static_cast<float>(s * gamma / sqrt(s_u * s_u * var_z + static_cast<double>(p.eps)));
-  if (p.scale_after_bn) p.coeff[2 * p.N + j] = static_cast<float>(s * static_cast<double>(p.bn_bias[j]));
-  const double f = p.momentum >= 0.f ? static_cast<double>(p.momentum)
-                                     : 1.0 / static_cast<double>(*p.num_batches_tracked);
-  p.running_mean[j] = static_cast<float>((1.0 - f) * p.running_mean[j] + f * s_u * mean);
-  p.running_var[j] = static_cast<float>((1.0 - f) * p.running_var[j] + f * s_u * s_u * (m2 / (count - 1.0)));
+  const double s_u = p.bn.scale_after_bn ? 1.0 : s;  // u = s_u v
+  p.coeff[p.N + j] = static_cast<float>(s * gamma / sqrt(s_u * s_u * var_z + static_cast<double>(p.bn.eps)));
+  if (p.bn.scale_after_bn) p.coeff[2 * p.N + j] = static_cast<float>(s * static_cast<double>(p.bn.bn_bias[j]));
+  const double f = p.bn.momentum >= 0.f ? static_cast<double>(p.bn.momentum)
+                                        : 1.0 / static_cast<double>(*p.bn.num_batches_tracked);
+  p.bn.running_mean[j] = static_cast<float>((1.0 - f) * p.bn.running_mean[j] + f * s_u * mean);
+  p.bn.running_var[j] = static_cast<float>((1.0 - f) * p.bn.running_var[j] + f * s_u * s_u * (m2 / (count - 1.0)));
   if (j == 0) *p.count = count;
 }
 
@@ -1288,9 +1323,7 @@ cudaError_t fused_gemm_bn::sync_bn_finalize(const double* gathered, int world, i
                                             float* stats, float* coeff, double* count, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
   if (world < 1) return cudaErrorInvalidValue;
-  const SyncFinalizeArgs p{gathered,    world,       N,           bn.bias,        bn.scale,        bn.bn_weight,
-                           bn.bn_bias,  bn.num_batches_tracked,   bn.momentum,    bn.eps,          bn.scale_after_bn,
-                           bn.running_mean, bn.running_var, stats, coeff,         count};
+  const SyncFinalizeArgs p{gathered, world, N, bn, stats, coeff, count};
   sync_bn_finalize_kernel<<<(N + kSyncThreads - 1) / kSyncThreads, kSyncThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -1586,6 +1619,270 @@ __device__ __forceinline__ void split_fp16x2(float even, float odd, uint32_t& hi
   lo = pack_rn_fp16x2(even - h.x, odd - h.y);
 }
 
+}  // namespace fused_gemm_bn
+''',
+    'heuristics_common.cuh': r'''// heuristics_common.cuh -- launch decisions that hold on every architecture:
+// pure functions of the shape (and, where a rule needs them, the device facts
+// passed in), each rule beside the measurement that set it.  The launchers
+// query the device and call these; nothing here touches the CUDA runtime, so a
+// plain C++ compiler builds this header too (tests/test_heuristics.py asserts
+// the decisions on named cases through tests/heuristics_driver.cpp).
+// heuristics_sm90.cuh and heuristics_sm80.cuh hold the GEMMs' grid plans.
+
+#pragma once
+
+#include <stdint.h>
+
+namespace fused_gemm_bn {
+
+// ---- bn_backward.cu: which kernel bn_backward_train runs ----------------------
+// The resident-strip kernel holds a strip of g and z in registers between its
+// two passes; its geometry (kResRowGroups x kResRows rows per CTA, bn_backward.cu,
+// static_assert there) caps the batch at this many rows.
+constexpr int kResidentStripMaxRows = 1024;
+
+// Where the resident kernel is the faster one (H200, devrun A/B, outputs
+// identical; docs/perf.md v39): from 768 rows at N = 8192 (640: a tie; 1024 x
+// 8192 57.6 -> 47.7 us), from 256 rows where N <= 2048 (the two-pass kernel's
+// N / 32 CTAs leave SMs idle: 1024 x 130 30.4 -> 10.4 us); below, the two-pass
+// kernel's strips fit L2 and its 256-thread CTAs fill the GPU better (128 x
+// 8192: 10.8 against 26.3 us).  Offsets are 32-bit: M N < 2^31.
+inline bool resident_strip_pays(int M, int N) {
+  if (M > kResidentStripMaxRows || static_cast<int64_t>(M) * N > INT32_MAX) return false;
+  return M >= 768 || (N <= 2048 && M >= 256);
+}
+
+}  // namespace fused_gemm_bn
+''',
+    'heuristics_sm80.cuh': r'''// heuristics_sm80.cuh -- the portable 3xTF32 GEMM's launch decisions
+// (sm80_gemm_3xtf32_bn.cu): the CTA tile for the batch size (sm80_tile_dims)
+// and the split along K (sm80_split_plan).  Pure functions of the shape and the
+// device's SM count, which the launcher queries (device_facts.cuh) and passes
+// in; each rule beside the measurement that set it.  Host code without the CUDA
+// runtime, so a plain C++ compiler builds this header too
+// (tests/test_heuristics.py asserts the decisions on named cases).  The split's
+// hand-off itself is in sm80_gemm_3xtf32_bn.cuh ("Split K").
+
+#pragma once
+
+#include <algorithm>
+
+// Most K pieces per tile (sm80_split_plan); 1 turns the split off (the A/B baseline).
+#ifndef FUSED_GEMM_BN_SM80_MAX_PIECES
+#define FUSED_GEMM_BN_SM80_MAX_PIECES 64
+#endif
+
+namespace fused_gemm_bn {
+
+// The two CTA tiles (Sm80GemmTraits, Sm80SmallMTraits in sm80_gemm_3xtf32_bn.cuh;
+// static_assert in sm80_gemm_3xtf32_bn.cu) and their common k slab.
+struct Sm80TileDims {
+  int block_m, block_n;
+};
+constexpr Sm80TileDims kSm80Tile{128, 128};
+constexpr Sm80TileDims kSm80SmallMTile{16, 256};
+constexpr int kSm80BlockK = 32;
+
+// The CTA tile of a batch of M rows: the 16 x 256 tile up to kSmallTileMaxRows
+// rows (1-4 batch tiles of 16), else 128 x 128.  The training statistics are
+// per batch tile: ceil(M / sm80_gemm_block_m(M)) rows of part_mean / part_m2.
+// At 15 rows the 128-row tile computed 8.5x the useful MMA work (H200, problem
+// 33, train ms: 15 x 8192 x 8192 0.334 -> 0.143 with the 16-row tile; eager
+// 0.226); from 17 to 64 rows the 128-row tile was still slower than eager (17 x
+// 8192^2 0.312 against 0.289) and the 16-row tile faster (64 x 8192^2 0.305,
+// 128-row 0.354, eager 0.375); 100 x 4096^2 keeps the 128-row tile (docs/perf.md v37).
+constexpr int kSmallTileMaxRows = 64;
+inline bool sm80_small_tile(int M) { return M <= kSmallTileMaxRows; }
+inline Sm80TileDims sm80_tile_dims(int M) { return sm80_small_tile(M) ? kSm80SmallMTile : kSm80Tile; }
+
+// Split K (sm80_gemm_3xtf32_bn.cuh, "Split K").  Pieces per tile: enough to
+// fill the SMs once (one CTA per SM fits), each piece at least
+// kMinPieceKTiles slabs; below kSmallBatchRows rows also at most
+// kSmallBatchPieceK k per piece (the small-batch error falls with the
+// promotion chain: err / eager's err 1.06-1.87 -> 0.23-0.77 per input family); at
+// most FUSED_GEMM_BN_SM80_MAX_PIECES.  Then every piece but the last has
+// k_tiles_per_piece slabs, the last the rest (>= 1; 2 <= pieces <= num_k_tiles
+// keeps at least two pieces after the rounding).  pieces == 1: no split, no
+// workspace.  Measured (H200, problem 33, train ms, no split -> split;
+// docs/perf.md v37): 128 x 8192 x 1024 0.636 -> 0.159, 15 x 8192 x 8192
+// 0.537 -> 0.334, 1024 x 8192 x 8192 2.495 -> 2.500 (tiles fill the SMs: no split).
+struct Sm80SplitPlan {
+  int pieces = 1;
+  int k_tiles_per_piece = 0;
+};
+constexpr int kMinPieceKTiles = 4;
+constexpr int kSmallBatchRows = 16;
+constexpr int kSmallBatchPieceK = 512;
+
+inline Sm80SplitPlan sm80_split_plan(int M, int N, int K, int num_sms) {
+  const Sm80TileDims d = sm80_tile_dims(M);
+  Sm80SplitPlan plan;
+  const int num_k_tiles = (K + kSm80BlockK - 1) / kSm80BlockK;
+  plan.k_tiles_per_piece = num_k_tiles;
+  const long long tiles = static_cast<long long>((M + d.block_m - 1) / d.block_m) * ((N + d.block_n - 1) / d.block_n);
+  if (num_k_tiles < 2 || tiles < 1) return plan;
+  long long pieces = tiles < num_sms ? num_sms / tiles : 1;
+  pieces = std::min<long long>(pieces, num_k_tiles / kMinPieceKTiles);
+  if (M < kSmallBatchRows) {
+    constexpr int kSmallBatchPieceTiles = kSmallBatchPieceK / kSm80BlockK;
+    pieces = std::max<long long>(pieces, (num_k_tiles + kSmallBatchPieceTiles - 1) / kSmallBatchPieceTiles);
+  }
+  pieces = std::min<long long>(pieces, FUSED_GEMM_BN_SM80_MAX_PIECES);
+  if (pieces < 2) return plan;
+  plan.k_tiles_per_piece = static_cast<int>((num_k_tiles + pieces - 1) / pieces);
+  plan.pieces = (num_k_tiles + plan.k_tiles_per_piece - 1) / plan.k_tiles_per_piece;
+  return plan;
+}
+
+}  // namespace fused_gemm_bn
+''',
+    'heuristics_sm90.cuh': r'''// heuristics_sm90.cuh -- the Hopper GEMMs' launch decisions (sm90_gemm_fp16x3_bn.cu,
+// lowp/sm90_gemm_bn_16bit.cu): the grid's split of the output tiles
+// (stream_k_plan), whether the grid is persistent (persistent_grid_pays) and
+// the 16-bit kernel's batch tile (lowp_grid_plan).  Pure functions of the shape
+// and the device's SM count, which the launchers query (device_facts.cuh) and
+// pass in; each rule beside the measurement that set it.  Host code without the
+// CUDA runtime, so a plain C++ compiler builds this header too
+// (tests/test_heuristics.py asserts the decisions on named cases).  The kernels
+// that carry the plans out (for_each_segment, split_tile_hand_off) are in
+// sm90_gemm_tiles.cuh; heuristics_common.cuh and heuristics_sm80.cuh hold the rest.
+
+#pragma once
+
+#include <stdint.h>
+
+#include <algorithm>
+
+namespace fused_gemm_bn {
+namespace sm90 {
+
+// The output tile the plans count in: the fp16x3 kernel's (static_assert there)
+// and the 16-bit kernel's small-batch tile.
+constexpr int kTileN = 128;             // features per CTA
+constexpr int kTileM = 128;             // batch rows per CTA
+
+// ---- the split of the output tiles (both sm_90a GEMMs) ------------------------
+// Work of the grid (sm90_gemm_tiles.cuh's header, "Split tiles"), in work units: unit i is CTA i's
+// work in a grid of one CTA per unit; a persistent grid (the fp16x3 kernel's,
+// where persistent_grid_pays) runs units blockIdx.x, + gridDim.x, ... per CTA, and the
+// device functions of sm90_gemm_tiles.cuh take the unit for `cta`.  The first sk_ctas CTAs compute
+// tiles 0 .. sk_tiles - 1, each cut along K into `pieces` runs of piece_blocks
+// k-blocks (the last piece takes the rest): pieces 0 .. pieces - 2 of tile t go
+// to CTAs t * (pieces - 1) + j, one each; the last pieces go tails_per_cta
+// tiles at a time to the CTAs after those, run back to back.  CTA sk_ctas + i
+// then computes tile sk_tiles + i whole.  sk_ctas == 0: no tile is split.
+struct StreamKPlan {
+  int sk_tiles = 0;
+  int pieces = 1;
+  int piece_blocks = 0;
+  int tails_per_cta = 1;
+  int sk_ctas = 0;
+  int dp_tiles = 0;
+};
+
+// Split tiles (sm90_gemm_tiles.cuh's header).  With one CTA per SM, `tiles` tiles take
+// ceil(tiles / num_sms) waves and the last leaves SMs idle (the KernelBench
+// shape: 512 tiles = 3.88 waves of 132).  The R remainder tiles (tiles %
+// num_sms, or all tiles when fewer than the SMs) are instead cut along K and
+// run first, on CTAs that each take about the same number of k-blocks; the
+// whole tiles follow in whole waves.  Unlike stream-K's even cut of the
+// flattened tile x k space (Osama et al., PPoPP 2023), which was measured
+// 7% slower here (CTAs sharing an x or w block read it at different times,
+// so the pass ran out of L2 and became DRAM-bound), every piece starts at
+// one of few k offsets, so CTAs read the same k-blocks at the same time:
+//   2 R <= num_sms: p equal pieces per tile (split-K), p <= num_sms / R;
+//   otherwise: a first piece of L k-blocks per tile on R CTAs, all starting
+//     at k = 0, and the K - L tails, tails_per_cta = ceil(R / (num_sms - R))
+//     back to back per CTA (consecutive tiles: the same w rows), with L set
+//     so both kinds take about as long (one k-block per hand-off counted).
+// kSplitMaxPieces bounds the slots a finishing CTA reads back; kSplitMinIters
+// keeps a piece above pipeline start-up.  block_k: the kernel's k-block
+// (BLOCK_K of both sm_90a GEMMs: 64).
+constexpr int kSplitMaxPieces = 8;
+constexpr int kSplitMinIters = 4;
+
+inline StreamKPlan stream_k_plan(int M, int N, int K, int block_k, int num_sms) {
+  const long long tiles = static_cast<long long>((M + kTileM - 1) / kTileM) * ((N + kTileN - 1) / kTileN);
+  const int num_k_blocks = (K + block_k - 1) / block_k;
+  StreamKPlan p;
+  p.dp_tiles = static_cast<int>(tiles);
+  if (num_sms <= 0 || tiles > INT32_MAX / 8) return p;
+  const int rem = static_cast<int>(tiles >= num_sms ? tiles % num_sms : tiles);
+  if (rem == 0) return p;
+  int pieces, piece_blocks, tails_per_cta;
+  if (2 * rem <= num_sms) {
+    pieces = std::min({kSplitMaxPieces, num_sms / rem, num_k_blocks / kSplitMinIters});
+    if (pieces < 2) return p;
+    piece_blocks = (num_k_blocks + pieces - 1) / pieces;
+    pieces = (num_k_blocks + piece_blocks - 1) / piece_blocks;  // no empty last piece
+    tails_per_cta = 1;
+  } else {
+    pieces = 2;
+    tails_per_cta = (rem + (num_sms - rem) - 1) / (num_sms - rem);
+    piece_blocks = (tails_per_cta * (num_k_blocks + 1) - 1 + tails_per_cta) / (tails_per_cta + 1);
+    if (num_k_blocks - piece_blocks < kSplitMinIters) return p;
+  }
+  p.sk_tiles = rem;
+  p.pieces = pieces;
+  p.piece_blocks = piece_blocks;
+  p.tails_per_cta = tails_per_cta;
+  p.sk_ctas = rem * (pieces - 1) + (rem + tails_per_cta - 1) / tails_per_cta;
+  p.dp_tiles = static_cast<int>(tiles - rem);
+  return p;
+}
+
+// ---- sm90_gemm_fp16x3_bn.cu: a persistent grid or one CTA per work unit ------
+// Whether the grid is persistent (one CTA per SM, each looping over work units
+// cta, cta + gridDim.x, ...) rather than one CTA per unit.  With a CTA per
+// unit (one fits an SM), each tile pays a CTA start (barrier set-up, the first
+// TMA fills) that no other tile's mainloop covers; looping, the producer fills
+// the next tile's stages while the consumers finish this one.  That pays where
+// tiles are short in k.  H200, per GEMM, against the one-CTA-per-unit kernel
+// (docs/perf.md v40): grad W = grad z^T x (k = the batch) at 256 x 8192 x 8192
+// 279 -> 224 us, 512 rows 390 -> 361, 1024 rows 645 -> 639; forwards 8192 x
+// 512 x 8192 463 -> 405, 4096 x 1024 x 4096 188 -> 177, 16384 x 2048 x 2048
+// 622 -> 610; but 1024 x 2048 x 8192 (512 tiles) 164.5 -> 168.  At 64
+// k-blocks it was mixed, at 128 5-15% slower (the KernelBench forward's GEMM
+// 582 -> 613-620 us, docs/perf.md v41): those keep a CTA per unit.
+constexpr int kPersistentMaxKBlocks = 32;
+inline bool persistent_grid_pays(int K, int block_k) {
+  return (K + block_k - 1) / block_k <= kPersistentMaxKBlocks;
+}
+
+// ---- lowp/sm90_gemm_bn_16bit.cu: the batch tile and the split ---------------
+// The 16-bit kernel's batch rows per CTA (wgmma N): 256, or 128 on small grids.
+constexpr int kLowpBatchTile = 256;
+constexpr int kLowpSmallBatchTile = 128;
+static_assert(kLowpSmallBatchTile == kTileM, "stream_k_plan counts the small tile's tiles");
+
+// The tile and grid plan of an (M, K) x (N, K) product: BLOCK_M = 256 with one
+// tile per CTA when those tiles fill at least half of the SMs, else BLOCK_M =
+// 128 and the split-tile plan of the fp16x3 kernel (stream_k_plan), which
+// cuts the remainder tiles along K.  Measured (H200, float16, problem 33 eval):
+// 512 x 8192 x 8192 (128 tiles of 256 rows) 0.098 ms, with the split 128-row
+// plan 0.153; 256 x 8192 x 8192 (64 tiles) 0.090 against 0.058 (docs/perf.md v26).
+// plan.dp_tiles < 0: more tiles than an int counts (the launcher refuses the call).
+struct LowpGridPlan {
+  int block_m;
+  StreamKPlan plan;
+};
+
+inline LowpGridPlan lowp_grid_plan(int M, int N, int K, int block_k, int num_sms) {
+  LowpGridPlan out;
+  const long long n_tiles = (N + kTileN - 1) / kTileN;
+  const long long big_tiles = static_cast<long long>((M + kLowpBatchTile - 1) / kLowpBatchTile) * n_tiles;
+  if (2 * big_tiles >= num_sms) {
+    out.block_m = kLowpBatchTile;
+    out.plan = StreamKPlan{};
+    out.plan.dp_tiles = big_tiles > INT32_MAX ? -1 : static_cast<int>(big_tiles);
+  } else {
+    out.block_m = kLowpSmallBatchTile;
+    out.plan = stream_k_plan(M, N, K, block_k, num_sms);
+  }
+  return out;
+}
+
+}  // namespace sm90
 }  // namespace fused_gemm_bn
 ''',
     'launchers.cuh': r'''// launchers.cuh -- the host/device boundary: every host launcher of kernels/*.cu
@@ -2561,6 +2858,7 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_columns(const float* a, int64_t r
 #include <type_traits>
 
 #include "device_facts.cuh"
+#include "heuristics_sm80.cuh"
 #include "launchers.cuh"
 #include "sm80_gemm_3xtf32_bn.cuh"
 
@@ -2571,54 +2869,13 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) sm80_gemm_3xtf32_bn_kernel(
   sm80_gemm_3xtf32_bn_body<T, kEpilogue, kVec16, kNumStages>(args);
 }
 
-// The CTA tile of a batch of M rows: Sm80SmallMTraits up to kSmallTileMaxRows
-// rows (1-4 batch tiles of 16), else Sm80GemmTraits.  The training statistics
-// are per batch tile: ceil(M / sm80_gemm_block_m(M)) rows of part_mean / part_m2.
-constexpr int kSmallTileMaxRows = 64;
-static bool sm80_small_tile(int M) { return M <= kSmallTileMaxRows; }
-struct Sm80TileDims {
-  int block_m, block_n;
-};
-static Sm80TileDims sm80_tile_dims(int M) {
-  if (sm80_small_tile(M)) return {Sm80SmallMTraits::BLOCK_M, Sm80SmallMTraits::BLOCK_N};
-  return {Sm80GemmTraits::BLOCK_M, Sm80GemmTraits::BLOCK_N};
-}
-
-// Split K (sm80_gemm_3xtf32_bn.cuh, "Split K").  Pieces per tile: enough to
-// fill the SMs once (one CTA per SM fits), each piece at least
-// kMinPieceKTiles slabs; below kSmallBatchRows rows also at most
-// kSmallBatchPieceK k per piece; at most FUSED_GEMM_BN_SM80_MAX_PIECES.
-// Then every piece but the last has k_tiles_per_piece slabs, the last the
-// rest (>= 1; 2 <= pieces <= num_k_tiles keeps at least two pieces after the
-// rounding).  pieces == 1: no split, no workspace.
-struct Sm80SplitPlan {
-  int pieces = 1;
-  int k_tiles_per_piece = 0;
-};
-constexpr int kMinPieceKTiles = 4;
-constexpr int kSmallBatchRows = 16;
-constexpr int kSmallBatchPieceK = 512;
-
-static Sm80SplitPlan sm80_split_plan(int M, int N, int K, int num_sms) {
-  using T = Sm80GemmTraits;  // BLOCK_K: the same in both tiles
-  const Sm80TileDims d = sm80_tile_dims(M);
-  Sm80SplitPlan plan;
-  const int num_k_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;
-  plan.k_tiles_per_piece = num_k_tiles;
-  const long long tiles = static_cast<long long>((M + d.block_m - 1) / d.block_m) * ((N + d.block_n - 1) / d.block_n);
-  if (num_k_tiles < 2 || tiles < 1) return plan;
-  long long pieces = tiles < num_sms ? num_sms / tiles : 1;
-  pieces = std::min<long long>(pieces, num_k_tiles / kMinPieceKTiles);
-  if (M < kSmallBatchRows) {
-    constexpr int kSmallBatchPieceTiles = kSmallBatchPieceK / T::BLOCK_K;
-    pieces = std::max<long long>(pieces, (num_k_tiles + kSmallBatchPieceTiles - 1) / kSmallBatchPieceTiles);
-  }
-  pieces = std::min<long long>(pieces, FUSED_GEMM_BN_SM80_MAX_PIECES);
-  if (pieces < 2) return plan;
-  plan.k_tiles_per_piece = static_cast<int>((num_k_tiles + pieces - 1) / pieces);
-  plan.pieces = (num_k_tiles + plan.k_tiles_per_piece - 1) / plan.k_tiles_per_piece;
-  return plan;
-}
+// The tiles and the split are planned in heuristics_sm80.cuh (sm80_tile_dims,
+// sm80_split_plan) from the tile sizes it names: they must be these traits'.
+static_assert(Sm80GemmTraits::BLOCK_M == kSm80Tile.block_m && Sm80GemmTraits::BLOCK_N == kSm80Tile.block_n &&
+                  Sm80SmallMTraits::BLOCK_M == kSm80SmallMTile.block_m &&
+                  Sm80SmallMTraits::BLOCK_N == kSm80SmallMTile.block_n &&
+                  Sm80GemmTraits::BLOCK_K == kSm80BlockK && Sm80SmallMTraits::BLOCK_K == kSm80BlockK,
+              "heuristics_sm80.cuh plans with these tiles");
 
 template <class T, Epilogue kEpilogue, bool kVec16, int kNumStages>
 static cudaError_t launch_sm80_gemm_stages(const Sm80GemmBnArgs& args, cudaStream_t stream) {
@@ -2802,7 +3059,7 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 // w's shared rows are XOR-swizzled in 16-byte chunks (w_smem_offset) so that
 // the 16-byte cp.async stores and fragment loads are bank-conflict free.
 //
-// Split K (sm80_split_plan in sm80_gemm_3xtf32_bn.cu): where the output tiles
+// Split K (sm80_split_plan in heuristics_sm80.cuh): where the output tiles
 // alone leave SMs idle (fewer tiles than SMs), or the batch is below 16 rows,
 // each tile's K slabs are cut into `pieces` runs (grid z), one CTA each.  Each
 // piece writes its partial sums to a workspace slice and counts itself in on a
@@ -2850,10 +3107,6 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
 // 1: the kTrain epilogue sums a tile's mean and M2 in float64 (as sm90_gemm_tiles.cuh).
 #ifndef FUSED_GEMM_BN_SM80_TILE_STATS_F64
 #define FUSED_GEMM_BN_SM80_TILE_STATS_F64 1
-#endif
-// Most K pieces per tile (Split K above); 1 turns the split off (the A/B baseline).
-#ifndef FUSED_GEMM_BN_SM80_MAX_PIECES
-#define FUSED_GEMM_BN_SM80_MAX_PIECES 64
 #endif
 
 namespace fused_gemm_bn {
@@ -3553,7 +3806,7 @@ inline bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_c
 //   and split tiles: sm90_gemm_tiles.cuh (StreamKPlan, per 64-k block): one work
 //   unit per tile, M tiles fastest, so the units sharing a w tile run together
 //   and w is read from DRAM about once; the remainder tiles are split along K.
-//   One CTA per unit, or, where tiles are short in k (persistent_grid_pays),
+//   One CTA per unit, or, where tiles are short in k (persistent_grid_pays, heuristics_sm90.cuh),
 //   one CTA per SM looping over units blockIdx.x, + gridDim.x, ...: the
 //   producer's ring slot count q runs on across them.
 //
@@ -3569,6 +3822,7 @@ inline bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_c
 
 #include "device_facts.cuh"
 #include "fp16x3_split.cuh"
+#include "heuristics_sm90.cuh"
 #include "launchers.cuh"
 #include "sm90_gemm_tiles.cuh"
 
@@ -3837,23 +4091,6 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 #endif
 }
 
-// Whether the grid is persistent (one CTA per SM, each looping over work units
-// cta, cta + gridDim.x, ...) rather than one CTA per unit.  With a CTA per
-// unit (one fits an SM), each tile pays a CTA start (barrier set-up, the first
-// TMA fills) that no other tile's mainloop covers; looping, the producer fills
-// the next tile's stages while the consumers finish this one.  That pays where
-// tiles are short in k.  H200, per GEMM, against the one-CTA-per-unit kernel
-// (docs/perf.md v40): grad W = grad z^T x (k = the batch) at 256 x 8192 x 8192
-// 279 -> 224 us, 512 rows 390 -> 361, 1024 rows 645 -> 639; forwards 8192 x
-// 512 x 8192 463 -> 405, 4096 x 1024 x 4096 188 -> 177, 16384 x 2048 x 2048
-// 622 -> 610; but 1024 x 2048 x 8192 (512 tiles) 164.5 -> 168.  At 64
-// k-blocks it was mixed, at 128 5-15% slower (the KernelBench forward's GEMM
-// 582 -> 613-620 us, docs/perf.md v41): those keep a CTA per unit.
-constexpr int kPersistentMaxKBlocks = 32;
-static bool persistent_grid_pays(int K) {
-  return (K + Fp16x3Traits::BLOCK_K - 1) / Fp16x3Traits::BLOCK_K <= kPersistentMaxKBlocks;
-}
-
 // The tensor map of one part: K-major (rows, K) in 128-row boxes, or MN-major (K, rows).
 static bool make_part_map(CUtensorMap* map, const uint16_t* part, bool mn_major, int rows, int K, int box_rows) {
   return mn_major ? make_tensor_map_mn(map, part, rows, K)
@@ -3865,7 +4102,7 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
                                  cudaStream_t stream) {
   using T = Fp16x3Traits;
   const bool grouped = (args.M + T::BLOCK_M - 1) / T::BLOCK_M > kBatchFastestMaxTiles;
-  const bool persistent = persistent_grid_pays(args.K);
+  const bool persistent = persistent_grid_pays(args.K, T::BLOCK_K);
   decltype(&sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false>) kernels[2][2] = {
       {sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false>,
        sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, true>},
@@ -3891,7 +4128,7 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   DeviceFacts facts;
   err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
-  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, facts.num_sms, true);
+  args.plan = stream_k_plan(args.M, args.N, args.K, T::BLOCK_K, facts.num_sms);
   if (args.plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.partials = workspace;
   args.tile_arrivals = args.plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + partial_floats(args.plan)) : nullptr;
@@ -3972,7 +4209,7 @@ void fused_gemm_bn::sm90_gemm_fp16x3_workspace(int M, int N, int K, int64_t* flo
   *zero_ints = 0;
   DeviceFacts facts;
   if (current_device_facts(&facts) != cudaSuccess) return;
-  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, facts.num_sms, true);
+  const StreamKPlan p = stream_k_plan(M, N, K, Fp16x3Traits::BLOCK_K, facts.num_sms);
   if (p.sk_ctas == 0) return;
   *floats = partial_floats(p) + p.sk_tiles;
   *zero_ints = p.sk_tiles;
@@ -4025,7 +4262,8 @@ cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, 
 // the BatchNorm epilogues (finish_tile), and the host's tensor maps.  The
 // epilogue formulas are in bn_stats.cuh.
 //
-// Split tiles (a locality-preserving stream-K; StreamKPlan, stream_k_plan)
+// Split tiles (a locality-preserving stream-K; StreamKPlan and its rule,
+// stream_k_plan, in heuristics_sm90.cuh)
 //   One CTA per SM fits, so whole tiles alone leave the last wave part-empty
 //   (512 tiles = 3.88 waves of 132 SMs at the KernelBench shape).  The
 //   remainder tiles are cut along K and run first: each piece's CTA writes
@@ -4054,35 +4292,16 @@ cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, 
 #include <algorithm>
 
 #include "bn_stats.cuh"
+#include "heuristics_sm90.cuh"
 #include "sm90_primitives.cuh"
 
 namespace fused_gemm_bn {
 namespace sm90 {
 
-constexpr int kTileN = 128;             // features per CTA
-constexpr int kTileM = 128;             // batch rows per CTA
 constexpr int kConsumerThreads = 256;   // two consumer warpgroups
 constexpr int kTileAccRegs = 64;        // fp32 accumulators per consumer thread
 
 enum class Epilogue { kTrain, kEval, kPlain };
-
-// Work of the grid (header, "Split tiles"), in work units: unit i is CTA i's
-// work in a grid of one CTA per unit; a persistent grid (the fp16x3 kernel's,
-// where it pays) runs units blockIdx.x, + gridDim.x, ... per CTA, and the
-// functions below take the unit for `cta`.  The first sk_ctas CTAs compute
-// tiles 0 .. sk_tiles - 1, each cut along K into `pieces` runs of piece_blocks
-// k-blocks (the last piece takes the rest): pieces 0 .. pieces - 2 of tile t go
-// to CTAs t * (pieces - 1) + j, one each; the last pieces go tails_per_cta
-// tiles at a time to the CTAs after those, run back to back.  CTA sk_ctas + i
-// then computes tile sk_tiles + i whole.  sk_ctas == 0: no tile is split.
-struct StreamKPlan {
-  int sk_tiles = 0;
-  int pieces = 1;
-  int piece_blocks = 0;
-  int tails_per_cta = 1;
-  int sk_ctas = 0;
-  int dp_tiles = 0;
-};
 
 struct Sm90GemmBnArgs {
   int M, N, K;
@@ -4412,58 +4631,6 @@ static bool make_tensor_map_mn(CUtensorMap* map, const void* ptr, int rows, int 
 }
 
 static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Split tiles (header).  With one CTA per SM, `tiles` tiles take
-// ceil(tiles / num_sms) waves and the last leaves SMs idle (the KernelBench
-// shape: 512 tiles = 3.88 waves of 132).  The R remainder tiles (tiles %
-// num_sms, or all tiles when fewer than the SMs) are instead cut along K and
-// run first, on CTAs that each take about the same number of k-blocks; the
-// whole tiles follow in whole waves.  Unlike stream-K's even cut of the
-// flattened tile x k space (Osama et al., PPoPP 2023), which was measured
-// 7% slower here (CTAs sharing an x or w block read it at different times,
-// so the pass ran out of L2 and became DRAM-bound), every piece starts at
-// one of few k offsets, so CTAs read the same k-blocks at the same time:
-//   2 R <= num_sms: p equal pieces per tile (split-K), p <= num_sms / R;
-//   otherwise: a first piece of L k-blocks per tile on R CTAs, all starting
-//     at k = 0, and the K - L tails, tails_per_cta = ceil(R / (num_sms - R))
-//     back to back per CTA (consecutive tiles: the same w rows), with L set
-//     so both kinds take about as long (one k-block per hand-off counted).
-// kSplitMaxPieces bounds the slots a finishing CTA reads back; kSplitMinIters
-// keeps a piece above pipeline start-up.  split_tiles = false gives whole
-// tiles only; every caller now passes true (the parameter can go together
-// with the `true` of lowp/sm90_gemm_bn_16bit.cu's call).
-constexpr int kSplitMaxPieces = 8;
-constexpr int kSplitMinIters = 4;
-
-static StreamKPlan stream_k_plan(int M, int N, int K, int block_k, int num_sms, bool split_tiles) {
-  const long long tiles = static_cast<long long>((M + kTileM - 1) / kTileM) * ((N + kTileN - 1) / kTileN);
-  const int num_k_blocks = (K + block_k - 1) / block_k;
-  StreamKPlan p;
-  p.dp_tiles = static_cast<int>(tiles);
-  if (num_sms <= 0 || tiles > INT32_MAX / 8 || !split_tiles) return p;
-  const int rem = static_cast<int>(tiles >= num_sms ? tiles % num_sms : tiles);
-  if (rem == 0) return p;
-  int pieces, piece_blocks, tails_per_cta;
-  if (2 * rem <= num_sms) {
-    pieces = std::min({kSplitMaxPieces, num_sms / rem, num_k_blocks / kSplitMinIters});
-    if (pieces < 2) return p;
-    piece_blocks = (num_k_blocks + pieces - 1) / pieces;
-    pieces = (num_k_blocks + piece_blocks - 1) / piece_blocks;  // no empty last piece
-    tails_per_cta = 1;
-  } else {
-    pieces = 2;
-    tails_per_cta = (rem + (num_sms - rem) - 1) / (num_sms - rem);
-    piece_blocks = (tails_per_cta * (num_k_blocks + 1) - 1 + tails_per_cta) / (tails_per_cta + 1);
-    if (num_k_blocks - piece_blocks < kSplitMinIters) return p;
-  }
-  p.sk_tiles = rem;
-  p.pieces = pieces;
-  p.piece_blocks = piece_blocks;
-  p.tails_per_cta = tails_per_cta;
-  p.sk_ctas = rem * (pieces - 1) + (rem + tails_per_cta - 1) / tails_per_cta;
-  p.dp_tiles = static_cast<int>(tiles - rem);
-  return p;
-}
 
 // Workspace floats of the split tiles' partial sums (one slot per piece),
 // followed by one int per split tile (the arrival counts).
@@ -5032,11 +5199,15 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
 
 #include <string>
 
+#include "binding_checks.cuh"
 #include "launchers.cuh"
 
 namespace {
 
 namespace fgb = fused_gemm_bn;
+using fgb::binding::check_training;
+using fgb::binding::current_stream;
+using fgb::binding::feature_vector;
 
 // The GEMM kernels a `gemm` name selects.
 enum class Gemm { kSm80, kFp16x3 };
@@ -5051,13 +5222,6 @@ bool is_fp16x3(Gemm g) { return g == Gemm::kFp16x3; }
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
-}
-
-// The scale as the contiguous (N) vector the kernels read: model_new.per_feature_scale
-// passes one number broadcast to N features as a stride-0 view (no copy in Python);
-// it is materialized here, in one at:: copy.
-torch::Tensor feature_vector(const torch::Tensor& scale) {
-  return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
 }
 
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x) {
@@ -5120,18 +5284,6 @@ fgb::BatchNormArgs batch_norm_args(const BnTensors& t, double eps, bool scale_af
   bn.eps = static_cast<float>(eps);
   bn.scale_after_bn = scale_after_bn;
   return bn;
-}
-
-void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
-  TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
-              torch::IntArrayRef({M, N}));
-  TORCH_CHECK(num_batches_tracked.device() == x.device() && num_batches_tracked.scalar_type() == torch::kInt64 &&
-                  num_batches_tracked.numel() == 1,
-              "bn.num_batches_tracked must be a one-element int64 tensor on ", x.device());
-}
-
-cudaStream_t current_stream(const torch::Tensor& x) {
-  return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
 }
 
 // x's row centres c_m (centring.cuh) into center (M floats), or nothing (null).
@@ -5371,6 +5523,35 @@ void bn_softmax(const TrainGemm& g, const torch::Tensor& z, torch::Tensor& out, 
   check_launch(fgb::softmax_rows(z.data_ptr<float>(), out.data_ptr<float>(), g.coeff, M, N, stream), "softmax_rows");
 }
 
+// forward_train and forward_train_saved: the checks, the training GEMM into z, then
+// BatchNorm (problem 84: and the row softmax) into out.  saved: returns [out, z, stats
+// (2, N) = [mean_z | biased var_z]] for the backward; else [out], BatchNorm in place (out is z).
+std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_name, const torch::Tensor& x,
+                                         const torch::Tensor& weight, BnTensors t,
+                                         const torch::Tensor& num_batches_tracked, double momentum, double eps,
+                                         bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
+  t.scale = feature_vector(t.scale);
+  const Gemm gemm = parse_gemm(gemm_name);
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  check_training(x, M, N, num_batches_tracked);
+  check_bn_tensors(t, N, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
+  torch::Tensor z = torch::empty({M, N}, x.options());
+  torch::Tensor stats = saved ? torch::empty({2, N}, x.options()) : torch::Tensor();
+  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
+  torch::Tensor out = saved ? torch::empty({M, N}, x.options()) : z;
+  float* const stats_out = saved ? stats.data_ptr<float>() : nullptr;
+  if (scale_after_bn) {
+    bn_softmax(g, z, out, stats_out, M, N, bn, stream);
+  } else {
+    bn_apply(g, z, out, stats_out, M, N, bn, stream);
+  }
+  if (saved) return {out, z, stats};
+  return {out};
+}
+
 }  // namespace
 
 // Linear -> scale -> BatchNorm1d (problem 33) or Linear -> BatchNorm1d -> scale
@@ -5380,24 +5561,8 @@ torch::Tensor forward_train(const std::string& gemm_name, torch::Tensor x, torch
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn, c10::optional<torch::Tensor> w_parts) {
-  scale = feature_vector(scale);
-  const Gemm gemm = parse_gemm(gemm_name);
-  const auto [M, N, K] = check_gemm_operands(x, weight);
-  check_training(x, M, N, num_batches_tracked);
-  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
-  check_bn_tensors(t, N, x);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = current_stream(x);
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
-  torch::Tensor out = torch::empty({M, N}, x.options());
-  const TrainGemm g =
-      train_gemm(gemm, x, weight, w_parts, out, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
-  if (scale_after_bn) {
-    bn_softmax(g, out, out, nullptr, M, N, bn, stream);
-  } else {
-    bn_apply(g, out, out, nullptr, M, N, bn, stream);
-  }
-  return out;
+  return train_forward(false, gemm_name, x, weight, BnTensors{bias, scale, bn_weight, bn_bias, running_mean,
+                       running_var}, num_batches_tracked, momentum, eps, scale_after_bn, w_parts)[0];
 }
 
 // Eval mode of either problem: out = a * (x @ weight^T) + c with the folded
@@ -5449,25 +5614,8 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
                                                torch::Tensor running_var, torch::Tensor num_batches_tracked,
                                                double momentum, double eps, bool scale_after_bn,
                                                c10::optional<torch::Tensor> w_parts) {
-  scale = feature_vector(scale);
-  const Gemm gemm = parse_gemm(gemm_name);
-  const auto [M, N, K] = check_gemm_operands(x, weight);
-  check_training(x, M, N, num_batches_tracked);
-  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
-  check_bn_tensors(t, N, x);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = current_stream(x);
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
-  torch::Tensor z = torch::empty({M, N}, x.options());
-  torch::Tensor stats = torch::empty({2, N}, x.options());
-  const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
-  torch::Tensor out = torch::empty({M, N}, x.options());
-  if (scale_after_bn) {
-    bn_softmax(g, z, out, stats.data_ptr<float>(), M, N, bn, stream);
-  } else {
-    bn_apply(g, z, out, stats.data_ptr<float>(), M, N, bn, stream);
-  }
-  return {out, z, stats};
+  return train_forward(true, gemm_name, x, weight, BnTensors{bias, scale, bn_weight, bn_bias, running_mean,
+                       running_var}, num_batches_tracked, momentum, eps, scale_after_bn, w_parts);
 }
 
 // a @ b^T, float32-accurate (3xTF32 or fp16x3) for float32 CUDA a (M, K) and b (N, K) of
@@ -5689,6 +5837,35 @@ std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor&
   return {static_cast<int>(z.size(0)), static_cast<int>(z.size(1))};
 }
 
+// What bn_backward_train and bn_backward_grad read of the BatchNorm: scale, bn.weight and
+// (problem 84, optional) bn.bias checked against z's N and device, and the BatchNormArgs
+// of those fields (bias, gemm.bias, left null: only bn_backward_grad reads it).
+fgb::BatchNormArgs backward_bn_args(const torch::Tensor& z, int N, const torch::Tensor& scale,
+                                    const torch::Tensor& bn_weight, double eps, bool scale_after_bn,
+                                    const c10::optional<torch::Tensor>& bn_bias) {
+  check_vector(scale, "scale", N, z);
+  check_vector(bn_weight, "bn.weight", N, z);
+  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
+  fgb::BatchNormArgs bn;
+  bn.scale = scale.data_ptr<float>();
+  bn.bn_weight = bn_weight.data_ptr<float>();
+  bn.eps = static_cast<float>(eps);
+  bn.scale_after_bn = scale_after_bn;
+  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
+  return bn;
+}
+
+// The backward's outputs: grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N),
+// four allocations, not views of one: custom operators may not return aliases.
+struct BackwardGrads {
+  torch::Tensor grad_z, grad_scale, grad_bn_weight, grad_bn_bias;
+};
+
+BackwardGrads backward_grads(const torch::Tensor& z, int M, int N) {
+  return {torch::empty({M, N}, z.options()), torch::empty({N}, z.options()), torch::empty({N}, z.options()),
+          torch::empty({N}, z.options())};
+}
+
 }  // namespace
 
 // Training-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy
@@ -5701,27 +5878,16 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
                                              bool scale_after_bn, c10::optional<torch::Tensor> bn_bias) {
   scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
-  check_vector(scale, "scale", N, z);
-  check_vector(bn_weight, "bn.weight", N, z);
-  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
+  const fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias);
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = current_stream(z);
   const torch::Tensor g = grad_y.contiguous();
-  torch::Tensor grad_z = torch::empty({M, N}, z.options());
-  // Three allocations, not views of one: custom operators may not return aliases.
-  torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
-                grad_bn_bias = torch::empty({N}, z.options());
-  fgb::BatchNormArgs bn;  // what bn_backward_train reads
-  bn.scale = scale.data_ptr<float>();
-  bn.bn_weight = bn_weight.data_ptr<float>();
-  bn.eps = static_cast<float>(eps);
-  bn.scale_after_bn = scale_after_bn;
-  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
+  const BackwardGrads r = backward_grads(z, M, N);
   check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
-                                      grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
-                                      grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(), stream),
+                                      r.grad_z.data_ptr<float>(), r.grad_scale.data_ptr<float>(),
+                                      r.grad_bn_weight.data_ptr<float>(), r.grad_bn_bias.data_ptr<float>(), stream),
                "bn_backward_train");
-  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+  return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
 
 // The row softmax's backward: grad_v = out * (grad_out - sum_n grad_out * out)
@@ -5867,30 +6033,20 @@ std::vector<torch::Tensor> bn_backward_grad(torch::Tensor grad_y, torch::Tensor 
               "bn_backward_grad: count must be a one-element float64 tensor on ", z.device(), " (the merged batch's "
               "rows), got ", count.scalar_type(), " ", count.sizes(), " on ", count.device());
   check_vector(bias, "gemm.bias", N, z);
-  check_vector(scale, "scale", N, z);
-  check_vector(bn_weight, "bn.weight", N, z);
-  if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
+  fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias);
+  bn.bias = bias.data_ptr<float>();
   check_f64_rows(local_sums, "bn_backward_grad: local_sums", 2, N, z);
   check_f64_rows(total_sums, "bn_backward_grad: total_sums", 2, N, z);
   const c10::cuda::CUDAGuard guard(z.device());
   const torch::Tensor g = grad_y.contiguous();
-  torch::Tensor grad_z = torch::empty({M, N}, z.options());
-  torch::Tensor grad_scale = torch::empty({N}, z.options()), grad_bn_weight = torch::empty({N}, z.options()),
-                grad_bn_bias = torch::empty({N}, z.options());
-  fgb::BatchNormArgs bn;  // what bn_backward_grad reads
-  bn.bias = bias.data_ptr<float>();
-  bn.scale = scale.data_ptr<float>();
-  bn.bn_weight = bn_weight.data_ptr<float>();
-  bn.eps = static_cast<float>(eps);
-  bn.scale_after_bn = scale_after_bn;
-  if (scale_after_bn && bn_bias.has_value()) bn.bn_bias = bn_bias->data_ptr<float>();
+  const BackwardGrads r = backward_grads(z, M, N);
   check_launch(fgb::bn_backward_grad(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                      count.data_ptr<double>(), local_sums.data_ptr<double>(),
-                                     total_sums.data_ptr<double>(), grad_z.data_ptr<float>(), grad_scale.data_ptr<float>(),
-                                     grad_bn_weight.data_ptr<float>(), grad_bn_bias.data_ptr<float>(),
-                                     current_stream(z)),
+                                     total_sums.data_ptr<double>(), r.grad_z.data_ptr<float>(),
+                                     r.grad_scale.data_ptr<float>(), r.grad_bn_weight.data_ptr<float>(),
+                                     r.grad_bn_bias.data_ptr<float>(), current_stream(z)),
                "bn_backward_grad");
-  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+  return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
 
 // ---------------------------------------------------------------------------

@@ -28,71 +28,93 @@
 //   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms) bytes (pieces x M x N
 //       float64 partial sums; 0 and null-able when K is not split), 8-byte aligned
 //
+// Statistics contract (train): the M rows are ONE tile, so the existing
+//   merge (bn_stats.cuh merge_tile_statistics, tile t holding min(block_m, M -
+//   t block_m) rows) reads it with num_m_tiles = 1 and block_m = M (any block_m
+//   >= M is the same): bn_apply(z, out, part_mean, part_m2, 1, M, M, N, bn, coeff,
+//   stats, stream) for problem 33 (coeff unused at 1 tile <= kFusedMaxTiles; M >= 2,
+//   as bn_apply requires), bn_softmax_fold_train(part_mean, part_m2, 1, M, M, N, bn,
+//   coeff, stats, stream) then softmax_rows(z, out, coeff, M, N, stream) for 84.
+//   The merge then gives mean = float(mean64) exactly (M * mean / M) and m2 =
+//   float(M2_64).
+//
 // Numerics
 //   Conversions are exact: x's floats are staged in shared memory as the doubles
-//   x * 2^896, w's floats enter the MMA as the doubles w * 2^-896 (both exact for
-//   every finite float, subnormals included: w's bits moved into a double's
-//   fields, below), so each product is x*w exactly (a float product has <= 48
-//   significant bits).  The FP64 MMA accumulates in float64 with IEEE
-//   round-to-nearest (as DFMA chains; the order of the K terms differs from a
-//   plain loop), so with u64 = 2^-53
+//   x * 2^896, w's floats enter the MMA as the doubles w * 2^-896 (bit moves,
+//   f32_to_f64_times_2m896 below: exact for every finite float, subnormals
+//   included; tools/small_m_check.cu compares them with ldexp on 2^24 patterns), so
+//   each product is x*w exactly (a float product has <= 48 significant bits).
+//   (A float-subnormal w becomes a double subnormal: the FP64 MMA is assumed to
+//   honour subnormal operands as DFMA does; the check's inputs are normal.)
+//   Products are accumulated in float64 (round to nearest; the order of the K
+//   terms differs from a plain loop: per warp over its chunks, then the K slices
+//   in warp order, then the pieces in piece order), so with u64 = 2^-53
 //       |z64 - z| <= (K + 8) u64 sum_k |x[m, k] w[n, k]|
-//   and z = rn_f32(z64) is within 0.5 ulp(z) + that; it is within 1 ulp of the
+//   and z = rn_f32(z64) is within 0.5 ulp(z) + that: within 1 ulp of the
 //   correctly rounded value wherever sum_k |x w| / |z| <= 2^29 / (K + 8)
 //   (65472 at K = 8192: only heavy cancellation breaks it).  mean and M2 are
-//   formed in float64 from z64 (M2 as sum (z64 - mean)^2: no cancellation) and
-//   rounded once; eval's a, c and a*z64 + c in float64, rounded once:
-//   within ~1 ulp of float64 math on the same inputs.
-//   Inputs must be finite: a non-finite W element does not propagate as NaN/Inf
-//   (its exponent field lands inside the double range: a large finite term).
+//   formed in float64 from z64 (M2 as sum (z64 - mean)^2: no E[z^2] - E[z]^2
+//   cancellation) and rounded once; eval's a, c and a z64 + c in float64,
+//   rounded once.  tools/small_m_check.cu checks every element against these
+//   bounds (reference: exact products, long double sums).
+//   Inputs must be finite: a non-finite x or W element does not propagate as
+//   NaN/Inf (its exponent field lands inside the double range: a large finite term).
 //
-// Work split (traits below)
-//   CTA: 16 warps = kWarpsN (2) feature halves x kWarpsK (8) K slices; BLOCK_N =
-//   kWarpsN * kFeatGroups * 8 features (whole W rows: a feature's sums end in one
-//   CTA).  Each warp keeps kFeatGroups x kMBlocks (8 features x 8 batch rows)
-//   DMMA accumulators: the A operand is 8 W rows x 4 k (lane (g, t) holds
-//   W[g][k0 + 4t + s] for step s: one 16-byte load gives its 4 steps), the B
-//   operand 4 k x 8 batch rows of x, from shared memory in fragment order.
-//   x is staged in tiles of BLOCK_K columns (double-buffered, 32 KB each, one
-//   __syncthreads per tile; the next tile's floats are loaded into registers
-//   while the current one is used); the warp's W loads run kRing chunks (16 k
-//   each) ahead in registers.  At the end the 8 K slices are summed through
-//   shared memory in warp order (deterministic), and either the epilogue runs
-//   (one thread per feature), or, with K split into pieces (too few feature
-//   blocks for the GPU), each piece stores its float64 sums to the workspace
-//   and small_m_fp64_finish_kernel adds the pieces in piece order and runs it.
-//   No atomics: the same bits on every run.
+// Work split (SmallMTraits below; kMBlocks = 1, 2, 4 for M <= 8, 16, 32)
+//   CTA: 12 warps = kWarpsN (2) feature halves x kWarpsK (6) K slices, 384
+//   threads, one CTA per SM (<= 168 registers: with 512 threads the 128-register
+//   cap spilled).  BLOCK_N = kWarpsN x kFeatGroups x 8 = 64 features (32 at
+//   kMBlocks = 4): whole W rows, so a feature's sums end in one CTA.  Each warp
+//   keeps kFeatGroups x kMBlocks DMMA accumulators (8 features x 8 batch rows
+//   each): A = 8 W rows x 4 k (lane (g, t) holds W[g][k0 + 4t + s] for step s:
+//   one 16-byte load gives its 4 steps), B = 4 k x 8 batch rows of x, from shared
+//   memory in fragment order (one conflict-free 16-byte load per two steps).
+//   x is staged in tiles of BLOCK_K = 384 / kMBlocks columns (kRows x BLOCK_K
+//   doubles = 24 KB, double-buffered, one __syncthreads per tile; the next
+//   tile's floats are loaded into registers while the current one is used);
+//   each warp's W loads run kRing - 1 = 2 chunks (16 k) ahead in registers.
+//   At the end the K slices are summed through shared memory in warp order, and
+//   either the epilogue runs (one thread per feature), or, with K split into
+//   pieces (fewer feature blocks than SMs), each piece stores its float64 sums to
+//   the workspace and small_m_fp64_finish_kernel adds the pieces in piece order
+//   and runs the epilogue.  No atomics: the same bits on every run.
 //
-// Performance model (not measured yet: tools/small_m_check.cu measures it).
-//   Floor: W read once, N K 4 bytes (268 MB at N = K = 8192: ~90 us on an H100
-//   SXM at ~3.0 TB/s achieved, ~60 us on an H200).
-//   DFMA alone would not keep up at M = 16: 64 DFMA/clk/SM x 132 SMs x 1.75 GHz
-//   = 14.8e12/s, and 16 x 8192 x 8192 = 1.07e9 products take 72.6 us at 100%
-//   issue, above the H200's floor; float->double conversions (16/clk/SM,
-//   CUDA C++ Programming Guide, arithmetic instruction throughput, cc 8.0 / 9.0)
-//   would add 1 per W element.  The FP64 tensor core does 128 FMA/clk/SM
-//   (H100 SXM 67 TFLOP/s FP64 Tensor: 128 x 2 x 132 x 1.98 GHz): 36 us at M = 16
-//   (1.75 GHz), 18 us at M <= 8 (a half-empty 8-row tile costs the same), 73 us
-//   at M = 32 (over the H200's floor: M = 17 .. 32 are compute-bound there).
-//   W is converted with 3 integer ops per element (INT pipe, not FP64), x with
-//   2 integer ops + 2 DMUL per element per CTA (M x BLOCK_K per tile against
-//   BLOCK_N x BLOCK_K W elements: <= 4% of the FP64 pipe at M = 16).
-//   Shared memory: per 16-k chunk and batch block a warp reads 1 KB of x
-//   fragments for 4 x kFeatGroups DMMAs (2048 x kFeatGroups... : 0.125 B/FMA
-//   at kFeatGroups = 4, i.e. 16 B/clk/SM at 128 FMA/clk: far below 128 B/clk).
-//   L2 -> SM: each CTA reads x once: ceil(N / BLOCK_N) x M K 4 bytes = 64 MB at
-//   N = K = 8192, M = 16 (BLOCK_N = 64), a quarter of W's bytes.
-//   Bytes of W in flight per SM (one 512-thread CTA per SM: <= 128 registers):
-//   512 x kFeatGroups x 16 B x (kRing - 1) chunks ahead = 32 KB at kRing = 2
-//   (kFeatGroups = 4), 64 KB at kRing = 3.  Little's law at ~700 ns DRAM latency
-//   under load needs ~18 KB/SM (H100, 25 B/ns/SM) to ~26 KB/SM (H200, 36 B/ns/SM).
-//   Predicted: M <= 16 at N = K = 8192 within ~1.05-1.1x the W-read floor
-//   (128 CTAs on 132 SMs: 97% of the SMs stream W), M = 32 ~1.2x on an H200.
+// Performance model (predictions, not measurements: tools/small_m_check.cu
+// measures the kernel next to the floor on the GPU).
+//   Floor: W read once, 4 N K bytes (268 MB at N = K = 8192: ~90 us on an H100,
+//   ~60 us on an H200, half of a device-to-device copy of W).
+//   DFMA would not keep up at M = 16: 64 DFMA/clk/SM x 132 SMs x 1.75 GHz =
+//   14.8e12/s, and 16 x 8192^2 = 1.07e9 products take 72.6 us at full issue (over
+//   the H200's floor, 0.8x the H100's), plus the float -> double conversions
+//   (16/clk/SM for 64-bit types, CUDA C++ Programming Guide, arithmetic
+//   instructions table, cc 8.0 / 9.0).  The FP64 tensor core does 128 FMA/clk/SM
+//   (H100 SXM: 67 TFLOP/s FP64 Tensor Core = 128 x 2 x 132 x 1.98 GHz): 36 us at
+//   M = 9 .. 16 and 18 us at M <= 8 (an 8-row block costs the same whatever the
+//   rows used) at 1.75 GHz, 73 us at M = 17 .. 32 (compute-bound on an H200).
+//   Per 16-k chunk a warp issues 4 kFeatGroups kMBlocks DMMAs (8 clk each on its
+//   SM sub-partition), kFeatGroups 16-byte W loads, 4 kFeatGroups conversions of
+//   3 integer ops (INT pipe, not FP64) and 2 kMBlocks 16-byte shared loads:
+//   ~110 issue slots against 256 DMMA clocks at kMBlocks = 2.  x staging: 2
+//   integer ops + 2 DMUL per x element per CTA: 6% of the FP64 pipe at M = 16.
+//   Shared memory: 0.125 B per FMA at kFeatGroups = 4 (16 B/clk/SM of 128).
+//   L2 -> SM: every CTA reads all of x once: ceil(N / BLOCK_N) x 4 M K bytes =
+//   64 MB at N = K = 8192, M = 16 (a quarter of W's bytes).
+//   W in flight per SM: 384 threads x kFeatGroups x 16 B x 2 chunks ahead = 48 KB
+//   (kFeatGroups = 4; 24 KB at kMBlocks = 4).  Little's law at ~700 ns loaded DRAM
+//   latency needs ~18 KB/SM (H100: 3.35 TB/s / 132 SMs = 25 B/ns) to ~26 KB/SM
+//   (H200: 36 B/ns).
+//   Predicted at N = K = 8192: M <= 16 memory-bound at ~1.05-1.1x the floor
+//   (128 CTAs on 132 SMs stream W; a few us of launch, pipeline fill and
+//   epilogue); M = 32: ~1.1x on an H100, >= 1.2x on an H200 (compute).  Small
+//   shapes ((4096, 512): 8 MB of W, 11 pieces) are latency-bound: two launches
+//   and the pipeline fill make the ratio to a 1-3 us floor well above 1.15.
 //
 // Preconditions: 1 <= M <= kSmallMMaxRows (32), N >= 1, K >= 1, finite inputs;
-// eval: bn.scale, bn.running_mean, bn.running_var not null.  SM 8.0+.
+// eval: bn.scale, bn.running_mean, bn.running_var not null; workspace as above.
+// SM 8.0+ (mma.sync .f64; runs, slowly, where FP64 is 1/64 rate: sm_86 / sm_89).
 // Sources: PTX ISA, "Warp-level matrix multiply-accumulate instructions",
-// mma.m8n8k4 with .f64 (fragment layouts); IEEE 754 binary64 format.
+// mma.m8n8k4 with .f64 (fragment layouts); IEEE 754 binary64 format; CUDA C++
+// Programming Guide, "Arithmetic Instructions" (throughput table).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -246,8 +268,8 @@ __device__ __forceinline__ float4 load_w_chunk(const float* w_row, bool row_ok, 
 template <class T, bool kEval, bool kVec16>
 __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const SmallMArgs p) {
   constexpr int F = T::kFeatGroups, MB = T::kMBlocks, kRing = T::kRing;
-  extern __shared__ __align__(16) unsigned char smem[];
-  double* xs = reinterpret_cast<double*>(smem);  // [2][BLOCK_K / 16][MB][2][32 lanes] double2
+  extern __shared__ __align__(16) unsigned char small_m_smem[];
+  double* xs = reinterpret_cast<double*>(small_m_smem);  // [2][BLOCK_K / 16][MB][2][32 lanes] double2
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -353,7 +375,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const S
 
   // Sum the kWarpsK K slices in warp order: red[warp][f][mb][h][lane].
   __syncthreads();
-  double* red = reinterpret_cast<double*>(smem);
+  double* red = reinterpret_cast<double*>(small_m_smem);
 #pragma unroll
   for (int f = 0; f < F; ++f)
 #pragma unroll

@@ -20,7 +20,8 @@
 // header's bound of small_m_fp64.cu:
 //   |z - z_ref| <= 0.5 ulp(z_ref) + (K + 8) 2^-53 Sigma_k |x w|   (+ what that error
 //   does to mean, M2 and the fold, see allowed_* below)
-// and two runs of each launcher must give the same bits.  Printed per case: max
+// and two runs of each launcher must give the same bits; first, the kernel's
+// exact float -> double conversions are compared with ldexp on 2^24 bit patterns.  Printed per case: max
 // error in float32 ulps of the reference (z, eval out, part_mean, part_m2), the
 // train launcher's median time of 20 (after 3 warm-ups, cudaEvent), the floor
 // (half the median time of a device-to-device cudaMemcpyAsync of W's bytes, same
@@ -297,6 +298,34 @@ double median_us(F&& launch, cudaStream_t stream) {
   return 1000.0 * median(ms);
 }
 
+// The exact conversions of small_m_fp64.cu against ldexp, on every 256th finite
+// float bit pattern (subnormals, zeros and the extremes included): mismatches.
+__global__ void conversion_check_kernel(unsigned long long* mismatches) {
+  const uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint32_t bits = static_cast<uint32_t>(i * 256u + (i % 251u));  // vary the low bits too
+  const uint32_t extremes[] = {0u, 0x80000000u, 1u, 0x80000001u, 0x007fffffu, 0x00800000u, 0x7f7fffffu, 0xff7fffffu};
+  for (int j = 0; j < (i == 0 ? 9 : 1); ++j) {
+    const float f = __uint_as_float(j == 8 || i != 0 ? bits : extremes[j]);
+    if (!isfinite(f)) continue;
+    const double lo = fused_gemm_bn::f32_to_f64_times_2m896(f), hi = fused_gemm_bn::f32_to_f64_times_2p896(f);
+    if (__double_as_longlong(lo) != __double_as_longlong(ldexp(static_cast<double>(f), -896)) ||
+        __double_as_longlong(hi) != __double_as_longlong(ldexp(static_cast<double>(f), 896)))
+      atomicAdd(mismatches, 1ull);
+  }
+}
+
+unsigned long long conversion_mismatches() {
+  unsigned long long* d = nullptr;
+  CUDA_OK(cudaMalloc(&d, sizeof *d));
+  CUDA_OK(cudaMemset(d, 0, sizeof *d));
+  conversion_check_kernel<<<(1u << 24) / 256, 256>>>(d);
+  CUDA_OK(cudaGetLastError());
+  unsigned long long n = 0;
+  CUDA_OK(cudaMemcpy(&n, d, sizeof n, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaFree(d));
+  return n;
+}
+
 template <class T>
 T* to_device(const std::vector<T>& v) {
   T* d = nullptr;
@@ -423,10 +452,15 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaGetDeviceProperties(&prop, device));
   printf("device %s (cc %d.%d, %d SMs), seed %llu\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount,
          static_cast<unsigned long long>(seed));
+  const unsigned long long bad_conversions = conversion_mismatches();
+  printf("exact float -> double conversions (2^24 bit patterns): %llu mismatches\n", bad_conversions);
 #endif
   printf("%4s %6s %6s %7s %7s %7s %7s %10s %10s %7s  %s\n", "M", "K", "N", "z_ulp", "eval", "mean", "m2",
          "kernel_us", "floor_us", "ratio", "note");
   bool fail = false;
+#ifndef SMALL_M_CHECK_HOST_ONLY
+  fail = bad_conversions != 0;
+#endif
   for (const Case& c : cases) {
     const Inputs in = make_inputs(c, seed);
     bool deterministic = true;

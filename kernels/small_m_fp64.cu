@@ -454,10 +454,17 @@ static SmallMPlan small_m_plan(int M, int N, int K, int num_sms) {
 }
 
 template <class T, bool kEval, bool kVec16>
-static cudaError_t launch_small_m_gemm(const SmallMArgs& p, cudaStream_t stream) {
+static cudaError_t launch_small_m_gemm(const SmallMArgs& p, int device, cudaStream_t stream) {
   auto kernel = small_m_fp64_kernel<T, kEval, kVec16>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
-  if (err != cudaSuccess) return err;
+  // The shared-memory opt-in once per device and kernel (a host call per launch
+  // would sit inside a small launch's time); a racing second set is harmless.
+  static bool configured[kMaxCachedDevices] = {};
+  cudaError_t err = cudaSuccess;
+  if (device >= kMaxCachedDevices || !configured[device]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    if (device < kMaxCachedDevices) configured[device] = true;
+  }
   // The GEMM releases no dependent early (pdl.cuh: measured slower for the big GEMM).
   kernel<<<dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), T::kNumThreads, T::kSmemBytes, stream>>>(p);
   err = cudaGetLastError();
@@ -469,7 +476,9 @@ static cudaError_t launch_small_m_gemm(const SmallMArgs& p, cudaStream_t stream)
 template <bool kEval>
 static cudaError_t launch_small_m(SmallMArgs p, double* workspace, cudaStream_t stream) {
   DeviceFacts facts;
-  const cudaError_t err = current_device_facts(&facts);
+  int device = 0;
+  cudaError_t err = current_device_facts(&facts);
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   const SmallMPlan plan = small_m_plan(p.M, p.N, p.K, facts.num_sms);
   p.pieces = plan.pieces;
@@ -481,14 +490,14 @@ static cudaError_t launch_small_m(SmallMArgs p, double* workspace, cudaStream_t 
   const bool vec16 = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
   switch (plan.m_blocks) {
     case 1:
-      return vec16 ? launch_small_m_gemm<SmallMTraits<1>, kEval, true>(p, stream)
-                   : launch_small_m_gemm<SmallMTraits<1>, kEval, false>(p, stream);
+      return vec16 ? launch_small_m_gemm<SmallMTraits<1>, kEval, true>(p, device, stream)
+                   : launch_small_m_gemm<SmallMTraits<1>, kEval, false>(p, device, stream);
     case 2:
-      return vec16 ? launch_small_m_gemm<SmallMTraits<2>, kEval, true>(p, stream)
-                   : launch_small_m_gemm<SmallMTraits<2>, kEval, false>(p, stream);
+      return vec16 ? launch_small_m_gemm<SmallMTraits<2>, kEval, true>(p, device, stream)
+                   : launch_small_m_gemm<SmallMTraits<2>, kEval, false>(p, device, stream);
     default:
-      return vec16 ? launch_small_m_gemm<SmallMTraits<4>, kEval, true>(p, stream)
-                   : launch_small_m_gemm<SmallMTraits<4>, kEval, false>(p, stream);
+      return vec16 ? launch_small_m_gemm<SmallMTraits<4>, kEval, true>(p, device, stream)
+                   : launch_small_m_gemm<SmallMTraits<4>, kEval, false>(p, device, stream);
   }
 }
 

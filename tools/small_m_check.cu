@@ -10,6 +10,9 @@
 //   g++ -std=c++17 -O2 -x c++ -DSMALL_M_CHECK_HOST_ONLY tools/small_m_check.cu -o /tmp/small_m_check_host -lpthread
 // (exit 0); with -DSMALL_M_CHECK_NEGATIVE_CONTROL too, the emulation sums in float32
 // and leaves one z unwritten: it must exit 1 (the check can tell).
+// The kernel source itself on the host (no GPU): python3 tools/small_m_emulate.py
+// builds this file with -DSMALL_M_CHECK_EMULATE against a CUDA shim and runs the
+// launchers on small shapes (slow: one OS thread per CUDA thread).
 //
 // For each case: x (M, K) and W (N, K) seeded standard normal (x + 100 in the
 // cancellation case; some cases give x a row stride > K), outputs poisoned with
@@ -40,6 +43,9 @@
 #include <thread>
 #include <vector>
 
+#ifdef SMALL_M_CHECK_EMULATE
+#include "small_m_fp64_emulated.cpp"  // written by tools/small_m_emulate.py
+#endif
 #ifndef SMALL_M_CHECK_HOST_ONLY
 #include "small_m_fp64.cu"
 #define CUDA_OK(call)                                                                      \
@@ -219,6 +225,39 @@ Errors compare(const Case& c, const Inputs& in, const Outputs& o) {
   }
   return e;
 }
+
+#ifdef SMALL_M_CHECK_EMULATE
+// The launchers themselves, their kernels run on the host by the shim of
+// tools/small_m_emulate.py (one OS thread per CUDA thread, DMMA fragments exchanged per warp).
+Outputs run_launchers_emulated(const Case& c, const Inputs& in) {
+  using namespace fused_gemm_bn;
+  const int64_t ld = c.x_row_stride ? c.x_row_stride : c.K;
+  Outputs o;
+  const size_t MN = static_cast<size_t>(c.M) * c.N;
+  o.z.assign(MN, NAN), o.out33.assign(MN, NAN), o.out84.assign(MN, NAN);
+  o.part_mean.assign(c.N, NAN), o.part_m2.assign(c.N, NAN);
+  const int64_t ws_bytes = small_m_fp64_workspace_bytes(c.M, c.N, c.K, g_emu_num_sms);
+  std::vector<double> ws(std::max<int64_t>(1, ws_bytes / 8), NAN);
+  if (small_m_fp64_train(in.x.data(), ld, in.w.data(), c.M, c.N, c.K, o.z.data(), o.part_mean.data(),
+                         o.part_m2.data(), ws_bytes ? ws.data() : nullptr, nullptr) != cudaSuccess)
+    abort();
+  BatchNormArgs bn;
+  bn.bias = c.null_vectors ? nullptr : in.bias.data();
+  bn.scale = in.scale.data();
+  bn.bn_weight = c.null_vectors ? nullptr : in.bn_weight.data();
+  bn.bn_bias = c.null_vectors ? nullptr : in.bn_bias.data();
+  bn.running_mean = const_cast<float*>(in.running_mean.data());
+  bn.running_var = const_cast<float*>(in.running_var.data());
+  bn.eps = in.eps;
+  for (int p84 = 0; p84 < 2; ++p84) {
+    bn.scale_after_bn = p84 == 1;
+    if (small_m_fp64_eval(in.x.data(), ld, in.w.data(), c.M, c.N, c.K, bn, (p84 ? o.out84 : o.out33).data(),
+                          ws_bytes ? ws.data() : nullptr, nullptr) != cudaSuccess)
+      abort();
+  }
+  return o;
+}
+#endif
 
 #ifdef SMALL_M_CHECK_HOST_ONLY
 // The kernel's arithmetic on the host: float64 sums of exact products (in k
@@ -423,7 +462,14 @@ Outputs run_gpu(const Case& c, const Inputs& in, bool& deterministic, Timing& ti
 int main(int argc, char** argv) {
   const uint64_t seed = argc > 1 ? strtoull(argv[1], nullptr, 10) : 1;
   std::vector<Case> cases;
-#ifdef SMALL_M_CHECK_HOST_ONLY
+#if defined(SMALL_M_CHECK_EMULATE)
+  // Small shapes (the emulation runs 384 OS threads per CTA): both batch-block
+  // boundaries (8 | 9, 16 | 17), K tails, 16- and 4-byte W loads, split and unsplit K
+  // (argument 2: the SM count the launchers plan with; 1 leaves K unsplit).
+  const int Ms[] = {1, 5, 8, 9, 16, 17, 32};
+  const int KN[][2] = {{1, 3}, {37, 70}, {1000, 100}, {2001, 65}, {4096, 96}};
+  if (argc > 2) fused_gemm_bn::g_emu_num_sms = atoi(argv[2]);
+#elif defined(SMALL_M_CHECK_HOST_ONLY)
   const int Ms[] = {1, 3, 16, 32};
   const int KN[][2] = {{257, 33}, {4095, 13}, {64, 100}};
 #else
@@ -437,11 +483,14 @@ int main(int argc, char** argv) {
       cases.push_back(c);
     }
   {
-    Case c{16, 4096, 512};  // cancellation: x + 100
-    c.x_offset = 100.f;
+#ifdef SMALL_M_CHECK_EMULATE
+    Case c{16, 4096, 96}, d{15, 1000, 100};
+#else
+    Case c{16, 4096, 512}, d{15, 1024, 1000};
+#endif
+    c.x_offset = 100.f;  // cancellation: x + 100
     cases.push_back(c);
-    Case d{15, 1024, 1000};  // null bias / bn_weight / bn_bias in eval
-    d.null_vectors = true;
+    d.null_vectors = true;  // null bias / bn_weight / bn_bias in eval
     cases.push_back(d);
   }
 
@@ -465,7 +514,9 @@ int main(int argc, char** argv) {
     const Inputs in = make_inputs(c, seed);
     bool deterministic = true;
     double kernel_us = 0, floor_us = 0;
-#ifdef SMALL_M_CHECK_HOST_ONLY
+#if defined(SMALL_M_CHECK_EMULATE)
+    const Outputs o = run_launchers_emulated(c, in);
+#elif defined(SMALL_M_CHECK_HOST_ONLY)
     const Outputs o = run_emulated(c, in);
 #else
     Timing timing;

@@ -297,3 +297,25 @@ cudaError_t lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_float32, bool t
                              float* dbeta, cudaStream_t stream);
 
 }  // namespace fused_gemm_bn
+
+// ==== small_m_fp64.cu: small batches (M <= small_m_fp64_max_rows()), float64 products (DMMA, sm_80+) ====
+// (appended block: the small-M route's launchers)
+namespace fused_gemm_bn {
+// The largest batch the small-M kernels take (32).
+int small_m_fp64_max_rows();
+// Bytes of float64 workspace for an (M, K) x (N, K) product on a GPU of num_sms SMs (the split
+// K's partial sums; 0 when K is not split: the workspace may then be null).  Pass the current
+// device's multiprocessor count: the launchers plan with it.
+int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms);
+// z = x @ w^T (M, N) rounded once from float64, and ONE statistics tile of the M rows:
+// part_mean, part_m2 (1, N) (bn_apply / bn_softmax_fold_train with num_m_tiles = 1, block_m = M).
+// x: (M, K) with row stride x_row_stride elements, column stride 1.  1 <= M <= 32, N, K >= 1.
+cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K, float* z,
+                               float* part_mean, float* part_m2, double* workspace, cudaStream_t stream);
+// out = the eval-mode fold of z in float64 (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+// scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0): problem 33's output, or problem 84's
+// softmax input (then softmax_rows(out, out, nullptr, M, N)).
+cudaError_t small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
+                              const BatchNormArgs& bn, float* out, double* workspace, cudaStream_t stream);
+}  // namespace fused_gemm_bn
+// ==== end small_m_fp64.cu ====

@@ -32,6 +32,8 @@ From ModelNew.forward to the kernels (docs/design.md has the whole map):
                 bn.cu                                        * scale and bn into the epilogue
   sm80_3xtf32   centring.cu, prepass_3xtf32.cu,              gemm: mma.sync, 3xTF32; eval
                 sm80_gemm_3xtf32_bn.cu                       as above
+  small_m_fp64  small_m_fp64.cu (batches <= SMALL_M_MAX_ROWS: gemm: W read once, float64
+                no split of x or W first)                  products (DMMA); eval folds as above
   after the GEMM in training: bn_apply.cu (problem 33: statistics, running statistics, bn),
   bn_softmax.cu (84: the same, * scale, softmax); backward: softmax_rows_backward.cu (84),
   bn_backward.cu, prepass_fp16x3_backward.cu and the GEMM: grad_x = grad_z W, grad_W = grad_z^T x.
@@ -613,8 +615,8 @@ def module_call(gemm, bn):
 # tests/test_readme.py checks against plan().
 
 Switches = collections.namedtuple("Switches", ["portable", "weight_cache", "sync_fused", "autocast_fused",
-                                              "lowp_gemm", "eager_ops"],
-                                  defaults=(True, True, "auto", False))
+                                              "lowp_gemm", "eager_ops", "small_m"],
+                                  defaults=(True, True, "auto", False, True))
 Switches.__doc__ = """What a user (the first two, from the environment at import)
 or a test (the rest: tests and tools replace SWITCHES) changes about the
 routes; nothing reads the environment per call:
@@ -629,7 +631,10 @@ routes; nothing reads the environment per call:
   lowp_gemm      "auto", or the Hopper 16-bit route every shape takes
                  (model_new_lowp.hopper_gemm)
   eager_ops      True: eager calls go through the fused_gemm_bn:: operators,
-                 as under torch.compile (tests run the operators' autograd)"""
+                 as under torch.compile (tests run the operators' autograd)
+  small_m        False: float32 batches of at most SMALL_M_MAX_ROWS rows take the
+                 tensor-core GEMM too instead of small_m_fp64 (tests and tools
+                 compare the two)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1")
 
@@ -648,8 +653,8 @@ scale_after_bn (problem 84)."""
 Plan = collections.namedtuple("Plan", ["name", "gemm", "kernels", "training", "grad"])
 Plan.__doc__ = """A call's path, from dispatch():
   name      <gemm>_<train|eval>[_grad]: what ModelNew.kernel_path returns
-  gemm      the GEMM kernel: sm90_fp16x3, sm80_3xtf32, lowp_sm90, lowp_cublas,
-            lowp_sm80, torch_ops, or empty (batch of 0)
+  gemm      the GEMM kernel: sm90_fp16x3, sm80_3xtf32, small_m_fp64, lowp_sm90,
+            lowp_cublas, lowp_sm80, torch_ops, or empty (batch of 0)
   kernels   who runs it: "ext" (the float32 extension), "lowp" (the 16-bit
             extension), "torch" (the _torch_* functions), or None (empty)
   training  batch statistics (True) or running statistics
@@ -683,6 +688,23 @@ def _float32_gemm(facts, switches):
     return "sm80_3xtf32"
 
 
+# The small-batch route (kernels/small_m_fp64.cu): float32 forwards of at most this many rows
+# read W once, with float64 products on the FP64 tensor cores.  The crossover against the
+# tensor-core GEMMs is measured (docs/perf.md v42).
+SMALL_M_MAX_ROWS = 16
+# GPUs with full-rate FP64 (the route's DMMA): A100 (8.0), H100 / H200 (9.0); sm_86 / sm_89 run
+# FP64 at 1/64 of that and keep the tensor-core GEMM.
+_FULL_RATE_FP64 = ((8, 0), (9, 0))
+
+
+def _small_m_gemm(call, facts, switches):
+    """Whether a float32 CUDA forward takes small_m_fp64: at most SMALL_M_MAX_ROWS rows, a
+    full-rate FP64 GPU, not eval with gradients (its gemm_nt products stay on the
+    tensor-core route), and switches.small_m."""
+    return (switches.small_m and call.m <= SMALL_M_MAX_ROWS and facts.capability in _FULL_RATE_FP64
+            and (call.training or not call.grad))
+
+
 def plan(call, facts=None, switches=None):
     """The Plan of `call` (a Call) on a GPU described by `facts` (DeviceFacts;
     needed for CUDA calls) under `switches` (default SWITCHES): the README's support matrix.
@@ -702,6 +724,8 @@ def plan(call, facts=None, switches=None):
         gemm = _LOWP.route(call, facts, switches)
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     gemm = _float32_gemm(facts, switches)
+    if _small_m_gemm(call, facts, switches):
+        gemm = "small_m_fp64"
     return Plan(f"{gemm}_{mode}", gemm, "ext", call.training, call.grad)
 
 
@@ -992,6 +1016,8 @@ def _weight_args(kernels, gemm, weight):
     row sums; None: the extension makes them); nothing for the other namespaces."""
     if kernels is not _ext:
         return ()
+    if gemm == "small_m_fp64":  # reads gemm.weight itself
+        return (None,)
     return (_weight_parts(weight, kind="fp16x3" if gemm == "sm90_fp16x3" else "row_sums"),)
 
 

@@ -34,6 +34,8 @@ From ModelNew.forward to the kernels (docs/design.md has the whole map):
                 bn.cu                                        * scale and bn into the epilogue
   sm80_3xtf32   centring.cu, prepass_3xtf32.cu,              gemm: mma.sync, 3xTF32; eval
                 sm80_gemm_3xtf32_bn.cu                       as above
+  small_m_fp64  small_m_fp64.cu (batches <= SMALL_M_MAX_ROWS: gemm: W read once, float64
+                no split of x or W first)                  products (DMMA); eval folds as above
   after the GEMM in training: bn_apply.cu (problem 33: statistics, running statistics, bn),
   bn_softmax.cu (84: the same, * scale, softmax); backward: softmax_rows_backward.cu (84),
   bn_backward.cu, prepass_fp16x3_backward.cu and the GEMM: grad_x = grad_z W, grad_W = grad_z^T x.
@@ -123,6 +125,14 @@ inline void check_training(const torch::Tensor& x, int M, int N, const torch::Te
 // The current stream of x's device: every launch goes there.
 inline cudaStream_t current_stream(const torch::Tensor& x) {
   return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+}
+
+// Streaming multiprocessors of x's device.
+inline int num_sms(const torch::Tensor& x) {
+  int sms = 0;
+  TORCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()) == cudaSuccess,
+              "fused_gemm_bn: cannot read the multiprocessor count of ", x.device());
+  return sms;
 }
 
 }  // namespace binding
@@ -2184,6 +2194,30 @@ cudaError_t lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_float32, bool t
                              float* dbeta, cudaStream_t stream);
 
 }  // namespace fused_gemm_bn
+
+// ==== small_m_fp64.cu: small batches (M <= small_m_fp64_max_rows()), float64 products (DMMA, sm_80+) ====
+// (appended block: the small-M route's launchers)
+namespace fused_gemm_bn {
+// The largest batch the small-M kernels take (32).
+int small_m_fp64_max_rows();
+// Bytes of float64 workspace for an (M, K) x (N, K) product on a GPU of num_sms SMs (the split
+// K's partial sums; 0 when K is not split: the workspace may then be null).  Pass the current
+// device's multiprocessor count: the launchers plan with it.
+int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms);
+// z = x @ w^T (M, N) rounded once from float64, and ONE statistics tile of the M rows:
+// part_mean, part_m2 (1, N) (bn_apply / bn_softmax_fold_train with num_m_tiles = 1, block_m = M).
+// x: (M, K) with row stride x_row_stride elements, column stride 1.  1 <= M <= 32, N, K >= 1.
+// num_batches_tracked (device int64, or null): += 1 in the same launch (a training call).
+cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K, float* z,
+                               float* part_mean, float* part_m2, int64_t* num_batches_tracked, double* workspace,
+                               cudaStream_t stream);
+// out = the eval-mode fold of z in float64 (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+// scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0): problem 33's output, or problem 84's
+// softmax input (then softmax_rows(out, out, nullptr, M, N)).
+cudaError_t small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
+                              const BatchNormArgs& bn, float* out, double* workspace, cudaStream_t stream);
+}  // namespace fused_gemm_bn
+// ==== end small_m_fp64.cu ====
 ''',
     'load_hints.cuh': r'''// load_hints.cuh -- global loads with an L2 eviction-priority hint.
 //
@@ -4966,6 +5000,548 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 }  // namespace sm90
 }  // namespace fused_gemm_bn
 ''',
+    'small_m_fp64.cu': r'''// small_m_fp64.cu -- the small-batch route (M = 1 .. 32 rows): one read of W,
+// products and sums in float64 on the FP64 tensor cores (DMMA), z rounded once
+// to float32, with the training statistics or the eval-mode fold in the same
+// kernel.  Portable: mma.sync m8n8k4 .f64 (sm_80+); nothing Hopper-only.
+//
+// Formula
+//   z[m, n] = sum_k x[m, k] * w[n, k]          (z = x @ W^T, no bias)
+//   train:  z (float32) and one statistics tile of the M rows:
+//           part_mean[n] = mean_m z[m, n],  part_m2[n] = sum_m (z[m, n] - part_mean[n])^2
+//           both from the float64 sums (before z is rounded), rounded once.
+//   eval:   out[m, n] = rn_f32(a[n] * z64[m, n] + c[n]) with, in float64,
+//           g = bn_weight / sqrt(running_var + eps),  a = scale * g and
+//             problem 33 (!scale_after_bn):  c = bn_bias + (scale * bias - running_mean) * g
+//             problem 84 ( scale_after_bn):  c = scale * (bn_bias + (bias - running_mean) * g)
+//           the formulas of model_new.py's _torch_forward_eval and of
+//           bn_eval_affine (bn_stats.cuh), here in float64 and applied to the
+//           unrounded z (bn_eval_affine is float32, as PyTorch's eval BatchNorm;
+//           its float32 a, c would cost more than the GEMM's error).  Problem 84's
+//           out is the softmax input v: the caller runs softmax_rows(v, out, nullptr, M, N).
+//           Null bias / bn_weight / bn_bias read as 0 / 1 / 0 (the existing eval
+//           epilogues read all six vectors unconditionally: the binding always passes them).
+//
+// Tensors
+//   x (M, K) float32, row stride x_row_stride elements, column stride 1, 4-byte aligned
+//   w (N, K) float32 row-major contiguous (K-major, nn.Linear's layout); 16-byte
+//       loads where K % 4 == 0 and w is 16-byte aligned, else 4-byte loads
+//   z, out (M, N) float32 contiguous;  part_mean, part_m2 (1, N) float32
+//   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms) bytes (pieces x M x N
+//       float64 partial sums; 0 and null-able when K is not split), 8-byte aligned
+//
+// Statistics contract (train): the M rows are ONE tile, so the existing
+//   merge (bn_stats.cuh merge_tile_statistics, tile t holding min(block_m, M -
+//   t block_m) rows) reads it with num_m_tiles = 1 and block_m = M (any block_m
+//   >= M is the same): bn_apply(z, out, part_mean, part_m2, 1, M, M, N, bn, coeff,
+//   stats, stream) for problem 33 (coeff unused at 1 tile <= kFusedMaxTiles; M >= 2,
+//   as bn_apply requires), bn_softmax_fold_train(part_mean, part_m2, 1, M, M, N, bn,
+//   coeff, stats, stream) then softmax_rows(z, out, coeff, M, N, stream) for 84.
+//   The merge then gives mean = float(mean64) exactly (M * mean / M) and m2 =
+//   float(M2_64).
+//
+// Numerics
+//   Conversions are exact: x's floats are staged in shared memory as the doubles
+//   x * 2^896, w's floats enter the MMA as the doubles w * 2^-896 (bit moves,
+//   f32_to_f64_times_2m896 below: exact for every finite float, subnormals
+//   included; tools/small_m_check.cu compares them with ldexp on 2^24 patterns), so
+//   each product is x*w exactly (a float product has <= 48 significant bits).
+//   (A float-subnormal w becomes a double subnormal: the FP64 MMA is assumed to
+//   honour subnormal operands as DFMA does; the check's inputs are normal.)
+//   Products are accumulated in float64 (round to nearest; the order of the K
+//   terms differs from a plain loop: per warp over its chunks, then the K slices
+//   in warp order, then the pieces in piece order), so with u64 = 2^-53
+//       |z64 - z| <= (K + 8) u64 sum_k |x[m, k] w[n, k]|
+//   and z = rn_f32(z64) is within 0.5 ulp(z) + that: within 1 ulp of the
+//   correctly rounded value wherever sum_k |x w| / |z| <= 2^29 / (K + 8)
+//   (65472 at K = 8192: only heavy cancellation breaks it).  mean and M2 are
+//   formed in float64 from z64 (M2 as sum (z64 - mean)^2: no E[z^2] - E[z]^2
+//   cancellation) and rounded once; eval's a, c and a z64 + c in float64,
+//   rounded once.  tools/small_m_check.cu checks every element against these
+//   bounds (reference: exact products, long double sums).
+//   Inputs must be finite: a non-finite x or W element does not propagate as
+//   NaN/Inf (its exponent field lands inside the double range: a large finite term).
+//
+// Work split (SmallMTraits below; kMBlocks = 1, 2, 4 for M <= 8, 16, 32)
+//   CTA: 12 warps = kWarpsN (2) feature halves x kWarpsK (6) K slices, 384
+//   threads, one CTA per SM (<= 168 registers: with 512 threads the 128-register
+//   cap spilled).  BLOCK_N = kWarpsN x kFeatGroups x 8 = 64 features (32 at
+//   kMBlocks = 4): whole W rows, so a feature's sums end in one CTA.  Each warp
+//   keeps kFeatGroups x kMBlocks DMMA accumulators (8 features x 8 batch rows
+//   each): A = 8 W rows x 4 k (lane (g, t) holds W[g][k0 + 4t + s] for step s:
+//   one 16-byte load gives its 4 steps), B = 4 k x 8 batch rows of x, from shared
+//   memory in fragment order (one conflict-free 16-byte load per two steps).
+//   x is staged in tiles of BLOCK_K = 384 / kMBlocks columns (kRows x BLOCK_K
+//   doubles = 24 KB, double-buffered, one __syncthreads per tile; the next
+//   tile's floats are loaded into registers while the current one is used);
+//   each warp's W loads run kRing - 1 = 2 chunks (16 k) ahead in registers.
+//   At the end the K slices are summed through shared memory in warp order, and
+//   either the epilogue runs (one thread per feature), or, with K split into
+//   pieces (fewer feature blocks than SMs), each piece stores its float64 sums to
+//   the workspace and small_m_fp64_finish_kernel adds the pieces in piece order
+//   and runs the epilogue.  No atomics: the same bits on every run.
+//
+// Performance model (predictions, not measurements: tools/small_m_check.cu
+// measures the kernel next to the floor on the GPU).
+//   Floor: W read once, 4 N K bytes (268 MB at N = K = 8192: ~90 us on an H100,
+//   ~60 us on an H200, half of a device-to-device copy of W).
+//   DFMA would not keep up at M = 16: 64 DFMA/clk/SM x 132 SMs x 1.75 GHz =
+//   14.8e12/s, and 16 x 8192^2 = 1.07e9 products take 72.6 us at full issue (over
+//   the H200's floor, 0.8x the H100's), plus the float -> double conversions
+//   (16/clk/SM for 64-bit types, CUDA C++ Programming Guide, arithmetic
+//   instructions table, cc 8.0 / 9.0).  The FP64 tensor core does 128 FMA/clk/SM
+//   (H100 SXM: 67 TFLOP/s FP64 Tensor Core = 128 x 2 x 132 x 1.98 GHz): 36 us at
+//   M = 9 .. 16 and 18 us at M <= 8 (an 8-row block costs the same whatever the
+//   rows used) at 1.75 GHz, 73 us at M = 17 .. 32 (compute-bound on an H200).
+//   Per 16-k chunk a warp issues 4 kFeatGroups kMBlocks DMMAs (8 clk each on its
+//   SM sub-partition), kFeatGroups 16-byte W loads, 4 kFeatGroups conversions of
+//   3 integer ops (INT pipe, not FP64) and 2 kMBlocks 16-byte shared loads:
+//   ~110 issue slots against 256 DMMA clocks at kMBlocks = 2.  x staging: 2
+//   integer ops + 2 DMUL per x element per CTA: 6% of the FP64 pipe at M = 16.
+//   Shared memory: 0.125 B per FMA at kFeatGroups = 4 (16 B/clk/SM of 128).
+//   L2 -> SM: every CTA reads all of x once: ceil(N / BLOCK_N) x 4 M K bytes =
+//   64 MB at N = K = 8192, M = 16 (a quarter of W's bytes).
+//   W in flight per SM: 384 threads x kFeatGroups x 16 B x 2 chunks ahead = 48 KB
+//   (kFeatGroups = 4; 24 KB at kMBlocks = 4).  Little's law at ~700 ns loaded DRAM
+//   latency needs ~18 KB/SM (H100: 3.35 TB/s / 132 SMs = 25 B/ns) to ~26 KB/SM
+//   (H200: 36 B/ns).
+//   Predicted at N = K = 8192: M <= 16 memory-bound at ~1.05-1.1x the floor
+//   (128 CTAs on 132 SMs stream W; a few us of launch, pipeline fill and
+//   epilogue); M = 32: ~1.1x on an H100, >= 1.2x on an H200 (compute).  Small
+//   shapes ((4096, 512): 8 MB of W, 11 pieces) are latency-bound: two launches
+//   and the pipeline fill make the ratio to a 1-3 us floor well above 1.15.
+//
+// Preconditions: 1 <= M <= kSmallMMaxRows (32), N >= 1, K >= 1, finite inputs;
+// eval: bn.scale, bn.running_mean, bn.running_var not null; workspace as above.
+// SM 8.0+ (mma.sync .f64; runs, slowly, where FP64 is 1/64 rate: sm_86 / sm_89).
+// Sources: PTX ISA, "Warp-level matrix multiply-accumulate instructions",
+// mma.m8n8k4 with .f64 (fragment layouts); IEEE 754 binary64 format; CUDA C++
+// Programming Guide, "Arithmetic Instructions" (throughput table).
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <algorithm>
+
+#include "device_facts.cuh"
+#include "launchers.cuh"
+#include "load_hints.cuh"
+#include "pdl.cuh"
+
+namespace fused_gemm_bn {
+
+constexpr int kSmallMMaxRows = 32;
+
+// One traits struct per batch block count (kMBlocks 8-row blocks: M <= 8, 16, 32).
+template <int kMBlocks_>
+struct SmallMTraits {
+  static constexpr int kMBlocks = kMBlocks_;
+  static constexpr int kRows = kMBlocks * 8;  // batch rows held (M padded)
+  // 8-feature groups per warp: F x kMBlocks accumulator pairs (<= 8 pairs = 32
+  // registers), F reuses of each x fragment.
+  static constexpr int kFeatGroups = kMBlocks <= 2 ? 4 : 2;
+  static constexpr int kWarpsN = 2;
+  // 12 warps: 384 threads, one CTA per SM, up to 168 registers per thread (at
+  // 512 threads the 128-register cap spilled with 2 chunks in registers).
+  static constexpr int kWarpsK = 6;
+  static constexpr int kNumWarps = kWarpsN * kWarpsK;
+  static constexpr int kNumThreads = kNumWarps * 32;
+  static constexpr int BLOCK_N = kWarpsN * kFeatGroups * 8;
+  static constexpr int CHUNK_K = 16;  // one 16-byte W load per lane and group
+  // x tile: kRows x BLOCK_K doubles = 24 KB per buffer whatever kMBlocks.
+  static constexpr int kChunksPerWarp = 4 / kMBlocks;
+  static constexpr int BLOCK_K = kChunksPerWarp * CHUNK_K * kWarpsK;
+  static constexpr int kXTileBytes = kRows * BLOCK_K * 8;
+  static constexpr int kXPerThread = kRows * BLOCK_K / kNumThreads;  // staged floats per thread per tile
+  // W chunks in registers: the one being used and kRing - 1 loaded ahead.
+  static constexpr int kRing = 3;
+  // The final K-slice reduction: kNumWarps x 32 lanes x F x kMBlocks x 2 doubles.
+  // Then each feature's float64 sums z64[n][m] (BLOCK_N x kRows doubles) after it.
+  static constexpr int kReduceBytes = kNumWarps * 32 * kFeatGroups * kMBlocks * 2 * 8;
+  static constexpr int kZsumBytes = BLOCK_N * kRows * 8;
+  static constexpr int kSmemBytes =
+      2 * kXTileBytes > kReduceBytes + kZsumBytes ? 2 * kXTileBytes : kReduceBytes + kZsumBytes;
+  static_assert(kChunksPerWarp >= 1 && BLOCK_K == kChunksPerWarp * CHUNK_K * kWarpsK, "x tile splits over warps");
+  static_assert(kRows * BLOCK_K % kNumThreads == 0, "x tile splits over threads");
+  static_assert(BLOCK_N <= kNumThreads, "one thread per feature in the epilogue");
+};
+
+struct SmallMArgs {
+  const float* x;
+  int64_t x_row_stride;
+  const float* w;
+  int M, N, K;
+  int pieces;           // K split: blockIdx.y = piece; 1: the epilogue runs in the GEMM kernel
+  int tiles_per_piece;  // BLOCK_K tiles per piece (the last piece: the rest)
+  double* partials;     // (pieces, M, N) float64, pieces > 1
+  // train
+  float* z;
+  float* part_mean;
+  float* part_m2;
+  int64_t* num_batches_tracked;  // += 1 by the GEMM kernel's first thread when not null
+  // eval: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn
+  BatchNormArgs bn;
+  float* out;
+};
+
+// w * 2^-896 exactly, for every finite float w: w's sign, exponent and
+// mantissa bits moved into a double's fields without rebiasing the exponent
+// (a float of exponent field e, mantissa f is 2^(e-127) 1.f; the double with
+// the same fields is 2^(e-1023) 1.f; subnormals (e = 0) scale the same way).
+// Three integer ops, no FP64 conversion (16/clk/SM) on the FP64 pipe.
+__device__ __forceinline__ double f32_to_f64_times_2m896(float w) {
+  const uint32_t b = __float_as_uint(w);
+  const int hi = (static_cast<int>(b) >> 3) & static_cast<int>(0x8fffffffu);
+  return __hiloint2double(hi, static_cast<int>(b << 29));
+}
+
+// x * 2^896 exactly (|x| < 2^128: below 2^1024, no overflow).
+__device__ __forceinline__ double f32_to_f64_times_2p896(float x) {
+  return f32_to_f64_times_2m896(x) * 0x1p896 * 0x1p896;
+}
+
+// D = A B + D, A 8x4 (row), B 4x8 (col), float64 (PTX ISA mma.m8n8k4 .f64):
+// lane = 4 g + t holds a = A[g][t], b = B[t][g], d = D[g][2t], D[g][2t + 1].
+__device__ __forceinline__ void dmma_m8n8k4(double& d0, double& d1, double a, double b) {
+  asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
+      : "+d"(d0), "+d"(d1)
+      : "d"(a), "d"(b));
+}
+
+// The per-feature epilogue of feature n from its float64 sums zd[0 .. M).
+template <int kRows, bool kEval>
+__device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, int n, const double (&zd)[kRows]) {
+  const int M = p.M, N = p.N;
+  if constexpr (kEval) {
+    const BatchNormArgs& bn = p.bn;
+    const double bias = bn.bias != nullptr ? static_cast<double>(bn.bias[n]) : 0.0;
+    const double gamma = bn.bn_weight != nullptr ? static_cast<double>(bn.bn_weight[n]) : 1.0;
+    const double beta = bn.bn_bias != nullptr ? static_cast<double>(bn.bn_bias[n]) : 0.0;
+    const double s = bn.scale[n], rm = bn.running_mean[n];
+    const double g = gamma / sqrt(static_cast<double>(bn.running_var[n]) + static_cast<double>(bn.eps));
+    const double a = s * g;
+    const double c = bn.scale_after_bn ? s * fma(bias - rm, g, beta) : fma(fma(s, bias, -rm), g, beta);
+#pragma unroll
+    for (int m = 0; m < kRows; ++m)
+      if (m < M) p.out[static_cast<size_t>(m) * N + n] = static_cast<float>(fma(a, zd[m], c));
+  } else {
+    double mean = 0.0;
+#pragma unroll
+    for (int m = 0; m < kRows; ++m)
+      if (m < M) {
+        mean += zd[m];
+        p.z[static_cast<size_t>(m) * N + n] = static_cast<float>(zd[m]);
+      }
+    mean /= static_cast<double>(M);
+    double m2 = 0.0;
+#pragma unroll
+    for (int m = 0; m < kRows; ++m)
+      if (m < M) m2 = fma(zd[m] - mean, zd[m] - mean, m2);
+    p.part_mean[n] = static_cast<float>(mean);
+    p.part_m2[n] = static_cast<float>(m2);
+  }
+}
+
+// Loads the W chunk of k columns [k, k + 4) of row `row` (one lane's 4 steps);
+// zeros past k_end or past N.
+template <bool kVec16>
+__device__ __forceinline__ float4 load_w_chunk(const float* w_row, bool row_ok, int k, int k_end) {
+  if constexpr (kVec16) {
+    // K % 4 == 0 and k % 4 == 0: k < k_end means all four are in range.
+    if (row_ok && k < k_end) return ld_evict_first_f4(w_row + k);
+    return make_float4(0.f, 0.f, 0.f, 0.f);
+  } else {
+    float4 v;
+    v.x = row_ok && k < k_end ? __ldg(w_row + k) : 0.f;
+    v.y = row_ok && k + 1 < k_end ? __ldg(w_row + k + 1) : 0.f;
+    v.z = row_ok && k + 2 < k_end ? __ldg(w_row + k + 2) : 0.f;
+    v.w = row_ok && k + 3 < k_end ? __ldg(w_row + k + 3) : 0.f;
+    return v;
+  }
+}
+
+// grid (ceil(N / BLOCK_N), pieces), kNumThreads threads, T::kSmemBytes of
+// dynamic shared memory.
+template <class T, bool kEval, bool kVec16>
+__global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const SmallMArgs p) {
+  constexpr int F = T::kFeatGroups, MB = T::kMBlocks, kRing = T::kRing;
+  extern __shared__ __align__(16) unsigned char small_m_smem[];
+  double* xs = reinterpret_cast<double*>(small_m_smem);  // [2][BLOCK_K / 16][MB][2][32 lanes] double2
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int warp_n = warp / T::kWarpsK, warp_k = warp % T::kWarpsK;
+  // nn.BatchNorm1d's step counter, once per training call (the pre-pass does it on the other routes).
+  if (p.num_batches_tracked != nullptr && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0) *p.num_batches_tracked += 1;
+  const int n0 = blockIdx.x * T::BLOCK_N + warp_n * F * 8;
+  const int M = p.M, N = p.N, K = p.K;
+  const int piece = blockIdx.y;
+  const int tile_begin = piece * p.tiles_per_piece;
+  const int k_begin = tile_begin * T::BLOCK_K;
+  const int k_end = min(K, k_begin + p.tiles_per_piece * T::BLOCK_K);
+  const int num_tiles = (k_end - k_begin + T::BLOCK_K - 1) / T::BLOCK_K;
+  const int num_items = num_tiles * T::kChunksPerWarp;
+
+  // Row n0 + 8 f + g of group f is at w_lane + 8 f K (formed per load: registers are the limit).
+  const float* w_lane = p.w + static_cast<size_t>(n0 + g) * K;
+  // Item i: tile i / kChunksPerWarp, chunk (i % kChunksPerWarp) * kWarpsK + warp_k
+  // of it (the warps of a CTA read adjacent 64-byte pieces of each row).
+  auto item_k = [&](int i) {
+    return k_begin + (i / T::kChunksPerWarp) * T::BLOCK_K +
+           ((i % T::kChunksPerWarp) * T::kWarpsK + warp_k) * T::CHUNK_K + 4 * t;
+  };
+  auto load_item = [&](int i, float4 (&dst)[F]) {
+    const int k = item_k(i);
+#pragma unroll
+    for (int f = 0; f < F; ++f)
+      dst[f] = load_w_chunk<kVec16>(w_lane + static_cast<size_t>(8 * f) * K, n0 + 8 * f + g < N && i < num_items, k,
+                                    k_end);
+  };
+
+  // x tile staging: element e = tid + r * kNumThreads of the tile is row e / BLOCK_K,
+  // column e % BLOCK_K (coalesced along k); rows >= M and columns >= k_end are 0.
+  float xr[T::kXPerThread];
+  auto load_x_tile = [&](int tile) {
+    const int k0 = k_begin + tile * T::BLOCK_K;
+#pragma unroll
+    for (int r = 0; r < T::kXPerThread; ++r) {
+      const int e = tid + r * T::kNumThreads;
+      const int m = e / T::BLOCK_K, k = k0 + e % T::BLOCK_K;
+      xr[r] = tile < num_tiles && m < M && k < k_end ? __ldg(p.x + m * p.x_row_stride + k) : 0.f;
+    }
+  };
+  // Fragment order: the double at chunk c, batch block mb, step s, lane (g, t)
+  // is x[8 mb + g][16 c + 4 t + s] * 2^896, at ((c MB + mb) 2 + s / 2) 32 + lane
+  // (double2 units), component s % 2: each B-fragment pair is one conflict-free 16-byte load.
+  auto store_x_tile = [&](int buf) {
+    double* dst = xs + buf * (T::kXTileBytes / 8);
+#pragma unroll
+    for (int r = 0; r < T::kXPerThread; ++r) {
+      const int e = tid + r * T::kNumThreads;
+      const int m = e / T::BLOCK_K, kl = e % T::BLOCK_K;
+      const int c = kl / 16, tt = (kl / 4) % 4, s = kl % 4;
+      const int idx = (((c * MB + m / 8) * 2 + s / 2) * 32 + (m % 8) * 4 + tt) * 2 + (s % 2);
+      dst[idx] = f32_to_f64_times_2p896(xr[r]);
+    }
+  };
+
+  double acc[F][MB][2];
+#pragma unroll
+  for (int f = 0; f < F; ++f)
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) acc[f][mb][0] = acc[f][mb][1] = 0.0;
+
+  float4 wbuf[kRing][F];
+#pragma unroll
+  for (int r = 0; r < kRing; ++r) load_item(r, wbuf[r]);
+  load_x_tile(0);
+
+  for (int i0 = 0; i0 < num_items; i0 += kRing) {
+#pragma unroll
+    for (int r = 0; r < kRing; ++r) {
+      const int i = i0 + r;
+      if (i < num_items) {  // uniform over the CTA: every warp has num_items items
+        const int tile = i / T::kChunksPerWarp, j = i % T::kChunksPerWarp;
+        if (j == 0) {
+          // Buffer tile % 2 was last read in tile - 2, before every thread passed
+          // the barrier of tile - 1.
+          store_x_tile(tile & 1);
+          __syncthreads();
+          load_x_tile(tile + 1);
+        }
+        const double2* xf = reinterpret_cast<const double2*>(xs + (tile & 1) * (T::kXTileBytes / 8)) +
+                            ((j * T::kWarpsK + warp_k) * MB * 2) * 32 + lane;
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {  // steps s = 2 pair, 2 pair + 1: one x load per batch block
+          double2 xb[MB];
+#pragma unroll
+          for (int mb = 0; mb < MB; ++mb) xb[mb] = xf[(mb * 2 + pair) * 32];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int f = 0; f < F; ++f) {
+              const float4& wv = wbuf[r][f];
+              const double a = f32_to_f64_times_2m896(pair == 0 ? (h == 0 ? wv.x : wv.y) : (h == 0 ? wv.z : wv.w));
+#pragma unroll
+              for (int mb = 0; mb < MB; ++mb) dmma_m8n8k4(acc[f][mb][0], acc[f][mb][1], a, h == 0 ? xb[mb].x : xb[mb].y);
+            }
+          }
+        }
+        load_item(i + kRing, wbuf[r]);
+      }
+    }
+  }
+
+  // Sum the kWarpsK K slices in warp order: red[warp][f][mb][h][lane].
+  __syncthreads();
+  double* red = reinterpret_cast<double*>(small_m_smem);
+#pragma unroll
+  for (int f = 0; f < F; ++f)
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) red[(((warp * F + f) * MB + mb) * 2 + h) * 32 + lane] = acc[f][mb][h];
+  __syncthreads();
+  // zsum[feature_local][m]: after the reduction area.
+  double* zsum = red + T::kNumWarps * 32 * F * MB * 2;
+  for (int o = tid; o < T::BLOCK_N * T::kRows; o += T::kNumThreads) {
+    // o -> (warp_n, f, mb, h, lane); feature = warp_n F 8 + f 8 + g, row m = 8 mb + 2 t + h.
+    const int ln = o % 32, h = (o / 32) % 2, mb = (o / 64) % MB, f = (o / (64 * MB)) % F, wn = o / (64 * MB * F);
+    double v = 0.0;
+#pragma unroll
+    for (int wk = 0; wk < T::kWarpsK; ++wk)
+      v += red[((((wn * T::kWarpsK + wk) * F + f) * MB + mb) * 2 + h) * 32 + ln];
+    const int nl = wn * F * 8 + f * 8 + (ln >> 2), m = 8 * mb + 2 * (ln & 3) + h;
+    zsum[nl * T::kRows + m] = v;
+  }
+  __syncthreads();
+  if (tid >= T::BLOCK_N) return;
+  const int n = blockIdx.x * T::BLOCK_N + tid;
+  if (n >= N) return;
+  double zd[T::kRows];
+#pragma unroll
+  for (int m = 0; m < T::kRows; ++m) zd[m] = zsum[tid * T::kRows + m];
+  if (p.pieces > 1) {
+#pragma unroll
+    for (int m = 0; m < T::kRows; ++m)
+      if (m < M) p.partials[(static_cast<size_t>(piece) * M + m) * N + n] = zd[m];
+    return;
+  }
+  small_m_feature_epilogue<T::kRows, kEval>(p, n, zd);
+}
+
+// K split: z64[m, n] = sum over pieces in piece order, then the epilogue; one thread per feature.
+template <int kRows, bool kEval>
+__global__ void __launch_bounds__(256) small_m_fp64_finish_kernel(const SmallMArgs p) {
+  pdl_wait_then_release();
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= p.N) return;
+  double zd[kRows];
+#pragma unroll
+  for (int m = 0; m < kRows; ++m) {
+    zd[m] = 0.0;
+    if (m < p.M)
+      for (int q = 0; q < p.pieces; ++q) zd[m] += p.partials[(static_cast<size_t>(q) * p.M + m) * p.N + n];
+  }
+  small_m_feature_epilogue<kRows, kEval>(p, n, zd);
+}
+
+// K pieces: 1 when the feature blocks fill the SMs (one CTA per SM), else as
+// many as fill them once (each at least one BLOCK_K tile, at most kMaxPieces).
+constexpr int kSmallMMaxPieces = 32;
+struct SmallMPlan {
+  int m_blocks = 0;  // 1, 2, 4: the traits
+  int block_n = 0, block_k = 0;
+  int pieces = 1, tiles_per_piece = 0;
+};
+
+static SmallMPlan small_m_plan(int M, int N, int K, int num_sms) {
+  SmallMPlan plan;
+  plan.m_blocks = M <= 8 ? 1 : M <= 16 ? 2 : 4;
+  switch (plan.m_blocks) {
+    case 1: plan.block_n = SmallMTraits<1>::BLOCK_N, plan.block_k = SmallMTraits<1>::BLOCK_K; break;
+    case 2: plan.block_n = SmallMTraits<2>::BLOCK_N, plan.block_k = SmallMTraits<2>::BLOCK_K; break;
+    default: plan.block_n = SmallMTraits<4>::BLOCK_N, plan.block_k = SmallMTraits<4>::BLOCK_K; break;
+  }
+  const int feature_blocks = (N + plan.block_n - 1) / plan.block_n;
+  const int num_tiles = (K + plan.block_k - 1) / plan.block_k;
+  int pieces = feature_blocks >= num_sms ? 1 : num_sms / feature_blocks;
+  pieces = std::max(1, std::min({pieces, num_tiles, kSmallMMaxPieces}));
+  plan.tiles_per_piece = (num_tiles + pieces - 1) / pieces;
+  plan.pieces = (num_tiles + plan.tiles_per_piece - 1) / plan.tiles_per_piece;
+  return plan;
+}
+
+template <class T, bool kEval, bool kVec16>
+static cudaError_t launch_small_m_gemm(const SmallMArgs& p, int device, cudaStream_t stream) {
+  auto kernel = small_m_fp64_kernel<T, kEval, kVec16>;
+  // The shared-memory opt-in once per device and kernel (a host call per launch
+  // would sit inside a small launch's time); a racing second set is harmless.
+  static bool configured[kMaxCachedDevices] = {};
+  cudaError_t err = cudaSuccess;
+  if (device >= kMaxCachedDevices || !configured[device]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    if (device < kMaxCachedDevices) configured[device] = true;
+  }
+  // The GEMM releases no dependent early (pdl.cuh: measured slower for the big GEMM).
+  kernel<<<dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), T::kNumThreads, T::kSmemBytes, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || p.pieces == 1) return err;
+  return launch_kernel(small_m_fp64_finish_kernel<T::kRows, kEval>, dim3((p.N + 255) / 256), dim3(256), 0, stream,
+                       p);
+}
+
+template <bool kEval>
+static cudaError_t launch_small_m(SmallMArgs p, double* workspace, cudaStream_t stream) {
+  DeviceFacts facts;
+  int device = 0;
+  cudaError_t err = current_device_facts(&facts);
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const SmallMPlan plan = small_m_plan(p.M, p.N, p.K, facts.num_sms);
+  p.pieces = plan.pieces;
+  p.tiles_per_piece = plan.tiles_per_piece;
+  if (plan.pieces > 1) {
+    if (workspace == nullptr) return cudaErrorInvalidValue;
+    p.partials = workspace;
+  }
+  const bool vec16 = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
+  switch (plan.m_blocks) {
+    case 1:
+      return vec16 ? launch_small_m_gemm<SmallMTraits<1>, kEval, true>(p, device, stream)
+                   : launch_small_m_gemm<SmallMTraits<1>, kEval, false>(p, device, stream);
+    case 2:
+      return vec16 ? launch_small_m_gemm<SmallMTraits<2>, kEval, true>(p, device, stream)
+                   : launch_small_m_gemm<SmallMTraits<2>, kEval, false>(p, device, stream);
+    default:
+      return vec16 ? launch_small_m_gemm<SmallMTraits<4>, kEval, true>(p, device, stream)
+                   : launch_small_m_gemm<SmallMTraits<4>, kEval, false>(p, device, stream);
+  }
+}
+
+static bool small_m_shape_ok(int M, int N, int K) { return M >= 1 && M <= kSmallMMaxRows && N >= 1 && K >= 1; }
+
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launchers (declared in launchers.cuh)
+// ---------------------------------------------------------------------------
+
+int fused_gemm_bn::small_m_fp64_max_rows() { return kSmallMMaxRows; }
+
+int64_t fused_gemm_bn::small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms) {
+  if (!small_m_shape_ok(M, N, K) || num_sms < 1) return 0;
+  const SmallMPlan plan = small_m_plan(M, N, K, num_sms);
+  return plan.pieces > 1 ? static_cast<int64_t>(plan.pieces) * M * N * static_cast<int64_t>(sizeof(double)) : 0;
+}
+
+cudaError_t fused_gemm_bn::small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N,
+                                              int K, float* z, float* part_mean, float* part_m2,
+                                              int64_t* num_batches_tracked, double* workspace, cudaStream_t stream) {
+  if (!small_m_shape_ok(M, N, K) || x == nullptr || w == nullptr || z == nullptr || part_mean == nullptr ||
+      part_m2 == nullptr)
+    return cudaErrorInvalidValue;
+  SmallMArgs p{};
+  p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
+  p.z = z, p.part_mean = part_mean, p.part_m2 = part_m2, p.num_batches_tracked = num_batches_tracked;
+  return launch_small_m<false>(p, workspace, stream);
+}
+
+// bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn.
+cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N,
+                                             int K, const BatchNormArgs& bn, float* out, double* workspace,
+                                             cudaStream_t stream) {
+  if (!small_m_shape_ok(M, N, K) || x == nullptr || w == nullptr || out == nullptr || bn.scale == nullptr ||
+      bn.running_mean == nullptr || bn.running_var == nullptr)
+    return cudaErrorInvalidValue;
+  SmallMArgs p{};
+  p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
+  p.bn = bn;
+  p.out = out;
+  return launch_small_m<true>(p, workspace, stream);
+}
+''',
     'softmax_rows_backward.cu': r'''// softmax_rows_backward.cu -- the backward of problem 84's row softmax (KernelBench
 // level 2, problem 84: out = softmax(v) along dim 1), in one kernel:
 //
@@ -5209,13 +5785,16 @@ using fgb::binding::check_training;
 using fgb::binding::current_stream;
 using fgb::binding::feature_vector;
 
-// The GEMM kernels a `gemm` name selects.
-enum class Gemm { kSm80, kFp16x3 };
+// The GEMM kernels a `gemm` name selects.  small_m_fp64 (small batches, small_m_fp64.cu) runs
+// the forwards only (forward_train, forward_eval, forward_train_saved, sync_forward_local).
+enum class Gemm { kSm80, kFp16x3, kSmallM };
 
-Gemm parse_gemm(const std::string& name) {
+Gemm parse_gemm(const std::string& name, bool forward = false) {
   if (name == "sm90_fp16x3") return Gemm::kFp16x3;
   if (name == "sm80_3xtf32") return Gemm::kSm80;
-  TORCH_CHECK(false, "fused_gemm_bn: unknown GEMM kernel '", name, "' (expected sm90_fp16x3 or sm80_3xtf32)");
+  if (forward && name == "small_m_fp64") return Gemm::kSmallM;
+  TORCH_CHECK(false, "fused_gemm_bn: unknown GEMM kernel '", name, "' (expected sm90_fp16x3, sm80_3xtf32",
+              forward ? " or small_m_fp64)" : ")");
 }
 
 bool is_fp16x3(Gemm g) { return g == Gemm::kFp16x3; }
@@ -5473,11 +6052,45 @@ struct TrainGemm {
   int block_m, num_m_tiles;
 };
 
+// x with unit column stride (small_m_fp64 reads rows of x through a row stride).
+torch::Tensor with_unit_column_stride(const torch::Tensor& x) {
+  return x.stride(1) == 1 || x.size(1) <= 1 ? x : x.contiguous();
+}
+
+// small_m_fp64's float64 workspace (split K), or an undefined tensor where it needs none.
+torch::Tensor small_m_workspace(const torch::Tensor& x, int M, int N, int K) {
+  const int64_t bytes = fgb::small_m_fp64_workspace_bytes(M, N, K, fgb::binding::num_sms(x));
+  return bytes > 0 ? torch::empty({bytes / 8}, x.options().dtype(torch::kFloat64)) : torch::Tensor();
+}
+
+double* data_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<double>() : nullptr; }
+
+// The training GEMM of the small-batch route: z and its M rows' statistics as one tile
+// (num_m_tiles = 1, block_m = M), num_batches_tracked += 1 in the same launch.
+TrainGemm small_m_train_gemm(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& z, int64_t* counter,
+                             int M, int N, int K, cudaStream_t stream) {
+  TrainGemm g;
+  g.block_m = M;
+  g.num_m_tiles = 1;
+  g.storage = torch::empty({5 * static_cast<int64_t>(N)}, x.options());
+  g.part_mean = g.storage.data_ptr<float>();
+  g.part_m2 = g.part_mean + N;
+  g.coeff = g.part_m2 + N;
+  const torch::Tensor xr = with_unit_column_stride(x);
+  const torch::Tensor workspace = small_m_workspace(x, M, N, K);
+  check_launch(fgb::small_m_fp64_train(xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), M, N, K,
+                                       z.data_ptr<float>(), g.part_mean, g.part_m2, counter, data_or_null(workspace),
+                                       stream),
+               "small_m_fp64_train");
+  return g;
+}
+
 TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, int64_t* counter, int M, int N,
                      int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
   TrainGemm g;
+  if (gemm == Gemm::kSmallM) return small_m_train_gemm(x, weight, z, counter, M, N, K, stream);
   g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m(M);
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
   const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
@@ -5531,7 +6144,7 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
                                          const torch::Tensor& num_batches_tracked, double momentum, double eps,
                                          bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
   t.scale = feature_vector(t.scale);
-  const Gemm gemm = parse_gemm(gemm_name);
+  const Gemm gemm = parse_gemm(gemm_name, true);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
   check_bn_tensors(t, N, x);
@@ -5573,7 +6186,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
                            c10::optional<torch::Tensor> w_parts) {
   scale = feature_vector(scale);
-  const Gemm gemm = parse_gemm(gemm_name);
+  const Gemm gemm = parse_gemm(gemm_name, true);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
   check_bn_tensors(t, N, x);
@@ -5583,7 +6196,13 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   if (M == 0 || N == 0) return out;
   const float* w = weight.data_ptr<float>();
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn);
-  if (is_fp16x3(gemm)) {
+  if (gemm == Gemm::kSmallM) {
+    const torch::Tensor xr = with_unit_column_stride(x);
+    const torch::Tensor workspace = small_m_workspace(x, M, N, K);
+    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, out.data_ptr<float>(),
+                                        data_or_null(workspace), stream),
+                 "small_m_fp64_eval");
+  } else if (is_fp16x3(gemm)) {
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, nullptr, stream);
     check_launch(fgb::sm90_gemm_fp16x3_eval(xs.parts, wp.parts, out.data_ptr<float>(), bn, M, N, xs.k_pad,
@@ -5940,7 +6559,7 @@ void check_f64_rows(const torch::Tensor& t, const char* name, int64_t rows, int6
 std::vector<torch::Tensor> sync_forward_local(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight,
                                               torch::Tensor bias, torch::Tensor num_batches_tracked,
                                               c10::optional<torch::Tensor> w_parts) {
-  const Gemm gemm = parse_gemm(gemm_name);
+  const Gemm gemm = parse_gemm(gemm_name, true);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
   check_vector(bias, "gemm.bias", N, x);
@@ -6588,8 +7207,8 @@ def module_call(gemm, bn):
 # tests/test_readme.py checks against plan().
 
 Switches = collections.namedtuple("Switches", ["portable", "weight_cache", "sync_fused", "autocast_fused",
-                                              "lowp_gemm", "eager_ops"],
-                                  defaults=(True, True, "auto", False))
+                                              "lowp_gemm", "eager_ops", "small_m"],
+                                  defaults=(True, True, "auto", False, True))
 Switches.__doc__ = """What a user (the first two, from the environment at import)
 or a test (the rest: tests and tools replace SWITCHES) changes about the
 routes; nothing reads the environment per call:
@@ -6604,7 +7223,10 @@ routes; nothing reads the environment per call:
   lowp_gemm      "auto", or the Hopper 16-bit route every shape takes
                  (model_new_lowp.hopper_gemm)
   eager_ops      True: eager calls go through the fused_gemm_bn:: operators,
-                 as under torch.compile (tests run the operators' autograd)"""
+                 as under torch.compile (tests run the operators' autograd)
+  small_m        False: float32 batches of at most SMALL_M_MAX_ROWS rows take the
+                 tensor-core GEMM too instead of small_m_fp64 (tests and tools
+                 compare the two)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1")
 
@@ -6623,8 +7245,8 @@ scale_after_bn (problem 84)."""
 Plan = collections.namedtuple("Plan", ["name", "gemm", "kernels", "training", "grad"])
 Plan.__doc__ = """A call's path, from dispatch():
   name      <gemm>_<train|eval>[_grad]: what ModelNew.kernel_path returns
-  gemm      the GEMM kernel: sm90_fp16x3, sm80_3xtf32, lowp_sm90, lowp_cublas,
-            lowp_sm80, torch_ops, or empty (batch of 0)
+  gemm      the GEMM kernel: sm90_fp16x3, sm80_3xtf32, small_m_fp64, lowp_sm90,
+            lowp_cublas, lowp_sm80, torch_ops, or empty (batch of 0)
   kernels   who runs it: "ext" (the float32 extension), "lowp" (the 16-bit
             extension), "torch" (the _torch_* functions), or None (empty)
   training  batch statistics (True) or running statistics
@@ -6658,6 +7280,23 @@ def _float32_gemm(facts, switches):
     return "sm80_3xtf32"
 
 
+# The small-batch route (kernels/small_m_fp64.cu): float32 forwards of at most this many rows
+# read W once, with float64 products on the FP64 tensor cores.  The crossover against the
+# tensor-core GEMMs is measured (docs/perf.md v42).
+SMALL_M_MAX_ROWS = 16
+# GPUs with full-rate FP64 (the route's DMMA): A100 (8.0), H100 / H200 (9.0); sm_86 / sm_89 run
+# FP64 at 1/64 of that and keep the tensor-core GEMM.
+_FULL_RATE_FP64 = ((8, 0), (9, 0))
+
+
+def _small_m_gemm(call, facts, switches):
+    """Whether a float32 CUDA forward takes small_m_fp64: at most SMALL_M_MAX_ROWS rows, a
+    full-rate FP64 GPU, not eval with gradients (its gemm_nt products stay on the
+    tensor-core route), and switches.small_m."""
+    return (switches.small_m and call.m <= SMALL_M_MAX_ROWS and facts.capability in _FULL_RATE_FP64
+            and (call.training or not call.grad))
+
+
 def plan(call, facts=None, switches=None):
     """The Plan of `call` (a Call) on a GPU described by `facts` (DeviceFacts;
     needed for CUDA calls) under `switches` (default SWITCHES): the README's support matrix.
@@ -6677,6 +7316,8 @@ def plan(call, facts=None, switches=None):
         gemm = _LOWP.route(call, facts, switches)
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     gemm = _float32_gemm(facts, switches)
+    if _small_m_gemm(call, facts, switches):
+        gemm = "small_m_fp64"
     return Plan(f"{gemm}_{mode}", gemm, "ext", call.training, call.grad)
 
 
@@ -6967,6 +7608,8 @@ def _weight_args(kernels, gemm, weight):
     row sums; None: the extension makes them); nothing for the other namespaces."""
     if kernels is not _ext:
         return ()
+    if gemm == "small_m_fp64":  # reads gemm.weight itself
+        return (None,)
     return (_weight_parts(weight, kind="fp16x3" if gemm == "sm90_fp16x3" else "row_sums"),)
 
 

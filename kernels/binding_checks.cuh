@@ -36,5 +36,13 @@ inline cudaStream_t current_stream(const torch::Tensor& x) {
   return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
 }
 
+// Streaming multiprocessors of x's device.
+inline int num_sms(const torch::Tensor& x) {
+  int sms = 0;
+  TORCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()) == cudaSuccess,
+              "fused_gemm_bn: cannot read the multiprocessor count of ", x.device());
+  return sms;
+}
+
 }  // namespace binding
 }  // namespace fused_gemm_bn

@@ -310,8 +310,10 @@ int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms);
 // z = x @ w^T (M, N) rounded once from float64, and ONE statistics tile of the M rows:
 // part_mean, part_m2 (1, N) (bn_apply / bn_softmax_fold_train with num_m_tiles = 1, block_m = M).
 // x: (M, K) with row stride x_row_stride elements, column stride 1.  1 <= M <= 32, N, K >= 1.
+// num_batches_tracked (device int64, or null): += 1 in the same launch (a training call).
 cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K, float* z,
-                               float* part_mean, float* part_m2, double* workspace, cudaStream_t stream);
+                               float* part_mean, float* part_m2, int64_t* num_batches_tracked, double* workspace,
+                               cudaStream_t stream);
 // out = the eval-mode fold of z in float64 (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
 // scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0): problem 33's output, or problem 84's
 // softmax input (then softmax_rows(out, out, nullptr, M, N)).

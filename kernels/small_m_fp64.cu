@@ -176,15 +176,9 @@ struct SmallMArgs {
   float* z;
   float* part_mean;
   float* part_m2;
-  // eval
-  const float* bias;
-  const float* scale;
-  const float* bn_weight;
-  const float* bn_bias;
-  const float* running_mean;
-  const float* running_var;
-  float eps;
-  bool scale_after_bn;
+  int64_t* num_batches_tracked;  // += 1 by the GEMM kernel's first thread when not null
+  // eval: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn
+  BatchNormArgs bn;
   float* out;
 };
 
@@ -217,13 +211,14 @@ template <int kRows, bool kEval>
 __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, int n, const double (&zd)[kRows]) {
   const int M = p.M, N = p.N;
   if constexpr (kEval) {
-    const double bias = p.bias != nullptr ? static_cast<double>(p.bias[n]) : 0.0;
-    const double gamma = p.bn_weight != nullptr ? static_cast<double>(p.bn_weight[n]) : 1.0;
-    const double beta = p.bn_bias != nullptr ? static_cast<double>(p.bn_bias[n]) : 0.0;
-    const double s = p.scale[n], rm = p.running_mean[n];
-    const double g = gamma / sqrt(static_cast<double>(p.running_var[n]) + static_cast<double>(p.eps));
+    const BatchNormArgs& bn = p.bn;
+    const double bias = bn.bias != nullptr ? static_cast<double>(bn.bias[n]) : 0.0;
+    const double gamma = bn.bn_weight != nullptr ? static_cast<double>(bn.bn_weight[n]) : 1.0;
+    const double beta = bn.bn_bias != nullptr ? static_cast<double>(bn.bn_bias[n]) : 0.0;
+    const double s = bn.scale[n], rm = bn.running_mean[n];
+    const double g = gamma / sqrt(static_cast<double>(bn.running_var[n]) + static_cast<double>(bn.eps));
     const double a = s * g;
-    const double c = p.scale_after_bn ? s * fma(bias - rm, g, beta) : fma(fma(s, bias, -rm), g, beta);
+    const double c = bn.scale_after_bn ? s * fma(bias - rm, g, beta) : fma(fma(s, bias, -rm), g, beta);
 #pragma unroll
     for (int m = 0; m < kRows; ++m)
       if (m < M) p.out[static_cast<size_t>(m) * N + n] = static_cast<float>(fma(a, zd[m], c));
@@ -267,6 +262,7 @@ __device__ __forceinline__ float4 load_w_chunk(const float* w_row, bool row_ok, 
 // dynamic shared memory.
 template <class T, bool kEval, bool kVec16>
 __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const SmallMArgs p) {
+  pdl_wait_then_release();
   constexpr int F = T::kFeatGroups, MB = T::kMBlocks, kRing = T::kRing;
   extern __shared__ __align__(16) unsigned char small_m_smem[];
   double* xs = reinterpret_cast<double*>(small_m_smem);  // [2][BLOCK_K / 16][MB][2][32 lanes] double2
@@ -274,6 +270,8 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const S
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int warp_n = warp / T::kWarpsK, warp_k = warp % T::kWarpsK;
+  // nn.BatchNorm1d's step counter, once per training call (the pre-pass does it on the other routes).
+  if (p.num_batches_tracked != nullptr && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0) *p.num_batches_tracked += 1;
   const int n0 = blockIdx.x * T::BLOCK_N + warp_n * F * 8;
   const int M = p.M, N = p.N, K = p.K;
   const int piece = blockIdx.y;
@@ -465,9 +463,11 @@ static cudaError_t launch_small_m_gemm(const SmallMArgs& p, int device, cudaStre
     if (err != cudaSuccess) return err;
     if (device < kMaxCachedDevices) configured[device] = true;
   }
-  // The GEMM releases no dependent early (pdl.cuh: measured slower for the big GEMM).
-  kernel<<<dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), T::kNumThreads, T::kSmemBytes, stream>>>(p);
-  err = cudaGetLastError();
+  // Unlike the large GEMMs (pdl.cuh), this one-wave kernel releases its dependents at once: the
+  // BatchNorm kernel after it is launched while it runs and waits on the device (a small batch's
+  // call time is mostly such gaps).
+  err = launch_kernel(kernel, dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), dim3(T::kNumThreads),
+                      T::kSmemBytes, stream, p);
   if (err != cudaSuccess || p.pieces == 1) return err;
   return launch_kernel(small_m_fp64_finish_kernel<T::kRows, kEval>, dim3((p.N + 255) / 256), dim3(256), 0, stream,
                        p);
@@ -518,14 +518,14 @@ int64_t fused_gemm_bn::small_m_fp64_workspace_bytes(int M, int N, int K, int num
 }
 
 cudaError_t fused_gemm_bn::small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N,
-                                              int K, float* z, float* part_mean, float* part_m2, double* workspace,
-                                              cudaStream_t stream) {
+                                              int K, float* z, float* part_mean, float* part_m2,
+                                              int64_t* num_batches_tracked, double* workspace, cudaStream_t stream) {
   if (!small_m_shape_ok(M, N, K) || x == nullptr || w == nullptr || z == nullptr || part_mean == nullptr ||
       part_m2 == nullptr)
     return cudaErrorInvalidValue;
   SmallMArgs p{};
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
-  p.z = z, p.part_mean = part_mean, p.part_m2 = part_m2;
+  p.z = z, p.part_mean = part_mean, p.part_m2 = part_m2, p.num_batches_tracked = num_batches_tracked;
   return launch_small_m<false>(p, workspace, stream);
 }
 
@@ -538,9 +538,7 @@ cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_strid
     return cudaErrorInvalidValue;
   SmallMArgs p{};
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
-  p.bias = bn.bias, p.scale = bn.scale, p.bn_weight = bn.bn_weight, p.bn_bias = bn.bn_bias;
-  p.running_mean = bn.running_mean, p.running_var = bn.running_var, p.eps = bn.eps;
-  p.scale_after_bn = bn.scale_after_bn;
+  p.bn = bn;
   p.out = out;
   return launch_small_m<true>(p, workspace, stream);
 }

@@ -93,13 +93,16 @@ using fgb::binding::check_training;
 using fgb::binding::current_stream;
 using fgb::binding::feature_vector;
 
-// The GEMM kernels a `gemm` name selects.
-enum class Gemm { kSm80, kFp16x3 };
+// The GEMM kernels a `gemm` name selects.  small_m_fp64 (small batches, small_m_fp64.cu) runs
+// the forwards only (forward_train, forward_eval, forward_train_saved, sync_forward_local).
+enum class Gemm { kSm80, kFp16x3, kSmallM };
 
-Gemm parse_gemm(const std::string& name) {
+Gemm parse_gemm(const std::string& name, bool forward = false) {
   if (name == "sm90_fp16x3") return Gemm::kFp16x3;
   if (name == "sm80_3xtf32") return Gemm::kSm80;
-  TORCH_CHECK(false, "fused_gemm_bn: unknown GEMM kernel '", name, "' (expected sm90_fp16x3 or sm80_3xtf32)");
+  if (forward && name == "small_m_fp64") return Gemm::kSmallM;
+  TORCH_CHECK(false, "fused_gemm_bn: unknown GEMM kernel '", name, "' (expected sm90_fp16x3, sm80_3xtf32",
+              forward ? " or small_m_fp64)" : ")");
 }
 
 bool is_fp16x3(Gemm g) { return g == Gemm::kFp16x3; }
@@ -357,11 +360,45 @@ struct TrainGemm {
   int block_m, num_m_tiles;
 };
 
+// x with unit column stride (small_m_fp64 reads rows of x through a row stride).
+torch::Tensor with_unit_column_stride(const torch::Tensor& x) {
+  return x.stride(1) == 1 || x.size(1) <= 1 ? x : x.contiguous();
+}
+
+// small_m_fp64's float64 workspace (split K), or an undefined tensor where it needs none.
+torch::Tensor small_m_workspace(const torch::Tensor& x, int M, int N, int K) {
+  const int64_t bytes = fgb::small_m_fp64_workspace_bytes(M, N, K, fgb::binding::num_sms(x));
+  return bytes > 0 ? torch::empty({bytes / 8}, x.options().dtype(torch::kFloat64)) : torch::Tensor();
+}
+
+double* data_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<double>() : nullptr; }
+
+// The training GEMM of the small-batch route: z and its M rows' statistics as one tile
+// (num_m_tiles = 1, block_m = M), num_batches_tracked += 1 in the same launch.
+TrainGemm small_m_train_gemm(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& z, int64_t* counter,
+                             int M, int N, int K, cudaStream_t stream) {
+  TrainGemm g;
+  g.block_m = M;
+  g.num_m_tiles = 1;
+  g.storage = torch::empty({5 * static_cast<int64_t>(N)}, x.options());
+  g.part_mean = g.storage.data_ptr<float>();
+  g.part_m2 = g.part_mean + N;
+  g.coeff = g.part_m2 + N;
+  const torch::Tensor xr = with_unit_column_stride(x);
+  const torch::Tensor workspace = small_m_workspace(x, M, N, K);
+  check_launch(fgb::small_m_fp64_train(xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), M, N, K,
+                                       z.data_ptr<float>(), g.part_mean, g.part_m2, counter, data_or_null(workspace),
+                                       stream),
+               "small_m_fp64_train");
+  return g;
+}
+
 TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, int64_t* counter, int M, int N,
                      int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
   TrainGemm g;
+  if (gemm == Gemm::kSmallM) return small_m_train_gemm(x, weight, z, counter, M, N, K, stream);
   g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m(M);
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
   const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
@@ -415,7 +452,7 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
                                          const torch::Tensor& num_batches_tracked, double momentum, double eps,
                                          bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
   t.scale = feature_vector(t.scale);
-  const Gemm gemm = parse_gemm(gemm_name);
+  const Gemm gemm = parse_gemm(gemm_name, true);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
   check_bn_tensors(t, N, x);
@@ -457,7 +494,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
                            c10::optional<torch::Tensor> w_parts) {
   scale = feature_vector(scale);
-  const Gemm gemm = parse_gemm(gemm_name);
+  const Gemm gemm = parse_gemm(gemm_name, true);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
   check_bn_tensors(t, N, x);
@@ -467,7 +504,13 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   if (M == 0 || N == 0) return out;
   const float* w = weight.data_ptr<float>();
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn);
-  if (is_fp16x3(gemm)) {
+  if (gemm == Gemm::kSmallM) {
+    const torch::Tensor xr = with_unit_column_stride(x);
+    const torch::Tensor workspace = small_m_workspace(x, M, N, K);
+    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, out.data_ptr<float>(),
+                                        data_or_null(workspace), stream),
+                 "small_m_fp64_eval");
+  } else if (is_fp16x3(gemm)) {
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, nullptr, stream);
     check_launch(fgb::sm90_gemm_fp16x3_eval(xs.parts, wp.parts, out.data_ptr<float>(), bn, M, N, xs.k_pad,
@@ -824,7 +867,7 @@ void check_f64_rows(const torch::Tensor& t, const char* name, int64_t rows, int6
 std::vector<torch::Tensor> sync_forward_local(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight,
                                               torch::Tensor bias, torch::Tensor num_batches_tracked,
                                               c10::optional<torch::Tensor> w_parts) {
-  const Gemm gemm = parse_gemm(gemm_name);
+  const Gemm gemm = parse_gemm(gemm_name, true);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
   check_vector(bias, "gemm.bias", N, x);

@@ -41,6 +41,8 @@ GPUS = {
     "sm_90": [("cuda", H100, False)],
     "sm_90 + FUSED_GEMM_BN_PORTABLE=1": [("cuda", H100, True)],
     "sm_80-89": [("cuda", A100, False), ("cuda", A10, False), ("cuda", L4, False)],
+    "sm_80": [("cuda", A100, False)],
+    "sm_86-89": [("cuda", A10, False), ("cuda", L4, False)],
     "CPU": [("cpu", None, False)],
 }
 
@@ -147,7 +149,8 @@ def test_support_matrix_matches_plan():
 
 
 def test_support_matrix_covers_every_dtype_gpu_mode():
-    """Every dtype on sm_90, sm_80-89 and the CPU, in every mode, has a row."""
+    """Every dtype on sm_90, sm_80-89 (one row, or rows for sm_80 and sm_86-89) and the CPU,
+    in every mode, has a row."""
     listed = set()
     for row in parse_matrix(read_readme()):
         if "autocast" in row["dtype"]:
@@ -155,6 +158,9 @@ def test_support_matrix_covers_every_dtype_gpu_mode():
         for dtype in row["dtype"].split(","):
             for mode in row["mode"].split(","):
                 listed.add((dtype.strip(), row["GPU"], mode.strip()))
+    for dtype, gpu, mode in list(listed):  # sm_80 and sm_86-89 together cover sm_80-89
+        if gpu == "sm_80" and (dtype, "sm_86-89", mode) in listed:
+            listed.add((dtype, "sm_80-89", mode))
     missing = [(d, g, m) for d in DTYPES for g in ("sm_90", "sm_80-89", "CPU") for m in MODES
                if (d, g, m) not in listed]
     assert not missing, f"support matrix has no row for {missing}"
@@ -174,7 +180,7 @@ def _replace_route(rows, dtype, gpu, new_route):
 
 @pytest.mark.parametrize("dtype, gpu, wrong", [
     ("float32", "sm_90", "`sm80_3xtf32`"),                        # a wrong route
-    ("float32", "sm_80-89", "`sm80_3xtf32` or `sm90_fp16x3`"),    # a route no shape reaches
+    ("float32", "sm_86-89", "`sm80_3xtf32` or `sm90_fp16x3`"),    # a route no shape reaches
     ("float16", "sm_90", "`lowp_sm90`"),                          # a route missing (lowp_cublas)
     ("float64", "CPU", "`torch_ops` or `empty`"),                 # batch 0 is not in the grid
 ], ids=["wrong", "extra", "missing", "cpu-extra"])

@@ -126,6 +126,8 @@ def test_gpu_small_batch_accuracy_vs_float64(problem, mode, trios, fp32_matmul, 
     gemm = model_new.dispatch_gemm_nt(probe, probe)
     if gemm_path == "portable":
         assert gemm == "sm80_3xtf32"
+    if model_new.SWITCHES.small_m and torch.cuda.get_device_capability() in model_new._FULL_RATE_FP64:
+        gemm = "small_m_fp64"  # every batch here is at most SMALL_M_MAX_ROWS rows
     paths = {r["path"] for r in records}
     print(_summary(records, f"{problem.name} {mode} {gemm_path} ({', '.join(sorted(paths))})"))
     assert paths == {f"{gemm}_{mode}"}, f"calls took {paths}, expected {gemm}_{mode}"

@@ -239,7 +239,7 @@ Outputs run_launchers_emulated(const Case& c, const Inputs& in) {
   const int64_t ws_bytes = small_m_fp64_workspace_bytes(c.M, c.N, c.K, g_emu_num_sms);
   std::vector<double> ws(std::max<int64_t>(1, ws_bytes / 8), NAN);
   if (small_m_fp64_train(in.x.data(), ld, in.w.data(), c.M, c.N, c.K, o.z.data(), o.part_mean.data(),
-                         o.part_m2.data(), ws_bytes ? ws.data() : nullptr, nullptr) != cudaSuccess)
+                         o.part_m2.data(), nullptr, ws_bytes ? ws.data() : nullptr, nullptr) != cudaSuccess)
     abort();
   BatchNormArgs bn;
   bn.bias = c.null_vectors ? nullptr : in.bias.data();
@@ -408,7 +408,7 @@ Outputs run_gpu(const Case& c, const Inputs& in, bool& deterministic, Timing& ti
 
   Outputs o;
   auto train = [&] {
-    CUDA_OK(small_m_fp64_train(x, ld, w, c.M, c.N, c.K, z, part_mean, part_m2, workspace, stream));
+    CUDA_OK(small_m_fp64_train(x, ld, w, c.M, c.N, c.K, z, part_mean, part_m2, nullptr, workspace, stream));
   };
   poison(z, MN, stream), poison(part_mean, c.N, stream), poison(part_m2, c.N, stream);
   train();

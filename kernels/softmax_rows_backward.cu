@@ -12,10 +12,10 @@
 // One CTA per row.  Any M >= 0, N >= 0.
 // Rows of 16-byte groups that fit kRegGroups per thread (N <= 8192 at 512
 // threads) are held in registers, every load issued before the first use: one
-// read of each input from DRAM (softmax_rows_backward_regs_kernel; the loop
-// kernel's dependent float64 sum kept few loads in flight: 53 us at 1024 x 8192
-// on an H100, docs/perf.md v38).  Other rows: the loop kernel, whose second
-// pass reads the row again (mostly from L2).
+// read of each input from DRAM (Form::kRegisters, row_in_registers; the loop
+// form's dependent float64 sum kept few loads in flight: 53 us at 1024 x 8192
+// on an H100, docs/perf.md v38).  Other rows: the loop form (row_in_loop), whose
+// second pass reads the row again (mostly from L2).
 //
 // Numerics: each product grad_out * out is exact in float64 and s_m is summed
 // in float64 (per thread, then a warp and CTA tree), then rounded to float32
@@ -32,9 +32,9 @@
 namespace fused_gemm_bn {
 namespace softmax_backward {
 
-constexpr int kThreads = 256;     // the loop kernel
-constexpr int kRegThreads = 512;  // the register kernel, at most
-constexpr int kRegGroups = 4;     // float4 groups per input and thread (register kernel)
+constexpr int kThreads = 256;     // the loop form
+constexpr int kRegThreads = 512;  // the register form, at most
+constexpr int kRegGroups = 4;     // float4 groups per input and thread (register form)
 
 // Sum over the CTA (blockDim.x a multiple of 32), returned to every thread.
 __device__ __forceinline__ double block_sum(double v, double* red) {
@@ -47,14 +47,18 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
   return total;
 }
 
+// How a CTA goes over its row: held in registers (16-byte groups, at most
+// kRegGroups per thread, kRegThreads threads at most), or in a loop of 16-byte
+// or of 4-byte accesses (kThreads threads).
+enum class Form { kRegisters, kLoopVec4, kLoop };
+
+template <Form kForm>
+constexpr int kBlockThreads = kForm == Form::kRegisters ? kRegThreads : kThreads;  // at most
+
 // The row in registers: thread t holds groups t, t + blockDim.x, ... of both
 // inputs (num_groups = N / 4 <= kRegGroups blockDim.x).
-__global__ void __launch_bounds__(kRegThreads) softmax_rows_backward_regs_kernel(const float* __restrict__ out,
-                                                                                 const float* __restrict__ grad_out,
-                                                                                 float* __restrict__ grad_v, int N) {
-  pdl_wait_then_release();
-  __shared__ double red[kRegThreads / 32];
-  const size_t base = static_cast<size_t>(blockIdx.x) * N;
+__device__ __forceinline__ void row_in_registers(const float* __restrict__ out, const float* __restrict__ grad_out,
+                                                 float* __restrict__ grad_v, size_t base, int N, double* red) {
   const float4* o4 = reinterpret_cast<const float4*>(out + base);
   const float4* g4 = reinterpret_cast<const float4*>(grad_out + base);
   const int num_groups = N / 4;
@@ -88,13 +92,10 @@ __global__ void __launch_bounds__(kRegThreads) softmax_rows_backward_regs_kernel
   }
 }
 
+// The row in a loop (kThreads threads), read twice: 16-byte accesses (kVec4) or 4-byte.
 template <bool kVec4>
-__global__ void __launch_bounds__(kThreads) softmax_rows_backward_kernel(const float* __restrict__ out,
-                                                                         const float* __restrict__ grad_out,
-                                                                         float* __restrict__ grad_v, int N) {
-  pdl_wait_then_release();
-  __shared__ double red[kThreads / 32];
-  const size_t base = static_cast<size_t>(blockIdx.x) * N;
+__device__ __forceinline__ void row_in_loop(const float* __restrict__ out, const float* __restrict__ grad_out,
+                                            float* __restrict__ grad_v, size_t base, int N, double* red) {
   double dot = 0.0;
   if constexpr (kVec4) {
     const float4* o4 = reinterpret_cast<const float4*>(out + base);
@@ -123,6 +124,20 @@ __global__ void __launch_bounds__(kThreads) softmax_rows_backward_kernel(const f
   }
 }
 
+// One CTA per row (blockIdx.x), in the given form.
+template <Form kForm>
+__global__ void __launch_bounds__(kBlockThreads<kForm>)
+    softmax_rows_backward_kernel(const float* __restrict__ out, const float* __restrict__ grad_out,
+                                 float* __restrict__ grad_v, int N) {
+  pdl_wait_then_release();
+  __shared__ double red[kBlockThreads<kForm> / 32];
+  const size_t base = static_cast<size_t>(blockIdx.x) * N;
+  if constexpr (kForm == Form::kRegisters)
+    row_in_registers(out, grad_out, grad_v, base, N, red);
+  else
+    row_in_loop<kForm == Form::kLoopVec4>(out, grad_out, grad_v, base, N, red);
+}
+
 }  // namespace softmax_backward
 }  // namespace fused_gemm_bn
 
@@ -141,7 +156,8 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
   // Four groups per thread where the row allows (N = 8192: 512 threads), at least one warp.
   const int reg_threads = min(kRegThreads, max(32, (num_groups / kRegGroups + 31) / 32 * 32));
   if (vec4 && num_groups <= kRegGroups * reg_threads)
-    return launch_kernel(softmax_rows_backward_regs_kernel, M, reg_threads, 0, stream, out, grad_out, grad_v, N);
-  return launch_kernel(vec4 ? softmax_rows_backward_kernel<true> : softmax_rows_backward_kernel<false>, M, kThreads, 0,
-                       stream, out, grad_out, grad_v, N);
+    return launch_kernel(softmax_rows_backward_kernel<Form::kRegisters>, M, reg_threads, 0, stream, out, grad_out,
+                         grad_v, N);
+  return launch_kernel(vec4 ? softmax_rows_backward_kernel<Form::kLoopVec4> : softmax_rows_backward_kernel<Form::kLoop>,
+                       M, kThreads, 0, stream, out, grad_out, grad_v, N);
 }

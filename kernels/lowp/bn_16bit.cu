@@ -557,15 +557,10 @@ cudaError_t fused_gemm_bn::lowp_bn_fold_train(const LowpBatchNormArgs& bn, const
     bn16_fold_train_kernel<float><<<blocks, kFoldThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }
-  switch (static_cast<Dtype>(bn.dtype)) {
-    case Dtype::kF16:
-      bn16_fold_train_kernel<__half><<<blocks, kFoldThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-    case Dtype::kBF16:
-      bn16_fold_train_kernel<__nv_bfloat16><<<blocks, kFoldThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(bn.dtype, [&](auto t) {
+    bn16_fold_train_kernel<typename decltype(t)::type><<<blocks, kFoldThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
 }
 
 // Problem 33, training: out (M, N) <- BatchNorm of out with coeff, in place.
@@ -577,13 +572,8 @@ cudaError_t fused_gemm_bn::lowp_bn_apply(const LowpBatchNormArgs& bn, void* out,
   const float* c = coeff;
   if (bn.float32_io) return apply_for_storage<float>(static_cast<float*>(out), c, M, N, stream);
   uint16_t* o = static_cast<uint16_t*>(out);
-  switch (static_cast<Dtype>(bn.dtype)) {
-    case Dtype::kF16:
-      return apply_for_storage<__half>(o, c, M, N, stream);
-    case Dtype::kBF16:
-      return apply_for_storage<__nv_bfloat16>(o, c, M, N, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(bn.dtype,
+                        [&](auto t) { return apply_for_storage<typename decltype(t)::type>(o, c, M, N, stream); });
 }
 
 // Problem 84: out (M, N) <- row softmax of rnd(rnd(BatchNorm(out)) * bn.scale)
@@ -597,13 +587,9 @@ cudaError_t fused_gemm_bn::lowp_softmax_rows(const LowpBatchNormArgs& bn, void* 
   const RowArgs p{out,    coeff, coeff != nullptr ? bn.scale : nullptr,
                   nullptr, nullptr,                                   nullptr,
                   nullptr, 0.f,                                       N};
-  switch (static_cast<Dtype>(bn.dtype)) {
-    case Dtype::kF16:
-      return softmax_rows_for_type<__half>(p, bn.float32_io, M, stream);
-    case Dtype::kBF16:
-      return softmax_rows_for_type<__nv_bfloat16>(p, bn.float32_io, M, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(bn.dtype, [&](auto t) {
+    return softmax_rows_for_type<typename decltype(t)::type>(p, bn.float32_io, M, stream);
+  });
 }
 
 // Problem 84, eval, after a cuBLAS product: out (M, N) of the 16-bit type, holding
@@ -618,11 +604,8 @@ cudaError_t fused_gemm_bn::lowp_bn_softmax_rows_eval(const LowpBatchNormArgs& bn
   if (bn.float32_io || !bn.scale_after_bn) return cudaErrorInvalidValue;
   const RowArgs p{out,             nullptr,        bn.scale, bn.bn_weight, bn.bn_bias,
                   bn.running_mean, bn.running_var, bn.eps,   N};
-  switch (static_cast<Dtype>(bn.dtype)) {
-    case Dtype::kF16:
-      return softmax_rows_for_storage<__half, __half, RowMode::kEval>(p, M, stream);
-    case Dtype::kBF16:
-      return softmax_rows_for_storage<__nv_bfloat16, __nv_bfloat16, RowMode::kEval>(p, M, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(bn.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    return softmax_rows_for_storage<T, T, RowMode::kEval>(p, M, stream);
+  });
 }

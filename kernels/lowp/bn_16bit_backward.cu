@@ -219,11 +219,7 @@ cudaError_t fused_gemm_bn::lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_
   if (M == 0 || N == 0) return cudaSuccess;
   const Args p{g, static_cast<const uint16_t*>(z), coeff, bn.scale, bn.scale_after_bn, M, N,
                static_cast<uint16_t*>(dz), dscale, dgamma, dbeta};
-  switch (static_cast<Dtype>(bn.dtype)) {
-    case Dtype::kF16:
-      return launch_for_type<__half>(p, bn.float32_io, g_float32, training, stream);
-    case Dtype::kBF16:
-      return launch_for_type<__nv_bfloat16>(p, bn.float32_io, g_float32, training, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(bn.dtype, [&](auto t) {
+    return launch_for_type<typename decltype(t)::type>(p, bn.float32_io, g_float32, training, stream);
+  });
 }

@@ -273,11 +273,10 @@ cudaError_t fused_gemm_bn::lowp_bn_chain_train(const LowpBatchNormArgs& bn, cons
   if (M <= 0 || N <= 0) return cudaSuccess;
   const chain::TrainArgs p{static_cast<const uint16_t*>(z), out, bn.scale, bn.scale_after_bn, M, N, part_mean, part_m2,
                            bn.num_batches_tracked};
-  if (static_cast<Dtype>(bn.dtype) == Dtype::kF16)
-    return bn.float32_io ? chain::train_for_storage<__half, float>(p, stream)
-                         : chain::train_for_storage<__half, __half>(p, stream);
-  return bn.float32_io ? chain::train_for_storage<__nv_bfloat16, float>(p, stream)
-                       : chain::train_for_storage<__nv_bfloat16, __nv_bfloat16>(p, stream);
+  return dispatch_dtype(bn.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    return bn.float32_io ? chain::train_for_storage<T, float>(p, stream) : chain::train_for_storage<T, T>(p, stream);
+  });
 }
 
 cudaError_t fused_gemm_bn::lowp_bn_chain_eval(const LowpBatchNormArgs& bn, const void* z, void* out, int M, int N,
@@ -285,9 +284,8 @@ cudaError_t fused_gemm_bn::lowp_bn_chain_eval(const LowpBatchNormArgs& bn, const
   using namespace fused_gemm_bn::lowp;
   if (M <= 0 || N <= 0) return cudaSuccess;
   const chain::EvalArgs p{static_cast<const uint16_t*>(z), out, bn, M, N, coeff};
-  if (static_cast<Dtype>(bn.dtype) == Dtype::kF16)
-    return bn.float32_io ? chain::eval_for_storage<__half, float>(p, stream)
-                         : chain::eval_for_storage<__half, __half>(p, stream);
-  return bn.float32_io ? chain::eval_for_storage<__nv_bfloat16, float>(p, stream)
-                       : chain::eval_for_storage<__nv_bfloat16, __nv_bfloat16>(p, stream);
+  return dispatch_dtype(bn.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    return bn.float32_io ? chain::eval_for_storage<T, float>(p, stream) : chain::eval_for_storage<T, T>(p, stream);
+  });
 }

@@ -92,6 +92,40 @@ __device__ __forceinline__ void slice_sums(const double (&v)[kVec], int group, i
   __syncthreads();  // red and part are reused by the next call
 }
 
+// pass(v[r][j], j) for each feature j of each row r that the thread holds
+// (the rows below M; none where its group is outside the tensor).
+template <int kRows, class Pass>
+__device__ __forceinline__ void for_each_held(float (&v)[kRows][kVec], bool active, int slice, int M, Pass pass) {
+  if (!active) return;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (slice + r * kStripSlices >= M) break;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) pass(v[r][j], j);
+  }
+}
+
+// The statistics' two passes over the held values: v becomes u = train_u(v), summed;
+// then the squared deviations from the mean are summed.
+template <typename S>
+struct SumPass {
+  const float (&scale)[kVec];
+  bool scale_after_bn;
+  double (&sum)[kVec];
+  __device__ __forceinline__ void operator()(float& v, int j) const {
+    v = train_u<S>(v, scale[j], scale_after_bn);
+    sum[j] += v;
+  }
+};
+struct SquaredDeviationPass {
+  const double (&mean)[kVec];
+  double (&m2)[kVec];
+  __device__ __forceinline__ void operator()(float& v, int j) const {
+    const double d = static_cast<double>(v) - mean[j];
+    m2[j] = fma(d, d, m2[j]);
+  }
+};
+
 template <typename T, typename S, int kRows>
 __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const Args p) {
   using St = Storage<S>;
@@ -125,17 +159,7 @@ __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const A
   double sum[kVec];
 #pragma unroll
   for (int j = 0; j < kVec; ++j) sum[j] = 0.0;
-  if (active) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (slice + r * kStripSlices >= p.M) break;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        v[r][j] = train_u<S>(v[r][j], scale[j], p.scale_after_bn);
-        sum[j] += v[r][j];
-      }
-    }
-  }
+  for_each_held(v, active, slice, p.M, SumPass<S>{scale, p.scale_after_bn, sum});
   double total[kVec];
   slice_sums(sum, group, slice, red, part, total);
   double mean64[kVec], m2[kVec];
@@ -144,17 +168,7 @@ __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const A
     mean64[j] = total[j] / static_cast<double>(p.M);
     m2[j] = 0.0;
   }
-  if (active) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (slice + r * kStripSlices >= p.M) break;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const double d = static_cast<double>(v[r][j]) - mean64[j];
-        m2[j] = fma(d, d, m2[j]);
-      }
-    }
-  }
+  for_each_held(v, active, slice, p.M, SquaredDeviationPass{mean64, m2});
   slice_sums(m2, group, slice, red, part, total);
   if (!active) return;  // no barrier follows
 
@@ -245,8 +259,8 @@ cudaError_t fused_gemm_bn::lowp_bn_strip_train(const LowpBatchNormArgs& bn, cons
                       bn.scale_after_bn,
                       M,
                       N};
-  if (static_cast<Dtype>(bn.dtype) == Dtype::kF16)
-    return bn.float32_io ? strip::launch<__half, float>(p, stream) : strip::launch<__half, __half>(p, stream);
-  return bn.float32_io ? strip::launch<__nv_bfloat16, float>(p, stream)
-                       : strip::launch<__nv_bfloat16, __nv_bfloat16>(p, stream);
+  return dispatch_dtype(bn.dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    return bn.float32_io ? strip::launch<T, float>(p, stream) : strip::launch<T, T>(p, stream);
+  });
 }

@@ -1,11 +1,13 @@
 // lowp_types.cuh -- the 16-bit element types of kernels/lowp/ and the
-// conversions every 16-bit kernel uses.  Device helpers only.
+// conversions every 16-bit kernel uses.  Device helpers, and the launchers'
+// host-side dispatch on the dtype code (dispatch_dtype).
 //
 // Element types: __half (IEEE binary16) and __nv_bfloat16 (bfloat16), both
 // 2 bytes; the tensors around the GEMM are either of that type or float32
-// (Storage: a float32 module under torch.autocast).  The host launchers take untyped pointers and a Dtype code (the
-// torch binding maps the tensor's dtype to it) and instantiate each kernel for
-// both types; loads and stores move raw 16-bit patterns (uint16_t).
+// (Storage: a float32 module under torch.autocast).  The host launchers take
+// untyped pointers and a Dtype code (the torch binding maps the tensor's dtype
+// to it) and instantiate each kernel for both types (dispatch_dtype); loads and
+// stores move raw 16-bit patterns (uint16_t).
 //
 // Numerics: all arithmetic is float32; a value becomes 16-bit only through
 // from_float (round to nearest, ties to even: __float2half_rn /
@@ -26,6 +28,27 @@ namespace lowp {
 
 // The element type of a call, as the binding passes it.
 enum class Dtype : int { kF16 = 0, kBF16 = 1 };
+
+// An element type as a value: what dispatch_dtype hands its callable.
+template <typename T>
+struct DtypeTag {
+  using type = T;
+};
+
+// Host side, the launchers' one dispatch on the call's dtype code:
+// f(DtypeTag<__half>{}) or f(DtypeTag<__nv_bfloat16>{}), whose result it returns
+// (f instantiates the kernels for that type); cudaErrorInvalidValue for any
+// other code.
+template <class F>
+cudaError_t dispatch_dtype(int dtype, F&& f) {
+  switch (static_cast<Dtype>(dtype)) {
+    case Dtype::kF16:
+      return f(DtypeTag<__half>{});
+    case Dtype::kBF16:
+      return f(DtypeTag<__nv_bfloat16>{});
+  }
+  return cudaErrorInvalidValue;
+}
 
 template <typename T>
 struct Bits;

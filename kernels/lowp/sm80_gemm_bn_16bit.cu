@@ -503,11 +503,6 @@ cudaError_t fused_gemm_bn::lowp_gemm_bn(const LowpBatchNormArgs& bn, bool train,
   args.part_m2 = part_m2;
   args.num_batches_tracked = train ? bn.num_batches_tracked : nullptr;
   args.z_out = train ? static_cast<uint16_t*>(z_out) : nullptr;
-  switch (static_cast<Dtype>(bn.dtype)) {
-    case Dtype::kF16:
-      return launch_for_type<__half>(args, train, stream);
-    case Dtype::kBF16:
-      return launch_for_type<__nv_bfloat16>(args, train, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(bn.dtype,
+                        [&](auto t) { return launch_for_type<typename decltype(t)::type>(args, train, stream); });
 }

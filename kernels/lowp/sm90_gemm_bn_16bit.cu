@@ -663,12 +663,8 @@ cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(const LowpBatchNormArgs& bn, bool t
   args.part_m2 = part_m2;
   args.num_batches_tracked = train ? bn.num_batches_tracked : nullptr;
   args.z_out = train ? z_out : nullptr;
-  switch (static_cast<Dtype>(bn.dtype)) {
-    case Dtype::kF16:
-      return hopper::launch_for_type<__half>(args, train, bn.float32_io, w_float32, x, w, workspace, stream);
-    case Dtype::kBF16:
-      return hopper::launch_for_type<__nv_bfloat16>(args, train, bn.float32_io, w_float32, x, w, workspace,
-                                                    stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(bn.dtype, [&](auto t) {
+    return hopper::launch_for_type<typename decltype(t)::type>(args, train, bn.float32_io, w_float32, x, w,
+                                                               workspace, stream);
+  });
 }

@@ -4750,9 +4750,9 @@ static long long partial_floats(const StreamKPlan& p) {
 // the fp16x3 GEMM issues (A from registers).
 //
 // Every wrapper compiles to nothing unless the pass targets sm_90a
-// (__CUDA_ARCH_FEAT_SM90_ALL): wgmma and setmaxnreg exist only there.  The
-// kernel that uses them traps on any other target, so a build without an
-// sm_90a image can never return unwritten output silently.
+// (__CUDA_ARCH_FEAT_SM90_ALL; FUSED_GEMM_BN_SM90A_ASM): wgmma and setmaxnreg
+// exist only there.  The kernel that uses them traps on any other target, so a
+// build without an sm_90a image can never return unwritten output silently.
 //
 // Sources: PTX ISA 8.x, sections 9.7.12.15 (mbarrier), 9.7.9.25.5
 // (cp.async.bulk.tensor), 9.7.15 (wgmma: 9.7.15.5.1 matrix descriptor,
@@ -4771,6 +4771,14 @@ static long long partial_floats(const StreamKPlan& p) {
 #define FUSED_GEMM_BN_SM90A 0
 #endif
 
+// The wrappers' one statement: asm volatile(...) in an sm_90a pass, nothing
+// elsewhere (its operands are then not evaluated either).
+#if FUSED_GEMM_BN_SM90A
+#define FUSED_GEMM_BN_SM90A_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define FUSED_GEMM_BN_SM90A_ASM(...) static_cast<void>(0)
+#endif
+
 namespace fused_gemm_bn {
 namespace sm90 {
 
@@ -4781,36 +4789,27 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // ---- mbarrier -------------------------------------------------------------
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
 
 // Makes the initialised barriers visible to the async (TMA) proxy and the cluster.
 __device__ __forceinline__ void mbar_init_fence() {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  FUSED_GEMM_BN_SM90A_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+                          : "memory");
 }
 
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 
 // Blocks until the phase with the given parity has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile(
+  FUSED_GEMM_BN_SM90A_ASM(
       "{\n"
       ".reg .pred done;\n"
       "WAIT_%=:\n"
@@ -4819,28 +4818,23 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "}\n" ::"r"(smem_u32(bar)),
       "r"(parity)
       : "memory");
-#endif
 }
 
 // ---- TMA ------------------------------------------------------------------
 
 __device__ __forceinline__ void tma_prefetch_descriptor(const void* tmap) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
 }
 
 // Loads the box at (inner = c0, outer = c1) of a 2-D tensor map into shared
 // memory; completion is counted in bytes on `bar`.  Out-of-bounds elements are
 // zero-filled and still counted.
 __device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, uint64_t* bar, int c0, int c1) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile(
+  FUSED_GEMM_BN_SM90A_ASM(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
           smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
       : "memory");
-#endif
 }
 
 // ---- shared-memory loads --------------------------------------------------
@@ -4848,9 +4842,7 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, uint64_
 // Two float32 words at a shared-memory address (8-byte aligned).
 __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
   float2 v = make_float2(0.f, 0.f);
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
   return v;
 }
 
@@ -4858,15 +4850,11 @@ __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
 
 template <uint32_t kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 template <uint32_t kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
 // ---- CTA and grid synchronisation (split-tile hand-off) ------------------
@@ -4875,9 +4863,7 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // warpgroups) on hardware barrier `kId`; id 0 is __syncthreads'.
 template <uint32_t kId, uint32_t kThreads>
 __device__ __forceinline__ void named_barrier_sync() {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
 // Atomic add at GPU scope with acquire-release semantics (PTX ISA: atom;
@@ -4886,9 +4872,7 @@ __device__ __forceinline__ void named_barrier_sync() {
 // the writes that the previous adders released are visible to the caller.
 __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
   int old = 0;
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
 
@@ -4898,22 +4882,18 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
 // ldmatrix): lanes 8 i .. 8 i + 7 give the row addresses of matrix i, and
 // r[i] of lane 4 g + t holds that matrix's row g, words 2 t and 2 t + 1.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr));
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                          : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                          : "r"(smem_addr));
 }
 
 // The same four matrices transposed (ldmatrix .trans): r[i] of lane 4 g + t
 // holds words g of rows 2 t and 2 t + 1 of matrix i (row 2 t in the low half).
 // From a tile stored k-row by k-row (MN-major), this is the K-major fragment.
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t smem_addr) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr));
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                          : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                          : "r"(smem_addr));
 }
 
 // Four 8 x 8 matrices of 16-bit words to shared memory, transposed
@@ -4922,11 +4902,9 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t sme
 // 8 i + 7 give the addresses of matrix i's stored rows (16 bytes each), row j
 // of the stored matrix being column j of the held one.
 __device__ __forceinline__ void stmatrix_x4_trans(const uint32_t (&r)[4], uint32_t smem_addr) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr),
-               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-               : "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr),
+                          "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                          : "memory");
 }
 
 // ---- TMA stores (PTX ISA 9.7.9.25.5 cp.async.bulk.tensor, 9.7.9.25.4 bulk groups) ----
@@ -4934,28 +4912,22 @@ __device__ __forceinline__ void stmatrix_x4_trans(const uint32_t (&r)[4], uint32
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy
 // (TMA) reads of them (with a barrier, the CTA's writes before one thread's store).
 __device__ __forceinline__ void fence_proxy_async_shared() {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // Stores the box at (inner = c0, outer = c1) of a 2-D tensor map from shared
 // memory; elements outside the tensor are not written.  Completes in the bulk group.
 __device__ __forceinline__ void tma_store_2d(const void* tmap, const void* src, int c0, int c1) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(tmap)),
-               "r"(smem_u32(src)), "r"(c0), "r"(c1)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                              reinterpret_cast<uint64_t>(tmap)),
+                          "r"(smem_u32(src)), "r"(c0), "r"(c1)
+                          : "memory");
+  FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 
 // Waits until this thread's committed TMA stores have read their shared memory.
 __device__ __forceinline__ void tma_store_wait_read() {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
 // ---- wgmma ----------------------------------------------------------------
@@ -4995,20 +4967,14 @@ __device__ __forceinline__ uint64_t desc_mnmajor_sw128(const void* tile, uint32_
 }
 
 __device__ __forceinline__ void wgmma_fence() {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void wgmma_commit() {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-#endif
+  FUSED_GEMM_BN_SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Tells the compiler a register is read and written here, so it neither moves
@@ -5048,8 +5014,7 @@ __device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "
 template <bool kTransB = false>
 __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
                                                         bool accumulate) {
-#if FUSED_GEMM_BN_SM90A
-  asm volatile(
+  FUSED_GEMM_BN_SM90A_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %69, 0;\n"
@@ -5059,7 +5024,6 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
       : FUSED_GEMM_BN_D64
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)),
         "n"(kTransB ? 1 : 0));
-#endif
 }
 
 #undef FUSED_GEMM_BN_D64
@@ -5332,6 +5296,7 @@ __device__ __forceinline__ float4 load_w_chunk(const float* w_row, bool row_ok, 
 // dynamic shared memory.
 template <class T, bool kEval, bool kVec16>
 __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const SmallMArgs p) {
+  pdl_wait_then_release();
   constexpr int F = T::kFeatGroups, MB = T::kMBlocks, kRing = T::kRing;
   extern __shared__ __align__(16) unsigned char small_m_smem[];
   double* xs = reinterpret_cast<double*>(small_m_smem);  // [2][BLOCK_K / 16][MB][2][32 lanes] double2
@@ -5532,9 +5497,11 @@ static cudaError_t launch_small_m_gemm(const SmallMArgs& p, int device, cudaStre
     if (err != cudaSuccess) return err;
     if (device < kMaxCachedDevices) configured[device] = true;
   }
-  // The GEMM releases no dependent early (pdl.cuh: measured slower for the big GEMM).
-  kernel<<<dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), T::kNumThreads, T::kSmemBytes, stream>>>(p);
-  err = cudaGetLastError();
+  // Unlike the large GEMMs (pdl.cuh), this one-wave kernel releases its dependents at once: the
+  // BatchNorm kernel after it is launched while it runs and waits on the device (a small batch's
+  // call time is mostly such gaps).
+  err = launch_kernel(kernel, dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), dim3(T::kNumThreads),
+                      T::kSmemBytes, stream, p);
   if (err != cudaSuccess || p.pieces == 1) return err;
   return launch_kernel(small_m_fp64_finish_kernel<T::kRows, kEval>, dim3((p.N + 255) / 256), dim3(256), 0, stream,
                        p);
@@ -5624,10 +5591,10 @@ cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_strid
 // One CTA per row.  Any M >= 0, N >= 0.
 // Rows of 16-byte groups that fit kRegGroups per thread (N <= 8192 at 512
 // threads) are held in registers, every load issued before the first use: one
-// read of each input from DRAM (softmax_rows_backward_regs_kernel; the loop
-// kernel's dependent float64 sum kept few loads in flight: 53 us at 1024 x 8192
-// on an H100, docs/perf.md v38).  Other rows: the loop kernel, whose second
-// pass reads the row again (mostly from L2).
+// read of each input from DRAM (Form::kRegisters, row_in_registers; the loop
+// form's dependent float64 sum kept few loads in flight: 53 us at 1024 x 8192
+// on an H100, docs/perf.md v38).  Other rows: the loop form (row_in_loop), whose
+// second pass reads the row again (mostly from L2).
 //
 // Numerics: each product grad_out * out is exact in float64 and s_m is summed
 // in float64 (per thread, then a warp and CTA tree), then rounded to float32
@@ -5644,9 +5611,9 @@ cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_strid
 namespace fused_gemm_bn {
 namespace softmax_backward {
 
-constexpr int kThreads = 256;     // the loop kernel
-constexpr int kRegThreads = 512;  // the register kernel, at most
-constexpr int kRegGroups = 4;     // float4 groups per input and thread (register kernel)
+constexpr int kThreads = 256;     // the loop form
+constexpr int kRegThreads = 512;  // the register form, at most
+constexpr int kRegGroups = 4;     // float4 groups per input and thread (register form)
 
 // Sum over the CTA (blockDim.x a multiple of 32), returned to every thread.
 __device__ __forceinline__ double block_sum(double v, double* red) {
@@ -5659,14 +5626,18 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
   return total;
 }
 
+// How a CTA goes over its row: held in registers (16-byte groups, at most
+// kRegGroups per thread, kRegThreads threads at most), or in a loop of 16-byte
+// or of 4-byte accesses (kThreads threads).
+enum class Form { kRegisters, kLoopVec4, kLoop };
+
+template <Form kForm>
+constexpr int kBlockThreads = kForm == Form::kRegisters ? kRegThreads : kThreads;  // at most
+
 // The row in registers: thread t holds groups t, t + blockDim.x, ... of both
 // inputs (num_groups = N / 4 <= kRegGroups blockDim.x).
-__global__ void __launch_bounds__(kRegThreads) softmax_rows_backward_regs_kernel(const float* __restrict__ out,
-                                                                                 const float* __restrict__ grad_out,
-                                                                                 float* __restrict__ grad_v, int N) {
-  pdl_wait_then_release();
-  __shared__ double red[kRegThreads / 32];
-  const size_t base = static_cast<size_t>(blockIdx.x) * N;
+__device__ __forceinline__ void row_in_registers(const float* __restrict__ out, const float* __restrict__ grad_out,
+                                                 float* __restrict__ grad_v, size_t base, int N, double* red) {
   const float4* o4 = reinterpret_cast<const float4*>(out + base);
   const float4* g4 = reinterpret_cast<const float4*>(grad_out + base);
   const int num_groups = N / 4;
@@ -5700,13 +5671,10 @@ __global__ void __launch_bounds__(kRegThreads) softmax_rows_backward_regs_kernel
   }
 }
 
+// The row in a loop (kThreads threads), read twice: 16-byte accesses (kVec4) or 4-byte.
 template <bool kVec4>
-__global__ void __launch_bounds__(kThreads) softmax_rows_backward_kernel(const float* __restrict__ out,
-                                                                         const float* __restrict__ grad_out,
-                                                                         float* __restrict__ grad_v, int N) {
-  pdl_wait_then_release();
-  __shared__ double red[kThreads / 32];
-  const size_t base = static_cast<size_t>(blockIdx.x) * N;
+__device__ __forceinline__ void row_in_loop(const float* __restrict__ out, const float* __restrict__ grad_out,
+                                            float* __restrict__ grad_v, size_t base, int N, double* red) {
   double dot = 0.0;
   if constexpr (kVec4) {
     const float4* o4 = reinterpret_cast<const float4*>(out + base);
@@ -5735,6 +5703,20 @@ __global__ void __launch_bounds__(kThreads) softmax_rows_backward_kernel(const f
   }
 }
 
+// One CTA per row (blockIdx.x), in the given form.
+template <Form kForm>
+__global__ void __launch_bounds__(kBlockThreads<kForm>)
+    softmax_rows_backward_kernel(const float* __restrict__ out, const float* __restrict__ grad_out,
+                                 float* __restrict__ grad_v, int N) {
+  pdl_wait_then_release();
+  __shared__ double red[kBlockThreads<kForm> / 32];
+  const size_t base = static_cast<size_t>(blockIdx.x) * N;
+  if constexpr (kForm == Form::kRegisters)
+    row_in_registers(out, grad_out, grad_v, base, N, red);
+  else
+    row_in_loop<kForm == Form::kLoopVec4>(out, grad_out, grad_v, base, N, red);
+}
+
 }  // namespace softmax_backward
 }  // namespace fused_gemm_bn
 
@@ -5753,9 +5735,10 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
   // Four groups per thread where the row allows (N = 8192: 512 threads), at least one warp.
   const int reg_threads = min(kRegThreads, max(32, (num_groups / kRegGroups + 31) / 32 * 32));
   if (vec4 && num_groups <= kRegGroups * reg_threads)
-    return launch_kernel(softmax_rows_backward_regs_kernel, M, reg_threads, 0, stream, out, grad_out, grad_v, N);
-  return launch_kernel(vec4 ? softmax_rows_backward_kernel<true> : softmax_rows_backward_kernel<false>, M, kThreads, 0,
-                       stream, out, grad_out, grad_v, N);
+    return launch_kernel(softmax_rows_backward_kernel<Form::kRegisters>, M, reg_threads, 0, stream, out, grad_out,
+                         grad_v, N);
+  return launch_kernel(vec4 ? softmax_rows_backward_kernel<Form::kLoopVec4> : softmax_rows_backward_kernel<Form::kLoop>,
+                       M, kThreads, 0, stream, out, grad_out, grad_v, N);
 }
 ''',
     'torch_binding.cpp': r'''// torch_binding.cpp -- PyTorch entry points of the float32 extension: the fused

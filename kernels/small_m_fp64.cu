@@ -481,12 +481,9 @@ static cudaError_t launch_small_m(SmallMArgs p, double* workspace, cudaStream_t 
   if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   const SmallMPlan plan = small_m_plan(p.M, p.N, p.K, facts.num_sms);
-  p.pieces = plan.pieces;
-  p.tiles_per_piece = plan.tiles_per_piece;
-  if (plan.pieces > 1) {
-    if (workspace == nullptr) return cudaErrorInvalidValue;
-    p.partials = workspace;
-  }
+  if (plan.pieces > 1 && workspace == nullptr) return cudaErrorInvalidValue;
+  p.pieces = plan.pieces, p.tiles_per_piece = plan.tiles_per_piece;
+  p.partials = plan.pieces > 1 ? workspace : nullptr;
   const bool vec16 = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
   switch (plan.m_blocks) {
     case 1:

@@ -89,9 +89,7 @@
 namespace {
 
 namespace fgb = fused_gemm_bn;
-using fgb::binding::check_training;
-using fgb::binding::current_stream;
-using fgb::binding::feature_vector;
+using namespace fgb::binding;  // check_training, current_stream, feature_vector, num_sms
 
 // The GEMM kernels a `gemm` name selects.  small_m_fp64 (small batches, small_m_fp64.cu) runs
 // the forwards only (forward_train, forward_eval, forward_train_saved, sync_forward_local).

@@ -393,9 +393,9 @@ def cuda_gen(seed):
 
 
 # "default" takes the kernel the device dispatches to (the fp16x3 wgmma kernel on
-# compute capability 9.0, the portable mma.sync kernel elsewhere, small_m_fp64 for
-# small batches on sm_80 / sm_90); "portable" forces the portable kernel at every
-# batch, so a Hopper run tests all three.  The engine reads its
+# compute capability 9.0, the portable mma.sync kernel elsewhere); "portable"
+# forces the portable kernel, so a Hopper run tests both (small_m_fp64, off by
+# default, has its own tests: tests/test_small_batch_accuracy.py).  The engine reads its
 # switches once at import, so the fixture replaces model_new.SWITCHES for the
 # test, not the environment; both problems' ModelNew run on model_new.  Only GPU
 # tests take this fixture.
@@ -403,9 +403,8 @@ GEMM_PATHS = ["default", "portable"]
 
 
 def gemm_switches(path):
-    """model_new.SWITCHES for a GEMM_PATHS entry: "portable" also turns the small-batch
-    route off, so small batches run sm80_3xtf32 as on sm_86-89 GPUs."""
-    return model_new.SWITCHES._replace(portable=path == "portable", small_m=path != "portable")
+    """model_new.SWITCHES for a GEMM_PATHS entry."""
+    return model_new.SWITCHES._replace(portable=path == "portable")
 
 
 @pytest.fixture(params=GEMM_PATHS)

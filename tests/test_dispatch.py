@@ -21,6 +21,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 DEFAULT = Switches(portable=False, weight_cache=True)
 PORTABLE = DEFAULT._replace(portable=True)
+SMALL_M = DEFAULT._replace(small_m=True)  # FUSED_GEMM_BN_SMALL_M=1
 
 H200 = DeviceFacts(capability=(9, 0), num_sms=132, sm90_gemm=True)
 H200_NO_SM90A = H200._replace(sm90_gemm=False)  # a build without the sm_90a image
@@ -45,18 +46,19 @@ CASES = [
     ("hopper-84-train", call(problem=84), H200, DEFAULT, "sm90_fp16x3_train"),
     ("hopper-84-eval", call(problem=84, training=False), H200, DEFAULT, "sm90_fp16x3_eval"),
     ("hopper-small", call(m=17, k=8, n=8), H200, DEFAULT, "sm90_fp16x3_train"),
-    # batches of at most SMALL_M_MAX_ROWS rows on a full-rate FP64 GPU: small_m_fp64 (W read once)
-    ("small-m-train", call(m=2, k=8, n=8), H200, DEFAULT, "small_m_fp64_train"),
-    ("small-m-16", call(m=16, k=8192, n=8192), H200, DEFAULT, "small_m_fp64_train"),
-    ("small-m-eval-1", call(m=1, k=8192, n=8192, training=False), H200, DEFAULT, "small_m_fp64_eval"),
-    ("small-m-84-grad", call(m=7, k=4095, n=513, problem=84, grad=True), H200, DEFAULT, "small_m_fp64_train_grad"),
-    ("small-m-a100", call(m=4, k=4096, n=4096), A100, DEFAULT, "small_m_fp64_train"),
-    ("small-m-portable", call(m=4, k=4096, n=4096), H200, PORTABLE, "small_m_fp64_train"),
+    # FUSED_GEMM_BN_SMALL_M=1: batches of at most SMALL_M_MAX_ROWS rows on a full-rate FP64 GPU take
+    # small_m_fp64 (W read once); off by default
+    ("small-m-train", call(m=2, k=8, n=8), H200, SMALL_M, "small_m_fp64_train"),
+    ("small-m-16", call(m=16, k=8192, n=8192), H200, SMALL_M, "small_m_fp64_train"),
+    ("small-m-eval-1", call(m=1, k=8192, n=8192, training=False), H200, SMALL_M, "small_m_fp64_eval"),
+    ("small-m-84-grad", call(m=7, k=4095, n=513, problem=84, grad=True), H200, SMALL_M, "small_m_fp64_train_grad"),
+    ("small-m-a100", call(m=4, k=4096, n=4096), A100, SMALL_M, "small_m_fp64_train"),
+    ("small-m-portable", call(m=4, k=4096, n=4096), H200, PORTABLE._replace(small_m=True), "small_m_fp64_train"),
+    ("small-m-default-off", call(m=4, k=4096, n=4096), H200, DEFAULT, "sm90_fp16x3_train"),
     # eval with gradients keeps the tensor-core gemm_nt; so do GPUs without full-rate FP64
-    ("small-m-eval-grad", call(m=4, k=64, n=64, training=False, grad=True), H200, DEFAULT,
+    ("small-m-eval-grad", call(m=4, k=64, n=64, training=False, grad=True), H200, SMALL_M,
      "sm90_fp16x3_eval_grad"),
-    ("small-m-ada", call(m=4, k=4096, n=4096), ADA, DEFAULT, "sm80_3xtf32_train"),
-    ("small-m-switch-off", call(m=4, k=4096, n=4096), H200, DEFAULT._replace(small_m=False), "sm90_fp16x3_train"),
+    ("small-m-ada", call(m=4, k=4096, n=4096), ADA, SMALL_M, "sm80_3xtf32_train"),
     ("hopper-k4", call(m=64, k=36, n=64), H200, DEFAULT, "sm90_fp16x3_train"),
     ("hopper-k4-84-eval", call(m=64, k=8188, n=64, problem=84, training=False), H200, DEFAULT, "sm90_fp16x3_eval"),
     ("hopper-odd-k", call(m=33, k=37, n=515), H200, DEFAULT, "sm90_fp16x3_train"),
@@ -206,7 +208,8 @@ def test_every_route_is_a_default():
                 for training, grad in [(True, False), (False, False), (True, True), (False, True)]:
                     seen.add(plan(call(m=m, k=k, n=n, dtype=dtype, training=training, grad=grad), facts,
                                   default).gemm)
-    assert seen == {"sm90_fp16x3", "sm80_3xtf32", "lowp_sm90", "lowp_cublas", "lowp_sm80", "small_m_fp64"}
+    # small_m_fp64 is a user's choice (FUSED_GEMM_BN_SMALL_M=1: more accurate, not faster), not a default
+    assert seen == {"sm90_fp16x3", "sm80_3xtf32", "lowp_sm90", "lowp_cublas", "lowp_sm80"}
 
 
 # ---------------------------------------------------------------------------

@@ -180,7 +180,7 @@ def _replace_route(rows, dtype, gpu, new_route):
 
 @pytest.mark.parametrize("dtype, gpu, wrong", [
     ("float32", "sm_90", "`sm80_3xtf32`"),                        # a wrong route
-    ("float32", "sm_86-89", "`sm80_3xtf32` or `sm90_fp16x3`"),    # a route no shape reaches
+    ("float32", "sm_80-89", "`sm80_3xtf32` or `sm90_fp16x3`"),    # a route no shape reaches
     ("float16", "sm_90", "`lowp_sm90`"),                          # a route missing (lowp_cublas)
     ("float64", "CPU", "`torch_ops` or `empty`"),                 # batch 0 is not in the grid
 ], ids=["wrong", "extra", "missing", "cpu-extra"])

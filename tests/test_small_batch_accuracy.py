@@ -136,6 +136,23 @@ def test_gpu_small_batch_accuracy_vs_float64(problem, mode, trios, fp32_matmul, 
 
 
 @requires_cuda
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("problem", BOTH)
+def test_gpu_small_m_route_accuracy_vs_float64(problem, mode, trios, fp32_matmul, monkeypatch):
+    """FUSED_GEMM_BN_SMALL_M=1's small_m_fp64 (float64 products, z rounded once) on every
+    cell of the grid, where the GPU has full-rate FP64: the same bar."""
+    if torch.cuda.get_device_capability() not in model_new._FULL_RATE_FP64:
+        pytest.skip("small_m_fp64 runs on sm_80 and sm_90 only")
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(small_m=True))
+    records = sbe.run_cells(GPU_FEATURES, sbe.SEEDS, problems=(problem.name,), modes=(mode,), trios=trios)
+    paths = {r["path"] for r in records}
+    print(_summary(records, f"{problem.name} {mode} small_m ({', '.join(sorted(paths))})"))
+    assert paths == {f"small_m_fp64_{mode}"}, paths
+    bad = sbe.bar_violations(records)
+    assert not bad, f"{len(bad)} violation(s) of the small-batch bar:\n" + "\n".join(bad[:30])
+
+
+@requires_cuda
 @pytest.mark.parametrize("problem", BOTH)
 def test_gpu_small_batch_negative_control_tf32_operands(problem, fp32_matmul):
     m, k, n = sbe.FOCUS

@@ -69,9 +69,7 @@
 namespace {
 
 namespace fgb = fused_gemm_bn;
-using fgb::binding::check_training;
-using fgb::binding::current_stream;
-using fgb::binding::feature_vector;
+using namespace fgb::binding;  // check_training, current_stream, feature_vector, num_sms
 
 // The GEMM a call names.
 enum class Gemm { kSm80, kSm90, kCublas };

@@ -5515,12 +5515,9 @@ static cudaError_t launch_small_m(SmallMArgs p, double* workspace, cudaStream_t 
   if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   const SmallMPlan plan = small_m_plan(p.M, p.N, p.K, facts.num_sms);
-  p.pieces = plan.pieces;
-  p.tiles_per_piece = plan.tiles_per_piece;
-  if (plan.pieces > 1) {
-    if (workspace == nullptr) return cudaErrorInvalidValue;
-    p.partials = workspace;
-  }
+  if (plan.pieces > 1 && workspace == nullptr) return cudaErrorInvalidValue;
+  p.pieces = plan.pieces, p.tiles_per_piece = plan.tiles_per_piece;
+  p.partials = plan.pieces > 1 ? workspace : nullptr;
   const bool vec16 = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
   switch (plan.m_blocks) {
     case 1:
@@ -5832,9 +5829,7 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
 namespace {
 
 namespace fgb = fused_gemm_bn;
-using fgb::binding::check_training;
-using fgb::binding::current_stream;
-using fgb::binding::feature_vector;
+using namespace fgb::binding;  // check_training, current_stream, feature_vector, num_sms
 
 // The GEMM kernels a `gemm` name selects.  small_m_fp64 (small batches, small_m_fp64.cu) runs
 // the forwards only (forward_train, forward_eval, forward_train_saved, sync_forward_local).
@@ -7259,9 +7254,9 @@ def module_call(gemm, bn):
 
 Switches = collections.namedtuple("Switches", ["portable", "weight_cache", "sync_fused", "autocast_fused",
                                               "lowp_gemm", "eager_ops", "small_m"],
-                                  defaults=(True, True, "auto", False, True))
-Switches.__doc__ = """What a user (the first two, from the environment at import)
-or a test (the rest: tests and tools replace SWITCHES) changes about the
+                                  defaults=(True, True, "auto", False, False))
+Switches.__doc__ = """What a user (portable, weight_cache and small_m, from the environment at
+import) or a test (the rest: tests and tools replace SWITCHES) changes about the
 routes; nothing reads the environment per call:
   portable       FUSED_GEMM_BN_PORTABLE=1: the portable sm80_3xtf32 kernel (and
                  lowp_sm80) on Hopper too
@@ -7275,11 +7270,13 @@ routes; nothing reads the environment per call:
                  (model_new_lowp.hopper_gemm)
   eager_ops      True: eager calls go through the fused_gemm_bn:: operators,
                  as under torch.compile (tests run the operators' autograd)
-  small_m        False: float32 batches of at most SMALL_M_MAX_ROWS rows take the
-                 tensor-core GEMM too instead of small_m_fp64 (tests and tools
-                 compare the two)"""
+  small_m        True with FUSED_GEMM_BN_SMALL_M=1: float32 batches of at most
+                 SMALL_M_MAX_ROWS rows run small_m_fp64 (float64 products: output
+                 error 0.06-0.7x eager's against the tensor-core route's 1.4-1.6x at
+                 K = N = 8192, at 0.9-1.3x its time on an H200: docs/perf.md v42)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
-                    weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1")
+                    weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1",
+                    small_m=os.environ.get("FUSED_GEMM_BN_SMALL_M") == "1")
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
@@ -7331,9 +7328,9 @@ def _float32_gemm(facts, switches):
     return "sm80_3xtf32"
 
 
-# The small-batch route (kernels/small_m_fp64.cu): float32 forwards of at most this many rows
-# read W once, with float64 products on the FP64 tensor cores.  The crossover against the
-# tensor-core GEMMs is measured (docs/perf.md v42).
+# The small-batch route (kernels/small_m_fp64.cu), switched on by FUSED_GEMM_BN_SMALL_M=1:
+# float32 forwards of at most this many rows read W once, with float64 products on the FP64
+# tensor cores.  Not yet faster than the tensor-core GEMMs (docs/perf.md v42), so off by default.
 SMALL_M_MAX_ROWS = 16
 # GPUs with full-rate FP64 (the route's DMMA): A100 (8.0), H100 / H200 (9.0); sm_86 / sm_89 run
 # FP64 at 1/64 of that and keep the tensor-core GEMM.

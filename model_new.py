@@ -634,8 +634,8 @@ routes; nothing reads the environment per call:
                  as under torch.compile (tests run the operators' autograd)
   small_m        True with FUSED_GEMM_BN_SMALL_M=1: float32 batches of at most
                  SMALL_M_MAX_ROWS rows run small_m_fp64 (float64 products: output
-                 error 0.06-0.7x eager's against the tensor-core route's 1.4-1.6x at
-                 K = N = 8192, at 0.9-1.3x its time on an H200: docs/perf.md v42)"""
+                 error 0.06-0.73x eager's against the tensor-core route's up to 1.65x
+                 at K = N = 4096, 8192, at 0.9-1.4x its time: docs/perf.md v42)"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1",
                     small_m=os.environ.get("FUSED_GEMM_BN_SMALL_M") == "1")

@@ -5091,8 +5091,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   cancellation) and rounded once; eval's a, c and a z64 + c in float64,
 //   rounded once.  tools/small_m_check.cu checks every element against these
 //   bounds (reference: exact products, long double sums).
-//   Inputs must be finite: a non-finite x or W element does not propagate as
-//   NaN/Inf (its exponent field lands inside the double range: a large finite term).
+//   A non-finite x element converts to a non-finite double, so it reaches z as in eager
+//   (an infinity's sign and a NaN's payload aside); W must be finite: a non-finite W
+//   element becomes a finite term (checking it in the W loop spills registers on sm_80).
 //
 // Work split (SmallMTraits below; kMBlocks = 1, 2, 4 for M <= 8, 16, 32)
 //   CTA: 12 warps = kWarpsN (2) feature halves x kWarpsK (6) K slices, 384
@@ -5143,7 +5144,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   shapes ((4096, 512): 8 MB of W, 11 pieces) are latency-bound: two launches
 //   and the pipeline fill make the ratio to a 1-3 us floor well above 1.15.
 //
-// Preconditions: 1 <= M <= kSmallMMaxRows (32), N >= 1, K >= 1, finite inputs;
+// Preconditions: 1 <= M <= kSmallMMaxRows (32), N >= 1, K >= 1, W finite;
 // eval: bn.scale, bn.running_mean, bn.running_var not null; workspace as above.
 // SM 8.0+ (mma.sync .f64; runs, slowly, where FP64 is 1/64 rate: sm_86 / sm_89).
 // Sources: PTX ISA, "Warp-level matrix multiply-accumulate instructions",
@@ -5220,16 +5221,22 @@ struct SmallMArgs {
 // mantissa bits moved into a double's fields without rebiasing the exponent
 // (a float of exponent field e, mantissa f is 2^(e-127) 1.f; the double with
 // the same fields is 2^(e-1023) 1.f; subnormals (e = 0) scale the same way).
-// Three integer ops, no FP64 conversion (16/clk/SM) on the FP64 pipe.
+// Three integer ops, no FP64 conversion (16/clk/SM) on the FP64 pipe.  A
+// non-finite w (exponent field 255) becomes a finite double: the launchers'
+// callers take finite weights (the route is opt-in; README limitations).
 __device__ __forceinline__ double f32_to_f64_times_2m896(float w) {
   const uint32_t b = __float_as_uint(w);
   const int hi = (static_cast<int>(b) >> 3) & static_cast<int>(0x8fffffffu);
   return __hiloint2double(hi, static_cast<int>(b << 29));
 }
 
-// x * 2^896 exactly (|x| < 2^128: below 2^1024, no overflow).
+// x * 2^896 exactly (|x| < 2^128: below 2^1024, no overflow); an infinity or NaN x
+// stays one (the all-ones exponent), so it reaches z as in eager.
 __device__ __forceinline__ double f32_to_f64_times_2p896(float x) {
-  return f32_to_f64_times_2m896(x) * 0x1p896 * 0x1p896;
+  const uint32_t b = __float_as_uint(x);
+  const int non_finite = (b & 0x7f800000u) == 0x7f800000u ? 0x7ff00000 : 0;
+  const int hi = ((static_cast<int>(b) >> 3) & static_cast<int>(0x8fffffffu)) | non_finite;
+  return __hiloint2double(hi, static_cast<int>(b << 29)) * 0x1p896 * 0x1p896;
 }
 
 // D = A B + D, A 8x4 (row), B 4x8 (col), float64 (PTX ISA mma.m8n8k4 .f64):

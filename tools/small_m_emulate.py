@@ -11,8 +11,8 @@ kernels/) runs each CTA as one OS thread per CUDA thread (std::barrier for
 __syncthreads); mma.m8n8k4 .f64 is emulated from the PTX ISA's fragment layouts
 (lane 4g+t holds A[g][t], B[t][g], D[g][2t], D[g][2t+1]) with the lanes of a warp
 exchanging their operands; the kernel source is used as it is except its two
-device-only statements (the mma asm and the <<<>>> launch), replaced textually
-here (the script fails if they change).  Exit status: the check's (0 pass, 1 fail).
+device-only statement (the mma asm) and its extern shared array, replaced
+textually here (the script fails if they change); launch_kernel is the shim's.  Exit status: the check's (0 pass, 1 fail).
 Slow (minutes): keep the shapes small.
 """
 import argparse
@@ -132,16 +132,13 @@ static cudaError_t current_device_facts(DeviceFacts* f) {
 
 
 def patched_kernel_source():
-    """small_m_fp64.cu with the mma asm, the <<<>>> launch and the extern shared
-    array replaced by the shim's emu_dmma, emu_launch and a static array."""
+    """small_m_fp64.cu with the mma asm and the extern shared array replaced by the
+    shim's emu_dmma and a static array (both kernels launch through launch_kernel,
+    which the shim's pdl.cuh runs with emu_launch)."""
     s = open(KERNEL, encoding="utf-8").read()
     a = s.index('  asm("mma.sync')
     b = s.index(";", s.index('"d"(a), "d"(b))')) + 1
     s = s[:a] + "  emu_dmma(d0, d1, a, b);" + s[b:]
-    a = s.index("  kernel<<<")
-    b = s.index("(p);", a) + 4
-    s = s[:a] + ("  emu_launch(kernel, dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), "
-                 "dim3(T::kNumThreads), p);") + s[b:]
     decl = "extern __shared__ __align__(16) unsigned char small_m_smem[];"
     assert s.count(decl) == 1, "the shared array's declaration changed"
     s = s.replace(decl, "")

@@ -32,8 +32,8 @@ From ModelNew.forward to the kernels (docs/design.md has the whole map):
                 bn.cu                                        * scale and bn into the epilogue
   sm80_3xtf32   centring.cu, prepass_3xtf32.cu,              gemm: mma.sync, 3xTF32; eval
                 sm80_gemm_3xtf32_bn.cu                       as above
-  small_m_fp64  small_m_fp64.cu (batches <= SMALL_M_MAX_ROWS: gemm: W read once, float64
-                no split of x or W first)                  products (DMMA); eval folds as above
+  small_m_fp64  small_m_fp64.cu (small batches, _small_m_  gemm: W read once, float64
+                gemm; no split of x or W first)            products (DMMA); eval folds as above
   after the GEMM in training: bn_apply.cu (problem 33: statistics, running statistics, bn),
   bn_softmax.cu (84: the same, * scale, softmax); backward: softmax_rows_backward.cu (84),
   bn_backward.cu, prepass_fp16x3_backward.cu and the GEMM: grad_x = grad_z W, grad_W = grad_z^T x.
@@ -616,7 +616,7 @@ def module_call(gemm, bn):
 
 Switches = collections.namedtuple("Switches", ["portable", "weight_cache", "sync_fused", "autocast_fused",
                                               "lowp_gemm", "eager_ops", "small_m"],
-                                  defaults=(True, True, "auto", False, False))
+                                  defaults=(True, True, "auto", False, "auto"))
 Switches.__doc__ = """What a user (portable, weight_cache and small_m, from the environment at
 import) or a test (the rest: tests and tools replace SWITCHES) changes about the
 routes; nothing reads the environment per call:
@@ -632,13 +632,15 @@ routes; nothing reads the environment per call:
                  (model_new_lowp.hopper_gemm)
   eager_ops      True: eager calls go through the fused_gemm_bn:: operators,
                  as under torch.compile (tests run the operators' autograd)
-  small_m        True with FUSED_GEMM_BN_SMALL_M=1: float32 batches of at most
-                 SMALL_M_MAX_ROWS rows run small_m_fp64 (float64 products: output
-                 error 0.06-0.73x eager's against the tensor-core route's up to 1.65x
-                 at K = N = 4096, 8192, at 0.9-1.4x its time: docs/perf.md v42)"""
+  small_m        "auto": small float32 batches take small_m_fp64 on Hopper where it
+                 measured faster than sm90_fp16x3 (_small_m_gemm); True
+                 (FUSED_GEMM_BN_SMALL_M=1): every float32 batch of at most
+                 SMALL_M_MAX_ROWS rows on a full-rate FP64 GPU (the A100 too, not
+                 measured there); False (FUSED_GEMM_BN_SMALL_M=0): never, so that every
+                 batch size runs the same tensor-core kernel"""
 SWITCHES = Switches(portable=os.environ.get("FUSED_GEMM_BN_PORTABLE") == "1",
                     weight_cache=os.environ.get("FUSED_GEMM_BN_NO_WEIGHT_CACHE") != "1",
-                    small_m=os.environ.get("FUSED_GEMM_BN_SMALL_M") == "1")
+                    small_m={"1": True, "0": False}.get(os.environ.get("FUSED_GEMM_BN_SMALL_M"), "auto"))
 
 DeviceFacts = collections.namedtuple("DeviceFacts", ["capability", "num_sms", "sm90_gemm"])
 DeviceFacts.__doc__ = """What the dispatch needs to know about a GPU (device_facts):
@@ -690,21 +692,32 @@ def _float32_gemm(facts, switches):
     return "sm80_3xtf32"
 
 
-# The small-batch route (kernels/small_m_fp64.cu), switched on by FUSED_GEMM_BN_SMALL_M=1:
-# float32 forwards of at most this many rows read W once, with float64 products on the FP64
-# tensor cores.  Not yet faster than the tensor-core GEMMs (docs/perf.md v42), so off by default.
+# The small-batch route (kernels/small_m_fp64.cu): float32 forwards of a few rows read W once,
+# with float64 products on the FP64 tensor cores (within 0.5 ulp of the correctly rounded z).
 SMALL_M_MAX_ROWS = 16
+# Where "auto" takes it on Hopper instead of sm90_fp16x3 (H200, docs/perf.md v43; module times
+# back to back): up to 12 rows at every measured shape (K x N 1024 x 1000, 4095 x 513,
+# 4096 x 4096, 8192 x 8192: 0.51-0.99x sm90_fp16x3's time), up to 16 rows where N K >= 2^26
+# (8192 x 8192: 0.71-0.78x; at 16 rows 4095 x 513 measured 1.10-1.15x, 4096 x 4096 0.98-1.02x).
+SMALL_M_AUTO_ROWS = 12
+SMALL_M_WIDE_NK = 1 << 26
 # GPUs with full-rate FP64 (the route's DMMA): A100 (8.0), H100 / H200 (9.0); sm_86 / sm_89 run
 # FP64 at 1/64 of that and keep the tensor-core GEMM.
 _FULL_RATE_FP64 = ((8, 0), (9, 0))
 
 
-def _small_m_gemm(call, facts, switches):
-    """Whether a float32 CUDA forward takes small_m_fp64: at most SMALL_M_MAX_ROWS rows, a
-    full-rate FP64 GPU, not eval with gradients (its gemm_nt products stay on the
-    tensor-core route), and switches.small_m."""
-    return (switches.small_m and call.m <= SMALL_M_MAX_ROWS and facts.capability in _FULL_RATE_FP64
-            and (call.training or not call.grad))
+def _small_m_gemm(call, facts, switches, gemm):
+    """Whether a float32 CUDA forward takes small_m_fp64 instead of `gemm` (the
+    tensor-core kernel it would run): at most SMALL_M_MAX_ROWS rows, a full-rate
+    FP64 GPU, not eval with gradients (its gemm_nt products stay on the tensor-core
+    route), and switches.small_m: True, or "auto" where measured faster than gemm
+    (sm90_fp16x3 only: SMALL_M_AUTO_ROWS rows, SMALL_M_MAX_ROWS from SMALL_M_WIDE_NK)."""
+    if (not switches.small_m or call.m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64
+            or (call.grad and not call.training)):
+        return False
+    if switches.small_m == "auto":
+        return gemm == "sm90_fp16x3" and (call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK)
+    return True
 
 
 def plan(call, facts=None, switches=None):
@@ -726,7 +739,7 @@ def plan(call, facts=None, switches=None):
         gemm = _LOWP.route(call, facts, switches)
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     gemm = _float32_gemm(facts, switches)
-    if _small_m_gemm(call, facts, switches):
+    if _small_m_gemm(call, facts, switches, gemm):
         gemm = "small_m_fp64"
     return Plan(f"{gemm}_{mode}", gemm, "ext", call.training, call.grad)
 

@@ -108,6 +108,7 @@
 #include <type_traits>
 
 #include "bn_stats.cuh"
+#include "cp_async.cuh"
 #include "launchers.cuh"
 
 // Numerics switches, each a compile-time constant that a -D flag overrides
@@ -183,28 +184,6 @@ using Sm80SmallMTraits = Sm80Tile<16, 256, 1, 8>;
 enum class Epilogue { kTrain, kEval };
 
 namespace sm80 {
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Copies `bytes` (16 or 4) from global to shared; src_bytes == 0 zero-fills.
-template <int kBytes>
-__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
-  const int src_bytes = valid ? kBytes : 0;
-  if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(src_bytes));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(src_bytes));
-  }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
 
 // Splits v into a TF32 big part (round to nearest, ties away; identical to
 // cvt.rna.tf32.f32 for finite v) and the exact fp32 remainder.  Two integer ops

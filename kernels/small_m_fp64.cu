@@ -1,4 +1,4 @@
-// small_m_fp64.cu -- the small-batch route (M = 1 .. 32 rows): one read of W,
+// small_m_fp64.cu -- the small-batch route (M = 1 .. 16 rows): one read of W,
 // products and sums in float64 on the FP64 tensor cores (DMMA), z rounded once
 // to float32, with the training statistics or the eval-mode fold in the same
 // kernel.  Portable: mma.sync m8n8k4 .f64 (sm_80+); nothing Hopper-only.
@@ -58,59 +58,54 @@
 //   rounded once.  tools/small_m_check.cu checks every element against these
 //   bounds (reference: exact products, long double sums).
 //   A non-finite x element converts to a non-finite double, so it reaches z as in eager
-//   (an infinity's sign and a NaN's payload aside); W must be finite: a non-finite W
-//   element becomes a finite term (checking it in the W loop spills registers on sm_80).
+//   (an infinity's sign and a NaN's payload aside).  A non-finite W element would become
+//   a finite term through the bit move: the kernel sums w * 0 per W row on the FP32
+//   pipe and adds it to the row's sums, so a feature whose W row holds an infinity or
+//   NaN gets NaN in every batch row (eager: NaN, or an infinity where the products do
+//   not cancel; after BatchNorm's batch statistics, NaN in both).
 //
-// Work split (SmallMTraits below; kMBlocks = 1, 2, 4 for M <= 8, 16, 32)
-//   CTA: 12 warps = kWarpsN (2) feature halves x kWarpsK (6) K slices, 384
-//   threads, one CTA per SM (<= 168 registers: with 512 threads the 128-register
-//   cap spilled).  BLOCK_N = kWarpsN x kFeatGroups x 8 = 64 features (32 at
-//   kMBlocks = 4): whole W rows, so a feature's sums end in one CTA.  Each warp
-//   keeps kFeatGroups x kMBlocks DMMA accumulators (8 features x 8 batch rows
-//   each): A = 8 W rows x 4 k (lane (g, t) holds W[g][k0 + 4t + s] for step s:
-//   one 16-byte load gives its 4 steps), B = 4 k x 8 batch rows of x, from shared
-//   memory in fragment order (one conflict-free 16-byte load per two steps).
-//   x is staged in tiles of BLOCK_K = 384 / kMBlocks columns (kRows x BLOCK_K
-//   doubles = 24 KB, double-buffered, one __syncthreads per tile; the next
-//   tile's floats are loaded into registers while the current one is used);
-//   each warp's W loads run kRing - 1 = 2 chunks (16 k) ahead in registers.
+// Work split (SmallMTraits below; kMBlocks = 1, 2 for M <= 8, 16)
+//   CTA: 8 warps, one per 16-k slice of a stage, each over all BLOCK_N = 64
+//   features (whole W rows, so a feature's sums end in one CTA), 256 threads, one
+//   CTA per SM; BLOCK_K = 128 k per stage.  W and x reach shared memory through a
+//   kStages-deep cp.async ring (cp_async.cuh; 16-byte copies where K % 4 == 0 and
+//   the rows are 16-byte aligned, else 4-byte copies), one __syncthreads per
+//   stage: W's 64 rows and x's kRows rows of 128 floats, each row padded to 144
+//   floats (576 bytes, 64 mod 128), so that a warp's 16-byte reads of 8 rows x 4
+//   consecutive float4 are bank-conflict free; a warp copies one 512-byte row
+//   piece.  Rows past M (x) and past N (W) are zeroed once and never copied; k
+//   past K is zero-filled by the copies.  In flight per SM: kStages - 1 stages =
+//   96 KB of W, 2.7 us of the H200's 36 B/ns per SM (Little's law: ~1 us of loaded
+//   DRAM latency needs 36 KB).
+//   Each warp keeps kTilesN (4) x kMBlocks accumulator tiles of 16 features x 8 batch
+//   rows (4 doubles a lane) and reads, per 16-k chunk, one float4 per lane from
+//   each of its 2 kTilesN W rows and kMBlocks x rows (lane (g, t): row g, k 4t ..
+//   4t + 3), converts them (below) and issues, on sm_90, one
+//   mma.m16n8k16 .f64 per tile (A = 16 W rows x 16 k, B = 16 k x 8 batch rows),
+//   elsewhere the same product as 8 mma.m8n8k4 .f64.  The k order inside a chunk
+//   is permuted (fragment k index t + 4 i, or t for step i, is column 4 t + i),
+//   the same way for A and B.
 //   At the end the K slices are summed through shared memory in warp order, and
 //   either the epilogue runs (one thread per feature), or, with K split into
 //   pieces (fewer feature blocks than SMs), each piece stores its float64 sums to
 //   the workspace and small_m_fp64_finish_kernel adds the pieces in piece order
 //   and runs the epilogue.  No atomics: the same bits on every run.
 //
-// Performance model (predictions, not measurements: tools/small_m_check.cu
-// measures the kernel next to the floor on the GPU).
+// Performance model (predictions; tools/small_m_check.cu measures the kernel next
+// to the floor, tools/dmma_rate.cu the MMA rates).
 //   Floor: W read once, 4 N K bytes (268 MB at N = K = 8192: ~90 us on an H100,
-//   ~60 us on an H200, half of a device-to-device copy of W).
-//   DFMA would not keep up at M = 16: 64 DFMA/clk/SM x 132 SMs x 1.75 GHz =
-//   14.8e12/s, and 16 x 8192^2 = 1.07e9 products take 72.6 us at full issue (over
-//   the H200's floor, 0.8x the H100's), plus the float -> double conversions
-//   (16/clk/SM for 64-bit types, CUDA C++ Programming Guide, arithmetic
-//   instructions table, cc 8.0 / 9.0).  The FP64 tensor core does 128 FMA/clk/SM
-//   (H100 SXM: 67 TFLOP/s FP64 Tensor Core = 128 x 2 x 132 x 1.98 GHz): 36 us at
-//   M = 9 .. 16 and 18 us at M <= 8 (an 8-row block costs the same whatever the
-//   rows used) at 1.75 GHz, 73 us at M = 17 .. 32 (compute-bound on an H200).
-//   Per 16-k chunk a warp issues 4 kFeatGroups kMBlocks DMMAs (8 clk each on its
-//   SM sub-partition), kFeatGroups 16-byte W loads, 4 kFeatGroups conversions of
-//   3 integer ops (INT pipe, not FP64) and 2 kMBlocks 16-byte shared loads:
-//   ~110 issue slots against 256 DMMA clocks at kMBlocks = 2.  x staging: 2
-//   integer ops + 2 DMUL per x element per CTA: 6% of the FP64 pipe at M = 16.
-//   Shared memory: 0.125 B per FMA at kFeatGroups = 4 (16 B/clk/SM of 128).
-//   L2 -> SM: every CTA reads all of x once: ceil(N / BLOCK_N) x 4 M K bytes =
-//   64 MB at N = K = 8192, M = 16 (a quarter of W's bytes).
-//   W in flight per SM: 384 threads x kFeatGroups x 16 B x 2 chunks ahead = 48 KB
-//   (kFeatGroups = 4; 24 KB at kMBlocks = 4).  Little's law at ~700 ns loaded DRAM
-//   latency needs ~18 KB/SM (H100: 3.35 TB/s / 132 SMs = 25 B/ns) to ~26 KB/SM
-//   (H200: 36 B/ns).
-//   Predicted at N = K = 8192: M <= 16 memory-bound at ~1.05-1.1x the floor
-//   (128 CTAs on 132 SMs stream W; a few us of launch, pipeline fill and
-//   epilogue); M = 32: ~1.1x on an H100, >= 1.2x on an H200 (compute).  Small
-//   shapes ((4096, 512): 8 MB of W, 11 pieces) are latency-bound: two launches
-//   and the pipeline fill make the ratio to a 1-3 us floor well above 1.15.
+//   ~60 us on an H200, half of a device-to-device copy of W).  v42's kernel (W in
+//   registers, 2 chunks ahead, 48 KB a SM in flight) ran at 1.9x that on the H200.
+//   MMA: 8 x 8192^2 products (M <= 8) are 0.54e9 FMA: 16 us at the H100's 67 TFLOP/s
+//   FP64 tensor rate, 32 us at half of it; M <= 16 twice that.  Conversions: 3
+//   integer ops per W float (ALU: 2 clk per warp instruction on a sub-partition),
+//   5 integer ops and 2 DMUL per x float; per 16-k chunk a warp converts 16
+//   kTilesN W floats and 4 kMBlocks x floats per lane (~176 ALU clk at
+//   kMBlocks = 2, against 256 clk of MMA at the full rate).
+//   Predicted at N = K = 8192: M <= 16 at ~1.05-1.1x the floor on both GPUs
+//   (128 CTAs on 132 SMs, plus the pipeline fill and the epilogue).
 //
-// Preconditions: 1 <= M <= kSmallMMaxRows (32), N >= 1, K >= 1, W finite;
+// Preconditions: 1 <= M <= kSmallMMaxRows (16), N >= 1, K >= 1;
 // eval: bn.scale, bn.running_mean, bn.running_var not null; workspace as above.
 // SM 8.0+ (mma.sync .f64; runs, slowly, where FP64 is 1/64 rate: sm_86 / sm_89).
 // Sources: PTX ISA, "Warp-level matrix multiply-accumulate instructions",
@@ -124,44 +119,44 @@
 
 #include "device_facts.cuh"
 #include "launchers.cuh"
-#include "load_hints.cuh"
+#include "cp_async.cuh"
 #include "pdl.cuh"
 
 namespace fused_gemm_bn {
 
-constexpr int kSmallMMaxRows = 32;
+constexpr int kSmallMMaxRows = 16;
 
-// One traits struct per batch block count (kMBlocks 8-row blocks: M <= 8, 16, 32).
+// One traits struct per batch block count (kMBlocks 8-row blocks: M <= 8, 16).
 template <int kMBlocks_>
 struct SmallMTraits {
   static constexpr int kMBlocks = kMBlocks_;
   static constexpr int kRows = kMBlocks * 8;  // batch rows held (M padded)
-  // 8-feature groups per warp: F x kMBlocks accumulator pairs (<= 8 pairs = 32
-  // registers), F reuses of each x fragment.
-  static constexpr int kFeatGroups = kMBlocks <= 2 ? 4 : 2;
+  // Each warp takes half of the BLOCK_N features of its K slice: kTilesN x kMBlocks
+  // accumulator tiles of 4 doubles (16 warps: one x 4 features per warp measured
+  // the same at M = 9 .. 16 and 5% slower at M = 8, docs/perf.md v43).
+  static constexpr int kTilesN = 2;
   static constexpr int kWarpsN = 2;
-  // 12 warps: 384 threads, one CTA per SM, up to 168 registers per thread (at
-  // 512 threads the 128-register cap spilled with 2 chunks in registers).
-  static constexpr int kWarpsK = 6;
+  static constexpr int kWarpsK = 8;
   static constexpr int kNumWarps = kWarpsN * kWarpsK;
   static constexpr int kNumThreads = kNumWarps * 32;
-  static constexpr int BLOCK_N = kWarpsN * kFeatGroups * 8;
-  static constexpr int CHUNK_K = 16;  // one 16-byte W load per lane and group
-  // x tile: kRows x BLOCK_K doubles = 24 KB per buffer whatever kMBlocks.
-  static constexpr int kChunksPerWarp = 4 / kMBlocks;
-  static constexpr int BLOCK_K = kChunksPerWarp * CHUNK_K * kWarpsK;
-  static constexpr int kXTileBytes = kRows * BLOCK_K * 8;
-  static constexpr int kXPerThread = kRows * BLOCK_K / kNumThreads;  // staged floats per thread per tile
-  // W chunks in registers: the one being used and kRing - 1 loaded ahead.
-  static constexpr int kRing = 3;
-  // The final K-slice reduction: kNumWarps x 32 lanes x F x kMBlocks x 2 doubles.
-  // Then each feature's float64 sums z64[n][m] (BLOCK_N x kRows doubles) after it.
-  static constexpr int kReduceBytes = kNumWarps * 32 * kFeatGroups * kMBlocks * 2 * 8;
+  static constexpr int BLOCK_N = kWarpsN * kTilesN * 16;  // 64
+  static constexpr int CHUNK_K = 16;                      // one float4 a lane and row
+  static constexpr int BLOCK_K = 128;                     // k per stage
+  static constexpr int kChunksPerWarp = BLOCK_K / CHUNK_K / kWarpsK;
+  static constexpr int kRowStride = BLOCK_K + 16;  // floats: 576 bytes, 64 mod 128
+  static constexpr int kStageFloats = (BLOCK_N + kRows) * kRowStride;  // W rows, then x rows
+  static constexpr int kStageBytes = kStageFloats * 4;
+  // The final K-slice reduction: kNumWarps x kTilesN x kMBlocks x 4 x 32 lanes doubles,
+  // then each feature's float64 sums z64[n][m] (BLOCK_N x kRows doubles) after it.
+  static constexpr int kReduceBytes = kNumWarps * kTilesN * kMBlocks * 4 * 32 * 8;
   static constexpr int kZsumBytes = BLOCK_N * kRows * 8;
-  static constexpr int kSmemBytes =
-      2 * kXTileBytes > kReduceBytes + kZsumBytes ? 2 * kXTileBytes : kReduceBytes + kZsumBytes;
-  static_assert(kChunksPerWarp >= 1 && BLOCK_K == kChunksPerWarp * CHUNK_K * kWarpsK, "x tile splits over warps");
-  static_assert(kRows * BLOCK_K % kNumThreads == 0, "x tile splits over threads");
+  // Shared memory of a kStages-deep ring (the reduction area reuses it).
+  static constexpr int smem_bytes(int stages) {
+    return stages * kStageBytes > kReduceBytes + kZsumBytes ? stages * kStageBytes : kReduceBytes + kZsumBytes;
+  }
+  static_assert(BLOCK_N == 64 && kChunksPerWarp >= 1 && kChunksPerWarp * kWarpsK * CHUNK_K == BLOCK_K,
+                "stage splits over warps");
+  static_assert(smem_bytes(4) <= 227 * 1024, "4 stages fit sm_90's opt-in shared memory");
   static_assert(BLOCK_N <= kNumThreads, "one thread per feature in the epilogue");
 };
 
@@ -196,13 +191,28 @@ __device__ __forceinline__ double f32_to_f64_times_2m896(float w) {
   return __hiloint2double(hi, static_cast<int>(b << 29));
 }
 
-// x * 2^896 exactly (|x| < 2^128: below 2^1024, no overflow); an infinity or NaN x
-// stays one (the all-ones exponent), so it reaches z as in eager.
+// x * 2^896 exactly (|x| < 2^128: below 2^1024, no overflow), for every float; an
+// infinity or NaN x stays one (the all-ones exponent), so it reaches z as in eager.
+// Two DMUL on the FP64 pipe: the main loop takes f32_to_f64_times_2p896_fast and
+// comes here only for subnormal x.
 __device__ __forceinline__ double f32_to_f64_times_2p896(float x) {
   const uint32_t b = __float_as_uint(x);
   const int non_finite = (b & 0x7f800000u) == 0x7f800000u ? 0x7ff00000 : 0;
   const int hi = ((static_cast<int>(b) >> 3) & static_cast<int>(0x8fffffffu)) | non_finite;
   return __hiloint2double(hi, static_cast<int>(b << 29)) * 0x1p896 * 0x1p896;
+}
+
+// The same in integer ops only, exact for every float but the subnormals: the
+// exponent field e moved into the double's and raised by 1792 (e + 1792 <= 2047,
+// no carry: 1 .. 254 give x * 2^896, 255 gives 2047, an infinity or NaN as above),
+// a zero (e = 0) left as it is.  `subnormal` is set where x is one (e = 0, mantissa
+// != 0): the result is then wrong and f32_to_f64_times_2p896 must be used.
+__device__ __forceinline__ double f32_to_f64_times_2p896_fast(float x, bool& subnormal) {
+  const uint32_t b = __float_as_uint(x);
+  const bool zero_exponent = (b & 0x7f800000u) == 0u;
+  subnormal = subnormal || (zero_exponent && (b << 1) != 0u);
+  const int hi = ((static_cast<int>(b) >> 3) & static_cast<int>(0x8fffffffu)) | (zero_exponent ? 0 : 0x70000000);
+  return __hiloint2double(hi, static_cast<int>(b << 29));
 }
 
 // D = A B + D, A 8x4 (row), B 4x8 (col), float64 (PTX ISA mma.m8n8k4 .f64):
@@ -247,162 +257,227 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
   }
 }
 
-// Loads the W chunk of k columns [k, k + 4) of row `row` (one lane's 4 steps);
-// zeros past k_end or past N.
-template <bool kVec16>
-__device__ __forceinline__ float4 load_w_chunk(const float* w_row, bool row_ok, int k, int k_end) {
-  if constexpr (kVec16) {
-    // K % 4 == 0 and k % 4 == 0: k < k_end means all four are in range.
-    if (row_ok && k < k_end) return ld_evict_first_f4(w_row + k);
-    return make_float4(0.f, 0.f, 0.f, 0.f);
-  } else {
-    float4 v;
-    v.x = row_ok && k < k_end ? __ldg(w_row + k) : 0.f;
-    v.y = row_ok && k + 1 < k_end ? __ldg(w_row + k + 1) : 0.f;
-    v.z = row_ok && k + 2 < k_end ? __ldg(w_row + k + 2) : 0.f;
-    v.w = row_ok && k + 3 < k_end ? __ldg(w_row + k + 3) : 0.f;
-    return v;
+// D (16 x 8) += A (16 x 16) B (16 x 8), float64, the product of one 16-k chunk for
+// 16 features x 8 batch rows: lane (g, t) passes wlo / whi = W rows g / g + 8 and
+// xb = x row g, columns 4t .. 4t + 3 of the chunk, already converted; d[v0 + 2 v1] =
+// D[g + 8 v1][2t + v0].  sm_90: one mma.m16n8k16 .f64 (its fragment k index t + 4i
+// is column 4t + i, for A, a[v0 + 2 v1] = A[g + 8 v0][t + 4 v1], and for B,
+// b[i] = B[t + 4i][g]); elsewhere 8 mma.m8n8k4 .f64 (step i: k index t is column 4t + i).
+__device__ __forceinline__ void dmma_chunk_16x8(double (&d)[4], const double (&wlo)[4], const double (&whi)[4],
+                                                const double (&xb)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, {%0, %1, %2, %3};"
+      : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+      : "d"(wlo[0]), "d"(whi[0]), "d"(wlo[1]), "d"(whi[1]), "d"(wlo[2]), "d"(whi[2]), "d"(wlo[3]), "d"(whi[3]),
+        "d"(xb[0]), "d"(xb[1]), "d"(xb[2]), "d"(xb[3]));
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    dmma_m8n8k4(d[0], d[1], wlo[i], xb[i]);
+    dmma_m8n8k4(d[2], d[3], whi[i], xb[i]);
+  }
+#endif
+}
+
+// The copies of one stage (k from k0) into ring buffer `stage`: W rows n0 .. n0 +
+// BLOCK_N (those < N), then x rows 0 .. M; k >= k_end zero-filled.
+// 16-byte form: thread tid copies columns 4 lane .. 4 lane + 3 of rows tid / 32 + 16 j
+// (a warp copies one 512-byte row piece), the same rows in every stage, so the
+// source pointers and shared offsets are formed once (the copy loop was a third of
+// the kernel's instructions at M = 16, docs/perf.md v43).
+template <class T>
+struct SmallMCopies16 {
+  static constexpr int kRowsPerPass = T::kNumThreads / 32;
+  static constexpr int kMaxCopies = (T::BLOCK_N + T::kRows + kRowsPerPass - 1) / kRowsPerPass;
+  const float* src[kMaxCopies];
+  int dst[kMaxCopies];  // floats from the stage's start
+  int count;
+  int col;
+
+  __device__ __forceinline__ SmallMCopies16(const SmallMArgs& p, int n0) {
+    const int rows_w = min(T::BLOCK_N, p.N - n0), first = threadIdx.x / 32;
+    col = 4 * (threadIdx.x % 32);
+    count = 0;
+#pragma unroll
+    for (int j = 0; j < kMaxCopies; ++j) {
+      const int r = first + kRowsPerPass * j;
+      const bool is_w = r < rows_w;
+      src[j] = (is_w ? p.w + static_cast<size_t>(n0 + r) * p.K
+                     : p.x + static_cast<size_t>(min(r - rows_w, p.M - 1)) * p.x_row_stride) + col;
+      dst[j] = (is_w ? r : T::BLOCK_N + r - rows_w) * T::kRowStride + col;
+      if (r < rows_w + p.M) count = j + 1;
+    }
+  }
+  __device__ __forceinline__ void issue(float* stage, int k0, int k_end) const {
+    const bool valid = k0 + col < k_end;
+#pragma unroll
+    for (int j = 0; j < kMaxCopies; ++j)
+      if (j < count) cp_async<16>(stage + dst[j], valid ? src[j] + k0 : src[j], valid);
+  }
+};
+
+// 4-byte form (K % 4 != 0 or rows not 16-byte aligned): element by element.
+template <class T>
+__device__ __forceinline__ void small_m_issue_stage4(const SmallMArgs& p, float* stage, int n0, int k0, int k_end) {
+  const int rows_w = min(T::BLOCK_N, p.N - n0);
+  for (int c = threadIdx.x; c < (rows_w + p.M) * T::BLOCK_K; c += T::kNumThreads) {
+    const int r = c / T::BLOCK_K, k = k0 + c % T::BLOCK_K;
+    const bool is_w = r < rows_w;
+    const float* src = is_w ? p.w + static_cast<size_t>(n0 + r) * p.K
+                            : p.x + static_cast<size_t>(r - rows_w) * p.x_row_stride;
+    const int row = is_w ? r : T::BLOCK_N + r - rows_w;
+    const bool valid = k < k_end;
+    cp_async<4>(stage + row * T::kRowStride + (k - k0), valid ? src + k : src, valid);
   }
 }
 
-// grid (ceil(N / BLOCK_N), pieces), kNumThreads threads, T::kSmemBytes of
+// grid (ceil(N / BLOCK_N), pieces), kNumThreads threads, T::smem_bytes(kStages) of
 // dynamic shared memory.
-template <class T, bool kEval, bool kVec16>
+template <class T, int kStages, bool kEval, bool kVec16>
 __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const SmallMArgs p) {
   pdl_wait_then_release();
-  constexpr int F = T::kFeatGroups, MB = T::kMBlocks, kRing = T::kRing;
+  constexpr int TN = T::kTilesN, MB = T::kMBlocks;
   extern __shared__ __align__(16) unsigned char small_m_smem[];
-  double* xs = reinterpret_cast<double*>(small_m_smem);  // [2][BLOCK_K / 16][MB][2][32 lanes] double2
+  float* ring = reinterpret_cast<float*>(small_m_smem);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int warp_n = warp / T::kWarpsK, warp_k = warp % T::kWarpsK;
   // nn.BatchNorm1d's step counter, once per training call (the pre-pass does it on the other routes).
   if (p.num_batches_tracked != nullptr && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0) *p.num_batches_tracked += 1;
-  const int n0 = blockIdx.x * T::BLOCK_N + warp_n * F * 8;
   const int M = p.M, N = p.N, K = p.K;
+  const int n0 = blockIdx.x * T::BLOCK_N;
   const int piece = blockIdx.y;
-  const int tile_begin = piece * p.tiles_per_piece;
-  const int k_begin = tile_begin * T::BLOCK_K;
+  const int k_begin = piece * p.tiles_per_piece * T::BLOCK_K;
   const int k_end = min(K, k_begin + p.tiles_per_piece * T::BLOCK_K);
   const int num_tiles = (k_end - k_begin + T::BLOCK_K - 1) / T::BLOCK_K;
-  const int num_items = num_tiles * T::kChunksPerWarp;
 
-  // Row n0 + 8 f + g of group f is at w_lane + 8 f K (formed per load: registers are the limit).
-  const float* w_lane = p.w + static_cast<size_t>(n0 + g) * K;
-  // Item i: tile i / kChunksPerWarp, chunk (i % kChunksPerWarp) * kWarpsK + warp_k
-  // of it (the warps of a CTA read adjacent 64-byte pieces of each row).
-  auto item_k = [&](int i) {
-    return k_begin + (i / T::kChunksPerWarp) * T::BLOCK_K +
-           ((i % T::kChunksPerWarp) * T::kWarpsK + warp_k) * T::CHUNK_K + 4 * t;
-  };
-  auto load_item = [&](int i, float4 (&dst)[F]) {
-    const int k = item_k(i);
-#pragma unroll
-    for (int f = 0; f < F; ++f)
-      dst[f] = load_w_chunk<kVec16>(w_lane + static_cast<size_t>(8 * f) * K, n0 + 8 * f + g < N && i < num_items, k,
-                                    k_end);
-  };
-
-  // x tile staging: element e = tid + r * kNumThreads of the tile is row e / BLOCK_K,
-  // column e % BLOCK_K (coalesced along k); rows >= M and columns >= k_end are 0.
-  float xr[T::kXPerThread];
-  auto load_x_tile = [&](int tile) {
-    const int k0 = k_begin + tile * T::BLOCK_K;
-#pragma unroll
-    for (int r = 0; r < T::kXPerThread; ++r) {
-      const int e = tid + r * T::kNumThreads;
-      const int m = e / T::BLOCK_K, k = k0 + e % T::BLOCK_K;
-      xr[r] = tile < num_tiles && m < M && k < k_end ? __ldg(p.x + m * p.x_row_stride + k) : 0.f;
-    }
-  };
-  // Fragment order: the double at chunk c, batch block mb, step s, lane (g, t)
-  // is x[8 mb + g][16 c + 4 t + s] * 2^896, at ((c MB + mb) 2 + s / 2) 32 + lane
-  // (double2 units), component s % 2: each B-fragment pair is one conflict-free 16-byte load.
-  auto store_x_tile = [&](int buf) {
-    double* dst = xs + buf * (T::kXTileBytes / 8);
-#pragma unroll
-    for (int r = 0; r < T::kXPerThread; ++r) {
-      const int e = tid + r * T::kNumThreads;
-      const int m = e / T::BLOCK_K, kl = e % T::BLOCK_K;
-      const int c = kl / 16, tt = (kl / 4) % 4, s = kl % 4;
-      const int idx = (((c * MB + m / 8) * 2 + s / 2) * 32 + (m % 8) * 4 + tt) * 2 + (s % 2);
-      dst[idx] = f32_to_f64_times_2p896(xr[r]);
-    }
-  };
-
-  double acc[F][MB][2];
-#pragma unroll
-  for (int f = 0; f < F; ++f)
-#pragma unroll
-    for (int mb = 0; mb < MB; ++mb) acc[f][mb][0] = acc[f][mb][1] = 0.0;
-
-  float4 wbuf[kRing][F];
-#pragma unroll
-  for (int r = 0; r < kRing; ++r) load_item(r, wbuf[r]);
-  load_x_tile(0);
-
-  for (int i0 = 0; i0 < num_items; i0 += kRing) {
-#pragma unroll
-    for (int r = 0; r < kRing; ++r) {
-      const int i = i0 + r;
-      if (i < num_items) {  // uniform over the CTA: every warp has num_items items
-        const int tile = i / T::kChunksPerWarp, j = i % T::kChunksPerWarp;
-        if (j == 0) {
-          // Buffer tile % 2 was last read in tile - 2, before every thread passed
-          // the barrier of tile - 1.
-          store_x_tile(tile & 1);
-          __syncthreads();
-          load_x_tile(tile + 1);
-        }
-        const double2* xf = reinterpret_cast<const double2*>(xs + (tile & 1) * (T::kXTileBytes / 8)) +
-                            ((j * T::kWarpsK + warp_k) * MB * 2) * 32 + lane;
-#pragma unroll
-        for (int pair = 0; pair < 2; ++pair) {  // steps s = 2 pair, 2 pair + 1: one x load per batch block
-          double2 xb[MB];
-#pragma unroll
-          for (int mb = 0; mb < MB; ++mb) xb[mb] = xf[(mb * 2 + pair) * 32];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int f = 0; f < F; ++f) {
-              const float4& wv = wbuf[r][f];
-              const double a = f32_to_f64_times_2m896(pair == 0 ? (h == 0 ? wv.x : wv.y) : (h == 0 ? wv.z : wv.w));
-#pragma unroll
-              for (int mb = 0; mb < MB; ++mb) dmma_m8n8k4(acc[f][mb][0], acc[f][mb][1], a, h == 0 ? xb[mb].x : xb[mb].y);
-            }
-          }
-        }
-        load_item(i + kRing, wbuf[r]);
-      }
+  // Rows never copied (W past N, x past M) are zero in every stage.
+  {
+    const int pad_w = T::BLOCK_N - min(T::BLOCK_N, N - n0), pad_rows = pad_w + T::kRows - M;
+    constexpr int kRowFloat4s = T::kRowStride / 4;
+    for (int e = tid; e < kStages * pad_rows * kRowFloat4s; e += T::kNumThreads) {
+      const int q = (e / kRowFloat4s) % pad_rows, stage = e / (kRowFloat4s * pad_rows);
+      const int row = q < pad_w ? T::BLOCK_N - pad_w + q : T::BLOCK_N + M + (q - pad_w);
+      reinterpret_cast<float4*>(ring + stage * T::kStageFloats + row * T::kRowStride)[e % kRowFloat4s] =
+          make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
-
-  // Sum the kWarpsK K slices in warp order: red[warp][f][mb][h][lane].
-  __syncthreads();
-  double* red = reinterpret_cast<double*>(small_m_smem);
+  const SmallMCopies16<T> copies(p, n0);  // unused (and dropped) in the 4-byte form
+  auto issue_stage = [&](int tile) {
+    float* stage = ring + (tile % kStages) * T::kStageFloats;
+    const int k0 = k_begin + tile * T::BLOCK_K;
+    if constexpr (kVec16)
+      copies.issue(stage, k0, k_end);
+    else
+      small_m_issue_stage4<T>(p, stage, n0, k0, k_end);
+  };
 #pragma unroll
-  for (int f = 0; f < F; ++f)
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_tiles) issue_stage(s);
+    cp_async_commit();
+  }
+
+  // W's non-finite values: w * 0 is NaN for an infinity or NaN w and 0 otherwise, summed per
+  // W row this lane reads (rows g and g + 8 of each tile) on the otherwise idle FP32 pipe; the
+  // bit-moving conversion would make them finite terms.
+  float w_nan[TN][2] = {};
+  double acc[TN][MB][4];
+#pragma unroll
+  for (int f = 0; f < TN; ++f)
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) red[(((warp * F + f) * MB + mb) * 2 + h) * 32 + lane] = acc[f][mb][h];
+      for (int v = 0; v < 4; ++v) acc[f][mb][v] = 0.0;
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage `tile` landed for every thread; stage tile - 1 read by every warp
+    {
+      const int next = tile + kStages - 1;
+      if (next < num_tiles) issue_stage(next);
+      cp_async_commit();
+    }
+    const float* stage = ring + (tile % kStages) * T::kStageFloats;
+#pragma unroll
+    for (int j = 0; j < T::kChunksPerWarp; ++j) {
+      const int col = (j * T::kWarpsK + warp_k) * T::CHUNK_K + 4 * t;
+      float4 xv[MB];
+      double xb[MB][4];
+      bool subnormal = false;
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) {
+        xv[mb] = *reinterpret_cast<const float4*>(stage + (T::BLOCK_N + 8 * mb + g) * T::kRowStride + col);
+        xb[mb][0] = f32_to_f64_times_2p896_fast(xv[mb].x, subnormal);
+        xb[mb][1] = f32_to_f64_times_2p896_fast(xv[mb].y, subnormal);
+        xb[mb][2] = f32_to_f64_times_2p896_fast(xv[mb].z, subnormal);
+        xb[mb][3] = f32_to_f64_times_2p896_fast(xv[mb].w, subnormal);
+      }
+      if (__any_sync(0xffffffffu, subnormal)) {  // rare: a subnormal x in this warp's chunk
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+          xb[mb][0] = f32_to_f64_times_2p896(xv[mb].x), xb[mb][1] = f32_to_f64_times_2p896(xv[mb].y);
+          xb[mb][2] = f32_to_f64_times_2p896(xv[mb].z), xb[mb][3] = f32_to_f64_times_2p896(xv[mb].w);
+        }
+      }
+#pragma unroll
+      for (int f = 0; f < TN; ++f) {
+        const int row = (warp_n * TN + f) * 16 + g;
+        const float4 lo = *reinterpret_cast<const float4*>(stage + row * T::kRowStride + col);
+        const float4 hi = *reinterpret_cast<const float4*>(stage + (row + 8) * T::kRowStride + col);
+        w_nan[f][0] = fmaf(lo.x, 0.f, fmaf(lo.y, 0.f, fmaf(lo.z, 0.f, fmaf(lo.w, 0.f, w_nan[f][0]))));
+        w_nan[f][1] = fmaf(hi.x, 0.f, fmaf(hi.y, 0.f, fmaf(hi.z, 0.f, fmaf(hi.w, 0.f, w_nan[f][1]))));
+        const double wlo[4] = {f32_to_f64_times_2m896(lo.x), f32_to_f64_times_2m896(lo.y),
+                               f32_to_f64_times_2m896(lo.z), f32_to_f64_times_2m896(lo.w)};
+        const double whi[4] = {f32_to_f64_times_2m896(hi.x), f32_to_f64_times_2m896(hi.y),
+                               f32_to_f64_times_2m896(hi.z), f32_to_f64_times_2m896(hi.w)};
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) dmma_chunk_16x8(acc[f][mb], wlo, whi, xb[mb]);
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can be left; nothing writes the ring after this
+  __syncthreads();     // every warp done with the ring: it becomes the reduction area
+
+  // A non-finite W row makes its feature's sums NaN, for every batch row (in eager, a NaN,
+  // or an infinity whose products do not cancel): the 4 lanes of a quad read a row's columns.
+#pragma unroll
+  for (int f = 0; f < TN; ++f)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float flag = w_nan[f][h];
+      flag += __shfl_xor_sync(0xffffffffu, flag, 1);
+      flag += __shfl_xor_sync(0xffffffffu, flag, 2);
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) acc[f][mb][2 * h] += flag, acc[f][mb][2 * h + 1] += flag;
+    }
+
+  // Sum the kWarpsK K slices in warp order: red[warp][f][mb][v][lane].
+  double* red = reinterpret_cast<double*>(small_m_smem);
+#pragma unroll
+  for (int f = 0; f < TN; ++f)
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) red[(((warp * TN + f) * MB + mb) * 4 + v) * 32 + lane] = acc[f][mb][v];
   __syncthreads();
   // zsum[feature_local][m]: after the reduction area.
-  double* zsum = red + T::kNumWarps * 32 * F * MB * 2;
+  double* zsum = red + T::kNumWarps * TN * MB * 4 * 32;
   for (int o = tid; o < T::BLOCK_N * T::kRows; o += T::kNumThreads) {
-    // o -> (warp_n, f, mb, h, lane); feature = warp_n F 8 + f 8 + g, row m = 8 mb + 2 t + h.
-    const int ln = o % 32, h = (o / 32) % 2, mb = (o / 64) % MB, f = (o / (64 * MB)) % F, wn = o / (64 * MB * F);
-    double v = 0.0;
+    // o -> (warp_n, f, mb, v, lane); feature = (warp_n TN + f) 16 + g + 8 (v / 2), row m = 8 mb + 2 t + v % 2.
+    const int ln = o % 32, v = (o / 32) % 4, mb = (o / 128) % MB, f = (o / (128 * MB)) % TN,
+              wn = o / (128 * MB * TN);
+    double sum = 0.0;
 #pragma unroll
     for (int wk = 0; wk < T::kWarpsK; ++wk)
-      v += red[((((wn * T::kWarpsK + wk) * F + f) * MB + mb) * 2 + h) * 32 + ln];
-    const int nl = wn * F * 8 + f * 8 + (ln >> 2), m = 8 * mb + 2 * (ln & 3) + h;
-    zsum[nl * T::kRows + m] = v;
+      sum += red[((((wn * T::kWarpsK + wk) * TN + f) * MB + mb) * 4 + v) * 32 + ln];
+    const int nl = (wn * TN + f) * 16 + (ln >> 2) + 8 * (v >> 1), m = 8 * mb + 2 * (ln & 3) + (v & 1);
+    zsum[nl * T::kRows + m] = sum;
   }
   __syncthreads();
   if (tid >= T::BLOCK_N) return;
-  const int n = blockIdx.x * T::BLOCK_N + tid;
+  const int n = n0 + tid;
   if (n >= N) return;
   double zd[T::kRows];
 #pragma unroll
@@ -436,19 +511,18 @@ __global__ void __launch_bounds__(256) small_m_fp64_finish_kernel(const SmallMAr
 // many as fill them once (each at least one BLOCK_K tile, at most kMaxPieces).
 constexpr int kSmallMMaxPieces = 32;
 struct SmallMPlan {
-  int m_blocks = 0;  // 1, 2, 4: the traits
+  int m_blocks = 0;  // 1, 2: the traits
   int block_n = 0, block_k = 0;
   int pieces = 1, tiles_per_piece = 0;
 };
 
 static SmallMPlan small_m_plan(int M, int N, int K, int num_sms) {
   SmallMPlan plan;
-  plan.m_blocks = M <= 8 ? 1 : M <= 16 ? 2 : 4;
-  switch (plan.m_blocks) {
-    case 1: plan.block_n = SmallMTraits<1>::BLOCK_N, plan.block_k = SmallMTraits<1>::BLOCK_K; break;
-    case 2: plan.block_n = SmallMTraits<2>::BLOCK_N, plan.block_k = SmallMTraits<2>::BLOCK_K; break;
-    default: plan.block_n = SmallMTraits<4>::BLOCK_N, plan.block_k = SmallMTraits<4>::BLOCK_K; break;
-  }
+  plan.m_blocks = M <= 8 ? 1 : 2;
+  plan.block_n = SmallMTraits<1>::BLOCK_N, plan.block_k = SmallMTraits<1>::BLOCK_K;
+  static_assert(SmallMTraits<1>::BLOCK_N == SmallMTraits<2>::BLOCK_N &&
+                    SmallMTraits<1>::BLOCK_K == SmallMTraits<2>::BLOCK_K,
+                "one tiling for both batch block counts");
   const int feature_blocks = (N + plan.block_n - 1) / plan.block_n;
   const int num_tiles = (K + plan.block_k - 1) / plan.block_k;
   int pieces = feature_blocks >= num_sms ? 1 : num_sms / feature_blocks;
@@ -458,26 +532,38 @@ static SmallMPlan small_m_plan(int M, int N, int K, int num_sms) {
   return plan;
 }
 
-template <class T, bool kEval, bool kVec16>
-static cudaError_t launch_small_m_gemm(const SmallMArgs& p, int device, cudaStream_t stream) {
-  auto kernel = small_m_fp64_kernel<T, kEval, kVec16>;
+template <class T, int kStages, bool kEval, bool kVec16>
+static cudaError_t launch_small_m_stages(const SmallMArgs& p, int device, cudaStream_t stream) {
+  auto kernel = small_m_fp64_kernel<T, kStages, kEval, kVec16>;
+  constexpr int kSmem = T::smem_bytes(kStages);
   // The shared-memory opt-in once per device and kernel (a host call per launch
   // would sit inside a small launch's time); a racing second set is harmless.
   static bool configured[kMaxCachedDevices] = {};
   cudaError_t err = cudaSuccess;
   if (device >= kMaxCachedDevices || !configured[device]) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
     if (device < kMaxCachedDevices) configured[device] = true;
   }
   // Unlike the large GEMMs (pdl.cuh), this one-wave kernel releases its dependents at once: the
   // BatchNorm kernel after it is launched while it runs and waits on the device (a small batch's
   // call time is mostly such gaps).
-  err = launch_kernel(kernel, dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), dim3(T::kNumThreads),
-                      T::kSmemBytes, stream, p);
+  err = launch_kernel(kernel, dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), dim3(T::kNumThreads), kSmem,
+                      stream, p);
   if (err != cudaSuccess || p.pieces == 1) return err;
   return launch_kernel(small_m_fp64_finish_kernel<T::kRows, kEval>, dim3((p.N + 255) / 256), dim3(256), 0, stream,
                        p);
+}
+
+// 4 stages where the device's shared memory holds them (sm_90: 227 KB), else 2
+// (sm_80's 163 KB, sm_86 / sm_89's 99 KB up to kMBlocks = 2; one stage in flight:
+// 36 KB, 2 us at an A100's 15 B/ns per SM).
+template <class T, bool kEval, bool kVec16>
+static cudaError_t launch_small_m_gemm(const SmallMArgs& p, const DeviceFacts& facts, int device,
+                                       cudaStream_t stream) {
+  if (facts.smem_optin >= T::smem_bytes(4)) return launch_small_m_stages<T, 4, kEval, kVec16>(p, device, stream);
+  if (facts.smem_optin >= T::smem_bytes(2)) return launch_small_m_stages<T, 2, kEval, kVec16>(p, device, stream);
+  return cudaErrorInvalidConfiguration;
 }
 
 template <bool kEval>
@@ -491,17 +577,16 @@ static cudaError_t launch_small_m(SmallMArgs p, double* workspace, cudaStream_t 
   if (plan.pieces > 1 && workspace == nullptr) return cudaErrorInvalidValue;
   p.pieces = plan.pieces, p.tiles_per_piece = plan.tiles_per_piece;
   p.partials = plan.pieces > 1 ? workspace : nullptr;
-  const bool vec16 = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
+  // 16-byte copies: every row of W and x starts 16-byte aligned.
+  const bool vec16 = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_row_stride % 4 == 0;
   switch (plan.m_blocks) {
     case 1:
-      return vec16 ? launch_small_m_gemm<SmallMTraits<1>, kEval, true>(p, device, stream)
-                   : launch_small_m_gemm<SmallMTraits<1>, kEval, false>(p, device, stream);
-    case 2:
-      return vec16 ? launch_small_m_gemm<SmallMTraits<2>, kEval, true>(p, device, stream)
-                   : launch_small_m_gemm<SmallMTraits<2>, kEval, false>(p, device, stream);
+      return vec16 ? launch_small_m_gemm<SmallMTraits<1>, kEval, true>(p, facts, device, stream)
+                   : launch_small_m_gemm<SmallMTraits<1>, kEval, false>(p, facts, device, stream);
     default:
-      return vec16 ? launch_small_m_gemm<SmallMTraits<4>, kEval, true>(p, device, stream)
-                   : launch_small_m_gemm<SmallMTraits<4>, kEval, false>(p, device, stream);
+      return vec16 ? launch_small_m_gemm<SmallMTraits<2>, kEval, true>(p, facts, device, stream)
+                   : launch_small_m_gemm<SmallMTraits<2>, kEval, false>(p, facts, device, stream);
   }
 }
 

@@ -394,8 +394,8 @@ def cuda_gen(seed):
 
 # "default" takes the kernel the device dispatches to (the fp16x3 wgmma kernel on
 # compute capability 9.0, the portable mma.sync kernel elsewhere); "portable"
-# forces the portable kernel, so a Hopper run tests both (small_m_fp64, off by
-# default, has its own tests: tests/test_small_batch_accuracy.py).  The engine reads its
+# forces the portable kernel, so a Hopper run tests both (and "default" takes
+# small_m_fp64 at the small batches plan() gives it).  The engine reads its
 # switches once at import, so the fixture replaces model_new.SWITCHES for the
 # test, not the environment; both problems' ModelNew run on model_new.  Only GPU
 # tests take this fixture.

@@ -46,17 +46,30 @@ CASES = [
     ("hopper-84-train", call(problem=84), H200, DEFAULT, "sm90_fp16x3_train"),
     ("hopper-84-eval", call(problem=84, training=False), H200, DEFAULT, "sm90_fp16x3_eval"),
     ("hopper-small", call(m=17, k=8, n=8), H200, DEFAULT, "sm90_fp16x3_train"),
-    # FUSED_GEMM_BN_SMALL_M=1: batches of at most SMALL_M_MAX_ROWS rows on a full-rate FP64 GPU take
-    # small_m_fp64 (W read once); off by default
-    ("small-m-train", call(m=2, k=8, n=8), H200, SMALL_M, "small_m_fp64_train"),
-    ("small-m-16", call(m=16, k=8192, n=8192), H200, SMALL_M, "small_m_fp64_train"),
-    ("small-m-eval-1", call(m=1, k=8192, n=8192, training=False), H200, SMALL_M, "small_m_fp64_eval"),
-    ("small-m-84-grad", call(m=7, k=4095, n=513, problem=84, grad=True), H200, SMALL_M, "small_m_fp64_train_grad"),
-    ("small-m-a100", call(m=4, k=4096, n=4096), A100, SMALL_M, "small_m_fp64_train"),
-    ("small-m-portable", call(m=4, k=4096, n=4096), H200, PORTABLE._replace(small_m=True), "small_m_fp64_train"),
-    ("small-m-default-off", call(m=4, k=4096, n=4096), H200, DEFAULT, "sm90_fp16x3_train"),
+    # small batches on Hopper: small_m_fp64 (W read once, float64 products) where it measured faster,
+    # SMALL_M_AUTO_ROWS rows at every shape, SMALL_M_MAX_ROWS from N K = SMALL_M_WIDE_NK on
+    ("small-m-auto-train", call(m=2, k=8, n=8), H200, DEFAULT, "small_m_fp64_train"),
+    ("small-m-auto-8", call(m=8, k=4096, n=4096), H200, DEFAULT, "small_m_fp64_train"),
+    ("small-m-auto-12-narrow", call(m=12, k=4095, n=513), H200, DEFAULT, "small_m_fp64_train"),
+    ("small-m-auto-13-narrow", call(m=13, k=4096, n=4096), H200, DEFAULT, "sm90_fp16x3_train"),
+    ("small-m-auto-16-wide", call(m=16, k=8192, n=8192), H200, DEFAULT, "small_m_fp64_train"),
+    ("small-m-auto-17", call(m=17, k=8192, n=8192), H200, DEFAULT, "sm90_fp16x3_train"),
+    ("small-m-auto-eval-1", call(m=1, k=8192, n=8192, training=False), H200, DEFAULT, "small_m_fp64_eval"),
+    ("small-m-auto-84-grad", call(m=7, k=4095, n=513, problem=84, grad=True), H200, DEFAULT,
+     "small_m_fp64_train_grad"),
+    # "auto" replaces sm90_fp16x3 only: not the portable kernel (A100, the portable switch), where
+    # it was not measured
+    ("small-m-auto-a100", call(m=4, k=4096, n=4096), A100, DEFAULT, "sm80_3xtf32_train"),
+    ("small-m-auto-portable", call(m=4, k=4096, n=4096), H200, PORTABLE, "sm80_3xtf32_train"),
+    # FUSED_GEMM_BN_SMALL_M=1: every batch of at most SMALL_M_MAX_ROWS rows on a full-rate FP64 GPU
+    ("small-m-on-16-narrow", call(m=16, k=4096, n=4096), H200, SMALL_M, "small_m_fp64_train"),
+    ("small-m-on-a100", call(m=4, k=4096, n=4096), A100, SMALL_M, "small_m_fp64_train"),
+    ("small-m-on-portable", call(m=4, k=4096, n=4096), H200, PORTABLE._replace(small_m=True), "small_m_fp64_train"),
+    ("small-m-on-17", call(m=17, k=8192, n=8192), H200, SMALL_M, "sm90_fp16x3_train"),
+    # FUSED_GEMM_BN_SMALL_M=0: never
+    ("small-m-off", call(m=4, k=4096, n=4096), H200, DEFAULT._replace(small_m=False), "sm90_fp16x3_train"),
     # eval with gradients keeps the tensor-core gemm_nt; so do GPUs without full-rate FP64
-    ("small-m-eval-grad", call(m=4, k=64, n=64, training=False, grad=True), H200, SMALL_M,
+    ("small-m-eval-grad", call(m=4, k=64, n=64, training=False, grad=True), H200, DEFAULT,
      "sm90_fp16x3_eval_grad"),
     ("small-m-ada", call(m=4, k=4096, n=4096), ADA, SMALL_M, "sm80_3xtf32_train"),
     ("hopper-k4", call(m=64, k=36, n=64), H200, DEFAULT, "sm90_fp16x3_train"),
@@ -208,8 +221,7 @@ def test_every_route_is_a_default():
                 for training, grad in [(True, False), (False, False), (True, True), (False, True)]:
                     seen.add(plan(call(m=m, k=k, n=n, dtype=dtype, training=training, grad=grad), facts,
                                   default).gemm)
-    # small_m_fp64 is a user's choice (FUSED_GEMM_BN_SMALL_M=1: more accurate, not faster), not a default
-    assert seen == {"sm90_fp16x3", "sm80_3xtf32", "lowp_sm90", "lowp_cublas", "lowp_sm80"}
+    assert seen == {"sm90_fp16x3", "sm80_3xtf32", "small_m_fp64", "lowp_sm90", "lowp_cublas", "lowp_sm80"}
 
 
 # ---------------------------------------------------------------------------
@@ -225,15 +237,18 @@ LAUNCHES = {
     # after the library's product, no project GEMM kernel: the chain kernels, or problem 84
     # eval's row softmax with BatchNorm fused (bn16_softmax_rows_*)
     "lowp_cublas": ["bn16_"],
+    "small_m_fp64": ["small_m_fp64_kernel"],
 }
 GEMM_KERNELS = ["sm90_gemm_fp16x3_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm80_gemm_bn_16bit_kernel",
-                "sm90_gemm_bn_16bit_kernel"]
+                "sm90_gemm_bn_16bit_kernel", "small_m_fp64_kernel"]
 
 
 GPU_CASES = [  # (problem, m, k, n, dtype, misaligned weight)
     ("33", 256, 512, 384, F32, False), ("84", 256, 512, 384, F32, False), ("33", 33, 37, 515, F32, False),
     ("84", 33, 37, 515, F32, False), ("33", 300, 1000, 520, F32, True), ("33", 64, 96, 80, torch.float16, False),
     ("84", 64, 96, 80, torch.bfloat16, False),
+    # small batches (small_m_fp64 on Hopper by default; the misaligned W takes its 4-byte copies)
+    ("33", 4, 512, 384, F32, False), ("84", 7, 37, 515, F32, True),
 ]
 
 

@@ -76,7 +76,11 @@ struct Case {
   float x_offset = 0.f;      // added to every x (cancellation)
   int64_t x_row_stride = 0;  // 0: K
   bool null_vectors = false; // eval with null bias / bn_weight / bn_bias
+  bool w_non_finite = false; // W[1][K / 3] = +inf, W[N - 2][K / 2] = NaN: those features' outputs must be NaN
 };
+
+// The features a w_non_finite case poisons (N >= 3).
+bool poisoned_feature(const Case& c, int n) { return c.w_non_finite && (n == 1 || n == c.N - 2); }
 
 struct Inputs {
   std::vector<float> x, w, bias, scale, bn_weight, bn_bias, running_mean, running_var;
@@ -93,6 +97,10 @@ Inputs make_inputs(const Case& c, uint64_t seed) {
     for (int k = 0; k < c.K; ++k) in.x[m * ld + k] = normal(gen) + c.x_offset;
   in.w.resize(static_cast<size_t>(c.N) * c.K);
   for (auto& v : in.w) v = normal(gen);
+  if (c.w_non_finite) {
+    in.w[static_cast<size_t>(1) * c.K + c.K / 3] = INFINITY;
+    in.w[static_cast<size_t>(c.N - 2) * c.K + c.K / 2] = NAN;
+  }
   std::uniform_real_distribution<float> uni(0.5f, 2.f);
   for (int n = 0; n < c.N; ++n) {
     in.bias.push_back(normal(gen));
@@ -172,6 +180,16 @@ Errors compare(const Case& c, const Inputs& in, const Outputs& o) {
   Errors e;
   const long double K8 = static_cast<long double>(c.K + 8);
   for (int n = 0; n < c.N; ++n) {
+    if (poisoned_feature(c, n)) {  // a non-finite W row: every output of the feature NaN
+      long long not_nan = !std::isnan(o.part_mean[n]) + !std::isnan(o.part_m2[n]);
+      for (int m = 0; m < c.M; ++m) {
+        const size_t i = static_cast<size_t>(m) * c.N + n;
+        not_nan += !std::isnan(o.z[i]) + !std::isnan(o.out33[i]) + !std::isnan(o.out84[i]);
+      }
+      if (not_nan) fprintf(stderr, "  feature %d with a non-finite W row: %lld outputs not NaN\n", n, not_nan);
+      e.violations += not_nan;
+      continue;
+    }
     long double mean = 0.L, delta_max = 0.L, delta_sum = 0.L;
     for (int m = 0; m < c.M; ++m) {
       const size_t i = static_cast<size_t>(m) * c.N + n;
@@ -337,8 +355,9 @@ double median_us(F&& launch, cudaStream_t stream) {
   return 1000.0 * median(ms);
 }
 
-// The exact conversions of small_m_fp64.cu against ldexp, on every 256th finite
-// float bit pattern (subnormals, zeros and the extremes included): mismatches.
+// The exact conversions of small_m_fp64.cu against ldexp, on every 256th float
+// bit pattern (subnormals, zeros, non-finite values and the extremes included), and the
+// integer-only x conversion against the exact one: mismatches.
 __global__ void conversion_check_kernel(unsigned long long* mismatches) {
   const uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint32_t bits = static_cast<uint32_t>(i * 256u + (i % 251u));  // vary the low bits too
@@ -346,6 +365,13 @@ __global__ void conversion_check_kernel(unsigned long long* mismatches) {
   for (int j = 0; j < (i == 0 ? 9 : 1); ++j) {
     const float f = __uint_as_float(j == 8 || i != 0 ? bits : extremes[j]);
     const double lo = fused_gemm_bn::f32_to_f64_times_2m896(f), hi = fused_gemm_bn::f32_to_f64_times_2p896(f);
+    bool subnormal = false;
+    const double fast = fused_gemm_bn::f32_to_f64_times_2p896_fast(f, subnormal);
+    // The integer-only form: flags exactly the subnormals, and equals the exact form elsewhere.
+    const bool is_subnormal = f != 0.f && fabsf(f) < 0x1p-126f;
+    const bool fast_ok = !isfinite(f) ? isinf(fast) == isinf(f) && isnan(fast) == isnan(f)
+                                      : is_subnormal || __double_as_longlong(fast) == __double_as_longlong(hi);
+    if (subnormal != is_subnormal || !fast_ok) atomicAdd(mismatches, 1ull);
     if (!isfinite(f)) {  // x's conversion keeps infinities and NaNs (W's does not: W must be finite)
       if (isinf(hi) != isinf(f) || isnan(hi) != isnan(f)) atomicAdd(mismatches, 1ull);
       continue;
@@ -366,6 +392,11 @@ unsigned long long conversion_mismatches() {
   CUDA_OK(cudaMemcpy(&n, d, sizeof n, cudaMemcpyDeviceToHost));
   CUDA_OK(cudaFree(d));
   return n;
+}
+
+// Bitwise equality (NaN outputs of a non-finite W row compare equal to themselves).
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 template <class T>
@@ -420,9 +451,8 @@ Outputs run_gpu(const Case& c, const Inputs& in, bool& deterministic, Timing& ti
   poison(z, MN, stream), poison(part_mean, c.N, stream), poison(part_m2, c.N, stream);
   train();
   CUDA_OK(cudaStreamSynchronize(stream));
-  deterministic = to_host(z, MN) == o.z && to_host(part_mean, c.N) == o.part_mean &&
-                  to_host(part_m2, c.N) == o.part_m2;
-  // (vector == compares NaN as unequal: an unwritten element also fails here; counted below.)
+  deterministic = same_bits(to_host(z, MN), o.z) && same_bits(to_host(part_mean, c.N), o.part_mean) &&
+                  same_bits(to_host(part_m2, c.N), o.part_m2);
 
   BatchNormArgs bn;
   bn.bias = c.null_vectors ? nullptr : bias;
@@ -441,7 +471,7 @@ Outputs run_gpu(const Case& c, const Inputs& in, bool& deterministic, Timing& ti
     poison(out, MN, stream);
     CUDA_OK(small_m_fp64_eval(x, ld, w, c.M, c.N, c.K, bn, out, workspace, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
-    deterministic = deterministic && to_host(out, MN) == (p84 ? o.out84 : o.out33);
+    deterministic = deterministic && same_bits(to_host(out, MN), p84 ? o.out84 : o.out33);
   }
 
   timing.kernel_us = median_us(train, stream);
@@ -466,26 +496,32 @@ int main(int argc, char** argv) {
   const uint64_t seed = argc > 1 ? strtoull(argv[1], nullptr, 10) : 1;
   std::vector<Case> cases;
 #if defined(SMALL_M_CHECK_EMULATE)
-  // Small shapes (the emulation runs 384 OS threads per CTA): both batch-block
-  // boundaries (8 | 9, 16 | 17), K tails, 16- and 4-byte W loads, split and unsplit K
+  // Small shapes (the emulation runs 512 OS threads per CTA): both batch-block
+  // boundary (8 | 9) and the largest batch (16), K tails, 16- and 4-byte W loads, split and unsplit K
   // (argument 2: the SM count the launchers plan with; 1 leaves K unsplit).
-  const int Ms[] = {1, 5, 8, 9, 16, 17, 32};
+  const int Ms[] = {1, 5, 8, 9, 16};
   const int KN[][2] = {{1, 3}, {37, 70}, {1000, 100}, {2001, 65}, {4096, 96}};
   if (argc > 2) fused_gemm_bn::g_emu_num_sms = atoi(argv[2]);
+  if (argc > 3) fused_gemm_bn::g_emu_smem_optin = atoi(argv[3]);  // below 4 stages' bytes: the 2-stage ring
 #elif defined(SMALL_M_CHECK_HOST_ONLY)
-  const int Ms[] = {1, 3, 16, 32};
+  const int Ms[] = {1, 3, 9, 16};
   const int KN[][2] = {{257, 33}, {4095, 13}, {64, 100}};
 #else
-  const int Ms[] = {1, 2, 3, 4, 8, 15, 16, 32};
+  const int Ms[] = {1, 2, 3, 4, 8, 9, 12, 15, 16};
   const int KN[][2] = {{8192, 8192}, {4095, 513}, {4096, 512}, {1024, 1000}};
 #endif
+  // SMALL_M_CHECK_CASE=MxKxN: that one case only (to profile one shape, e.g. under ncu).
+  const char* only = getenv("SMALL_M_CHECK_CASE");
   for (const auto& kn : KN)
     for (int M : Ms) {
       Case c{M, kn[0], kn[1]};
+      char name[64];
+      snprintf(name, sizeof name, "%dx%dx%d", M, kn[0], kn[1]);
+      if (only != nullptr && strcmp(only, name) != 0) continue;
       if (kn[0] % 2 == 1) c.x_row_stride = kn[0] + 5;  // odd K: rows of x apart (stride > K)
       cases.push_back(c);
     }
-  {
+  if (only == nullptr) {
 #ifdef SMALL_M_CHECK_EMULATE
     Case c{16, 4096, 96}, d{15, 1000, 100};
 #else
@@ -495,6 +531,13 @@ int main(int argc, char** argv) {
     cases.push_back(c);
     d.null_vectors = true;  // null bias / bn_weight / bn_bias in eval
     cases.push_back(d);
+#if !defined(SMALL_M_CHECK_HOST_ONLY) || defined(SMALL_M_CHECK_EMULATE)
+    Case f = c, g = d;  // the kernel's non-finite W handling (split and unsplit K)
+    f.x_offset = 0.f, g.null_vectors = false;
+    f.w_non_finite = g.w_non_finite = true;
+    cases.push_back(f);
+    cases.push_back(g);
+#endif
   }
 
 #ifndef SMALL_M_CHECK_HOST_ONLY
@@ -530,8 +573,9 @@ int main(int argc, char** argv) {
     const bool bad = e.unwritten > 0 || e.violations > 0 || !deterministic;
     fail = fail || bad;
     char note_text[160];
-    snprintf(note_text, sizeof note_text, "%s%s%s%s%s", c.x_offset != 0.f ? "x+100 " : "",
+    snprintf(note_text, sizeof note_text, "%s%s%s%s%s%s", c.x_offset != 0.f ? "x+100 " : "",
              c.x_row_stride ? "strided-x " : "", c.null_vectors ? "null-vectors " : "",
+             c.w_non_finite ? "non-finite-W " : "",
              deterministic ? "" : "NONDETERMINISTIC ", bad ? "FAIL" : "ok");
     printf("%4d %6d %6d %7.3f %7.3f %7.3f %7.3f %10.1f %10.1f %7.3f  %s", c.M, c.K, c.N, e.z, e.eval, e.mean, e.m2,
            kernel_us, floor_us, floor_us > 0 ? kernel_us / floor_us : 0.0, note_text);

@@ -1,10 +1,11 @@
 """Runs kernels/small_m_fp64.cu's launchers and kernels on the host, without a
 GPU, through tools/small_m_check.cu's checks (-DSMALL_M_CHECK_EMULATE): a test
-of the kernel's index arithmetic, DMMA fragment layouts, x staging, ring of W
-loads, K-slice reduction, split K and epilogues, not of its speed.
+of the kernel's index arithmetic, DMMA fragment layouts (the mma.m8n8k4 form),
+the cp.async ring (copies made synchronous), K-slice reduction, split K and epilogues, not of its speed.
 
     python3 tools/small_m_emulate.py            # K split as on a 132-SM GPU
     python3 tools/small_m_emulate.py --sms 1    # K never split (in-kernel epilogue over many tiles)
+    python3 tools/small_m_emulate.py --smem 166912   # an A100's shared memory: the 2-stage ring
 
 How: a CUDA shim (headers written to a temporary folder, found before
 kernels/) runs each CTA as one OS thread per CUDA thread (std::barrier for
@@ -35,7 +36,7 @@ SHIM = {
 #include <thread>
 #include <vector>
 typedef int cudaError_t;
-constexpr cudaError_t cudaSuccess = 0, cudaErrorInvalidValue = 1;
+constexpr cudaError_t cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9;
 typedef void* cudaStream_t;
 struct dim3 { unsigned x = 1, y = 1, z = 1; dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
 struct float2 { float x, y; };
@@ -65,6 +66,25 @@ using std::min;
 struct EmuBlock { std::barrier<>* block_bar; std::vector<std::barrier<>*> warp_bar; double a[64][32], b[64][32]; };
 inline EmuBlock* g_block = nullptr;
 inline void __syncthreads() { g_block->block_bar->arrive_and_wait(); }
+// __shfl_xor_sync over the whole warp (the kernel calls it with every lane).
+inline float __shfl_xor_sync(unsigned, float v, int mask) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  g_block->a[warp][lane] = v;
+  g_block->warp_bar[warp]->arrive_and_wait();
+  const float got = static_cast<float>(g_block->a[warp][lane ^ mask]);
+  g_block->warp_bar[warp]->arrive_and_wait();
+  return got;
+}
+// __any_sync over the whole warp (the kernel calls it with every lane).
+inline bool __any_sync(unsigned, bool p) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  g_block->a[warp][lane] = p ? 1.0 : 0.0;
+  g_block->warp_bar[warp]->arrive_and_wait();
+  bool any = false;
+  for (int l = 0; l < 32; ++l) any = any || g_block->a[warp][l] != 0.0;
+  g_block->warp_bar[warp]->arrive_and_wait();
+  return any;
+}
 // D = A B + D for m8n8k4 .f64 (PTX ISA fragments): lane 4g+t holds A[g][t], B[t][g], D[g][2t], D[g][2t+1].
 inline void emu_dmma(double& d0, double& d1, double a, double b) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -99,10 +119,15 @@ cudaError_t emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, A&&... args)
 }
 ''',
     "cuda_runtime_api.h": '#pragma once\n#include "cuda_runtime.h"\n',
-    "load_hints.cuh": r'''#pragma once
+    "cp_async.cuh": r'''#pragma once
 #include "cuda_runtime.h"
 namespace fused_gemm_bn {
-inline float4 ld_evict_first_f4(const float* q) { return {q[0], q[1], q[2], q[3]}; }
+// Synchronous: the copy is done when cp_async returns (the kernel's barriers still order it).
+template <int kBytes> inline void cp_async(void* dst, const void* src, bool valid) {
+  if (valid) memcpy(dst, src, kBytes); else memset(dst, 0, kBytes);
+}
+inline void cp_async_commit() {}
+template <int kPending> inline void cp_async_wait() {}
 }
 ''',
     "pdl.cuh": r'''#pragma once
@@ -120,10 +145,10 @@ static cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 bloc
 #include "cuda_runtime.h"
 namespace fused_gemm_bn {
 constexpr int kMaxCachedDevices = 64;
-inline int g_emu_num_sms = 132;
+inline int g_emu_num_sms = 132, g_emu_smem_optin = 232448;
 struct DeviceFacts { int num_sms = 0, smem_optin = 0, cc_major = 0; };
 static cudaError_t current_device_facts(DeviceFacts* f) {
-  f->num_sms = g_emu_num_sms, f->smem_optin = 232448, f->cc_major = 9;
+  f->num_sms = g_emu_num_sms, f->smem_optin = g_emu_smem_optin, f->cc_major = 9;
   return cudaSuccess;
 }
 }
@@ -144,13 +169,14 @@ def patched_kernel_source():
     s = s.replace(decl, "")
     anchor = "namespace fused_gemm_bn {\n\nconstexpr int kSmallMMaxRows"
     assert anchor in s, "the namespace opening changed"
-    return s.replace(anchor, "namespace fused_gemm_bn {\nalignas(16) inline unsigned char small_m_smem[1 << 17];\n\n"
+    return s.replace(anchor, "namespace fused_gemm_bn {\nalignas(16) inline unsigned char small_m_smem[1 << 18];\n\n"
                      "constexpr int kSmallMMaxRows", 1)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sms", type=int, default=132, help="SM count the launchers plan with (1: no K split)")
+    parser.add_argument("--smem", type=int, default=232448, help="opt-in shared memory per block the launchers see (bytes)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     args = parser.parse_args()
@@ -164,7 +190,7 @@ def main():
         cmd = [args.cxx, "-std=c++20", "-O1", "-I", tmp, "-I", os.path.join(REPO, "kernels"),
                "-DSMALL_M_CHECK_HOST_ONLY", "-DSMALL_M_CHECK_EMULATE", "-x", "c++", CHECK, "-o", exe, "-lpthread"]
         subprocess.run(cmd, check=True)
-        return subprocess.run([exe, str(args.seed), str(args.sms)]).returncode
+        return subprocess.run([exe, str(args.seed), str(args.sms), str(args.smem)]).returncode
 
 
 if __name__ == "__main__":

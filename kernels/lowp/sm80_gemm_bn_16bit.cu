@@ -67,6 +67,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cp_async.cuh"
 #include "launchers.cuh"
 #include "lowp_types.cuh"
 
@@ -141,22 +142,9 @@ struct GemmArgs {
 
 namespace gemm {
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // Byte offset of 16-byte chunk `chunk` of row `row` in a stage's x or w tile.
 __device__ __forceinline__ int tile_offset(int row, int chunk) {
   return row * GemmTraits::ROW_BYTES + ((chunk ^ ((row >> 1) & 3)) << 4);
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -200,7 +188,7 @@ __device__ __forceinline__ void load_tile(uint8_t* tile, const uint16_t* __restr
     const uint16_t* src = g + static_cast<size_t>(row_ok ? row0 + r : 0) * K + k;
     if constexpr (kVec16) {
       const bool valid = row_ok && k < K;  // K % 8 == 0: a chunk is wholly inside or outside
-      cp_async16(smem_u32(tile + tile_offset(r, ch)), valid ? src : g, valid);
+      cp_async<16>(tile + tile_offset(r, ch), valid ? src : g, valid);
     } else {
       uint16_t v[TR::CHUNK_ELEMS];
 #pragma unroll
@@ -279,7 +267,7 @@ __global__ void __launch_bounds__(GemmTraits::kNumThreads, GemmTraits::kMinBlock
     cp_async_commit();
   }
 
-  const uint32_t smem_base = smem_u32(smem);
+  const uint32_t smem_base = smem_addr(smem);
   for (int k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
     cp_async_wait<TR::kNumStages - 2>();
     // Stage k_tile is visible to every warp, and the stage the next load

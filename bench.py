@@ -260,8 +260,8 @@ def parse_args(argv=None):
 def build_models(problem, shape, mode, seed, dtype=torch.float32):
     """(Model, ModelNew) on DEVICE in dtype with bit-identical parameters (the same
     seed before each constructor, then .to(DEVICE, dtype)).  For mode "eval",
-    both first take EVAL_TRAIN_STEPS training steps on the same inputs, then
-    switch to eval."""
+    both first take EVAL_TRAIN_STEPS training steps on the same inputs (at least
+    two rows: BatchNorm's batch statistics), then switch to eval."""
     m, k, n = shape
     models = []
     for cls in (problem["Model"], problem["ModelNew"]):
@@ -274,7 +274,7 @@ def build_models(problem, shape, mode, seed, dtype=torch.float32):
     if mode == "eval":
         with torch.no_grad():
             for _ in range(EVAL_TRAIN_STEPS):
-                x = torch.rand(m, k, device=DEVICE).to(dtype)
+                x = torch.rand(max(m, 2), k, device=DEVICE).to(dtype)
                 ref(x)
                 new(x)
         ref.eval()

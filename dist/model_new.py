@@ -5084,19 +5084,20 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   the workspace and small_m_fp64_finish_kernel adds the pieces in piece order
 //   and runs the epilogue.  No atomics: the same bits on every run.
 //
-// Performance model (predictions; tools/small_m_check.cu measures the kernel next
-// to the floor, tools/dmma_rate.cu the MMA rates).
+// Performance (tools/small_m_check.cu times the kernel next to the floor,
+// tools/dmma_rate.cu the MMA rates; docs/perf.md v43).
 //   Floor: W read once, 4 N K bytes (268 MB at N = K = 8192: ~90 us on an H100,
-//   ~60 us on an H200, half of a device-to-device copy of W).  v42's kernel (W in
+//   ~65 us on an H200, half of a device-to-device copy of W).  v42's kernel (W in
 //   registers, 2 chunks ahead, 48 KB a SM in flight) ran at 1.9x that on the H200.
-//   MMA: 8 x 8192^2 products (M <= 8) are 0.54e9 FMA: 16 us at the H100's 67 TFLOP/s
-//   FP64 tensor rate, 32 us at half of it; M <= 16 twice that.  Conversions: 3
-//   integer ops per W float (ALU: 2 clk per warp instruction on a sub-partition),
-//   5 integer ops and 2 DMUL per x float; per 16-k chunk a warp converts 16
-//   kTilesN W floats and 4 kMBlocks x floats per lane (~176 ALU clk at
-//   kMBlocks = 2, against 256 clk of MMA at the full rate).
-//   Predicted at N = K = 8192: M <= 16 at ~1.05-1.1x the floor on both GPUs
-//   (128 CTAs on 132 SMs, plus the pipeline fill and the epilogue).
+//   MMA rates measured on the H200: mma.m16n8k16 .f64 128 FMA/clk/SM (the FP64
+//   tensor peak), mma.m8n8k4 .f64 63 (half: the sm_80 form here runs 1.2-1.3x
+//   slower on an H200), DFMA 56.  At M <= 8, 0.54e9 FMA take 16 us of the peak.
+//   Measured (H200, N = K = 8192): M <= 8 1.10-1.15x the floor (72-76 us);
+//   M = 9 .. 16 1.30-1.37x (86-91 us): not the MMA pipe (35% busy) nor the ALU
+//   (43%) but the per-stage chain barrier -> copies -> shared loads -> conversions
+//   -> MMA with 4 warps a scheduler (ncu: 1.1 eligible warps, issue 48% busy).
+//   Small shapes (4096 x 512, 8 MB of W, K split into 16 pieces) take 11-25 us:
+//   launch, pipeline fill and the finish kernel, not W.
 //
 // Preconditions: 1 <= M <= kSmallMMaxRows (16), N >= 1, K >= 1;
 // eval: bn.scale, bn.running_mean, bn.running_var not null; workspace as above.

@@ -535,7 +535,7 @@ def test_cpu_lowp_sources_and_extension_name(tmp_path):
     sources = model_new._LOWP.sources()
     assert {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "sm90_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh",
             "bn_16bit_chain.cu", "bn_16bit_strip.cu", "lowp_chain.cuh", "lowp_coeff.cuh", "sm90_wgmma_16bit.cuh", "bn_stats.cuh", "launchers.cuh", "sm90_gemm_tiles.cuh",
-            "sm90_primitives.cuh"} <= set(sources)  # headers included through other headers too
+            "sm90_primitives.cuh", "cp_async.cuh"} <= set(sources)  # headers included through other headers too
     assert not any(name.endswith((".cu", ".cpp")) and name in model_new._KERNEL_SOURCES for name in sources), \
         "the 16-bit extension must not compile the float32 sources again"
     flags = ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
@@ -546,7 +546,7 @@ def test_cpu_lowp_sources_and_extension_name(tmp_path):
     assert model_new._extension_name(changed, flags, model_new._LOWP.PREFIX) != name
     model_new._write_headers(str(tmp_path), sources)
     assert sorted(os.listdir(tmp_path)) == ["binding_checks.cuh", "block_reduce.cuh", "bn_stats.cuh",
-                                            "device_facts.cuh", "heuristics_sm90.cuh", "launchers.cuh",
+                                            "cp_async.cuh", "device_facts.cuh", "heuristics_sm90.cuh", "launchers.cuh",
                                             "lowp_chain.cuh", "lowp_coeff.cuh", "lowp_types.cuh", "sm90_gemm_tiles.cuh",
                                             "sm90_primitives.cuh", "sm90_wgmma_16bit.cuh"]
     embedded = exec_texts(read(BUNDLE))["_KERNEL_SOURCES"]

@@ -5574,19 +5574,17 @@ __global__ void __launch_bounds__(256) small_m_fp64_finish_kernel(const SmallMAr
 constexpr int kSmallMMaxPieces = 32;
 struct SmallMPlan {
   int m_blocks = 0;  // 1, 2: the traits
-  int block_n = 0, block_k = 0;
   int pieces = 1, tiles_per_piece = 0;
 };
 
 static SmallMPlan small_m_plan(int M, int N, int K, int num_sms) {
   SmallMPlan plan;
-  plan.m_blocks = M <= 8 ? 1 : 2;
-  plan.block_n = SmallMTraits<1>::BLOCK_N, plan.block_k = SmallMTraits<1>::BLOCK_K;
-  static_assert(SmallMTraits<1>::BLOCK_N == SmallMTraits<2>::BLOCK_N &&
-                    SmallMTraits<1>::BLOCK_K == SmallMTraits<2>::BLOCK_K,
+  using T = SmallMTraits<1>;
+  static_assert(T::BLOCK_N == SmallMTraits<2>::BLOCK_N && T::BLOCK_K == SmallMTraits<2>::BLOCK_K,
                 "one tiling for both batch block counts");
-  const int feature_blocks = (N + plan.block_n - 1) / plan.block_n;
-  const int num_tiles = (K + plan.block_k - 1) / plan.block_k;
+  plan.m_blocks = M <= 8 ? 1 : 2;
+  const int feature_blocks = (N + T::BLOCK_N - 1) / T::BLOCK_N;
+  const int num_tiles = (K + T::BLOCK_K - 1) / T::BLOCK_K;
   int pieces = feature_blocks >= num_sms ? 1 : num_sms / feature_blocks;
   pieces = std::max(1, std::min({pieces, num_tiles, kSmallMMaxPieces}));
   plan.tiles_per_piece = (num_tiles + pieces - 1) / pieces;

@@ -33,9 +33,10 @@ From ModelNew.forward to the kernels (docs/design.md has the whole map):
   sm80_3xtf32   centring.cu, prepass_3xtf32.cu,              gemm: mma.sync, 3xTF32; eval
                 sm80_gemm_3xtf32_bn.cu                       as above
   small_m_fp64  small_m_fp64.cu (small batches, _small_m_  gemm: W read once, float64
-                gemm; no split of x or W first)            products (DMMA); eval folds as above
-  after the GEMM in training: bn_apply.cu (problem 33: statistics, running statistics, bn),
-  bn_softmax.cu (84: the same, * scale, softmax); backward: softmax_rows_backward.cu (84),
+                gemm; no split of x or W first)            products (DMMA); all of bn (and
+                                                           84's softmax) in float64 after it
+  after the GEMM in training (the tensor-core routes): bn_apply.cu (problem 33: statistics,
+  running statistics, bn), bn_softmax.cu (84: the same, * scale, softmax); backward: softmax_rows_backward.cu (84),
   bn_backward.cu, prepass_fp16x3_backward.cu and the GEMM: grad_x = grad_z W, grad_W = grad_z^T x.
   kernels/launchers.cuh declares every launcher (both sides include it).
 

@@ -35,9 +35,10 @@ From ModelNew.forward to the kernels (docs/design.md has the whole map):
   sm80_3xtf32   centring.cu, prepass_3xtf32.cu,              gemm: mma.sync, 3xTF32; eval
                 sm80_gemm_3xtf32_bn.cu                       as above
   small_m_fp64  small_m_fp64.cu (small batches, _small_m_  gemm: W read once, float64
-                gemm; no split of x or W first)            products (DMMA); eval folds as above
-  after the GEMM in training: bn_apply.cu (problem 33: statistics, running statistics, bn),
-  bn_softmax.cu (84: the same, * scale, softmax); backward: softmax_rows_backward.cu (84),
+                gemm; no split of x or W first)            products (DMMA); all of bn (and
+                                                           84's softmax) in float64 after it
+  after the GEMM in training (the tensor-core routes): bn_apply.cu (problem 33: statistics,
+  running statistics, bn), bn_softmax.cu (84: the same, * scale, softmax); backward: softmax_rows_backward.cu (84),
   bn_backward.cu, prepass_fp16x3_backward.cu and the GEMM: grad_x = grad_z W, grad_W = grad_z^T x.
   kernels/launchers.cuh declares every launcher (both sides include it).
 
@@ -139,14 +140,15 @@ inline int num_sms(const torch::Tensor& x) {
 }  // namespace fused_gemm_bn
 ''',
     'block_reduce.cuh': r'''// block_reduce.cuh -- the row softmax's CTA-wide max and sum, shared by the
-// float32 softmax (bn_softmax.cu) and the 16-bit one (lowp/bn_16bit.cu).  The
+// float32 softmax (bn_softmax.cu), the 16-bit one (lowp/bn_16bit.cu) and the
+// small-batch route's float64 one (small_m_fp64.cu).  The
 // block size is read at run time (blockDim.x, a multiple of 32); centring.cuh's
 // row_block_reduce is the fixed-size form (kRowThreads, unrolled over its warps),
 // kept apart so that neither kernel's code changes.
 //
-// Result: every thread gets the reduction over all threads, a float32 tree
-// (a butterfly within each warp, then the warps' values in warp order), the
-// same order on every call.  fmaxf ignores NaN; a NaN in a sum propagates.
+// Result: every thread gets the reduction over all threads, a tree in T (float
+// or double: a butterfly within each warp, then the warps' values in warp order),
+// the same order on every call.  fmaxf / fmax ignore NaN; a NaN in a sum propagates.
 
 #pragma once
 
@@ -154,20 +156,23 @@ inline int num_sms(const torch::Tensor& x) {
 
 namespace fused_gemm_bn {
 
+__device__ __forceinline__ float reduce_max(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double reduce_max(double a, double b) { return fmax(a, b); }
+
 // Max (kMax) or sum over the CTA, returned to every thread.  `red` (shared)
-// holds one value per warp: blockDim.x / 32 floats.
-template <bool kMax>
-__device__ __forceinline__ float block_reduce(float v, float* red) {
+// holds one value per warp: blockDim.x / 32 values of T.
+template <bool kMax, class T>
+__device__ __forceinline__ T block_reduce(T v, T* red) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
-    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = kMax ? fmaxf(v, other) : v + other;
+    const T other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = kMax ? reduce_max(v, other) : v + other;
   }
   __syncthreads();  // red is reused by consecutive reductions
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
   __syncthreads();
   v = red[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) v = kMax ? fmaxf(v, red[w]) : v + red[w];
+  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) v = kMax ? reduce_max(v, red[w]) : v + red[w];
   return v;
 }
 
@@ -1982,7 +1987,8 @@ struct BatchNormArgs {
   float* running_mean = nullptr;
   float* running_var = nullptr;
   // bn.num_batches_tracked (device int64 scalar), training: already incremented
-  // for this call by the pre-pass; read where momentum < 0.
+  // for this call by the pre-pass; read where momentum < 0 (small_m_fp64_train
+  // takes the counter as its own argument instead).
   const int64_t* num_batches_tracked = nullptr;
   float momentum = 0.f;         // training; < 0: cumulative average (momentum=None), f = 1 / num_batches_tracked
   float eps = 0.f;              // bn.eps
@@ -2246,24 +2252,25 @@ cudaError_t lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_float32, bool t
 // ==== small_m_fp64.cu: small batches (M <= small_m_fp64_max_rows()), float64 products (DMMA, sm_80+) ====
 // (appended block: the small-M route's launchers)
 namespace fused_gemm_bn {
-// The largest batch the small-M kernels take (32).
+// The largest batch the small-M kernels take (16).
 int small_m_fp64_max_rows();
-// Bytes of float64 workspace for an (M, K) x (N, K) product on a GPU of num_sms SMs (the split
-// K's partial sums; 0 when K is not split: the workspace may then be null).  Pass the current
-// device's multiprocessor count: the launchers plan with it.
-int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms);
-// z = x @ w^T (M, N) rounded once from float64, and ONE statistics tile of the M rows:
-// part_mean, part_m2 (1, N) (bn_apply / bn_softmax_fold_train with num_m_tiles = 1, block_m = M).
-// x: (M, K) with row stride x_row_stride elements, column stride 1.  1 <= M <= 32, N, K >= 1.
-// num_batches_tracked (device int64, or null): += 1 in the same launch (a training call).
-cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K, float* z,
-                               float* part_mean, float* part_m2, int64_t* num_batches_tracked, double* workspace,
-                               cudaStream_t stream);
-// out = the eval-mode fold of z in float64 (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
-// scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0): problem 33's output, or problem 84's
-// softmax input (then softmax_rows(out, out, nullptr, M, N)).
+// Bytes of workspace for an (M, K) x (N, K) product on a GPU of num_sms SMs (the split K's
+// float64 partial sums, and problem 84's float64 softmax input; 0: the workspace may be
+// null).  Pass the current device's multiprocessor count: the launchers plan with it.
+int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms, bool scale_after_bn);
+// The training forward of either problem (bn.scale_after_bn), x: (M, K) with row stride
+// x_row_stride elements, column stride 1, 2 <= M <= 16, N, K >= 1: out (M, N) the module's
+// output; running statistics updated (bn.momentum; < 0: momentum=None) and
+// num_batches_tracked (device int64) += 1; z (M, N) and stats (2, N) = [mean_z | biased var_z]
+// for the backward where not null.  The BatchNorm (and softmax) in float64.
+cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
+                               const BatchNormArgs& bn, int64_t* num_batches_tracked, float* out, float* z,
+                               float* stats, void* workspace, cudaStream_t stream);
+// The eval forward of either problem: out (M, N) the module's output from the running
+// statistics' fold (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+// scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0), in float64.
 cudaError_t small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
-                              const BatchNormArgs& bn, float* out, double* workspace, cudaStream_t stream);
+                              const BatchNormArgs& bn, float* out, void* workspace, cudaStream_t stream);
 }  // namespace fused_gemm_bn
 // ==== end small_m_fp64.cu ====
 ''',
@@ -4992,44 +4999,45 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 }  // namespace fused_gemm_bn
 ''',
     'small_m_fp64.cu': r'''// small_m_fp64.cu -- the small-batch route (M = 1 .. 16 rows): one read of W,
-// products and sums in float64 on the FP64 tensor cores (DMMA), z rounded once
-// to float32, with the training statistics or the eval-mode fold in the same
-// kernel.  Portable: mma.sync m8n8k4 .f64 (sm_80+); nothing Hopper-only.
+// products and sums in float64 on the FP64 tensor cores (DMMA), and the whole
+// BatchNorm (training: batch statistics, running statistics, saved statistics;
+// eval: the running-statistics fold) in float64 in the same kernel, each output
+// rounded once to float32; problem 84's row softmax in float64 after it.
+// Portable: mma.sync m8n8k4 .f64 (sm_80+); nothing Hopper-only.
 //
-// Formula
-//   z[m, n] = sum_k x[m, k] * w[n, k]          (z = x @ W^T, no bias)
-//   train:  z (float32) and one statistics tile of the M rows:
-//           part_mean[n] = mean_m z[m, n],  part_m2[n] = sum_m (z[m, n] - part_mean[n])^2
-//           both from the float64 sums (before z is rounded), rounded once.
-//   eval:   out[m, n] = rn_f32(a[n] * z64[m, n] + c[n]) with, in float64,
-//           g = bn_weight / sqrt(running_var + eps),  a = scale * g and
-//             problem 33 (!scale_after_bn):  c = bn_bias + (scale * bias - running_mean) * g
-//             problem 84 ( scale_after_bn):  c = scale * (bn_bias + (bias - running_mean) * g)
-//           the formulas of model_new.py's _torch_forward_eval and of
-//           bn_eval_affine (bn_stats.cuh), here in float64 and applied to the
-//           unrounded z (bn_eval_affine is float32, as PyTorch's eval BatchNorm;
-//           its float32 a, c would cost more than the GEMM's error).  Problem 84's
-//           out is the softmax input v: the caller runs softmax_rows(v, out, nullptr, M, N).
-//           Null bias / bn_weight / bn_bias read as 0 / 1 / 0 (the existing eval
-//           epilogues read all six vectors unconditionally: the binding always passes them).
+// Formula (z = x @ W^T, no bias; per feature n over the M batch rows, in float64)
+//   train:  mean = sum_m z[m, n] / M,  M2 = sum_m (z[m, n] - mean)^2,  var = M2 / M (biased)
+//           problem 33 (!scale_after_bn): out = (z - mean) a + bn_bias,
+//                                         a = scale bn_weight / sqrt(scale^2 var + eps)
+//           problem 84 ( scale_after_bn): v = scale ((z - mean) bn_weight / sqrt(var + eps) + bn_bias)
+//           running_mean = (1 - f) running_mean + f s (mean + bias)
+//           running_var  = (1 - f) running_var  + f s^2 M2 / (M - 1)
+//             s = scale (33: BatchNorm sees scale (z + bias)) or 1 (84: it sees z + bias);
+//             f = momentum, or 1 / num_batches_tracked after this call's increment where
+//             momentum < 0 (momentum=None);  bn_stats.cuh has the algebra (in float32 there)
+//           stats (2, N) = [mean | var] and z, each rounded once, for the backward (optional)
+//   eval:   g = bn_weight / sqrt(running_var + eps),  a = scale g and
+//             problem 33:  out = a z + bn_bias + (scale bias - running_mean) g
+//             problem 84:  v = a z + scale (bn_bias + (bias - running_mean) g)
+//           (model_new.py's _torch_forward_eval, bn_stats.cuh's bn_eval_affine, here in
+//           float64 on the unrounded z: bn_eval_affine's float32 a, c would cost more than
+//           the GEMM's error)
+//   problem 84, both modes: out[m, :] = softmax(v[m, :]) in float64 (v kept in the
+//           workspace, never rounded), out rounded once.
+//   Null bias / bn_weight / bn_bias read as 0 / 1 / 0 (the binding always passes them).
+//   num_batches_tracked += 1 once per training call: by the GEMM kernel where momentum
+//   >= 0 (f does not read it), else by a one-thread kernel after the epilogue has read it.
 //
 // Tensors
 //   x (M, K) float32, row stride x_row_stride elements, column stride 1, 4-byte aligned
 //   w (N, K) float32 row-major contiguous (K-major, nn.Linear's layout); 16-byte
 //       loads where K % 4 == 0 and w is 16-byte aligned, else 4-byte loads
-//   z, out (M, N) float32 contiguous;  part_mean, part_m2 (1, N) float32
-//   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms) bytes (pieces x M x N
-//       float64 partial sums; 0 and null-able when K is not split), 8-byte aligned
-//
-// Statistics contract (train): the M rows are ONE tile, so the existing
-//   merge (bn_stats.cuh merge_tile_statistics, tile t holding min(block_m, M -
-//   t block_m) rows) reads it with num_m_tiles = 1 and block_m = M (any block_m
-//   >= M is the same): bn_apply(z, out, part_mean, part_m2, 1, M, M, N, bn, coeff,
-//   stats, stream) for problem 33 (coeff unused at 1 tile <= kFusedMaxTiles; M >= 2,
-//   as bn_apply requires), bn_softmax_fold_train(part_mean, part_m2, 1, M, M, N, bn,
-//   coeff, stats, stream) then softmax_rows(z, out, coeff, M, N, stream) for 84.
-//   The merge then gives mean = float(mean64) exactly (M * mean / M) and m2 =
-//   float(M2_64).
+//   out (M, N) float32 contiguous: the module's output;  z (M, N), stats (2, N) float32, or null
+//   bias, scale, bn_weight, bn_bias (N) float32; running_mean, running_var (N) float32,
+//       updated in place (train), read (eval)
+//   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms, scale_after_bn) bytes,
+//       8-byte aligned: pieces x M x N float64 partial sums where K is split, then
+//       problem 84's v (M x N float64); null where that is 0
 //
 // Numerics
 //   Conversions are exact: x's floats are staged in shared memory as the doubles
@@ -5047,9 +5055,12 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   correctly rounded value wherever sum_k |x w| / |z| <= 2^29 / (K + 8)
 //   (65472 at K = 8192: only heavy cancellation breaks it).  mean and M2 are
 //   formed in float64 from z64 (M2 as sum (z64 - mean)^2: no E[z^2] - E[z]^2
-//   cancellation) and rounded once; eval's a, c and a z64 + c in float64,
-//   rounded once.  tools/small_m_check.cu checks every element against these
-//   bounds (reference: exact products, long double sums).
+//   cancellation); the BatchNorm outputs, running statistics and the softmax are
+//   float64 functions of z64 rounded once (relative error a few 2^-53 before that
+//   rounding, times the conditioning of BatchNorm at heavy cancellation), so each
+//   output is within about 0.5 ulp of its correctly rounded value: a few times
+//   below eager's float32 BatchNorm / softmax error.  tools/small_m_check.cu checks
+//   every element against these bounds (reference: exact products, long double sums).
 //   A non-finite x element converts to a non-finite double, so it reaches z as in eager
 //   (an infinity's sign and a NaN's payload aside).  A non-finite W element would become
 //   a finite term through the bit move: the kernel sums w * 0 per W row on the FP32
@@ -5079,7 +5090,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   is permuted (fragment k index t + 4 i, or t for step i, is column 4 t + i),
 //   the same way for A and B.
 //   At the end the K slices are summed through shared memory in warp order, and
-//   either the epilogue runs (one thread per feature), or, with K split into
+//   either the epilogue runs (one thread per feature: the whole batch of a feature is
+//   in one thread, so the BatchNorm needs no second pass), or, with K split into
 //   pieces (fewer feature blocks than SMs), each piece stores its float64 sums to
 //   the workspace and small_m_fp64_finish_kernel adds the pieces in piece order
 //   and runs the epilogue.  No atomics: the same bits on every run.
@@ -5098,12 +5110,17 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   -> MMA with 4 warps a scheduler (ncu: 1.1 eligible warps, issue 48% busy).
 //   Small shapes (4096 x 512, 8 MB of W, K split into 16 pieces) take 11-25 us:
 //   launch, pipeline fill and the finish kernel, not W.
+//   Problem 84's float64 softmax: one CTA of 1024 threads per row, v read from L2,
+//   one exp per element (kept in registers up to N = 8192).
 //
-// Preconditions: 1 <= M <= kSmallMMaxRows (16), N >= 1, K >= 1;
-// eval: bn.scale, bn.running_mean, bn.running_var not null; workspace as above.
+// Preconditions: 1 <= M <= kSmallMMaxRows (16) (train: M >= 2), N >= 1, K >= 1;
+// bn.scale, bn.running_mean, bn.running_var not null (train: and num_batches_tracked);
+// workspace as above.
 // SM 8.0+ (mma.sync .f64; runs, slowly, where FP64 is 1/64 rate: sm_86 / sm_89).
 // Sources: PTX ISA, "Warp-level matrix multiply-accumulate instructions",
-// mma.m8n8k4 with .f64 (fragment layouts); IEEE 754 binary64 format; CUDA C++
+// mma.m16n8k16 / mma.m8n8k4 with .f64 (fragment layouts); Chan, Golub & LeVeque
+// (1979) for the two-pass M2;
+// IEEE 754 binary64 format; CUDA C++
 // Programming Guide, "Arithmetic Instructions" (throughput table).
 
 #include <cuda_runtime.h>
@@ -5112,8 +5129,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 #include <algorithm>
 
 #include "device_facts.cuh"
-#include "launchers.cuh"
+#include "block_reduce.cuh"
 #include "cp_async.cuh"
+#include "launchers.cuh"
 #include "pdl.cuh"
 
 namespace fused_gemm_bn {
@@ -5162,14 +5180,15 @@ struct SmallMArgs {
   int pieces;           // K split: blockIdx.y = piece; 1: the epilogue runs in the GEMM kernel
   int tiles_per_piece;  // BLOCK_K tiles per piece (the last piece: the rest)
   double* partials;     // (pieces, M, N) float64, pieces > 1
-  // train
-  float* z;
-  float* part_mean;
-  float* part_m2;
-  int64_t* num_batches_tracked;  // += 1 by the GEMM kernel's first thread when not null
-  // eval: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn
+  // bias, scale, bn_weight, bn_bias, running statistics, eps, scale_after_bn; train: momentum
+  // (bn.num_batches_tracked unused: num_batches_tracked below)
   BatchNormArgs bn;
-  float* out;
+  float* out;  // problem 33's output (M, N)
+  double* v;   // problem 84's softmax input (M, N) float64
+  // train
+  float* z;                           // (M, N) or null
+  float* stats;                       // (2, N) [mean_z | biased var_z] or null
+  int64_t* num_batches_tracked;       // += 1 once: by the GEMM kernel where momentum >= 0
 };
 
 // w * 2^-896 exactly, for every finite float w: w's sign, exponent and
@@ -5217,38 +5236,69 @@ __device__ __forceinline__ void dmma_m8n8k4(double& d0, double& d1, double a, do
       : "d"(a), "d"(b));
 }
 
-// The per-feature epilogue of feature n from its float64 sums zd[0 .. M).
+__device__ __forceinline__ double value_or(const float* vector, int n, double fallback) {
+  return vector != nullptr ? static_cast<double>(vector[n]) : fallback;
+}
+
+// The per-feature epilogue of feature n from its float64 sums zd[0 .. M): the formulas of
+// the file's header, each output rounded once.
 template <int kRows, bool kEval>
 __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, int n, const double (&zd)[kRows]) {
   const int M = p.M, N = p.N;
+  const BatchNormArgs& bn = p.bn;
+  const double bias = value_or(bn.bias, n, 0.0), gamma = value_or(bn.bn_weight, n, 1.0);
+  const double beta = value_or(bn.bn_bias, n, 0.0), s = bn.scale[n];
+  double a, c;     // out or v = a (z - shift) + c
+  double shift;
   if constexpr (kEval) {
-    const BatchNormArgs& bn = p.bn;
-    const double bias = bn.bias != nullptr ? static_cast<double>(bn.bias[n]) : 0.0;
-    const double gamma = bn.bn_weight != nullptr ? static_cast<double>(bn.bn_weight[n]) : 1.0;
-    const double beta = bn.bn_bias != nullptr ? static_cast<double>(bn.bn_bias[n]) : 0.0;
-    const double s = bn.scale[n], rm = bn.running_mean[n];
     const double g = gamma / sqrt(static_cast<double>(bn.running_var[n]) + static_cast<double>(bn.eps));
-    const double a = s * g;
-    const double c = bn.scale_after_bn ? s * fma(bias - rm, g, beta) : fma(fma(s, bias, -rm), g, beta);
-#pragma unroll
-    for (int m = 0; m < kRows; ++m)
-      if (m < M) p.out[static_cast<size_t>(m) * N + n] = static_cast<float>(fma(a, zd[m], c));
+    const double rm = bn.running_mean[n];
+    a = s * g;
+    c = bn.scale_after_bn ? s * fma(bias - rm, g, beta) : fma(fma(s, bias, -rm), g, beta);
+    shift = 0.0;
   } else {
     double mean = 0.0;
 #pragma unroll
     for (int m = 0; m < kRows; ++m)
-      if (m < M) {
-        mean += zd[m];
-        p.z[static_cast<size_t>(m) * N + n] = static_cast<float>(zd[m]);
-      }
+      if (m < M) mean += zd[m];
     mean /= static_cast<double>(M);
     double m2 = 0.0;
 #pragma unroll
     for (int m = 0; m < kRows; ++m)
-      if (m < M) m2 = fma(zd[m] - mean, zd[m] - mean, m2);
-    p.part_mean[n] = static_cast<float>(mean);
-    p.part_m2[n] = static_cast<float>(m2);
+      if (m < M) {
+        m2 = fma(zd[m] - mean, zd[m] - mean, m2);
+        if (p.z != nullptr) p.z[static_cast<size_t>(m) * N + n] = static_cast<float>(zd[m]);
+      }
+    const double var = m2 / static_cast<double>(M);
+    if (p.stats != nullptr) {
+      p.stats[n] = static_cast<float>(mean);
+      p.stats[N + n] = static_cast<float>(var);
+    }
+    // Running statistics of what BatchNorm sees: s (z + bias) for 33, z + bias for 84.
+    const double su = bn.scale_after_bn ? 1.0 : s;
+    const double f = bn.momentum >= 0.f ? static_cast<double>(bn.momentum)
+                                        : 1.0 / static_cast<double>(*p.num_batches_tracked + 1);
+    bn.running_mean[n] = static_cast<float>((1.0 - f) * bn.running_mean[n] + f * su * (mean + bias));
+    bn.running_var[n] =
+        static_cast<float>((1.0 - f) * bn.running_var[n] + f * su * su * (m2 / static_cast<double>(M - 1)));
+    if (bn.scale_after_bn) {
+      const double g = gamma / sqrt(var + static_cast<double>(bn.eps));
+      a = s * g, c = s * beta;
+    } else {
+      a = s * gamma / sqrt(s * s * var + static_cast<double>(bn.eps));
+      c = beta;
+    }
+    shift = mean;
   }
+#pragma unroll
+  for (int m = 0; m < kRows; ++m)
+    if (m < M) {
+      const double y = fma(zd[m] - shift, a, c);
+      if (bn.scale_after_bn)
+        p.v[static_cast<size_t>(m) * N + n] = y;
+      else
+        p.out[static_cast<size_t>(m) * N + n] = static_cast<float>(y);
+    }
 }
 
 // D (16 x 8) += A (16 x 16) B (16 x 8), float64, the product of one 16-k chunk for
@@ -5339,7 +5389,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const S
   const int g = lane >> 2, t = lane & 3;
   const int warp_n = warp / T::kWarpsK, warp_k = warp % T::kWarpsK;
   // nn.BatchNorm1d's step counter, once per training call (the pre-pass does it on the other routes).
-  if (p.num_batches_tracked != nullptr && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0) *p.num_batches_tracked += 1;
+  if (!kEval && p.bn.momentum >= 0.f && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0) *p.num_batches_tracked += 1;
   const int M = p.M, N = p.N, K = p.K;
   const int n0 = blockIdx.x * T::BLOCK_N;
   const int piece = blockIdx.y;
@@ -5501,6 +5551,47 @@ __global__ void __launch_bounds__(256) small_m_fp64_finish_kernel(const SmallMAr
   small_m_feature_epilogue<kRows, kEval>(p, n, zd);
 }
 
+// Problem 84's row softmax in float64: out[m, :] = softmax(v[m, :]), one CTA of
+// kSoftmaxThreads per row; each thread keeps its first kSoftmaxCache exponentials in
+// registers (every one of them up to N = 8192) and recomputes the rest.  The max and
+// the sum are block_reduce trees (the same order on every run); out = e / sum rounded once.
+// NaN anywhere in a row makes the row NaN, as torch.softmax.
+constexpr int kSoftmaxThreads = 1024;
+constexpr int kSoftmaxCache = 8;
+
+__global__ void __launch_bounds__(kSoftmaxThreads) small_m_softmax_fp64_kernel(const double* v, float* out, int N) {
+  pdl_wait_then_release();
+  __shared__ double red[kSoftmaxThreads / 32];
+  const double* row = v + static_cast<size_t>(blockIdx.x) * N;
+  float* out_row = out + static_cast<size_t>(blockIdx.x) * N;
+  double row_max = -INFINITY;
+  for (int j = threadIdx.x; j < N; j += kSoftmaxThreads) row_max = fmax(row_max, row[j]);
+  row_max = block_reduce<true>(row_max, red);
+  double e[kSoftmaxCache];
+  double sum = 0.0;
+#pragma unroll
+  for (int i = 0; i < kSoftmaxCache; ++i) {
+    const int j = threadIdx.x + i * kSoftmaxThreads;
+    e[i] = j < N ? exp(row[j] - row_max) : 0.0;
+    sum += e[i];
+  }
+  for (int j = threadIdx.x + kSoftmaxCache * kSoftmaxThreads; j < N; j += kSoftmaxThreads) sum += exp(row[j] - row_max);
+  const double inv = 1.0 / block_reduce<false>(sum, red);
+#pragma unroll
+  for (int i = 0; i < kSoftmaxCache; ++i) {
+    const int j = threadIdx.x + i * kSoftmaxThreads;
+    if (j < N) out_row[j] = static_cast<float>(e[i] * inv);
+  }
+  for (int j = threadIdx.x + kSoftmaxCache * kSoftmaxThreads; j < N; j += kSoftmaxThreads)
+    out_row[j] = static_cast<float>(exp(row[j] - row_max) * inv);
+}
+
+// num_batches_tracked += 1 after the epilogue read it (momentum < 0).
+__global__ void small_m_count_batch_kernel(int64_t* num_batches_tracked) {
+  pdl_wait_then_release();
+  *num_batches_tracked += 1;
+}
+
 // K pieces: 1 when the feature blocks fill the SMs (one CTA per SM), else as
 // many as fill them once (each at least one BLOCK_K tile, at most kMaxPieces).
 constexpr int kSmallMMaxPieces = 32;
@@ -5558,28 +5649,48 @@ static cudaError_t launch_small_m_gemm(const SmallMArgs& p, const DeviceFacts& f
   return cudaErrorInvalidConfiguration;
 }
 
+// The pieces of the workspace: the split K's partial sums, then problem 84's v.
+static int64_t small_m_partials_bytes(const SmallMPlan& plan, int M, int N) {
+  return plan.pieces > 1 ? static_cast<int64_t>(plan.pieces) * M * N * static_cast<int64_t>(sizeof(double)) : 0;
+}
+static int64_t small_m_v_bytes(int M, int N, bool scale_after_bn) {
+  return scale_after_bn ? static_cast<int64_t>(M) * N * static_cast<int64_t>(sizeof(double)) : 0;
+}
+
+// The GEMM with its epilogue (and the finish kernel), then problem 84's softmax, then,
+// in training with momentum < 0, the step counter.
 template <bool kEval>
-static cudaError_t launch_small_m(SmallMArgs p, double* workspace, cudaStream_t stream) {
+static cudaError_t launch_small_m(SmallMArgs p, unsigned char* workspace, cudaStream_t stream) {
   DeviceFacts facts;
   int device = 0;
   cudaError_t err = current_device_facts(&facts);
   if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   const SmallMPlan plan = small_m_plan(p.M, p.N, p.K, facts.num_sms);
-  if (plan.pieces > 1 && workspace == nullptr) return cudaErrorInvalidValue;
+  const int64_t partials_bytes = small_m_partials_bytes(plan, p.M, p.N);
+  if (workspace == nullptr && partials_bytes + small_m_v_bytes(p.M, p.N, p.bn.scale_after_bn) > 0)
+    return cudaErrorInvalidValue;
   p.pieces = plan.pieces, p.tiles_per_piece = plan.tiles_per_piece;
-  p.partials = plan.pieces > 1 ? workspace : nullptr;
+  p.partials = plan.pieces > 1 ? reinterpret_cast<double*>(workspace) : nullptr;
+  p.v = p.bn.scale_after_bn ? reinterpret_cast<double*>(workspace + partials_bytes) : nullptr;
   // 16-byte copies: every row of W and x starts 16-byte aligned.
   const bool vec16 = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_row_stride % 4 == 0;
   switch (plan.m_blocks) {
     case 1:
-      return vec16 ? launch_small_m_gemm<SmallMTraits<1>, kEval, true>(p, facts, device, stream)
-                   : launch_small_m_gemm<SmallMTraits<1>, kEval, false>(p, facts, device, stream);
+      err = vec16 ? launch_small_m_gemm<SmallMTraits<1>, kEval, true>(p, facts, device, stream)
+                  : launch_small_m_gemm<SmallMTraits<1>, kEval, false>(p, facts, device, stream);
+      break;
     default:
-      return vec16 ? launch_small_m_gemm<SmallMTraits<2>, kEval, true>(p, facts, device, stream)
-                   : launch_small_m_gemm<SmallMTraits<2>, kEval, false>(p, facts, device, stream);
+      err = vec16 ? launch_small_m_gemm<SmallMTraits<2>, kEval, true>(p, facts, device, stream)
+                  : launch_small_m_gemm<SmallMTraits<2>, kEval, false>(p, facts, device, stream);
   }
+  if (err == cudaSuccess && p.bn.scale_after_bn)
+    err = launch_kernel(small_m_softmax_fp64_kernel, dim3(p.M), dim3(kSoftmaxThreads), 0, stream,
+                        static_cast<const double*>(p.v), p.out, p.N);
+  if (err == cudaSuccess && !kEval && p.bn.momentum < 0.f)
+    err = launch_kernel(small_m_count_batch_kernel, dim3(1), dim3(1), 0, stream, p.num_batches_tracked);
+  return err;
 }
 
 static bool small_m_shape_ok(int M, int N, int K) { return M >= 1 && M <= kSmallMMaxRows && N >= 1 && K >= 1; }
@@ -5592,27 +5703,30 @@ static bool small_m_shape_ok(int M, int N, int K) { return M >= 1 && M <= kSmall
 
 int fused_gemm_bn::small_m_fp64_max_rows() { return kSmallMMaxRows; }
 
-int64_t fused_gemm_bn::small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms) {
+int64_t fused_gemm_bn::small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms, bool scale_after_bn) {
   if (!small_m_shape_ok(M, N, K) || num_sms < 1) return 0;
-  const SmallMPlan plan = small_m_plan(M, N, K, num_sms);
-  return plan.pieces > 1 ? static_cast<int64_t>(plan.pieces) * M * N * static_cast<int64_t>(sizeof(double)) : 0;
+  return small_m_partials_bytes(small_m_plan(M, N, K, num_sms), M, N) + small_m_v_bytes(M, N, scale_after_bn);
 }
 
+// bn: all of BatchNormArgs but bn.num_batches_tracked (the argument num_batches_tracked instead).
 cudaError_t fused_gemm_bn::small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N,
-                                              int K, float* z, float* part_mean, float* part_m2,
-                                              int64_t* num_batches_tracked, double* workspace, cudaStream_t stream) {
-  if (!small_m_shape_ok(M, N, K) || x == nullptr || w == nullptr || z == nullptr || part_mean == nullptr ||
-      part_m2 == nullptr)
+                                              int K, const BatchNormArgs& bn, int64_t* num_batches_tracked,
+                                              float* out, float* z, float* stats, void* workspace,
+                                              cudaStream_t stream) {
+  if (!small_m_shape_ok(M, N, K) || M < 2 || x == nullptr || w == nullptr || out == nullptr ||
+      bn.scale == nullptr || bn.running_mean == nullptr || bn.running_var == nullptr ||
+      num_batches_tracked == nullptr)
     return cudaErrorInvalidValue;
   SmallMArgs p{};
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
-  p.z = z, p.part_mean = part_mean, p.part_m2 = part_m2, p.num_batches_tracked = num_batches_tracked;
-  return launch_small_m<false>(p, workspace, stream);
+  p.bn = bn;
+  p.out = out, p.z = z, p.stats = stats, p.num_batches_tracked = num_batches_tracked;
+  return launch_small_m<false>(p, static_cast<unsigned char*>(workspace), stream);
 }
 
 // bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn.
 cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N,
-                                             int K, const BatchNormArgs& bn, float* out, double* workspace,
+                                             int K, const BatchNormArgs& bn, float* out, void* workspace,
                                              cudaStream_t stream) {
   if (!small_m_shape_ok(M, N, K) || x == nullptr || w == nullptr || out == nullptr || bn.scale == nullptr ||
       bn.running_mean == nullptr || bn.running_var == nullptr)
@@ -5621,7 +5735,7 @@ cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_strid
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
   p.bn = bn;
   p.out = out;
-  return launch_small_m<true>(p, workspace, stream);
+  return launch_small_m<true>(p, static_cast<unsigned char*>(workspace), stream);
 }
 ''',
     'softmax_rows_backward.cu': r'''// softmax_rows_backward.cu -- the backward of problem 84's row softmax (KernelBench
@@ -6153,40 +6267,20 @@ torch::Tensor with_unit_column_stride(const torch::Tensor& x) {
   return x.stride(1) == 1 || x.size(1) <= 1 ? x : x.contiguous();
 }
 
-// small_m_fp64's float64 workspace (split K), or an undefined tensor where it needs none.
-torch::Tensor small_m_workspace(const torch::Tensor& x, int M, int N, int K) {
-  const int64_t bytes = fgb::small_m_fp64_workspace_bytes(M, N, K, fgb::binding::num_sms(x));
+// small_m_fp64's workspace (split K's partial sums, problem 84's float64 softmax input), or an
+// undefined tensor where it needs none.
+torch::Tensor small_m_workspace(const torch::Tensor& x, int M, int N, int K, bool scale_after_bn) {
+  const int64_t bytes = fgb::small_m_fp64_workspace_bytes(M, N, K, fgb::binding::num_sms(x), scale_after_bn);
   return bytes > 0 ? torch::empty({bytes / 8}, x.options().dtype(torch::kFloat64)) : torch::Tensor();
 }
 
-double* data_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<double>() : nullptr; }
-
-// The training GEMM of the small-batch route: z and its M rows' statistics as one tile
-// (num_m_tiles = 1, block_m = M), num_batches_tracked += 1 in the same launch.
-TrainGemm small_m_train_gemm(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& z, int64_t* counter,
-                             int M, int N, int K, cudaStream_t stream) {
-  TrainGemm g;
-  g.block_m = M;
-  g.num_m_tiles = 1;
-  g.storage = torch::empty({5 * static_cast<int64_t>(N)}, x.options());
-  g.part_mean = g.storage.data_ptr<float>();
-  g.part_m2 = g.part_mean + N;
-  g.coeff = g.part_m2 + N;
-  const torch::Tensor xr = with_unit_column_stride(x);
-  const torch::Tensor workspace = small_m_workspace(x, M, N, K);
-  check_launch(fgb::small_m_fp64_train(xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), M, N, K,
-                                       z.data_ptr<float>(), g.part_mean, g.part_m2, counter, data_or_null(workspace),
-                                       stream),
-               "small_m_fp64_train");
-  return g;
-}
+void* data_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, int64_t* counter, int M, int N,
                      int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
   TrainGemm g;
-  if (gemm == Gemm::kSmallM) return small_m_train_gemm(x, weight, z, counter, M, N, K, stream);
   g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m(M);
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
   const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
@@ -6247,8 +6341,21 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
-  torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = saved ? torch::empty({2, N}, x.options()) : torch::Tensor();
+  if (gemm == Gemm::kSmallM) {  // the whole forward, BatchNorm (and softmax) in float64: small_m_fp64.cu
+    torch::Tensor out = torch::empty({M, N}, x.options());
+    torch::Tensor z = saved ? torch::empty({M, N}, x.options()) : torch::Tensor();
+    const torch::Tensor xr = with_unit_column_stride(x);
+    const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
+    check_launch(fgb::small_m_fp64_train(xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), M, N, K, bn,
+                                         num_batches_tracked.data_ptr<int64_t>(), out.data_ptr<float>(),
+                                         saved ? z.data_ptr<float>() : nullptr,
+                                         saved ? stats.data_ptr<float>() : nullptr, data_or_null(workspace), stream),
+                 "small_m_fp64_train");
+    if (saved) return {out, z, stats};
+    return {out};
+  }
+  torch::Tensor z = torch::empty({M, N}, x.options());
   const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   torch::Tensor out = saved ? torch::empty({M, N}, x.options()) : z;
   float* const stats_out = saved ? stats.data_ptr<float>() : nullptr;
@@ -6294,10 +6401,11 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn);
   if (gemm == Gemm::kSmallM) {
     const torch::Tensor xr = with_unit_column_stride(x);
-    const torch::Tensor workspace = small_m_workspace(x, M, N, K);
+    const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
     check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, out.data_ptr<float>(),
                                         data_or_null(workspace), stream),
                  "small_m_fp64_eval");
+    return out;  // problem 84: the launcher ran the (float64) softmax
   } else if (is_fp16x3(gemm)) {
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, nullptr, stream);

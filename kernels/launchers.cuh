@@ -37,7 +37,8 @@ struct BatchNormArgs {
   float* running_mean = nullptr;
   float* running_var = nullptr;
   // bn.num_batches_tracked (device int64 scalar), training: already incremented
-  // for this call by the pre-pass; read where momentum < 0.
+  // for this call by the pre-pass; read where momentum < 0 (small_m_fp64_train
+  // takes the counter as its own argument instead).
   const int64_t* num_batches_tracked = nullptr;
   float momentum = 0.f;         // training; < 0: cumulative average (momentum=None), f = 1 / num_batches_tracked
   float eps = 0.f;              // bn.eps
@@ -301,23 +302,24 @@ cudaError_t lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_float32, bool t
 // ==== small_m_fp64.cu: small batches (M <= small_m_fp64_max_rows()), float64 products (DMMA, sm_80+) ====
 // (appended block: the small-M route's launchers)
 namespace fused_gemm_bn {
-// The largest batch the small-M kernels take (32).
+// The largest batch the small-M kernels take (16).
 int small_m_fp64_max_rows();
-// Bytes of float64 workspace for an (M, K) x (N, K) product on a GPU of num_sms SMs (the split
-// K's partial sums; 0 when K is not split: the workspace may then be null).  Pass the current
-// device's multiprocessor count: the launchers plan with it.
-int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms);
-// z = x @ w^T (M, N) rounded once from float64, and ONE statistics tile of the M rows:
-// part_mean, part_m2 (1, N) (bn_apply / bn_softmax_fold_train with num_m_tiles = 1, block_m = M).
-// x: (M, K) with row stride x_row_stride elements, column stride 1.  1 <= M <= 32, N, K >= 1.
-// num_batches_tracked (device int64, or null): += 1 in the same launch (a training call).
-cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K, float* z,
-                               float* part_mean, float* part_m2, int64_t* num_batches_tracked, double* workspace,
-                               cudaStream_t stream);
-// out = the eval-mode fold of z in float64 (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
-// scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0): problem 33's output, or problem 84's
-// softmax input (then softmax_rows(out, out, nullptr, M, N)).
+// Bytes of workspace for an (M, K) x (N, K) product on a GPU of num_sms SMs (the split K's
+// float64 partial sums, and problem 84's float64 softmax input; 0: the workspace may be
+// null).  Pass the current device's multiprocessor count: the launchers plan with it.
+int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms, bool scale_after_bn);
+// The training forward of either problem (bn.scale_after_bn), x: (M, K) with row stride
+// x_row_stride elements, column stride 1, 2 <= M <= 16, N, K >= 1: out (M, N) the module's
+// output; running statistics updated (bn.momentum; < 0: momentum=None) and
+// num_batches_tracked (device int64) += 1; z (M, N) and stats (2, N) = [mean_z | biased var_z]
+// for the backward where not null.  The BatchNorm (and softmax) in float64.
+cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
+                               const BatchNormArgs& bn, int64_t* num_batches_tracked, float* out, float* z,
+                               float* stats, void* workspace, cudaStream_t stream);
+// The eval forward of either problem: out (M, N) the module's output from the running
+// statistics' fold (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+// scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0), in float64.
 cudaError_t small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
-                              const BatchNormArgs& bn, float* out, double* workspace, cudaStream_t stream);
+                              const BatchNormArgs& bn, float* out, void* workspace, cudaStream_t stream);
 }  // namespace fused_gemm_bn
 // ==== end small_m_fp64.cu ====

@@ -1,42 +1,43 @@
 // small_m_fp64.cu -- the small-batch route (M = 1 .. 16 rows): one read of W,
-// products and sums in float64 on the FP64 tensor cores (DMMA), z rounded once
-// to float32, with the training statistics or the eval-mode fold in the same
-// kernel.  Portable: mma.sync m8n8k4 .f64 (sm_80+); nothing Hopper-only.
+// products and sums in float64 on the FP64 tensor cores (DMMA), and the whole
+// BatchNorm (training: batch statistics, running statistics, saved statistics;
+// eval: the running-statistics fold) in float64 in the same kernel, each output
+// rounded once to float32; problem 84's row softmax in float64 after it.
+// Portable: mma.sync m8n8k4 .f64 (sm_80+); nothing Hopper-only.
 //
-// Formula
-//   z[m, n] = sum_k x[m, k] * w[n, k]          (z = x @ W^T, no bias)
-//   train:  z (float32) and one statistics tile of the M rows:
-//           part_mean[n] = mean_m z[m, n],  part_m2[n] = sum_m (z[m, n] - part_mean[n])^2
-//           both from the float64 sums (before z is rounded), rounded once.
-//   eval:   out[m, n] = rn_f32(a[n] * z64[m, n] + c[n]) with, in float64,
-//           g = bn_weight / sqrt(running_var + eps),  a = scale * g and
-//             problem 33 (!scale_after_bn):  c = bn_bias + (scale * bias - running_mean) * g
-//             problem 84 ( scale_after_bn):  c = scale * (bn_bias + (bias - running_mean) * g)
-//           the formulas of model_new.py's _torch_forward_eval and of
-//           bn_eval_affine (bn_stats.cuh), here in float64 and applied to the
-//           unrounded z (bn_eval_affine is float32, as PyTorch's eval BatchNorm;
-//           its float32 a, c would cost more than the GEMM's error).  Problem 84's
-//           out is the softmax input v: the caller runs softmax_rows(v, out, nullptr, M, N).
-//           Null bias / bn_weight / bn_bias read as 0 / 1 / 0 (the existing eval
-//           epilogues read all six vectors unconditionally: the binding always passes them).
+// Formula (z = x @ W^T, no bias; per feature n over the M batch rows, in float64)
+//   train:  mean = sum_m z[m, n] / M,  M2 = sum_m (z[m, n] - mean)^2,  var = M2 / M (biased)
+//           problem 33 (!scale_after_bn): out = (z - mean) a + bn_bias,
+//                                         a = scale bn_weight / sqrt(scale^2 var + eps)
+//           problem 84 ( scale_after_bn): v = scale ((z - mean) bn_weight / sqrt(var + eps) + bn_bias)
+//           running_mean = (1 - f) running_mean + f s (mean + bias)
+//           running_var  = (1 - f) running_var  + f s^2 M2 / (M - 1)
+//             s = scale (33: BatchNorm sees scale (z + bias)) or 1 (84: it sees z + bias);
+//             f = momentum, or 1 / num_batches_tracked after this call's increment where
+//             momentum < 0 (momentum=None);  bn_stats.cuh has the algebra (in float32 there)
+//           stats (2, N) = [mean | var] and z, each rounded once, for the backward (optional)
+//   eval:   g = bn_weight / sqrt(running_var + eps),  a = scale g and
+//             problem 33:  out = a z + bn_bias + (scale bias - running_mean) g
+//             problem 84:  v = a z + scale (bn_bias + (bias - running_mean) g)
+//           (model_new.py's _torch_forward_eval, bn_stats.cuh's bn_eval_affine, here in
+//           float64 on the unrounded z: bn_eval_affine's float32 a, c would cost more than
+//           the GEMM's error)
+//   problem 84, both modes: out[m, :] = softmax(v[m, :]) in float64 (v kept in the
+//           workspace, never rounded), out rounded once.
+//   Null bias / bn_weight / bn_bias read as 0 / 1 / 0 (the binding always passes them).
+//   num_batches_tracked += 1 once per training call: by the GEMM kernel where momentum
+//   >= 0 (f does not read it), else by a one-thread kernel after the epilogue has read it.
 //
 // Tensors
 //   x (M, K) float32, row stride x_row_stride elements, column stride 1, 4-byte aligned
 //   w (N, K) float32 row-major contiguous (K-major, nn.Linear's layout); 16-byte
 //       loads where K % 4 == 0 and w is 16-byte aligned, else 4-byte loads
-//   z, out (M, N) float32 contiguous;  part_mean, part_m2 (1, N) float32
-//   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms) bytes (pieces x M x N
-//       float64 partial sums; 0 and null-able when K is not split), 8-byte aligned
-//
-// Statistics contract (train): the M rows are ONE tile, so the existing
-//   merge (bn_stats.cuh merge_tile_statistics, tile t holding min(block_m, M -
-//   t block_m) rows) reads it with num_m_tiles = 1 and block_m = M (any block_m
-//   >= M is the same): bn_apply(z, out, part_mean, part_m2, 1, M, M, N, bn, coeff,
-//   stats, stream) for problem 33 (coeff unused at 1 tile <= kFusedMaxTiles; M >= 2,
-//   as bn_apply requires), bn_softmax_fold_train(part_mean, part_m2, 1, M, M, N, bn,
-//   coeff, stats, stream) then softmax_rows(z, out, coeff, M, N, stream) for 84.
-//   The merge then gives mean = float(mean64) exactly (M * mean / M) and m2 =
-//   float(M2_64).
+//   out (M, N) float32 contiguous: the module's output;  z (M, N), stats (2, N) float32, or null
+//   bias, scale, bn_weight, bn_bias (N) float32; running_mean, running_var (N) float32,
+//       updated in place (train), read (eval)
+//   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms, scale_after_bn) bytes,
+//       8-byte aligned: pieces x M x N float64 partial sums where K is split, then
+//       problem 84's v (M x N float64); null where that is 0
 //
 // Numerics
 //   Conversions are exact: x's floats are staged in shared memory as the doubles
@@ -54,9 +55,12 @@
 //   correctly rounded value wherever sum_k |x w| / |z| <= 2^29 / (K + 8)
 //   (65472 at K = 8192: only heavy cancellation breaks it).  mean and M2 are
 //   formed in float64 from z64 (M2 as sum (z64 - mean)^2: no E[z^2] - E[z]^2
-//   cancellation) and rounded once; eval's a, c and a z64 + c in float64,
-//   rounded once.  tools/small_m_check.cu checks every element against these
-//   bounds (reference: exact products, long double sums).
+//   cancellation); the BatchNorm outputs, running statistics and the softmax are
+//   float64 functions of z64 rounded once (relative error a few 2^-53 before that
+//   rounding, times the conditioning of BatchNorm at heavy cancellation), so each
+//   output is within about 0.5 ulp of its correctly rounded value: a few times
+//   below eager's float32 BatchNorm / softmax error.  tools/small_m_check.cu checks
+//   every element against these bounds (reference: exact products, long double sums).
 //   A non-finite x element converts to a non-finite double, so it reaches z as in eager
 //   (an infinity's sign and a NaN's payload aside).  A non-finite W element would become
 //   a finite term through the bit move: the kernel sums w * 0 per W row on the FP32
@@ -86,7 +90,8 @@
 //   is permuted (fragment k index t + 4 i, or t for step i, is column 4 t + i),
 //   the same way for A and B.
 //   At the end the K slices are summed through shared memory in warp order, and
-//   either the epilogue runs (one thread per feature), or, with K split into
+//   either the epilogue runs (one thread per feature: the whole batch of a feature is
+//   in one thread, so the BatchNorm needs no second pass), or, with K split into
 //   pieces (fewer feature blocks than SMs), each piece stores its float64 sums to
 //   the workspace and small_m_fp64_finish_kernel adds the pieces in piece order
 //   and runs the epilogue.  No atomics: the same bits on every run.
@@ -105,12 +110,17 @@
 //   -> MMA with 4 warps a scheduler (ncu: 1.1 eligible warps, issue 48% busy).
 //   Small shapes (4096 x 512, 8 MB of W, K split into 16 pieces) take 11-25 us:
 //   launch, pipeline fill and the finish kernel, not W.
+//   Problem 84's float64 softmax: one CTA of 1024 threads per row, v read from L2,
+//   one exp per element (kept in registers up to N = 8192).
 //
-// Preconditions: 1 <= M <= kSmallMMaxRows (16), N >= 1, K >= 1;
-// eval: bn.scale, bn.running_mean, bn.running_var not null; workspace as above.
+// Preconditions: 1 <= M <= kSmallMMaxRows (16) (train: M >= 2), N >= 1, K >= 1;
+// bn.scale, bn.running_mean, bn.running_var not null (train: and num_batches_tracked);
+// workspace as above.
 // SM 8.0+ (mma.sync .f64; runs, slowly, where FP64 is 1/64 rate: sm_86 / sm_89).
 // Sources: PTX ISA, "Warp-level matrix multiply-accumulate instructions",
-// mma.m8n8k4 with .f64 (fragment layouts); IEEE 754 binary64 format; CUDA C++
+// mma.m16n8k16 / mma.m8n8k4 with .f64 (fragment layouts); Chan, Golub & LeVeque
+// (1979) for the two-pass M2;
+// IEEE 754 binary64 format; CUDA C++
 // Programming Guide, "Arithmetic Instructions" (throughput table).
 
 #include <cuda_runtime.h>
@@ -119,8 +129,9 @@
 #include <algorithm>
 
 #include "device_facts.cuh"
-#include "launchers.cuh"
+#include "block_reduce.cuh"
 #include "cp_async.cuh"
+#include "launchers.cuh"
 #include "pdl.cuh"
 
 namespace fused_gemm_bn {
@@ -169,14 +180,15 @@ struct SmallMArgs {
   int pieces;           // K split: blockIdx.y = piece; 1: the epilogue runs in the GEMM kernel
   int tiles_per_piece;  // BLOCK_K tiles per piece (the last piece: the rest)
   double* partials;     // (pieces, M, N) float64, pieces > 1
-  // train
-  float* z;
-  float* part_mean;
-  float* part_m2;
-  int64_t* num_batches_tracked;  // += 1 by the GEMM kernel's first thread when not null
-  // eval: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn
+  // bias, scale, bn_weight, bn_bias, running statistics, eps, scale_after_bn; train: momentum
+  // (bn.num_batches_tracked unused: num_batches_tracked below)
   BatchNormArgs bn;
-  float* out;
+  float* out;  // problem 33's output (M, N)
+  double* v;   // problem 84's softmax input (M, N) float64
+  // train
+  float* z;                           // (M, N) or null
+  float* stats;                       // (2, N) [mean_z | biased var_z] or null
+  int64_t* num_batches_tracked;       // += 1 once: by the GEMM kernel where momentum >= 0
 };
 
 // w * 2^-896 exactly, for every finite float w: w's sign, exponent and
@@ -224,38 +236,69 @@ __device__ __forceinline__ void dmma_m8n8k4(double& d0, double& d1, double a, do
       : "d"(a), "d"(b));
 }
 
-// The per-feature epilogue of feature n from its float64 sums zd[0 .. M).
+__device__ __forceinline__ double value_or(const float* vector, int n, double fallback) {
+  return vector != nullptr ? static_cast<double>(vector[n]) : fallback;
+}
+
+// The per-feature epilogue of feature n from its float64 sums zd[0 .. M): the formulas of
+// the file's header, each output rounded once.
 template <int kRows, bool kEval>
 __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, int n, const double (&zd)[kRows]) {
   const int M = p.M, N = p.N;
+  const BatchNormArgs& bn = p.bn;
+  const double bias = value_or(bn.bias, n, 0.0), gamma = value_or(bn.bn_weight, n, 1.0);
+  const double beta = value_or(bn.bn_bias, n, 0.0), s = bn.scale[n];
+  double a, c;     // out or v = a (z - shift) + c
+  double shift;
   if constexpr (kEval) {
-    const BatchNormArgs& bn = p.bn;
-    const double bias = bn.bias != nullptr ? static_cast<double>(bn.bias[n]) : 0.0;
-    const double gamma = bn.bn_weight != nullptr ? static_cast<double>(bn.bn_weight[n]) : 1.0;
-    const double beta = bn.bn_bias != nullptr ? static_cast<double>(bn.bn_bias[n]) : 0.0;
-    const double s = bn.scale[n], rm = bn.running_mean[n];
     const double g = gamma / sqrt(static_cast<double>(bn.running_var[n]) + static_cast<double>(bn.eps));
-    const double a = s * g;
-    const double c = bn.scale_after_bn ? s * fma(bias - rm, g, beta) : fma(fma(s, bias, -rm), g, beta);
-#pragma unroll
-    for (int m = 0; m < kRows; ++m)
-      if (m < M) p.out[static_cast<size_t>(m) * N + n] = static_cast<float>(fma(a, zd[m], c));
+    const double rm = bn.running_mean[n];
+    a = s * g;
+    c = bn.scale_after_bn ? s * fma(bias - rm, g, beta) : fma(fma(s, bias, -rm), g, beta);
+    shift = 0.0;
   } else {
     double mean = 0.0;
 #pragma unroll
     for (int m = 0; m < kRows; ++m)
-      if (m < M) {
-        mean += zd[m];
-        p.z[static_cast<size_t>(m) * N + n] = static_cast<float>(zd[m]);
-      }
+      if (m < M) mean += zd[m];
     mean /= static_cast<double>(M);
     double m2 = 0.0;
 #pragma unroll
     for (int m = 0; m < kRows; ++m)
-      if (m < M) m2 = fma(zd[m] - mean, zd[m] - mean, m2);
-    p.part_mean[n] = static_cast<float>(mean);
-    p.part_m2[n] = static_cast<float>(m2);
+      if (m < M) {
+        m2 = fma(zd[m] - mean, zd[m] - mean, m2);
+        if (p.z != nullptr) p.z[static_cast<size_t>(m) * N + n] = static_cast<float>(zd[m]);
+      }
+    const double var = m2 / static_cast<double>(M);
+    if (p.stats != nullptr) {
+      p.stats[n] = static_cast<float>(mean);
+      p.stats[N + n] = static_cast<float>(var);
+    }
+    // Running statistics of what BatchNorm sees: s (z + bias) for 33, z + bias for 84.
+    const double su = bn.scale_after_bn ? 1.0 : s;
+    const double f = bn.momentum >= 0.f ? static_cast<double>(bn.momentum)
+                                        : 1.0 / static_cast<double>(*p.num_batches_tracked + 1);
+    bn.running_mean[n] = static_cast<float>((1.0 - f) * bn.running_mean[n] + f * su * (mean + bias));
+    bn.running_var[n] =
+        static_cast<float>((1.0 - f) * bn.running_var[n] + f * su * su * (m2 / static_cast<double>(M - 1)));
+    if (bn.scale_after_bn) {
+      const double g = gamma / sqrt(var + static_cast<double>(bn.eps));
+      a = s * g, c = s * beta;
+    } else {
+      a = s * gamma / sqrt(s * s * var + static_cast<double>(bn.eps));
+      c = beta;
+    }
+    shift = mean;
   }
+#pragma unroll
+  for (int m = 0; m < kRows; ++m)
+    if (m < M) {
+      const double y = fma(zd[m] - shift, a, c);
+      if (bn.scale_after_bn)
+        p.v[static_cast<size_t>(m) * N + n] = y;
+      else
+        p.out[static_cast<size_t>(m) * N + n] = static_cast<float>(y);
+    }
 }
 
 // D (16 x 8) += A (16 x 16) B (16 x 8), float64, the product of one 16-k chunk for
@@ -346,7 +389,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const S
   const int g = lane >> 2, t = lane & 3;
   const int warp_n = warp / T::kWarpsK, warp_k = warp % T::kWarpsK;
   // nn.BatchNorm1d's step counter, once per training call (the pre-pass does it on the other routes).
-  if (p.num_batches_tracked != nullptr && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0) *p.num_batches_tracked += 1;
+  if (!kEval && p.bn.momentum >= 0.f && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0) *p.num_batches_tracked += 1;
   const int M = p.M, N = p.N, K = p.K;
   const int n0 = blockIdx.x * T::BLOCK_N;
   const int piece = blockIdx.y;
@@ -508,6 +551,47 @@ __global__ void __launch_bounds__(256) small_m_fp64_finish_kernel(const SmallMAr
   small_m_feature_epilogue<kRows, kEval>(p, n, zd);
 }
 
+// Problem 84's row softmax in float64: out[m, :] = softmax(v[m, :]), one CTA of
+// kSoftmaxThreads per row; each thread keeps its first kSoftmaxCache exponentials in
+// registers (every one of them up to N = 8192) and recomputes the rest.  The max and
+// the sum are block_reduce trees (the same order on every run); out = e / sum rounded once.
+// NaN anywhere in a row makes the row NaN, as torch.softmax.
+constexpr int kSoftmaxThreads = 1024;
+constexpr int kSoftmaxCache = 8;
+
+__global__ void __launch_bounds__(kSoftmaxThreads) small_m_softmax_fp64_kernel(const double* v, float* out, int N) {
+  pdl_wait_then_release();
+  __shared__ double red[kSoftmaxThreads / 32];
+  const double* row = v + static_cast<size_t>(blockIdx.x) * N;
+  float* out_row = out + static_cast<size_t>(blockIdx.x) * N;
+  double row_max = -INFINITY;
+  for (int j = threadIdx.x; j < N; j += kSoftmaxThreads) row_max = fmax(row_max, row[j]);
+  row_max = block_reduce<true>(row_max, red);
+  double e[kSoftmaxCache];
+  double sum = 0.0;
+#pragma unroll
+  for (int i = 0; i < kSoftmaxCache; ++i) {
+    const int j = threadIdx.x + i * kSoftmaxThreads;
+    e[i] = j < N ? exp(row[j] - row_max) : 0.0;
+    sum += e[i];
+  }
+  for (int j = threadIdx.x + kSoftmaxCache * kSoftmaxThreads; j < N; j += kSoftmaxThreads) sum += exp(row[j] - row_max);
+  const double inv = 1.0 / block_reduce<false>(sum, red);
+#pragma unroll
+  for (int i = 0; i < kSoftmaxCache; ++i) {
+    const int j = threadIdx.x + i * kSoftmaxThreads;
+    if (j < N) out_row[j] = static_cast<float>(e[i] * inv);
+  }
+  for (int j = threadIdx.x + kSoftmaxCache * kSoftmaxThreads; j < N; j += kSoftmaxThreads)
+    out_row[j] = static_cast<float>(exp(row[j] - row_max) * inv);
+}
+
+// num_batches_tracked += 1 after the epilogue read it (momentum < 0).
+__global__ void small_m_count_batch_kernel(int64_t* num_batches_tracked) {
+  pdl_wait_then_release();
+  *num_batches_tracked += 1;
+}
+
 // K pieces: 1 when the feature blocks fill the SMs (one CTA per SM), else as
 // many as fill them once (each at least one BLOCK_K tile, at most kMaxPieces).
 constexpr int kSmallMMaxPieces = 32;
@@ -565,28 +649,48 @@ static cudaError_t launch_small_m_gemm(const SmallMArgs& p, const DeviceFacts& f
   return cudaErrorInvalidConfiguration;
 }
 
+// The pieces of the workspace: the split K's partial sums, then problem 84's v.
+static int64_t small_m_partials_bytes(const SmallMPlan& plan, int M, int N) {
+  return plan.pieces > 1 ? static_cast<int64_t>(plan.pieces) * M * N * static_cast<int64_t>(sizeof(double)) : 0;
+}
+static int64_t small_m_v_bytes(int M, int N, bool scale_after_bn) {
+  return scale_after_bn ? static_cast<int64_t>(M) * N * static_cast<int64_t>(sizeof(double)) : 0;
+}
+
+// The GEMM with its epilogue (and the finish kernel), then problem 84's softmax, then,
+// in training with momentum < 0, the step counter.
 template <bool kEval>
-static cudaError_t launch_small_m(SmallMArgs p, double* workspace, cudaStream_t stream) {
+static cudaError_t launch_small_m(SmallMArgs p, unsigned char* workspace, cudaStream_t stream) {
   DeviceFacts facts;
   int device = 0;
   cudaError_t err = current_device_facts(&facts);
   if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   const SmallMPlan plan = small_m_plan(p.M, p.N, p.K, facts.num_sms);
-  if (plan.pieces > 1 && workspace == nullptr) return cudaErrorInvalidValue;
+  const int64_t partials_bytes = small_m_partials_bytes(plan, p.M, p.N);
+  if (workspace == nullptr && partials_bytes + small_m_v_bytes(p.M, p.N, p.bn.scale_after_bn) > 0)
+    return cudaErrorInvalidValue;
   p.pieces = plan.pieces, p.tiles_per_piece = plan.tiles_per_piece;
-  p.partials = plan.pieces > 1 ? workspace : nullptr;
+  p.partials = plan.pieces > 1 ? reinterpret_cast<double*>(workspace) : nullptr;
+  p.v = p.bn.scale_after_bn ? reinterpret_cast<double*>(workspace + partials_bytes) : nullptr;
   // 16-byte copies: every row of W and x starts 16-byte aligned.
   const bool vec16 = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_row_stride % 4 == 0;
   switch (plan.m_blocks) {
     case 1:
-      return vec16 ? launch_small_m_gemm<SmallMTraits<1>, kEval, true>(p, facts, device, stream)
-                   : launch_small_m_gemm<SmallMTraits<1>, kEval, false>(p, facts, device, stream);
+      err = vec16 ? launch_small_m_gemm<SmallMTraits<1>, kEval, true>(p, facts, device, stream)
+                  : launch_small_m_gemm<SmallMTraits<1>, kEval, false>(p, facts, device, stream);
+      break;
     default:
-      return vec16 ? launch_small_m_gemm<SmallMTraits<2>, kEval, true>(p, facts, device, stream)
-                   : launch_small_m_gemm<SmallMTraits<2>, kEval, false>(p, facts, device, stream);
+      err = vec16 ? launch_small_m_gemm<SmallMTraits<2>, kEval, true>(p, facts, device, stream)
+                  : launch_small_m_gemm<SmallMTraits<2>, kEval, false>(p, facts, device, stream);
   }
+  if (err == cudaSuccess && p.bn.scale_after_bn)
+    err = launch_kernel(small_m_softmax_fp64_kernel, dim3(p.M), dim3(kSoftmaxThreads), 0, stream,
+                        static_cast<const double*>(p.v), p.out, p.N);
+  if (err == cudaSuccess && !kEval && p.bn.momentum < 0.f)
+    err = launch_kernel(small_m_count_batch_kernel, dim3(1), dim3(1), 0, stream, p.num_batches_tracked);
+  return err;
 }
 
 static bool small_m_shape_ok(int M, int N, int K) { return M >= 1 && M <= kSmallMMaxRows && N >= 1 && K >= 1; }
@@ -599,27 +703,30 @@ static bool small_m_shape_ok(int M, int N, int K) { return M >= 1 && M <= kSmall
 
 int fused_gemm_bn::small_m_fp64_max_rows() { return kSmallMMaxRows; }
 
-int64_t fused_gemm_bn::small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms) {
+int64_t fused_gemm_bn::small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms, bool scale_after_bn) {
   if (!small_m_shape_ok(M, N, K) || num_sms < 1) return 0;
-  const SmallMPlan plan = small_m_plan(M, N, K, num_sms);
-  return plan.pieces > 1 ? static_cast<int64_t>(plan.pieces) * M * N * static_cast<int64_t>(sizeof(double)) : 0;
+  return small_m_partials_bytes(small_m_plan(M, N, K, num_sms), M, N) + small_m_v_bytes(M, N, scale_after_bn);
 }
 
+// bn: all of BatchNormArgs but bn.num_batches_tracked (the argument num_batches_tracked instead).
 cudaError_t fused_gemm_bn::small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N,
-                                              int K, float* z, float* part_mean, float* part_m2,
-                                              int64_t* num_batches_tracked, double* workspace, cudaStream_t stream) {
-  if (!small_m_shape_ok(M, N, K) || x == nullptr || w == nullptr || z == nullptr || part_mean == nullptr ||
-      part_m2 == nullptr)
+                                              int K, const BatchNormArgs& bn, int64_t* num_batches_tracked,
+                                              float* out, float* z, float* stats, void* workspace,
+                                              cudaStream_t stream) {
+  if (!small_m_shape_ok(M, N, K) || M < 2 || x == nullptr || w == nullptr || out == nullptr ||
+      bn.scale == nullptr || bn.running_mean == nullptr || bn.running_var == nullptr ||
+      num_batches_tracked == nullptr)
     return cudaErrorInvalidValue;
   SmallMArgs p{};
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
-  p.z = z, p.part_mean = part_mean, p.part_m2 = part_m2, p.num_batches_tracked = num_batches_tracked;
-  return launch_small_m<false>(p, workspace, stream);
+  p.bn = bn;
+  p.out = out, p.z = z, p.stats = stats, p.num_batches_tracked = num_batches_tracked;
+  return launch_small_m<false>(p, static_cast<unsigned char*>(workspace), stream);
 }
 
 // bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn.
 cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N,
-                                             int K, const BatchNormArgs& bn, float* out, double* workspace,
+                                             int K, const BatchNormArgs& bn, float* out, void* workspace,
                                              cudaStream_t stream) {
   if (!small_m_shape_ok(M, N, K) || x == nullptr || w == nullptr || out == nullptr || bn.scale == nullptr ||
       bn.running_mean == nullptr || bn.running_var == nullptr)
@@ -628,5 +735,5 @@ cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_strid
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
   p.bn = bn;
   p.out = out;
-  return launch_small_m<true>(p, workspace, stream);
+  return launch_small_m<true>(p, static_cast<unsigned char*>(workspace), stream);
 }

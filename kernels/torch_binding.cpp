@@ -363,40 +363,20 @@ torch::Tensor with_unit_column_stride(const torch::Tensor& x) {
   return x.stride(1) == 1 || x.size(1) <= 1 ? x : x.contiguous();
 }
 
-// small_m_fp64's float64 workspace (split K), or an undefined tensor where it needs none.
-torch::Tensor small_m_workspace(const torch::Tensor& x, int M, int N, int K) {
-  const int64_t bytes = fgb::small_m_fp64_workspace_bytes(M, N, K, fgb::binding::num_sms(x));
+// small_m_fp64's workspace (split K's partial sums, problem 84's float64 softmax input), or an
+// undefined tensor where it needs none.
+torch::Tensor small_m_workspace(const torch::Tensor& x, int M, int N, int K, bool scale_after_bn) {
+  const int64_t bytes = fgb::small_m_fp64_workspace_bytes(M, N, K, fgb::binding::num_sms(x), scale_after_bn);
   return bytes > 0 ? torch::empty({bytes / 8}, x.options().dtype(torch::kFloat64)) : torch::Tensor();
 }
 
-double* data_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<double>() : nullptr; }
-
-// The training GEMM of the small-batch route: z and its M rows' statistics as one tile
-// (num_m_tiles = 1, block_m = M), num_batches_tracked += 1 in the same launch.
-TrainGemm small_m_train_gemm(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& z, int64_t* counter,
-                             int M, int N, int K, cudaStream_t stream) {
-  TrainGemm g;
-  g.block_m = M;
-  g.num_m_tiles = 1;
-  g.storage = torch::empty({5 * static_cast<int64_t>(N)}, x.options());
-  g.part_mean = g.storage.data_ptr<float>();
-  g.part_m2 = g.part_mean + N;
-  g.coeff = g.part_m2 + N;
-  const torch::Tensor xr = with_unit_column_stride(x);
-  const torch::Tensor workspace = small_m_workspace(x, M, N, K);
-  check_launch(fgb::small_m_fp64_train(xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), M, N, K,
-                                       z.data_ptr<float>(), g.part_mean, g.part_m2, counter, data_or_null(workspace),
-                                       stream),
-               "small_m_fp64_train");
-  return g;
-}
+void* data_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 TrainGemm train_gemm(Gemm gemm, const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& w_parts, torch::Tensor& z, int64_t* counter, int M, int N,
                      int K, cudaStream_t stream) {
   const float* w = weight.data_ptr<float>();
   TrainGemm g;
-  if (gemm == Gemm::kSmallM) return small_m_train_gemm(x, weight, z, counter, M, N, K, stream);
   g.block_m = is_fp16x3(gemm) ? fgb::sm90_gemm_block_m() : fgb::sm80_gemm_block_m(M);
   g.num_m_tiles = (M + g.block_m - 1) / g.block_m;
   const int64_t part_floats = static_cast<int64_t>(g.num_m_tiles) * N;
@@ -457,8 +437,21 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
-  torch::Tensor z = torch::empty({M, N}, x.options());
   torch::Tensor stats = saved ? torch::empty({2, N}, x.options()) : torch::Tensor();
+  if (gemm == Gemm::kSmallM) {  // the whole forward, BatchNorm (and softmax) in float64: small_m_fp64.cu
+    torch::Tensor out = torch::empty({M, N}, x.options());
+    torch::Tensor z = saved ? torch::empty({M, N}, x.options()) : torch::Tensor();
+    const torch::Tensor xr = with_unit_column_stride(x);
+    const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
+    check_launch(fgb::small_m_fp64_train(xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), M, N, K, bn,
+                                         num_batches_tracked.data_ptr<int64_t>(), out.data_ptr<float>(),
+                                         saved ? z.data_ptr<float>() : nullptr,
+                                         saved ? stats.data_ptr<float>() : nullptr, data_or_null(workspace), stream),
+                 "small_m_fp64_train");
+    if (saved) return {out, z, stats};
+    return {out};
+  }
+  torch::Tensor z = torch::empty({M, N}, x.options());
   const TrainGemm g = train_gemm(gemm, x, weight, w_parts, z, num_batches_tracked.data_ptr<int64_t>(), M, N, K, stream);
   torch::Tensor out = saved ? torch::empty({M, N}, x.options()) : z;
   float* const stats_out = saved ? stats.data_ptr<float>() : nullptr;
@@ -504,10 +497,11 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn);
   if (gemm == Gemm::kSmallM) {
     const torch::Tensor xr = with_unit_column_stride(x);
-    const torch::Tensor workspace = small_m_workspace(x, M, N, K);
+    const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
     check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, out.data_ptr<float>(),
                                         data_or_null(workspace), stream),
                  "small_m_fp64_eval");
+    return out;  // problem 84: the launcher ran the (float64) softmax
   } else if (is_fp16x3(gemm)) {
     const WeightParts wp = weight_parts(weight, w_parts, N, K, stream);
     const SplitX xs = fp16x3_prepass(x, M, N, K, nullptr, stream);

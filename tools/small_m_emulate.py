@@ -1,7 +1,9 @@
 """Runs kernels/small_m_fp64.cu's launchers and kernels on the host, without a
 GPU, through tools/small_m_check.cu's checks (-DSMALL_M_CHECK_EMULATE): a test
 of the kernel's index arithmetic, DMMA fragment layouts (the mma.m8n8k4 form),
-the cp.async ring (copies made synchronous), K-slice reduction, split K and epilogues, not of its speed.
+the cp.async ring (copies made synchronous), K-slice reduction, split K, the
+BatchNorm epilogues (training and eval, both problems), problem 84's float64
+softmax (block_reduce.cuh) and the step counter, not of its speed.
 
     python3 tools/small_m_emulate.py            # K split as on a 132-SM GPU
     python3 tools/small_m_emulate.py --sms 1    # K never split (in-kernel epilogue over many tiles)
@@ -9,12 +11,16 @@ the cp.async ring (copies made synchronous), K-slice reduction, split K and epil
 
 How: a CUDA shim (headers written to a temporary folder, found before
 kernels/) runs each CTA as one OS thread per CUDA thread (std::barrier for
-__syncthreads); mma.m8n8k4 .f64 is emulated from the PTX ISA's fragment layouts
-(lane 4g+t holds A[g][t], B[t][g], D[g][2t], D[g][2t+1]) with the lanes of a warp
-exchanging their operands; the kernel source is used as it is except its two
-device-only statement (the mma asm) and its extern shared array, replaced
-textually here (the script fails if they change); launch_kernel is the shim's.  Exit status: the check's (0 pass, 1 fail).
-Slow (minutes): keep the shapes small.
+__syncthreads), the CTAs of a launch one after another; mma.m8n8k4 .f64 is
+emulated from the PTX ISA's fragment layouts (lane 4g+t holds A[g][t], B[t][g],
+D[g][2t], D[g][2t+1]) with the lanes of a warp exchanging their operands, and so
+are __shfl_xor_sync (float or double) and __any_sync.  The kernel source is used
+as it is except its one device-only statement (the mma asm) and its extern shared
+array, replaced textually here (the script fails if they change); launch_kernel is
+the shim's.  A static __shared__ array (the softmax's block_reduce scratch) becomes
+a function-local static (__shared__ is `static` here): one array for all threads
+of the CTA running, as on the GPU, since CTAs run one at a time.
+Exit status: the check's (0 pass, 1 fail).  Slow (minutes): keep the shapes small.
 """
 import argparse
 import os
@@ -30,6 +36,7 @@ SHIM = {
     "cuda_runtime.h": r'''#pragma once
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <algorithm>
 #include <barrier>
@@ -50,7 +57,8 @@ inline dim3 blockDim, gridDim;
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__
+// One CTA runs at a time (emu_launch): a function-local static is the running CTA's shared array.
+#define __shared__ static
 #define __align__(n) alignas(n)
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
 template <class F> cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) { return cudaSuccess; }
@@ -63,15 +71,20 @@ inline double __hiloint2double(int hi, int lo) {
 }
 using std::max;
 using std::min;
-struct EmuBlock { std::barrier<>* block_bar; std::vector<std::barrier<>*> warp_bar; double a[64][32], b[64][32]; };
+constexpr unsigned kEmuMaxWarps = 32;  // 1024 threads, CUDA's largest CTA
+struct EmuBlock {
+  std::barrier<>* block_bar;
+  std::vector<std::barrier<>*> warp_bar;
+  double a[kEmuMaxWarps][32], b[kEmuMaxWarps][32];
+};
 inline EmuBlock* g_block = nullptr;
 inline void __syncthreads() { g_block->block_bar->arrive_and_wait(); }
-// __shfl_xor_sync over the whole warp (the kernel calls it with every lane).
-inline float __shfl_xor_sync(unsigned, float v, int mask) {
+// __shfl_xor_sync over the whole warp (the kernels call it with every lane), float or double.
+template <class T> T __shfl_xor_sync(unsigned, T v, int mask) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   g_block->a[warp][lane] = v;
   g_block->warp_bar[warp]->arrive_and_wait();
-  const float got = static_cast<float>(g_block->a[warp][lane ^ mask]);
+  const T got = static_cast<T>(g_block->a[warp][lane ^ mask]);
   g_block->warp_bar[warp]->arrive_and_wait();
   return got;
 }
@@ -100,6 +113,7 @@ inline void emu_dmma(double& d0, double& d1, double a, double b) {
 }
 template <class... P, class... A>
 cudaError_t emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, A&&... args) {
+  if ((block.x + 31) / 32 > kEmuMaxWarps) abort();
   gridDim = grid;
   blockDim = block;
   for (unsigned by = 0; by < grid.y; ++by)
@@ -158,7 +172,7 @@ static cudaError_t current_device_facts(DeviceFacts* f) {
 
 def patched_kernel_source():
     """small_m_fp64.cu with the mma asm and the extern shared array replaced by the
-    shim's emu_dmma and a static array (both kernels launch through launch_kernel,
+    shim's emu_dmma and a static array (every kernel launches through launch_kernel,
     which the shim's pdl.cuh runs with emu_launch)."""
     s = open(KERNEL, encoding="utf-8").read()
     a = s.index('  asm("mma.sync')

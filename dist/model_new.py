@@ -2261,8 +2261,9 @@ int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms, bool scal
 // The training forward of either problem (bn.scale_after_bn), x: (M, K) with row stride
 // x_row_stride elements, column stride 1, 2 <= M <= 16, N, K >= 1: out (M, N) the module's
 // output; running statistics updated (bn.momentum; < 0: momentum=None) and
-// num_batches_tracked (device int64) += 1; z (M, N) and stats (2, N) = [mean_z | biased var_z]
-// for the backward where not null.  The BatchNorm (and softmax) in float64.
+// num_batches_tracked (device int64) += 1; for the backward where not null, centred: z (M, N) =
+// z - mean_z and stats (2, N) = [0 | biased var_z] (bn_backward_train reads only z - stats[0]).
+// The BatchNorm (and softmax) in float64.
 cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
                                const BatchNormArgs& bn, int64_t* num_batches_tracked, float* out, float* z,
                                float* stats, void* workspace, cudaStream_t stream);
@@ -5015,7 +5016,11 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //             s = scale (33: BatchNorm sees scale (z + bias)) or 1 (84: it sees z + bias);
 //             f = momentum, or 1 / num_batches_tracked after this call's increment where
 //             momentum < 0 (momentum=None);  bn_stats.cuh has the algebra (in float32 there)
-//           stats (2, N) = [mean | var] and z, each rounded once, for the backward (optional)
+//           for the backward (optional): z and stats (2, N) = [mean | var] centred, as
+//           z - mean (each element rounded once) and [0 | var] (NaN for a NaN feature): the backward reads z and
+//           mean only as z - mean (bn_backward.cu), which is then exact instead of a
+//           difference of two rounded values (the cancellation that costs problem 33's
+//           scale gradient its accuracy where |mean| is large against the spread)
 //   eval:   g = bn_weight / sqrt(running_var + eps),  a = scale g and
 //             problem 33:  out = a z + bn_bias + (scale bias - running_mean) g
 //             problem 84:  v = a z + scale (bn_bias + (bias - running_mean) g)
@@ -5032,7 +5037,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   x (M, K) float32, row stride x_row_stride elements, column stride 1, 4-byte aligned
 //   w (N, K) float32 row-major contiguous (K-major, nn.Linear's layout); 16-byte
 //       loads where K % 4 == 0 and w is 16-byte aligned, else 4-byte loads
-//   out (M, N) float32 contiguous: the module's output;  z (M, N), stats (2, N) float32, or null
+//   out (M, N) float32 contiguous: the module's output;  z (M, N), stats (2, N) float32
+//       (centred, above), or null
 //   bias, scale, bn_weight, bn_bias (N) float32; running_mean, running_var (N) float32,
 //       updated in place (train), read (eval)
 //   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms, scale_after_bn) bytes,
@@ -5186,8 +5192,8 @@ struct SmallMArgs {
   float* out;  // problem 33's output (M, N)
   double* v;   // problem 84's softmax input (M, N) float64
   // train
-  float* z;                           // (M, N) or null
-  float* stats;                       // (2, N) [mean_z | biased var_z] or null
+  float* z;                           // (M, N) z - mean_z, or null
+  float* stats;                       // (2, N) [0 | biased var_z], or null
   int64_t* num_batches_tracked;       // += 1 once: by the GEMM kernel where momentum >= 0
 };
 
@@ -5267,11 +5273,11 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
     for (int m = 0; m < kRows; ++m)
       if (m < M) {
         m2 = fma(zd[m] - mean, zd[m] - mean, m2);
-        if (p.z != nullptr) p.z[static_cast<size_t>(m) * N + n] = static_cast<float>(zd[m]);
+        if (p.z != nullptr) p.z[static_cast<size_t>(m) * N + n] = static_cast<float>(zd[m] - mean);
       }
     const double var = m2 / static_cast<double>(M);
-    if (p.stats != nullptr) {
-      p.stats[n] = static_cast<float>(mean);
+    if (p.stats != nullptr) {  // the backward's (z, mean_z), centred: z - mean_z rounded once, and 0
+      p.stats[n] = static_cast<float>(mean - mean);  // NaN where the feature is (a non-finite W row)
       p.stats[N + n] = static_cast<float>(var);
     }
     // Running statistics of what BatchNorm sees: s (z + bias) for 33, z + bias for 84.
@@ -5948,7 +5954,8 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
 //       epilogue; problem 84: then softmax_rows.
 //   forward_train_saved(same arguments as forward_train) -> [out, z (M, N), stats (2, N)]
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
-//       [mean_z | biased var_z] for the backward.
+//       [mean_z | biased var_z] for the backward, which reads them only as z - stats[0]
+//       and stats[1]: small_m_fp64 returns them centred (z - mean_z rounded once, and 0).
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides, b_parts) -> a @ b^T (3xTF32 or fp16x3;
 //       b_parts as gemm_nn's)
 //   gemm_nn(gemm, a (M, N), b (N, K), b_parts) -> a @ b: grad_x = grad_z W; on
@@ -6430,7 +6437,8 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
 // ---------------------------------------------------------------------------
 
 // forward_train, also returning z = x @ weight^T (M, N, without bias) and
-// stats (2, N) float32 = [mean_z | biased var_z] for the backward.
+// stats (2, N) float32 = [mean_z | biased var_z] for the backward (small_m_fp64: centred,
+// z - mean_z and [0 | biased var_z]; the backward reads only z - stats[0] and stats[1]).
 std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight,
                                                torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
                                                torch::Tensor bn_bias, torch::Tensor running_mean,
@@ -8333,7 +8341,7 @@ def _torch_forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, runnin
 def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     """Training-mode BatchNorm backward with batch statistics, the contract of the
     extension's bn_backward_train.  grad_y, z (M, N); stats (2, N) = (mu, var),
-    biased; scale, bn_weight (N).  Returns [grad_z (M, N), grad_scale, grad_bn_weight,
+    biased (z and mu enter only as z - mu: small_m_fp64's forward saves them centred); scale, bn_weight (N).  Returns [grad_z (M, N), grad_scale, grad_bn_weight,
     grad_bn_bias (N)] in grad_y's dtype; per-feature sums in float64.
     With d = z - mu, S_g = sum_m grad_y, S_gd = sum_m grad_y d:
       scale_after_bn False (problem 33), y = a d + bn_bias, r = 1 / sqrt(scale^2 var + eps),

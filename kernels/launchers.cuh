@@ -311,8 +311,9 @@ int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms, bool scal
 // The training forward of either problem (bn.scale_after_bn), x: (M, K) with row stride
 // x_row_stride elements, column stride 1, 2 <= M <= 16, N, K >= 1: out (M, N) the module's
 // output; running statistics updated (bn.momentum; < 0: momentum=None) and
-// num_batches_tracked (device int64) += 1; z (M, N) and stats (2, N) = [mean_z | biased var_z]
-// for the backward where not null.  The BatchNorm (and softmax) in float64.
+// num_batches_tracked (device int64) += 1; for the backward where not null, centred: z (M, N) =
+// z - mean_z and stats (2, N) = [0 | biased var_z] (bn_backward_train reads only z - stats[0]).
+// The BatchNorm (and softmax) in float64.
 cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
                                const BatchNormArgs& bn, int64_t* num_batches_tracked, float* out, float* z,
                                float* stats, void* workspace, cudaStream_t stream);

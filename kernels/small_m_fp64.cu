@@ -15,7 +15,11 @@
 //             s = scale (33: BatchNorm sees scale (z + bias)) or 1 (84: it sees z + bias);
 //             f = momentum, or 1 / num_batches_tracked after this call's increment where
 //             momentum < 0 (momentum=None);  bn_stats.cuh has the algebra (in float32 there)
-//           stats (2, N) = [mean | var] and z, each rounded once, for the backward (optional)
+//           for the backward (optional): z and stats (2, N) = [mean | var] centred, as
+//           z - mean (each element rounded once) and [0 | var] (NaN for a NaN feature): the backward reads z and
+//           mean only as z - mean (bn_backward.cu), which is then exact instead of a
+//           difference of two rounded values (the cancellation that costs problem 33's
+//           scale gradient its accuracy where |mean| is large against the spread)
 //   eval:   g = bn_weight / sqrt(running_var + eps),  a = scale g and
 //             problem 33:  out = a z + bn_bias + (scale bias - running_mean) g
 //             problem 84:  v = a z + scale (bn_bias + (bias - running_mean) g)
@@ -32,7 +36,8 @@
 //   x (M, K) float32, row stride x_row_stride elements, column stride 1, 4-byte aligned
 //   w (N, K) float32 row-major contiguous (K-major, nn.Linear's layout); 16-byte
 //       loads where K % 4 == 0 and w is 16-byte aligned, else 4-byte loads
-//   out (M, N) float32 contiguous: the module's output;  z (M, N), stats (2, N) float32, or null
+//   out (M, N) float32 contiguous: the module's output;  z (M, N), stats (2, N) float32
+//       (centred, above), or null
 //   bias, scale, bn_weight, bn_bias (N) float32; running_mean, running_var (N) float32,
 //       updated in place (train), read (eval)
 //   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms, scale_after_bn) bytes,
@@ -186,8 +191,8 @@ struct SmallMArgs {
   float* out;  // problem 33's output (M, N)
   double* v;   // problem 84's softmax input (M, N) float64
   // train
-  float* z;                           // (M, N) or null
-  float* stats;                       // (2, N) [mean_z | biased var_z] or null
+  float* z;                           // (M, N) z - mean_z, or null
+  float* stats;                       // (2, N) [0 | biased var_z], or null
   int64_t* num_batches_tracked;       // += 1 once: by the GEMM kernel where momentum >= 0
 };
 
@@ -267,11 +272,11 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
     for (int m = 0; m < kRows; ++m)
       if (m < M) {
         m2 = fma(zd[m] - mean, zd[m] - mean, m2);
-        if (p.z != nullptr) p.z[static_cast<size_t>(m) * N + n] = static_cast<float>(zd[m]);
+        if (p.z != nullptr) p.z[static_cast<size_t>(m) * N + n] = static_cast<float>(zd[m] - mean);
       }
     const double var = m2 / static_cast<double>(M);
-    if (p.stats != nullptr) {
-      p.stats[n] = static_cast<float>(mean);
+    if (p.stats != nullptr) {  // the backward's (z, mean_z), centred: z - mean_z rounded once, and 0
+      p.stats[n] = static_cast<float>(mean - mean);  // NaN where the feature is (a non-finite W row)
       p.stats[N + n] = static_cast<float>(var);
     }
     // Running statistics of what BatchNorm sees: s (z + bias) for 33, z + bias for 84.

@@ -44,7 +44,8 @@
 //       epilogue; problem 84: then softmax_rows.
 //   forward_train_saved(same arguments as forward_train) -> [out, z (M, N), stats (2, N)]
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
-//       [mean_z | biased var_z] for the backward.
+//       [mean_z | biased var_z] for the backward, which reads them only as z - stats[0]
+//       and stats[1]: small_m_fp64 returns them centred (z - mean_z rounded once, and 0).
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides, b_parts) -> a @ b^T (3xTF32 or fp16x3;
 //       b_parts as gemm_nn's)
 //   gemm_nn(gemm, a (M, N), b (N, K), b_parts) -> a @ b: grad_x = grad_z W; on
@@ -526,7 +527,8 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
 // ---------------------------------------------------------------------------
 
 // forward_train, also returning z = x @ weight^T (M, N, without bias) and
-// stats (2, N) float32 = [mean_z | biased var_z] for the backward.
+// stats (2, N) float32 = [mean_z | biased var_z] for the backward (small_m_fp64: centred,
+// z - mean_z and [0 | biased var_z]; the backward reads only z - stats[0] and stats[1]).
 std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight,
                                                torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
                                                torch::Tensor bn_bias, torch::Tensor running_mean,

@@ -47,7 +47,8 @@ GPU (skipped without CUDA; float32; TF32 off for the eager references)
     err(ModelNew) <= 2 err(eager float32) + GRAD_FLOOR (relative Frobenius),
     both printed; gemm.bias in training exactly zero (the float64 oracle's is
     rounding noise, asserted)
-  - test_gpu_forward_train_saved_contract, test_gpu_gemm_nt_any_strides,
+  - test_gpu_forward_train_saved_contract, test_gpu_forward_train_saved_small_m_centred,
+    test_gpu_gemm_nt_any_strides,
     test_gpu_bn_backward_train_contract, test_gpu_softmax_rows_backward: the
     extension functions against float64, with the same 2x-eager criterion
   - test_gpu_ops_path_matches_function_path, test_gpu_opcheck,
@@ -693,6 +694,40 @@ def test_gpu_forward_train_saved_contract(scale_after_bn, gemm_path):
     assert rel_err(z, z64) <= 2 * rel_err(x @ w.t(), z64) + GRAD_FLOOR
     torch.testing.assert_close(stats[0].double(), z64.mean(0), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(stats[1].double(), z64.var(0, unbiased=False), rtol=1e-5, atol=1e-6)
+
+
+@requires_cuda
+@pytest.mark.parametrize("scale_after_bn", [False, True], ids=["33", "84"])
+def test_gpu_forward_train_saved_small_m_centred(scale_after_bn, monkeypatch):
+    """forward_train_saved on small_m_fp64 (7 rows, x with a large mean: z's mean is far
+    from its spread): out and running statistics as forward_train's (same kernel,
+    same bits), and the backward's inputs centred: z - stats[0] is z - mean_z within
+    0.5 ulp of its float64 value plus the float64 GEMM's error (far below a float32 z
+    minus a float32 mean), stats[0] = 0, stats[1] the biased variance."""
+    if torch.cuda.get_device_capability() not in model_new._FULL_RATE_FP64:
+        pytest.skip("small_m_fp64 runs on sm_80 and sm_90 only")
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(small_m=True))
+    ext = model_new._ext
+    m, k, n = 7, 1028, 130
+    gen = torch.Generator().manual_seed(24)
+    d = dict(generator=gen)
+    x, w = (torch.rand(m, k, **d) + 100).cuda(), (torch.randn(n, k, **d) / 30).cuda()
+    vecs = [torch.randn(n, **d).cuda() for _ in range(4)]
+    buffers = [torch.zeros(n).cuda(), torch.ones(n).cuda(), torch.zeros((), dtype=torch.long).cuda()]
+    twin = [b.clone() for b in buffers]
+    assert model_new.dispatch(x, w, True, True, scale_after_bn).gemm == "small_m_fp64"
+    out = ext.forward_train("small_m_fp64", x, w, *vecs, *buffers, 0.1, 1e-5, scale_after_bn, None)
+    out_s, z, stats = ext.forward_train_saved("small_m_fp64", x, w, *vecs, *twin, 0.1, 1e-5, scale_after_bn, None)
+    assert torch.equal(out_s, out) and all(torch.equal(a, b) for a, b in zip(twin, buffers))
+    z64 = x.double() @ w.double().t()
+    centred = z64 - z64.mean(0)
+    assert torch.equal(stats[0], torch.zeros_like(stats[0]))
+    gemm_err = (k + 8) * 2 ** -53 * (x.double().abs() @ w.double().abs().t()).max()  # z64's, and mean64's
+    err = (z.double() - centred).abs()
+    assert (err <= centred.abs() * 2 ** -24 + 2 * gemm_err).all(), (err.max().item(), gemm_err.item())
+    # What it replaces: a float32 z minus a float32 mean, about |z| 2^-24 off: 10x the bound here.
+    assert ((z64.float().double() - z64.mean(0).float().double()) - centred).abs().max() > 10 * err.max()
+    torch.testing.assert_close(stats[1].double(), z64.var(0, unbiased=False), rtol=1e-6, atol=1e-9)
 
 
 @requires_cuda

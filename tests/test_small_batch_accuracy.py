@@ -27,6 +27,8 @@ and the portable sm80_3xtf32 forced through model_new.SWITCHES, which splits K
 below 16 rows to meet the bar: docs/perf.md v37):
   - test_gpu_small_batch_accuracy_vs_float64: the bar, and every call on the
     route's float32 kernel (ModelNew.kernel_path)
+  - test_gpu_small_m_running_statistics_vs_float64: small_m_fp64's running statistics after
+    five training calls within eager's error, num_batches_tracked as Model's
   - test_gpu_small_batch_negative_control_tf32_operands: Model with x and
     gemm.weight rounded to TF32 (1xTF32's operand error) fails the bar at
     7 x 4095 x 513 in both modes
@@ -46,7 +48,7 @@ import pytest
 import torch
 
 import model_new
-from tests.problems import BOTH, requires_cuda
+from tests.problems import BOTH, make_pair, rel_err, requires_cuda
 from tests.problems import gemm_path  # noqa: F401  (pytest fixture: both GEMM kernels)
 from tools import small_batch_error as sbe
 
@@ -153,6 +155,35 @@ def test_gpu_small_m_route_accuracy_vs_float64(problem, mode, trios, fp32_matmul
     assert paths == {f"small_m_fp64_{mode}"}, paths
     bad = sbe.bar_violations(records)
     assert not bad, f"{len(bad)} violation(s) of the small-batch bar:\n" + "\n".join(bad[:30])
+
+
+@requires_cuda
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+@pytest.mark.parametrize("problem", BOTH)
+def test_gpu_small_m_running_statistics_vs_float64(problem, momentum, fp32_matmul, monkeypatch):
+    """small_m_fp64's training statistics (float64 in the kernel, each buffer rounded once) after
+    five training calls, at batches 2, 7 and 16 and 4095 x 513: num_batches_tracked equal to
+    Model's, and running_mean / running_var within eager's error against a float64 Model (each
+    side from the same state, on the same inputs; relative Frobenius over the features, plus a
+    float32 rounding's worth for ties)."""
+    if torch.cuda.get_device_capability() not in model_new._FULL_RATE_FP64:
+        pytest.skip("small_m_fp64 runs on sm_80 and sm_90 only")
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(small_m=True))
+    k, n = 4095, 513
+    for m in (2, 7, 16):
+        ref, new = make_pair(problem, 3, k, n, momentum=momentum, device="cuda")
+        ref64 = copy.deepcopy(ref).double()
+        gen = torch.Generator(device="cuda").manual_seed(m)
+        with torch.no_grad():
+            for _ in range(5):
+                x = torch.rand(m, k, device="cuda", generator=gen) * 4 - 1
+                assert new.kernel_path(x) == "small_m_fp64_train"
+                ref(x), new(x), ref64(x.double())
+        assert int(new.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked) == 5
+        for name in ("running_mean", "running_var"):
+            want = getattr(ref64.bn, name)
+            err_new, err_eager = rel_err(getattr(new.bn, name), want), rel_err(getattr(ref.bn, name), want)
+            assert err_new <= err_eager + 2 ** -24, (m, name, err_new, err_eager)
 
 
 @requires_cuda

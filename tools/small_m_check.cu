@@ -24,7 +24,8 @@
 // bias / bn_weight / bn_bias to every call and null z / stats to problem 84's training;
 // two give W rows an infinity and a NaN.  Checked:
 //   - M >= 2: every output element written (not NaN) and within its bound below
-//     (train: out, z, stats = [mean | biased var], running_mean, running_var;
+//     (train: out, the backward's centred z = z - mean and stats = [0 | biased var],
+//     running_mean, running_var;
 //     eval: out), num_batches_tracked = 4; M = 1: the training launcher returns
 //     cudaErrorInvalidValue and writes nothing (out, z, stats still poisoned, the
 //     running statistics and the counter as they were);
@@ -42,7 +43,7 @@
 // once to float32, so with E a bound on |y64 - ref|
 //   |y - ref| <= 0.5 ulp_f32(|ref| + E) + E     (at |ref| + E: y64 may lie past a binade edge)
 // and E propagates delta = |z64 - z_ref| <= (K + 8) u A (+ the reference's K 2^-64 A):
-//   z     E = delta
+//   z     E = delta;  the saved z - mean: E = delta + E_mean, plus its rounding
 //   mean  E_mean = Sigma_m delta / M + (M + 1) u Sigma_m |z| / M      (M terms summed, divided)
 //   M2    with d = z - mean, e = z64 - z, eps = mean64 - mean and Sigma d = 0:
 //         Sigma (z64 - mean64)^2 - M2 = 2 Sigma d e + Sigma e^2 - 2 eps Sigma e + M eps^2, so
@@ -386,9 +387,11 @@ Errors compare(const Case& c, const Inputs& in, const Outputs& o) {
     const long double var_err = rounded64(var, m2_err / M);
     for (int p84 = 0; p84 < 2; ++p84) {
       const TrainOutputs& t = o.train[p84];
-      for (int m = 0; m < M && !t.z.empty(); ++m) check(e, e.z, t.z[at(m)], z_ref[at(m)], delta[m], "z", c, m, n);
+      // The backward's z and mean, centred: z - mean (z64 - mean64, one float64 rounding) and 0.
+      for (int m = 0; m < M && !t.z.empty(); ++m)
+        check(e, e.z, t.z[at(m)], dev[m], rounded64(dev[m], delta[m] + mean_err), "z - mean", c, m, n);
       if (!t.stats.empty()) {
-        check(e, e.stats, t.stats[n], mean, mean_err, "stats mean", c, -1, n);
+        check(e, e.stats, t.stats[n], 0.L, 0.L, "stats mean (0)", c, -1, n);
         check(e, e.stats, t.stats[N + n], var, var_err, "stats var", c, -1, n);
       }
       // Running statistics of s_u (z + bias): (1 - f) r + f s_u (mean + bias), (1 - f) r + f s_u^2 M2 / (M - 1).
@@ -523,10 +526,10 @@ void emulated_epilogue(const Case& c, const Inputs& in, bool p84, TrainOutputs* 
     for (int m = 0; m < M; ++m) {
       const double z = zd[static_cast<size_t>(m) * N + n];
       m2 = std::fma(z - mean, z - mean, m2);
-      if (!t->z.empty()) t->z[static_cast<size_t>(m) * N + n] = static_cast<float>(z);
+      if (!t->z.empty()) t->z[static_cast<size_t>(m) * N + n] = static_cast<float>(z - mean);
     }
     const double var = m2 / M;
-    if (!t->stats.empty()) t->stats[n] = static_cast<float>(mean), t->stats[N + n] = static_cast<float>(var);
+    if (!t->stats.empty()) t->stats[n] = static_cast<float>(mean - mean), t->stats[N + n] = static_cast<float>(var);
     const double su = p84 ? 1.0 : s;
     const double f = c.momentum_none ? 1.0 / static_cast<double>(t->num_batches_tracked + 1) : kMomentum;
     t->running_mean[n] = static_cast<float>((1.0 - f) * t->running_mean[n] + f * su * (mean + bias));

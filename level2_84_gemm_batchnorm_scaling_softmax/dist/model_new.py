@@ -5178,14 +5178,14 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   MMA rates measured on the H200: mma.m16n8k16 .f64 128 FMA/clk/SM (the FP64
 //   tensor peak), mma.m8n8k4 .f64 63 (half: the sm_80 form here runs 1.2-1.3x
 //   slower on an H200), DFMA 56.  At M <= 8, 0.54e9 FMA take 16 us of the peak.
-//   Measured (H200, N = K = 8192): M <= 8 1.10-1.15x the floor (72-76 us);
-//   M = 9 .. 16 1.30-1.37x (86-91 us): not the MMA pipe (35% busy) nor the ALU
+//   Measured (H200, N = K = 8192; v44, problem 33's training with its epilogue): M <= 8
+//   1.13-1.17x the floor (75-78 us); M = 9 .. 16 1.35-1.45x (90-98 us): not the MMA pipe (35% busy) nor the ALU
 //   (43%) but the per-stage chain barrier -> copies -> shared loads -> conversions
 //   -> MMA with 4 warps a scheduler (ncu: 1.1 eligible warps, issue 48% busy).
 //   Small shapes (4096 x 512, 8 MB of W, K split into 16 pieces) take 11-25 us:
 //   launch, pipeline fill and the finish kernel, not W.
 //   Problem 84's float64 softmax: one CTA of 1024 threads per row, v read from L2,
-//   one exp per element (kept in registers up to N = 8192).
+//   one exp per element (kept in registers up to N = 8192): +6-7 us at N = 8192.
 //
 // Preconditions: 1 <= M <= kSmallMMaxRows (16) (train: M >= 2), N >= 1, K >= 1;
 // bn.scale, bn.running_mean, bn.running_var not null (train: and num_batches_tracked);

@@ -314,13 +314,15 @@ int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms, bool scal
 // num_batches_tracked (device int64) += 1; for the backward where not null, centred: z (M, N) =
 // z - mean_z and stats (2, N) = [0 | biased var_z] (bn_backward_train reads only z - stats[0]).
 // The BatchNorm (and softmax) in float64.
+// scale_stride (both launchers): 1, bn.scale holds N floats; 0, one number for every feature.
 cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
-                               const BatchNormArgs& bn, int64_t* num_batches_tracked, float* out, float* z,
-                               float* stats, void* workspace, cudaStream_t stream);
+                               const BatchNormArgs& bn, int scale_stride, int64_t* num_batches_tracked, float* out,
+                               float* z, float* stats, void* workspace, cudaStream_t stream);
 // The eval forward of either problem: out (M, N) the module's output from the running
 // statistics' fold (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
 // scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0), in float64.
 cudaError_t small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
-                              const BatchNormArgs& bn, float* out, void* workspace, cudaStream_t stream);
+                              const BatchNormArgs& bn, int scale_stride, float* out, void* workspace,
+                              cudaStream_t stream);
 }  // namespace fused_gemm_bn
 // ==== end small_m_fp64.cu ====

@@ -110,11 +110,20 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
 }
 
-void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x) {
+// broadcast_ok: a stride-0 view of one number passes too (scale_of_one_number below).
+void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x,
+                  bool broadcast_ok = false) {
   TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == n, name, " must have shape (", n, "), got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.is_contiguous() || (broadcast_ok && t.stride(0) == 0), name, " must be contiguous");
+}
+
+// Whether the scale is one number viewed as N (stride 0: problem 84's scale of shape (1,), as
+// per_feature_scale passes it).  small_m_fp64 reads that number at every feature (scale stride
+// 0), so its calls copy nothing; the other kernels take N floats (feature_vector copies).
+bool scale_of_one_number(const torch::Tensor& scale) {
+  return scale.dim() == 1 && scale.size(0) > 1 && scale.stride(0) == 0;
 }
 
 // Checks x and weight and returns (M, N, K).  x may have any strides: the
@@ -144,9 +153,9 @@ struct BnTensors {
   torch::Tensor bias, scale, bn_weight, bn_bias, running_mean, running_var;
 };
 
-void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x) {
+void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, bool scale_broadcast_ok = false) {
   check_vector(t.bias, "gemm.bias", N, x);
-  check_vector(t.scale, "scale", N, x);
+  check_vector(t.scale, "scale", N, x, scale_broadcast_ok);
   check_vector(t.bn_weight, "bn.weight", N, x);
   check_vector(t.bn_bias, "bn.bias", N, x);
   check_vector(t.running_mean, "bn.running_mean", N, x);
@@ -430,11 +439,12 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
                                          const torch::Tensor& weight, BnTensors t,
                                          const torch::Tensor& num_batches_tracked, double momentum, double eps,
                                          bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
-  t.scale = feature_vector(t.scale);
   const Gemm gemm = parse_gemm(gemm_name, true);
+  const bool scale_broadcast = gemm == Gemm::kSmallM && scale_of_one_number(t.scale);
+  if (!scale_broadcast) t.scale = feature_vector(t.scale);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
-  check_bn_tensors(t, N, x);
+  check_bn_tensors(t, N, x, scale_broadcast);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
@@ -445,7 +455,8 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
     const torch::Tensor xr = with_unit_column_stride(x);
     const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
     check_launch(fgb::small_m_fp64_train(xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), M, N, K, bn,
-                                         num_batches_tracked.data_ptr<int64_t>(), out.data_ptr<float>(),
+                                         scale_broadcast ? 0 : 1, num_batches_tracked.data_ptr<int64_t>(),
+                                         out.data_ptr<float>(),
                                          saved ? z.data_ptr<float>() : nullptr,
                                          saved ? stats.data_ptr<float>() : nullptr, data_or_null(workspace), stream),
                  "small_m_fp64_train");
@@ -485,11 +496,12 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
                            c10::optional<torch::Tensor> w_parts) {
-  scale = feature_vector(scale);
   const Gemm gemm = parse_gemm(gemm_name, true);
+  const bool scale_broadcast = gemm == Gemm::kSmallM && scale_of_one_number(scale);
+  if (!scale_broadcast) scale = feature_vector(scale);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
-  check_bn_tensors(t, N, x);
+  check_bn_tensors(t, N, x, scale_broadcast);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
   torch::Tensor out = torch::empty({M, N}, x.options());
@@ -499,8 +511,8 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   if (gemm == Gemm::kSmallM) {
     const torch::Tensor xr = with_unit_column_stride(x);
     const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
-    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, out.data_ptr<float>(),
-                                        data_or_null(workspace), stream),
+    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, scale_broadcast ? 0 : 1,
+                                        out.data_ptr<float>(), data_or_null(workspace), stream),
                  "small_m_fp64_eval");
     return out;  // problem 84: the launcher ran the (float64) softmax
   } else if (is_fp16x3(gemm)) {

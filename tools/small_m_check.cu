@@ -21,7 +21,8 @@
 // and problem 84 each, small_m_fp64_train (momentum 0.1, or momentum=None in one case:
 // f = 1 / 4; num_batches_tracked from 3, the running statistics from their seeded
 // values) and small_m_fp64_eval (the seeded running statistics).  One case passes null
-// bias / bn_weight / bn_bias to every call and null z / stats to problem 84's training;
+// bias / bn_weight / bn_bias to every call and null z / stats to problem 84's training; the
+// momentum=None case passes one scale for every feature (scale_stride 0, NaN past it);
 // two give W rows an infinity and a NaN.  Checked:
 //   - M >= 2: every output element written (not NaN) and within its bound below
 //     (train: out, the backward's centred z = z - mean and stats = [0 | biased var],
@@ -120,17 +121,23 @@ struct Case {
   int64_t x_row_stride = 0;    // 0: K
   bool null_vectors = false;   // null bias / bn_weight / bn_bias, and no z / stats in 84's training
   bool momentum_none = false;  // momentum < 0: f = 1 / (kBatchesTracked + 1)
+  bool scale_one_number = false;  // scale_stride 0: one scale for every feature (the launchers get
+                                  // {scale, NaN, NaN, ...}: reading past it poisons the outputs)
   bool w_non_finite = false;   // W[1][K / 3] = +inf, W[N - 2][K / 2] = NaN: those features' outputs must be NaN
 };
 
 // The features a w_non_finite case poisons (N >= 3).
 bool poisoned_feature(const Case& c, int n) { return c.w_non_finite && (n == 1 || n == c.N - 2); }
 
+// The launchers' scale_stride: 0 where one number serves every feature.
+int scale_stride(const Case& c) { return c.scale_one_number ? 0 : 1; }
+
 // Problem 84's training without z / stats in the null-vectors case (the launcher's null outputs).
 bool saves_z_stats(const Case& c, int p84) { return !(c.null_vectors && p84 == 1); }
 
 struct Inputs {
   std::vector<float> x, w, bias, scale, bn_weight, bn_bias, running_mean, running_var;
+  std::vector<float> scale_arg;  // what the launchers read: scale, or scale[0] then NaNs (scale_one_number)
   float eps = 1e-5f;
 };
 
@@ -157,6 +164,9 @@ Inputs make_inputs(const Case& c, uint64_t seed) {
     in.running_mean.push_back(normal(gen));
     in.running_var.push_back(uni(gen));
   }
+  in.scale_arg = in.scale;
+  if (c.scale_one_number)
+    for (int n = 1; n < c.N; ++n) in.scale[n] = in.scale[0], in.scale_arg[n] = NAN;
   return in;
 }
 
@@ -476,7 +486,7 @@ float* data_or_null(std::vector<float>& v) { return v.empty() ? nullptr : v.data
 Outputs run_launchers_emulated(const Case& c, const Inputs& in) {
   using namespace fused_gemm_bn;
   const int64_t ld = c.x_row_stride ? c.x_row_stride : c.K;
-  const VectorPointers vectors{in.bias.data(), in.scale.data(), in.bn_weight.data(), in.bn_bias.data()};
+  const VectorPointers vectors{in.bias.data(), in.scale_arg.data(), in.bn_weight.data(), in.bn_bias.data()};
   Outputs o;
   for (int p84 = 0; p84 < 2; ++p84) {
     const int64_t ws_bytes = small_m_fp64_workspace_bytes(c.M, c.N, c.K, g_emu_num_sms, p84 == 1);
@@ -486,7 +496,7 @@ Outputs run_launchers_emulated(const Case& c, const Inputs& in) {
     t = fresh_train_outputs(c, in, saves_z_stats(c, p84));
     const cudaError_t err = small_m_fp64_train(
         in.x.data(), ld, in.w.data(), c.M, c.N, c.K,
-        batch_norm_args(c, in, p84 == 1, vectors, t.running_mean.data(), t.running_var.data()),
+        batch_norm_args(c, in, p84 == 1, vectors, t.running_mean.data(), t.running_var.data()), scale_stride(c),
         &t.num_batches_tracked, t.out.data(), data_or_null(t.z), data_or_null(t.stats), workspace, nullptr);
     t.rejected = err == cudaErrorInvalidValue;
     if (err != cudaSuccess && !t.rejected) abort();
@@ -494,7 +504,7 @@ Outputs run_launchers_emulated(const Case& c, const Inputs& in) {
     o.eval[p84] = poisoned(static_cast<size_t>(c.M) * c.N);
     if (small_m_fp64_eval(in.x.data(), ld, in.w.data(), c.M, c.N, c.K,
                           batch_norm_args(c, in, p84 == 1, vectors, running_mean.data(), running_var.data()),
-                          o.eval[p84].data(), workspace, nullptr) != cudaSuccess)
+                          scale_stride(c), o.eval[p84].data(), workspace, nullptr) != cudaSuccess)
       abort();
   }
   return o;
@@ -700,7 +710,7 @@ Outputs run_gpu(const Case& c, const Inputs& in, bool& deterministic, Timing& ti
   const int64_t ld = c.x_row_stride ? c.x_row_stride : c.K;
   const size_t MN = static_cast<size_t>(c.M) * c.N, N = c.N;
   float *x = to_device(in.x), *w = to_device(in.w);
-  float *bias = to_device(in.bias), *scale = to_device(in.scale), *bn_weight = to_device(in.bn_weight),
+  float *bias = to_device(in.bias), *scale = to_device(in.scale_arg), *bn_weight = to_device(in.bn_weight),
         *bn_bias = to_device(in.bn_bias);
   // eval reads the seeded running statistics; training updates its own copies, reset before each call
   float *running_mean = to_device(in.running_mean), *running_var = to_device(in.running_var);
@@ -723,7 +733,8 @@ Outputs run_gpu(const Case& c, const Inputs& in, bool& deterministic, Timing& ti
   auto launch_train = [&](int p84) {
     const bool saves = saves_z_stats(c, p84);
     return small_m_fp64_train(x, ld, w, c.M, c.N, c.K,
-                              batch_norm_args(c, in, p84 == 1, vectors, train_mean, train_var), count, out,
+                              batch_norm_args(c, in, p84 == 1, vectors, train_mean, train_var), scale_stride(c),
+                              count, out,
                               saves ? z : nullptr, saves ? stats : nullptr, workspace, stream);
   };
   // One training call from the seeded running statistics and counter, its outputs poisoned.
@@ -747,7 +758,8 @@ Outputs run_gpu(const Case& c, const Inputs& in, bool& deterministic, Timing& ti
   auto run_eval = [&](int p84) {
     poison(out, MN * sizeof(float), stream);
     CUDA_OK(small_m_fp64_eval(x, ld, w, c.M, c.N, c.K,
-                              batch_norm_args(c, in, p84 == 1, vectors, running_mean, running_var), out,
+                              batch_norm_args(c, in, p84 == 1, vectors, running_mean, running_var),
+                              scale_stride(c), out,
                               workspace, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     return to_host(out, MN);
@@ -823,7 +835,7 @@ int main(int argc, char** argv) {
     Case c = cancel, d = null_vectors, m = momentum_none;
     c.x_offset = 100.f;
     d.null_vectors = true;
-    m.momentum_none = true;
+    m.momentum_none = m.scale_one_number = true;
     cases.push_back(c);
     cases.push_back(d);
     cases.push_back(m);
@@ -874,9 +886,10 @@ int main(int argc, char** argv) {
     const bool bad = e.unwritten > 0 || e.violations > 0 || !deterministic;
     fail = fail || bad;
     char note_text[160];
-    snprintf(note_text, sizeof note_text, "%s%s%s%s%s%s%s", c.x_offset != 0.f ? "x+100 " : "",
+    snprintf(note_text, sizeof note_text, "%s%s%s%s%s%s%s%s", c.x_offset != 0.f ? "x+100 " : "",
              c.x_row_stride ? "strided-x " : "", c.null_vectors ? "null-vectors " : "",
-             c.momentum_none ? "momentum-None " : "", c.w_non_finite ? "non-finite-W " : "",
+             c.momentum_none ? "momentum-None " : "", c.scale_one_number ? "one-scale " : "",
+             c.w_non_finite ? "non-finite-W " : "",
              deterministic ? "" : "NONDETERMINISTIC ", bad ? "FAIL" : "ok");
     printf("%4d %5d %5d", c.M, c.K, c.N);
     const double errors[] = {e.z, e.t33, e.t84, e.e33, e.e84, e.stats, e.run};

@@ -2332,14 +2332,16 @@ int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms, bool scal
 // num_batches_tracked (device int64) += 1; for the backward where not null, centred: z (M, N) =
 // z - mean_z and stats (2, N) = [0 | biased var_z] (bn_backward_train reads only z - stats[0]).
 // The BatchNorm (and softmax) in float64.
+// scale_stride (both launchers): 1, bn.scale holds N floats; 0, one number for every feature.
 cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
-                               const BatchNormArgs& bn, int64_t* num_batches_tracked, float* out, float* z,
-                               float* stats, void* workspace, cudaStream_t stream);
+                               const BatchNormArgs& bn, int scale_stride, int64_t* num_batches_tracked, float* out,
+                               float* z, float* stats, void* workspace, cudaStream_t stream);
 // The eval forward of either problem: out (M, N) the module's output from the running
 // statistics' fold (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
 // scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0), in float64.
 cudaError_t small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
-                              const BatchNormArgs& bn, float* out, void* workspace, cudaStream_t stream);
+                              const BatchNormArgs& bn, int scale_stride, float* out, void* workspace,
+                              cudaStream_t stream);
 }  // namespace fused_gemm_bn
 // ==== end small_m_fp64.cu ====
 ''',
@@ -5107,7 +5109,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //       loads where K % 4 == 0 and w is 16-byte aligned, else 4-byte loads
 //   out (M, N) float32 contiguous: the module's output;  z (M, N), stats (2, N) float32
 //       (centred, above), or null
-//   bias, scale, bn_weight, bn_bias (N) float32; running_mean, running_var (N) float32,
+//   bias, bn_weight, bn_bias (N) float32; scale (N) float32, or one number for every feature
+//       (scale_stride 0: problem 84's scale of shape (1,), read in place); running_mean, running_var (N) float32,
 //       updated in place (train), read (eval)
 //   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms, scale_after_bn) bytes,
 //       8-byte aligned: pieces x M x N float64 partial sums where K is split, then
@@ -5257,6 +5260,7 @@ struct SmallMArgs {
   // bias, scale, bn_weight, bn_bias, running statistics, eps, scale_after_bn; train: momentum
   // (bn.num_batches_tracked unused: num_batches_tracked below)
   BatchNormArgs bn;
+  int scale_stride;  // 1: bn.scale holds N floats; 0: one number for every feature
   float* out;  // problem 33's output (M, N)
   double* v;   // problem 84's softmax input (M, N) float64
   // train
@@ -5321,7 +5325,7 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
   const int M = p.M, N = p.N;
   const BatchNormArgs& bn = p.bn;
   const double bias = value_or(bn.bias, n, 0.0), gamma = value_or(bn.bn_weight, n, 1.0);
-  const double beta = value_or(bn.bn_bias, n, 0.0), s = bn.scale[n];
+  const double beta = value_or(bn.bn_bias, n, 0.0), s = bn.scale[static_cast<size_t>(n) * p.scale_stride];
   double a, c;     // out or v = a (z - shift) + c
   double shift;
   if constexpr (kEval) {
@@ -5784,30 +5788,31 @@ int64_t fused_gemm_bn::small_m_fp64_workspace_bytes(int M, int N, int K, int num
 
 // bn: all of BatchNormArgs but bn.num_batches_tracked (the argument num_batches_tracked instead).
 cudaError_t fused_gemm_bn::small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N,
-                                              int K, const BatchNormArgs& bn, int64_t* num_batches_tracked,
-                                              float* out, float* z, float* stats, void* workspace,
-                                              cudaStream_t stream) {
-  if (!small_m_shape_ok(M, N, K) || M < 2 || x == nullptr || w == nullptr || out == nullptr ||
+                                              int K, const BatchNormArgs& bn, int scale_stride,
+                                              int64_t* num_batches_tracked, float* out, float* z, float* stats,
+                                              void* workspace, cudaStream_t stream) {
+  if (!small_m_shape_ok(M, N, K) || M < 2 || (scale_stride != 0 && scale_stride != 1) || x == nullptr ||
+      w == nullptr || out == nullptr ||
       bn.scale == nullptr || bn.running_mean == nullptr || bn.running_var == nullptr ||
       num_batches_tracked == nullptr)
     return cudaErrorInvalidValue;
   SmallMArgs p{};
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
-  p.bn = bn;
+  p.bn = bn, p.scale_stride = scale_stride;
   p.out = out, p.z = z, p.stats = stats, p.num_batches_tracked = num_batches_tracked;
   return launch_small_m<false>(p, static_cast<unsigned char*>(workspace), stream);
 }
 
 // bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn.
 cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N,
-                                             int K, const BatchNormArgs& bn, float* out, void* workspace,
-                                             cudaStream_t stream) {
-  if (!small_m_shape_ok(M, N, K) || x == nullptr || w == nullptr || out == nullptr || bn.scale == nullptr ||
-      bn.running_mean == nullptr || bn.running_var == nullptr)
+                                             int K, const BatchNormArgs& bn, int scale_stride, float* out,
+                                             void* workspace, cudaStream_t stream) {
+  if (!small_m_shape_ok(M, N, K) || (scale_stride != 0 && scale_stride != 1) || x == nullptr || w == nullptr ||
+      out == nullptr || bn.scale == nullptr || bn.running_mean == nullptr || bn.running_var == nullptr)
     return cudaErrorInvalidValue;
   SmallMArgs p{};
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
-  p.bn = bn;
+  p.bn = bn, p.scale_stride = scale_stride;
   p.out = out;
   return launch_small_m<true>(p, static_cast<unsigned char*>(workspace), stream);
 }
@@ -6088,11 +6093,20 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
 }
 
-void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x) {
+// broadcast_ok: a stride-0 view of one number passes too (scale_of_one_number below).
+void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x,
+                  bool broadcast_ok = false) {
   TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == n, name, " must have shape (", n, "), got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.is_contiguous() || (broadcast_ok && t.stride(0) == 0), name, " must be contiguous");
+}
+
+// Whether the scale is one number viewed as N (stride 0: problem 84's scale of shape (1,), as
+// per_feature_scale passes it).  small_m_fp64 reads that number at every feature (scale stride
+// 0), so its calls copy nothing; the other kernels take N floats (feature_vector copies).
+bool scale_of_one_number(const torch::Tensor& scale) {
+  return scale.dim() == 1 && scale.size(0) > 1 && scale.stride(0) == 0;
 }
 
 // Checks x and weight and returns (M, N, K).  x may have any strides: the
@@ -6122,9 +6136,9 @@ struct BnTensors {
   torch::Tensor bias, scale, bn_weight, bn_bias, running_mean, running_var;
 };
 
-void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x) {
+void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, bool scale_broadcast_ok = false) {
   check_vector(t.bias, "gemm.bias", N, x);
-  check_vector(t.scale, "scale", N, x);
+  check_vector(t.scale, "scale", N, x, scale_broadcast_ok);
   check_vector(t.bn_weight, "bn.weight", N, x);
   check_vector(t.bn_bias, "bn.bias", N, x);
   check_vector(t.running_mean, "bn.running_mean", N, x);
@@ -6408,11 +6422,12 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
                                          const torch::Tensor& weight, BnTensors t,
                                          const torch::Tensor& num_batches_tracked, double momentum, double eps,
                                          bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
-  t.scale = feature_vector(t.scale);
   const Gemm gemm = parse_gemm(gemm_name, true);
+  const bool scale_broadcast = gemm == Gemm::kSmallM && scale_of_one_number(t.scale);
+  if (!scale_broadcast) t.scale = feature_vector(t.scale);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
-  check_bn_tensors(t, N, x);
+  check_bn_tensors(t, N, x, scale_broadcast);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
@@ -6423,7 +6438,8 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
     const torch::Tensor xr = with_unit_column_stride(x);
     const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
     check_launch(fgb::small_m_fp64_train(xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), M, N, K, bn,
-                                         num_batches_tracked.data_ptr<int64_t>(), out.data_ptr<float>(),
+                                         scale_broadcast ? 0 : 1, num_batches_tracked.data_ptr<int64_t>(),
+                                         out.data_ptr<float>(),
                                          saved ? z.data_ptr<float>() : nullptr,
                                          saved ? stats.data_ptr<float>() : nullptr, data_or_null(workspace), stream),
                  "small_m_fp64_train");
@@ -6463,11 +6479,12 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
                            c10::optional<torch::Tensor> w_parts) {
-  scale = feature_vector(scale);
   const Gemm gemm = parse_gemm(gemm_name, true);
+  const bool scale_broadcast = gemm == Gemm::kSmallM && scale_of_one_number(scale);
+  if (!scale_broadcast) scale = feature_vector(scale);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
-  check_bn_tensors(t, N, x);
+  check_bn_tensors(t, N, x, scale_broadcast);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
   torch::Tensor out = torch::empty({M, N}, x.options());
@@ -6477,8 +6494,8 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   if (gemm == Gemm::kSmallM) {
     const torch::Tensor xr = with_unit_column_stride(x);
     const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
-    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, out.data_ptr<float>(),
-                                        data_or_null(workspace), stream),
+    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, scale_broadcast ? 0 : 1,
+                                        out.data_ptr<float>(), data_or_null(workspace), stream),
                  "small_m_fp64_eval");
     return out;  // problem 84: the launcher ran the (float64) softmax
   } else if (is_fp16x3(gemm)) {

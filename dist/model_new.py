@@ -5078,9 +5078,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   not cancel; after BatchNorm's batch statistics, NaN in both).
 //
 // Work split (SmallMTraits below; kMBlocks = 1, 2 for M <= 8, 16)
-//   CTA: 8 warps, one per 16-k slice of a stage, each over all BLOCK_N = 64
-//   features (whole W rows, so a feature's sums end in one CTA), 256 threads, one
-//   CTA per SM; BLOCK_K = 128 k per stage.  W and x reach shared memory through a
+//   CTA: 16 warps, kWarpsK = 8 16-k slices of a stage x kWarpsN = 2 halves of the
+//   BLOCK_N = 64 features (whole W rows, so a feature's sums end in one CTA), 512
+//   threads, one CTA per SM; BLOCK_K = 128 k per stage.  W and x reach shared memory through a
 //   kStages-deep cp.async ring (cp_async.cuh; 16-byte copies where K % 4 == 0 and
 //   the rows are 16-byte aligned, else 4-byte copies), one __syncthreads per
 //   stage: W's 64 rows and x's kRows rows of 128 floats, each row padded to 144
@@ -5090,7 +5090,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   past K is zero-filled by the copies.  In flight per SM: kStages - 1 stages =
 //   96 KB of W, 2.7 us of the H200's 36 B/ns per SM (Little's law: ~1 us of loaded
 //   DRAM latency needs 36 KB).
-//   Each warp keeps kTilesN (4) x kMBlocks accumulator tiles of 16 features x 8 batch
+//   Each warp keeps kTilesN (2) x kMBlocks accumulator tiles of 16 features x 8 batch
 //   rows (4 doubles a lane) and reads, per 16-k chunk, one float4 per lane from
 //   each of its 2 kTilesN W rows and kMBlocks x rows (lane (g, t): row g, k 4t ..
 //   4t + 3), converts them (below) and issues, on sm_90, one
@@ -5206,8 +5206,8 @@ struct SmallMArgs {
 // (a float of exponent field e, mantissa f is 2^(e-127) 1.f; the double with
 // the same fields is 2^(e-1023) 1.f; subnormals (e = 0) scale the same way).
 // Three integer ops, no FP64 conversion (16/clk/SM) on the FP64 pipe.  A
-// non-finite w (exponent field 255) becomes a finite double: the launchers'
-// callers take finite weights (the route is opt-in; README limitations).
+// non-finite w (exponent field 255) becomes a finite double: the kernel flags such
+// W rows apart (w * 0 summed on the FP32 pipe, small_m_fp64_kernel).
 __device__ __forceinline__ double f32_to_f64_times_2m896(float w) {
   const uint32_t b = __float_as_uint(w);
   const int hi = (static_cast<int>(b) >> 3) & static_cast<int>(0x8fffffffu);

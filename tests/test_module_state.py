@@ -182,3 +182,39 @@ def test_stand_ins(problem):
     assert torch.equal(gemm.bias, torch.zeros_like(gemm.bias)) and torch.equal(bn.weight, torch.ones_like(bn.weight))
     assert torch.equal(bn.bias, torch.zeros_like(bn.bias))
     assert bn.running_mean is not new.bn.running_mean and bn.num_batches_tracked is not new.bn.num_batches_tracked
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+def test_state_read_as_attribute_access(problem):
+    """The forward reads parameters, buffers and submodules through module_fields (a fast read
+    of nn.Module's tables): what attribute access gives in every way torch swaps them in.
+    torch.func.functional_call (parameters and a buffer replaced for one call), a
+    parametrization on gemm.weight (a property on a subclass), a submodule replaced by
+    assignment: each output as Model's with the same state, and module_fields equal to getattr."""
+    ref, new = pair(problem, "track_off", False)
+    x = inputs()[0]
+    swap = {"gemm.weight": torch.randn(N, K, dtype=torch.float64, generator=torch.Generator().manual_seed(4)),
+            "bn.running_mean": torch.full((N,), 0.25, dtype=torch.float64), "scale": new.scale * 3}
+    out_new = torch.func.functional_call(new, swap, (x,))
+    torch.testing.assert_close(out_new, torch.func.functional_call(ref, swap, (x,)), rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(out_new, new(x))  # the swap was seen, and undone after the call
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    for model in (ref, new):
+        torch.nn.utils.parametrize.register_parametrization(model.gemm, "weight", Doubled())
+    torch.testing.assert_close(new(x), ref(x), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(model_new.module_call(new.gemm, new.bn)[0].weight,
+                               2 * ref.gemm.parametrizations.weight.original)
+    new.bn = model_new.BatchNormState(N, eps=1e-3, momentum=0.5).double().eval()
+    ref.bn = torch.nn.BatchNorm1d(N, eps=1e-3, momentum=0.5).double().eval()
+    torch.testing.assert_close(new(x), ref(x), rtol=1e-10, atol=1e-12)
+    for module, names in ((new, ("gemm", "scale", "bn")), (new.gemm, ("weight", "bias", "in_features")),
+                          (new.bn, ("weight", "bias", "running_mean", "running_var", "num_batches_tracked", "eps"))):
+        for name, field in zip(names, model_new.module_fields(module, names)):  # (the parametrization's
+            attribute = getattr(module, name)                                     # weight is made per read)
+            assert field is attribute or (isinstance(field, torch.Tensor) and torch.equal(field, attribute)), name
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        model_new.module_fields(new.bn, ("weight", "nothing"))

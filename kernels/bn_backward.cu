@@ -26,6 +26,14 @@
 // block's warps); coefficients and each dz in float64, dz rounded once to
 // float32 (z - mu is exact in float64).
 //
+// One scale (a single number read at every feature, scale stride 0; problem 84's
+// default): its gradient is the sum over the features of the N dscale terms.  Rounded
+// per feature and then summed in float32 (autograd's expand backward) it carried
+// ~sqrt(N) roundings of terms that largely cancel: 3.9x eager's error at 16 x 8192 x
+// 8192 (docs/perf.md v44).  Here the terms stay float64 (dscale_terms) and
+// sum_scale_terms_kernel sums them in float64, rounding once: grad_scale = [sum, 0, ..., 0],
+// whose float32 sum over the features is that sum exactly.
+//
 // Synchronized BatchNorm (model_new.py, _SyncFusedTrainFn) splits the kernel
 // around an all_reduce: the batch is the union of every process's rows, mu and
 // var in stats are the merged batch's, and C is its row count.
@@ -50,6 +58,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "block_reduce.cuh"
 #include "bn_stats.cuh"
 #include "heuristics_common.cuh"
 #include "launchers.cuh"
@@ -59,6 +68,7 @@ namespace fused_gemm_bn {
 
 constexpr int kBwdCols = 32;   // features per CTA (one warp's width)
 constexpr int kBwdWarps = 8;   // row groups per CTA
+constexpr int kScaleSumThreads = 1024;  // sum_scale_terms_kernel's one CTA
 constexpr int kBwdRowBatch = 16;  // rows loaded per thread before use (8 was 3-12% slower from 1024 rows up, docs/perf.md v38)
 
 // kFull: one process's batch (bn_backward_train); kSums: pass 1 only
@@ -82,7 +92,17 @@ struct BnBackwardArgs {
   const double* local_sums;  // kGrad: (2, N) this process's S1, S2
   const double* total_sums;  // kGrad: (2, N) every process's
   double* sums_out;          // kSums: (2, N)
+  int scale_stride = 1;              // 0: one scale read at every feature (kFull)
+  double* dscale_terms = nullptr;    // kFull, one scale: dscale's N per-feature terms, unrounded
 };
+
+// dscale's term of feature j: rounded into dscale, or kept in float64 for one scale's sum.
+__device__ __forceinline__ void write_dscale(const BnBackwardArgs& p, int j, double term) {
+  if (p.dscale_terms != nullptr)
+    p.dscale_terms[j] = term;
+  else
+    p.dscale[j] = static_cast<float>(term);
+}
 
 // Rows row + r * kBwdWarps (r < kBwdRowBatch) of g and z at feature j, all
 // loads issued before any is used; rows past M read as g = 0, z = z_pad.
@@ -117,7 +137,8 @@ __device__ __forceinline__ void add_sums(const float (&gv)[kRows], const float (
 template <bool kScaleFromSums>
 __device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, double S1, double S2, double T1,
                                                double T2, double count, double& a, double& c1, double& c2) {
-  const double s = p.bn.scale[j], gamma = p.bn.bn_weight[j], var = p.stats[p.N + j];
+  const double s = p.bn.scale[static_cast<size_t>(j) * p.scale_stride], gamma = p.bn.bn_weight[j];
+  const double var = p.stats[p.N + j];
   const double s2_var = p.bn.scale_after_bn ? var : s * s * var;
   const double sigma2 = s2_var + static_cast<double>(p.bn.eps);
   const double sigma = sqrt(sigma2);
@@ -128,12 +149,12 @@ __device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, d
     p.dbeta[j] = static_cast<float>(s * S1);
     p.dgamma[j] = static_cast<float>(s * S2 / sigma);
     const double beta = p.bn.bn_bias != nullptr ? static_cast<double>(p.bn.bn_bias[j]) : 0.0;
-    p.dscale[j] = static_cast<float>(gamma * S2 / sigma + beta * S1);
+    write_dscale(p, j, gamma * S2 / sigma + beta * S1);
   } else {
     p.dbeta[j] = static_cast<float>(S1);
     p.dgamma[j] = static_cast<float>(s * S2 / sigma);
     if constexpr (kScaleFromSums)
-      p.dscale[j] = static_cast<float>(gamma * S2 * static_cast<double>(p.bn.eps) / (sigma2 * sigma));
+      write_dscale(p, j, gamma * S2 * static_cast<double>(p.bn.eps) / (sigma2 * sigma));
   }
 }
 
@@ -295,19 +316,45 @@ __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(co
   }
 }
 
+// One scale's gradient: the float64 sum of dscale's N per-feature terms (each thread
+// its features t, t + blockDim.x, ... in order, then block_reduce's fixed tree), rounded
+// once into grad_scale[0]; grad_scale[j > 0] = 0, so that the sum over the features that
+// autograd's expand backward takes gives that number exactly.  One CTA.
+__global__ void __launch_bounds__(kScaleSumThreads) sum_scale_terms_kernel(const double* terms, int N,
+                                                                           float* grad_scale) {
+  pdl_wait_then_release();
+  __shared__ double red[kScaleSumThreads / 32];
+  double sum = 0.0;
+  for (int j = threadIdx.x; j < N; j += kScaleSumThreads) {
+    sum += terms[j];
+    if (j > 0) grad_scale[j] = 0.f;
+  }
+  sum = block_reduce<false>(sum, red);
+  if (threadIdx.x == 0) grad_scale[0] = static_cast<float>(sum);
+}
+
 }  // namespace fused_gemm_bn
 
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y = dL/dy (formulas above).
 cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z, const float* stats,
                                              const BatchNormArgs& bn, int M, int N, float* grad_z, float* grad_scale,
-                                             float* grad_bn_weight, float* grad_bn_bias, cudaStream_t stream) {
+                                             float* grad_bn_weight, float* grad_bn_bias, int scale_stride,
+                                             double* grad_scale_terms, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  const BnBackwardArgs p{grad_y, z, stats, bn, M, N, static_cast<double>(M), nullptr, grad_z, grad_scale,
-                         grad_bn_weight, grad_bn_bias, nullptr, nullptr, nullptr};
-  if (resident_strip_pays(M, N))
-    return launch_kernel(bn_backward_resident_kernel, (N + kResCols - 1) / kResCols, kResThreads, 0, stream, p);
-  return launch_kernel(bn_backward_train_kernel<BwdMode::kFull>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
-                       0, stream, p);
+  if (scale_stride != 0 && scale_stride != 1) return cudaErrorInvalidValue;
+  if (scale_stride == 0 && grad_scale_terms == nullptr) return cudaErrorInvalidValue;
+  BnBackwardArgs p{grad_y, z, stats, bn, M, N, static_cast<double>(M), nullptr, grad_z, grad_scale,
+                   grad_bn_weight, grad_bn_bias, nullptr, nullptr, nullptr};
+  p.scale_stride = scale_stride;
+  p.dscale_terms = scale_stride == 0 ? grad_scale_terms : nullptr;
+  const cudaError_t err =
+      resident_strip_pays(M, N)
+          ? launch_kernel(bn_backward_resident_kernel, (N + kResCols - 1) / kResCols, kResThreads, 0, stream, p)
+          : launch_kernel(bn_backward_train_kernel<BwdMode::kFull>, (N + kBwdCols - 1) / kBwdCols,
+                          kBwdCols * kBwdWarps, 0, stream, p);
+  if (err != cudaSuccess || scale_stride != 0) return err;
+  return launch_kernel(sum_scale_terms_kernel, 1, kScaleSumThreads, 0, stream,
+                       static_cast<const double*>(grad_scale_terms), N, grad_scale);
 }
 
 // sums (2, N) float64 = this process's [S1 | S2], S2 about the merged mean stats[0].

@@ -180,10 +180,12 @@ cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float
 // ---- bn_backward.cu: the training backward's BatchNorm ----------------------
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
 // (bn: scale, bn_weight, eps, scale_after_bn; problem 84: bn_bias, or null for a
-// grad_scale without its bn_bias * sum_m grad_y term).
+// grad_scale without its bn_bias * sum_m grad_y term).  scale_stride 1: N scales;
+// 0: one scale (bn.scale[0] at every feature), grad_scale_terms N doubles of scratch,
+// and grad_scale = [the float64 sum of the features' terms, rounded once, 0, ..., 0].
 cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
                               int N, float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
-                              cudaStream_t stream);
+                              int scale_stride, double* grad_scale_terms, cudaStream_t stream);
 // Synchronized BatchNorm (statistics merged over processes):
 // the backward split around the all_reduce: this process's sums (2, N) float64 =
 // [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums

@@ -18,10 +18,17 @@
 // second pass reads the row again (mostly from L2).
 //
 // Numerics: each product grad_out * out is exact in float64 and s_m is summed
-// in float64 (per thread, then a warp and CTA tree), then rounded to float32
-// once; grad_v is then one float32 subtraction and one multiply, each rounded
-// to nearest, as torch's (whose s_m is a float32 tree sum).  NaN or Inf in a
-// row propagates through s_m to the whole row, as torch's.
+// in float64 (per thread, then a warp and CTA tree), then held as two floats
+// s_hi + s_lo (s_hi = rn(s_m), s_lo = rn(s_m - s_hi)); grad_out - s_m is kept
+// unrounded as t + c (TwoSum) and grad_v = fma(out, t, out c), rounded once
+// (times_grad_minus_sum).  torch's form (s_m rounded to float32, grad_out - s_m
+// rounded, then the product) rounds the difference first, and that rounding is
+// shared by the row: grad_out's elements lie on float32's grid and s_m is one
+// number, so every element of a binade loses the same low bits of s_m.  Summed
+// against any y over the row (problem 84's scale gradient is sum grad_v y), it does
+// not average out: 5x eager's scale-gradient error at 16 x 8192 x 8192, against
+// 0.07x with one rounding (docs/perf.md v45).
+// NaN or Inf in a row propagates through s_m to the whole row, as torch's.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -35,6 +42,29 @@ namespace softmax_backward {
 constexpr int kThreads = 256;     // the loop form
 constexpr int kRegThreads = 512;  // the register form, at most
 constexpr int kRegGroups = 4;     // float4 groups per input and thread (register form)
+
+// s_m as s_hi + s_lo, two floats (s_lo = 0 where s_hi is not finite: NaN / Inf propagate).
+struct RowSum {
+  float hi, lo;
+};
+
+__device__ __forceinline__ RowSum row_sum_of(double s) {
+  const float hi = static_cast<float>(s);
+  return {hi, isfinite(hi) ? static_cast<float>(s - static_cast<double>(hi)) : 0.f};
+}
+
+// o (g - (s.hi + s.lo)), rounded once (to within a hair of half an ulp): TwoSum (Knuth, TAOCP
+// vol. 2, 4.2.2; Ogita, Rump, Oishi, "Accurate sum and dot product", 2005) gives g - s.hi
+// exactly as t + e; c = e - s.lo (both below half an ulp of t or s.hi, so c is nearly exact);
+// fma(o, t, o c) then rounds the product once.  Seven float operations; nvcc neither
+// reassociates the additions nor contracts them (no fast-math, no product among them).
+__device__ __forceinline__ float times_grad_minus_sum(float o, float g, RowSum s) {
+  const float t = g - s.hi;
+  const float b = t - g;
+  const float e = (g - (t - b)) + (-s.hi - b);
+  const float c = e - s.lo;
+  return fmaf(o, t, o * c);
+}
 
 // Sum over the CTA (blockDim.x a multiple of 32), returned to every thread.
 __device__ __forceinline__ double block_sum(double v, double* red) {
@@ -81,14 +111,14 @@ __device__ __forceinline__ void row_in_registers(const float* __restrict__ out, 
       dot += static_cast<double>(o[r].w) * g[r].w;
     }
   }
-  const float s = static_cast<float>(block_sum(dot, red));
+  const RowSum s = row_sum_of(block_sum(dot, red));
   float4* v4 = reinterpret_cast<float4*>(grad_v + base);
 #pragma unroll
   for (int r = 0; r < kRegGroups; ++r) {
     const int i = threadIdx.x + r * blockDim.x;
     if (i < num_groups)
-      v4[i] = make_float4(o[r].x * (g[r].x - s), o[r].y * (g[r].y - s), o[r].z * (g[r].z - s),
-                          o[r].w * (g[r].w - s));
+      v4[i] = make_float4(times_grad_minus_sum(o[r].x, g[r].x, s), times_grad_minus_sum(o[r].y, g[r].y, s),
+                          times_grad_minus_sum(o[r].z, g[r].z, s), times_grad_minus_sum(o[r].w, g[r].w, s));
   }
 }
 
@@ -110,17 +140,19 @@ __device__ __forceinline__ void row_in_loop(const float* __restrict__ out, const
   } else {
     for (int i = threadIdx.x; i < N; i += kThreads) dot += static_cast<double>(out[base + i]) * grad_out[base + i];
   }
-  const float s = static_cast<float>(block_sum(dot, red));
+  const RowSum s = row_sum_of(block_sum(dot, red));
   if constexpr (kVec4) {
     const float4* o4 = reinterpret_cast<const float4*>(out + base);
     const float4* g4 = reinterpret_cast<const float4*>(grad_out + base);
     float4* v4 = reinterpret_cast<float4*>(grad_v + base);
     for (int i = threadIdx.x; i < N / 4; i += kThreads) {
       const float4 o = o4[i], g = g4[i];
-      v4[i] = make_float4(o.x * (g.x - s), o.y * (g.y - s), o.z * (g.z - s), o.w * (g.w - s));
+      v4[i] = make_float4(times_grad_minus_sum(o.x, g.x, s), times_grad_minus_sum(o.y, g.y, s),
+                          times_grad_minus_sum(o.z, g.z, s), times_grad_minus_sum(o.w, g.w, s));
     }
   } else {
-    for (int i = threadIdx.x; i < N; i += kThreads) grad_v[base + i] = out[base + i] * (grad_out[base + i] - s);
+    for (int i = threadIdx.x; i < N; i += kThreads)
+      grad_v[base + i] = times_grad_minus_sum(out[base + i], grad_out[base + i], s);
   }
 }
 

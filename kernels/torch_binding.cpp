@@ -61,7 +61,8 @@
 //       sm80_3xtf32's w_parts
 //   bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias)
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
-//       bn_bias None: problem 84's grad_scale without its bn_bias * sum(grad_y) term)
+//       bn_bias None: problem 84's grad_scale without its bn_bias * sum(grad_y) term;
+//       a one-number scale viewed as N: grad_scale = [its gradient, 0, ..., 0])
 //   softmax_rows_backward(out, grad_out) -> grad_v = out * (grad_out - sum_n grad_out * out)
 //       per row (softmax_rows_backward.cu): problem 84's row softmax backward
 //   Synchronized BatchNorm (statistics merged across processes in Python between calls):
@@ -775,8 +776,8 @@ std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor&
 // of those fields (bias, gemm.bias, left null: only bn_backward_grad reads it).
 fgb::BatchNormArgs backward_bn_args(const torch::Tensor& z, int N, const torch::Tensor& scale,
                                     const torch::Tensor& bn_weight, double eps, bool scale_after_bn,
-                                    const c10::optional<torch::Tensor>& bn_bias) {
-  check_vector(scale, "scale", N, z);
+                                    const c10::optional<torch::Tensor>& bn_bias, bool scale_broadcast_ok = false) {
+  check_vector(scale, "scale", N, z, scale_broadcast_ok);
   check_vector(bn_weight, "bn.weight", N, z);
   if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
   fgb::BatchNormArgs bn;
@@ -806,19 +807,25 @@ BackwardGrads backward_grads(const torch::Tensor& z, int M, int N) {
 // grad_scale, grad_bn_weight, grad_bn_bias (N each)].  scale_after_bn (problem
 // 84): y = scale * BN(z + b), the pre-softmax logits; its grad_scale includes
 // the bn_bias * sum_m grad_y term where bn_bias is given (else the caller adds it).
+// A scale of one number viewed as N (stride 0, per_feature_scale's view) is read in
+// place, and its grad_scale is [the float64 sum of the features' terms, rounded once,
+// 0, ..., 0]: autograd's expand backward then sums it to that one number exactly.
 std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
                                              torch::Tensor scale, torch::Tensor bn_weight, double eps,
                                              bool scale_after_bn, c10::optional<torch::Tensor> bn_bias) {
-  scale = feature_vector(scale);
+  const bool one_scale = scale_of_one_number(scale);
+  if (!one_scale) scale = feature_vector(scale);
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
-  const fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias);
+  const fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias, one_scale);
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = current_stream(z);
   const torch::Tensor g = grad_y.contiguous();
   const BackwardGrads r = backward_grads(z, M, N);
+  const torch::Tensor terms = one_scale ? torch::empty({N}, z.options().dtype(torch::kFloat64)) : torch::Tensor();
   check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                       r.grad_z.data_ptr<float>(), r.grad_scale.data_ptr<float>(),
-                                      r.grad_bn_weight.data_ptr<float>(), r.grad_bn_bias.data_ptr<float>(), stream),
+                                      r.grad_bn_weight.data_ptr<float>(), r.grad_bn_bias.data_ptr<float>(),
+                                      one_scale ? 0 : 1, one_scale ? terms.data_ptr<double>() : nullptr, stream),
                "bn_backward_train");
   return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }

@@ -847,6 +847,52 @@ def test_gpu_bn_backward_train_contract(scale_after_bn, m, n):
 
 
 @requires_cuda
+@pytest.mark.parametrize("scale_after_bn", [False, True], ids=["33", "84"])
+@pytest.mark.parametrize("m,n", [(16, 8192), (1024, 8192), (3, 1001), (2, 1)])
+def test_gpu_bn_backward_train_one_scale(scale_after_bn, m, n):
+    """A one-number scale viewed as N (stride 0, as per_feature_scale passes it): grad_scale is
+    [g, 0, ..., 0], g the float64 sum over the features of the kernel's per-feature terms
+    rounded once, so within half an ulp (+ float64 noise) of that sum computed here in float64
+    from the same float32 inputs and statistics; the other outputs bit-identical to the call
+    with the scale copied to N floats (the per-feature path), whose grad_scale sums to g within
+    its own float32 rounding (printed: the error this removes)."""
+    gen = torch.Generator().manual_seed(25)
+    d = dict(dtype=torch.float64, generator=gen)
+    z = (torch.randn(m, n, **d) * 3 + 2).float().cuda()
+    bn_weight, bn_bias = (torch.rand(n, **d) + 0.5).float().cuda(), torch.randn(n, **d).float().cuda()
+    grad_y = torch.randn(m, n, **d).float().cuda()
+    one = torch.tensor([0.75], device="cuda")
+    eps = 1e-5
+    stats = torch.stack((z.double().mean(0), z.double().var(0, unbiased=False))).float()
+    got = model_new._ext.bn_backward_train(grad_y, z, stats, one.expand(n), bn_weight, eps, scale_after_bn, bn_bias)
+    per_feature = model_new._ext.bn_backward_train(grad_y, z, stats, one.expand(n).contiguous(), bn_weight, eps,
+                                                   scale_after_bn, bn_bias)
+    for name, a, b in zip(["grad_z", "grad_bn_weight", "grad_bn_bias"], got[:1] + got[2:],
+                          per_feature[:1] + per_feature[2:]):
+        assert torch.equal(a, b), name
+    assert torch.count_nonzero(got[1][1:]) == 0
+    torch.testing.assert_close(got[1].sum(), per_feature[1].sum(), rtol=1e-5, atol=1e-6)
+    # The terms in float64 from the kernel's inputs (finish_feature's formulas).
+    g64, zc, var = grad_y.double(), (z - stats[0]).double(), stats[1].double()  # z - mu in float32, as the kernel
+    s1, s2 = g64.sum(0), (g64 * zc).sum(0)
+    s, gamma, beta = 0.75, bn_weight.double(), bn_bias.double()
+    eps = float(torch.tensor(eps, dtype=torch.float32))  # as the kernel reads it
+    if scale_after_bn:
+        sigma = torch.sqrt(var + eps)
+        terms = gamma * s2 / sigma + beta * s1
+    else:
+        sigma2 = s * s * var + eps
+        terms = gamma * s2 * eps / (sigma2 * torch.sqrt(sigma2))
+    want = terms.sum().item()
+    ulp = 2.0 ** (math.frexp(torch.tensor(want, dtype=torch.float32).item())[1] - 24)  # float32's, at want
+    err = abs(got[1][0].item() - want)
+    err_per_feature = abs(per_feature[1].sum().item() - want)
+    print(f"\n[one scale] {'84' if scale_after_bn else '33'} ({m},{n}): |error| {err / ulp:.2f} ulp, per-feature "
+          f"terms summed in float32 {err_per_feature / ulp:.2f} ulp")
+    assert err <= 0.5 * ulp + 1e-12 * terms.abs().sum().item()
+
+
+@requires_cuda
 @pytest.mark.parametrize("layout", ["contiguous", "grad_transposed"])
 @pytest.mark.parametrize("m,n", [(1024, 8192), (257, 132), (5, 8196), (257, 130), (3, 1001), (1, 7)])
 def test_gpu_softmax_rows_backward(m, n, layout):
@@ -873,6 +919,16 @@ def test_gpu_softmax_rows_backward(m, n, layout):
     assert err_new <= 2 * err_eager + GRAD_FLOOR
     assert torch.equal(model_new._softmax_rows_backward(out, g), got)
     assert rel_err(out * g, want) > 2 * err_eager + GRAD_FLOOR  # the control
+    # Each element out * (g - s_m) from these float32 inputs, s_m unrounded, rounded once (no
+    # rounding shared by a row: 2^-24 relative, and a float32 rounding's slack); torch's form
+    # (s_m and g - s_m rounded first, emulated exactly) misses that bound where g is near s_m.
+    o64, gi64 = out.double(), g.double()
+    s64 = (o64 * gi64).sum(1, keepdim=True)
+    exact = o64 * (gi64 - s64)
+    bound = 2.0 ** -23 * exact.abs() + 1e-45
+    assert ((got.double() - exact).abs() <= bound).all()
+    row_rounded = (o64 * (gi64 - s64.float().double()).float().double()).float().double()
+    assert n < 64 or ((row_rounded - exact).abs() > bound).any()
 
 
 @requires_cuda

@@ -29,6 +29,8 @@ below 16 rows to meet the bar: docs/perf.md v37):
     route's float32 kernel (ModelNew.kernel_path)
   - test_gpu_small_m_running_statistics_vs_float64: small_m_fp64's running statistics after
     five training calls within eager's error, num_batches_tracked as Model's
+  - test_gpu_small_m_gradients_vs_float64: every gradient of a small_m_fp64 training step at
+    2-16 x 8192 x 8192 within eager's error
   - test_gpu_small_batch_negative_control_tf32_operands: Model with x and
     gemm.weight rounded to TF32 (1xTF32's operand error) fails the bar at
     7 x 4095 x 513 in both modes
@@ -184,6 +186,43 @@ def test_gpu_small_m_running_statistics_vs_float64(problem, momentum, fp32_matmu
             want = getattr(ref64.bn, name)
             err_new, err_eager = rel_err(getattr(new.bn, name), want), rel_err(getattr(ref.bn, name), want)
             assert err_new <= err_eager + 2 ** -24, (m, name, err_new, err_eager)
+
+
+@requires_cuda
+@pytest.mark.parametrize("problem", BOTH)
+def test_gpu_small_m_gradients_vs_float64(problem, fp32_matmul, monkeypatch):
+    """Issue 50's gradient bar: training forward + backward on small_m_fp64 at batches 2, 8 and 16,
+    K = N = 8192, two seeds each, problem 84 with its one-number scale: every gradient (x,
+    gemm.weight, scale, bn.weight, bn.bias) within eager's error against a float64 Model on the
+    same state and inputs (relative Frobenius, plus a float32 rounding for ties); gemm.bias's is
+    exactly zero (BatchNorm removes it)."""
+    if torch.cuda.get_device_capability() not in model_new._FULL_RATE_FP64:
+        pytest.skip("small_m_fp64 runs on sm_80 and sm_90 only")
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(small_m=True))
+    k = n = 8192
+    ref, new = make_pair(problem, 5, k, n, device="cuda")
+    ref64 = copy.deepcopy(ref).double()
+    for m in (2, 8, 16):
+        for seed in (0, 1):
+            gen = torch.Generator(device="cuda").manual_seed(100 * m + seed)
+            x = torch.rand(m, k, device="cuda", generator=gen) * 4 - 1
+            g = torch.randn(m, n, device="cuda", generator=gen)
+            assert new.kernel_path(x.requires_grad_(True)) == "small_m_fp64_train_grad"
+            grads = {}
+            for name, model, dtype in (("eager", ref, torch.float32), ("new", new, torch.float32),
+                                       ("float64", ref64, torch.float64)):
+                model.zero_grad(set_to_none=True)
+                xi = x.detach().to(dtype).requires_grad_(True)
+                (model(xi) * g.to(dtype)).sum().backward()
+                grads[name] = {"x": xi.grad, **{p: t.grad for p, t in model.named_parameters()}}
+            assert torch.count_nonzero(grads["new"]["gemm.bias"]) == 0
+            for key, want in grads["float64"].items():
+                if key == "gemm.bias":
+                    continue
+                err_new, err_eager = rel_err(grads["new"][key], want), rel_err(grads["eager"][key], want)
+                print(f"\n[small-m grad] {problem.name} M={m} seed {seed} {key:10s} ModelNew {err_new:.2e} "
+                      f"eager {err_eager:.2e}")
+                assert err_new <= err_eager + 2 ** -24, (m, seed, key, err_new, err_eager)
 
 
 @requires_cuda

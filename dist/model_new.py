@@ -51,7 +51,7 @@ backward's formulas are _torch_bn_backward_train's.  The GEMMs' numerics
 (split, rounding, expected error) are in the .cu headers and docs/numerics.md.
 
 Surface for problem 84's module and for users (documented, stable): FusedModule, LinearParams,
-BatchNormState, fused_forward, kernel_path, module_call, check_input, per_feature_scale,
+BatchNormState, fused_forward, kernel_path, module_call, module_fields, check_input, per_feature_scale,
 sync_process_group, clear_weight_cache; dispatch, dispatch_gemm_nt, dispatch_gemm_tn, plan, Call,
 Plan, DeviceFacts, device_facts, Switches, SWITCHES; extra, extra_missing, extension_sources.
 Surface for the extras: Engine / ENGINE only (docs/design.md, "The core and its extras").

@@ -1585,7 +1585,8 @@ def _torch_forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, runnin
 def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     """Training-mode BatchNorm backward with batch statistics, the contract of the
     extension's bn_backward_train.  grad_y, z (M, N); stats (2, N) = (mu, var),
-    biased (z and mu enter only as z - mu: small_m_fp64's forward saves them centred); scale, bn_weight (N).  Returns [grad_z (M, N), grad_scale, grad_bn_weight,
+    biased (z and mu enter only as z - mu: small_m_fp64's forward saves them centred);
+    scale, bn_weight (N).  Returns [grad_z (M, N), grad_scale, grad_bn_weight,
     grad_bn_bias (N)] in grad_y's dtype; per-feature sums in float64.
     With d = z - mu, S_g = sum_m grad_y, S_gd = sum_m grad_y d:
       scale_after_bn False (problem 33), y = a d + bn_bias, r = 1 / sqrt(scale^2 var + eps),

@@ -6123,6 +6123,14 @@ bool scale_of_one_number(const torch::Tensor& scale) {
   return scale.dim() == 1 && scale.size(0) > 1 && scale.stride(0) == 0;
 }
 
+// The scale as the kernel will read it, and the stride it reads it with: 0 for one number
+// viewed as N where the kernel reads one number (one_number_ok), else 1 (feature_vector's N floats).
+int scale_for_kernel(torch::Tensor& scale, bool one_number_ok) {
+  if (one_number_ok && scale_of_one_number(scale)) return 0;
+  scale = feature_vector(scale);
+  return 1;
+}
+
 // Checks x and weight and returns (M, N, K).  x may have any strides: the
 // pre-pass reads it in place (the caller's tensor is never written).
 std::tuple<int, int, int> check_gemm_operands(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -6437,11 +6445,10 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
                                          const torch::Tensor& num_batches_tracked, double momentum, double eps,
                                          bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
   const Gemm gemm = parse_gemm(gemm_name, true);
-  const bool scale_broadcast = gemm == Gemm::kSmallM && scale_of_one_number(t.scale);
-  if (!scale_broadcast) t.scale = feature_vector(t.scale);
+  const int scale_stride = scale_for_kernel(t.scale, gemm == Gemm::kSmallM);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
-  check_bn_tensors(t, N, x, scale_broadcast);
+  check_bn_tensors(t, N, x, scale_stride == 0);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
   const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
@@ -6452,7 +6459,7 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
     const torch::Tensor xr = with_unit_column_stride(x);
     const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
     check_launch(fgb::small_m_fp64_train(xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), M, N, K, bn,
-                                         scale_broadcast ? 0 : 1, num_batches_tracked.data_ptr<int64_t>(),
+                                         scale_stride, num_batches_tracked.data_ptr<int64_t>(),
                                          out.data_ptr<float>(),
                                          saved ? z.data_ptr<float>() : nullptr,
                                          saved ? stats.data_ptr<float>() : nullptr, data_or_null(workspace), stream),
@@ -6494,11 +6501,10 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
                            c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name, true);
-  const bool scale_broadcast = gemm == Gemm::kSmallM && scale_of_one_number(scale);
-  if (!scale_broadcast) scale = feature_vector(scale);
+  const int scale_stride = scale_for_kernel(scale, gemm == Gemm::kSmallM);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
-  check_bn_tensors(t, N, x, scale_broadcast);
+  check_bn_tensors(t, N, x, scale_stride == 0);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
   torch::Tensor out = torch::empty({M, N}, x.options());
@@ -6508,7 +6514,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   if (gemm == Gemm::kSmallM) {
     const torch::Tensor xr = with_unit_column_stride(x);
     const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
-    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, scale_broadcast ? 0 : 1,
+    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, scale_stride,
                                         out.data_ptr<float>(), data_or_null(workspace), stream),
                  "small_m_fp64_eval");
     return out;  // problem 84: the launcher ran the (float64) softmax
@@ -6809,8 +6815,8 @@ BackwardGrads backward_grads(const torch::Tensor& z, int M, int N) {
 std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
                                              torch::Tensor scale, torch::Tensor bn_weight, double eps,
                                              bool scale_after_bn, c10::optional<torch::Tensor> bn_bias) {
-  const bool one_scale = scale_of_one_number(scale);
-  if (!one_scale) scale = feature_vector(scale);
+  const int scale_stride = scale_for_kernel(scale, true);
+  const bool one_scale = scale_stride == 0;
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
   const fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias, one_scale);
   const c10::cuda::CUDAGuard guard(z.device());
@@ -6821,7 +6827,7 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                       r.grad_z.data_ptr<float>(), r.grad_scale.data_ptr<float>(),
                                       r.grad_bn_weight.data_ptr<float>(), r.grad_bn_bias.data_ptr<float>(),
-                                      one_scale ? 0 : 1, one_scale ? terms.data_ptr<double>() : nullptr, stream),
+                                      scale_stride, one_scale ? terms.data_ptr<double>() : nullptr, stream),
                "bn_backward_train");
   return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
@@ -8493,7 +8499,8 @@ def _torch_forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, runnin
 def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     """Training-mode BatchNorm backward with batch statistics, the contract of the
     extension's bn_backward_train.  grad_y, z (M, N); stats (2, N) = (mu, var),
-    biased (z and mu enter only as z - mu: small_m_fp64's forward saves them centred); scale, bn_weight (N).  Returns [grad_z (M, N), grad_scale, grad_bn_weight,
+    biased (z and mu enter only as z - mu: small_m_fp64's forward saves them centred);
+    scale, bn_weight (N).  Returns [grad_z (M, N), grad_scale, grad_bn_weight,
     grad_bn_bias (N)] in grad_y's dtype; per-feature sums in float64.
     With d = z - mu, S_g = sum_m grad_y, S_gd = sum_m grad_y d:
       scale_after_bn False (problem 33), y = a d + bn_bias, r = 1 / sqrt(scale^2 var + eps),

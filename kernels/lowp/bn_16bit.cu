@@ -41,9 +41,9 @@
 //   once).  Rows of N <= 16384 with 16-byte access keep v in registers
 //   (bn16_softmax_rows_reg_kernel: up to 4 groups of 8 per thread, all loads issued
 //   first; batches under 256 rows spread a row over up to 512 threads, one group
-//   each); kTrain and kEval rows of N <= 8192 in batches of >= 512 rows:
-//   bn16_softmax_rows_multi_kernel, one group per thread whose coefficients stay in
-//   registers over 4 rows;
+//   each); kTrain and kEval rows of N <= 8192 in batches of >= 512 rows: bn16_softmax_rows_walk_kernel,
+//   resident CTAs walking the rows, one group per thread whose coefficients stay in
+//   registers, the next two rows' groups copied ahead into shared memory (cp.async);
 //   otherwise the CTA keeps v (16-bit, exact) in shared memory, N * 2 bytes
 //   (16 KB for N = 8192): one read and one write of the row; rows longer than the
 //   device's shared memory allows take the online variant (running max and
@@ -59,6 +59,9 @@
 // softmax are float32, as PyTorch's type promotion runs them.
 // Layout: row-major, contiguous; coeff (4, N) float32 (lowp_coeff.cuh); vectors (N) and out of S
 // (16-bit T or float32).
+// Launches: programmatic dependent launches on compute capability 9.0+ (pdl.cuh): every
+// kernel here waits for the kernel before it (griddepcontrol.wait) before it touches
+// memory, so its launch and CTA start overlap that kernel's tail.
 // Preconditions: M >= 2 for the training kernels (the caller raises PyTorch's
 // error for M == 1); any N >= 1.  Launchers return the launch error.
 
@@ -68,6 +71,9 @@
 
 #include "block_reduce.cuh"
 #include "bn_stats.cuh"
+#include "cp_async.cuh"
+#include "device_facts.cuh"
+#include "pdl.cuh"
 #include "launchers.cuh"
 #include "lowp_coeff.cuh"
 #include "lowp_types.cuh"
@@ -102,6 +108,7 @@ template <typename S>
 __global__ void __launch_bounds__(kFoldThreads) bn16_fold_train_kernel(const FoldArgs p) {
   using St = Storage<S>;
   using W = word_t<S>;
+  pdl_wait_then_release();
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.N) return;
   double mean64, m2;
@@ -160,6 +167,7 @@ template <typename S, int kCols>
 __global__ void __launch_bounds__(kApplyThreads)
     bn16_apply_kernel(word_t<S>* out, const float* __restrict__ coeff, int M, int N, int rows_per_block) {
   using St = Storage<S>;
+  pdl_wait_then_release();
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
   if (col >= N) return;
   float4 c[kCols];
@@ -274,6 +282,7 @@ __device__ __forceinline__ void load_logits(const RowArgs& p, const word_t<S>* r
 // else online max / sum and a second read of the row.
 template <typename T, typename S, int kG, RowMode kMode, bool kCached>
 __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const RowArgs p) {
+  pdl_wait_then_release();
   using St = Storage<S>;
   extern __shared__ uint4 dynamic_smem[];
   word_t<S>* cache = reinterpret_cast<word_t<S>*>(dynamic_smem);
@@ -349,6 +358,7 @@ constexpr int kSpreadRows = 256;  // fewer rows: each row over up to kRowThreads
 
 template <typename T, typename S, RowMode kMode>
 __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(const RowArgs p) {
+  pdl_wait_then_release();
   __shared__ float red[kRowThreads / 32];
   word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / kVec;
@@ -390,36 +400,133 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
   }
 }
 
-// kTrain and kEval rows of N <= 8 * 1024 with 16-byte access, in tall batches: one
-// thread per group of 8 columns keeps that group's coefficients in registers and
-// runs kMultiRows rows one after another (the reg kernel above reloads them for
-// every row: a float4 per element, 128 KB per row of 8192 from L2).
-constexpr int kMultiRows = 4;
-constexpr int kMultiMaxThreads = 1024;
+// Tall batches of rows of N <= 8 * kWalkMaxThreads with 16-byte access (launch_softmax_rows
+// says which): resident CTAs walk the rows blockIdx.x, blockIdx.x + gridDim.x, ...; thread
+// i owns group i (columns 8 i .. 8 i + 7) of every row, so kTrain / kEval keep that
+// group's coefficients in registers over the walk (the reg kernel reloads them per row:
+// a float4 per element, 128 KB per row of 8192 from L2).  Each thread copies its group of
+// the CTA's rows kWalkStages - 1 steps ahead into its own shared-memory slots (cp.async:
+// no registers held while in flight), so the loads of the next rows overlap this row's
+// reductions and stores (one row per CTA at a time left DRAM idle through each row's two
+// reductions: 1024 x 8192 float16 training, 4 rows per CTA, 32 us on an H200,
+// docs/perf.md v46).  Same thread <-> group mapping and reductions as one CTA per row of
+// this width, so the outputs do not depend on the walk.  sm_80+ (cp.async; the 16-bit
+// kernels run from compute capability 8.0).
+constexpr int kWalkMaxThreads = 1024;
+constexpr int kWalkStages = 3;          // slots per thread: this row's group and the next two rows'
+// kTrain and kEval from this many rows (fewer: the reg kernel, its rows spread).  kPlain
+// (no coefficients to hold) stays on the reg kernel: 256 threads a row and 4 groups each
+// measured 0.55-0.85x the walk's time at 512-16384 rows of 4096-8192 (H200, v46).
+constexpr int kWalkMinRows = 512;
+
+// 16-byte chunks per group of 8 elements of S: 1 (16-bit), 2 (float).
+template <typename S>
+constexpr int kGroupChunks = static_cast<int>(kVec * sizeof(word_t<S>) / 16);
+
+// The walk's dynamic shared memory: kWalkStages slots of one group per thread.
+template <typename S>
+size_t walk_smem_bytes(int threads) {
+  return static_cast<size_t>(kWalkStages) * threads * kGroupChunks<S> * 16;
+}
+
+// A group's coefficients {mean, invstd, w, b} held in registers over the walk: float S
+// as four floats; 16-bit S with w and b (S values, exact in S) as their two patterns in
+// one word, 24 registers for the group instead of 32 (the 1024-thread CTA has 64 a thread).
+template <typename S, bool kPacked = sizeof(word_t<S>) == 2>
+struct HeldCoeff {
+  float4 c[kVec];
+  __device__ __forceinline__ void set(const float4 (&in)[kVec]) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) c[e] = in[e];
+  }
+  __device__ __forceinline__ float4 get(int e) const { return c[e]; }
+};
+template <typename S>
+struct HeldCoeff<S, true> {
+  float2 mean_invstd[kVec];
+  uint32_t weight_bias[kVec];
+  __device__ __forceinline__ void set(const float4 (&in)[kVec]) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      mean_invstd[e] = make_float2(in[e].x, in[e].y);
+      weight_bias[e] = pack2(to_bits<S>(in[e].z), to_bits<S>(in[e].w));
+    }
+  }
+  __device__ __forceinline__ float4 get(int e) const {
+    uint32_t wb = weight_bias[e];
+    asm volatile("" : "+r"(wb));  // unpacked at each use: hoisted out of the walk, the floats would take the registers back
+    return make_float4(mean_invstd[e].x, mean_invstd[e].y, Bits<S>::to_float(static_cast<uint16_t>(wb)),
+                       Bits<S>::to_float(static_cast<uint16_t>(wb >> 16)));
+  }
+};
 
 template <typename T, typename S, RowMode kMode>
-__global__ void __launch_bounds__(kMultiMaxThreads) bn16_softmax_rows_multi_kernel(const RowArgs p, int M) {
+__global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel(const RowArgs p, int M) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  pdl_wait_then_release();
   using St = Storage<S>;
-  __shared__ float red[kMultiMaxThreads / 32];
+  using W = word_t<S>;
+  constexpr int kChunks = kGroupChunks<S>;
+  extern __shared__ uint4 walk_slots[];  // [stage][thread][chunk]
+  __shared__ float red[kWalkMaxThreads / 32];
   const int i = threadIdx.x;  // this thread's group: columns 8 i .. 8 i + 7
   const bool active = i < p.N / kVec;
-  float4 c[kVec];
-  if (active) load_coeff<S, kVec, kMode>(p, i, c);
-  const int row_end = min(M, (static_cast<int>(blockIdx.x) + 1) * kMultiRows);
-  for (int r = blockIdx.x * kMultiRows; r < row_end; ++r) {  // uniform over the CTA
-    word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(r) * p.N;
+  W* const out = static_cast<W*>(p.out) + i * kVec;
+  const int slot = i * kChunks;  // this thread's chunk index in stage 0
+  const int stage_stride = static_cast<int>(blockDim.x) * kChunks;
+  HeldCoeff<S> held;
+  if constexpr (kMode != RowMode::kPlain) {
+    if (active) {
+      float4 c[kVec];
+      load_coeff<S, kVec, kMode>(p, i, c);
+      held.set(c);
+    }
+  }
+  const int step = static_cast<int>(gridDim.x);
+  const size_t row_step = static_cast<size_t>(step) * p.N;  // elements from one of this CTA's rows to its next
+  // One commit group per step (empty past the last row), so the wait below counts steps.
+  const W* ahead = out + static_cast<size_t>(blockIdx.x) * p.N;  // the next row to copy
+  int ahead_row = blockIdx.x, ahead_stage = 0;
+  auto copy_ahead = [&]() {
+    if (active && ahead_row < M) {
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k)
+        cp_async<16>(walk_slots + ahead_stage * stage_stride + slot + k, reinterpret_cast<const uint4*>(ahead) + k,
+                     true);
+    }
+    cp_async_commit();
+    ahead += row_step;
+    ahead_row += step;
+    ahead_stage = ahead_stage == kWalkStages - 1 ? 0 : ahead_stage + 1;
+  };
+#pragma unroll
+  for (int s = 0; s < kWalkStages - 1; ++s) copy_ahead();
+  W* row = out + static_cast<size_t>(blockIdx.x) * p.N;
+  for (int r = blockIdx.x, stage = 0; r < M; r += step, row += row_step) {
+    copy_ahead();
+    cp_async_wait<kWalkStages - 1>();  // this thread's copy of row r has landed (its own slot: no barrier)
     float v[kVec];
     float thread_max = -INFINITY;
     if (active) {
-      float s[kVec];  // the scale, reloaded per row (L1): 2-4 bytes per element, not 16
-      load_group<S>(static_cast<const word_t<S>*>(p.scale) + i * kVec, s);
-      load_group<S>(row + i * kVec, v);
+      const uint4* q = walk_slots + stage * stage_stride + slot;
+      if constexpr (kChunks == 1) {
+        load_group<S>(reinterpret_cast<const W*>(q), v);
+      } else {
+        const uint4 a = q[0], b = q[1];
+        const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        v[e] = St::round(round16<T>(bn_affine(v[e], c[e])) * s[e]);  // load_logits' value
-        thread_max = fmaxf(thread_max, v[e]);
+        for (int e = 0; e < kVec; ++e) v[e] = __uint_as_float(w[e]);
       }
+      if constexpr (kMode != RowMode::kPlain) {
+        float s[kVec];  // the scale, reloaded per row (L1): 2-4 bytes per element, not 16
+        load_group<S>(static_cast<const W*>(p.scale) + i * kVec, s);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[e] = St::round(round16<T>(bn_affine(v[e], held.get(e))) * s[e]);  // load_logits'
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) thread_max = fmaxf(thread_max, v[e]);
     }
+    stage = stage == kWalkStages - 1 ? 0 : stage + 1;
     const float row_max = block_reduce<true>(thread_max, red);
     float thread_sum = 0.f;
     if (active) {
@@ -433,20 +540,48 @@ __global__ void __launch_bounds__(kMultiMaxThreads) bn16_softmax_rows_multi_kern
     if (active) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[e] = v[e] / row_sum;
-      store_group<S>(row + i * kVec, v);
+      store_group<S>(row, v);
     }
   }
+  cp_async_wait<0>();
+#elif defined(__CUDA_ARCH__)
+  __trap();  // never launched below compute capability 8.0 (the binding refuses it first)
+#endif
+}
+
+// The walk's launch: as many CTAs as are resident at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor
+// with its shared memory, asked once per device, instantiation and block size), at most one per row.
+template <typename T, typename S, RowMode kMode>
+cudaError_t launch_walk(const RowArgs& p, int M, int threads, cudaStream_t stream) {
+  static int resident[kMaxCachedDevices][kWalkMaxThreads / 32 + 1] = {};
+  auto kernel = bn16_softmax_rows_walk_kernel<T, S, kMode>;
+  const size_t smem = walk_smem_bytes<S>(threads);
+  DeviceFacts facts;
+  cudaError_t err = current_device_facts(&facts);
+  if (err != cudaSuccess) return err;
+  int device = 0;
+  err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  int per_sm = device < kMaxCachedDevices ? resident[device][threads / 32] : 0;
+  if (per_sm == 0) {  // first launch of this block size on this device: its shared memory allowed, then counted
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(walk_smem_bytes<S>(kWalkMaxThreads)));
+    if (err != cudaSuccess) return err;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+    if (err != cudaSuccess) return err;
+    per_sm = max(per_sm, 1);
+    if (device < kMaxCachedDevices) resident[device][threads / 32] = per_sm;
+  }
+  const int grid = static_cast<int>(min(static_cast<int64_t>(M), static_cast<int64_t>(per_sm) * facts.num_sms));
+  return launch_kernel(kernel, grid, threads, smem, stream, p, M);
 }
 
 template <typename T, typename S, int kG, RowMode kMode>
 cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
   const int num_groups = p.N / kG;
   if constexpr (kG == kVec && kMode != RowMode::kPlain) {
-    if (num_groups <= kMultiMaxThreads && M >= 128 * kMultiRows) {
-      const int threads = max(32, (num_groups + 31) / 32 * 32);
-      bn16_softmax_rows_multi_kernel<T, S, kMode><<<(M + kMultiRows - 1) / kMultiRows, threads, 0, stream>>>(p, M);
-      return cudaGetLastError();
-    }
+    if (num_groups <= kWalkMaxThreads && M >= kWalkMinRows)
+      return launch_walk<T, S, kMode>(p, M, max(32, (num_groups + 31) / 32 * 32), stream);
   }
   if constexpr (kG == kVec) {
     if (num_groups <= kRegGroups * kRowThreads) {
@@ -458,8 +593,7 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
       const int per_thread = M < kSpreadRows ? 1 : kRegGroups;
       const int threads =
           min(kRowThreads, max(32, ((num_groups + per_thread - 1) / per_thread + 31) / 32 * 32));
-      bn16_softmax_rows_reg_kernel<T, S, kMode><<<M, threads, 0, stream>>>(p);
-      return cudaGetLastError();
+      return launch_kernel(bn16_softmax_rows_reg_kernel<T, S, kMode>, M, threads, 0, stream, p);
     }
   }
   const int threads = min(kRowThreads, max(32, (num_groups + 31) / 32 * 32));
@@ -475,11 +609,9 @@ cudaError_t launch_softmax_rows(const RowArgs& p, int M, cudaStream_t stream) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cache_bytes));
       if (err != cudaSuccess) return err;
     }
-    kernel<<<M, threads, cache_bytes, stream>>>(p);
-  } else {
-    bn16_softmax_rows_kernel<T, S, kG, kMode, false><<<M, threads, 0, stream>>>(p);
+    return launch_kernel(kernel, M, threads, cache_bytes, stream, p);
   }
-  return cudaGetLastError();
+  return launch_kernel(bn16_softmax_rows_kernel<T, S, kG, kMode, false>, M, threads, 0, stream, p);
 }
 
 inline bool aligned16(const void* q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0; }
@@ -515,11 +647,9 @@ cudaError_t apply_for_storage(word_t<S>* out, const float* coeff, int M, int N, 
     rows_per_block /= 2;
   const dim3 grid(col_blocks, (M + rows_per_block - 1) / rows_per_block);
   if (vec) {
-    bn16_apply_kernel<S, kVec><<<grid, kApplyThreads, 0, stream>>>(out, coeff, M, N, rows_per_block);
-  } else {
-    bn16_apply_kernel<S, 1><<<grid, kApplyThreads, 0, stream>>>(out, coeff, M, N, rows_per_block);
+    return launch_kernel(bn16_apply_kernel<S, kVec>, grid, kApplyThreads, 0, stream, out, coeff, M, N, rows_per_block);
   }
-  return cudaGetLastError();
+  return launch_kernel(bn16_apply_kernel<S, 1>, grid, kApplyThreads, 0, stream, out, coeff, M, N, rows_per_block);
 }
 
 }  // namespace bn
@@ -554,12 +684,10 @@ cudaError_t fused_gemm_bn::lowp_bn_fold_train(const LowpBatchNormArgs& bn, const
                    coeff};
   const int blocks = (N + kFoldThreads - 1) / kFoldThreads;
   if (bn.float32_io) {  // float32 parameters and running statistics
-    bn16_fold_train_kernel<float><<<blocks, kFoldThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_kernel(bn16_fold_train_kernel<float>, blocks, kFoldThreads, 0, stream, p);
   }
   return dispatch_dtype(bn.dtype, [&](auto t) {
-    bn16_fold_train_kernel<typename decltype(t)::type><<<blocks, kFoldThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_kernel(bn16_fold_train_kernel<typename decltype(t)::type>, blocks, kFoldThreads, 0, stream, p);
   });
 }
 

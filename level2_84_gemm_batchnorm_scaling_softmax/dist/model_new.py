@@ -215,12 +215,18 @@ inline int num_sms(const torch::Tensor& x) {
 // kept apart so that neither kernel's code changes.
 //
 // Result: every thread gets the reduction over all threads, a tree in T (float
-// or double: a butterfly within each warp, then the warps' values in warp order),
-// the same order on every call.  fmaxf / fmax ignore NaN; a NaN in a sum propagates.
+// or double: a butterfly within each warp, then a butterfly over the warps'
+// values, each warp reducing them all), the same order on every call and the same
+// bits in every thread (each pairing is a commutative a op b).  fmaxf / fmax ignore
+// NaN; a NaN in a sum propagates.  The second butterfly replaced a loop over the
+// warps' values in warp order (31 dependent shared-memory loads and adds at 1024
+// threads: the 16-bit row softmax's walk kernel spent ~40% of each row there,
+// docs/perf.md v46).
 
 #pragma once
 
 #include <cuda_runtime.h>
+#include <math.h>
 
 namespace fused_gemm_bn {
 
@@ -230,18 +236,25 @@ __device__ __forceinline__ double reduce_max(double a, double b) { return fmax(a
 // Max (kMax) or sum over the CTA, returned to every thread.  `red` (shared)
 // holds one value per warp: blockDim.x / 32 values of T.
 template <bool kMax, class T>
-__device__ __forceinline__ T block_reduce(T v, T* red) {
+__device__ __forceinline__ T warp_butterfly(T v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
     const T other = __shfl_xor_sync(0xffffffffu, v, offset);
     v = kMax ? reduce_max(v, other) : v + other;
   }
-  __syncthreads();  // red is reused by consecutive reductions
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = red[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) v = kMax ? reduce_max(v, red[w]) : v + red[w];
   return v;
+}
+
+template <bool kMax, class T>
+__device__ __forceinline__ T block_reduce(T v, T* red) {
+  v = warp_butterfly<kMax>(v);
+  __syncthreads();  // red is reused by consecutive reductions
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (lane == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  // The identity past the last warp: -inf for max, +0 for a sum (x + 0 == x).
+  const T identity = kMax ? static_cast<T>(-INFINITY) : static_cast<T>(0);
+  return warp_butterfly<kMax>(lane < static_cast<int>(blockDim.x / 32) ? red[lane] : identity);
 }
 
 }  // namespace fused_gemm_bn

@@ -407,16 +407,18 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
 // a float4 per element, 128 KB per row of 8192 from L2).  Each thread copies its group of
 // the CTA's rows kWalkStages - 1 steps ahead into its own shared-memory slots (cp.async:
 // no registers held while in flight), so the loads of the next rows overlap this row's
-// reductions and stores (one row per CTA at a time left DRAM idle through each row's two
-// reductions: 1024 x 8192 float16 training, 4 rows per CTA, 32 us on an H200,
-// docs/perf.md v46).  Same thread <-> group mapping and reductions as one CTA per row of
-// this width, so the outputs do not depend on the walk.  sm_80+ (cp.async; the 16-bit
-// kernels run from compute capability 8.0).
+// reductions and stores.  Against the 4-rows-per-CTA kernel it replaced (1024 x 8192
+// float16 training, H200, docs/perf.md v46): the walk alone 0.885x its time, with
+// block_reduce's butterfly over the warps 0.70x (a row's two reductions over 32 warps
+// are its critical path).  Same thread <-> group mapping and reductions as one CTA per
+// row of this width, so the outputs do not depend on the walk.  sm_80+ (cp.async; the
+// 16-bit kernels run from compute capability 8.0).
 constexpr int kWalkMaxThreads = 1024;
 constexpr int kWalkStages = 3;          // slots per thread: this row's group and the next two rows'
 // kTrain and kEval from this many rows (fewer: the reg kernel, its rows spread).  kPlain
 // (no coefficients to hold) stays on the reg kernel: 256 threads a row and 4 groups each
-// measured 0.55-0.85x the walk's time at 512-16384 rows of 4096-8192 (H200, v46).
+// measured 0.55-0.87x the walk's time at 512-16384 rows of 4096-8192 (H200, v46, both with
+// the warp-order reduction; not measured since the butterfly).
 constexpr int kWalkMinRows = 512;
 
 // 16-byte chunks per group of 8 elements of S: 1 (16-bit), 2 (float).

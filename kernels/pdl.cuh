@@ -1,7 +1,8 @@
 // pdl.cuh -- programmatic dependent launch (PDL) for the kernels around the
 // fp16x3 GEMM: the pre-passes, the BatchNorm and softmax kernels and the
-// backward's row and column kernels, each launched right after the previous
-// kernel on the same stream.
+// backward's row and column kernels, and for those after the 16-bit GEMM
+// (lowp/bn_16bit.cu: fold, apply, row softmax), each launched right after the
+// previous kernel on the same stream.
 //
 // Without PDL a kernel's CTAs are launched only once the previous kernel has
 // finished; the launch and the CTAs' start then sit between the two (0.9-2.3 us

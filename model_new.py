@@ -1388,7 +1388,7 @@ def _backward_softmax_rows(ctx, grad):
 
 
 def _setup_forward_train_saved(ctx, inputs, output):
-    """Saves what _TrainFn saves (16-bit x: what model_new_lowp's GradFn saves);
+    """Saves what _TrainFn saves (16-bit x: what model_new_lowp's forward_grad node saves);
     z, stats and the buffer copies are not differentiable."""
     x, weight, _, scale, bn_weight, bn_bias = inputs[:6]
     eps, scale_after_bn = inputs[10], inputs[11]

@@ -51,7 +51,7 @@ def autocast_dtype(x):
 def fused_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None):
     """"lowp_sm90" when the fused kernels run this autocast call, else None
     (Model's ops run it): no gradients needed, or training (bn.training) with
-    gradients (model_new_lowp.GradFn has the fused backward; eval with gradients takes
+    gradients (model_new_lowp.forward_autocast_grad has the fused backward; eval with gradients takes
     Model's ops, whose autograd covers it), a CUDA batch of at least one row, the autocast dtype
     float16 or bfloat16, x float32 or 16-bit (cast as autocast casts it), every parameter
     and running statistic float32 (the module Model's autocast is made for),
@@ -118,14 +118,13 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
     made and cached when a later call finds the weight unchanged (a loop of
     calls in training mode without an optimizer step); in eval the cast is made
     and cached at once.  Model casts the weight once per autocast region.  Training with
-    gradients: model_new_lowp.GradFn, whose backward needs the cast, takes it from the
-    cache."""
+    gradients: model_new_lowp.forward_autocast_grad, whose backward needs the cast,
+    takes it from the cache."""
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     if grad:
         params = (x, gemm.weight, gemm.bias, engine.per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
-        return engine.lowp.GradFn.apply(engine.lowp.kernels(), "lowp_sm90", scale_after_bn, True, buffers, momentum,
-                                        float(bn.eps), dtype, *params)
+        return engine.lowp.forward_autocast_grad(params, buffers, momentum, float(bn.eps), scale_after_bn, dtype)
     weight = engine.weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}",
                                 make="reused" if bn.training else True)
     params = (x.to(dtype), gemm.weight if weight is None else weight, gemm.bias,

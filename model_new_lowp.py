@@ -15,9 +15,10 @@ Routes (route(); README support matrix):
                Hopper where hopper_gemm says lowp_sm90 is slower, and eval with
                gradients on every GPU (forward_eval_saved keeps z)
   lowp_sm80    sm_80-89: lowp/sm80_gemm_bn_16bit.cu (mma.sync)
-With gradients: GradFn (forward_train_saved / forward_eval_saved, then
-lowp/bn_16bit_backward.cu and two cuBLAS products, backward()); under
-torch.compile the fused_gemm_bn:: operators of those names.
+With gradients: the extension's forward_grad, one call that makes its autograd
+node in C++ (forward_train_saved / forward_eval_saved, then lowp/bn_16bit_backward.cu
+and two cuBLAS products); under torch.compile the fused_gemm_bn:: operators of
+those names, with backward() below.
 
 Entry points (model_new.py calls them): bind(engine), available(), kernels(),
 route(call, facts, switches), forward(...), and for the custom operators
@@ -31,7 +32,7 @@ SUBDIR = "lowp"
 BINDING = "binding_16bit.cpp"
 PREFIX = "fused_gemm_bn_lowp_"
 FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "bn_backward_train", "forward_eval_saved",
-             "bn_backward_eval"]
+             "bn_backward_eval", "forward_grad"]
 
 # ---------------------------------------------------------------------------
 # Build: kernels/lowp/ next to the float32 sources, compiled on first use
@@ -142,55 +143,46 @@ def route(call, facts, switches):
 
 
 def forward(plan, params, buffers, momentum, eps, scale_after_bn, grad):
-    """A 16-bit module's eager forward on the plan's route: with gradients
-    GradFn, else the extension's forward_train / forward_eval (one call)."""
+    """A 16-bit module's eager forward on the plan's route, one extension call:
+    with gradients forward_grad (in eval on lowp_cublas, dispatch's choice there: the
+    one route that keeps z), else forward_train / forward_eval."""
     ext = kernels()
     if grad:
-        return GradFn.apply(ext, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, None, *params)
+        return ext.forward_grad(plan.gemm, plan.training, *params, *buffers, momentum, eps, scale_after_bn, None)
     return engine.forward_call(ext, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, params)
 
 
-_MM_OUT_DTYPE = None  # whether torch.mm takes out_dtype (torch >= 2.8); decided on first use
-
-
-def _mm_16bit(a, b, out_dtype):
-    """a @ b of 16-bit operands (cuBLAS, float32 accumulation) as out_dtype: the
-    16-bit product itself, or for float32 (a float32 module's gradients under
-    autocast) torch.mm's out_dtype=float32 where this torch has it (the float32
-    accumulator written once, no 16-bit rounding and no cast pass), else the
-    16-bit product cast."""
-    global _MM_OUT_DTYPE
-    if out_dtype == a.dtype:
-        return torch.mm(a, b)
-    if _MM_OUT_DTYPE is None:
-        try:
-            torch.mm(a[:1, :1], b[:1, :1], out_dtype=torch.float32)
-            _MM_OUT_DTYPE = True
-        except (TypeError, RuntimeError):
-            _MM_OUT_DTYPE = False
-    if _MM_OUT_DTYPE and out_dtype == torch.float32:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a, b).to(out_dtype)
+def forward_autocast_grad(params, buffers, momentum, eps, scale_after_bn, dtype):
+    """A float32 module's training forward with gradients under autocast in `dtype`
+    (lowp_sm90; model_new_autocast calls it): forward_grad with gemm.weight's cast
+    from the weight cache (kind cast_<dtype>, shared with the calls without
+    gradients; made here, detached, where the cache holds none); x is cast in the
+    extension.  The gradients come back in the parameters' and x's dtypes."""
+    weight = params[1]
+    cast = engine.weight_parts(weight, split=lambda w: w.detach().to(dtype), kind=f"cast_{dtype}")
+    cast = weight.detach().to(dtype) if cast is None else cast
+    return kernels().forward_grad("lowp_sm90", True, *params, *buffers, momentum, eps, scale_after_bn, cast)
 
 
 def backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs, dtypes):
-    """Gradients of the 16-bit forward with gradients (forward_train_saved or
-    forward_eval_saved: the 16-bit module's, or in training a float32 module's
-    under autocast) with respect to (x, gemm.weight, gemm.bias, scale,
-    bn.weight, bn.bias), from its saved tensors: x16, w16 the GEMM's operands
+    """Gradients of the 16-bit operators forward_train_saved and forward_eval_saved
+    (a 16-bit module under torch.compile, torch.export, torch.jit.trace or
+    SWITCHES.eager_ops) with respect to (x, gemm.weight, gemm.bias, scale,
+    bn.weight, bn.bias), from the saved tensors: x16, w16 the GEMM's operands
     (in the 16-bit dtype T), z (M, N) T the Linear output, coeff (4, N) the
     forward's {mean, invstd, bn.weight, bn.bias} (the batch's in training, the
     running statistics' in eval: `training` says which), out (problem 84) the
-    softmax output; dtypes: the six inputs' dtypes, which their gradients are
-    returned in (grad_x and grad_W made in theirs, the others cast from float32):
+    softmax output; dtypes: the six inputs' dtypes (T), which their gradients
+    are returned in.  The steps of the eager node's backward (backward_grads in
+    kernels/lowp/binding_16bit.cpp), each one a recordable operator:
       problem 84: g = torch's softmax backward of (grad_out, out) (one kernel,
         float32 accumulation, in out's dtype, as Model's)
       grad_z (T), grad_scale, grad_bn_weight, grad_bn_bias (float32) = bn_backward(g, z,
-        coeff, scale, scale_after_bn): the 16-bit extension's bn_backward_train or
+        coeff, scale, scale_after_bn): the operator bn_backward_train or
         bn_backward_eval (kernels/lowp/bn_16bit_backward.cu: float64 sums, grad_z
-        rounded once), called directly (GradFn) or through the operator of that name
+        rounded once)
       grad_x = grad_z w16, grad_W = grad_z^T x16: one T product each (cuBLAS's,
-        float32 accumulation, as Model's backward; _mm_16bit)
+        float32 accumulation, as Model's backward)
       grad_bias: training 0 exactly (BatchNorm subtracts the batch mean, which
         holds the bias); eval sum_m grad_z (float32 sums of the T values, as
         Model's Linear backward sums its T gradient)."""
@@ -205,56 +197,10 @@ def backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, scale, z
     if need_b and not training:
         acc = torch.float32 if engine.is_16bit_dtype(grad_z.dtype) else grad_z.dtype  # as Model's 16-bit column sum
         grad_b = grad_z.sum(dim=0, dtype=acc).to(dtypes[2])
-    grad_x = _mm_16bit(grad_z, w16, dtypes[0]) if need_x else None
-    grad_w = _mm_16bit(grad_z.t(), x16, dtypes[1]) if need_w else None
+    grad_x = torch.mm(grad_z, w16).to(dtypes[0]) if need_x else None
+    grad_w = torch.mm(grad_z.t(), x16).to(dtypes[1]) if need_w else None
     return (grad_x, grad_w, grad_b, grad_s.to(dtypes[3]) if need_s else None,
             grad_g.to(dtypes[4]) if need_g else None, grad_beta.to(dtypes[5]) if need_beta else None)
-
-
-class GradFn(torch.autograd.Function):
-    """The 16-bit forward with gradients, eager (the plan's 16-bit route `gemm`
-    in training; in eval lowp_cublas, dispatch's choice there: the one route
-    that keeps z), and a float32 module's training forward under autocast
-    (lowp_sm90).  training: one
-    forward_train_saved call of the 16-bit extension (forward_train's output and
-    running-statistics update, plus z and the batch coefficients); eval: one
-    forward_eval_saved call (forward_eval's output, plus z and the running
-    statistics' coefficients as the forward used them, so a later change of the
-    running statistics does not reach this backward).  Backward: _lowp_backward
-    with bn_backward_train or bn_backward_eval.  cast_dtype: None for a 16-bit
-    module (x and gemm.weight are the GEMM's operands), else the autocast dtype:
-    x is cast per call (autocast's cast) and gemm.weight's cast comes from the
-    weight cache (_weight_parts, kind cast_<dtype>), while the vectors stay
-    float32 (the binding's autocast form).  Saved: the two GEMM operands (the
-    caller's tensors for a 16-bit module), scale, z (M, N) in the 16-bit dtype,
-    coeff (4, N), and for problem 84 out."""
-
-    @staticmethod
-    def forward(ctx, kernels, gemm, scale_after_bn, training, buffers, momentum, eps, cast_dtype, x, weight, bias,
-                scale, bn_weight, bn_bias):
-        x16, w16 = x, weight
-        if cast_dtype is not None:
-            x16 = x.to(cast_dtype)
-            w16 = engine.weight_parts(weight, split=lambda w: w.to(cast_dtype), kind=f"cast_{cast_dtype}")
-            w16 = weight.to(cast_dtype) if w16 is None else w16
-        vectors = (bias, scale, bn_weight, bn_bias)
-        if training:
-            out, z, coeff = kernels.forward_train_saved(gemm, x16, w16, *vectors, *buffers, momentum, eps,
-                                                        scale_after_bn)
-        else:
-            out, z, coeff = kernels.forward_eval_saved(gemm, x16, w16, *vectors, *buffers[:2], eps, scale_after_bn)
-        ctx.scale_after_bn, ctx.training = scale_after_bn, training
-        ctx.bn_backward = kernels.bn_backward_train if training else kernels.bn_backward_eval
-        ctx.dtypes = tuple(t.dtype for t in (x, weight, bias, scale, bn_weight, bn_bias))
-        ctx.save_for_backward(x16, w16, scale, z, coeff, out if scale_after_bn else None)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        grads = backward(ctx.bn_backward, ctx.training, ctx.scale_after_bn, grad_out, *ctx.saved_tensors,
-                               ctx.needs_input_grad[8:], ctx.dtypes)
-        return (None,) * 8 + tuple(grads)
 
 
 # ---------------------------------------------------------------------------
@@ -311,7 +257,7 @@ def _fake_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
 
 
 def _setup_forward_eval_saved(ctx, inputs, output):
-    """Saves what GradFn saves in eval; z and coeff are not differentiable."""
+    """Saves what forward_grad's node saves in eval; z and coeff are not differentiable."""
     x, weight, _, scale = inputs[:4]
     out, z, coeff = output
     ctx.mark_non_differentiable(z, coeff)
@@ -348,7 +294,7 @@ def fake_bn_backward(z):
 
 
 def setup_forward_train_saved(ctx, inputs, output):
-    """fused_gemm_bn::forward_train_saved's setup_context for 16-bit x: saves what GradFn saves."""
+    """fused_gemm_bn::forward_train_saved's setup_context for 16-bit x: saves what forward_grad's node saves."""
     x, weight, _, scale, bn_weight = inputs[:5]
     out, z, coeff = output[:3]
     ctx.dtypes = tuple(t.dtype for t in inputs[:6])

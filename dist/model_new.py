@@ -114,6 +114,21 @@ inline torch::Tensor feature_vector(const torch::Tensor& scale) {
   return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
 }
 
+// Whether the scale is one number viewed as N (stride 0: a scale of shape (1,), as
+// per_feature_scale passes it).
+inline bool scale_of_one_number(const torch::Tensor& scale) {
+  return scale.dim() == 1 && scale.size(0) > 1 && scale.stride(0) == 0;
+}
+
+// The scale as the kernel will read it, and the stride it reads it with: 0 for one number
+// viewed as N where the kernel reads one number (one_number_ok: it reads scale[j * stride]),
+// else 1 (feature_vector's N words, copied here if they are not contiguous).
+inline int scale_for_kernel(torch::Tensor& scale, bool one_number_ok) {
+  if (one_number_ok && scale_of_one_number(scale)) return 0;
+  scale = feature_vector(scale);
+  return 1;
+}
+
 // nn.BatchNorm1d's training precondition (more than one row) and the counter's form.
 inline void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
   TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",
@@ -2240,6 +2255,8 @@ struct LowpBatchNormArgs {
   float momentum;                // training only; < 0: momentum=None (1 / num_batches_tracked)
   float eps;
   bool scale_after_bn;           // false: problem 33 (scale, then BatchNorm); true: 84 (then softmax)
+  int scale_stride = 1;          // words from one feature's scale to the next: 1, or 0 for one number
+                                 // read at every feature (a scale of shape (1,); scale_for_kernel)
 };
 
 int lowp_gemm_block_m();
@@ -6121,7 +6138,7 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
 }
 
-// broadcast_ok: a stride-0 view of one number passes too (scale_of_one_number below).
+// broadcast_ok: a stride-0 view of one number passes too (scale_of_one_number, binding_checks.cuh).
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x,
                   bool broadcast_ok = false) {
   TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
@@ -6130,20 +6147,8 @@ void check_vector(const torch::Tensor& t, const char* name, int64_t n, const tor
   TORCH_CHECK(t.is_contiguous() || (broadcast_ok && t.stride(0) == 0), name, " must be contiguous");
 }
 
-// Whether the scale is one number viewed as N (stride 0: problem 84's scale of shape (1,), as
-// per_feature_scale passes it).  small_m_fp64 reads that number at every feature (scale stride
-// 0), so its calls copy nothing; the other kernels take N floats (feature_vector copies).
-bool scale_of_one_number(const torch::Tensor& scale) {
-  return scale.dim() == 1 && scale.size(0) > 1 && scale.stride(0) == 0;
-}
-
-// The scale as the kernel will read it, and the stride it reads it with: 0 for one number
-// viewed as N where the kernel reads one number (one_number_ok), else 1 (feature_vector's N floats).
-int scale_for_kernel(torch::Tensor& scale, bool one_number_ok) {
-  if (one_number_ok && scale_of_one_number(scale)) return 0;
-  scale = feature_vector(scale);
-  return 1;
-}
+// scale_for_kernel (binding_checks.cuh): small_m_fp64 and bn_backward_train read a one-number
+// scale in place (stride 0); the other float32 kernels take N floats (feature_vector copies).
 
 // Checks x and weight and returns (M, N, K).  x may have any strides: the
 // pre-pass reads it in place (the caller's tensor is never written).
@@ -8316,7 +8321,7 @@ def _backward_softmax_rows(ctx, grad):
 
 
 def _setup_forward_train_saved(ctx, inputs, output):
-    """Saves what _TrainFn saves (16-bit x: what model_new_lowp's GradFn saves);
+    """Saves what _TrainFn saves (16-bit x: what model_new_lowp's forward_grad node saves);
     z, stats and the buffer copies are not differentiable."""
     x, weight, _, scale, bn_weight, bn_bias = inputs[:6]
     eps, scale_after_bn = inputs[10], inputs[11]

@@ -22,6 +22,21 @@ inline torch::Tensor feature_vector(const torch::Tensor& scale) {
   return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
 }
 
+// Whether the scale is one number viewed as N (stride 0: a scale of shape (1,), as
+// per_feature_scale passes it).
+inline bool scale_of_one_number(const torch::Tensor& scale) {
+  return scale.dim() == 1 && scale.size(0) > 1 && scale.stride(0) == 0;
+}
+
+// The scale as the kernel will read it, and the stride it reads it with: 0 for one number
+// viewed as N where the kernel reads one number (one_number_ok: it reads scale[j * stride]),
+// else 1 (feature_vector's N words, copied here if they are not contiguous).
+inline int scale_for_kernel(torch::Tensor& scale, bool one_number_ok) {
+  if (one_number_ok && scale_of_one_number(scale)) return 0;
+  scale = feature_vector(scale);
+  return 1;
+}
+
 // nn.BatchNorm1d's training precondition (more than one row) and the counter's form.
 inline void check_training(const torch::Tensor& x, int M, int N, const torch::Tensor& num_batches_tracked) {
   TORCH_CHECK(M > 1, "Expected more than 1 value per channel when training, got input size ",

@@ -230,6 +230,8 @@ struct LowpBatchNormArgs {
   float momentum;                // training only; < 0: momentum=None (1 / num_batches_tracked)
   float eps;
   bool scale_after_bn;           // false: problem 33 (scale, then BatchNorm); true: 84 (then softmax)
+  int scale_stride = 1;          // words from one feature's scale to the next: 1, or 0 for one number
+                                 // read at every feature (a scale of shape (1,); scale_for_kernel)
 };
 
 int lowp_gemm_block_m();

@@ -111,7 +111,7 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "fused_gemm_bn: launch of ", what, " failed: ", cudaGetErrorString(err));
 }
 
-// broadcast_ok: a stride-0 view of one number passes too (scale_of_one_number below).
+// broadcast_ok: a stride-0 view of one number passes too (scale_of_one_number, binding_checks.cuh).
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x,
                   bool broadcast_ok = false) {
   TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
@@ -120,20 +120,8 @@ void check_vector(const torch::Tensor& t, const char* name, int64_t n, const tor
   TORCH_CHECK(t.is_contiguous() || (broadcast_ok && t.stride(0) == 0), name, " must be contiguous");
 }
 
-// Whether the scale is one number viewed as N (stride 0: problem 84's scale of shape (1,), as
-// per_feature_scale passes it).  small_m_fp64 reads that number at every feature (scale stride
-// 0), so its calls copy nothing; the other kernels take N floats (feature_vector copies).
-bool scale_of_one_number(const torch::Tensor& scale) {
-  return scale.dim() == 1 && scale.size(0) > 1 && scale.stride(0) == 0;
-}
-
-// The scale as the kernel will read it, and the stride it reads it with: 0 for one number
-// viewed as N where the kernel reads one number (one_number_ok), else 1 (feature_vector's N floats).
-int scale_for_kernel(torch::Tensor& scale, bool one_number_ok) {
-  if (one_number_ok && scale_of_one_number(scale)) return 0;
-  scale = feature_vector(scale);
-  return 1;
-}
+// scale_for_kernel (binding_checks.cuh): small_m_fp64 and bn_backward_train read a one-number
+// scale in place (stride 0); the other float32 kernels take N floats (feature_vector copies).
 
 // Checks x and weight and returns (M, N, K).  x may have any strides: the
 // pre-pass reads it in place (the caller's tensor is never written).

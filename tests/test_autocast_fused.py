@@ -23,7 +23,7 @@ GPU (all need an sm_90 GPU; names contain "gpu")
   - test_gpu_autocast_fused_every_output_element_written: the output block is
     poisoned (NaN) through the caching allocator; every element finite after.
   - test_gpu_autocast_fused_training_step [dtype, problem, shape]: a training
-    call with gradients (model_new_lowp.GradFn: the fused forward, then the fused
+    call with gradients (model_new_lowp.forward_autocast_grad: the fused forward, then the fused
     backward) against Model under the same autocast: output as above, buffers
     updated once, output error against float64 at most 1.05x Model's, and every
     gradient (x and the five parameters, all float32 as Model's) within

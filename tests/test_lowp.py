@@ -54,7 +54,7 @@ lowp_kernel: lowp_sm90 on Hopper, any K, and lowp_sm80)
     within 1e-2 of eager's), both kernels and dtypes.
   Eval with gradients (`model.bn.eval()` while fine-tuning; lowp_cublas):
   - test_gpu_lowp_eval_grad_fused: as test_gpu_lowp_grad_enabled in eval, on
-    model_new_lowp.GradFn (forward_eval_saved, bn_backward_eval): output as Model's,
+    the extension's forward_grad (forward_eval_saved, bn_backward_eval): output as Model's,
     buffers untouched, gradients within 2x Model's error against float64 (+ the floor).
   - test_gpu_lowp_compile_fullgraph_eval_with_grad: steps with BatchNorm frozen
     (`model.bn.eval()`, the rest training) under torch.compile(fullgraph=True):
@@ -72,6 +72,14 @@ lowp_kernel: lowp_sm90 on Hopper, any K, and lowp_sm80)
     (forward_train_saved, bn_backward_train, forward_eval_saved, bn_backward_eval).
   - test_gpu_lowp_momentum_none, test_gpu_lowp_input_layouts (strided,
     transposed and misaligned x: copied or the element-wise path; x unchanged).
+  - test_gpu_lowp_one_number_scale_read_in_place: a (1,) scale (read in place,
+    stride 0) and the same value per feature give the same bits, every route.
+  - test_gpu_lowp_node_matches_operators: the eager forward with gradients
+    (forward_grad, its autograd node and backward in C++) and the operators'
+    registered autograd (SWITCHES.eager_ops: model_new_lowp.backward) give the
+    same output, buffers and gradients, bit for bit.
+  - test_gpu_lowp_double_backward_raises: create_graph=True through the 16-bit
+    node raises RuntimeError (no second derivative), nothing silently dropped.
 
 CPU (CI)
   - test_cpu_bundle_rejects_16bit_cuda_clearly: the bundle (no kernels/lowp/)
@@ -418,6 +426,108 @@ def test_gpu_lowp_eval_grad_fused(dtype_name, problem, shape, full_precision_red
     for name, b in new.named_buffers():
         assert torch.equal(b, before[name]), name
     assert_grads_within(grads_new, grads_ref, grads64, dtype, dtype, False, where)
+
+
+@requires_compile_ops
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_gpu_lowp_node_matches_operators(dtype_name, problem, mode, lowp_kernel, monkeypatch):
+    """The two implementations of the 16-bit backward, the eager node's (C++,
+    binding_16bit.cpp's backward_grads) and the operators' (model_new_lowp.backward,
+    which torch.compile records), run the same kernels and products in the same
+    order: the same output, running statistics and gradients, bit for bit."""
+    dtype = DTYPES[dtype_name]
+    m, k, n = 257, 300, 1000
+    _, new = lowp_pair(problem, k, n, dtype, seed=11)
+    new.train(mode == "train")
+    twin = copy.deepcopy(new)
+    x = lowp_input(1, m, k, dtype, seed=11)
+    g = torch.randn(m, n, generator=torch.Generator().manual_seed(79)).to("cuda", dtype)
+    with torch.no_grad():
+        assert new.kernel_path(x).startswith("lowp_" + lowp_kernel)
+    out_node, grads_node = forward_backward(new, x, g)
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(eager_ops=True))
+    out_ops, grads_ops = forward_backward(twin, x, g)
+    where = f"{dtype_name} {problem} {mode} on lowp_{lowp_kernel}"
+    assert torch.equal(out_node, out_ops), where
+    for name, got in grads_node.items():
+        want = grads_ops[name]
+        assert (got is None) == (want is None), f"{where}: grad {name}"
+        assert got is None or (got.dtype == want.dtype and torch.equal(got, want)), f"{where}: grad {name}"
+    for (name, b_node), b_ops in zip(new.named_buffers(), twin.buffers()):
+        assert torch.equal(b_node, b_ops), f"{where}: {name}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_gpu_lowp_double_backward_raises(mode):
+    """The 16-bit node has no second derivative: create_graph=True raises a
+    RuntimeError naming it, where a gradient penalty would otherwise lose its
+    term silently."""
+    _, new = lowp_pair("84", 64, 40, torch.float16)
+    new.train(mode == "train")
+    x = lowp_input(1, 32, 64, torch.float16).requires_grad_(True)
+    out = new(x)
+    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+        torch.autograd.grad(out.float().square().sum(), x, create_graph=True)
+
+
+# Shapes of the one-number scale test: 1024 rows take the walking row softmax (problem 84) and, on
+# lowp_cublas in training, bn_16bit_strip.cu; 130 rows the reg softmax and the chain kernels.
+ONE_SCALE_SHAPES = [(1024, 256, 520), (130, 1024, 264)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("how", ["16bit", "autocast"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("shape", ONE_SCALE_SHAPES, ids=shape_id)
+def test_gpu_lowp_one_number_scale_read_in_place(shape, problem, mode, how, grad, lowp_kernel):
+    """A one-number scale, shape (1,), which the 16-bit kernels read in place
+    (LowpBatchNormArgs.scale_stride 0), gives bit for bit the output, running
+    statistics and gradients of the same value given per feature, shape (N,)
+    (stride 1); the scale's own gradient is the sum of the per-feature one's.
+    Every 16-bit route, 16-bit modules and a float32 module under autocast,
+    forward with and without gradients.  Autocast takes the fused kernels on
+    lowp_sm90 alone, and not in eval with gradients (Model's ops run those)."""
+    if how == "autocast" and (lowp_kernel != "sm90" or (grad and mode == "eval")):
+        pytest.skip("autocast runs the 16-bit kernels on lowp_sm90, without gradients or in training")
+    dtype = torch.float16 if how == "autocast" else torch.bfloat16
+    m, k, n = shape
+    _, one = make_pair(problem, k, n, scale_shape=(1,), dtype=torch.float32, seed=9)
+    per_feature = copy.deepcopy(one)
+    per_feature.scale = torch.nn.Parameter(one.scale.detach().expand(n).clone())
+    module_dtype = torch.float32 if how == "autocast" else dtype
+    one, per_feature = (mod.to("cuda", module_dtype).train(mode == "train") for mod in (one, per_feature))
+    x = lowp_input(1, m, k, module_dtype, seed=9)
+    gen = torch.Generator().manual_seed(78)
+    g = torch.randn(m, n, generator=gen).to("cuda", module_dtype)
+    results = []
+    for mod in (one, per_feature):
+        with torch.autocast("cuda", dtype=dtype, enabled=how == "autocast"), torch.set_grad_enabled(grad):
+            path = mod.kernel_path(x)
+            if grad:
+                out, grads = forward_backward(mod, x, g)
+            else:
+                with torch.no_grad():
+                    out, grads = mod(x), {}
+        results.append((path, out, grads, [b.clone() for b in mod.buffers()]))
+    (path_1, out_1, grads_1, buffers_1), (path_n, out_n, grads_n, buffers_n) = results
+    where = f"{problem} {mode} {how} {shape} grad={grad} ({path_1})"
+    assert path_1 == path_n and "lowp" in path_1, (path_1, path_n)
+    if not (grad and mode == "eval") and how == "16bit":  # eval with gradients: lowp_cublas on every route
+        assert path_1.startswith("lowp_" + lowp_kernel), where
+    assert torch.equal(out_1, out_n), where
+    for b1, bn in zip(buffers_1, buffers_n):
+        assert torch.equal(b1, bn), where
+    for name, got in grads_1.items():
+        want = grads_n[name]
+        if name == "scale":
+            torch.testing.assert_close(got, want.sum().reshape(1), rtol=1e-6, atol=1e-6, msg=where)
+        else:
+            assert got is not None and torch.equal(got, want), f"{where}: grad {name}"
 
 
 @requires_cuda

@@ -179,7 +179,7 @@ def test_cpu_autocast_fused_decision(problem):
             assert decide(_FakeCudaInput(M, K, x_dtype), dtype) == "lowp_sm90"
     x = _FakeCudaInput(M, K, torch.float32)
     assert decide(x, facts=AMPERE) is None
-    assert decide(x, grad=True) == "lowp_sm90"  # training: the fused step (model_new_lowp.GradFn)
+    assert decide(x, grad=True) == "lowp_sm90"  # training: the fused step (model_new_lowp.forward_autocast_grad)
     new.eval()
     assert decide(x, grad=True) is None
     assert decide(x) == "lowp_sm90"

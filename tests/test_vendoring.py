@@ -20,6 +20,10 @@ sys.modules) over a copy of the repository's files in tmp_path:
   - test_gpu_vendored_16bit_and_autocast: through a vendored copy, float16 and
     bfloat16 modules run the 16-bit kernels and match Model; under autocast the
     fused 16-bit path runs (lowp_sm90_autocast_*) and matches Model under autocast.
+  - test_gpu_two_differing_copies_16bit: the repository's core and a copy whose
+    16-bit kernel sources differ (two 16-bit extensions in one process) both run
+    problem 84's training softmax at 8192 features (the walking row kernel, whose
+    shared memory needs cudaFuncSetAttribute per extension): the same output.
 """
 import json
 import os
@@ -271,3 +275,35 @@ def test_gpu_vendored_16bit_and_autocast(tmp_path):
     for name, (err_new, err_eager) in got["errors"].items():
         print(f"[{name}] err ModelNew {err_new:.3e}, Model {err_eager:.3e}")
         assert err_new <= 1.05 * err_eager + 1e-6, (name, err_new, err_eager)
+
+
+@requires_cuda
+def test_gpu_two_differing_copies_16bit(tmp_path):
+    """Two 16-bit extensions in one process: each sets up its own kernels.  A
+    launch cache shared between the copies (a function-local static merged across
+    libraries) once let the second copy skip its kernel's shared-memory opt-in,
+    and its first walking row softmax failed with "invalid argument"."""
+    other = vendor(str(tmp_path / "other"), package="otherpkg")
+    with open(os.path.join(other, "kernels", "lowp", "bn_16bit.cu"), "a") as f:
+        f.write("\n// a copy whose 16-bit sources differ: its own 16-bit extension\n")
+    got = run_case(f'''
+        import model_new as root
+        from level2_84_gemm_batchnorm_scaling_softmax import model_new as root84
+        sys.path.insert(0, {str(tmp_path / "other")!r})
+        import otherpkg.model_new as other
+        from otherpkg.level2_84_gemm_batchnorm_scaling_softmax import model_new as other84
+        m, k, n = 512, 64, 8192
+        x = torch.rand(m, k, device="cuda").half()
+        outs, names = [], []
+        for core, problem in ((root, root84), (other, other84)):
+            torch.manual_seed(0)
+            new = problem.ModelNew(k, n).cuda().half()
+            with torch.no_grad():
+                outs.append(new(x))
+            names.append(core.extra("model_new_lowp").kernels().__name__)
+        torch.cuda.synchronize()
+        RESULT["distinct_extensions"] = names[0] != names[1]
+        RESULT["equal"] = bool(torch.equal(outs[0], outs[1]))
+        RESULT["finite"] = bool(torch.isfinite(outs[1]).all())
+    ''', cwd=REPO, path=[REPO])
+    assert got == {"distinct_extensions": True, "equal": True, "finite": True}, got

@@ -1,5 +1,5 @@
 """16-bit eval with gradients (`model.bn.eval()` while fine-tuning a 16-bit
-model), side by side in one run: eager Model and ModelNew (model_new_lowp.GradFn:
+model), side by side in one run: eager Model and ModelNew (the 16-bit extension's forward_grad:
 forward_eval_saved on lowp_cublas, bn_backward_eval, two cuBLAS products).
 Forward + backward (model(x).backward(g)) in eval after bench.py's settling
 steps, CUDA-event medians of bench.time_fn (interleaved, L2 flushed, GPU time

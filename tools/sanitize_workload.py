@@ -7,9 +7,9 @@ bfloat16 runs the 16-bit kernels of kernels/lowp/ instead (the same shapes: K % 
 == 0 takes their 16-byte loads, K % 8 != 0 the element-wise path).  --autocast
 float16 or bfloat16 runs float32 models inside torch.autocast: the same kernels
 in their float32-storage (autocast) form, and with gradients (training) the
-fused 16-bit training step (model_new_lowp.GradFn: forward_train_saved, then
+fused 16-bit training step (the 16-bit extension's forward_grad: forward_train_saved, then
 bn16_backward_kernel and two cuBLAS 16-bit products).  16-bit calls with
-gradients in eval run GradFn too (forward_eval_saved on lowp_cublas,
+gradients in eval run forward_grad too (forward_eval_saved on lowp_cublas,
 bn16_chain_eval writing coeff, bn16_backward_kernel's eval form).
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python tools/sanitize_workload.py

@@ -54,14 +54,25 @@
 //       {running_mean, rsqrtf(running_var + eps), bn.weight, bn.bias} for bn_backward_eval.
 //   bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn)
 //       -> (grad_z, grad_scale, grad_bn_weight, grad_bn_bias)      (bn_16bit_backward.cu, eval)
-//   The scale may come as a stride-0 (N) view of one number (feature_vector).
+//   forward_grad(gemm, training, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+//                num_batches_tracked, momentum, eps, scale_after_bn, weight_cast) -> out (M, N)
+//       the forward with gradients in one call and one autograd node (GradForward below):
+//       forward_train_saved or forward_eval_saved (lowp_cublas), and a backward of
+//       bn_backward_train / _eval and two cuBLAS products.  weight_cast: None for a 16-bit
+//       module; under autocast (training, float32 module) gemm.weight's cast to the autocast
+//       dtype (model_new's weight cache), x being cast here.
+//   The scale may come as a stride-0 (N) view of one number, which every kernel here reads in place
+//   (scale_stride 0 in LowpBatchNormArgs: no copy per call).
 // momentum < 0 means momentum=None (cumulative average).  rnd: rounding to the
 // 16-bit type; the kernel headers list the rounding points, PyTorch's own.
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+#include <torch/csrc/autograd/custom_function.h>
 
+#include <array>
 #include <string>
 
 #include "binding_checks.cuh"
@@ -69,7 +80,7 @@
 namespace {
 
 namespace fgb = fused_gemm_bn;
-using namespace fgb::binding;  // check_training, current_stream, feature_vector, num_sms
+using namespace fgb::binding;  // check_training, current_stream, scale_for_kernel, num_sms
 
 // The GEMM a call names.
 enum class Gemm { kSm80, kSm90, kCublas };
@@ -145,12 +156,14 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, Gem
           static_cast<int>(weight.size(0)), K, dtype_code(x.scalar_type()), w_float32};
 }
 
-void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x, c10::ScalarType type) {
+// broadcast_ok: a stride-0 view of one number passes too (the scale: scale_for_kernel).
+void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x, c10::ScalarType type,
+                  bool broadcast_ok = false) {
   TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == type, name, " must be ", type,
               " (as gemm.bias: x's dtype, or float32 under autocast), got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == n, name, " must have shape (", n, "), got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.is_contiguous() || (broadcast_ok && t.stride(0) == 0), name, " must be contiguous");
 }
 
 struct BnTensors {
@@ -163,7 +176,7 @@ bool check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, Gemm ge
   const bool float32_io = t.bias.scalar_type() == torch::kFloat32;
   const c10::ScalarType type = float32_io ? torch::kFloat32 : x.scalar_type();
   check_vector(t.bias, "gemm.bias", N, x, type);
-  check_vector(t.scale, "scale", N, x, type);
+  check_vector(t.scale, "scale", N, x, type, true);
   check_vector(t.bn_weight, "bn.weight", N, x, type);
   check_vector(t.bn_bias, "bn.bias", N, x, type);
   check_vector(t.running_mean, "bn.running_mean", N, x, type);
@@ -180,7 +193,7 @@ bool check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, Gemm ge
 // the call.  num_batches_tracked, momentum: training only (eval: null, 0).
 fgb::LowpBatchNormArgs bn_args(int dtype, bool float32_io, const BnTensors& t, int64_t* num_batches_tracked,
                                double momentum, double eps, bool scale_after_bn) {
-  return {dtype,
+  fgb::LowpBatchNormArgs a{dtype,
           float32_io,
           t.bias.data_ptr(),
           t.scale.data_ptr(),
@@ -192,6 +205,8 @@ fgb::LowpBatchNormArgs bn_args(int dtype, bool float32_io, const BnTensors& t, i
           static_cast<float>(momentum),
           static_cast<float>(eps),
           scale_after_bn};
+  a.scale_stride = scale_of_one_number(t.scale) ? 0 : 1;  // (the entry points' scale_for_kernel)
+  return a;
 }
 
 // lowp_cublas's product: z = rnd(x w^T + bias) (M, N) in x's dtype by at::linear, eager
@@ -366,7 +381,7 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backward(
     torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale, bool scale_after_bn,
     bool training) {
-  scale = feature_vector(scale);
+  const int scale_stride = scale_for_kernel(scale, true);  // every 16-bit kernel reads one number in place
   TORCH_CHECK(z.is_cuda() && (z.scalar_type() == torch::kHalf || z.scalar_type() == torch::kBFloat16) &&
                   z.dim() == 2 && z.is_contiguous(),
               "z must be a contiguous 2-D float16 or bfloat16 CUDA tensor, got ", z.scalar_type(), " ", z.sizes());
@@ -381,7 +396,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
               "coeff must be a contiguous (4, ", N, ") float32 tensor on ", z.device());
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 || scale.scalar_type() == z.scalar_type(), "scale must be ",
               z.scalar_type(), " or float32, got ", scale.scalar_type());
-  check_vector(scale, "scale", N, z, scale.scalar_type());
+  check_vector(scale, "scale", N, z, scale.scalar_type(), true);
   const torch::Tensor g = grad_y.contiguous();
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = current_stream(z);
@@ -396,6 +411,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
   bn.dtype = dtype_code(z.scalar_type());
   bn.float32_io = scale.scalar_type() == torch::kFloat32;
   bn.scale = scale.data_ptr();
+  bn.scale_stride = scale_stride;
   bn.scale_after_bn = scale_after_bn;
   check_launch(fgb::lowp_bn_backward(bn, g.scalar_type() == torch::kFloat32, training, g.data_ptr(), z.data_ptr(),
                                      coeff.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N),
@@ -405,6 +421,126 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
   return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
 }
 
+// ---------------------------------------------------------------------------
+// The forward with gradients: one autograd node (torch::autograd::Function)
+// ---------------------------------------------------------------------------
+// Eager calls with gradients come here in one extension call: the node is made in
+// C++, so the first kernel launches ~20 us sooner than through a Python
+// torch.autograd.Function (docs/perf.md v47).  torch.compile, torch.export and
+// torch.jit.trace record the fused_gemm_bn:: operators instead, whose backward is
+// model_new_lowp.backward(): the same steps as backward_grads below, through the
+// operators (tests/test_lowp.py checks the two give the same bits).
+
+// a @ b of 16-bit operands (cuBLAS, float32 accumulation) as out_dtype: the 16-bit
+// product itself; for float32 (a float32 module's gradients under autocast)
+// aten::mm.dtype (torch >= 2.8: the float32 accumulator written once), else the
+// 16-bit product cast.
+torch::Tensor mm_16bit(const torch::Tensor& a, const torch::Tensor& b, c10::ScalarType out_dtype) {
+  if (out_dtype == a.scalar_type()) return at::mm(a, b);
+  if (out_dtype == torch::kFloat32) {
+    static const c10::optional<c10::OperatorHandle> mm_dtype =
+        c10::Dispatcher::singleton().findSchema({"aten::mm", "dtype"});
+    if (mm_dtype.has_value())
+      return mm_dtype->typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::ScalarType)>().call(
+          a, b, torch::kFloat32);
+  }
+  return at::mm(a, b).to(out_dtype);
+}
+
+// The gradients with respect to (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
+// (undefined where `needs` is false), from what the forward kept: x16, w16 the GEMM's
+// 16-bit operands, z (M, N) the Linear output, coeff (4, N), out (problem 84's softmax
+// output; undefined for 33):
+//   problem 84: dy = softmax backward of (grad_out, out) (torch's kernel, as Model's)
+//   grad_z (z's dtype), grad_scale, grad_bn_weight, grad_bn_bias (float32) = bn_backward(dy, ...)
+//   grad_x = grad_z w16 and grad_W = grad_z^T x16 (mm_16bit, in x's and the weight's dtype)
+//   grad_bias: training exactly 0 (BatchNorm subtracts the batch mean, which holds the
+//   bias); eval sum_m grad_z (float32 sums, as Model's Linear backward).
+// The vectors' gradients are returned in vector_dtype (the parameters': 16-bit, or
+// float32 under autocast).
+std::array<torch::Tensor, 6> backward_grads(bool training, bool scale_after_bn, const torch::Tensor& grad_out,
+                                            const torch::Tensor& x16, const torch::Tensor& w16,
+                                            const torch::Tensor& scale, const torch::Tensor& z,
+                                            const torch::Tensor& coeff, const torch::Tensor& out,
+                                            const std::array<bool, 6>& needs, c10::ScalarType x_dtype,
+                                            c10::ScalarType weight_dtype, c10::ScalarType vector_dtype) {
+  std::array<torch::Tensor, 6> grads;
+  if (needs[2] && training) grads[2] = torch::zeros({z.size(1)}, coeff.options().dtype(vector_dtype));
+  if (!(needs[0] || needs[1] || needs[3] || needs[4] || needs[5] || (needs[2] && !training))) return grads;
+  torch::Tensor dy = grad_out.contiguous();
+  if (scale_after_bn) dy = at::_softmax_backward_data(dy, out, 1, out.scalar_type());
+  torch::Tensor grad_z, grad_scale, grad_bn_weight, grad_bn_bias;
+  std::tie(grad_z, grad_scale, grad_bn_weight, grad_bn_bias) = bn_backward(dy, z, coeff, scale, scale_after_bn,
+                                                                           training);
+  if (needs[2] && !training) grads[2] = grad_z.sum({0}, false, torch::kFloat32).to(vector_dtype);
+  if (needs[0]) grads[0] = mm_16bit(grad_z, w16, x_dtype);
+  if (needs[1]) grads[1] = mm_16bit(grad_z.t(), x16, weight_dtype);
+  if (needs[3]) grads[3] = grad_scale.to(vector_dtype);
+  if (needs[4]) grads[4] = grad_bn_weight.to(vector_dtype);
+  if (needs[5]) grads[5] = grad_bn_bias.to(vector_dtype);
+  return grads;
+}
+
+// forward(ctx, gemm, training, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+// running_var, num_batches_tracked, momentum, eps, scale_after_bn, weight_cast): the
+// forward_train_saved / forward_eval_saved call (the running statistics updated in
+// training, as forward_train); saved: x16, w16, scale, z, coeff and (84) out.  The
+// buffers and weight_cast never require gradients (their gradients are undefined).
+// backward: backward_grads, in the inputs' dtypes; with create_graph=True it raises
+// (the kernels are not differentiable again, as a once_differentiable Function).
+struct GradForward : public torch::autograd::Function<GradForward> {
+  static constexpr int kNumArgs = 15;  // forward's arguments after ctx
+  static constexpr int kFirstInput = 2;  // x's position among them (x, weight, bias, scale, bn_weight, bn_bias)
+
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const std::string& gemm, bool training,
+                               const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                               const torch::Tensor& scale, const torch::Tensor& bn_weight,
+                               const torch::Tensor& bn_bias, const torch::Tensor& running_mean,
+                               const torch::Tensor& running_var, const torch::Tensor& num_batches_tracked,
+                               double momentum, double eps, bool scale_after_bn,
+                               const c10::optional<torch::Tensor>& weight_cast) {
+    const bool autocast = weight_cast.has_value() && weight_cast->defined();
+    const torch::Tensor x16 = autocast ? x.to(weight_cast->scalar_type()) : x;
+    const torch::Tensor w16 = autocast ? *weight_cast : weight;
+    torch::Tensor scale_k = scale;
+    scale_for_kernel(scale_k, true);  // every 16-bit kernel reads one number in place (stride 0)
+    const BnTensors t{bias, scale_k, bn_weight, bn_bias, running_mean, running_var};
+    torch::Tensor out, z, coeff;
+    if (training) {
+      torch::Tensor counter = num_batches_tracked;
+      TrainResult r = train(parse_gemm(gemm), x16, w16, t, counter, momentum, eps, scale_after_bn, true);
+      out = r.out, z = r.z, coeff = r.coeff;
+    } else {
+      EvalResult r = eval(parse_gemm(gemm), x16, w16, t, eps, scale_after_bn, true);
+      out = r.out, z = r.z, coeff = r.coeff;
+    }
+    ctx->saved_data["training"] = training;
+    ctx->saved_data["scale_after_bn"] = scale_after_bn;
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["vector_dtype"] = static_cast<int64_t>(bias.scalar_type());
+    ctx->save_for_backward({x16, w16, scale_k, z, coeff, scale_after_bn ? out : torch::Tensor()});
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), "ModelNew's 16-bit backward cannot be differentiated again "
+                "(create_graph=True, double backward): its kernels have no derivative of their own");
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    std::array<bool, 6> needs;
+    for (size_t i = 0; i < needs.size(); ++i) needs[i] = ctx->needs_input_grad(i);  // x .. bn_bias: edges 0-5
+    auto dtype = [ctx](const char* key) { return static_cast<c10::ScalarType>(ctx->saved_data[key].toInt()); };
+    const std::array<torch::Tensor, 6> grads =
+        backward_grads(ctx->saved_data["training"].toBool(), ctx->saved_data["scale_after_bn"].toBool(),
+                       grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], needs,
+                       dtype("x_dtype"), dtype("weight_dtype"), dtype("vector_dtype"));
+    torch::autograd::variable_list result(kNumArgs);
+    for (size_t i = 0; i < grads.size(); ++i) result[kFirstInput + i] = grads[i];
+    return result;
+  }
+};
+
 }  // namespace
 
 // Linear -> scale -> BatchNorm1d (problem 33) or Linear -> BatchNorm1d -> scale
@@ -413,7 +549,7 @@ torch::Tensor forward_train(const std::string& gemm, torch::Tensor x, torch::Ten
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn) {
-  scale = feature_vector(scale);
+  scale_for_kernel(scale, true);  // every 16-bit kernel reads one number in place (stride 0)
   return train(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
                num_batches_tracked, momentum, eps, scale_after_bn)
       .out;
@@ -424,7 +560,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_train_saved(
     const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
     torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean, torch::Tensor running_var,
     torch::Tensor num_batches_tracked, double momentum, double eps, bool scale_after_bn) {
-  scale = feature_vector(scale);
+  scale_for_kernel(scale, true);  // every 16-bit kernel reads one number in place (stride 0)
   TrainResult r = train(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
                         num_batches_tracked, momentum, eps, scale_after_bn, true);
   return {r.out, r.z, r.coeff};
@@ -450,7 +586,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
 torch::Tensor forward_eval(const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn) {
-  scale = feature_vector(scale);
+  scale_for_kernel(scale, true);  // every 16-bit kernel reads one number in place (stride 0)
   return eval(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
               scale_after_bn)
       .out;
@@ -461,8 +597,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_eval_saved(
     const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
     torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean, torch::Tensor running_var, double eps,
     bool scale_after_bn) {
-  scale = feature_vector(scale);
+  scale_for_kernel(scale, true);  // every 16-bit kernel reads one number in place (stride 0)
   EvalResult r = eval(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
                       scale_after_bn, true);
   return {r.out, r.z, r.coeff};
+}
+
+// The forward with gradients (eager): out (M, N), whose grad_fn is GradForward's node.
+// Training: any route; eval: lowp_cublas (forward_eval_saved's).  weight_cast: see
+// GradForward (None for a 16-bit module).
+torch::Tensor forward_grad(const std::string& gemm, bool training, torch::Tensor x, torch::Tensor weight,
+                           torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
+                           torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
+                           double momentum, double eps, bool scale_after_bn, c10::optional<torch::Tensor> weight_cast) {
+  return GradForward::apply(gemm, training, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+                            num_batches_tracked, momentum, eps, scale_after_bn, weight_cast);
 }

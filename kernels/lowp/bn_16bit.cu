@@ -219,7 +219,24 @@ struct RowArgs {
   const void* running_var;
   float eps;               // kEval
   int N;
+  int scale_stride;        // 1, or 0: one number for every feature
 };
+
+// The scale of the kG features from feature i * kG on (kTrain, kEval): one 16-byte group,
+// or with scale_stride 0 the one number at every feature.
+template <typename S, int kG>
+__device__ __forceinline__ void load_scale(const RowArgs& p, int i, float (&s)[kG]) {
+  const word_t<S>* scale = static_cast<const word_t<S>*>(p.scale);
+  if (p.scale_stride == 0) {
+    const float s0 = Storage<S>::load(scale);
+#pragma unroll
+    for (int e = 0; e < kG; ++e) s[e] = s0;
+  } else if constexpr (kG == kVec) {
+    load_group<S>(scale + i * kVec, s);
+  } else {
+    s[0] = Storage<S>::load(scale + i);
+  }
+}
 
 // The BatchNorm coefficients {mean, invstd, w, b} of the kG features from feature
 // i * kG on: kTrain's from coeff; kEval's from the running statistics, invstd =
@@ -264,13 +281,8 @@ __device__ __forceinline__ void load_logits(const RowArgs& p, const word_t<S>* r
     v[0] = St::load(row + i);
   }
   if constexpr (kMode != RowMode::kPlain) {
-    const word_t<S>* scale = static_cast<const word_t<S>*>(p.scale);
     float s[kG];
-    if constexpr (kG == kVec) {
-      load_group<S>(scale + i * kVec, s);
-    } else {
-      s[0] = St::load(scale + i);
-    }
+    load_scale<S, kG>(p, i, s);
     float4 c[kG];
     load_coeff<S, kG, kMode>(p, i, c);
 #pragma unroll
@@ -521,7 +533,7 @@ __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel
       }
       if constexpr (kMode != RowMode::kPlain) {
         float s[kVec];  // the scale, reloaded per row (L1): 2-4 bytes per element, not 16
-        load_group<S>(static_cast<const W*>(p.scale) + i * kVec, s);
+        load_scale<S, kVec>(p, i, s);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) v[e] = St::round(round16<T>(bn_affine(v[e], held.get(e))) * s[e]);  // load_logits'
       }
@@ -553,8 +565,13 @@ __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel
 
 // The walk's launch: as many CTAs as are resident at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor
 // with its shared memory, asked once per device, instantiation and block size), at most one per row.
+// `static`: the cache is this extension's own.  A function-local static of a function with external
+// linkage is emitted as a GNU unique symbol, which the dynamic loader merges across every library
+// loaded in the process: a second copy of the 16-bit extension (two differing copies of model_new
+// in one process) then found the first one's cache filled, skipped cudaFuncSetAttribute for its own
+// kernel, and its launch failed (invalid argument).  .ci/run fails on any such symbol in kernels/.
 template <typename T, typename S, RowMode kMode>
-cudaError_t launch_walk(const RowArgs& p, int M, int threads, cudaStream_t stream) {
+static cudaError_t launch_walk(const RowArgs& p, int M, int threads, cudaStream_t stream) {
   static int resident[kMaxCachedDevices][kWalkMaxThreads / 32 + 1] = {};
   auto kernel = bn16_softmax_rows_walk_kernel<T, S, kMode>;
   const size_t smem = walk_smem_bytes<S>(threads);
@@ -620,8 +637,9 @@ inline bool aligned16(const void* q) { return q == nullptr || reinterpret_cast<u
 
 template <typename T, typename S, RowMode kMode>
 cudaError_t softmax_rows_for_storage(const RowArgs& p, int M, cudaStream_t stream) {
-  const bool vec = p.N % kVec == 0 && aligned16(p.out) && aligned16(p.scale) && aligned16(p.bn_weight) &&
-                   aligned16(p.bn_bias) && aligned16(p.running_mean) && aligned16(p.running_var);
+  const bool vec = p.N % kVec == 0 && aligned16(p.out) && (p.scale_stride == 0 || aligned16(p.scale)) &&
+                   aligned16(p.bn_weight) && aligned16(p.bn_bias) && aligned16(p.running_mean) &&
+                   aligned16(p.running_var);
   return vec ? launch_softmax_rows<T, S, kVec, kMode>(p, M, stream) : launch_softmax_rows<T, S, 1, kMode>(p, M, stream);
 }
 
@@ -714,9 +732,8 @@ cudaError_t fused_gemm_bn::lowp_softmax_rows(const LowpBatchNormArgs& bn, void* 
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
-  const RowArgs p{out,    coeff, coeff != nullptr ? bn.scale : nullptr,
-                  nullptr, nullptr,                                   nullptr,
-                  nullptr, 0.f,                                       N};
+  const RowArgs p{out,     coeff,   coeff != nullptr ? bn.scale : nullptr, nullptr, nullptr, nullptr, nullptr, 0.f, N,
+                  bn.scale_stride};
   return dispatch_dtype(bn.dtype, [&](auto t) {
     return softmax_rows_for_type<typename decltype(t)::type>(p, bn.float32_io, M, stream);
   });
@@ -732,8 +749,8 @@ cudaError_t fused_gemm_bn::lowp_bn_softmax_rows_eval(const LowpBatchNormArgs& bn
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
   if (bn.float32_io || !bn.scale_after_bn) return cudaErrorInvalidValue;
-  const RowArgs p{out,             nullptr,        bn.scale, bn.bn_weight, bn.bn_bias,
-                  bn.running_mean, bn.running_var, bn.eps,   N};
+  const RowArgs p{out, nullptr, bn.scale, bn.bn_weight, bn.bn_bias, bn.running_mean, bn.running_var, bn.eps, N,
+                  bn.scale_stride};
   return dispatch_dtype(bn.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
     return softmax_rows_for_storage<T, T, RowMode::kEval>(p, M, stream);

@@ -68,6 +68,7 @@ struct Args {
   float* dscale;
   float* dgamma;
   float* dbeta;
+  int scale_stride;  // 1, or 0: one number for every feature
 };
 
 // g as float32, for G = float or a 16-bit type.
@@ -120,7 +121,7 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const A
   const int j = blockIdx.x * kCols + lane;
   const bool valid = j < p.N;
   const float4 c = valid ? coeff_load1(p.coeff, p.N, j) : make_float4(0.f, 0.f, 0.f, 0.f);
-  const float s = valid ? St::load(static_cast<const word_t<S>*>(p.scale) + j) : 0.f;
+  const float s = valid ? St::load(static_cast<const word_t<S>*>(p.scale) + j * p.scale_stride) : 0.f;
   const double mean = c.x, sd = s, a = static_cast<double>(c.z) * c.y;  // a = gamma invstd
   // u and dy of one element (the forward's values, recomputed); dz of one du.
   auto u_of = [&](float z) { return p.scale_after_bn ? z : St::round(z * s); };
@@ -218,7 +219,7 @@ cudaError_t fused_gemm_bn::lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_
   using namespace fused_gemm_bn::lowp::bn_backward;
   if (M == 0 || N == 0) return cudaSuccess;
   const Args p{g, static_cast<const uint16_t*>(z), coeff, bn.scale, bn.scale_after_bn, M, N,
-               static_cast<uint16_t*>(dz), dscale, dgamma, dbeta};
+               static_cast<uint16_t*>(dz), dscale, dgamma, dbeta, bn.scale_stride};
   return dispatch_dtype(bn.dtype, [&](auto t) {
     return launch_for_type<typename decltype(t)::type>(p, bn.float32_io, g_float32, training, stream);
   });

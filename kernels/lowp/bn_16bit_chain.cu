@@ -108,6 +108,7 @@ struct TrainArgs {
   float* part_mean;
   float* part_m2;
   int64_t* num_batches_tracked;
+  int scale_stride;  // 1, or 0: one number for every feature
 };
 
 template <typename T, typename S, int kV>
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(kThreads) bn16_chain_train_kernel(const TrainA
   float scale[kV], sum[kV];
 #pragma unroll
   for (int j = 0; j < kV; ++j) {
-    scale[j] = active ? Storage<S>::load(static_cast<const W*>(p.scale) + f0 + j) : 0.f;
+    scale[j] = active ? Storage<S>::load(static_cast<const W*>(p.scale) + (f0 + j) * p.scale_stride) : 0.f;
     sum[j] = 0.f;
   }
   if (active) {
@@ -207,7 +208,7 @@ __global__ void __launch_bounds__(kThreads) bn16_chain_eval_kernel(const EvalArg
   float scale[kV], w[kV], b[kV], rm[kV], invstd[kV];
 #pragma unroll
   for (int j = 0; j < kV; ++j) {
-    scale[j] = vec(p.bn.scale, j);
+    scale[j] = Storage<S>::load(static_cast<const W*>(p.bn.scale) + (f0 + j) * p.bn.scale_stride);
     w[j] = vec(p.bn.bn_weight, j);
     b[j] = vec(p.bn.bn_bias, j);
     rm[j] = vec(p.bn.running_mean, j);
@@ -272,7 +273,7 @@ cudaError_t fused_gemm_bn::lowp_bn_chain_train(const LowpBatchNormArgs& bn, cons
   using namespace fused_gemm_bn::lowp;
   if (M <= 0 || N <= 0) return cudaSuccess;
   const chain::TrainArgs p{static_cast<const uint16_t*>(z), out, bn.scale, bn.scale_after_bn, M, N, part_mean, part_m2,
-                           bn.num_batches_tracked};
+                           bn.num_batches_tracked, bn.scale_stride};
   return dispatch_dtype(bn.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
     return bn.float32_io ? chain::train_for_storage<T, float>(p, stream) : chain::train_for_storage<T, T>(p, stream);

@@ -65,6 +65,7 @@ struct Args {
   float momentum, eps;
   bool scale_after_bn;
   int M, N;
+  int scale_stride;  // 1, or 0: one number for every feature
 };
 
 // The CTA's sum over the slices of each feature's per-thread value v[j]
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const A
       }
     }
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) scale[j] = St::load(static_cast<const W*>(p.scale) + f0 + j);
+    for (int j = 0; j < kVec; ++j) scale[j] = St::load(static_cast<const W*>(p.scale) + (f0 + j) * p.scale_stride);
   }
   double sum[kVec];
 #pragma unroll
@@ -258,7 +259,8 @@ cudaError_t fused_gemm_bn::lowp_bn_strip_train(const LowpBatchNormArgs& bn, cons
                       bn.eps,
                       bn.scale_after_bn,
                       M,
-                      N};
+                      N,
+                      bn.scale_stride};
   return dispatch_dtype(bn.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
     return bn.float32_io ? strip::launch<T, float>(p, stream) : strip::launch<T, T>(p, stream);

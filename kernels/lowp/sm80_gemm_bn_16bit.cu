@@ -128,6 +128,7 @@ struct GemmArgs {
   int M, N, K;
   const uint16_t* bias;
   const uint16_t* scale;
+  int scale_stride;              // 1, or 0: one number for every feature
   const uint16_t* bn_weight;     // kEval
   const uint16_t* bn_bias;       // kEval
   const uint16_t* running_mean;  // kEval
@@ -311,7 +312,7 @@ __global__ void __launch_bounds__(GemmTraits::kNumThreads, GemmTraits::kMinBlock
     const int col = n0 + threadIdx.x;
     const bool ok = col < N;
     p_bias[threadIdx.x] = ok ? load_float<T>(args.bias + col) : 0.f;
-    p_scale[threadIdx.x] = ok ? load_float<T>(args.scale + col) : 0.f;
+    p_scale[threadIdx.x] = ok ? load_float<T>(args.scale + col * args.scale_stride) : 0.f;
     if constexpr (kMode == Mode::kEval) {
       p_weight[threadIdx.x] = ok ? load_float<T>(args.bn_weight + col) : 0.f;
       p_beta[threadIdx.x] = ok ? load_float<T>(args.bn_bias + col) : 0.f;
@@ -481,6 +482,7 @@ cudaError_t fused_gemm_bn::lowp_gemm_bn(const LowpBatchNormArgs& bn, bool train,
   args.K = K;
   args.bias = static_cast<const uint16_t*>(bn.bias);
   args.scale = static_cast<const uint16_t*>(bn.scale);
+  args.scale_stride = bn.scale_stride;
   args.bn_weight = train ? nullptr : static_cast<const uint16_t*>(bn.bn_weight);
   args.bn_bias = train ? nullptr : static_cast<const uint16_t*>(bn.bn_bias);
   args.running_mean = train ? nullptr : static_cast<const uint16_t*>(bn.running_mean);

@@ -137,6 +137,7 @@ struct Args {
   void* out;
   const void* bias;
   const void* scale;
+  int scale_stride;          // 1, or 0: one number for every feature
   const void* bn_weight;     // kEval
   const void* bn_bias;       // kEval
   const void* running_mean;  // kEval
@@ -288,7 +289,7 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
     const int f = n0 + f_local + 8 * h;
     const bool ok = f < N;
     p_bias[h] = ok ? round16<T>(St::load(vec(args.bias) + f)) : 0.f;  // autocast's cast of the bias to T
-    p_scale[h] = ok ? St::load(vec(args.scale) + f) : 0.f;
+    p_scale[h] = ok ? St::load(vec(args.scale) + f * args.scale_stride) : 0.f;
     if constexpr (kChain == Chain::kEval) {
       p_w[h] = ok ? St::load(vec(args.bn_weight) + f) : 0.f;
       p_b[h] = ok ? St::load(vec(args.bn_bias) + f) : 0.f;
@@ -653,6 +654,7 @@ cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(const LowpBatchNormArgs& bn, bool t
   args.out = out;
   args.bias = bn.bias;
   args.scale = bn.scale;
+  args.scale_stride = bn.scale_stride;
   args.bn_weight = train ? nullptr : bn.bn_weight;  // the other mode's fields stay null / 0
   args.bn_bias = train ? nullptr : bn.bn_bias;
   args.running_mean = train ? nullptr : bn.running_mean;

@@ -423,7 +423,6 @@ class LinearParams(nn.Module):
 
 
 _PLAIN_FIELDS = {}  # (type, names) -> no class of the type defines one of the names
-_MISSING = object()
 
 
 def module_fields(module, names):
@@ -433,23 +432,24 @@ def module_fields(module, names):
     call reads ten).  Reads nn.Module's tables of parameters, buffers and submodules itself
     where that gives the same: no class of the module defines one of the names (torch's
     parametrizations put a property there), and nn.Module keeps each name in one place."""
-    d = module.__dict__
-    plain = _PLAIN_FIELDS.get((type(module), names))
+    key = (type(module), names)
+    plain = _PLAIN_FIELDS.get(key)
     if plain is None:
-        plain = _PLAIN_FIELDS[(type(module), names)] = not any(hasattr(type(module), n) for n in names)
+        plain = _PLAIN_FIELDS[key] = not any(hasattr(key[0], n) for n in names)
+    d = module.__dict__
     parameters, buffers, modules = d.get("_parameters"), d.get("_buffers"), d.get("_modules")
     if not (plain and isinstance(parameters, dict) and isinstance(buffers, dict) and isinstance(modules, dict)):
         return tuple(getattr(module, name) for name in names)
     fields = []
     for name in names:
-        field = parameters.get(name, _MISSING)
-        if field is _MISSING:
-            field = buffers.get(name, _MISSING)
-            if field is _MISSING:
-                field = modules.get(name, _MISSING)
-                if field is _MISSING:
-                    field = getattr(module, name)  # an instance attribute, or nn.Module's AttributeError
-        fields.append(field)
+        if name in parameters:
+            fields.append(parameters[name])
+        elif name in buffers:
+            fields.append(buffers[name])
+        elif name in modules:
+            fields.append(modules[name])
+        else:
+            fields.append(getattr(module, name))  # an instance attribute, or nn.Module's AttributeError
     return tuple(fields)
 
 
@@ -549,14 +549,15 @@ def check_input(x, weight, training, cast=False):
     n, k = weight.shape
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"ModelNew expects a torch.Tensor, got {type(x).__name__}")
-    if x.dim() == 0:  # torch's own message (it names matmul up to torch 2.0, linear after)
+    dim = x.dim()
+    if dim == 0:  # torch's own message (it names matmul up to torch 2.0, linear after)
         torch.ops.aten.linear(x, weight)
         raise RuntimeError("both arguments to linear need to be at least 1D, but they are 0D and 2D")
-    if x.dim() == 3:
+    if dim == 3:
         raise RuntimeError(f"ModelNew takes x of shape (batch, {k}), got {tuple(x.shape)}: on a 3D input "
                            f"BatchNorm1d would normalize over dim 1, which the fused kernels do not compute")
-    if x.dim() != 2:
-        raise ValueError(f"expected 2D or 3D input (got {x.dim()}D input)")
+    if dim != 2:
+        raise ValueError(f"expected 2D or 3D input (got {dim}D input)")
     if x.shape[1] != k:
         raise RuntimeError(
             f"mat1 and mat2 shapes cannot be multiplied ({x.shape[0]}x{x.shape[1]} and {k}x{n}): "
@@ -578,18 +579,21 @@ def check_input(x, weight, training, cast=False):
         )
 
 
-def per_feature_scale(scale, n):
+def per_feature_scale(scale, n, one_number=False):
     """The `scale` parameter as (N,), never a copy: itself when it is (N,); one
     element with at most 2 dims ((), (1,), (1, 1)) as a stride-0 view (the bindings
     materialize it, or read it in place), or (1, N) as an (N,) view; autograd sums
-    its gradient back.
+    its gradient back.  one_number: a scale of shape (1,) comes back as itself, for
+    the 16-bit extension, which reads one number in place and sums its gradient
+    (the view of a scale that requires gradients records an autograd node: 5-10 us
+    of host time per call, docs/perf.md v47).
     Other shapes (per-row scales, 3 or more dims) raise RuntimeError before any
     buffer is touched."""
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"unsupported operand type(s) for *: 'Tensor' and '{type(scale).__name__}'")
     shape = scale.shape
     if len(shape) == 1:  # the common shapes, without a view's host time (~1-2 us)
-        if shape[0] == n:
+        if shape[0] == n or (one_number and shape[0] == 1):
             return scale
         if shape[0] == 1:
             return scale.expand(n)
@@ -608,6 +612,7 @@ _BatchNormCall = collections.namedtuple("_BatchNormCall", "training weight bias 
                                                           "num_batches_tracked momentum eps")
 
 
+_new_tuple = tuple.__new__
 _LINEAR_FIELDS = ("weight", "bias")
 _BATCH_NORM_FIELDS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 
@@ -628,11 +633,13 @@ def module_call(gemm, bn):
         if bn.training:
             raise ValueError("running_mean and running_var must either both be None or neither be None")
         raise RuntimeError(f"{'running_mean' if mean is None else 'running_var'} must be defined in evaluation mode")
-    n, training, momentum = weight.shape[0], bn.training, bn.momentum
+    n, k = weight.shape
+    training, momentum = bn.training, bn.momentum
     if mean is not None and bias is not None and bn_weight is not None and bn_bias is not None and not (
             training and (tracked is None or not bn.track_running_stats)):  # the common case: as they are
-        return (_LinearCall(weight, bias, weight.shape[1], n),
-                _BatchNormCall(training, bn_weight, bn_bias, mean, var, tracked, momentum, bn.eps))
+        # (tuple.__new__: the namedtuples without their Python __new__, ~0.3 us of host time a call)
+        return (_new_tuple(_LinearCall, (weight, bias, k, n)),
+                _new_tuple(_BatchNormCall, (training, bn_weight, bn_bias, mean, var, tracked, momentum, bn.eps)))
     like = next((t for t in (mean, bn_weight, bn_bias, bias) if t is not None), weight)
     filled = functools.partial(torch.full, (n,), dtype=like.dtype, device=like.device)
     tracking = training and bn.track_running_stats
@@ -800,16 +807,18 @@ def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=Non
     """The Plan of a forward: x (M, K), weight (N, K); training: batch statistics;
     grad: gradients needed; scale_after_bn: problem 84.  Runs no kernel."""
     cuda = x.is_cuda  # (x.device costs ~0.5 us a call)
-    call = Call("cuda" if cuda else x.device.type, x.dtype, x.shape[0], weight.shape[0], x.shape[1], training, grad,
-                scale_after_bn)
-    if facts is None and cuda:
-        facts = device_facts(x.get_device())
-    key = (call, facts, SWITCHES if switches is None else switches)
+    switches = SWITCHES if switches is None else switches
+    # The memo's key holds what the Call and the facts are made of (a CUDA device's index stands for its
+    # facts): building the Call and hashing it costs ~1 us of host time a call, made only on a miss.
+    key = (x.get_device() if cuda else x.device.type, x.dtype, x.shape, weight.shape[0], training, grad,
+           scale_after_bn, facts, switches)
     made = _PLANS.get(key)
     if made is None:
+        call = Call("cuda" if cuda else x.device.type, x.dtype, x.shape[0], weight.shape[0], x.shape[1], training,
+                    grad, scale_after_bn)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
-        made = _PLANS[key] = plan(*key)
+        made = _PLANS[key] = plan(call, device_facts(x.get_device()) if facts is None and cuda else facts, switches)
     return made
 
 
@@ -841,15 +850,25 @@ def _kernels(plan_kernels):
 # ---------------------------------------------------------------------------
 
 
-def _checked_params(x, gemm, scale, bn, synchronized=False):
+def _checked_params(x, gemm, scale, bn, synchronized=False, one_number=False):
     """(x, gemm.weight, gemm.bias, scale (N,), bn.weight, bn.bias) after the input checks.  synchronized:
-    statistics merged across processes, so one row is a valid share of the batch (checked after the gather)."""
+    statistics merged across processes, so one row is a valid share of the batch (checked after the gather).
+    one_number: a scale of shape (1,) stays (1,) (per_feature_scale; _per_feature makes it (N,))."""
     check_input(x, gemm.weight, bn.training and not synchronized)
-    return (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features), bn.weight, bn.bias)
+    return (x, gemm.weight, gemm.bias, per_feature_scale(scale, gemm.out_features, one_number), bn.weight, bn.bias)
+
+
+def _per_feature(params, n):
+    """params with a (1,) scale (_checked_params' one_number) viewed as (N,), for the routes that take N."""
+    scale = params[3]
+    return params if scale.shape[0] == n else params[:3] + (scale.expand(n),) + params[4:]
 
 
 def _needs_grad(params):
-    return torch.is_grad_enabled() and any(t.requires_grad for t in params)
+    """Gradients needed: grad mode on and one of the six tensors requires them (unrolled: ~0.4 us less)."""
+    x, weight, bias, scale, bn_weight, bn_bias = params
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad
+                                        or scale.requires_grad or bn_weight.requires_grad or bn_bias.requires_grad)
 
 
 def sync_process_group(bn):
@@ -920,7 +939,9 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn, tracing):
     if autocast_dtype is not None:
         _AUTOCAST.check(x, gemm, scale, bn, group)
         return _AUTOCAST.forward(x, gemm, scale, bn, scale_after_bn, autocast_dtype)
-    params = _checked_params(x, gemm, scale, bn, synchronized=group is not None)
+    # (a scale of shape (1,) stays (1,) until a route needs (N,): the 16-bit extension reads it in place)
+    params = _checked_params(x, gemm, scale, bn, synchronized=group is not None, one_number=True)
+    n = gemm.out_features
     training = bn.training
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     eps = float(bn.eps)
@@ -932,17 +953,19 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn, tracing):
         raise RuntimeError("torch.jit.trace of ModelNew needs the fused_gemm_bn:: custom operators (torch >= 2.4): "
                            "its kernels are extension calls the tracer cannot record; use torch.compile")
     if group is not None:
-        return _SYNC.forward(group, params, buffers, momentum, eps, scale_after_bn)
-    _warn_unsynchronized(bn)
+        return _SYNC.forward(group, _per_feature(params, n), buffers, momentum, eps, scale_after_bn)
+    if _SYNC is None:
+        _warn_unsynchronized(bn)
     if x.shape[0] == 0:  # as BatchNorm1d: empty output, the call counted, running statistics untouched
         if training:
             bn.num_batches_tracked.add_(1)  # (a scratch tensor where BatchNorm1d would not count: module_call)
-        return x.new_empty((0, gemm.out_features))
-    if _use_ops():
-        return _ops_forward(params, buffers, momentum, eps, training, grad, scale_after_bn)
+        return x.new_empty((0, n))
+    if _use_ops(tracing):
+        return _ops_forward(_per_feature(params, n), buffers, momentum, eps, training, grad, scale_after_bn)
     plan = dispatch(x, gemm.weight, training, grad, scale_after_bn)
     if plan.kernels == "lowp":
         return _LOWP.forward(plan, params, buffers, momentum, eps, scale_after_bn, grad)
+    params = _per_feature(params, n)
     kernels = _kernels(plan.kernels)
     if training and grad:
         return _TrainFn.apply(kernels, plan.gemm, scale_after_bn, buffers, momentum, eps, *params)
@@ -1486,8 +1509,9 @@ def _tracing():
     return _is_compiling() or torch.jit.is_tracing()
 
 
-def _use_ops():
-    return _OPS is not None and (SWITCHES.eager_ops or _tracing())
+def _use_ops(tracing=False):
+    """The call goes through the fused_gemm_bn:: operators (tracing: torch.jit.trace records it)."""
+    return _OPS is not None and (tracing or SWITCHES.eager_ops or _is_compiling())
 
 
 # ---------------------------------------------------------------------------
@@ -1682,7 +1706,7 @@ Build:
 Decisions:
   switches()         the current SWITCHES
   device_facts(device), dispatch(x, weight, training, grad, scale_after_bn), dispatch_gemm_nt(a, b)
-  check_input(x, weight, training, cast), per_feature_scale(scale, n): the checks, as in fused_forward
+  check_input(x, weight, training, cast), per_feature_scale(scale, n, one_number): the checks, as in fused_forward
   needs_grad(params), tracing(), is_16bit_dtype(dtype)
 Forward:
   forward_call(kernels, gemm, scale_after_bn, training, buffers, momentum, eps, params)

@@ -473,6 +473,22 @@ def test_gpu_lowp_double_backward_raises(mode):
         torch.autograd.grad(out.float().square().sum(), x, create_graph=True)
 
 
+@requires_cuda
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_gpu_lowp_one_number_scale_reaches_node(mode):
+    """Problem 84's scale of shape (1,) reaches the 16-bit node itself: the node's edge for it is the
+    scale's AccumulateGrad, with no expand view between (a view of a tensor that requires gradients
+    records a node: 5-10 us of host time per call, docs/perf.md v47).  Its gradient keeps shape (1,)."""
+    _, new = lowp_pair("84", 64, 40, torch.float16)
+    new.train(mode == "train")
+    assert new.scale.shape == (1,)
+    out = new(lowp_input(1, 32, 64, torch.float16))
+    leaves = [fn.variable for fn, _ in out.grad_fn.next_functions if fn is not None and hasattr(fn, "variable")]
+    assert any(v is new.scale for v in leaves), out.grad_fn.next_functions
+    out.float().square().sum().backward()
+    assert new.scale.grad.shape == (1,) and torch.isfinite(new.scale.grad).all()
+
+
 # Shapes of the one-number scale test: 1024 rows take the walking row softmax (problem 84) and, on
 # lowp_cublas in training, bn_16bit_strip.cu; 130 rows the reg softmax and the chain kernels.
 ONE_SCALE_SHAPES = [(1024, 256, 520), (130, 1024, 264)]

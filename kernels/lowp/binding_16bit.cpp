@@ -61,11 +61,13 @@
 //       bn_backward_train / _eval and two cuBLAS products.  weight_cast: None for a 16-bit
 //       module; under autocast (training, float32 module) gemm.weight's cast to the autocast
 //       dtype (model_new's weight cache), x being cast here.
-//   The scale may come as a stride-0 (N) view of one number, which every kernel here reads in place
-//   (scale_stride 0 in LowpBatchNormArgs: no copy per call).
+//   The scale may come as one number, of shape (1) or as a stride-0 (N) view, which every kernel here
+//   reads in place (scale_stride 0 in LowpBatchNormArgs: no copy per call); the gradient of a (1) scale
+//   is the features' terms summed (at::sum_to, as autograd's expand backward sums them).
 // momentum < 0 means momentum=None (cumulative average).  rnd: rounding to the
 // 16-bit type; the kernel headers list the rounding points, PyTorch's own.
 
+#include <ATen/ExpandUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -73,6 +75,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <array>
+#include <atomic>
 #include <string>
 
 #include "binding_checks.cuh"
@@ -80,7 +83,7 @@
 namespace {
 
 namespace fgb = fused_gemm_bn;
-using namespace fgb::binding;  // check_training, current_stream, scale_for_kernel, num_sms
+using namespace fgb::binding;  // check_training, current_stream, feature_vector, num_sms
 
 // The GEMM a call names.
 enum class Gemm { kSm80, kSm90, kCublas };
@@ -114,6 +117,23 @@ struct Operands {
   bool w_float32;
 };
 
+// The compute capability of x's device as major * 10 + minor, read from the runtime once per
+// device (two cudaDeviceGetAttribute calls per forward were ~0.7 us of its host time).
+int compute_capability(const torch::Tensor& x) {
+  constexpr int kCachedDevices = 64;
+  static std::array<std::atomic<int>, kCachedDevices> cache{};  // 0: not read yet
+  const int device = x.get_device();
+  int capability = device >= 0 && device < kCachedDevices ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (capability != 0) return capability;
+  int major = 0, minor = 0;
+  TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess,
+              "fused_gemm_bn (16-bit): cannot read the compute capability of ", x.device());
+  capability = major * 10 + minor;
+  if (device >= 0 && device < kCachedDevices) cache[device].store(capability, std::memory_order_relaxed);
+  return capability;
+}
+
 // lowp_sm90: the TMA loads also need 16-byte aligned data (a misaligned x or weight is copied)
 // and K % 8 == 0 (otherwise both are copied with K zero-padded to a multiple of 8).
 // lowp_cublas: contiguous and 16-byte aligned too (copies otherwise), the layout eager's
@@ -134,10 +154,8 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, Gem
               x.size(1), "), got ", weight.sizes());
   TORCH_CHECK(x.size(0) <= INT32_MAX && weight.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX,
               "sizes must fit in int32, got x ", x.sizes(), " and gemm.weight ", weight.sizes());
-  int major = 0, minor = 0;
-  TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()) == cudaSuccess &&
-                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()) == cudaSuccess,
-              "fused_gemm_bn (16-bit): cannot read the compute capability of ", x.device());
+  const int capability = compute_capability(x);
+  const int major = capability / 10, minor = capability % 10;
   TORCH_CHECK(major >= 8, "the 16-bit kernels need compute capability >= 8.0 (mma.sync with bfloat16), got ", major,
               ".", minor, " on ", x.device());
   const int K = static_cast<int>(x.size(1));
@@ -156,13 +174,29 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, Gem
           static_cast<int>(weight.size(0)), K, dtype_code(x.scalar_type()), w_float32};
 }
 
-// broadcast_ok: a stride-0 view of one number passes too (the scale: scale_for_kernel).
+// A scale of one number, which every 16-bit kernel reads in place (scale_stride 0): shape (1,), as
+// model_new passes a one-number scale to this extension (no view, so no autograd node, per call), or
+// a stride-0 (N) view of one number (per_feature_scale's, as the operators pass it).
+bool one_number_scale(const torch::Tensor& scale) {
+  return scale.dim() == 1 && (scale.size(0) == 1 || scale_of_one_number(scale));
+}
+
+// The scale's stride for LowpBatchNormArgs: 0 for one number, else 1 (N words; copied to a
+// contiguous vector here where they are not).
+int scale_in_place(torch::Tensor& scale) {
+  if (one_number_scale(scale)) return 0;
+  scale = feature_vector(scale);
+  return 1;
+}
+
+// broadcast_ok: one number passes too (the scale: one_number_scale).
 void check_vector(const torch::Tensor& t, const char* name, int64_t n, const torch::Tensor& x, c10::ScalarType type,
                   bool broadcast_ok = false) {
   TORCH_CHECK(t.device() == x.device(), name, " must be on ", x.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == type, name, " must be ", type,
               " (as gemm.bias: x's dtype, or float32 under autocast), got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, name, " must have shape (", n, "), got ", t.sizes());
+  TORCH_CHECK(t.dim() == 1 && (t.size(0) == n || (broadcast_ok && t.size(0) == 1)), name, " must have shape (", n,
+              broadcast_ok ? ") or (1)" : ")", ", got ", t.sizes());
   TORCH_CHECK(t.is_contiguous() || (broadcast_ok && t.stride(0) == 0), name, " must be contiguous");
 }
 
@@ -205,7 +239,7 @@ fgb::LowpBatchNormArgs bn_args(int dtype, bool float32_io, const BnTensors& t, i
           static_cast<float>(momentum),
           static_cast<float>(eps),
           scale_after_bn};
-  a.scale_stride = scale_of_one_number(t.scale) ? 0 : 1;  // (the entry points' scale_for_kernel)
+  a.scale_stride = one_number_scale(t.scale) ? 0 : 1;  // (the entry points' scale_in_place)
   return a;
 }
 
@@ -381,7 +415,7 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backward(
     torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale, bool scale_after_bn,
     bool training) {
-  const int scale_stride = scale_for_kernel(scale, true);  // every 16-bit kernel reads one number in place
+  const int scale_stride = scale_in_place(scale);  // every 16-bit kernel reads one number in place
   TORCH_CHECK(z.is_cuda() && (z.scalar_type() == torch::kHalf || z.scalar_type() == torch::kBFloat16) &&
                   z.dim() == 2 && z.is_contiguous(),
               "z must be a contiguous 2-D float16 or bfloat16 CUDA tensor, got ", z.scalar_type(), " ", z.sizes());
@@ -475,7 +509,7 @@ std::array<torch::Tensor, 6> backward_grads(bool training, bool scale_after_bn, 
   if (needs[2] && !training) grads[2] = grad_z.sum({0}, false, torch::kFloat32).to(vector_dtype);
   if (needs[0]) grads[0] = mm_16bit(grad_z, w16, x_dtype);
   if (needs[1]) grads[1] = mm_16bit(grad_z.t(), x16, weight_dtype);
-  if (needs[3]) grads[3] = grad_scale.to(vector_dtype);
+  if (needs[3]) grads[3] = at::sum_to(grad_scale.to(vector_dtype), scale.sizes());  // (1,): expand's backward
   if (needs[4]) grads[4] = grad_bn_weight.to(vector_dtype);
   if (needs[5]) grads[5] = grad_bn_bias.to(vector_dtype);
   return grads;
@@ -503,7 +537,7 @@ struct GradForward : public torch::autograd::Function<GradForward> {
     const torch::Tensor x16 = autocast ? x.to(weight_cast->scalar_type()) : x;
     const torch::Tensor w16 = autocast ? *weight_cast : weight;
     torch::Tensor scale_k = scale;
-    scale_for_kernel(scale_k, true);  // every 16-bit kernel reads one number in place (stride 0)
+    scale_in_place(scale_k);  // every 16-bit kernel reads one number in place (stride 0)
     const BnTensors t{bias, scale_k, bn_weight, bn_bias, running_mean, running_var};
     torch::Tensor out, z, coeff;
     if (training) {
@@ -549,7 +583,7 @@ torch::Tensor forward_train(const std::string& gemm, torch::Tensor x, torch::Ten
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn) {
-  scale_for_kernel(scale, true);  // every 16-bit kernel reads one number in place (stride 0)
+  scale_in_place(scale);  // every 16-bit kernel reads one number in place (stride 0)
   return train(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
                num_batches_tracked, momentum, eps, scale_after_bn)
       .out;
@@ -560,7 +594,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_train_saved(
     const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
     torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean, torch::Tensor running_var,
     torch::Tensor num_batches_tracked, double momentum, double eps, bool scale_after_bn) {
-  scale_for_kernel(scale, true);  // every 16-bit kernel reads one number in place (stride 0)
+  scale_in_place(scale);  // every 16-bit kernel reads one number in place (stride 0)
   TrainResult r = train(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
                         num_batches_tracked, momentum, eps, scale_after_bn, true);
   return {r.out, r.z, r.coeff};
@@ -586,7 +620,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
 torch::Tensor forward_eval(const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn) {
-  scale_for_kernel(scale, true);  // every 16-bit kernel reads one number in place (stride 0)
+  scale_in_place(scale);  // every 16-bit kernel reads one number in place (stride 0)
   return eval(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
               scale_after_bn)
       .out;
@@ -597,7 +631,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_eval_saved(
     const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
     torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean, torch::Tensor running_var, double eps,
     bool scale_after_bn) {
-  scale_for_kernel(scale, true);  // every 16-bit kernel reads one number in place (stride 0)
+  scale_in_place(scale);  // every 16-bit kernel reads one number in place (stride 0)
   EvalResult r = eval(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
                       scale_after_bn, true);
   return {r.out, r.z, r.coeff};

@@ -405,7 +405,11 @@ def assert_grads_within(grads_new, grads_ref, grads64, grad_dtype, compute_dtype
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("shape", GRAD_SHAPES + [KERNELBENCH_SHAPE], ids=shape_id)
-def test_gpu_lowp_eval_grad_fused(dtype_name, problem, shape, full_precision_reductions):
+def test_gpu_lowp_eval_grad_fused(dtype_name, problem, shape, full_precision_reductions, monkeypatch):
+    """16-bit eval with gradients (lowp_cublas, forward_eval_saved's route): output within the 16-bit
+    tolerance of eager's, gradients within eager's error of float64, buffers untouched; and the output
+    bit for bit the no-gradient forward's on the same route (problem 84: one row-softmax pass reading
+    z, kept, against the pass in place over z; problem 33: the chain kernel into out or over z)."""
     dtype = DTYPES[dtype_name]
     m, k, n = shape
     ref, new = lowp_pair(problem, k, n, dtype, seed=5)
@@ -426,6 +430,10 @@ def test_gpu_lowp_eval_grad_fused(dtype_name, problem, shape, full_precision_red
     for name, b in new.named_buffers():
         assert torch.equal(b, before[name]), name
     assert_grads_within(grads_new, grads_ref, grads64, dtype, dtype, False, where)
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(lowp_gemm="cublas"))
+    with torch.no_grad():
+        assert new.kernel_path(x) == "lowp_cublas_eval"
+        assert torch.equal(new(x), out_new), f"{where}: the no-gradient forward's output differs"
 
 
 @requires_compile_ops

@@ -51,7 +51,8 @@
 //       form keeps the chain kernel, its z and out being of two dtypes).
 //   forward_eval_saved(same arguments) -> (out, z, coeff)    (lowp_cublas only)
 //       forward_eval, also keeping z (M, N) in x's dtype and coeff (4, N) float32 (rows) =
-//       {running_mean, rsqrtf(running_var + eps), bn.weight, bn.bias} for bn_backward_eval.
+//       {running_mean, rsqrtf(running_var + eps), bn.weight, bn.bias} for bn_backward_eval;
+//       problem 84 (16-bit vectors): one row-softmax launch reads z and writes out and coeff.
 //   bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn)
 //       -> (grad_z, grad_scale, grad_bn_weight, grad_bn_bias)      (bn_16bit_backward.cu, eval)
 //   forward_grad(gemm, training, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
@@ -383,10 +384,12 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
   const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, nullptr, 0.0, eps, scale_after_bn);
   if (gemm == Gemm::kCublas && M > 0 && N > 0) {
     const torch::Tensor z = cublas_linear(op, t, float32_io);
-    if (scale_after_bn && !float32_io && !saved) {  // 84: BatchNorm, scale and softmax in one pass, in place over z
-      check_launch(fgb::lowp_bn_softmax_rows_eval(bn, z.data_ptr(), M, N, stream),
+    if (scale_after_bn && !float32_io) {  // 84: BatchNorm, scale and softmax in one pass over z
+      r.out = saved ? torch::empty_like(z) : z;  // saved: z kept for the backward, out apart; else in place
+      if (saved) r.z = z;
+      check_launch(fgb::lowp_bn_softmax_rows_eval(bn, z.data_ptr(), r.out.data_ptr(), M, N,
+                                                  saved ? r.coeff.data_ptr<float>() : nullptr, stream),
                    "bn16_softmax_rows_kernel (eval, BatchNorm fused)");
-      r.out = z;
       return r;
     }
     // In place over z unless z is kept or out is float32.

@@ -30,11 +30,14 @@
 // one of three modes (RowMode):
 //   kTrain, with coeff (out = u = z):
 //     v = rnd(rnd(fma(w * (u - mean), invstd, b)) * f(scale))   BatchNorm, then * scale
-//   kEval, after a cuBLAS product (out = z, 16-bit storage only): the same v with
+//   kEval, after a cuBLAS product (16-bit storage only): the same v from z with
 //     coefficients made from the running statistics as they are read,
 //     {mean, invstd} = {f(running_mean), rsqrtf(f(running_var) + eps)}: lowp_chain.cuh's
 //     eval_out rounded to S, bit for bit what bn16_chain_eval would store, without
-//     that kernel's launch and pass over z
+//     that kernel's launch and pass over z.  In place over z (out = z), or, for the
+//     eval forward with gradients, z kept and read (in) and out written apart, the
+//     coefficients used also written to coeff_out (4, N) (lowp_coeff.cuh's rows,
+//     bn16_chain_eval's values) for bn_16bit_backward.cu
 //   kPlain (eval after the GEMMs, whose epilogue already wrote v):  v = out
 //   out = rnd(expf(v - max v) / sum expf(v - max v)): PyTorch's CUDA softmax on
 //   a 16-bit tensor (max and sum in float32, IEEE expf and division, rounded
@@ -211,6 +214,7 @@ enum class RowMode { kPlain, kTrain, kEval };
 
 struct RowArgs {
   void* out;               // S words
+  const void* in;          // S words the row's values are read from: out (in place), or z (kEval, kept)
   const float* coeff;      // kTrain: (4, N) {mean, invstd, w, b} rows (lowp_coeff.cuh)
   const void* scale;       // kTrain, kEval: (N) S words
   const void* bn_weight;   // kEval: (N) S words each
@@ -220,6 +224,7 @@ struct RowArgs {
   float eps;               // kEval
   int N;
   int scale_stride;        // 1, or 0: one number for every feature
+  float* coeff_out;        // kEval: null, or (4, N) float32 for the coefficients used (store_eval_coeff)
 };
 
 // The scale of the kG features from feature i * kG on (kTrain, kEval): one 16-byte group,
@@ -269,6 +274,22 @@ __device__ __forceinline__ void load_coeff(const RowArgs& p, int i, float4 (&c)[
   }
 }
 
+// kEval with coeff_out: the coefficients every row of this launch uses, {running_mean,
+// rsqrtf(running_var + eps), bn.weight, bn.bias} per feature (load_coeff's), written for the
+// backward by the grid's threads, one feature each.  Called by every kernel before its rows.
+template <typename S, RowMode kMode>
+__device__ __forceinline__ void store_eval_coeff(const RowArgs& p) {
+  if constexpr (kMode == RowMode::kEval) {
+    if (p.coeff_out == nullptr) return;
+    const int threads = static_cast<int>(gridDim.x * blockDim.x);
+    for (int j = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); j < p.N; j += threads) {
+      float4 c[1];
+      load_coeff<S, 1, kMode>(p, j, c);
+      coeff_store1(p.coeff_out, p.N, j, c[0]);
+    }
+  }
+}
+
 // The softmax inputs v of the kG elements of group i of `row` (kG = 8 or 1):
 // BatchNorm's output rounded to T (the dtype of BatchNorm's input), times the
 // scale rounded to S.
@@ -299,13 +320,15 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
   extern __shared__ uint4 dynamic_smem[];
   word_t<S>* cache = reinterpret_cast<word_t<S>*>(dynamic_smem);
   __shared__ float red[kRowThreads / 32];
+  store_eval_coeff<S, kMode>(p);
   word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(blockIdx.x) * p.N;
+  const word_t<S>* in_row = static_cast<const word_t<S>*>(p.in) + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / kG;
 
   float thread_max = -INFINITY, thread_sum = 0.f;
   for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
     float v[kG];
-    load_logits<T, S, kG, kMode>(p, row, i, v);
+    load_logits<T, S, kG, kMode>(p, in_row, i, v);
     if constexpr (kCached) {
       if constexpr (kG == kVec) {
         store_group<S>(cache + i * kVec, v);  // exact: v is already an S value
@@ -350,7 +373,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
         v[0] = St::load(cache + i);
       }
     } else {
-      load_logits<T, S, kG, kMode>(p, row, i, v);
+      load_logits<T, S, kG, kMode>(p, in_row, i, v);
     }
 #pragma unroll
     for (int e = 0; e < kG; ++e) v[e] = expf(v[e] - row_max) / row_sum;
@@ -372,14 +395,16 @@ template <typename T, typename S, RowMode kMode>
 __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(const RowArgs p) {
   pdl_wait_then_release();
   __shared__ float red[kRowThreads / 32];
+  store_eval_coeff<S, kMode>(p);
   word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(blockIdx.x) * p.N;
+  const word_t<S>* in_row = static_cast<const word_t<S>*>(p.in) + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / kVec;
   float v[kRegGroups][kVec];
 #pragma unroll
   for (int j = 0; j < kRegGroups; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
     if (i < num_groups) {
-      load_logits<T, S, kVec, kMode>(p, row, i, v[j]);
+      load_logits<T, S, kVec, kMode>(p, in_row, i, v[j]);
     } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[j][e] = -INFINITY;
@@ -485,7 +510,9 @@ __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel
   __shared__ float red[kWalkMaxThreads / 32];
   const int i = threadIdx.x;  // this thread's group: columns 8 i .. 8 i + 7
   const bool active = i < p.N / kVec;
+  store_eval_coeff<S, kMode>(p);
   W* const out = static_cast<W*>(p.out) + i * kVec;
+  const W* const in = static_cast<const W*>(p.in) + i * kVec;
   const int slot = i * kChunks;  // this thread's chunk index in stage 0
   const int stage_stride = static_cast<int>(blockDim.x) * kChunks;
   HeldCoeff<S> held;
@@ -499,7 +526,7 @@ __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel
   const int step = static_cast<int>(gridDim.x);
   const size_t row_step = static_cast<size_t>(step) * p.N;  // elements from one of this CTA's rows to its next
   // One commit group per step (empty past the last row), so the wait below counts steps.
-  const W* ahead = out + static_cast<size_t>(blockIdx.x) * p.N;  // the next row to copy
+  const W* ahead = in + static_cast<size_t>(blockIdx.x) * p.N;  // the next row to copy
   int ahead_row = blockIdx.x, ahead_stage = 0;
   auto copy_ahead = [&]() {
     if (active && ahead_row < M) {
@@ -637,7 +664,7 @@ inline bool aligned16(const void* q) { return q == nullptr || reinterpret_cast<u
 
 template <typename T, typename S, RowMode kMode>
 cudaError_t softmax_rows_for_storage(const RowArgs& p, int M, cudaStream_t stream) {
-  const bool vec = p.N % kVec == 0 && aligned16(p.out) && (p.scale_stride == 0 || aligned16(p.scale)) &&
+  const bool vec = p.N % kVec == 0 && aligned16(p.out) && aligned16(p.in) && (p.scale_stride == 0 || aligned16(p.scale)) &&
                    aligned16(p.bn_weight) && aligned16(p.bn_bias) && aligned16(p.running_mean) &&
                    aligned16(p.running_var);
   return vec ? launch_softmax_rows<T, S, kVec, kMode>(p, M, stream) : launch_softmax_rows<T, S, 1, kMode>(p, M, stream);
@@ -732,25 +759,26 @@ cudaError_t fused_gemm_bn::lowp_softmax_rows(const LowpBatchNormArgs& bn, void* 
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
-  const RowArgs p{out,     coeff,   coeff != nullptr ? bn.scale : nullptr, nullptr, nullptr, nullptr, nullptr, 0.f, N,
-                  bn.scale_stride};
+  const RowArgs p{out,     out,     coeff,   coeff != nullptr ? bn.scale : nullptr, nullptr, nullptr, nullptr, nullptr,
+                  0.f,     N,       bn.scale_stride, nullptr};
   return dispatch_dtype(bn.dtype, [&](auto t) {
     return softmax_rows_for_type<typename decltype(t)::type>(p, bn.float32_io, M, stream);
   });
 }
 
-// Problem 84, eval, after a cuBLAS product: out (M, N) of the 16-bit type, holding
-// z, <- row softmax of rnd(eval_out(z)) in place (kEval: BatchNorm with the running
-// statistics and the scale applied as each row is read).  16-bit vectors only
+// Problem 84, eval, after a cuBLAS product: out (M, N) of the 16-bit type <- row softmax
+// of rnd(eval_out(z)) (kEval: BatchNorm with the running statistics and the scale applied
+// as each row of z is read); z may be out (in place).  coeff, when not null: (4, N) float32
+// <- the coefficients used (the eval forward with gradients, z kept).  16-bit vectors only
 // (bn.float32_io: cudaErrorInvalidValue), problem 84 only (bn.scale_after_bn).
-cudaError_t fused_gemm_bn::lowp_bn_softmax_rows_eval(const LowpBatchNormArgs& bn, void* out, int M, int N,
-                                                     cudaStream_t stream) {
+cudaError_t fused_gemm_bn::lowp_bn_softmax_rows_eval(const LowpBatchNormArgs& bn, const void* z, void* out, int M,
+                                                     int N, float* coeff, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn;
   if (M == 0 || N == 0) return cudaSuccess;
   if (bn.float32_io || !bn.scale_after_bn) return cudaErrorInvalidValue;
-  const RowArgs p{out, nullptr, bn.scale, bn.bn_weight, bn.bn_bias, bn.running_mean, bn.running_var, bn.eps, N,
-                  bn.scale_stride};
+  const RowArgs p{out, z,  nullptr, bn.scale, bn.bn_weight, bn.bn_bias, bn.running_mean, bn.running_var, bn.eps, N,
+                  bn.scale_stride, coeff};
   return dispatch_dtype(bn.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
     return softmax_rows_for_storage<T, T, RowMode::kEval>(p, M, stream);

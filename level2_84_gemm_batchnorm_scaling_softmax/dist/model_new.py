@@ -2380,11 +2380,14 @@ cudaError_t lowp_bn_apply(const LowpBatchNormArgs& bn, void* out, const float* c
 // scale unread).  bn: dtype, float32_io, scale.
 cudaError_t lowp_softmax_rows(const LowpBatchNormArgs& bn, void* out, const float* coeff, int M, int N,
                               cudaStream_t stream);
-// Problem 84, eval after lowp_cublas's product: out (M, N) 16-bit, holding z, <- row
-// softmax of BatchNorm (running statistics) * scale of it, in place (bn_16bit.cu, kEval).
+// Problem 84, eval after lowp_cublas's product z (M, N) 16-bit: out <- row softmax of
+// BatchNorm (running statistics) * scale of z (bn_16bit.cu, kEval); out may be z (in place).
+// coeff (may be null): (4, N) rows {running_mean, invstd, bn.weight, bn.bias} as used, for
+// the eval backward (the forward with gradients, z kept apart from out).
 // bn: dtype, scale, bn_weight, bn_bias, running_mean, running_var, eps; float32_io or
 // !scale_after_bn: cudaErrorInvalidValue.
-cudaError_t lowp_bn_softmax_rows_eval(const LowpBatchNormArgs& bn, void* out, int M, int N, cudaStream_t stream);
+cudaError_t lowp_bn_softmax_rows_eval(const LowpBatchNormArgs& bn, const void* z, void* out, int M, int N,
+                                      float* coeff, cudaStream_t stream);
 // The backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and dscale,
 // dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
 // (g_float32) or dtype, the saved z (M, N) in dtype and coeff ((4, N) rows, lowp_coeff.cuh) of

@@ -76,10 +76,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <array>
-#include <atomic>
 #include <string>
 
 #include "binding_checks.cuh"
+#include "device_facts.cuh"
 #include "launchers.cuh"
 namespace {
 
@@ -118,23 +118,6 @@ struct Operands {
   bool w_float32;
 };
 
-// The compute capability of x's device as major * 10 + minor, read from the runtime once per
-// device (two cudaDeviceGetAttribute calls per forward were ~0.7 us of its host time).
-int compute_capability(const torch::Tensor& x) {
-  constexpr int kCachedDevices = 64;
-  static std::array<std::atomic<int>, kCachedDevices> cache{};  // 0: not read yet
-  const int device = x.get_device();
-  int capability = device >= 0 && device < kCachedDevices ? cache[device].load(std::memory_order_relaxed) : 0;
-  if (capability != 0) return capability;
-  int major = 0, minor = 0;
-  TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess,
-              "fused_gemm_bn (16-bit): cannot read the compute capability of ", x.device());
-  capability = major * 10 + minor;
-  if (device >= 0 && device < kCachedDevices) cache[device].store(capability, std::memory_order_relaxed);
-  return capability;
-}
-
 // lowp_sm90: the TMA loads also need 16-byte aligned data (a misaligned x or weight is copied)
 // and K % 8 == 0 (otherwise both are copied with K zero-padded to a multiple of 8).
 // lowp_cublas: contiguous and 16-byte aligned too (copies otherwise), the layout eager's
@@ -155,10 +138,11 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, Gem
               x.size(1), "), got ", weight.sizes());
   TORCH_CHECK(x.size(0) <= INT32_MAX && weight.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX,
               "sizes must fit in int32, got x ", x.sizes(), " and gemm.weight ", weight.sizes());
-  const int capability = compute_capability(x);
-  const int major = capability / 10, minor = capability % 10;
-  TORCH_CHECK(major >= 8, "the 16-bit kernels need compute capability >= 8.0 (mma.sync with bfloat16), got ", major,
-              ".", minor, " on ", x.device());
+  fgb::DeviceFacts facts;  // (read once per device: device_facts.cuh)
+  TORCH_CHECK(fgb::device_facts(x.get_device(), &facts) == cudaSuccess,
+              "fused_gemm_bn (16-bit): cannot read the compute capability of ", x.device());
+  TORCH_CHECK(facts.cc_major >= 8, "the 16-bit kernels need compute capability >= 8.0 (mma.sync with bfloat16), got ",
+              facts.cc_major, ".", facts.cc_minor, " on ", x.device());
   const int K = static_cast<int>(x.size(1));
   if (sm90 && K % 8 != 0) {
     // TMA rows need 16-byte strides: both operands zero-padded along K to a multiple
@@ -225,9 +209,10 @@ bool check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, Gemm ge
 }
 
 // The BatchNorm side of one call, filled once and passed whole to every launcher of
-// the call.  num_batches_tracked, momentum: training only (eval: null, 0).
-fgb::LowpBatchNormArgs bn_args(int dtype, bool float32_io, const BnTensors& t, int64_t* num_batches_tracked,
-                               double momentum, double eps, bool scale_after_bn) {
+// the call.  num_batches_tracked, momentum: training only (eval: null, 0); scale_stride:
+// scale_in_place's.
+fgb::LowpBatchNormArgs bn_args(int dtype, bool float32_io, const BnTensors& t, int scale_stride,
+                               int64_t* num_batches_tracked, double momentum, double eps, bool scale_after_bn) {
   fgb::LowpBatchNormArgs a{dtype,
           float32_io,
           t.bias.data_ptr(),
@@ -240,7 +225,7 @@ fgb::LowpBatchNormArgs bn_args(int dtype, bool float32_io, const BnTensors& t, i
           static_cast<float>(momentum),
           static_cast<float>(eps),
           scale_after_bn};
-  a.scale_stride = one_number_scale(t.scale) ? 0 : 1;  // (the entry points' scale_in_place)
+  a.scale_stride = scale_stride;
   return a;
 }
 
@@ -293,9 +278,10 @@ struct TrainResult {
 constexpr int kStripMaxFeatures84 = 4096;
 
 // The training forward of either problem.
-TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t,
+TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weight, BnTensors t,
                   torch::Tensor& num_batches_tracked, double momentum, double eps, bool scale_after_bn,
                   bool saved = false) {
+  const int scale_stride = scale_in_place(t.scale);  // every 16-bit kernel reads one number in place
   const Operands op = check_operands(x_in, weight, gemm);
   const int M = op.M, N = op.N;
   check_training(op.x, M, N, num_batches_tracked);
@@ -306,9 +292,9 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   const cudaStream_t stream = current_stream(op.x);
   const auto f32 = op.x.options().dtype(torch::kFloat32);
   TrainResult r;
-  r.coeff = torch::empty({4, N}, f32);
-  torch::Tensor z;  // lowp_cublas: the product, before the chain
+  torch::Tensor z;  // lowp_cublas: the product, before the chain (launched before any allocation of this call)
   if (gemm == Gemm::kCublas && N > 0) z = cublas_linear(op, t, float32_io);
+  r.coeff = torch::empty({4, N}, f32);
   // lowp_cublas without saved z and 16-bit out: the chain runs in place over z.
   const bool in_place = z.defined() && !saved && !float32_io;
   r.out = in_place ? z : torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
@@ -319,8 +305,8 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   }
   torch::Tensor& out = r.out;
   float* coeff = r.coeff.data_ptr<float>();
-  const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, num_batches_tracked.data_ptr<int64_t>(),
-                                            momentum, eps, scale_after_bn);
+  const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, scale_stride,
+                                            num_batches_tracked.data_ptr<int64_t>(), momentum, eps, scale_after_bn);
   if (gemm == Gemm::kCublas && (!scale_after_bn || N <= kStripMaxFeatures84) &&
       fgb::lowp_bn_strip_train_fits(M, N, z.data_ptr(), out.data_ptr())) {
     // One kernel for the statistics, the running statistics, coeff and (33) the output.
@@ -368,8 +354,9 @@ struct EvalResult {
 
 // The eval forward of either problem.  `saved` runs on lowp_cublas only: the fused
 // GEMMs' eval epilogues keep no z.
-EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weight, const BnTensors& t, double eps,
+EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weight, BnTensors t, double eps,
                 bool scale_after_bn, bool saved = false) {
+  const int scale_stride = scale_in_place(t.scale);  // every 16-bit kernel reads one number in place
   const Operands op = check_operands(x_in, weight, gemm);
   const int M = op.M, N = op.N;
   const bool float32_io = check_bn_tensors(t, N, op.x, gemm, op.w_float32);
@@ -380,10 +367,11 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
   const c10::cuda::CUDAGuard guard(op.x.device());
   const cudaStream_t stream = current_stream(op.x);
   EvalResult r;
+  const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, scale_stride, nullptr, 0.0, eps, scale_after_bn);
+  const bool cublas = gemm == Gemm::kCublas && M > 0 && N > 0;
+  const torch::Tensor z = cublas ? cublas_linear(op, t, float32_io) : torch::Tensor();  // launched first
   if (saved) r.coeff = torch::empty({4, N}, op.x.options().dtype(torch::kFloat32));
-  const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, nullptr, 0.0, eps, scale_after_bn);
-  if (gemm == Gemm::kCublas && M > 0 && N > 0) {
-    const torch::Tensor z = cublas_linear(op, t, float32_io);
+  if (cublas) {
     if (scale_after_bn && !float32_io) {  // 84: BatchNorm, scale and softmax in one pass over z
       r.out = saved ? torch::empty_like(z) : z;  // saved: z kept for the backward, out apart; else in place
       if (saved) r.z = z;
@@ -539,9 +527,7 @@ struct GradForward : public torch::autograd::Function<GradForward> {
     const bool autocast = weight_cast.has_value() && weight_cast->defined();
     const torch::Tensor x16 = autocast ? x.to(weight_cast->scalar_type()) : x;
     const torch::Tensor w16 = autocast ? *weight_cast : weight;
-    torch::Tensor scale_k = scale;
-    scale_in_place(scale_k);  // every 16-bit kernel reads one number in place (stride 0)
-    const BnTensors t{bias, scale_k, bn_weight, bn_bias, running_mean, running_var};
+    const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
     torch::Tensor out, z, coeff;
     if (training) {
       torch::Tensor counter = num_batches_tracked;
@@ -556,7 +542,7 @@ struct GradForward : public torch::autograd::Function<GradForward> {
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["vector_dtype"] = static_cast<int64_t>(bias.scalar_type());
-    ctx->save_for_backward({x16, w16, scale_k, z, coeff, scale_after_bn ? out : torch::Tensor()});
+    ctx->save_for_backward({x16, w16, scale, z, coeff, scale_after_bn ? out : torch::Tensor()});
     return out;
   }
 
@@ -586,7 +572,6 @@ torch::Tensor forward_train(const std::string& gemm, torch::Tensor x, torch::Ten
                             torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                             torch::Tensor running_mean, torch::Tensor running_var, torch::Tensor num_batches_tracked,
                             double momentum, double eps, bool scale_after_bn) {
-  scale_in_place(scale);  // every 16-bit kernel reads one number in place (stride 0)
   return train(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
                num_batches_tracked, momentum, eps, scale_after_bn)
       .out;
@@ -597,7 +582,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_train_saved(
     const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
     torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean, torch::Tensor running_var,
     torch::Tensor num_batches_tracked, double momentum, double eps, bool scale_after_bn) {
-  scale_in_place(scale);  // every 16-bit kernel reads one number in place (stride 0)
   TrainResult r = train(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var},
                         num_batches_tracked, momentum, eps, scale_after_bn, true);
   return {r.out, r.z, r.coeff};
@@ -623,7 +607,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
 torch::Tensor forward_eval(const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn) {
-  scale_in_place(scale);  // every 16-bit kernel reads one number in place (stride 0)
   return eval(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
               scale_after_bn)
       .out;
@@ -634,7 +617,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_eval_saved(
     const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
     torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean, torch::Tensor running_var, double eps,
     bool scale_after_bn) {
-  scale_in_place(scale);  // every 16-bit kernel reads one number in place (stride 0)
   EvalResult r = eval(parse_gemm(gemm), x, weight, {bias, scale, bn_weight, bn_bias, running_mean, running_var}, eps,
                       scale_after_bn, true);
   return {r.out, r.z, r.coeff};

@@ -132,35 +132,6 @@ __global__ void __launch_bounds__(kFoldThreads) bn16_fold_train_kernel(const Fol
                            St::load(static_cast<const W*>(p.bn_bias) + j)));
 }
 
-// kVec consecutive elements of storage S (16-byte aligned) as floats, and back
-// (store_group rounds to S): one 16-byte access for 16-bit S, two for float.
-template <typename S>
-__device__ __forceinline__ void load_group(const word_t<S>* p, float (&v)[kVec]) {
-  if constexpr (sizeof(word_t<S>) == 2) {
-    const uint4 q = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = Bits<S>::to_float(static_cast<uint16_t>(w[i] & 0xffffu));
-      v[2 * i + 1] = Bits<S>::to_float(static_cast<uint16_t>(w[i] >> 16));
-    }
-  } else {
-    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  }
-}
-template <typename S>
-__device__ __forceinline__ void store_group(word_t<S>* p, const float (&v)[kVec]) {
-  if constexpr (sizeof(word_t<S>) == 2) {
-    *reinterpret_cast<uint4*>(p) =
-        make_uint4(pack2(to_bits<S>(v[0]), to_bits<S>(v[1])), pack2(to_bits<S>(v[2]), to_bits<S>(v[3])),
-                   pack2(to_bits<S>(v[4]), to_bits<S>(v[5])), pack2(to_bits<S>(v[6]), to_bits<S>(v[7])));
-  } else {
-    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-  }
-}
-
 // BatchNorm of one element from its coefficients {mean, invstd, w, b}, before
 // rounding.
 __device__ __forceinline__ float bn_affine(float u, const float4& c) { return fmaf(c.z * (u - c.x), c.y, c.w); }

@@ -29,7 +29,9 @@
 //   the store; in place allowed.  With coeff (the eval forward with gradients), the first
 //   row block's CTAs also write the (4, N) rows {running_mean, invstd, bn.weight,
 //   bn.bias} they used (lowp_coeff.cuh), for bn_16bit_backward.cu.
-//   CTA: 16 feature groups x 16 row slices of 8 rows.
+//   CTA: 16 feature groups x 16 row slices of 4 rows, at most 64 registers a thread
+//   (4 CTAs an SM); a programmatic dependent launch (pdl.cuh), waiting for the product
+//   before it reads anything.
 // Layout: z (M, N) T and out (M, N) S row-major contiguous; vectors (N) of S.
 // Memory-bound: train reads z once and out once and writes out once, eval reads z
 // and writes out once.  Launchers return the launch error (cudaSuccess for M or N of 0).
@@ -41,6 +43,7 @@
 #include "lowp_chain.cuh"
 #include "lowp_coeff.cuh"
 #include "lowp_types.cuh"
+#include "pdl.cuh"
 
 namespace fused_gemm_bn {
 namespace lowp {
@@ -50,8 +53,9 @@ constexpr int kStatRows = 128;  // rows of one statistics block: the GEMMs' (low
 constexpr int kGroups = 16;     // feature groups per CTA
 constexpr int kSlices = 16;     // row slices per CTA
 constexpr int kThreads = kGroups * kSlices;
-constexpr int kSliceRows = kStatRows / kSlices;  // rows per thread (both kernels)
-constexpr int kEvalRows = kSliceRows;
+constexpr int kSliceRows = kStatRows / kSlices;  // rows per thread of bn16_chain_train
+constexpr int kEvalRows = 4;        // rows per thread of bn16_chain_eval
+constexpr int kEvalMinBlocks = 3;   // its CTAs per SM (the register cap: 85)
 
 // kV values of T at z + off as float (kV = 8: one 16-byte load).
 template <typename T, int kV>
@@ -196,40 +200,79 @@ struct EvalArgs {
   LowpBatchNormArgs bn;  // scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn
   int M, N;
   float* coeff;  // may be null: (4, N) rows {running_mean, invstd, bn.weight, bn.bias} (lowp_coeff.cuh)
+  bool vectors16;  // kV = 8: the vectors' data 16-byte aligned (16-byte loads; else 2-byte)
 };
 
+// kV values of the (N) vector q of S words from feature f0: 16-byte loads where aligned16.
+template <typename S, int kV>
+__device__ __forceinline__ void load_vector(const void* q, int f0, bool aligned16, float (&v)[kV]) {
+  const word_t<S>* p = static_cast<const word_t<S>*>(q) + f0;
+  if constexpr (kV == 8) {
+    if (aligned16) {
+      load_group<S>(p, v);
+      return;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kV; ++j) v[j] = Storage<S>::load(p + j);
+}
+
+// Each thread: kV features (one 16-byte group of z, or one element) of kEvalRows rows,
+// every row loaded (held as loaded: Group8) before the vectors are read and any row is
+// stored; at most 64 registers, so that kEvalMinBlocks CTAs share an SM (the CTAs of the
+// form before this one held 8 rows of floats, 120-138 registers, one CTA an SM:
+// ~2.2 TB/s, docs/perf.md v50).
 template <typename T, typename S, int kV>
-__global__ void __launch_bounds__(kThreads) bn16_chain_eval_kernel(const EvalArgs p) {
+__global__ void __launch_bounds__(kThreads, kEvalMinBlocks) bn16_chain_eval_kernel(const EvalArgs p) {
   using W = word_t<S>;
+  using Held = std::conditional_t<kV == 8, Group8<T>, uint16_t>;
+  pdl_wait_then_release();
   const int group = threadIdx.x % kGroups, slice = threadIdx.x / kGroups;
   const int f0 = (blockIdx.x * kGroups + group) * kV;
   if (f0 >= p.N) return;
-  auto vec = [&](const void* q, int j) { return Storage<S>::load(static_cast<const W*>(q) + f0 + j); };
-  float scale[kV], w[kV], b[kV], rm[kV], invstd[kV];
+  const int row0 = (blockIdx.y * kSlices + slice) * kEvalRows;
+  Held held[kEvalRows];
 #pragma unroll
-  for (int j = 0; j < kV; ++j) {
-    scale[j] = Storage<S>::load(static_cast<const W*>(p.bn.scale) + (f0 + j) * p.bn.scale_stride);
-    w[j] = vec(p.bn.bn_weight, j);
-    b[j] = vec(p.bn.bn_bias, j);
-    rm[j] = vec(p.bn.running_mean, j);
-    invstd[j] = rsqrtf(vec(p.bn.running_var, j) + p.bn.eps);
+  for (int r = 0; r < kEvalRows; ++r) {  // every load first, then the stores (in place: z may be out)
+    if (row0 + r >= p.M) break;
+    const uint16_t* q = p.z + static_cast<size_t>(row0 + r) * p.N + f0;
+    if constexpr (kV == 8) {
+      held[r] = load_group8<T>(q);
+    } else {
+      held[r] = *q;
+    }
   }
+  float scale[kV], w[kV], b[kV], rm[kV], invstd[kV];
+  if (p.bn.scale_stride == 0) {
+    const float s0 = Storage<S>::load(static_cast<const W*>(p.bn.scale));
+#pragma unroll
+    for (int j = 0; j < kV; ++j) scale[j] = s0;
+  } else {
+    load_vector<S, kV>(p.bn.scale, f0, p.vectors16, scale);
+  }
+  load_vector<S, kV>(p.bn.bn_weight, f0, p.vectors16, w);
+  load_vector<S, kV>(p.bn.bn_bias, f0, p.vectors16, b);
+  load_vector<S, kV>(p.bn.running_mean, f0, p.vectors16, rm);
+  load_vector<S, kV>(p.bn.running_var, f0, p.vectors16, invstd);
+#pragma unroll
+  for (int j = 0; j < kV; ++j) invstd[j] = rsqrtf(invstd[j] + p.bn.eps);
   if (p.coeff != nullptr && blockIdx.y == 0 && slice == 0) {  // the values used here, for the backward
 #pragma unroll
     for (int j = 0; j < kV; ++j) coeff_store1(p.coeff, p.N, f0 + j, make_float4(rm[j], invstd[j], w[j], b[j]));
   }
-  const int row0 = (blockIdx.y * kSlices + slice) * kEvalRows;
-  float v[kEvalRows][kV];
-#pragma unroll
-  for (int r = 0; r < kEvalRows; ++r)  // every load first, then the stores (in place: z may be out)
-    if (row0 + r < p.M) load_z<T, kV>(p.z, static_cast<size_t>(row0 + r) * p.N + f0, v[r]);
 #pragma unroll
   for (int r = 0; r < kEvalRows; ++r) {
     if (row0 + r >= p.M) break;
+    float v[kV];
+    if constexpr (kV == 8) {
+      unpack8<T>(held[r], v);
+    } else {
+      v[0] = Bits<T>::to_float(held[r]);
+    }
 #pragma unroll
     for (int j = 0; j < kV; ++j)
-      v[r][j] = eval_out<T, S>(v[r][j], scale[j], w[j], b[j], rm[j], invstd[j], p.bn.scale_after_bn);
-    store_s<S, kV>(static_cast<W*>(p.out), static_cast<size_t>(row0 + r) * p.N + f0, v[r]);
+      v[j] = eval_out<T, S>(v[j], scale[j], w[j], b[j], rm[j], invstd[j], p.bn.scale_after_bn);
+    store_s<S, kV>(static_cast<W*>(p.out), static_cast<size_t>(row0 + r) * p.N + f0, v);
   }
 }
 
@@ -250,18 +293,16 @@ cudaError_t train_for_storage(const TrainArgs& p, cudaStream_t stream) {
 }
 
 template <typename T, typename S>
-cudaError_t eval_for_storage(const EvalArgs& p, cudaStream_t stream) {
+cudaError_t eval_for_storage(EvalArgs p, cudaStream_t stream) {
   const bool vec = p.N % 8 == 0 && aligned16(p.z) && aligned16(p.out);
+  p.vectors16 = (p.bn.scale_stride == 0 || aligned16(p.bn.scale)) && aligned16(p.bn.bn_weight) &&
+                aligned16(p.bn.bn_bias) && aligned16(p.bn.running_mean) && aligned16(p.bn.running_var);
   const int kv = vec ? 8 : 1;
   constexpr int kRowsPerCta = kSlices * kEvalRows;
   const dim3 grid((p.N + kGroups * kv - 1) / (kGroups * kv), (p.M + kRowsPerCta - 1) / kRowsPerCta);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  if (vec) {
-    bn16_chain_eval_kernel<T, S, 8><<<grid, kThreads, 0, stream>>>(p);
-  } else {
-    bn16_chain_eval_kernel<T, S, 1><<<grid, kThreads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  if (vec) return launch_kernel(bn16_chain_eval_kernel<T, S, 8>, grid, kThreads, 0, stream, p);
+  return launch_kernel(bn16_chain_eval_kernel<T, S, 1>, grid, kThreads, 0, stream, p);
 }
 
 }  // namespace chain
@@ -284,7 +325,7 @@ cudaError_t fused_gemm_bn::lowp_bn_chain_eval(const LowpBatchNormArgs& bn, const
                                               float* coeff, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M <= 0 || N <= 0) return cudaSuccess;
-  const chain::EvalArgs p{static_cast<const uint16_t*>(z), out, bn, M, N, coeff};
+  const chain::EvalArgs p{static_cast<const uint16_t*>(z), out, bn, M, N, coeff, false};
   return dispatch_dtype(bn.dtype, [&](auto t) {
     using T = typename decltype(t)::type;
     return bn.float32_io ? chain::eval_for_storage<T, float>(p, stream) : chain::eval_for_storage<T, T>(p, stream);

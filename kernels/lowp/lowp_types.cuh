@@ -123,5 +123,59 @@ __device__ __forceinline__ uint32_t pack2_rn(float lo, float hi) {
   }
 }
 
+// Eight consecutive S values as loaded: one 16-byte word for 16-bit S, two for float.
+// Memory-bound kernels hold their loads in this form (4 or 8 registers, not 8 floats)
+// until they use them, so that more rows fit in flight per thread.
+template <typename S>
+struct Group8 {
+  uint4 w[sizeof(word_t<S>) / 2];
+};
+
+// The group at p (16-byte aligned).
+template <typename S>
+__device__ __forceinline__ Group8<S> load_group8(const word_t<S>* p) {
+  Group8<S> g;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(word_t<S>) / 2); ++i) g.w[i] = reinterpret_cast<const uint4*>(p)[i];
+  return g;
+}
+
+// The group's values as floats (exact).
+template <typename S>
+__device__ __forceinline__ void unpack8(const Group8<S>& g, float (&v)[8]) {
+  if constexpr (sizeof(word_t<S>) == 2) {
+    const uint32_t w[4] = {g.w[0].x, g.w[0].y, g.w[0].z, g.w[0].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = Bits<S>::to_float(static_cast<uint16_t>(w[i] & 0xffffu));
+      v[2 * i + 1] = Bits<S>::to_float(static_cast<uint16_t>(w[i] >> 16));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      v[4 * i] = __uint_as_float(g.w[i].x), v[4 * i + 1] = __uint_as_float(g.w[i].y);
+      v[4 * i + 2] = __uint_as_float(g.w[i].z), v[4 * i + 3] = __uint_as_float(g.w[i].w);
+    }
+  }
+}
+
+// Eight consecutive S values at p (16-byte aligned) as floats, and back (store_group
+// rounds to S, to nearest even): one 16-byte access for 16-bit S, two for float.
+template <typename S>
+__device__ __forceinline__ void load_group(const word_t<S>* p, float (&v)[8]) {
+  unpack8<S>(load_group8<S>(p), v);
+}
+template <typename S>
+__device__ __forceinline__ void store_group(word_t<S>* p, const float (&v)[8]) {
+  if constexpr (sizeof(word_t<S>) == 2) {
+    *reinterpret_cast<uint4*>(p) =
+        make_uint4(pack2(to_bits<S>(v[0]), to_bits<S>(v[1])), pack2(to_bits<S>(v[2]), to_bits<S>(v[3])),
+                   pack2(to_bits<S>(v[4]), to_bits<S>(v[5])), pack2(to_bits<S>(v[6]), to_bits<S>(v[7])));
+  } else {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
 }  // namespace lowp
 }  // namespace fused_gemm_bn

@@ -890,11 +890,12 @@ _UNSYNCHRONIZED_WARNED = False
 
 
 def _warn_unsynchronized(bn):
-    """Without model_new_sync.py (the self-contained files): once per process, a training call
-    under torch.distributed with more than one process warns that this copy keeps per-process
-    batch statistics (SyncBatchNorm conversion cannot see its BatchNormState)."""
+    """Without model_new_sync.py (the self-contained files; _fused_forward calls it only then):
+    once per process, a training call under torch.distributed with more than one process warns
+    that this copy keeps per-process batch statistics (SyncBatchNorm conversion cannot see its
+    BatchNormState)."""
     global _UNSYNCHRONIZED_WARNED
-    if _SYNC is not None or _UNSYNCHRONIZED_WARNED or not bn.training:
+    if _UNSYNCHRONIZED_WARNED or not bn.training:
         return
     world = _distributed_world_size()
     if world <= 1:

@@ -1656,9 +1656,9 @@ __device__ __forceinline__ void cp_async_wait() {
     'device_facts.cuh': r'''// device_facts.cuh -- what the launchers plan with about the current device
 // (sm80_gemm_3xtf32_bn.cu, sm90_gemm_fp16x3_bn.cu, pdl.cuh): its streaming
 // multiprocessor count, the opt-in shared memory per block and the compute
-// capability's major number, queried once per device with
-// cudaDeviceGetAttribute and cached for the process (they do not change while
-// it runs).  Host code only.
+// capability, queried once per device with cudaDeviceGetAttribute and cached for
+// the process (they do not change while it runs).  Host code only; the 16-bit
+// binding (lowp/binding_16bit.cpp) reads it too, by device index.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -1671,26 +1671,32 @@ struct DeviceFacts {
   int num_sms = 0;     // cudaDevAttrMultiProcessorCount
   int smem_optin = 0;  // cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes
   int cc_major = 0;    // cudaDevAttrComputeCapabilityMajor
+  int cc_minor = 0;    // cudaDevAttrComputeCapabilityMinor
 };
 
-// The current device's facts; an error from cudaGetDevice or the queries is returned as it is.
-static cudaError_t current_device_facts(DeviceFacts* facts) {
+// The facts of device `device` (an index >= 0); an error from the queries is returned as it is.
+static cudaError_t device_facts(int device, DeviceFacts* facts) {
   static DeviceFacts cached[kMaxCachedDevices];
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < kMaxCachedDevices && cached[device].num_sms > 0) {
+  if (device >= 0 && device < kMaxCachedDevices && cached[device].num_sms > 0) {
     *facts = cached[device];
     return cudaSuccess;
   }
   DeviceFacts f;
-  err = cudaDeviceGetAttribute(&f.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  cudaError_t err = cudaDeviceGetAttribute(&f.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&f.cc_major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&f.cc_minor, cudaDevAttrComputeCapabilityMinor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&f.num_sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  if (device < kMaxCachedDevices) cached[device] = f;
+  if (device >= 0 && device < kMaxCachedDevices) cached[device] = f;
   *facts = f;
   return cudaSuccess;
+}
+
+// The current device's facts; an error from cudaGetDevice or the queries is returned as it is.
+static cudaError_t current_device_facts(DeviceFacts* facts) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  return err == cudaSuccess ? device_facts(device, facts) : err;
 }
 
 }  // namespace fused_gemm_bn
@@ -7826,11 +7832,12 @@ _UNSYNCHRONIZED_WARNED = False
 
 
 def _warn_unsynchronized(bn):
-    """Without model_new_sync.py (the self-contained files): once per process, a training call
-    under torch.distributed with more than one process warns that this copy keeps per-process
-    batch statistics (SyncBatchNorm conversion cannot see its BatchNormState)."""
+    """Without model_new_sync.py (the self-contained files; _fused_forward calls it only then):
+    once per process, a training call under torch.distributed with more than one process warns
+    that this copy keeps per-process batch statistics (SyncBatchNorm conversion cannot see its
+    BatchNormState)."""
     global _UNSYNCHRONIZED_WARNED
-    if _SYNC is not None or _UNSYNCHRONIZED_WARNED or not bn.training:
+    if _UNSYNCHRONIZED_WARNED or not bn.training:
         return
     world = _distributed_world_size()
     if world <= 1:

@@ -219,9 +219,9 @@ __device__ __forceinline__ void load_vector(const void* q, int f0, bool aligned1
 
 // Each thread: kV features (one 16-byte group of z, or one element) of kEvalRows rows,
 // every row loaded (held as loaded: Group8) before the vectors are read and any row is
-// stored; at most 64 registers, so that kEvalMinBlocks CTAs share an SM (the CTAs of the
-// form before this one held 8 rows of floats, 120-138 registers, one CTA an SM:
-// ~2.2 TB/s, docs/perf.md v50).
+// stored; at most 85 registers (80 used), so that kEvalMinBlocks = 3 CTAs share an SM, 48 KB
+// of loads in flight (the form before this one held 8 rows of floats, 120-138 registers,
+// one CTA an SM: ~2.2 TB/s, docs/perf.md v50).
 template <typename T, typename S, int kV>
 __global__ void __launch_bounds__(kThreads, kEvalMinBlocks) bn16_chain_eval_kernel(const EvalArgs p) {
   using W = word_t<S>;

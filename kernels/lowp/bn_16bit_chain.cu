@@ -29,8 +29,8 @@
 //   the store; in place allowed.  With coeff (the eval forward with gradients), the first
 //   row block's CTAs also write the (4, N) rows {running_mean, invstd, bn.weight,
 //   bn.bias} they used (lowp_coeff.cuh), for bn_16bit_backward.cu.
-//   CTA: 16 feature groups x 16 row slices of 4 rows, at most 64 registers a thread
-//   (4 CTAs an SM); a programmatic dependent launch (pdl.cuh), waiting for the product
+//   CTA: 16 feature groups x 16 row slices of 4 rows, at most 85 registers a thread
+//   (3 CTAs an SM); a programmatic dependent launch (pdl.cuh), waiting for the product
 //   before it reads anything.
 // Layout: z (M, N) T and out (M, N) S row-major contiguous; vectors (N) of S.
 // Memory-bound: train reads z once and out once and writes out once, eval reads z

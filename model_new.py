@@ -19,7 +19,8 @@ model_new_sync.py (synchronized BatchNorm).
 
 From ModelNew.forward to the kernels (docs/design.md has the whole map):
 
-  ModelNew.forward -> fused_forward: module_call, check_input, per_feature_scale, dispatch() -> Plan
+  ModelNew.forward -> _plain_call (the common CUDA call, same decision) or fused_forward: module_call,
+    check_input, per_feature_scale, dispatch() -> Plan; then _run_plan:
     no gradient:          forward_train / forward_eval (torch_binding.cpp), one extension call
     training + gradient:  _TrainFn: forward_train_saved; backward bn_backward_train, gemm_nn, gemm_tn
     eval + gradient:      _eval_with_grad: gemm_nt (backward gemm_nn, gemm_tn), the fold in torch ops
@@ -425,6 +426,16 @@ class LinearParams(nn.Module):
 _PLAIN_FIELDS = {}  # (type, names) -> no class of the type defines one of the names
 
 
+def _plain_fields(cls, names):
+    """No class of cls defines one of `names` (torch's parametrizations put a property there),
+    so nn.Module's tables hold them; cached per (cls, names)."""
+    key = (cls, names)
+    plain = _PLAIN_FIELDS.get(key)
+    if plain is None:
+        plain = _PLAIN_FIELDS[key] = not any(hasattr(cls, n) for n in names)
+    return plain
+
+
 def module_fields(module, names):
     """(module.<name> for name in names), each what attribute access reads (the parameter,
     buffer or submodule of that name, else an instance attribute, else AttributeError), at a
@@ -432,10 +443,7 @@ def module_fields(module, names):
     call reads ten).  Reads nn.Module's tables of parameters, buffers and submodules itself
     where that gives the same: no class of the module defines one of the names (torch's
     parametrizations put a property there), and nn.Module keeps each name in one place."""
-    key = (type(module), names)
-    plain = _PLAIN_FIELDS.get(key)
-    if plain is None:
-        plain = _PLAIN_FIELDS[key] = not any(hasattr(key[0], n) for n in names)
+    plain = _plain_fields(type(module), names)
     d = module.__dict__
     parameters, buffers, modules = d.get("_parameters"), d.get("_buffers"), d.get("_modules")
     if not (plain and isinstance(parameters, dict) and isinstance(buffers, dict) and isinstance(modules, dict)):
@@ -806,19 +814,25 @@ _PLANS_MAX = 4096
 def dispatch(x, weight, training, grad, scale_after_bn, facts=None, switches=None):
     """The Plan of a forward: x (M, K), weight (N, K); training: batch statistics;
     grad: gradients needed; scale_after_bn: problem 84.  Runs no kernel."""
-    cuda = x.is_cuda  # (x.device costs ~0.5 us a call)
+    # (x.device costs ~0.5 us a call: a CUDA tensor's device index or a device type string instead)
+    device = x.get_device() if x.is_cuda else x.device.type
+    return _dispatch_memo(device, x.dtype, x.shape, weight.shape[0], training, grad, scale_after_bn, facts, switches)
+
+
+def _dispatch_memo(device, dtype, shape, n, training, grad, scale_after_bn, facts=None, switches=None):
+    """dispatch() from what it reads off x and weight: device, a CUDA device's index
+    (int) or a device type string; dtype; shape, x's (M, K); n, N."""
     switches = SWITCHES if switches is None else switches
     # The memo's key holds what the Call and the facts are made of (a CUDA device's index stands for its
     # facts): building the Call and hashing it costs ~1 us of host time a call, made only on a miss.
-    key = (x.get_device() if cuda else x.device.type, x.dtype, x.shape, weight.shape[0], training, grad,
-           scale_after_bn, facts, switches)
+    key = (device, dtype, shape, n, training, grad, scale_after_bn, facts, switches)
     made = _PLANS.get(key)
     if made is None:
-        call = Call("cuda" if cuda else x.device.type, x.dtype, x.shape[0], weight.shape[0], x.shape[1], training,
-                    grad, scale_after_bn)
+        cuda = type(device) is int
+        call = Call("cuda" if cuda else device, dtype, shape[0], n, shape[1], training, grad, scale_after_bn)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
-        made = _PLANS[key] = plan(call, device_facts(x.get_device()) if facts is None and cuda else facts, switches)
+        made = _PLANS[key] = plan(call, device_facts(device) if facts is None and cuda else facts, switches)
     return made
 
 
@@ -964,16 +978,84 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn, tracing):
     if _use_ops(tracing):
         return _ops_forward(_per_feature(params, n), buffers, momentum, eps, training, grad, scale_after_bn)
     plan = dispatch(x, gemm.weight, training, grad, scale_after_bn)
+    return _run_plan(plan, params, buffers, momentum, eps, scale_after_bn)
+
+
+def _run_plan(plan, params, buffers, momentum, eps, scale_after_bn):
+    """The kernels of a checked call (fused_forward, _plain_call): plan from dispatch();
+    params (x, gemm.weight, gemm.bias, scale ((N,) or (1,)), bn.weight, bn.bias);
+    buffers (running_mean, running_var, num_batches_tracked); momentum (< 0: cumulative
+    average) and eps as floats.  Returns out (M, N)."""
     if plan.kernels == "lowp":
-        return _LOWP.forward(plan, params, buffers, momentum, eps, scale_after_bn, grad)
-    params = _per_feature(params, n)
+        return _LOWP.forward(plan, params, buffers, momentum, eps, scale_after_bn, plan.grad)
+    params = _per_feature(params, params[1].shape[0])
     kernels = _kernels(plan.kernels)
-    if training and grad:
+    if plan.training and plan.grad:
         return _TrainFn.apply(kernels, plan.gemm, scale_after_bn, buffers, momentum, eps, *params)
-    if grad:
+    if plan.grad:
         return _eval_with_grad(functools.partial(_GemmNT.apply, kernels, plan.gemm),
                                _SoftmaxRows.apply if scale_after_bn else None, *params, *buffers[:2], eps)
-    return _forward_call(kernels, plan.gemm, scale_after_bn, training, buffers, momentum, eps, params)
+    return _forward_call(kernels, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, params)
+
+
+_MISSING = object()
+
+
+def _plain_call(module, x):
+    """fused_forward's decision for the common call of a FusedModule, in fewer host steps
+    (~3 us of Python against ~9 on the development CPU; a synchronized call waits for
+    it before its first launch): (plan, params, buffers, momentum, eps, scale_after_bn)
+    for _run_plan, or None where fused_forward must decide (and raise).  The common
+    call: x a plain CUDA tensor (M, K) of float32 or a 16-bit dtype that runs here,
+    gemm.weight's dtype and device, M >= 1 (>= 2 in training); module.gemm a
+    LinearParams and module.bn a BatchNormState (not a SyncBatchNorm), every tensor
+    present (bias, affine, running statistics; in training num_batches_tracked and
+    track_running_stats True); scale a parameter of shape (N,) or (1,); no mixed precision,
+    tracing, compiling or SWITCHES.eager_ops.  It reads what module_call and
+    _checked_params read, and accepts only calls they let through unchanged, so both paths
+    give the same plan and tensors.  Nothing is written."""
+    if type(x) is not torch.Tensor or not x.is_cuda or torch.jit.is_tracing() or _use_ops():
+        return None
+    if _AUTOCAST is not None and _AUTOCAST.autocast_dtype(x) is not None:
+        return None
+    if not _plain_fields(type(module), _FUSED_MODULE_FIELDS):
+        return None
+    d = module.__dict__
+    modules, parameters = d.get("_modules"), d.get("_parameters")
+    if type(modules) is not dict or type(parameters) is not dict:
+        return None
+    gemm, bn, scale = modules.get("gemm"), modules.get("bn"), parameters.get("scale")
+    if type(gemm) is not LinearParams or type(bn) is not BatchNormState or scale is None:
+        return None
+    linear = gemm.__dict__["_parameters"]
+    weight, bias = linear.get("weight"), linear.get("bias")
+    b = bn.__dict__
+    bn_weight, bn_bias = b["_parameters"].get("weight"), b["_parameters"].get("bias")
+    mean, var, tracked = (b["_buffers"].get("running_mean"), b["_buffers"].get("running_var"),
+                          b["_buffers"].get("num_batches_tracked"))
+    training, momentum, eps = b.get("training"), b.get("momentum", _MISSING), b.get("eps", _MISSING)
+    if (weight is None or bias is None or bn_weight is None or bn_bias is None or mean is None or var is None
+            or type(training) is not bool or momentum is _MISSING or eps is _MISSING
+            or (training and (tracked is None or b.get("track_running_stats") is not True))):
+        return None
+    shape, w_shape, s_shape = x.shape, weight.shape, scale.shape
+    if len(shape) != 2 or len(w_shape) != 2 or len(s_shape) != 1:
+        return None
+    m, k = shape
+    n = w_shape[0]
+    dtype, device = x.dtype, x.get_device()
+    if (k != w_shape[1] or m < (2 if training else 1) or (s_shape[0] != n and s_shape[0] != 1)
+            or dtype is not weight.dtype or device != weight.get_device()
+            or (dtype is not torch.float32 and not (_is_16bit_dtype(dtype) and _LOWP is not None
+                                                    and _LOWP.available()))):
+        return None  # (16-bit runs where _cuda_dtype_problem gives None: model_new_lowp.py's sources found)
+    if _SYNC is None and training:
+        _warn_unsynchronized(bn)
+    params = (x, weight, bias, scale, bn_weight, bn_bias)
+    scale_after_bn = module.scale_after_bn
+    plan = _dispatch_memo(device, dtype, shape, n, training, _needs_grad(params), scale_after_bn)
+    return (plan, params, (mean, var, tracked), -1.0 if momentum is None else float(momentum), float(eps),
+            scale_after_bn)
 
 
 def kernel_path(x, gemm, scale, bn, scale_after_bn):
@@ -1668,6 +1750,9 @@ class FusedModule(nn.Module):
     scale_after_bn = False
 
     def forward(self, x):
+        call = _plain_call(self, x)
+        if call is not None:
+            return _run_plan(*call)
         return fused_forward(x, *module_fields(self, _FUSED_MODULE_FIELDS), self.scale_after_bn)
 
     def kernel_path(self, x):

@@ -87,7 +87,7 @@ namespace bn {
 
 constexpr int kFoldThreads = 256;
 constexpr int kApplyThreads = 256;
-constexpr int kApplyRowsPerBlock = 16;  // 256 blocks of 256 threads at M = 1024, N = 8192
+constexpr int kApplyRowsPerBlock = 8;   // 512 blocks of 256 threads at M = 1024, N = 8192 (3 resident an SM)
 constexpr int kApplyRowBatch = 8;       // rows loaded before any is stored (in place: see bn_apply.cu)
 constexpr int kApplyMinBlocks = 256;    // fewer rows per block below this grid (apply_for_storage)
 constexpr int kRowThreads = 512;        // N = 8192: two 16-byte groups per thread
@@ -136,11 +136,15 @@ __global__ void __launch_bounds__(kFoldThreads) bn16_fold_train_kernel(const Fol
 // rounding.
 __device__ __forceinline__ float bn_affine(float u, const float4& c) { return fmaf(c.z * (u - c.x), c.y, c.w); }
 
-// Each thread owns kCols columns (8 or 1) and walks rows_per_block rows.
+// Each thread owns kCols columns (8 or 1) and walks rows_per_block rows, kApplyRowBatch at a
+// time, every load of a batch issued before its first store.  16-bit storage holds the loads as
+// they arrive (Group8: 4 registers a row), so that three CTAs share an SM with 8 rows each in
+// flight (96 KB an SM); float32 storage holds 8 floats a row (two CTAs an SM).
 template <typename S, int kCols>
-__global__ void __launch_bounds__(kApplyThreads)
+__global__ void __launch_bounds__(kApplyThreads, sizeof(word_t<S>) == 2 && kCols == kVec ? 3 : 1)
     bn16_apply_kernel(word_t<S>* out, const float* __restrict__ coeff, int M, int N, int rows_per_block) {
   using St = Storage<S>;
+  using Held = std::conditional_t<kCols == kVec, Group8<S>, float>;
   pdl_wait_then_release();
   const int col = (blockIdx.x * blockDim.x + threadIdx.x) * kCols;
   if (col >= N) return;
@@ -153,27 +157,33 @@ __global__ void __launch_bounds__(kApplyThreads)
   const int row0 = blockIdx.y * rows_per_block;
   const int row_end = min(M, row0 + rows_per_block);
   for (int row = row0; row < row_end; row += kApplyRowBatch) {
-    float v[kApplyRowBatch][kCols];
+    Held held[kApplyRowBatch];
 #pragma unroll
     for (int r = 0; r < kApplyRowBatch; ++r) {
       if (row + r >= row_end) break;
       const word_t<S>* q = out + static_cast<size_t>(row + r) * N + col;
       if constexpr (kCols == kVec) {
-        load_group<S>(q, v[r]);
+        held[r] = load_group8<S>(q);
       } else {
-        v[r][0] = St::load(q);
+        held[r] = St::load(q);
       }
     }
 #pragma unroll
     for (int r = 0; r < kApplyRowBatch; ++r) {
       if (row + r >= row_end) break;
       word_t<S>* q = out + static_cast<size_t>(row + r) * N + col;
-#pragma unroll
-      for (int e = 0; e < kCols; ++e) v[r][e] = bn_affine(v[r][e], c[e]);
+      float v[kCols];
       if constexpr (kCols == kVec) {
-        store_group<S>(q, v[r]);
+        unpack8<S>(held[r], v);
       } else {
-        St::store(q, v[r][0]);
+        v[0] = held[r];
+      }
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) v[e] = bn_affine(v[e], c[e]);
+      if constexpr (kCols == kVec) {
+        store_group<S>(q, v);
+      } else {
+        St::store(q, v[0]);
       }
     }
   }

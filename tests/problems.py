@@ -210,6 +210,15 @@ PROBLEMS = {"33": P33, "84": P84}
 # ---------------------------------------------------------------------------
 
 
+def set_attrs(**attrs):
+    """A change(model) setting model.<owner>.<name> = value for each owner__name=value."""
+    def apply(model):
+        for path, value in attrs.items():
+            owner, name = path.split("__")
+            setattr(getattr(model, owner), name, value)
+    return apply
+
+
 def set_scale(ref, new, value, seed=0):
     """The same non-trivial `scale` in both models: a constant, or "random":
     uniform in [-2, 2) (both signs), drawn on the CPU from `seed`."""

@@ -18,31 +18,23 @@ import pytest
 import torch
 
 import model_new
-from tests.problems import PROBLEMS, make_pair, requires_cuda
+from tests.problems import PROBLEMS, make_pair, requires_cuda, set_attrs
 
 M, K, N = 24, 20, 12
 
 
-def _set(**attrs):
-    def apply(model):
-        for path, value in attrs.items():
-            owner, name = path.split("__")
-            setattr(getattr(model, owner), name, value)
-    return apply
-
-
 CASES = {
-    "track_off": _set(bn__track_running_stats=False),
-    "buffers_none": _set(bn__running_mean=None, bn__running_var=None),
-    "buffers_none_track_off": _set(bn__track_running_stats=False, bn__running_mean=None, bn__running_var=None,
+    "track_off": set_attrs(bn__track_running_stats=False),
+    "buffers_none": set_attrs(bn__running_mean=None, bn__running_var=None),
+    "buffers_none_track_off": set_attrs(bn__track_running_stats=False, bn__running_mean=None, bn__running_var=None,
                                    bn__num_batches_tracked=None),
-    "num_batches_tracked_none": _set(bn__num_batches_tracked=None),
-    "num_batches_tracked_none_momentum_none": _set(bn__num_batches_tracked=None, bn__momentum=None),
-    "momentum_none": _set(bn__momentum=None),
-    "gemm_bias_none": _set(gemm__bias=None),
-    "bn_weight_none": _set(bn__weight=None),
-    "bn_affine_off": _set(bn__weight=None, bn__bias=None),
-    "everything_optional_off": _set(gemm__bias=None, bn__weight=None, bn__bias=None, bn__track_running_stats=False),
+    "num_batches_tracked_none": set_attrs(bn__num_batches_tracked=None),
+    "num_batches_tracked_none_momentum_none": set_attrs(bn__num_batches_tracked=None, bn__momentum=None),
+    "momentum_none": set_attrs(bn__momentum=None),
+    "gemm_bias_none": set_attrs(gemm__bias=None),
+    "bn_weight_none": set_attrs(bn__weight=None),
+    "bn_affine_off": set_attrs(bn__weight=None, bn__bias=None),
+    "everything_optional_off": set_attrs(gemm__bias=None, bn__weight=None, bn__bias=None, bn__track_running_stats=False),
 }
 
 
@@ -129,9 +121,9 @@ def test_untracked_buffers_negative_control(problem):
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
 def test_refused_state_raises_as_model_and_touches_nothing(problem, training):
-    cases = {"running_mean": (_set(bn__running_mean=None), ValueError if training else RuntimeError),
-             "running_var": (_set(bn__running_var=None), ValueError if training else RuntimeError),
-             "gemm_weight": (_set(gemm__weight=None), TypeError),
+    cases = {"running_mean": (set_attrs(bn__running_mean=None), ValueError if training else RuntimeError),
+             "running_var": (set_attrs(bn__running_var=None), ValueError if training else RuntimeError),
+             "gemm_weight": (set_attrs(gemm__weight=None), TypeError),
              "scale": (lambda m: setattr(m, "scale", None), TypeError)}
     for name, (apply, error) in cases.items():
         ref, new = make_pair(PROBLEMS[problem], 0, K, N, dtype=torch.float64)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import model_new
-from tests.problems import PROBLEMS, make_pair, requires_cuda
+from tests.problems import PROBLEMS, make_pair, requires_cuda, set_attrs
 
 M, K, N = 48, 64, 40
 
@@ -78,13 +78,6 @@ def test_gpu_plain_call_as_general_path(problem, dtype, training, grad):
 
 def _decline_cases(problem):
     """name -> (change(model) -> x or None for the default x); each makes the lane decline."""
-    def state(**attrs):
-        def change(model):
-            for path, value in attrs.items():
-                owner, name = path.split("__")
-                setattr(getattr(model, owner), name, value)
-        return change
-
     def scale_2d(model):
         model.scale = nn.Parameter(model.scale.detach().reshape(1, -1).expand(1, N).clone())
 
@@ -95,10 +88,10 @@ def _decline_cases(problem):
         nn.SyncBatchNorm.convert_sync_batchnorm(model)  # (converts model.bn in place)
 
     return {
-        "gemm_bias_none": (state(gemm__bias=None), None),
-        "affine_off": (state(bn__weight=None, bn__bias=None), None),
-        "track_off_training": (state(bn__track_running_stats=False), None),
-        "num_batches_tracked_none": (state(bn__num_batches_tracked=None), None),
+        "gemm_bias_none": (set_attrs(gemm__bias=None), None),
+        "affine_off": (set_attrs(bn__weight=None, bn__bias=None), None),
+        "track_off_training": (set_attrs(bn__track_running_stats=False), None),
+        "num_batches_tracked_none": (set_attrs(bn__num_batches_tracked=None), None),
         "one_row_training": (None, lambda dtype: _x(dtype, m=1)),
         "empty_batch": (None, lambda dtype: _x(dtype, m=0)),
         "x_subclass": (None, lambda dtype: nn.Parameter(_x(dtype), requires_grad=False)),

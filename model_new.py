@@ -1022,7 +1022,7 @@ def _plain_call(module, x):
         return None
     d = module.__dict__
     modules, parameters = d.get("_modules"), d.get("_parameters")
-    if type(modules) is not dict or type(parameters) is not dict:
+    if not (isinstance(modules, dict) and isinstance(parameters, dict)):  # (OrderedDict in torch 2.0)
         return None
     gemm, bn, scale = modules.get("gemm"), modules.get("bn"), parameters.get("scale")
     if type(gemm) is not LinearParams or type(bn) is not BatchNormState or scale is None:

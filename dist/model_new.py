@@ -108,9 +108,10 @@ _EMBEDDED_SOURCES = {
 namespace fused_gemm_bn {
 namespace binding {
 
-// The scale as the contiguous (N) vector the kernels read: model_new.per_feature_scale
-// passes one number broadcast to N features as a stride-0 view (no copy in Python);
-// it is materialized here, in one at:: copy.
+// The scale as a contiguous (N) vector, for the kernels that read N scales (synchronized
+// BatchNorm's): model_new.per_feature_scale passes one number broadcast to N features as a
+// stride-0 view (no copy in Python); it is materialized here, in one at:: copy.  The
+// forwards read that view in place instead (scale_for_kernel, BatchNormArgs::scale_stride).
 inline torch::Tensor feature_vector(const torch::Tensor& scale) {
   return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
 }
@@ -290,9 +291,10 @@ __device__ __forceinline__ void coefficients_from_stats(const BnApplyArgs& p, in
                                                         bool update_running, float& mu, float& a) {
   const double count = static_cast<double>(p.M);
   mu = static_cast<float>(mean);
-  a = bn_train_slope(m2, count, p.bn.scale[j], p.bn.bn_weight[j], p.bn.eps);
+  const float s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride];
+  a = bn_train_slope(m2, count, s, p.bn.bn_weight[j], p.bn.eps);
   if (update_running) {
-    bn_update_running(mean, m2, count, p.bn.bias[j], p.bn.scale[j], p.bn.momentum, p.bn.num_batches_tracked,
+    bn_update_running(mean, m2, count, p.bn.bias[j], s, p.bn.momentum, p.bn.num_batches_tracked,
                       p.bn.running_mean + j, p.bn.running_var + j);
     write_batch_stats(p.stats, p.N, j, mean, m2, count);
   }
@@ -533,7 +535,6 @@ struct BnBackwardArgs {
   const double* local_sums;  // kGrad: (2, N) this process's S1, S2
   const double* total_sums;  // kGrad: (2, N) every process's
   double* sums_out;          // kSums: (2, N)
-  int scale_stride = 1;              // 0: one scale read at every feature (kFull)
   double* dscale_terms = nullptr;    // kFull, one scale: dscale's N per-feature terms, unrounded
 };
 
@@ -578,7 +579,7 @@ __device__ __forceinline__ void add_sums(const float (&gv)[kRows], const float (
 template <bool kScaleFromSums>
 __device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, double S1, double S2, double T1,
                                                double T2, double count, double& a, double& c1, double& c2) {
-  const double s = p.bn.scale[static_cast<size_t>(j) * p.scale_stride], gamma = p.bn.bn_weight[j];
+  const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride], gamma = p.bn.bn_weight[j];
   const double var = p.stats[p.N + j];
   const double s2_var = p.bn.scale_after_bn ? var : s * s * var;
   const double sigma2 = s2_var + static_cast<double>(p.bn.eps);
@@ -676,7 +677,7 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
     if (p.bn.scale_after_bn) return;  // uniform over the grid
     row_groups_total(scale_sum, red[0], warp, lane, warp == 0 && valid, [&](double total) {
       // dL/du = dz / s = (gamma / sigma) (g - c1 - (z - mu) c2); a / s = gamma / sigma.
-      const double s = p.bn.scale[j], gamma = p.bn.bn_weight[j];
+      const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride], gamma = p.bn.bn_weight[j];
       const double sigma = sqrt(s * s * static_cast<double>(p.stats[p.N + j]) + static_cast<double>(p.bn.eps));
       p.dscale[j] = static_cast<float>(gamma / sigma * total);
     });
@@ -779,14 +780,14 @@ __global__ void __launch_bounds__(kScaleSumThreads) sum_scale_terms_kernel(const
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y = dL/dy (formulas above).
 cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z, const float* stats,
                                              const BatchNormArgs& bn, int M, int N, float* grad_z, float* grad_scale,
-                                             float* grad_bn_weight, float* grad_bn_bias, int scale_stride,
-                                             double* grad_scale_terms, cudaStream_t stream) {
+                                             float* grad_bn_weight, float* grad_bn_bias, double* grad_scale_terms,
+                                             cudaStream_t stream) {
+  const int scale_stride = bn.scale_stride;
   if (N == 0) return cudaSuccess;
   if (scale_stride != 0 && scale_stride != 1) return cudaErrorInvalidValue;
   if (scale_stride == 0 && grad_scale_terms == nullptr) return cudaErrorInvalidValue;
   BnBackwardArgs p{grad_y, z, stats, bn, M, N, static_cast<double>(M), nullptr, grad_z, grad_scale,
                    grad_bn_weight, grad_bn_bias, nullptr, nullptr, nullptr};
-  p.scale_stride = scale_stride;
   p.dscale_terms = scale_stride == 0 ? grad_scale_terms : nullptr;
   const cudaError_t err =
       resident_strip_pays(M, N)
@@ -904,7 +905,7 @@ __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(con
   double mean, m2;
   merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
   const double count = static_cast<double>(p.M);
-  const double s = p.bn.scale[j];
+  const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride];
   p.coeff[j] = static_cast<float>(mean);
   p.coeff[p.N + j] = static_cast<float>(s * p.bn.bn_weight[j] / sqrt(m2 / count + static_cast<double>(p.bn.eps)));
   p.coeff[2 * p.N + j] = static_cast<float>(s * p.bn.bn_bias[j]);
@@ -1260,6 +1261,7 @@ struct BnParams {
   const float* running_var;
   float eps;
   bool scale_after_bn;  // false: Linear -> scale -> BatchNorm; true: Linear -> BatchNorm -> scale
+  int scale_stride;     // 1: N scales; 0: one number for every feature
 };
 
 // Eval-mode fold of Linear bias, scale and BatchNorm into out = a * z + c for
@@ -1269,7 +1271,7 @@ struct BnParams {
 // float32, as PyTorch's eval BatchNorm.
 __device__ __forceinline__ void bn_eval_affine(const BnParams& p, int j, float& a, float& c) {
   const float gw = p.bn_weight[j] * (1.0f / sqrtf(p.running_var[j] + p.eps));
-  const float s = p.scale[j];
+  const float s = p.scale[static_cast<size_t>(j) * p.scale_stride];
   a = s * gw;
   c = p.scale_after_bn ? s * fmaf(p.bias[j] - p.running_mean[j], gw, p.bn_bias[j])
                        : fmaf(fmaf(s, p.bias[j], -p.running_mean[j]), gw, p.bn_bias[j]);
@@ -1383,7 +1385,7 @@ __global__ void __launch_bounds__(kSyncThreads) sync_bn_finalize_kernel(const Sy
   }
   const double mean_z = mean - static_cast<double>(p.bn.bias[j]);
   const double var_z = m2 / count;
-  const double s = p.bn.scale[j], gamma = p.bn.bn_weight[j];
+  const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride], gamma = p.bn.bn_weight[j];
   p.stats[j] = static_cast<float>(mean_z);
   p.stats[p.N + j] = static_cast<float>(var_z);
   p.coeff[j] = static_cast<float>(mean_z);
@@ -2061,7 +2063,7 @@ namespace fused_gemm_bn {
 // Vectors: (N) float32, contiguous, on the call's device.
 struct BatchNormArgs {
   const float* bias = nullptr;       // gemm.bias (the Linear's): running_mean, the eval fold, 33's grad_scale
-  const float* scale = nullptr;      // the per-feature scale s
+  const float* scale = nullptr;      // the per-feature scale s: scale[j * scale_stride] for feature j
   const float* bn_weight = nullptr;  // bn.weight (gamma)
   const float* bn_bias = nullptr;    // bn.bias (beta)
   // bn.running_mean / running_var: updated in place by the training launchers,
@@ -2075,6 +2077,7 @@ struct BatchNormArgs {
   float momentum = 0.f;         // training; < 0: cumulative average (momentum=None), f = 1 / num_batches_tracked
   float eps = 0.f;              // bn.eps
   bool scale_after_bn = false;  // false: problem 33 (Linear -> scale -> BatchNorm); true: 84 (BatchNorm -> scale)
+  int scale_stride = 1;         // 1: N scales; 0: one number (scale[0]) for every feature, read in place
 };
 
 // ---- prepass_3xtf32.cu: the pre-pass before each 3xTF32 GEMM ---------------
@@ -2212,12 +2215,12 @@ cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float
 // ---- bn_backward.cu: the training backward's BatchNorm ----------------------
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
 // (bn: scale, bn_weight, eps, scale_after_bn; problem 84: bn_bias, or null for a
-// grad_scale without its bn_bias * sum_m grad_y term).  scale_stride 1: N scales;
+// grad_scale without its bn_bias * sum_m grad_y term).  bn.scale_stride 1: N scales;
 // 0: one scale (bn.scale[0] at every feature), grad_scale_terms N doubles of scratch,
 // and grad_scale = [the float64 sum of the features' terms, rounded once, 0, ..., 0].
 cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
                               int N, float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
-                              int scale_stride, double* grad_scale_terms, cudaStream_t stream);
+                              double* grad_scale_terms, cudaStream_t stream);
 // Synchronized BatchNorm (statistics merged over processes):
 // the backward split around the all_reduce: this process's sums (2, N) float64 =
 // [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums
@@ -2353,16 +2356,14 @@ int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms, bool scal
 // num_batches_tracked (device int64) += 1; for the backward where not null, centred: z (M, N) =
 // z - mean_z and stats (2, N) = [0 | biased var_z] (bn_backward_train reads only z - stats[0]).
 // The BatchNorm (and softmax) in float64.
-// scale_stride (both launchers): 1, bn.scale holds N floats; 0, one number for every feature.
 cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
-                               const BatchNormArgs& bn, int scale_stride, int64_t* num_batches_tracked, float* out,
-                               float* z, float* stats, void* workspace, cudaStream_t stream);
+                               const BatchNormArgs& bn, int64_t* num_batches_tracked, float* out, float* z,
+                               float* stats, void* workspace, cudaStream_t stream);
 // The eval forward of either problem: out (M, N) the module's output from the running
 // statistics' fold (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
 // scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0), in float64.
 cudaError_t small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
-                              const BatchNormArgs& bn, int scale_stride, float* out, void* workspace,
-                              cudaStream_t stream);
+                              const BatchNormArgs& bn, float* out, void* workspace, cudaStream_t stream);
 }  // namespace fused_gemm_bn
 // ==== end small_m_fp64.cu ====
 ''',
@@ -3159,7 +3160,7 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
     return cudaErrorInvalidValue;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.bn = BnParams{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
-                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn};
+                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn, bn.scale_stride};
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, workspace, stream)
                         : launch_sm80_gemm<Epilogue::kEval, false>(args, workspace, stream);
 }
@@ -4397,7 +4398,7 @@ cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, f
   args.M = M; args.N = N; args.K = K;
   args.out = out;
   args.bn = BnParams{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
-                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn};
+                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn, bn.scale_stride};
   return launch_fp16x3<sm90::Epilogue::kEval>(x, w, args, workspace, stream);
 }
 
@@ -5132,7 +5133,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   out (M, N) float32 contiguous: the module's output;  z (M, N), stats (2, N) float32
 //       (centred, above), or null
 //   bias, bn_weight, bn_bias (N) float32; scale (N) float32, or one number for every feature
-//       (scale_stride 0: problem 84's scale of shape (1,), read in place); running_mean, running_var (N) float32,
+//       (bn.scale_stride 0: problem 84's scale of shape (1,), read in place); running_mean, running_var (N) float32,
 //       updated in place (train), read (eval)
 //   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms, scale_after_bn) bytes,
 //       8-byte aligned: pieces x M x N float64 partial sums where K is split, then
@@ -5282,7 +5283,6 @@ struct SmallMArgs {
   // bias, scale, bn_weight, bn_bias, running statistics, eps, scale_after_bn; train: momentum
   // (bn.num_batches_tracked unused: num_batches_tracked below)
   BatchNormArgs bn;
-  int scale_stride;  // 1: bn.scale holds N floats; 0: one number for every feature
   float* out;  // problem 33's output (M, N)
   double* v;   // problem 84's softmax input (M, N) float64
   // train
@@ -5347,7 +5347,7 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
   const int M = p.M, N = p.N;
   const BatchNormArgs& bn = p.bn;
   const double bias = value_or(bn.bias, n, 0.0), gamma = value_or(bn.bn_weight, n, 1.0);
-  const double beta = value_or(bn.bn_bias, n, 0.0), s = bn.scale[static_cast<size_t>(n) * p.scale_stride];
+  const double beta = value_or(bn.bn_bias, n, 0.0), s = bn.scale[static_cast<size_t>(n) * bn.scale_stride];
   double a, c;     // out or v = a (z - shift) + c
   double shift;
   if constexpr (kEval) {
@@ -5810,31 +5810,31 @@ int64_t fused_gemm_bn::small_m_fp64_workspace_bytes(int M, int N, int K, int num
 
 // bn: all of BatchNormArgs but bn.num_batches_tracked (the argument num_batches_tracked instead).
 cudaError_t fused_gemm_bn::small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N,
-                                              int K, const BatchNormArgs& bn, int scale_stride,
-                                              int64_t* num_batches_tracked, float* out, float* z, float* stats,
-                                              void* workspace, cudaStream_t stream) {
-  if (!small_m_shape_ok(M, N, K) || M < 2 || (scale_stride != 0 && scale_stride != 1) || x == nullptr ||
+                                              int K, const BatchNormArgs& bn, int64_t* num_batches_tracked,
+                                              float* out, float* z, float* stats, void* workspace,
+                                              cudaStream_t stream) {
+  if (!small_m_shape_ok(M, N, K) || M < 2 || (bn.scale_stride != 0 && bn.scale_stride != 1) || x == nullptr ||
       w == nullptr || out == nullptr ||
       bn.scale == nullptr || bn.running_mean == nullptr || bn.running_var == nullptr ||
       num_batches_tracked == nullptr)
     return cudaErrorInvalidValue;
   SmallMArgs p{};
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
-  p.bn = bn, p.scale_stride = scale_stride;
+  p.bn = bn;
   p.out = out, p.z = z, p.stats = stats, p.num_batches_tracked = num_batches_tracked;
   return launch_small_m<false>(p, static_cast<unsigned char*>(workspace), stream);
 }
 
 // bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn.
 cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N,
-                                             int K, const BatchNormArgs& bn, int scale_stride, float* out,
-                                             void* workspace, cudaStream_t stream) {
-  if (!small_m_shape_ok(M, N, K) || (scale_stride != 0 && scale_stride != 1) || x == nullptr || w == nullptr ||
+                                             int K, const BatchNormArgs& bn, float* out, void* workspace,
+                                             cudaStream_t stream) {
+  if (!small_m_shape_ok(M, N, K) || (bn.scale_stride != 0 && bn.scale_stride != 1) || x == nullptr || w == nullptr ||
       out == nullptr || bn.scale == nullptr || bn.running_mean == nullptr || bn.running_var == nullptr)
     return cudaErrorInvalidValue;
   SmallMArgs p{};
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
-  p.bn = bn, p.scale_stride = scale_stride;
+  p.bn = bn;
   p.out = out;
   return launch_small_m<true>(p, static_cast<unsigned char*>(workspace), stream);
 }
@@ -6074,7 +6074,8 @@ cudaError_t fused_gemm_bn::softmax_rows_backward(const float* out, const float* 
 //       problem 33: bn_apply (merge statistics, running statistics, normalise in place);
 //       problem 84: bn_softmax_fold_train (per-feature mean_z, a, c; running
 //       statistics), then softmax_rows in place.
-//       momentum < 0 means momentum=None (cumulative average).
+//       momentum < 0 means momentum=None (cumulative average).  A one-number scale
+//       viewed as N (stride 0) is read in place by every route (BatchNormArgs::scale_stride).
 //   forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                running_var, eps, scale_after_bn, w_parts) -> out (M, N)
 //       the pre-pass, then one GEMM launch with the folded per-feature affine
@@ -6157,8 +6158,9 @@ void check_vector(const torch::Tensor& t, const char* name, int64_t n, const tor
   TORCH_CHECK(t.is_contiguous() || (broadcast_ok && t.stride(0) == 0), name, " must be contiguous");
 }
 
-// scale_for_kernel (binding_checks.cuh): small_m_fp64 and bn_backward_train read a one-number
-// scale in place (stride 0); the other float32 kernels take N floats (feature_vector copies).
+// scale_for_kernel (binding_checks.cuh): the forwards and bn_backward_train read a one-number
+// scale in place (BatchNormArgs::scale_stride 0); synchronized BatchNorm's take N floats
+// (feature_vector copies).
 
 // Checks x and weight and returns (M, N, K).  x may have any strides: the
 // pre-pass reads it in place (the caller's tensor is never written).
@@ -6199,11 +6201,12 @@ void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, bool sc
 // The call's BatchNorm side as the launchers take it (launchers.cuh), filled
 // once from the checked tensors.  num_batches_tracked: training (the counter the
 // pre-pass increments), else null; momentum: training only.
-fgb::BatchNormArgs batch_norm_args(const BnTensors& t, double eps, bool scale_after_bn,
+fgb::BatchNormArgs batch_norm_args(const BnTensors& t, int scale_stride, double eps, bool scale_after_bn,
                                    const torch::Tensor* num_batches_tracked = nullptr, double momentum = 0.0) {
   fgb::BatchNormArgs bn;
   bn.bias = t.bias.data_ptr<float>();
   bn.scale = t.scale.data_ptr<float>();
+  bn.scale_stride = scale_stride;
   bn.bn_weight = t.bn_weight.data_ptr<float>();
   bn.bn_bias = t.bn_bias.data_ptr<float>();
   bn.running_mean = t.running_mean.data_ptr<float>();
@@ -6474,13 +6477,13 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
                                          const torch::Tensor& num_batches_tracked, double momentum, double eps,
                                          bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
   const Gemm gemm = parse_gemm(gemm_name, true);
-  const int scale_stride = scale_for_kernel(t.scale, gemm == Gemm::kSmallM);
+  const int scale_stride = scale_for_kernel(t.scale, true);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
   check_bn_tensors(t, N, x, scale_stride == 0);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, scale_stride, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor stats = saved ? torch::empty({2, N}, x.options()) : torch::Tensor();
   if (gemm == Gemm::kSmallM) {  // the whole forward, BatchNorm (and softmax) in float64: small_m_fp64.cu
     torch::Tensor out = torch::empty({M, N}, x.options());
@@ -6488,7 +6491,7 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
     const torch::Tensor xr = with_unit_column_stride(x);
     const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
     check_launch(fgb::small_m_fp64_train(xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), M, N, K, bn,
-                                         scale_stride, num_batches_tracked.data_ptr<int64_t>(),
+                                         num_batches_tracked.data_ptr<int64_t>(),
                                          out.data_ptr<float>(),
                                          saved ? z.data_ptr<float>() : nullptr,
                                          saved ? stats.data_ptr<float>() : nullptr, data_or_null(workspace), stream),
@@ -6530,7 +6533,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
                            c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name, true);
-  const int scale_stride = scale_for_kernel(scale, gemm == Gemm::kSmallM);
+  const int scale_stride = scale_for_kernel(scale, true);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
   check_bn_tensors(t, N, x, scale_stride == 0);
@@ -6539,11 +6542,11 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* w = weight.data_ptr<float>();
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, scale_stride, eps, scale_after_bn);
   if (gemm == Gemm::kSmallM) {
     const torch::Tensor xr = with_unit_column_stride(x);
     const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
-    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, scale_stride,
+    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn,
                                         out.data_ptr<float>(), data_or_null(workspace), stream),
                  "small_m_fp64_eval");
     return out;  // problem 84: the launcher ran the (float64) softmax
@@ -6847,7 +6850,8 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   const int scale_stride = scale_for_kernel(scale, true);
   const bool one_scale = scale_stride == 0;
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
-  const fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias, one_scale);
+  fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias, one_scale);
+  bn.scale_stride = scale_stride;
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = current_stream(z);
   const torch::Tensor g = grad_y.contiguous();
@@ -6856,7 +6860,7 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                       r.grad_z.data_ptr<float>(), r.grad_scale.data_ptr<float>(),
                                       r.grad_bn_weight.data_ptr<float>(), r.grad_bn_bias.data_ptr<float>(),
-                                      scale_stride, one_scale ? terms.data_ptr<double>() : nullptr, stream),
+                                      one_scale ? terms.data_ptr<double>() : nullptr, stream),
                "bn_backward_train");
   return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
@@ -6956,7 +6960,7 @@ std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered
   torch::Tensor stats = torch::empty({2, N}, z.options());
   torch::Tensor coeff = torch::empty({scale_after_bn ? 3 : 2, N}, z.options());
   torch::Tensor count = torch::empty({1}, z.options().dtype(torch::kFloat64));
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, 1, eps, scale_after_bn, &num_batches_tracked, momentum);
   check_launch(fgb::sync_bn_finalize(gathered.data_ptr<double>(), static_cast<int>(gathered.size(0)),
                                      static_cast<int>(N), bn, stats.data_ptr<float>(), coeff.data_ptr<float>(),
                                      count.data_ptr<double>(), stream),

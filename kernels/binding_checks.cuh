@@ -15,9 +15,10 @@
 namespace fused_gemm_bn {
 namespace binding {
 
-// The scale as the contiguous (N) vector the kernels read: model_new.per_feature_scale
-// passes one number broadcast to N features as a stride-0 view (no copy in Python);
-// it is materialized here, in one at:: copy.
+// The scale as a contiguous (N) vector, for the kernels that read N scales (synchronized
+// BatchNorm's): model_new.per_feature_scale passes one number broadcast to N features as a
+// stride-0 view (no copy in Python); it is materialized here, in one at:: copy.  The
+// forwards read that view in place instead (scale_for_kernel, BatchNormArgs::scale_stride).
 inline torch::Tensor feature_vector(const torch::Tensor& scale) {
   return scale.dim() == 1 && !scale.is_contiguous() ? scale.contiguous() : scale;
 }

@@ -81,9 +81,10 @@ __device__ __forceinline__ void coefficients_from_stats(const BnApplyArgs& p, in
                                                         bool update_running, float& mu, float& a) {
   const double count = static_cast<double>(p.M);
   mu = static_cast<float>(mean);
-  a = bn_train_slope(m2, count, p.bn.scale[j], p.bn.bn_weight[j], p.bn.eps);
+  const float s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride];
+  a = bn_train_slope(m2, count, s, p.bn.bn_weight[j], p.bn.eps);
   if (update_running) {
-    bn_update_running(mean, m2, count, p.bn.bias[j], p.bn.scale[j], p.bn.momentum, p.bn.num_batches_tracked,
+    bn_update_running(mean, m2, count, p.bn.bias[j], s, p.bn.momentum, p.bn.num_batches_tracked,
                       p.bn.running_mean + j, p.bn.running_var + j);
     write_batch_stats(p.stats, p.N, j, mean, m2, count);
   }

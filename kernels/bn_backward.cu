@@ -92,7 +92,6 @@ struct BnBackwardArgs {
   const double* local_sums;  // kGrad: (2, N) this process's S1, S2
   const double* total_sums;  // kGrad: (2, N) every process's
   double* sums_out;          // kSums: (2, N)
-  int scale_stride = 1;              // 0: one scale read at every feature (kFull)
   double* dscale_terms = nullptr;    // kFull, one scale: dscale's N per-feature terms, unrounded
 };
 
@@ -137,7 +136,7 @@ __device__ __forceinline__ void add_sums(const float (&gv)[kRows], const float (
 template <bool kScaleFromSums>
 __device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, double S1, double S2, double T1,
                                                double T2, double count, double& a, double& c1, double& c2) {
-  const double s = p.bn.scale[static_cast<size_t>(j) * p.scale_stride], gamma = p.bn.bn_weight[j];
+  const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride], gamma = p.bn.bn_weight[j];
   const double var = p.stats[p.N + j];
   const double s2_var = p.bn.scale_after_bn ? var : s * s * var;
   const double sigma2 = s2_var + static_cast<double>(p.bn.eps);
@@ -235,7 +234,7 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
     if (p.bn.scale_after_bn) return;  // uniform over the grid
     row_groups_total(scale_sum, red[0], warp, lane, warp == 0 && valid, [&](double total) {
       // dL/du = dz / s = (gamma / sigma) (g - c1 - (z - mu) c2); a / s = gamma / sigma.
-      const double s = p.bn.scale[j], gamma = p.bn.bn_weight[j];
+      const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride], gamma = p.bn.bn_weight[j];
       const double sigma = sqrt(s * s * static_cast<double>(p.stats[p.N + j]) + static_cast<double>(p.bn.eps));
       p.dscale[j] = static_cast<float>(gamma / sigma * total);
     });
@@ -338,14 +337,14 @@ __global__ void __launch_bounds__(kScaleSumThreads) sum_scale_terms_kernel(const
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y = dL/dy (formulas above).
 cudaError_t fused_gemm_bn::bn_backward_train(const float* grad_y, const float* z, const float* stats,
                                              const BatchNormArgs& bn, int M, int N, float* grad_z, float* grad_scale,
-                                             float* grad_bn_weight, float* grad_bn_bias, int scale_stride,
-                                             double* grad_scale_terms, cudaStream_t stream) {
+                                             float* grad_bn_weight, float* grad_bn_bias, double* grad_scale_terms,
+                                             cudaStream_t stream) {
+  const int scale_stride = bn.scale_stride;
   if (N == 0) return cudaSuccess;
   if (scale_stride != 0 && scale_stride != 1) return cudaErrorInvalidValue;
   if (scale_stride == 0 && grad_scale_terms == nullptr) return cudaErrorInvalidValue;
   BnBackwardArgs p{grad_y, z, stats, bn, M, N, static_cast<double>(M), nullptr, grad_z, grad_scale,
                    grad_bn_weight, grad_bn_bias, nullptr, nullptr, nullptr};
-  p.scale_stride = scale_stride;
   p.dscale_terms = scale_stride == 0 ? grad_scale_terms : nullptr;
   const cudaError_t err =
       resident_strip_pays(M, N)

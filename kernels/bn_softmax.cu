@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kFoldThreads) bn_softmax_fold_train_kernel(con
   double mean, m2;
   merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean, m2);
   const double count = static_cast<double>(p.M);
-  const double s = p.bn.scale[j];
+  const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride];
   p.coeff[j] = static_cast<float>(mean);
   p.coeff[p.N + j] = static_cast<float>(s * p.bn.bn_weight[j] / sqrt(m2 / count + static_cast<double>(p.bn.eps)));
   p.coeff[2 * p.N + j] = static_cast<float>(s * p.bn.bn_bias[j]);

@@ -126,6 +126,7 @@ struct BnParams {
   const float* running_var;
   float eps;
   bool scale_after_bn;  // false: Linear -> scale -> BatchNorm; true: Linear -> BatchNorm -> scale
+  int scale_stride;     // 1: N scales; 0: one number for every feature
 };
 
 // Eval-mode fold of Linear bias, scale and BatchNorm into out = a * z + c for
@@ -135,7 +136,7 @@ struct BnParams {
 // float32, as PyTorch's eval BatchNorm.
 __device__ __forceinline__ void bn_eval_affine(const BnParams& p, int j, float& a, float& c) {
   const float gw = p.bn_weight[j] * (1.0f / sqrtf(p.running_var[j] + p.eps));
-  const float s = p.scale[j];
+  const float s = p.scale[static_cast<size_t>(j) * p.scale_stride];
   a = s * gw;
   c = p.scale_after_bn ? s * fmaf(p.bias[j] - p.running_mean[j], gw, p.bn_bias[j])
                        : fmaf(fmaf(s, p.bias[j], -p.running_mean[j]), gw, p.bn_bias[j]);

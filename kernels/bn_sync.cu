@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kSyncThreads) sync_bn_finalize_kernel(const Sy
   }
   const double mean_z = mean - static_cast<double>(p.bn.bias[j]);
   const double var_z = m2 / count;
-  const double s = p.bn.scale[j], gamma = p.bn.bn_weight[j];
+  const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride], gamma = p.bn.bn_weight[j];
   p.stats[j] = static_cast<float>(mean_z);
   p.stats[p.N + j] = static_cast<float>(var_z);
   p.coeff[j] = static_cast<float>(mean_z);

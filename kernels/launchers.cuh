@@ -29,7 +29,7 @@ namespace fused_gemm_bn {
 // Vectors: (N) float32, contiguous, on the call's device.
 struct BatchNormArgs {
   const float* bias = nullptr;       // gemm.bias (the Linear's): running_mean, the eval fold, 33's grad_scale
-  const float* scale = nullptr;      // the per-feature scale s
+  const float* scale = nullptr;      // the per-feature scale s: scale[j * scale_stride] for feature j
   const float* bn_weight = nullptr;  // bn.weight (gamma)
   const float* bn_bias = nullptr;    // bn.bias (beta)
   // bn.running_mean / running_var: updated in place by the training launchers,
@@ -43,6 +43,7 @@ struct BatchNormArgs {
   float momentum = 0.f;         // training; < 0: cumulative average (momentum=None), f = 1 / num_batches_tracked
   float eps = 0.f;              // bn.eps
   bool scale_after_bn = false;  // false: problem 33 (Linear -> scale -> BatchNorm); true: 84 (BatchNorm -> scale)
+  int scale_stride = 1;         // 1: N scales; 0: one number (scale[0]) for every feature, read in place
 };
 
 // ---- prepass_3xtf32.cu: the pre-pass before each 3xTF32 GEMM ---------------
@@ -180,12 +181,12 @@ cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float
 // ---- bn_backward.cu: the training backward's BatchNorm ----------------------
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
 // (bn: scale, bn_weight, eps, scale_after_bn; problem 84: bn_bias, or null for a
-// grad_scale without its bn_bias * sum_m grad_y term).  scale_stride 1: N scales;
+// grad_scale without its bn_bias * sum_m grad_y term).  bn.scale_stride 1: N scales;
 // 0: one scale (bn.scale[0] at every feature), grad_scale_terms N doubles of scratch,
 // and grad_scale = [the float64 sum of the features' terms, rounded once, 0, ..., 0].
 cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
                               int N, float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
-                              int scale_stride, double* grad_scale_terms, cudaStream_t stream);
+                              double* grad_scale_terms, cudaStream_t stream);
 // Synchronized BatchNorm (statistics merged over processes):
 // the backward split around the all_reduce: this process's sums (2, N) float64 =
 // [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums
@@ -321,15 +322,13 @@ int64_t small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms, bool scal
 // num_batches_tracked (device int64) += 1; for the backward where not null, centred: z (M, N) =
 // z - mean_z and stats (2, N) = [0 | biased var_z] (bn_backward_train reads only z - stats[0]).
 // The BatchNorm (and softmax) in float64.
-// scale_stride (both launchers): 1, bn.scale holds N floats; 0, one number for every feature.
 cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
-                               const BatchNormArgs& bn, int scale_stride, int64_t* num_batches_tracked, float* out,
-                               float* z, float* stats, void* workspace, cudaStream_t stream);
+                               const BatchNormArgs& bn, int64_t* num_batches_tracked, float* out, float* z,
+                               float* stats, void* workspace, cudaStream_t stream);
 // The eval forward of either problem: out (M, N) the module's output from the running
 // statistics' fold (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
 // scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0), in float64.
 cudaError_t small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
-                              const BatchNormArgs& bn, int scale_stride, float* out, void* workspace,
-                              cudaStream_t stream);
+                              const BatchNormArgs& bn, float* out, void* workspace, cudaStream_t stream);
 }  // namespace fused_gemm_bn
 // ==== end small_m_fp64.cu ====

@@ -137,7 +137,7 @@ cudaError_t fused_gemm_bn::sm80_gemm_3xtf32_eval(const float* x_big, const float
     return cudaErrorInvalidValue;
   Sm80GemmBnArgs args = gemm_args(x_big, x_small, w, centring, out, M, N, K);
   args.bn = BnParams{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
-                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn};
+                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn, bn.scale_stride};
   return vec16_ok(w, K) ? launch_sm80_gemm<Epilogue::kEval, true>(args, workspace, stream)
                         : launch_sm80_gemm<Epilogue::kEval, false>(args, workspace, stream);
 }

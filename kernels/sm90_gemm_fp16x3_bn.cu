@@ -513,7 +513,7 @@ cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_eval(Fp16x3Parts x, Fp16x3Parts w, f
   args.M = M; args.N = N; args.K = K;
   args.out = out;
   args.bn = BnParams{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
-                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn};
+                     bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn, bn.scale_stride};
   return launch_fp16x3<sm90::Epilogue::kEval>(x, w, args, workspace, stream);
 }
 

@@ -39,7 +39,7 @@
 //   out (M, N) float32 contiguous: the module's output;  z (M, N), stats (2, N) float32
 //       (centred, above), or null
 //   bias, bn_weight, bn_bias (N) float32; scale (N) float32, or one number for every feature
-//       (scale_stride 0: problem 84's scale of shape (1,), read in place); running_mean, running_var (N) float32,
+//       (bn.scale_stride 0: problem 84's scale of shape (1,), read in place); running_mean, running_var (N) float32,
 //       updated in place (train), read (eval)
 //   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms, scale_after_bn) bytes,
 //       8-byte aligned: pieces x M x N float64 partial sums where K is split, then
@@ -189,7 +189,6 @@ struct SmallMArgs {
   // bias, scale, bn_weight, bn_bias, running statistics, eps, scale_after_bn; train: momentum
   // (bn.num_batches_tracked unused: num_batches_tracked below)
   BatchNormArgs bn;
-  int scale_stride;  // 1: bn.scale holds N floats; 0: one number for every feature
   float* out;  // problem 33's output (M, N)
   double* v;   // problem 84's softmax input (M, N) float64
   // train
@@ -254,7 +253,7 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
   const int M = p.M, N = p.N;
   const BatchNormArgs& bn = p.bn;
   const double bias = value_or(bn.bias, n, 0.0), gamma = value_or(bn.bn_weight, n, 1.0);
-  const double beta = value_or(bn.bn_bias, n, 0.0), s = bn.scale[static_cast<size_t>(n) * p.scale_stride];
+  const double beta = value_or(bn.bn_bias, n, 0.0), s = bn.scale[static_cast<size_t>(n) * bn.scale_stride];
   double a, c;     // out or v = a (z - shift) + c
   double shift;
   if constexpr (kEval) {
@@ -717,31 +716,31 @@ int64_t fused_gemm_bn::small_m_fp64_workspace_bytes(int M, int N, int K, int num
 
 // bn: all of BatchNormArgs but bn.num_batches_tracked (the argument num_batches_tracked instead).
 cudaError_t fused_gemm_bn::small_m_fp64_train(const float* x, int64_t x_row_stride, const float* w, int M, int N,
-                                              int K, const BatchNormArgs& bn, int scale_stride,
-                                              int64_t* num_batches_tracked, float* out, float* z, float* stats,
-                                              void* workspace, cudaStream_t stream) {
-  if (!small_m_shape_ok(M, N, K) || M < 2 || (scale_stride != 0 && scale_stride != 1) || x == nullptr ||
+                                              int K, const BatchNormArgs& bn, int64_t* num_batches_tracked,
+                                              float* out, float* z, float* stats, void* workspace,
+                                              cudaStream_t stream) {
+  if (!small_m_shape_ok(M, N, K) || M < 2 || (bn.scale_stride != 0 && bn.scale_stride != 1) || x == nullptr ||
       w == nullptr || out == nullptr ||
       bn.scale == nullptr || bn.running_mean == nullptr || bn.running_var == nullptr ||
       num_batches_tracked == nullptr)
     return cudaErrorInvalidValue;
   SmallMArgs p{};
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
-  p.bn = bn, p.scale_stride = scale_stride;
+  p.bn = bn;
   p.out = out, p.z = z, p.stats = stats, p.num_batches_tracked = num_batches_tracked;
   return launch_small_m<false>(p, static_cast<unsigned char*>(workspace), stream);
 }
 
 // bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn.
 cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N,
-                                             int K, const BatchNormArgs& bn, int scale_stride, float* out,
-                                             void* workspace, cudaStream_t stream) {
-  if (!small_m_shape_ok(M, N, K) || (scale_stride != 0 && scale_stride != 1) || x == nullptr || w == nullptr ||
+                                             int K, const BatchNormArgs& bn, float* out, void* workspace,
+                                             cudaStream_t stream) {
+  if (!small_m_shape_ok(M, N, K) || (bn.scale_stride != 0 && bn.scale_stride != 1) || x == nullptr || w == nullptr ||
       out == nullptr || bn.scale == nullptr || bn.running_mean == nullptr || bn.running_var == nullptr)
     return cudaErrorInvalidValue;
   SmallMArgs p{};
   p.x = x, p.x_row_stride = x_row_stride, p.w = w, p.M = M, p.N = N, p.K = K;
-  p.bn = bn, p.scale_stride = scale_stride;
+  p.bn = bn;
   p.out = out;
   return launch_small_m<true>(p, static_cast<unsigned char*>(workspace), stream);
 }

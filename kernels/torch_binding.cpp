@@ -37,7 +37,8 @@
 //       problem 33: bn_apply (merge statistics, running statistics, normalise in place);
 //       problem 84: bn_softmax_fold_train (per-feature mean_z, a, c; running
 //       statistics), then softmax_rows in place.
-//       momentum < 0 means momentum=None (cumulative average).
+//       momentum < 0 means momentum=None (cumulative average).  A one-number scale
+//       viewed as N (stride 0) is read in place by every route (BatchNormArgs::scale_stride).
 //   forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
 //                running_var, eps, scale_after_bn, w_parts) -> out (M, N)
 //       the pre-pass, then one GEMM launch with the folded per-feature affine
@@ -120,8 +121,9 @@ void check_vector(const torch::Tensor& t, const char* name, int64_t n, const tor
   TORCH_CHECK(t.is_contiguous() || (broadcast_ok && t.stride(0) == 0), name, " must be contiguous");
 }
 
-// scale_for_kernel (binding_checks.cuh): small_m_fp64 and bn_backward_train read a one-number
-// scale in place (stride 0); the other float32 kernels take N floats (feature_vector copies).
+// scale_for_kernel (binding_checks.cuh): the forwards and bn_backward_train read a one-number
+// scale in place (BatchNormArgs::scale_stride 0); synchronized BatchNorm's take N floats
+// (feature_vector copies).
 
 // Checks x and weight and returns (M, N, K).  x may have any strides: the
 // pre-pass reads it in place (the caller's tensor is never written).
@@ -162,11 +164,12 @@ void check_bn_tensors(const BnTensors& t, int N, const torch::Tensor& x, bool sc
 // The call's BatchNorm side as the launchers take it (launchers.cuh), filled
 // once from the checked tensors.  num_batches_tracked: training (the counter the
 // pre-pass increments), else null; momentum: training only.
-fgb::BatchNormArgs batch_norm_args(const BnTensors& t, double eps, bool scale_after_bn,
+fgb::BatchNormArgs batch_norm_args(const BnTensors& t, int scale_stride, double eps, bool scale_after_bn,
                                    const torch::Tensor* num_batches_tracked = nullptr, double momentum = 0.0) {
   fgb::BatchNormArgs bn;
   bn.bias = t.bias.data_ptr<float>();
   bn.scale = t.scale.data_ptr<float>();
+  bn.scale_stride = scale_stride;
   bn.bn_weight = t.bn_weight.data_ptr<float>();
   bn.bn_bias = t.bn_bias.data_ptr<float>();
   bn.running_mean = t.running_mean.data_ptr<float>();
@@ -437,13 +440,13 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
                                          const torch::Tensor& num_batches_tracked, double momentum, double eps,
                                          bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
   const Gemm gemm = parse_gemm(gemm_name, true);
-  const int scale_stride = scale_for_kernel(t.scale, gemm == Gemm::kSmallM);
+  const int scale_stride = scale_for_kernel(t.scale, true);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
   check_bn_tensors(t, N, x, scale_stride == 0);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, scale_stride, eps, scale_after_bn, &num_batches_tracked, momentum);
   torch::Tensor stats = saved ? torch::empty({2, N}, x.options()) : torch::Tensor();
   if (gemm == Gemm::kSmallM) {  // the whole forward, BatchNorm (and softmax) in float64: small_m_fp64.cu
     torch::Tensor out = torch::empty({M, N}, x.options());
@@ -451,7 +454,7 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
     const torch::Tensor xr = with_unit_column_stride(x);
     const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
     check_launch(fgb::small_m_fp64_train(xr.data_ptr<float>(), xr.stride(0), weight.data_ptr<float>(), M, N, K, bn,
-                                         scale_stride, num_batches_tracked.data_ptr<int64_t>(),
+                                         num_batches_tracked.data_ptr<int64_t>(),
                                          out.data_ptr<float>(),
                                          saved ? z.data_ptr<float>() : nullptr,
                                          saved ? stats.data_ptr<float>() : nullptr, data_or_null(workspace), stream),
@@ -493,7 +496,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
                            c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name, true);
-  const int scale_stride = scale_for_kernel(scale, gemm == Gemm::kSmallM);
+  const int scale_stride = scale_for_kernel(scale, true);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
   check_bn_tensors(t, N, x, scale_stride == 0);
@@ -502,11 +505,11 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* w = weight.data_ptr<float>();
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, scale_stride, eps, scale_after_bn);
   if (gemm == Gemm::kSmallM) {
     const torch::Tensor xr = with_unit_column_stride(x);
     const torch::Tensor workspace = small_m_workspace(x, M, N, K, scale_after_bn);
-    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn, scale_stride,
+    check_launch(fgb::small_m_fp64_eval(xr.data_ptr<float>(), xr.stride(0), w, M, N, K, bn,
                                         out.data_ptr<float>(), data_or_null(workspace), stream),
                  "small_m_fp64_eval");
     return out;  // problem 84: the launcher ran the (float64) softmax
@@ -810,7 +813,8 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   const int scale_stride = scale_for_kernel(scale, true);
   const bool one_scale = scale_stride == 0;
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
-  const fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias, one_scale);
+  fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias, one_scale);
+  bn.scale_stride = scale_stride;
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = current_stream(z);
   const torch::Tensor g = grad_y.contiguous();
@@ -819,7 +823,7 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   check_launch(fgb::bn_backward_train(g.data_ptr<float>(), z.data_ptr<float>(), stats.data_ptr<float>(), bn, M, N,
                                       r.grad_z.data_ptr<float>(), r.grad_scale.data_ptr<float>(),
                                       r.grad_bn_weight.data_ptr<float>(), r.grad_bn_bias.data_ptr<float>(),
-                                      scale_stride, one_scale ? terms.data_ptr<double>() : nullptr, stream),
+                                      one_scale ? terms.data_ptr<double>() : nullptr, stream),
                "bn_backward_train");
   return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
@@ -919,7 +923,7 @@ std::vector<torch::Tensor> sync_bn_apply(torch::Tensor z, torch::Tensor gathered
   torch::Tensor stats = torch::empty({2, N}, z.options());
   torch::Tensor coeff = torch::empty({scale_after_bn ? 3 : 2, N}, z.options());
   torch::Tensor count = torch::empty({1}, z.options().dtype(torch::kFloat64));
-  const fgb::BatchNormArgs bn = batch_norm_args(t, eps, scale_after_bn, &num_batches_tracked, momentum);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, 1, eps, scale_after_bn, &num_batches_tracked, momentum);
   check_launch(fgb::sync_bn_finalize(gathered.data_ptr<double>(), static_cast<int>(gathered.size(0)),
                                      static_cast<int>(N), bn, stats.data_ptr<float>(), coeff.data_ptr<float>(),
                                      count.data_ptr<double>(), stream),

@@ -129,7 +129,7 @@ struct Case {
 // The features a w_non_finite case poisons (N >= 3).
 bool poisoned_feature(const Case& c, int n) { return c.w_non_finite && (n == 1 || n == c.N - 2); }
 
-// The launchers' scale_stride: 0 where one number serves every feature.
+// BatchNormArgs::scale_stride: 0 where one number serves every feature.
 int scale_stride(const Case& c) { return c.scale_one_number ? 0 : 1; }
 
 // Problem 84's training without z / stats in the null-vectors case (the launcher's null outputs).
@@ -474,6 +474,7 @@ fused_gemm_bn::BatchNormArgs batch_norm_args(const Case& c, const Inputs& in, bo
   bn.momentum = c.momentum_none ? -1.f : kMomentum;
   bn.eps = in.eps;
   bn.scale_after_bn = p84;
+  bn.scale_stride = scale_stride(c);
   return bn;
 }
 #endif
@@ -496,7 +497,7 @@ Outputs run_launchers_emulated(const Case& c, const Inputs& in) {
     t = fresh_train_outputs(c, in, saves_z_stats(c, p84));
     const cudaError_t err = small_m_fp64_train(
         in.x.data(), ld, in.w.data(), c.M, c.N, c.K,
-        batch_norm_args(c, in, p84 == 1, vectors, t.running_mean.data(), t.running_var.data()), scale_stride(c),
+        batch_norm_args(c, in, p84 == 1, vectors, t.running_mean.data(), t.running_var.data()),
         &t.num_batches_tracked, t.out.data(), data_or_null(t.z), data_or_null(t.stats), workspace, nullptr);
     t.rejected = err == cudaErrorInvalidValue;
     if (err != cudaSuccess && !t.rejected) abort();
@@ -504,7 +505,7 @@ Outputs run_launchers_emulated(const Case& c, const Inputs& in) {
     o.eval[p84] = poisoned(static_cast<size_t>(c.M) * c.N);
     if (small_m_fp64_eval(in.x.data(), ld, in.w.data(), c.M, c.N, c.K,
                           batch_norm_args(c, in, p84 == 1, vectors, running_mean.data(), running_var.data()),
-                          scale_stride(c), o.eval[p84].data(), workspace, nullptr) != cudaSuccess)
+                          o.eval[p84].data(), workspace, nullptr) != cudaSuccess)
       abort();
   }
   return o;
@@ -733,7 +734,7 @@ Outputs run_gpu(const Case& c, const Inputs& in, bool& deterministic, Timing& ti
   auto launch_train = [&](int p84) {
     const bool saves = saves_z_stats(c, p84);
     return small_m_fp64_train(x, ld, w, c.M, c.N, c.K,
-                              batch_norm_args(c, in, p84 == 1, vectors, train_mean, train_var), scale_stride(c),
+                              batch_norm_args(c, in, p84 == 1, vectors, train_mean, train_var),
                               count, out,
                               saves ? z : nullptr, saves ? stats : nullptr, workspace, stream);
   };
@@ -759,8 +760,7 @@ Outputs run_gpu(const Case& c, const Inputs& in, bool& deterministic, Timing& ti
     poison(out, MN * sizeof(float), stream);
     CUDA_OK(small_m_fp64_eval(x, ld, w, c.M, c.N, c.K,
                               batch_norm_args(c, in, p84 == 1, vectors, running_mean, running_var),
-                              scale_stride(c), out,
-                              workspace, stream));
+                              out, workspace, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     return to_host(out, MN);
   };

@@ -904,7 +904,7 @@ _UNSYNCHRONIZED_WARNED = False
 
 
 def _warn_unsynchronized(bn):
-    """Without model_new_sync.py (the self-contained files; _fused_forward calls it only then):
+    """Without model_new_sync.py (the self-contained files; the forwards call it only then):
     once per process, a training call under torch.distributed with more than one process warns
     that this copy keeps per-process batch statistics (SyncBatchNorm conversion cannot see its
     BatchNormState)."""
@@ -1046,10 +1046,9 @@ def _plain_call(module, x):
     dtype, device = x.dtype, x.get_device()
     if (k != w_shape[1] or m < (2 if training else 1) or (s_shape[0] != n and s_shape[0] != 1)
             or dtype is not weight.dtype or device != weight.get_device()
-            or (dtype is not torch.float32 and not (_is_16bit_dtype(dtype) and _LOWP is not None
-                                                    and _LOWP.available()))):
-        return None  # (16-bit runs where _cuda_dtype_problem gives None: model_new_lowp.py's sources found)
-    if _SYNC is None and training:
+            or (dtype is not torch.float32 and (dtype is torch.float64 or _cuda_dtype_problem(dtype) is not None))):
+        return None  # (float64 takes the torch-op route by fused_forward)
+    if _SYNC is None:
         _warn_unsynchronized(bn)
     params = (x, weight, bias, scale, bn_weight, bn_bias)
     scale_after_bn = module.scale_after_bn

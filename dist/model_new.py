@@ -6807,15 +6807,17 @@ std::pair<int, int> check_backward_operands(const char* fn, const torch::Tensor&
 
 // What bn_backward_train and bn_backward_grad read of the BatchNorm: scale, bn.weight and
 // (problem 84, optional) bn.bias checked against z's N and device, and the BatchNormArgs
-// of those fields (bias, gemm.bias, left null: only bn_backward_grad reads it).
+// of those fields (bias, gemm.bias, left null: only bn_backward_grad reads it).  scale_stride:
+// scale_for_kernel's (0: one number viewed as N, read in place).
 fgb::BatchNormArgs backward_bn_args(const torch::Tensor& z, int N, const torch::Tensor& scale,
                                     const torch::Tensor& bn_weight, double eps, bool scale_after_bn,
-                                    const c10::optional<torch::Tensor>& bn_bias, bool scale_broadcast_ok = false) {
-  check_vector(scale, "scale", N, z, scale_broadcast_ok);
+                                    const c10::optional<torch::Tensor>& bn_bias, int scale_stride = 1) {
+  check_vector(scale, "scale", N, z, scale_stride == 0);
   check_vector(bn_weight, "bn.weight", N, z);
   if (bn_bias.has_value()) check_vector(*bn_bias, "bn.bias", N, z);
   fgb::BatchNormArgs bn;
   bn.scale = scale.data_ptr<float>();
+  bn.scale_stride = scale_stride;
   bn.bn_weight = bn_weight.data_ptr<float>();
   bn.eps = static_cast<float>(eps);
   bn.scale_after_bn = scale_after_bn;
@@ -6850,8 +6852,7 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
   const int scale_stride = scale_for_kernel(scale, true);
   const bool one_scale = scale_stride == 0;
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
-  fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias, one_scale);
-  bn.scale_stride = scale_stride;
+  const fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias, scale_stride);
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = current_stream(z);
   const torch::Tensor g = grad_y.contiguous();
@@ -7850,7 +7851,7 @@ _UNSYNCHRONIZED_WARNED = False
 
 
 def _warn_unsynchronized(bn):
-    """Without model_new_sync.py (the self-contained files; _fused_forward calls it only then):
+    """Without model_new_sync.py (the self-contained files; the forwards call it only then):
     once per process, a training call under torch.distributed with more than one process warns
     that this copy keeps per-process batch statistics (SyncBatchNorm conversion cannot see its
     BatchNormState)."""
@@ -7992,10 +7993,9 @@ def _plain_call(module, x):
     dtype, device = x.dtype, x.get_device()
     if (k != w_shape[1] or m < (2 if training else 1) or (s_shape[0] != n and s_shape[0] != 1)
             or dtype is not weight.dtype or device != weight.get_device()
-            or (dtype is not torch.float32 and not (_is_16bit_dtype(dtype) and _LOWP is not None
-                                                    and _LOWP.available()))):
-        return None  # (16-bit runs where _cuda_dtype_problem gives None: model_new_lowp.py's sources found)
-    if _SYNC is None and training:
+            or (dtype is not torch.float32 and (dtype is torch.float64 or _cuda_dtype_problem(dtype) is not None))):
+        return None  # (float64 takes the torch-op route by fused_forward)
+    if _SYNC is None:
         _warn_unsynchronized(bn)
     params = (x, weight, bias, scale, bn_weight, bn_bias)
     scale_after_bn = module.scale_after_bn

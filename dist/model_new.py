@@ -105,6 +105,8 @@ _EMBEDDED_SOURCES = {
 #include <cuda_runtime_api.h>
 #include <torch/extension.h>
 
+#include "device_facts.cuh"
+
 namespace fused_gemm_bn {
 namespace binding {
 
@@ -145,13 +147,17 @@ inline cudaStream_t current_stream(const torch::Tensor& x) {
   return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
 }
 
-// Streaming multiprocessors of x's device.
-inline int num_sms(const torch::Tensor& x) {
-  int sms = 0;
-  TORCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()) == cudaSuccess,
-              "fused_gemm_bn: cannot read the multiprocessor count of ", x.device());
-  return sms;
+// What the bindings read about x's device (compute capability, multiprocessors), queried once
+// per device (device_facts.cuh's cache, shared with the launchers).
+inline DeviceFacts facts_of(const torch::Tensor& x) {
+  DeviceFacts facts;
+  TORCH_CHECK(device_facts(x.get_device(), &facts) == cudaSuccess, "fused_gemm_bn: cannot read the attributes of ",
+              x.device());
+  return facts;
 }
+
+// Streaming multiprocessors of x's device.
+inline int num_sms(const torch::Tensor& x) { return facts_of(x).num_sms; }
 
 }  // namespace binding
 }  // namespace fused_gemm_bn
@@ -6175,12 +6181,9 @@ std::tuple<int, int, int> check_gemm_operands(const torch::Tensor& x, const torc
   TORCH_CHECK(weight.is_contiguous(), "gemm.weight must be contiguous");
   TORCH_CHECK(x.size(0) <= INT32_MAX && weight.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX,
               "sizes must fit in int32, got x ", x.sizes(), " and gemm.weight ", weight.sizes());
-  int major = 0, minor = 0;
-  TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()) == cudaSuccess &&
-                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()) == cudaSuccess,
-              "fused_gemm_bn: cannot read the compute capability of ", x.device());
-  TORCH_CHECK(major >= 8, "fused_gemm_bn needs compute capability >= 8.0 (tensor-core TF32), got ", major, ".", minor,
-              " on ", x.device());
+  const fgb::DeviceFacts facts = fgb::binding::facts_of(x);
+  TORCH_CHECK(facts.cc_major >= 8, "fused_gemm_bn needs compute capability >= 8.0 (tensor-core TF32), got ",
+              facts.cc_major, ".", facts.cc_minor, " on ", x.device());
   return {static_cast<int>(x.size(0)), static_cast<int>(weight.size(0)), static_cast<int>(x.size(1))};
 }
 

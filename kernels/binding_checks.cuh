@@ -12,6 +12,8 @@
 #include <cuda_runtime_api.h>
 #include <torch/extension.h>
 
+#include "device_facts.cuh"
+
 namespace fused_gemm_bn {
 namespace binding {
 
@@ -52,13 +54,17 @@ inline cudaStream_t current_stream(const torch::Tensor& x) {
   return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
 }
 
-// Streaming multiprocessors of x's device.
-inline int num_sms(const torch::Tensor& x) {
-  int sms = 0;
-  TORCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()) == cudaSuccess,
-              "fused_gemm_bn: cannot read the multiprocessor count of ", x.device());
-  return sms;
+// What the bindings read about x's device (compute capability, multiprocessors), queried once
+// per device (device_facts.cuh's cache, shared with the launchers).
+inline DeviceFacts facts_of(const torch::Tensor& x) {
+  DeviceFacts facts;
+  TORCH_CHECK(device_facts(x.get_device(), &facts) == cudaSuccess, "fused_gemm_bn: cannot read the attributes of ",
+              x.device());
+  return facts;
 }
+
+// Streaming multiprocessors of x's device.
+inline int num_sms(const torch::Tensor& x) { return facts_of(x).num_sms; }
 
 }  // namespace binding
 }  // namespace fused_gemm_bn

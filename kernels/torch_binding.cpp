@@ -138,12 +138,9 @@ std::tuple<int, int, int> check_gemm_operands(const torch::Tensor& x, const torc
   TORCH_CHECK(weight.is_contiguous(), "gemm.weight must be contiguous");
   TORCH_CHECK(x.size(0) <= INT32_MAX && weight.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX,
               "sizes must fit in int32, got x ", x.sizes(), " and gemm.weight ", weight.sizes());
-  int major = 0, minor = 0;
-  TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()) == cudaSuccess &&
-                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device()) == cudaSuccess,
-              "fused_gemm_bn: cannot read the compute capability of ", x.device());
-  TORCH_CHECK(major >= 8, "fused_gemm_bn needs compute capability >= 8.0 (tensor-core TF32), got ", major, ".", minor,
-              " on ", x.device());
+  const fgb::DeviceFacts facts = fgb::binding::facts_of(x);
+  TORCH_CHECK(facts.cc_major >= 8, "fused_gemm_bn needs compute capability >= 8.0 (tensor-core TF32), got ",
+              facts.cc_major, ".", facts.cc_minor, " on ", x.device());
   return {static_cast<int>(x.size(0)), static_cast<int>(weight.size(0)), static_cast<int>(x.size(1))};
 }
 

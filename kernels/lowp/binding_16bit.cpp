@@ -79,7 +79,6 @@
 #include <string>
 
 #include "binding_checks.cuh"
-#include "device_facts.cuh"
 #include "launchers.cuh"
 namespace {
 
@@ -138,9 +137,7 @@ Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, Gem
               x.size(1), "), got ", weight.sizes());
   TORCH_CHECK(x.size(0) <= INT32_MAX && weight.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX,
               "sizes must fit in int32, got x ", x.sizes(), " and gemm.weight ", weight.sizes());
-  fgb::DeviceFacts facts;  // (read once per device: device_facts.cuh)
-  TORCH_CHECK(fgb::device_facts(x.get_device(), &facts) == cudaSuccess,
-              "fused_gemm_bn (16-bit): cannot read the compute capability of ", x.device());
+  const fgb::DeviceFacts facts = fgb::binding::facts_of(x);
   TORCH_CHECK(facts.cc_major >= 8, "the 16-bit kernels need compute capability >= 8.0 (mma.sync with bfloat16), got ",
               facts.cc_major, ".", facts.cc_minor, " on ", x.device());
   const int K = static_cast<int>(x.size(1));

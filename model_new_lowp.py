@@ -13,7 +13,7 @@ Routes (route(); README support matrix):
   lowp_cublas  cuBLAS's product (at::linear, eager's own call), then the chain
                kernels (lowp/bn_16bit_chain.cu, lowp/bn_16bit_strip.cu, lowp/bn_16bit.cu);
                Hopper where hopper_gemm says lowp_sm90 is slower, and eval with
-               gradients on every GPU (forward_eval_saved keeps z)
+               gradients on sm_80-89 (forward_eval_saved keeps z)
   lowp_sm80    sm_80-89: lowp/sm80_gemm_bn_16bit.cu (mma.sync)
 With gradients: the extension's forward_grad, one call that makes its autograd
 node in C++ (forward_train_saved / forward_eval_saved, then lowp/bn_16bit_backward.cu
@@ -122,19 +122,18 @@ def hopper_gemm(m, n, k, training, facts, switches):
 
 
 def route(call, facts, switches):
-    """The 16-bit GEMM route of a CUDA call (model_new.Call): lowp_cublas for
-    eval with gradients (forward_eval_saved keeps z, which only that route
-    makes), on Hopper (compute capability 9.0, the sm_90a image, not
-    switches.portable) hopper_gemm's choice, else lowp_sm80.  RuntimeError
-    below compute capability 8.0."""
+    """The 16-bit GEMM route of a CUDA call (model_new.Call): on Hopper (compute
+    capability 9.0, the sm_90a image, not switches.portable) hopper_gemm's choice
+    (eval with gradients too: lowp_sm90's kEvalSaved epilogue keeps z, as
+    lowp_cublas's product does); elsewhere lowp_sm80, or lowp_cublas for eval with
+    gradients (lowp_sm80's eval keeps no z).  RuntimeError below compute
+    capability 8.0."""
     if facts.capability < (8, 0):
         raise RuntimeError(f"ModelNew's 16-bit CUDA kernels need compute capability >= 8.0, got "
                            f"{facts.capability[0]}.{facts.capability[1]}")
-    if call.grad and not call.training:
-        return "lowp_cublas"
     if not switches.portable and facts.capability == (9, 0) and facts.sm90_gemm:
         return hopper_gemm(call.m, call.n, call.k, call.training, facts, switches)
-    return "lowp_sm80"
+    return "lowp_cublas" if call.grad and not call.training else "lowp_sm80"
 
 
 # ---------------------------------------------------------------------------
@@ -144,8 +143,7 @@ def route(call, facts, switches):
 
 def forward(plan, params, buffers, momentum, eps, scale_after_bn, grad):
     """A 16-bit module's eager forward on the plan's route, one extension call:
-    with gradients forward_grad (in eval on lowp_cublas, dispatch's choice there: the
-    one route that keeps z), else forward_train / forward_eval."""
+    with gradients forward_grad, else forward_train / forward_eval."""
     ext = kernels()
     if grad:
         return ext.forward_grad(plan.gemm, plan.training, *params, *buffers, momentum, eps, scale_after_bn, None)
@@ -226,16 +224,17 @@ def _require_cuda_16bit(name, t):
 
 def _op_forward_eval_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
                            scale_after_bn):
-    """(out, z, coeff): the 16-bit extension's forward_eval_saved on lowp_cublas
-    (its one route: the fused GEMMs' eval epilogues keep no z): forward_eval's
-    out, the Linear output z (M, N) in x's dtype, and coeff (4, N) float32, the
-    running statistics' {mean, invstd, bn.weight, bn.bias} as the forward used
-    them.  16-bit CUDA x only; an empty batch gives empty out and z."""
+    """(out, z, coeff): the 16-bit extension's forward_eval_saved on dispatch's route
+    for eval with gradients (the eager forward_grad's): forward_eval's out, the Linear
+    output z (M, N) in x's dtype, and coeff (4, N) float32, the running statistics'
+    {mean, invstd, bn.weight, bn.bias} as the forward used them.  16-bit CUDA x only;
+    an empty batch gives empty out and z."""
     _require_cuda_16bit("forward_eval_saved", x)
     n = weight.shape[0]
     if x.shape[0] == 0:
         return x.new_empty((0, n), dtype=bias.dtype), x.new_empty((0, n)), x.new_zeros((4, n), dtype=torch.float32)
-    return tuple(kernels().forward_eval_saved("lowp_cublas", x, weight, bias, scale, bn_weight, bn_bias,
+    plan = engine.dispatch(x, weight, False, True, scale_after_bn)
+    return tuple(kernels().forward_eval_saved(plan.gemm, x, weight, bias, scale, bn_weight, bn_bias,
                                               running_mean, running_var, eps, scale_after_bn))
 
 

@@ -88,15 +88,18 @@ CASES = [
     ("a100-eval-grad", call(training=False, grad=True), A100, DEFAULT, "sm80_3xtf32_eval_grad"),
     ("a100-small-odd-k", call(m=33, k=37, n=515), A100, DEFAULT, "sm80_3xtf32_train"),
     ("ada-84-train", call(problem=84), ADA, DEFAULT, "sm80_3xtf32_train"),
-    # 16-bit (model_new_lowp.route): eval with gradients lowp_cublas on every GPU and switch
-    # (forward_eval_saved keeps the Linear output z, which only cuBLAS's route writes)
+    # 16-bit (model_new_lowp.route): eval with gradients on Hopper by hopper_gemm's rule, as eval
+    # (lowp_sm90's kEvalSaved and cuBLAS's product both keep the Linear output z), lowp_cublas
+    # elsewhere (lowp_sm80's eval keeps no z)
     ("hopper-float16", call(dtype=torch.float16), H200, DEFAULT, "lowp_sm90_train"),
     ("hopper-bfloat16-eval-grad", call(dtype=torch.bfloat16, training=False, grad=True), H200, DEFAULT,
-     "lowp_cublas_eval_grad"),
+     "lowp_sm90_eval_grad"),
+    ("hopper-float16-eval-grad-small-grid", call(m=130, k=1024, n=264, dtype=torch.float16, training=False,
+                                                 grad=True), H200, DEFAULT, "lowp_cublas_eval_grad"),
     ("hopper-float16-84-eval-grad-portable", call(dtype=torch.float16, problem=84, training=False, grad=True),
      H200, PORTABLE, "lowp_cublas_eval_grad"),
-    ("hopper-float16-eval-grad-forced-sm90", call(dtype=torch.float16, training=False, grad=True), H200,
-     DEFAULT._replace(lowp_gemm="sm90"), "lowp_cublas_eval_grad"),
+    ("hopper-float16-eval-grad-forced-cublas", call(dtype=torch.float16, training=False, grad=True), H200,
+     DEFAULT._replace(lowp_gemm="cublas"), "lowp_cublas_eval_grad"),
     ("a100-bfloat16-eval-grad", call(dtype=torch.bfloat16, training=False, grad=True), A100, DEFAULT,
      "lowp_cublas_eval_grad"),
     ("a100-float16-train-grad", call(dtype=torch.float16, training=True, grad=True), A100, DEFAULT,

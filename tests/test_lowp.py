@@ -52,10 +52,11 @@ lowp_kernel: lowp_sm90 on Hopper, any K, and lowp_sm80)
     torch.compile(fullgraph=True), calls without gradients (bit-equal to eager)
     and training steps with gradients (outputs and buffers bit-equal, gradients
     within 1e-2 of eager's), both kernels and dtypes.
-  Eval with gradients (`model.bn.eval()` while fine-tuning; lowp_cublas):
+  Eval with gradients (`model.bn.eval()` while fine-tuning; lowp_sm90 or lowp_cublas):
   - test_gpu_lowp_eval_grad_fused: as test_gpu_lowp_grad_enabled in eval, on
-    the extension's forward_grad (forward_eval_saved, bn_backward_eval): output as Model's,
-    buffers untouched, gradients within 2x Model's error against float64 (+ the floor).
+    the extension's forward_grad (forward_eval_saved, bn_backward_eval), both Hopper
+    routes: output as Model's, buffers untouched, gradients within 2x Model's error
+    against float64 (+ the floor), the output bit for bit the no-gradient forward's.
   - test_gpu_lowp_compile_fullgraph_eval_with_grad: steps with BatchNorm frozen
     (`model.bn.eval()`, the rest training) under torch.compile(fullgraph=True):
     forward_eval_saved and bn_backward_eval as operators (no graph break);
@@ -159,7 +160,7 @@ def lowp_kernel(request, monkeypatch):
 
 def expect_lowp_kernel(new, x, lowp_kernel):
     """The path a call without gradients takes is the one the fixture asked for
-    (eval with gradients takes lowp_cublas on every route: forward_eval_saved)."""
+    (eval with gradients on lowp_sm80's GPUs takes lowp_cublas: forward_eval_saved)."""
     expected = "lowp_" + lowp_kernel
     with torch.no_grad():
         path = new.kernel_path(x)
@@ -402,14 +403,20 @@ def assert_grads_within(grads_new, grads_ref, grads64, grad_dtype, compute_dtype
 
 
 @requires_cuda
+@pytest.mark.parametrize("route", ["sm90", "cublas"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("shape", GRAD_SHAPES + [KERNELBENCH_SHAPE], ids=shape_id)
-def test_gpu_lowp_eval_grad_fused(dtype_name, problem, shape, full_precision_reductions, monkeypatch):
-    """16-bit eval with gradients (lowp_cublas, forward_eval_saved's route): output within the 16-bit
-    tolerance of eager's, gradients within eager's error of float64, buffers untouched; and the output
-    bit for bit the no-gradient forward's on the same route (problem 84: one row-softmax pass reading
-    z, kept, against the pass in place over z; problem 33: the chain kernel into out or over z)."""
+def test_gpu_lowp_eval_grad_fused(dtype_name, problem, shape, route, full_precision_reductions, monkeypatch):
+    """16-bit eval with gradients (forward_eval_saved) on each Hopper route, forced by
+    SWITCHES.lowp_gemm: output within the 16-bit tolerance of eager's, gradients within eager's error
+    of float64, buffers untouched; and the output bit for bit the no-gradient forward's on the same
+    route (lowp_sm90: the kEvalSaved epilogue, which also stores z and coeff, against kEval's;
+    lowp_cublas, problem 84: one row-softmax pass reading z, kept, against the pass in place over z;
+    problem 33: the chain kernel into out or over z)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"lowp_{route} is a Hopper route (sm_90)")
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(lowp_gemm=route))
     dtype = DTYPES[dtype_name]
     m, k, n = shape
     ref, new = lowp_pair(problem, k, n, dtype, seed=5)
@@ -418,7 +425,7 @@ def test_gpu_lowp_eval_grad_fused(dtype_name, problem, shape, full_precision_red
     for mod in (ref, new, ref64):
         mod.eval()
     x = lowp_input(2, m, k, dtype, seed=5)
-    assert new.kernel_path(x.requires_grad_(True)) == "lowp_cublas_eval_grad"
+    assert new.kernel_path(x.requires_grad_(True)) == f"lowp_{route}_eval_grad"
     gen = torch.Generator().manual_seed(77)
     g = torch.randn(m, n, generator=gen).to("cuda", dtype)
     before = {name: b.clone() for name, b in new.named_buffers()}
@@ -430,9 +437,8 @@ def test_gpu_lowp_eval_grad_fused(dtype_name, problem, shape, full_precision_red
     for name, b in new.named_buffers():
         assert torch.equal(b, before[name]), name
     assert_grads_within(grads_new, grads_ref, grads64, dtype, dtype, False, where)
-    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(lowp_gemm="cublas"))
     with torch.no_grad():
-        assert new.kernel_path(x) == "lowp_cublas_eval"
+        assert new.kernel_path(x) == f"lowp_{route}_eval"
         assert torch.equal(new(x), out_new), f"{where}: the no-gradient forward's output differs"
 
 
@@ -541,8 +547,9 @@ def test_gpu_lowp_one_number_scale_read_in_place(shape, problem, mode, how, grad
     (path_1, out_1, grads_1, buffers_1), (path_n, out_n, grads_n, buffers_n) = results
     where = f"{problem} {mode} {how} {shape} grad={grad} ({path_1})"
     assert path_1 == path_n and "lowp" in path_1, (path_1, path_n)
-    if not (grad and mode == "eval") and how == "16bit":  # eval with gradients: lowp_cublas on every route
-        assert path_1.startswith("lowp_" + lowp_kernel), where
+    if how == "16bit":  # (eval with gradients on lowp_sm80's GPUs: lowp_cublas)
+        expected = "cublas" if grad and mode == "eval" and lowp_kernel == "sm80" else lowp_kernel
+        assert path_1.startswith("lowp_" + expected), where
     assert torch.equal(out_1, out_n), where
     for b1, bn in zip(buffers_1, buffers_n):
         assert torch.equal(b1, bn), where

@@ -49,16 +49,17 @@
 //       kernel (bn_16bit_chain.cu), problem 84 one row-softmax launch that applies
 //       BatchNorm and the scale as it reads z (bn_16bit.cu, kEval; the autocast
 //       form keeps the chain kernel, its z and out being of two dtypes).
-//   forward_eval_saved(same arguments) -> (out, z, coeff)    (lowp_cublas only)
+//   forward_eval_saved(same arguments) -> (out, z, coeff)    (lowp_cublas; lowp_sm90 with 16-bit vectors)
 //       forward_eval, also keeping z (M, N) in x's dtype and coeff (4, N) float32 (rows) =
 //       {running_mean, rsqrtf(running_var + eps), bn.weight, bn.bias} for bn_backward_eval;
-//       problem 84 (16-bit vectors): one row-softmax launch reads z and writes out and coeff.
+//       lowp_cublas, problem 84 (16-bit vectors): one row-softmax launch reads z and writes out and
+//       coeff; lowp_sm90: the GEMM's epilogue also stores z and coeff (kEvalSaved), then 84's softmax.
 //   bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn)
 //       -> (grad_z, grad_scale, grad_bn_weight, grad_bn_bias)      (bn_16bit_backward.cu, eval)
 //   forward_grad(gemm, training, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
 //                num_batches_tracked, momentum, eps, scale_after_bn, weight_cast) -> out (M, N)
 //       the forward with gradients in one call and one autograd node (GradForward below):
-//       forward_train_saved or forward_eval_saved (lowp_cublas), and a backward of
+//       forward_train_saved or forward_eval_saved, and a backward of
 //       bn_backward_train / _eval and two cuBLAS products.  weight_cast: None for a 16-bit
 //       module; under autocast (training, float32 module) gemm.weight's cast to the autocast
 //       dtype (model_new's weight cache), x being cast here.
@@ -237,9 +238,10 @@ torch::Tensor cublas_linear(const Operands& op, const BnTensors& t, bool float32
 }
 
 // The GEMM launch of either fused kernel (the same arguments and outputs; not lowp_cublas).
+// coeff_out: lowp_sm90's eval with z_out only.
 cudaError_t launch_gemm(bool sm90, bool train, const Operands& op, torch::Tensor& out,
                         const fgb::LowpBatchNormArgs& bn, float* part_mean, float* part_m2, void* z_out,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, float* coeff_out = nullptr) {
   if (!sm90)
     return fgb::lowp_gemm_bn(bn, train, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(), op.M, op.N, op.K,
                              part_mean, part_m2, z_out, stream);
@@ -255,7 +257,7 @@ cudaError_t launch_gemm(bool sm90, bool train, const Operands& op, torch::Tensor
     if (err != cudaSuccess) return err;
   }
   return fgb::lowp_sm90_gemm_bn(bn, train, op.w_float32, op.x.data_ptr(), op.weight.data_ptr(), out.data_ptr(),
-                                op.M, op.N, op.K, part_mean, part_m2, z_out,
+                                op.M, op.N, op.K, part_mean, part_m2, z_out, coeff_out,
                                 workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr, stream);
 }
 
@@ -349,16 +351,17 @@ struct EvalResult {
   torch::Tensor out, z, coeff;
 };
 
-// The eval forward of either problem.  `saved` runs on lowp_cublas only: the fused
-// GEMMs' eval epilogues keep no z.
+// The eval forward of either problem.  `saved` runs on lowp_cublas, and on lowp_sm90 for a
+// 16-bit module (its kEvalSaved epilogue also stores z and coeff); lowp_sm80's eval keeps no z.
 EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weight, BnTensors t, double eps,
                 bool scale_after_bn, bool saved = false) {
   const int scale_stride = scale_in_place(t.scale);  // every 16-bit kernel reads one number in place
   const Operands op = check_operands(x_in, weight, gemm);
   const int M = op.M, N = op.N;
   const bool float32_io = check_bn_tensors(t, N, op.x, gemm, op.w_float32);
-  TORCH_CHECK(!saved || gemm == Gemm::kCublas,
-              "forward_eval_saved runs on lowp_cublas (the fused GEMMs' eval epilogues keep no Linear output)");
+  TORCH_CHECK(!saved || gemm == Gemm::kCublas || (gemm == Gemm::kSm90 && !float32_io),
+              "forward_eval_saved runs on lowp_cublas, or lowp_sm90 with 16-bit parameters (lowp_sm80's eval epilogue "
+              "keeps no Linear output)");
   TORCH_CHECK(!saved || !op.w_float32, "forward_eval_saved takes gemm.weight in x's dtype (", op.x.scalar_type(),
               "; the backward's products need it), got float32");
   const c10::cuda::CUDAGuard guard(op.x.device());
@@ -391,7 +394,8 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
   r.out = torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
   if (saved) r.z = torch::empty({M, N}, op.x.options());
   if (M == 0 || N == 0) return r;  // (saved: coeff is never read, as no row has a gradient)
-  check_launch(launch_gemm(gemm == Gemm::kSm90, false, op, r.out, bn, nullptr, nullptr, nullptr, stream),
+  check_launch(launch_gemm(gemm == Gemm::kSm90, false, op, r.out, bn, nullptr, nullptr,
+                           saved ? r.z.data_ptr() : nullptr, stream, saved ? r.coeff.data_ptr<float>() : nullptr),
                gemm_kernel_name(gemm, false));
   if (scale_after_bn)
     check_launch(fgb::lowp_softmax_rows(bn, r.out.data_ptr(), nullptr, M, N, stream),
@@ -609,7 +613,8 @@ torch::Tensor forward_eval(const std::string& gemm, torch::Tensor x, torch::Tens
       .out;
 }
 
-// forward_eval, also returning what the backward needs: (out, z, coeff) (EvalResult); lowp_cublas only.
+// forward_eval, also returning what the backward needs: (out, z, coeff) (EvalResult); lowp_cublas, or
+// lowp_sm90 with 16-bit vectors.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_eval_saved(
     const std::string& gemm, torch::Tensor x, torch::Tensor weight, torch::Tensor bias, torch::Tensor scale,
     torch::Tensor bn_weight, torch::Tensor bn_bias, torch::Tensor running_mean, torch::Tensor running_var, double eps,
@@ -620,7 +625,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_eval_saved(
 }
 
 // The forward with gradients (eager): out (M, N), whose grad_fn is GradForward's node.
-// Training: any route; eval: lowp_cublas (forward_eval_saved's).  weight_cast: see
+// Training: any route; eval: lowp_cublas or lowp_sm90 (forward_eval_saved's).  weight_cast: see
 // GradForward (None for a 16-bit module).
 torch::Tensor forward_grad(const std::string& gemm, bool training, torch::Tensor x, torch::Tensor weight,
                            torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,

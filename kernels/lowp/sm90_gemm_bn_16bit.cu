@@ -16,6 +16,9 @@
 //     training forward with gradients) also z_out = z, as T.
 //   kEval, 33: out = rnd(fma(w (rnd(z f(scale)) - rm), invstd, b))
 //   kEval, 84: out = rnd(rnd(fma(w (z - rm), invstd, b)) f(scale))   (then the row softmax)
+//     with z_out and coeff_out (kEvalSaved: the eval forward with gradients, 16-bit out only),
+//     also z_out = z, as T, and the first batch tile's CTAs write the coefficients they used,
+//     {rm, invstd, w, b} (lowp_coeff.cuh's (4, N) rows), for bn_16bit_backward.cu.
 //   w, b, rm = f(bn.weight), f(bn.bias), f(running_mean); invstd = rsqrtf(f(running_var) + eps).
 // Autocast form (S = float, Storage in lowp_types.cuh: a float32 module under
 // torch.autocast in T): the vectors and out are float32; bias is rounded to T
@@ -36,7 +39,8 @@
 //     K % 8 == 0 (TMA's 16-byte global strides); out (M, N) and the six
 //     vectors (N): S (T, or float32).
 //   part_mean, part_m2 (ceil(M / 128), N) float32 (kTrain).
-//   z_out (M, N) T (kTrainSaved: the training forward with gradients; else null).
+//   z_out (M, N) T (kTrainSaved, kEvalSaved: the forward with gradients; else null).
+//   coeff_out (4, N) float32 (kEvalSaved; else null).
 //   num_batches_tracked int64 (kTrain, may be null): CTA 0 adds 1.
 //
 // Structure (PTX ISA 9.7.15 wgmma, 9.7.9.25.5 cp.async.bulk.tensor, 9.7.12.15 mbarrier)
@@ -68,9 +72,10 @@
 //   16-bit out and N % 8 == 0, out goes through the (then free) ring: stmatrix
 //   .trans into one 128-byte-swizzled box of 256 rows x 64 features per
 //   warpgroup, then one TMA store per warpgroup (store_tile_tma; 2-3% off the
-//   call at the KernelBench shape, docs/perf.md v30).  Otherwise (float32 out,
-//   z_out, split tiles) store_tile pairs neighbouring features through one
-//   shuffle so each thread writes 4-byte words.
+//   call at the KernelBench shape, docs/perf.md v30); z_out (the saved chains) the
+//   same way through the next two boxes of the ring, before out.  Otherwise (float32
+//   out, split tiles) store_tile pairs neighbouring features through one shuffle so
+//   each thread writes 4-byte words.
 //
 // Launchers return the launch error (cudaSuccess if none); they never synchronise.
 
@@ -82,6 +87,7 @@
 #include "heuristics_sm90.cuh"
 #include "launchers.cuh"
 #include "lowp_chain.cuh"
+#include "lowp_coeff.cuh"
 #include "lowp_types.cuh"
 #include "sm90_gemm_tiles.cuh"
 #include "sm90_wgmma_16bit.cuh"
@@ -127,8 +133,11 @@ struct Traits {
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
 };
 
-// kTrainSaved: kTrain that also stores z (args.z_out), for the training forward with gradients.
-enum class Chain { kTrain, kTrainSaved, kEval };
+// kTrainSaved / kEvalSaved: kTrain / kEval that also store z (args.z_out), for the forward with
+// gradients; kEvalSaved also writes the coefficients it used (args.coeff_out).
+enum class Chain { kTrain, kTrainSaved, kEval, kEvalSaved };
+
+__host__ __device__ constexpr bool is_eval(Chain c) { return c == Chain::kEval || c == Chain::kEvalSaved; }
 
 // The vectors and out hold words of the storage type S (lowp_types.cuh: T, or float
 // under autocast); the kernel casts them.
@@ -147,7 +156,8 @@ struct Args {
   float* part_mean;              // kTrain
   float* part_m2;                // kTrain
   int64_t* num_batches_tracked;  // kTrain; may be null
-  void* z_out;                   // kTrainSaved: z (M, N) as T (the backward's saved Linear output)
+  void* z_out;                   // kTrainSaved, kEvalSaved: z (M, N) as T (the backward's saved Linear output)
+  float* coeff_out;              // kEvalSaved: (4, N) rows {running_mean, invstd, bn.weight, bn.bias} (lowp_coeff.cuh)
   // The grid's work (BLOCK_M = 128 only: whole tiles and split tiles, sm90_gemm_tiles.cuh;
   // BLOCK_M = 256: one whole tile per CTA) and the split tiles' workspace.
   sm90::StreamKPlan plan;
@@ -156,6 +166,7 @@ struct Args {
   // BLOCK_M = 256, 16-bit out with N % 8 == 0: out is written through shared memory
   // and TMA stores (tmap_out), else by store_tile.
   bool tma_store;
+  bool tma_store_z;  // z_out through the ring by TMA (store_tile_tma at the second pair of boxes)
 };
 
 template <typename T, int kBlockM>
@@ -233,11 +244,20 @@ __device__ __forceinline__ void store_tile(const float (&acc)[64 * kBlockM / 128
 // and 8-feature chunk the transposed 8 x 8 block, rows of out with 8 features in
 // 16 bytes) into a 128-byte-swizzled box of BLOCK_M rows x 64 features at
 // `staging` + 32 KB x warpgroup, and one thread stores the box with TMA (rows >= M
-// and features >= N clipped).  `staging`: the ring, free once both warpgroups'
-// wgmmas are done (the first barrier).
+// and features >= N clipped).  `staging`: the ring (out's boxes at its start, the
+// saved chains' z boxes kZBoxOffset after it), free once both warpgroups' wgmmas
+// are done (the first barrier); one tile a CTA, so no box is written twice.  The
+// thread waits until the store has read its box, not for the write (the grid's end
+// orders it before the next kernel).
+template <int kBlockM>
+constexpr int kZBoxOffset = 2 * kBlockM * 128;
+static_assert(Traits<kBatchTile>::kNumStages * Traits<kBatchTile>::STAGE_BYTES >= 2 * kZBoxOffset<kBatchTile>,
+              "the ring holds out's and z's boxes");
+
 template <typename S, int kBlockM>
 __device__ __forceinline__ void store_tile_tma(const float (&acc)[64 * kBlockM / 128], const CUtensorMap* tmap_out,
                                                uint8_t* staging, int m0, int n0) {
+  static_assert(kBlockM == kBatchTile, "one tile a CTA: the ring is free for the boxes");
   constexpr int kAccRegs = 64 * kBlockM / 128;
   const int warpgroup = threadIdx.x / 128;
   const int warp = (threadIdx.x / 32) % 4;
@@ -272,7 +292,8 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[64 * kBlockM /
 
 template <typename T, typename S, Chain kChain, int kBlockM>
 __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], const Args& args, int m_tile, int m0,
-                                              int n0, const CUtensorMap* tmap_out, uint8_t* staging) {
+                                              int n0, const CUtensorMap* tmap_out, const CUtensorMap* tmap_z,
+                                              uint8_t* staging) {
   using TR = Traits<kBlockM>;
   using St = Storage<S>;
   using W = word_t<S>;
@@ -290,21 +311,43 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
     const bool ok = f < N;
     p_bias[h] = ok ? round16<T>(St::load(vec(args.bias) + f)) : 0.f;  // autocast's cast of the bias to T
     p_scale[h] = ok ? St::load(vec(args.scale) + f * args.scale_stride) : 0.f;
-    if constexpr (kChain == Chain::kEval) {
+    if constexpr (is_eval(kChain)) {
       p_w[h] = ok ? St::load(vec(args.bn_weight) + f) : 0.f;
       p_b[h] = ok ? St::load(vec(args.bn_bias) + f) : 0.f;
       p_rm[h] = ok ? St::load(vec(args.running_mean) + f) : 0.f;
       p_invstd[h] = ok ? rsqrtf(St::load(vec(args.running_var) + f) + args.eps) : 0.f;
     }
   }
-  if constexpr (kChain == Chain::kTrainSaved) {
+  if constexpr (kChain == Chain::kTrainSaved || kChain == Chain::kEvalSaved) {
     // z = rnd(acc + bias), the Linear output (a T value), kept for the backward
-    // (T words, whatever S is); then u from it.
+    // (T words, whatever S is); then u, or the eval chain's output, from it.
 #pragma unroll
     for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = round16<T>(acc[i] + p_bias[(i / 2) % 2]);
-    store_tile<T, kBlockM>(acc, args.z_out, M, N, m0, n0 + f_local, g, t);
+    bool z_stored = false;
+    if constexpr (kBlockM == kBatchTile) {
+      if (args.tma_store_z) {  // the boxes after out's two (kZBoxOffset), so out's store can follow at once
+        store_tile_tma<T, kBlockM>(acc, tmap_z, staging + kZBoxOffset<kBlockM>, m0, n0);
+        z_stored = true;
+      }
+    }
+    if (!z_stored) store_tile<T, kBlockM>(acc, args.z_out, M, N, m0, n0 + f_local, g, t);
+    if constexpr (kChain == Chain::kTrainSaved) {
 #pragma unroll
-    for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = train_u<S>(acc[i], p_scale[(i / 2) % 2], args.scale_after_bn);
+      for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = train_u<S>(acc[i], p_scale[(i / 2) % 2], args.scale_after_bn);
+    } else {
+#pragma unroll
+      for (int i = 0; i < TR::kAccRegs; ++i) {
+        const int h = (i / 2) % 2;
+        acc[i] = eval_out<T, S>(acc[i], p_scale[h], p_w[h], p_b[h], p_rm[h], p_invstd[h], args.scale_after_bn);
+      }
+      if (m_tile == 0 && t == 0) {  // the first batch tile: the coefficients used, for the backward
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int f = n0 + f_local + 8 * h;
+          if (f < N) coeff_store1(args.coeff_out, N, f, make_float4(p_rm[h], p_invstd[h], p_w[h], p_b[h]));
+        }
+      }
+    }
   } else {
     // The chain up to its final rounding (lowp_chain.cuh; the store rounds to S, kTrain's u is already an S value).
 #pragma unroll
@@ -323,7 +366,7 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
         }
   }
 
-  if constexpr (kChain != Chain::kEval) {
+  if constexpr (!is_eval(kChain)) {
     // Per feature and 128-row block: mean, then M2 about it (two passes), float32,
     // over the block's valid rows; each feature's values live in one quad.
 #pragma unroll
@@ -374,7 +417,8 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
 template <typename T, typename S, Chain kChain, int kBlockM, bool kWFloat>
 __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
     sm90_gemm_bn_16bit_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,
-                              const __grid_constant__ CUtensorMap tmap_out, const Args args) {
+                              const __grid_constant__ CUtensorMap tmap_out, const __grid_constant__ CUtensorMap tmap_z,
+                              const Args args) {
 #if FUSED_GEMM_BN_SM90A
   using TR = Traits<kBlockM, kWFloat>;
   using namespace sm90;
@@ -390,7 +434,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
   const int num_segments = cta_num_segments(args.plan, cta);
 
   if (threadIdx.x == 0) {
-    if (kChain != Chain::kEval && blockIdx.x == 0 && args.num_batches_tracked != nullptr)
+    if (!is_eval(kChain) && blockIdx.x == 0 && args.num_batches_tracked != nullptr)
       *args.num_batches_tracked += 1;
 #pragma unroll
     for (int s = 0; s < TR::kNumStages; ++s) {
@@ -534,7 +578,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
     }
     const int m_tile = seg.tile % m_tiles;
     const int m0 = m_tile * TR::BLOCK_M, n0 = (seg.tile / m_tiles) * TR::BLOCK_N;
-    tile_epilogue<T, S, kChain, kBlockM>(acc, args, m_tile, m0, n0, &tmap_out, smem);
+    tile_epilogue<T, S, kChain, kBlockM>(acc, args, m_tile, m0, n0, &tmap_out, &tmap_z, smem);
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the dispatch never selects it elsewhere
@@ -564,6 +608,9 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
   CUtensorMap tmap_out = {};
   args.tma_store = sizeof(word_t<S>) == 2 && kBlockM == kBatchTile &&
                    sm90::make_tensor_map(&tmap_out, args.out, sm90::TileDtype::kWord16, args.M, args.N, kBlockM);
+  CUtensorMap tmap_z = {};  // z_out is T words whatever S is
+  args.tma_store_z = args.z_out != nullptr && kBlockM == kBatchTile &&
+                     sm90::make_tensor_map(&tmap_z, args.z_out, sm90::TileDtype::kWord16, args.M, args.N, kBlockM);
   if (plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.plan = plan;
   args.partials = workspace;
@@ -580,7 +627,8 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
   }
   const long long ctas = static_cast<long long>(plan.sk_ctas) + plan.dp_tiles;
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(ctas), TR::kNumThreads, TR::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_out, args);
+  kernel<<<static_cast<unsigned>(ctas), TR::kNumThreads, TR::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_out, tmap_z,
+                                                                                     args);
   return cudaGetLastError();
 }
 
@@ -599,6 +647,10 @@ template <typename T, typename S>
 static cudaError_t launch_for_storage(const Args& args, bool train, const void* x, const void* w, float* workspace,
                                       cudaStream_t stream) {
   if (train && args.z_out != nullptr) return launch_planned<T, S, Chain::kTrainSaved>(args, x, w, workspace, stream);
+  if (!train && args.z_out != nullptr) {  // the eval forward with gradients: 16-bit modules only
+    if constexpr (std::is_same_v<S, T>) return launch_planned<T, S, Chain::kEvalSaved>(args, x, w, workspace, stream);
+    return cudaErrorInvalidValue;
+  }
   return train ? launch_planned<T, S, Chain::kTrain>(args, x, w, workspace, stream)
                : launch_planned<T, S, Chain::kEval>(args, x, w, workspace, stream);
 }
@@ -642,7 +694,8 @@ void fused_gemm_bn::lowp_sm90_workspace(int M, int N, int K, int64_t* floats, in
 // cudaErrorInvalidValue otherwise); workspace: lowp_sm90_workspace's.
 cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(const LowpBatchNormArgs& bn, bool train, bool w_float32, const void* x,
                                              const void* w, void* out, int M, int N, int K, float* part_mean,
-                                             float* part_m2, void* z_out, float* workspace, cudaStream_t stream) {
+                                             float* part_m2, void* z_out, float* coeff_out, float* workspace,
+                                             cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   if (M == 0 || N == 0) return cudaSuccess;
   if (M < 0 || N < 0 || K < 8 || K % 8 != 0 || !sm90::aligned16(x) || !sm90::aligned16(w))
@@ -664,7 +717,9 @@ cudaError_t fused_gemm_bn::lowp_sm90_gemm_bn(const LowpBatchNormArgs& bn, bool t
   args.part_mean = part_mean;
   args.part_m2 = part_m2;
   args.num_batches_tracked = train ? bn.num_batches_tracked : nullptr;
-  args.z_out = train ? z_out : nullptr;
+  args.z_out = z_out;
+  args.coeff_out = train ? nullptr : coeff_out;
+  if (!train && (z_out == nullptr) != (coeff_out == nullptr)) return cudaErrorInvalidValue;
   return dispatch_dtype(bn.dtype, [&](auto t) {
     return hopper::launch_for_type<typename decltype(t)::type>(args, train, bn.float32_io, w_float32, x, w,
                                                                workspace, stream);

@@ -2288,13 +2288,16 @@ cudaError_t lowp_gemm_bn(const LowpBatchNormArgs& bn, bool train, const void* x,
 // and fields of bn, and float32_io: the vectors and out are float32 (a float32 module
 // under mixed precision; the GEMM in dtype), else 16-bit of dtype.  workspace: *floats
 // floats from lowp_sm90_workspace, the last *zero_ints ints zeroed (may be null when
-// *floats is 0).  z_out (train, may be null): also the Linear output z = rnd(x w^T + bias)
-// (M, N) in dtype, for the backward.  w_float32 (with float32_io, without z_out): w is
-// float32, rounded to dtype in the kernel as autocast's cast of the weight rounds it.
+// *floats is 0).  z_out (may be null): also the Linear output z = rnd(x w^T + bias)
+// (M, N) in dtype, for the backward; in eval (16-bit vectors only) with coeff_out, the
+// (4, N) rows {running_mean, rsqrtf(running_var + eps), bn.weight, bn.bias} used
+// (lowp_coeff.cuh; both or neither, else cudaErrorInvalidValue).  w_float32 (with
+// float32_io, without z_out): w is float32, rounded to dtype in the kernel as autocast's
+// cast of the weight rounds it.
 void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 cudaError_t lowp_sm90_gemm_bn(const LowpBatchNormArgs& bn, bool train, bool w_float32, const void* x, const void* w,
                               void* out, int M, int N, int K, float* part_mean, float* part_m2, void* z_out,
-                              float* workspace, cudaStream_t stream);
+                              float* coeff_out, float* workspace, cudaStream_t stream);
 // Training statistics (coeff, (4, N) rows: lowp_coeff.cuh) and the running-statistics update (lowp/bn_16bit.cu);
 // float32_io: the BatchNorm parameters and running statistics (and below, out and scale) are float32.
 // bn: dtype, float32_io, bn_weight, bn_bias, running_mean, running_var (updated),

@@ -57,52 +57,6 @@ constexpr int kSliceRows = kStatRows / kSlices;  // rows per thread of bn16_chai
 constexpr int kEvalRows = 4;        // rows per thread of bn16_chain_eval
 constexpr int kEvalMinBlocks = 3;   // its CTAs per SM (the register cap: 85)
 
-// kV values of T at z + off as float (kV = 8: one 16-byte load).
-template <typename T, int kV>
-__device__ __forceinline__ void load_z(const uint16_t* z, size_t off, float (&v)[kV]) {
-  if constexpr (kV == 8) {
-    const uint4 q = *reinterpret_cast<const uint4*>(z + off);
-    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[2 * j] = Bits<T>::to_float(static_cast<uint16_t>(w[j] & 0xffffu));
-      v[2 * j + 1] = Bits<T>::to_float(static_cast<uint16_t>(w[j] >> 16));
-    }
-  } else {
-    v[0] = load_float<T>(z + off);
-  }
-}
-
-// kV values of S at p + off (16-bit S: round to nearest even, the store's rounding).
-template <typename S, int kV>
-__device__ __forceinline__ void store_s(word_t<S>* p, size_t off, const float (&v)[kV]) {
-  if constexpr (kV == 8 && sizeof(word_t<S>) == 4) {
-    *reinterpret_cast<float4*>(p + off) = make_float4(v[0], v[1], v[2], v[3]);
-    *reinterpret_cast<float4*>(p + off + 4) = make_float4(v[4], v[5], v[6], v[7]);
-  } else if constexpr (kV == 8) {
-    uint4 q;
-    q.x = pack2(to_bits<S>(v[0]), to_bits<S>(v[1]));
-    q.y = pack2(to_bits<S>(v[2]), to_bits<S>(v[3]));
-    q.z = pack2(to_bits<S>(v[4]), to_bits<S>(v[5]));
-    q.w = pack2(to_bits<S>(v[6]), to_bits<S>(v[7]));
-    *reinterpret_cast<uint4*>(p + off) = q;
-  } else {
-    Storage<S>::store(p + off, v[0]);
-  }
-}
-
-template <typename S, int kV>
-__device__ __forceinline__ void load_s(const word_t<S>* p, size_t off, float (&v)[kV]) {
-  if constexpr (kV == 8 && sizeof(word_t<S>) == 4) {
-    const float4 a = *reinterpret_cast<const float4*>(p + off), b = *reinterpret_cast<const float4*>(p + off + 4);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  } else if constexpr (kV == 8) {
-    load_z<S, 8>(p, off, v);
-  } else {
-    v[0] = Storage<S>::load(p + off);
-  }
-}
-
 struct TrainArgs {
   const uint16_t* z;
   void* out;
@@ -138,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) bn16_chain_train_kernel(const TrainA
     float v[kSliceRows][kV];
 #pragma unroll
     for (int r = 0; r < kSliceRows; ++r)  // every load first
-      if (r_begin + r < r_end) load_z<T, kV>(p.z, static_cast<size_t>(row0 + r_begin + r) * p.N + f0, v[r]);
+      if (r_begin + r < r_end) load_values<T, kV>(p.z + static_cast<size_t>(row0 + r_begin + r) * p.N + f0, v[r]);
 #pragma unroll
     for (int r = 0; r < kSliceRows; ++r) {
       if (r_begin + r >= r_end) break;
@@ -147,7 +101,7 @@ __global__ void __launch_bounds__(kThreads) bn16_chain_train_kernel(const TrainA
         v[r][j] = train_u<S>(v[r][j], scale[j], p.scale_after_bn);
         sum[j] += v[r][j];
       }
-      store_s<S, kV>(out, static_cast<size_t>(row0 + r_begin + r) * p.N + f0, v[r]);
+      store_values<S, kV>(out + static_cast<size_t>(row0 + r_begin + r) * p.N + f0, v[r]);
     }
   }
 #pragma unroll
@@ -167,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) bn16_chain_train_kernel(const TrainA
     float v[kSliceRows][kV];
 #pragma unroll
     for (int r = 0; r < kSliceRows; ++r)
-      if (r_begin + r < r_end) load_s<S, kV>(out, static_cast<size_t>(row0 + r_begin + r) * p.N + f0, v[r]);
+      if (r_begin + r < r_end) load_values<S, kV>(out + static_cast<size_t>(row0 + r_begin + r) * p.N + f0, v[r]);
 #pragma unroll
     for (int r = 0; r < kSliceRows; ++r) {
       if (r_begin + r >= r_end) break;
@@ -272,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, kEvalMinBlocks) bn16_chain_eval_kern
 #pragma unroll
     for (int j = 0; j < kV; ++j)
       v[j] = eval_out<T, S>(v[j], scale[j], w[j], b[j], rm[j], invstd[j], p.bn.scale_after_bn);
-    store_s<S, kV>(static_cast<W*>(p.out), static_cast<size_t>(row0 + r) * p.N + f0, v);
+    store_values<S, kV>(static_cast<W*>(p.out) + static_cast<size_t>(row0 + r) * p.N + f0, v);
   }
 }
 

@@ -145,13 +145,7 @@ __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const A
     for (int r = 0; r < kRows; ++r) {  // every load first
       const int row = slice + r * kStripSlices;
       if (row < p.M) {
-        const uint4 q = *reinterpret_cast<const uint4*>(p.z + static_cast<size_t>(row) * p.N + f0);
-        const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          v[r][2 * i] = Bits<T>::to_float(static_cast<uint16_t>(w[i] & 0xffffu));
-          v[r][2 * i + 1] = Bits<T>::to_float(static_cast<uint16_t>(w[i] >> 16));
-        }
+        load_group<T>(p.z + static_cast<size_t>(row) * p.N + f0, v[r]);
       }
     }
 #pragma unroll
@@ -205,15 +199,7 @@ __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const A
 #pragma unroll
     for (int j = 0; j < kVec; ++j)  // 33: bn16_apply's fma(w (u - mean), invstd, b); 84: u
       o[j] = p.scale_after_bn ? v[r][j] : fmaf(c[j].z * (v[r][j] - c[j].x), c[j].y, c[j].w);
-    W* q = out + static_cast<size_t>(row) * p.N + f0;
-    if constexpr (sizeof(W) == 2) {
-      *reinterpret_cast<uint4*>(q) =
-          make_uint4(pack2(to_bits<S>(o[0]), to_bits<S>(o[1])), pack2(to_bits<S>(o[2]), to_bits<S>(o[3])),
-                     pack2(to_bits<S>(o[4]), to_bits<S>(o[5])), pack2(to_bits<S>(o[6]), to_bits<S>(o[7])));
-    } else {
-      reinterpret_cast<float4*>(q)[0] = make_float4(o[0], o[1], o[2], o[3]);
-      reinterpret_cast<float4*>(q)[1] = make_float4(o[4], o[5], o[6], o[7]);
-    }
+    store_group<S>(out + static_cast<size_t>(row) * p.N + f0, o);
   }
 }
 

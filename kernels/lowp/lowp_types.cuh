@@ -177,5 +177,27 @@ __device__ __forceinline__ void store_group(word_t<S>* p, const float (&v)[8]) {
   }
 }
 
+// kV (8 or 1) consecutive S values at p as floats, and back (store_values rounds to
+// S, to nearest even): kV = 8 is one group (load_group / store_group: p 16-byte
+// aligned), kV = 1 one element.
+template <typename S, int kV>
+__device__ __forceinline__ void load_values(const word_t<S>* p, float (&v)[kV]) {
+  static_assert(kV == 8 || kV == 1, "kV: 8 (a 16-byte group of 16-bit S) or 1");
+  if constexpr (kV == 8) {
+    load_group<S>(p, v);
+  } else {
+    v[0] = Storage<S>::load(p);
+  }
+}
+template <typename S, int kV>
+__device__ __forceinline__ void store_values(word_t<S>* p, const float (&v)[kV]) {
+  static_assert(kV == 8 || kV == 1, "kV: 8 (a 16-byte group of 16-bit S) or 1");
+  if constexpr (kV == 8) {
+    store_group<S>(p, v);
+  } else {
+    Storage<S>::store(p, v[0]);
+  }
+}
+
 }  // namespace lowp
 }  // namespace fused_gemm_bn

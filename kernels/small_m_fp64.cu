@@ -80,7 +80,8 @@
 //   threads, one CTA per SM; BLOCK_K = 128 k per stage.  W and x reach shared memory through a
 //   kStages-deep cp.async ring (cp_async.cuh; 16-byte copies where K % 4 == 0 and
 //   the rows are 16-byte aligned, else 4-byte copies), one __syncthreads per
-//   stage: W's 64 rows and x's kRows rows of 128 floats, each row padded to 144
+//   stage (M = 9 .. 16 with at least 8 stages a piece: per pair of stages, 2 ahead
+//   instead of 3; launch_small_m_gemm): W's 64 rows and x's kRows rows of 128 floats, each row padded to 144
 //   floats (576 bytes, 64 mod 128), so that a warp's 16-byte reads of 8 rows x 4
 //   consecutive float4 are bank-conflict free; a warp copies one 512-byte row
 //   piece.  Rows past M (x) and past N (W) are zeroed once and never copied; k
@@ -113,7 +114,8 @@
 //   Measured (H200, N = K = 8192; v44, problem 33's training with its epilogue): M <= 8
 //   1.13-1.17x the floor (75-78 us); M = 9 .. 16 1.35-1.45x (90-98 us): not the MMA pipe (35% busy) nor the ALU
 //   (43%) but the per-stage chain barrier -> copies -> shared loads -> conversions
-//   -> MMA with 4 warps a scheduler (ncu: 1.1 eligible warps, issue 48% busy).
+//   -> MMA with 4 warps a scheduler (ncu: 1.1 eligible warps, issue 48% busy); since v53
+//   M = 9 .. 16 reads the ring's stages in pairs, one barrier a pair: 1.27-1.34x (83-88 us).
 //   Small shapes (4096 x 512, 8 MB of W, K split into 16 pieces) take 11-25 us:
 //   launch, pipeline fill and the finish kernel, not W.
 //   Problem 84's float64 softmax: one CTA of 1024 threads per row, v read from L2,
@@ -383,10 +385,17 @@ __device__ __forceinline__ void small_m_issue_stage4(const SmallMArgs& p, float*
 }
 
 // grid (ceil(N / BLOCK_N), pieces), kNumThreads threads, T::smem_bytes(kStages) of
-// dynamic shared memory.
-template <class T, int kStages, bool kEval, bool kVec16>
+// dynamic shared memory.  kStagesPerSync (1 or 2) ring stages are consumed per
+// barrier: 1: the ring kStages - 1 stages ahead; 2 (kStages = 4): stages in pairs,
+// one cp.async group and one __syncthreads a pair, the next pair in flight while
+// this one is read (2 stages ahead, but twice the independent work per barrier:
+// the per-stage chain barrier -> shared loads -> conversions -> MMA is what bounds
+// M = 9 .. 16, docs/perf.md v43 and v53).
+template <class T, int kStages, int kStagesPerSync, bool kEval, bool kVec16>
 __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const SmallMArgs p) {
   pdl_wait_then_release();
+  static_assert((kStagesPerSync == 1 && kStages >= 2) || (kStagesPerSync == 2 && kStages == 4),
+                "one stage a barrier, or pairs in a 4-stage ring");
   constexpr int TN = T::kTilesN, MB = T::kMBlocks;
   extern __shared__ __align__(16) unsigned char small_m_smem[];
   float* ring = reinterpret_cast<float*>(small_m_smem);
@@ -423,10 +432,11 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const S
     else
       small_m_issue_stage4<T>(p, stage, n0, k0, k_end);
   };
+  // The first kStages - kStagesPerSync stages, one cp.async group per barrier's worth.
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < kStages - kStagesPerSync; ++s) {
     if (s < num_tiles) issue_stage(s);
-    cp_async_commit();
+    if ((s + 1) % kStagesPerSync == 0) cp_async_commit();
   }
 
   // W's non-finite values: w * 0 is NaN for an infinity or NaN w and 0 otherwise, summed per
@@ -441,49 +451,56 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const S
 #pragma unroll
       for (int v = 0; v < 4; ++v) acc[f][mb][v] = 0.0;
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // stage `tile` landed for every thread; stage tile - 1 read by every warp
-    {
-      const int next = tile + kStages - 1;
+  for (int tile = 0; tile < num_tiles; tile += kStagesPerSync) {
+    cp_async_wait<kStages / kStagesPerSync - 2>();
+    // Stages tile .. tile + kStagesPerSync - 1 landed for every thread; the ones before
+    // read by every warp, so their buffers take the next copies.
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kStagesPerSync; ++u) {
+      const int next = tile + kStages - kStagesPerSync + u;
       if (next < num_tiles) issue_stage(next);
-      cp_async_commit();
     }
-    const float* stage = ring + (tile % kStages) * T::kStageFloats;
+    cp_async_commit();
 #pragma unroll
-    for (int j = 0; j < T::kChunksPerWarp; ++j) {
-      const int col = (j * T::kWarpsK + warp_k) * T::CHUNK_K + 4 * t;
-      float4 xv[MB];
-      double xb[MB][4];
-      bool subnormal = false;
+    for (int u = 0; u < kStagesPerSync; ++u) {
+      if (u > 0 && tile + u >= num_tiles) break;  // an odd count's last pair: one stage
+      const float* stage = ring + ((tile + u) % kStages) * T::kStageFloats;
 #pragma unroll
-      for (int mb = 0; mb < MB; ++mb) {
-        xv[mb] = *reinterpret_cast<const float4*>(stage + (T::BLOCK_N + 8 * mb + g) * T::kRowStride + col);
-        xb[mb][0] = f32_to_f64_times_2p896_fast(xv[mb].x, subnormal);
-        xb[mb][1] = f32_to_f64_times_2p896_fast(xv[mb].y, subnormal);
-        xb[mb][2] = f32_to_f64_times_2p896_fast(xv[mb].z, subnormal);
-        xb[mb][3] = f32_to_f64_times_2p896_fast(xv[mb].w, subnormal);
-      }
-      if (__any_sync(0xffffffffu, subnormal)) {  // rare: a subnormal x in this warp's chunk
+      for (int j = 0; j < T::kChunksPerWarp; ++j) {
+        const int col = (j * T::kWarpsK + warp_k) * T::CHUNK_K + 4 * t;
+        float4 xv[MB];
+        double xb[MB][4];
+        bool subnormal = false;
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) {
-          xb[mb][0] = f32_to_f64_times_2p896(xv[mb].x), xb[mb][1] = f32_to_f64_times_2p896(xv[mb].y);
-          xb[mb][2] = f32_to_f64_times_2p896(xv[mb].z), xb[mb][3] = f32_to_f64_times_2p896(xv[mb].w);
+          xv[mb] = *reinterpret_cast<const float4*>(stage + (T::BLOCK_N + 8 * mb + g) * T::kRowStride + col);
+          xb[mb][0] = f32_to_f64_times_2p896_fast(xv[mb].x, subnormal);
+          xb[mb][1] = f32_to_f64_times_2p896_fast(xv[mb].y, subnormal);
+          xb[mb][2] = f32_to_f64_times_2p896_fast(xv[mb].z, subnormal);
+          xb[mb][3] = f32_to_f64_times_2p896_fast(xv[mb].w, subnormal);
         }
-      }
+        if (__any_sync(0xffffffffu, subnormal)) {  // rare: a subnormal x in this warp's chunk
 #pragma unroll
-      for (int f = 0; f < TN; ++f) {
-        const int row = (warp_n * TN + f) * 16 + g;
-        const float4 lo = *reinterpret_cast<const float4*>(stage + row * T::kRowStride + col);
-        const float4 hi = *reinterpret_cast<const float4*>(stage + (row + 8) * T::kRowStride + col);
-        w_nan[f][0] = fmaf(lo.x, 0.f, fmaf(lo.y, 0.f, fmaf(lo.z, 0.f, fmaf(lo.w, 0.f, w_nan[f][0]))));
-        w_nan[f][1] = fmaf(hi.x, 0.f, fmaf(hi.y, 0.f, fmaf(hi.z, 0.f, fmaf(hi.w, 0.f, w_nan[f][1]))));
-        const double wlo[4] = {f32_to_f64_times_2m896(lo.x), f32_to_f64_times_2m896(lo.y),
-                               f32_to_f64_times_2m896(lo.z), f32_to_f64_times_2m896(lo.w)};
-        const double whi[4] = {f32_to_f64_times_2m896(hi.x), f32_to_f64_times_2m896(hi.y),
-                               f32_to_f64_times_2m896(hi.z), f32_to_f64_times_2m896(hi.w)};
+          for (int mb = 0; mb < MB; ++mb) {
+            xb[mb][0] = f32_to_f64_times_2p896(xv[mb].x), xb[mb][1] = f32_to_f64_times_2p896(xv[mb].y);
+            xb[mb][2] = f32_to_f64_times_2p896(xv[mb].z), xb[mb][3] = f32_to_f64_times_2p896(xv[mb].w);
+          }
+        }
 #pragma unroll
-        for (int mb = 0; mb < MB; ++mb) dmma_chunk_16x8(acc[f][mb], wlo, whi, xb[mb]);
+        for (int f = 0; f < TN; ++f) {
+          const int row = (warp_n * TN + f) * 16 + g;
+          const float4 lo = *reinterpret_cast<const float4*>(stage + row * T::kRowStride + col);
+          const float4 hi = *reinterpret_cast<const float4*>(stage + (row + 8) * T::kRowStride + col);
+          w_nan[f][0] = fmaf(lo.x, 0.f, fmaf(lo.y, 0.f, fmaf(lo.z, 0.f, fmaf(lo.w, 0.f, w_nan[f][0]))));
+          w_nan[f][1] = fmaf(hi.x, 0.f, fmaf(hi.y, 0.f, fmaf(hi.z, 0.f, fmaf(hi.w, 0.f, w_nan[f][1]))));
+          const double wlo[4] = {f32_to_f64_times_2m896(lo.x), f32_to_f64_times_2m896(lo.y),
+                                 f32_to_f64_times_2m896(lo.z), f32_to_f64_times_2m896(lo.w)};
+          const double whi[4] = {f32_to_f64_times_2m896(hi.x), f32_to_f64_times_2m896(hi.y),
+                                 f32_to_f64_times_2m896(hi.z), f32_to_f64_times_2m896(hi.w)};
+#pragma unroll
+          for (int mb = 0; mb < MB; ++mb) dmma_chunk_16x8(acc[f][mb], wlo, whi, xb[mb]);
+        }
       }
     }
   }
@@ -621,9 +638,9 @@ static SmallMPlan small_m_plan(int M, int N, int K, int num_sms) {
   return plan;
 }
 
-template <class T, int kStages, bool kEval, bool kVec16>
+template <class T, int kStages, int kStagesPerSync, bool kEval, bool kVec16>
 static cudaError_t launch_small_m_stages(const SmallMArgs& p, int device, cudaStream_t stream) {
-  auto kernel = small_m_fp64_kernel<T, kStages, kEval, kVec16>;
+  auto kernel = small_m_fp64_kernel<T, kStages, kStagesPerSync, kEval, kVec16>;
   constexpr int kSmem = T::smem_bytes(kStages);
   // The shared-memory opt-in once per device and kernel (a host call per launch
   // would sit inside a small launch's time); a racing second set is harmless.
@@ -646,12 +663,22 @@ static cudaError_t launch_small_m_stages(const SmallMArgs& p, int device, cudaSt
 
 // 4 stages where the device's shared memory holds them (sm_90: 227 KB), else 2
 // (sm_80's 163 KB, sm_86 / sm_89's 99 KB up to kMBlocks = 2; one stage in flight:
-// 36 KB, 2 us at an A100's 15 B/ns per SM).
+// 36 KB, 2 us at an A100's 15 B/ns per SM).  At M = 9 .. 16 (kMBlocks = 2) the
+// 4-stage ring is read in pairs where a piece has at least kSmallMPairTiles stages
+// (docs/perf.md v53, H200: 0.90-0.93 of the one-stage form's time at 8192 x 8192,
+// 0.94-0.97 at 8000 x 4096; at M <= 8 pairs measured the same at 8192 x 8192 and
+// 1.02-1.06 at 8000 x 4096, and a piece of 2-4 stages keeps only one pair in flight).
+constexpr int kSmallMPairTiles = 8;
 template <class T, bool kEval, bool kVec16>
 static cudaError_t launch_small_m_gemm(const SmallMArgs& p, const DeviceFacts& facts, int device,
                                        cudaStream_t stream) {
-  if (facts.smem_optin >= T::smem_bytes(4)) return launch_small_m_stages<T, 4, kEval, kVec16>(p, device, stream);
-  if (facts.smem_optin >= T::smem_bytes(2)) return launch_small_m_stages<T, 2, kEval, kVec16>(p, device, stream);
+  if (facts.smem_optin >= T::smem_bytes(4)) {
+    if constexpr (T::kMBlocks == 2) {
+      if (p.tiles_per_piece >= kSmallMPairTiles) return launch_small_m_stages<T, 4, 2, kEval, kVec16>(p, device, stream);
+    }
+    return launch_small_m_stages<T, 4, 1, kEval, kVec16>(p, device, stream);
+  }
+  if (facts.smem_optin >= T::smem_bytes(2)) return launch_small_m_stages<T, 2, 1, kEval, kVec16>(p, device, stream);
   return cudaErrorInvalidConfiguration;
 }
 

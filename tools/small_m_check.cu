@@ -806,9 +806,10 @@ int main(int argc, char** argv) {
   // Small shapes (the emulation runs 512 OS threads per GEMM CTA, 1024 per softmax row):
   // the smallest training batch (2), both sides of the batch-block boundary (8 | 9) and
   // the largest batch (16), K tails, 16- and 4-byte loads, split and unsplit K
-  // (argument 2: the SM count the launchers plan with; 1 leaves K unsplit).
+  // (argument 2: the SM count the launchers plan with; 1 leaves K unsplit: 8, 9, 16 and
+  // 32 stages a piece, the 4-stage ring read in pairs, 9 ending on a single stage).
   const int Ms[] = {1, 2, 8, 9, 16};
-  const int KN[][2] = {{1, 3}, {37, 70}, {1000, 100}, {2001, 65}, {4096, 96}};
+  const int KN[][2] = {{1, 3}, {37, 70}, {1000, 100}, {1100, 70}, {2001, 65}, {4096, 96}};
   const Case cancel{16, 4096, 96}, null_vectors{15, 1000, 100}, momentum_none{9, 2001, 65};
   if (argc > 2) fused_gemm_bn::g_emu_num_sms = atoi(argv[2]);
   if (argc > 3) fused_gemm_bn::g_emu_smem_optin = atoi(argv[3]);  // below 4 stages' bytes: the 2-stage ring
@@ -818,7 +819,7 @@ int main(int argc, char** argv) {
   const Case cancel{16, 4096, 512}, null_vectors{15, 1024, 1000}, momentum_none{12, 4095, 513};
 #else
   const int Ms[] = {1, 2, 3, 4, 8, 9, 12, 15, 16};
-  const int KN[][2] = {{8192, 8192}, {4095, 513}, {4096, 512}, {1024, 1000}};
+  const int KN[][2] = {{8192, 8192}, {8000, 4096}, {4095, 513}, {4096, 512}, {1024, 1000}};
   const Case cancel{16, 4096, 512}, null_vectors{15, 1024, 1000}, momentum_none{12, 4095, 513};
 #endif
   // SMALL_M_CHECK_CASE=MxKxN: that one case only (to profile one shape, e.g. under ncu).

@@ -987,7 +987,7 @@ def _run_plan(plan, params, buffers, momentum, eps, scale_after_bn):
     buffers (running_mean, running_var, num_batches_tracked); momentum (< 0: cumulative
     average) and eps as floats.  Returns out (M, N)."""
     if plan.kernels == "lowp":
-        return _LOWP.forward(plan, params, buffers, momentum, eps, scale_after_bn, plan.grad)
+        return _LOWP.forward(plan, params, buffers, momentum, eps, scale_after_bn)
     params = _per_feature(params, params[1].shape[0])
     kernels = _kernels(plan.kernels)
     if plan.training and plan.grad:

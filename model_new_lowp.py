@@ -141,11 +141,11 @@ def route(call, facts, switches):
 # ---------------------------------------------------------------------------
 
 
-def forward(plan, params, buffers, momentum, eps, scale_after_bn, grad):
+def forward(plan, params, buffers, momentum, eps, scale_after_bn):
     """A 16-bit module's eager forward on the plan's route, one extension call:
-    with gradients forward_grad, else forward_train / forward_eval."""
+    with gradients (plan.grad) forward_grad, else forward_train / forward_eval."""
     ext = kernels()
-    if grad:
+    if plan.grad:
         return ext.forward_grad(plan.gemm, plan.training, *params, *buffers, momentum, eps, scale_after_bn, None)
     return engine.forward_call(ext, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, params)
 

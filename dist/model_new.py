@@ -124,11 +124,10 @@ inline bool scale_of_one_number(const torch::Tensor& scale) {
   return scale.dim() == 1 && scale.size(0) > 1 && scale.stride(0) == 0;
 }
 
-// The scale as the kernel will read it, and the stride it reads it with: 0 for one number
-// viewed as N where the kernel reads one number (one_number_ok: it reads scale[j * stride]),
-// else 1 (feature_vector's N words, copied here if they are not contiguous).
-inline int scale_for_kernel(torch::Tensor& scale, bool one_number_ok) {
-  if (one_number_ok && scale_of_one_number(scale)) return 0;
+// The scale as the forwards' kernels read it (scale[j * stride]), and that stride: 0 for one
+// number viewed as N, else 1 (feature_vector's N words, copied here if they are not contiguous).
+inline int scale_for_kernel(torch::Tensor& scale) {
+  if (scale_of_one_number(scale)) return 0;
   scale = feature_vector(scale);
   return 1;
 }
@@ -6510,7 +6509,7 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
                                          const torch::Tensor& num_batches_tracked, double momentum, double eps,
                                          bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
   const Gemm gemm = parse_gemm(gemm_name, true);
-  const int scale_stride = scale_for_kernel(t.scale, true);
+  const int scale_stride = scale_for_kernel(t.scale);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
   check_bn_tensors(t, N, x, scale_stride == 0);
@@ -6566,7 +6565,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
                            c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name, true);
-  const int scale_stride = scale_for_kernel(scale, true);
+  const int scale_stride = scale_for_kernel(scale);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
   check_bn_tensors(t, N, x, scale_stride == 0);
@@ -6882,7 +6881,7 @@ BackwardGrads backward_grads(const torch::Tensor& z, int M, int N) {
 std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
                                              torch::Tensor scale, torch::Tensor bn_weight, double eps,
                                              bool scale_after_bn, c10::optional<torch::Tensor> bn_bias) {
-  const int scale_stride = scale_for_kernel(scale, true);
+  const int scale_stride = scale_for_kernel(scale);
   const bool one_scale = scale_stride == 0;
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
   const fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias, scale_stride);
@@ -7967,7 +7966,7 @@ def _run_plan(plan, params, buffers, momentum, eps, scale_after_bn):
     buffers (running_mean, running_var, num_batches_tracked); momentum (< 0: cumulative
     average) and eps as floats.  Returns out (M, N)."""
     if plan.kernels == "lowp":
-        return _LOWP.forward(plan, params, buffers, momentum, eps, scale_after_bn, plan.grad)
+        return _LOWP.forward(plan, params, buffers, momentum, eps, scale_after_bn)
     params = _per_feature(params, params[1].shape[0])
     kernels = _kernels(plan.kernels)
     if plan.training and plan.grad:

@@ -31,11 +31,10 @@ inline bool scale_of_one_number(const torch::Tensor& scale) {
   return scale.dim() == 1 && scale.size(0) > 1 && scale.stride(0) == 0;
 }
 
-// The scale as the kernel will read it, and the stride it reads it with: 0 for one number
-// viewed as N where the kernel reads one number (one_number_ok: it reads scale[j * stride]),
-// else 1 (feature_vector's N words, copied here if they are not contiguous).
-inline int scale_for_kernel(torch::Tensor& scale, bool one_number_ok) {
-  if (one_number_ok && scale_of_one_number(scale)) return 0;
+// The scale as the forwards' kernels read it (scale[j * stride]), and that stride: 0 for one
+// number viewed as N, else 1 (feature_vector's N words, copied here if they are not contiguous).
+inline int scale_for_kernel(torch::Tensor& scale) {
+  if (scale_of_one_number(scale)) return 0;
   scale = feature_vector(scale);
   return 1;
 }

@@ -437,7 +437,7 @@ std::vector<torch::Tensor> train_forward(bool saved, const std::string& gemm_nam
                                          const torch::Tensor& num_batches_tracked, double momentum, double eps,
                                          bool scale_after_bn, const c10::optional<torch::Tensor>& w_parts) {
   const Gemm gemm = parse_gemm(gemm_name, true);
-  const int scale_stride = scale_for_kernel(t.scale, true);
+  const int scale_stride = scale_for_kernel(t.scale);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   check_training(x, M, N, num_batches_tracked);
   check_bn_tensors(t, N, x, scale_stride == 0);
@@ -493,7 +493,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
                            torch::Tensor running_mean, torch::Tensor running_var, double eps, bool scale_after_bn,
                            c10::optional<torch::Tensor> w_parts) {
   const Gemm gemm = parse_gemm(gemm_name, true);
-  const int scale_stride = scale_for_kernel(scale, true);
+  const int scale_stride = scale_for_kernel(scale);
   const auto [M, N, K] = check_gemm_operands(x, weight);
   const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
   check_bn_tensors(t, N, x, scale_stride == 0);
@@ -809,7 +809,7 @@ BackwardGrads backward_grads(const torch::Tensor& z, int M, int N) {
 std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor z, torch::Tensor stats,
                                              torch::Tensor scale, torch::Tensor bn_weight, double eps,
                                              bool scale_after_bn, c10::optional<torch::Tensor> bn_bias) {
-  const int scale_stride = scale_for_kernel(scale, true);
+  const int scale_stride = scale_for_kernel(scale);
   const bool one_scale = scale_stride == 0;
   const auto [M, N] = check_backward_operands("bn_backward_train", grad_y, z, stats);
   const fgb::BatchNormArgs bn = backward_bn_args(z, N, scale, bn_weight, eps, scale_after_bn, bn_bias, scale_stride);

@@ -3,9 +3,9 @@ beside it; the self-contained files have none, and under autocast they run
 the float32 kernels).
 
 Inside torch.autocast (CUDA or CPU) Model's nn.Linear runs in the autocast
-dtype and the ops after it follow torch's type promotion.  On Hopper (lowp_sm90),
-without gradients or in training with gradients, ModelNew runs that function on
-the 16-bit extension's kernels in their autocast form (fused_gemm decides;
+dtype and the ops after it follow torch's type promotion.  On Hopper ModelNew
+runs that function on the 16-bit extension's kernels in their autocast form
+(lowp_sm90; eval with gradients lowp_cublas; fused_gemm decides;
 kernels/lowp/binding_16bit.cpp): x cast to the autocast dtype as autocast casts
 it, gemm.weight's cast kept between calls (model_new._weight_parts), the GEMM in
 that dtype, everything after it in float32 with Model's rounding points, out
@@ -54,20 +54,23 @@ def autocast_dtype(x):
 
 
 def fused_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None):
-    """"lowp_sm90" when the fused kernels run this autocast call, else None
-    (Model's ops run it): no gradients needed, or training (bn.training) with
-    gradients (model_new_lowp.forward_autocast_grad has the fused backward; eval with gradients takes
-    Model's ops, whose autograd covers it), a CUDA batch of at least one row, the autocast dtype
-    float16 or bfloat16, x float32 or 16-bit (cast as autocast casts it), every parameter
-    and running statistic float32 (the module Model's autocast is made for),
-    the 16-bit kernels present (model_new_lowp), not SWITCHES.autocast_fused off,
-    and dispatch's conditions for lowp_sm90 (compute capability 9.0, the sm_90a
+    """The 16-bit route that runs this autocast call, or None (Model's ops run it):
+    "lowp_sm90" without gradients and in training (bn.training) with gradients
+    (model_new_lowp.forward_autocast_grad, the fused forward and backward);
+    "lowp_cublas" in eval with gradients (cuBLAS's product, then the chain kernel
+    that also keeps z and the running statistics' coefficients for the fused eval
+    backward: lowp_sm90's kEvalSaved epilogue has no float32-vector form).  Both
+    need a CUDA batch of at least one row, the autocast dtype float16 or bfloat16,
+    x float32 or 16-bit (cast as autocast casts it), every parameter and running
+    statistic float32 (the module Model's autocast is made for), the 16-bit
+    kernels present (model_new_lowp), not SWITCHES.autocast_fused off,
+    dispatch's conditions for lowp_sm90 (compute capability 9.0, the sm_90a
     image, not SWITCHES.portable), and not under torch.compile or
     torch.jit.trace (Model's ops are what those record).  Runs no kernel."""
     switches = engine.switches() if switches is None else switches
     if engine.tracing():  # the extension calls cannot be recorded; Model's ops can (fullgraph=True works)
         return None
-    if ((grad and not bn.training) or not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
+    if (not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
             or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not switches.autocast_fused
             or engine.lowp is None or not engine.lowp.available()):
         return None
@@ -77,12 +80,13 @@ def fused_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None)
     facts = engine.device_facts(x.device) if facts is None else facts
     if switches.portable or facts.capability != (9, 0) or not facts.sm90_gemm:
         return None
-    return "lowp_sm90"
+    return "lowp_cublas" if grad and not bn.training else "lowp_sm90"
 
 
 def path_name(x, gemm, scale, bn, grad):
-    """kernel_path's name under autocast: lowp_sm90_autocast_<train|eval>[_grad]
-    on the fused kernels (fused_gemm), else torch_ops_autocast_<train|eval>[_grad]."""
+    """kernel_path's name under autocast: <route>_autocast_<train|eval>[_grad]
+    on the fused kernels (fused_gemm's route: lowp_sm90, or lowp_cublas for eval
+    with gradients), else torch_ops_autocast_<train|eval>[_grad]."""
     fused = fused_gemm(x, gemm, scale, bn, autocast_dtype(x), grad)
     return ((fused or "torch_ops") + "_autocast_" + ("train" if bn.training else "eval")
             + ("_grad" if grad else ""))
@@ -124,13 +128,14 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
     calls in training mode without an optimizer step); in eval the cast is made
     and cached at once.  Model casts the weight once per autocast region.  Training with
     gradients: model_new_lowp.forward_autocast_grad, whose backward needs the cast,
-    takes it from the cache."""
+    takes it from the cache; eval with gradients the same call on lowp_cublas (fused_gemm)."""
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     scale = engine.per_feature_scale(scale, gemm.out_features, one_number=True)  # (1,): read in place
     if grad:
         params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
-        return engine.lowp.forward_autocast_grad(params, buffers, momentum, float(bn.eps), scale_after_bn, dtype)
+        return engine.lowp.forward_autocast_grad(params, buffers, momentum, float(bn.eps), scale_after_bn, dtype,
+                                                 bn.training)
     weight = engine.weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}",
                                 make="reused" if bn.training else True)
     params = (x.to(dtype), gemm.weight if weight is None else weight, gemm.bias,

@@ -164,9 +164,9 @@ AMPERE = model_new.DeviceFacts(capability=(8, 0), num_sms=108, sm90_gemm=False)
 @pytest.mark.parametrize("problem", BOTH)
 def test_cpu_autocast_fused_decision(problem):
     """model_new_autocast.fused_gemm: lowp_sm90 for a float32 module on Hopper with float32 or
-    16-bit x under float16 / bfloat16 autocast; Model's ops (None) off Hopper,
-    with SWITCHES.portable or autocast_fused off, in eval with gradients (training
-    with gradients takes the fused training step), for a 16-bit module, for an
+    16-bit x under float16 / bfloat16 autocast (training with gradients too: the fused
+    training step), lowp_cublas in eval with gradients; Model's ops (None) off Hopper,
+    with SWITCHES.portable or autocast_fused off, for a 16-bit module, for an
     empty batch, and for x of another dtype."""
     _, new = make_pair(problem, 0, K, N)
     on = model_new.SWITCHES._replace(portable=False, autocast_fused=True)
@@ -181,7 +181,8 @@ def test_cpu_autocast_fused_decision(problem):
     assert decide(x, facts=AMPERE) is None
     assert decide(x, grad=True) == "lowp_sm90"  # training: the fused step (model_new_lowp.forward_autocast_grad)
     new.eval()
-    assert decide(x, grad=True) is None
+    assert decide(x, grad=True) == "lowp_cublas"  # eval with gradients: forward_eval_saved's float32-vector form
+    assert decide(x, grad=True, facts=AMPERE) is None
     assert decide(x) == "lowp_sm90"
     new.train()
     assert decide(x, switches=on._replace(portable=True)) is None

@@ -6,9 +6,10 @@ multiple of 8, padded) and, with
 bfloat16 runs the 16-bit kernels of kernels/lowp/ instead (the same shapes: K % 8
 == 0 takes their 16-byte loads, K % 8 != 0 the element-wise path).  --autocast
 float16 or bfloat16 runs float32 models inside torch.autocast: the same kernels
-in their float32-storage (autocast) form, and with gradients (training) the
-fused 16-bit training step (the 16-bit extension's forward_grad: forward_train_saved, then
-bn16_backward_kernel and two cuBLAS 16-bit products).  16-bit calls with
+in their float32-storage (autocast) form, and with gradients the fused 16-bit
+step (the 16-bit extension's forward_grad: training forward_train_saved on lowp_sm90,
+eval forward_eval_saved on lowp_cublas; then bn16_backward_kernel and two cuBLAS
+16-bit products).  16-bit calls with
 gradients in eval run forward_grad too (forward_eval_saved: at 2048 x 200 x 2176
 lowp_sm90's kEvalSaved epilogue storing z and coeff, at the others lowp_cublas
 with bn16_chain_eval writing coeff; bn16_backward_kernel's eval form).

@@ -37,6 +37,7 @@
 #include "bn_stats.cuh"
 #include "heuristics_sm90.cuh"
 #include "sm90_primitives.cuh"
+#include "tensor_map.cuh"
 
 namespace fused_gemm_bn {
 namespace sm90 {
@@ -313,29 +314,6 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kTileAccRegs], const Sm
 // ---------------------------------------------------------------------------
 // Host side: tensor maps, the split-tile plan, device facts
 // ---------------------------------------------------------------------------
-
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// cuTensorMapEncodeTiled from the driver, fetched through the runtime so the
-// extension needs no -lcuda.  nullptr if the driver does not provide it.
-static EncodeTiledFn encode_tiled_fn() {
-  static EncodeTiledFn fn = []() -> EncodeTiledFn {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-#if CUDART_VERSION >= 12050
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
-        cudaSuccess)
-      return nullptr;
-#else
-    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status) != cudaSuccess)
-      return nullptr;
-#endif
-    return status == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiledFn>(ptr) : nullptr;
-  }();
-  return fn;
-}
 
 // A (rows, K) row-major matrix of elem_bytes-byte elements (kFloat32: fp32;
 // else 16-bit words) read in boxes of box_rows x (128 / elem_bytes) elements,

@@ -1,8 +1,8 @@
-// sm90_primitives.cuh -- thin PTX wrappers for the Hopper GEMMs
-// (sm90_gemm_fp16x3_bn.cu; lowp/sm90_wgmma_16bit.cuh, lowp/sm90_gemm_bn_16bit.cu):
-// mbarriers, TMA tile loads, named barriers and the GPU-scope atomic of the
-// split-tile hand-off, wgmma shared-memory descriptors and the fp16 wgmma form
-// the fp16x3 GEMM issues (A from registers).
+// sm90_primitives.cuh -- thin PTX wrappers for the Hopper kernels
+// (sm90_gemm_fp16x3_bn.cu; lowp/sm90_wgmma_16bit.cuh, lowp/sm90_gemm_bn_16bit.cu;
+// small_m_fp64.cu's TMA ring): mbarriers, TMA tile loads, named barriers and
+// the GPU-scope atomic of the split-tile hand-off, wgmma shared-memory
+// descriptors and the fp16 wgmma form the fp16x3 GEMM issues (A from registers).
 //
 // Every wrapper compiles to nothing unless the pass targets sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL; FUSED_GEMM_BN_SM90A_ASM): wgmma and setmaxnreg

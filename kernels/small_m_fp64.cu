@@ -77,17 +77,24 @@
 // Work split (SmallMTraits below; kMBlocks = 1, 2 for M <= 8, 16)
 //   CTA: 16 warps, kWarpsK = 8 16-k slices of a stage x kWarpsN = 2 halves of the
 //   BLOCK_N = 64 features (whole W rows, so a feature's sums end in one CTA), 512
-//   threads, one CTA per SM; BLOCK_K = 128 k per stage.  W and x reach shared memory through a
-//   kStages-deep cp.async ring (cp_async.cuh; 16-byte copies where K % 4 == 0 and
-//   the rows are 16-byte aligned, else 4-byte copies), one __syncthreads per
-//   stage (M = 9 .. 16 with at least 8 stages a piece: per pair of stages, 2 ahead
-//   instead of 3; launch_small_m_gemm): W's 64 rows and x's kRows rows of 128 floats, each row padded to 144
-//   floats (576 bytes, 64 mod 128), so that a warp's 16-byte reads of 8 rows x 4
-//   consecutive float4 are bank-conflict free; a warp copies one 512-byte row
-//   piece.  Rows past M (x) and past N (W) are zeroed once and never copied; k
-//   past K is zero-filled by the copies.  In flight per SM: kStages - 1 stages =
-//   96 KB of W, 2.7 us of the H200's 36 B/ns per SM (Little's law: ~1 us of loaded
-//   DRAM latency needs 36 KB).
+//   threads, one CTA per SM; BLOCK_K = 128 k per stage.  W and x reach shared memory
+//   through a kStages-deep ring, each stage W's 64 rows and x's kRows rows of 128
+//   floats, each row padded to 144 floats (576 bytes, 64 mod 128), so that a warp's
+//   16-byte reads of 8 rows x 4 consecutive float4 are bank-conflict free.  Two
+//   forms of the ring (launch_small_m_gemm chooses):
+//     TMA ring (small_m_fp64_tma_kernel; Hopper's sm_90a image with 16-byte rows):
+//       one thread issues two tensor copies a stage (boxes 144 floats wide, landing in
+//       the padded rows; rows past N and M and k past K zero-filled by the copies),
+//       3 stages ahead, on per-stage full / empty mbarriers: no CTA-wide barrier a
+//       stage, each warp runs on as soon as its next stage has landed.
+//     cp.async ring (small_m_fp64_kernel; elsewhere, cp_async.cuh; 16-byte copies
+//       where K % 4 == 0 and the rows are 16-byte aligned, else 4-byte copies): a warp
+//       copies one 512-byte row piece, one __syncthreads per stage (M = 9 .. 16 with
+//       at least 8 stages a piece: per pair of stages, 2 ahead instead of 3); rows
+//       past M (x) and past N (W) are zeroed once and never copied; k past K is
+//       zero-filled by the copies.
+//   In flight per SM: kStages - 1 stages = 96 KB of W, 2.7 us of the H200's 36 B/ns
+//   per SM (Little's law: ~1 us of loaded DRAM latency needs 36 KB).
 //   Each warp keeps kTilesN (2) x kMBlocks accumulator tiles of 16 features x 8 batch
 //   rows (4 doubles a lane) and reads, per 16-k chunk, one float4 per lane from
 //   each of its 2 kTilesN W rows and kMBlocks x rows (lane (g, t): row g, k 4t ..
@@ -115,7 +122,9 @@
 //   1.13-1.17x the floor (75-78 us); M = 9 .. 16 1.35-1.45x (90-98 us): not the MMA pipe (35% busy) nor the ALU
 //   (43%) but the per-stage chain barrier -> copies -> shared loads -> conversions
 //   -> MMA with 4 warps a scheduler (ncu: 1.1 eligible warps, issue 48% busy); since v53
-//   M = 9 .. 16 reads the ring's stages in pairs, one barrier a pair: 1.27-1.34x (83-88 us).
+//   M = 9 .. 16 reads the ring's stages in pairs, one barrier a pair: 1.27-1.34x (83-88 us);
+//   since v55 the TMA ring on Hopper: M = 9 .. 16 1.22-1.26x (80-83 us; 2-9% below the
+//   pairs, most at 16 rows), M <= 8 1.13-1.15x (74-78 us, within 0-3% of the cp.async ring).
 //   Small shapes (4096 x 512, 8 MB of W, K split into 16 pieces) take 11-25 us:
 //   launch, pipeline fill and the finish kernel, not W.
 //   Problem 84's float64 softmax: one CTA of 1024 threads per row, v read from L2,
@@ -124,9 +133,11 @@
 // Preconditions: 1 <= M <= kSmallMMaxRows (16) (train: M >= 2), N >= 1, K >= 1;
 // bn.scale, bn.running_mean, bn.running_var not null (train: and num_batches_tracked);
 // workspace as above.
-// SM 8.0+ (mma.sync .f64; runs, slowly, where FP64 is 1/64 rate: sm_86 / sm_89).
+// SM 8.0+ (mma.sync .f64; runs, slowly, where FP64 is 1/64 rate: sm_86 / sm_89); the TMA
+// ring sm_90a only.
 // Sources: PTX ISA, "Warp-level matrix multiply-accumulate instructions",
-// mma.m16n8k16 / mma.m8n8k4 with .f64 (fragment layouts); Chan, Golub & LeVeque
+// mma.m16n8k16 / mma.m8n8k4 with .f64 (fragment layouts); cp.async.bulk.tensor and
+// mbarrier (expect-tx, try_wait.parity) for the TMA ring; Chan, Golub & LeVeque
 // (1979) for the two-pass M2;
 // IEEE 754 binary64 format; CUDA C++
 // Programming Guide, "Arithmetic Instructions" (throughput table).
@@ -141,6 +152,8 @@
 #include "cp_async.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
+#include "sm90_primitives.cuh"
+#include "tensor_map.cuh"
 
 namespace fused_gemm_bn {
 
@@ -171,7 +184,7 @@ struct SmallMTraits {
   static constexpr int kReduceBytes = kNumWarps * kTilesN * kMBlocks * 4 * 32 * 8;
   static constexpr int kZsumBytes = BLOCK_N * kRows * 8;
   // Shared memory of a kStages-deep ring (the reduction area reuses it).
-  static constexpr int smem_bytes(int stages) {
+  __host__ __device__ static constexpr int smem_bytes(int stages) {
     return stages * kStageBytes > kReduceBytes + kZsumBytes ? stages * kStageBytes : kReduceBytes + kZsumBytes;
   }
   static_assert(BLOCK_N == 64 && kChunksPerWarp >= 1 && kChunksPerWarp * kWarpsK * CHUNK_K == BLOCK_K,
@@ -384,150 +397,140 @@ __device__ __forceinline__ void small_m_issue_stage4(const SmallMArgs& p, float*
   }
 }
 
-// grid (ceil(N / BLOCK_N), pieces), kNumThreads threads, T::smem_bytes(kStages) of
-// dynamic shared memory.  kStagesPerSync (1 or 2) ring stages are consumed per
-// barrier: 1: the ring kStages - 1 stages ahead; 2 (kStages = 4): stages in pairs,
-// one cp.async group and one __syncthreads a pair, the next pair in flight while
-// this one is read (2 stages ahead, but twice the independent work per barrier:
-// the per-stage chain barrier -> shared loads -> conversions -> MMA is what bounds
-// M = 9 .. 16, docs/perf.md v43 and v53).
-template <class T, int kStages, int kStagesPerSync, bool kEval, bool kVec16>
-__global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const SmallMArgs p) {
-  pdl_wait_then_release();
-  static_assert((kStagesPerSync == 1 && kStages >= 2) || (kStagesPerSync == 2 && kStages == 4),
-                "one stage a barrier, or pairs in a 4-stage ring");
-  constexpr int TN = T::kTilesN, MB = T::kMBlocks;
-  extern __shared__ __align__(16) unsigned char small_m_smem[];
-  float* ring = reinterpret_cast<float*>(small_m_smem);
+// The CTA's place: its thread's lane and warp coordinates, its BLOCK_N features from
+// n0 and its K piece [k_begin, k_end) of num_tiles BLOCK_K stages (both ring kernels).
+template <class T>
+struct SmallMCta {
+  int tid, lane, warp, g, t, warp_n, warp_k;
+  int n0, piece, k_begin, k_end, num_tiles;
+  __device__ __forceinline__ explicit SmallMCta(const SmallMArgs& p) {
+    tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    g = lane >> 2, t = lane & 3;
+    warp_n = warp / T::kWarpsK, warp_k = warp % T::kWarpsK;
+    n0 = blockIdx.x * T::BLOCK_N;
+    piece = blockIdx.y;
+    k_begin = piece * p.tiles_per_piece * T::BLOCK_K;
+    k_end = min(p.K, k_begin + p.tiles_per_piece * T::BLOCK_K);
+    num_tiles = (k_end - k_begin + T::BLOCK_K - 1) / T::BLOCK_K;
+  }
+};
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int warp_n = warp / T::kWarpsK, warp_k = warp % T::kWarpsK;
-  // nn.BatchNorm1d's step counter, once per training call (the pre-pass does it on the other routes).
+// A warp's sums: kTilesN x kMBlocks accumulator tiles (4 doubles a lane), and the w * 0
+// flags of the W rows the lane reads (non-finite W: small_m_stage_products).
+template <class T>
+struct SmallMAccum {
+  double acc[T::kTilesN][T::kMBlocks][4];
+  float w_nan[T::kTilesN][2];
+  __device__ __forceinline__ SmallMAccum() {
+#pragma unroll
+    for (int f = 0; f < T::kTilesN; ++f) {
+      w_nan[f][0] = w_nan[f][1] = 0.f;
+#pragma unroll
+      for (int mb = 0; mb < T::kMBlocks; ++mb)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[f][mb][v] = 0.0;
+    }
+  }
+};
+
+// nn.BatchNorm1d's step counter, once per training call (the pre-pass does it on the
+// other routes), where momentum >= 0 (else small_m_count_batch_kernel after the epilogue).
+template <bool kEval>
+__device__ __forceinline__ void small_m_count_batch(const SmallMArgs& p, int tid) {
   if (!kEval && p.bn.momentum >= 0.f && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0) *p.num_batches_tracked += 1;
-  const int M = p.M, N = p.N, K = p.K;
-  const int n0 = blockIdx.x * T::BLOCK_N;
-  const int piece = blockIdx.y;
-  const int k_begin = piece * p.tiles_per_piece * T::BLOCK_K;
-  const int k_end = min(K, k_begin + p.tiles_per_piece * T::BLOCK_K);
-  const int num_tiles = (k_end - k_begin + T::BLOCK_K - 1) / T::BLOCK_K;
+}
 
-  // Rows never copied (W past N, x past M) are zero in every stage.
-  {
-    const int pad_w = T::BLOCK_N - min(T::BLOCK_N, N - n0), pad_rows = pad_w + T::kRows - M;
-    constexpr int kRowFloat4s = T::kRowStride / 4;
-    for (int e = tid; e < kStages * pad_rows * kRowFloat4s; e += T::kNumThreads) {
-      const int q = (e / kRowFloat4s) % pad_rows, stage = e / (kRowFloat4s * pad_rows);
-      const int row = q < pad_w ? T::BLOCK_N - pad_w + q : T::BLOCK_N + M + (q - pad_w);
-      reinterpret_cast<float4*>(ring + stage * T::kStageFloats + row * T::kRowStride)[e % kRowFloat4s] =
-          make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+// The cp.async ring's rows never copied (W past N, x past M), zeroed in each of its
+// kStages stages before the first copy.
+template <class T, int kStages>
+__device__ __forceinline__ void small_m_zero_pad_rows(const SmallMArgs& p, const SmallMCta<T>& c, float* ring) {
+  const int pad_w = T::BLOCK_N - min(T::BLOCK_N, p.N - c.n0), pad_rows = pad_w + T::kRows - p.M;
+  constexpr int kRowFloat4s = T::kRowStride / 4;
+  for (int e = c.tid; e < kStages * pad_rows * kRowFloat4s; e += T::kNumThreads) {
+    const int q = (e / kRowFloat4s) % pad_rows, stage = e / (kRowFloat4s * pad_rows);
+    const int row = q < pad_w ? T::BLOCK_N - pad_w + q : T::BLOCK_N + p.M + (q - pad_w);
+    reinterpret_cast<float4*>(ring + stage * T::kStageFloats + row * T::kRowStride)[e % kRowFloat4s] =
+        make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  const SmallMCopies16<T> copies(p, n0);  // unused (and dropped) in the 4-byte form
-  auto issue_stage = [&](int tile) {
-    float* stage = ring + (tile % kStages) * T::kStageFloats;
-    const int k0 = k_begin + tile * T::BLOCK_K;
-    if constexpr (kVec16)
-      copies.issue(stage, k0, k_end);
-    else
-      small_m_issue_stage4<T>(p, stage, n0, k0, k_end);
-  };
-  // The first kStages - kStagesPerSync stages, one cp.async group per barrier's worth.
-#pragma unroll
-  for (int s = 0; s < kStages - kStagesPerSync; ++s) {
-    if (s < num_tiles) issue_stage(s);
-    if ((s + 1) % kStagesPerSync == 0) cp_async_commit();
-  }
+}
 
-  // W's non-finite values: w * 0 is NaN for an infinity or NaN w and 0 otherwise, summed per
-  // W row this lane reads (rows g and g + 8 of each tile) on the otherwise idle FP32 pipe; the
-  // bit-moving conversion would make them finite terms.
-  float w_nan[TN][2] = {};
-  double acc[TN][MB][4];
+// The products of one ring stage: per 16-k chunk of this warp's K slice, the lane's
+// float4 of each of its kMBlocks x rows and 2 kTilesN W rows, converted exactly, then
+// one DMMA chunk per accumulator tile.
+template <class T>
+__device__ __forceinline__ void small_m_stage_products(const float* stage, const SmallMCta<T>& c, SmallMAccum<T>& a) {
+  constexpr int TN = T::kTilesN, MB = T::kMBlocks;
 #pragma unroll
-  for (int f = 0; f < TN; ++f)
+  for (int j = 0; j < T::kChunksPerWarp; ++j) {
+    const int col = (j * T::kWarpsK + c.warp_k) * T::CHUNK_K + 4 * c.t;
+    float4 xv[MB];
+    double xb[MB][4];
+    bool subnormal = false;
 #pragma unroll
-    for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-      for (int v = 0; v < 4; ++v) acc[f][mb][v] = 0.0;
-
-  for (int tile = 0; tile < num_tiles; tile += kStagesPerSync) {
-    cp_async_wait<kStages / kStagesPerSync - 2>();
-    // Stages tile .. tile + kStagesPerSync - 1 landed for every thread; the ones before
-    // read by every warp, so their buffers take the next copies.
-    __syncthreads();
-#pragma unroll
-    for (int u = 0; u < kStagesPerSync; ++u) {
-      const int next = tile + kStages - kStagesPerSync + u;
-      if (next < num_tiles) issue_stage(next);
+    for (int mb = 0; mb < MB; ++mb) {
+      xv[mb] = *reinterpret_cast<const float4*>(stage + (T::BLOCK_N + 8 * mb + c.g) * T::kRowStride + col);
+      xb[mb][0] = f32_to_f64_times_2p896_fast(xv[mb].x, subnormal);
+      xb[mb][1] = f32_to_f64_times_2p896_fast(xv[mb].y, subnormal);
+      xb[mb][2] = f32_to_f64_times_2p896_fast(xv[mb].z, subnormal);
+      xb[mb][3] = f32_to_f64_times_2p896_fast(xv[mb].w, subnormal);
     }
-    cp_async_commit();
+    if (__any_sync(0xffffffffu, subnormal)) {  // rare: a subnormal x in this warp's chunk
 #pragma unroll
-    for (int u = 0; u < kStagesPerSync; ++u) {
-      if (u > 0 && tile + u >= num_tiles) break;  // an odd count's last pair: one stage
-      const float* stage = ring + ((tile + u) % kStages) * T::kStageFloats;
-#pragma unroll
-      for (int j = 0; j < T::kChunksPerWarp; ++j) {
-        const int col = (j * T::kWarpsK + warp_k) * T::CHUNK_K + 4 * t;
-        float4 xv[MB];
-        double xb[MB][4];
-        bool subnormal = false;
-#pragma unroll
-        for (int mb = 0; mb < MB; ++mb) {
-          xv[mb] = *reinterpret_cast<const float4*>(stage + (T::BLOCK_N + 8 * mb + g) * T::kRowStride + col);
-          xb[mb][0] = f32_to_f64_times_2p896_fast(xv[mb].x, subnormal);
-          xb[mb][1] = f32_to_f64_times_2p896_fast(xv[mb].y, subnormal);
-          xb[mb][2] = f32_to_f64_times_2p896_fast(xv[mb].z, subnormal);
-          xb[mb][3] = f32_to_f64_times_2p896_fast(xv[mb].w, subnormal);
-        }
-        if (__any_sync(0xffffffffu, subnormal)) {  // rare: a subnormal x in this warp's chunk
-#pragma unroll
-          for (int mb = 0; mb < MB; ++mb) {
-            xb[mb][0] = f32_to_f64_times_2p896(xv[mb].x), xb[mb][1] = f32_to_f64_times_2p896(xv[mb].y);
-            xb[mb][2] = f32_to_f64_times_2p896(xv[mb].z), xb[mb][3] = f32_to_f64_times_2p896(xv[mb].w);
-          }
-        }
-#pragma unroll
-        for (int f = 0; f < TN; ++f) {
-          const int row = (warp_n * TN + f) * 16 + g;
-          const float4 lo = *reinterpret_cast<const float4*>(stage + row * T::kRowStride + col);
-          const float4 hi = *reinterpret_cast<const float4*>(stage + (row + 8) * T::kRowStride + col);
-          w_nan[f][0] = fmaf(lo.x, 0.f, fmaf(lo.y, 0.f, fmaf(lo.z, 0.f, fmaf(lo.w, 0.f, w_nan[f][0]))));
-          w_nan[f][1] = fmaf(hi.x, 0.f, fmaf(hi.y, 0.f, fmaf(hi.z, 0.f, fmaf(hi.w, 0.f, w_nan[f][1]))));
-          const double wlo[4] = {f32_to_f64_times_2m896(lo.x), f32_to_f64_times_2m896(lo.y),
-                                 f32_to_f64_times_2m896(lo.z), f32_to_f64_times_2m896(lo.w)};
-          const double whi[4] = {f32_to_f64_times_2m896(hi.x), f32_to_f64_times_2m896(hi.y),
-                                 f32_to_f64_times_2m896(hi.z), f32_to_f64_times_2m896(hi.w)};
-#pragma unroll
-          for (int mb = 0; mb < MB; ++mb) dmma_chunk_16x8(acc[f][mb], wlo, whi, xb[mb]);
-        }
+      for (int mb = 0; mb < MB; ++mb) {
+        xb[mb][0] = f32_to_f64_times_2p896(xv[mb].x), xb[mb][1] = f32_to_f64_times_2p896(xv[mb].y);
+        xb[mb][2] = f32_to_f64_times_2p896(xv[mb].z), xb[mb][3] = f32_to_f64_times_2p896(xv[mb].w);
       }
     }
+#pragma unroll
+    for (int f = 0; f < TN; ++f) {
+      const int row = (c.warp_n * TN + f) * 16 + c.g;
+      const float4 lo = *reinterpret_cast<const float4*>(stage + row * T::kRowStride + col);
+      const float4 hi = *reinterpret_cast<const float4*>(stage + (row + 8) * T::kRowStride + col);
+      // W's non-finite values: w * 0 is NaN for an infinity or NaN w and 0 otherwise, summed per
+      // W row this lane reads on the otherwise idle FP32 pipe; the bit-moving conversion
+      // would make them finite terms.
+      a.w_nan[f][0] = fmaf(lo.x, 0.f, fmaf(lo.y, 0.f, fmaf(lo.z, 0.f, fmaf(lo.w, 0.f, a.w_nan[f][0]))));
+      a.w_nan[f][1] = fmaf(hi.x, 0.f, fmaf(hi.y, 0.f, fmaf(hi.z, 0.f, fmaf(hi.w, 0.f, a.w_nan[f][1]))));
+      const double wlo[4] = {f32_to_f64_times_2m896(lo.x), f32_to_f64_times_2m896(lo.y),
+                             f32_to_f64_times_2m896(lo.z), f32_to_f64_times_2m896(lo.w)};
+      const double whi[4] = {f32_to_f64_times_2m896(hi.x), f32_to_f64_times_2m896(hi.y),
+                             f32_to_f64_times_2m896(hi.z), f32_to_f64_times_2m896(hi.w)};
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) dmma_chunk_16x8(a.acc[f][mb], wlo, whi, xb[mb]);
+    }
   }
-  cp_async_wait<0>();  // only empty groups can be left; nothing writes the ring after this
-  __syncthreads();     // every warp done with the ring: it becomes the reduction area
+}
 
+// After the last stage, every warp done with the ring (the caller's __syncthreads): the
+// non-finite W flags folded in, the kWarpsK K slices summed through shared memory in
+// warp order (the ring becomes the reduction area), then per feature (one thread each)
+// either the epilogue or, with K split, the piece's float64 sums to the workspace.
+template <class T, bool kEval>
+__device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const SmallMCta<T>& c, SmallMAccum<T>& a,
+                                                   unsigned char* smem) {
+  constexpr int TN = T::kTilesN, MB = T::kMBlocks;
+  const int tid = c.tid, lane = c.lane, warp = c.warp;
   // A non-finite W row makes its feature's sums NaN, for every batch row (in eager, a NaN,
   // or an infinity whose products do not cancel): the 4 lanes of a quad read a row's columns.
 #pragma unroll
   for (int f = 0; f < TN; ++f)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float flag = w_nan[f][h];
+      float flag = a.w_nan[f][h];
       flag += __shfl_xor_sync(0xffffffffu, flag, 1);
       flag += __shfl_xor_sync(0xffffffffu, flag, 2);
 #pragma unroll
-      for (int mb = 0; mb < MB; ++mb) acc[f][mb][2 * h] += flag, acc[f][mb][2 * h + 1] += flag;
+      for (int mb = 0; mb < MB; ++mb) a.acc[f][mb][2 * h] += flag, a.acc[f][mb][2 * h + 1] += flag;
     }
 
   // Sum the kWarpsK K slices in warp order: red[warp][f][mb][v][lane].
-  double* red = reinterpret_cast<double*>(small_m_smem);
+  double* red = reinterpret_cast<double*>(smem);
 #pragma unroll
   for (int f = 0; f < TN; ++f)
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-      for (int v = 0; v < 4; ++v) red[(((warp * TN + f) * MB + mb) * 4 + v) * 32 + lane] = acc[f][mb][v];
+      for (int v = 0; v < 4; ++v) red[(((warp * TN + f) * MB + mb) * 4 + v) * 32 + lane] = a.acc[f][mb][v];
   __syncthreads();
   // zsum[feature_local][m]: after the reduction area.
   double* zsum = red + T::kNumWarps * TN * MB * 4 * 32;
@@ -544,18 +547,146 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const S
   }
   __syncthreads();
   if (tid >= T::BLOCK_N) return;
-  const int n = n0 + tid;
-  if (n >= N) return;
+  const int n = c.n0 + tid;
+  if (n >= p.N) return;
   double zd[T::kRows];
 #pragma unroll
   for (int m = 0; m < T::kRows; ++m) zd[m] = zsum[tid * T::kRows + m];
   if (p.pieces > 1) {
 #pragma unroll
     for (int m = 0; m < T::kRows; ++m)
-      if (m < M) p.partials[(static_cast<size_t>(piece) * M + m) * N + n] = zd[m];
+      if (m < p.M) p.partials[(static_cast<size_t>(c.piece) * p.M + m) * p.N + n] = zd[m];
     return;
   }
   small_m_feature_epilogue<T::kRows, kEval>(p, n, zd);
+}
+
+// The cp.async ring (any sm_80+ GPU).  grid (ceil(N / BLOCK_N), pieces), kNumThreads
+// threads, T::smem_bytes(kStages) of dynamic shared memory.  kStagesPerSync (1 or 2)
+// ring stages are consumed per barrier: 1: the ring kStages - 1 stages ahead; 2
+// (kStages = 4): stages in pairs, one cp.async group and one __syncthreads a pair, the
+// next pair in flight while this one is read (2 stages ahead, but twice the independent
+// work per barrier: the per-stage chain barrier -> shared loads -> conversions -> MMA is
+// what bounds M = 9 .. 16, docs/perf.md v43 and v53).
+template <class T, int kStages, int kStagesPerSync, bool kEval, bool kVec16>
+__global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const SmallMArgs p) {
+  pdl_wait_then_release();
+  static_assert((kStagesPerSync == 1 && kStages >= 2) || (kStagesPerSync == 2 && kStages == 4),
+                "one stage a barrier, or pairs in a 4-stage ring");
+  extern __shared__ __align__(16) unsigned char small_m_smem[];
+  float* ring = reinterpret_cast<float*>(small_m_smem);
+  const SmallMCta<T> c(p);
+  small_m_count_batch<kEval>(p, c.tid);
+  small_m_zero_pad_rows<T, kStages>(p, c, ring);
+  const SmallMCopies16<T> copies(p, c.n0);  // unused (and dropped) in the 4-byte form
+  auto issue_stage = [&](int tile) {
+    float* stage = ring + (tile % kStages) * T::kStageFloats;
+    const int k0 = c.k_begin + tile * T::BLOCK_K;
+    if constexpr (kVec16)
+      copies.issue(stage, k0, c.k_end);
+    else
+      small_m_issue_stage4<T>(p, stage, c.n0, k0, c.k_end);
+  };
+  // The first kStages - kStagesPerSync stages, one cp.async group per barrier's worth.
+#pragma unroll
+  for (int s = 0; s < kStages - kStagesPerSync; ++s) {
+    if (s < c.num_tiles) issue_stage(s);
+    if ((s + 1) % kStagesPerSync == 0) cp_async_commit();
+  }
+  SmallMAccum<T> a;
+  for (int tile = 0; tile < c.num_tiles; tile += kStagesPerSync) {
+    cp_async_wait<kStages / kStagesPerSync - 2>();
+    // Stages tile .. tile + kStagesPerSync - 1 landed for every thread; the ones before
+    // read by every warp, so their buffers take the next copies.
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kStagesPerSync; ++u) {
+      const int next = tile + kStages - kStagesPerSync + u;
+      if (next < c.num_tiles) issue_stage(next);
+    }
+    cp_async_commit();
+#pragma unroll
+    for (int u = 0; u < kStagesPerSync; ++u) {
+      if (u > 0 && tile + u >= c.num_tiles) break;  // an odd count's last pair: one stage
+      small_m_stage_products<T>(ring + ((tile + u) % kStages) * T::kStageFloats, c, a);
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can be left; nothing writes the ring after this
+  __syncthreads();     // every warp done with the ring: it becomes the reduction area
+  small_m_cta_finish<T, kEval>(p, c, a, small_m_smem);
+}
+
+// The TMA ring (Hopper: the sm_90a image; 16-byte rows, kVec16's condition).  The same
+// grid, threads, stage layout and products as small_m_fp64_kernel; the dynamic shared
+// memory is T::smem_bytes(kStages), then kStages "full" and kStages "empty" mbarriers.
+// One thread (warp 0, lane 0) fills the ring kStages - 1 stages ahead with two tensor
+// copies a stage (cp.async.bulk.tensor.2d): W rows n0 .. n0 + BLOCK_N and x rows 0 ..
+// kRows, each box kRowStride (144) floats wide from column k0, so that the box rows land
+// exactly in the stage's padded rows (576 bytes, 64 mod 128: the consumers' reads stay
+// bank-conflict free); the 16 columns past the stage's 128 are read and never used
+// (12.5% more L2 traffic, the same DRAM bytes: the next stage reads them again from L2).
+// Rows past N and M and columns past K are zero-filled by the copies: no pad rows, no K
+// tail mask.  Every warp waits on the stage's full barrier (armed with the stage's bytes),
+// reads it and arrives on its empty barrier (one arrival a warp); the producer waits on a
+// stage's empty barrier before refilling it.  No CTA-wide barrier per stage and no
+// per-thread copies: each warp runs on to the next stage as soon as it has landed (the
+// per-stage chain barrier -> copies -> shared loads -> conversions -> MMA bounds the
+// cp.async ring at M = 9 .. 16, docs/perf.md v43).  One bulk copy per 512-byte row piece
+// (80 a stage) measured 2.2-2.5x the cp.async ring's time: the copy engine's time per
+// copy, not bytes, bounded it (docs/perf.md v55).  Traps on any target but sm_90a (the
+// launcher takes it only where the sm_90a image runs: small_m_tma_ready).
+template <class T, int kStages, bool kEval>
+__global__ void __launch_bounds__(T::kNumThreads, 1)
+    small_m_fp64_tma_kernel(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,
+                            const SmallMArgs p) {
+  pdl_wait_then_release();
+#if FUSED_GEMM_BN_SM90A
+  extern __shared__ __align__(128) unsigned char small_m_smem[];
+  float* ring = reinterpret_cast<float*>(small_m_smem);
+  uint64_t* full = reinterpret_cast<uint64_t*>(small_m_smem + T::smem_bytes(kStages));
+  uint64_t* empty = full + kStages;
+  const SmallMCta<T> c(p);
+  small_m_count_batch<kEval>(p, c.tid);
+  const bool producer = c.tid == 0;
+  if (producer) {
+    sm90::tma_prefetch_descriptor(&tmap_w);
+    sm90::tma_prefetch_descriptor(&tmap_x);
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbar_init(&full[s], 1);
+      sm90::mbar_init(&empty[s], T::kNumWarps);
+    }
+    sm90::mbar_init_fence();
+  }
+  __syncthreads();
+  auto issue_stage = [&](int tile) {  // the producer thread
+    const int s = tile % kStages, k0 = c.k_begin + tile * T::BLOCK_K;
+    float* stage = ring + s * T::kStageFloats;
+    sm90::mbar_arrive_expect_tx(&full[s], T::kStageBytes);
+    sm90::tma_load_2d(stage, &tmap_w, &full[s], k0, c.n0);
+    sm90::tma_load_2d(stage + T::BLOCK_N * T::kRowStride, &tmap_x, &full[s], k0, 0);
+  };
+  if (producer)
+    for (int s = 0; s < kStages - 1 && s < c.num_tiles; ++s) issue_stage(s);
+  SmallMAccum<T> a;
+  for (int tile = 0; tile < c.num_tiles; ++tile) {
+    const int s = tile % kStages;
+    if (producer) {  // refill the stage read at tile - 1 once every warp has arrived on its empty barrier
+      const int next = tile + kStages - 1;
+      if (next < c.num_tiles) {
+        if (next >= kStages) sm90::mbar_wait(&empty[next % kStages], static_cast<uint32_t>(next / kStages - 1) & 1u);
+        issue_stage(next);
+      }
+    }
+    sm90::mbar_wait(&full[s], static_cast<uint32_t>(tile / kStages) & 1u);
+    small_m_stage_products<T>(ring + s * T::kStageFloats, c, a);
+    __syncwarp();
+    if (c.lane == 0) sm90::mbar_arrive(&empty[s]);
+  }
+  __syncthreads();  // every stage landed and read by every warp: the ring becomes the reduction area
+  small_m_cta_finish<T, kEval>(p, c, a, small_m_smem);
+#else
+  __trap();  // no sm_90a image: the launcher never takes this kernel here
+#endif
 }
 
 // K split: z64[m, n] = sum over pieces in piece order, then the epilogue; one thread per feature.
@@ -638,40 +769,94 @@ static SmallMPlan small_m_plan(int M, int N, int K, int num_sms) {
   return plan;
 }
 
-template <class T, int kStages, int kStagesPerSync, bool kEval, bool kVec16>
-static cudaError_t launch_small_m_stages(const SmallMArgs& p, int device, cudaStream_t stream) {
-  auto kernel = small_m_fp64_kernel<T, kStages, kStagesPerSync, kEval, kVec16>;
-  constexpr int kSmem = T::smem_bytes(kStages);
-  // The shared-memory opt-in once per device and kernel (a host call per launch
-  // would sit inside a small launch's time); a racing second set is harmless.
-  static bool configured[kMaxCachedDevices] = {};
-  cudaError_t err = cudaSuccess;
-  if (device >= kMaxCachedDevices || !configured[device]) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err != cudaSuccess) return err;
-    if (device < kMaxCachedDevices) configured[device] = true;
-  }
-  // Unlike the large GEMMs (pdl.cuh), this one-wave kernel releases its dependents at once: the
-  // BatchNorm kernel after it is launched while it runs and waits on the device (a small batch's
-  // call time is mostly such gaps).
-  err = launch_kernel(kernel, dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), dim3(T::kNumThreads), kSmem,
-                      stream, p);
+// The shared-memory opt-in once per device and kernel (a host call per launch would sit
+// inside a small launch's time); a racing second set is harmless.
+template <class Kernel>
+static cudaError_t small_m_smem_optin(Kernel kernel, int smem, int device, bool (&configured)[kMaxCachedDevices]) {
+  if (device < kMaxCachedDevices && configured[device]) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess && device < kMaxCachedDevices) configured[device] = true;
+  return err;
+}
+
+// The GEMM kernel on the plan's grid (its arguments: `args`, then p), then, with K split,
+// the finish kernel.  Unlike the large GEMMs (pdl.cuh), the one-wave GEMM kernel releases
+// its dependents at once: the kernel after it is launched while it runs and waits on the
+// device (a small batch's call time is mostly such gaps).
+template <class T, bool kEval, class Kernel, class... Args>
+static cudaError_t launch_small_m_grid(Kernel kernel, int smem, const SmallMArgs& p, cudaStream_t stream,
+                                       const Args&... args) {
+  cudaError_t err = launch_kernel(kernel, dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), dim3(T::kNumThreads),
+                                  smem, stream, args..., p);
   if (err != cudaSuccess || p.pieces == 1) return err;
   return launch_kernel(small_m_fp64_finish_kernel<T::kRows, kEval>, dim3((p.N + 255) / 256), dim3(256), 0, stream,
                        p);
 }
 
-// 4 stages where the device's shared memory holds them (sm_90: 227 KB), else 2
-// (sm_80's 163 KB, sm_86 / sm_89's 99 KB up to kMBlocks = 2; one stage in flight:
-// 36 KB, 2 us at an A100's 15 B/ns per SM).  At M = 9 .. 16 (kMBlocks = 2) the
-// 4-stage ring is read in pairs where a piece has at least kSmallMPairTiles stages
-// (docs/perf.md v53, H200: 0.90-0.93 of the one-stage form's time at 8192 x 8192,
+template <class T, int kStages, int kStagesPerSync, bool kEval, bool kVec16>
+static cudaError_t launch_small_m_stages(const SmallMArgs& p, int device, cudaStream_t stream) {
+  auto kernel = small_m_fp64_kernel<T, kStages, kStagesPerSync, kEval, kVec16>;
+  constexpr int kSmem = T::smem_bytes(kStages);
+  static bool configured[kMaxCachedDevices] = {};
+  const cudaError_t err = small_m_smem_optin(kernel, kSmem, device, configured);
+  return err != cudaSuccess ? err : launch_small_m_grid<T, kEval>(kernel, kSmem, p, stream);
+}
+
+// The TMA ring's 4 stages and its 8 mbarriers.
+constexpr int kSmallMTmaStages = 4;
+template <class T>
+constexpr int small_m_tma_smem_bytes() {
+  return T::smem_bytes(kSmallMTmaStages) + 2 * kSmallMTmaStages * static_cast<int>(sizeof(uint64_t));
+}
+
+// Whether small_m_fp64_tma_kernel runs on `device`: compute capability 9.0, its shared
+// memory fits, the driver's tensor-map encoder is there, and the sm_90a image is loaded
+// (binaryVersion 90, as sm90_gemm_available asks of the fp16x3 kernel; another image
+// traps).  Cached per device and kernel; a failed query leaves no error behind.
+template <class T, bool kEval>
+static bool small_m_tma_ready(const DeviceFacts& facts, int device) {
+  if (facts.cc_major != 9 || facts.cc_minor != 0 || facts.smem_optin < small_m_tma_smem_bytes<T>()) return false;
+  static signed char ready[kMaxCachedDevices] = {};  // 0 unknown, 1 yes, -1 no
+  if (device < kMaxCachedDevices && ready[device] != 0) return ready[device] > 0;
+  cudaFuncAttributes attr{};
+  const bool ok = sm90::encode_tiled_fn() != nullptr &&
+                  cudaFuncGetAttributes(&attr, small_m_fp64_tma_kernel<T, kSmallMTmaStages, kEval>) == cudaSuccess &&
+                  attr.binaryVersion == 90;
+  if (!ok) cudaGetLastError();
+  if (device < kMaxCachedDevices) ready[device] = ok ? 1 : -1;
+  return ok;
+}
+
+// The TMA ring's launch: W's and x's tensor maps (boxes of kRowStride floats x BLOCK_N
+// and x kRows rows), the shared-memory opt-in, the grid.
+template <class T, bool kEval>
+static cudaError_t launch_small_m_tma(const SmallMArgs& p, int device, cudaStream_t stream) {
+  CUtensorMap tmap_w, tmap_x;
+  if (!sm90::make_tensor_map_f32_rows(&tmap_w, p.w, p.N, p.K, p.K, T::kRowStride, T::BLOCK_N) ||
+      !sm90::make_tensor_map_f32_rows(&tmap_x, p.x, p.M, p.K, p.x_row_stride, T::kRowStride, T::kRows))
+    return cudaErrorInvalidValue;
+  auto kernel = small_m_fp64_tma_kernel<T, kSmallMTmaStages, kEval>;
+  constexpr int kSmem = small_m_tma_smem_bytes<T>();
+  static bool configured[kMaxCachedDevices] = {};
+  const cudaError_t err = small_m_smem_optin(kernel, kSmem, device, configured);
+  return err != cudaSuccess ? err : launch_small_m_grid<T, kEval>(kernel, kSmem, p, stream, tmap_w, tmap_x);
+}
+
+// Hopper with 16-byte rows: the TMA ring (docs/perf.md v55).  Elsewhere the
+// cp.async ring: 4 stages where the device's shared memory holds them (sm_90: 227 KB),
+// else 2 (sm_80's 163 KB, sm_86 / sm_89's 99 KB up to kMBlocks = 2; one stage in
+// flight: 36 KB, 2 us at an A100's 15 B/ns per SM).  At M = 9 .. 16 (kMBlocks = 2) the
+// 4-stage cp.async ring is read in pairs where a piece has at least kSmallMPairTiles
+// stages (docs/perf.md v53, H200: 0.90-0.93 of the one-stage form's time at 8192 x 8192,
 // 0.94-0.97 at 8000 x 4096; at M <= 8 pairs measured the same at 8192 x 8192 and
 // 1.02-1.06 at 8000 x 4096, and a piece of 2-4 stages keeps only one pair in flight).
 constexpr int kSmallMPairTiles = 8;
 template <class T, bool kEval, bool kVec16>
 static cudaError_t launch_small_m_gemm(const SmallMArgs& p, const DeviceFacts& facts, int device,
                                        cudaStream_t stream) {
+  if constexpr (kVec16) {
+    if (small_m_tma_ready<T, kEval>(facts, device)) return launch_small_m_tma<T, kEval>(p, device, stream);
+  }
   if (facts.smem_optin >= T::smem_bytes(4)) {
     if constexpr (T::kMBlocks == 2) {
       if (p.tiles_per_piece >= kSmallMPairTiles) return launch_small_m_stages<T, 4, 2, kEval, kVec16>(p, device, stream);

@@ -240,10 +240,12 @@ LAUNCHES = {
     # after the library's product, no project GEMM kernel: the chain kernels, or problem 84
     # eval's row softmax with BatchNorm fused (bn16_softmax_rows_*)
     "lowp_cublas": ["bn16_"],
-    "small_m_fp64": ["small_m_fp64_kernel"],
+    # the cp.async ring (small_m_fp64_kernel) or, on Hopper with 16-byte rows, the TMA ring
+    # (small_m_fp64_tma_kernel); with K split, small_m_fp64_finish_kernel after it
+    "small_m_fp64": ["small_m_fp64_"],
 }
 GEMM_KERNELS = ["sm90_gemm_fp16x3_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm80_gemm_bn_16bit_kernel",
-                "sm90_gemm_bn_16bit_kernel", "small_m_fp64_kernel"]
+                "sm90_gemm_bn_16bit_kernel", "small_m_fp64_"]
 
 
 GPU_CASES = [  # (problem, m, k, n, dtype, misaligned weight)

@@ -5,7 +5,8 @@
 // Build and run (repository root):
 //   nvcc -std=c++17 -O3 -I kernels -arch=sm_90a tools/small_m_check.cu -o /tmp/small_m_check && /tmp/small_m_check
 //   (sm_80 .. sm_89: -arch=sm_80; optional argument: a seed, default 1;
-//   SMALL_M_CHECK_CASE=MxKxN: that one case of the grid only, e.g. to profile it under ncu)
+//   SMALL_M_CHECK_CASE=MxKxN: that one case of the grid only, e.g. to profile it under ncu;
+//   SMALL_M_CHECK_NO_TIMING=1: no timed launches, e.g. under compute-sanitizer)
 // Host-only self-test of the reference and comparison logic (no GPU; the
 // launchers replaced by a float64 CPU emulation of the kernel's arithmetic):
 //   g++ -std=c++17 -O2 -x c++ -DSMALL_M_CHECK_HOST_ONLY tools/small_m_check.cu -o /tmp/small_m_check_host -lpthread
@@ -774,7 +775,7 @@ Outputs run_gpu(const Case& c, const Inputs& in, bool& deterministic, Timing& ti
     deterministic = deterministic && same_bits(run_eval(p84), o.eval[p84]);
   }
 
-  if (c.M >= 2) {
+  if (c.M >= 2 && getenv("SMALL_M_CHECK_NO_TIMING") == nullptr) {
     timing.train33_us = median_us([&] { CUDA_OK(launch_train(0)); }, stream);
     timing.train84_us = median_us([&] { CUDA_OK(launch_train(1)); }, stream);
     timing.floor_us = 0.5 * median_us(
@@ -813,6 +814,7 @@ int main(int argc, char** argv) {
   const Case cancel{16, 4096, 96}, null_vectors{15, 1000, 100}, momentum_none{9, 2001, 65};
   if (argc > 2) fused_gemm_bn::g_emu_num_sms = atoi(argv[2]);
   if (argc > 3) fused_gemm_bn::g_emu_smem_optin = atoi(argv[3]);  // below 4 stages' bytes: the 2-stage ring
+  if (argc > 4) g_emu_binary_version = atoi(argv[4]);  // 80: no sm_90a image, the cp.async ring on Hopper too
 #elif defined(SMALL_M_CHECK_HOST_ONLY)
   const int Ms[] = {1, 3, 9, 16};
   const int KN[][2] = {{257, 33}, {4095, 13}, {64, 100}};

@@ -1,23 +1,29 @@
 """Runs kernels/small_m_fp64.cu's launchers and kernels on the host, without a
 GPU, through tools/small_m_check.cu's checks (-DSMALL_M_CHECK_EMULATE): a test
 of the kernel's index arithmetic, DMMA fragment layouts (the mma.m8n8k4 form),
-the cp.async ring (copies made synchronous), K-slice reduction, split K, the
+the cp.async ring (copies made synchronous), the Hopper TMA ring (its mbarriers
+emulated: arrival counts, byte counts and phases, waits that block; each tensor
+copy made at once with its zero fill, then counted on its barrier; --no-tma runs
+the cp.async ring on its rows instead), K-slice reduction, split K, the
 BatchNorm epilogues (training and eval, both problems), problem 84's float64
 softmax (block_reduce.cuh) and the step counter, not of its speed.
 
     python3 tools/small_m_emulate.py            # K split as on a 132-SM GPU
     python3 tools/small_m_emulate.py --sms 1    # K never split (in-kernel epilogue over many tiles)
     python3 tools/small_m_emulate.py --smem 166912   # an A100's shared memory: the 2-stage ring
+    python3 tools/small_m_emulate.py --no-tma        # the cp.async ring where Hopper takes the TMA ring
 
 How: a CUDA shim (headers written to a temporary folder, found before
 kernels/) runs each CTA as one OS thread per CUDA thread (std::barrier for
 __syncthreads), the CTAs of a launch one after another; mma.m8n8k4 .f64 is
 emulated from the PTX ISA's fragment layouts (lane 4g+t holds A[g][t], B[t][g],
 D[g][2t], D[g][2t+1]) with the lanes of a warp exchanging their operands, and so
-are __shfl_xor_sync (float or double) and __any_sync.  The kernel source is used
-as it is except its one device-only statement (the mma asm) and its extern shared
-array, replaced textually here (the script fails if they change); launch_kernel is
-the shim's.  A static __shared__ array (the softmax's block_reduce scratch) becomes
+are __shfl_xor_sync (float or double), __any_sync and __syncwarp.  The kernel
+source is used as it is except its one device-only statement (the mma asm) and its
+extern shared arrays, replaced textually here (the script fails if they change);
+launch_kernel, tensor_map.cuh and sm90_primitives.cuh's mbarrier and tensor-copy
+wrappers are the shim's (cudaFuncGetAttributes reports the sm_90a image:
+binaryVersion 90, or 80 with --no-tma).  A static __shared__ array (the softmax's block_reduce scratch) becomes
 a function-local static (__shared__ is `static` here): one array for all threads
 of the CTA running, as on the GPU, since CTAs run one at a time.
 Exit status: the check's (0 pass, 1 fail).  Slow (minutes): keep the shapes small.
@@ -57,6 +63,7 @@ inline dim3 blockDim, gridDim;
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __grid_constant__
 // One CTA runs at a time (emu_launch): a function-local static is the running CTA's shared array.
 #define __shared__ static
 #define __align__(n) alignas(n)
@@ -79,6 +86,13 @@ struct EmuBlock {
 };
 inline EmuBlock* g_block = nullptr;
 inline void __syncthreads() { g_block->block_bar->arrive_and_wait(); }
+inline void __syncwarp() { g_block->warp_bar[threadIdx.x >> 5]->arrive_and_wait(); }
+struct cudaFuncAttributes { int binaryVersion = 0, ptxVersion = 0; };
+inline int g_emu_binary_version = 90;  // 90: the sm_90a image (the TMA ring); 80: none
+template <class F> cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, F) {
+  a->binaryVersion = a->ptxVersion = g_emu_binary_version;
+  return cudaSuccess;
+}
 // __shfl_xor_sync over the whole warp (the kernels call it with every lane), float or double.
 template <class T> T __shfl_xor_sync(unsigned, T v, int mask) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -160,13 +174,94 @@ static cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 bloc
 namespace fused_gemm_bn {
 constexpr int kMaxCachedDevices = 64;
 inline int g_emu_num_sms = 132, g_emu_smem_optin = 232448;
-struct DeviceFacts { int num_sms = 0, smem_optin = 0, cc_major = 0; };
+struct DeviceFacts { int num_sms = 0, smem_optin = 0, cc_major = 0, cc_minor = 0; };
 static cudaError_t current_device_facts(DeviceFacts* f) {
-  f->num_sms = g_emu_num_sms, f->smem_optin = g_emu_smem_optin, f->cc_major = 9;
+  f->num_sms = g_emu_num_sms, f->smem_optin = g_emu_smem_optin, f->cc_major = 9, f->cc_minor = 0;
   return cudaSuccess;
 }
 }
 ''',
+    "tensor_map.cuh": r"""#pragma once
+// A tensor map holds what the emulated copy needs: the matrix, its row stride and the box.
+#include "cuda_runtime.h"
+struct CUtensorMap { const float* ptr; int rows, cols; int64_t row_stride; int box_cols, box_rows; };
+namespace fused_gemm_bn {
+namespace sm90 {
+inline void* encode_tiled_fn() {  // the driver's encoder is there
+  static int present;
+  return &present;
+}
+static bool make_tensor_map_f32_rows(CUtensorMap* map, const float* ptr, int rows, int cols, int64_t row_stride,
+                                     int box_cols, int box_rows) {
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || row_stride % 4 != 0 || box_cols % 4 != 0 || box_cols > 256 ||
+      box_rows > 256)
+    return false;  // the driver's rules
+  *map = CUtensorMap{ptr, rows, cols, row_stride, box_cols, box_rows};
+  return true;
+}
+}  // namespace sm90
+}  // namespace fused_gemm_bn
+""",
+    "sm90_primitives.cuh": r"""#pragma once
+// mbarriers (PTX ISA 9.7.12.15) and the 2-D tensor copy for the emulated CTA's OS
+// threads: a barrier's pending arrivals and transaction bytes; its phase completes
+// (the parity flips, waiters wake) when both reach 0, and the arrival count is re-armed.
+// A copy is made at once (elements outside the matrix zero-filled), then counted.
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include "cuda_runtime.h"
+#include "tensor_map.cuh"
+#define FUSED_GEMM_BN_SM90A 1
+namespace fused_gemm_bn {
+namespace sm90 {
+struct EmuMbar { int expected = 0, pending = 0; long long tx = 0; uint32_t phase = 0; };
+inline std::mutex g_mbar_mutex;
+inline std::condition_variable g_mbar_cv;
+inline std::map<const void*, EmuMbar> g_mbars;
+inline void emu_mbar_update(EmuMbar& b, int arrivals, long long tx) {  // under g_mbar_mutex
+  b.pending -= arrivals, b.tx += tx;
+  if (b.pending < 0) abort();  // more arrivals than the barrier's count in one phase
+  if (b.pending == 0 && b.tx == 0) {
+    b.phase ^= 1u, b.pending = b.expected;
+    g_mbar_cv.notify_all();
+  }
+}
+inline void mbar_init(uint64_t* bar, uint32_t count) {
+  std::lock_guard<std::mutex> lk(g_mbar_mutex);
+  g_mbars[bar] = EmuMbar{static_cast<int>(count), static_cast<int>(count), 0, 0u};
+}
+inline void mbar_init_fence() {}
+inline void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  std::lock_guard<std::mutex> lk(g_mbar_mutex);
+  emu_mbar_update(g_mbars.at(bar), 1, bytes);
+}
+inline void mbar_arrive(uint64_t* bar) {
+  std::lock_guard<std::mutex> lk(g_mbar_mutex);
+  emu_mbar_update(g_mbars.at(bar), 1, 0);
+}
+// Returns once the phase of this parity has completed (the current phase's parity differs).
+inline void mbar_wait(uint64_t* bar, uint32_t parity) {
+  std::unique_lock<std::mutex> lk(g_mbar_mutex);
+  g_mbar_cv.wait(lk, [&] { return g_mbars.at(bar).phase != (parity & 1u); });
+}
+inline void tma_prefetch_descriptor(const void*) {}
+// The box at (column c0, row c1), stored densely (box_cols floats a row).
+inline void tma_load_2d(void* dst, const void* tmap, uint64_t* bar, int c0, int c1) {
+  const CUtensorMap& m = *static_cast<const CUtensorMap*>(tmap);
+  if (reinterpret_cast<uintptr_t>(dst) % 128 != 0) abort();  // a tensor copy's shared-memory alignment
+  float* out = static_cast<float*>(dst);
+  for (int r = 0; r < m.box_rows; ++r)
+    for (int k = 0; k < m.box_cols; ++k) {
+      const int row = c1 + r, col = c0 + k;
+      out[r * m.box_cols + k] = row < m.rows && col < m.cols ? m.ptr[static_cast<size_t>(row) * m.row_stride + col] : 0.f;
+    }
+  std::lock_guard<std::mutex> lk(g_mbar_mutex);
+  emu_mbar_update(g_mbars.at(bar), 0, -4LL * m.box_rows * m.box_cols);
+}
+}  // namespace sm90
+}  // namespace fused_gemm_bn
+""",
 }
 
 
@@ -178,12 +273,13 @@ def patched_kernel_source():
     a = s.index('  asm("mma.sync')
     b = s.index(";", s.index('"d"(a), "d"(b))')) + 1
     s = s[:a] + "  emu_dmma(d0, d1, a, b);" + s[b:]
-    decl = "extern __shared__ __align__(16) unsigned char small_m_smem[];"
-    assert s.count(decl) == 1, "the shared array's declaration changed"
-    s = s.replace(decl, "")
+    for align in (16, 128):  # the cp.async ring's and the TMA ring's
+        decl = f"extern __shared__ __align__({align}) unsigned char small_m_smem[];"
+        assert s.count(decl) == 1, "the shared arrays' declarations changed (one per ring kernel)"
+        s = s.replace(decl, "")
     anchor = "namespace fused_gemm_bn {\n\nconstexpr int kSmallMMaxRows"
     assert anchor in s, "the namespace opening changed"
-    return s.replace(anchor, "namespace fused_gemm_bn {\nalignas(16) inline unsigned char small_m_smem[1 << 18];\n\n"
+    return s.replace(anchor, "namespace fused_gemm_bn {\nalignas(128) inline unsigned char small_m_smem[1 << 18];\n\n"
                      "constexpr int kSmallMMaxRows", 1)
 
 
@@ -192,6 +288,7 @@ def main():
     parser.add_argument("--sms", type=int, default=132, help="SM count the launchers plan with (1: no K split)")
     parser.add_argument("--smem", type=int, default=232448, help="opt-in shared memory per block the launchers see (bytes)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-tma", action="store_true", help="no sm_90a image: the cp.async ring on Hopper too")
     parser.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,7 +301,8 @@ def main():
         cmd = [args.cxx, "-std=c++20", "-O1", "-I", tmp, "-I", os.path.join(REPO, "kernels"),
                "-DSMALL_M_CHECK_HOST_ONLY", "-DSMALL_M_CHECK_EMULATE", "-x", "c++", CHECK, "-o", exe, "-lpthread"]
         subprocess.run(cmd, check=True)
-        return subprocess.run([exe, str(args.seed), str(args.sms), str(args.smem)]).returncode
+        return subprocess.run([exe, str(args.seed), str(args.sms), str(args.smem),
+                               "80" if args.no_tma else "90"]).returncode
 
 
 if __name__ == "__main__":

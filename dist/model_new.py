@@ -5653,7 +5653,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const S
   pdl_wait_then_release();
   static_assert((kStagesPerSync == 1 && kStages >= 2) || (kStagesPerSync == 2 && kStages == 4),
                 "one stage a barrier, or pairs in a 4-stage ring");
-  extern __shared__ __align__(16) unsigned char small_m_smem[];
+  extern __shared__ __align__(128) unsigned char small_m_smem[];
   float* ring = reinterpret_cast<float*>(small_m_smem);
   const SmallMCta<T> c(p);
   small_m_count_batch<kEval>(p, c.tid);
@@ -5922,14 +5922,16 @@ static cudaError_t launch_small_m_tma(const SmallMArgs& p, int device, cudaStrea
   return err != cudaSuccess ? err : launch_small_m_grid<T, kEval>(kernel, kSmem, p, stream, tmap_w, tmap_x);
 }
 
-// Hopper with 16-byte rows: the TMA ring (docs/perf.md v55).  Elsewhere the
-// cp.async ring: 4 stages where the device's shared memory holds them (sm_90: 227 KB),
-// else 2 (sm_80's 163 KB, sm_86 / sm_89's 99 KB up to kMBlocks = 2; one stage in
+// Hopper with 16-byte rows: the TMA ring (docs/perf.md v55: 0.91-0.98 of the cp.async
+// ring's time at M = 9 .. 16, 0.97-1.01 at M <= 8; at split-K shapes of 1-2 stages a piece
+// (4096 x 512, 1024 x 1000) within -6% .. +9% of it, no side consistently ahead).
+// Elsewhere the cp.async ring: 4 stages where the device's shared memory holds them (sm_90:
+// 227 KB), else 2 (sm_80's 163 KB, sm_86 / sm_89's 99 KB up to kMBlocks = 2; one stage in
 // flight: 36 KB, 2 us at an A100's 15 B/ns per SM).  At M = 9 .. 16 (kMBlocks = 2) the
-// 4-stage cp.async ring is read in pairs where a piece has at least kSmallMPairTiles
-// stages (docs/perf.md v53, H200: 0.90-0.93 of the one-stage form's time at 8192 x 8192,
-// 0.94-0.97 at 8000 x 4096; at M <= 8 pairs measured the same at 8192 x 8192 and
-// 1.02-1.06 at 8000 x 4096, and a piece of 2-4 stages keeps only one pair in flight).
+// 4-stage cp.async ring is read in pairs where a piece has at least kSmallMPairTiles stages
+// (docs/perf.md v53, H200: 0.90-0.93 of the one-stage form's time at 8192 x 8192, 0.94-0.97
+// at 8000 x 4096; at M <= 8 pairs measured the same at 8192 x 8192 and 1.02-1.06 at 8000 x
+// 4096, and a piece of 2-4 stages keeps only one pair in flight).
 constexpr int kSmallMPairTiles = 8;
 template <class T, bool kEval, bool kVec16>
 static cudaError_t launch_small_m_gemm(const SmallMArgs& p, const DeviceFacts& facts, int device,

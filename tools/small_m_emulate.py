@@ -273,10 +273,9 @@ def patched_kernel_source():
     a = s.index('  asm("mma.sync')
     b = s.index(";", s.index('"d"(a), "d"(b))')) + 1
     s = s[:a] + "  emu_dmma(d0, d1, a, b);" + s[b:]
-    for align in (16, 128):  # the cp.async ring's and the TMA ring's
-        decl = f"extern __shared__ __align__({align}) unsigned char small_m_smem[];"
-        assert s.count(decl) == 1, "the shared arrays' declarations changed (one per ring kernel)"
-        s = s.replace(decl, "")
+    decl = "extern __shared__ __align__(128) unsigned char small_m_smem[];"
+    assert s.count(decl) == 2, "the shared arrays' declarations changed (one per ring kernel)"
+    s = s.replace(decl, "")
     anchor = "namespace fused_gemm_bn {\n\nconstexpr int kSmallMMaxRows"
     assert anchor in s, "the namespace opening changed"
     return s.replace(anchor, "namespace fused_gemm_bn {\nalignas(128) inline unsigned char small_m_smem[1 << 18];\n\n"

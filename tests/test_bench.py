@@ -49,10 +49,17 @@ def test_parse_args_optimizer():
 
 @pytest.mark.parametrize("argv", [["--optimizer", "sgd"], ["--backward", "--optimizer", "adam"],
                                   ["--backward", "--sweep"], ["--sweep", "--optimizer", "sgd"],
-                                  ["--sweep", "--autocast", "float16"], ["--sweep", "--grad"]])
+                                  ["--sweep", "--autocast", "float16"], ["--sweep", "--grad"],
+                                  ["--shape", "1,64,64"], ["--shape", "1,64,64", "--mode", "both"]])
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
+
+
+def test_parse_args_one_row_in_eval():
+    """A batch of one row in eval (issue 50's M = 1 cells): build_models settles both models on 2 rows."""
+    args = bench.parse_args(["--shape", "1,64,64", "--mode", "eval"])
+    assert args.shape == (1, 64, 64) and args.mode == "eval"
 
 
 def test_sweep_shapes():

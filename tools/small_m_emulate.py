@@ -12,6 +12,8 @@ softmax (block_reduce.cuh) and the step counter, not of its speed.
     python3 tools/small_m_emulate.py --sms 1    # K never split (in-kernel epilogue over many tiles)
     python3 tools/small_m_emulate.py --smem 166912   # an A100's shared memory: the 2-stage ring
     python3 tools/small_m_emulate.py --no-tma        # the cp.async ring where Hopper takes the TMA ring
+    python3 tools/small_m_emulate.py --sms 1 --negative-control   # tensor copies without their zero
+        # fill (K tails read stale columns): must exit 1, the check seeing the wrong sums
 
 How: a CUDA shim (headers written to a temporary folder, found before
 kernels/) runs each CTA as one OS thread per CUDA thread (std::barrier for
@@ -254,7 +256,11 @@ inline void tma_load_2d(void* dst, const void* tmap, uint64_t* bar, int c0, int 
   for (int r = 0; r < m.box_rows; ++r)
     for (int k = 0; k < m.box_cols; ++k) {
       const int row = c1 + r, col = c0 + k;
+#ifdef SMALL_M_EMULATE_NEGATIVE_CONTROL  // no zero fill: the tails read what the stage held before
+      if (row < m.rows && col < m.cols) out[r * m.box_cols + k] = m.ptr[static_cast<size_t>(row) * m.row_stride + col];
+#else
       out[r * m.box_cols + k] = row < m.rows && col < m.cols ? m.ptr[static_cast<size_t>(row) * m.row_stride + col] : 0.f;
+#endif
     }
   std::lock_guard<std::mutex> lk(g_mbar_mutex);
   emu_mbar_update(g_mbars.at(bar), 0, -4LL * m.box_rows * m.box_cols);
@@ -288,6 +294,8 @@ def main():
     parser.add_argument("--smem", type=int, default=232448, help="opt-in shared memory per block the launchers see (bytes)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-tma", action="store_true", help="no sm_90a image: the cp.async ring on Hopper too")
+    parser.add_argument("--negative-control", action="store_true",
+                        help="the TMA ring's copies skip their zero fill: the check must fail (exit 1)")
     parser.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -299,6 +307,8 @@ def main():
         exe = os.path.join(tmp, "small_m_emulated")
         cmd = [args.cxx, "-std=c++20", "-O1", "-I", tmp, "-I", os.path.join(REPO, "kernels"),
                "-DSMALL_M_CHECK_HOST_ONLY", "-DSMALL_M_CHECK_EMULATE", "-x", "c++", CHECK, "-o", exe, "-lpthread"]
+        if args.negative_control:
+            cmd.insert(1, "-DSMALL_M_EMULATE_NEGATIVE_CONTROL")
         subprocess.run(cmd, check=True)
         return subprocess.run([exe, str(args.seed), str(args.sms), str(args.smem),
                                "80" if args.no_tma else "90"]).returncode

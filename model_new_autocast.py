@@ -113,8 +113,8 @@ def _model_forward(x, gemm, scale, bn, scale_after_bn):
     return torch.softmax(scale * batch_norm(v), dim=1)
 
 
-def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
-    """The fused autocast forward (fused_gemm said lowp_sm90): x cast to
+def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, route, grad=False):
+    """The fused autocast forward on fused_gemm's `route`: x cast to
     dtype (autocast's cast of F.linear's input; no copy when x already is),
     then one extension call (out float32).  The GEMM's weight operand is
     gemm.weight's cast to dtype from the weight cache (_weight_parts, kind
@@ -128,19 +128,19 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad=False):
     calls in training mode without an optimizer step); in eval the cast is made
     and cached at once.  Model casts the weight once per autocast region.  Training with
     gradients: model_new_lowp.forward_autocast_grad, whose backward needs the cast,
-    takes it from the cache; eval with gradients the same call on lowp_cublas (fused_gemm)."""
+    takes it from the cache; eval with gradients the same call on lowp_cublas."""
     momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
     buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
     scale = engine.per_feature_scale(scale, gemm.out_features, one_number=True)  # (1,): read in place
     if grad:
         params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
-        return engine.lowp.forward_autocast_grad(params, buffers, momentum, float(bn.eps), scale_after_bn, dtype,
-                                                 bn.training)
+        return engine.lowp.forward_autocast_grad(route, bn.training, params, buffers, momentum, float(bn.eps),
+                                                 scale_after_bn, dtype)
     weight = engine.weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}",
                                 make="reused" if bn.training else True)
     params = (x.to(dtype), gemm.weight if weight is None else weight, gemm.bias,
               scale, bn.weight, bn.bias)
-    return engine.forward_call(engine.lowp.kernels(), "lowp_sm90", scale_after_bn, bn.training, buffers, momentum,
+    return engine.forward_call(engine.lowp.kernels(), route, scale_after_bn, bn.training, buffers, momentum,
                                float(bn.eps), params)
 
 
@@ -161,6 +161,7 @@ def forward(x, gemm, scale, bn, scale_after_bn, dtype):
     autocast_dtype(x)), after check(): the fused kernels where fused_gemm says so, else
     Model's ops."""
     grad = engine.needs_grad((x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias))
-    if fused_gemm(x, gemm, scale, bn, dtype, grad) is not None:
-        return _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, grad)
+    route = fused_gemm(x, gemm, scale, bn, dtype, grad)
+    if route is not None:
+        return _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, route, grad)
     return _model_forward(x, gemm, scale, bn, scale_after_bn)

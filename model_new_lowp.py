@@ -150,20 +150,18 @@ def forward(plan, params, buffers, momentum, eps, scale_after_bn):
     return engine.forward_call(ext, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, params)
 
 
-def forward_autocast_grad(params, buffers, momentum, eps, scale_after_bn, dtype, training):
-    """A float32 module's forward with gradients under autocast in `dtype`
-    (model_new_autocast calls it): forward_grad with gemm.weight's cast from the
-    weight cache (kind cast_<dtype>, shared with the calls without gradients; made
-    here, detached, where the cache holds none); x is cast in the extension.
-    Training on lowp_sm90 (forward_train_saved); eval (BatchNorm frozen) on
-    lowp_cublas, whose forward_eval_saved keeps z and the running statistics'
-    coefficients in the float32-vector form (lowp_sm90's kEvalSaved has none).
-    The gradients come back in the parameters' and x's dtypes."""
+def forward_autocast_grad(gemm, training, params, buffers, momentum, eps, scale_after_bn, dtype):
+    """A float32 module's forward with gradients under autocast in `dtype` on the
+    route `gemm` (model_new_autocast.fused_gemm's: lowp_sm90 in training, lowp_cublas
+    in eval, whose forward_eval_saved keeps z and the running statistics'
+    coefficients in the float32-vector form): forward_grad with gemm.weight's cast
+    from the weight cache (kind cast_<dtype>, shared with the calls without
+    gradients; made here, detached, where the cache holds none); x is cast in the
+    extension.  The gradients come back in the parameters' and x's dtypes."""
     weight = params[1]
     cast = engine.weight_parts(weight, split=lambda w: w.detach().to(dtype), kind=f"cast_{dtype}")
     cast = weight.detach().to(dtype) if cast is None else cast
-    return kernels().forward_grad("lowp_sm90" if training else "lowp_cublas", training, *params, *buffers, momentum,
-                                  eps, scale_after_bn, cast)
+    return kernels().forward_grad(gemm, training, *params, *buffers, momentum, eps, scale_after_bn, cast)
 
 
 def backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs, dtypes):

@@ -19,8 +19,11 @@ with .to(dtype), as harnesses do; ModelNew runs the 16-bit kernels of
 kernels/lowp/ (compiled on its first 16-bit call, before timing).
 
 How it measures: each side's forward call is bracketed by a pair of CUDA events.
-Before every call, outside the events, a 256 MB buffer is zeroed to flush L2,
-the GPU spins for SPIN_CYCLES clock cycles (so the host has enqueued the whole
+Before every call, outside the events, a 256 MB buffer is read (torch.amax) to
+flush L2, leaving it full of clean lines (zeroing the buffer, as bench did up to
+docs/perf.md v55, left ~50 MB of dirty lines whose write-backs the timed call then
+paid: 6-7 us more on a 70-230 us call that reads an 8192 x 8192 W, 1.5 us on the
+W-read floor; v56), the GPU spins for SPIN_CYCLES clock cycles (so the host has enqueued the whole
 call before the GPU starts it: the events time the GPU's work, not the host's
 launches; the host time per call is reported beside it in the sweep, and a note
 is printed if the GPU reached a call before its launches were all issued),
@@ -332,7 +335,8 @@ def check_accuracy(problem, sides, ref, x, compute=None):
 def time_fn(fns, inputs, iters, warmup, prepare=None, host=None, synchronized=False):
     """CUDA-event times in ms of every callable in `fns` (name -> fn(x)), interleaved:
     each repetition calls every side once on the same input, in an order rotated by
-    one per repetition; L2 is flushed before each call, outside its events.
+    one per repetition; L2 is flushed before each call, outside its events, by reading
+    a 256 MB buffer (clean lines: no write-backs charged to the timed call).
     The events time the GPU's work: before each start event the GPU is given
     SPIN_CYCLES of spinning (torch.cuda._sleep) besides the flush, so the host has
     enqueued the whole call before the GPU reaches it (nvbench's blocking-kernel
@@ -348,7 +352,7 @@ def time_fn(fns, inputs, iters, warmup, prepare=None, host=None, synchronized=Fa
     the start event, calls fn(x), records the end event and synchronises again, so
     the time holds the host's time per call (launches, Python) wherever the GPU
     waits for it."""
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
+    flush = torch.ones(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
     spin = getattr(torch.cuda, "_sleep", None)
     names = list(fns)
     events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -361,7 +365,7 @@ def time_fn(fns, inputs, iters, warmup, prepare=None, host=None, synchronized=Fa
         for name in names[shift:] + names[:shift]:
             if prepare is not None:
                 prepare[name](x)
-            flush.zero_()
+            torch.amax(flush)
             if rep < warmup:
                 fns[name](x)
                 continue

@@ -770,14 +770,16 @@ _FULL_RATE_FP64 = ((8, 0), (9, 0))
 def _small_m_gemm(call, facts, switches, gemm):
     """Whether a float32 CUDA forward takes small_m_fp64 instead of `gemm` (the
     tensor-core kernel it would run): at most SMALL_M_MAX_ROWS rows, a full-rate
-    FP64 GPU, not eval with gradients (its gemm_nt products stay on the tensor-core
-    route), and switches.small_m: True, or "auto" where measured faster than gemm
-    (sm90_fp16x3 only: SMALL_M_AUTO_ROWS rows, SMALL_M_MAX_ROWS from SMALL_M_WIDE_NK)."""
-    if (not switches.small_m or call.m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64
-            or (call.grad and not call.training)):
+    FP64 GPU, and switches.small_m: True (eval with gradients too: z by small_m_fp64's
+    gemm_nt, the fold in torch ops; never run on a GPU yet, docs/perf.md v56), or "auto"
+    where measured faster than gemm (sm90_fp16x3 only: SMALL_M_AUTO_ROWS rows,
+    SMALL_M_MAX_ROWS from SMALL_M_WIDE_NK; not eval with gradients, which keeps the
+    tensor-core gemm_nt until measured)."""
+    if not switches.small_m or call.m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64:
         return False
     if switches.small_m == "auto":
-        return gemm == "sm90_fp16x3" and (call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK)
+        return (gemm == "sm90_fp16x3" and not (call.grad and not call.training)
+                and (call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK))
     return True
 
 

@@ -68,9 +68,14 @@ CASES = [
     ("small-m-on-17", call(m=17, k=8192, n=8192), H200, SMALL_M, "sm90_fp16x3_train"),
     # FUSED_GEMM_BN_SMALL_M=0: never
     ("small-m-off", call(m=4, k=4096, n=4096), H200, DEFAULT._replace(small_m=False), "sm90_fp16x3_train"),
-    # eval with gradients keeps the tensor-core gemm_nt; so do GPUs without full-rate FP64
+    # eval with gradients: "auto" keeps the tensor-core gemm_nt (not measured), FUSED_GEMM_BN_SMALL_M=1
+    # takes small_m_fp64's; GPUs without full-rate FP64 keep the tensor-core kernels
     ("small-m-eval-grad", call(m=4, k=64, n=64, training=False, grad=True), H200, DEFAULT,
      "sm90_fp16x3_eval_grad"),
+    ("small-m-on-eval-grad", call(m=4, k=4096, n=4096, training=False, grad=True), H200, SMALL_M,
+     "small_m_fp64_eval_grad"),
+    ("small-m-on-eval-grad-84", call(m=16, k=4095, n=513, problem=84, training=False, grad=True), A100, SMALL_M,
+     "small_m_fp64_eval_grad"),
     ("small-m-ada", call(m=4, k=4096, n=4096), ADA, SMALL_M, "sm80_3xtf32_train"),
     ("hopper-k4", call(m=64, k=36, n=64), H200, DEFAULT, "sm90_fp16x3_train"),
     ("hopper-k4-84-eval", call(m=64, k=8188, n=64, problem=84, training=False), H200, DEFAULT, "sm90_fp16x3_eval"),

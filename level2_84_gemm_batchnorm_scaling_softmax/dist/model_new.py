@@ -6410,8 +6410,8 @@ static bool make_tensor_map_f32_rows(CUtensorMap* map, const float* ptr, int row
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward, which reads them only as z - stats[0]
 //       and stats[1]: small_m_fp64 returns them centred (z - mean_z rounded once, and 0).
-//   gemm_nt(gemm, a (M, K), b (N, K), any strides, b_parts) -> a @ b^T (3xTF32 or fp16x3;
-//       b_parts as gemm_nn's)
+//   gemm_nt(gemm, a (M, K), b (N, K), any strides, b_parts) -> a @ b^T (3xTF32, fp16x3, or
+//       small_m_fp64 for M <= 16: float64 sums rounded once; b_parts as gemm_nn's)
 //   gemm_nn(gemm, a (M, N), b (N, K), b_parts) -> a @ b: grad_x = grad_z W; on
 //       sm90_fp16x3 b's fp16x3 parts (b_parts: cached, or None) read MN-major,
 //       a split with b's row scales folded in (prepass_fp16x3_backward.cu)
@@ -6458,7 +6458,8 @@ namespace fgb = fused_gemm_bn;
 using namespace fgb::binding;  // check_training, current_stream, feature_vector, num_sms
 
 // The GEMM kernels a `gemm` name selects.  small_m_fp64 (small batches, small_m_fp64.cu) runs
-// the forwards only (forward_train, forward_eval, forward_train_saved, sync_forward_local).
+// the forwards only (forward_train, forward_eval, forward_train_saved, sync_forward_local, and
+// gemm_nt: eval with gradients' z).
 enum class Gemm { kSm80, kFp16x3, kSmallM };
 
 Gemm parse_gemm(const std::string& name, bool forward = false) {
@@ -6909,7 +6910,8 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
                        running_var}, num_batches_tracked, momentum, eps, scale_after_bn, w_parts);
 }
 
-// a @ b^T, float32-accurate (3xTF32 or fp16x3) for float32 CUDA a (M, K) and b (N, K) of
+// a @ b^T, float32-accurate (3xTF32 or fp16x3; small_m_fp64, M <= 16: correctly rounded but
+// for heavy cancellation) for float32 CUDA a (M, K) and b (N, K) of
 // any strides (non-contiguous operands are copied first) and any K (sm90_fp16x3:
 // the parts padded to K_pad = round_up(K, 8) with zeros).  b_parts: on
 // sm90_fp16x3, fp16x3_weight_parts(b) made while b held its current values (the
@@ -6917,7 +6919,7 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
 // Returns (M, N).
 torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
                       c10::optional<torch::Tensor> b_parts) {
-  const Gemm gemm = parse_gemm(gemm_name);
+  const Gemm gemm = parse_gemm(gemm_name, true);
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(),
               "gemm_nt: a and b must be CUDA tensors on one device, got ", a.device(), " and ", b.device());
   TORCH_CHECK(a.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32,
@@ -6942,7 +6944,8 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
                  "sm90_gemm_fp16x3_plain");
     return out;
   }
-  // The portable kernel's eval epilogue with the identity fold: a = 1 / sqrt(1 + 0) = 1, c = 0 exactly.
+  // The portable and small-batch kernels' eval epilogues with the identity fold: a = 1 / sqrt(1 + 0)
+  // = 1, c = 0 exactly (small_m_fp64: z's float64 sums rounded once).
   const torch::Tensor ones = torch::ones({N}, a.options()), zeros = torch::zeros({N}, a.options());
   fgb::BatchNormArgs identity;
   identity.bias = identity.bn_bias = zeros.data_ptr<float>();
@@ -6950,6 +6953,15 @@ torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tens
   identity.running_mean = zeros.data_ptr<float>();  // read only by the eval epilogue
   identity.running_var = ones.data_ptr<float>();
   identity.eps = 0.f;
+  if (gemm == Gemm::kSmallM) {
+    TORCH_CHECK(M <= fgb::small_m_fp64_max_rows(), "gemm_nt: small_m_fp64 takes at most ",
+                fgb::small_m_fp64_max_rows(), " rows, got ", M);
+    const torch::Tensor workspace = small_m_workspace(ac, M, N, K, false);
+    check_launch(fgb::small_m_fp64_eval(ac.data_ptr<float>(), ac.stride(0), w, M, N, K, identity,
+                                        out.data_ptr<float>(), data_or_null(workspace), stream),
+                 "small_m_fp64_eval");
+    return out;
+  }
   const FragmentX xs = sm80_prepass(ac, M, N, K, nullptr, false, stream);
   check_launch(fgb::sm80_gemm_3xtf32_eval(xs.big, xs.small, w, fgb::Centring{nullptr, nullptr}, out.data_ptr<float>(),
                                           identity, M, N, K, xs.workspace, stream),
@@ -8040,14 +8052,16 @@ _FULL_RATE_FP64 = ((8, 0), (9, 0))
 def _small_m_gemm(call, facts, switches, gemm):
     """Whether a float32 CUDA forward takes small_m_fp64 instead of `gemm` (the
     tensor-core kernel it would run): at most SMALL_M_MAX_ROWS rows, a full-rate
-    FP64 GPU, not eval with gradients (its gemm_nt products stay on the tensor-core
-    route), and switches.small_m: True, or "auto" where measured faster than gemm
-    (sm90_fp16x3 only: SMALL_M_AUTO_ROWS rows, SMALL_M_MAX_ROWS from SMALL_M_WIDE_NK)."""
-    if (not switches.small_m or call.m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64
-            or (call.grad and not call.training)):
+    FP64 GPU, and switches.small_m: True (eval with gradients too: z by small_m_fp64's
+    gemm_nt, the fold in torch ops; never run on a GPU yet, docs/perf.md v56), or "auto"
+    where measured faster than gemm (sm90_fp16x3 only: SMALL_M_AUTO_ROWS rows,
+    SMALL_M_MAX_ROWS from SMALL_M_WIDE_NK; not eval with gradients, which keeps the
+    tensor-core gemm_nt until measured)."""
+    if not switches.small_m or call.m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64:
         return False
     if switches.small_m == "auto":
-        return gemm == "sm90_fp16x3" and (call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK)
+        return (gemm == "sm90_fp16x3" and not (call.grad and not call.training)
+                and (call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK))
     return True
 
 

@@ -32,7 +32,8 @@ below 16 rows to meet the bar: docs/perf.md v37):
   - test_gpu_small_m_gradients_vs_float64: every gradient of a small_m_fp64 training step at
     2-16 x 8192 x 8192 within eager's error
   - test_gpu_small_m_eval_with_gradients_vs_float64: eval with gradients on small_m_fp64's
-    gemm_nt (FUSED_GEMM_BN_SMALL_M=1): the output and every gradient within eager's error
+    gemm_nt (FUSED_GEMM_BN_SMALL_M=1): the output within eager's error, every gradient
+    within bench.py's closeness (2x eager's + 1e-6)
   - test_gpu_small_batch_negative_control_tf32_operands: Model with x and
     gemm.weight rounded to TF32 (1xTF32's operand error) fails the bar at
     7 x 4095 x 513 in both modes
@@ -233,20 +234,22 @@ def test_gpu_small_m_eval_with_gradients_vs_float64(problem, fp32_matmul, monkey
     """Eval with gradients (BatchNorm frozen while fine-tuning) on small_m_fp64's gemm_nt, as
     FUSED_GEMM_BN_SMALL_M=1 takes it: z = x W^T from float64 sums rounded once, the fold in
     torch ops, the backward's products on the tensor-core route.  At batches 1, 4 and 16, at
-    K x N = 8192 x 8192 and 4095 x 513 (K split, 4-byte rows), the running statistics those of
-    three training calls: the output and every gradient (x and each parameter) within eager's
-    error against a float64 Model on the same state and inputs (relative Frobenius, plus a
-    float32 rounding for ties)."""
+    K x N = 8192 x 8192 and 4095 x 513 (K split, 4-byte rows), one seeded state (running
+    statistics drawn, the same in both models), against a float64 Model on that state and the
+    same inputs (relative Frobenius): the output within eager's error plus a float32 rounding;
+    every gradient (x and each parameter) within bench.py's closeness, 2x eager's + 1e-6 (the
+    fold's gradients are torch's reductions on both sides: problem 84's one-number scale sums N
+    float32 terms, as in eager)."""
     if torch.cuda.get_device_capability() not in model_new._FULL_RATE_FP64:
         pytest.skip("small_m_fp64 runs on sm_80 and sm_90 only")
     monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(small_m=True))
     for k, n in ((8192, 8192), (4095, 513)):
         ref, new = make_pair(problem, 7, k, n, device="cuda")
         gen = torch.Generator(device="cuda").manual_seed(k + n)
-        with torch.no_grad():
-            for _ in range(3):
-                x = torch.rand(16, k, device="cuda", generator=gen) * 4 - 1
-                ref(x), new(x)
+        state = ref.state_dict()
+        state["bn.running_mean"] = torch.randn(n, device="cuda", generator=gen) * 0.1
+        state["bn.running_var"] = torch.rand(n, device="cuda", generator=gen) + 0.5
+        ref.load_state_dict(state), new.load_state_dict(state)
         ref.eval(), new.eval()
         ref64 = copy.deepcopy(ref).double()
         for m in (1, 4, 16):
@@ -266,7 +269,8 @@ def test_gpu_small_m_eval_with_gradients_vs_float64(problem, fp32_matmul, monkey
                 err_new, err_eager = rel_err(grads["new"][key], want), rel_err(grads["eager"][key], want)
                 print(f"\n[small-m eval grad] {problem.name} {m}x{k}x{n} {key:10s} ModelNew {err_new:.2e} "
                       f"eager {err_eager:.2e}")
-                assert err_new <= err_eager + 2 ** -24, (m, k, n, key, err_new, err_eager)
+                bound = err_eager + 2 ** -24 if key == "out" else 2 * err_eager + 1e-6
+                assert err_new <= bound, (m, k, n, key, err_new, err_eager)
 
 
 @requires_cuda

@@ -8,7 +8,7 @@
 #   bash tools/small_m_ab.sh HEAD~1 2 2x8192x8192 16x8192x8192 12x8000x4096
 #
 # CASE is MxKxN from small_m_check's GPU grid (M in 1 2 3 4 8 9 12 15 16; K x N in 8192 x 8192,
-# 8000 x 4096, 4095 x 513, 4096 x 512, 1024 x 1000); default: every M at 8192 x 8192 and 12 x
+# 4096 x 8192, 8000 x 4096, 4095 x 513, 4096 x 512, 1024 x 1000); default: every M at 8192 x 8192 and 12 x
 # 8000 x 4096.  Each line: side (tree / rev), round, then small_m_check's row (max errors in
 # float32 ulps, problem 33's and 84's training launchers in us, the floor: half a device copy of
 # W, and t33 / floor).  Every check of small_m_check must pass on both sides ("ok"); a failing

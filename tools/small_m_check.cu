@@ -821,7 +821,9 @@ int main(int argc, char** argv) {
   const Case cancel{16, 4096, 512}, null_vectors{15, 1024, 1000}, momentum_none{12, 4095, 513};
 #else
   const int Ms[] = {1, 2, 3, 4, 8, 9, 12, 15, 16};
-  const int KN[][2] = {{8192, 8192}, {8000, 4096}, {4095, 513}, {4096, 512}, {1024, 1000}};
+  // (K = 4096, N = 8192: the 8192 x 8192 grid's CTAs over half the stages; the two give the
+  // launch's fixed and per-stage costs, docs/perf.md v56.)
+  const int KN[][2] = {{8192, 8192}, {4096, 8192}, {8000, 4096}, {4095, 513}, {4096, 512}, {1024, 1000}};
   const Case cancel{16, 4096, 512}, null_vectors{15, 1024, 1000}, momentum_none{12, 4095, 513};
 #endif
   // SMALL_M_CHECK_CASE=MxKxN: that one case only (to profile one shape, e.g. under ncu).

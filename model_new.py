@@ -778,7 +778,7 @@ def _small_m_gemm(call, facts, switches, gemm):
     if not switches.small_m or call.m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64:
         return False
     if switches.small_m == "auto":
-        return (gemm == "sm90_fp16x3" and not (call.grad and not call.training)
+        return (gemm == "sm90_fp16x3" and (call.training or not call.grad)
                 and (call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK))
     return True
 

@@ -256,14 +256,14 @@ def test_gpu_small_m_eval_with_gradients_vs_float64(problem, fp32_matmul, monkey
             x = torch.rand(m, k, device="cuda", generator=gen) * 4 - 1
             g = torch.randn(m, n, device="cuda", generator=gen)
             assert new.kernel_path(x.requires_grad_(True)) == "small_m_fp64_eval_grad"
-            outs, grads = {}, {}
+            grads = {}
             for name, model, dtype in (("eager", ref, torch.float32), ("new", new, torch.float32),
                                        ("float64", ref64, torch.float64)):
                 model.zero_grad(set_to_none=True)
                 xi = x.detach().to(dtype).requires_grad_(True)
-                outs[name] = model(xi)
-                (outs[name] * g.to(dtype)).sum().backward()
-                grads[name] = {"out": outs[name].detach(), "x": xi.grad,
+                out = model(xi)
+                (out * g.to(dtype)).sum().backward()
+                grads[name] = {"out": out.detach(), "x": xi.grad,
                                **{p: t.grad for p, t in model.named_parameters()}}
             for key, want in grads["float64"].items():
                 err_new, err_eager = rel_err(grads["new"][key], want), rel_err(grads["eager"][key], want)

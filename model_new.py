@@ -23,7 +23,7 @@ From ModelNew.forward to the kernels (docs/design.md has the whole map):
     check_input, per_feature_scale, dispatch() -> Plan; then _run_plan:
     no gradient:          forward_train / forward_eval (torch_binding.cpp), one extension call
     training + gradient:  _TrainFn: forward_train_saved; backward bn_backward_train, gemm_nn, gemm_tn
-    eval + gradient:      _eval_with_grad: gemm_nt (backward gemm_nn, gemm_tn), the fold in torch ops
+    eval + gradient:      _EvalFn: forward_eval_saved; backward bn_backward_eval, gemm_nn, gemm_tn
     torch.compile, jit.trace: the same through the fused_gemm_bn:: custom operators
 
   gemm          kernels/                                     steps of Model.forward
@@ -46,7 +46,7 @@ scale * (mean_z + b) and biased variance scale^2 var_z, so
     out = (z - mean_z) * a + bn.bias,   a = scale * bn.weight / sqrt(scale^2 var_z + eps):
 the Linear bias cancels from the output and only enters running_mean.  Eval
 folds everything after the GEMM into out = a' z + c' (_torch_forward_eval); the
-backward's formulas are _torch_bn_backward_train's.  The GEMMs' numerics
+backward's formulas are _torch_bn_backward_train's and _torch_bn_backward_eval's.  The GEMMs' numerics
 (split, rounding, expected error) are in the .cu headers and docs/numerics.md.
 
 Surface for problem 84's module and for users (documented, stable): FusedModule, LinearParams,
@@ -81,8 +81,8 @@ from torch.optim import optimizer as torch_optimizer
 _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
-_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "gemm_nn", "gemm_tn",
-                        "bn_backward_train", "softmax_rows_backward", "fp16x3_weight_parts", "weight_row_sums",
+_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "forward_eval_saved", "gemm_nt",
+                        "gemm_nn", "gemm_tn", "bn_backward_train", "bn_backward_eval", "softmax_rows_backward", "fp16x3_weight_parts", "weight_row_sums",
                         "sync_forward_local", "sync_bn_apply", "bn_backward_sums", "bn_backward_grad",
                         "sm90_gemm_available"]
 
@@ -770,16 +770,13 @@ _FULL_RATE_FP64 = ((8, 0), (9, 0))
 def _small_m_gemm(call, facts, switches, gemm):
     """Whether a float32 CUDA forward takes small_m_fp64 instead of `gemm` (the
     tensor-core kernel it would run): at most SMALL_M_MAX_ROWS rows, a full-rate
-    FP64 GPU, and switches.small_m: True (eval with gradients too: z by small_m_fp64's
-    gemm_nt, the fold in torch ops; never run on a GPU yet, docs/perf.md v56), or "auto"
-    where measured faster than gemm (sm90_fp16x3 only: SMALL_M_AUTO_ROWS rows,
-    SMALL_M_MAX_ROWS from SMALL_M_WIDE_NK; not eval with gradients, which keeps the
-    tensor-core gemm_nt until measured)."""
+    FP64 GPU, and switches.small_m: True, or "auto" where measured faster than gemm
+    (sm90_fp16x3 only: SMALL_M_AUTO_ROWS rows, SMALL_M_MAX_ROWS from SMALL_M_WIDE_NK).
+    Eval with gradients takes its gemm_nt for z (docs/perf.md v57)."""
     if not switches.small_m or call.m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64:
         return False
     if switches.small_m == "auto":
-        return (gemm == "sm90_fp16x3" and (call.training or not call.grad)
-                and (call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK))
+        return gemm == "sm90_fp16x3" and (call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK)
     return True
 
 
@@ -939,7 +936,7 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     dispatch()'s decision when they run, so a traced module generalises over the
     batch size); else dispatch()'s Plan: 16-bit model_new_lowp.forward; no
     gradient one forward_train / forward_eval call; training with gradients
-    _TrainFn; eval with gradients _eval_with_grad.  Under torch.jit.trace the
+    _TrainFn; eval with gradients _EvalFn.  Under torch.jit.trace the
     checks run once, at trace time, by design (their TracerWarnings are
     silenced); it raises RuntimeError where this torch has no custom operators (< 2.4)."""
     if not torch.jit.is_tracing():
@@ -995,8 +992,7 @@ def _run_plan(plan, params, buffers, momentum, eps, scale_after_bn):
     if plan.training and plan.grad:
         return _TrainFn.apply(kernels, plan.gemm, scale_after_bn, buffers, momentum, eps, *params)
     if plan.grad:
-        return _eval_with_grad(functools.partial(_GemmNT.apply, kernels, plan.gemm),
-                               _SoftmaxRows.apply if scale_after_bn else None, *params, *buffers[:2], eps)
+        return _EvalFn.apply(kernels, plan.gemm, scale_after_bn, eps, *params, *buffers[:2])
     return _forward_call(kernels, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, params)
 
 
@@ -1292,6 +1288,49 @@ class _TrainFn(torch.autograd.Function):
         return (None,) * 6 + tuple(grads)
 
 
+class _EvalFn(torch.autograd.Function):
+    """Eval forward with gradients (BatchNorm frozen), eager: one forward_eval_saved
+    call (z = x gemm.weight^T on the plan's GEMM, out from z with the running
+    statistics' fold).  Saved: x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias,
+    running_mean, running_var (no copies: changing the running statistics in place
+    before the backward raises, as for BatchNorm1d), z, and for problem 84 out."""
+
+    @staticmethod
+    def forward(ctx, kernels, gemm, scale_after_bn, eps, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+                running_var):
+        out, z = kernels.forward_eval_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+                                            running_var, eps, scale_after_bn, *_weight_args(kernels, gemm, weight))
+        ctx.scale_after_bn, ctx.eps = scale_after_bn, eps
+        ctx.save_for_backward(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, z,
+                              out if scale_after_bn else None)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        grads = _eval_backward(ctx.scale_after_bn, ctx.eps, grad_out, *ctx.saved_tensors, ctx.needs_input_grad[4:10])
+        return (None,) * 4 + tuple(grads) + (None, None)
+
+
+def _eval_backward(scale_after_bn, eps, grad_out, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+                   running_var, z, out, needs):
+    """Gradients of _EvalFn's forward with respect to (x, gemm.weight, gemm.bias,
+    scale, bn.weight, bn.bias); `needs` says which are wanted (others None):
+      problem 84: grad_v = out * (grad_out - sum_n grad_out * out)   (row softmax backward)
+      grad_z, grad_bias, grad_scale, grad_bn_weight, grad_bn_bias = bn_backward_eval(grad_y, z, ...)
+      grad_x = grad_z weight = gemm_nn(grad_z, weight),  grad_weight = grad_z^T x = gemm_tn(grad_z, x)"""
+    need_x, need_w, need_b, need_s, need_g, need_beta = needs
+    if not any(needs):
+        return (None,) * 6
+    grad_y = _softmax_rows_backward(out, grad_out) if scale_after_bn else grad_out.contiguous()
+    kernels = _kernels("ext" if z.is_cuda and z.dtype == torch.float32 else "torch")
+    grad_z, grad_b, grad_s, grad_g, grad_beta = kernels.bn_backward_eval(
+        grad_y, z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn)
+    return (_gemm_nn(grad_z, weight) if need_x else None, _gemm_tn(grad_z, x) if need_w else None,
+            grad_b if need_b else None, grad_s if need_s else None, grad_g if need_g else None,
+            grad_beta if need_beta else None)
+
+
 class _GemmNT(torch.autograd.Function):
     """z = a b^T (a (M, K), b (N, K)) by kernels.gemm_nt.  Saved: a, b (no copies).  Backward: _gemm_nt_backward."""
 
@@ -1342,11 +1381,12 @@ class _SoftmaxRows(torch.autograd.Function):
 
 
 def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps):
-    """Eval forward with gradients: z = gemm_nt(x, weight) (differentiable),
+    """Eval forward with gradients in operators: z = gemm_nt(x, weight) (differentiable),
     then the fold in elementwise ops (g = bn.weight / sqrt(running_var + eps)),
     whose autograd gives the fold's gradients:
       problem 33: out = z (scale g) + bn.bias + (scale gemm.bias - running_mean) g
-      problem 84: out = softmax_rows((z + gemm.bias - running_mean) (scale g) + scale bn.bias)"""
+      problem 84: out = softmax_rows((z + gemm.bias - running_mean) (scale g) + scale bn.bias)
+    What torch.compile's graphs run (_ops_forward); eager calls take _EvalFn."""
     g = bn_weight / torch.sqrt(running_var + eps)
     z = gemm_nt(x, weight)
     if softmax_rows is not None:
@@ -1683,7 +1723,41 @@ def _torch_forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, runnin
     """With g = bn_weight / sqrt(running_var + eps) and z = x weight^T:
     problem 33: out = a z + c, a = scale g, c = bn_bias + (scale bias - running_mean) g;
     problem 84: softmax((z + bias - running_mean) scale g + scale bn_bias) per row."""
+    return _torch_eval_fold(x @ weight.t(), bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                            scale_after_bn)
+
+
+def _torch_forward_eval_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                              scale_after_bn):
+    """[out, z]: _torch_forward_eval's out and z = x weight^T (the extension's forward_eval_saved)."""
     z = x @ weight.t()
+    return [_torch_eval_fold(z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn), z]
+
+
+def _torch_bn_backward_eval(grad_y, z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                            scale_after_bn):
+    """Eval-mode BatchNorm backward, the contract of the extension's bn_backward_eval
+    (kernels/bn_backward.cu has the algebra): grad_y = dL/dy (problem 33) or dL/dv
+    (problem 84), z (M, N); per-feature sums and coefficients in float64.  Returns
+    [grad_z (M, N), grad_bias, grad_scale, grad_bn_weight, grad_bn_bias (N)] in grad_y's dtype."""
+    dt = grad_y.dtype
+    s, gamma, b, mu = scale.double(), bn_weight.double(), bias.double(), running_mean.double()
+    sigma = torch.sqrt(running_var.double() + eps)
+    a = s * gamma / sigma
+    g = grad_y.double()
+    sum_g = g.sum(0)
+    sum_gz = (g * (z.double() - ((mu - b) if scale_after_bn else -b))).sum(0)
+    if scale_after_bn:
+        grad_scale = gamma / sigma * sum_gz + bn_bias.double() * sum_g
+        grad_gamma, grad_beta = s * sum_gz / sigma, s * sum_g
+    else:
+        grad_scale = gamma / sigma * sum_gz
+        grad_gamma, grad_beta = (s * sum_gz - mu * sum_g) / sigma, sum_g
+    return [(g * a).to(dt), (a * sum_g).to(dt), grad_scale.to(dt), grad_gamma.to(dt), grad_beta.to(dt)]
+
+
+def _torch_eval_fold(z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn):
+    """out from z = x weight^T in eval mode (_torch_forward_eval's formulas)."""
     g = bn_weight / torch.sqrt(running_var + eps)
     if scale_after_bn:
         return _softmax_rows((z + (bias - running_mean)) * (scale * g) + scale * bn_bias)
@@ -1731,8 +1805,9 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
 # The torch-op stand-in for `_ext`: the extension's functions by the same names and arguments.
 _TORCH_PATH = types.SimpleNamespace(
     forward_train=_torch_forward_train, forward_eval=_torch_forward_eval,
-    forward_train_saved=_torch_forward_train_saved, gemm_nt=_torch_gemm_nt, gemm_nn=_torch_gemm_nn,
-    gemm_tn=_torch_gemm_tn, bn_backward_train=_torch_bn_backward_train)
+    forward_train_saved=_torch_forward_train_saved, forward_eval_saved=_torch_forward_eval_saved,
+    gemm_nt=_torch_gemm_nt, gemm_nn=_torch_gemm_nn, gemm_tn=_torch_gemm_tn, bn_backward_train=_torch_bn_backward_train,
+    bn_backward_eval=_torch_bn_backward_eval)
 
 
 # ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ From ModelNew.forward to the kernels (docs/design.md has the whole map):
     check_input, per_feature_scale, dispatch() -> Plan; then _run_plan:
     no gradient:          forward_train / forward_eval (torch_binding.cpp), one extension call
     training + gradient:  _TrainFn: forward_train_saved; backward bn_backward_train, gemm_nn, gemm_tn
-    eval + gradient:      _eval_with_grad: gemm_nt (backward gemm_nn, gemm_tn), the fold in torch ops
+    eval + gradient:      _EvalFn: forward_eval_saved; backward bn_backward_eval, gemm_nn, gemm_tn
     torch.compile, jit.trace: the same through the fused_gemm_bn:: custom operators
 
   gemm          kernels/                                     steps of Model.forward
@@ -48,7 +48,7 @@ scale * (mean_z + b) and biased variance scale^2 var_z, so
     out = (z - mean_z) * a + bn.bias,   a = scale * bn.weight / sqrt(scale^2 var_z + eps):
 the Linear bias cancels from the output and only enters running_mean.  Eval
 folds everything after the GEMM into out = a' z + c' (_torch_forward_eval); the
-backward's formulas are _torch_bn_backward_train's.  The GEMMs' numerics
+backward's formulas are _torch_bn_backward_train's and _torch_bn_backward_eval's.  The GEMMs' numerics
 (split, rounding, expected error) are in the .cu headers and docs/numerics.md.
 
 Surface for problem 84's module and for users (documented, stable): FusedModule, LinearParams,
@@ -83,8 +83,8 @@ from torch.optim import optimizer as torch_optimizer
 _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
-_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "gemm_nt", "gemm_nn", "gemm_tn",
-                        "bn_backward_train", "softmax_rows_backward", "fp16x3_weight_parts", "weight_row_sums",
+_EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "forward_eval_saved", "gemm_nt",
+                        "gemm_nn", "gemm_tn", "bn_backward_train", "bn_backward_eval", "softmax_rows_backward", "fp16x3_weight_parts", "weight_row_sums",
                         "sync_forward_local", "sync_bn_apply", "bn_backward_sums", "bn_backward_grad",
                         "sm90_gemm_available"]
 
@@ -259,6 +259,12 @@ __device__ __forceinline__ T block_reduce(T v, T* red) {
 
 namespace fused_gemm_bn {
 
+// bn_fold_eval (eval mode with gradients, model_new.py's _EvalFn): one thread per
+// feature writes coeff = [0 | a | c] (3 N floats) from the running statistics,
+// bn_eval_affine's fold (bn_stats.cuh: the GEMM epilogues' eval fold, float32), so
+// that out = z a + c: problem 33 through bn_apply_folded (bn_bias = coeff + 2 N),
+// problem 84 through softmax_rows.
+
 // Block shape, from timings of variants on an H200 (docs/perf.md v21): 128
 // threads (the one-launch vec4 kernel needs ~166 registers for the batched
 // statistics loads: three blocks per SM), 64 rows per block in the one-launch
@@ -335,6 +341,18 @@ __global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_kernel(const BnAppl
   feature_coefficients(p, j, true, mu, a);
   p.coeff[j] = mu;
   p.coeff[p.N + j] = a;
+}
+
+// Eval mode: coeff = [0 | a | c] of feature j (bn_eval_affine), one thread per feature.
+__global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_eval_kernel(const BnParams bn, int N, float* coeff) {
+  pdl_wait_then_release();
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= N) return;
+  float a, c;
+  bn_eval_affine(bn, j, a, c);
+  coeff[j] = 0.f;
+  coeff[N + j] = a;
+  coeff[2 * N + j] = c;
 }
 
 // kFolded: (mean_z, a) from coeff (bn_fold_kernel ran first); else merged here,
@@ -445,9 +463,20 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
   p.coeff = const_cast<float*>(coeff);  // read only by the kFolded apply kernel
   return launch_apply<true>(p, apply_grid(M, N, vec4, kFoldedRowsPerBlock, p.rows_per_block), vec4, stream);
 }
+
+// coeff (3 N floats) = [0 | a | c]: the eval fold of the running statistics (bn: bias, scale,
+// bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn, scale_stride).
+cudaError_t fused_gemm_bn::bn_fold_eval(const BatchNormArgs& bn, int N, float* coeff, cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  const BnParams params{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
+                        bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn, bn.scale_stride};
+  return launch_kernel(bn_fold_eval_kernel, (N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0,
+                       stream, params, N, coeff);
+}
 ''',
-    'bn_backward.cu': r'''// bn_backward.cu -- training-mode BatchNorm backward for the fused models.  The
-// batch statistics it reads (stats) come from the training forward's
+    'bn_backward.cu': r'''// bn_backward.cu -- BatchNorm backward for the fused models: training mode
+// (batch statistics) and eval mode (running statistics, below).  The training
+// backward's batch statistics (stats) come from the training forward's
 // bn_apply / bn_softmax_fold_train (write_batch_stats, bn_stats.cuh).
 //
 // Forward being differentiated (z = x @ W^T, no bias: the bias cancels), per
@@ -493,6 +522,22 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
 //     process's rows of dL/du (z + bias), dL/du = dz / s, accumulated in float64
 //     in pass 2 (per process it has no closed form: the eps / sigma^3 form above
 //     holds for the sum over all processes).
+//
+// Eval mode (bn_backward_eval; model_new.py's _EvalFn): BatchNorm frozen, mu and
+// var the running statistics, sigma = sqrt(var + eps), g = gamma / sigma, b the
+// Linear's bias; the forward (forward_eval_saved) kept z = x @ W^T:
+//   problem 33: y = (s (z + b) - mu) g + beta;   problem 84: v = s ((z + b - mu) g + beta)
+// With G = dL/dy (33) or dL/dv (84: the row softmax's backward), a = s g, and
+// S1 = sum_m G, S2 = sum_m G (z - center), center = -b (33) or mu - b (84):
+//   both:       dz = a G,  dbias = a S1
+//   problem 33: dscale = g S2,          dgamma = (s S2 - mu S1) / sigma,  dbeta = S1
+//   problem 84: dscale = g S2 + beta S1, dgamma = s S2 / sigma,          dbeta = s S1
+// No term depends on the batch, so one pass: each dz (a in float64, rounded
+// once) is written as its G is read, S1 and S2 summed in float64 (z - center
+// exact in float64 but for the last bits of a three-term sum); each parameter
+// gradient rounded once.  Problem 84's one scale as in training (dscale_terms,
+// sum_scale_terms_kernel).  The two-pass kernel's layout: one CTA per 32
+// features, its 8 warps over the rows.
 //
 // Kernels (bn_backward_train picks one: resident_strip_pays, heuristics_common.cuh):
 //   two-pass: one CTA per 32 features (a warp reads 128 contiguous bytes of a
@@ -543,8 +588,24 @@ struct BnBackwardArgs {
   double* dscale_terms = nullptr;    // kFull, one scale: dscale's N per-feature terms, unrounded
 };
 
+// bn_backward_eval's arguments: bn's bias, scale (scale_stride), bn_weight, bn_bias,
+// running_mean, running_var, eps and scale_after_bn are read.
+struct BnBackwardEvalArgs {
+  const float* g;
+  const float* z;
+  BatchNormArgs bn;
+  int M, N;
+  float* dz;
+  float* dbias;
+  float* dscale;
+  float* dgamma;
+  float* dbeta;
+  double* dscale_terms;  // one scale: dscale's N per-feature terms, unrounded; else null
+};
+
 // dscale's term of feature j: rounded into dscale, or kept in float64 for one scale's sum.
-__device__ __forceinline__ void write_dscale(const BnBackwardArgs& p, int j, double term) {
+template <class Args>  // BnBackwardArgs or BnBackwardEvalArgs
+__device__ __forceinline__ void write_dscale(const Args& p, int j, double term) {
   if (p.dscale_terms != nullptr)
     p.dscale_terms[j] = term;
   else
@@ -553,7 +614,8 @@ __device__ __forceinline__ void write_dscale(const BnBackwardArgs& p, int j, dou
 
 // Rows row + r * kBwdWarps (r < kBwdRowBatch) of g and z at feature j, all
 // loads issued before any is used; rows past M read as g = 0, z = z_pad.
-__device__ __forceinline__ void load_rows(const BnBackwardArgs& p, int row, int j, float z_pad,
+template <class Args>  // BnBackwardArgs or BnBackwardEvalArgs: g, z, M, N
+__device__ __forceinline__ void load_rows(const Args& p, int row, int j, float z_pad,
                                           float (&gv)[kBwdRowBatch], float (&zv)[kBwdRowBatch]) {
 #pragma unroll
   for (int r = 0; r < kBwdRowBatch; ++r) {
@@ -763,6 +825,64 @@ __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(co
   }
 }
 
+// Eval mode (formulas above): one pass over g and z, dz written as g is read.
+__global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_eval_kernel(const BnBackwardEvalArgs p) {
+  pdl_wait_then_release();
+  __shared__ double red[2][kBwdWarps][kBwdCols];
+  const int lane = threadIdx.x % kBwdCols, warp = threadIdx.x / kBwdCols;
+  const int j = blockIdx.x * kBwdCols + lane;
+  const bool valid = j < p.N;
+  // (the per-feature values are read again after the loop: live across it, the float64
+  // division's slow path spilled them)
+  double a = 0.0, center = 0.0;
+  if (valid) {
+    const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride];
+    a = s * p.bn.bn_weight[j] / sqrt(static_cast<double>(p.bn.running_var[j]) + static_cast<double>(p.bn.eps));
+    const double b = p.bn.bias[j];
+    center = p.bn.scale_after_bn ? static_cast<double>(p.bn.running_mean[j]) - b : -b;
+  }
+  double s1 = 0.0, s2 = 0.0;
+  if (valid) {
+    for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
+      float gv[kBwdRowBatch], zv[kBwdRowBatch];
+      load_rows(p, row, j, 0.f, gv, zv);
+#pragma unroll
+      for (int r = 0; r < kBwdRowBatch; ++r) {
+        const int m = row + r * kBwdWarps;
+        if (m < p.M) {
+          const double gd = gv[r];
+          s1 += gd;
+          s2 += gd * (static_cast<double>(zv[r]) - center);
+          p.dz[static_cast<size_t>(m) * p.N + j] = static_cast<float>(a * gd);
+        }
+      }
+    }
+  }
+  red[0][warp][lane] = s1;
+  red[1][warp][lane] = s2;
+  __syncthreads();
+  if (warp != 0 || !valid) return;
+  double S1 = 0.0, S2 = 0.0;
+#pragma unroll
+  for (int w = 0; w < kBwdWarps; ++w) {
+    S1 += red[0][w][lane];
+    S2 += red[1][w][lane];
+  }
+  const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride], gamma = p.bn.bn_weight[j];
+  const double mu = p.bn.running_mean[j];
+  const double sigma = sqrt(static_cast<double>(p.bn.running_var[j]) + static_cast<double>(p.bn.eps));
+  p.dbias[j] = static_cast<float>(a * S1);
+  if (p.bn.scale_after_bn) {
+    p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+    p.dbeta[j] = static_cast<float>(s * S1);
+    write_dscale(p, j, gamma / sigma * S2 + static_cast<double>(p.bn.bn_bias[j]) * S1);
+  } else {
+    p.dgamma[j] = static_cast<float>((s * S2 - mu * S1) / sigma);
+    p.dbeta[j] = static_cast<float>(S1);
+    write_dscale(p, j, gamma / sigma * S2);
+  }
+}
+
 // One scale's gradient: the float64 sum of dscale's N per-feature terms (each thread
 // its features t, t + blockDim.x, ... in order, then block_reduce's fixed tree), rounded
 // once into grad_scale[0]; grad_scale[j > 0] = 0, so that the sum over the features that
@@ -827,6 +947,24 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
                          local_sums, total_sums, nullptr};
   return launch_kernel(bn_backward_train_kernel<BwdMode::kGrad>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
                        0, stream, p);
+}
+
+// Eval mode: grad_z (M, N) and grad_bias, grad_scale, grad_bn_weight, grad_bn_bias (N)
+// from grad_y = dL/dy (problem 33) or dL/dv (84) and the forward's z (formulas above).
+cudaError_t fused_gemm_bn::bn_backward_eval(const float* grad_y, const float* z, const BatchNormArgs& bn, int M, int N,
+                                            float* grad_z, float* grad_bias, float* grad_scale, float* grad_bn_weight,
+                                            float* grad_bn_bias, double* grad_scale_terms, cudaStream_t stream) {
+  const int scale_stride = bn.scale_stride;
+  if (N == 0) return cudaSuccess;
+  if (scale_stride != 0 && scale_stride != 1) return cudaErrorInvalidValue;
+  if (scale_stride == 0 && grad_scale_terms == nullptr) return cudaErrorInvalidValue;
+  const BnBackwardEvalArgs p{grad_y,    z,          bn,         M, N, grad_z, grad_bias, grad_scale, grad_bn_weight,
+                             grad_bn_bias, scale_stride == 0 ? grad_scale_terms : nullptr};
+  const cudaError_t err = launch_kernel(bn_backward_eval_kernel, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
+                                        0, stream, p);
+  if (err != cudaSuccess || scale_stride != 0) return err;
+  return launch_kernel(sum_scale_terms_kernel, 1, kScaleSumThreads, 0, stream,
+                       static_cast<const double*>(grad_scale_terms), N, grad_scale);
 }
 ''',
     'bn_softmax.cu': r'''// bn_softmax.cu -- after the GEMM, the rest of Linear -> BatchNorm1d -> scale ->
@@ -2203,6 +2341,11 @@ cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const f
 cudaError_t bn_apply_folded(const float* z, float* out, const float* coeff, const float* bn_bias, int M, int N,
                             cudaStream_t stream);
 
+// Eval mode with gradients: coeff (3 N floats) = [0 | a | c], the running statistics' fold
+// (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn), so that
+// out = z a + c (problem 33: bn_apply_folded with bn_bias = coeff + 2 N; 84: softmax_rows).
+cudaError_t bn_fold_eval(const BatchNormArgs& bn, int N, float* coeff, cudaStream_t stream);
+
 // ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
 // Training: coeff (3 N floats: mean_z | a | c), the running-statistics update
 // (bn: every field but scale_after_bn, which is true here) and, when given,
@@ -2217,7 +2360,7 @@ cudaError_t softmax_rows(const float* in, float* out, const float* coeff, int M,
 cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float* grad_v, int M, int N,
                                   cudaStream_t stream);
 
-// ---- bn_backward.cu: the training backward's BatchNorm ----------------------
+// ---- bn_backward.cu: the backward's BatchNorm (training, eval) --------------
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
 // (bn: scale, bn_weight, eps, scale_after_bn; problem 84: bn_bias, or null for a
 // grad_scale without its bn_bias * sum_m grad_y term).  bn.scale_stride 1: N scales;
@@ -2226,6 +2369,13 @@ cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float
 cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
                               int N, float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
                               double* grad_scale_terms, cudaStream_t stream);
+// Eval mode (running statistics; bn: bias, scale, bn_weight, bn_bias, running_mean, running_var,
+// eps, scale_after_bn): grad_z (M, N) and grad_bias, grad_scale, grad_bn_weight, grad_bn_bias (N)
+// from grad_y = dL/dy (problem 33) or dL/dv (problem 84, the softmax's backward) and the forward's
+// z = x @ W^T; one scale (bn.scale_stride 0) as bn_backward_train's.
+cudaError_t bn_backward_eval(const float* grad_y, const float* z, const BatchNormArgs& bn, int M, int N,
+                             float* grad_z, float* grad_bias, float* grad_scale, float* grad_bn_weight,
+                             float* grad_bn_bias, double* grad_scale_terms, cudaStream_t stream);
 // Synchronized BatchNorm (statistics merged over processes):
 // the backward split around the all_reduce: this process's sums (2, N) float64 =
 // [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums
@@ -6342,6 +6492,9 @@ static bool make_tensor_map_f32_rows(CUtensorMap* map, const float* ptr, int row
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward, which reads them only as z - stats[0]
 //       and stats[1]: small_m_fp64 returns them centred (z - mean_z rounded once, and 0).
+//   forward_eval_saved(same arguments as forward_eval) -> [out, z (M, N)]: eval with
+//       gradients; z by gemm_nt's route, out from z with the running statistics' fold
+//       (bn_fold_eval, then bn_apply_folded or softmax_rows)
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides, b_parts) -> a @ b^T (3xTF32, fp16x3, or
 //       small_m_fp64 for M <= 16: float64 sums rounded once; b_parts as gemm_nn's)
 //   gemm_nn(gemm, a (M, N), b (N, K), b_parts) -> a @ b: grad_x = grad_z W; on
@@ -6359,6 +6512,9 @@ static bool make_tensor_map_f32_rows(CUtensorMap* map, const float* ptr, int row
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       bn_bias None: problem 84's grad_scale without its bn_bias * sum(grad_y) term;
 //       a one-number scale viewed as N: grad_scale = [its gradient, 0, ..., 0])
+//   bn_backward_eval(grad_y, z, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+//       eps, scale_after_bn) -> [grad_z, grad_bias, grad_scale, grad_bn_weight, grad_bn_bias]
+//       (bn_backward.cu's eval mode; grad_y of problem 84 is dL/dv, the softmax's backward)
 //   softmax_rows_backward(out, grad_out) -> grad_v = out * (grad_out - sum_n grad_out * out)
 //       per row (softmax_rows_backward.cu): problem 84's row softmax backward
 //   Synchronized BatchNorm (statistics merged across processes in Python between calls):
@@ -6826,7 +6982,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
 }
 
 // ---------------------------------------------------------------------------
-// Entry points for the autograd backward (model_new.py: _TrainFn, _eval_with_grad)
+// Entry points for the autograd backward (model_new.py: _TrainFn, _EvalFn, _eval_with_grad)
 // ---------------------------------------------------------------------------
 
 // forward_train, also returning z = x @ weight^T (M, N, without bias) and
@@ -6840,6 +6996,45 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
                                                c10::optional<torch::Tensor> w_parts) {
   return train_forward(true, gemm_name, x, weight, BnTensors{bias, scale, bn_weight, bn_bias, running_mean,
                        running_var}, num_batches_tracked, momentum, eps, scale_after_bn, w_parts);
+}
+
+torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
+                      c10::optional<torch::Tensor> b_parts);
+
+// Eval mode with gradients (BatchNorm frozen): z = x @ weight^T (M, N, no bias) by
+// gemm_nt on the call's route (w_parts: its cached weight parts, as forward_eval's),
+// then out from z with the running statistics' fold, coeff = [0 | a | c]
+// (bn_fold_eval: the eval epilogues' bn_eval_affine): problem 33 out = z a + c
+// (bn_apply_folded), problem 84 out = softmax(z a + c) per row (softmax_rows).
+// Returns [out, z], both (M, N); the backward (bn_backward_eval) reads z.
+std::vector<torch::Tensor> forward_eval_saved(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight,
+                                              torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
+                                              torch::Tensor bn_bias, torch::Tensor running_mean,
+                                              torch::Tensor running_var, double eps, bool scale_after_bn,
+                                              c10::optional<torch::Tensor> w_parts) {
+  parse_gemm(gemm_name, true);
+  const int scale_stride = scale_for_kernel(scale);
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
+  check_bn_tensors(t, N, x, scale_stride == 0);
+  (void)K;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  // (small_m_fp64 past its rows: gemm_nt's TORCH_CHECK, before anything is launched)
+  const torch::Tensor z = gemm_nt(gemm_name, x, weight, w_parts);
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return {out, z};
+  const torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
+  float* const c = coeff.data_ptr<float>();
+  check_launch(fgb::bn_fold_eval(batch_norm_args(t, scale_stride, eps, scale_after_bn), N, c, stream),
+               "bn_fold_eval");
+  if (scale_after_bn)
+    check_launch(fgb::softmax_rows(z.data_ptr<float>(), out.data_ptr<float>(), c, M, N, stream), "softmax_rows");
+  else
+    check_launch(fgb::bn_apply_folded(z.data_ptr<float>(), out.data_ptr<float>(), c, c + 2 * static_cast<int64_t>(N),
+                                      M, N, stream),
+                 "bn_apply_folded");
+  return {out, z};
 }
 
 // a @ b^T, float32-accurate (3xTF32 or fp16x3; small_m_fp64, M <= 16: correctly rounded but
@@ -7131,6 +7326,41 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
                                       one_scale ? terms.data_ptr<double>() : nullptr, stream),
                "bn_backward_train");
   return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
+}
+
+// Eval-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy (problem 33) or
+// dL/dv (problem 84: softmax_rows_backward's grad_v), z of forward_eval_saved, and the
+// forward's per-feature tensors (running statistics as it read them), returns
+// [grad_z (M, N), grad_bias, grad_scale, grad_bn_weight, grad_bn_bias (N each)];
+// one scale viewed as N as bn_backward_train's ([its gradient, 0, ..., 0]).
+std::vector<torch::Tensor> bn_backward_eval(torch::Tensor grad_y, torch::Tensor z, torch::Tensor bias,
+                                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
+                                            torch::Tensor running_mean, torch::Tensor running_var, double eps,
+                                            bool scale_after_bn) {
+  const int scale_stride = scale_for_kernel(scale);
+  const bool one_scale = scale_stride == 0;
+  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(),
+              "bn_backward_eval: z must be a contiguous float32 CUDA (M, N) tensor");
+  TORCH_CHECK(grad_y.device() == z.device() && grad_y.scalar_type() == torch::kFloat32 && grad_y.sizes() == z.sizes(),
+              "bn_backward_eval: grad_y must be float32 of shape ", z.sizes(), " on ", z.device(), ", got ",
+              grad_y.scalar_type(), " ", grad_y.sizes(), " on ", grad_y.device());
+  TORCH_CHECK(z.size(0) <= INT32_MAX && z.size(1) <= INT32_MAX, "bn_backward_eval: sizes must fit in int32");
+  const int M = static_cast<int>(z.size(0)), N = static_cast<int>(z.size(1));
+  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
+  check_bn_tensors(t, N, z, one_scale);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, scale_stride, eps, scale_after_bn);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const cudaStream_t stream = current_stream(z);
+  const torch::Tensor g = grad_y.contiguous();
+  const BackwardGrads r = backward_grads(z, M, N);
+  const torch::Tensor grad_bias = torch::empty({N}, z.options());
+  const torch::Tensor terms = one_scale ? torch::empty({N}, z.options().dtype(torch::kFloat64)) : torch::Tensor();
+  check_launch(fgb::bn_backward_eval(g.data_ptr<float>(), z.data_ptr<float>(), bn, M, N, r.grad_z.data_ptr<float>(),
+                                     grad_bias.data_ptr<float>(), r.grad_scale.data_ptr<float>(),
+                                     r.grad_bn_weight.data_ptr<float>(), r.grad_bn_bias.data_ptr<float>(),
+                                     one_scale ? terms.data_ptr<double>() : nullptr, stream),
+               "bn_backward_eval");
+  return {r.grad_z, grad_bias, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
 
 // The row softmax's backward: grad_v = out * (grad_out - sum_n grad_out * out)
@@ -7984,16 +8214,13 @@ _FULL_RATE_FP64 = ((8, 0), (9, 0))
 def _small_m_gemm(call, facts, switches, gemm):
     """Whether a float32 CUDA forward takes small_m_fp64 instead of `gemm` (the
     tensor-core kernel it would run): at most SMALL_M_MAX_ROWS rows, a full-rate
-    FP64 GPU, and switches.small_m: True (eval with gradients too: z by small_m_fp64's
-    gemm_nt, the fold in torch ops; never run on a GPU yet, docs/perf.md v56), or "auto"
-    where measured faster than gemm (sm90_fp16x3 only: SMALL_M_AUTO_ROWS rows,
-    SMALL_M_MAX_ROWS from SMALL_M_WIDE_NK; not eval with gradients, which keeps the
-    tensor-core gemm_nt until measured)."""
+    FP64 GPU, and switches.small_m: True, or "auto" where measured faster than gemm
+    (sm90_fp16x3 only: SMALL_M_AUTO_ROWS rows, SMALL_M_MAX_ROWS from SMALL_M_WIDE_NK).
+    Eval with gradients takes its gemm_nt for z (docs/perf.md v57)."""
     if not switches.small_m or call.m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64:
         return False
     if switches.small_m == "auto":
-        return (gemm == "sm90_fp16x3" and (call.training or not call.grad)
-                and (call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK))
+        return gemm == "sm90_fp16x3" and (call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK)
     return True
 
 
@@ -8153,7 +8380,7 @@ def fused_forward(x, gemm, scale, bn, scale_after_bn):
     dispatch()'s decision when they run, so a traced module generalises over the
     batch size); else dispatch()'s Plan: 16-bit model_new_lowp.forward; no
     gradient one forward_train / forward_eval call; training with gradients
-    _TrainFn; eval with gradients _eval_with_grad.  Under torch.jit.trace the
+    _TrainFn; eval with gradients _EvalFn.  Under torch.jit.trace the
     checks run once, at trace time, by design (their TracerWarnings are
     silenced); it raises RuntimeError where this torch has no custom operators (< 2.4)."""
     if not torch.jit.is_tracing():
@@ -8209,8 +8436,7 @@ def _run_plan(plan, params, buffers, momentum, eps, scale_after_bn):
     if plan.training and plan.grad:
         return _TrainFn.apply(kernels, plan.gemm, scale_after_bn, buffers, momentum, eps, *params)
     if plan.grad:
-        return _eval_with_grad(functools.partial(_GemmNT.apply, kernels, plan.gemm),
-                               _SoftmaxRows.apply if scale_after_bn else None, *params, *buffers[:2], eps)
+        return _EvalFn.apply(kernels, plan.gemm, scale_after_bn, eps, *params, *buffers[:2])
     return _forward_call(kernels, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, params)
 
 
@@ -8506,6 +8732,49 @@ class _TrainFn(torch.autograd.Function):
         return (None,) * 6 + tuple(grads)
 
 
+class _EvalFn(torch.autograd.Function):
+    """Eval forward with gradients (BatchNorm frozen), eager: one forward_eval_saved
+    call (z = x gemm.weight^T on the plan's GEMM, out from z with the running
+    statistics' fold).  Saved: x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias,
+    running_mean, running_var (no copies: changing the running statistics in place
+    before the backward raises, as for BatchNorm1d), z, and for problem 84 out."""
+
+    @staticmethod
+    def forward(ctx, kernels, gemm, scale_after_bn, eps, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+                running_var):
+        out, z = kernels.forward_eval_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+                                            running_var, eps, scale_after_bn, *_weight_args(kernels, gemm, weight))
+        ctx.scale_after_bn, ctx.eps = scale_after_bn, eps
+        ctx.save_for_backward(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, z,
+                              out if scale_after_bn else None)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        grads = _eval_backward(ctx.scale_after_bn, ctx.eps, grad_out, *ctx.saved_tensors, ctx.needs_input_grad[4:10])
+        return (None,) * 4 + tuple(grads) + (None, None)
+
+
+def _eval_backward(scale_after_bn, eps, grad_out, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+                   running_var, z, out, needs):
+    """Gradients of _EvalFn's forward with respect to (x, gemm.weight, gemm.bias,
+    scale, bn.weight, bn.bias); `needs` says which are wanted (others None):
+      problem 84: grad_v = out * (grad_out - sum_n grad_out * out)   (row softmax backward)
+      grad_z, grad_bias, grad_scale, grad_bn_weight, grad_bn_bias = bn_backward_eval(grad_y, z, ...)
+      grad_x = grad_z weight = gemm_nn(grad_z, weight),  grad_weight = grad_z^T x = gemm_tn(grad_z, x)"""
+    need_x, need_w, need_b, need_s, need_g, need_beta = needs
+    if not any(needs):
+        return (None,) * 6
+    grad_y = _softmax_rows_backward(out, grad_out) if scale_after_bn else grad_out.contiguous()
+    kernels = _kernels("ext" if z.is_cuda and z.dtype == torch.float32 else "torch")
+    grad_z, grad_b, grad_s, grad_g, grad_beta = kernels.bn_backward_eval(
+        grad_y, z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn)
+    return (_gemm_nn(grad_z, weight) if need_x else None, _gemm_tn(grad_z, x) if need_w else None,
+            grad_b if need_b else None, grad_s if need_s else None, grad_g if need_g else None,
+            grad_beta if need_beta else None)
+
+
 class _GemmNT(torch.autograd.Function):
     """z = a b^T (a (M, K), b (N, K)) by kernels.gemm_nt.  Saved: a, b (no copies).  Backward: _gemm_nt_backward."""
 
@@ -8556,11 +8825,12 @@ class _SoftmaxRows(torch.autograd.Function):
 
 
 def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps):
-    """Eval forward with gradients: z = gemm_nt(x, weight) (differentiable),
+    """Eval forward with gradients in operators: z = gemm_nt(x, weight) (differentiable),
     then the fold in elementwise ops (g = bn.weight / sqrt(running_var + eps)),
     whose autograd gives the fold's gradients:
       problem 33: out = z (scale g) + bn.bias + (scale gemm.bias - running_mean) g
-      problem 84: out = softmax_rows((z + gemm.bias - running_mean) (scale g) + scale bn.bias)"""
+      problem 84: out = softmax_rows((z + gemm.bias - running_mean) (scale g) + scale bn.bias)
+    What torch.compile's graphs run (_ops_forward); eager calls take _EvalFn."""
     g = bn_weight / torch.sqrt(running_var + eps)
     z = gemm_nt(x, weight)
     if softmax_rows is not None:
@@ -8897,7 +9167,41 @@ def _torch_forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, runnin
     """With g = bn_weight / sqrt(running_var + eps) and z = x weight^T:
     problem 33: out = a z + c, a = scale g, c = bn_bias + (scale bias - running_mean) g;
     problem 84: softmax((z + bias - running_mean) scale g + scale bn_bias) per row."""
+    return _torch_eval_fold(x @ weight.t(), bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                            scale_after_bn)
+
+
+def _torch_forward_eval_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                              scale_after_bn):
+    """[out, z]: _torch_forward_eval's out and z = x weight^T (the extension's forward_eval_saved)."""
     z = x @ weight.t()
+    return [_torch_eval_fold(z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn), z]
+
+
+def _torch_bn_backward_eval(grad_y, z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
+                            scale_after_bn):
+    """Eval-mode BatchNorm backward, the contract of the extension's bn_backward_eval
+    (kernels/bn_backward.cu has the algebra): grad_y = dL/dy (problem 33) or dL/dv
+    (problem 84), z (M, N); per-feature sums and coefficients in float64.  Returns
+    [grad_z (M, N), grad_bias, grad_scale, grad_bn_weight, grad_bn_bias (N)] in grad_y's dtype."""
+    dt = grad_y.dtype
+    s, gamma, b, mu = scale.double(), bn_weight.double(), bias.double(), running_mean.double()
+    sigma = torch.sqrt(running_var.double() + eps)
+    a = s * gamma / sigma
+    g = grad_y.double()
+    sum_g = g.sum(0)
+    sum_gz = (g * (z.double() - ((mu - b) if scale_after_bn else -b))).sum(0)
+    if scale_after_bn:
+        grad_scale = gamma / sigma * sum_gz + bn_bias.double() * sum_g
+        grad_gamma, grad_beta = s * sum_gz / sigma, s * sum_g
+    else:
+        grad_scale = gamma / sigma * sum_gz
+        grad_gamma, grad_beta = (s * sum_gz - mu * sum_g) / sigma, sum_g
+    return [(g * a).to(dt), (a * sum_g).to(dt), grad_scale.to(dt), grad_gamma.to(dt), grad_beta.to(dt)]
+
+
+def _torch_eval_fold(z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn):
+    """out from z = x weight^T in eval mode (_torch_forward_eval's formulas)."""
     g = bn_weight / torch.sqrt(running_var + eps)
     if scale_after_bn:
         return _softmax_rows((z + (bias - running_mean)) * (scale * g) + scale * bn_bias)
@@ -8945,8 +9249,9 @@ def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_afte
 # The torch-op stand-in for `_ext`: the extension's functions by the same names and arguments.
 _TORCH_PATH = types.SimpleNamespace(
     forward_train=_torch_forward_train, forward_eval=_torch_forward_eval,
-    forward_train_saved=_torch_forward_train_saved, gemm_nt=_torch_gemm_nt, gemm_nn=_torch_gemm_nn,
-    gemm_tn=_torch_gemm_tn, bn_backward_train=_torch_bn_backward_train)
+    forward_train_saved=_torch_forward_train_saved, forward_eval_saved=_torch_forward_eval_saved,
+    gemm_nt=_torch_gemm_nt, gemm_nn=_torch_gemm_nn, gemm_tn=_torch_gemm_tn, bn_backward_train=_torch_bn_backward_train,
+    bn_backward_eval=_torch_bn_backward_eval)
 
 
 # ---------------------------------------------------------------------------

@@ -44,6 +44,12 @@
 
 namespace fused_gemm_bn {
 
+// bn_fold_eval (eval mode with gradients, model_new.py's _EvalFn): one thread per
+// feature writes coeff = [0 | a | c] (3 N floats) from the running statistics,
+// bn_eval_affine's fold (bn_stats.cuh: the GEMM epilogues' eval fold, float32), so
+// that out = z a + c: problem 33 through bn_apply_folded (bn_bias = coeff + 2 N),
+// problem 84 through softmax_rows.
+
 // Block shape, from timings of variants on an H200 (docs/perf.md v21): 128
 // threads (the one-launch vec4 kernel needs ~166 registers for the batched
 // statistics loads: three blocks per SM), 64 rows per block in the one-launch
@@ -120,6 +126,18 @@ __global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_kernel(const BnAppl
   feature_coefficients(p, j, true, mu, a);
   p.coeff[j] = mu;
   p.coeff[p.N + j] = a;
+}
+
+// Eval mode: coeff = [0 | a | c] of feature j (bn_eval_affine), one thread per feature.
+__global__ void __launch_bounds__(kApplyFoldThreads) bn_fold_eval_kernel(const BnParams bn, int N, float* coeff) {
+  pdl_wait_then_release();
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= N) return;
+  float a, c;
+  bn_eval_affine(bn, j, a, c);
+  coeff[j] = 0.f;
+  coeff[N + j] = a;
+  coeff[2 * N + j] = c;
 }
 
 // kFolded: (mean_z, a) from coeff (bn_fold_kernel ran first); else merged here,
@@ -229,4 +247,14 @@ cudaError_t fused_gemm_bn::bn_apply_folded(const float* z, float* out, const flo
   p.z = z, p.out = out, p.M = M, p.N = N, p.bn.bn_bias = bn_bias;
   p.coeff = const_cast<float*>(coeff);  // read only by the kFolded apply kernel
   return launch_apply<true>(p, apply_grid(M, N, vec4, kFoldedRowsPerBlock, p.rows_per_block), vec4, stream);
+}
+
+// coeff (3 N floats) = [0 | a | c]: the eval fold of the running statistics (bn: bias, scale,
+// bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn, scale_stride).
+cudaError_t fused_gemm_bn::bn_fold_eval(const BatchNormArgs& bn, int N, float* coeff, cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  const BnParams params{bn.bias,         bn.scale,       bn.bn_weight, bn.bn_bias,
+                        bn.running_mean, bn.running_var, bn.eps,       bn.scale_after_bn, bn.scale_stride};
+  return launch_kernel(bn_fold_eval_kernel, (N + kApplyFoldThreads - 1) / kApplyFoldThreads, kApplyFoldThreads, 0,
+                       stream, params, N, coeff);
 }

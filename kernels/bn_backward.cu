@@ -1,5 +1,6 @@
-// bn_backward.cu -- training-mode BatchNorm backward for the fused models.  The
-// batch statistics it reads (stats) come from the training forward's
+// bn_backward.cu -- BatchNorm backward for the fused models: training mode
+// (batch statistics) and eval mode (running statistics, below).  The training
+// backward's batch statistics (stats) come from the training forward's
 // bn_apply / bn_softmax_fold_train (write_batch_stats, bn_stats.cuh).
 //
 // Forward being differentiated (z = x @ W^T, no bias: the bias cancels), per
@@ -45,6 +46,22 @@
 //     process's rows of dL/du (z + bias), dL/du = dz / s, accumulated in float64
 //     in pass 2 (per process it has no closed form: the eps / sigma^3 form above
 //     holds for the sum over all processes).
+//
+// Eval mode (bn_backward_eval; model_new.py's _EvalFn): BatchNorm frozen, mu and
+// var the running statistics, sigma = sqrt(var + eps), g = gamma / sigma, b the
+// Linear's bias; the forward (forward_eval_saved) kept z = x @ W^T:
+//   problem 33: y = (s (z + b) - mu) g + beta;   problem 84: v = s ((z + b - mu) g + beta)
+// With G = dL/dy (33) or dL/dv (84: the row softmax's backward), a = s g, and
+// S1 = sum_m G, S2 = sum_m G (z - center), center = -b (33) or mu - b (84):
+//   both:       dz = a G,  dbias = a S1
+//   problem 33: dscale = g S2,          dgamma = (s S2 - mu S1) / sigma,  dbeta = S1
+//   problem 84: dscale = g S2 + beta S1, dgamma = s S2 / sigma,          dbeta = s S1
+// No term depends on the batch, so one pass: each dz (a in float64, rounded
+// once) is written as its G is read, S1 and S2 summed in float64 (z - center
+// exact in float64 but for the last bits of a three-term sum); each parameter
+// gradient rounded once.  Problem 84's one scale as in training (dscale_terms,
+// sum_scale_terms_kernel).  The two-pass kernel's layout: one CTA per 32
+// features, its 8 warps over the rows.
 //
 // Kernels (bn_backward_train picks one: resident_strip_pays, heuristics_common.cuh):
 //   two-pass: one CTA per 32 features (a warp reads 128 contiguous bytes of a
@@ -95,8 +112,24 @@ struct BnBackwardArgs {
   double* dscale_terms = nullptr;    // kFull, one scale: dscale's N per-feature terms, unrounded
 };
 
+// bn_backward_eval's arguments: bn's bias, scale (scale_stride), bn_weight, bn_bias,
+// running_mean, running_var, eps and scale_after_bn are read.
+struct BnBackwardEvalArgs {
+  const float* g;
+  const float* z;
+  BatchNormArgs bn;
+  int M, N;
+  float* dz;
+  float* dbias;
+  float* dscale;
+  float* dgamma;
+  float* dbeta;
+  double* dscale_terms;  // one scale: dscale's N per-feature terms, unrounded; else null
+};
+
 // dscale's term of feature j: rounded into dscale, or kept in float64 for one scale's sum.
-__device__ __forceinline__ void write_dscale(const BnBackwardArgs& p, int j, double term) {
+template <class Args>  // BnBackwardArgs or BnBackwardEvalArgs
+__device__ __forceinline__ void write_dscale(const Args& p, int j, double term) {
   if (p.dscale_terms != nullptr)
     p.dscale_terms[j] = term;
   else
@@ -105,7 +138,8 @@ __device__ __forceinline__ void write_dscale(const BnBackwardArgs& p, int j, dou
 
 // Rows row + r * kBwdWarps (r < kBwdRowBatch) of g and z at feature j, all
 // loads issued before any is used; rows past M read as g = 0, z = z_pad.
-__device__ __forceinline__ void load_rows(const BnBackwardArgs& p, int row, int j, float z_pad,
+template <class Args>  // BnBackwardArgs or BnBackwardEvalArgs: g, z, M, N
+__device__ __forceinline__ void load_rows(const Args& p, int row, int j, float z_pad,
                                           float (&gv)[kBwdRowBatch], float (&zv)[kBwdRowBatch]) {
 #pragma unroll
   for (int r = 0; r < kBwdRowBatch; ++r) {
@@ -315,6 +349,64 @@ __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(co
   }
 }
 
+// Eval mode (formulas above): one pass over g and z, dz written as g is read.
+__global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_eval_kernel(const BnBackwardEvalArgs p) {
+  pdl_wait_then_release();
+  __shared__ double red[2][kBwdWarps][kBwdCols];
+  const int lane = threadIdx.x % kBwdCols, warp = threadIdx.x / kBwdCols;
+  const int j = blockIdx.x * kBwdCols + lane;
+  const bool valid = j < p.N;
+  // (the per-feature values are read again after the loop: live across it, the float64
+  // division's slow path spilled them)
+  double a = 0.0, center = 0.0;
+  if (valid) {
+    const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride];
+    a = s * p.bn.bn_weight[j] / sqrt(static_cast<double>(p.bn.running_var[j]) + static_cast<double>(p.bn.eps));
+    const double b = p.bn.bias[j];
+    center = p.bn.scale_after_bn ? static_cast<double>(p.bn.running_mean[j]) - b : -b;
+  }
+  double s1 = 0.0, s2 = 0.0;
+  if (valid) {
+    for (int row = warp; row < p.M; row += kBwdWarps * kBwdRowBatch) {
+      float gv[kBwdRowBatch], zv[kBwdRowBatch];
+      load_rows(p, row, j, 0.f, gv, zv);
+#pragma unroll
+      for (int r = 0; r < kBwdRowBatch; ++r) {
+        const int m = row + r * kBwdWarps;
+        if (m < p.M) {
+          const double gd = gv[r];
+          s1 += gd;
+          s2 += gd * (static_cast<double>(zv[r]) - center);
+          p.dz[static_cast<size_t>(m) * p.N + j] = static_cast<float>(a * gd);
+        }
+      }
+    }
+  }
+  red[0][warp][lane] = s1;
+  red[1][warp][lane] = s2;
+  __syncthreads();
+  if (warp != 0 || !valid) return;
+  double S1 = 0.0, S2 = 0.0;
+#pragma unroll
+  for (int w = 0; w < kBwdWarps; ++w) {
+    S1 += red[0][w][lane];
+    S2 += red[1][w][lane];
+  }
+  const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride], gamma = p.bn.bn_weight[j];
+  const double mu = p.bn.running_mean[j];
+  const double sigma = sqrt(static_cast<double>(p.bn.running_var[j]) + static_cast<double>(p.bn.eps));
+  p.dbias[j] = static_cast<float>(a * S1);
+  if (p.bn.scale_after_bn) {
+    p.dgamma[j] = static_cast<float>(s * S2 / sigma);
+    p.dbeta[j] = static_cast<float>(s * S1);
+    write_dscale(p, j, gamma / sigma * S2 + static_cast<double>(p.bn.bn_bias[j]) * S1);
+  } else {
+    p.dgamma[j] = static_cast<float>((s * S2 - mu * S1) / sigma);
+    p.dbeta[j] = static_cast<float>(S1);
+    write_dscale(p, j, gamma / sigma * S2);
+  }
+}
+
 // One scale's gradient: the float64 sum of dscale's N per-feature terms (each thread
 // its features t, t + blockDim.x, ... in order, then block_reduce's fixed tree), rounded
 // once into grad_scale[0]; grad_scale[j > 0] = 0, so that the sum over the features that
@@ -379,4 +471,22 @@ cudaError_t fused_gemm_bn::bn_backward_grad(const float* grad_y, const float* z,
                          local_sums, total_sums, nullptr};
   return launch_kernel(bn_backward_train_kernel<BwdMode::kGrad>, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
                        0, stream, p);
+}
+
+// Eval mode: grad_z (M, N) and grad_bias, grad_scale, grad_bn_weight, grad_bn_bias (N)
+// from grad_y = dL/dy (problem 33) or dL/dv (84) and the forward's z (formulas above).
+cudaError_t fused_gemm_bn::bn_backward_eval(const float* grad_y, const float* z, const BatchNormArgs& bn, int M, int N,
+                                            float* grad_z, float* grad_bias, float* grad_scale, float* grad_bn_weight,
+                                            float* grad_bn_bias, double* grad_scale_terms, cudaStream_t stream) {
+  const int scale_stride = bn.scale_stride;
+  if (N == 0) return cudaSuccess;
+  if (scale_stride != 0 && scale_stride != 1) return cudaErrorInvalidValue;
+  if (scale_stride == 0 && grad_scale_terms == nullptr) return cudaErrorInvalidValue;
+  const BnBackwardEvalArgs p{grad_y,    z,          bn,         M, N, grad_z, grad_bias, grad_scale, grad_bn_weight,
+                             grad_bn_bias, scale_stride == 0 ? grad_scale_terms : nullptr};
+  const cudaError_t err = launch_kernel(bn_backward_eval_kernel, (N + kBwdCols - 1) / kBwdCols, kBwdCols * kBwdWarps,
+                                        0, stream, p);
+  if (err != cudaSuccess || scale_stride != 0) return err;
+  return launch_kernel(sum_scale_terms_kernel, 1, kScaleSumThreads, 0, stream,
+                       static_cast<const double*>(grad_scale_terms), N, grad_scale);
 }

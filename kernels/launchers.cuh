@@ -164,6 +164,11 @@ cudaError_t bn_apply(const float* z, float* out, const float* part_mean, const f
 cudaError_t bn_apply_folded(const float* z, float* out, const float* coeff, const float* bn_bias, int M, int N,
                             cudaStream_t stream);
 
+// Eval mode with gradients: coeff (3 N floats) = [0 | a | c], the running statistics' fold
+// (bn: bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn), so that
+// out = z a + c (problem 33: bn_apply_folded with bn_bias = coeff + 2 N; 84: softmax_rows).
+cudaError_t bn_fold_eval(const BatchNormArgs& bn, int N, float* coeff, cudaStream_t stream);
+
 // ---- bn_softmax.cu: problem 84's BatchNorm, scale and row softmax -----------
 // Training: coeff (3 N floats: mean_z | a | c), the running-statistics update
 // (bn: every field but scale_after_bn, which is true here) and, when given,
@@ -178,7 +183,7 @@ cudaError_t softmax_rows(const float* in, float* out, const float* coeff, int M,
 cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float* grad_v, int M, int N,
                                   cudaStream_t stream);
 
-// ---- bn_backward.cu: the training backward's BatchNorm ----------------------
+// ---- bn_backward.cu: the backward's BatchNorm (training, eval) --------------
 // grad_z (M, N) and grad_scale, grad_bn_weight, grad_bn_bias (N) from grad_y
 // (bn: scale, bn_weight, eps, scale_after_bn; problem 84: bn_bias, or null for a
 // grad_scale without its bn_bias * sum_m grad_y term).  bn.scale_stride 1: N scales;
@@ -187,6 +192,13 @@ cudaError_t softmax_rows_backward(const float* out, const float* grad_out, float
 cudaError_t bn_backward_train(const float* grad_y, const float* z, const float* stats, const BatchNormArgs& bn, int M,
                               int N, float* grad_z, float* grad_scale, float* grad_bn_weight, float* grad_bn_bias,
                               double* grad_scale_terms, cudaStream_t stream);
+// Eval mode (running statistics; bn: bias, scale, bn_weight, bn_bias, running_mean, running_var,
+// eps, scale_after_bn): grad_z (M, N) and grad_bias, grad_scale, grad_bn_weight, grad_bn_bias (N)
+// from grad_y = dL/dy (problem 33) or dL/dv (problem 84, the softmax's backward) and the forward's
+// z = x @ W^T; one scale (bn.scale_stride 0) as bn_backward_train's.
+cudaError_t bn_backward_eval(const float* grad_y, const float* z, const BatchNormArgs& bn, int M, int N,
+                             float* grad_z, float* grad_bias, float* grad_scale, float* grad_bn_weight,
+                             float* grad_bn_bias, double* grad_scale_terms, cudaStream_t stream);
 // Synchronized BatchNorm (statistics merged over processes):
 // the backward split around the all_reduce: this process's sums (2, N) float64 =
 // [sum_m grad_y | sum_m grad_y (z - stats[0])], then grad_z from every process's sums

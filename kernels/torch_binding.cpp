@@ -47,6 +47,9 @@
 //       forward_train's work keeping z = x @ weight^T (no bias) and stats =
 //       [mean_z | biased var_z] for the backward, which reads them only as z - stats[0]
 //       and stats[1]: small_m_fp64 returns them centred (z - mean_z rounded once, and 0).
+//   forward_eval_saved(same arguments as forward_eval) -> [out, z (M, N)]: eval with
+//       gradients; z by gemm_nt's route, out from z with the running statistics' fold
+//       (bn_fold_eval, then bn_apply_folded or softmax_rows)
 //   gemm_nt(gemm, a (M, K), b (N, K), any strides, b_parts) -> a @ b^T (3xTF32, fp16x3, or
 //       small_m_fp64 for M <= 16: float64 sums rounded once; b_parts as gemm_nn's)
 //   gemm_nn(gemm, a (M, N), b (N, K), b_parts) -> a @ b: grad_x = grad_z W; on
@@ -64,6 +67,9 @@
 //       -> [grad_z, grad_scale, grad_bn_weight, grad_bn_bias]  (bn_backward.cu;
 //       bn_bias None: problem 84's grad_scale without its bn_bias * sum(grad_y) term;
 //       a one-number scale viewed as N: grad_scale = [its gradient, 0, ..., 0])
+//   bn_backward_eval(grad_y, z, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+//       eps, scale_after_bn) -> [grad_z, grad_bias, grad_scale, grad_bn_weight, grad_bn_bias]
+//       (bn_backward.cu's eval mode; grad_y of problem 84 is dL/dv, the softmax's backward)
 //   softmax_rows_backward(out, grad_out) -> grad_v = out * (grad_out - sum_n grad_out * out)
 //       per row (softmax_rows_backward.cu): problem 84's row softmax backward
 //   Synchronized BatchNorm (statistics merged across processes in Python between calls):
@@ -531,7 +537,7 @@ torch::Tensor forward_eval(const std::string& gemm_name, torch::Tensor x, torch:
 }
 
 // ---------------------------------------------------------------------------
-// Entry points for the autograd backward (model_new.py: _TrainFn, _eval_with_grad)
+// Entry points for the autograd backward (model_new.py: _TrainFn, _EvalFn, _eval_with_grad)
 // ---------------------------------------------------------------------------
 
 // forward_train, also returning z = x @ weight^T (M, N, without bias) and
@@ -545,6 +551,45 @@ std::vector<torch::Tensor> forward_train_saved(const std::string& gemm_name, tor
                                                c10::optional<torch::Tensor> w_parts) {
   return train_forward(true, gemm_name, x, weight, BnTensors{bias, scale, bn_weight, bn_bias, running_mean,
                        running_var}, num_batches_tracked, momentum, eps, scale_after_bn, w_parts);
+}
+
+torch::Tensor gemm_nt(const std::string& gemm_name, torch::Tensor a, torch::Tensor b,
+                      c10::optional<torch::Tensor> b_parts);
+
+// Eval mode with gradients (BatchNorm frozen): z = x @ weight^T (M, N, no bias) by
+// gemm_nt on the call's route (w_parts: its cached weight parts, as forward_eval's),
+// then out from z with the running statistics' fold, coeff = [0 | a | c]
+// (bn_fold_eval: the eval epilogues' bn_eval_affine): problem 33 out = z a + c
+// (bn_apply_folded), problem 84 out = softmax(z a + c) per row (softmax_rows).
+// Returns [out, z], both (M, N); the backward (bn_backward_eval) reads z.
+std::vector<torch::Tensor> forward_eval_saved(const std::string& gemm_name, torch::Tensor x, torch::Tensor weight,
+                                              torch::Tensor bias, torch::Tensor scale, torch::Tensor bn_weight,
+                                              torch::Tensor bn_bias, torch::Tensor running_mean,
+                                              torch::Tensor running_var, double eps, bool scale_after_bn,
+                                              c10::optional<torch::Tensor> w_parts) {
+  parse_gemm(gemm_name, true);
+  const int scale_stride = scale_for_kernel(scale);
+  const auto [M, N, K] = check_gemm_operands(x, weight);
+  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
+  check_bn_tensors(t, N, x, scale_stride == 0);
+  (void)K;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  // (small_m_fp64 past its rows: gemm_nt's TORCH_CHECK, before anything is launched)
+  const torch::Tensor z = gemm_nt(gemm_name, x, weight, w_parts);
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return {out, z};
+  const torch::Tensor coeff = torch::empty({3 * static_cast<int64_t>(N)}, x.options());
+  float* const c = coeff.data_ptr<float>();
+  check_launch(fgb::bn_fold_eval(batch_norm_args(t, scale_stride, eps, scale_after_bn), N, c, stream),
+               "bn_fold_eval");
+  if (scale_after_bn)
+    check_launch(fgb::softmax_rows(z.data_ptr<float>(), out.data_ptr<float>(), c, M, N, stream), "softmax_rows");
+  else
+    check_launch(fgb::bn_apply_folded(z.data_ptr<float>(), out.data_ptr<float>(), c, c + 2 * static_cast<int64_t>(N),
+                                      M, N, stream),
+                 "bn_apply_folded");
+  return {out, z};
 }
 
 // a @ b^T, float32-accurate (3xTF32 or fp16x3; small_m_fp64, M <= 16: correctly rounded but
@@ -836,6 +881,41 @@ std::vector<torch::Tensor> bn_backward_train(torch::Tensor grad_y, torch::Tensor
                                       one_scale ? terms.data_ptr<double>() : nullptr, stream),
                "bn_backward_train");
   return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
+}
+
+// Eval-mode BatchNorm backward (bn_backward.cu): from grad_y = dL/dy (problem 33) or
+// dL/dv (problem 84: softmax_rows_backward's grad_v), z of forward_eval_saved, and the
+// forward's per-feature tensors (running statistics as it read them), returns
+// [grad_z (M, N), grad_bias, grad_scale, grad_bn_weight, grad_bn_bias (N each)];
+// one scale viewed as N as bn_backward_train's ([its gradient, 0, ..., 0]).
+std::vector<torch::Tensor> bn_backward_eval(torch::Tensor grad_y, torch::Tensor z, torch::Tensor bias,
+                                            torch::Tensor scale, torch::Tensor bn_weight, torch::Tensor bn_bias,
+                                            torch::Tensor running_mean, torch::Tensor running_var, double eps,
+                                            bool scale_after_bn) {
+  const int scale_stride = scale_for_kernel(scale);
+  const bool one_scale = scale_stride == 0;
+  TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat32 && z.dim() == 2 && z.is_contiguous(),
+              "bn_backward_eval: z must be a contiguous float32 CUDA (M, N) tensor");
+  TORCH_CHECK(grad_y.device() == z.device() && grad_y.scalar_type() == torch::kFloat32 && grad_y.sizes() == z.sizes(),
+              "bn_backward_eval: grad_y must be float32 of shape ", z.sizes(), " on ", z.device(), ", got ",
+              grad_y.scalar_type(), " ", grad_y.sizes(), " on ", grad_y.device());
+  TORCH_CHECK(z.size(0) <= INT32_MAX && z.size(1) <= INT32_MAX, "bn_backward_eval: sizes must fit in int32");
+  const int M = static_cast<int>(z.size(0)), N = static_cast<int>(z.size(1));
+  const BnTensors t{bias, scale, bn_weight, bn_bias, running_mean, running_var};
+  check_bn_tensors(t, N, z, one_scale);
+  const fgb::BatchNormArgs bn = batch_norm_args(t, scale_stride, eps, scale_after_bn);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const cudaStream_t stream = current_stream(z);
+  const torch::Tensor g = grad_y.contiguous();
+  const BackwardGrads r = backward_grads(z, M, N);
+  const torch::Tensor grad_bias = torch::empty({N}, z.options());
+  const torch::Tensor terms = one_scale ? torch::empty({N}, z.options().dtype(torch::kFloat64)) : torch::Tensor();
+  check_launch(fgb::bn_backward_eval(g.data_ptr<float>(), z.data_ptr<float>(), bn, M, N, r.grad_z.data_ptr<float>(),
+                                     grad_bias.data_ptr<float>(), r.grad_scale.data_ptr<float>(),
+                                     r.grad_bn_weight.data_ptr<float>(), r.grad_bn_bias.data_ptr<float>(),
+                                     one_scale ? terms.data_ptr<double>() : nullptr, stream),
+               "bn_backward_eval");
+  return {r.grad_z, grad_bias, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
 
 // The row softmax's backward: grad_v = out * (grad_out - sum_n grad_out * out)

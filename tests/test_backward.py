@@ -276,6 +276,45 @@ def _unfused_bn_train(z, stats_unused, scale, bn_weight, bn_bias, eps, scale_aft
     return scale * y if scale_after_bn else y
 
 
+def _unfused_bn_eval(z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn):
+    """Model's eval ops after the GEMM on z = x W^T, in torch ops, for autograd: problem 33
+    BatchNorm(scale * (z + bias)), problem 84 scale * BatchNorm(z + bias) (the pre-softmax
+    logits), with the running statistics."""
+    u = z + bias if scale_after_bn else scale * (z + bias)
+    y = (u - running_mean) / torch.sqrt(running_var + eps) * bn_weight + bn_bias
+    return scale * y if scale_after_bn else y
+
+
+def _bn_eval_case(m, n, one_scale, seed, device):
+    """float64 (z, bias, scale, bn_weight, bn_bias, running_mean, running_var) and grad_y for
+    the eval backward's contract tests: z off-centre, running statistics drawn; scale (1,)
+    for one_scale, else (N,)."""
+    gen = torch.Generator().manual_seed(seed)
+    d = dict(dtype=torch.float64, generator=gen)
+    tensors = [torch.randn(m, n, **d) * 3 + 2, torch.randn(n, **d), torch.rand(1 if one_scale else n, **d) + 0.5,
+               torch.rand(n, **d) + 0.5, torch.randn(n, **d), torch.randn(n, **d), torch.rand(n, **d) + 0.5]
+    return [t.to(device) for t in tensors], torch.randn(m, n, **d).to(device)
+
+
+def _bn_eval_autograd(tensors, grad_y, dtype, eps, scale_after_bn):
+    """Autograd of _unfused_bn_eval in dtype: gradients of (z, bias, scale, bn_weight, bn_bias)."""
+    z, bias, scale, bn_weight, bn_bias = (t.to(dtype).requires_grad_(True) for t in tensors[:5])
+    mean, var = (t.to(dtype) for t in tensors[5:])
+    y = _unfused_bn_eval(z, bias, scale.expand(z.shape[1]), bn_weight, bn_bias, mean, var, eps, scale_after_bn)
+    return torch.autograd.grad(y, (z, bias, scale, bn_weight, bn_bias), grad_y.to(dtype))
+
+
+@pytest.mark.parametrize("scale_after_bn", [False, True], ids=["33", "84"])
+def test_torch_bn_backward_eval_contract(scale_after_bn):
+    """_torch_bn_backward_eval (= what the extension's bn_backward_eval must return)
+    against autograd of Model's eval ops in float64: every output to float64 rounding."""
+    tensors, grad_y = _bn_eval_case(37, 11, False, 27, "cpu")
+    want = _bn_eval_autograd(tensors, grad_y, torch.float64, 1e-3, scale_after_bn)
+    got = model_new._torch_bn_backward_eval(grad_y, *tensors, 1e-3, scale_after_bn)
+    for name, a, w in zip(["grad_z", "grad_bias", "grad_scale", "grad_bn_weight", "grad_bn_bias"], got, want):
+        torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("scale_after_bn", [False, True], ids=["33", "84"])
 def test_torch_bn_backward_train_contract(scale_after_bn):
     """_torch_bn_backward_train (= what the extension's bn_backward_train must
@@ -841,6 +880,35 @@ def test_gpu_bn_backward_train_contract(scale_after_bn, m, n):
     for name, a, e, w in zip(["grad_z", "grad_scale", "grad_bn_weight", "grad_bn_bias"], got, eager, want):
         err_new, err_eager = rel_err(a, w), rel_err(e, w)
         print(f"\n[bn_backward_train] {'84' if scale_after_bn else '33'} ({m},{n}) {name}: err {err_new:.2e}, "
+              f"torch fp32 autograd {err_eager:.2e}")
+        assert a.shape == w.shape and a.dtype == torch.float32
+        assert err_new <= 2 * err_eager + GRAD_FLOOR, name
+
+
+@requires_cuda
+@pytest.mark.parametrize("one_scale", [False, True], ids=["N-scales", "one-scale"])
+@pytest.mark.parametrize("scale_after_bn", [False, True], ids=["33", "84"])
+@pytest.mark.parametrize("m,n", [(257, 130), (1024, 8192), (4, 8192), (1, 5)])
+def test_gpu_bn_backward_eval_contract(scale_after_bn, one_scale, m, n):
+    """The extension's bn_backward_eval against autograd of Model's eval ops in float64
+    (running statistics drawn, z off-centre): each output's error at most 2x that of
+    the float32 autograd + GRAD_FLOOR; a one-number scale (viewed as N, stride 0) gets
+    [its gradient, 0, ..., 0]."""
+    tensors, grad_y = _bn_eval_case(m, n, one_scale, 26, "cuda")
+    eps = 1e-5
+    want = _bn_eval_autograd(tensors, grad_y, torch.float64, eps, scale_after_bn)
+    eager = _bn_eval_autograd(tensors, grad_y, torch.float32, eps, scale_after_bn)
+    f32 = [t.float() for t in tensors]
+    if one_scale:
+        f32[2] = f32[2].expand(n)
+    got = list(model_new._ext.bn_backward_eval(grad_y.float(), *f32, eps, scale_after_bn))
+    if one_scale:
+        assert torch.count_nonzero(got[2][1:]) == 0
+        got[2] = got[2][:1]
+    for name, a, e, w in zip(["grad_z", "grad_bias", "grad_scale", "grad_bn_weight", "grad_bn_bias"], got, eager,
+                             want):
+        err_new, err_eager = rel_err(a, w), rel_err(e, w)
+        print(f"\n[bn_backward_eval] {'84' if scale_after_bn else '33'} ({m},{n}) {name}: err {err_new:.2e}, "
               f"torch fp32 autograd {err_eager:.2e}")
         assert a.shape == w.shape and a.dtype == torch.float32
         assert err_new <= 2 * err_eager + GRAD_FLOOR, name

@@ -68,9 +68,11 @@ CASES = [
     ("small-m-on-17", call(m=17, k=8192, n=8192), H200, SMALL_M, "sm90_fp16x3_train"),
     # FUSED_GEMM_BN_SMALL_M=0: never
     ("small-m-off", call(m=4, k=4096, n=4096), H200, DEFAULT._replace(small_m=False), "sm90_fp16x3_train"),
-    # eval with gradients: "auto" keeps the tensor-core gemm_nt (not measured), FUSED_GEMM_BN_SMALL_M=1
-    # takes small_m_fp64's; GPUs without full-rate FP64 keep the tensor-core kernels
+    # eval with gradients: z by small_m_fp64's gemm_nt, by the same rule; GPUs without full-rate FP64 keep
+    # the tensor-core kernels
     ("small-m-eval-grad", call(m=4, k=64, n=64, training=False, grad=True), H200, DEFAULT,
+     "small_m_fp64_eval_grad"),
+    ("small-m-eval-grad-13", call(m=13, k=4096, n=4096, training=False, grad=True), H200, DEFAULT,
      "sm90_fp16x3_eval_grad"),
     ("small-m-on-eval-grad", call(m=4, k=4096, n=4096, training=False, grad=True), H200, SMALL_M,
      "small_m_fp64_eval_grad"),
@@ -315,5 +317,5 @@ def test_gpu_kernel_path_names_the_launched_kernels(problem, m, k, n, dtype, mis
         assert not any("sm90" in name for name in names), (path, gemm_names)
     on_hopper = torch.cuda.get_device_capability() == (9, 0)
     if dtype == F32 and not portable and on_hopper:  # GPU_CASES' small batches are all below SMALL_M_WIDE_NK
-        small = m <= model_new.SMALL_M_AUTO_ROWS and mode != "eval_grad"
+        small = m <= model_new.SMALL_M_AUTO_ROWS
         assert plan_.gemm == ("small_m_fp64" if small else "sm90_fp16x3"), (path, m)

@@ -31,9 +31,9 @@ below 16 rows to meet the bar: docs/perf.md v37):
     five training calls within eager's error, num_batches_tracked as Model's
   - test_gpu_small_m_gradients_vs_float64: every gradient of a small_m_fp64 training step at
     2-16 x 8192 x 8192 within eager's error
-  - test_gpu_small_m_eval_with_gradients_vs_float64: eval with gradients on small_m_fp64's
-    gemm_nt (FUSED_GEMM_BN_SMALL_M=1): the output within eager's error, every gradient
-    within bench.py's closeness (2x eager's + 1e-6)
+  - test_gpu_small_m_eval_with_gradients_vs_float64: eval with gradients, z by small_m_fp64's
+    gemm_nt (FUSED_GEMM_BN_SMALL_M=1 up to 16 rows, "auto" up to 12): the output within
+    eager's error, every gradient within bench.py's closeness (2x eager's + 1e-6)
   - test_gpu_small_batch_negative_control_tf32_operands: Model with x and
     gemm.weight rounded to TF32 (1xTF32's operand error) fails the bar at
     7 x 4095 x 513 in both modes
@@ -231,15 +231,15 @@ def test_gpu_small_m_gradients_vs_float64(problem, fp32_matmul, monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("problem", BOTH)
 def test_gpu_small_m_eval_with_gradients_vs_float64(problem, fp32_matmul, monkeypatch):
-    """Eval with gradients (BatchNorm frozen while fine-tuning) on small_m_fp64's gemm_nt, as
-    FUSED_GEMM_BN_SMALL_M=1 takes it: z = x W^T from float64 sums rounded once, the fold in
-    torch ops, the backward's products on the tensor-core route.  At batches 1, 4 and 16, at
-    K x N = 8192 x 8192 and 4095 x 513 (K split, 4-byte rows), one seeded state (running
-    statistics drawn, the same in both models), against a float64 Model on that state and the
-    same inputs (relative Frobenius): the output within eager's error plus a float32 rounding;
-    every gradient (x and each parameter) within bench.py's closeness, 2x eager's + 1e-6 (the
-    fold's gradients are torch's reductions on both sides: problem 84's one-number scale sums N
-    float32 terms, as in eager)."""
+    """Eval with gradients (BatchNorm frozen while fine-tuning) with z by small_m_fp64's gemm_nt,
+    as FUSED_GEMM_BN_SMALL_M=1 takes it (_EvalFn: z = x W^T from float64 sums rounded once, the
+    fold after it; the backward's BatchNorm in float64 sums, its products on the tensor-core
+    route).  At batches 1, 4 and 16, at K x N = 8192 x 8192 and 4095 x 513 (K split, 4-byte
+    rows), one seeded state (running statistics drawn, the same in both models), against a
+    float64 Model on that state and the same inputs (relative Frobenius): the output within
+    eager's error plus a float32 rounding; every gradient (x and each parameter) within
+    bench.py's closeness, 2x eager's + 1e-6 (problem 84's one-number scale gradient, a sum over
+    the batch whose terms cancel, also + the float32 floor of _float32_terms_floor)."""
     if torch.cuda.get_device_capability() not in model_new._FULL_RATE_FP64:
         pytest.skip("small_m_fp64 runs on sm_80 and sm_90 only")
     monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(small_m=True))
@@ -270,7 +270,24 @@ def test_gpu_small_m_eval_with_gradients_vs_float64(problem, fp32_matmul, monkey
                 print(f"\n[small-m eval grad] {problem.name} {m}x{k}x{n} {key:10s} ModelNew {err_new:.2e} "
                       f"eager {err_eager:.2e}")
                 bound = err_eager + 2 ** -24 if key == "out" else 2 * err_eager + 1e-6
+                if key == "scale" and problem.name == "84":
+                    bound += _float32_terms_floor(ref64, x, g)
                 assert err_new <= bound, (m, k, n, key, err_new, err_eager)
+
+
+def _float32_terms_floor(ref64, x, g):
+    """Problem 84's one-number scale gradient is sum_{m,n} grad_v y over the whole batch, whose
+    terms cancel (each row of grad_v sums to 0): its relative error from float32 grad_v and y
+    alone, each rounded once, is up to 2^-24 sum|terms| / |sum terms| per factor, and which of
+    two float32 implementations lands closer is a matter of the draw (docs/perf.md v57: emulated,
+    ModelNew's error over eager's ranged 0.02-10x over 18 draws, median 0.3).  This floor,
+    2^-23 sum|terms| / |sum terms| from ref64's float64 intermediates, is added to the bound."""
+    with torch.no_grad():
+        y = ref64.bn(ref64.gemm(x.double()))
+        out = torch.softmax(ref64.scale * y, dim=1)
+        g64 = g.double()
+        terms = out * (g64 - (g64 * out).sum(1, keepdim=True)) * y
+        return 2 ** -23 * terms.abs().sum().item() / abs(terms.sum().item())
 
 
 @requires_cuda

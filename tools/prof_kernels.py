@@ -1,7 +1,11 @@
 """Per-kernel CUDA time of ModelNew's forward (torch.profiler), median over 12 calls
-on uniform inputs after 3 warm-up calls, under torch.no_grad (docs/perf.md's per-kernel rows).
+on uniform inputs after 3 warm-up calls, under torch.no_grad (docs/perf.md's per-kernel rows),
+in float32 or, with a fifth argument, float16 / bfloat16 (the module moved with .to(dtype)).
+At small M the kernels launched early under programmatic dependent launch count their
+wait for the kernel before them (perf.md v56): read those rows as upper bounds.
 
-    python tools/prof_kernels.py M K N {33|84} {train|eval}     (from the repository root, on a GPU)"""
+    python tools/prof_kernels.py M K N {33|84} {train|eval} [float32|float16|bfloat16]
+    (from the repository root, on a GPU)"""
 import statistics
 import os
 import sys
@@ -17,9 +21,12 @@ if problem == "33":
 else:
     from level2_84_gemm_batchnorm_scaling_softmax import model_new as mod
     model = mod.ModelNew(k, n).cuda()
-model.train(mode == "train")
-xs = [torch.rand(m, k, device="cuda") for _ in range(3)]
+dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
+    sys.argv[6] if len(sys.argv) > 6 else "float32"]
+model = model.to(dtype).train(mode == "train")
+xs = [torch.rand(m, k, device="cuda").to(dtype) for _ in range(3)]
 with torch.no_grad():
+    print(f"{problem} {mode} {m}x{k}x{n} {dtype}: {model.kernel_path(xs[0])}")
     for x in xs:
         model(x)
     torch.cuda.synchronize()

@@ -345,5 +345,11 @@ cudaError_t small_m_fp64_train(const float* x, int64_t x_row_stride, const float
 // scale_after_bn; null bias / bn_weight / bn_bias read as 0 / 1 / 0), in float64.
 cudaError_t small_m_fp64_eval(const float* x, int64_t x_row_stride, const float* w, int M, int N, int K,
                               const BatchNormArgs& bn, float* out, void* workspace, cudaStream_t stream);
+// ---- small_m_grad_w.cu: the route's weight gradient ----
+// out (N, K) contiguous = a^T b for a (M, N), b (M, K) (unit column strides, row strides lda,
+// ldb elements), 1 <= M <= small_m_fp64_max_rows(), N, K >= 1: each output the float64 sum
+// of its M exact products, rounded once (grad_W = grad_z^T x).
+cudaError_t small_m_grad_w(const float* a, int64_t lda, const float* b, int64_t ldb, int M, int N, int K,
+                           float* out, cudaStream_t stream);
 }  // namespace fused_gemm_bn
 // ==== end small_m_fp64.cu ====

@@ -56,7 +56,8 @@
 //       sm90_fp16x3 b's fp16x3 parts (b_parts: cached, or None) read MN-major,
 //       a split with b's row scales folded in (prepass_fp16x3_backward.cu)
 //   gemm_tn(gemm, a (M, N), b (M, K)) -> a^T @ b: grad_W = grad_z^T x; on
-//       sm90_fp16x3 both split per column and read MN-major
+//       sm90_fp16x3 both split per column and read MN-major; small_m_fp64 (M <= 16):
+//       small_m_grad_w.cu, float64 sums rounded once
 //   (both: other GEMM kernels, or N or K not a multiple of 8: gemm_nt on transposed copies)
 //   fp16x3_weight_parts(weight (N, K)) -> float32 (N K_pad + N rounded up to 4 + 2 N),
 //       K_pad = K rounded up to a multiple of 8: W's fp16x3 parts [w_hi | w_lo |
@@ -721,15 +722,30 @@ torch::Tensor gemm_nn(const std::string& gemm_name, torch::Tensor a, torch::Tens
 }
 
 // a^T @ b, float32-accurate, for float32 CUDA a (M, N) and b (M, K): the
-// backward's grad_W = grad_z^T x.  On sm90_fp16x3 with N % 8 == 0 and
+// backward's grad_W = grad_z^T x.  small_m_fp64 (M <= small_m_fp64_max_rows()):
+// small_m_grad_w.cu, each output the float64 sum of its M exact products rounded
+// once (a and b read in place where their columns have unit stride).  On sm90_fp16x3 with N % 8 == 0 and
 // K % 8 == 0 (the MN-major operands' rows of N and K words: TMA's 16-byte
 // row strides), both are split per column (sm90_prepass_fp16x3_columns) and
 // read as MN-major operands where they lie; otherwise gemm_nt(a^T, b^T), which
 // copies both transposed (sm90_fp16x3 then pads the reduction M).  Returns (N, K).
 torch::Tensor gemm_tn(const std::string& gemm_name, torch::Tensor a, torch::Tensor b) {
-  const Gemm gemm = parse_gemm(gemm_name);
+  const Gemm gemm = parse_gemm(gemm_name, true);
   check_backward_operands("gemm_tn", a, b, 0, "a (M, N) and b (M, K)");
   const int M = static_cast<int>(a.size(0)), N = static_cast<int>(a.size(1)), K = static_cast<int>(b.size(1));
+  if (gemm == Gemm::kSmallM) {
+    TORCH_CHECK(M <= fgb::small_m_fp64_max_rows(), "gemm_tn: small_m_fp64 takes at most ",
+                fgb::small_m_fp64_max_rows(), " rows, got ", M);
+    const c10::cuda::CUDAGuard guard(a.device());
+    torch::Tensor out = torch::empty({N, K}, a.options());
+    if (N == 0 || K == 0) return out;
+    if (M == 0) return out.zero_();
+    const torch::Tensor ar = with_unit_column_stride(a), br = with_unit_column_stride(b);
+    check_launch(fgb::small_m_grad_w(ar.data_ptr<float>(), ar.stride(0), br.data_ptr<float>(), br.stride(0), M, N, K,
+                                     out.data_ptr<float>(), current_stream(a)),
+                 "small_m_grad_w");
+    return out;
+  }
   if (!is_fp16x3(gemm) || N % 8 != 0 || K % 8 != 0 || M == 0 || K == 0 || N == 0)
     return gemm_nt(gemm_name, a.t(), b.t(), c10::nullopt);
   const c10::cuda::CUDAGuard guard(a.device());

@@ -8,6 +8,7 @@ A100 (8.0), an Ada card (8.9) and a Turing card (7.5, refused).
 """
 import os
 import re
+import types
 
 import pytest
 import torch
@@ -218,6 +219,19 @@ def test_backward_products_dispatch():
     a, b = torch.rand(64, 32), torch.rand(48, 32)
     assert model_new.dispatch_gemm_nt(a, b) == model_new.dispatch_gemm_nt(a.double(), b.double()) == "torch_ops"
     assert model_new.dispatch_gemm_tn(a, b.t()) == "torch_ops"
+
+
+@pytest.mark.parametrize("m,facts,switches,want", [
+    (16, H200, SMALL_M, "small_m_fp64"), (1, A100, SMALL_M, "small_m_fp64"), (17, H200, SMALL_M, "sm90_fp16x3"),
+    (4, H200, DEFAULT, "sm90_fp16x3"), (4, ADA, SMALL_M, "sm80_3xtf32"), (4, H200, PORTABLE._replace(small_m=True),
+                                                                        "small_m_fp64")])
+def test_grad_weight_dispatch(m, facts, switches, want):
+    """grad_W = grad_z^T x (dispatch_gemm_tn): small_m_fp64's outer-product kernel under
+    FUSED_GEMM_BN_SMALL_M=1 up to SMALL_M_MAX_ROWS rows on full-rate FP64 GPUs (not "auto"
+    until measured), the float32 table's GEMM otherwise.  a is a stand-in CUDA float32
+    (M, N) operand: only its type, dtype and shape are read when facts are given."""
+    a = types.SimpleNamespace(is_cuda=True, dtype=torch.float32, shape=(m, 256), device=None)
+    assert model_new.dispatch_gemm_tn(a, None, facts, switches) == want
 
 
 def test_every_route_is_a_default():

@@ -34,6 +34,10 @@ below 16 rows to meet the bar: docs/perf.md v37):
   - test_gpu_small_m_eval_with_gradients_vs_float64: eval with gradients, z by small_m_fp64's
     gemm_nt (FUSED_GEMM_BN_SMALL_M=1 up to 16 rows, "auto" up to 12): the output within
     eager's error, every gradient within bench.py's closeness (2x eager's + 1e-6)
+  - test_cpu_small_m_grad_w_emulated: that kernel on the host through the CUDA shim, and its
+    negative control
+  - test_gpu_small_m_grad_w: small_m_grad_w.cu's grad_W = grad_z^T x (FUSED_GEMM_BN_SMALL_M=1's
+    backward), every element written, correctly rounded but for cancellation (not yet run on a GPU)
   - test_gpu_small_batch_negative_control_tf32_operands: Model with x and
     gemm.weight rounded to TF32 (1xTF32's operand error) fails the bar at
     7 x 4095 x 513 in both modes
@@ -48,6 +52,8 @@ CPU (negative and positive controls of the statistic through the same code):
 """
 import copy
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -55,6 +61,7 @@ import torch
 import model_new
 from tests.problems import BOTH, make_pair, rel_err, requires_cuda
 from tests.problems import gemm_path  # noqa: F401  (pytest fixture: both GEMM kernels)
+from tests.test_lowp_backward import CudaMemory, assert_every_element_written, call_on_poisoned_memory
 from tools import small_batch_error as sbe
 
 # (K, N) -> batches: every batch of the mode at an odd K and N (K % 8 != 0: the
@@ -226,6 +233,64 @@ def test_gpu_small_m_gradients_vs_float64(problem, fp32_matmul, monkeypatch):
                 print(f"\n[small-m grad] {problem.name} M={m} seed {seed} {key:10s} ModelNew {err_new:.2e} "
                       f"eager {err_eager:.2e}")
                 assert err_new <= err_eager + 2 ** -24, (m, seed, key, err_new, err_eager)
+
+
+def test_cpu_small_m_grad_w_emulated(monkeypatch):
+    """small_m_grad_w.cu's launcher and kernel run on the host through the CUDA shim
+    (tools/small_m_grad_w_emulate.py): every element of NaN-filled outputs written and
+    within the kernel's bound, both grid plans, the refusals; and its negative control,
+    the k-tail guard one column short, fails the same check."""
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no host C++ compiler")
+    from tools import small_m_grad_w_emulate as emulate
+    assert emulate.main() == 0
+    source = emulate.patched_kernel_source()
+    guard = "k0 + lane + 32 * c < p.K)"
+    assert guard in source
+    monkeypatch.setattr(emulate, "patched_kernel_source", lambda: source.replace(guard, "k0 + lane + 32 * c < p.K - 1)"))
+    assert emulate.main() == 1
+
+
+@requires_cuda
+@pytest.mark.parametrize("m,n,k,layout", [(1, 8192, 8192, "contiguous"), (16, 8192, 8192, "contiguous"),
+                                          (9, 130, 257, "contiguous"), (16, 1, 1, "contiguous"),
+                                          (7, 513, 4095, "a_transposed"), (3, 5, 7, "strided")])
+def test_gpu_small_m_grad_w(m, n, k, layout):
+    """gemm_tn("small_m_fp64", a, b) = a^T b, the small batches' grad_W (small_m_grad_w.cu;
+    FUSED_GEMM_BN_SMALL_M=1's backward): every element written (contiguous operands: the
+    output computed into poisoned memory) and within 0.5 ulp of the float64 product plus the
+    float64 sums' bound M 2^-53 sum_m |a b|, i.e. correctly rounded but for cancellation;
+    operands unchanged; more than 16 rows refused before any launch."""
+    if torch.cuda.get_device_capability() not in model_new._FULL_RATE_FP64:
+        pytest.skip("small_m_fp64 runs on sm_80 and sm_90 only")
+    gen = torch.Generator().manual_seed(1000 * m + n)
+    a, b = torch.randn(m, n, generator=gen).cuda(), torch.randn(m, k, generator=gen).cuda() * 3
+    if layout == "a_transposed":
+        a = a.t().contiguous().t()
+    if layout == "strided":  # rows 2 n apart, read in place (lda = 2 n)
+        a = torch.zeros(m, 2 * n, device="cuda")[:, :n].copy_(a)
+    a_before, b_before = a.clone(), b.clone()
+
+    def call():
+        return [model_new._ext.gemm_tn("small_m_fp64", a, b)]
+
+    if layout == "contiguous":
+        (out,) = call_on_poisoned_memory(call, CudaMemory("cuda"))
+        assert_every_element_written([out], ["out"])
+    else:
+        (out,) = call()
+    ref = a.double().t() @ b.double()
+    _, exponent = torch.frexp(ref.float())
+    half_ulp = torch.ldexp(torch.ones_like(ref), exponent.double() - 25).clamp(min=2.0 ** -150)
+    bound = half_ulp + m * 2.0 ** -53 * (a.double().abs().t() @ b.double().abs())
+    err = (out.double() - ref).abs()
+    print(f"\n[small_m_grad_w] {m}x{n}x{k} {layout}: max err / bound {(err / bound).max().item():.3f}, torch "
+          f"float32 max err / bound {((a.t() @ b).double() - ref).abs().div(bound).max().item():.3f}")
+    assert out.shape == (n, k) and out.dtype == torch.float32 and out.is_contiguous()
+    assert (err <= bound).all(), (err / bound).max().item()
+    assert torch.equal(a, a_before) and torch.equal(b, b_before)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        model_new._ext.gemm_tn("small_m_fp64", torch.zeros(17, n, device="cuda"), torch.zeros(17, k, device="cuda"))
 
 
 @requires_cuda

@@ -1,0 +1,106 @@
+"""Runs kernels/small_m_grad_w.cu (grad_W = a^T b at M <= 16 rows, float64 sums) on the
+host, without a GPU, through tools/small_m_emulate.py's CUDA shim (each CTA's threads as
+OS threads, std::barrier for __syncthreads, CTAs one after another): a test of the
+kernel's index arithmetic, shared-memory staging, n-tile walk, barriers and edge guards,
+not of its speed.  Each case fills the output with NaN, passes row strides wider than
+the rows, and checks every element against a float64 sum of the exact products: within
+0.5 ulp of the float64 result plus M 2^-53 sum |a b| (the kernel's bound).  Shapes cover
+tile tails in n and k, 1 and 16 rows, and both grid plans (132 SMs: many CTAs, one n
+tile each; 1 SM: one CTA a strip walking every n tile).  The launcher's refusals (M = 0,
+M = 17) are checked too.
+
+    python3 tools/small_m_grad_w_emulate.py        (exit 0: every case within its bound)
+
+The kernel source is used as it is but for one textual change the host compiler needs
+(`__shared__ __align__(16) double` -> `alignas(16) static double`, the shim's form of a
+CTA's shared array); the script fails if that declaration changes.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from tools.small_m_emulate import SHIM  # noqa: E402
+
+KERNEL = os.path.join(REPO, "kernels", "small_m_grad_w.cu")
+
+DRIVER = r'''
+#include "cuda_runtime.h"
+inline void __stcs(float* p, float v) { *p = v; }
+#include "small_m_grad_w_emulated.cu"
+#include <cstdio>
+#include <random>
+int fused_gemm_bn::small_m_fp64_max_rows() { return 16; }
+int main() {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  int fails = 0;
+  const int shapes[][3] = {{9, 130, 257}, {16, 70, 300}, {1, 5, 7}, {3, 200, 129}, {16, 64, 128}, {2, 1, 1}};
+  for (int sms : {132, 1}) {
+    fused_gemm_bn::g_emu_num_sms = sms;
+    for (const auto& s : shapes) {
+      const int M = s[0], N = s[1], K = s[2], lda = N + 3, ldb = K + 1;
+      std::vector<float> a(M * lda), b(M * ldb), out(N * K, NAN);
+      for (auto& v : a) v = normal(rng);
+      for (auto& v : b) v = 3 * normal(rng);
+      if (fused_gemm_bn::small_m_grad_w(a.data(), lda, b.data(), ldb, M, N, K, out.data(), nullptr) != cudaSuccess) {
+        printf("%dx%dx%d: launch refused\n", M, N, K);
+        return 1;
+      }
+      double worst = 0;
+      for (int n = 0; n < N; ++n)
+        for (int k = 0; k < K; ++k) {
+          double ref = 0, mag = 0;
+          for (int m = 0; m < M; ++m) {
+            const double t = static_cast<double>(a[m * lda + n]) * b[m * ldb + k];
+            ref += t, mag += fabs(t);
+          }
+          const float near = fabsf(static_cast<float>(ref));
+          const double bound = 0.5 * (static_cast<double>(nextafterf(near, INFINITY)) - near) +
+                               M * ldexp(1.0, -53) * mag + 1e-45;
+          const double err = fabs(static_cast<double>(out[n * K + k]) - ref);
+          if (!(err <= bound) && fails++ < 5) printf("%dx%dx%d (n %d, k %d): %g, want %.17g\n", M, N, K, n, k,
+                                                    out[n * K + k], ref);
+          worst = err <= bound ? std::max(worst, err / bound) : INFINITY;  // (NaN: an element never written)
+        }
+      printf("%3d SMs  %2d x %3d x %3d: max error / bound %.3f\n", sms, M, N, K, worst);
+    }
+  }
+  std::vector<float> x(17 * 8), o(64);
+  const int refused_17 = fused_gemm_bn::small_m_grad_w(x.data(), 8, x.data(), 8, 17, 8, 8, o.data(), nullptr);
+  const int refused_0 = fused_gemm_bn::small_m_grad_w(x.data(), 8, x.data(), 8, 0, 8, 8, o.data(), nullptr);
+  printf("M = 17: %s, M = 0: %s\n", refused_17 == cudaErrorInvalidValue ? "refused" : "ACCEPTED",
+         refused_0 == cudaErrorInvalidValue ? "refused" : "ACCEPTED");
+  return fails || refused_17 != cudaErrorInvalidValue || refused_0 != cudaErrorInvalidValue ? 1 : 0;
+}
+'''
+
+
+def patched_kernel_source():
+    """small_m_grad_w.cu with its shared arrays declared as the shim's host form."""
+    s = open(KERNEL, encoding="utf-8").read()
+    decl = "__shared__ __align__(16) double"
+    assert s.count(decl) == 2, "the shared arrays' declarations changed"
+    return s.replace(decl, "alignas(16) static double")
+
+
+def main():
+    cxx = os.environ.get("CXX", "g++")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in SHIM.items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        with open(os.path.join(tmp, "small_m_grad_w_emulated.cu"), "w", encoding="utf-8") as f:
+            f.write(patched_kernel_source())
+        with open(os.path.join(tmp, "driver.cpp"), "w", encoding="utf-8") as f:
+            f.write(DRIVER)
+        exe = os.path.join(tmp, "small_m_grad_w_emulated")
+        subprocess.run([cxx, "-std=c++20", "-O1", "-I", tmp, "-I", os.path.join(REPO, "kernels"),
+                        os.path.join(tmp, "driver.cpp"), "-o", exe, "-lpthread"], check=True)
+        return subprocess.run([exe]).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

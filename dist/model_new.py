@@ -84,8 +84,8 @@ _KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp")
 _EXTENSION_PREFIX = "fused_gemm_bn_"
 _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "forward_eval_saved", "gemm_nt",
-                        "gemm_nn", "gemm_tn", "bn_backward_train", "bn_backward_eval", "softmax_rows_backward", "fp16x3_weight_parts", "weight_row_sums",
-                        "sync_forward_local", "sync_bn_apply", "bn_backward_sums", "bn_backward_grad",
+                        "gemm_nn", "gemm_tn", "bn_backward_train", "bn_backward_eval", "softmax_rows_backward",
+                        "fp16x3_weight_parts", "weight_row_sums", "sync_forward_local", "sync_bn_apply", "bn_backward_sums", "bn_backward_grad",
                         "sm90_gemm_available"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
@@ -8916,7 +8916,7 @@ class _EvalFn(torch.autograd.Function):
                 running_var):
         out, z = kernels.forward_eval_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
                                             running_var, eps, scale_after_bn, *_weight_args(kernels, gemm, weight))
-        ctx.scale_after_bn, ctx.eps = scale_after_bn, eps
+        ctx.kernels, ctx.scale_after_bn, ctx.eps = kernels, scale_after_bn, eps
         ctx.save_for_backward(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, z,
                               out if scale_after_bn else None)
         return out
@@ -8924,14 +8924,16 @@ class _EvalFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grads = _eval_backward(ctx.scale_after_bn, ctx.eps, grad_out, *ctx.saved_tensors, ctx.needs_input_grad[4:10])
+        grads = _eval_backward(ctx.kernels, ctx.scale_after_bn, ctx.eps, grad_out, *ctx.saved_tensors,
+                               ctx.needs_input_grad[4:10])
         return (None,) * 4 + tuple(grads) + (None, None)
 
 
-def _eval_backward(scale_after_bn, eps, grad_out, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+def _eval_backward(kernels, scale_after_bn, eps, grad_out, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
                    running_var, z, out, needs):
     """Gradients of _EvalFn's forward with respect to (x, gemm.weight, gemm.bias,
-    scale, bn.weight, bn.bias); `needs` says which are wanted (others None):
+    scale, bn.weight, bn.bias), `kernels` the forward's namespace (_ext or _TORCH_PATH);
+    `needs` says which are wanted (others None):
       problem 84: grad_v = out * (grad_out - sum_n grad_out * out)   (row softmax backward)
       grad_z, grad_bias, grad_scale, grad_bn_weight, grad_bn_bias = bn_backward_eval(grad_y, z, ...)
       grad_x = grad_z weight = gemm_nn(grad_z, weight),  grad_weight = grad_z^T x = gemm_tn(grad_z, x)"""
@@ -8939,7 +8941,6 @@ def _eval_backward(scale_after_bn, eps, grad_out, x, weight, bias, scale, bn_wei
     if not any(needs):
         return (None,) * 6
     grad_y = _softmax_rows_backward(out, grad_out) if scale_after_bn else grad_out.contiguous()
-    kernels = _kernels("ext" if z.is_cuda and z.dtype == torch.float32 else "torch")
     grad_z, grad_b, grad_s, grad_g, grad_beta = kernels.bn_backward_eval(
         grad_y, z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn)
     return (_gemm_nn(grad_z, weight) if need_x else None, _gemm_tn(grad_z, x) if need_w else None,
@@ -9339,15 +9340,18 @@ def _torch_forward_eval(gemm, x, weight, bias, scale, bn_weight, bn_bias, runnin
     """With g = bn_weight / sqrt(running_var + eps) and z = x weight^T:
     problem 33: out = a z + c, a = scale g, c = bn_bias + (scale bias - running_mean) g;
     problem 84: softmax((z + bias - running_mean) scale g + scale bn_bias) per row."""
-    return _torch_eval_fold(x @ weight.t(), bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
-                            scale_after_bn)
+    return _torch_forward_eval_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+                                     eps, scale_after_bn)[0]
 
 
 def _torch_forward_eval_saved(gemm, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
                               scale_after_bn):
     """[out, z]: _torch_forward_eval's out and z = x weight^T (the extension's forward_eval_saved)."""
     z = x @ weight.t()
-    return [_torch_eval_fold(z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn), z]
+    g = bn_weight / torch.sqrt(running_var + eps)
+    if scale_after_bn:
+        return [_softmax_rows((z + (bias - running_mean)) * (scale * g) + scale * bn_bias), z]
+    return [z * (scale * g) + (bn_bias + (scale * bias - running_mean) * g), z]
 
 
 def _torch_bn_backward_eval(grad_y, z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,
@@ -9370,14 +9374,6 @@ def _torch_bn_backward_eval(grad_y, z, bias, scale, bn_weight, bn_bias, running_
         grad_scale = gamma / sigma * sum_gz
         grad_gamma, grad_beta = (s * sum_gz - mu * sum_g) / sigma, sum_g
     return [(g * a).to(dt), (a * sum_g).to(dt), grad_scale.to(dt), grad_gamma.to(dt), grad_beta.to(dt)]
-
-
-def _torch_eval_fold(z, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps, scale_after_bn):
-    """out from z = x weight^T in eval mode (_torch_forward_eval's formulas)."""
-    g = bn_weight / torch.sqrt(running_var + eps)
-    if scale_after_bn:
-        return _softmax_rows((z + (bias - running_mean)) * (scale * g) + scale * bn_bias)
-    return z * (scale * g) + (bn_bias + (scale * bias - running_mean) * g)
 
 
 def _torch_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):

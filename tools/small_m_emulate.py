@@ -271,6 +271,13 @@ inline void tma_load_2d(void* dst, const void* tmap, uint64_t* bar, int c0, int 
 }
 
 
+def write_files(folder, files):
+    """Writes {name: text} into folder (the shim's headers, a patched kernel, a driver)."""
+    for name, text in files.items():
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            f.write(text)
+
+
 def patched_kernel_source():
     """small_m_fp64.cu with the mma asm and the extern shared array replaced by the
     shim's emu_dmma and a static array (every kernel launches through launch_kernel,
@@ -299,11 +306,7 @@ def main():
     parser.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        for name, text in SHIM.items():
-            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-                f.write(text)
-        with open(os.path.join(tmp, "small_m_fp64_emulated.cpp"), "w", encoding="utf-8") as f:
-            f.write(patched_kernel_source())
+        write_files(tmp, {**SHIM, "small_m_fp64_emulated.cpp": patched_kernel_source()})
         exe = os.path.join(tmp, "small_m_emulated")
         cmd = [args.cxx, "-std=c++20", "-O1", "-I", tmp, "-I", os.path.join(REPO, "kernels"),
                "-DSMALL_M_CHECK_HOST_ONLY", "-DSMALL_M_CHECK_EMULATE", "-x", "c++", CHECK, "-o", exe, "-lpthread"]

@@ -22,7 +22,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from tools.small_m_emulate import SHIM  # noqa: E402
+from tools.small_m_emulate import SHIM, write_files  # noqa: E402
 
 KERNEL = os.path.join(REPO, "kernels", "small_m_grad_w.cu")
 
@@ -89,13 +89,7 @@ def patched_kernel_source():
 def main():
     cxx = os.environ.get("CXX", "g++")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, text in SHIM.items():
-            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-                f.write(text)
-        with open(os.path.join(tmp, "small_m_grad_w_emulated.cu"), "w", encoding="utf-8") as f:
-            f.write(patched_kernel_source())
-        with open(os.path.join(tmp, "driver.cpp"), "w", encoding="utf-8") as f:
-            f.write(DRIVER)
+        write_files(tmp, {**SHIM, "small_m_grad_w_emulated.cu": patched_kernel_source(), "driver.cpp": DRIVER})
         exe = os.path.join(tmp, "small_m_grad_w_emulated")
         subprocess.run([cxx, "-std=c++20", "-O1", "-I", tmp, "-I", os.path.join(REPO, "kernels"),
                         os.path.join(tmp, "driver.cpp"), "-o", exe, "-lpthread"], check=True)

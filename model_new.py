@@ -847,10 +847,11 @@ def dispatch_gemm_nt(a, b, facts=None, switches=None):
 def dispatch_gemm_tn(a, b, facts=None, switches=None):
     """The GEMM kernel of a^T @ b (grad_W = grad_z^T x; a (M, N), b (M, K)): with
     switches.small_m True (FUSED_GEMM_BN_SMALL_M=1), at most SMALL_M_MAX_ROWS rows on a
-    full-rate FP64 GPU, small_m_fp64 (small_m_grad_w.cu: float64 sums rounded once; not
-    yet run on a GPU, docs/perf.md v57), else dispatch_gemm_nt's (on sm90_fp16x3 the
-    binding reads both operands MN-major where N % 8 == 0 and K % 8 == 0, else copies
-    them transposed)."""
+    full-rate FP64 GPU, small_m_fp64 (small_m_grad_w.cu: the FP64 tensor cores, float64
+    sums rounded once; measured faster than sm90_fp16x3's at every M <= 16 and every
+    shape tried, docs/perf.md v58, but not yet "auto": see perf.md's Open), else
+    dispatch_gemm_nt's (on sm90_fp16x3 the binding reads both operands MN-major where
+    N % 8 == 0 and K % 8 == 0, else copies them transposed)."""
     gemm = dispatch_gemm_nt(a, b, facts, switches)
     switches = SWITCHES if switches is None else switches
     if gemm == "torch_ops" or switches.small_m is not True or a.shape[0] > SMALL_M_MAX_ROWS:

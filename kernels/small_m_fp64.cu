@@ -150,6 +150,7 @@
 #include "device_facts.cuh"
 #include "block_reduce.cuh"
 #include "cp_async.cuh"
+#include "dmma_f64.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
 #include "sm90_primitives.cuh"
@@ -249,14 +250,6 @@ __device__ __forceinline__ double f32_to_f64_times_2p896_fast(float x, bool& sub
   return __hiloint2double(hi, static_cast<int>(b << 29));
 }
 
-// D = A B + D, A 8x4 (row), B 4x8 (col), float64 (PTX ISA mma.m8n8k4 .f64):
-// lane = 4 g + t holds a = A[g][t], b = B[t][g], d = D[g][2t], D[g][2t + 1].
-__device__ __forceinline__ void dmma_m8n8k4(double& d0, double& d1, double a, double b) {
-  asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
-      : "+d"(d0), "+d"(d1)
-      : "d"(a), "d"(b));
-}
-
 __device__ __forceinline__ double value_or(const float* vector, int n, double fallback) {
   return vector != nullptr ? static_cast<double>(vector[n]) : fallback;
 }
@@ -322,28 +315,6 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
     }
 }
 
-// D (16 x 8) += A (16 x 16) B (16 x 8), float64, the product of one 16-k chunk for
-// 16 features x 8 batch rows: lane (g, t) passes wlo / whi = W rows g / g + 8 and
-// xb = x row g, columns 4t .. 4t + 3 of the chunk, already converted; d[v0 + 2 v1] =
-// D[g + 8 v1][2t + v0].  sm_90: one mma.m16n8k16 .f64 (its fragment k index t + 4i
-// is column 4t + i, for A, a[v0 + 2 v1] = A[g + 8 v0][t + 4 v1], and for B,
-// b[i] = B[t + 4i][g]); elsewhere 8 mma.m8n8k4 .f64 (step i: k index t is column 4t + i).
-__device__ __forceinline__ void dmma_chunk_16x8(double (&d)[4], const double (&wlo)[4], const double (&whi)[4],
-                                                const double (&xb)[4]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, {%0, %1, %2, %3};"
-      : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
-      : "d"(wlo[0]), "d"(whi[0]), "d"(wlo[1]), "d"(whi[1]), "d"(wlo[2]), "d"(whi[2]), "d"(wlo[3]), "d"(whi[3]),
-        "d"(xb[0]), "d"(xb[1]), "d"(xb[2]), "d"(xb[3]));
-#else
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    dmma_m8n8k4(d[0], d[1], wlo[i], xb[i]);
-    dmma_m8n8k4(d[2], d[3], whi[i], xb[i]);
-  }
-#endif
-}
 
 // The copies of one stage (k from k0) into ring buffer `stage`: W rows n0 .. n0 +
 // BLOCK_N (those < N), then x rows 0 .. M; k >= k_end zero-filled.

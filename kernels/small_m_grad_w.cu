@@ -4,36 +4,42 @@
 //
 // Where: the binding's gemm_tn("small_m_fp64", a, b) launches it; model_new.py's
 // dispatch_gemm_tn picks it under FUSED_GEMM_BN_SMALL_M=1 for batches of at most
-// small_m_fp64_max_rows() rows on GPUs with full-rate FP64 (not yet run on a GPU:
-// docs/perf.md v57, Open).
+// small_m_fp64_max_rows() rows on GPUs with full-rate FP64 (not yet by default:
+// docs/perf.md v58 and Open).
 //
 // Work: at small M grad_W is an outer product, N K outputs from M (N + K) inputs,
-// so writing the N x K floats is the floor (256 MB at 8192 x 8192: ~70 us on an
-// H200 at the rate W is read).  The M N K FMAs in float64 (1.1 G at M = 16,
-// 8192 x 8192) take about as long on the FP64 units of an H100 / H200 (~17 T DFMA
-// per second), half that at M = 8.  sm90_fp16x3's gemm_tn takes 140-142 us there
-// (K = M padded to one k-block per tile), cuBLAS's float32 product 99-125 us
-// (perf.md v57, call B).
+// so writing the N x K floats is the floor (256 MB at 8192 x 8192: 61 us on an H200,
+// a fill_ of that size).  The products run on the FP64 tensor cores
+// (dmma_f64.cuh: mma.m16n8k16 .f64 on sm_90, 8 mma.m8n8k4 elsewhere) with the rows
+// zero-padded to 16: N K 16 FMAs, 36 us of the H200's FP64 tensor peak at 8192 x 8192,
+// under the write.  v57's form (DFMA from shared memory, a barrier-bound tile walk)
+// took 97 us at M = 1 and 202 us at M = 16 there (H200; perf.md v58).
 //
-// Numerics: a and b are staged in shared memory as float64 (exact); each product
-// a[m, n] b[m, k] is exact in float64 (at most 48 significant bits), the M
-// products are added in float64 in m order (error at most M 2^-53 sum_m |a b|),
-// and the sum is rounded once: within 0.5 ulp of the exact result plus that, so
-// correctly rounded unless the terms cancel below 2^-29 of sum |a b|.  float32
-// products can overflow where the float64 ones do not; the rounding then gives
-// Inf as float32 arithmetic would.  NaN and Inf propagate.
+// Numerics: a and b are converted to float64 exactly; each product a[m, n] b[m, k]
+// is exact in float64 (at most 48 significant bits) and the M products are added in
+// float64 in the tensor core (error at most M 2^-53 sum_m |a b|; the padded rows add
+// exact zeros), then rounded once: within 0.5 ulp of the exact result plus that, so
+// correctly rounded unless the terms cancel below 2^-29 of sum |a b|.  A sum beyond
+// float32's range rounds to +-Inf.  NaN and Inf propagate.
 //
 // Tensors: a, b float32 with unit column stride and row strides lda, ldb
 // (elements); out (N, K) float32 row-major contiguous.  Any N, K >= 1.
 //
-// Layout: CTAs of 256 threads; each holds a strip of kTileK = 128 columns of b
-// (all M rows) in shared memory as doubles, converted once, and walks n tiles of
-// kTileN = 64 rows, staging a's M x 64 block per tile.  Warp w computes rows
-// 8 w .. 8 w + 7 of the tile, lane l the columns l, l + 32, l + 64, l + 96 (32
-// accumulators a thread): b's shared-memory reads are 256 contiguous bytes a warp
-// (no bank conflicts), a's are broadcasts, and each store instruction of a warp
-// writes 128 contiguous bytes of one row.  grid.x = the K strips; grid.y splits
-// the n tiles so the grid holds about two CTAs per SM.
+// Layout: the product is computed transposed, out^T (K x N) = b^T a, so that the
+// operand held for the whole kernel is the MMA's larger one (A, 16 x 16) and the one
+// streamed is its smaller one (B, 16 x 8).  CTAs of 8 independent warps (no shared
+// memory, no barriers).  Warp w of CTA (x, y) holds kWarpK = 32 output columns
+// k0 = 256 x + 32 w .. k0 + 31 as two A tiles, b^T rows of 16 columns x the 16
+// (padded) batch rows, converted once into 16 doubles a lane, and walks output rows in
+// steps of kStepN = 16 (two B tiles of a's columns), the CTA's y-th share of them:
+// per step 4 MMAs, 8 floats of a loaded a lane (one step ahead, in registers: L2
+// latency hidden behind the step before) and 16 streaming (__stcs) 4-byte stores,
+// each store instruction 4 rows x 32 contiguous bytes.  The 8 warps of a CTA walk the
+// same rows of a, so 7 of 8 loads of a hit L1.  The grid is strips (x) x shares (y),
+// at most two CTAs a SM in one wave.
+//
+// Sources: PTX ISA, "Warp-level matrix multiply-accumulate instructions" (mma .f64
+// fragments); CUDA C++ Programming Guide, __stcs (cache-streaming store).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -41,6 +47,7 @@
 #include <algorithm>
 
 #include "device_facts.cuh"
+#include "dmma_f64.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
 
@@ -50,11 +57,10 @@ namespace grad_w {
 constexpr int kMaxRows = 16;  // small_m_fp64's rows (small_m_fp64_max_rows(): the launcher checks both)
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kTileK = 128;                 // b's strip: 4 columns a lane
-constexpr int kCols = kTileK / 32;          // columns a thread
-constexpr int kRowsPerWarp = 8;             // rows of the n tile a warp computes
-constexpr int kTileN = kWarps * kRowsPerWarp;  // 64
-constexpr int kCtasPerSm = 2;               // the grid's target
+constexpr int kWarpK = 32;                  // output columns a warp holds: two A tiles of 16
+constexpr int kTileK = kWarps * kWarpK;     // 256: a CTA's strip
+constexpr int kStepN = 16;                  // output rows a warp step: two B tiles of 8
+constexpr int kCtasPerSm = 2;               // the grid's target (launch bounds: <= 128 registers)
 
 struct Args {
   const float* a;
@@ -62,59 +68,76 @@ struct Args {
   float* out;
   int64_t lda, ldb;
   int M, N, K;
-  int tiles_per_cta;  // n tiles each CTA walks (the last CTA of a strip may have fewer)
+  int steps_per_cta;  // n steps each CTA walks (the last CTA of a strip may have fewer)
 };
 
-__global__ void __launch_bounds__(kThreads) grad_w_kernel(const Args p) {
-  pdl_wait_then_release();
-  __shared__ __align__(16) double b_s[kMaxRows][kTileK];  // 16 KB
-  __shared__ __align__(16) double a_s[kMaxRows][kTileN];  // 8 KB (read as double2)
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int k0 = blockIdx.x * kTileK;
-  for (int i = tid; i < p.M * kTileK; i += kThreads) {
-    const int m = i / kTileK, c = i % kTileK;
-    b_s[m][c] = k0 + c < p.K ? static_cast<double>(p.b[m * p.ldb + k0 + c]) : 0.0;
+// a's columns n0 .. n0 + 15 as the step's two B tiles, lane (g, t): v[q][i] = a[4t + i][n0 + 8q + g]
+// (0 past M or N).
+__device__ __forceinline__ void load_step(const Args& p, int n0, int g, int t, float (&v)[2][4]) {
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int n = n0 + 8 * q + g;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = 4 * t + i;
+      v[q][i] = m < p.M && n < p.N ? __ldg(p.a + m * p.lda + n) : 0.f;
+    }
   }
-  const int n_tiles = (p.N + kTileN - 1) / kTileN;
-  const int t_end = min(n_tiles, (static_cast<int>(blockIdx.y) + 1) * p.tiles_per_cta);
-  for (int t = blockIdx.y * p.tiles_per_cta; t < t_end; ++t) {
-    const int n0 = t * kTileN;
-    __syncthreads();  // b_s written (first tile); the previous tile's a_s reads done
-    for (int i = tid; i < p.M * kTileN; i += kThreads) {
-      const int m = i / kTileN, r = i % kTileN;
-      a_s[m][r] = n0 + r < p.N ? static_cast<double>(p.a[m * p.lda + n0 + r]) : 0.0;
+}
+
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) grad_w_kernel(const Args p) {
+  pdl_wait_then_release();
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int kw = blockIdx.x * kTileK + (threadIdx.x / 32) * kWarpK;
+  if (kw >= p.K) return;  // (whole warps)
+  // A tiles h = 0, 1: out^T rows kw + 16 h .. + 15 (b's columns), k index = batch row:
+  // alo[h][i] = b[4t + i][kw + 16 h + g], ahi[h][i] the same 8 columns on (0 past M or K).
+  double alo[2][4], ahi[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = 4 * t + i, k = kw + 16 * h + g;
+      alo[h][i] = m < p.M && k < p.K ? static_cast<double>(p.b[m * p.ldb + k]) : 0.0;
+      ahi[h][i] = m < p.M && k + 8 < p.K ? static_cast<double>(p.b[m * p.ldb + k + 8]) : 0.0;
     }
-    __syncthreads();
-    double acc[kRowsPerWarp][kCols];
+  const int steps = (p.N + kStepN - 1) / kStepN;
+  const int s_begin = blockIdx.y * p.steps_per_cta, s_end = min(steps, s_begin + p.steps_per_cta);
+  float next[2][4];
+  if (s_begin < s_end) load_step(p, s_begin * kStepN, g, t, next);
+  for (int s = s_begin; s < s_end; ++s) {
+    const int n0 = s * kStepN;
+    double bq[2][4];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r)
+    for (int q = 0; q < 2; ++q)
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0;
-#pragma unroll 2
-    for (int m = 0; m < p.M; ++m) {
-      double bv[kCols], av[kRowsPerWarp];
+      for (int i = 0; i < 4; ++i) bq[q][i] = static_cast<double>(next[q][i]);
+    if (s + 1 < s_end) load_step(p, n0 + kStepN, g, t, next);
+    // d[h][q][v0 + 2 v1] = out^T[kw + 16 h + g + 8 v1][n0 + 8 q + 2 t + v0]
+    double d[2][2][4];
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) bv[c] = b_s[m][lane + 32 * c];
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; r += 2) {
-        const double2 pair = *reinterpret_cast<const double2*>(&a_s[m][kRowsPerWarp * warp + r]);
-        av[r] = pair.x, av[r + 1] = pair.y;
+      for (int q = 0; q < 2; ++q) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) d[h][q][v] = 0.0;
+        dmma_chunk_16x8(d[h][q], alo[h], ahi[h], bq[q]);
       }
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r)
+    for (int q = 0; q < 2; ++q)
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) acc[r][c] = fma(av[r], bv[c], acc[r][c]);
-    }
+      for (int v0 = 0; v0 < 2; ++v0) {
+        const int n = n0 + 8 * q + 2 * t + v0;
+        if (n >= p.N) continue;
+        float* const row = p.out + static_cast<int64_t>(n) * p.K;
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int n = n0 + kRowsPerWarp * warp + r;
-      if (n >= p.N) break;
-      float* row = p.out + static_cast<int64_t>(n) * p.K + k0 + lane;
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        if (k0 + lane + 32 * c < p.K) __stcs(row + 32 * c, static_cast<float>(acc[r][c]));
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int k = kw + 16 * h + 8 * v1 + g;
+            if (k < p.K) __stcs(row + k, static_cast<float>(d[h][q][v0 + 2 * v1]));
+          }
       }
-    }
   }
 }
 
@@ -130,10 +153,11 @@ cudaError_t fused_gemm_bn::small_m_grad_w(const float* a, int64_t lda, const flo
   DeviceFacts facts;
   const cudaError_t err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
-  const int strips = (K + kTileK - 1) / kTileK, n_tiles = (N + kTileN - 1) / kTileN;
-  const int chunks = std::max(1, std::min(n_tiles, (kCtasPerSm * facts.num_sms + strips - 1) / strips));
-  Args p{a, b, out, lda, ldb, M, N, K, (n_tiles + chunks - 1) / chunks};
-  const int grid_y = (n_tiles + p.tiles_per_cta - 1) / p.tiles_per_cta;
-  if (grid_y > 65535) return cudaErrorInvalidValue;  // (n tiles of 64 rows: N < 2^31 keeps it far below)
+  // One wave: strips x shares <= kCtasPerSm CTAs a SM (a second, partial wave would double the time).
+  const int strips = (K + kTileK - 1) / kTileK, steps = (N + kStepN - 1) / kStepN;
+  const int shares = std::max(1, std::min(steps, kCtasPerSm * facts.num_sms / strips));
+  Args p{a, b, out, lda, ldb, M, N, K, (steps + shares - 1) / shares};
+  const int grid_y = (steps + p.steps_per_cta - 1) / p.steps_per_cta;
+  if (grid_y > 65535) return cudaErrorInvalidValue;  // (steps of 16 rows: N < 2^31 keeps it far below)
   return launch_kernel(grad_w_kernel, dim3(strips, grid_y), kThreads, 0, stream, p);
 }

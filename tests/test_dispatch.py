@@ -227,8 +227,8 @@ def test_backward_products_dispatch():
                                                                         "small_m_fp64")])
 def test_grad_weight_dispatch(m, facts, switches, want):
     """grad_W = grad_z^T x (dispatch_gemm_tn): small_m_fp64's outer-product kernel under
-    FUSED_GEMM_BN_SMALL_M=1 up to SMALL_M_MAX_ROWS rows on full-rate FP64 GPUs (not "auto"
-    until measured), the float32 table's GEMM otherwise.  a is a stand-in CUDA float32
+    FUSED_GEMM_BN_SMALL_M=1 up to SMALL_M_MAX_ROWS rows on full-rate FP64 GPUs (not yet
+    "auto": docs/perf.md v58), the float32 table's GEMM otherwise.  a is a stand-in CUDA float32
     (M, N) operand: only its type, dtype and shape are read when facts are given."""
     a = types.SimpleNamespace(is_cuda=True, dtype=torch.float32, shape=(m, 256), device=None)
     assert model_new.dispatch_gemm_tn(a, None, facts, switches) == want

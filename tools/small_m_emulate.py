@@ -21,8 +21,8 @@ __syncthreads), the CTAs of a launch one after another; mma.m8n8k4 .f64 is
 emulated from the PTX ISA's fragment layouts (lane 4g+t holds A[g][t], B[t][g],
 D[g][2t], D[g][2t+1]) with the lanes of a warp exchanging their operands, and so
 are __shfl_xor_sync (float or double), __any_sync and __syncwarp.  The kernel
-source is used as it is except its one device-only statement (the mma asm) and its
-extern shared arrays, replaced textually here (the script fails if they change);
+source is used as it is except dmma_f64.cuh's one device-only statement (the mma
+asm) and the kernel's extern shared arrays, replaced textually here (the script fails if they change);
 launch_kernel, tensor_map.cuh and sm90_primitives.cuh's mbarrier and tensor-copy
 wrappers are the shim's (cudaFuncGetAttributes reports the sm_90a image:
 binaryVersion 90, or 80 with --no-tma).  A static __shared__ array (the softmax's block_reduce scratch) becomes
@@ -38,6 +38,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL = os.path.join(REPO, "kernels", "small_m_fp64.cu")
+DMMA_HEADER = os.path.join(REPO, "kernels", "dmma_f64.cuh")
 CHECK = os.path.join(REPO, "tools", "small_m_check.cu")
 
 SHIM = {
@@ -278,14 +279,25 @@ def write_files(folder, files):
             f.write(text)
 
 
-def patched_kernel_source():
-    """small_m_fp64.cu with the mma asm and the extern shared array replaced by the
-    shim's emu_dmma and a static array (every kernel launches through launch_kernel,
-    which the shim's pdl.cuh runs with emu_launch)."""
-    s = open(KERNEL, encoding="utf-8").read()
-    a = s.index('  asm("mma.sync')
+def patched_dmma_header():
+    """kernels/dmma_f64.cuh with its one device-only statement, the mma.m8n8k4 asm, replaced
+    by the shim's emu_dmma (the host takes the header's m8n8k4 form: no __CUDA_ARCH__).
+    Written into the shim's folder, which the include path searches before kernels/."""
+    s = open(DMMA_HEADER, encoding="utf-8").read()
+    a = s.index('  asm("mma.sync.aligned.m8n8k4')
     b = s.index(";", s.index('"d"(a), "d"(b))')) + 1
-    s = s[:a] + "  emu_dmma(d0, d1, a, b);" + s[b:]
+    return s[:a] + "  emu_dmma(d0, d1, a, b);" + s[b:]
+
+
+def shim_files():
+    """{name: text} of the shim's headers, the patched dmma_f64.cuh among them."""
+    return {**SHIM, "dmma_f64.cuh": patched_dmma_header()}
+
+
+def patched_kernel_source():
+    """small_m_fp64.cu with its extern shared array replaced by a static array (every
+    kernel launches through launch_kernel, which the shim's pdl.cuh runs with emu_launch)."""
+    s = open(KERNEL, encoding="utf-8").read()
     decl = "extern __shared__ __align__(128) unsigned char small_m_smem[];"
     assert s.count(decl) == 2, "the shared arrays' declarations changed (one per ring kernel)"
     s = s.replace(decl, "")
@@ -306,7 +318,7 @@ def main():
     parser.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        write_files(tmp, {**SHIM, "small_m_fp64_emulated.cpp": patched_kernel_source()})
+        write_files(tmp, {**shim_files(), "small_m_fp64_emulated.cpp": patched_kernel_source()})
         exe = os.path.join(tmp, "small_m_emulated")
         cmd = [args.cxx, "-std=c++20", "-O1", "-I", tmp, "-I", os.path.join(REPO, "kernels"),
                "-DSMALL_M_CHECK_HOST_ONLY", "-DSMALL_M_CHECK_EMULATE", "-x", "c++", CHECK, "-o", exe, "-lpthread"]

@@ -1,19 +1,19 @@
 """Runs kernels/small_m_grad_w.cu (grad_W = a^T b at M <= 16 rows, float64 sums) on the
 host, without a GPU, through tools/small_m_emulate.py's CUDA shim (each CTA's threads as
-OS threads, std::barrier for __syncthreads, CTAs one after another): a test of the
-kernel's index arithmetic, shared-memory staging, n-tile walk, barriers and edge guards,
-not of its speed.  Each case fills the output with NaN, passes row strides wider than
-the rows, and checks every element against a float64 sum of the exact products: within
-0.5 ulp of the float64 result plus M 2^-53 sum |a b| (the kernel's bound).  Shapes cover
-tile tails in n and k, 1 and 16 rows, and both grid plans (132 SMs: many CTAs, one n
-tile each; 1 SM: one CTA a strip walking every n tile).  The launcher's refusals (M = 0,
-M = 17) are checked too.
+OS threads, CTAs one after another, mma.m8n8k4 .f64 emulated from its PTX fragment
+layouts; the host takes dmma_f64.cuh's m8n8k4 form): a test of the kernel's fragment
+indexing, n-step walk, one-step-ahead loads and edge guards, not of its speed.  Each
+case fills the output with NaN, passes row strides wider than the rows, and checks
+every element against a float64 sum of the exact products: within 0.5 ulp of the
+float64 result plus M 2^-53 sum |a b| (the kernel's bound).  Shapes cover tails in n
+(steps of 16) and k (warps of 32 columns, CTAs of 256), 1 and 16 rows, and both grid
+plans (132 SMs: many CTAs, few steps each; 1 SM: one CTA a strip walking every step).
+The launcher's refusals (M = 0, M = 17) are checked too.
 
     python3 tools/small_m_grad_w_emulate.py        (exit 0: every case within its bound)
 
-The kernel source is used as it is but for one textual change the host compiler needs
-(`__shared__ __align__(16) double` -> `alignas(16) static double`, the shim's form of a
-CTA's shared array); the script fails if that declaration changes.
+The kernel source is used as it is, copied next to the shim so that its includes find the
+shim's headers (dmma_f64.cuh patched as for small_m_emulate.py).
 """
 import os
 import subprocess
@@ -22,9 +22,8 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from tools.small_m_emulate import SHIM, write_files  # noqa: E402
+from tools.small_m_emulate import shim_files, write_files  # noqa: E402
 
-KERNEL = os.path.join(REPO, "kernels", "small_m_grad_w.cu")
 
 DRIVER = r'''
 #include "cuda_runtime.h"
@@ -37,7 +36,7 @@ int main() {
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
   int fails = 0;
-  const int shapes[][3] = {{9, 130, 257}, {16, 70, 300}, {1, 5, 7}, {3, 200, 129}, {16, 64, 128}, {2, 1, 1}};
+  const int shapes[][3] = {{9, 130, 257}, {16, 70, 300}, {1, 5, 7}, {3, 37, 529}, {16, 64, 256}, {2, 1, 1}, {13, 17, 33}};
   for (int sms : {132, 1}) {
     fused_gemm_bn::g_emu_num_sms = sms;
     for (const auto& s : shapes) {
@@ -78,18 +77,15 @@ int main() {
 '''
 
 
-def patched_kernel_source():
-    """small_m_grad_w.cu with its shared arrays declared as the shim's host form."""
-    s = open(KERNEL, encoding="utf-8").read()
-    decl = "__shared__ __align__(16) double"
-    assert s.count(decl) == 2, "the shared arrays' declarations changed"
-    return s.replace(decl, "alignas(16) static double")
+def kernel_source():
+    """kernels/small_m_grad_w.cu's text (a test swaps it for its negative control)."""
+    return open(os.path.join(REPO, "kernels", "small_m_grad_w.cu"), encoding="utf-8").read()
 
 
 def main():
     cxx = os.environ.get("CXX", "g++")
     with tempfile.TemporaryDirectory() as tmp:
-        write_files(tmp, {**SHIM, "small_m_grad_w_emulated.cu": patched_kernel_source(), "driver.cpp": DRIVER})
+        write_files(tmp, {**shim_files(), "small_m_grad_w_emulated.cu": kernel_source(), "driver.cpp": DRIVER})
         exe = os.path.join(tmp, "small_m_grad_w_emulated")
         subprocess.run([cxx, "-std=c++20", "-O1", "-I", tmp, "-I", os.path.join(REPO, "kernels"),
                         os.path.join(tmp, "driver.cpp"), "-o", exe, "-lpthread"], check=True)

@@ -1915,6 +1915,60 @@ static cudaError_t current_device_facts(DeviceFacts* facts) {
 
 }  // namespace fused_gemm_bn
 ''',
+    'dmma_f64.cuh': r'''// dmma_f64.cuh -- float64 tensor-core products (mma.sync .f64, sm_80+), shared by
+// small_m_fp64.cu (the small batches' forward: W rows x batch rows) and
+// small_m_grad_w.cu (their weight gradient: b columns x a columns).
+//
+// dmma_m8n8k4(d0, d1, a, b): D (8 x 8) += A (8 x 4) B (4 x 8), one mma.m8n8k4 .f64.
+// dmma_chunk_16x8(d, alo, ahi, b): D (16 x 8) += A (16 x 16) B (16 x 8): on sm_90 one
+//   mma.m16n8k16 .f64 (the FP64 tensor peak, 128 FMA / clk / SM on an H200), elsewhere
+//   the same product as 8 mma.m8n8k4 (half that rate on an H200; the only form sm_80 has).
+//   Both forms permute the k index the same way, so the caller loads one layout.
+//
+// Numerics: every product of two doubles is formed and accumulated in float64 (IEEE
+// binary64 products and sums inside the tensor core); with float32 inputs converted
+// exactly, each product is exact and only the additions round.
+// Source: PTX ISA, "Warp-level matrix multiply-accumulate instructions", mma.m8n8k4 and
+// mma.m16n8k16 with .f64 (matrix fragments for .f64).
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace fused_gemm_bn {
+
+// D = A B + D, A 8x4 (row), B 4x8 (col), float64 (PTX ISA mma.m8n8k4 .f64):
+// lane = 4 g + t holds a = A[g][t], b = B[t][g], d = D[g][2t], D[g][2t + 1].
+__device__ __forceinline__ void dmma_m8n8k4(double& d0, double& d1, double a, double b) {
+  asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
+      : "+d"(d0), "+d"(d1)
+      : "d"(a), "d"(b));
+}
+
+// D (16 x 8) += A (16 x 16) B (16 x 8), float64.  Lane (g, t) = (lane / 4, lane % 4)
+// passes alo[i] = A[g][4t + i], ahi[i] = A[g + 8][4t + i] and b[i] = B[4t + i][g]
+// (i = 0 .. 3), already converted, and holds d[v0 + 2 v1] = D[g + 8 v1][2t + v0].
+// sm_90: one mma.m16n8k16 .f64, whose fragment k index t + 4i is taken as column 4t + i
+// (A: a[v0 + 2 v1] = A[g + 8 v0][t + 4 v1]; B: b[i] = B[t + 4i][g]); elsewhere 8
+// mma.m8n8k4 .f64, step i over the columns 4t + i.  The k order differs between the two.
+__device__ __forceinline__ void dmma_chunk_16x8(double (&d)[4], const double (&alo)[4], const double (&ahi)[4],
+                                                const double (&b)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, {%0, %1, %2, %3};"
+      : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+      : "d"(alo[0]), "d"(ahi[0]), "d"(alo[1]), "d"(ahi[1]), "d"(alo[2]), "d"(ahi[2]), "d"(alo[3]), "d"(ahi[3]),
+        "d"(b[0]), "d"(b[1]), "d"(b[2]), "d"(b[3]));
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    dmma_m8n8k4(d[0], d[1], alo[i], b[i]);
+    dmma_m8n8k4(d[2], d[3], ahi[i], b[i]);
+  }
+#endif
+}
+
+}  // namespace fused_gemm_bn
+''',
     'fp16x3_split.cuh': r'''// fp16x3_split.cuh -- the operand split of the fp16x3 GEMM (sm90_gemm_fp16x3_bn.cu,
 // prepass_fp16x3.cu): an fp32 value as the sum of two IEEE binary16 ("fp16")
 // parts after an exact power-of-two scaling.  Device functions only; fp16 values
@@ -5454,6 +5508,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 #include "device_facts.cuh"
 #include "block_reduce.cuh"
 #include "cp_async.cuh"
+#include "dmma_f64.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
 #include "sm90_primitives.cuh"
@@ -5553,14 +5608,6 @@ __device__ __forceinline__ double f32_to_f64_times_2p896_fast(float x, bool& sub
   return __hiloint2double(hi, static_cast<int>(b << 29));
 }
 
-// D = A B + D, A 8x4 (row), B 4x8 (col), float64 (PTX ISA mma.m8n8k4 .f64):
-// lane = 4 g + t holds a = A[g][t], b = B[t][g], d = D[g][2t], D[g][2t + 1].
-__device__ __forceinline__ void dmma_m8n8k4(double& d0, double& d1, double a, double b) {
-  asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
-      : "+d"(d0), "+d"(d1)
-      : "d"(a), "d"(b));
-}
-
 __device__ __forceinline__ double value_or(const float* vector, int n, double fallback) {
   return vector != nullptr ? static_cast<double>(vector[n]) : fallback;
 }
@@ -5626,28 +5673,6 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
     }
 }
 
-// D (16 x 8) += A (16 x 16) B (16 x 8), float64, the product of one 16-k chunk for
-// 16 features x 8 batch rows: lane (g, t) passes wlo / whi = W rows g / g + 8 and
-// xb = x row g, columns 4t .. 4t + 3 of the chunk, already converted; d[v0 + 2 v1] =
-// D[g + 8 v1][2t + v0].  sm_90: one mma.m16n8k16 .f64 (its fragment k index t + 4i
-// is column 4t + i, for A, a[v0 + 2 v1] = A[g + 8 v0][t + 4 v1], and for B,
-// b[i] = B[t + 4i][g]); elsewhere 8 mma.m8n8k4 .f64 (step i: k index t is column 4t + i).
-__device__ __forceinline__ void dmma_chunk_16x8(double (&d)[4], const double (&wlo)[4], const double (&whi)[4],
-                                                const double (&xb)[4]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, {%0, %1, %2, %3};"
-      : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
-      : "d"(wlo[0]), "d"(whi[0]), "d"(wlo[1]), "d"(whi[1]), "d"(wlo[2]), "d"(whi[2]), "d"(wlo[3]), "d"(whi[3]),
-        "d"(xb[0]), "d"(xb[1]), "d"(xb[2]), "d"(xb[3]));
-#else
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    dmma_m8n8k4(d[0], d[1], wlo[i], xb[i]);
-    dmma_m8n8k4(d[2], d[3], whi[i], xb[i]);
-  }
-#endif
-}
 
 // The copies of one stage (k from k0) into ring buffer `stage`: W rows n0 .. n0 +
 // BLOCK_N (those < N), then x rows 0 .. M; k >= k_end zero-filled.
@@ -6269,36 +6294,42 @@ cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_strid
 //
 // Where: the binding's gemm_tn("small_m_fp64", a, b) launches it; model_new.py's
 // dispatch_gemm_tn picks it under FUSED_GEMM_BN_SMALL_M=1 for batches of at most
-// small_m_fp64_max_rows() rows on GPUs with full-rate FP64 (not yet run on a GPU:
-// docs/perf.md v57, Open).
+// small_m_fp64_max_rows() rows on GPUs with full-rate FP64 (not yet by default:
+// docs/perf.md v58 and Open).
 //
 // Work: at small M grad_W is an outer product, N K outputs from M (N + K) inputs,
-// so writing the N x K floats is the floor (256 MB at 8192 x 8192: ~70 us on an
-// H200 at the rate W is read).  The M N K FMAs in float64 (1.1 G at M = 16,
-// 8192 x 8192) take about as long on the FP64 units of an H100 / H200 (~17 T DFMA
-// per second), half that at M = 8.  sm90_fp16x3's gemm_tn takes 140-142 us there
-// (K = M padded to one k-block per tile), cuBLAS's float32 product 99-125 us
-// (perf.md v57, call B).
+// so writing the N x K floats is the floor (256 MB at 8192 x 8192: 61 us on an H200,
+// a fill_ of that size).  The products run on the FP64 tensor cores
+// (dmma_f64.cuh: mma.m16n8k16 .f64 on sm_90, 8 mma.m8n8k4 elsewhere) with the rows
+// zero-padded to 16: N K 16 FMAs, 36 us of the H200's FP64 tensor peak at 8192 x 8192,
+// under the write.  v57's form (DFMA from shared memory, a barrier-bound tile walk)
+// took 97 us at M = 1 and 202 us at M = 16 there (H200; perf.md v58).
 //
-// Numerics: a and b are staged in shared memory as float64 (exact); each product
-// a[m, n] b[m, k] is exact in float64 (at most 48 significant bits), the M
-// products are added in float64 in m order (error at most M 2^-53 sum_m |a b|),
-// and the sum is rounded once: within 0.5 ulp of the exact result plus that, so
-// correctly rounded unless the terms cancel below 2^-29 of sum |a b|.  float32
-// products can overflow where the float64 ones do not; the rounding then gives
-// Inf as float32 arithmetic would.  NaN and Inf propagate.
+// Numerics: a and b are converted to float64 exactly; each product a[m, n] b[m, k]
+// is exact in float64 (at most 48 significant bits) and the M products are added in
+// float64 in the tensor core (error at most M 2^-53 sum_m |a b|; the padded rows add
+// exact zeros), then rounded once: within 0.5 ulp of the exact result plus that, so
+// correctly rounded unless the terms cancel below 2^-29 of sum |a b|.  A sum beyond
+// float32's range rounds to +-Inf.  NaN and Inf propagate.
 //
 // Tensors: a, b float32 with unit column stride and row strides lda, ldb
 // (elements); out (N, K) float32 row-major contiguous.  Any N, K >= 1.
 //
-// Layout: CTAs of 256 threads; each holds a strip of kTileK = 128 columns of b
-// (all M rows) in shared memory as doubles, converted once, and walks n tiles of
-// kTileN = 64 rows, staging a's M x 64 block per tile.  Warp w computes rows
-// 8 w .. 8 w + 7 of the tile, lane l the columns l, l + 32, l + 64, l + 96 (32
-// accumulators a thread): b's shared-memory reads are 256 contiguous bytes a warp
-// (no bank conflicts), a's are broadcasts, and each store instruction of a warp
-// writes 128 contiguous bytes of one row.  grid.x = the K strips; grid.y splits
-// the n tiles so the grid holds about two CTAs per SM.
+// Layout: the product is computed transposed, out^T (K x N) = b^T a, so that the
+// operand held for the whole kernel is the MMA's larger one (A, 16 x 16) and the one
+// streamed is its smaller one (B, 16 x 8).  CTAs of 8 independent warps (no shared
+// memory, no barriers).  Warp w of CTA (x, y) holds kWarpK = 32 output columns
+// k0 = 256 x + 32 w .. k0 + 31 as two A tiles, b^T rows of 16 columns x the 16
+// (padded) batch rows, converted once into 16 doubles a lane, and walks output rows in
+// steps of kStepN = 16 (two B tiles of a's columns), the CTA's y-th share of them:
+// per step 4 MMAs, 8 floats of a loaded a lane (one step ahead, in registers: L2
+// latency hidden behind the step before) and 16 streaming (__stcs) 4-byte stores,
+// each store instruction 4 rows x 32 contiguous bytes.  The 8 warps of a CTA walk the
+// same rows of a, so 7 of 8 loads of a hit L1.  The grid is strips (x) x shares (y),
+// at most two CTAs a SM in one wave.
+//
+// Sources: PTX ISA, "Warp-level matrix multiply-accumulate instructions" (mma .f64
+// fragments); CUDA C++ Programming Guide, __stcs (cache-streaming store).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -6306,6 +6337,7 @@ cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_strid
 #include <algorithm>
 
 #include "device_facts.cuh"
+#include "dmma_f64.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
 
@@ -6315,11 +6347,10 @@ namespace grad_w {
 constexpr int kMaxRows = 16;  // small_m_fp64's rows (small_m_fp64_max_rows(): the launcher checks both)
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kTileK = 128;                 // b's strip: 4 columns a lane
-constexpr int kCols = kTileK / 32;          // columns a thread
-constexpr int kRowsPerWarp = 8;             // rows of the n tile a warp computes
-constexpr int kTileN = kWarps * kRowsPerWarp;  // 64
-constexpr int kCtasPerSm = 2;               // the grid's target
+constexpr int kWarpK = 32;                  // output columns a warp holds: two A tiles of 16
+constexpr int kTileK = kWarps * kWarpK;     // 256: a CTA's strip
+constexpr int kStepN = 16;                  // output rows a warp step: two B tiles of 8
+constexpr int kCtasPerSm = 2;               // the grid's target (launch bounds: <= 128 registers)
 
 struct Args {
   const float* a;
@@ -6327,59 +6358,76 @@ struct Args {
   float* out;
   int64_t lda, ldb;
   int M, N, K;
-  int tiles_per_cta;  // n tiles each CTA walks (the last CTA of a strip may have fewer)
+  int steps_per_cta;  // n steps each CTA walks (the last CTA of a strip may have fewer)
 };
 
-__global__ void __launch_bounds__(kThreads) grad_w_kernel(const Args p) {
-  pdl_wait_then_release();
-  __shared__ __align__(16) double b_s[kMaxRows][kTileK];  // 16 KB
-  __shared__ __align__(16) double a_s[kMaxRows][kTileN];  // 8 KB (read as double2)
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int k0 = blockIdx.x * kTileK;
-  for (int i = tid; i < p.M * kTileK; i += kThreads) {
-    const int m = i / kTileK, c = i % kTileK;
-    b_s[m][c] = k0 + c < p.K ? static_cast<double>(p.b[m * p.ldb + k0 + c]) : 0.0;
+// a's columns n0 .. n0 + 15 as the step's two B tiles, lane (g, t): v[q][i] = a[4t + i][n0 + 8q + g]
+// (0 past M or N).
+__device__ __forceinline__ void load_step(const Args& p, int n0, int g, int t, float (&v)[2][4]) {
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int n = n0 + 8 * q + g;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = 4 * t + i;
+      v[q][i] = m < p.M && n < p.N ? __ldg(p.a + m * p.lda + n) : 0.f;
+    }
   }
-  const int n_tiles = (p.N + kTileN - 1) / kTileN;
-  const int t_end = min(n_tiles, (static_cast<int>(blockIdx.y) + 1) * p.tiles_per_cta);
-  for (int t = blockIdx.y * p.tiles_per_cta; t < t_end; ++t) {
-    const int n0 = t * kTileN;
-    __syncthreads();  // b_s written (first tile); the previous tile's a_s reads done
-    for (int i = tid; i < p.M * kTileN; i += kThreads) {
-      const int m = i / kTileN, r = i % kTileN;
-      a_s[m][r] = n0 + r < p.N ? static_cast<double>(p.a[m * p.lda + n0 + r]) : 0.0;
+}
+
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) grad_w_kernel(const Args p) {
+  pdl_wait_then_release();
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int kw = blockIdx.x * kTileK + (threadIdx.x / 32) * kWarpK;
+  if (kw >= p.K) return;  // (whole warps)
+  // A tiles h = 0, 1: out^T rows kw + 16 h .. + 15 (b's columns), k index = batch row:
+  // alo[h][i] = b[4t + i][kw + 16 h + g], ahi[h][i] the same 8 columns on (0 past M or K).
+  double alo[2][4], ahi[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = 4 * t + i, k = kw + 16 * h + g;
+      alo[h][i] = m < p.M && k < p.K ? static_cast<double>(p.b[m * p.ldb + k]) : 0.0;
+      ahi[h][i] = m < p.M && k + 8 < p.K ? static_cast<double>(p.b[m * p.ldb + k + 8]) : 0.0;
     }
-    __syncthreads();
-    double acc[kRowsPerWarp][kCols];
+  const int steps = (p.N + kStepN - 1) / kStepN;
+  const int s_begin = blockIdx.y * p.steps_per_cta, s_end = min(steps, s_begin + p.steps_per_cta);
+  float next[2][4];
+  if (s_begin < s_end) load_step(p, s_begin * kStepN, g, t, next);
+  for (int s = s_begin; s < s_end; ++s) {
+    const int n0 = s * kStepN;
+    double bq[2][4];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r)
+    for (int q = 0; q < 2; ++q)
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0;
-#pragma unroll 2
-    for (int m = 0; m < p.M; ++m) {
-      double bv[kCols], av[kRowsPerWarp];
+      for (int i = 0; i < 4; ++i) bq[q][i] = static_cast<double>(next[q][i]);
+    if (s + 1 < s_end) load_step(p, n0 + kStepN, g, t, next);
+    // d[h][q][v0 + 2 v1] = out^T[kw + 16 h + g + 8 v1][n0 + 8 q + 2 t + v0]
+    double d[2][2][4];
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) bv[c] = b_s[m][lane + 32 * c];
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; r += 2) {
-        const double2 pair = *reinterpret_cast<const double2*>(&a_s[m][kRowsPerWarp * warp + r]);
-        av[r] = pair.x, av[r + 1] = pair.y;
+      for (int q = 0; q < 2; ++q) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) d[h][q][v] = 0.0;
+        dmma_chunk_16x8(d[h][q], alo[h], ahi[h], bq[q]);
       }
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r)
+    for (int q = 0; q < 2; ++q)
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) acc[r][c] = fma(av[r], bv[c], acc[r][c]);
-    }
+      for (int v0 = 0; v0 < 2; ++v0) {
+        const int n = n0 + 8 * q + 2 * t + v0;
+        if (n >= p.N) continue;
+        float* const row = p.out + static_cast<int64_t>(n) * p.K;
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int n = n0 + kRowsPerWarp * warp + r;
-      if (n >= p.N) break;
-      float* row = p.out + static_cast<int64_t>(n) * p.K + k0 + lane;
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        if (k0 + lane + 32 * c < p.K) __stcs(row + 32 * c, static_cast<float>(acc[r][c]));
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int k = kw + 16 * h + 8 * v1 + g;
+            if (k < p.K) __stcs(row + k, static_cast<float>(d[h][q][v0 + 2 * v1]));
+          }
       }
-    }
   }
 }
 
@@ -6395,11 +6443,12 @@ cudaError_t fused_gemm_bn::small_m_grad_w(const float* a, int64_t lda, const flo
   DeviceFacts facts;
   const cudaError_t err = current_device_facts(&facts);
   if (err != cudaSuccess) return err;
-  const int strips = (K + kTileK - 1) / kTileK, n_tiles = (N + kTileN - 1) / kTileN;
-  const int chunks = std::max(1, std::min(n_tiles, (kCtasPerSm * facts.num_sms + strips - 1) / strips));
-  Args p{a, b, out, lda, ldb, M, N, K, (n_tiles + chunks - 1) / chunks};
-  const int grid_y = (n_tiles + p.tiles_per_cta - 1) / p.tiles_per_cta;
-  if (grid_y > 65535) return cudaErrorInvalidValue;  // (n tiles of 64 rows: N < 2^31 keeps it far below)
+  // One wave: strips x shares <= kCtasPerSm CTAs a SM (a second, partial wave would double the time).
+  const int strips = (K + kTileK - 1) / kTileK, steps = (N + kStepN - 1) / kStepN;
+  const int shares = std::max(1, std::min(steps, kCtasPerSm * facts.num_sms / strips));
+  Args p{a, b, out, lda, ldb, M, N, K, (steps + shares - 1) / shares};
+  const int grid_y = (steps + p.steps_per_cta - 1) / p.steps_per_cta;
+  if (grid_y > 65535) return cudaErrorInvalidValue;  // (steps of 16 rows: N < 2^31 keeps it far below)
   return launch_kernel(grad_w_kernel, dim3(strips, grid_y), kThreads, 0, stream, p);
 }
 ''',
@@ -8521,10 +8570,11 @@ def dispatch_gemm_nt(a, b, facts=None, switches=None):
 def dispatch_gemm_tn(a, b, facts=None, switches=None):
     """The GEMM kernel of a^T @ b (grad_W = grad_z^T x; a (M, N), b (M, K)): with
     switches.small_m True (FUSED_GEMM_BN_SMALL_M=1), at most SMALL_M_MAX_ROWS rows on a
-    full-rate FP64 GPU, small_m_fp64 (small_m_grad_w.cu: float64 sums rounded once; not
-    yet run on a GPU, docs/perf.md v57), else dispatch_gemm_nt's (on sm90_fp16x3 the
-    binding reads both operands MN-major where N % 8 == 0 and K % 8 == 0, else copies
-    them transposed)."""
+    full-rate FP64 GPU, small_m_fp64 (small_m_grad_w.cu: the FP64 tensor cores, float64
+    sums rounded once; measured faster than sm90_fp16x3's at every M <= 16 and every
+    shape tried, docs/perf.md v58, but not yet "auto": see perf.md's Open), else
+    dispatch_gemm_nt's (on sm90_fp16x3 the binding reads both operands MN-major where
+    N % 8 == 0 and K % 8 == 0, else copies them transposed)."""
     gemm = dispatch_gemm_nt(a, b, facts, switches)
     switches = SWITCHES if switches is None else switches
     if gemm == "torch_ops" or switches.small_m is not True or a.shape[0] > SMALL_M_MAX_ROWS:

@@ -3,9 +3,9 @@
 // each output the float64 sum of its M exact products rounded once to float32.
 //
 // Where: the binding's gemm_tn("small_m_fp64", a, b) launches it; model_new.py's
-// dispatch_gemm_tn picks it under FUSED_GEMM_BN_SMALL_M=1 for batches of at most
-// small_m_fp64_max_rows() rows on GPUs with full-rate FP64 (not yet by default:
-// docs/perf.md v58 and Open).
+// dispatch_gemm_tn picks it for batches of at most small_m_fp64_max_rows() rows on
+// Hopper by default, and on every full-rate FP64 GPU under FUSED_GEMM_BN_SMALL_M=1
+// (docs/perf.md v58).
 //
 // Work: at small M grad_W is an outer product, N K outputs from M (N + K) inputs,
 // so writing the N x K floats is the floor (256 MB at 8192 x 8192: 61 us on an H200,

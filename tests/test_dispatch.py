@@ -223,12 +223,15 @@ def test_backward_products_dispatch():
 
 @pytest.mark.parametrize("m,facts,switches,want", [
     (16, H200, SMALL_M, "small_m_fp64"), (1, A100, SMALL_M, "small_m_fp64"), (17, H200, SMALL_M, "sm90_fp16x3"),
-    (4, H200, DEFAULT, "sm90_fp16x3"), (4, ADA, SMALL_M, "sm80_3xtf32"), (4, H200, PORTABLE._replace(small_m=True),
-                                                                        "small_m_fp64")])
+    (4, H200, DEFAULT, "small_m_fp64"), (16, H200, DEFAULT, "small_m_fp64"), (17, H200, DEFAULT, "sm90_fp16x3"),
+    (4, A100, DEFAULT, "sm80_3xtf32"), (4, H200, DEFAULT._replace(small_m=False), "sm90_fp16x3"),
+    (4, ADA, SMALL_M, "sm80_3xtf32"), (4, H200, PORTABLE, "sm80_3xtf32"),
+    (4, H200, PORTABLE._replace(small_m=True), "small_m_fp64")])
 def test_grad_weight_dispatch(m, facts, switches, want):
-    """grad_W = grad_z^T x (dispatch_gemm_tn): small_m_fp64's outer-product kernel under
-    FUSED_GEMM_BN_SMALL_M=1 up to SMALL_M_MAX_ROWS rows on full-rate FP64 GPUs (not yet
-    "auto": docs/perf.md v58), the float32 table's GEMM otherwise.  a is a stand-in CUDA float32
+    """grad_W = grad_z^T x (dispatch_gemm_tn): small_m_fp64's outer-product kernel up to
+    SMALL_M_MAX_ROWS rows on full-rate FP64 GPUs, by default where the table's GEMM is
+    sm90_fp16x3 (not the A100's sm80_3xtf32: not measured there), under
+    FUSED_GEMM_BN_SMALL_M=1 on every such GPU; the table's GEMM otherwise.  a is a stand-in CUDA float32
     (M, N) operand: only its type, dtype and shape are read when facts are given."""
     a = types.SimpleNamespace(is_cuda=True, dtype=torch.float32, shape=(m, 256), device=None)
     assert model_new.dispatch_gemm_tn(a, None, facts, switches) == want

@@ -36,7 +36,7 @@ below 16 rows to meet the bar: docs/perf.md v37):
     eager's error, every gradient within bench.py's closeness (2x eager's + 1e-6)
   - test_cpu_small_m_grad_w_emulated: that kernel on the host through the CUDA shim, and its
     negative control
-  - test_gpu_small_m_grad_w: small_m_grad_w.cu's grad_W = grad_z^T x (FUSED_GEMM_BN_SMALL_M=1's
+  - test_gpu_small_m_grad_w: small_m_grad_w.cu's grad_W = grad_z^T x (the small batches'
     backward), every element written, correctly rounded but for cancellation
   - test_gpu_small_batch_negative_control_tf32_operands: Model with x and
     gemm.weight rounded to TF32 (1xTF32's operand error) fails the bar at
@@ -256,8 +256,8 @@ def test_cpu_small_m_grad_w_emulated(monkeypatch):
                                           (9, 130, 257, "contiguous"), (16, 1, 1, "contiguous"),
                                           (7, 513, 4095, "a_transposed"), (3, 5, 7, "strided")])
 def test_gpu_small_m_grad_w(m, n, k, layout):
-    """gemm_tn("small_m_fp64", a, b) = a^T b, the small batches' grad_W (small_m_grad_w.cu;
-    FUSED_GEMM_BN_SMALL_M=1's backward): every element written (contiguous operands: the
+    """gemm_tn("small_m_fp64", a, b) = a^T b, the backward's grad_W at up to 16 rows
+    (small_m_grad_w.cu): every element written (contiguous operands: the
     output computed into poisoned memory) and within 0.5 ulp of the float64 product plus the
     float64 sums' bound M 2^-53 sum_m |a b|, i.e. correctly rounded but for cancellation;
     operands unchanged.  (The launcher's refusal of 17 rows is test_cpu_small_m_grad_w_emulated's;

@@ -6293,9 +6293,9 @@ cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_strid
 // each output the float64 sum of its M exact products rounded once to float32.
 //
 // Where: the binding's gemm_tn("small_m_fp64", a, b) launches it; model_new.py's
-// dispatch_gemm_tn picks it under FUSED_GEMM_BN_SMALL_M=1 for batches of at most
-// small_m_fp64_max_rows() rows on GPUs with full-rate FP64 (not yet by default:
-// docs/perf.md v58 and Open).
+// dispatch_gemm_tn picks it for batches of at most small_m_fp64_max_rows() rows on
+// Hopper by default, and on every full-rate FP64 GPU under FUSED_GEMM_BN_SMALL_M=1
+// (docs/perf.md v58).
 //
 // Work: at small M grad_W is an outer product, N K outputs from M (N + K) inputs,
 // so writing the N x K floats is the floor (256 MB at 8192 x 8192: 61 us on an H200,
@@ -8414,7 +8414,8 @@ routes; nothing reads the environment per call:
   eager_ops      True: eager calls go through the fused_gemm_bn:: operators,
                  as under torch.compile (tests run the operators' autograd)
   small_m        "auto": small float32 batches take small_m_fp64 on Hopper where it
-                 measured faster than sm90_fp16x3 (_small_m_gemm); True
+                 measured faster than sm90_fp16x3 (_small_m_gemm for the forward,
+                 dispatch_gemm_tn for the backward's grad_W); True
                  (FUSED_GEMM_BN_SMALL_M=1): every float32 batch of at most
                  SMALL_M_MAX_ROWS rows on a full-rate FP64 GPU (the A100 too, not
                  measured there); False (FUSED_GEMM_BN_SMALL_M=0): never, so that every
@@ -8568,16 +8569,18 @@ def dispatch_gemm_nt(a, b, facts=None, switches=None):
 
 
 def dispatch_gemm_tn(a, b, facts=None, switches=None):
-    """The GEMM kernel of a^T @ b (grad_W = grad_z^T x; a (M, N), b (M, K)): with
-    switches.small_m True (FUSED_GEMM_BN_SMALL_M=1), at most SMALL_M_MAX_ROWS rows on a
-    full-rate FP64 GPU, small_m_fp64 (small_m_grad_w.cu: the FP64 tensor cores, float64
-    sums rounded once; measured faster than sm90_fp16x3's at every M <= 16 and every
-    shape tried, docs/perf.md v58, but not yet "auto": see perf.md's Open), else
-    dispatch_gemm_nt's (on sm90_fp16x3 the binding reads both operands MN-major where
-    N % 8 == 0 and K % 8 == 0, else copies them transposed)."""
+    """The GEMM kernel of a^T @ b (grad_W = grad_z^T x; a (M, N), b (M, K)): at most
+    SMALL_M_MAX_ROWS rows on a full-rate FP64 GPU, small_m_fp64 (small_m_grad_w.cu: the
+    FP64 tensor cores, float64 sums rounded once) where switches.small_m is True, or
+    "auto" and the table's GEMM is sm90_fp16x3 (measured faster at every M <= 16 and
+    every shape tried: docs/perf.md v58); else dispatch_gemm_nt's (on sm90_fp16x3 the
+    binding reads both operands MN-major where N % 8 == 0 and K % 8 == 0, else copies
+    them transposed)."""
     gemm = dispatch_gemm_nt(a, b, facts, switches)
     switches = SWITCHES if switches is None else switches
-    if gemm == "torch_ops" or switches.small_m is not True or a.shape[0] > SMALL_M_MAX_ROWS:
+    if gemm == "torch_ops" or not switches.small_m or a.shape[0] > SMALL_M_MAX_ROWS:
+        return gemm
+    if switches.small_m == "auto" and gemm != "sm90_fp16x3":
         return gemm
     return "small_m_fp64" if (device_facts(a.device) if facts is None else facts).capability in _FULL_RATE_FP64 \
         else gemm

@@ -2,6 +2,8 @@
 # A/B of kernels/small_m_fp64.cu: tools/small_m_check.cu built against this tree's kernels/
 # and against REV's (git archive), then run in interleaved rounds on the same GPU, one case at
 # a time (SMALL_M_CHECK_CASE), so that both sides see the same clocks and the same W-read floor.
+# SMALL_M_AB_CHECK=tools/grad_w_check.cu does the same for kernels/small_m_grad_w.cu (its rows:
+# M K N, error / bound, kernel us, the write floor, their ratio; any M <= 16 and K x N).
 # Needs nvcc and a CUDA GPU (sm_90a build; SMALL_M_AB_ARCH=sm_80 for an A100); repo root as cwd.
 #
 #   bash tools/small_m_ab.sh REV [ROUNDS [CASE ...]]
@@ -26,8 +28,9 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/rev"
 git archive "$REV" kernels | tar -x -C "$WORK/rev"
-nvcc -std=c++17 -O3 -I kernels -arch="$ARCH" tools/small_m_check.cu -o "$WORK/tree" &
-nvcc -std=c++17 -O3 -I "$WORK/rev/kernels" -arch="$ARCH" tools/small_m_check.cu -o "$WORK/rev_check" &
+CHECK=${SMALL_M_AB_CHECK:-tools/small_m_check.cu}
+nvcc -std=c++17 -O3 -I kernels -arch="$ARCH" "$CHECK" -o "$WORK/tree" &
+nvcc -std=c++17 -O3 -I "$WORK/rev/kernels" -arch="$ARCH" "$CHECK" -o "$WORK/rev_check" &
 wait -n && wait -n || exit 2
 status=0
 for round in $(seq 1 "$ROUNDS"); do

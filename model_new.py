@@ -691,8 +691,8 @@ routes; nothing reads the environment per call:
   eager_ops      True: eager calls go through the fused_gemm_bn:: operators,
                  as under torch.compile (tests run the operators' autograd)
   small_m        "auto": small float32 batches take small_m_fp64 on Hopper where it
-                 measured faster than sm90_fp16x3 (_small_m_gemm for the forward,
-                 dispatch_gemm_tn for the backward's grad_W); True
+                 measured faster than sm90_fp16x3 (_small_m_gemm: the forward's z
+                 and the backward's grad_W); True
                  (FUSED_GEMM_BN_SMALL_M=1): every float32 batch of at most
                  SMALL_M_MAX_ROWS rows on a full-rate FP64 GPU (the A100 too, not
                  measured there); False (FUSED_GEMM_BN_SMALL_M=0): never, so that every
@@ -768,17 +768,16 @@ SMALL_M_WIDE_NK = 1 << 26
 _FULL_RATE_FP64 = ((8, 0), (9, 0))
 
 
-def _small_m_gemm(call, facts, switches, gemm):
-    """Whether a float32 CUDA forward takes small_m_fp64 instead of `gemm` (the
-    tensor-core kernel it would run): at most SMALL_M_MAX_ROWS rows, a full-rate
-    FP64 GPU, and switches.small_m: True, or "auto" where measured faster than gemm
-    (sm90_fp16x3 only: SMALL_M_AUTO_ROWS rows, SMALL_M_MAX_ROWS from SMALL_M_WIDE_NK).
+def _small_m_gemm(m, facts, switches, gemm, auto_faster):
+    """Whether a float32 CUDA product of m rows (the forward's z, or the backward's
+    grad_W) takes small_m_fp64 instead of `gemm` (the tensor-core kernel it would run):
+    at most SMALL_M_MAX_ROWS rows, a full-rate FP64 GPU, and switches.small_m: True, or
+    "auto" where gemm is sm90_fp16x3 and `auto_faster` (measured faster at this shape:
+    plan()'s rows rule for the forward, every shape for grad_W, docs/perf.md v43, v58).
     Eval with gradients takes its gemm_nt for z (docs/perf.md v57)."""
-    if not switches.small_m or call.m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64:
+    if not switches.small_m or m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64:
         return False
-    if switches.small_m == "auto":
-        return gemm == "sm90_fp16x3" and (call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK)
-    return True
+    return switches.small_m is True or (gemm == "sm90_fp16x3" and auto_faster)
 
 
 def plan(call, facts=None, switches=None):
@@ -800,7 +799,8 @@ def plan(call, facts=None, switches=None):
         gemm = _LOWP.route(call, facts, switches)
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     gemm = _float32_gemm(facts, switches)
-    if _small_m_gemm(call, facts, switches, gemm):
+    if _small_m_gemm(call.m, facts, switches, gemm,
+                     call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK):
         gemm = "small_m_fp64"
     return Plan(f"{gemm}_{mode}", gemm, "ext", call.training, call.grad)
 
@@ -854,13 +854,11 @@ def dispatch_gemm_tn(a, b, facts=None, switches=None):
     binding reads both operands MN-major where N % 8 == 0 and K % 8 == 0, else copies
     them transposed)."""
     gemm = dispatch_gemm_nt(a, b, facts, switches)
+    if gemm == "torch_ops" or a.shape[0] > SMALL_M_MAX_ROWS:
+        return gemm
+    facts = device_facts(a.device) if facts is None else facts
     switches = SWITCHES if switches is None else switches
-    if gemm == "torch_ops" or not switches.small_m or a.shape[0] > SMALL_M_MAX_ROWS:
-        return gemm
-    if switches.small_m == "auto" and gemm != "sm90_fp16x3":
-        return gemm
-    return "small_m_fp64" if (device_facts(a.device) if facts is None else facts).capability in _FULL_RATE_FP64 \
-        else gemm
+    return "small_m_fp64" if _small_m_gemm(a.shape[0], facts, switches, gemm, True) else gemm
 
 
 def _kernels(plan_kernels):

@@ -27,15 +27,19 @@
 //
 // Layout: the product is computed transposed, out^T (K x N) = b^T a, so that the
 // operand held for the whole kernel is the MMA's larger one (A, 16 x 16) and the one
-// streamed is its smaller one (B, 16 x 8).  CTAs of 8 independent warps (no shared
-// memory, no barriers).  Warp w of CTA (x, y) holds kWarpK = 32 output columns
+// streamed is its smaller one (B, 16 x 8).  CTAs of 8 independent warps (no CTA-wide
+// barrier).  Warp w of CTA (x, y) holds kWarpK = 32 output columns
 // k0 = 256 x + 32 w .. k0 + 31 as two A tiles, b^T rows of 16 columns x the 16
 // (padded) batch rows, converted once into 16 doubles a lane, and walks output rows in
 // steps of kStepN = 16 (two B tiles of a's columns), the CTA's y-th share of them:
-// per step 4 MMAs, 8 floats of a loaded a lane (one step ahead, in registers: L2
-// latency hidden behind the step before) and 16 streaming (__stcs) 4-byte stores,
-// each store instruction 4 rows x 32 contiguous bytes.  The 8 warps of a CTA walk the
-// same rows of a, so 7 of 8 loads of a hit L1.  The grid is strips (x) x shares (y),
+// per step 4 MMAs and 8 floats of a loaded a lane (one step ahead, in registers: L2
+// latency hidden behind the step before).  The step's 16 x 32 outputs go through the
+// warp's own shared tile (18 KB a CTA, __syncwarp only) and leave as streaming (__stcs)
+// stores of whole rows: float4 a lane, 4 rows x 128 bytes an instruction, where K % 4 == 0
+// and out is 16-byte aligned; otherwise one row's 128 contiguous bytes an instruction.
+// (v58 stored the MMA fragments directly, 4 rows x 32 bytes an instruction: 4x the L2
+// write requests, 96-105 us against 71-82 at 8192 x 8192; perf.md v59.)  The 8 warps of a
+// CTA walk the same rows of a, so 7 of 8 loads of a hit L1.  The grid is strips (x) x shares (y),
 // at most two CTAs a SM in one wave.
 //
 // Sources: PTX ISA, "Warp-level matrix multiply-accumulate instructions" (mma .f64
@@ -60,6 +64,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kWarpK = 32;                  // output columns a warp holds: two A tiles of 16
 constexpr int kTileK = kWarps * kWarpK;     // 256: a CTA's strip
 constexpr int kStepN = 16;                  // output rows a warp step: two B tiles of 8
+constexpr int kTileStride = kWarpK + 4;     // the store tile's row pitch (floats): 16-byte rows, no bank conflict
 constexpr int kCtasPerSm = 2;               // the grid's target (launch bounds: <= 128 registers)
 
 struct Args {
@@ -89,7 +94,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) grad_w_kernel(const Args
   pdl_wait_then_release();
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int kw = blockIdx.x * kTileK + (threadIdx.x / 32) * kWarpK;
-  if (kw >= p.K) return;  // (whole warps)
+  if (kw >= p.K) return;  // (whole warps; nothing below synchronizes more than one warp)
+  __align__(16) __shared__ float tiles[kWarps][kStepN][kTileStride];
+  float(&tile)[kStepN][kTileStride] = tiles[threadIdx.x / 32];
+  const bool rows_aligned = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
   // A tiles h = 0, 1: out^T rows kw + 16 h .. + 15 (b's columns), k index = batch row:
   // alo[h][i] = b[4t + i][kw + 16 h + g], ahi[h][i] the same 8 columns on (0 past M or K).
   double alo[2][4], ahi[2][4];
@@ -123,21 +131,34 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) grad_w_kernel(const Args
         for (int v = 0; v < 4; ++v) d[h][q][v] = 0.0;
         dmma_chunk_16x8(d[h][q], alo[h], ahi[h], bq[q]);
       }
+    // The step's 16 x 32 outputs through the warp's own shared tile, so that each store
+    // instruction writes 4 whole rows of 128 bytes (float4 a lane) instead of 4 x 32 bytes.
+    // Element (row r, column c) = out[n0 + r][kw + c]: the fragment writes r = 8 q + 2 t + v0,
+    // c = 16 h + 8 v1 + g (banks 8 t + g + const: 32 distinct); lane l reads row 4 i + l / 8,
+    // columns 4 (l % 8) .. + 3 (a quarter-warp a row: conflict-free).
+    __syncwarp();  // (the previous step's reads of the tile are done)
 #pragma unroll
-    for (int q = 0; q < 2; ++q)
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int v0 = 0; v0 < 2; ++v0) {
-        const int n = n0 + 8 * q + 2 * t + v0;
-        if (n >= p.N) continue;
-        float* const row = p.out + static_cast<int64_t>(n) * p.K;
+      for (int q = 0; q < 2; ++q)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int v = 0; v < 4; ++v) tile[8 * q + 2 * t + v % 2][16 * h + 8 * (v / 2) + g] = static_cast<float>(d[h][q][v]);
+    __syncwarp();
+    if (rows_aligned) {  // K % 4 == 0: k < K covers k .. k + 3
+      const int c = 4 * (lane % 8), k = kw + c;
 #pragma unroll
-          for (int v1 = 0; v1 < 2; ++v1) {
-            const int k = kw + 16 * h + 8 * v1 + g;
-            if (k < p.K) __stcs(row + k, static_cast<float>(d[h][q][v0 + 2 * v1]));
-          }
+      for (int i = 0; i < 4; ++i) {
+        const int r = 4 * i + lane / 8;
+        if (k < p.K && n0 + r < p.N)
+          __stcs(reinterpret_cast<float4*>(p.out + static_cast<int64_t>(n0 + r) * p.K + k),
+                 *reinterpret_cast<const float4*>(&tile[r][c]));
       }
+    } else {  // rows not 16-byte aligned: one row's 32 columns (128 contiguous bytes) an instruction
+      const int k = kw + lane;
+#pragma unroll
+      for (int r = 0; r < kStepN; ++r)
+        if (k < p.K && n0 + r < p.N) __stcs(p.out + static_cast<int64_t>(n0 + r) * p.K + k, tile[r][lane]);
+    }
   }
 }
 

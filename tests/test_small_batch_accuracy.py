@@ -239,15 +239,15 @@ def test_cpu_small_m_grad_w_emulated(monkeypatch):
     """small_m_grad_w.cu's launcher and kernel run on the host through the CUDA shim
     (tools/small_m_grad_w_emulate.py): every element of NaN-filled outputs written and
     within the kernel's bound, both grid plans, the refusals; and its negative control,
-    the k-tail guard one column short, fails the same check."""
+    the scalar k-tail guard (K % 4 != 0) one column short, fails the same check."""
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("no host C++ compiler")
     from tools import small_m_grad_w_emulate as emulate
     assert emulate.main() == 0
     source = emulate.kernel_source()
-    guard = "if (k < p.K) __stcs("
+    guard = "if (k < p.K && n0 + r < p.N) __stcs(p.out"
     assert source.count(guard) == 1
-    monkeypatch.setattr(emulate, "kernel_source", lambda: source.replace(guard, "if (k < p.K - 1) __stcs("))
+    monkeypatch.setattr(emulate, "kernel_source", lambda: source.replace(guard, guard.replace("p.K", "p.K - 1")))
     assert emulate.main() == 1
 
 

@@ -28,6 +28,10 @@ from tools.small_m_emulate import shim_files, write_files  # noqa: E402
 DRIVER = r'''
 #include "cuda_runtime.h"
 inline void __stcs(float* p, float v) { *p = v; }
+inline void __stcs(float4* p, float4 v) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) abort();  // (a misaligned vector store faults on a GPU)
+  *p = v;
+}
 #include "small_m_grad_w_emulated.cu"
 #include <cstdio>
 #include <random>

@@ -6254,15 +6254,16 @@ cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_strid
 // k0 = 256 x + 32 w .. k0 + 31 as two A tiles, b^T rows of 16 columns x the 16
 // (padded) batch rows, converted once into 16 doubles a lane, and walks output rows in
 // steps of kStepN = 16 (two B tiles of a's columns), the CTA's y-th share of them:
-// per step 4 MMAs and 8 floats of a loaded a lane (one step ahead, in registers: L2
-// latency hidden behind the step before).  The step's 16 x 32 outputs go through the
+// per step 4 MMAs and 8 floats of a loaded a lane, two steps ahead into two register
+// buffers used in turn (the 8 warps of a CTA load the same slices, but at 16 rows only
+// 45% of those loads hit L1 (ncu, perf.md v60): L2 latency, hidden behind two steps).  The step's 16 x 32 outputs go through the
 // warp's own shared tile (18 KB a CTA, __syncwarp only) and leave as streaming (__stcs)
 // stores of whole rows: float4 a lane, 4 rows x 128 bytes an instruction, where K % 4 == 0
 // and out is 16-byte aligned; otherwise one row's 128 contiguous bytes an instruction.
 // (v58 stored the MMA fragments directly, 4 rows x 32 bytes an instruction: 4x the L2
-// write requests, 96-105 us against 71-82 at 8192 x 8192; perf.md v59.)  The 8 warps of a
-// CTA walk the same rows of a, so 7 of 8 loads of a hit L1.  The grid is strips (x) x shares (y),
-// at most two CTAs a SM in one wave.
+// write requests, 96-105 us against 71-82 at 8192 x 8192; perf.md v59.)  The grid is
+// strips (x) x shares (y), at most two CTAs a SM in one wave.  ptxas: 123 registers
+// (sm_90a), 112 (sm_80), no spill.
 //
 // Sources: PTX ISA, "Warp-level matrix multiply-accumulate instructions" (mma .f64
 // fragments); CUDA C++ Programming Guide, __stcs (cache-streaming store).
@@ -6333,16 +6334,19 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) grad_w_kernel(const Args
     }
   const int steps = (p.N + kStepN - 1) / kStepN;
   const int s_begin = blockIdx.y * p.steps_per_cta, s_end = min(steps, s_begin + p.steps_per_cta);
-  float next[2][4];
-  if (s_begin < s_end) load_step(p, s_begin * kStepN, g, t, next);
-  for (int s = s_begin; s < s_end; ++s) {
+  // a's slices two steps ahead, in two register buffers used in turn (no copy between
+  // them, so a pending load never stalls a move).
+  float buf0[2][4], buf1[2][4];
+  if (s_begin < s_end) load_step(p, s_begin * kStepN, g, t, buf0);
+  if (s_begin + 1 < s_end) load_step(p, (s_begin + 1) * kStepN, g, t, buf1);
+  auto step = [&](const int s, float(&buf)[2][4]) {
     const int n0 = s * kStepN;
     double bq[2][4];
 #pragma unroll
     for (int q = 0; q < 2; ++q)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) bq[q][i] = static_cast<double>(next[q][i]);
-    if (s + 1 < s_end) load_step(p, n0 + kStepN, g, t, next);
+      for (int i = 0; i < 4; ++i) bq[q][i] = static_cast<double>(buf[q][i]);
+    if (s + 2 < s_end) load_step(p, n0 + 2 * kStepN, g, t, buf);
     // d[h][q][v0 + 2 v1] = out^T[kw + 16 h + g + 8 v1][n0 + 8 q + 2 t + v0]
     double d[2][2][4];
 #pragma unroll
@@ -6381,6 +6385,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) grad_w_kernel(const Args
       for (int r = 0; r < kStepN; ++r)
         if (k < p.K && n0 + r < p.N) __stcs(p.out + static_cast<int64_t>(n0 + r) * p.K + k, tile[r][lane]);
     }
+  };
+  for (int s = s_begin; s < s_end; s += 2) {
+    step(s, buf0);
+    if (s + 1 < s_end) step(s + 1, buf1);
   }
 }
 

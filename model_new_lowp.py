@@ -76,7 +76,7 @@ def kernels():
 # Routes
 # ---------------------------------------------------------------------------
 
-TALL_BATCH = 8192  # rows from which lowp_cublas takes every 16-bit product
+TALL_BATCH = 8192  # rows from which lowp_cublas takes every 16-bit product in eval
 MIN_FILL = 0.9     # 256-row grids filling less of the SMs than this go to lowp_cublas
 STRIP_ROWS = 1024  # training batches up to this many rows: bn_16bit_strip.cu after cuBLAS ...
 SMALL_MNK = 1 << 33  # ... when M N K is at most this (17.2 GFLOP): lowp_cublas
@@ -91,8 +91,11 @@ def hopper_gemm(m, n, k, training, facts, switches):
     switches.lowp_gemm ("sm90" or "cublas": tests and tools run each), or for
     "auto" by this rule, fitted to both routes' times over bench.py's sweep (H200,
     both dtypes, problems and modes; docs/perf.md v31), where lowp_sm90 is slower:
-      - batches of TALL_BATCH rows or more (16384 x 4096 x 4096: cuBLAS's
-        route takes 0.81-0.88 of lowp_sm90's time; 8192 x 8192 x 8192 0.93-0.97);
+      - eval batches of TALL_BATCH rows or more (docs/perf.md v62: cuBLAS's
+        route takes 0.94-0.98 of lowp_sm90's time at 8192-16384 rows, K = N =
+        4096 and 8192).  Training there stays on lowp_sm90: since v62 its tile order is
+        grouped past 16 batch tiles, and its epilogue's statistics save the chain's
+        pass (cuBLAS's route 1.04-1.10x its time, forward + backward 1.01-1.02x);
       - lowp_sm90's 256-row tiles (its plan when they fill at least half of the
         SMs) filling less than MIN_FILL of them: one partial wave, where
         cuBLAS splits K (333 x 8192 x 5000: 0.58-0.77; 1000 x 3000 x 3000: 0.71-0.94);
@@ -112,7 +115,7 @@ def hopper_gemm(m, n, k, training, facts, switches):
     sms = facts.num_sms
     tiles_256 = -(-m // 256) * -(-n // 128)
     tiles_128 = -(-m // 128) * -(-n // 128)
-    if m >= TALL_BATCH:
+    if m >= TALL_BATCH and not training:
         return "lowp_cublas"
     if training and m <= STRIP_ROWS and m * n * k <= SMALL_MNK:
         return "lowp_cublas"

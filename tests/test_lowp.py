@@ -117,9 +117,12 @@ KERNELBENCH_SHAPE = (1024, 8192, 8192)
 # lowp_sm90's grids: 256-row batch tiles where they fill the GPU (KernelBench; (2305, 72, 4100):
 # the last batch tile one row deep, an N tail), 128-row tiles with split tiles below (the other
 # shapes; K % 8 != 0 padded).  (40, 64, 20000): N > 16384, problem 84's row softmax in shared
-# memory instead of registers.
+# memory instead of registers.  More than 16 batch tiles take the grouped tile order (perf.md v62):
+# (4353, 72, 1100) on 256-row tiles (18 batch tiles, the last one row deep; 9 feature tiles, so the
+# second group of 8 holds one) and (2200, 64, 136) on 128-row tiles (18 batch tiles, an N tail).
+GROUPED_SHAPES = [(4353, 72, 1100), (2200, 64, 136)]
 SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (64, 77, 129), (3, 8, 5), (130, 1024, 264), (2305, 72, 4100),
-          (40, 64, 20000)]
+          (40, 64, 20000)] + GROUPED_SHAPES
 ERROR_SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (130, 1024, 264), (2305, 72, 4100)]
 GRAD_SHAPES = [(257, 300, 1000), (130, 1024, 264)]
 NUM_CALLS = 3
@@ -331,7 +334,7 @@ def test_gpu_lowp_error_criterion_negative_control(dtype_name, full_precision_re
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
-@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (3, 8, 5)], ids=shape_id)
+@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (3, 8, 5)] + GROUPED_SHAPES, ids=shape_id)
 def test_gpu_lowp_every_output_element_written(shape, dtype_name, problem, mode, lowp_kernel):
     """As test_equivalence.py's float32 check: a probe call's output block is
     filled with NaN and freed; the next call makes the same allocations in the

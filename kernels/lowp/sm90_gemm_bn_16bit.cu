@@ -167,7 +167,20 @@ struct Args {
   // and TMA stores (tmap_out), else by store_tile.
   bool tma_store;
   bool tma_store_z;  // z_out through the ring by TMA (store_tile_tma at the second pair of boxes)
+  // Tile order (sm90_gemm_tiles.cuh, tile_coord): grouped where there are more than
+  // kBatchFastestMaxTiles batch tiles (a batch-fastest wave would read all of x), else
+  // batch-fastest.  Grouped takes 0.80-0.85 of batch-fastest's time at 16384 x 4096 x
+  // 4096 and 0.97-0.99 at 6144-8192 rows (H200, docs/perf.md v62); the outputs are
+  // bit-identical (each tile's arithmetic and the statistics' order do not depend on it).
+  bool grouped_order;
 };
+
+static_assert(Traits<128>::BLOCK_N == sm90::kTileN && Traits<256>::BLOCK_N == sm90::kTileN,
+              "tile_coord counts feature tiles of kTileN");
+
+__device__ __forceinline__ sm90::TileCoord lowp_tile_coord(const Args& args, int tile, int m_tiles) {
+  return args.grouped_order ? sm90::tile_coord<true>(tile, m_tiles, args.N) : sm90::tile_coord<false>(tile, m_tiles, args.N);
+}
 
 template <typename T, int kBlockM>
 __device__ __forceinline__ void issue_wgmma_rs(float (&acc)[64 * kBlockM / 128], const uint32_t (&a)[4],
@@ -453,7 +466,8 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
       int q = 0;  // ring slots over the CTA's segments
       for (int si = 0; si < num_segments; ++si) {
         const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
-        const int m0 = (seg.tile % m_tiles) * TR::BLOCK_M, n0 = (seg.tile / m_tiles) * TR::BLOCK_N;
+        const sm90::TileCoord tc = lowp_tile_coord(args, seg.tile, m_tiles);
+        const int m0 = tc.m * TR::BLOCK_M, n0 = tc.n * TR::BLOCK_N;
         for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
           const int s = q % TR::kNumStages;
           mbar_wait(&empty_bar[s], ((q / TR::kNumStages) & 1) ^ 1);
@@ -576,8 +590,9 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
       if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg,
                                                     static_cast<int>(threadIdx.x))) continue;
     }
-    const int m_tile = seg.tile % m_tiles;
-    const int m0 = m_tile * TR::BLOCK_M, n0 = (seg.tile / m_tiles) * TR::BLOCK_N;
+    const sm90::TileCoord tc = lowp_tile_coord(args, seg.tile, m_tiles);
+    const int m_tile = tc.m;
+    const int m0 = m_tile * TR::BLOCK_M, n0 = tc.n * TR::BLOCK_N;
     tile_epilogue<T, S, kChain, kBlockM>(acc, args, m_tile, m0, n0, &tmap_out, &tmap_z, smem);
   }
 #elif defined(__CUDA_ARCH__)
@@ -613,6 +628,7 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
                      sm90::make_tensor_map(&tmap_z, args.z_out, sm90::TileDtype::kWord16, args.M, args.N, kBlockM);
   if (plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.plan = plan;
+  args.grouped_order = (args.M + kBlockM - 1) / kBlockM > sm90::kBatchFastestMaxTiles;
   args.partials = workspace;
   args.tile_arrivals = plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + sm90::partial_floats(plan)) : nullptr;
   constexpr int kMaxDevices = 64;

@@ -4783,10 +4783,11 @@ struct Sm90GemmBnArgs {
 // those rows of x's and W's parts (51 MB at K = 4096).  Batch-fastest reads
 // every batch tile of x in each wave: at 16384 x 4096 x 4096 the GEMM read
 // 8.8 GB from DRAM for 0.3 GB of operands (ncu), and grouped order is 11-13%
-// faster there (docs/perf.md v36).  Up to kBatchFastestMaxTiles batch tiles a
-// wave of either order covers the same tiles (all of x), and the launcher
-// keeps batch-fastest (the KernelBench shape, 8 batch tiles: the grouped
-// instantiation measured 3% slower in training there).
+// faster there (docs/perf.md v36).  Up to kBatchFastestMaxTiles batch tiles a wave
+// of either order covers the same tiles (all of x), and both launchers
+// (sm90_gemm_fp16x3_bn.cu; lowp/sm90_gemm_bn_16bit.cu since perf.md v62) keep
+// batch-fastest (the KernelBench shape, 8 batch tiles: the grouped instantiation
+// measured 3% slower in training there).
 constexpr int kTileGroupN = 8;
 constexpr int kBatchFastestMaxTiles = 16;
 

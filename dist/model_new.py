@@ -4955,13 +4955,19 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kTileAccRegs], const Sm
 
 // A (rows, K) row-major matrix of elem_bytes-byte elements (kFloat32: fp32;
 // else 16-bit words) read in boxes of box_rows x (128 / elem_bytes) elements,
-// one 128-byte swizzle span per row, zero-filled outside the matrix.
+// one 128-byte swizzle span per row, zero-filled outside the matrix.  False where
+// TMA cannot address it (ptr not 16-byte aligned, or a row's bytes not a multiple of
+// 16: checked here, so that a caller that falls back to other loads or stores, e.g.
+// lowp's 16-bit out at N % 8 != 0, makes no failing driver call that
+// compute-sanitizer reports), or where the driver has no encoder or refuses the map.
 enum class TileDtype { kFloat32, kWord16 };
 
 static bool make_tensor_map(CUtensorMap* map, const void* ptr, TileDtype dtype, int rows, int K, int box_rows) {
   const EncodeTiledFn encode = encode_tiled_fn();
-  if (encode == nullptr) return false;
   const int elem_bytes = dtype == TileDtype::kFloat32 ? 4 : 2;
+  if (encode == nullptr || (static_cast<int64_t>(K) * elem_bytes) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
+    return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * elem_bytes};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / elem_bytes), static_cast<cuuint32_t>(box_rows)};

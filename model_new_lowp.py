@@ -95,7 +95,7 @@ def hopper_gemm(m, n, k, training, facts, switches):
         route takes 0.94-0.98 of lowp_sm90's time at 8192-16384 rows, K = N =
         4096 and 8192).  Training there stays on lowp_sm90: since v62 its tile order is
         grouped past 16 batch tiles, and its epilogue's statistics save the chain's
-        pass (cuBLAS's route 1.04-1.10x its time, forward + backward 1.01-1.02x);
+        pass (cuBLAS's route 1.04-1.10x its time, forward + backward 1.00-1.02x);
       - lowp_sm90's 256-row tiles (its plan when they fill at least half of the
         SMs) filling less than MIN_FILL of them: one partial wave, where
         cuBLAS splits K (333 x 8192 x 5000: 0.58-0.77; 1000 x 3000 x 3000: 0.71-0.94);

@@ -378,7 +378,7 @@ template <Epilogue kEpilogue, bool kWMn = false, bool kXMn = false>
 static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, float* workspace,
                                  cudaStream_t stream) {
   using T = Fp16x3Traits;
-  const bool grouped = (args.M + T::BLOCK_M - 1) / T::BLOCK_M > kBatchFastestMaxTiles;
+  const bool grouped = grouped_tile_order(args.M, T::BLOCK_M);
   const bool persistent = persistent_grid_pays(args.K, T::BLOCK_K);
   decltype(&sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false>) kernels[2][2] = {
       {sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false>,

@@ -86,6 +86,9 @@ struct Sm90GemmBnArgs {
 constexpr int kTileGroupN = 8;
 constexpr int kBatchFastestMaxTiles = 16;
 
+// The launchers' choice of order for M rows in batch tiles of block_m rows.
+inline bool grouped_tile_order(int M, int block_m) { return (M + block_m - 1) / block_m > kBatchFastestMaxTiles; }
+
 struct TileCoord {
   int m, n;  // batch tile, feature tile
 };

@@ -35,9 +35,10 @@
 // per step 4 MMAs and 8 floats of a loaded a lane, two steps ahead into two register
 // buffers used in turn (the 8 warps of a CTA load the same slices, but at 16 rows only
 // 45% of those loads hit L1 (ncu, perf.md v60): L2 latency, hidden behind two steps).
-// The step's 16 x 32 outputs go through the warp's own shared tile (18 KB a CTA, __syncwarp only) and leave as streaming (__stcs)
-// stores of whole rows: float4 a lane, 4 rows x 128 bytes an instruction, where K % 4 == 0
-// and out is 16-byte aligned; otherwise one row's 128 contiguous bytes an instruction.
+// The step's 16 x 32 outputs go through the warp's own shared tile (18 KB a CTA,
+// __syncwarp only) and leave as streaming (__stcs) stores of whole rows: float4 a lane, 4
+// rows x 128 bytes an instruction, where K % 4 == 0 and out is 16-byte aligned; otherwise
+// one row's 128 contiguous bytes an instruction.
 // (v58 stored the MMA fragments directly, 4 rows x 32 bytes an instruction: 4x the L2
 // write requests, 96-105 us against 71-82 at 8192 x 8192; perf.md v59.)  The grid is
 // strips (x) x shares (y), at most two CTAs a SM in one wave.  ptxas: 123 registers

@@ -179,7 +179,8 @@ static_assert(Traits<128>::BLOCK_N == sm90::kTileN && Traits<256>::BLOCK_N == sm
               "tile_coord counts feature tiles of kTileN");
 
 __device__ __forceinline__ sm90::TileCoord lowp_tile_coord(const Args& args, int tile, int m_tiles) {
-  return args.grouped_order ? sm90::tile_coord<true>(tile, m_tiles, args.N) : sm90::tile_coord<false>(tile, m_tiles, args.N);
+  return args.grouped_order ? sm90::tile_coord<true>(tile, m_tiles, args.N)
+                             : sm90::tile_coord<false>(tile, m_tiles, args.N);
 }
 
 template <typename T, int kBlockM>
@@ -628,7 +629,7 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
                      sm90::make_tensor_map(&tmap_z, args.z_out, sm90::TileDtype::kWord16, args.M, args.N, kBlockM);
   if (plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.plan = plan;
-  args.grouped_order = (args.M + kBlockM - 1) / kBlockM > sm90::kBatchFastestMaxTiles;
+  args.grouped_order = sm90::grouped_tile_order(args.M, kBlockM);
   args.partials = workspace;
   args.tile_arrivals = plan.sk_ctas > 0 ? reinterpret_cast<int*>(workspace + sm90::partial_floats(plan)) : nullptr;
   constexpr int kMaxDevices = 64;

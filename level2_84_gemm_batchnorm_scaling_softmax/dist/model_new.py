@@ -4549,7 +4549,7 @@ template <Epilogue kEpilogue, bool kWMn = false, bool kXMn = false>
 static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs args, float* workspace,
                                  cudaStream_t stream) {
   using T = Fp16x3Traits;
-  const bool grouped = (args.M + T::BLOCK_M - 1) / T::BLOCK_M > kBatchFastestMaxTiles;
+  const bool grouped = grouped_tile_order(args.M, T::BLOCK_M);
   const bool persistent = persistent_grid_pays(args.K, T::BLOCK_K);
   decltype(&sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false>) kernels[2][2] = {
       {sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false>,
@@ -4790,6 +4790,9 @@ struct Sm90GemmBnArgs {
 // measured 3% slower in training there).
 constexpr int kTileGroupN = 8;
 constexpr int kBatchFastestMaxTiles = 16;
+
+// The launchers' choice of order for M rows in batch tiles of block_m rows.
+inline bool grouped_tile_order(int M, int block_m) { return (M + block_m - 1) / block_m > kBatchFastestMaxTiles; }
 
 struct TileCoord {
   int m, n;  // batch tile, feature tile
@@ -6332,9 +6335,10 @@ cudaError_t fused_gemm_bn::small_m_fp64_eval(const float* x, int64_t x_row_strid
 // per step 4 MMAs and 8 floats of a loaded a lane, two steps ahead into two register
 // buffers used in turn (the 8 warps of a CTA load the same slices, but at 16 rows only
 // 45% of those loads hit L1 (ncu, perf.md v60): L2 latency, hidden behind two steps).
-// The step's 16 x 32 outputs go through the warp's own shared tile (18 KB a CTA, __syncwarp only) and leave as streaming (__stcs)
-// stores of whole rows: float4 a lane, 4 rows x 128 bytes an instruction, where K % 4 == 0
-// and out is 16-byte aligned; otherwise one row's 128 contiguous bytes an instruction.
+// The step's 16 x 32 outputs go through the warp's own shared tile (18 KB a CTA,
+// __syncwarp only) and leave as streaming (__stcs) stores of whole rows: float4 a lane, 4
+// rows x 128 bytes an instruction, where K % 4 == 0 and out is 16-byte aligned; otherwise
+// one row's 128 contiguous bytes an instruction.
 // (v58 stored the MMA fragments directly, 4 rows x 32 bytes an instruction: 4x the L2
 // write requests, 96-105 us against 71-82 at 8192 x 8192; perf.md v59.)  The grid is
 // strips (x) x shares (y), at most two CTAs a SM in one wave.  ptxas: 123 registers

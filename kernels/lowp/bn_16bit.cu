@@ -116,25 +116,14 @@ __global__ void __launch_bounds__(kFoldThreads) bn16_fold_train_kernel(const Fol
   if (j >= p.N) return;
   double mean64, m2;
   merge_tile_statistics(p.part_mean, p.part_m2, p.num_m_tiles, p.block_m, p.M, p.N, j, mean64, m2);
-  const float mean = static_cast<float>(mean64);
-  const float var = static_cast<float>(m2 / static_cast<double>(p.M));
-  const float f =
-      p.momentum >= 0.f ? p.momentum : static_cast<float>(1.0 / static_cast<double>(*p.num_batches_tracked));
-  const float bessel = static_cast<float>(static_cast<double>(p.M) / static_cast<double>(p.M - 1));
   W* running_mean = static_cast<W*>(p.running_mean);
   W* running_var = static_cast<W*>(p.running_var);
-  const float rm = St::load(running_mean + j);
-  const float rv = St::load(running_var + j);
-  St::store(running_mean + j, mean * f + (1.f - f) * rm);
-  St::store(running_var + j, var * bessel * f + (1.f - f) * rv);
   coeff_store1(p.coeff, p.N, j,
-               make_float4(mean, rsqrtf(var + p.eps), St::load(static_cast<const W*>(p.bn_weight) + j),
-                           St::load(static_cast<const W*>(p.bn_bias) + j)));
+               train_coeff<S>(mean64, m2, p.M, running_factor(p.momentum, p.num_batches_tracked), p.eps,
+                              St::load(static_cast<const W*>(p.bn_weight) + j),
+                              St::load(static_cast<const W*>(p.bn_bias) + j), running_mean + j, running_var + j,
+                              true));
 }
-
-// BatchNorm of one element from its coefficients {mean, invstd, w, b}, before
-// rounding.
-__device__ __forceinline__ float bn_affine(float u, const float4& c) { return fmaf(c.z * (u - c.x), c.y, c.w); }
 
 // Each thread owns kCols columns (8 or 1) and walks rows_per_block rows, kApplyRowBatch at a
 // time, every load of a batch issued before its first store.  16-bit storage holds the loads as

@@ -169,24 +169,14 @@ __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const A
 
   // Every thread of the group computes its 8 features' coefficients (the same
   // values); slice 0 writes them and the running statistics.
-  const float f = p.momentum >= 0.f ? p.momentum
-                                    : static_cast<float>(1.0 / static_cast<double>(*p.num_batches_tracked));
-  const float bessel = static_cast<float>(static_cast<double>(p.M) / static_cast<double>(p.M - 1));
+  const float f = running_factor(p.momentum, p.num_batches_tracked);
   float4 c[kVec];
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    const float mean = static_cast<float>(mean64[j]);
-    const float var = static_cast<float>(total[j] / static_cast<double>(p.M));
-    c[j] = make_float4(mean, rsqrtf(var + p.eps), St::load(static_cast<const W*>(p.bn_weight) + f0 + j),
-                       St::load(static_cast<const W*>(p.bn_bias) + f0 + j));
-    if (slice == 0) {
-      W* rm = static_cast<W*>(p.running_mean) + f0 + j;
-      W* rv = static_cast<W*>(p.running_var) + f0 + j;
-      const float rm_old = St::load(rm), rv_old = St::load(rv);
-      St::store(rm, mean * f + (1.f - f) * rm_old);
-      St::store(rv, var * bessel * f + (1.f - f) * rv_old);
-    }
-  }
+  for (int j = 0; j < kVec; ++j)
+    c[j] = train_coeff<S>(mean64[j], total[j], p.M, f, p.eps, St::load(static_cast<const W*>(p.bn_weight) + f0 + j),
+                          St::load(static_cast<const W*>(p.bn_bias) + f0 + j),
+                          static_cast<W*>(p.running_mean) + f0 + j, static_cast<W*>(p.running_var) + f0 + j,
+                          slice == 0);
   if (slice == 0) coeff_store8(p.coeff, p.N, f0, c);
   const bool store_u = p.scale_after_bn && p.out != static_cast<const void*>(p.z);
   if (p.scale_after_bn && !store_u) return;
@@ -198,7 +188,7 @@ __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const A
     float o[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j)  // 33: bn16_apply's fma(w (u - mean), invstd, b); 84: u
-      o[j] = p.scale_after_bn ? v[r][j] : fmaf(c[j].z * (v[r][j] - c[j].x), c[j].y, c[j].w);
+      o[j] = p.scale_after_bn ? v[r][j] : bn_affine(v[r][j], c[j]);
     store_group<S>(out + static_cast<size_t>(row) * p.N + f0, o);
   }
 }

@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const A
       const double dy = dy_of(gv);
       s1 += dy;
       s2 += dy * (u - mean);
-      if (p.scale_after_bn) s3 += static_cast<double>(gv) * round16<T>(fmaf(c.z * (zv - c.x), c.y, c.w));
+      if (p.scale_after_bn) s3 += static_cast<double>(gv) * round16<T>(bn_affine(zv, c));
       if constexpr (!kTraining) {
         const double du = a * dy;
         store_dz(m, du);

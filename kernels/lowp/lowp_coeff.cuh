@@ -8,7 +8,8 @@
 // own: 32 L1 wavefronts per warp load, the row softmax's bottleneck, docs/perf.md v33).
 // Also one feature's training coefficients from its batch statistics, with the
 // running-statistics update (train_coeff: bn16_fold_train and bn16_strip_train, so
-// both round alike), and BatchNorm's affine step from them (bn_affine).
+// both round alike), and BatchNorm's affine step from them (bn_affine: also the
+// forward's BatchNorm output the backward recomputes, bn_16bit_backward.cu).
 // Device helpers only; {x, y, z, w} of the float4s below = {mean, invstd, w, b}.
 #pragma once
 

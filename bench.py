@@ -28,11 +28,12 @@ call before the GPU starts it: the events time the GPU's work, not the host's
 launches; the host time per call is reported beside it in the sweep, and a note
 is printed if the GPU reached a call before its launches were all issued),
 and the input rotates among 4 pre-generated torch.rand tensors.  The sides are
-interleaved (each repetition calls every side once, the order rotated by one per
-repetition).  After --warmup untimed repetitions, --iters timed ones give the
-median (the reported figure) and the minimum.  Building the CUDA extension
-(importing model_new) and torch.compile's compilation (its first call) happen
-before timing and are excluded.  Calls run under torch.no_grad() unless --grad.
+interleaved (each repetition calls every side once), in orders where each side
+follows every other side equally often (balanced_orders: a call's synchronized time
+depends on the side timed before it, docs/perf.md v64, v66).  After --warmup untimed
+repetitions, --iters timed ones give the median (the reported figure) and the minimum.
+Building the CUDA extension (importing model_new) and torch.compile's compilation
+(its first call) happen before timing and are excluded.  Calls run under torch.no_grad() unless --grad.
 Every mode is timed in two protocols, one after the other on the same sides:
 back to back (above: the GPU's time per call, the host ahead of it; median ms)
 and synchronized per call (sync ms: the host synchronises, records the start
@@ -332,11 +333,30 @@ def check_accuracy(problem, sides, ref, x, compute=None):
     return errors, check
 
 
+def balanced_orders(n):
+    """Orders of the sides 0 .. n - 1, one per repetition, cycled: a Latin square balanced
+    for the side before (Williams 1949, "Experimental designs balanced for the estimation
+    of residual effects of treatments"): over the n rows (2n, the square and its mirror,
+    for odd n) each side is called right after every other side equally often.  A
+    rotation (0 1 2 3, 1 2 3 0, ...) keeps one predecessor per side, and a synchronized
+    call timed after eager measured 3-10% slower than the same code timed after another
+    side (H200, docs/perf.md v64)."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(side + i) % n for side in first] for i in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
 def time_fn(fns, inputs, iters, warmup, prepare=None, host=None, synchronized=False):
     """CUDA-event times in ms of every callable in `fns` (name -> fn(x)), interleaved:
-    each repetition calls every side once on the same input, in an order rotated by
-    one per repetition; L2 is flushed before each call, outside its events, by reading
-    a 256 MB buffer (clean lines: no write-backs charged to the timed call).
+    each repetition calls every side once on the same input, in the orders of
+    balanced_orders (timed repetitions from its first row); L2 is flushed before each
+    call, outside its events, by reading a 256 MB buffer (clean lines: no write-backs charged to the timed call).
     The events time the GPU's work: before each start event the GPU is given
     SPIN_CYCLES of spinning (torch.cuda._sleep) besides the flush, so the host has
     enqueued the whole call before the GPU reaches it (nvbench's blocking-kernel
@@ -359,10 +379,10 @@ def time_fn(fns, inputs, iters, warmup, prepare=None, host=None, synchronized=Fa
                      for _ in range(iters)] for name in names}
     host_us = {name: [] for name in names}
     waited = dict.fromkeys(names, 0)
+    orders = balanced_orders(len(names))
     for rep in range(warmup + iters):
         x = inputs[rep % len(inputs)]
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in (names[i] for i in orders[(rep - warmup) % len(orders)]):
             if prepare is not None:
                 prepare[name](x)
             torch.amax(flush)

@@ -1,6 +1,6 @@
 """bench.py's pieces that run without a GPU (CPU, CI): the command line, the
 sweep's shapes, the floors' products (shapes, dtypes, K padding) on the meta
-device, the --optimizer step and the sweep plot.  The timings themselves need a
+device, the --optimizer step, the sweep plot and the sides' orders (balanced_orders).  The timings themselves need a
 GPU and are not tested here.
 """
 import pytest
@@ -34,6 +34,22 @@ def mm_calls(monkeypatch):
 
     monkeypatch.setattr(torch, "mm", mm)
     return calls
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_balanced_orders(n):
+    """Every order is a permutation of the sides, and over the orders each side comes
+    right after every other side equally often (never after itself)."""
+    orders = bench.balanced_orders(n)
+    assert len(orders) == (2 * n if n % 2 else n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    follows = {}
+    for order in orders:
+        for before, after in zip(order, order[1:]):
+            follows[before, after] = follows.get((before, after), 0) + 1
+    assert all(a != b for a, b in follows)
+    if n > 1:
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1, follows
 
 
 def test_parse_args_defaults_unchanged():

@@ -92,6 +92,14 @@
 #include "sm90_gemm_tiles.cuh"
 #include "sm90_wgmma_16bit.cuh"
 
+// FUSED_GEMM_BN_LOWP_PHASE(p): a time stamp of phase p of the CTA's work (thread 0: 0 start,
+// 1 first stage landed, 2 last k-block done, 3 chain applied, 4 statistics written, 5 out
+// stored, 6 end), defined by tools/lowp_phase_times.cu to read %globaltimer; nothing
+// otherwise (the kernels' code is the same with and without this line).
+#ifndef FUSED_GEMM_BN_LOWP_PHASE
+#define FUSED_GEMM_BN_LOWP_PHASE(p) static_cast<void>(0)
+#endif
+
 namespace fused_gemm_bn {
 namespace lowp {
 namespace hopper {
@@ -380,6 +388,7 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
         }
   }
 
+  FUSED_GEMM_BN_LOWP_PHASE(3);
   if constexpr (!is_eval(kChain)) {
     // Per feature and 128-row block: mean, then M2 about it (two passes), float32,
     // over the block's valid rows; each feature's values live in one quad.
@@ -419,13 +428,16 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
     }
   }
 
+  FUSED_GEMM_BN_LOWP_PHASE(4);
   if constexpr (sizeof(word_t<S>) == 2 && kBlockM == kBatchTile) {
     if (args.tma_store) {
       store_tile_tma<S, kBlockM>(acc, tmap_out, staging, m0, n0);
+      FUSED_GEMM_BN_LOWP_PHASE(5);
       return;
     }
   }
   store_tile<S, kBlockM>(acc, args.out, M, N, m0, n0 + f_local, g, t);
+  FUSED_GEMM_BN_LOWP_PHASE(5);
 }
 
 template <typename T, typename S, Chain kChain, int kBlockM, bool kWFloat>
@@ -446,6 +458,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   const int cta = static_cast<int>(blockIdx.x);
   const int num_segments = cta_num_segments(args.plan, cta);
+  FUSED_GEMM_BN_LOWP_PHASE(0);
 
   if (threadIdx.x == 0) {
     if (!is_eval(kChain) && blockIdx.x == 0 && args.num_batches_tracked != nullptr)
@@ -569,6 +582,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
       for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
         const int s = q % TR::kNumStages;
         mbar_wait(&full_bar[s], (q / TR::kNumStages) & 1);
+        if (q == 0) FUSED_GEMM_BN_LOWP_PHASE(1);
         const uint8_t* stage = smem + s * TR::STAGE_BYTES;
         fence_acc();
         wgmma_fence();
@@ -586,6 +600,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
       wgmma_wait<0>();
       fence_acc();
       if (lane == 0) mbar_arrive(&empty_bar[(q - 1) % TR::kNumStages]);
+      FUSED_GEMM_BN_LOWP_PHASE(2);
     }
     if constexpr (kBlockM == sm90::kTileM) {
       if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg,
@@ -596,6 +611,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
     const int m0 = m_tile * TR::BLOCK_M, n0 = tc.n * TR::BLOCK_N;
     tile_epilogue<T, S, kChain, kBlockM>(acc, args, m_tile, m0, n0, &tmap_out, &tmap_z, smem);
   }
+  FUSED_GEMM_BN_LOWP_PHASE(6);
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the dispatch never selects it elsewhere
 #endif

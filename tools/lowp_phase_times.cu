@@ -1,0 +1,217 @@
+// lowp_phase_times.cu -- where a tile's time goes in kernels/lowp/sm90_gemm_bn_16bit.cu
+// (issue 51; docs/perf.md v66): the kernel built with FUSED_GEMM_BN_LOWP_PHASE defined to
+// stamp each CTA's phases (thread 0, %clock64 and %globaltimer), one launch timed, and the
+// phases' durations per CTA and the gaps between a CTA's end and the next CTA's start on
+// the same SM printed as medians, first wave and later waves apart.  No torch.
+//
+// Build and run (repository root, an sm_90a GPU):
+//   nvcc -std=c++17 -O3 -I kernels -I kernels/lowp -arch=sm_90a tools/lowp_phase_times.cu \
+//     -o /tmp/lowp_phase_times && /tmp/lowp_phase_times [M K N] [train|eval]
+//   (default 1024 8192 8192 train: the KernelBench shape, problem 33, float16)
+//
+// Phases (the kernel's FUSED_GEMM_BN_LOWP_PHASE points): 0 start, 1 the first stage landed
+// (the ring's fill), 2 the last k-block done (the mainloop), 3 the chain applied (with the
+// per-feature vectors' loads), 4 the statistics written (training), 5 out stored (the TMA
+// store's read wait), 6 the end.  %clock64 counts the SM's cycles (comparable within one SM);
+// %globaltimer (ns) converts them.  The stamps add a few instructions to thread 0 only.
+// Inputs: x, w uniform in [-1, 1), the vectors seeded, the running statistics 0 / 1.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+constexpr int kSlots = 16;  // per CTA: clock64 of phases 0..6 (0..6), %smid (7), globaltimer of 0..6 (8..14)
+__device__ unsigned long long* g_phase_stamps;
+
+__device__ __forceinline__ void lowp_phase_stamp(int p) {
+  if (threadIdx.x != 0 || g_phase_stamps == nullptr) return;
+  unsigned long long* slot = g_phase_stamps + static_cast<size_t>(blockIdx.x) * kSlots;
+  unsigned long long gt = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
+  slot[p] = clock64();
+  slot[8 + p] = gt;
+  if (p == 0) {
+    unsigned sm = 0;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    slot[7] = sm;
+  }
+}
+#define FUSED_GEMM_BN_LOWP_PHASE(p) lowp_phase_stamp(p)
+#include "lowp/sm90_gemm_bn_16bit.cu"
+
+#define CHECK(call)                                                                  \
+  do {                                                                               \
+    cudaError_t err_ = (call);                                                       \
+    if (err_ != cudaSuccess) {                                                       \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
+                   cudaGetErrorString(err_));                                        \
+      std::exit(1);                                                                  \
+    }                                                                                \
+  } while (0)
+
+static void fill_half(std::vector<__half>& v, uint32_t seed, float lo, float hi) {
+  uint32_t s = seed * 2654435761u + 12345u;
+  for (auto& e : v) {
+    s = s * 1664525u + 1013904223u;
+    e = __float2half(lo + (hi - lo) * static_cast<float>(s >> 8) / 16777216.f);
+  }
+}
+
+static __half* upload(const std::vector<__half>& h) {
+  __half* d = nullptr;
+  CHECK(cudaMalloc(&d, h.size() * sizeof(__half)));
+  CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(__half), cudaMemcpyHostToDevice));
+  return d;
+}
+
+static double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  int M = 1024, K = 8192, N = 8192;
+  bool train = true;
+  if (argc >= 4) M = std::atoi(argv[1]), K = std::atoi(argv[2]), N = std::atoi(argv[3]);
+  if (argc >= 5) train = std::string(argv[4]) != "eval";
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device %s, %d SMs; %d x %d x %d, problem 33 float16 %s\n", prop.name, prop.multiProcessorCount, M, K,
+              N, train ? "train" : "eval");
+
+  std::vector<__half> hx(static_cast<size_t>(M) * K), hw(static_cast<size_t>(N) * K), hvec(N), hones(N, __float2half(1.f)),
+      hzeros(N, __float2half(0.f));
+  fill_half(hx, 1, -1.f, 1.f);
+  fill_half(hw, 2, -1.f / 64, 1.f / 64);
+  __half* x = upload(hx);
+  __half* w = upload(hw);
+  fill_half(hvec, 3, -0.5f, 0.5f);
+  __half* bias = upload(hvec);
+  fill_half(hvec, 4, 0.5f, 1.5f);
+  __half* scale = upload(hvec);
+  __half* bn_weight = upload(hones);
+  __half* bn_bias = upload(hzeros);
+  __half* running_mean = upload(hzeros);
+  __half* running_var = upload(hones);
+  __half* out = nullptr;
+  CHECK(cudaMalloc(&out, static_cast<size_t>(M) * N * sizeof(__half)));
+  const int stat_rows = (M + 127) / 128;
+  float *part_mean = nullptr, *part_m2 = nullptr;
+  CHECK(cudaMalloc(&part_mean, static_cast<size_t>(stat_rows) * N * sizeof(float)));
+  CHECK(cudaMalloc(&part_m2, static_cast<size_t>(stat_rows) * N * sizeof(float)));
+  int64_t* nbt = nullptr;
+  CHECK(cudaMalloc(&nbt, sizeof(int64_t)));
+  CHECK(cudaMemset(nbt, 0, sizeof(int64_t)));
+  int64_t ws_floats = 0;
+  int zero_ints = 0;
+  fused_gemm_bn::lowp_sm90_workspace(M, N, K, &ws_floats, &zero_ints);
+  float* workspace = nullptr;
+  if (ws_floats > 0) CHECK(cudaMalloc(&workspace, ws_floats * sizeof(float)));
+
+  fused_gemm_bn::LowpBatchNormArgs bn{};
+  bn.dtype = 0;
+  bn.float32_io = false;
+  bn.bias = bias;
+  bn.scale = scale;
+  bn.bn_weight = bn_weight;
+  bn.bn_bias = bn_bias;
+  bn.running_mean = running_mean;
+  bn.running_var = running_var;
+  bn.num_batches_tracked = nbt;
+  bn.momentum = 0.1f;
+  bn.eps = 1e-5f;
+  bn.scale_after_bn = false;
+  bn.scale_stride = 1;
+
+  constexpr int kMaxCtas = 1 << 16;
+  unsigned long long* stamps = nullptr;
+  CHECK(cudaMalloc(&stamps, static_cast<size_t>(kMaxCtas) * kSlots * sizeof(unsigned long long)));
+  auto launch = [&]() {
+    if (workspace != nullptr && zero_ints > 0)
+      CHECK(cudaMemset(reinterpret_cast<int*>(workspace + ws_floats) - zero_ints, 0, zero_ints * sizeof(int)));
+    CHECK(fused_gemm_bn::lowp_sm90_gemm_bn(bn, train, false, x, w, out, M, N, K, part_mean, part_m2, nullptr, nullptr,
+                                           workspace, 0));
+  };
+  unsigned long long* none = nullptr;
+  CHECK(cudaMemcpyToSymbol(g_phase_stamps, &none, sizeof(none)));
+  for (int i = 0; i < 3; ++i) launch();  // warm-up, no stamps
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  CHECK(cudaEventRecord(e0));
+  launch();
+  CHECK(cudaEventRecord(e1));
+  CHECK(cudaEventSynchronize(e1));
+  float plain_ms = 0.f;
+  CHECK(cudaEventElapsedTime(&plain_ms, e0, e1));
+
+  CHECK(cudaMemset(stamps, 0, static_cast<size_t>(kMaxCtas) * kSlots * sizeof(unsigned long long)));
+  CHECK(cudaMemcpyToSymbol(g_phase_stamps, &stamps, sizeof(stamps)));
+  CHECK(cudaEventRecord(e0));
+  launch();
+  CHECK(cudaEventRecord(e1));
+  CHECK(cudaEventSynchronize(e1));
+  float stamped_ms = 0.f;
+  CHECK(cudaEventElapsedTime(&stamped_ms, e0, e1));
+  std::vector<unsigned long long> h(static_cast<size_t>(kMaxCtas) * kSlots);
+  CHECK(cudaMemcpy(h.data(), stamps, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+
+  struct Cta {
+    int id, sm;
+    unsigned long long clk[7], gt[7];
+  };
+  std::vector<Cta> ctas;
+  for (int c = 0; c < kMaxCtas; ++c) {
+    const unsigned long long* s = &h[static_cast<size_t>(c) * kSlots];
+    if (s[8] == 0) continue;
+    Cta t{c, static_cast<int>(s[7]), {}, {}};
+    for (int p = 0; p < 7; ++p) t.clk[p] = s[p], t.gt[p] = s[8 + p];
+    ctas.push_back(t);
+  }
+  if (ctas.empty()) {
+    std::printf("no stamps: the shape took a path without them (the 128-row plan's split tiles stamp too; check the route)\n");
+    return 1;
+  }
+  // ns per cycle from each CTA's whole span.
+  std::vector<double> ns_per_cycle;
+  for (const Cta& t : ctas)
+    if (t.clk[6] > t.clk[0]) ns_per_cycle.push_back(double(t.gt[6] - t.gt[0]) / double(t.clk[6] - t.clk[0]));
+  const double npc = median(ns_per_cycle);
+  std::printf("launch: %.1f us plain, %.1f us stamped (events); %zu CTAs; SM clock %.0f MHz (globaltimer / clock64)\n",
+              plain_ms * 1e3, stamped_ms * 1e3, ctas.size(), 1e3 / npc);
+  const char* names[6] = {"fill (start -> first stage)", "mainloop (-> last k-block)", "chain (-> u or out)",
+                          "statistics (-> written)", "store (-> TMA read done)", "end (-> exit point)"};
+  const int sms = prop.multiProcessorCount;
+  for (int wave = 0; wave < 2; ++wave) {
+    std::printf("%s CTAs (%s):\n", wave == 0 ? "first-wave" : "later", wave == 0 ? "blockIdx < SMs" : "blockIdx >= SMs");
+    for (int p = 0; p < 6; ++p) {
+      std::vector<double> d;
+      for (const Cta& t : ctas)
+        if ((t.id < sms) == (wave == 0) && t.clk[p + 1] >= t.clk[p] && t.clk[p] > 0) d.push_back((t.clk[p + 1] - t.clk[p]) * npc / 1e3);
+      if (!d.empty()) std::printf("  %-32s median %7.2f us  (n %zu)\n", names[p], median(d), d.size());
+    }
+  }
+  // Same SM: the next CTA's start after a CTA's end (clock64 is per SM).
+  std::vector<double> gaps;
+  for (int sm = 0; sm < 1024; ++sm) {
+    std::vector<const Cta*> on;
+    for (const Cta& t : ctas)
+      if (t.sm == sm) on.push_back(&t);
+    std::sort(on.begin(), on.end(), [](const Cta* a, const Cta* b) { return a->clk[0] < b->clk[0]; });
+    for (size_t i = 1; i < on.size(); ++i)
+      if (on[i]->clk[0] > on[i - 1]->clk[6]) gaps.push_back((on[i]->clk[0] - on[i - 1]->clk[6]) * npc / 1e3);
+  }
+  if (!gaps.empty()) std::printf("next CTA on the same SM starts %.2f us after the previous one's end (median, n %zu)\n",
+                                 median(gaps), gaps.size());
+  unsigned long long first = ~0ull, last = 0;
+  for (const Cta& t : ctas) first = std::min(first, t.gt[0]), last = std::max(last, t.gt[6]);
+  std::printf("first start to last end: %.1f us (globaltimer)\n", (last - first) / 1e3);
+  return 0;
+}

@@ -198,7 +198,7 @@ SWEEP_SHAPES = ([(m, f, f) for f in (4096, 8192) for m in SWEEP_SMALL_BATCHES]
                 + [(1000, 3000, 3000), (4000, 8188, 1000), (333, 8192, 5000), (2048, 1028, 8190)])
 
 
-def _parse_shape(text):
+def parse_shape(text):
     try:
         m, k, n = (int(v) for v in text.split(","))
     except ValueError:
@@ -212,7 +212,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=("33", "84", "both"), default="both",
                    help="KernelBench level 2 problem to bench (default: both)")
-    p.add_argument("--shape", type=_parse_shape, default=(1024, 8192, 8192), metavar="M,K,N",
+    p.add_argument("--shape", type=parse_shape, default=(1024, 8192, 8192), metavar="M,K,N",
                    help="batch, in_features, out_features (default: KernelBench's 1024,8192,8192)")
     p.add_argument("--mode", choices=("train", "eval", "both"), default="train",
                    help="BatchNorm mode of every side (default: train)")

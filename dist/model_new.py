@@ -9118,11 +9118,15 @@ _OP_REGISTRY = "fused_gemm_bn_op_namespaces"
 
 
 def _engine_identity():
-    """SHA-256 over what the operators' implementations run: the kernel sources,
-    the extras' files, and this file's text where it has one.  Two copies with the
-    same identity run the same code, so they may share operators."""
+    """SHA-256 over what the operators' implementations run: the kernel sources (the
+    16-bit extra's, kernels/lowp/, too: a copy given another kernels/ folder may
+    differ there alone), the extras' files, and this file's text where it has one.
+    Two copies with the same identity run the same code, so they may share operators."""
     h = hashlib.sha256()
     texts = dict(_KERNEL_SOURCES)
+    if _LOWP is not None:  # the files its bind reads, below, from the same folder
+        lowp_sources = extension_sources(_LOWP.SUBDIR, _LOWP.BINDING) or {}
+        texts.update({_LOWP.SUBDIR + "/" + name: text for name, text in lowp_sources.items()})
     own = _own_file()
     if own is not None:
         for path in [own] + [os.path.join(os.path.dirname(own), name + ".py") for name in _EXTRAS]:

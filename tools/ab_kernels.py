@@ -127,7 +127,7 @@ def one_call(model, x, g):
     return result
 
 
-def compare(problem, ref, new, base, x, grad):
+def compare(ref, new, base, x, grad):
     """'bit-identical', or the differing entries with their largest difference and the two
     sides' output errors against float64."""
     g = torch.randn(x.shape[0], new.gemm.weight.shape[0], device=x.device, dtype=x.dtype) if grad else None
@@ -188,7 +188,7 @@ def main(argv=None):
                 pair = {side: classes[side][name] for side in classes}
                 ref, new, base = build_pair(problem, pair, shape, mode, args.seed, dtype)
                 x = torch.randn(m, k, device=bench.DEVICE).to(dtype)
-                verdict = compare(problem, ref, new, base, x, args.grad)
+                verdict = compare(ref, new, base, x, args.grad)
                 inputs = [torch.rand(m, k, device=bench.DEVICE).to(dtype) for _ in range(bench.NUM_INPUTS)]
                 sides = {"eager": ref, "new": new, "base": base}
                 floor = bench.make_floor(m, k, n, dtype)
@@ -207,7 +207,8 @@ def main(argv=None):
                         rounds = "  ".join(f"{s} {'/'.join(f'{v:.1f}' for v in vs)}" for s, vs in per_round.items())
                         ratio = f"new/base {med['new'] / med['base']:.3f}"
                         if "floor" in med:
-                            ratio += f", new/floor {med['new'] / med['floor']:.3f}, base/floor {med['base'] / med['floor']:.3f}"
+                            ratio += (f", new/floor {med['new'] / med['floor']:.3f}, "
+                                      f"base/floor {med['base'] / med['floor']:.3f}")
                         print(f"  {'synchronized' if synchronized else 'back to back':12s} us: {rounds}  ({ratio})")
     return 0
 

@@ -1,8 +1,9 @@
 // lowp_phase_times.cu -- where a tile's time goes in kernels/lowp/sm90_gemm_bn_16bit.cu
 // (issue 51; docs/perf.md v66): the kernel built with FUSED_GEMM_BN_LOWP_PHASE defined to
-// stamp each CTA's phases (thread 0, %clock64 and %globaltimer), one launch timed, and the
-// phases' durations per CTA and the gaps between a CTA's end and the next CTA's start on
-// the same SM printed as medians, first wave and later waves apart.  No torch.
+// stamp each CTA's phases (thread 0, %clock64 and %globaltimer); 31 plain launches timed one
+// at a time (the median: a kernel-level A/B), then one stamped launch read: the phases'
+// durations per CTA and the gaps between a CTA's end and the next CTA's start on the same
+// SM, printed as medians, first wave and later waves apart.  No torch.
 //
 // Build and run (repository root, an sm_90a GPU):
 //   nvcc -std=c++17 -O3 -I kernels -I kernels/lowp -arch=sm_90a tools/lowp_phase_times.cu \
@@ -141,7 +142,10 @@ int main(int argc, char** argv) {
     return ms;
   };
   for (int i = 0; i < 3; ++i) timed_ms(nullptr);  // warm-up
-  const float plain_ms = timed_ms(nullptr);
+  std::vector<double> plain;  // one launch at a time, so a kernel-level A/B reads the median
+  for (int i = 0; i < 31; ++i) plain.push_back(timed_ms(nullptr));
+  const double plain_ms = median(plain);
+  const double plain_min_ms = *std::min_element(plain.begin(), plain.end());
   CHECK(cudaMemset(stamps, 0, static_cast<size_t>(kMaxCtas) * kSlots * sizeof(unsigned long long)));
   const float stamped_ms = timed_ms(stamps);
   std::vector<unsigned long long> h(static_cast<size_t>(kMaxCtas) * kSlots);
@@ -168,8 +172,9 @@ int main(int argc, char** argv) {
   for (const Cta& t : ctas)
     if (t.clk[6] > t.clk[0]) ns_per_cycle.push_back(double(t.gt[6] - t.gt[0]) / double(t.clk[6] - t.clk[0]));
   const double npc = median(ns_per_cycle);
-  std::printf("launch: %.1f us plain, %.1f us stamped (events); %zu CTAs; SM clock %.0f MHz (globaltimer / clock64)\n",
-              plain_ms * 1e3, stamped_ms * 1e3, ctas.size(), 1e3 / npc);
+  std::printf("launch: %.1f us plain (median of %zu, min %.1f), %.1f us stamped (events); %zu CTAs; SM clock %.0f MHz "
+              "(globaltimer / clock64)\n",
+              plain_ms * 1e3, plain.size(), plain_min_ms * 1e3, stamped_ms * 1e3, ctas.size(), 1e3 / npc);
   const char* names[6] = {"fill (start -> first stage)", "mainloop (-> last k-block)", "chain (-> u or out)",
                           "statistics (-> written)", "store (-> TMA read done)", "end (-> exit point)"};
   const int sms = prop.multiProcessorCount;

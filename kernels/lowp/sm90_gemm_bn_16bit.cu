@@ -312,33 +312,58 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[64 * kBlockM /
   }
 }
 
-template <typename T, typename S, Chain kChain, int kBlockM>
-__device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], const Args& args, int m_tile, int m0,
-                                              int n0, const CUtensorMap* tmap_out, const CUtensorMap* tmap_z,
-                                              uint8_t* staging) {
-  using TR = Traits<kBlockM>;
+// This thread's two features' vectors (features n0 + 64 warpgroup + 16 warp + g + 8 h), as
+// floats (0 past N): loaded before the tile's mainloop, so their latency is not the
+// epilogue's (the loads cannot move past the mainloop's asm, which clobbers memory).
+struct FeatureVectors {
+  float bias[2], scale[2], w[2], b[2], rm[2], rv[2];  // w .. rv: kEval, kEvalSaved
+};
+
+template <typename T, typename S, Chain kChain>
+__device__ __forceinline__ FeatureVectors load_feature_vectors(const Args& args, int n0) {
   using St = Storage<S>;
   using W = word_t<S>;
   auto vec = [](const void* p) { return static_cast<const W*>(p); };
+  const int f_local = (threadIdx.x / 128) * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;
+  FeatureVectors v{};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int f = n0 + f_local + 8 * h;
+    if (f >= args.N) continue;
+    v.bias[h] = round16<T>(St::load(vec(args.bias) + f));  // autocast's cast of the bias to T
+    v.scale[h] = St::load(vec(args.scale) + f * args.scale_stride);
+    if constexpr (is_eval(kChain)) {
+      v.w[h] = St::load(vec(args.bn_weight) + f);
+      v.b[h] = St::load(vec(args.bn_bias) + f);
+      v.rm[h] = St::load(vec(args.running_mean) + f);
+      v.rv[h] = St::load(vec(args.running_var) + f);
+    }
+  }
+  return v;
+}
+
+template <typename T, typename S, Chain kChain, int kBlockM>
+__device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], const FeatureVectors& fv,
+                                              const Args& args, int m_tile, int m0, int n0,
+                                              const CUtensorMap* tmap_out, const CUtensorMap* tmap_z,
+                                              uint8_t* staging) {
+  using TR = Traits<kBlockM>;
   const int M = args.M, N = args.N;
   const int warpgroup = threadIdx.x / 128;
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int f_local = warpgroup * 64 + warp * 16 + g;
-  float p_bias[2], p_scale[2], p_w[2], p_b[2], p_rm[2], p_invstd[2];
+  const float(&p_bias)[2] = fv.bias;
+  const float(&p_scale)[2] = fv.scale;
+  const float(&p_w)[2] = fv.w;
+  const float(&p_b)[2] = fv.b;
+  const float(&p_rm)[2] = fv.rm;
+  float p_invstd[2] = {0.f, 0.f};
+  if constexpr (is_eval(kChain)) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int f = n0 + f_local + 8 * h;
-    const bool ok = f < N;
-    p_bias[h] = ok ? round16<T>(St::load(vec(args.bias) + f)) : 0.f;  // autocast's cast of the bias to T
-    p_scale[h] = ok ? St::load(vec(args.scale) + f * args.scale_stride) : 0.f;
-    if constexpr (is_eval(kChain)) {
-      p_w[h] = ok ? St::load(vec(args.bn_weight) + f) : 0.f;
-      p_b[h] = ok ? St::load(vec(args.bn_bias) + f) : 0.f;
-      p_rm[h] = ok ? St::load(vec(args.running_mean) + f) : 0.f;
-      p_invstd[h] = ok ? rsqrtf(St::load(vec(args.running_var) + f) + args.eps) : 0.f;
-    }
+    for (int h = 0; h < 2; ++h)
+      if (n0 + f_local + 8 * h < N) p_invstd[h] = rsqrtf(fv.rv[h] + args.eps);
   }
   if constexpr (kChain == Chain::kTrainSaved || kChain == Chain::kEvalSaved) {
     // z = rnd(acc + bias), the Linear output (a T value), kept for the backward
@@ -561,6 +586,8 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
   int q = 0;
   for (int si = 0; si < num_segments; ++si) {
     const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+    const sm90::TileCoord tc = lowp_tile_coord(args, seg.tile, m_tiles);
+    const FeatureVectors fv = load_feature_vectors<T, S, kChain>(args, tc.n * TR::BLOCK_N);
 #pragma unroll
     for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = 0.f;
     if constexpr (kWFloat) {
@@ -606,10 +633,9 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
       if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg,
                                                     static_cast<int>(threadIdx.x))) continue;
     }
-    const sm90::TileCoord tc = lowp_tile_coord(args, seg.tile, m_tiles);
     const int m_tile = tc.m;
     const int m0 = m_tile * TR::BLOCK_M, n0 = tc.n * TR::BLOCK_N;
-    tile_epilogue<T, S, kChain, kBlockM>(acc, args, m_tile, m0, n0, &tmap_out, &tmap_z, smem);
+    tile_epilogue<T, S, kChain, kBlockM>(acc, fv, args, m_tile, m0, n0, &tmap_out, &tmap_z, smem);
   }
   FUSED_GEMM_BN_LOWP_PHASE(6);
 #elif defined(__CUDA_ARCH__)

@@ -7,8 +7,8 @@
 //
 // Build and run (repository root, an sm_90a GPU):
 //   nvcc -std=c++17 -O3 -I kernels -I kernels/lowp -arch=sm_90a tools/lowp_phase_times.cu \
-//     -o /tmp/lowp_phase_times && /tmp/lowp_phase_times [M K N] [train|eval]
-//   (default 1024 8192 8192 train: the KernelBench shape, problem 33, float16)
+//     -o /tmp/lowp_phase_times && /tmp/lowp_phase_times [M K N] [train|eval] [33|84]
+//   (default 1024 8192 8192 train 33: the KernelBench shape, problem 33, float16)
 //
 // Phases (the kernel's FUSED_GEMM_BN_LOWP_PHASE points): 0 start, 1 the first stage landed
 // (the ring's fill), 2 the last k-block done (the mainloop), 3 the chain applied (with the
@@ -81,10 +81,11 @@ int main(int argc, char** argv) {
   bool train = true;
   if (argc >= 4) M = std::atoi(argv[1]), K = std::atoi(argv[2]), N = std::atoi(argv[3]);
   if (argc >= 5) train = std::string(argv[4]) != "eval";
+  const bool problem84 = argc >= 6 && std::string(argv[5]) == "84";  // Linear -> BatchNorm1d -> scale
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device %s, %d SMs; %d x %d x %d, problem 33 float16 %s\n", prop.name, prop.multiProcessorCount, M, K,
-              N, train ? "train" : "eval");
+  std::printf("device %s, %d SMs; %d x %d x %d, problem %s float16 %s\n", prop.name, prop.multiProcessorCount, M, K,
+              N, problem84 ? "84" : "33", train ? "train" : "eval");
 
   std::vector<__half> hx(static_cast<size_t>(M) * K), hw(static_cast<size_t>(N) * K), hvec(N);
   const std::vector<__half> hones(N, __float2half(1.f)), hzeros(N, __float2half(0.f));
@@ -115,9 +116,9 @@ int main(int argc, char** argv) {
   float* workspace = nullptr;
   if (ws_floats > 0) CHECK(cudaMalloc(&workspace, ws_floats * sizeof(float)));
 
-  // dtype 0 (half), 16-bit vectors and out, problem 33's order (scale, then BatchNorm), momentum 0.1.
+  // dtype 0 (half), 16-bit vectors and out, the problem's order (84: scale after BatchNorm), momentum 0.1.
   const fused_gemm_bn::LowpBatchNormArgs bn{0,   false, bias,  scale, bn_weight, bn_bias, running_mean, running_var,
-                                            nbt, 0.1f,  1e-5f, false, 1};
+                                            nbt, 0.1f,  1e-5f, problem84, 1};
 
   constexpr int kMaxCtas = 1 << 16;
   unsigned long long* stamps = nullptr;

@@ -342,6 +342,49 @@ __device__ __forceinline__ FeatureVectors load_feature_vectors(const Args& args,
   return v;
 }
 
+// The chain over a tile's values (acc as in tile_epilogue), up to its final rounding
+// (the store rounds to S; kTrain's u is already an S value), with the problem's order
+// a template argument (no branch per element), over the two batch rows e = 0, 1 of each
+// (i, h), which share a feature: lowp_chain.cuh's pair forms where S is float16 (one
+// packed conversion per pair, mul.rn.f16x2 for the scale: 7-8% fewer instructions in
+// the kernel, ptxas sizes), its scalar forms otherwise (for bfloat16 and float storage
+// the pair forms cost more: the scalar forms' conversion pairs fold).  The same values,
+// bit for bit.  kZRounded: acc already holds z (the saved chains; its pair is packed
+// exactly), else acc + bias is rounded here.
+template <typename T, typename S, Chain kChain, bool kScaleAfterBn, bool kZRounded, int kAccRegs>
+__device__ __forceinline__ void chain_pairs(float (&acc)[kAccRegs], const FeatureVectors& fv,
+                                            const float (&invstd)[2]) {
+  if constexpr (!(kZRounded && !is_eval(kChain) && kScaleAfterBn)) {  // else nothing: 84's u is z itself
+#pragma unroll
+    for (int i = 0; i < kAccRegs; i += 2) {
+      const int h = (i / 2) % 2;
+      float2 v;
+      if constexpr (std::is_same_v<S, __half>) {  // the pair forms
+        const uint32_t z2 = kZRounded ? pack2_rn<T>(acc[i], acc[i + 1])
+                                      : pack2_rn<T>(acc[i] + fv.bias[h], acc[i + 1] + fv.bias[h]);
+        if constexpr (is_eval(kChain)) {
+          v = eval_out2<T, S, kScaleAfterBn>(z2, fv.scale[h], fv.w[h], fv.b[h], fv.rm[h], invstd[h]);
+        } else {
+          v = train_u2<T, S, kScaleAfterBn>(z2, fv.scale[h]);
+        }
+      } else {  // the scalar forms: fewer instructions here (no mul.rn.f16x2; their conversions fold)
+        float* pv = &v.x;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float z = kZRounded ? acc[i + e] : round16<T>(acc[i + e] + fv.bias[h]);
+          if constexpr (is_eval(kChain)) {
+            pv[e] = eval_out<T, S>(z, fv.scale[h], fv.w[h], fv.b[h], fv.rm[h], invstd[h], kScaleAfterBn);
+          } else {
+            pv[e] = train_u<S>(z, fv.scale[h], kScaleAfterBn);
+          }
+        }
+      }
+      acc[i] = v.x;
+      acc[i + 1] = v.y;
+    }
+  }
+}
+
 template <typename T, typename S, Chain kChain, int kBlockM>
 __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], const FeatureVectors& fv,
                                               const Args& args, int m_tile, int m0, int n0,
@@ -355,7 +398,6 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
   const int g = lane / 4, t = lane % 4;
   const int f_local = warpgroup * 64 + warp * 16 + g;
   const float(&p_bias)[2] = fv.bias;
-  const float(&p_scale)[2] = fv.scale;
   const float(&p_w)[2] = fv.w;
   const float(&p_b)[2] = fv.b;
   const float(&p_rm)[2] = fv.rm;
@@ -369,7 +411,17 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
     // z = rnd(acc + bias), the Linear output (a T value), kept for the backward
     // (T words, whatever S is); then u, or the eval chain's output, from it.
 #pragma unroll
-    for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = round16<T>(acc[i] + p_bias[(i / 2) % 2]);
+    for (int i = 0; i < TR::kAccRegs; i += 2) {
+      const float b = p_bias[(i / 2) % 2];
+      if constexpr (std::is_same_v<S, __half>) {  // one conversion for the pair (fewer instructions only here)
+        const float2 z = unpack2<T>(pack2_rn<T>(acc[i] + b, acc[i + 1] + b));
+        acc[i] = z.x;
+        acc[i + 1] = z.y;
+      } else {
+        acc[i] = round16<T>(acc[i] + b);
+        acc[i + 1] = round16<T>(acc[i + 1] + b);
+      }
+    }
     bool z_stored = false;
     if constexpr (kBlockM == kBatchTile) {
       if (args.tma_store_z) {  // the boxes after out's two (kZBoxOffset), so out's store can follow at once
@@ -378,15 +430,12 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
       }
     }
     if (!z_stored) store_tile<T, kBlockM>(acc, args.z_out, M, N, m0, n0 + f_local, g, t);
-    if constexpr (kChain == Chain::kTrainSaved) {
-#pragma unroll
-      for (int i = 0; i < TR::kAccRegs; ++i) acc[i] = train_u<S>(acc[i], p_scale[(i / 2) % 2], args.scale_after_bn);
+    if (args.scale_after_bn) {
+      chain_pairs<T, S, kChain, true, true>(acc, fv, p_invstd);
     } else {
-#pragma unroll
-      for (int i = 0; i < TR::kAccRegs; ++i) {
-        const int h = (i / 2) % 2;
-        acc[i] = eval_out<T, S>(acc[i], p_scale[h], p_w[h], p_b[h], p_rm[h], p_invstd[h], args.scale_after_bn);
-      }
+      chain_pairs<T, S, kChain, false, true>(acc, fv, p_invstd);
+    }
+    if constexpr (kChain == Chain::kEvalSaved) {
       if (m_tile == 0 && t == 0) {  // the first batch tile: the coefficients used, for the backward
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -395,22 +444,10 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
         }
       }
     }
+  } else if (args.scale_after_bn) {
+    chain_pairs<T, S, kChain, true, false>(acc, fv, p_invstd);
   } else {
-    // The chain up to its final rounding (lowp_chain.cuh; the store rounds to S, kTrain's u is already an S value).
-#pragma unroll
-    for (int i = 0; i < TR::kAccRegs / 4; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& v = acc[4 * i + 2 * h + e];
-          const float z = round16<T>(v + p_bias[h]);
-          if constexpr (kChain == Chain::kTrain) {
-            v = train_u<S>(z, p_scale[h], args.scale_after_bn);
-          } else {
-            v = eval_out<T, S>(z, p_scale[h], p_w[h], p_b[h], p_rm[h], p_invstd[h], args.scale_after_bn);
-          }
-        }
+    chain_pairs<T, S, kChain, false, false>(acc, fv, p_invstd);
   }
 
   FUSED_GEMM_BN_LOWP_PHASE(3);

@@ -3,12 +3,13 @@
 // stamp each CTA's phases (thread 0, %clock64 and %globaltimer); 31 plain launches timed one
 // at a time (the median: a kernel-level A/B), then one stamped launch read: the phases'
 // durations per CTA and the gaps between a CTA's end and the next CTA's start on the same
-// SM, printed as medians, first wave and later waves apart.  No torch.
+// SM, printed as medians, first wave and later waves apart; and a hash of the results, to
+// compare two builds bit for bit.  No torch.
 //
 // Build and run (repository root, an sm_90a GPU):
 //   nvcc -std=c++17 -O3 -I kernels -I kernels/lowp -arch=sm_90a tools/lowp_phase_times.cu \
-//     -o /tmp/lowp_phase_times && /tmp/lowp_phase_times [M K N] [train|eval] [33|84]
-//   (default 1024 8192 8192 train 33: the KernelBench shape, problem 33, float16)
+//     -o /tmp/lowp_phase_times && /tmp/lowp_phase_times [M K N] [train|eval] [33|84] [timed launches]
+//   (default 1024 8192 8192 train 33 31: the KernelBench shape, problem 33, float16)
 //
 // Phases (the kernel's FUSED_GEMM_BN_LOWP_PHASE points): 0 start, 1 the first stage landed
 // (the ring's fill), 2 the last k-block done (the mainloop), 3 the chain applied (with the
@@ -82,6 +83,7 @@ int main(int argc, char** argv) {
   if (argc >= 4) M = std::atoi(argv[1]), K = std::atoi(argv[2]), N = std::atoi(argv[3]);
   if (argc >= 5) train = std::string(argv[4]) != "eval";
   const bool problem84 = argc >= 6 && std::string(argv[5]) == "84";  // Linear -> BatchNorm1d -> scale
+  const int timed_launches = argc >= 7 ? std::max(1, std::atoi(argv[6])) : 31;  // 1: under compute-sanitizer
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device %s, %d SMs; %d x %d x %d, problem %s float16 %s\n", prop.name, prop.multiProcessorCount, M, K,
@@ -144,9 +146,30 @@ int main(int argc, char** argv) {
   };
   for (int i = 0; i < 3; ++i) timed_ms(nullptr);  // warm-up
   std::vector<double> plain;  // one launch at a time, so a kernel-level A/B reads the median
-  for (int i = 0; i < 31; ++i) plain.push_back(timed_ms(nullptr));
+  for (int i = 0; i < timed_launches; ++i) plain.push_back(timed_ms(nullptr));
   const double plain_ms = median(plain);
   const double plain_min_ms = *std::min_element(plain.begin(), plain.end());
+  // FNV-1a over out's bits (and training's part_mean / part_m2): equal across two builds of the
+  // kernel means bit-identical results (the launches are deterministic).
+  auto fnv1a = [](const void* p, size_t bytes, uint64_t h) {
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < bytes; ++i) h = (h ^ c[i]) * 1099511628211ull;
+    return h;
+  };
+  {
+    std::vector<__half> hout(static_cast<size_t>(M) * N);
+    CHECK(cudaMemcpy(hout.data(), out, hout.size() * sizeof(__half), cudaMemcpyDeviceToHost));
+    uint64_t h = fnv1a(hout.data(), hout.size() * sizeof(__half), 14695981039346656037ull);
+    if (train) {
+      std::vector<float> hp(static_cast<size_t>(stat_rows) * N);
+      CHECK(cudaMemcpy(hp.data(), part_mean, hp.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      h = fnv1a(hp.data(), hp.size() * sizeof(float), h);
+      CHECK(cudaMemcpy(hp.data(), part_m2, hp.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      h = fnv1a(hp.data(), hp.size() * sizeof(float), h);
+    }
+    std::printf("results hash %016llx (out%s)\n", static_cast<unsigned long long>(h),
+                train ? ", part_mean, part_m2" : "");
+  }
   CHECK(cudaMemset(stamps, 0, static_cast<size_t>(kMaxCtas) * kSlots * sizeof(unsigned long long)));
   const float stamped_ms = timed_ms(stamps);
   std::vector<unsigned long long> h(static_cast<size_t>(kMaxCtas) * kSlots);

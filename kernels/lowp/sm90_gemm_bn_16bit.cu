@@ -407,7 +407,8 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
     for (int h = 0; h < 2; ++h)
       if (n0 + f_local + 8 * h < N) p_invstd[h] = rsqrtf(fv.rv[h] + args.eps);
   }
-  if constexpr (kChain == Chain::kTrainSaved || kChain == Chain::kEvalSaved) {
+  constexpr bool kSaved = kChain == Chain::kTrainSaved || kChain == Chain::kEvalSaved;
+  if constexpr (kSaved) {
     // z = rnd(acc + bias), the Linear output (a T value), kept for the backward
     // (T words, whatever S is); then u, or the eval chain's output, from it.
 #pragma unroll
@@ -430,24 +431,20 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
       }
     }
     if (!z_stored) store_tile<T, kBlockM>(acc, args.z_out, M, N, m0, n0 + f_local, g, t);
-    if (args.scale_after_bn) {
-      chain_pairs<T, S, kChain, true, true>(acc, fv, p_invstd);
-    } else {
-      chain_pairs<T, S, kChain, false, true>(acc, fv, p_invstd);
-    }
-    if constexpr (kChain == Chain::kEvalSaved) {
-      if (m_tile == 0 && t == 0) {  // the first batch tile: the coefficients used, for the backward
+  }
+  if (args.scale_after_bn) {
+    chain_pairs<T, S, kChain, true, kSaved>(acc, fv, p_invstd);
+  } else {
+    chain_pairs<T, S, kChain, false, kSaved>(acc, fv, p_invstd);
+  }
+  if constexpr (kChain == Chain::kEvalSaved) {
+    if (m_tile == 0 && t == 0) {  // the first batch tile: the coefficients used, for the backward
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int f = n0 + f_local + 8 * h;
-          if (f < N) coeff_store1(args.coeff_out, N, f, make_float4(p_rm[h], p_invstd[h], p_w[h], p_b[h]));
-        }
+      for (int h = 0; h < 2; ++h) {
+        const int f = n0 + f_local + 8 * h;
+        if (f < N) coeff_store1(args.coeff_out, N, f, make_float4(p_rm[h], p_invstd[h], p_w[h], p_b[h]));
       }
     }
-  } else if (args.scale_after_bn) {
-    chain_pairs<T, S, kChain, true, false>(acc, fv, p_invstd);
-  } else {
-    chain_pairs<T, S, kChain, false, false>(acc, fv, p_invstd);
   }
 
   FUSED_GEMM_BN_LOWP_PHASE(3);

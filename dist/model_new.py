@@ -5196,6 +5196,12 @@ __device__ __forceinline__ void tma_store_wait_read() {
   FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
+// Waits until at most the most recent of this thread's committed TMA stores has yet to read
+// its shared memory (every older one has).
+__device__ __forceinline__ void tma_store_wait_read_pending1() {
+  FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+}
+
 // ---- wgmma ----------------------------------------------------------------
 
 // Shared-memory matrix descriptor (PTX ISA 9.7.15.5.1) for a K-major tile

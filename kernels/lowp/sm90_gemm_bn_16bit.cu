@@ -53,7 +53,10 @@
 //   m64nBLOCK_Mk16 wgmmas per stage with both operands in shared memory (SS),
 //   as one commit group, then waits for the previous group (wait_group 1) and
 //   releases that group's stage: one group in flight while the next stage's
-//   barrier is awaited.  BLOCK_M = 256: one tile per CTA.  BLOCK_M = 128: the
+//   barrier is awaited.  BLOCK_M = 256: whole tiles, a persistent grid of
+//   min(tiles, SMs) CTAs each walking tiles cta, cta + gridDim.x, ... (the producer
+//   loads a CTA's next tile while its consumers finish the last; 1.2-1.6% off the
+//   kernel at 1024-16384 rows, 10-12% at a short K: docs/perf.md v70).  BLOCK_M = 128: the
 //   grid of sm90_gemm_tiles.cuh (whole tiles, and remainder tiles cut along K
 //   whose pieces meet in split_tile_hand_off: float32 partial sums, the last
 //   piece to arrive runs the epilogue).  Tiles walk the batch fastest, so the
@@ -69,11 +72,11 @@
 //   Accumulator layout: sm90_wgmma_16bit.cuh (feature 64 wg + 16 warp + g + 8 h,
 //   batch row 8 i + 2 t + e of the tile).  The epilogue works in registers: the
 //   statistics reduce over the quad (shuffles).  Stores: with 256-row tiles, a
-//   16-bit out and N % 8 == 0, out goes through the (then free) ring: stmatrix
-//   .trans into one 128-byte-swizzled box of 256 rows x 64 features per
-//   warpgroup, then one TMA store per warpgroup (store_tile_tma; 2-3% off the
-//   call at the KernelBench shape, docs/perf.md v30); z_out (the saved chains) the
-//   same way through the next two boxes of the ring, before out.  Otherwise (float32
+//   16-bit out and N % 8 == 0, out leaves by TMA through shared memory apart from
+//   the ring: stmatrix .trans into 128-byte-swizzled boxes of 64 rows x 64
+//   features, two buffers per consumer warpgroup (store_tile_tma; 2-3% off the
+//   call at the KernelBench shape against store_tile, docs/perf.md v30); z_out (the
+//   saved chains) the same way, before out.  Otherwise (float32
 //   out, split tiles) store_tile pairs neighbouring features through one shuffle so
 //   each thread writes 4-byte words.
 //
@@ -82,6 +85,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <algorithm>
 
 #include "device_facts.cuh"
 #include "heuristics_sm90.cuh"
@@ -110,6 +115,8 @@ constexpr int kBatchTile = sm90::kLowpBatchTile;
 constexpr int kSmallBatchTile = sm90::kLowpSmallBatchTile;
 // Rows of one statistics block (part_mean / part_m2 rows), as the mma.sync kernel's BLOCK_M.
 constexpr int kStatRows = 128;
+// Rows of one TMA store box of out or z (256-row plans: store_tile_tma).
+constexpr int kStoreRows = 64;
 
 // kWFloat: w arrives as float32 (a float32 module under autocast) and each
 // consumer converts its A fragments to T in registers (wgmma RS); else w is T
@@ -129,7 +136,12 @@ struct Traits {
   static constexpr int X_TILE_BYTES = BLOCK_M * BLOCK_K * 2;
   static constexpr int STAGE_BYTES = W_TILE_BYTES + X_TILE_BYTES;
   static constexpr int kNumStages = (200 * 1024) / STAGE_BYTES < 8 ? (200 * 1024) / STAGE_BYTES : 8;
-  static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;
+  // 256-row plans run as a persistent grid (min(tiles, SMs) CTAs, each walking tiles cta,
+  // cta + gridDim.x, ...: for_each_segment<true>), their stores staged apart from the ring, in
+  // each consumer warpgroup's two buffers of kStoreRows x 64 features (store_tile_tma).
+  static constexpr bool kPersistent = kBlockM == kBatchTile;
+  static constexpr int STAGING_BYTES = kPersistent ? kNumConsumers * 2 * kStoreRows * 128 : 0;
+  static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + STAGING_BYTES + 2 * kNumStages * 8 + 1024;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static constexpr int kStatBlocks = BLOCK_M / kStatRows;
@@ -167,14 +179,14 @@ struct Args {
   void* z_out;                   // kTrainSaved, kEvalSaved: z (M, N) as T (the backward's saved Linear output)
   float* coeff_out;              // kEvalSaved: (4, N) rows {running_mean, invstd, bn.weight, bn.bias} (lowp_coeff.cuh)
   // The grid's work (BLOCK_M = 128 only: whole tiles and split tiles, sm90_gemm_tiles.cuh;
-  // BLOCK_M = 256: one whole tile per CTA) and the split tiles' workspace.
+  // BLOCK_M = 256: whole tiles, walked persistently) and the split tiles' workspace.
   sm90::StreamKPlan plan;
   float* partials;
   int* tile_arrivals;
   // BLOCK_M = 256, 16-bit out with N % 8 == 0: out is written through shared memory
   // and TMA stores (tmap_out), else by store_tile.
   bool tma_store;
-  bool tma_store_z;  // z_out through the ring by TMA (store_tile_tma at the second pair of boxes)
+  bool tma_store_z;  // z_out by TMA the same way (store_tile_tma)
   // Tile order (sm90_gemm_tiles.cuh, tile_coord): grouped where there are more than
   // kBatchFastestMaxTiles batch tiles (a batch-fastest wave would read all of x), else
   // batch-fastest.  Grouped takes 0.80-0.85 of batch-fastest's time at 16384 x 4096 x
@@ -260,55 +272,55 @@ __device__ __forceinline__ void store_tile(const float (&acc)[64 * kBlockM / 128
 // The epilogue of one finished tile (m_tile; batch rows m0.., features n0..),
 // run by the 256 consumer threads: acc[4 i + 2 h + e] is z^T's (feature
 // 64 wg + 16 warp + g + 8 h, batch row 8 i + 2 t + e) of the tile.
-// Writes the finished tile (acc as in tile_epilogue, already rounded to S, a
-// 16-bit type) through shared memory: each consumer warpgroup stores its 64
-// features x BLOCK_M rows with stmatrix .trans (16 per thread: per 8-row group
-// and 8-feature chunk the transposed 8 x 8 block, rows of out with 8 features in
-// 16 bytes) into a 128-byte-swizzled box of BLOCK_M rows x 64 features at
-// `staging` + 32 KB x warpgroup, and one thread stores the box with TMA (rows >= M
-// and features >= N clipped).  `staging`: the ring (out's boxes at its start, the
-// saved chains' z boxes kZBoxOffset after it), free once both warpgroups' wgmmas
-// are done (the first barrier); one tile a CTA, so no box is written twice.  The
-// thread waits until the store has read its box, not for the write (the grid's end
-// orders it before the next kernel).
-template <int kBlockM>
-constexpr int kZBoxOffset = 2 * kBlockM * 128;
-static_assert(Traits<kBatchTile>::kNumStages * Traits<kBatchTile>::STAGE_BYTES >= 2 * kZBoxOffset<kBatchTile>,
-              "the ring holds out's and z's boxes");
-
+// Writes the finished tile (acc as in tile_epilogue, already rounded to the 16-bit
+// type S) by TMA, through shared memory apart from the ring (which meanwhile holds
+// the CTA's next tile): each consumer warpgroup's 64 features x BLOCK_M rows leave in
+// BLOCK_M / kStoreRows boxes of kStoreRows rows x 64 features (128-byte swizzle),
+// alternating between the warpgroup's two buffers at `staging` + 16 KB x warpgroup.
+// Per box, stmatrix .trans writes each 8-row group's transposed 8 x 8 blocks (rows of
+// out, 8 features in 16 bytes), then the warpgroup's elected thread stores the box
+// (rows >= M and features >= N clipped).  `round` counts the warpgroup's boxes over
+// the CTA's tiles (out's and z's alike); a buffer is rewritten once the store that
+// last read it has read it (cp.async.bulk.wait_group.read 1, PTX ISA 9.7.9.25.3).  The
+// writes themselves are ordered by the grid's end; the CTA waits for the last reads
+// before it exits (the kernel's tail).
 template <typename S, int kBlockM>
-__device__ __forceinline__ void store_tile_tma(const float (&acc)[64 * kBlockM / 128], const CUtensorMap* tmap_out,
-                                               uint8_t* staging, int m0, int n0) {
-  static_assert(kBlockM == kBatchTile, "one tile a CTA: the ring is free for the boxes");
-  constexpr int kAccRegs = 64 * kBlockM / 128;
+__device__ __forceinline__ void store_tile_tma(const float (&acc)[64 * kBlockM / 128], const CUtensorMap* tmap,
+                                               uint8_t* staging, int m0, int n0, int& round) {
+  constexpr int kGroupsPerBox = kStoreRows / 8;
   const int warpgroup = threadIdx.x / 128;
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
-  uint8_t* box = staging + warpgroup * (kBlockM * 128);
-  sm90::named_barrier_sync<2, 256>();
-  // Lane l addresses matrix j = l / 8: 8-row group i + j / 2, feature chunk 2 warp + j % 2.
+  const bool elected = threadIdx.x % 128 == 0;
+  uint8_t* buffers = staging + warpgroup * (2 * kStoreRows * 128);
+  auto warpgroup_sync = [&]() {
+    if (warpgroup == 0) {
+      sm90::named_barrier_sync<3, 128>();
+    } else {
+      sm90::named_barrier_sync<4, 128>();
+    }
+  };
   const int j = lane / 8;
   const int chunk = 2 * warp + j % 2;
 #pragma unroll
-  for (int i = 0; i < kAccRegs / 4; i += 2) {
-    uint32_t r[4];
+  for (int sub = 0; sub < kBlockM / kStoreRows; ++sub, ++round) {
+    uint8_t* box = buffers + (round & 1) * (kStoreRows * 128);
+    if (elected) sm90::tma_store_wait_read_pending1();
+    warpgroup_sync();
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // matrix q: 8-row group i + q / 2, features 8 (q % 2) + g of the warp's 16
-      const int base = 4 * (i + q / 2) + 2 * (q % 2);
-      r[q] = pack2(to_bits<S>(acc[base]), to_bits<S>(acc[base + 1]));
+    for (int i = sub * kGroupsPerBox; i < (sub + 1) * kGroupsPerBox; i += 2) {
+      uint32_t r[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int base = 4 * (i + q / 2) + 2 * (q % 2);
+        r[q] = pack2(to_bits<S>(acc[base]), to_bits<S>(acc[base + 1]));
+      }
+      const int row = 8 * (i - sub * kGroupsPerBox + j / 2) + lane % 8;
+      sm90::stmatrix_x4_trans(r, sm90::smem_u32(box) + row * 128 + ((chunk ^ (row % 8)) << 4));
     }
-    const int row = 8 * (i + j / 2) + lane % 8;
-    sm90::stmatrix_x4_trans(r, sm90::smem_u32(box) + row * 128 + ((chunk ^ (row % 8)) << 4));
-  }
-  sm90::fence_proxy_async_shared();
-  if (warpgroup == 0) {
-    sm90::named_barrier_sync<3, 128>();
-  } else {
-    sm90::named_barrier_sync<4, 128>();
-  }
-  if (threadIdx.x % 128 == 0) {
-    sm90::tma_store_2d(tmap_out, box, n0 + warpgroup * 64, m0);
-    sm90::tma_store_wait_read();
+    sm90::fence_proxy_async_shared();
+    warpgroup_sync();
+    if (elected) sm90::tma_store_2d(tmap, box, n0 + warpgroup * 64, m0 + sub * kStoreRows);
   }
 }
 
@@ -389,7 +401,7 @@ template <typename T, typename S, Chain kChain, int kBlockM>
 __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], const FeatureVectors& fv,
                                               const Args& args, int m_tile, int m0, int n0,
                                               const CUtensorMap* tmap_out, const CUtensorMap* tmap_z,
-                                              uint8_t* staging) {
+                                              uint8_t* staging, int& store_round) {
   using TR = Traits<kBlockM>;
   const int M = args.M, N = args.N;
   const int warpgroup = threadIdx.x / 128;
@@ -425,8 +437,8 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
     }
     bool z_stored = false;
     if constexpr (kBlockM == kBatchTile) {
-      if (args.tma_store_z) {  // the boxes after out's two (kZBoxOffset), so out's store can follow at once
-        store_tile_tma<T, kBlockM>(acc, tmap_z, staging + kZBoxOffset<kBlockM>, m0, n0);
+      if (args.tma_store_z) {  // z's boxes first, so out's follow at once after the chain
+        store_tile_tma<T, kBlockM>(acc, tmap_z, staging, m0, n0, store_round);
         z_stored = true;
       }
     }
@@ -502,7 +514,7 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
   FUSED_GEMM_BN_LOWP_PHASE(4);
   if constexpr (sizeof(word_t<S>) == 2 && kBlockM == kBatchTile) {
     if (args.tma_store) {
-      store_tile_tma<S, kBlockM>(acc, tmap_out, staging, m0, n0);
+      store_tile_tma<S, kBlockM>(acc, tmap_out, staging, m0, n0, store_round);
       FUSED_GEMM_BN_LOWP_PHASE(5);
       return;
     }
@@ -521,7 +533,8 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
   using namespace sm90;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + TR::kNumStages * TR::STAGE_BYTES);
+  uint8_t* staging = smem + TR::kNumStages * TR::STAGE_BYTES;  // store_tile_tma's buffers (256-row plans)
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + TR::kNumStages * TR::STAGE_BYTES + TR::STAGING_BYTES);
   uint64_t* empty_bar = full_bar + TR::kNumStages;
 
   const int m_tiles = (args.M + TR::BLOCK_M - 1) / TR::BLOCK_M;
@@ -549,8 +562,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
       tma_prefetch_descriptor(&tmap_w);
       tma_prefetch_descriptor(&tmap_x);
       int q = 0;  // ring slots over the CTA's segments
-      for (int si = 0; si < num_segments; ++si) {
-        const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+      for_each_segment<TR::kPersistent>(args.plan, cta, num_segments, num_k_blocks, [&](const WorkSegment& seg) {
         const sm90::TileCoord tc = lowp_tile_coord(args, seg.tile, m_tiles);
         const int m0 = tc.m * TR::BLOCK_M, n0 = tc.n * TR::BLOCK_N;
         for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
@@ -563,7 +575,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
             tma_load_2d(stage + TR::W_BOX_BYTES, &tmap_w, &full_bar[s], kb * TR::BLOCK_K + 32, n0);
           tma_load_2d(stage + TR::W_TILE_BYTES, &tmap_x, &full_bar[s], kb * TR::BLOCK_K, m0);
         }
-      }
+      });
     }
     return;
   }
@@ -630,8 +642,8 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
   using Buf1 = std::integral_constant<int, 1>;
 
   int q = 0;
-  for (int si = 0; si < num_segments; ++si) {
-    const WorkSegment seg = cta_segment(args.plan, cta, si, num_k_blocks);
+  int store_round = 0;  // the staged store boxes so far (store_tile_tma)
+  for_each_segment<TR::kPersistent>(args.plan, cta, num_segments, num_k_blocks, [&](const WorkSegment& seg) {
     const sm90::TileCoord tc = lowp_tile_coord(args, seg.tile, m_tiles);
     const FeatureVectors fv = load_feature_vectors<T, S, kChain>(args, tc.n * TR::BLOCK_N);
 #pragma unroll
@@ -677,11 +689,14 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
     }
     if constexpr (kBlockM == sm90::kTileM) {
       if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg,
-                                                    static_cast<int>(threadIdx.x))) continue;
+                                                    static_cast<int>(threadIdx.x))) return;
     }
     const int m_tile = tc.m;
     const int m0 = m_tile * TR::BLOCK_M, n0 = tc.n * TR::BLOCK_N;
-    tile_epilogue<T, S, kChain, kBlockM>(acc, fv, args, m_tile, m0, n0, &tmap_out, &tmap_z, smem);
+    tile_epilogue<T, S, kChain, kBlockM>(acc, fv, args, m_tile, m0, n0, &tmap_out, &tmap_z, staging, store_round);
+  });
+  if constexpr (TR::kPersistent) {
+    if (threadIdx.x % 128 == 0) tma_store_wait_read();  // the last boxes read before shared memory goes
   }
   FUSED_GEMM_BN_LOWP_PHASE(6);
 #elif defined(__CUDA_ARCH__)
@@ -711,10 +726,10 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
     return cudaErrorInvalidValue;
   CUtensorMap tmap_out = {};
   args.tma_store = sizeof(word_t<S>) == 2 && kBlockM == kBatchTile &&
-                   sm90::make_tensor_map(&tmap_out, args.out, sm90::TileDtype::kWord16, args.M, args.N, kBlockM);
+                   sm90::make_tensor_map(&tmap_out, args.out, sm90::TileDtype::kWord16, args.M, args.N, kStoreRows);
   CUtensorMap tmap_z = {};  // z_out is T words whatever S is
   args.tma_store_z = args.z_out != nullptr && kBlockM == kBatchTile &&
-                     sm90::make_tensor_map(&tmap_z, args.z_out, sm90::TileDtype::kWord16, args.M, args.N, kBlockM);
+                     sm90::make_tensor_map(&tmap_z, args.z_out, sm90::TileDtype::kWord16, args.M, args.N, kStoreRows);
   if (plan.sk_ctas > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   args.plan = plan;
   args.grouped_order = sm90::grouped_tile_order(args.M, kBlockM);
@@ -730,8 +745,14 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
     if (err != cudaSuccess) return err;
     if (device < kMaxDevices) smem_set[device] = true;
   }
-  const long long ctas = static_cast<long long>(plan.sk_ctas) + plan.dp_tiles;
+  long long ctas = static_cast<long long>(plan.sk_ctas) + plan.dp_tiles;
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
+  if constexpr (TR::kPersistent) {  // 256-row plans have whole tiles only (sk_ctas == 0)
+    DeviceFacts facts;
+    err = current_device_facts(&facts);
+    if (err != cudaSuccess) return err;
+    ctas = std::min<long long>(ctas, facts.num_sms);
+  }
   kernel<<<static_cast<unsigned>(ctas), TR::kNumThreads, TR::SMEM_BYTES, stream>>>(tmap_w, tmap_x, tmap_out, tmap_z,
                                                                                      args);
   return cudaGetLastError();

@@ -76,7 +76,6 @@ def kernels():
 # Routes
 # ---------------------------------------------------------------------------
 
-TALL_BATCH = 8192  # rows from which lowp_cublas takes every 16-bit product in eval
 MIN_FILL = 0.9     # 256-row grids filling less of the SMs than this go to lowp_cublas
 STRIP_ROWS = 1024  # training batches up to this many rows: bn_16bit_strip.cu after cuBLAS ...
 SMALL_MNK = 1 << 33  # ... when M N K is at most this (17.2 GFLOP): lowp_cublas
@@ -91,11 +90,6 @@ def hopper_gemm(m, n, k, training, facts, switches):
     switches.lowp_gemm ("sm90" or "cublas": tests and tools run each), or for
     "auto" by this rule, fitted to both routes' times over bench.py's sweep (H200,
     both dtypes, problems and modes; docs/perf.md v31), where lowp_sm90 is slower:
-      - eval batches of TALL_BATCH rows or more (docs/perf.md v62: cuBLAS's
-        route takes 0.94-0.98 of lowp_sm90's time at 8192-16384 rows, K = N =
-        4096 and 8192).  Training there stays on lowp_sm90: since v62 its tile order is
-        grouped past 16 batch tiles, and its epilogue's statistics save the chain's
-        pass (cuBLAS's route 1.04-1.10x its time, forward + backward 1.00-1.02x);
       - lowp_sm90's 256-row tiles (its plan when they fill at least half of the
         SMs) filling less than MIN_FILL of them: one partial wave, where
         cuBLAS splits K (333 x 8192 x 5000: 0.58-0.77; 1000 x 3000 x 3000: 0.71-0.94);
@@ -109,14 +103,15 @@ def hopper_gemm(m, n, k, training, facts, switches):
         0.65-1.00 of lowp_sm90's time, 84 0.77-1.01; at 256 x 8192 x 8192 lowp_sm90
         takes 0.93-0.96 of cuBLAS's route's).
     Elsewhere lowp_sm90 is within 3% of the other route or faster (2048 x 1028 x 8190:
-    cuBLAS's route 1.13-1.27)."""
+    cuBLAS's route 1.13-1.27; eval at 8192-16384 rows since its persistent grid, v71:
+    cuBLAS's route 1.01-1.08x its time without gradients; with them 0.99-1.01x back to
+    back, 1.01-1.05x synchronized; docs/perf.md v72; training there since v62's grouped
+    tile order)."""
     if switches.lowp_gemm in ("sm90", "cublas"):
         return "lowp_" + switches.lowp_gemm
     sms = facts.num_sms
     tiles_256 = -(-m // 256) * -(-n // 128)
     tiles_128 = -(-m // 128) * -(-n // 128)
-    if m >= TALL_BATCH and not training:
-        return "lowp_cublas"
     if training and m <= STRIP_ROWS and m * n * k <= SMALL_MNK:
         return "lowp_cublas"
     if 2 * tiles_256 >= sms:

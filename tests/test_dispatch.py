@@ -121,16 +121,15 @@ CASES = [
     ("hopper-float16-no-sm90a", call(dtype=torch.float16), H200_NO_SM90A, DEFAULT, "lowp_sm80_train"),
     ("a100-float16-84", call(dtype=torch.float16, problem=84), A100, DEFAULT, "lowp_sm80_train"),
     # Hopper's 16-bit routes (model_new_lowp.hopper_gemm): cuBLAS's product and the chain kernels where
-    # lowp_sm90's grid fills the GPU poorly (256-row tiles under 90% of the SMs: 80 tiles), for eval
-    # batches of 8192 rows or more (training there stays on lowp_sm90), in eval on the small-grid plan
-    # (128-row tiles at most half the SMs), and in training on batches of at most 1024 rows with
-    # M N K <= 2^33 (bn_16bit_strip.cu); SWITCHES.lowp_gemm forces either route
+    # lowp_sm90's grid fills the GPU poorly (256-row tiles under 90% of the SMs: 80 tiles), in eval on the
+    # small-grid plan (128-row tiles at most half the SMs), and in training on batches of at most 1024 rows
+    # with M N K <= 2^33 (bn_16bit_strip.cu); SWITCHES.lowp_gemm forces either route
     ("hopper-float16-partial-wave", call(m=333, k=8192, n=5000, dtype=torch.float16), H200, DEFAULT,
      "lowp_cublas_train"),
     ("hopper-bfloat16-full-wave", call(m=512, k=8192, n=8192, dtype=torch.bfloat16, training=False), H200,
      DEFAULT, "lowp_sm90_eval"),  # 128 tiles of 256 rows: 97% of 132 SMs
     ("hopper-bfloat16-tall", call(m=16384, k=4096, n=4096, dtype=torch.bfloat16, training=False), H200, DEFAULT,
-     "lowp_cublas_eval"),
+     "lowp_sm90_eval"),  # 64 batch tiles of 256 rows: the persistent grid, grouped tile order
     ("hopper-bfloat16-tall-train", call(m=16384, k=4096, n=4096, dtype=torch.bfloat16), H200, DEFAULT,
      "lowp_sm90_train"),  # 64 batch tiles of 256 rows: grouped tile order
     ("hopper-float16-tall-minus-one", call(m=8191, k=4096, n=4096, dtype=torch.float16), H200, DEFAULT,

@@ -2199,10 +2199,11 @@ constexpr int kLowpBatchTile = 256;
 constexpr int kLowpSmallBatchTile = 128;
 static_assert(kLowpSmallBatchTile == kTileM, "stream_k_plan counts the small tile's tiles");
 
-// The tile and grid plan of an (M, K) x (N, K) product: BLOCK_M = 256 with one
-// tile per CTA when those tiles fill at least half of the SMs, else BLOCK_M =
-// 128 and the split-tile plan of the fp16x3 kernel (stream_k_plan), which
-// cuts the remainder tiles along K.  Measured (H200, float16, problem 33 eval):
+// The tile and grid plan of an (M, K) x (N, K) product: BLOCK_M = 256, whole tiles
+// (the launcher runs min(tiles, SMs) CTAs walking them persistently, as the fp16x3
+// launcher does where persistent_grid_pays), when those tiles fill at least half of
+// the SMs, else BLOCK_M = 128 and the split-tile plan of the fp16x3 kernel
+// (stream_k_plan), which cuts the remainder tiles along K.  Measured (H200, float16, problem 33 eval):
 // 512 x 8192 x 8192 (128 tiles of 256 rows) 0.098 ms, with the split 128-row
 // plan 0.153; 256 x 8192 x 8192 (64 tiles) 0.090 against 0.058 (docs/perf.md v26).
 // plan.dp_tiles < 0: more tiles than an int counts (the launcher refuses the call).

@@ -14,7 +14,9 @@
 // Phases (the kernel's FUSED_GEMM_BN_LOWP_PHASE points): 0 start, 1 the first stage landed
 // (the ring's fill), 2 the last k-block done (the mainloop), 3 the chain applied (with the
 // per-feature vectors' loads), 4 the statistics written (training), 5 out stored (the TMA
-// store's read wait), 6 the end.  %clock64 counts the SM's cycles (comparable within one SM);
+// store's read wait), 6 the end.  A CTA of a persistent (256-row) plan walks several tiles:
+// its stamps 2-5 are its last tile's, so "mainloop" spans from its first tile's first stage
+// to its last tile's last k-block.  %clock64 counts the SM's cycles (comparable within one SM);
 // %globaltimer (ns) converts them.  The stamps add a few instructions to thread 0 only.
 // Inputs: x, w uniform in [-1, 1), the vectors seeded, the running statistics 0 / 1.
 #include <cuda_fp16.h>

@@ -427,7 +427,7 @@ __device__ __forceinline__ void tile_epilogue(float (&acc)[64 * kBlockM / 128], 
     for (int i = 0; i < TR::kAccRegs; i += 2) {
       const float b = p_bias[(i / 2) % 2];
       if constexpr (std::is_same_v<S, __half>) {  // one conversion for the pair (fewer instructions only here)
-        const float2 z = unpack2<T>(pack2_rn<T>(acc[i] + b, acc[i + 1] + b));
+        const float2 z = round2<T>(acc[i] + b, acc[i + 1] + b);
         acc[i] = z.x;
         acc[i + 1] = z.y;
       } else {

@@ -1519,7 +1519,7 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
 def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     n = z.shape[1]
     if _is_16bit_dtype(z.dtype):
-        return _LOWP.fake_bn_backward(z)
+        return _LOWP.fake_bn_backward(z, scale)
     return grad_y.new_empty(z.shape), grad_y.new_empty(n), grad_y.new_empty(n), grad_y.new_empty(n)
 
 

@@ -175,15 +175,15 @@ def backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, scale, z
     kernels/lowp/binding_16bit.cpp), each one a recordable operator:
       problem 84: g = torch's softmax backward of (grad_out, out) (one kernel,
         float32 accumulation, in out's dtype, as Model's)
-      grad_z (T), grad_scale, grad_bn_weight, grad_bn_bias (float32) = bn_backward(g, z,
-        coeff, scale, scale_after_bn): the operator bn_backward_train or
-        bn_backward_eval (kernels/lowp/bn_16bit_backward.cu: float64 sums, grad_z
-        rounded once)
+      grad_z (T), [eval: grad_bias,] grad_scale, grad_bn_weight, grad_bn_bias (the
+        scale's dtype) = bn_backward(g, z, coeff, scale, scale_after_bn): the operator
+        bn_backward_train or bn_backward_eval (kernels/lowp/bn_16bit_backward.cu:
+        float64 sums, each output rounded once; a scale of one number viewed as (N)
+        gets [its gradient, 0, ..., 0], which the view's backward sums exactly)
       grad_x = grad_z w16, grad_W = grad_z^T x16: one T product each (cuBLAS's,
         float32 accumulation, as Model's backward)
       grad_bias: training 0 exactly (BatchNorm subtracts the batch mean, which
-        holds the bias); eval sum_m grad_z (float32 sums of the T values, as
-        Model's Linear backward sums its T gradient)."""
+        holds the bias); eval sum_m grad_z, bn_backward_eval's."""
     need_x, need_w, need_b, need_s, need_g, need_beta = needs
     grad_b = coeff.new_zeros(z.shape[1], dtype=dtypes[2]) if need_b and training else None
     if not (need_x or need_w or need_s or need_g or need_beta or (need_b and not training)):
@@ -191,10 +191,11 @@ def backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, scale, z
     g = grad_out.contiguous()
     if scale_after_bn:
         g = torch._softmax_backward_data(g, out, 1, out.dtype)
-    grad_z, grad_s, grad_g, grad_beta = bn_backward(g, z, coeff, scale, scale_after_bn)
-    if need_b and not training:
-        acc = torch.float32 if engine.is_16bit_dtype(grad_z.dtype) else grad_z.dtype  # as Model's 16-bit column sum
-        grad_b = grad_z.sum(dim=0, dtype=acc).to(dtypes[2])
+    if training:
+        grad_z, grad_s, grad_g, grad_beta = bn_backward(g, z, coeff, scale, scale_after_bn)
+    else:
+        grad_z, grad_bias, grad_s, grad_g, grad_beta = bn_backward(g, z, coeff, scale, scale_after_bn)
+        grad_b = grad_bias.to(dtypes[2]) if need_b else None
     grad_x = torch.mm(grad_z, w16).to(dtypes[0]) if need_x else None
     grad_w = torch.mm(grad_z.t(), x16).to(dtypes[1]) if need_w else None
     return (grad_x, grad_w, grad_b, grad_s.to(dtypes[3]) if need_s else None,
@@ -210,7 +211,7 @@ SCHEMAS = {
                           "Tensor running_mean, Tensor running_var, float eps, bool scale_after_bn) "
                           "-> (Tensor, Tensor, Tensor)",
     "bn_backward_eval": "(Tensor grad_y, Tensor z, Tensor coeff, Tensor scale, bool scale_after_bn) "
-                        "-> (Tensor, Tensor, Tensor, Tensor)",
+                        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 }
 
 
@@ -240,7 +241,8 @@ def _op_forward_eval_saved(x, weight, bias, scale, bn_weight, bn_bias, running_m
 
 def _op_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
     """The 16-bit extension's bn_backward_eval (grad_z (M, N) in z's dtype;
-    grad_scale, grad_bn_weight, grad_bn_bias (N) float32), as a tuple."""
+    grad_bias, grad_scale, grad_bn_weight, grad_bn_bias in the scale's dtype, (N)
+    each, grad_scale (1) for a scale of shape (1)), as a tuple."""
     _require_cuda_16bit("bn_backward_eval", z)
     return tuple(kernels().bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn))
 
@@ -251,8 +253,8 @@ def _fake_forward_eval_saved(x, weight, bias, *args):
 
 
 def _fake_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
-    n = z.shape[1]
-    return (z.new_empty(z.shape),) + tuple(z.new_empty(n, dtype=torch.float32) for _ in range(3))
+    grad_z, grad_s, grad_g, grad_beta = fake_bn_backward(z, scale)
+    return grad_z, grad_g.new_empty(grad_g.shape), grad_s, grad_g, grad_beta
 
 
 def _setup_forward_eval_saved(ctx, inputs, output):
@@ -282,14 +284,16 @@ OPERATORS = {
 def op_bn_backward_train(grad_y, z, coeff, scale, scale_after_bn):
     """fused_gemm_bn::bn_backward_train for a 16-bit z (from the 16-bit
     forward_train_saved, whose stats are its coeff (4, N): bn.weight and eps
-    are in it): the 16-bit extension's bn_backward_train."""
+    are in it): the 16-bit extension's bn_backward_train (the parameter
+    gradients in the scale's dtype: fake_bn_backward)."""
     return tuple(kernels().bn_backward_train(grad_y, z, coeff, scale, scale_after_bn))
 
 
-def fake_bn_backward(z):
-    """The fake outputs of a 16-bit bn_backward_*: grad z in z's dtype, the parameter gradients float32."""
+def fake_bn_backward(z, scale):
+    """The fake outputs of bn_backward_train for a 16-bit z: grad z in z's dtype, the parameter
+    gradients in the scale's dtype, grad_scale of the scale's shape ((N,) or (1,))."""
     n = z.shape[1]
-    return (z.new_empty(z.shape),) + tuple(z.new_empty(n, dtype=torch.float32) for _ in range(3))
+    return (z.new_empty(z.shape), scale.new_empty(scale.shape), scale.new_empty(n), scale.new_empty(n))
 
 
 def setup_forward_train_saved(ctx, inputs, output):

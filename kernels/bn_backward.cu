@@ -28,12 +28,9 @@
 // float32 (z - mu is exact in float64).
 //
 // One scale (a single number read at every feature, scale stride 0; problem 84's
-// default): its gradient is the sum over the features of the N dscale terms.  Rounded
-// per feature and then summed in float32 (autograd's expand backward) it carried
-// ~sqrt(N) roundings of terms that largely cancel: 3.9x eager's error at 16 x 8192 x
-// 8192 (docs/perf.md v44).  Here the terms stay float64 (dscale_terms) and
-// sum_scale_terms_kernel sums them in float64, rounding once: grad_scale = [sum, 0, ..., 0],
-// whose float32 sum over the features is that sum exactly.
+// default): the terms of its gradient stay float64 (dscale_terms) and
+// sum_scale_terms_kernel sums them, rounding once: grad_scale = [sum, 0, ..., 0]
+// (scale_terms.cuh says why).
 //
 // Synchronized BatchNorm (model_new.py, _SyncFusedTrainFn) splits the kernel
 // around an all_reduce: the batch is the union of every process's rows, mu and
@@ -75,17 +72,16 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "block_reduce.cuh"
 #include "bn_stats.cuh"
 #include "heuristics_common.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
+#include "scale_terms.cuh"
 
 namespace fused_gemm_bn {
 
 constexpr int kBwdCols = 32;   // features per CTA (one warp's width)
 constexpr int kBwdWarps = 8;   // row groups per CTA
-constexpr int kScaleSumThreads = 1024;  // sum_scale_terms_kernel's one CTA
 constexpr int kBwdRowBatch = 16;  // rows loaded per thread before use (8 was 3-12% slower from 1024 rows up, docs/perf.md v38)
 
 // kFull: one process's batch (bn_backward_train); kSums: pass 1 only
@@ -407,21 +403,12 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_eval_kernel(c
   }
 }
 
-// One scale's gradient: the float64 sum of dscale's N per-feature terms (each thread
-// its features t, t + blockDim.x, ... in order, then block_reduce's fixed tree), rounded
-// once into grad_scale[0]; grad_scale[j > 0] = 0, so that the sum over the features that
-// autograd's expand backward takes gives that number exactly.  One CTA.
+// One scale's gradient (scale_terms.cuh): grad_scale = [the float64 sum of dscale's N
+// per-feature terms, rounded once, 0, ..., 0].  One CTA of kScaleSumThreads.
 __global__ void __launch_bounds__(kScaleSumThreads) sum_scale_terms_kernel(const double* terms, int N,
                                                                            float* grad_scale) {
   pdl_wait_then_release();
-  __shared__ double red[kScaleSumThreads / 32];
-  double sum = 0.0;
-  for (int j = threadIdx.x; j < N; j += kScaleSumThreads) {
-    sum += terms[j];
-    if (j > 0) grad_scale[j] = 0.f;
-  }
-  sum = block_reduce<false>(sum, red);
-  if (threadIdx.x == 0) grad_scale[0] = static_cast<float>(sum);
+  sum_scale_terms(terms, N, N, [grad_scale](int j, double v) { grad_scale[j] = static_cast<float>(v); });
 }
 
 }  // namespace fused_gemm_bn

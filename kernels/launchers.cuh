@@ -311,14 +311,28 @@ cudaError_t lowp_softmax_rows(const LowpBatchNormArgs& bn, void* out, const floa
 // !scale_after_bn: cudaErrorInvalidValue.
 cudaError_t lowp_bn_softmax_rows_eval(const LowpBatchNormArgs& bn, const void* z, void* out, int M, int N,
                                       float* coeff, cudaStream_t stream);
-// The backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and dscale,
-// dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
-// (g_float32) or dtype, the saved z (M, N) in dtype and coeff ((4, N) rows, lowp_coeff.cuh) of
-// the forward: the batch's (training) or the running statistics' (eval).
-// bn: dtype, float32_io (the scale float32), scale, scale_after_bn.
+// The backward's outputs (lowp_bn_backward): dz (M, N) in dtype; the parameter gradients
+// in the vectors' type (float32_io: float32, else dtype).  dbias: eval only (training's is
+// 0: the caller's), null for none.  dscale: (N) words, or (1) for one number of shape (1,)
+// (dscale_len 1); a scale read as one number (scale_stride 0) needs dscale_terms, an (N)
+// float64 scratch, and gets dscale = [its gradient, 0, ..., 0] (scale_terms.cuh).
+struct LowpBnGrads {
+  void* dz;
+  void* dbias;
+  void* dscale;
+  int dscale_len;  // N, or 1
+  void* dgamma;
+  void* dbeta;
+  double* dscale_terms;  // scale_stride 0: (N) float64 scratch; else null
+};
+// The backward after the GEMM (lowp/bn_16bit_backward.cu): grads from g = dL/dout (33) or
+// dL/d(softmax input) (84), float32 (g_float32) or dtype, the saved z (M, N) in dtype and
+// coeff ((4, N) rows, lowp_coeff.cuh) of the forward: the batch's (training) or the running
+// statistics' (eval).  bn: dtype, float32_io (the vectors float32), scale, scale_stride,
+// scale_after_bn.  A missing dscale_terms for scale_stride 0: cudaErrorInvalidValue.
 cudaError_t lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_float32, bool training, const void* g,
-                             const void* z, const float* coeff, int M, int N, void* dz, float* dscale, float* dgamma,
-                             float* dbeta, cudaStream_t stream);
+                             const void* z, const float* coeff, int M, int N, const LowpBnGrads& grads,
+                             cudaStream_t stream);
 
 }  // namespace fused_gemm_bn
 

@@ -28,12 +28,18 @@ GPU
   - test_gpu_lowp_bn_backward_contract [dtype, problem, mode, g dtype, storage]:
     the extension's bn_backward_train / bn_backward_eval against the reference at
     (257, 264) (a feature tail in the last CTA): dz within 2 units of roundoff of
-    the 16-bit dtype (relative Frobenius: it is rounded once), the float32
-    parameter gradients within 1e-4 (float64 sums; the rest is the reference's
-    own rounding emulation and the float32 coefficients; problem 33's training
-    dscale, 0 in exact arithmetic up to eps, against the size of its terms).  The
-    call's outputs lie in poisoned memory (proved per call: below), and no
-    element of any output may still hold the poison.
+    the 16-bit dtype (relative Frobenius: it is rounded once), the parameter
+    gradients (eval: also the Linear bias's, sum_m dz) in the scale's dtype within
+    1e-4 plus that dtype's unit roundoff (float64 sums rounded once; the 1e-4 is
+    the reference's own rounding emulation and the float32 coefficients; problem
+    33's training dscale, 0 in exact arithmetic up to eps, against the size of its
+    terms).  The call's outputs lie in poisoned memory (proved per call: below),
+    and no element of any output may still hold the poison.
+  - test_gpu_lowp_bn_backward_one_scale [dtype, problem, mode, storage, form]: a
+    scale of one number, shape (1) or an (N) stride-0 view: its gradient is the
+    reference's float64 sum rounded once (kernels/scale_terms.cuh), the view's
+    other elements exactly 0, every other output bit-identical to the per-feature
+    call's.
 
 Every element written (call_on_poisoned_memory, assert_every_element_written)
   The binding allocates its outputs itself (torch::empty, no out= argument), so
@@ -72,6 +78,7 @@ kernel of the binding's outputs:
   - test_cpu_poison_checker_refuses_temporaries: a call that allocates more
     than its outputs fails the test (the poison may have been overwritten)
 """
+import math
 import weakref
 
 import pytest
@@ -333,8 +340,9 @@ def test_cpu_lowp_backward_glue(problem, mode):
             coeff = torch.stack((v["running_mean"], torch.rsqrt(v["running_var"] + EPS), v["gamma"], v["beta"]))
         out_saved = whole_forward(x, w, v, scale_after_bn, training) if scale_after_bn else None
 
-    def bn_backward(g_y, z_, coeff_, scale_, scale_after_bn_):
-        return bn_backward_reference(g_y, z_, coeff_, scale_, scale_after_bn_, training)
+    def bn_backward(g_y, z_, coeff_, scale_, scale_after_bn_):  # the operators' outputs (eval: with dbias)
+        dz, dscale, dgamma, dbeta = bn_backward_reference(g_y, z_, coeff_, scale_, scale_after_bn_, training)
+        return (dz, dscale, dgamma, dbeta) if training else (dz, dz.sum(dim=0), dscale, dgamma, dbeta)
 
     got = model_new._LOWP.backward(bn_backward, training, scale_after_bn, g, x, w, v["scale"], z, coeff, out_saved,
                                    (True,) * 6, (torch.float64,) * 6)
@@ -439,9 +447,11 @@ def test_gpu_lowp_bn_backward_contract(dtype_name, problem, mode, g_dtype, stora
     fn = ext.bn_backward_train if training else ext.bn_backward_eval
     # The outputs land in poisoned memory (proved by their addresses) and keep no poison.
     got = call_on_poisoned_memory(lambda: fn(g, z, coeff, scale, scale_after_bn), CudaMemory(z.device))
-    names = ["dz", "dscale", "dgamma", "dbeta"]
+    names = ["dz", "dscale", "dgamma", "dbeta"] if training else ["dz", "dbias", "dscale", "dgamma", "dbeta"]
     assert_every_element_written(got, names)
     want = bn_backward_reference(g, z, coeff, scale, scale_after_bn, training, t_dtype, s_dtype)
+    if not training:  # the Linear bias's gradient, sum_m dz
+        want = (want[0], want[0].sum(dim=0)) + tuple(want[1:])
     for name, a, b in zip(names, got, want):
         assert bool(torch.isfinite(a).all()), f"{name}: non-finite (unwritten) elements"
         err = rel_err(a, b)
@@ -450,7 +460,70 @@ def test_gpu_lowp_bn_backward_contract(dtype_name, problem, mode, g_dtype, stora
             # against the size of its terms, sum_m |du z|, instead of itself
             terms = (want[0].abs() * z.double().abs()).sum(dim=0) / scale.double().abs()
             err = ((a.double() - b).norm() / terms.norm()).item()
-        bound = 2 * UNIT_ROUNDOFF[t_dtype] if name == "dz" else 1e-4
+        # dz and a 16-bit parameter gradient are rounded once to their type
+        bound = 2 * UNIT_ROUNDOFF[t_dtype] if name == "dz" else 1e-4 + UNIT_ROUNDOFF.get(s_dtype, 0.0)
         print(f"[{dtype_name} {problem} {mode} g {g_dtype} S {storage}] {name}: err {err:.2e} (bound {bound:.1e})")
         assert err <= bound, name
-    assert got[0].dtype == t_dtype and all(t.dtype == torch.float32 for t in got[1:])
+    assert got[0].dtype == t_dtype and all(t.dtype == s_dtype for t in got[1:])
+    assert all(t.shape == (n,) for t in got[1:])
+
+
+@requires_cuda
+@pytest.mark.parametrize("form", ["shape1", "view"])
+@pytest.mark.parametrize("storage", ["16bit", "float32"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_gpu_lowp_bn_backward_one_scale(dtype_name, problem, mode, storage, form):
+    """A scale of one number (problem 84's default), of shape (1) or viewed as (N) with stride 0:
+    its gradient is the float64 sum of the N per-feature terms, rounded once to the scale's type
+    (kernels/scale_terms.cuh): within a unit of roundoff (through float32: + 2^-24) of the float64
+    reference's sum, plus 1e-6 of the terms' absolute sum (the float32 coefficients: up to 2e-7
+    measured on the H200; problem 33's training gradient, 0 in exact arithmetic up to eps, against
+    its terms' size as in the contract test).  Printed beside it: the error of the old sum, the
+    terms rounded to the scale's type, summed in float32 and rounded (autograd's expand backward).
+    Shape (1): a (1) gradient; the view: [the gradient, 0, ..., 0] with exact zeros.  Every other
+    output bit-identical to the call with the scale copied to N elements."""
+    t_dtype = DTYPES[dtype_name]
+    s_dtype = t_dtype if storage == "16bit" else torch.float32
+    scale_after_bn, training = problem == "84", mode == "train"
+    m, n = 257, 264
+    gen = torch.Generator().manual_seed(12)
+    z = (0.5 + torch.randn(m, n, generator=gen)).to("cuda", t_dtype)
+    one = torch.tensor([0.75], dtype=s_dtype, device="cuda")
+    scale = one if form == "shape1" else one.expand(n)
+    gamma, beta = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen)
+    g = torch.randn(m, n, generator=gen).to("cuda", t_dtype)
+    if training:
+        u = z.double().cpu() if scale_after_bn else (z.double().cpu() * 0.75).to(s_dtype).double()
+        coeff = training_coeff(u, gamma, beta)
+    else:
+        coeff = torch.stack((0.2 * torch.randn(n, generator=gen).double(),
+                             torch.rsqrt(torch.rand(n, generator=gen).double() + 0.3 + EPS),
+                             gamma.double(), beta.double()))
+    coeff = coeff.to("cuda", torch.float32).contiguous()
+    ext = model_new._LOWP.kernels()
+    fn = ext.bn_backward_train if training else ext.bn_backward_eval
+    got = fn(g, z, coeff, scale, scale_after_bn)
+    per_feature = fn(g, z, coeff, one.expand(n).contiguous(), scale_after_bn)
+    at = 1 if training else 2  # dscale's place
+    for i, (a, b) in enumerate(zip(got, per_feature)):
+        if i != at:
+            assert a.dtype == b.dtype and torch.equal(a, b), f"output {i}"
+    dscale = got[at]
+    assert dscale.dtype == s_dtype and dscale.shape == ((1,) if form == "shape1" else (n,))
+    if form == "view":
+        assert torch.count_nonzero(dscale[1:]) == 0
+    dz, terms = bn_backward_reference(g, z, coeff, one.expand(n).contiguous(), scale_after_bn, training, t_dtype,
+                                      s_dtype)[:2]
+    want = terms.sum().item()
+    if training and not scale_after_bn:
+        size = (dz.abs() * z.double().abs()).sum().item() / 0.75  # sum |du z|, as the contract test's
+    else:
+        size = terms.abs().sum().item()
+    err = abs(dscale[0].double().item() - want)
+    bound = (UNIT_ROUNDOFF.get(s_dtype, 2.0 ** -24) + 2.0 ** -24) * abs(want) + 1e-6 * size
+    old_sum = abs(terms.to(s_dtype).float().sum().to(s_dtype).double().item() - want)
+    print(f"[{dtype_name} {problem} {mode} S {storage} {form}] |error| {err:.2e} (bound {bound:.2e}; the terms "
+          f"rounded to S, then summed: {old_sum:.2e})")
+    assert math.isfinite(err) and err <= bound

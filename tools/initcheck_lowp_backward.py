@@ -1,6 +1,9 @@
 """compute-sanitizer workload for the 16-bit training step's own kernels alone:
 kernels/lowp/'s forward_train_saved (the GEMM with its z store, the fold, the
-apply / row softmax) and bn_backward_train, called through the 16-bit extension
+apply / row softmax), then bn_backward_train and bn_backward_eval (the latter on
+the same z and coefficients) with the scale per feature, of one number (shape
+(1)) and one number viewed as (N) (those two: the scale-terms sum,
+kernels/scale_terms.cuh), called through the 16-bit extension
 for both problems, both 16-bit dtypes, the 16-bit module's form (16-bit vectors)
 and the autocast form (float32 vectors), at the small shapes of
 tools/sanitize_workload.py.  No cuBLAS product runs, so initcheck sees every
@@ -8,6 +11,7 @@ store (tools/sanitize_workload.py's docstring says why its 16-bit backward
 calls cannot be checked with initcheck).  Exit code 0 when every output is finite.
 
     compute-sanitizer --tool initcheck --error-exitcode 1 python tools/initcheck_lowp_backward.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python tools/initcheck_lowp_backward.py
 """
 import os
 import sys
@@ -35,7 +39,10 @@ def main():
                     out, z, coeff = ext.forward_train_saved("lowp_sm90", x, w, *vecs, *running, nbt, 0.1, 1e-5,
                                                             scale_after_bn)
                     g = torch.randn(m, n, device="cuda", generator=gen).to(out.dtype)
-                    grads = ext.bn_backward_train(g, z, coeff, vecs[1], scale_after_bn)
+                    grads = []
+                    for scale in (vecs[1], vecs[1][:1], vecs[1][:1].expand(n)):  # per feature, (1), (N) view
+                        for backward in (ext.bn_backward_train, ext.bn_backward_eval):
+                            grads += backward(g, z, coeff, scale, scale_after_bn)
                     torch.cuda.synchronize()
                     assert all(bool(torch.isfinite(t).all()) for t in (out, z, coeff, *grads)), (m, k, n, dtype)
             print(f"{m}x{k}x{n}: ok", flush=True)

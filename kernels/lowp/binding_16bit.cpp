@@ -55,7 +55,7 @@
 //       lowp_cublas, problem 84 (16-bit vectors): one row-softmax launch reads z and writes out and
 //       coeff; lowp_sm90: the GEMM's epilogue also stores z and coeff (kEvalSaved), then 84's softmax.
 //   bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn)
-//       -> (grad_z, grad_scale, grad_bn_weight, grad_bn_bias)      (bn_16bit_backward.cu, eval)
+//       -> (grad_z, grad_bias, grad_scale, grad_bn_weight, grad_bn_bias)  (bn_16bit_backward.cu, eval)
 //   forward_grad(gemm, training, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
 //                num_batches_tracked, momentum, eps, scale_after_bn, weight_cast) -> out (M, N)
 //       the forward with gradients in one call and one autograd node (GradForward below):
@@ -64,12 +64,12 @@
 //       module; under autocast (training, float32 module) gemm.weight's cast to the autocast
 //       dtype (model_new's weight cache), x being cast here.
 //   The scale may come as one number, of shape (1) or as a stride-0 (N) view, which every kernel here
-//   reads in place (scale_stride 0 in LowpBatchNormArgs: no copy per call); the gradient of a (1) scale
-//   is the features' terms summed (at::sum_to, as autograd's expand backward sums them).
+//   reads in place (scale_stride 0 in LowpBatchNormArgs: no copy per call); its gradient has the
+//   scale's shape: (1), or [the gradient, 0, ..., 0] for the (N) view, which autograd's expand
+//   backward sums exactly (kernels/scale_terms.cuh).
 // momentum < 0 means momentum=None (cumulative average).  rnd: rounding to the
 // 16-bit type; the kernel headers list the rounding points, PyTorch's own.
 
-#include <ATen/ExpandUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -403,10 +403,18 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
   return r;
 }
 
+// The backward after the GEMM's outputs: grad_z (M, N) in z's dtype; the parameter gradients
+// in the scale's dtype (the vectors': z's, or float32 under autocast), grad_bias in eval only
+// (undefined in training, where it is 0).  grad_scale has the scale's shape ((N), or (1) for
+// one number of shape (1)); a scale read as one number gives [its gradient, 0, ..., 0]
+// (kernels/scale_terms.cuh).
+struct BnGrads {
+  torch::Tensor grad_z, grad_bias, grad_scale, grad_bn_weight, grad_bn_bias;
+};
+
 // The backward after the GEMM (bn_16bit_backward.cu), training (batch coefficients) or eval.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backward(
-    torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale, bool scale_after_bn,
-    bool training) {
+BnGrads bn_backward(torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale,
+                    bool scale_after_bn, bool training) {
   const int scale_stride = scale_in_place(scale);  // every 16-bit kernel reads one number in place
   TORCH_CHECK(z.is_cuda() && (z.scalar_type() == torch::kHalf || z.scalar_type() == torch::kBFloat16) &&
                   z.dim() == 2 && z.is_contiguous(),
@@ -426,12 +434,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
   const torch::Tensor g = grad_y.contiguous();
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = current_stream(z);
-  // Four separate tensors (no views: the operators' outputs may not alias); a batch of
-  // no rows gives zero parameter gradients (no kernel runs).
-  torch::Tensor grad_z = torch::empty_like(z);
-  const auto f32 = z.options().dtype(torch::kFloat32);
-  auto vector = [&] { return M == 0 ? torch::zeros({N}, f32) : torch::empty({N}, f32); };
-  torch::Tensor grad_scale = vector(), grad_bn_weight = vector(), grad_bn_bias = vector();
+  // Separate tensors (no views: the operators' outputs may not alias); a batch of no rows
+  // gives zero parameter gradients (no kernel runs).
+  const int64_t scale_len = scale.size(0);
+  const auto vectors = z.options().dtype(scale.scalar_type());
+  auto vector = [&](int64_t n) { return M == 0 ? torch::zeros({n}, vectors) : torch::empty({n}, vectors); };
+  BnGrads r{torch::empty_like(z), training ? torch::Tensor() : vector(N), vector(scale_len), vector(N), vector(N)};
+  const torch::Tensor terms = scale_stride == 0 && M > 0 ? torch::empty({N}, z.options().dtype(torch::kFloat64))
+                                                         : torch::Tensor();
   // The backward reads the scale of the call's BatchNorm side (coeff holds the rest).
   fgb::LowpBatchNormArgs bn{};
   bn.dtype = dtype_code(z.scalar_type());
@@ -439,12 +449,17 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backwa
   bn.scale = scale.data_ptr();
   bn.scale_stride = scale_stride;
   bn.scale_after_bn = scale_after_bn;
+  const fgb::LowpBnGrads out{r.grad_z.data_ptr(),
+                             training ? nullptr : r.grad_bias.data_ptr(),
+                             r.grad_scale.data_ptr(),
+                             static_cast<int>(scale_len),
+                             r.grad_bn_weight.data_ptr(),
+                             r.grad_bn_bias.data_ptr(),
+                             terms.defined() ? terms.data_ptr<double>() : nullptr};
   check_launch(fgb::lowp_bn_backward(bn, g.scalar_type() == torch::kFloat32, training, g.data_ptr(), z.data_ptr(),
-                                     coeff.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N),
-                                     grad_z.data_ptr(), grad_scale.data_ptr<float>(), grad_bn_weight.data_ptr<float>(),
-                                     grad_bn_bias.data_ptr<float>(), stream),
+                                     coeff.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N), out, stream),
                training ? "bn16_backward_kernel (training)" : "bn16_backward_kernel (eval)");
-  return {grad_z, grad_scale, grad_bn_weight, grad_bn_bias};
+  return r;
 }
 
 // ---------------------------------------------------------------------------
@@ -478,12 +493,13 @@ torch::Tensor mm_16bit(const torch::Tensor& a, const torch::Tensor& b, c10::Scal
 // 16-bit operands, z (M, N) the Linear output, coeff (4, N), out (problem 84's softmax
 // output; undefined for 33):
 //   problem 84: dy = softmax backward of (grad_out, out) (torch's kernel, as Model's)
-//   grad_z (z's dtype), grad_scale, grad_bn_weight, grad_bn_bias (float32) = bn_backward(dy, ...)
+//   grad_z (z's dtype), grad_bias (eval), grad_scale, grad_bn_weight, grad_bn_bias (the
+//   scale's dtype, rounded once from float64) = bn_backward(dy, ...)
 //   grad_x = grad_z w16 and grad_W = grad_z^T x16 (mm_16bit, in x's and the weight's dtype)
 //   grad_bias: training exactly 0 (BatchNorm subtracts the batch mean, which holds the
-//   bias); eval sum_m grad_z (float32 sums, as Model's Linear backward).
+//   bias); eval sum_m grad_z, from bn_backward's float64 sums.
 // The vectors' gradients are returned in vector_dtype (the parameters': 16-bit, or
-// float32 under autocast).
+// float32 under autocast; the scale's, so no copy is made).
 std::array<torch::Tensor, 6> backward_grads(bool training, bool scale_after_bn, const torch::Tensor& grad_out,
                                             const torch::Tensor& x16, const torch::Tensor& w16,
                                             const torch::Tensor& scale, const torch::Tensor& z,
@@ -495,15 +511,13 @@ std::array<torch::Tensor, 6> backward_grads(bool training, bool scale_after_bn, 
   if (!(needs[0] || needs[1] || needs[3] || needs[4] || needs[5] || (needs[2] && !training))) return grads;
   torch::Tensor dy = grad_out.contiguous();
   if (scale_after_bn) dy = at::_softmax_backward_data(dy, out, 1, out.scalar_type());
-  torch::Tensor grad_z, grad_scale, grad_bn_weight, grad_bn_bias;
-  std::tie(grad_z, grad_scale, grad_bn_weight, grad_bn_bias) = bn_backward(dy, z, coeff, scale, scale_after_bn,
-                                                                           training);
-  if (needs[2] && !training) grads[2] = grad_z.sum({0}, false, torch::kFloat32).to(vector_dtype);
-  if (needs[0]) grads[0] = mm_16bit(grad_z, w16, x_dtype);
-  if (needs[1]) grads[1] = mm_16bit(grad_z.t(), x16, weight_dtype);
-  if (needs[3]) grads[3] = at::sum_to(grad_scale.to(vector_dtype), scale.sizes());  // (1,): expand's backward
-  if (needs[4]) grads[4] = grad_bn_weight.to(vector_dtype);
-  if (needs[5]) grads[5] = grad_bn_bias.to(vector_dtype);
+  const BnGrads r = bn_backward(dy, z, coeff, scale, scale_after_bn, training);
+  if (needs[2] && !training) grads[2] = r.grad_bias.to(vector_dtype);
+  if (needs[0]) grads[0] = mm_16bit(r.grad_z, w16, x_dtype);
+  if (needs[1]) grads[1] = mm_16bit(r.grad_z.t(), x16, weight_dtype);
+  if (needs[3]) grads[3] = r.grad_scale.to(vector_dtype);  // the scale's shape: (N), or (1) for one number
+  if (needs[4]) grads[4] = r.grad_bn_weight.to(vector_dtype);
+  if (needs[5]) grads[5] = r.grad_bn_bias.to(vector_dtype);
   return grads;
 }
 
@@ -592,16 +606,20 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_train_saved(
 // (problem 33) or dL/d(softmax input) (84), float32 or z's dtype; z (M, N) and coeff (4, N)
 // from forward_train_saved; scale (N) of the vectors' dtype (z's, or float32 under
 // autocast).  Returns (grad_z (M, N) in z's dtype, grad_scale, grad_bn_weight, grad_bn_bias
-// (N) float32).
+// in the scale's dtype; BnGrads: grad_scale has the scale's shape).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backward_train(
     torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale, bool scale_after_bn) {
-  return bn_backward(grad_y, z, coeff, scale, scale_after_bn, true);
+  const BnGrads r = bn_backward(grad_y, z, coeff, scale, scale_after_bn, true);
+  return {r.grad_z, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
 
-// bn_backward_train's eval counterpart: z and coeff from forward_eval_saved (running statistics).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backward_eval(
+// bn_backward_train's eval counterpart: z and coeff from forward_eval_saved (running
+// statistics); also the Linear bias's gradient, sum_m grad_z (from the float64 sums).
+// Returns (grad_z, grad_bias, grad_scale, grad_bn_weight, grad_bn_bias).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> bn_backward_eval(
     torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale, bool scale_after_bn) {
-  return bn_backward(grad_y, z, coeff, scale, scale_after_bn, false);
+  const BnGrads r = bn_backward(grad_y, z, coeff, scale, scale_after_bn, false);
+  return {r.grad_z, r.grad_bias, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
 }
 
 // Either problem, eval mode.

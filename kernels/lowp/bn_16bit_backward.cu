@@ -24,14 +24,18 @@
 //   dz = du s (33) or du (84)                       -> rnd_T: the GEMMs' operand
 //   dgamma = S2 invstd,  dbeta = S1
 //   dscale = sum_m du z (33) or sum_m g y (84)
+//   eval: dbias = sum_m dz = a S1 s (33) or a S1 (84)  (the Linear's bias; training's is 0)
 // Numerics: loads are exact (16-bit or float32 values); u and y are recomputed
 // exactly as the forward rounded them; the sums and each du in float64, dz
-// rounded once to T.  Eager 16-bit rounds dL/du, the products by scale and the
-// reductions to T at each op, so its gradients carry several 16-bit roundings;
-// these carry one (dz), or none (the float32 parameter gradients).
+// rounded once to T, each parameter gradient once to S (through float32).  Eager
+// 16-bit rounds dL/du, the products by scale and the reductions to T at each op,
+// so its gradients carry several 16-bit roundings; these carry one.  One scale
+// (scale_stride 0): dscale's N terms stay float64 and one CTA sums them
+// (scale_terms.cuh): dscale = [the sum, rounded once, 0, ..., 0].
 //
 // Tensors (row-major, contiguous): g (M, N) G (T, or float32); z, dz (M, N) T;
-// coeff (4, N) float32 (lowp_coeff.cuh); scale (N) S; dscale, dgamma, dbeta (N) float32.
+// coeff (4, N) float32 (lowp_coeff.cuh); scale (N), or one number; dscale (N, or 1
+// for one number), dgamma, dbeta, dbias (N) S.
 // Preconditions: M >= 1 (training: M >= 2, the forward's batch), N >= 1.
 //
 // Kernel: one CTA per 32 features (a warp reads one row's 32 contiguous
@@ -48,6 +52,7 @@
 #include "launchers.cuh"
 #include "lowp_coeff.cuh"
 #include "lowp_types.cuh"
+#include "scale_terms.cuh"
 
 namespace fused_gemm_bn {
 namespace lowp {
@@ -65,9 +70,11 @@ struct Args {
   bool scale_after_bn;
   int M, N;
   uint16_t* dz;
-  float* dscale;
-  float* dgamma;
-  float* dbeta;
+  void* dbias;   // S words; eval only, may be null
+  void* dscale;  // S words
+  void* dgamma;  // S words
+  void* dbeta;   // S words
+  double* dscale_terms;  // one number (scale_stride 0): dscale's N terms, summed after; else null
   int scale_stride;  // 1, or 0: one number for every feature
 };
 
@@ -129,6 +136,14 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const A
   auto store_dz = [&](int m, double du) {
     p.dz[static_cast<size_t>(m) * p.N + j] = to_bits<T>(static_cast<float>(p.scale_after_bn ? du : du * sd));
   };
+  // A parameter gradient of feature j, rounded once to S; dscale's term kept in float64 for one number.
+  auto store_vector = [j](void* out, double v) { St::store(static_cast<word_t<S>*>(out) + j, static_cast<float>(v)); };
+  auto store_dscale = [&](double term) {
+    if (p.dscale_terms != nullptr)
+      p.dscale_terms[j] = term;
+    else
+      store_vector(p.dscale, term);
+  };
 
   // Pass 1: S1, S2, problem 84's dscale (s3); eval also dz and problem 33's dscale.
   double s1 = 0.0, s2 = 0.0, s3 = 0.0, scale_sum = 0.0;
@@ -161,9 +176,10 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const A
     const double invstd = c.y, M = p.M;
     coef[0][lane] = S1 / M;
     coef[1][lane] = invstd * invstd * S2 / M;
-    p.dgamma[j] = static_cast<float>(S2 * invstd);
-    p.dbeta[j] = static_cast<float>(S1);
-    if (p.scale_after_bn) p.dscale[j] = static_cast<float>(S3);
+    store_vector(p.dgamma, S2 * invstd);
+    store_vector(p.dbeta, S1);
+    if (p.scale_after_bn) store_dscale(S3);
+    if (!kTraining && p.dbias != nullptr) store_vector(p.dbias, p.scale_after_bn ? a * S1 : a * S1 * sd);
   }
   __syncthreads();
   // Pass 2 (training): dz and problem 33's dscale.
@@ -176,8 +192,16 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const A
     });
   }
   if (p.scale_after_bn) return;  // uniform over the grid
-  row_groups_total(scale_sum, red[0], warp, lane, warp == 0 && valid,
-                   [dscale = p.dscale + j](double total) { *dscale = static_cast<float>(total); });
+  row_groups_total(scale_sum, red[0], warp, lane, warp == 0 && valid, store_dscale);
+}
+
+// One number's dscale (scale_terms.cuh): [the float64 sum of the N terms, rounded once
+// to S, 0, ...] (len words).  One CTA of kScaleSumThreads.
+template <typename S>
+__global__ void __launch_bounds__(kScaleSumThreads) bn16_scale_sum_kernel(const double* terms, int N, int len,
+                                                                          word_t<S>* dscale) {
+  sum_scale_terms(terms, N, len,
+                  [dscale](int j, double v) { Storage<S>::store(dscale + j, static_cast<float>(v)); });
 }
 
 template <typename T, typename S, typename G>
@@ -191,36 +215,48 @@ void launch_for_mode(const Args& p, bool training, cudaStream_t stream) {
 }
 
 template <typename T, typename S>
-cudaError_t launch_for_storage(const Args& p, bool g_float32, bool training, cudaStream_t stream) {
+cudaError_t launch_for_storage(const Args& p, int dscale_len, bool g_float32, bool training, cudaStream_t stream) {
   if (g_float32) {
     launch_for_mode<T, S, float>(p, training, stream);
   } else {
     launch_for_mode<T, S, T>(p, training, stream);
   }
+  if (p.dscale_terms != nullptr) {
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    bn16_scale_sum_kernel<S><<<1, kScaleSumThreads, 0, stream>>>(p.dscale_terms, p.N, dscale_len,
+                                                                  static_cast<word_t<S>*>(p.dscale));
+  }
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launch_for_type(const Args& p, bool float32_io, bool g_float32, bool training, cudaStream_t stream) {
-  return float32_io ? launch_for_storage<T, float>(p, g_float32, training, stream)
-                    : launch_for_storage<T, T>(p, g_float32, training, stream);
+cudaError_t launch_for_type(const Args& p, int dscale_len, bool float32_io, bool g_float32, bool training,
+                            cudaStream_t stream) {
+  return float32_io ? launch_for_storage<T, float>(p, dscale_len, g_float32, training, stream)
+                    : launch_for_storage<T, T>(p, dscale_len, g_float32, training, stream);
 }
 
 }  // namespace bn_backward
 }  // namespace lowp
 }  // namespace fused_gemm_bn
 
-// dz (M, N) in dtype and dscale, dgamma, dbeta (N) float32 from g (M, N) (formulas above);
-// training: coeff holds the batch statistics, else the running statistics (eval).
+// grads (LowpBnGrads: dz (M, N) in dtype, the parameter gradients in the vectors' type)
+// from g (M, N) (formulas above); training: coeff holds the batch statistics, else the
+// running statistics (eval).
 cudaError_t fused_gemm_bn::lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_float32, bool training, const void* g,
-                                            const void* z, const float* coeff, int M, int N, void* dz, float* dscale,
-                                            float* dgamma, float* dbeta, cudaStream_t stream) {
+                                            const void* z, const float* coeff, int M, int N,
+                                            const LowpBnGrads& grads, cudaStream_t stream) {
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn_backward;
+  if (bn.scale_stride != 0 && bn.scale_stride != 1) return cudaErrorInvalidValue;
+  if (bn.scale_stride == 0 && grads.dscale_terms == nullptr) return cudaErrorInvalidValue;
   if (M == 0 || N == 0) return cudaSuccess;
   const Args p{g, static_cast<const uint16_t*>(z), coeff, bn.scale, bn.scale_after_bn, M, N,
-               static_cast<uint16_t*>(dz), dscale, dgamma, dbeta, bn.scale_stride};
+               static_cast<uint16_t*>(grads.dz), training ? nullptr : grads.dbias, grads.dscale, grads.dgamma,
+               grads.dbeta, bn.scale_stride == 0 ? grads.dscale_terms : nullptr, bn.scale_stride};
   return dispatch_dtype(bn.dtype, [&](auto t) {
-    return launch_for_type<typename decltype(t)::type>(p, bn.float32_io, g_float32, training, stream);
+    return launch_for_type<typename decltype(t)::type>(p, grads.dscale_len, bn.float32_io, g_float32, training,
+                                                       stream);
   });
 }

@@ -572,12 +572,9 @@ cudaError_t fused_gemm_bn::bn_fold_eval(const BatchNormArgs& bn, int N, float* c
 // float32 (z - mu is exact in float64).
 //
 // One scale (a single number read at every feature, scale stride 0; problem 84's
-// default): its gradient is the sum over the features of the N dscale terms.  Rounded
-// per feature and then summed in float32 (autograd's expand backward) it carried
-// ~sqrt(N) roundings of terms that largely cancel: 3.9x eager's error at 16 x 8192 x
-// 8192 (docs/perf.md v44).  Here the terms stay float64 (dscale_terms) and
-// sum_scale_terms_kernel sums them in float64, rounding once: grad_scale = [sum, 0, ..., 0],
-// whose float32 sum over the features is that sum exactly.
+// default): the terms of its gradient stay float64 (dscale_terms) and
+// sum_scale_terms_kernel sums them, rounding once: grad_scale = [sum, 0, ..., 0]
+// (scale_terms.cuh says why).
 //
 // Synchronized BatchNorm (model_new.py, _SyncFusedTrainFn) splits the kernel
 // around an all_reduce: the batch is the union of every process's rows, mu and
@@ -619,17 +616,16 @@ cudaError_t fused_gemm_bn::bn_fold_eval(const BatchNormArgs& bn, int N, float* c
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "block_reduce.cuh"
 #include "bn_stats.cuh"
 #include "heuristics_common.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
+#include "scale_terms.cuh"
 
 namespace fused_gemm_bn {
 
 constexpr int kBwdCols = 32;   // features per CTA (one warp's width)
 constexpr int kBwdWarps = 8;   // row groups per CTA
-constexpr int kScaleSumThreads = 1024;  // sum_scale_terms_kernel's one CTA
 constexpr int kBwdRowBatch = 16;  // rows loaded per thread before use (8 was 3-12% slower from 1024 rows up, docs/perf.md v38)
 
 // kFull: one process's batch (bn_backward_train); kSums: pass 1 only
@@ -951,21 +947,12 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_eval_kernel(c
   }
 }
 
-// One scale's gradient: the float64 sum of dscale's N per-feature terms (each thread
-// its features t, t + blockDim.x, ... in order, then block_reduce's fixed tree), rounded
-// once into grad_scale[0]; grad_scale[j > 0] = 0, so that the sum over the features that
-// autograd's expand backward takes gives that number exactly.  One CTA.
+// One scale's gradient (scale_terms.cuh): grad_scale = [the float64 sum of dscale's N
+// per-feature terms, rounded once, 0, ..., 0].  One CTA of kScaleSumThreads.
 __global__ void __launch_bounds__(kScaleSumThreads) sum_scale_terms_kernel(const double* terms, int N,
                                                                            float* grad_scale) {
   pdl_wait_then_release();
-  __shared__ double red[kScaleSumThreads / 32];
-  double sum = 0.0;
-  for (int j = threadIdx.x; j < N; j += kScaleSumThreads) {
-    sum += terms[j];
-    if (j > 0) grad_scale[j] = 0.f;
-  }
-  sum = block_reduce<false>(sum, red);
-  if (threadIdx.x == 0) grad_scale[0] = static_cast<float>(sum);
+  sum_scale_terms(terms, N, N, [grad_scale](int j, double v) { grad_scale[j] = static_cast<float>(v); });
 }
 
 }  // namespace fused_gemm_bn
@@ -2611,14 +2598,28 @@ cudaError_t lowp_softmax_rows(const LowpBatchNormArgs& bn, void* out, const floa
 // !scale_after_bn: cudaErrorInvalidValue.
 cudaError_t lowp_bn_softmax_rows_eval(const LowpBatchNormArgs& bn, const void* z, void* out, int M, int N,
                                       float* coeff, cudaStream_t stream);
-// The backward after the GEMM (lowp/bn_16bit_backward.cu): dz (M, N) in dtype and dscale,
-// dgamma, dbeta (N) float32 from g = dL/dout (33) or dL/d(softmax input) (84), float32
-// (g_float32) or dtype, the saved z (M, N) in dtype and coeff ((4, N) rows, lowp_coeff.cuh) of
-// the forward: the batch's (training) or the running statistics' (eval).
-// bn: dtype, float32_io (the scale float32), scale, scale_after_bn.
+// The backward's outputs (lowp_bn_backward): dz (M, N) in dtype; the parameter gradients
+// in the vectors' type (float32_io: float32, else dtype).  dbias: eval only (training's is
+// 0: the caller's), null for none.  dscale: (N) words, or (1) for one number of shape (1,)
+// (dscale_len 1); a scale read as one number (scale_stride 0) needs dscale_terms, an (N)
+// float64 scratch, and gets dscale = [its gradient, 0, ..., 0] (scale_terms.cuh).
+struct LowpBnGrads {
+  void* dz;
+  void* dbias;
+  void* dscale;
+  int dscale_len;  // N, or 1
+  void* dgamma;
+  void* dbeta;
+  double* dscale_terms;  // scale_stride 0: (N) float64 scratch; else null
+};
+// The backward after the GEMM (lowp/bn_16bit_backward.cu): grads from g = dL/dout (33) or
+// dL/d(softmax input) (84), float32 (g_float32) or dtype, the saved z (M, N) in dtype and
+// coeff ((4, N) rows, lowp_coeff.cuh) of the forward: the batch's (training) or the running
+// statistics' (eval).  bn: dtype, float32_io (the vectors float32), scale, scale_stride,
+// scale_after_bn.  A missing dscale_terms for scale_stride 0: cudaErrorInvalidValue.
 cudaError_t lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_float32, bool training, const void* g,
-                             const void* z, const float* coeff, int M, int N, void* dz, float* dscale, float* dgamma,
-                             float* dbeta, cudaStream_t stream);
+                             const void* z, const float* coeff, int M, int N, const LowpBnGrads& grads,
+                             cudaStream_t stream);
 
 }  // namespace fused_gemm_bn
 
@@ -3307,6 +3308,46 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_columns(const float* a, int64_t r
                        blocks, kColumnsThreads, 0, stream, a, row_stride, R, C, h, l, inv_scale, zero_ints,
                        num_zero_ints);
 }
+''',
+    'scale_terms.cuh': r'''// scale_terms.cuh -- the gradient of one scale read at every feature (a scale of
+// one number, scale stride 0: problem 84's default shape (1,)), shared by the
+// float32 backward (bn_backward.cu) and the 16-bit one (lowp/bn_16bit_backward.cu).
+//
+// That gradient is the sum over the N features of dscale's per-feature terms.
+// Rounded per feature and then summed (autograd's expand backward: in float32, or
+// in the 16-bit dtype with every term rounded to it first), it carried ~sqrt(N)
+// roundings of terms that largely cancel: 3.9x eager's error in float32 at
+// 16 x 8192 x 8192 (docs/perf.md v44), 1.2-8x in 16-bit training (v75).  Here the
+// backward kernel keeps the N terms in float64 (an (N) float64 scratch), and one
+// CTA sums them in float64 and rounds once: grad_scale = [sum, 0, ..., 0] (len
+// elements: N, or 1 for a gradient of shape (1)), whose sum over the features, in
+// any order and dtype, is that rounded sum exactly.
+//
+// Order: thread t adds terms t, t + kScaleSumThreads, ... in order, then
+// block_reduce's fixed tree: the same bits on every call.
+#pragma once
+
+#include "block_reduce.cuh"
+
+namespace fused_gemm_bn {
+
+constexpr int kScaleSumThreads = 1024;  // the one CTA that sums the terms
+
+// Called by every thread of a one-CTA launch of kScaleSumThreads threads:
+// write(j, 0.0) for 0 < j < min(len, N), then write(0, the float64 sum of terms[0, N)).
+template <typename Write>
+__device__ __forceinline__ void sum_scale_terms(const double* terms, int N, int len, Write&& write) {
+  __shared__ double red[kScaleSumThreads / 32];
+  double sum = 0.0;
+  for (int j = threadIdx.x; j < N; j += kScaleSumThreads) {
+    sum += terms[j];
+    if (j > 0 && j < len) write(j, 0.0);
+  }
+  sum = block_reduce<false>(sum, red);
+  if (threadIdx.x == 0) write(0, sum);
+}
+
+}  // namespace fused_gemm_bn
 ''',
     'sm80_gemm_3xtf32_bn.cu': r'''// sm80_gemm_3xtf32_bn.cu -- the portable 3xTF32 GEMM with a fused BatchNorm
 // epilogue (mma.sync), on every GPU with compute capability >= 8.0 (Ampere, Ada,
@@ -9289,7 +9330,7 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
 def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     n = z.shape[1]
     if _is_16bit_dtype(z.dtype):
-        return _LOWP.fake_bn_backward(z)
+        return _LOWP.fake_bn_backward(z, scale)
     return grad_y.new_empty(z.shape), grad_y.new_empty(n), grad_y.new_empty(n), grad_y.new_empty(n)
 
 

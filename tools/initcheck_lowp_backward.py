@@ -33,6 +33,9 @@ def main():
                     x = torch.rand(m, k, device="cuda", generator=gen).to(dtype)
                     w = (torch.rand(n, k, device="cuda", generator=gen) - 0.5).to(dtype)
                     vecs = [torch.rand(n, device="cuda", generator=gen).to(vec_dtype) + 0.5 for _ in range(4)]
+                    # one scale value at every feature: the per-feature forward's statistics hold for the
+                    # one-number backward calls too (a mismatch can overflow the 16-bit one-number sum)
+                    vecs[1] = vecs[1][:1].expand(n).contiguous()
                     running = [torch.zeros(n, device="cuda", dtype=vec_dtype),
                                torch.ones(n, device="cuda", dtype=vec_dtype)]
                     nbt = torch.zeros((), dtype=torch.int64, device="cuda")

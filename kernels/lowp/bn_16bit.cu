@@ -40,8 +40,8 @@
 //     bn16_chain_eval's values) for bn_16bit_backward.cu
 //   kPlain (eval after the GEMMs, whose epilogue already wrote v):  v = out
 //   out = rnd(expf(v - max v) / sum expf(v - max v)): PyTorch's CUDA softmax on
-//   a 16-bit tensor (max and sum in float32, IEEE expf and division, rounded
-//   once).  Rows of N <= 16384 with 16-byte access keep v in registers
+//   a 16-bit tensor (max and sum in float32, IEEE expf, the division rounded as
+//   IEEE's from one reciprocal a row (RowDivisor), rounded once to S).  Rows of N <= 16384 with 16-byte access keep v in registers
 //   (bn16_softmax_rows_reg_kernel: up to 4 groups of 8 per thread, all loads issued
 //   first; batches under 256 rows spread a row over up to 512 threads, one group
 //   each); kTrain and kEval rows of N <= 8192 in batches of >= 512 rows: bn16_softmax_rows_walk_kernel,
@@ -281,6 +281,23 @@ __device__ __forceinline__ void load_logits(const RowArgs& p, const word_t<S>* r
   }
 }
 
+// a / b as IEEE division rounds it (div.rn.f32), for many a over one b >= 1: from the
+// rounded reciprocal r = 1 / b, q = a r and one correction by the exact remainder
+// fma(-q, b, a) (Markstein's final step, IBM J. Res. Dev. 34(1), 1990; Muller et al.,
+// Handbook of Floating-Point Arithmetic, ch. on division: correctly rounded when q is
+// within an ulp of a / b and nothing underflows; the compiler's own div.rn fast path is
+// this step after a refined reciprocal).  Three instructions an element instead of
+// the division's ~8 and its range check.  a / b below 2^-126 (a softmax output of a
+// logit 87 under the row's max) may differ in its last subnormal bit.
+struct RowDivisor {
+  float b, r;
+  __device__ __forceinline__ explicit RowDivisor(float b_) : b(b_), r(1.0f / b_) {}
+  __device__ __forceinline__ float operator()(float a) const {
+    const float q = a * r;
+    return fmaf(fmaf(-q, b, a), r, q);
+  }
+};
+
 // kCached: v kept in dynamic shared memory (S words, exact; one global read);
 // else online max / sum and a second read of the row.
 template <typename T, typename S, int kG, RowMode kMode, bool kCached>
@@ -332,7 +349,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
   } else {
     thread_sum = thread_max == -INFINITY ? 0.f : thread_sum * expf(thread_max - row_max);
   }
-  const float row_sum = block_reduce<false>(thread_sum, red);
+  const RowDivisor divide(block_reduce<false>(thread_sum, red));
 
   for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
     float v[kG];
@@ -346,7 +363,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
       load_logits<T, S, kG, kMode>(p, in_row, i, v);
     }
 #pragma unroll
-    for (int e = 0; e < kG; ++e) v[e] = expf(v[e] - row_max) / row_sum;
+    for (int e = 0; e < kG; ++e) v[e] = divide(expf(v[e] - row_max));
     if constexpr (kG == kVec) {
       store_group<S>(row + i * kVec, v);
     } else {
@@ -395,13 +412,13 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
       v[j][e] = i < num_groups ? expf(v[j][e] - row_max) : 0.f;  // expf(v - max), reused below
       thread_sum += v[j][e];
     }
-  const float row_sum = block_reduce<false>(thread_sum, red);
+  const RowDivisor divide(block_reduce<false>(thread_sum, red));
 #pragma unroll
   for (int j = 0; j < kRegGroups; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
     if (i < num_groups) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) v[j][e] = v[j][e] / row_sum;
+      for (int e = 0; e < kVec; ++e) v[j][e] = divide(v[j][e]);
       store_group<S>(row + i * kVec, v[j]);
     }
   }
@@ -547,10 +564,10 @@ __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel
         thread_sum += v[e];
       }
     }
-    const float row_sum = block_reduce<false>(thread_sum, red);
+    const RowDivisor divide(block_reduce<false>(thread_sum, red));
     if (active) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = v[e] / row_sum;
+      for (int e = 0; e < kVec; ++e) v[e] = divide(v[e]);
       store_group<S>(row, v);
     }
   }

@@ -329,7 +329,8 @@ struct LowpBnGrads {
 // dL/d(softmax input) (84), float32 (g_float32) or dtype, the saved z (M, N) in dtype and
 // coeff ((4, N) rows, lowp_coeff.cuh) of the forward: the batch's (training) or the running
 // statistics' (eval).  bn: dtype, float32_io (the vectors float32), scale, scale_stride,
-// scale_after_bn.  A missing dscale_terms for scale_stride 0: cudaErrorInvalidValue.
+// scale_after_bn.  M == 0 or N == 0 writes nothing; else a missing dscale_terms for
+// scale_stride 0: cudaErrorInvalidValue.
 cudaError_t lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_float32, bool training, const void* g,
                              const void* z, const float* coeff, int M, int N, const LowpBnGrads& grads,
                              cudaStream_t stream);

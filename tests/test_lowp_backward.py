@@ -40,6 +40,8 @@ GPU
     reference's float64 sum rounded once (kernels/scale_terms.cuh), the view's
     other elements exactly 0, every other output bit-identical to the per-feature
     call's.
+  - test_gpu_lowp_bn_backward_empty_batch [mode, form]: a batch of no rows gives zero
+    gradients of the right dtypes and shapes for every form of the scale.
 
 Every element written (call_on_poisoned_memory, assert_every_element_written)
   The binding allocates its outputs itself (torch::empty, no out= argument), so
@@ -527,3 +529,24 @@ def test_gpu_lowp_bn_backward_one_scale(dtype_name, problem, mode, storage, form
     print(f"[{dtype_name} {problem} {mode} S {storage} {form}] |error| {err:.2e} (bound {bound:.2e}; the terms "
           f"rounded to S, then summed: {old_sum:.2e})")
     assert math.isfinite(err) and err <= bound
+
+
+@requires_cuda
+@pytest.mark.parametrize("form", ["per_feature", "shape1", "view"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_gpu_lowp_bn_backward_empty_batch(mode, form):
+    """A batch of no rows (the operators called directly: the module returns before them) gives an
+    empty grad_z and zero parameter gradients of the scale's dtype, grad_scale of the scale's shape,
+    whatever form the scale takes (no float64 scratch is needed: nothing is summed)."""
+    n = 40
+    z = torch.empty(0, n, dtype=torch.float16, device="cuda")
+    coeff = torch.rand(4, n, device="cuda")
+    one = torch.tensor([0.75], dtype=torch.float16, device="cuda")
+    scale = {"per_feature": one.expand(n).contiguous(), "shape1": one, "view": one.expand(n)}[form]
+    ext = model_new._LOWP.kernels()
+    fn = ext.bn_backward_train if mode == "train" else ext.bn_backward_eval
+    got = fn(torch.empty_like(z), z, coeff, scale, True)
+    assert got[0].shape == (0, n) and len(got) == (4 if mode == "train" else 5)
+    for t in got[1:]:
+        assert t.dtype == torch.float16 and torch.count_nonzero(t) == 0
+    assert got[-3].shape == ((1,) if form == "shape1" else (n,))

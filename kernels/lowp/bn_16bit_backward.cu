@@ -250,8 +250,8 @@ cudaError_t fused_gemm_bn::lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_
   using namespace fused_gemm_bn::lowp;
   using namespace fused_gemm_bn::lowp::bn_backward;
   if (bn.scale_stride != 0 && bn.scale_stride != 1) return cudaErrorInvalidValue;
+  if (M == 0 || N == 0) return cudaSuccess;  // nothing to write (a batch of no rows: the caller's zeros)
   if (bn.scale_stride == 0 && grads.dscale_terms == nullptr) return cudaErrorInvalidValue;
-  if (M == 0 || N == 0) return cudaSuccess;
   const Args p{g, static_cast<const uint16_t*>(z), coeff, bn.scale, bn.scale_after_bn, M, N,
                static_cast<uint16_t*>(grads.dz), training ? nullptr : grads.dbias, grads.dscale, grads.dgamma,
                grads.dbeta, bn.scale_stride == 0 ? grads.dscale_terms : nullptr, bn.scale_stride};

@@ -419,6 +419,28 @@ def test_cpu_poison_checker_refuses_temporaries():
         call_on_poisoned_memory(call, memory)
 
 
+def backward_case(training, scale_after_bn, t_dtype, s_dtype, g_dtype, seed, scale=None, m=257, n=264):
+    """(z, scale, g, coeff) of one bn_backward call at (m, n), drawn from `seed` in this order: z (T),
+    scale (N) of s_dtype unless given, gamma, beta, g (g_dtype), eval's running statistics.  coeff (4, N)
+    float32: training, the batch's of the kernel's u (33: rnd_S(z s)); eval, the drawn running statistics."""
+    gen = torch.Generator().manual_seed(seed)
+    z = (0.5 + torch.randn(m, n, generator=gen)).to("cuda", t_dtype)
+    if scale is None:
+        scale = (torch.rand(n, generator=gen) + 0.5).to("cuda", s_dtype)
+    gamma = torch.rand(n, generator=gen) + 0.5
+    beta = torch.randn(n, generator=gen)
+    g = torch.randn(m, n, generator=gen).to("cuda", g_dtype)
+    if training:
+        z64, s64 = z.double().cpu(), scale.double().cpu()
+        u = z64 if scale_after_bn else (z64 * s64).to(s_dtype).double()  # the kernel's u
+        coeff = training_coeff(u, gamma, beta)
+    else:
+        coeff = torch.stack((0.2 * torch.randn(n, generator=gen).double(),
+                             torch.rsqrt(torch.rand(n, generator=gen).double() + 0.3 + EPS),
+                             gamma.double(), beta.double()))
+    return z, scale, g, coeff.to("cuda", torch.float32).contiguous()
+
+
 @requires_cuda
 @pytest.mark.parametrize("storage", ["16bit", "float32"])
 @pytest.mark.parametrize("g_dtype", ["16bit", "float32"])
@@ -429,22 +451,9 @@ def test_gpu_lowp_bn_backward_contract(dtype_name, problem, mode, g_dtype, stora
     t_dtype = DTYPES[dtype_name]
     s_dtype = t_dtype if storage == "16bit" else torch.float32
     scale_after_bn, training = problem == "84", mode == "train"
-    m, n = 257, 264
-    gen = torch.Generator().manual_seed(11)
-    z = (0.5 + torch.randn(m, n, generator=gen)).to("cuda", t_dtype)
-    scale = (torch.rand(n, generator=gen) + 0.5).to("cuda", s_dtype)
-    gamma = torch.rand(n, generator=gen) + 0.5
-    beta = torch.randn(n, generator=gen)
-    g = torch.randn(m, n, generator=gen).to("cuda", t_dtype if g_dtype == "16bit" else torch.float32)
-    if training:
-        z64, s64 = z.double().cpu(), scale.double().cpu()
-        u = z64 if scale_after_bn else (z64 * s64).to(s_dtype).double()  # the kernel's u
-        coeff = training_coeff(u, gamma, beta)
-    else:
-        coeff = torch.stack((0.2 * torch.randn(n, generator=gen).double(),
-                             torch.rsqrt(torch.rand(n, generator=gen).double() + 0.3 + EPS),
-                             gamma.double(), beta.double()))
-    coeff = coeff.to("cuda", torch.float32).contiguous()
+    n = 264
+    z, scale, g, coeff = backward_case(training, scale_after_bn, t_dtype, s_dtype,
+                                       t_dtype if g_dtype == "16bit" else torch.float32, seed=11, n=n)
     ext = model_new._LOWP.kernels()
     fn = ext.bn_backward_train if training else ext.bn_backward_eval
     # The outputs land in poisoned memory (proved by their addresses) and keep no poison.
@@ -489,21 +498,11 @@ def test_gpu_lowp_bn_backward_one_scale(dtype_name, problem, mode, storage, form
     t_dtype = DTYPES[dtype_name]
     s_dtype = t_dtype if storage == "16bit" else torch.float32
     scale_after_bn, training = problem == "84", mode == "train"
-    m, n = 257, 264
-    gen = torch.Generator().manual_seed(12)
-    z = (0.5 + torch.randn(m, n, generator=gen)).to("cuda", t_dtype)
+    n = 264
     one = torch.tensor([0.75], dtype=s_dtype, device="cuda")
+    z, _, g, coeff = backward_case(training, scale_after_bn, t_dtype, s_dtype, t_dtype, seed=12,
+                                   scale=one.expand(n).contiguous(), n=n)
     scale = one if form == "shape1" else one.expand(n)
-    gamma, beta = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen)
-    g = torch.randn(m, n, generator=gen).to("cuda", t_dtype)
-    if training:
-        u = z.double().cpu() if scale_after_bn else (z.double().cpu() * 0.75).to(s_dtype).double()
-        coeff = training_coeff(u, gamma, beta)
-    else:
-        coeff = torch.stack((0.2 * torch.randn(n, generator=gen).double(),
-                             torch.rsqrt(torch.rand(n, generator=gen).double() + 0.3 + EPS),
-                             gamma.double(), beta.double()))
-    coeff = coeff.to("cuda", torch.float32).contiguous()
     ext = model_new._LOWP.kernels()
     fn = ext.bn_backward_train if training else ext.bn_backward_eval
     got = fn(g, z, coeff, scale, scale_after_bn)

@@ -42,13 +42,22 @@
 // elements), its 8 warps take every 8th row, as bn_backward.cu.  Pass 1 reduces
 // S1, S2 (and problem 84's dscale); training: pass 2 re-reads g and z (mostly
 // from L2) and writes dz; eval, where du needs no sum, pass 1 writes dz too.
-// Memory-bound: g and z read twice (eval: once), dz written once.
+// Memory-bound: g and z read twice (eval: once), dz written once.  Where N % 32
+// == 0 and g, z are 16-byte aligned (the staged form), each warp streams its rows
+// through a 3-slot ring in shared memory (cp.async, cp_async.cuh), two
+// batches of 16 rows in flight while it works on one: 48 KB of dynamic shared
+// memory a CTA (72 KB with a float32 g).  Otherwise each warp loads 16 rows into
+// registers, then uses them.  Both forms make the same calls in the same order:
+// the same bits (docs/perf.md v78: 13-17 us faster at 1024 x 8192, 40-72 us at
+// 4096 x 4096 on an H200).
 // Launchers return the launch error.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "cp_async.cuh"
+#include "device_facts.cuh"
 #include "launchers.cuh"
 #include "lowp_coeff.cuh"
 #include "lowp_types.cuh"
@@ -118,8 +127,75 @@ __device__ __forceinline__ void for_each_row(const Args& p, int warp, int j, F&&
   }
 }
 
+// The staged form (kStaged): each warp streams its rows' g and z through a private ring of
+// kStages slots of kRowBatch rows in shared memory (cp.async, 16-byte chunks), the next
+// kStages - 1 batches in flight while it works on one, instead of loading a batch into
+// registers and waiting for it (v74: 36% of stalls on those loads, DRAM 23% busy).  Needs
+// N % kCols == 0 (every lane's feature valid, whole 64-byte rows) and g, z 16-byte aligned.
+constexpr int kStages = 3;
+template <typename G>
+constexpr int kSlotBytes = kRowBatch * kCols * static_cast<int>(sizeof(G) + sizeof(uint16_t));  // g rows, then z rows
+template <typename G>
+constexpr int staged_smem_bytes() { return kWarps * kStages * kSlotBytes<G>; }
+
+// Issues batch b of this warp's rows (row warp + (b kRowBatch + r) kWarps, r < kRowBatch) into
+// its slot, rows past M zero-filled, and commits one group (empty past the last batch).
+template <typename G>
+__device__ __forceinline__ void issue_batch(const Args& p, int warp, int lane, unsigned char* ring, int b,
+                                            int num_batches) {
+  if (b < num_batches) {
+    unsigned char* slot = ring + (b % kStages) * kSlotBytes<G>;
+    const int row0 = warp + b * kRowBatch * kWarps, j0 = blockIdx.x * kCols;
+    constexpr int kGRowChunks = kCols * static_cast<int>(sizeof(G)) / 16;  // 4 (16-bit) or 8 (float)
+    constexpr int kZRowChunks = kCols * 2 / 16;                             // 4
+#pragma unroll
+    for (int c = lane; c < kRowBatch * kGRowChunks; c += 32) {
+      const int m = row0 + (c / kGRowChunks) * kWarps;
+      const G* src = static_cast<const G*>(p.g) + static_cast<size_t>(m < p.M ? m : 0) * p.N + j0 +
+                     (c % kGRowChunks) * (16 / static_cast<int>(sizeof(G)));
+      cp_async<16>(slot + c * 16, src, m < p.M);
+    }
+    unsigned char* zslot = slot + kRowBatch * kCols * sizeof(G);
+#pragma unroll
+    for (int c = lane; c < kRowBatch * kZRowChunks; c += 32) {
+      const int m = row0 + (c / kZRowChunks) * kWarps;
+      const uint16_t* src = p.z + static_cast<size_t>(m < p.M ? m : 0) * p.N + j0 + (c % kZRowChunks) * 8;
+      cp_async<16>(zslot + c * 16, src, m < p.M);
+    }
+  }
+  cp_async_commit();
+}
+
+// for_each_row's staged form: the same calls f(m, g, z) in the same order.  Every lane of
+// the warp takes part (the copies and __syncwarp).  Returns with no copy in flight.
+template <typename T, typename G, typename F>
+__device__ __forceinline__ void for_each_row_staged(const Args& p, int warp, int lane, unsigned char* ring, F&& f) {
+  const int rows_per_batch = kRowBatch * kWarps;
+  const int num_batches = warp < p.M ? (p.M - warp + rows_per_batch - 1) / rows_per_batch : 0;
+#pragma unroll
+  for (int b = 0; b < kStages - 1; ++b) issue_batch<G>(p, warp, lane, ring, b, num_batches);
+  for (int b = 0; b < num_batches; ++b) {
+    issue_batch<G>(p, warp, lane, ring, b + kStages - 1, num_batches);
+    cp_async_wait<kStages - 1>();  // this lane's copies of batch b have landed
+    __syncwarp();                  // and every other lane's
+    const unsigned char* slot = ring + (b % kStages) * kSlotBytes<G>;
+    const G* gs = reinterpret_cast<const G*>(slot);
+    const uint16_t* zs = reinterpret_cast<const uint16_t*>(slot + kRowBatch * kCols * sizeof(G));
+    const int row0 = warp + b * rows_per_batch;
+#pragma unroll
+    for (int r = 0; r < kRowBatch; ++r) {
+      const int m = row0 + r * kWarps;
+      if (m >= p.M) break;
+      f(m, load_g<G>(gs, r * kCols + lane), load_float<T>(zs + r * kCols + lane));
+    }
+    __syncwarp();  // the slot is refilled by the next iteration's issue
+  }
+  cp_async_wait<0>();
+}
+
 // kTraining: coeff holds the batch statistics (else the running statistics: eval).
-template <typename T, typename S, typename G, bool kTraining>
+// kStaged: rows streamed through shared memory (for_each_row_staged), else loaded in batches.
+template <typename T, typename S, typename G, bool kTraining, bool kStaged>
 __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const Args p) {
   using St = Storage<S>;
   __shared__ double red[3][kWarps][kCols];
@@ -145,10 +221,20 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const A
       store_vector(p.dscale, term);
   };
 
+  extern __shared__ __align__(16) unsigned char staged_ring[];
+  unsigned char* ring = staged_ring + warp * kStages * kSlotBytes<G>;
+  auto rows = [&](auto&& f) {
+    if constexpr (kStaged) {
+      for_each_row_staged<T, G>(p, warp, lane, ring, f);
+    } else {
+      for_each_row<T, G>(p, warp, j, f);
+    }
+  };
+
   // Pass 1: S1, S2, problem 84's dscale (s3); eval also dz and problem 33's dscale.
   double s1 = 0.0, s2 = 0.0, s3 = 0.0, scale_sum = 0.0;
   if (valid) {
-    for_each_row<T, G>(p, warp, j, [&](int m, float gv, float zv) {
+    rows([&](int m, float gv, float zv) {
       const double u = u_of(zv);
       const double dy = dy_of(gv);
       s1 += dy;
@@ -185,7 +271,7 @@ __global__ void __launch_bounds__(kCols* kWarps, 2) bn16_backward_kernel(const A
   // Pass 2 (training): dz and problem 33's dscale.
   if (kTraining && valid) {
     const double c1 = coef[0][lane], c2 = coef[1][lane];
-    for_each_row<T, G>(p, warp, j, [&](int m, float gv, float zv) {
+    rows([&](int m, float gv, float zv) {
       const double du = a * (dy_of(gv) - c1 - (u_of(zv) - mean) * c2);
       store_dz(m, du);
       if (!p.scale_after_bn) scale_sum += du * zv;
@@ -204,26 +290,41 @@ __global__ void __launch_bounds__(kScaleSumThreads) bn16_scale_sum_kernel(const 
                   [dscale](int j, double v) { Storage<S>::store(dscale + j, static_cast<float>(v)); });
 }
 
-template <typename T, typename S, typename G>
-void launch_for_mode(const Args& p, bool training, cudaStream_t stream) {
-  const int blocks = (p.N + kCols - 1) / kCols;
-  if (training) {
-    bn16_backward_kernel<T, S, G, true><<<blocks, kCols * kWarps, 0, stream>>>(p);
-  } else {
-    bn16_backward_kernel<T, S, G, false><<<blocks, kCols * kWarps, 0, stream>>>(p);
+// `static`: its per-device flags are this extension's own (bn_16bit.cu's launch_walk says why).
+template <typename T, typename S, typename G, bool kTraining, bool kStaged>
+static cudaError_t launch_kernel_form(const Args& p, cudaStream_t stream) {
+  auto kernel = bn16_backward_kernel<T, S, G, kTraining, kStaged>;
+  const int smem = kStaged ? staged_smem_bytes<G>() : 0;
+  if (kStaged) {  // above the 48 KB a launch may take without asking: once per device
+    static bool allowed[kMaxCachedDevices] = {};
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    if (device >= kMaxCachedDevices || !allowed[device]) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return err;
+      if (device < kMaxCachedDevices) allowed[device] = true;
+    }
   }
+  kernel<<<(p.N + kCols - 1) / kCols, kCols * kWarps, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, typename S, typename G>
+cudaError_t launch_for_mode(const Args& p, bool training, cudaStream_t stream) {
+  const bool staged = p.N % kCols == 0 && reinterpret_cast<uintptr_t>(p.g) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(p.z) % 16 == 0;
+  if (training)
+    return staged ? launch_kernel_form<T, S, G, true, true>(p, stream) : launch_kernel_form<T, S, G, true, false>(p, stream);
+  return staged ? launch_kernel_form<T, S, G, false, true>(p, stream) : launch_kernel_form<T, S, G, false, false>(p, stream);
 }
 
 template <typename T, typename S>
 cudaError_t launch_for_storage(const Args& p, int dscale_len, bool g_float32, bool training, cudaStream_t stream) {
-  if (g_float32) {
-    launch_for_mode<T, S, float>(p, training, stream);
-  } else {
-    launch_for_mode<T, S, T>(p, training, stream);
-  }
+  const cudaError_t err =
+      g_float32 ? launch_for_mode<T, S, float>(p, training, stream) : launch_for_mode<T, S, T>(p, training, stream);
+  if (err != cudaSuccess) return err;
   if (p.dscale_terms != nullptr) {
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
     bn16_scale_sum_kernel<S><<<1, kScaleSumThreads, 0, stream>>>(p.dscale_terms, p.N, dscale_len,
                                                                   static_cast<word_t<S>*>(p.dscale));
   }

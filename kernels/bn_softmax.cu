@@ -21,8 +21,9 @@
 //   out[m, :] = softmax(v[m, :]),  v = (in - mean_z) * a + c with coeff, or
 //   v = in without (eval: the GEMM epilogue already wrote v).
 //   softmax(v)_j = exp(v_j - max v) / sum_i exp(v_i - max v): the row maximum
-//   is subtracted (no overflow), expf and the division are IEEE float32
-//   (no fast-math), the row sum is a float32 tree reduction; error about
+//   is subtracted (no overflow), expf is IEEE float32 (no fast-math), the
+//   division rounds as IEEE's from one reciprocal a row (RowDivisor,
+//   row_divisor.cuh), the row sum is a float32 tree reduction; error about
 //   1e-7 relative per element, as PyTorch's own softmax.
 //   Memory: one read and one write of the row.  Rows of N <= 8192 (N % 4 == 0,
 //   16-byte aligned) stay in registers, 16 floats per thread, all loads issued
@@ -46,6 +47,7 @@
 #include "load_hints.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
+#include "row_divisor.cuh"
 
 namespace fused_gemm_bn {
 namespace softmax {
@@ -170,7 +172,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
   } else {
     thread_sum = thread_max == -INFINITY ? 0.f : thread_sum * expf(thread_max - row_max);
   }
-  const float row_sum = block_reduce<false>(thread_sum, red);
+  const RowDivisor divide(block_reduce<false>(thread_sum, red));
 
   for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
     V v;
@@ -182,7 +184,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
       for (int e = 0; e < kVec; ++e) elem(v, e) = expf(elem(v, e) - row_max);
     }
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) elem(v, e) = elem(v, e) / row_sum;
+    for (int e = 0; e < kVec; ++e) elem(v, e) = divide(elem(v, e));
     reinterpret_cast<V*>(out_row)[i] = v;
   }
 }
@@ -238,13 +240,13 @@ __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_
       }
     }
   }
-  const float row_sum = block_reduce<false>(thread_sum, red);
+  const RowDivisor divide(block_reduce<false>(thread_sum, red));
 #pragma unroll
   for (int g = 0; g < kRegGroups; ++g) {
     const int i = threadIdx.x + g * blockDim.x;
     if (i < num_groups) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) elem(v[g], e) = elem(v[g], e) / row_sum;
+      for (int e = 0; e < 4; ++e) elem(v[g], e) = divide(elem(v[g], e));
       reinterpret_cast<float4*>(out_row)[i] = v[g];
     }
   }

@@ -41,7 +41,8 @@
 //   kPlain (eval after the GEMMs, whose epilogue already wrote v):  v = out
 //   out = rnd(expf(v - max v) / sum expf(v - max v)): PyTorch's CUDA softmax on
 //   a 16-bit tensor (max and sum in float32, IEEE expf, the division rounded as
-//   IEEE's from one reciprocal a row (RowDivisor), rounded once to S).  Rows of N <= 16384 with 16-byte access keep v in registers
+//   IEEE's from one reciprocal a row (RowDivisor, row_divisor.cuh), rounded once
+//   to S).  Rows of N <= 16384 with 16-byte access keep v in registers
 //   (bn16_softmax_rows_reg_kernel: up to 4 groups of 8 per thread, all loads issued
 //   first; batches under 256 rows spread a row over up to 512 threads, one group
 //   each); kTrain and kEval rows of N <= 8192 in batches of >= 512 rows: bn16_softmax_rows_walk_kernel,
@@ -78,6 +79,7 @@
 #include "device_facts.cuh"
 #include "pdl.cuh"
 #include "launchers.cuh"
+#include "row_divisor.cuh"
 #include "lowp_coeff.cuh"
 #include "lowp_types.cuh"
 
@@ -280,23 +282,6 @@ __device__ __forceinline__ void load_logits(const RowArgs& p, const word_t<S>* r
     for (int e = 0; e < kG; ++e) v[e] = St::round(round16<T>(bn_affine(v[e], c[e])) * s[e]);
   }
 }
-
-// a / b as IEEE division rounds it (div.rn.f32), for many a over one b >= 1: from the
-// rounded reciprocal r = 1 / b, q = a r and one correction by the exact remainder
-// fma(-q, b, a) (Markstein's final step, IBM J. Res. Dev. 34(1), 1990; Muller et al.,
-// Handbook of Floating-Point Arithmetic, ch. on division: correctly rounded when q is
-// within an ulp of a / b and nothing underflows; the compiler's own div.rn fast path is
-// this step after a refined reciprocal).  Three instructions an element instead of
-// the division's ~8 and its range check.  a / b below 2^-126 (a softmax output of a
-// logit 87 under the row's max) may differ in its last subnormal bit.
-struct RowDivisor {
-  float b, r;
-  __device__ __forceinline__ explicit RowDivisor(float b_) : b(b_), r(1.0f / b_) {}
-  __device__ __forceinline__ float operator()(float a) const {
-    const float q = a * r;
-    return fmaf(fmaf(-q, b, a), r, q);
-  }
-};
 
 // kCached: v kept in dynamic shared memory (S words, exact; one global read);
 // else online max / sum and a second read of the row.

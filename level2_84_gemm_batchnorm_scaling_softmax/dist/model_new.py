@@ -1045,8 +1045,9 @@ cudaError_t fused_gemm_bn::bn_backward_eval(const float* grad_y, const float* z,
 //   out[m, :] = softmax(v[m, :]),  v = (in - mean_z) * a + c with coeff, or
 //   v = in without (eval: the GEMM epilogue already wrote v).
 //   softmax(v)_j = exp(v_j - max v) / sum_i exp(v_i - max v): the row maximum
-//   is subtracted (no overflow), expf and the division are IEEE float32
-//   (no fast-math), the row sum is a float32 tree reduction; error about
+//   is subtracted (no overflow), expf is IEEE float32 (no fast-math), the
+//   division rounds as IEEE's from one reciprocal a row (RowDivisor,
+//   row_divisor.cuh), the row sum is a float32 tree reduction; error about
 //   1e-7 relative per element, as PyTorch's own softmax.
 //   Memory: one read and one write of the row.  Rows of N <= 8192 (N % 4 == 0,
 //   16-byte aligned) stay in registers, 16 floats per thread, all loads issued
@@ -1070,6 +1071,7 @@ cudaError_t fused_gemm_bn::bn_backward_eval(const float* grad_y, const float* z,
 #include "load_hints.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
+#include "row_divisor.cuh"
 
 namespace fused_gemm_bn {
 namespace softmax {
@@ -1194,7 +1196,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
   } else {
     thread_sum = thread_max == -INFINITY ? 0.f : thread_sum * expf(thread_max - row_max);
   }
-  const float row_sum = block_reduce<false>(thread_sum, red);
+  const RowDivisor divide(block_reduce<false>(thread_sum, red));
 
   for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
     V v;
@@ -1206,7 +1208,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
       for (int e = 0; e < kVec; ++e) elem(v, e) = expf(elem(v, e) - row_max);
     }
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) elem(v, e) = elem(v, e) / row_sum;
+    for (int e = 0; e < kVec; ++e) elem(v, e) = divide(elem(v, e));
     reinterpret_cast<V*>(out_row)[i] = v;
   }
 }
@@ -1262,13 +1264,13 @@ __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_
       }
     }
   }
-  const float row_sum = block_reduce<false>(thread_sum, red);
+  const RowDivisor divide(block_reduce<false>(thread_sum, red));
 #pragma unroll
   for (int g = 0; g < kRegGroups; ++g) {
     const int i = threadIdx.x + g * blockDim.x;
     if (i < num_groups) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) elem(v[g], e) = elem(v[g], e) / row_sum;
+      for (int e = 0; e < 4; ++e) elem(v[g], e) = divide(elem(v[g], e));
       reinterpret_cast<float4*>(out_row)[i] = v[g];
     }
   }
@@ -3309,6 +3311,34 @@ cudaError_t fused_gemm_bn::sm90_prepass_fp16x3_columns(const float* a, int64_t r
                        blocks, kColumnsThreads, 0, stream, a, row_stride, R, C, h, l, inv_scale, zero_ints,
                        num_zero_ints);
 }
+''',
+    'row_divisor.cuh': r'''// row_divisor.cuh -- a softmax row's division by its sum, shared by the float32
+// row softmax (bn_softmax.cu) and the 16-bit ones (lowp/bn_16bit.cu).
+//
+// a / b as IEEE division rounds it (div.rn.f32), for many a over one b >= 1 (a
+// softmax row's sum of exp(v - max v), whose largest term is 1): from the rounded
+// reciprocal r = 1 / b, q = a r and one correction by the exact remainder
+// fma(-q, b, a) (Markstein's final step, IBM J. Res. Dev. 34(1), 1990; Muller et
+// al., Handbook of Floating-Point Arithmetic, ch. on division: correctly rounded
+// when q is within an ulp of a / b and nothing underflows; the compiler's own
+// div.rn fast path is this step after a refined reciprocal).  Three instructions
+// an element instead of the division's ~8 and its range check.  a / b below
+// 2^-126 (a softmax output of a logit 87 under the row's max) may differ in its
+// last subnormal bit.  A NaN b gives NaN, as the division.
+#pragma once
+
+namespace fused_gemm_bn {
+
+struct RowDivisor {
+  float b, r;
+  __device__ __forceinline__ explicit RowDivisor(float b_) : b(b_), r(1.0f / b_) {}
+  __device__ __forceinline__ float operator()(float a) const {
+    const float q = a * r;
+    return fmaf(fmaf(-q, b, a), r, q);
+  }
+};
+
+}  // namespace fused_gemm_bn
 ''',
     'scale_terms.cuh': r'''// scale_terms.cuh -- the gradient of one scale read at every feature (a scale of
 // one number, scale stride 0: problem 84's default shape (1,)), shared by the

@@ -1,6 +1,7 @@
 // block_reduce.cuh -- the row softmax's CTA-wide max and sum, shared by the
 // float32 softmax (bn_softmax.cu), the 16-bit one (lowp/bn_16bit.cu) and the
-// small-batch route's float64 one (small_m_fp64.cu).  The
+// small-batch route's float64 one (small_m_fp64.cu), and the one-scale gradient
+// sum (scale_terms.cuh).  The
 // block size is read at run time (blockDim.x, a multiple of 32); centring.cuh's
 // row_block_reduce is the fixed-size form (kRowThreads, unrolled over its warps),
 // kept apart so that neither kernel's code changes.
@@ -24,8 +25,6 @@ namespace fused_gemm_bn {
 __device__ __forceinline__ float reduce_max(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double reduce_max(double a, double b) { return fmax(a, b); }
 
-// Max (kMax) or sum over the CTA, returned to every thread.  `red` (shared)
-// holds one value per warp: blockDim.x / 32 values of T.
 template <bool kMax, class T>
 __device__ __forceinline__ T warp_butterfly(T v) {
 #pragma unroll
@@ -36,10 +35,16 @@ __device__ __forceinline__ T warp_butterfly(T v) {
   return v;
 }
 
+// Max (kMax) or sum over the CTA, returned to every thread.  `red` (shared)
+// holds one value per warp: blockDim.x / 32 values of T.  One barrier: `red` is
+// this reduction's own, not written by another reduction of the pass (a row's
+// max and sum each get a buffer), and a buffer is reused only after a barrier
+// that every thread reaches after reading it (the walking softmax's next row
+// writes its max buffer after this row's sum reduction).  Until v81 one buffer
+// served both, behind a second, leading barrier (docs/perf.md v81).
 template <bool kMax, class T>
 __device__ __forceinline__ T block_reduce(T v, T* red) {
   v = warp_butterfly<kMax>(v);
-  __syncthreads();  // red is reused by consecutive reductions
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (lane == 0) red[threadIdx.x / 32] = v;
   __syncthreads();

@@ -54,7 +54,7 @@ namespace softmax {
 
 constexpr int kFoldThreads = 256;
 constexpr int kRowThreads = 512;  // N = 8192: four float4 per thread
-constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static array
+constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static arrays
 constexpr int kRegGroups = 4;           // float4 groups per thread held in registers (softmax_rows_regs_kernel)
 // softmax_rows_regs_kernel's minimum CTAs per SM: 3 (<= 40 registers, three
 // 512-thread CTAs per SM) on sm_90, where ptxas fits both forms in 40 without
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
   using V = typename Vec<kVec>::type;
   extern __shared__ float4 dynamic_smem[];
   V* cache = reinterpret_cast<V*>(dynamic_smem);
-  __shared__ float red[kRowThreads / 32];
+  __shared__ float red_max[kRowThreads / 32], red_sum[kRowThreads / 32];  // block_reduce's, one each
   const float* row = p.in + static_cast<size_t>(blockIdx.x) * p.N;
   float* out_row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / kVec;
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
       }
     }
   }
-  const float row_max = block_reduce<true>(thread_max, red);
+  const float row_max = block_reduce<true>(thread_max, red_max);
 
   if constexpr (kCached) {
     for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
   } else {
     thread_sum = thread_max == -INFINITY ? 0.f : thread_sum * expf(thread_max - row_max);
   }
-  const RowDivisor divide(block_reduce<false>(thread_sum, red));
+  const RowDivisor divide(block_reduce<false>(thread_sum, red_sum));
 
   for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
     V v;
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
 template <bool kAffine>
 __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_kernel(const RowArgs p) {
   pdl_wait_then_release();
-  __shared__ float red[kRowThreads / 32];
+  __shared__ float red_max[kRowThreads / 32], red_sum[kRowThreads / 32];  // block_reduce's, one each
   const float* row = p.in + static_cast<size_t>(blockIdx.x) * p.N;
   float* out_row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / 4;
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_
       for (int e = 0; e < 4; ++e) thread_max = fmaxf(thread_max, elem(v[g], e));
     }
   }
-  const float row_max = block_reduce<true>(thread_max, red);
+  const float row_max = block_reduce<true>(thread_max, red_max);
 #pragma unroll
   for (int g = 0; g < kRegGroups; ++g) {
     const int i = threadIdx.x + g * blockDim.x;
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_
       }
     }
   }
-  const RowDivisor divide(block_reduce<false>(thread_sum, red));
+  const RowDivisor divide(block_reduce<false>(thread_sum, red_sum));
 #pragma unroll
   for (int g = 0; g < kRegGroups; ++g) {
     const int i = threadIdx.x + g * blockDim.x;

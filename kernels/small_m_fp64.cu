@@ -686,12 +686,12 @@ constexpr int kSoftmaxCache = 8;
 
 __global__ void __launch_bounds__(kSoftmaxThreads) small_m_softmax_fp64_kernel(const double* v, float* out, int N) {
   pdl_wait_then_release();
-  __shared__ double red[kSoftmaxThreads / 32];
+  __shared__ double red_max[kSoftmaxThreads / 32], red_sum[kSoftmaxThreads / 32];  // block_reduce's, one each
   const double* row = v + static_cast<size_t>(blockIdx.x) * N;
   float* out_row = out + static_cast<size_t>(blockIdx.x) * N;
   double row_max = -INFINITY;
   for (int j = threadIdx.x; j < N; j += kSoftmaxThreads) row_max = fmax(row_max, row[j]);
-  row_max = block_reduce<true>(row_max, red);
+  row_max = block_reduce<true>(row_max, red_max);
   double e[kSoftmaxCache];
   double sum = 0.0;
 #pragma unroll
@@ -701,7 +701,7 @@ __global__ void __launch_bounds__(kSoftmaxThreads) small_m_softmax_fp64_kernel(c
     sum += e[i];
   }
   for (int j = threadIdx.x + kSoftmaxCache * kSoftmaxThreads; j < N; j += kSoftmaxThreads) sum += exp(row[j] - row_max);
-  const double inv = 1.0 / block_reduce<false>(sum, red);
+  const double inv = 1.0 / block_reduce<false>(sum, red_sum);
 #pragma unroll
   for (int i = 0; i < kSoftmaxCache; ++i) {
     const int j = threadIdx.x + i * kSoftmaxThreads;

@@ -447,11 +447,13 @@ def backward_case(training, scale_after_bn, t_dtype, s_dtype, g_dtype, seed, sca
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_gpu_lowp_bn_backward_contract(dtype_name, problem, mode, g_dtype, storage):
+@pytest.mark.parametrize("n", [264, 256], ids=["registers", "staged"])
+def test_gpu_lowp_bn_backward_contract(n, dtype_name, problem, mode, g_dtype, storage):
+    """Both forms of bn16_backward: N = 264 loads its rows into registers, N = 256 (N % 32 == 0,
+    16-byte aligned g and z) streams them through shared memory (the staged form)."""
     t_dtype = DTYPES[dtype_name]
     s_dtype = t_dtype if storage == "16bit" else torch.float32
     scale_after_bn, training = problem == "84", mode == "train"
-    n = 264
     z, scale, g, coeff = backward_case(training, scale_after_bn, t_dtype, s_dtype,
                                        t_dtype if g_dtype == "16bit" else torch.float32, seed=11, n=n)
     ext = model_new._LOWP.kernels()

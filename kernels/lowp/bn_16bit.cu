@@ -93,7 +93,7 @@ constexpr int kApplyRowsPerBlock = 8;   // 512 blocks of 256 threads at M = 1024
 constexpr int kApplyRowBatch = 8;       // rows loaded before any is stored (in place: see bn_apply.cu)
 constexpr int kApplyMinBlocks = 256;    // fewer rows per block below this grid (apply_for_storage)
 constexpr int kRowThreads = 512;        // N = 8192: two 16-byte groups per thread
-constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static array
+constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static arrays
 constexpr int kVec = 8;                 // elements per 16-byte access
 
 struct FoldArgs {
@@ -215,6 +215,18 @@ __device__ __forceinline__ void load_scale(const RowArgs& p, int i, float (&s)[k
   }
 }
 
+// load_scale's eight values for 16-bit S as their patterns, packed as pack2 packs them
+// (one 16-byte load, or the one number in every half).
+template <typename S>
+__device__ __forceinline__ uint4 scale_words(const RowArgs& p, int i) {
+  const uint16_t* scale = static_cast<const uint16_t*>(p.scale);
+  if (p.scale_stride == 0) {
+    const uint32_t s = pack2(*scale, *scale);
+    return make_uint4(s, s, s, s);
+  }
+  return reinterpret_cast<const uint4*>(scale)[i];
+}
+
 // The BatchNorm coefficients {mean, invstd, w, b} of the kG features from feature
 // i * kG on: kTrain's from coeff; kEval's from the running statistics, invstd =
 // rsqrtf(running_var + eps) as lowp_chain.cuh's eval_out takes it.
@@ -291,7 +303,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
   using St = Storage<S>;
   extern __shared__ uint4 dynamic_smem[];
   word_t<S>* cache = reinterpret_cast<word_t<S>*>(dynamic_smem);
-  __shared__ float red[kRowThreads / 32];
+  __shared__ float red_max[kRowThreads / 32], red_sum[kRowThreads / 32];  // block_reduce's, one each
   store_eval_coeff<S, kMode>(p);
   word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(blockIdx.x) * p.N;
   const word_t<S>* in_row = static_cast<const word_t<S>*>(p.in) + static_cast<size_t>(blockIdx.x) * p.N;
@@ -318,7 +330,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
       }
     }
   }
-  const float row_max = block_reduce<true>(thread_max, red);
+  const float row_max = block_reduce<true>(thread_max, red_max);
 
   if constexpr (kCached) {
     for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
@@ -334,7 +346,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
   } else {
     thread_sum = thread_max == -INFINITY ? 0.f : thread_sum * expf(thread_max - row_max);
   }
-  const RowDivisor divide(block_reduce<false>(thread_sum, red));
+  const RowDivisor divide(block_reduce<false>(thread_sum, red_sum));
 
   for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
     float v[kG];
@@ -366,7 +378,7 @@ constexpr int kSpreadRows = 256;  // fewer rows: each row over up to kRowThreads
 template <typename T, typename S, RowMode kMode>
 __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(const RowArgs p) {
   pdl_wait_then_release();
-  __shared__ float red[kRowThreads / 32];
+  __shared__ float red_max[kRowThreads / 32], red_sum[kRowThreads / 32];  // block_reduce's, one each
   store_eval_coeff<S, kMode>(p);
   word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(blockIdx.x) * p.N;
   const word_t<S>* in_row = static_cast<const word_t<S>*>(p.in) + static_cast<size_t>(blockIdx.x) * p.N;
@@ -387,7 +399,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
   for (int j = 0; j < kRegGroups; ++j)
 #pragma unroll
     for (int e = 0; e < kVec; ++e) thread_max = fmaxf(thread_max, v[j][e]);
-  const float row_max = block_reduce<true>(thread_max, red);
+  const float row_max = block_reduce<true>(thread_max, red_max);
   float thread_sum = 0.f;
 #pragma unroll
   for (int j = 0; j < kRegGroups; ++j)
@@ -397,7 +409,7 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
       v[j][e] = i < num_groups ? expf(v[j][e] - row_max) : 0.f;  // expf(v - max), reused below
       thread_sum += v[j][e];
     }
-  const RowDivisor divide(block_reduce<false>(thread_sum, red));
+  const RowDivisor divide(block_reduce<false>(thread_sum, red_sum));
 #pragma unroll
   for (int j = 0; j < kRegGroups; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
@@ -420,8 +432,10 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
 // float16 training, H200, docs/perf.md v46): the walk alone 0.885x its time, with
 // block_reduce's butterfly over the warps 0.70x (a row's two reductions over 32 warps
 // are its critical path).  Same thread <-> group mapping and reductions as one CTA per
-// row of this width, so the outputs do not depend on the walk.  sm_80+ (cp.async; the
-// 16-bit kernels run from compute capability 8.0).
+// row of this width, so the outputs do not depend on the walk.  With 16-bit storage the
+// product by the scale and the row's max run on T pairs (mul2_rn, max2: the same values;
+// 320-330 instructions a warp per row instead of 379-395, docs/perf.md v81).  sm_80+
+// (cp.async; the 16-bit kernels run from compute capability 8.0).
 constexpr int kWalkMaxThreads = 1024;
 constexpr int kWalkStages = 3;          // slots per thread: this row's group and the next two rows'
 // kTrain and kEval from this many rows (fewer: the reg kernel, its rows spread).  kPlain
@@ -440,37 +454,6 @@ size_t walk_smem_bytes(int threads) {
   return static_cast<size_t>(kWalkStages) * threads * kGroupChunks<S> * 16;
 }
 
-// A group's coefficients {mean, invstd, w, b} held in registers over the walk: float S
-// as four floats; 16-bit S with w and b (S values, exact in S) as their two patterns in
-// one word, 24 registers for the group instead of 32 (the 1024-thread CTA has 64 a thread).
-template <typename S, bool kPacked = sizeof(word_t<S>) == 2>
-struct HeldCoeff {
-  float4 c[kVec];
-  __device__ __forceinline__ void set(const float4 (&in)[kVec]) {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) c[e] = in[e];
-  }
-  __device__ __forceinline__ float4 get(int e) const { return c[e]; }
-};
-template <typename S>
-struct HeldCoeff<S, true> {
-  float2 mean_invstd[kVec];
-  uint32_t weight_bias[kVec];
-  __device__ __forceinline__ void set(const float4 (&in)[kVec]) {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      mean_invstd[e] = make_float2(in[e].x, in[e].y);
-      weight_bias[e] = pack2(to_bits<S>(in[e].z), to_bits<S>(in[e].w));
-    }
-  }
-  __device__ __forceinline__ float4 get(int e) const {
-    uint32_t wb = weight_bias[e];
-    asm volatile("" : "+r"(wb));  // unpacked at each use: hoisted out of the walk, the floats would take the registers back
-    return make_float4(mean_invstd[e].x, mean_invstd[e].y, Bits<S>::to_float(static_cast<uint16_t>(wb)),
-                       Bits<S>::to_float(static_cast<uint16_t>(wb >> 16)));
-  }
-};
-
 template <typename T, typename S, RowMode kMode>
 __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel(const RowArgs p, int M) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -479,7 +462,7 @@ __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel
   using W = word_t<S>;
   constexpr int kChunks = kGroupChunks<S>;
   extern __shared__ uint4 walk_slots[];  // [stage][thread][chunk]
-  __shared__ float red[kWalkMaxThreads / 32];
+  __shared__ float red_max[kWalkMaxThreads / 32], red_sum[kWalkMaxThreads / 32];  // block_reduce's, one each
   const int i = threadIdx.x;  // this thread's group: columns 8 i .. 8 i + 7
   const bool active = i < p.N / kVec;
   store_eval_coeff<S, kMode>(p);
@@ -487,13 +470,11 @@ __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel
   const W* const in = static_cast<const W*>(p.in) + i * kVec;
   const int slot = i * kChunks;  // this thread's chunk index in stage 0
   const int stage_stride = static_cast<int>(blockDim.x) * kChunks;
-  HeldCoeff<S> held;
+  // The group's coefficients {mean, invstd, w, b}, held over the walk as 32 floats: w and b
+  // packed as two 16-bit patterns a word (24 registers) cost 16 conversions a row (v81).
+  float4 held[kVec];
   if constexpr (kMode != RowMode::kPlain) {
-    if (active) {
-      float4 c[kVec];
-      load_coeff<S, kVec, kMode>(p, i, c);
-      held.set(c);
-    }
+    if (active) load_coeff<S, kVec, kMode>(p, i, held);
   }
   const int step = static_cast<int>(gridDim.x);
   const size_t row_step = static_cast<size_t>(step) * p.N;  // elements from one of this CTA's rows to its next
@@ -530,17 +511,33 @@ __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel
 #pragma unroll
         for (int e = 0; e < kVec; ++e) v[e] = __uint_as_float(w[e]);
       }
-      if constexpr (kMode != RowMode::kPlain) {
-        float s[kVec];  // the scale, reloaded per row (L1): 2-4 bytes per element, not 16
-        load_scale<S, kVec>(p, i, s);
+      if constexpr (kMode != RowMode::kPlain && kChunks == 1) {
+        // 16-bit storage (S = T): load_logits' v = rnd(rnd(affine) * scale) in pairs, the
+        // product and the max on T pairs (mul2_rn, max2: the same values, lowp_types.cuh).
+        const uint4 sg = scale_words<S>(p, i);  // reloaded per row (L1): 2 bytes per element, not 16
+        const uint32_t s2[4] = {sg.x, sg.y, sg.z, sg.w};
+        uint32_t w2[4];
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) v[e] = St::round(round16<T>(bn_affine(v[e], held.get(e))) * s[e]);  // load_logits'
+        for (int k = 0; k < 4; ++k)
+          w2[k] = mul2_rn<S>(pack2_rn<T>(bn_affine(v[2 * k], held[2 * k]), bn_affine(v[2 * k + 1], held[2 * k + 1])),
+                             s2[k]);
+        const uint32_t m2 = max2<S>(max2<S>(w2[0], w2[1]), max2<S>(w2[2], w2[3]));
+        thread_max = fmaxf(Bits<S>::to_float(static_cast<uint16_t>(m2)),
+                           Bits<S>::to_float(static_cast<uint16_t>(m2 >> 16)));
+        unpack8<S>(Group8<S>{{make_uint4(w2[0], w2[1], w2[2], w2[3])}}, v);
+      } else {
+        if constexpr (kMode != RowMode::kPlain) {
+          float s[kVec];  // the scale, reloaded per row (L1): 4 bytes per element, not 16
+          load_scale<S, kVec>(p, i, s);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) v[e] = St::round(round16<T>(bn_affine(v[e], held[e])) * s[e]);  // load_logits'
+        }
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) thread_max = fmaxf(thread_max, v[e]);
       }
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) thread_max = fmaxf(thread_max, v[e]);
     }
     stage = stage == kWalkStages - 1 ? 0 : stage + 1;
-    const float row_max = block_reduce<true>(thread_max, red);
+    const float row_max = block_reduce<true>(thread_max, red_max);
     float thread_sum = 0.f;
     if (active) {
 #pragma unroll
@@ -549,7 +546,7 @@ __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel
         thread_sum += v[e];
       }
     }
-    const RowDivisor divide(block_reduce<false>(thread_sum, red));
+    const RowDivisor divide(block_reduce<false>(thread_sum, red_sum));
     if (active) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[e] = divide(v[e]);

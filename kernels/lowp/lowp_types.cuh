@@ -123,6 +123,36 @@ __device__ __forceinline__ uint32_t pack2_rn(float lo, float hi) {
   }
 }
 
+// Arithmetic on two T values packed as pack2 packs them, on sm_80+ only (callers
+// compile it under __CUDA_ARCH__ >= 800):
+//   mul2_rn: each product rounded once to T, to nearest even (fma.rn.{f16,bf16}x2
+//     with -0 added: a * b + (-0) is a * b, its sign kept; PTX ISA "Half Precision
+//     Floating-Point Instructions: fma").  The product of two T values is exact in
+//     float32 (22 or 16 significand bits) unless it falls below float32's normal
+//     range, so this is to_bits(float(a) * float(b)) there: to nearest even, once.
+//   max2: the larger of each pair (max.{f16,bf16}x2): a NaN gives the other value,
+//     as fmaxf does; +0 ranks above -0.
+template <typename T>
+__device__ __forceinline__ uint32_t mul2_rn(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (std::is_same_v<T, __half>) {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  } else {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  }
+  return d;
+}
+template <typename T>
+__device__ __forceinline__ uint32_t max2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (std::is_same_v<T, __half>) {
+    asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  } else {
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  }
+  return d;
+}
+
 // Eight consecutive S values as loaded: one 16-byte word for 16-bit S, two for float.
 // Memory-bound kernels hold their loads in this form (4 or 8 registers, not 8 floats)
 // until they use them, so that more rows fit in flight per thread.

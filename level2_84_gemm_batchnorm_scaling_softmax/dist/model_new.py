@@ -231,7 +231,8 @@ inline int num_sms(const torch::Tensor& x) { return facts_of(x).num_sms; }
 ''',
     'block_reduce.cuh': r'''// block_reduce.cuh -- the row softmax's CTA-wide max and sum, shared by the
 // float32 softmax (bn_softmax.cu), the 16-bit one (lowp/bn_16bit.cu) and the
-// small-batch route's float64 one (small_m_fp64.cu).  The
+// small-batch route's float64 one (small_m_fp64.cu), and the one-scale gradient
+// sum (scale_terms.cuh).  The
 // block size is read at run time (blockDim.x, a multiple of 32); centring.cuh's
 // row_block_reduce is the fixed-size form (kRowThreads, unrolled over its warps),
 // kept apart so that neither kernel's code changes.
@@ -255,8 +256,6 @@ namespace fused_gemm_bn {
 __device__ __forceinline__ float reduce_max(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double reduce_max(double a, double b) { return fmax(a, b); }
 
-// Max (kMax) or sum over the CTA, returned to every thread.  `red` (shared)
-// holds one value per warp: blockDim.x / 32 values of T.
 template <bool kMax, class T>
 __device__ __forceinline__ T warp_butterfly(T v) {
 #pragma unroll
@@ -267,10 +266,16 @@ __device__ __forceinline__ T warp_butterfly(T v) {
   return v;
 }
 
+// Max (kMax) or sum over the CTA, returned to every thread.  `red` (shared)
+// holds one value per warp: blockDim.x / 32 values of T.  One barrier: `red` is
+// this reduction's own, not written by another reduction of the pass (a row's
+// max and sum each get a buffer), and a buffer is reused only after a barrier
+// that every thread reaches after reading it (the walking softmax's next row
+// writes its max buffer after this row's sum reduction).  Until v81 one buffer
+// served both, behind a second, leading barrier (docs/perf.md v81).
 template <bool kMax, class T>
 __device__ __forceinline__ T block_reduce(T v, T* red) {
   v = warp_butterfly<kMax>(v);
-  __syncthreads();  // red is reused by consecutive reductions
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (lane == 0) red[threadIdx.x / 32] = v;
   __syncthreads();
@@ -1078,7 +1083,7 @@ namespace softmax {
 
 constexpr int kFoldThreads = 256;
 constexpr int kRowThreads = 512;  // N = 8192: four float4 per thread
-constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static array
+constexpr int kStaticSmemBytes = 1024;  // reserve for the block reductions' static arrays
 constexpr int kRegGroups = 4;           // float4 groups per thread held in registers (softmax_rows_regs_kernel)
 // softmax_rows_regs_kernel's minimum CTAs per SM: 3 (<= 40 registers, three
 // 512-thread CTAs per SM) on sm_90, where ptxas fits both forms in 40 without
@@ -1159,7 +1164,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
   using V = typename Vec<kVec>::type;
   extern __shared__ float4 dynamic_smem[];
   V* cache = reinterpret_cast<V*>(dynamic_smem);
-  __shared__ float red[kRowThreads / 32];
+  __shared__ float red_max[kRowThreads / 32], red_sum[kRowThreads / 32];  // block_reduce's, one each
   const float* row = p.in + static_cast<size_t>(blockIdx.x) * p.N;
   float* out_row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / kVec;
@@ -1181,7 +1186,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
       }
     }
   }
-  const float row_max = block_reduce<true>(thread_max, red);
+  const float row_max = block_reduce<true>(thread_max, red_max);
 
   if constexpr (kCached) {
     for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
@@ -1196,7 +1201,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
   } else {
     thread_sum = thread_max == -INFINITY ? 0.f : thread_sum * expf(thread_max - row_max);
   }
-  const RowDivisor divide(block_reduce<false>(thread_sum, red));
+  const RowDivisor divide(block_reduce<false>(thread_sum, red_sum));
 
   for (int i = threadIdx.x; i < num_groups; i += blockDim.x) {
     V v;
@@ -1226,7 +1231,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(const RowArgs
 template <bool kAffine>
 __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_kernel(const RowArgs p) {
   pdl_wait_then_release();
-  __shared__ float red[kRowThreads / 32];
+  __shared__ float red_max[kRowThreads / 32], red_sum[kRowThreads / 32];  // block_reduce's, one each
   const float* row = p.in + static_cast<size_t>(blockIdx.x) * p.N;
   float* out_row = p.out + static_cast<size_t>(blockIdx.x) * p.N;
   const int num_groups = p.N / 4;
@@ -1252,7 +1257,7 @@ __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_
       for (int e = 0; e < 4; ++e) thread_max = fmaxf(thread_max, elem(v[g], e));
     }
   }
-  const float row_max = block_reduce<true>(thread_max, red);
+  const float row_max = block_reduce<true>(thread_max, red_max);
 #pragma unroll
   for (int g = 0; g < kRegGroups; ++g) {
     const int i = threadIdx.x + g * blockDim.x;
@@ -1264,7 +1269,7 @@ __global__ void __launch_bounds__(kRowThreads, kRegMinBlocks) softmax_rows_regs_
       }
     }
   }
-  const RowDivisor divide(block_reduce<false>(thread_sum, red));
+  const RowDivisor divide(block_reduce<false>(thread_sum, red_sum));
 #pragma unroll
   for (int g = 0; g < kRegGroups; ++g) {
     const int i = threadIdx.x + g * blockDim.x;
@@ -6133,12 +6138,12 @@ constexpr int kSoftmaxCache = 8;
 
 __global__ void __launch_bounds__(kSoftmaxThreads) small_m_softmax_fp64_kernel(const double* v, float* out, int N) {
   pdl_wait_then_release();
-  __shared__ double red[kSoftmaxThreads / 32];
+  __shared__ double red_max[kSoftmaxThreads / 32], red_sum[kSoftmaxThreads / 32];  // block_reduce's, one each
   const double* row = v + static_cast<size_t>(blockIdx.x) * N;
   float* out_row = out + static_cast<size_t>(blockIdx.x) * N;
   double row_max = -INFINITY;
   for (int j = threadIdx.x; j < N; j += kSoftmaxThreads) row_max = fmax(row_max, row[j]);
-  row_max = block_reduce<true>(row_max, red);
+  row_max = block_reduce<true>(row_max, red_max);
   double e[kSoftmaxCache];
   double sum = 0.0;
 #pragma unroll
@@ -6148,7 +6153,7 @@ __global__ void __launch_bounds__(kSoftmaxThreads) small_m_softmax_fp64_kernel(c
     sum += e[i];
   }
   for (int j = threadIdx.x + kSoftmaxCache * kSoftmaxThreads; j < N; j += kSoftmaxThreads) sum += exp(row[j] - row_max);
-  const double inv = 1.0 / block_reduce<false>(sum, red);
+  const double inv = 1.0 / block_reduce<false>(sum, red_sum);
 #pragma unroll
   for (int i = 0; i < kSoftmaxCache; ++i) {
     const int j = threadIdx.x + i * kSoftmaxThreads;

@@ -91,3 +91,34 @@ def test_copies_differing_in_the_16bit_kernels_alone_do_not_share_operators(tmp_
     assert pair["base"]._OP_NAMESPACE != pair["new"]._OP_NAMESPACE
     same = ab_kernels.load_engine(f"ab_test_same_{uuid.uuid4().hex[:8]}", None)
     assert same._OP_NAMESPACE == pair["new"]._OP_NAMESPACE
+
+
+def test_a_base_tree_runs_its_own_python(tmp_path, monkeypatch, modules_removed):
+    """--base-tree: the base side imports the tree's model_new.py, which binds the tree's own
+    extras (here a model_new_lowp.py with an extra name, as a changed FUNCTIONS list would be)
+    and reads the tree's kernels; problem 84's class comes from the tree's file."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name in os.listdir(ab_kernels.ROOT):
+        if name.startswith("model_new") and name.endswith(".py"):
+            shutil.copy(os.path.join(ab_kernels.ROOT, name), tree / name)
+    shutil.copytree(os.path.join(ab_kernels.ROOT, "kernels"), tree / "kernels")
+    shutil.copytree(os.path.dirname(ab_kernels.PROBLEM_84_FILE), tree / os.path.dirname(ab_kernels.PROBLEM_84_RELATIVE),
+                    ignore=shutil.ignore_patterns("__pycache__", "dist"))
+    with open(tree / "model_new_lowp.py", "a", encoding="utf-8") as f:
+        f.write("\nAB_TEST_TREE = True\n")
+    with open(tree / "kernels" / "lowp" / "bn_16bit.cu", "a", encoding="utf-8") as f:
+        f.write("\n" + MARKER + "\n")
+    monkeypatch.setenv(ab_kernels.KERNEL_DIR_ENV, "/nonexistent/left/alone")
+    tag = uuid.uuid4().hex[:8]
+    new = ab_kernels.load_engine(f"ab_test_new_{tag}", None)
+    base = ab_kernels.load_engine(f"ab_test_tree_{tag}", None, root=str(tree))
+    assert os.environ[ab_kernels.KERNEL_DIR_ENV] == "/nonexistent/left/alone"
+    assert getattr(base.extra("model_new_lowp"), "AB_TEST_TREE", False)
+    assert not hasattr(new.extra("model_new_lowp"), "AB_TEST_TREE")
+    assert MARKER in base.extra("model_new_lowp").sources()["bn_16bit.cu"]
+    assert MARKER not in new.extra("model_new_lowp").sources()["bn_16bit.cu"]
+    classes = ab_kernels.module_classes(base, str(tree / ab_kernels.PROBLEM_84_RELATIVE))
+    assert issubclass(classes["84"], base.FusedModule) and classes["33"] is base.ModelNew
+    args = ab_kernels.parse_args(["--base-tree", str(tree)])
+    assert args.base_tree == str(tree) and args.base is None and args.base_dir is None

@@ -4,12 +4,17 @@ revision's kernels/), each compiled into its own copy of model_new.py, timed sid
 
     python tools/ab_kernels.py --base REV        [options]   # git archive REV kernels/ (needs .git)
     python tools/ab_kernels.py --base-dir DIR    [options]   # DIR holds torch_binding.cpp (a kernels/ copy)
+    python tools/ab_kernels.py --base-tree DIR   [options]   # DIR holds model_new.py, its extras, kernels/ and
+                                                             # problem 84's folder (git archive REV | tar -x -C DIR)
       --model 33|84|both  --dtype float32|float16|bfloat16  --mode train|eval|both
       --shape M,K,N (repeatable; default 1024,8192,8192)  --grad  --iters N  --warmup N  --rounds R  --seed S
 
 How: model_new.py is imported a second time under another module name with
 $FUSED_GEMM_BN_KERNEL_DIR set to the base folder for that import only (the core reads its
-kernel sources, and binds its extras, the 16-bit one included, at import: docs/design.md);
+kernel sources, and binds its extras, the 16-bit one included, at import: docs/design.md),
+or with --base-tree the base tree's own model_new.py (its extras and kernels found by its
+location: the base's Python with its kernels, for changes to a binding's entry points, whose
+names the Python lists);
 problem 84's module text is executed against each copy in turn, as a harness executes a
 file without __file__ (it then imports model_new by name).  Both sides get the same
 parameters and buffers (the base side loads the new side's state_dict).  Both extensions
@@ -41,7 +46,8 @@ sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 
 KERNEL_DIR_ENV = "FUSED_GEMM_BN_KERNEL_DIR"
-PROBLEM_84_FILE = os.path.join(ROOT, "level2_84_gemm_batchnorm_scaling_softmax", "model_new.py")
+PROBLEM_84_RELATIVE = os.path.join("level2_84_gemm_batchnorm_scaling_softmax", "model_new.py")
+PROBLEM_84_FILE = os.path.join(ROOT, PROBLEM_84_RELATIVE)
 
 
 def kernels_of_revision(rev, into):
@@ -51,16 +57,17 @@ def kernels_of_revision(rev, into):
     return os.path.join(into, "kernels")
 
 
-def load_engine(name, kernel_dir):
-    """model_new.py imported as module `name`, its kernel sources (and its extras') read from
-    kernel_dir, or from the checkout's kernels/ when kernel_dir is None."""
+def load_engine(name, kernel_dir, root=ROOT):
+    """root's model_new.py (the checkout's by default) imported as module `name`, its kernel
+    sources (and its extras') read from kernel_dir, or from root's kernels/ when kernel_dir
+    is None."""
     if name in sys.modules:
         raise RuntimeError(f"module name {name} is taken")
     saved = os.environ.pop(KERNEL_DIR_ENV, None)
     if kernel_dir is not None:
         os.environ[KERNEL_DIR_ENV] = kernel_dir
     try:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "model_new.py"))
+        spec = importlib.util.spec_from_file_location(name, os.path.join(root, "model_new.py"))
         module = sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except BaseException:
@@ -86,15 +93,15 @@ def _model_new_bound_to(engine):
             sys.modules["model_new"] = saved
 
 
-def module_classes(engine):
+def module_classes(engine, problem_84_file=PROBLEM_84_FILE):
     """{"33": ModelNew, "84": ModelNew} on `engine`: problem 33's from the engine itself,
-    problem 84's from its file's text executed without __file__ while the name model_new
-    is bound to `engine`."""
-    with open(PROBLEM_84_FILE, encoding="utf-8") as f:
+    problem 84's from its file's text (the checkout's, or problem_84_file) executed without
+    __file__ while the name model_new is bound to `engine`."""
+    with open(problem_84_file, encoding="utf-8") as f:
         text = f.read()
     namespace = {"__name__": f"ab_kernels_84_{engine.__name__}"}
     with _model_new_bound_to(engine):
-        exec(compile(text, PROBLEM_84_FILE + " (text)", "exec"), namespace)
+        exec(compile(text, problem_84_file + " (text)", "exec"), namespace)
     return {"33": engine.ModelNew, "84": namespace["ModelNew"]}
 
 
@@ -148,6 +155,8 @@ def parse_args(argv=None):
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--base", metavar="REV", help="git revision whose kernels/ is the base side")
     source.add_argument("--base-dir", metavar="DIR", help="a kernels/ folder (holding torch_binding.cpp)")
+    source.add_argument("--base-tree", metavar="DIR", help="a tree holding model_new.py, its model_new_*.py, kernels/ "
+                        "and problem 84's folder, whose own Python runs the base side")
     p.add_argument("--model", choices=("33", "84", "both"), default="both")
     p.add_argument("--dtype", choices=tuple(bench.DTYPES), default="float16")
     p.add_argument("--mode", choices=("train", "eval", "both"), default="both")
@@ -166,9 +175,15 @@ def main(argv=None):
         print("tools/ab_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        base_dir = args.base_dir if args.base_dir else kernels_of_revision(args.base, tmp)
-        engines = {"new": load_engine("ab_kernels_new", None), "base": load_engine("ab_kernels_base", base_dir)}
-        classes = {side: module_classes(engine) for side, engine in engines.items()}
+        engines = {"new": load_engine("ab_kernels_new", None)}
+        if args.base_tree:
+            engines["base"] = load_engine("ab_kernels_base", None, root=args.base_tree)
+        else:
+            base_dir = args.base_dir if args.base_dir else kernels_of_revision(args.base, tmp)
+            engines["base"] = load_engine("ab_kernels_base", base_dir)
+        classes = {"new": module_classes(engines["new"]),
+                   "base": module_classes(engines["base"], os.path.join(args.base_tree, PROBLEM_84_RELATIVE))
+                   if args.base_tree else module_classes(engines["base"])}
     lowp = {side: engine.extra("model_new_lowp") for side, engine in engines.items()}
     if args.dtype != "float32" and all(m is not None and m.available() for m in lowp.values()) and \
             lowp["new"].sources() == lowp["base"].sources():
@@ -178,7 +193,8 @@ def main(argv=None):
     modes = ("train", "eval") if args.mode == "both" else (args.mode,)
     names = ("33", "84") if args.model == "both" else (args.model,)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; new: {os.path.join(ROOT, 'kernels')}, "
-          f"base: {args.base_dir or args.base}; {args.iters} timed calls a side a round, {args.rounds} rounds")
+          f"base: {args.base_tree or args.base_dir or args.base}; {args.iters} timed calls a side a round, "
+          f"{args.rounds} rounds")
     for name in names:
         problem = dict(bench.PROBLEMS[name], name=name)
         problem["Model"] = importlib.import_module(problem["reference"]).Model

@@ -32,7 +32,7 @@ SUBDIR = "lowp"
 BINDING = "binding_16bit.cpp"
 PREFIX = "fused_gemm_bn_lowp_"
 FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "bn_backward_train", "forward_eval_saved",
-             "bn_backward_eval", "forward_grad"]
+             "bn_backward_eval", "forward_grad", "softmax_rows_backward"]
 
 # ---------------------------------------------------------------------------
 # Build: kernels/lowp/ next to the float32 sources, compiled on first use
@@ -173,8 +173,9 @@ def backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, scale, z
     softmax output; dtypes: the six inputs' dtypes (T), which their gradients
     are returned in.  The steps of the eager node's backward (backward_grads in
     kernels/lowp/binding_16bit.cpp), each one a recordable operator:
-      problem 84: g = torch's softmax backward of (grad_out, out) (one kernel,
-        float32 accumulation, in out's dtype, as Model's)
+      problem 84: g = softmax_backward(out, grad_out): the extension's
+        softmax_rows_backward, as the node's (the operator of that name, which
+        torch.compile records)
       grad_z (T), [eval: grad_bias,] grad_scale, grad_bn_weight, grad_bn_bias (the
         scale's dtype) = bn_backward(g, z, coeff, scale, scale_after_bn): the operator
         bn_backward_train or bn_backward_eval (kernels/lowp/bn_16bit_backward.cu:
@@ -190,7 +191,7 @@ def backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, scale, z
         return (None, None, grad_b, None, None, None)
     g = grad_out.contiguous()
     if scale_after_bn:
-        g = torch._softmax_backward_data(g, out, 1, out.dtype)
+        g = softmax_backward(out, g)
     if training:
         grad_z, grad_s, grad_g, grad_beta = bn_backward(g, z, coeff, scale, scale_after_bn)
     else:
@@ -200,6 +201,19 @@ def backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, scale, z
     grad_w = torch.mm(grad_z.t(), x16).to(dtypes[1]) if need_w else None
     return (grad_x, grad_w, grad_b, grad_s.to(dtypes[3]) if need_s else None,
             grad_g.to(dtypes[4]) if need_g else None, grad_beta.to(dtypes[5]) if need_beta else None)
+
+
+def softmax_backward(out, grad_out):
+    """Problem 84's row softmax backward, grad_v = out (grad_out - sum_n grad_out out) per
+    row, in out's dtype: for CUDA tensors of one dtype the extension's softmax_rows_backward
+    (the eager node's kernel: the row's sum in float64, each element rounded once), through
+    the fused_gemm_bn::softmax_rows_backward operator where this torch has operators (so
+    that torch.compile records the same kernel); torch's own kernel otherwise (CPU)."""
+    if out.is_cuda and out.dtype == grad_out.dtype:
+        if engine.ops is not None:
+            return engine.ops.softmax_rows_backward(out, grad_out)
+        return kernels().softmax_rows_backward(out, grad_out)
+    return torch._softmax_backward_data(grad_out, out, 1, out.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -212,6 +226,7 @@ SCHEMAS = {
                           "-> (Tensor, Tensor, Tensor)",
     "bn_backward_eval": "(Tensor grad_y, Tensor z, Tensor coeff, Tensor scale, bool scale_after_bn) "
                         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "softmax_rows_backward": "(Tensor out, Tensor grad_out) -> Tensor",
 }
 
 
@@ -247,6 +262,15 @@ def _op_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
     return tuple(kernels().bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn))
 
 
+def _op_softmax_rows_backward(out, grad_out):
+    """The 16-bit extension's softmax_rows_backward: out and grad_out (M, N) CUDA tensors of
+    one dtype (float16, bfloat16, or float32 under autocast), grad_v contiguous in it."""
+    if not out.is_cuda:
+        raise RuntimeError(f"fused_gemm_bn::softmax_rows_backward takes CUDA tensors (the 16-bit extension), got "
+                           f"{out.device}")
+    return kernels().softmax_rows_backward(out, grad_out)
+
+
 def _fake_forward_eval_saved(x, weight, bias, *args):
     m, n = x.shape[0], weight.shape[0]
     return x.new_empty((m, n), dtype=bias.dtype), x.new_empty((m, n)), x.new_empty((4, n), dtype=torch.float32)
@@ -278,6 +302,8 @@ OPERATORS = {
     "forward_eval_saved": (_op_forward_eval_saved, _fake_forward_eval_saved,
                            (_backward_forward_eval_saved, _setup_forward_eval_saved)),
     "bn_backward_eval": (_op_bn_backward_eval, _fake_bn_backward_eval, None),
+    "softmax_rows_backward": (_op_softmax_rows_backward, lambda out, grad_out: torch.empty_like(
+        out, memory_format=torch.contiguous_format), None),
 }
 
 

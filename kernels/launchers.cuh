@@ -334,6 +334,11 @@ struct LowpBnGrads {
 cudaError_t lowp_bn_backward(const LowpBatchNormArgs& bn, bool g_float32, bool training, const void* g,
                              const void* z, const float* coeff, int M, int N, const LowpBnGrads& grads,
                              cudaStream_t stream);
+// Problem 84's row softmax backward (lowp/softmax_16bit_backward.cu, softmax_backward.cuh):
+// grad_v = out (grad_out - sum_n grad_out out) per row, out, grad_out, grad_v (M, N) contiguous
+// of dtype (float32_io: float32, the autocast form), each element rounded once from float32.
+cudaError_t lowp_softmax_rows_backward(int dtype, bool float32_io, const void* out, const void* grad_out,
+                                       void* grad_v, int M, int N, cudaStream_t stream);
 
 }  // namespace fused_gemm_bn
 

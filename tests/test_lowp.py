@@ -698,7 +698,7 @@ def test_cpu_lowp_sources_and_extension_name(tmp_path):
                                             "cp_async.cuh", "device_facts.cuh", "heuristics_sm90.cuh", "launchers.cuh",
                                             "lowp_chain.cuh", "lowp_coeff.cuh", "lowp_types.cuh", "pdl.cuh",
                                             "row_divisor.cuh", "scale_terms.cuh", "sm90_gemm_tiles.cuh", "sm90_primitives.cuh",
-                                            "sm90_wgmma_16bit.cuh", "tensor_map.cuh"]
+                                            "sm90_wgmma_16bit.cuh", "softmax_backward.cuh", "tensor_map.cuh"]
     embedded = exec_texts(read(BUNDLE))["_KERNEL_SOURCES"]
     assert not set(embedded) & {"binding_16bit.cpp", "sm80_gemm_bn_16bit.cu", "bn_16bit.cu", "lowp_types.cuh"}
 

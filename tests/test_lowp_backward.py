@@ -1,7 +1,8 @@
 """The 16-bit backward after the GEMM (kernels/lowp/bn_16bit_backward.cu:
-bn_backward_train and bn_backward_eval of the 16-bit extension) against a
-float64 autograd reference of the chain it differentiates, and the Python glue
-around it (model_new_lowp.backward) on the CPU.
+bn_backward_train and bn_backward_eval of the 16-bit extension; problem 84's
+softmax_rows_backward, kernels/softmax_backward.cuh) against a float64 reference
+of what it differentiates, and the Python glue around it
+(model_new_lowp.backward) on the CPU.
 Names: M = batch, N = out_features, K = in_features.
 
 Run: python -m pytest -q tests/test_lowp_backward.py      (GPU tests skip without CUDA)
@@ -42,6 +43,11 @@ GPU
     call's.
   - test_gpu_lowp_bn_backward_empty_batch [mode, form]: a batch of no rows gives zero
     gradients of the right dtypes and shapes for every form of the scale.
+  - test_gpu_lowp_softmax_rows_backward [dtype, shape]: problem 84's row softmax
+    backward (softmax_rows_backward, kernels/softmax_backward.cuh) in float16, bfloat16
+    and float32 (autocast), each of its three forms: every element written, each within
+    its bound of the float64 value from the same inputs, no less accurate than torch's
+    kernel, NaN confined to its row; float32 bit for bit the float32 extension's.
 
 Every element written (call_on_poisoned_memory, assert_every_element_written)
   The binding allocates its outputs itself (torch::empty, no out= argument), so
@@ -551,3 +557,49 @@ def test_gpu_lowp_bn_backward_empty_batch(mode, form):
     for t in got[1:]:
         assert t.dtype == torch.float16 and torch.count_nonzero(t) == 0
     assert got[-3].shape == ((1,) if form == "shape1" else (n,))
+
+
+# (M, N) of the softmax backward contract: the register form (N = 8192, at most 16384 16-bit
+# or 8192 float32 elements a row), the loop over 16-byte groups (N = 20008: past both), and the
+# loop over single elements (N = 1001: no 16-byte groups).
+SOFTMAX_BACKWARD_SHAPES = [(37, 8192), (9, 20008), (21, 1001)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", SOFTMAX_BACKWARD_SHAPES, ids=["registers", "loop_vec", "loop"])
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16", "float32"])
+def test_gpu_lowp_softmax_rows_backward(dtype_name, shape):
+    """The 16-bit extension's softmax_rows_backward (kernels/softmax_backward.cuh) on
+    softmax rows out and a gradient g of one dtype: every element of grad_v written
+    (poisoned memory), within (u + 2^-22) |want| + 2^-40 |out| |s| + the smallest
+    normal of the float64 want = out (g - s), s = sum_n g out, from the same inputs
+    (u the dtype's unit roundoff: rounded once to float32, then to the dtype; the
+    last terms: s held as two floats, and subnormal results); its error no larger
+    than torch's _softmax_backward_data's (the 16-bit one rounds g out first) plus
+    a unit roundoff of the largest |want|; a NaN in g makes its row NaN and no other;
+    float32 bit for bit the float32 extension's kernel (the same one)."""
+    dtype = torch.float32 if dtype_name == "float32" else DTYPES[dtype_name]
+    m, n = shape
+    gen = torch.Generator().manual_seed(31)
+    out = torch.softmax(3 * torch.randn(m, n, generator=gen, dtype=torch.float64), dim=1).to("cuda", dtype)
+    g = torch.randn(m, n, generator=gen).to("cuda", dtype)
+    ext = model_new._LOWP.kernels()
+    (got,) = call_on_poisoned_memory(lambda: (ext.softmax_rows_backward(out, g),), CudaMemory(out.device))
+    assert_every_element_written((got,), ["grad_v"])
+    assert got.dtype == dtype and got.shape == (m, n)
+    o64, g64 = out.double(), g.double()
+    s = (o64 * g64).sum(dim=1, keepdim=True)
+    want = o64 * (g64 - s)
+    u = UNIT_ROUNDOFF.get(dtype, 2.0 ** -24)
+    bound = (u + 2.0 ** -22) * want.abs() + 2.0 ** -40 * o64.abs() * s.abs() + torch.finfo(dtype).smallest_normal
+    excess = ((got.double() - want).abs() - bound).max().item()
+    torch_err = (torch._softmax_backward_data(g, out, 1, dtype).double() - want).abs().max().item()
+    err = (got.double() - want).abs().max().item()
+    print(f"[{dtype_name} {m}x{n}] max |error| {err:.3e}, torch's {torch_err:.3e}")
+    assert excess <= 0, f"an element exceeds its bound by {excess:.3e}"
+    assert err <= torch_err + u * want.abs().max().item()
+    if dtype == torch.float32:
+        assert torch.equal(got, model_new._ext.softmax_rows_backward(out, g))
+    g[3, n // 2] = float("nan")
+    nan_case = ext.softmax_rows_backward(out, g)
+    assert bool(torch.isnan(nan_case[3]).all()) and bool(torch.isfinite(nan_case[torch.arange(m) != 3]).all())

@@ -2,7 +2,7 @@
 sources (CPU only).  A kernel launched with launch_kernel() may be launched
 while the kernel before it on the stream still runs, so before it touches
 global memory it must wait (pdl_wait_then_release()); a kernel that forgot
-would read its inputs before they are written, silently.  So: every .cu file
+would read its inputs before they are written, silently.  So: every .cu or .cuh file of kernels/
 that includes pdl.cuh launches only through launch_kernel() (no <<<>>>), and
 every __global__ function it defines starts with pdl_wait_then_release().
 Negative controls: the checker flags a kernel whose first statement is another
@@ -37,7 +37,7 @@ def pdl_rule_violations(name, text):
 
 def _sources():
     for name in sorted(os.listdir(KERNEL_DIR)):
-        if name.endswith(".cu"):
+        if name.endswith((".cu", ".cuh")):  # .cuh: kernels shared by both extensions (softmax_backward.cuh)
             with open(os.path.join(KERNEL_DIR, name), encoding="utf-8") as f:
                 yield name, f.read()
 
@@ -45,7 +45,7 @@ def _sources():
 def test_kernels_launched_with_pdl_wait_first():
     checked = [name for name, text in _sources() if '#include "pdl.cuh"' in text]
     # The files whose kernels run around the fp16x3 GEMM (pdl.cuh's header).
-    assert {"prepass_fp16x3.cu", "bn_apply.cu", "bn_softmax.cu", "bn_backward.cu", "softmax_rows_backward.cu",
+    assert {"prepass_fp16x3.cu", "bn_apply.cu", "bn_softmax.cu", "bn_backward.cu", "softmax_backward.cuh",
             "prepass_fp16x3_backward.cu"} <= set(checked)
     problems = [p for name, text in _sources() for p in pdl_rule_violations(name, text)]
     assert problems == []

@@ -56,6 +56,8 @@
 //       coeff; lowp_sm90: the GEMM's epilogue also stores z and coeff (kEvalSaved), then 84's softmax.
 //   bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn)
 //       -> (grad_z, grad_bias, grad_scale, grad_bn_weight, grad_bn_bias)  (bn_16bit_backward.cu, eval)
+//   softmax_rows_backward(out, grad_out) -> grad_v (M, N): problem 84's row softmax backward,
+//       out (grad_out - sum_n grad_out out) per row    (softmax_16bit_backward.cu)
 //   forward_grad(gemm, training, x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
 //                num_batches_tracked, momentum, eps, scale_after_bn, weight_cast) -> out (M, N)
 //       the forward with gradients in one call and one autograd node (GradForward below):
@@ -462,6 +464,35 @@ BnGrads bn_backward(torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, 
   return r;
 }
 
+// Problem 84's row softmax backward (softmax_16bit_backward.cu): grad_v = out (grad_out -
+// sum_n grad_out out) per row, out and grad_out (M, N) CUDA tensors of one dtype (float16,
+// bfloat16, or float32: a float32 module under autocast), grad_v contiguous in that dtype.
+// The row's sum in float64, each element rounded once from float32 (torch's 16-bit kernel
+// rounds grad_out out to the 16-bit type first).
+torch::Tensor softmax_rows_backward(torch::Tensor out, torch::Tensor grad_out) {
+  const auto dtype = out.scalar_type();
+  TORCH_CHECK(out.is_cuda() && grad_out.device() == out.device(),
+              "softmax_rows_backward: out and grad_out must be CUDA tensors on one device, got ", out.device(),
+              " and ", grad_out.device());
+  TORCH_CHECK((dtype == torch::kHalf || dtype == torch::kBFloat16 || dtype == torch::kFloat32) &&
+                  grad_out.scalar_type() == dtype,
+              "softmax_rows_backward: out and grad_out must be of one dtype, float16, bfloat16 or float32, got ",
+              dtype, " and ", grad_out.scalar_type());
+  TORCH_CHECK(out.dim() == 2 && grad_out.sizes() == out.sizes(),
+              "softmax_rows_backward: expected out and grad_out of one (M, N) shape, got ", out.sizes(), " and ",
+              grad_out.sizes());
+  TORCH_CHECK(out.size(0) <= INT32_MAX && out.size(1) <= INT32_MAX, "softmax_rows_backward: sizes must fit in int32");
+  const torch::Tensor o = out.contiguous(), g = grad_out.contiguous();
+  torch::Tensor grad_v = torch::empty_like(o);
+  const c10::cuda::CUDAGuard guard(out.device());
+  check_launch(fgb::lowp_softmax_rows_backward(dtype == torch::kFloat32 ? 0 : dtype_code(dtype), dtype == torch::kFloat32,
+                                               o.data_ptr(), g.data_ptr(), grad_v.data_ptr(),
+                                               static_cast<int>(out.size(0)), static_cast<int>(out.size(1)),
+                                               current_stream(out)),
+               "softmax_rows_backward_kernel");
+  return grad_v;
+}
+
 // ---------------------------------------------------------------------------
 // The forward with gradients: one autograd node (torch::autograd::Function)
 // ---------------------------------------------------------------------------
@@ -492,7 +523,7 @@ torch::Tensor mm_16bit(const torch::Tensor& a, const torch::Tensor& b, c10::Scal
 // (undefined where `needs` is false), from what the forward kept: x16, w16 the GEMM's
 // 16-bit operands, z (M, N) the Linear output, coeff (4, N), out (problem 84's softmax
 // output; undefined for 33):
-//   problem 84: dy = softmax backward of (grad_out, out) (torch's kernel, as Model's)
+//   problem 84: dy = softmax_rows_backward(out, grad_out) (softmax_16bit_backward.cu)
 //   grad_z (z's dtype), grad_bias (eval), grad_scale, grad_bn_weight, grad_bn_bias (the
 //   scale's dtype, rounded once from float64) = bn_backward(dy, ...)
 //   grad_x = grad_z w16 and grad_W = grad_z^T x16 (mm_16bit, in x's and the weight's dtype)
@@ -510,7 +541,7 @@ std::array<torch::Tensor, 6> backward_grads(bool training, bool scale_after_bn, 
   if (needs[2] && training) grads[2] = torch::zeros({z.size(1)}, coeff.options().dtype(vector_dtype));
   if (!(needs[0] || needs[1] || needs[3] || needs[4] || needs[5] || (needs[2] && !training))) return grads;
   torch::Tensor dy = grad_out.contiguous();
-  if (scale_after_bn) dy = at::_softmax_backward_data(dy, out, 1, out.scalar_type());
+  if (scale_after_bn) dy = softmax_rows_backward(out, dy);
   const BnGrads r = bn_backward(dy, z, coeff, scale, scale_after_bn, training);
   if (needs[2] && !training) grads[2] = r.grad_bias.to(vector_dtype);
   if (needs[0]) grads[0] = mm_16bit(r.grad_z, w16, x_dtype);

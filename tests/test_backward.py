@@ -477,6 +477,39 @@ def test_cpu_compile_fullgraph(problem, training, grad, backend):
 
 @requires_compile
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_cpu_compile_16bit_step(dtype, problem, training):
+    """torch.compile(ModelNew, fullgraph=True) of a 16-bit module on the CPU, forward +
+    backward, as eager ModelNew: the operators take the torch-op functions there (their
+    batch statistics are the float32 path's (2, N); the 16-bit extension's backward once
+    ran for them and failed), outputs and buffers bit for bit, gradients within the 16-bit
+    compiled step's 1e-2 (tests/test_lowp.py).  A per-feature scale for both problems: problem
+    84's one-number scale has a gradient that cancels (a sum over M N terms), whose 16-bit
+    rounding differs between any two orders of summation by more than that."""
+    torch.compiler.reset()
+    _, new = make_pair(problem, 40, 24, scale_shape=(24,), dtype=torch.float32, seed=4)
+    new = new.to(dtype).train(training)
+    twin = copy.deepcopy(new)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(5)
+    for call in range(2):
+        x = torch.randn(70, 40, generator=gen).to(dtype)
+        g = torch.randn(70, 24, generator=gen).to(dtype)
+        out_e, grads_e = forward_backward(new, x, g)
+        out_c, grads_c = forward_backward(compiled, x, g, params_of=twin)
+        assert out_c.dtype == dtype and torch.equal(out_c, out_e), f"call {call}: output"
+        for name in grads_e:
+            assert (grads_c[name] is None) == (grads_e[name] is None), name
+            if grads_e[name] is not None:
+                assert grads_c[name].dtype == grads_e[name].dtype, name
+                assert_rel_close(grads_c[name], grads_e[name], 1e-2, f"call {call}: grad {name}")
+        for (name, a), b in zip(new.named_buffers(), twin.buffers()):
+            assert torch.equal(a, b), f"call {call}: {name}"
+
+
+@requires_compile
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_cpu_compiled_graph_calls_the_operators(training):
     """The graph torch.compile traces (fullgraph) holds the fused_gemm_bn::
     operators, not a decomposition of the CPU math: what runs compiled on CUDA."""
@@ -1076,6 +1109,7 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
 results = []
 for problem, dtype, training in cases:  # every call compiled before any eager call
+    torch._dynamo.reset()  # one module instance a case: past dynamo's recompile limit otherwise
     torch.manual_seed(0)
     new = classes[problem](*init[problem]).to("cuda", dtype).train(training)
     twin = copy.deepcopy(new)

@@ -8441,6 +8441,12 @@ def _is_16bit_dtype(dtype):
     return dtype in _SIXTEEN_BIT_FLOATS
 
 
+def _runs_16bit_kernels(t):
+    """t is what the 16-bit extension takes (a 16-bit CUDA tensor); 16-bit CPU tensors take
+    the torch-op functions, whose statistics are the float32 path's (2, N)."""
+    return t.is_cuda and t.dtype in _SIXTEEN_BIT_FLOATS
+
+
 def _cuda_dtype_problem(dtype):
     """None when ModelNew runs CUDA tensors of `dtype`, else the error message:
     float32 (the fused kernels) and float64 (torch ops) always; the two 16-bit
@@ -9402,7 +9408,7 @@ def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_b
     tuple; for a 16-bit z model_new_lowp's (stats is then the 16-bit
     forward_train_saved's coeff (4, N), which holds bn_weight and eps; its
     callers give no bn_bias, which is refused there)."""
-    if _is_16bit_dtype(z.dtype):
+    if _runs_16bit_kernels(z):
         if bn_bias is not None:
             raise ValueError("fused_gemm_bn::bn_backward_train takes no bn_bias for a 16-bit z")
         return _LOWP.op_bn_backward_train(grad_y, z, stats, scale, scale_after_bn)
@@ -9439,7 +9445,7 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
 
 def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     n = z.shape[1]
-    if _is_16bit_dtype(z.dtype):
+    if _runs_16bit_kernels(z):
         return _LOWP.fake_bn_backward(z, scale)
     return grad_y.new_empty(z.shape), grad_y.new_empty(n), grad_y.new_empty(n), grad_y.new_empty(n)
 
@@ -9450,8 +9456,8 @@ def _fake_forward_train(x, weight, bias, scale, bn_weight, bn_bias, running_mean
     buffers = (torch.empty_like(running_mean), torch.empty_like(running_var), torch.empty_like(num_batches_tracked))
     if not saved:
         return (x.new_empty((m, n)), *buffers)
-    # 16-bit x: the 16-bit extension's (out, z, coeff (4, N) float32, model_new_lowp)
-    stats = x.new_empty((4, n), dtype=torch.float32) if _is_16bit_dtype(x.dtype) else x.new_empty((2, n))
+    # 16-bit CUDA x: the 16-bit extension's (out, z, coeff (4, N) float32, model_new_lowp)
+    stats = x.new_empty((4, n), dtype=torch.float32) if _runs_16bit_kernels(x) else x.new_empty((2, n))
     return (x.new_empty((m, n)), x.new_empty((m, n)), stats, *buffers)
 
 
@@ -9480,7 +9486,7 @@ def _setup_forward_train_saved(ctx, inputs, output):
     out, z, stats = output[:3]
     ctx.mark_non_differentiable(*output[1:])
     ctx.scale_after_bn, ctx.eps = scale_after_bn, eps
-    ctx.lowp = _is_16bit_dtype(z.dtype)
+    ctx.lowp = _runs_16bit_kernels(z)
     if ctx.lowp:
         return _LOWP.setup_forward_train_saved(ctx, inputs, output)
     ctx.save_for_backward(x, weight, scale, bn_weight, bn_bias if scale_after_bn else None, z, stats,

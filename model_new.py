@@ -1485,13 +1485,11 @@ _OP_SCHEMAS = {
 
 def _op_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     """The extension's bn_backward_train (contract: _torch_bn_backward_train), as a
-    tuple; for a 16-bit z model_new_lowp's (stats is then the 16-bit
-    forward_train_saved's coeff (4, N), which holds bn_weight and eps; its
-    callers give no bn_bias, which is refused there)."""
+    tuple: float32 and float64 z, and 16-bit CPU z (torch ops).  16-bit CUDA z is refused
+    (its backward is model_new_lowp's backward_16bit operator, from the 16-bit coeff)."""
     if _runs_16bit_kernels(z):
-        if bn_bias is not None:
-            raise ValueError("fused_gemm_bn::bn_backward_train takes no bn_bias for a 16-bit z")
-        return _LOWP.op_bn_backward_train(grad_y, z, stats, scale, scale_after_bn)
+        raise RuntimeError(f"{_OP_NAMESPACE}::bn_backward_train takes float32 or float64 CUDA tensors, got {z.dtype}: "
+                           f"a 16-bit CUDA forward_train_saved's backward is {_OP_NAMESPACE}::backward_16bit")
     return tuple(_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias))
 
 
@@ -1525,8 +1523,6 @@ def _op_forward_eval(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
 
 def _fake_bn_backward_train(grad_y, z, stats, scale, bn_weight, eps, scale_after_bn, bn_bias=None):
     n = z.shape[1]
-    if _runs_16bit_kernels(z):
-        return _LOWP.fake_bn_backward(z, scale)
     return grad_y.new_empty(z.shape), grad_y.new_empty(n), grad_y.new_empty(n), grad_y.new_empty(n)
 
 
@@ -1559,8 +1555,8 @@ def _backward_softmax_rows(ctx, grad):
 
 
 def _setup_forward_train_saved(ctx, inputs, output):
-    """Saves what _TrainFn saves (16-bit x: what model_new_lowp's forward_grad node saves);
-    z, stats and the buffer copies are not differentiable."""
+    """Saves what _TrainFn saves (16-bit CUDA x: what model_new_lowp's forward_grad node saves,
+    its backward the backward_16bit operator); z, stats and the buffer copies are not differentiable."""
     x, weight, _, scale, bn_weight, bn_bias = inputs[:6]
     eps, scale_after_bn = inputs[10], inputs[11]
     out, z, stats = output[:3]
@@ -1601,7 +1597,7 @@ def _define_ops():
     """Registers <_OP_NAMESPACE>::{gemm_nt, gemm_nn, gemm_tn, softmax_rows,
     bn_backward_train, forward_train, forward_train_saved, forward_eval}
     (_OP_SCHEMAS), and with model_new_lowp.py its forward_eval_saved and
-    bn_backward_eval, once per process, with one implementation for every
+    backward_16bit, once per process, with one implementation for every
     device (dispatch() picks the extension or the _torch_* functions;
     softmax_rows is torch ops on both), fake implementations, autograd for
     gemm_nt, softmax_rows, forward_train_saved and forward_eval_saved, and a

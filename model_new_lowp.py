@@ -18,12 +18,12 @@ Routes (route(); README support matrix):
 With gradients: the extension's forward_grad, one call that makes its autograd
 node in C++ (forward_train_saved / forward_eval_saved, then lowp/bn_16bit_backward.cu
 and two cuBLAS products); under torch.compile the fused_gemm_bn:: operators of
-those names, with backward() below.
+those names, whose backward is one operator, backward_16bit (the node's backward).
 
 Entry points (model_new.py calls them): bind(engine), available(), kernels(),
 route(call, facts, switches), forward(...), and for the custom operators
-OPERATORS / SCHEMAS and the 16-bit branches of the shared operators (op_*
-functions).  This module imports nothing of the core: the core that loads it
+OPERATORS / SCHEMAS and the 16-bit branch of the shared forward_train_saved
+(setup_forward_train_saved, backward_forward_train_saved).  This module imports nothing of the core: the core that loads it
 hands it its face (model_new.Engine) through bind().
 """
 import torch
@@ -32,7 +32,7 @@ SUBDIR = "lowp"
 BINDING = "binding_16bit.cpp"
 PREFIX = "fused_gemm_bn_lowp_"
 FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", "bn_backward_train", "forward_eval_saved",
-             "bn_backward_eval", "forward_grad", "softmax_rows_backward"]
+             "bn_backward_eval", "forward_grad", "softmax_rows_backward", "backward_16bit"]
 
 # ---------------------------------------------------------------------------
 # Build: kernels/lowp/ next to the float32 sources, compiled on first use
@@ -162,58 +162,32 @@ def forward_autocast_grad(gemm, training, params, buffers, momentum, eps, scale_
     return kernels().forward_grad(gemm, training, *params, *buffers, momentum, eps, scale_after_bn, cast)
 
 
-def backward(bn_backward, training, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs, dtypes):
+def backward(training, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs, dtypes):
     """Gradients of the 16-bit operators forward_train_saved and forward_eval_saved
-    (a 16-bit module under torch.compile, torch.export, torch.jit.trace or
+    (a 16-bit CUDA module under torch.compile, torch.export, torch.jit.trace or
     SWITCHES.eager_ops) with respect to (x, gemm.weight, gemm.bias, scale,
     bn.weight, bn.bias), from the saved tensors: x16, w16 the GEMM's operands
     (in the 16-bit dtype T), z (M, N) T the Linear output, coeff (4, N) the
     forward's {mean, invstd, bn.weight, bn.bias} (the batch's in training, the
     running statistics' in eval: `training` says which), out (problem 84) the
-    softmax output; dtypes: the six inputs' dtypes (T), which their gradients
-    are returned in.  The steps of the eager node's backward (backward_grads in
-    kernels/lowp/binding_16bit.cpp), each one a recordable operator:
-      problem 84: g = softmax_backward(out, grad_out): the extension's
-        softmax_rows_backward, as the node's (the operator of that name, which
-        torch.compile records)
-      grad_z (T), [eval: grad_bias,] grad_scale, grad_bn_weight, grad_bn_bias (the
-        scale's dtype) = bn_backward(g, z, coeff, scale, scale_after_bn): the operator
-        bn_backward_train or bn_backward_eval (kernels/lowp/bn_16bit_backward.cu:
-        float64 sums, each output rounded once; a scale of one number viewed as (N)
-        gets [its gradient, 0, ..., 0], which the view's backward sums exactly)
+    softmax output, else None; needs: which of the six are wanted (the others
+    None); dtypes: the six inputs' dtypes, which their gradients are returned in.
+    One operator, backward_16bit: the eager node's backward (backward_grads in
+    kernels/lowp/binding_16bit.cpp), so compiled and eager steps give the same bits:
+      problem 84: g = the row softmax's backward (softmax_16bit_backward.cu)
+      grad_z, [eval: grad_bias,] grad_scale, grad_bn_weight, grad_bn_bias from
+        lowp/bn_16bit_backward.cu (float64 sums, each output rounded once)
       grad_x = grad_z w16, grad_W = grad_z^T x16: one T product each (cuBLAS's,
         float32 accumulation, as Model's backward)
       grad_bias: training 0 exactly (BatchNorm subtracts the batch mean, which
-        holds the bias); eval sum_m grad_z, bn_backward_eval's."""
-    need_x, need_w, need_b, need_s, need_g, need_beta = needs
-    grad_b = coeff.new_zeros(z.shape[1], dtype=dtypes[2]) if need_b and training else None
-    if not (need_x or need_w or need_s or need_g or need_beta or (need_b and not training)):
-        return (None, None, grad_b, None, None, None)
-    g = grad_out.contiguous()
-    if scale_after_bn:
-        g = softmax_backward(out, g)
-    if training:
-        grad_z, grad_s, grad_g, grad_beta = bn_backward(g, z, coeff, scale, scale_after_bn)
-    else:
-        grad_z, grad_bias, grad_s, grad_g, grad_beta = bn_backward(g, z, coeff, scale, scale_after_bn)
-        grad_b = grad_bias.to(dtypes[2]) if need_b else None
-    grad_x = torch.mm(grad_z, w16).to(dtypes[0]) if need_x else None
-    grad_w = torch.mm(grad_z.t(), x16).to(dtypes[1]) if need_w else None
-    return (grad_x, grad_w, grad_b, grad_s.to(dtypes[3]) if need_s else None,
-            grad_g.to(dtypes[4]) if need_g else None, grad_beta.to(dtypes[5]) if need_beta else None)
+        holds the bias); eval sum_m grad_z."""
+    grads = iter(engine.ops.backward_16bit(training, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out,
+                                           list(needs)))
+    return tuple(_in_dtype(next(grads), dtype) if need else None for need, dtype in zip(needs, dtypes))
 
 
-def softmax_backward(out, grad_out):
-    """Problem 84's row softmax backward, grad_v = out (grad_out - sum_n grad_out out) per
-    row, in out's dtype: for CUDA tensors of one dtype the extension's softmax_rows_backward
-    (the eager node's kernel: the row's sum in float64, each element rounded once), through
-    the fused_gemm_bn::softmax_rows_backward operator where this torch has operators (so
-    that torch.compile records the same kernel); torch's own kernel otherwise (CPU)."""
-    if out.is_cuda and out.dtype == grad_out.dtype:
-        if engine.ops is not None:
-            return engine.ops.softmax_rows_backward(out, grad_out)
-        return kernels().softmax_rows_backward(out, grad_out)
-    return torch._softmax_backward_data(grad_out, out, 1, out.dtype)
+def _in_dtype(t, dtype):
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -224,9 +198,8 @@ SCHEMAS = {
     "forward_eval_saved": "(Tensor x, Tensor weight, Tensor bias, Tensor scale, Tensor bn_weight, Tensor bn_bias, "
                           "Tensor running_mean, Tensor running_var, float eps, bool scale_after_bn) "
                           "-> (Tensor, Tensor, Tensor)",
-    "bn_backward_eval": "(Tensor grad_y, Tensor z, Tensor coeff, Tensor scale, bool scale_after_bn) "
-                        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    "softmax_rows_backward": "(Tensor out, Tensor grad_out) -> Tensor",
+    "backward_16bit": "(bool training, bool scale_after_bn, Tensor grad_out, Tensor x16, Tensor w16, Tensor scale, "
+                      "Tensor z, Tensor coeff, Tensor? out, bool[] needs) -> Tensor[]",
 }
 
 
@@ -254,21 +227,11 @@ def _op_forward_eval_saved(x, weight, bias, scale, bn_weight, bn_bias, running_m
                                               running_mean, running_var, eps, scale_after_bn))
 
 
-def _op_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
-    """The 16-bit extension's bn_backward_eval (grad_z (M, N) in z's dtype;
-    grad_bias, grad_scale, grad_bn_weight, grad_bn_bias in the scale's dtype, (N)
-    each, grad_scale (1) for a scale of shape (1)), as a tuple."""
-    _require_cuda_16bit("bn_backward_eval", z)
-    return tuple(kernels().bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn))
-
-
-def _op_softmax_rows_backward(out, grad_out):
-    """The 16-bit extension's softmax_rows_backward: out and grad_out (M, N) CUDA tensors of
-    one dtype (float16, bfloat16, or float32 under autocast), grad_v contiguous in it."""
-    if not out.is_cuda:
-        raise RuntimeError(f"fused_gemm_bn::softmax_rows_backward takes CUDA tensors (the 16-bit extension), got "
-                           f"{out.device}")
-    return kernels().softmax_rows_backward(out, grad_out)
+def _op_backward_16bit(training, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs):
+    """The 16-bit extension's backward_16bit: the wanted gradients (backward()), as a list."""
+    _require_cuda_16bit("backward_16bit", z)
+    return list(kernels().backward_16bit(training, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out,
+                                         list(needs)))
 
 
 def _fake_forward_eval_saved(x, weight, bias, *args):
@@ -276,9 +239,11 @@ def _fake_forward_eval_saved(x, weight, bias, *args):
     return x.new_empty((m, n), dtype=bias.dtype), x.new_empty((m, n)), x.new_empty((4, n), dtype=torch.float32)
 
 
-def _fake_bn_backward_eval(grad_y, z, coeff, scale, scale_after_bn):
-    grad_z, grad_s, grad_g, grad_beta = fake_bn_backward(z, scale)
-    return grad_z, grad_g.new_empty(grad_g.shape), grad_s, grad_g, grad_beta
+def _fake_backward_16bit(training, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs):
+    n = z.shape[1]
+    like = ((x16.shape, x16.dtype), (w16.shape, w16.dtype), ((n,), scale.dtype), (scale.shape, scale.dtype),
+            ((n,), scale.dtype), ((n,), scale.dtype))
+    return [z.new_empty(shape, dtype=dtype) for (shape, dtype), need in zip(like, needs) if need]
 
 
 def _setup_forward_eval_saved(ctx, inputs, output):
@@ -292,8 +257,7 @@ def _setup_forward_eval_saved(ctx, inputs, output):
 
 
 def _backward_forward_eval_saved(ctx, grad_out, *unused):
-    grads = backward(engine.ops.bn_backward_eval, False, ctx.scale_after_bn, grad_out, *ctx.saved_tensors,
-                     ctx.needs_input_grad[:6], ctx.dtypes)
+    grads = backward(False, ctx.scale_after_bn, grad_out, *ctx.saved_tensors, ctx.needs_input_grad[:6], ctx.dtypes)
     return tuple(grads) + (None,) * 4
 
 
@@ -301,41 +265,19 @@ def _backward_forward_eval_saved(ctx, grad_out, *unused):
 OPERATORS = {
     "forward_eval_saved": (_op_forward_eval_saved, _fake_forward_eval_saved,
                            (_backward_forward_eval_saved, _setup_forward_eval_saved)),
-    "bn_backward_eval": (_op_bn_backward_eval, _fake_bn_backward_eval, None),
-    "softmax_rows_backward": (_op_softmax_rows_backward, lambda out, grad_out: torch.empty_like(
-        out, memory_format=torch.contiguous_format), None),
+    "backward_16bit": (_op_backward_16bit, _fake_backward_16bit, None),
 }
 
 
-def op_bn_backward_train(grad_y, z, coeff, scale, scale_after_bn):
-    """fused_gemm_bn::bn_backward_train for a 16-bit z (from the 16-bit
-    forward_train_saved, whose stats are its coeff (4, N): bn.weight and eps
-    are in it): the 16-bit extension's bn_backward_train (the parameter
-    gradients in the scale's dtype: fake_bn_backward)."""
-    return tuple(kernels().bn_backward_train(grad_y, z, coeff, scale, scale_after_bn))
-
-
-def fake_bn_backward(z, scale):
-    """The fake outputs of bn_backward_train for a 16-bit z: grad z in z's dtype, the parameter
-    gradients in the scale's dtype, grad_scale of the scale's shape ((N,) or (1,))."""
-    n = z.shape[1]
-    return (z.new_empty(z.shape), scale.new_empty(scale.shape), scale.new_empty(n), scale.new_empty(n))
-
-
 def setup_forward_train_saved(ctx, inputs, output):
-    """fused_gemm_bn::forward_train_saved's setup_context for 16-bit x: saves what forward_grad's node saves."""
-    x, weight, _, scale, bn_weight = inputs[:5]
+    """fused_gemm_bn::forward_train_saved's setup_context for 16-bit CUDA x: saves what forward_grad's node
+    saves (coeff holds bn.weight and eps)."""
+    x, weight, _, scale = inputs[:4]
     out, z, coeff = output[:3]
     ctx.dtypes = tuple(t.dtype for t in inputs[:6])
-    ctx.save_for_backward(x, weight, scale, bn_weight, z, coeff, out if ctx.scale_after_bn else None)
+    ctx.save_for_backward(x, weight, scale, z, coeff, out if ctx.scale_after_bn else None)
 
 
 def backward_forward_train_saved(ctx, grad_out):
-    """fused_gemm_bn::forward_train_saved's backward for 16-bit x (six gradients)."""
-    x, weight, scale, bn_weight, z, coeff, out = ctx.saved_tensors
-
-    def bn_backward(g, z, coeff, scale, scale_after_bn):
-        return engine.ops.bn_backward_train(g, z, coeff, scale, bn_weight, ctx.eps, scale_after_bn)
-
-    return backward(bn_backward, True, ctx.scale_after_bn, grad_out, x, weight, scale, z, coeff, out,
-                    ctx.needs_input_grad[:6], ctx.dtypes)
+    """fused_gemm_bn::forward_train_saved's backward for 16-bit CUDA x (six gradients)."""
+    return backward(True, ctx.scale_after_bn, grad_out, *ctx.saved_tensors, ctx.needs_input_grad[:6], ctx.dtypes)

@@ -1,7 +1,7 @@
 """The 16-bit backward after the GEMM (kernels/lowp/bn_16bit_backward.cu:
 bn_backward_train and bn_backward_eval of the 16-bit extension; problem 84's
 softmax_rows_backward, kernels/softmax_backward.cuh) against a float64 reference
-of what it differentiates, and the Python glue around it
+of what it differentiates, and the Python glue of the operators' backward
 (model_new_lowp.backward) on the CPU.
 Names: M = batch, N = out_features, K = in_features.
 
@@ -19,11 +19,11 @@ holds the same values, as the forward's fold writes them); eval takes them from
 coeff as constants (the running statistics).  Returns (dz, dscale, dgamma, dbeta).
 
 CPU (CI)
-  - test_cpu_lowp_backward_glue [problem, mode]: model_new_lowp.backward driven
-    in float64 by the reference as its bn_backward: the six gradients (x,
-    gemm.weight, gemm.bias, scale, bn.weight, bn.bias) equal float64 autograd of
-    the whole forward (Linear -> chain -> 84's softmax) within 1e-10; gemm.bias
-    exactly 0 in training, Σ_m dz in eval.
+  - test_cpu_lowp_backward_glue [mode]: model_new_lowp.backward (the operators'
+    backward) calls the backward_16bit operator once with the saved tensors and the
+    six needs flags, and puts the wanted gradients it returns at their positions
+    (None elsewhere), each in its input's dtype; the operator's fake gives the
+    shapes and dtypes of the binding's gradients (x16's, w16's, the scale's).
 
 GPU
   - test_gpu_lowp_bn_backward_contract [dtype, problem, mode, g dtype, storage]:
@@ -87,6 +87,7 @@ kernel of the binding's outputs:
     than its outputs fails the test (the poison may have been overwritten)
 """
 import math
+import types
 import weakref
 
 import pytest
@@ -328,39 +329,33 @@ FAKE_NAMES = ["dz", "dscale", "dgamma", "dbeta"]
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-@pytest.mark.parametrize("problem", ["33", "84"])
-def test_cpu_lowp_backward_glue(problem, mode):
-    scale_after_bn, training = problem == "84", mode == "train"
-    m, k, n = 19, 13, 11
-    x, w, v, g = problem_inputs(m, k, n, seed=3)
-    leaves = [x, w, v["bias"], v["scale"], v["gamma"], v["beta"]]
-    leaves = [t.clone().requires_grad_(True) for t in leaves]
-    named = dict(v, bias=leaves[2], scale=leaves[3], gamma=leaves[4], beta=leaves[5])
-    out = whole_forward(leaves[0], leaves[1], named, scale_after_bn, training)
-    want = torch.autograd.grad((out * g).sum(), leaves)
+def test_cpu_lowp_backward_glue(mode, monkeypatch):
+    lowp = model_new._LOWP
+    calls = []
 
-    with torch.no_grad():
-        z = x @ w.t() + v["bias"]
-        u = z if scale_after_bn else z * v["scale"]
-        if training:
-            coeff = training_coeff(u, v["gamma"], v["beta"])
-        else:
-            coeff = torch.stack((v["running_mean"], torch.rsqrt(v["running_var"] + EPS), v["gamma"], v["beta"]))
-        out_saved = whole_forward(x, w, v, scale_after_bn, training) if scale_after_bn else None
+    def backward_16bit(*args):  # stands in for the operator: the wanted gradients, marked 0, 1, ... in order
+        calls.append(args)
+        return [torch.full((2,), float(j), dtype=torch.float16) for j in range(sum(args[-1]))]
 
-    def bn_backward(g_y, z_, coeff_, scale_, scale_after_bn_):  # the operators' outputs (eval: with dbias)
-        dz, dscale, dgamma, dbeta = bn_backward_reference(g_y, z_, coeff_, scale_, scale_after_bn_, training)
-        return (dz, dscale, dgamma, dbeta) if training else (dz, dz.sum(dim=0), dscale, dgamma, dbeta)
-
-    got = model_new._LOWP.backward(bn_backward, training, scale_after_bn, g, x, w, v["scale"], z, coeff, out_saved,
-                                   (True,) * 6, (torch.float64,) * 6)
-    names = ["x", "gemm.weight", "gemm.bias", "scale", "bn.weight", "bn.bias"]
-    for name, a, b in zip(names, got, want):
-        assert a is not None and a.dtype == torch.float64 and a.shape == b.shape, name
-        if training and name == "gemm.bias":
-            assert torch.count_nonzero(a) == 0 and b.abs().max() < 1e-12, name
-            continue
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+    monkeypatch.setattr(lowp, "engine", lowp.engine._replace(ops=types.SimpleNamespace(backward_16bit=backward_16bit)))
+    m, k, n = 5, 3, 2
+    x16, w16, z, out = (torch.rand(m, k, dtype=torch.float16), torch.rand(n, k, dtype=torch.float16),
+                        torch.rand(m, n, dtype=torch.float16), torch.rand(m, n, dtype=torch.float16))
+    scale, coeff, g = torch.rand(1, dtype=torch.float16), torch.rand(4, n), torch.rand(m, n, dtype=torch.float16)
+    needs = (True, False, True, True, False, True)
+    dtypes = (torch.float16, torch.float16, torch.float32, torch.float16, torch.float16, torch.bfloat16)
+    got = lowp.backward(mode == "train", True, g, x16, w16, scale, z, coeff, out, needs, dtypes)
+    assert len(calls) == 1
+    call = calls[0]
+    assert call[:2] == (mode == "train", True) and call[9] == list(needs)
+    assert all(a is b for a, b in zip(call[2:9], (g, x16, w16, scale, z, coeff, out)))
+    assert [t is None for t in got] == [not need for need in needs]
+    wanted = [t for t in got if t is not None]
+    assert [t.dtype for t in wanted] == [d for d, need in zip(dtypes, needs) if need]
+    assert [t[0].item() for t in wanted] == [0.0, 1.0, 2.0, 3.0]  # the operator's order, placed by needs
+    fake = lowp._fake_backward_16bit(mode == "train", True, g, x16, w16, scale, z, coeff, out, [True] * 6)
+    assert [(tuple(t.shape), t.dtype) for t in fake] == [((m, k), torch.float16), ((n, k), torch.float16)] + [
+        ((n,), torch.float16), ((1,), torch.float16), ((n,), torch.float16), ((n,), torch.float16)]
 
 
 def test_cpu_poison_checker_passes_a_complete_kernel():

@@ -65,6 +65,8 @@
 //       bn_backward_train / _eval and two cuBLAS products.  weight_cast: None for a 16-bit
 //       module; under autocast (training, float32 module) gemm.weight's cast to the autocast
 //       dtype (model_new's weight cache), x being cast here.
+//   backward_16bit(training, scale_after_bn, grad_out, x16, w16, scale, z, coeff, out, needs)
+//       -> [the wanted gradients]: that node's backward in one call, for the operators
 //   The scale may come as one number, of shape (1) or as a stride-0 (N) view, which every kernel here
 //   reads in place (scale_stride 0 in LowpBatchNormArgs: no copy per call); its gradient has the
 //   scale's shape: (1), or [the gradient, 0, ..., 0] for the (N) view, which autograd's expand
@@ -80,6 +82,7 @@
 
 #include <array>
 #include <string>
+#include <vector>
 
 #include "binding_checks.cuh"
 #include "launchers.cuh"
@@ -499,9 +502,9 @@ torch::Tensor softmax_rows_backward(torch::Tensor out, torch::Tensor grad_out) {
 // Eager calls with gradients come here in one extension call: the node is made in
 // C++, so the first kernel launches ~20 us sooner than through a Python
 // torch.autograd.Function (docs/perf.md v47).  torch.compile, torch.export and
-// torch.jit.trace record the fused_gemm_bn:: operators instead, whose backward is
-// model_new_lowp.backward(): the same steps as backward_grads below, through the
-// operators (tests/test_lowp.py checks the two give the same bits).
+// torch.jit.trace record the fused_gemm_bn:: operators instead, whose backward is one
+// operator, fused_gemm_bn::backward_16bit: backward_grads below through backward_16bit
+// (tests/test_lowp.py checks the two paths give the same bits).
 
 // a @ b of 16-bit operands (cuBLAS, float32 accumulation) as out_dtype: the 16-bit
 // product itself; for float32 (a float32 module's gradients under autocast)
@@ -651,6 +654,34 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     torch::Tensor grad_y, torch::Tensor z, torch::Tensor coeff, torch::Tensor scale, bool scale_after_bn) {
   const BnGrads r = bn_backward(grad_y, z, coeff, scale, scale_after_bn, false);
   return {r.grad_z, r.grad_bias, r.grad_scale, r.grad_bn_weight, r.grad_bn_bias};
+}
+
+// The 16-bit backward in one call: model_new_lowp's fused_gemm_bn::backward_16bit operator,
+// the backward of the 16-bit forward_train_saved / forward_eval_saved operators (what
+// torch.compile, torch.export and torch.jit.trace record; one operator in place of three, two
+// products and the conversions: ~150-250 us less host time a compiled step, docs/perf.md v84).
+// backward_grads from what those operators keep (x16, w16, scale, z, coeff; out for problem 84,
+// None for 33); needs: 6 flags, (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias).  Returns
+// the wanted gradients only, in that order: x's in x16's dtype, the weight's in w16's, the four
+// vectors' in the scale's.
+std::vector<torch::Tensor> backward_16bit(bool training, bool scale_after_bn, torch::Tensor grad_out,
+                                          torch::Tensor x16, torch::Tensor w16, torch::Tensor scale,
+                                          torch::Tensor z, torch::Tensor coeff, c10::optional<torch::Tensor> out,
+                                          std::vector<bool> needs) {
+  TORCH_CHECK(needs.size() == 6, "backward_16bit: needs holds 6 flags (x, weight, bias, scale, bn_weight, bn_bias), "
+              "got ", needs.size());
+  const bool has_out = out.has_value() && out->defined();
+  TORCH_CHECK(has_out == scale_after_bn, "backward_16bit: the softmax output is given exactly for problem 84 "
+              "(scale_after_bn)");
+  std::array<bool, 6> want;
+  for (size_t i = 0; i < want.size(); ++i) want[i] = needs[i];
+  const std::array<torch::Tensor, 6> grads =
+      backward_grads(training, scale_after_bn, grad_out, x16, w16, scale, z, coeff, has_out ? *out : torch::Tensor(),
+                     want, x16.scalar_type(), w16.scalar_type(), scale.scalar_type());
+  std::vector<torch::Tensor> wanted;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (want[i]) wanted.push_back(grads[i]);
+  return wanted;
 }
 
 // Either problem, eval mode.

@@ -89,7 +89,10 @@ _EXTENSION_FUNCTIONS = ["forward_train", "forward_eval", "forward_train_saved", 
                         "sm90_gemm_available"]
 
 # The kernel sources, {file name: text}.  None: read from kernels/ at import.
-# tools/bundle.py writes a copy of this file with the sources in their place.
+# tools/bundle.py writes a copy of this file with the sources in their place, and
+# the SHA-256 of its engine text (above the "Problem 33" banner, as in this file)
+# in place of _EMBEDDED_ENGINE_SHA256's None: what _engine_identity reads of the
+# Python where the text runs without a file.
 _EMBEDDED_SOURCES = {
     'binding_checks.cuh': r'''// binding_checks.cuh -- the input checks and stream lookup that both torch
 // bindings (torch_binding.cpp, lowp/binding_16bit.cpp) share, so that a check
@@ -7941,6 +7944,7 @@ bool sm90_gemm_available(int64_t device) {
 }
 ''',
 }
+_EMBEDDED_ENGINE_SHA256 = '23a4552867e0ed58845a77de5609dfcb6b6c8e66b3f3ca101909cd0ba856ec65'
 
 
 def _kernel_dir():
@@ -9276,23 +9280,24 @@ def _eval_with_grad(gemm_nt, softmax_rows, x, weight, bias, scale, bn_weight, bn
 # the others refuse inputs that require grad.  Each makes dispatch()'s decision for its real tensors.
 
 _OP_NAMESPACE_BASE = "fused_gemm_bn"
-# A module in sys.modules (no file) that every copy of this engine in the process
-# shares: {operator namespace: the identity of the engine that registered it}.
-_OP_REGISTRY = "fused_gemm_bn_op_namespaces"
 
 
 def _engine_identity():
     """SHA-256 over what the operators' implementations run: the kernel sources (the
     16-bit extra's, kernels/lowp/, too: a copy given another kernels/ folder may
-    differ there alone), the extras' files, and this file's text where it has one.
-    Two copies with the same identity run the same code, so they may share operators."""
+    differ there alone), the extras' files, and this file's text where it has one;
+    executed from a self-contained file's text, the SHA-256 of its engine text that
+    tools/bundle.py wrote (its extras are not there).  Two copies with the same
+    identity run the same code, so they may share operators (_OP_NAMESPACE)."""
     h = hashlib.sha256()
     texts = dict(_KERNEL_SOURCES)
     if _LOWP is not None:  # the files its bind reads, below, from the same folder
         lowp_sources = extension_sources(_LOWP.SUBDIR, _LOWP.BINDING) or {}
         texts.update({_LOWP.SUBDIR + "/" + name: text for name, text in lowp_sources.items()})
     own = _own_file()
-    if own is not None:
+    if own is None:
+        texts["<engine text's SHA-256>"] = _EMBEDDED_ENGINE_SHA256 or ""
+    else:
         for path in [own] + [os.path.join(os.path.dirname(own), name + ".py") for name in _EXTRAS]:
             if os.path.isfile(path):
                 with open(path, "rb") as f:
@@ -9302,21 +9307,6 @@ def _engine_identity():
     return h.hexdigest()
 
 
-def _op_namespace(identity):
-    """The operator namespace of this copy: "fused_gemm_bn" where it is free or was
-    registered by a copy of the same identity (a harness executing this text again,
-    the other problem's self-contained file), else "fused_gemm_bn_2", "_3", ...: a
-    copy that runs other code (another version, or one with other extras) never
-    reuses, nor replaces, another copy's operators."""
-    shared = sys.modules.setdefault(_OP_REGISTRY, types.ModuleType(_OP_REGISTRY))
-    owners = shared.__dict__.setdefault("owners", {})
-    for n in range(1, 1000):
-        name = _OP_NAMESPACE_BASE if n == 1 else f"{_OP_NAMESPACE_BASE}_{n}"
-        owner = owners.get(name)
-        if owner == identity or (owner is None and not hasattr(getattr(torch.ops, name), "gemm_nt")):
-            owners[name] = identity
-            return name
-    raise RuntimeError(f"model_new: no free operator namespace (tried {_OP_NAMESPACE_BASE} to {name})")
 _OP_SCHEMAS = {
     "gemm_nt": "(Tensor a, Tensor b) -> Tensor",
     "gemm_nn": "(Tensor a, Tensor b) -> Tensor",
@@ -9454,7 +9444,7 @@ def _define_ops():
     softmax_rows is torch ops on both), fake implementations, autograd for
     gemm_nt, softmax_rows, forward_train_saved and forward_eval_saved, and a
     call-time refusal of inputs that require grad for the others.  An operator
-    already registered (by a copy of the same identity: _op_namespace) is
+    already registered (by a copy of the same identity: _OP_NAMESPACE) is
     reused.  Returns torch.ops.<_OP_NAMESPACE>."""
     namespace = getattr(torch.ops, _OP_NAMESPACE)
     schemas = dict(_OP_SCHEMAS, **({} if _LOWP is None else _LOWP.SCHEMAS))
@@ -9482,9 +9472,14 @@ def _define_ops():
     return namespace
 
 
-# The operators' namespace (torch.ops.fused_gemm_bn for the first copy of the engine in a process,
-# _op_namespace) and torch.ops.<it>, or None where this torch has no torch.library.custom_op (< 2.4).
-_OP_NAMESPACE = _op_namespace(_engine_identity()) if hasattr(torch.library, "custom_op") else _OP_NAMESPACE_BASE
+# The operators' namespace, "fused_gemm_bn_" and the first 16 hex digits of the engine's identity:
+# custom operators are process-wide, and torch.compile's caches on disk key a graph by its operators'
+# names, so a copy that runs other code (another version, other extras) must not reuse, nor replace,
+# another copy's operators, and a graph cached by one version must not be served to another (its
+# backward is traced from the operators' Python; tests/test_vendoring.py).  Copies of one identity
+# (a harness executing the text again, both problems' files) share one namespace.  torch.ops.<it>,
+# or None where this torch has no torch.library.custom_op (< 2.4).
+_OP_NAMESPACE = f"{_OP_NAMESPACE_BASE}_{_engine_identity()[:16]}"
 _OPS = _define_ops() if hasattr(torch.library, "custom_op") else None
 
 

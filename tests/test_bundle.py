@@ -67,6 +67,20 @@ def test_bundle_kernels_byte_identical(problem):
     assert embedded_sources(read(MODEL_NEW)) is None
 
 
+def test_bundles_name_their_operators_by_the_engine_text():
+    """Executed from their text (no file), both self-contained files hold the SHA-256 of
+    the engine's text, which goes into the engine's identity and so into the custom
+    operators' namespace: both files share one namespace, and an engine text that
+    differs (another version) gets another, so that torch.compile's caches on disk never
+    serve one version's graphs to another (tests/test_vendoring.py)."""
+    digest = bundle.engine_sha256()
+    assert f"\n_EMBEDDED_ENGINE_SHA256 = {digest!r}\n" in read(BUNDLES["33"])
+    namespaces = [exec_texts(read(PROBLEMS[p][0]), read(BUNDLES[p]))["_OP_NAMESPACE"] for p in ("33", "84", "33")]
+    assert namespaces[0] == namespaces[1] == namespaces[2] and namespaces[0].startswith("fused_gemm_bn_")
+    other = read(BUNDLES["33"]).replace(digest, "0" * 64)
+    assert exec_texts(read(PROBLEMS["33"][0]), other)["_OP_NAMESPACE"] != namespaces[0]
+
+
 def test_problem_84_bundle_holds_the_engine():
     text = read(BUNDLES["84"])
     assert "from model_new import" not in text and "bundle: engine" not in text

@@ -863,7 +863,7 @@ def test_gpu_lowp_eval_backward_keeps_forward_statistics(problem, full_precision
 def lowp_op_cases(dtype):
     """(name, op, args) for opcheck of the operators' 16-bit forms, both problems;
     inputs the operator differentiates require grad."""
-    ops = torch.ops.fused_gemm_bn
+    ops = model_new._OPS
     m, k, n = 40, 64, 24
     gen = torch.Generator().manual_seed(9)
 

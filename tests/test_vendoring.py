@@ -11,8 +11,11 @@ sys.modules) over a copy of the repository's files in tmp_path:
     script beside the files.
   - test_cpu_two_copies_in_one_process: the repository's core and a vendored copy
     in one process: each has its own extras, bound to itself, both compute Model's
-    function; identical copies share the custom operators' namespace, a copy
-    whose files differ gets its own (fused_gemm_bn_2).
+    function; identical copies share the custom operators' namespace
+    (fused_gemm_bn_<the engine's identity>), a copy whose files differ gets its own.
+  - test_cpu_compile_cache_of_another_version: two versions of the files, one after
+    the other with one torch.compile cache folder: the second compiles its own
+    backward (the namespace differs), not the first one's cached graph.
   - test_cpu_missing_extra (negative control): with model_new_lowp.py deleted the
     copy has no 16-bit extra, and the error of a 16-bit CUDA call names the
     missing file, not "self-contained"; with model_new_sync.py deleted the
@@ -96,10 +99,11 @@ PRELUDE = textwrap.dedent('''
 ''')
 
 
-def run_case(script, cwd, path=()):
+def run_case(script, cwd, path=(), env=None):
     """Runs PRELUDE + script in a fresh interpreter (cwd, sys.path entries `path`, no
-    other entry of this repository) and returns its RESULT, printed as JSON."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONDONTWRITEBYTECODE="1")
+    other entry of this repository; `env`: more environment variables) and returns
+    its RESULT, printed as JSON."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONDONTWRITEBYTECODE="1", **(env or {}))
     env.pop("FUSED_GEMM_BN_KERNEL_DIR", None)
     text = PRELUDE + textwrap.dedent(script) + "\nprint('RESULT ' + json.dumps(RESULT))\n"
     proc = subprocess.run([sys.executable, "-c", text], cwd=cwd, env=env, capture_output=True, text=True,
@@ -187,6 +191,7 @@ def test_cpu_two_copies_in_one_process(tmp_path):
         RESULT["separate"] = len({{id(c.extra(k)) for c in (root, same, other) for k in root._EXTRAS}})
         RESULT["models"] = [matches_model(c.ModelNew, ref33.Model, (12, 10, (10,))) for c in (root, same, other)]
         RESULT["has_ops"] = root._OPS is not None
+        RESULT["root_identity"] = root._engine_identity()
         RESULT["ops_distinct"] = root._OPS is not other._OPS
     ''', cwd=REPO, path=[REPO])
     assert_bound(got["root"], {k: f"model_new_{k}" for k in EXTRAS}, REPO)
@@ -195,9 +200,52 @@ def test_cpu_two_copies_in_one_process(tmp_path):
     assert got["separate"] == 9, "each copy has its own three extras"
     assert got["models"] == [True, True, True]
     # Identical files: one engine identity, one namespace; different files: their own.
-    assert got["same"]["ops"] == got["root"]["ops"] == "fused_gemm_bn"
+    assert got["same"]["ops"] == got["root"]["ops"] == "fused_gemm_bn_" + got["root_identity"][:16]
+    assert got["other"]["ops"].startswith("fused_gemm_bn_") and got["other"]["ops"] != got["root"]["ops"]
     if got["has_ops"]:
-        assert got["other"]["ops"] == "fused_gemm_bn_2" and got["ops_distinct"]
+        assert got["ops_distinct"]
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "custom_op"), reason="no custom operators (torch < 2.4)")
+def test_cpu_compile_cache_of_another_version(tmp_path):
+    """torch.compile's caches on disk (FX graphs, AOTAutograd's forward + backward) key
+    a graph by its operators' names, not by what their Python does.  Two versions of
+    the files, one after the other with one cache folder, as after an upgrade: the
+    second one's backward (every gradient doubled, on the operators' path only) must
+    run, not the first one's graph from the cache.  The operators' namespace names
+    the engine's identity (model_new._engine_identity), so another version's graph
+    is another key.  With one namespace for every version this failed (version 2 ran
+    version 1's backward); an operator removed in version 2 failed as
+    "AttributeError: ... has no attribute ..." instead."""
+    versions = [vendor(str(tmp_path / "v1")), vendor(str(tmp_path / "v2"))]
+    path = os.path.join(versions[1], "model_new.py")
+    with open(path) as f:
+        text = f.read()
+    anchor = "def _backward_forward_train_saved(ctx, grad_out, *unused):\n"
+    assert text.count(anchor) == 1
+    with open(path, "w") as f:
+        f.write(text.replace(anchor, anchor + "    grad_out = grad_out * 2\n"))
+    script = '''
+        import copy
+        import mypkg.model_new as core
+        torch.manual_seed(0)
+        model = core.ModelNew(16, 8, (8,)).double()
+        compiled = torch.compile(copy.deepcopy(model), fullgraph=True)
+        x = torch.randn(12, 16, dtype=torch.float64, requires_grad=True)
+        compiled(x).pow(2).sum().backward()
+        grad_compiled = x.grad
+        x.grad = None
+        core.SWITCHES = core.SWITCHES._replace(eager_ops=True)  # eager calls through the operators
+        model(x).pow(2).sum().backward()
+        RESULT["ops"] = core._OP_NAMESPACE
+        RESULT["ratio"] = (grad_compiled.norm() / x.grad.norm()).item()
+        RESULT["close"] = torch.allclose(grad_compiled, x.grad, rtol=1e-9, atol=0)
+    '''
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    got = [run_case(script, cwd=folder, path=[os.path.dirname(folder)], env=env) for folder in versions]
+    assert got[0]["ops"] != got[1]["ops"]
+    for version, result in enumerate(got, 1):
+        assert result["close"], f"version {version}: compiled / eager gradient norm {result['ratio']}"
 
 
 def test_cpu_missing_extra(tmp_path):

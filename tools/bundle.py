@@ -7,7 +7,10 @@ in one namespace) with nothing else from this repository:
       (model_new.py above its "Problem 33" banner), then problem 84's module
 
 In both, the kernel sources (kernels/*.cu, *.cuh, *.cpp) are embedded as raw
-strings in place of the engine's line `_EMBEDDED_SOURCES = None`; in problem
+strings in place of the engine's line `_EMBEDDED_SOURCES = None`, and the
+SHA-256 of the engine's text (model_new.py above its "Problem 33" banner) in
+place of `_EMBEDDED_ENGINE_SHA256 = None` (the engine's identity, which names
+its custom operators, where the text runs without a file); in problem
 84's file the engine's text replaces the block between `# bundle: engine
 begins` and `# bundle: engine ends` (its import of the engine by module name).
 Nothing else changes: model_new.py is the float32 core, which follows the
@@ -24,6 +27,7 @@ so a stale file is a text difference.  A file that breaks a harness rule is
 not written.
 """
 import argparse
+import hashlib
 import os
 import sys
 
@@ -33,6 +37,7 @@ sys.path.insert(0, REPO)
 from tools.harness_rules import violations  # noqa: E402
 
 PLACEHOLDER = "_EMBEDDED_SOURCES = None\n"
+DIGEST_PLACEHOLDER = "_EMBEDDED_ENGINE_SHA256 = None\n"
 ENGINE_END = "# Problem 33: ModelNew and the KernelBench interface."
 ENGINE_BLOCK_BEGIN = "# bundle: engine begins"
 ENGINE_BLOCK_END = "# bundle: engine ends\n"
@@ -71,11 +76,18 @@ def _raw_literal(name, text):
     return "r'''" + text + "'''"
 
 
+def engine_sha256(engine_path=ENGINE):
+    """The SHA-256 (hex) of engine_text(): what the bundles write for _EMBEDDED_ENGINE_SHA256."""
+    return hashlib.sha256(engine_text(engine_path).encode("utf-8")).hexdigest()
+
+
 def _embed(model, kernel_dir):
-    """`model` with the kernel sources in place of the placeholder line."""
-    if model.count(PLACEHOLDER) != 1:
-        raise ValueError(f"expected exactly one line `{PLACEHOLDER.strip()}`")
+    """`model` with the kernel sources and the engine text's SHA-256 in place of the placeholder lines."""
+    for line in (PLACEHOLDER, DIGEST_PLACEHOLDER):
+        if model.count(line) != 1:
+            raise ValueError(f"expected exactly one line `{line.strip()}`")
     entries = "".join(f"    {name!r}: {_raw_literal(name, text)},\n" for name, text in kernel_sources(kernel_dir).items())
+    model = model.replace(DIGEST_PLACEHOLDER, f"_EMBEDDED_ENGINE_SHA256 = {engine_sha256()!r}\n")
     return model.replace(PLACEHOLDER, "_EMBEDDED_SOURCES = {\n" + entries + "}\n")
 
 

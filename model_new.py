@@ -1142,19 +1142,24 @@ def _weight_parts(weight, split=None, kind="fp16x3", make=True):
     sm80_3xtf32's centring sums (2 N floats); "cast_<dtype>": the weight cast
     for mixed precision (`split` given by model_new_autocast).
     None when the call must make them itself: caching off
-    (SWITCHES.weight_cache), a CUDA graph being captured, or an inference-mode
-    weight (no version counter).  Seen as changes: the weight's version counter
+    (SWITCHES.weight_cache), a CUDA graph being captured, work on a stream other
+    than the device's default one (torch.compile's CUDA graphs, mode
+    "reduce-overhead", warm a graph up on their own stream with its allocations
+    in the graphs' memory pool: parts kept from there stay allocated in that
+    pool, and the graph's recording then fails), or an inference-mode weight (no
+    version counter).  Seen as changes: the weight's version counter
     (in-place ops, copy_, load_state_dict), every torch.optim step()
     (_drop_stepped_weights: fused optimizers keep the counter) and `.data`
     assignment.  Not seen: writes through `weight.data` outside an optimizer
     step; call clear_weight_cache() after those.  With make=False a missing or
     stale entry gives None; with make="reused" too, but the weight is noted,
     and a later call that finds it unchanged makes the parts."""
-    if (not SWITCHES.weight_cache or not _WEIGHT_CACHE_SAFE or weight.is_inference()
-            or (weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+    if not SWITCHES.weight_cache or not _WEIGHT_CACHE_SAFE or weight.is_inference():
         return None
-    stream = torch.cuda.current_stream(weight.device).cuda_stream if weight.is_cuda else 0
-    key = (kind, weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.device, stream)
+    if weight.is_cuda and (torch.cuda.is_current_stream_capturing()
+                           or torch.cuda.current_stream(weight.device) != torch.cuda.default_stream(weight.device)):
+        return None
+    key = (kind, weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.device)
     wid = id(weight)
     entry = _WEIGHT_PARTS.get(wid)
     seen = entry is not None and entry.ref() is weight and entry.key == key

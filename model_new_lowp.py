@@ -206,9 +206,9 @@ SCHEMAS = {
 def _require_cuda_16bit(name, t):
     """The 16-bit-only operators refuse other tensors before any kernel or build runs."""
     if not (t.is_cuda and engine.is_16bit_dtype(t.dtype)):
-        raise RuntimeError(f"fused_gemm_bn::{name} takes 16-bit CUDA tensors (the 16-bit extension), got {t.dtype} "
-                           f"on {t.device}; float32 and float64 eval with gradients is gemm_nt with the fold in "
-                           f"elementwise ops")
+        raise RuntimeError(f"the fused_gemm_bn operator {name} takes 16-bit CUDA tensors (the 16-bit extension), "
+                           f"got {t.dtype} on {t.device}; float32 and float64 eval with gradients is gemm_nt with "
+                           f"the fold in elementwise ops")
 
 
 def _op_forward_eval_saved(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, eps,

@@ -16,6 +16,8 @@ sys.modules) over a copy of the repository's files in tmp_path:
   - test_cpu_compile_cache_of_another_version: two versions of the files, one after
     the other with one torch.compile cache folder: the second compiles its own
     backward (the namespace differs), not the first one's cached graph.
+  - test_cpu_exported_program_in_another_process: torch.export.save in one process,
+    load in another of the same files: same namespace, same output.
   - test_cpu_missing_extra (negative control): with model_new_lowp.py deleted the
     copy has no 16-bit extra, and the error of a 16-bit CUDA call names the
     missing file, not "self-contained"; with model_new_sync.py deleted the
@@ -246,6 +248,35 @@ def test_cpu_compile_cache_of_another_version(tmp_path):
     assert got[0]["ops"] != got[1]["ops"]
     for version, result in enumerate(got, 1):
         assert result["close"], f"version {version}: compiled / eager gradient norm {result['ratio']}"
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "custom_op"), reason="no custom operators (torch < 2.4)")
+def test_cpu_exported_program_in_another_process(tmp_path):
+    """torch.export.save in one process, torch.export.load in another that imported the
+    same files: the program's operators resolve there (their namespace,
+    fused_gemm_bn_<identity>, is the same in every process of one version of the files)
+    and it gives the output it gave."""
+    script = '''
+        import model_new
+        torch.manual_seed(0)
+        model = model_new.ModelNew(16, 8, (8,)).double().eval()
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+        x = torch.randn(12, 16, dtype=torch.float64)
+        if SAVE:
+            program = torch.export.export(model, (x,))
+            torch.export.save(program, PATH)
+            out = model(x)
+        else:
+            out = torch.export.load(PATH).module()(x)
+        RESULT["out"] = out.tolist()
+        RESULT["ops"] = model_new._OP_NAMESPACE
+    '''
+    path = str(tmp_path / "program.pt2")
+    got = [run_case(f"SAVE, PATH = {save}, {path!r}\n" + textwrap.dedent(script), cwd=REPO, path=[REPO])
+           for save in (True, False)]
+    assert got[0]["ops"] == got[1]["ops"]
+    assert got[0]["out"] == got[1]["out"]
 
 
 def test_cpu_missing_extra(tmp_path):

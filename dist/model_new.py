@@ -2682,6 +2682,46 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 #endif
 }
 
+// Whether launches on `stream` may ask for PDL: compute capability 9.0+ and a stream
+// that is not capturing a CUDA graph (header).  Leaves no error behind.
+static bool pdl_allowed(cudaStream_t stream) {
+  DeviceFacts facts;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const bool pdl = current_device_facts(&facts) == cudaSuccess && facts.cc_major >= 9 &&
+                   cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone;
+  if (!pdl) cudaGetLastError();
+  return pdl;
+}
+
+#if CUDART_VERSION >= 11080
+// cudaLaunchKernelEx with PDL (where pdl_allowed) and, if `cooperative`, as a
+// cooperative launch (every CTA resident at once, cooperative_groups' grid sync).
+template <typename... Params, typename... Args>
+static cudaError_t launch_kernel_ex(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                    bool pdl, bool cooperative, Args&&... args) {
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
+  if (pdl) {
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cooperative) {
+    attr[num_attrs].id = cudaLaunchAttributeCooperative;
+    attr[num_attrs++].val.cooperative = 1;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = num_attrs;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) cudaGetLastError();
+  return err;
+}
+#endif
+
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent
 // launch where the device and stream allow it (header).  Returns the launch's
 // error (cudaSuccess if none) and leaves none behind.
@@ -2689,29 +2729,31 @@ template <typename... Params, typename... Args>
 static cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                                  Args&&... args) {
 #if CUDART_VERSION >= 11080
-  DeviceFacts facts;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  const bool pdl = current_device_facts(&facts) == cudaSuccess && facts.cc_major >= 9 &&
-                   cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone;
-  if (pdl) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = grid;
-    config.blockDim = block;
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-    if (err != cudaSuccess) cudaGetLastError();
-    return err;
-  }
-  cudaGetLastError();  // a failed query above leaves no error behind
+  if (pdl_allowed(stream))
+    return launch_kernel_ex(kernel, grid, block, smem, stream, true, false, std::forward<Args>(args)...);
 #endif
   kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
   return cudaGetLastError();
+}
+
+// The same as a cooperative launch (CUDA programming guide, "Grid Synchronization"):
+// every CTA of `grid` resident at once, so that the kernel may wait on
+// cooperative_groups::this_grid().sync(); PDL as launch_kernel.  Returns
+// cudaErrorCooperativeLaunchTooLarge where the grid does not fit on the device at
+// once (e.g. an MPS client's share of the SMs), cudaErrorNotSupported before CUDA
+// 11.8's cudaLaunchKernelEx; the caller then launches another way.  Leaves no error behind.
+template <typename... Params, typename... Args>
+static cudaError_t launch_kernel_cooperative(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                             cudaStream_t stream, Args&&... args) {
+#if CUDART_VERSION >= 11080
+  const bool pdl = pdl_allowed(stream);
+  cudaError_t err = launch_kernel_ex(kernel, grid, block, smem, stream, pdl, true, args...);
+  if (err != cudaSuccess && err != cudaErrorCooperativeLaunchTooLarge && pdl)  // the two attributes only apart
+    err = launch_kernel_ex(kernel, grid, block, smem, stream, false, true, args...);
+  return err;
+#else
+  return cudaErrorNotSupported;
+#endif
 }
 
 }  // namespace fused_gemm_bn
@@ -5534,6 +5576,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 // IEEE 754 binary64 format; CUDA C++
 // Programming Guide, "Arithmetic Instructions" (throughput table).
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -5575,10 +5618,13 @@ struct SmallMTraits {
   // The final K-slice reduction: kNumWarps x kTilesN x kMBlocks x 4 x 32 lanes doubles,
   // then each feature's float64 sums z64[n][m] (BLOCK_N x kRows doubles) after it.
   static constexpr int kReduceBytes = kNumWarps * kTilesN * kMBlocks * 4 * 32 * 8;
+  // The cooperative tail's ybuf (problem 84's v, kRows x BLOCK_N doubles) after zsum.
   static constexpr int kZsumBytes = BLOCK_N * kRows * 8;
+  static constexpr int kYbufBytes = BLOCK_N * kRows * 8;
+  static constexpr int kTailBytes = kReduceBytes + kZsumBytes + kYbufBytes;
   // Shared memory of a kStages-deep ring (the reduction area reuses it).
   __host__ __device__ static constexpr int smem_bytes(int stages) {
-    return stages * kStageBytes > kReduceBytes + kZsumBytes ? stages * kStageBytes : kReduceBytes + kZsumBytes;
+    return stages * kStageBytes > kTailBytes ? stages * kStageBytes : kTailBytes;
   }
   static_assert(BLOCK_N == 64 && kChunksPerWarp >= 1 && kChunksPerWarp * kWarpsK * CHUNK_K == BLOCK_K,
                 "stage splits over warps");
@@ -5597,8 +5643,12 @@ struct SmallMArgs {
   // bias, scale, bn_weight, bn_bias, running statistics, eps, scale_after_bn; train: momentum
   // (bn.num_batches_tracked unused: num_batches_tracked below)
   BatchNormArgs bn;
-  float* out;  // problem 33's output (M, N)
-  double* v;   // problem 84's softmax input (M, N) float64
+  float* out;  // the module's output (M, N)
+  double* v;   // problem 84's softmax input (M, N) float64, for small_m_softmax_fp64_kernel (!coop)
+  // 1: the TMA kernel runs the whole call as one cooperative grid (small_m_coop_tail):
+  // row_stats (M, gridDim.x gridDim.y, 2) doubles: (max, sum) pairs, problem 84's softmax partials
+  int coop;
+  double* row_stats;
   // train
   float* z;                           // (M, N) z - mean_z, or null
   float* stats;                       // (2, N) [0 | biased var_z], or null
@@ -5648,8 +5698,10 @@ __device__ __forceinline__ double value_or(const float* vector, int n, double fa
 
 // The per-feature epilogue of feature n from its float64 sums zd[0 .. M): the formulas of
 // the file's header, each output rounded once.
+// Problem 84's v goes to v[m v_row_stride] (m < M), problem 33's out to p.out.
 template <int kRows, bool kEval>
-__device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, int n, const double (&zd)[kRows]) {
+__device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, int n, const double (&zd)[kRows],
+                                                         double* v, size_t v_row_stride) {
   const int M = p.M, N = p.N;
   const BatchNormArgs& bn = p.bn;
   const double bias = value_or(bn.bias, n, 0.0), gamma = value_or(bn.bn_weight, n, 1.0);
@@ -5701,7 +5753,7 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
     if (m < M) {
       const double y = fma(zd[m] - shift, a, c);
       if (bn.scale_after_bn)
-        p.v[static_cast<size_t>(m) * N + n] = y;
+        v[m * v_row_stride] = y;
       else
         p.out[static_cast<size_t>(m) * N + n] = static_cast<float>(y);
     }
@@ -5864,11 +5916,97 @@ __device__ __forceinline__ void small_m_stage_products(const float* stage, const
   }
 }
 
+// The cooperative grid's tail (p.coop; every thread of every CTA comes here, the CTA's
+// float64 sums of its BLOCK_N features in zsum[feature][m]): the whole rest of the call
+// in the GEMM kernel, with grid-wide barriers instead of kernel boundaries (one boundary,
+// its drain, dependent launch and wait, cost problem 84 5-7 us, docs/perf.md v63):
+//   K split: the piece's sums to the workspace, a barrier, then CTA q of the G =
+//     gridDim.x gridDim.y finishes features [q F, q F + F), F = ceil(N / G) <= BLOCK_N
+//     (G >= the feature blocks), adding the pieces in piece order as
+//     small_m_fp64_finish_kernel does (the same bits);  unsplit: its own BLOCK_N features.
+//   The epilogue, one thread a feature; problem 84's v into shared memory (ybuf[m][f]).
+//   Problem 84: warp m (M <= 16 warps) takes row m: the row's max and sum of exp(v - max)
+//     over the CTA's features (warp butterflies) to row_stats[m][q], a barrier, then the
+//     row's max over the G pairs and sum = Sum_q sum_q exp(max_q - max), and out =
+//     exp(v - max) / sum rounded once (small_m_softmax_fp64_kernel's formula; only the
+//     sum's order differs, a fixed order: the same bits on every run).  An element -inf
+//     adds 0 (a CTA of -inf only: the pair (-inf, 0)); NaN anywhere makes the row NaN, and
+//     a row of -inf NaN, as torch.softmax.
+// The barriers are cooperative_groups' grid sync (a cooperative launch: every CTA resident);
+// their fences order the workspace's and row_stats' writes before the other CTAs' reads,
+// which bypass L1 (__ldcg).
+template <class T, bool kEval>
+__device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const SmallMCta<T>& c, const double* zsum,
+                                                  double* ybuf) {
+  namespace cg = cooperative_groups;
+  const int tid = c.tid, M = p.M, N = p.N;
+  const int G = static_cast<int>(gridDim.x * gridDim.y), q = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
+  int first = c.n0, count = min(T::BLOCK_N, N - c.n0);  // this CTA's epilogue features
+  if (p.pieces > 1) {
+    if (tid < count)
+#pragma unroll
+      for (int m = 0; m < T::kRows; ++m)
+        if (m < M) p.partials[(static_cast<size_t>(c.piece) * M + m) * N + c.n0 + tid] = zsum[tid * T::kRows + m];
+    cg::this_grid().sync();
+    const int per_cta = (N + G - 1) / G;
+    first = q * per_cta;
+    count = max(0, min(per_cta, N - first));
+  }
+  if (tid < count) {
+    const int n = first + tid;
+    double zd[T::kRows];
+#pragma unroll
+    for (int m = 0; m < T::kRows; ++m) {
+      if (p.pieces == 1) {
+        zd[m] = zsum[tid * T::kRows + m];
+      } else {
+        zd[m] = 0.0;
+        if (m < M)
+          for (int piece = 0; piece < p.pieces; ++piece)
+            zd[m] += __ldcg(p.partials + (static_cast<size_t>(piece) * M + m) * N + n);
+      }
+    }
+    small_m_feature_epilogue<T::kRows, kEval>(p, n, zd, ybuf + tid, T::BLOCK_N);
+  }
+  if (!p.bn.scale_after_bn) return;
+  __syncthreads();  // ybuf written
+  const int row = c.warp, lane = c.lane;
+  const bool has0 = row < M && lane < count, has1 = row < M && lane + 32 < count;
+  const double y0 = has0 ? ybuf[row * T::BLOCK_N + lane] : -INFINITY;
+  const double y1 = has1 ? ybuf[row * T::BLOCK_N + lane + 32] : -INFINITY;
+  if (row < M) {
+    const double local_max = warp_butterfly<true>(fmax(y0, y1));
+    double sum = (has0 && y0 != -INFINITY ? exp(y0 - local_max) : 0.0) +
+                 (has1 && y1 != -INFINITY ? exp(y1 - local_max) : 0.0);
+    sum = warp_butterfly<false>(sum);
+    if (lane == 0) {
+      double* pair = p.row_stats + 2 * (static_cast<size_t>(row) * G + q);
+      pair[0] = local_max, pair[1] = sum;
+    }
+  }
+  cg::this_grid().sync();
+  if (row >= M) return;
+  const double* pairs = p.row_stats + 2 * static_cast<size_t>(row) * G;
+  double row_max = -INFINITY;
+  for (int b = lane; b < G; b += 32) row_max = fmax(row_max, __ldcg(pairs + 2 * b));
+  row_max = warp_butterfly<true>(row_max);
+  double sum = 0.0;
+  for (int b = lane; b < G; b += 32) {
+    const double pair_max = __ldcg(pairs + 2 * b), pair_sum = __ldcg(pairs + 2 * b + 1);
+    sum += pair_max != -INFINITY ? pair_sum * exp(pair_max - row_max) : pair_sum;  // pair_sum: 0, or NaN
+  }
+  const double inv = 1.0 / warp_butterfly<false>(sum);
+  float* out_row = p.out + static_cast<size_t>(row) * N + first;
+  if (has0) out_row[lane] = static_cast<float>(exp(y0 - row_max) * inv);
+  if (has1) out_row[lane + 32] = static_cast<float>(exp(y1 - row_max) * inv);
+}
+
 // After the last stage, every warp done with the ring (the caller's __syncthreads): the
 // non-finite W flags folded in, the kWarpsK K slices summed through shared memory in
-// warp order (the ring becomes the reduction area), then per feature (one thread each)
-// either the epilogue or, with K split, the piece's float64 sums to the workspace.
-template <class T, bool kEval>
+// warp order (the ring becomes the reduction area), then either the cooperative tail
+// (kCoop: the TMA kernel, where p.coop) or per feature (one thread each) the epilogue or,
+// with K split, the piece's float64 sums to the workspace.
+template <class T, bool kEval, bool kCoop>
 __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const SmallMCta<T>& c, SmallMAccum<T>& a,
                                                    unsigned char* smem) {
   constexpr int TN = T::kTilesN, MB = T::kMBlocks;
@@ -5909,6 +6047,12 @@ __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const Sm
     zsum[nl * T::kRows + m] = sum;
   }
   __syncthreads();
+  if constexpr (kCoop) {
+    if (p.coop) {
+      small_m_coop_tail<T, kEval>(p, c, zsum, zsum + T::BLOCK_N * T::kRows);
+      return;
+    }
+  }
   if (tid >= T::BLOCK_N) return;
   const int n = c.n0 + tid;
   if (n >= p.N) return;
@@ -5921,7 +6065,7 @@ __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const Sm
       if (m < p.M) p.partials[(static_cast<size_t>(c.piece) * p.M + m) * p.N + n] = zd[m];
     return;
   }
-  small_m_feature_epilogue<T::kRows, kEval>(p, n, zd);
+  small_m_feature_epilogue<T::kRows, kEval>(p, n, zd, p.v + n, static_cast<size_t>(p.N));
 }
 
 // The cp.async ring (any sm_80+ GPU).  grid (ceil(N / BLOCK_N), pieces), kNumThreads
@@ -5976,7 +6120,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const S
   }
   cp_async_wait<0>();  // only empty groups can be left; nothing writes the ring after this
   __syncthreads();     // every warp done with the ring: it becomes the reduction area
-  small_m_cta_finish<T, kEval>(p, c, a, small_m_smem);
+  small_m_cta_finish<T, kEval, false>(p, c, a, small_m_smem);
 }
 
 // The TMA ring (Hopper: the sm_90a image; 16-byte rows, kVec16's condition).  The same
@@ -6046,7 +6190,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1)
     if (c.lane == 0) sm90::mbar_arrive(&empty[s]);
   }
   __syncthreads();  // every stage landed and read by every warp: the ring becomes the reduction area
-  small_m_cta_finish<T, kEval>(p, c, a, small_m_smem);
+  small_m_cta_finish<T, kEval, true>(p, c, a, small_m_smem);
 #else
   __trap();  // no sm_90a image: the launcher never takes this kernel here
 #endif
@@ -6065,7 +6209,7 @@ __global__ void __launch_bounds__(256) small_m_fp64_finish_kernel(const SmallMAr
     if (m < p.M)
       for (int q = 0; q < p.pieces; ++q) zd[m] += p.partials[(static_cast<size_t>(q) * p.M + m) * p.N + n];
   }
-  small_m_feature_epilogue<kRows, kEval>(p, n, zd);
+  small_m_feature_epilogue<kRows, kEval>(p, n, zd, p.v + n, static_cast<size_t>(p.N));
 }
 
 // Problem 84's row softmax in float64: out[m, :] = softmax(v[m, :]), one CTA of
@@ -6191,9 +6335,11 @@ static bool small_m_tma_ready(const DeviceFacts& facts, int device) {
 }
 
 // The TMA ring's launch: W's and x's tensor maps (boxes of kRowStride floats x BLOCK_N
-// and x kRows rows), the shared-memory opt-in, the grid.
+// and x kRows rows), the shared-memory opt-in, the grid: where p.coop, as one cooperative
+// grid that does the whole call; where that launch is refused (the grid does not fit at
+// once, e.g. beside another MPS client), p.coop = 0 and the kernels one after another.
 template <class T, bool kEval>
-static cudaError_t launch_small_m_tma(const SmallMArgs& p, int device, cudaStream_t stream) {
+static cudaError_t launch_small_m_tma(SmallMArgs& p, int device, cudaStream_t stream) {
   CUtensorMap tmap_w, tmap_x;
   if (!sm90::make_tensor_map_f32_rows(&tmap_w, p.w, p.N, p.K, p.K, T::kRowStride, T::BLOCK_N) ||
       !sm90::make_tensor_map_f32_rows(&tmap_x, p.x, p.M, p.K, p.x_row_stride, T::kRowStride, T::kRows))
@@ -6202,7 +6348,14 @@ static cudaError_t launch_small_m_tma(const SmallMArgs& p, int device, cudaStrea
   constexpr int kSmem = small_m_tma_smem_bytes<T>();
   static bool configured[kMaxCachedDevices] = {};
   const cudaError_t err = small_m_smem_optin(kernel, kSmem, device, configured);
-  return err != cudaSuccess ? err : launch_small_m_grid<T, kEval>(kernel, kSmem, p, stream, tmap_w, tmap_x);
+  if (err != cudaSuccess) return err;
+  if (p.coop) {
+    if (launch_kernel_cooperative(kernel, dim3((p.N + T::BLOCK_N - 1) / T::BLOCK_N, p.pieces), dim3(T::kNumThreads),
+                                  kSmem, stream, tmap_w, tmap_x, p) == cudaSuccess)
+      return cudaSuccess;
+    p.coop = 0;
+  }
+  return launch_small_m_grid<T, kEval>(kernel, kSmem, p, stream, tmap_w, tmap_x);
 }
 
 // Hopper with 16-byte rows: the TMA ring (docs/perf.md v55: 0.91-0.98 of the cp.async
@@ -6217,11 +6370,11 @@ static cudaError_t launch_small_m_tma(const SmallMArgs& p, int device, cudaStrea
 // 4096, and a piece of 2-4 stages keeps only one pair in flight).
 constexpr int kSmallMPairTiles = 8;
 template <class T, bool kEval, bool kVec16>
-static cudaError_t launch_small_m_gemm(const SmallMArgs& p, const DeviceFacts& facts, int device,
-                                       cudaStream_t stream) {
+static cudaError_t launch_small_m_gemm(SmallMArgs& p, const DeviceFacts& facts, int device, cudaStream_t stream) {
   if constexpr (kVec16) {
     if (small_m_tma_ready<T, kEval>(facts, device)) return launch_small_m_tma<T, kEval>(p, device, stream);
   }
+  p.coop = 0;  // the cp.async ring: the kernels one after another
   if (facts.smem_optin >= T::smem_bytes(4)) {
     if constexpr (T::kMBlocks == 2) {
       if (p.tiles_per_piece >= kSmallMPairTiles) return launch_small_m_stages<T, 4, 2, kEval, kVec16>(p, device, stream);
@@ -6232,16 +6385,20 @@ static cudaError_t launch_small_m_gemm(const SmallMArgs& p, const DeviceFacts& f
   return cudaErrorInvalidConfiguration;
 }
 
-// The pieces of the workspace: the split K's partial sums, then problem 84's v.
+// The pieces of the workspace: the split K's partial sums, then problem 84's v (M x N
+// doubles) or, in the cooperative grid, its row_stats (M x the grid's <= num_sms CTAs pairs).
 static int64_t small_m_partials_bytes(const SmallMPlan& plan, int M, int N) {
   return plan.pieces > 1 ? static_cast<int64_t>(plan.pieces) * M * N * static_cast<int64_t>(sizeof(double)) : 0;
 }
-static int64_t small_m_v_bytes(int M, int N, bool scale_after_bn) {
-  return scale_after_bn ? static_cast<int64_t>(M) * N * static_cast<int64_t>(sizeof(double)) : 0;
+static int64_t small_m_v_bytes(int M, int N, int num_sms, bool scale_after_bn) {
+  return scale_after_bn ? static_cast<int64_t>(M) * std::max(N, 2 * num_sms) * static_cast<int64_t>(sizeof(double))
+                        : 0;
 }
 
 // The GEMM with its epilogue (and the finish kernel), then problem 84's softmax, then,
-// in training with momentum < 0, the step counter.
+// in training with momentum < 0, the step counter.  On Hopper's TMA ring, where K is split
+// or for problem 84, the GEMM kernel does the finish and the softmax itself when its grid
+// (at most one CTA a SM) fits on the device at once: a cooperative grid, docs/perf.md v86.
 template <bool kEval>
 static cudaError_t launch_small_m(SmallMArgs p, unsigned char* workspace, cudaStream_t stream) {
   DeviceFacts facts;
@@ -6251,11 +6408,15 @@ static cudaError_t launch_small_m(SmallMArgs p, unsigned char* workspace, cudaSt
   if (err != cudaSuccess) return err;
   const SmallMPlan plan = small_m_plan(p.M, p.N, p.K, facts.num_sms);
   const int64_t partials_bytes = small_m_partials_bytes(plan, p.M, p.N);
-  if (workspace == nullptr && partials_bytes + small_m_v_bytes(p.M, p.N, p.bn.scale_after_bn) > 0)
+  if (workspace == nullptr && partials_bytes + small_m_v_bytes(p.M, p.N, facts.num_sms, p.bn.scale_after_bn) > 0)
     return cudaErrorInvalidValue;
   p.pieces = plan.pieces, p.tiles_per_piece = plan.tiles_per_piece;
   p.partials = plan.pieces > 1 ? reinterpret_cast<double*>(workspace) : nullptr;
   p.v = p.bn.scale_after_bn ? reinterpret_cast<double*>(workspace + partials_bytes) : nullptr;
+  p.row_stats = p.v;
+  const int64_t grid_ctas = static_cast<int64_t>((p.N + SmallMTraits<1>::BLOCK_N - 1) / SmallMTraits<1>::BLOCK_N) *
+                            plan.pieces;
+  p.coop = (plan.pieces > 1 || p.bn.scale_after_bn) && grid_ctas <= facts.num_sms;
   // 16-byte copies: every row of W and x starts 16-byte aligned.
   const bool vec16 = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_row_stride % 4 == 0;
@@ -6268,7 +6429,7 @@ static cudaError_t launch_small_m(SmallMArgs p, unsigned char* workspace, cudaSt
       err = vec16 ? launch_small_m_gemm<SmallMTraits<2>, kEval, true>(p, facts, device, stream)
                   : launch_small_m_gemm<SmallMTraits<2>, kEval, false>(p, facts, device, stream);
   }
-  if (err == cudaSuccess && p.bn.scale_after_bn)
+  if (err == cudaSuccess && p.bn.scale_after_bn && !p.coop)
     err = launch_kernel(small_m_softmax_fp64_kernel, dim3(p.M), dim3(kSoftmaxThreads), 0, stream,
                         static_cast<const double*>(p.v), p.out, p.N);
   if (err == cudaSuccess && !kEval && p.bn.momentum < 0.f)
@@ -6288,7 +6449,7 @@ int fused_gemm_bn::small_m_fp64_max_rows() { return kSmallMMaxRows; }
 
 int64_t fused_gemm_bn::small_m_fp64_workspace_bytes(int M, int N, int K, int num_sms, bool scale_after_bn) {
   if (!small_m_shape_ok(M, N, K) || num_sms < 1) return 0;
-  return small_m_partials_bytes(small_m_plan(M, N, K, num_sms), M, N) + small_m_v_bytes(M, N, scale_after_bn);
+  return small_m_partials_bytes(small_m_plan(M, N, K, num_sms), M, N) + small_m_v_bytes(M, N, num_sms, scale_after_bn);
 }
 
 // bn: all of BatchNormArgs but bn.num_batches_tracked (the argument num_batches_tracked instead).

@@ -51,6 +51,46 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 #endif
 }
 
+// Whether launches on `stream` may ask for PDL: compute capability 9.0+ and a stream
+// that is not capturing a CUDA graph (header).  Leaves no error behind.
+static bool pdl_allowed(cudaStream_t stream) {
+  DeviceFacts facts;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const bool pdl = current_device_facts(&facts) == cudaSuccess && facts.cc_major >= 9 &&
+                   cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone;
+  if (!pdl) cudaGetLastError();
+  return pdl;
+}
+
+#if CUDART_VERSION >= 11080
+// cudaLaunchKernelEx with PDL (where pdl_allowed) and, if `cooperative`, as a
+// cooperative launch (every CTA resident at once, cooperative_groups' grid sync).
+template <typename... Params, typename... Args>
+static cudaError_t launch_kernel_ex(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                    bool pdl, bool cooperative, Args&&... args) {
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
+  if (pdl) {
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cooperative) {
+    attr[num_attrs].id = cudaLaunchAttributeCooperative;
+    attr[num_attrs++].val.cooperative = 1;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = num_attrs;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) cudaGetLastError();
+  return err;
+}
+#endif
+
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent
 // launch where the device and stream allow it (header).  Returns the launch's
 // error (cudaSuccess if none) and leaves none behind.
@@ -58,29 +98,31 @@ template <typename... Params, typename... Args>
 static cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                                  Args&&... args) {
 #if CUDART_VERSION >= 11080
-  DeviceFacts facts;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  const bool pdl = current_device_facts(&facts) == cudaSuccess && facts.cc_major >= 9 &&
-                   cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone;
-  if (pdl) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = grid;
-    config.blockDim = block;
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-    if (err != cudaSuccess) cudaGetLastError();
-    return err;
-  }
-  cudaGetLastError();  // a failed query above leaves no error behind
+  if (pdl_allowed(stream))
+    return launch_kernel_ex(kernel, grid, block, smem, stream, true, false, std::forward<Args>(args)...);
 #endif
   kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
   return cudaGetLastError();
+}
+
+// The same as a cooperative launch (CUDA programming guide, "Grid Synchronization"):
+// every CTA of `grid` resident at once, so that the kernel may wait on
+// cooperative_groups::this_grid().sync(); PDL as launch_kernel.  Returns
+// cudaErrorCooperativeLaunchTooLarge where the grid does not fit on the device at
+// once (e.g. an MPS client's share of the SMs), cudaErrorNotSupported before CUDA
+// 11.8's cudaLaunchKernelEx; the caller then launches another way.  Leaves no error behind.
+template <typename... Params, typename... Args>
+static cudaError_t launch_kernel_cooperative(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                             cudaStream_t stream, Args&&... args) {
+#if CUDART_VERSION >= 11080
+  const bool pdl = pdl_allowed(stream);
+  cudaError_t err = launch_kernel_ex(kernel, grid, block, smem, stream, pdl, true, args...);
+  if (err != cudaSuccess && err != cudaErrorCooperativeLaunchTooLarge && pdl)  // the two attributes only apart
+    err = launch_kernel_ex(kernel, grid, block, smem, stream, false, true, args...);
+  return err;
+#else
+  return cudaErrorNotSupported;
+#endif
 }
 
 }  // namespace fused_gemm_bn

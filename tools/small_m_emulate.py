@@ -75,6 +75,7 @@ template <class F> cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) {
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
 template <class T> T __ldg(const T* p) { return *p; }
+template <class T> T __ldcg(const T* p) { return *p; }
 inline uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 inline double __hiloint2double(int hi, int lo) {
   const uint64_t b = (uint64_t)(uint32_t)hi << 32 | (uint32_t)lo; double d; memcpy(&d, &b, 8); return d;
@@ -150,6 +151,16 @@ cudaError_t emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, A&&... args)
 }
 ''',
     "cuda_runtime_api.h": '#pragma once\n#include "cuda_runtime.h"\n',
+    # CTAs run one after another here, so a grid-wide barrier cannot be emulated: the shim's
+    # cooperative launch is refused (launch_kernel_cooperative), and the launchers take the
+    # kernels one after another, as on a GPU where the grid does not fit at once.
+    "cooperative_groups.h": r'''#pragma once
+#include <stdlib.h>
+namespace cooperative_groups {
+struct grid_group { void sync() const { abort(); } };
+inline grid_group this_grid() { return {}; }
+}
+''',
     "cp_async.cuh": r'''#pragma once
 #include "cuda_runtime.h"
 namespace fused_gemm_bn {
@@ -169,6 +180,10 @@ template <typename... Params, typename... Args>
 static cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t, cudaStream_t,
                                  Args&&... args) {
   return emu_launch(kernel, grid, block, args...);
+}
+template <typename... Params, typename... Args>
+static cudaError_t launch_kernel_cooperative(void (*)(Params...), dim3, dim3, size_t, cudaStream_t, Args&&...) {
+  return 720;  // cudaErrorCooperativeLaunchTooLarge: see cooperative_groups.h
 }
 }
 ''',

@@ -5504,8 +5504,10 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 // products and sums in float64 on the FP64 tensor cores (DMMA), and the whole
 // BatchNorm (training: batch statistics, running statistics, saved statistics;
 // eval: the running-statistics fold) in float64 in the same kernel, each output
-// rounded once to float32; problem 84's row softmax in float64 after it.
-// Portable: mma.sync m8n8k4 .f64 (sm_80+); nothing Hopper-only.
+// rounded once to float32; problem 84's row softmax in float64 after it (on Hopper, in the
+// same kernel after a grid-wide barrier where the grid fits at once).
+// Portable: mma.sync m8n8k4 .f64 (sm_80+); the TMA ring and the cooperative softmax are
+// Hopper's (sm_90a), and the cp.async ring and the row-softmax kernel serve elsewhere.
 //
 // Formula (z = x @ W^T, no bias; per feature n over the M batch rows, in float64)
 //   train:  mean = sum_m z[m, n] / M,  M2 = sum_m (z[m, n] - mean)^2,  var = M2 / M (biased)
@@ -5529,7 +5531,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //           float64 on the unrounded z: bn_eval_affine's float32 a, c would cost more than
 //           the GEMM's error)
 //   problem 84, both modes: out[m, :] = softmax(v[m, :]) in float64 (v kept in the
-//           workspace, never rounded), out rounded once.
+//           workspace or, in the cooperative grid, in shared memory; never rounded), out
+//           rounded once.
 //   Null bias / bn_weight / bn_bias read as 0 / 1 / 0 (the binding always passes them).
 //   num_batches_tracked += 1 once per training call: by the GEMM kernel where momentum
 //   >= 0 (f does not read it), else by a one-thread kernel after the epilogue has read it.
@@ -5545,7 +5548,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //       updated in place (train), read (eval)
 //   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms, scale_after_bn) bytes,
 //       8-byte aligned: pieces x M x N float64 partial sums where K is split, then
-//       problem 84's v (M x N float64); null where that is 0
+//       problem 84's v (M x max(N, 2 num_sms) float64: v, or the cooperative softmax's
+//       row_stats); null where that is 0
 //
 // Numerics
 //   Conversions are exact: x's floats are staged in shared memory as the doubles
@@ -5630,7 +5634,13 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   Small shapes (4096 x 512, 8 MB of W, K split into 16 pieces) take 11-25 us:
 //   launch, pipeline fill and the finish kernel, not W.
 //   Problem 84's float64 softmax: one CTA of 1024 threads per row, v read from L2,
-//   one exp per element (kept in registers up to N = 8192): +6-7 us at N = 8192.
+//   one exp per element (kept in registers up to N = 8192): +6-7 us at N = 8192, mostly
+//   the kernel boundary (v63).  Since v86, on the TMA ring with K unsplit (N = 4225 .. 8448
+//   on 132 SMs), the GEMM kernel's cooperative grid does it after one grid-wide barrier
+//   (small_m_coop_tail): problem 84's module 1.5-3.8 us faster a call at K = N = 8192
+//   (H200, both modes, 1-16 rows), and the TMA kernel stages its epilogue's feature vectors
+//   in shared memory at its start (problem 33 0.5-1.4 us faster).  The same barrier in
+//   place of the finish kernel where K is split measured slower (not kept).
 //
 // Preconditions: 1 <= M <= kSmallMMaxRows (16) (train: M >= 2), N >= 1, K >= 1;
 // bn.scale, bn.running_mean, bn.running_var not null (train: and num_batches_tracked);
@@ -5713,8 +5723,8 @@ struct SmallMArgs {
   BatchNormArgs bn;
   float* out;  // the module's output (M, N)
   double* v;   // problem 84's softmax input (M, N) float64, for small_m_softmax_fp64_kernel (!coop)
-  // 1: the TMA kernel runs the whole call as one cooperative grid (small_m_coop_tail):
-  // row_stats (M, gridDim.x gridDim.y, 2) doubles: (max, sum) pairs, problem 84's softmax partials
+  // 1: the TMA kernel runs problem 84's softmax itself, as one cooperative grid (K not
+  // split; small_m_coop_tail): row_stats (M, gridDim.x, 2) doubles, its (max, sum) pairs
   int coop;
   double* row_stats;
   // train
@@ -5760,8 +5770,53 @@ __device__ __forceinline__ double f32_to_f64_times_2p896_fast(float x, bool& sub
   return __hiloint2double(hi, static_cast<int>(b << 29));
 }
 
-__device__ __forceinline__ double value_or(const float* vector, int n, double fallback) {
-  return vector != nullptr ? static_cast<double>(vector[n]) : fallback;
+// A feature's BatchNorm vectors as the epilogue reads them (null bias / bn_weight / bn_bias: 0 / 1 / 0).
+struct SmallMFeatureVectors {
+  double bias, gamma, beta, s, running_mean, running_var;
+};
+
+// Read from global memory, all six at once (small_m_fp64_kernel's and the finish kernel's epilogue).
+__device__ __forceinline__ SmallMFeatureVectors small_m_load_vectors(const BatchNormArgs& bn, int n) {
+  SmallMFeatureVectors f;
+  f.bias = bn.bias != nullptr ? static_cast<double>(bn.bias[n]) : 0.0;
+  f.gamma = bn.bn_weight != nullptr ? static_cast<double>(bn.bn_weight[n]) : 1.0;
+  f.beta = bn.bn_bias != nullptr ? static_cast<double>(bn.bn_bias[n]) : 0.0;
+  f.s = bn.scale[static_cast<size_t>(n) * bn.scale_stride];
+  f.running_mean = bn.running_mean[n], f.running_var = bn.running_var[n];
+  return f;
+}
+
+// The TMA kernel's staged copies (small_m_stage_vectors): staged[j * BLOCK_N + f], j in the
+// struct's order, for the CTA's feature f.
+constexpr int kSmallMVectors = 6;
+template <int kBlockN>
+__device__ __forceinline__ SmallMFeatureVectors small_m_staged_vectors(const BatchNormArgs& bn, const float* staged,
+                                                                       int f) {
+  SmallMFeatureVectors v;
+  v.bias = bn.bias != nullptr ? static_cast<double>(staged[f]) : 0.0;
+  v.gamma = bn.bn_weight != nullptr ? static_cast<double>(staged[kBlockN + f]) : 1.0;
+  v.beta = bn.bn_bias != nullptr ? static_cast<double>(staged[2 * kBlockN + f]) : 0.0;
+  v.s = staged[3 * kBlockN + f];
+  v.running_mean = staged[4 * kBlockN + f], v.running_var = staged[5 * kBlockN + f];
+  return v;
+}
+
+// At the TMA kernel's start, thread f < BLOCK_N copies feature n0 + f's six vectors (those
+// not null, n < N) into `staged` by cp.async, one group (waited for before the epilogue):
+// the epilogue then starts without the DRAM round trips of its loads (training had two, the
+// running statistics' loads ordered after the z stores they might alias).
+template <int kBlockN>
+__device__ __forceinline__ void small_m_stage_vectors(const BatchNormArgs& bn, int n0, int N, float* staged) {
+  const int f = static_cast<int>(threadIdx.x), n = n0 + f;
+  if (f >= kBlockN) return;
+  const float* src[kSmallMVectors] = {bn.bias, bn.bn_weight, bn.bn_bias, bn.scale, bn.running_mean, bn.running_var};
+#pragma unroll
+  for (int j = 0; j < kSmallMVectors; ++j) {
+    const bool valid = src[j] != nullptr && n < N;
+    const size_t offset = j == 3 ? static_cast<size_t>(n) * bn.scale_stride : static_cast<size_t>(n);
+    cp_async<4>(staged + j * kBlockN + f, valid ? src[j] + offset : bn.scale, valid);
+  }
+  cp_async_commit();
 }
 
 // The per-feature epilogue of feature n from its float64 sums zd[0 .. M): the formulas of
@@ -5769,16 +5824,16 @@ __device__ __forceinline__ double value_or(const float* vector, int n, double fa
 // Problem 84's v goes to v[m v_row_stride] (m < M), problem 33's out to p.out.
 template <int kRows, bool kEval>
 __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, int n, const double (&zd)[kRows],
-                                                         double* v, size_t v_row_stride) {
+                                                         const SmallMFeatureVectors& vec, double* v,
+                                                         size_t v_row_stride) {
   const int M = p.M, N = p.N;
   const BatchNormArgs& bn = p.bn;
-  const double bias = value_or(bn.bias, n, 0.0), gamma = value_or(bn.bn_weight, n, 1.0);
-  const double beta = value_or(bn.bn_bias, n, 0.0), s = bn.scale[static_cast<size_t>(n) * bn.scale_stride];
+  const double bias = vec.bias, gamma = vec.gamma, beta = vec.beta, s = vec.s;
   double a, c;     // out or v = a (z - shift) + c
   double shift;
   if constexpr (kEval) {
-    const double g = gamma / sqrt(static_cast<double>(bn.running_var[n]) + static_cast<double>(bn.eps));
-    const double rm = bn.running_mean[n];
+    const double g = gamma / sqrt(vec.running_var + static_cast<double>(bn.eps));
+    const double rm = vec.running_mean;
     a = s * g;
     c = bn.scale_after_bn ? s * fma(bias - rm, g, beta) : fma(fma(s, bias, -rm), g, beta);
     shift = 0.0;
@@ -5804,9 +5859,8 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
     const double su = bn.scale_after_bn ? 1.0 : s;
     const double f = bn.momentum >= 0.f ? static_cast<double>(bn.momentum)
                                         : 1.0 / static_cast<double>(*p.num_batches_tracked + 1);
-    bn.running_mean[n] = static_cast<float>((1.0 - f) * bn.running_mean[n] + f * su * (mean + bias));
-    bn.running_var[n] =
-        static_cast<float>((1.0 - f) * bn.running_var[n] + f * su * su * (m2 / static_cast<double>(M - 1)));
+    bn.running_mean[n] = static_cast<float>((1.0 - f) * vec.running_mean + f * su * (mean + bias));
+    bn.running_var[n] = static_cast<float>((1.0 - f) * vec.running_var + f * su * su * (m2 / static_cast<double>(M - 1)));
     if (bn.scale_after_bn) {
       const double g = gamma / sqrt(var + static_cast<double>(bn.eps));
       a = s * g, c = s * beta;
@@ -5984,59 +6038,35 @@ __device__ __forceinline__ void small_m_stage_products(const float* stage, const
   }
 }
 
-// The cooperative grid's tail (p.coop; every thread of every CTA comes here, the CTA's
-// float64 sums of its BLOCK_N features in zsum[feature][m]): the whole rest of the call
-// in the GEMM kernel, with grid-wide barriers instead of kernel boundaries (one boundary,
-// its drain, dependent launch and wait, cost problem 84 5-7 us, docs/perf.md v63):
-//   K split: the piece's sums to the workspace, a barrier, then CTA q of the G =
-//     gridDim.x gridDim.y finishes features [q F, q F + F), F = ceil(N / G) <= BLOCK_N
-//     (G >= the feature blocks), adding the pieces in piece order as
-//     small_m_fp64_finish_kernel does (the same bits);  unsplit: its own BLOCK_N features.
-//   The epilogue, one thread a feature; problem 84's v into shared memory (ybuf[m][f]).
-//   Problem 84: warp m (M <= 16 warps) takes row m: the row's max and sum of exp(v - max)
-//     over the CTA's features (warp butterflies) to row_stats[m][q], a barrier, then the
-//     row's max over the G pairs and sum = Sum_q sum_q exp(max_q - max), and out =
-//     exp(v - max) / sum rounded once (small_m_softmax_fp64_kernel's formula; only the
-//     sum's order differs, a fixed order: the same bits on every run).  An element -inf
-//     adds 0 (a CTA of -inf only: the pair (-inf, 0)); NaN anywhere makes the row NaN, and
-//     a row of -inf NaN, as torch.softmax.
-// The barriers are cooperative_groups' grid sync (a cooperative launch: every CTA resident);
-// their fences order the workspace's and row_stats' writes before the other CTAs' reads,
-// which bypass L1 (__ldcg).
+// The cooperative grid's tail (p.coop: problem 84, K not split; every thread of every CTA
+// comes here, the CTA's float64 sums of its BLOCK_N features in zsum[feature][m]): the
+// softmax in the GEMM kernel, after a grid-wide barrier instead of a kernel boundary (the
+// boundary, its drain, dependent launch and wait, cost problem 84 5-7 us, docs/perf.md v63):
+//   The epilogue, one thread a feature, v into shared memory (ybuf[m][f]).
+//   Warp m (M <= 16 warps) takes row m: the row's max and sum of exp(v - max) over the CTA's
+//   features (warp butterflies) to row_stats[m][q] (CTA q of G), a barrier, then the row's
+//   max over the G pairs and sum = Sum_q sum_q exp(max_q - max), and out = exp(v - max) /
+//   sum rounded once (small_m_softmax_fp64_kernel's formula; the sum in another fixed order:
+//   the same bits on every run).  An element -inf adds 0 (a CTA of -inf only: the pair
+//   (-inf, 0)); NaN anywhere makes the row NaN, and a row of -inf NaN, as torch.softmax.
+// The barrier is cooperative_groups' grid sync (a cooperative launch: every CTA resident);
+// its fence orders the row_stats writes before the other CTAs' reads, which bypass L1 (__ldcg).
+// Measured (docs/perf.md v86): with K split, the same barrier in place of the finish kernel
+// was slower (a barrier costs about what a boundary does there), so those grids keep the kernels.
 template <class T, bool kEval>
 __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const SmallMCta<T>& c, const double* zsum,
-                                                  double* ybuf) {
-  namespace cg = cooperative_groups;
-  const int tid = c.tid, M = p.M, N = p.N;
-  const int G = static_cast<int>(gridDim.x * gridDim.y), q = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
-  int first = c.n0, count = min(T::BLOCK_N, N - c.n0);  // this CTA's epilogue features
-  if (p.pieces > 1) {
-    if (tid < count)
-#pragma unroll
-      for (int m = 0; m < T::kRows; ++m)
-        if (m < M) p.partials[(static_cast<size_t>(c.piece) * M + m) * N + c.n0 + tid] = zsum[tid * T::kRows + m];
-    cg::this_grid().sync();
-    const int per_cta = (N + G - 1) / G;
-    first = q * per_cta;
-    count = max(0, min(per_cta, N - first));
-  }
-  if (tid < count) {
-    const int n = first + tid;
+                                                  const float* staged, double* ybuf) {
+  const int M = p.M, N = p.N;
+  const int G = static_cast<int>(gridDim.x), q = static_cast<int>(blockIdx.x);
+  const int count = min(T::BLOCK_N, N - c.n0);  // this CTA's features
+  if (c.tid < count) {
     double zd[T::kRows];
 #pragma unroll
-    for (int m = 0; m < T::kRows; ++m) {
-      if (p.pieces == 1) {
-        zd[m] = zsum[tid * T::kRows + m];
-      } else {
-        zd[m] = 0.0;
-        if (m < M)
-          for (int piece = 0; piece < p.pieces; ++piece)
-            zd[m] += __ldcg(p.partials + (static_cast<size_t>(piece) * M + m) * N + n);
-      }
-    }
-    small_m_feature_epilogue<T::kRows, kEval>(p, n, zd, ybuf + tid, T::BLOCK_N);
+    for (int m = 0; m < T::kRows; ++m) zd[m] = zsum[c.tid * T::kRows + m];
+    small_m_feature_epilogue<T::kRows, kEval>(p, c.n0 + c.tid, zd,
+                                              small_m_staged_vectors<T::BLOCK_N>(p.bn, staged, c.tid),
+                                              ybuf + c.tid, T::BLOCK_N);
   }
-  if (!p.bn.scale_after_bn) return;
   __syncthreads();  // ybuf written
   const int row = c.warp, lane = c.lane;
   const bool has0 = row < M && lane < count, has1 = row < M && lane + 32 < count;
@@ -6052,7 +6082,7 @@ __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const Sma
       pair[0] = local_max, pair[1] = sum;
     }
   }
-  cg::this_grid().sync();
+  cooperative_groups::this_grid().sync();
   if (row >= M) return;
   const double* pairs = p.row_stats + 2 * static_cast<size_t>(row) * G;
   double row_max = -INFINITY;
@@ -6064,7 +6094,7 @@ __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const Sma
     sum += pair_max != -INFINITY ? pair_sum * exp(pair_max - row_max) : pair_sum;  // pair_sum: 0, or NaN
   }
   const double inv = 1.0 / warp_butterfly<false>(sum);
-  float* out_row = p.out + static_cast<size_t>(row) * N + first;
+  float* out_row = p.out + static_cast<size_t>(row) * N + c.n0;
   if (has0) out_row[lane] = static_cast<float>(exp(y0 - row_max) * inv);
   if (has1) out_row[lane + 32] = static_cast<float>(exp(y1 - row_max) * inv);
 }
@@ -6072,11 +6102,12 @@ __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const Sma
 // After the last stage, every warp done with the ring (the caller's __syncthreads): the
 // non-finite W flags folded in, the kWarpsK K slices summed through shared memory in
 // warp order (the ring becomes the reduction area), then either the cooperative tail
-// (kCoop: the TMA kernel, where p.coop) or per feature (one thread each) the epilogue or,
-// with K split, the piece's float64 sums to the workspace.
-template <class T, bool kEval, bool kCoop>
+// (the TMA kernel, where p.coop) or per feature (one thread each) the epilogue or, with K
+// split, the piece's float64 sums to the workspace.  `staged`: the TMA kernel's copies of the
+// CTA's feature vectors (small_m_stage_vectors, landed), or null (read from global memory).
+template <class T, bool kEval>
 __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const SmallMCta<T>& c, SmallMAccum<T>& a,
-                                                   unsigned char* smem) {
+                                                   unsigned char* smem, const float* staged) {
   constexpr int TN = T::kTilesN, MB = T::kMBlocks;
   const int tid = c.tid, lane = c.lane, warp = c.warp;
   // A non-finite W row makes its feature's sums NaN, for every batch row (in eager, a NaN,
@@ -6115,11 +6146,9 @@ __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const Sm
     zsum[nl * T::kRows + m] = sum;
   }
   __syncthreads();
-  if constexpr (kCoop) {
-    if (p.coop) {
-      small_m_coop_tail<T, kEval>(p, c, zsum, zsum + T::BLOCK_N * T::kRows);
-      return;
-    }
+  if (p.coop) {
+    small_m_coop_tail<T, kEval>(p, c, zsum, staged, zsum + T::BLOCK_N * T::kRows);
+    return;
   }
   if (tid >= T::BLOCK_N) return;
   const int n = c.n0 + tid;
@@ -6133,7 +6162,9 @@ __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const Sm
       if (m < p.M) p.partials[(static_cast<size_t>(c.piece) * p.M + m) * p.N + n] = zd[m];
     return;
   }
-  small_m_feature_epilogue<T::kRows, kEval>(p, n, zd, p.v + n, static_cast<size_t>(p.N));
+  const SmallMFeatureVectors vec =
+      staged != nullptr ? small_m_staged_vectors<T::BLOCK_N>(p.bn, staged, tid) : small_m_load_vectors(p.bn, n);
+  small_m_feature_epilogue<T::kRows, kEval>(p, n, zd, vec, p.v + n, static_cast<size_t>(p.N));
 }
 
 // The cp.async ring (any sm_80+ GPU).  grid (ceil(N / BLOCK_N), pieces), kNumThreads
@@ -6188,12 +6219,13 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const S
   }
   cp_async_wait<0>();  // only empty groups can be left; nothing writes the ring after this
   __syncthreads();     // every warp done with the ring: it becomes the reduction area
-  small_m_cta_finish<T, kEval, false>(p, c, a, small_m_smem);
+  small_m_cta_finish<T, kEval>(p, c, a, small_m_smem, nullptr);
 }
 
 // The TMA ring (Hopper: the sm_90a image; 16-byte rows, kVec16's condition).  The same
 // grid, threads, stage layout and products as small_m_fp64_kernel; the dynamic shared
-// memory is T::smem_bytes(kStages), then kStages "full" and kStages "empty" mbarriers.
+// memory is T::smem_bytes(kStages), then kStages "full" and kStages "empty" mbarriers, then
+// the CTA's staged feature vectors (small_m_stage_vectors, where K is not split).
 // One thread (warp 0, lane 0) fills the ring kStages - 1 stages ahead with two tensor
 // copies a stage (cp.async.bulk.tensor.2d): W rows n0 .. n0 + BLOCK_N and x rows 0 ..
 // kRows, each box kRowStride (144) floats wide from column k0, so that the box rows land
@@ -6220,6 +6252,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1)
   float* ring = reinterpret_cast<float*>(small_m_smem);
   uint64_t* full = reinterpret_cast<uint64_t*>(small_m_smem + T::smem_bytes(kStages));
   uint64_t* empty = full + kStages;
+  float* staged = reinterpret_cast<float*>(empty + kStages);  // kSmallMVectors x BLOCK_N
   const SmallMCta<T> c(p);
   small_m_count_batch<kEval>(p, c.tid);
   const bool producer = c.tid == 0;
@@ -6242,6 +6275,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1)
   };
   if (producer)
     for (int s = 0; s < kStages - 1 && s < c.num_tiles; ++s) issue_stage(s);
+  if (p.pieces == 1) small_m_stage_vectors<T::BLOCK_N>(p.bn, c.n0, p.N, staged);  // this kernel's epilogue's
   SmallMAccum<T> a;
   for (int tile = 0; tile < c.num_tiles; ++tile) {
     const int s = tile % kStages;
@@ -6258,7 +6292,8 @@ __global__ void __launch_bounds__(T::kNumThreads, 1)
     if (c.lane == 0) sm90::mbar_arrive(&empty[s]);
   }
   __syncthreads();  // every stage landed and read by every warp: the ring becomes the reduction area
-  small_m_cta_finish<T, kEval, true>(p, c, a, small_m_smem);
+  cp_async_wait<0>();  // this thread's staged vectors (the epilogue's thread f reads feature f's)
+  small_m_cta_finish<T, kEval>(p, c, a, small_m_smem, staged);
 #else
   __trap();  // no sm_90a image: the launcher never takes this kernel here
 #endif
@@ -6277,7 +6312,7 @@ __global__ void __launch_bounds__(256) small_m_fp64_finish_kernel(const SmallMAr
     if (m < p.M)
       for (int q = 0; q < p.pieces; ++q) zd[m] += p.partials[(static_cast<size_t>(q) * p.M + m) * p.N + n];
   }
-  small_m_feature_epilogue<kRows, kEval>(p, n, zd, p.v + n, static_cast<size_t>(p.N));
+  small_m_feature_epilogue<kRows, kEval>(p, n, zd, small_m_load_vectors(p.bn, n), p.v + n, static_cast<size_t>(p.N));
 }
 
 // Problem 84's row softmax in float64: out[m, :] = softmax(v[m, :]), one CTA of
@@ -6377,11 +6412,12 @@ static cudaError_t launch_small_m_stages(const SmallMArgs& p, int device, cudaSt
   return err != cudaSuccess ? err : launch_small_m_grid<T, kEval>(kernel, kSmem, p, stream);
 }
 
-// The TMA ring's 4 stages and its 8 mbarriers.
+// The TMA ring's 4 stages, its 8 mbarriers and the staged feature vectors.
 constexpr int kSmallMTmaStages = 4;
 template <class T>
 constexpr int small_m_tma_smem_bytes() {
-  return T::smem_bytes(kSmallMTmaStages) + 2 * kSmallMTmaStages * static_cast<int>(sizeof(uint64_t));
+  return T::smem_bytes(kSmallMTmaStages) + 2 * kSmallMTmaStages * static_cast<int>(sizeof(uint64_t)) +
+         kSmallMVectors * T::BLOCK_N * static_cast<int>(sizeof(float));
 }
 
 // Whether small_m_fp64_tma_kernel runs on `device`: compute capability 9.0, its shared
@@ -6464,9 +6500,9 @@ static int64_t small_m_v_bytes(int M, int N, int num_sms, bool scale_after_bn) {
 }
 
 // The GEMM with its epilogue (and the finish kernel), then problem 84's softmax, then,
-// in training with momentum < 0, the step counter.  On Hopper's TMA ring, where K is split
-// or for problem 84, the GEMM kernel does the finish and the softmax itself when its grid
-// (at most one CTA a SM) fits on the device at once: a cooperative grid, docs/perf.md v86.
+// in training with momentum < 0, the step counter.  On Hopper's TMA ring, problem 84 with K
+// not split runs its softmax in the GEMM kernel where the grid (one CTA a SM) fits on the
+// device at once: a cooperative grid (small_m_coop_tail, docs/perf.md v86).
 template <bool kEval>
 static cudaError_t launch_small_m(SmallMArgs p, unsigned char* workspace, cudaStream_t stream) {
   DeviceFacts facts;
@@ -6482,9 +6518,8 @@ static cudaError_t launch_small_m(SmallMArgs p, unsigned char* workspace, cudaSt
   p.partials = plan.pieces > 1 ? reinterpret_cast<double*>(workspace) : nullptr;
   p.v = p.bn.scale_after_bn ? reinterpret_cast<double*>(workspace + partials_bytes) : nullptr;
   p.row_stats = p.v;
-  const int64_t grid_ctas = static_cast<int64_t>((p.N + SmallMTraits<1>::BLOCK_N - 1) / SmallMTraits<1>::BLOCK_N) *
-                            plan.pieces;
-  p.coop = (plan.pieces > 1 || p.bn.scale_after_bn) && grid_ctas <= facts.num_sms;
+  p.coop = p.bn.scale_after_bn && plan.pieces == 1 &&
+           (p.N + SmallMTraits<1>::BLOCK_N - 1) / SmallMTraits<1>::BLOCK_N <= facts.num_sms;
   // 16-byte copies: every row of W and x starts 16-byte aligned.
   const bool vec16 = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_row_stride % 4 == 0;

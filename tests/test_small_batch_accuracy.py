@@ -34,6 +34,8 @@ below 16 rows to meet the bar: docs/perf.md v37):
   - test_gpu_small_m_eval_with_gradients_vs_float64: eval with gradients, z by small_m_fp64's
     gemm_nt (FUSED_GEMM_BN_SMALL_M=1 up to 16 rows, "auto" up to 12): the output within
     eager's error, every gradient within bench.py's closeness (2x eager's + 1e-6)
+  - test_gpu_small_m_cuda_graph: the route captured in a CUDA graph (problem 84's cooperative
+    grid a graph node), replays against eager calls, bit for bit
   - test_cpu_small_m_grad_w_emulated: that kernel on the host through the CUDA shim, and its
     negative control
   - test_gpu_small_m_grad_w: small_m_grad_w.cu's grad_W = grad_z^T x (the small batches'
@@ -233,6 +235,46 @@ def test_gpu_small_m_gradients_vs_float64(problem, fp32_matmul, monkeypatch):
                 print(f"\n[small-m grad] {problem.name} M={m} seed {seed} {key:10s} ModelNew {err_new:.2e} "
                       f"eager {err_eager:.2e}")
                 assert err_new <= err_eager + 2 ** -24, (m, seed, key, err_new, err_eager)
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("problem", BOTH)
+def test_gpu_small_m_cuda_graph(problem, mode, fp32_matmul, monkeypatch):
+    """small_m_fp64 captured in a CUDA graph and replayed: at 4 x 1024 x 8192 problem 84 runs its
+    softmax in the GEMM kernel's cooperative grid (128 CTAs, K not split: small_m_fp64.cu's
+    small_m_coop_tail), a cooperative launch that a capture records as a graph node.  Three
+    replays on new inputs against the same calls made eagerly by a copy in the same state: the
+    same output bits, and (training) the same running statistics and num_batches_tracked after
+    each."""
+    if torch.cuda.get_device_capability() not in model_new._FULL_RATE_FP64:
+        pytest.skip("small_m_fp64 runs on sm_80 and sm_90 only")
+    monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(small_m=True))
+    m, k, n = 4, 1024, 8192
+    _, new = make_pair(problem, 7, k, n, device="cuda")
+    new.train(mode == "train")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    xs = [torch.rand(m, k, device="cuda", generator=gen) * 4 - 1 for _ in range(4)]
+    static_x = xs[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        assert new.kernel_path(static_x) == f"small_m_fp64_{mode}"
+        new(static_x)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    eager = copy.deepcopy(new)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        static_out = new(static_x)
+    for x in xs[1:]:
+        static_x.copy_(x)
+        graph.replay()
+        with torch.no_grad():
+            want = eager(x)
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, want)
+        for name, buffer in eager.bn.named_buffers():
+            assert torch.equal(getattr(new.bn, name), buffer), name
 
 
 def test_cpu_small_m_grad_w_emulated(monkeypatch):

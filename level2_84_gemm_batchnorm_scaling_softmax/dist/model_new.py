@@ -6949,33 +6949,34 @@ __device__ __forceinline__ void row_in_loop(const typename E::word* __restrict__
                                             typename E::word* __restrict__ grad_v, size_t base, int N, double* red) {
   using Group = typename E::Group;
   constexpr int kGroup = E::kGroup;
-  double dot = 0.0;
-  if constexpr (kVec) {
+  // body(i, ov, gv) for this thread's groups i of the row, out's and grad_out's floats unpacked.
+  auto each_group = [&](auto&& body) {
     const Group* og = reinterpret_cast<const Group*>(out + base);
     const Group* gg = reinterpret_cast<const Group*>(grad_out + base);
     for (int i = threadIdx.x; i < N / kGroup; i += kThreads) {
       float ov[kGroup], gv[kGroup];
       E::unpack(og[i], ov);
       E::unpack(gg[i], gv);
+      body(i, ov, gv);
+    }
+  };
+  double dot = 0.0;
+  if constexpr (kVec) {
+    each_group([&](int, const float(&ov)[kGroup], const float(&gv)[kGroup]) {
 #pragma unroll
       for (int e = 0; e < kGroup; ++e) dot += static_cast<double>(ov[e]) * gv[e];
-    }
+    });
   } else {
     for (int i = threadIdx.x; i < N; i += kThreads)
       dot += static_cast<double>(E::load1(out + base + i)) * E::load1(grad_out + base + i);
   }
   const RowSum s = row_sum_of(block_sum(dot, red));
   if constexpr (kVec) {
-    const Group* og = reinterpret_cast<const Group*>(out + base);
-    const Group* gg = reinterpret_cast<const Group*>(grad_out + base);
-    for (int i = threadIdx.x; i < N / kGroup; i += kThreads) {
-      float ov[kGroup], gv[kGroup];
-      E::unpack(og[i], ov);
-      E::unpack(gg[i], gv);
+    each_group([&](int i, float(&ov)[kGroup], const float(&gv)[kGroup]) {
 #pragma unroll
       for (int e = 0; e < kGroup; ++e) ov[e] = times_grad_minus_sum(ov[e], gv[e], s);
       E::store(grad_v + base + static_cast<size_t>(i) * kGroup, ov);
-    }
+    });
   } else {
     for (int i = threadIdx.x; i < N; i += kThreads)
       E::store1(grad_v + base + i, times_grad_minus_sum(E::load1(out + base + i), E::load1(grad_out + base + i), s));

@@ -2729,6 +2729,9 @@ __device__ __forceinline__ float4 ld_evict_first_f4(const float* q) {
 // On the host, launch_kernel() asks for PDL only on devices of compute
 // capability 9.0 or more and on streams that are not capturing a CUDA graph;
 // otherwise it launches as <<<>>> does, and griddepcontrol.wait returns at once.
+// launch_kernel_cooperative() is the same launch as a cooperative one (every CTA
+// resident at once, for cooperative_groups' grid sync: small_m_fp64.cu's
+// problem-84 softmax), refused where the grid does not fit.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -2752,7 +2755,7 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 
 // Whether launches on `stream` may ask for PDL: compute capability 9.0+ and a stream
 // that is not capturing a CUDA graph (header).  Leaves no error behind.
-static bool pdl_allowed(cudaStream_t stream) {
+static inline bool pdl_allowed(cudaStream_t stream) {
   DeviceFacts facts;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const bool pdl = current_device_facts(&facts) == cudaSuccess && facts.cc_major >= 9 &&

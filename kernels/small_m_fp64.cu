@@ -167,6 +167,16 @@
 #include "sm90_primitives.cuh"
 #include "tensor_map.cuh"
 
+// FUSED_GEMM_BN_SMALL_M_PHASE(p): a time stamp of phase p of a TMA-ring CTA's work (thread 0:
+// 0 start, past the dependent-launch wait; 1 the first stage landed; 2 its warp's last stage
+// read; 3 every warp's; 4 the K slices summed; the cooperative tail: 5 v in shared memory,
+// 6 the row's pair written, 7 past the grid barrier; 8 the end), defined by
+// tools/small_m_phase_times.cu to read %globaltimer; nothing otherwise (the kernel's code is
+// the same with and without these points).
+#ifndef FUSED_GEMM_BN_SMALL_M_PHASE
+#define FUSED_GEMM_BN_SMALL_M_PHASE(p) static_cast<void>(0)
+#endif
+
 namespace fused_gemm_bn {
 
 constexpr int kSmallMMaxRows = 16;
@@ -566,6 +576,7 @@ __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const Sma
                                               ybuf + c.tid, T::BLOCK_N);
   }
   __syncthreads();  // ybuf written
+  FUSED_GEMM_BN_SMALL_M_PHASE(5);
   const int row = c.warp, lane = c.lane;
   const bool has0 = row < M && lane < count, has1 = row < M && lane + 32 < count;
   const double y0 = has0 ? ybuf[row * T::BLOCK_N + lane] : -INFINITY;
@@ -580,7 +591,9 @@ __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const Sma
       pair[0] = local_max, pair[1] = sum;
     }
   }
+  FUSED_GEMM_BN_SMALL_M_PHASE(6);
   cooperative_groups::this_grid().sync();
+  FUSED_GEMM_BN_SMALL_M_PHASE(7);
   if (row >= M) return;
   const double* pairs = p.row_stats + 2 * static_cast<size_t>(row) * G;
   double row_max = -INFINITY;
@@ -644,6 +657,7 @@ __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const Sm
     zsum[nl * T::kRows + m] = sum;
   }
   __syncthreads();
+  FUSED_GEMM_BN_SMALL_M_PHASE(4);
   if (p.coop) {
     small_m_coop_tail<T, kEval>(p, c, zsum, staged, zsum + T::BLOCK_N * T::kRows);
     return;
@@ -751,6 +765,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(small_m_smem + T::smem_bytes(kStages));
   uint64_t* empty = full + kStages;
   float* staged = reinterpret_cast<float*>(empty + kStages);  // kSmallMVectors x BLOCK_N
+  FUSED_GEMM_BN_SMALL_M_PHASE(0);
   const SmallMCta<T> c(p);
   small_m_count_batch<kEval>(p, c.tid);
   const bool producer = c.tid == 0;
@@ -785,13 +800,17 @@ __global__ void __launch_bounds__(T::kNumThreads, 1)
       }
     }
     sm90::mbar_wait(&full[s], static_cast<uint32_t>(tile / kStages) & 1u);
+    if (tile == 0) FUSED_GEMM_BN_SMALL_M_PHASE(1);
     small_m_stage_products<T>(ring + s * T::kStageFloats, c, a);
     __syncwarp();
     if (c.lane == 0) sm90::mbar_arrive(&empty[s]);
   }
+  FUSED_GEMM_BN_SMALL_M_PHASE(2);
   __syncthreads();  // every stage landed and read by every warp: the ring becomes the reduction area
+  FUSED_GEMM_BN_SMALL_M_PHASE(3);
   cp_async_wait<0>();  // this thread's staged vectors (the epilogue's thread f reads feature f's)
   small_m_cta_finish<T, kEval>(p, c, a, small_m_smem, staged);
+  FUSED_GEMM_BN_SMALL_M_PHASE(8);
 #else
   __trap();  // no sm_90a image: the launcher never takes this kernel here
 #endif

@@ -59,6 +59,7 @@ struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 struct double2 { double x, y; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline double2 make_double2(double a, double b) { return {a, b}; }
 inline thread_local dim3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
 #define __global__

@@ -11,6 +11,8 @@
 // Build and run (repository root, an sm_90a GPU):
 //   nvcc -std=c++17 -O3 -I kernels -arch=sm_90a tools/small_m_phase_times.cu -o /tmp/small_m_phase_times &&
 //     /tmp/small_m_phase_times [M K N] [timed launches]     (default 8 8192 8192 21)
+//   SMALL_M_PHASE_CTAS=1: every CTA's mainloop end too, by SM (whether the slow CTAs are
+//   the same SMs from run to run).
 //
 // Phases (the kernel's FUSED_GEMM_BN_SMALL_M_PHASE points, thread 0 of each CTA): 0 start (past
 // the dependent-launch wait), 1 the first stage landed, 2 warp 0's last stage read, 3 every
@@ -214,6 +216,15 @@ int main(int argc, char** argv) {
       for (size_t i = ends.size() > 4 ? ends.size() - 4 : 0; i < ends.size(); ++i)
         std::printf(" %.2f (SM %d)", ends[i].first, ends[i].second);
       std::printf("\n");
+      if (std::getenv("SMALL_M_PHASE_CTAS") != nullptr) {  // every CTA: SM, blockIdx.x, its last stage read (us)
+        std::vector<std::pair<int, double>> by_sm;
+        for (const unsigned long long* s : ctas) by_sm.push_back({static_cast<int>(s[kPhases]), (s[3] - t0) / 1e3});
+        std::sort(by_sm.begin(), by_sm.end());
+        std::printf("  mainloop end by SM:");
+        for (size_t i = 0; i < by_sm.size(); ++i)
+          std::printf("%s%d:%.1f", i % 16 == 0 ? "\n   " : " ", by_sm[i].first, by_sm[i].second);
+        std::printf("\n");
+      }
     }
   return 0;
 }

@@ -5550,9 +5550,10 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //       (bn.scale_stride 0: problem 84's scale of shape (1,), read in place); running_mean, running_var (N) float32,
 //       updated in place (train), read (eval)
 //   workspace: small_m_fp64_workspace_bytes(M, N, K, num_sms, scale_after_bn) bytes,
-//       8-byte aligned: pieces x M x N float64 partial sums where K is split, then
-//       problem 84's v (M x max(N, 2 num_sms) float64: v, or the cooperative softmax's
-//       row_stats); null where that is 0
+//       8-byte aligned (16 for the cooperative softmax's double2 pairs, else its row kernel
+//       runs): pieces x M x N float64 partial sums where K is split, then problem 84's v
+//       (M x max(N, 2 num_sms) float64: v, or the cooperative softmax's row_stats); null
+//       where that is 0
 //
 // Numerics
 //   Conversions are exact: x's floats are staged in shared memory as the doubles
@@ -5643,7 +5644,13 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   (small_m_coop_tail): problem 84's module 1.5-3.8 us faster a call at K = N = 8192
 //   (H200, both modes, 1-16 rows), and the TMA kernel stages its epilogue's feature vectors
 //   in shared memory at its start (problem 33 0.5-1.4 us faster).  The same barrier in
-//   place of the finish kernel where K is split measured slower (not kept).
+//   place of the finish kernel where K is split measured slower (not kept).  Since v88 the
+//   tail after the barrier takes 1.2-1.6 us (2.3-2.9 before): the pairs loaded once, and the
+//   sum relative to the CTA's own max (tools/small_m_phase_times.cu stamps each CTA's phases).
+//   Where the rest goes (v88, M = 2 .. 16): the CTAs' mainloops end over a 10-15 us spread,
+//   the same SMs fast or slow from launch to launch (by GPC, the likely cause: ~24 SMs 6-7 us
+//   ahead of the median, ~84 at it or up to 3.4 us behind); the kernel waits for the slowest,
+//   3-6 us past the median, then its epilogue (1.7 us; problem 84 3.9 us with the barrier).
 //
 // Preconditions: 1 <= M <= kSmallMMaxRows (16) (train: M >= 2), N >= 1, K >= 1;
 // bn.scale, bn.running_mean, bn.running_var not null (train: and num_batches_tracked);
@@ -5671,6 +5678,16 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 #include "pdl.cuh"
 #include "sm90_primitives.cuh"
 #include "tensor_map.cuh"
+
+// FUSED_GEMM_BN_SMALL_M_PHASE(p): a time stamp of phase p of a TMA-ring CTA's work (thread 0:
+// 0 start, past the dependent-launch wait; 1 the first stage landed; 2 its warp's last stage
+// read; 3 every warp's; 4 the K slices summed; the cooperative tail: 5 v in shared memory,
+// 6 the row's pair written, 7 past the grid barrier; 8 the end), defined by
+// tools/small_m_phase_times.cu to read %globaltimer; nothing otherwise (the kernel's code is
+// the same with and without these points).
+#ifndef FUSED_GEMM_BN_SMALL_M_PHASE
+#define FUSED_GEMM_BN_SMALL_M_PHASE(p) static_cast<void>(0)
+#endif
 
 namespace fused_gemm_bn {
 
@@ -5778,30 +5795,39 @@ struct SmallMFeatureVectors {
   double bias, gamma, beta, s, running_mean, running_var;
 };
 
-// Read from global memory, all six at once (small_m_fp64_kernel's and the finish kernel's epilogue).
-__device__ __forceinline__ SmallMFeatureVectors small_m_load_vectors(const BatchNormArgs& bn, int n) {
+// The six vectors in SmallMFeatureVectors' order: j's array and feature n's element in it.
+constexpr int kSmallMVectors = 6;
+__device__ __forceinline__ const float* small_m_vector(const BatchNormArgs& bn, int j) {
+  const float* const src[kSmallMVectors] = {bn.bias,  bn.bn_weight,    bn.bn_bias,
+                                            bn.scale, bn.running_mean, bn.running_var};
+  return src[j];
+}
+__device__ __forceinline__ size_t small_m_vector_offset(const BatchNormArgs& bn, int j, int n) {
+  return j == 3 ? static_cast<size_t>(n) * bn.scale_stride : static_cast<size_t>(n);
+}
+
+// One feature's vectors, vector j's float from load(j) (not called for a null bias, bn_weight
+// or bn_bias).
+template <class Load>
+__device__ __forceinline__ SmallMFeatureVectors small_m_vectors(const BatchNormArgs& bn, Load load) {
   SmallMFeatureVectors f;
-  f.bias = bn.bias != nullptr ? static_cast<double>(bn.bias[n]) : 0.0;
-  f.gamma = bn.bn_weight != nullptr ? static_cast<double>(bn.bn_weight[n]) : 1.0;
-  f.beta = bn.bn_bias != nullptr ? static_cast<double>(bn.bn_bias[n]) : 0.0;
-  f.s = bn.scale[static_cast<size_t>(n) * bn.scale_stride];
-  f.running_mean = bn.running_mean[n], f.running_var = bn.running_var[n];
+  f.bias = bn.bias != nullptr ? static_cast<double>(load(0)) : 0.0;
+  f.gamma = bn.bn_weight != nullptr ? static_cast<double>(load(1)) : 1.0;
+  f.beta = bn.bn_bias != nullptr ? static_cast<double>(load(2)) : 0.0;
+  f.s = load(3), f.running_mean = load(4), f.running_var = load(5);
   return f;
 }
 
-// The TMA kernel's staged copies (small_m_stage_vectors): staged[j * BLOCK_N + f], j in the
-// struct's order, for the CTA's feature f.
-constexpr int kSmallMVectors = 6;
+// Read from global memory (small_m_fp64_kernel's and the finish kernel's epilogue).
+__device__ __forceinline__ SmallMFeatureVectors small_m_load_vectors(const BatchNormArgs& bn, int n) {
+  return small_m_vectors(bn, [&](int j) { return small_m_vector(bn, j)[small_m_vector_offset(bn, j, n)]; });
+}
+
+// The TMA kernel's staged copies (small_m_stage_vectors): staged[j * BLOCK_N + f] for the CTA's feature f.
 template <int kBlockN>
 __device__ __forceinline__ SmallMFeatureVectors small_m_staged_vectors(const BatchNormArgs& bn, const float* staged,
                                                                        int f) {
-  SmallMFeatureVectors v;
-  v.bias = bn.bias != nullptr ? static_cast<double>(staged[f]) : 0.0;
-  v.gamma = bn.bn_weight != nullptr ? static_cast<double>(staged[kBlockN + f]) : 1.0;
-  v.beta = bn.bn_bias != nullptr ? static_cast<double>(staged[2 * kBlockN + f]) : 0.0;
-  v.s = staged[3 * kBlockN + f];
-  v.running_mean = staged[4 * kBlockN + f], v.running_var = staged[5 * kBlockN + f];
-  return v;
+  return small_m_vectors(bn, [&](int j) { return staged[j * kBlockN + f]; });
 }
 
 // At the TMA kernel's start, thread f < BLOCK_N copies feature n0 + f's six vectors (those
@@ -5812,12 +5838,11 @@ template <int kBlockN>
 __device__ __forceinline__ void small_m_stage_vectors(const BatchNormArgs& bn, int n0, int N, float* staged) {
   const int f = static_cast<int>(threadIdx.x), n = n0 + f;
   if (f >= kBlockN) return;
-  const float* src[kSmallMVectors] = {bn.bias, bn.bn_weight, bn.bn_bias, bn.scale, bn.running_mean, bn.running_var};
 #pragma unroll
   for (int j = 0; j < kSmallMVectors; ++j) {
-    const bool valid = src[j] != nullptr && n < N;
-    const size_t offset = j == 3 ? static_cast<size_t>(n) * bn.scale_stride : static_cast<size_t>(n);
-    cp_async<4>(staged + j * kBlockN + f, valid ? src[j] + offset : bn.scale, valid);
+    const float* src = small_m_vector(bn, j);
+    const bool valid = src != nullptr && n < N;
+    cp_async<4>(staged + j * kBlockN + f, valid ? src + small_m_vector_offset(bn, j, n) : bn.scale, valid);
   }
   cp_async_commit();
 }
@@ -6046,14 +6071,21 @@ __device__ __forceinline__ void small_m_stage_products(const float* stage, const
 // softmax in the GEMM kernel, after a grid-wide barrier instead of a kernel boundary (the
 // boundary, its drain, dependent launch and wait, cost problem 84 5-7 us, docs/perf.md v63):
 //   The epilogue, one thread a feature, v into shared memory (ybuf[m][f]).
-//   Warp m (M <= 16 warps) takes row m: the row's max and sum of exp(v - max) over the CTA's
-//   features (warp butterflies) to row_stats[m][q] (CTA q of G), a barrier, then the row's
-//   max over the G pairs and sum = Sum_q sum_q exp(max_q - max), and out = exp(v - max) /
-//   sum rounded once (small_m_softmax_fp64_kernel's formula; the sum in another fixed order:
-//   the same bits on every run).  An element -inf adds 0 (a CTA of -inf only: the pair
-//   (-inf, 0)); NaN anywhere makes the row NaN, and a row of -inf NaN, as torch.softmax.
+//   Warp m (M <= 16 warps) takes row m: over the CTA's features (warp butterflies) its max
+//   R_q and e = exp(v - R_q), kept in registers, and s_q = Sum e, the pair (R_q, s_q) to
+//   row_stats[m][q] (CTA q of G); a barrier; then the row's sum relative to this CTA's max,
+//   S = Sum_q s_q exp(R_q - R) (R = this CTA's R_q, the G pairs in q order, lane-strided,
+//   then a butterfly: the same bits on every run), and out = e / S rounded once: softmax's
+//   exp(v - max) / Sum exp(v - max) with the shift R instead of the row's max (the quotient is
+//   shift-free), so nothing after the barrier waits for the max.  Overflow: R_q - R > ~705
+//   makes S infinite and out 0, where the exact value is below e^-705 (float32's smallest is
+//   e^-103.3).  An element -inf adds 0 and gets 0 (a CTA of -inf only: the pair (-inf, 0),
+//   and S infinite or NaN beside it); NaN anywhere makes S, so the row, NaN, and a row of
+//   -inf only gives 0 / 0 = NaN, as torch.softmax.  Relative error before the rounding
+//   (G + 4) 2^-53 beside small_m_softmax_fp64_kernel's N-term sum.
 // The barrier is cooperative_groups' grid sync (a cooperative launch: every CTA resident);
-// its fence orders the row_stats writes before the other CTAs' reads, which bypass L1 (__ldcg).
+// its release and acquire order the row_stats writes before the other CTAs' reads, which bypass
+// L1 (__ldcg).  The pairs are loaded at once (one L2 round trip), kept in registers.
 // Measured (docs/perf.md v86): with K split, the same barrier in place of the finish kernel
 // was slower (a barrier costs about what a boundary does there), so those grids keep the kernels.
 template <class T, bool kEval>
@@ -6071,35 +6103,43 @@ __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const Sma
                                               ybuf + c.tid, T::BLOCK_N);
   }
   __syncthreads();  // ybuf written
+  FUSED_GEMM_BN_SMALL_M_PHASE(5);
   const int row = c.warp, lane = c.lane;
   const bool has0 = row < M && lane < count, has1 = row < M && lane + 32 < count;
   const double y0 = has0 ? ybuf[row * T::BLOCK_N + lane] : -INFINITY;
   const double y1 = has1 ? ybuf[row * T::BLOCK_N + lane + 32] : -INFINITY;
+  double r = 0.0, e0 = 0.0, e1 = 0.0;  // this CTA's max of the row, and exp(y - r)
   if (row < M) {
-    const double local_max = warp_butterfly<true>(fmax(y0, y1));
-    double sum = (has0 && y0 != -INFINITY ? exp(y0 - local_max) : 0.0) +
-                 (has1 && y1 != -INFINITY ? exp(y1 - local_max) : 0.0);
-    sum = warp_butterfly<false>(sum);
-    if (lane == 0) {
-      double* pair = p.row_stats + 2 * (static_cast<size_t>(row) * G + q);
-      pair[0] = local_max, pair[1] = sum;
-    }
+    r = warp_butterfly<true>(fmax(y0, y1));
+    e0 = y0 != -INFINITY ? exp(y0 - r) : 0.0;
+    e1 = y1 != -INFINITY ? exp(y1 - r) : 0.0;
+    const double sum = warp_butterfly<false>(e0 + e1);
+    if (lane == 0) reinterpret_cast<double2*>(p.row_stats)[static_cast<size_t>(row) * G + q] = make_double2(r, sum);
   }
+  FUSED_GEMM_BN_SMALL_M_PHASE(6);
   cooperative_groups::this_grid().sync();
+  FUSED_GEMM_BN_SMALL_M_PHASE(7);
   if (row >= M) return;
-  const double* pairs = p.row_stats + 2 * static_cast<size_t>(row) * G;
-  double row_max = -INFINITY;
-  for (int b = lane; b < G; b += 32) row_max = fmax(row_max, __ldcg(pairs + 2 * b));
-  row_max = warp_butterfly<true>(row_max);
-  double sum = 0.0;
-  for (int b = lane; b < G; b += 32) {
-    const double pair_max = __ldcg(pairs + 2 * b), pair_sum = __ldcg(pairs + 2 * b + 1);
-    sum += pair_max != -INFINITY ? pair_sum * exp(pair_max - row_max) : pair_sum;  // pair_sum: 0, or NaN
-  }
+  // The row's G pairs, lane b's b, b + 32, ... (G <= 32 kHeldPairs loaded at once: one L2 round
+  // trip; any rest after them).
+  constexpr int kHeldPairs = 5;  // 160 CTAs: every sm_90 GPU's SMs
+  const double2* pairs = reinterpret_cast<const double2*>(p.row_stats) + static_cast<size_t>(row) * G;
+  auto term = [r](double2 pair) {  // pair.y: 0, or NaN, where pair.x is -inf
+    return pair.x != -INFINITY ? pair.y * exp(pair.x - r) : pair.y;
+  };
+  double2 held[kHeldPairs];
+#pragma unroll
+  for (int i = 0; i < kHeldPairs; ++i)
+    held[i] = lane + 32 * i < G ? __ldcg(pairs + lane + 32 * i) : make_double2(-INFINITY, 0.0);
+  double sum = 0.0;  // in q order
+#pragma unroll
+  for (int i = 0; i < kHeldPairs; ++i)
+    if (lane + 32 * i < G) sum += term(held[i]);
+  for (int b = lane + 32 * kHeldPairs; b < G; b += 32) sum += term(__ldcg(pairs + b));
   const double inv = 1.0 / warp_butterfly<false>(sum);
   float* out_row = p.out + static_cast<size_t>(row) * N + c.n0;
-  if (has0) out_row[lane] = static_cast<float>(exp(y0 - row_max) * inv);
-  if (has1) out_row[lane + 32] = static_cast<float>(exp(y1 - row_max) * inv);
+  if (has0) out_row[lane] = static_cast<float>(e0 * inv);
+  if (has1) out_row[lane + 32] = static_cast<float>(e1 * inv);
 }
 
 // After the last stage, every warp done with the ring (the caller's __syncthreads): the
@@ -6108,7 +6148,8 @@ __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const Sma
 // (the TMA kernel, where p.coop) or per feature (one thread each) the epilogue or, with K
 // split, the piece's float64 sums to the workspace.  `staged`: the TMA kernel's copies of the
 // CTA's feature vectors (small_m_stage_vectors, landed), or null (read from global memory).
-template <class T, bool kEval>
+// kTma: the TMA kernel (the only one whose p.coop may be set; the cp.async kernel's code has no tail).
+template <class T, bool kEval, bool kTma>
 __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const SmallMCta<T>& c, SmallMAccum<T>& a,
                                                    unsigned char* smem, const float* staged) {
   constexpr int TN = T::kTilesN, MB = T::kMBlocks;
@@ -6149,7 +6190,8 @@ __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const Sm
     zsum[nl * T::kRows + m] = sum;
   }
   __syncthreads();
-  if (p.coop) {
+  FUSED_GEMM_BN_SMALL_M_PHASE(4);
+  if (kTma && p.coop) {
     small_m_coop_tail<T, kEval>(p, c, zsum, staged, zsum + T::BLOCK_N * T::kRows);
     return;
   }
@@ -6222,7 +6264,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) small_m_fp64_kernel(const S
   }
   cp_async_wait<0>();  // only empty groups can be left; nothing writes the ring after this
   __syncthreads();     // every warp done with the ring: it becomes the reduction area
-  small_m_cta_finish<T, kEval>(p, c, a, small_m_smem, nullptr);
+  small_m_cta_finish<T, kEval, false>(p, c, a, small_m_smem, nullptr);
 }
 
 // The TMA ring (Hopper: the sm_90a image; 16-byte rows, kVec16's condition).  The same
@@ -6256,6 +6298,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(small_m_smem + T::smem_bytes(kStages));
   uint64_t* empty = full + kStages;
   float* staged = reinterpret_cast<float*>(empty + kStages);  // kSmallMVectors x BLOCK_N
+  FUSED_GEMM_BN_SMALL_M_PHASE(0);
   const SmallMCta<T> c(p);
   small_m_count_batch<kEval>(p, c.tid);
   const bool producer = c.tid == 0;
@@ -6290,13 +6333,17 @@ __global__ void __launch_bounds__(T::kNumThreads, 1)
       }
     }
     sm90::mbar_wait(&full[s], static_cast<uint32_t>(tile / kStages) & 1u);
+    if (tile == 0) FUSED_GEMM_BN_SMALL_M_PHASE(1);
     small_m_stage_products<T>(ring + s * T::kStageFloats, c, a);
     __syncwarp();
     if (c.lane == 0) sm90::mbar_arrive(&empty[s]);
   }
+  FUSED_GEMM_BN_SMALL_M_PHASE(2);
   __syncthreads();  // every stage landed and read by every warp: the ring becomes the reduction area
+  FUSED_GEMM_BN_SMALL_M_PHASE(3);
   cp_async_wait<0>();  // this thread's staged vectors (the epilogue's thread f reads feature f's)
-  small_m_cta_finish<T, kEval>(p, c, a, small_m_smem, staged);
+  small_m_cta_finish<T, kEval, true>(p, c, a, small_m_smem, staged);
+  FUSED_GEMM_BN_SMALL_M_PHASE(8);
 #else
   __trap();  // no sm_90a image: the launcher never takes this kernel here
 #endif
@@ -6521,7 +6568,7 @@ static cudaError_t launch_small_m(SmallMArgs p, unsigned char* workspace, cudaSt
   p.partials = plan.pieces > 1 ? reinterpret_cast<double*>(workspace) : nullptr;
   p.v = p.bn.scale_after_bn ? reinterpret_cast<double*>(workspace + partials_bytes) : nullptr;
   p.row_stats = p.v;
-  p.coop = p.bn.scale_after_bn && plan.pieces == 1 &&
+  p.coop = p.bn.scale_after_bn && plan.pieces == 1 && reinterpret_cast<uintptr_t>(p.row_stats) % 16 == 0 &&
            (p.N + SmallMTraits<1>::BLOCK_N - 1) / SmallMTraits<1>::BLOCK_N <= facts.num_sms;
   // 16-byte copies: every row of W and x starts 16-byte aligned.
   const bool vec16 = p.K % 4 == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0 &&

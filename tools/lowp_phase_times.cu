@@ -47,37 +47,8 @@ __device__ __forceinline__ void lowp_phase_stamp(int p) {
 }
 #define FUSED_GEMM_BN_LOWP_PHASE(p) lowp_phase_stamp(p)
 #include "lowp/sm90_gemm_bn_16bit.cu"
+#include "phase_tool_common.cuh"
 
-#define CHECK(call)                                                                  \
-  do {                                                                               \
-    cudaError_t err_ = (call);                                                       \
-    if (err_ != cudaSuccess) {                                                       \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
-                   cudaGetErrorString(err_));                                        \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
-
-static void fill_half(std::vector<__half>& v, uint32_t seed, float lo, float hi) {
-  uint32_t s = seed * 2654435761u + 12345u;
-  for (auto& e : v) {
-    s = s * 1664525u + 1013904223u;
-    e = __float2half(lo + (hi - lo) * static_cast<float>(s >> 8) / 16777216.f);
-  }
-}
-
-static __half* upload(const std::vector<__half>& h) {
-  __half* d = nullptr;
-  CHECK(cudaMalloc(&d, h.size() * sizeof(__half)));
-  CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(__half), cudaMemcpyHostToDevice));
-  return d;
-}
-
-static double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 int main(int argc, char** argv) {
   int M = 1024, K = 8192, N = 8192;
@@ -93,13 +64,13 @@ int main(int argc, char** argv) {
 
   std::vector<__half> hx(static_cast<size_t>(M) * K), hw(static_cast<size_t>(N) * K), hvec(N);
   const std::vector<__half> hones(N, __float2half(1.f)), hzeros(N, __float2half(0.f));
-  fill_half(hx, 1, -1.f, 1.f);
-  fill_half(hw, 2, -1.f / 64, 1.f / 64);
+  fill_uniform(hx, 1, -1.f, 1.f);
+  fill_uniform(hw, 2, -1.f / 64, 1.f / 64);
   __half* x = upload(hx);
   __half* w = upload(hw);
-  fill_half(hvec, 3, -0.5f, 0.5f);
+  fill_uniform(hvec, 3, -0.5f, 0.5f);
   __half* bias = upload(hvec);
-  fill_half(hvec, 4, 0.5f, 1.5f);
+  fill_uniform(hvec, 4, 0.5f, 1.5f);
   __half* scale = upload(hvec);
   __half* bn_weight = upload(hones);
   __half* bn_bias = upload(hzeros);
@@ -153,15 +124,10 @@ int main(int argc, char** argv) {
   const double plain_min_ms = *std::min_element(plain.begin(), plain.end());
   // FNV-1a over out's bits (and training's part_mean / part_m2): equal across two builds of the
   // kernel means bit-identical results (the launches are deterministic).
-  auto fnv1a = [](const void* p, size_t bytes, uint64_t h) {
-    const unsigned char* c = static_cast<const unsigned char*>(p);
-    for (size_t i = 0; i < bytes; ++i) h = (h ^ c[i]) * 1099511628211ull;
-    return h;
-  };
   {
     std::vector<__half> hout(static_cast<size_t>(M) * N);
     CHECK(cudaMemcpy(hout.data(), out, hout.size() * sizeof(__half), cudaMemcpyDeviceToHost));
-    uint64_t h = fnv1a(hout.data(), hout.size() * sizeof(__half), 14695981039346656037ull);
+    uint64_t h = fnv1a(hout.data(), hout.size() * sizeof(__half));
     if (train) {
       std::vector<float> hp(static_cast<size_t>(stat_rows) * N);
       CHECK(cudaMemcpy(hp.data(), part_mean, hp.size() * sizeof(float), cudaMemcpyDeviceToHost));

@@ -47,42 +47,8 @@ __device__ __forceinline__ void small_m_phase_stamp(int p) {
 }
 #define FUSED_GEMM_BN_SMALL_M_PHASE(p) small_m_phase_stamp(p)
 #include "small_m_fp64.cu"
+#include "phase_tool_common.cuh"
 
-#define CHECK(call)                                                                                          \
-  do {                                                                                                       \
-    cudaError_t err_ = (call);                                                                               \
-    if (err_ != cudaSuccess) {                                                                               \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_));         \
-      std::exit(2);                                                                                          \
-    }                                                                                                        \
-  } while (0)
-
-static void fill(std::vector<float>& v, uint32_t seed, float lo, float hi) {
-  uint32_t s = seed * 2654435761u + 12345u;
-  for (auto& e : v) {
-    s = s * 1664525u + 1013904223u;
-    e = lo + (hi - lo) * static_cast<float>(s >> 8) / 16777216.f;
-  }
-}
-
-static float* upload(const std::vector<float>& h) {
-  float* d = nullptr;
-  CHECK(cudaMalloc(&d, h.size() * sizeof(float)));
-  CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
-  return d;
-}
-
-static double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-static uint64_t fnv1a(const void* p, size_t bytes, uint64_t h) {
-  const unsigned char* c = static_cast<const unsigned char*>(p);
-  for (size_t i = 0; i < bytes; ++i) h = (h ^ c[i]) * 1099511628211ull;
-  return h;
-}
 
 int main(int argc, char** argv) {
   using namespace fused_gemm_bn;
@@ -98,17 +64,17 @@ int main(int argc, char** argv) {
   std::printf("device %s, %d SMs; M x K x N = %d x %d x %d\n", prop.name, prop.multiProcessorCount, M, K, N);
 
   std::vector<float> hx(static_cast<size_t>(M) * K), hw(static_cast<size_t>(N) * K), hv(N);
-  fill(hx, 1, -1.f, 1.f);
-  fill(hw, 2, -1.f / 64, 1.f / 64);
+  fill_uniform(hx, 1, -1.f, 1.f);
+  fill_uniform(hw, 2, -1.f / 64, 1.f / 64);
   float* x = upload(hx);
   float* w = upload(hw);
-  fill(hv, 3, -0.5f, 0.5f);
+  fill_uniform(hv, 3, -0.5f, 0.5f);
   float* bias = upload(hv);
-  fill(hv, 4, 0.5f, 1.5f);
+  fill_uniform(hv, 4, 0.5f, 1.5f);
   float* scale = upload(hv);
-  fill(hv, 5, 0.5f, 1.5f);
+  fill_uniform(hv, 5, 0.5f, 1.5f);
   float* bn_weight = upload(hv);
-  fill(hv, 6, -0.5f, 0.5f);
+  fill_uniform(hv, 6, -0.5f, 0.5f);
   float* bn_bias = upload(hv);
   const std::vector<float> zeros(N, 0.f), ones(N, 1.f);
   float* running_mean = upload(zeros);
@@ -177,7 +143,7 @@ int main(int argc, char** argv) {
       CHECK(cudaMemcpy(hout.data(), out, hout.size() * sizeof(float), cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(hrm.data(), running_mean, N * sizeof(float), cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(hrv.data(), running_var, N * sizeof(float), cudaMemcpyDeviceToHost));
-      uint64_t h = fnv1a(hout.data(), hout.size() * sizeof(float), 14695981039346656037ull);
+      uint64_t h = fnv1a(hout.data(), hout.size() * sizeof(float));
       if (train) h = fnv1a(hrv.data(), N * sizeof(float), fnv1a(hrm.data(), N * sizeof(float), h));
       reset();
 

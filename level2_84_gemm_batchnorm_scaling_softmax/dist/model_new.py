@@ -5714,10 +5714,13 @@ struct SmallMTraits {
   static constexpr int kStageFloats = (BLOCK_N + kRows) * kRowStride;  // W rows, then x rows
   static constexpr int kStageBytes = kStageFloats * 4;
   // The final K-slice reduction: kNumWarps x kTilesN x kMBlocks x 4 x 32 lanes doubles,
-  // then each feature's float64 sums z64[n][m] (BLOCK_N x kRows doubles) after it.
+  // then each feature's float64 sums z64[n][m] (BLOCK_N rows of kZsumStride doubles) after it:
+  // the odd stride keeps the epilogue's reads of a row a thread (feature) free of bank
+  // conflicts (a stride of kRows doubles, 64 or 128 bytes, put all 32 lanes on one bank pair).
   static constexpr int kReduceBytes = kNumWarps * kTilesN * kMBlocks * 4 * 32 * 8;
+  static constexpr int kZsumStride = kRows + 1;
   // The cooperative tail's ybuf (problem 84's v, kRows x BLOCK_N doubles) after zsum.
-  static constexpr int kZsumBytes = BLOCK_N * kRows * 8;
+  static constexpr int kZsumBytes = BLOCK_N * kZsumStride * 8;
   static constexpr int kYbufBytes = BLOCK_N * kRows * 8;
   static constexpr int kTailBytes = kReduceBytes + kZsumBytes + kYbufBytes;
   // Shared memory of a kStages-deep ring (the reduction area reuses it).
@@ -6067,7 +6070,8 @@ __device__ __forceinline__ void small_m_stage_products(const float* stage, const
 }
 
 // The cooperative grid's tail (p.coop: problem 84, K not split; every thread of every CTA
-// comes here, the CTA's float64 sums of its BLOCK_N features in zsum[feature][m]): the
+// comes here, the CTA's float64 sums of its BLOCK_N features in zsum[feature][m], rows
+// kZsumStride apart): the
 // softmax in the GEMM kernel, after a grid-wide barrier instead of a kernel boundary (the
 // boundary, its drain, dependent launch and wait, cost problem 84 5-7 us, docs/perf.md v63):
 //   The epilogue, one thread a feature, v into shared memory (ybuf[m][f]).
@@ -6097,7 +6101,7 @@ __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const Sma
   if (c.tid < count) {
     double zd[T::kRows];
 #pragma unroll
-    for (int m = 0; m < T::kRows; ++m) zd[m] = zsum[c.tid * T::kRows + m];
+    for (int m = 0; m < T::kRows; ++m) zd[m] = zsum[c.tid * T::kZsumStride + m];
     small_m_feature_epilogue<T::kRows, kEval>(p, c.n0 + c.tid, zd,
                                               small_m_staged_vectors<T::BLOCK_N>(p.bn, staged, c.tid),
                                               ybuf + c.tid, T::BLOCK_N);
@@ -6187,12 +6191,12 @@ __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const Sm
     for (int wk = 0; wk < T::kWarpsK; ++wk)
       sum += red[((((wn * T::kWarpsK + wk) * TN + f) * MB + mb) * 4 + v) * 32 + ln];
     const int nl = (wn * TN + f) * 16 + (ln >> 2) + 8 * (v >> 1), m = 8 * mb + 2 * (ln & 3) + (v & 1);
-    zsum[nl * T::kRows + m] = sum;
+    zsum[nl * T::kZsumStride + m] = sum;
   }
   __syncthreads();
   FUSED_GEMM_BN_SMALL_M_PHASE(4);
   if (kTma && p.coop) {
-    small_m_coop_tail<T, kEval>(p, c, zsum, staged, zsum + T::BLOCK_N * T::kRows);
+    small_m_coop_tail<T, kEval>(p, c, zsum, staged, zsum + T::BLOCK_N * T::kZsumStride);
     return;
   }
   if (tid >= T::BLOCK_N) return;
@@ -6200,7 +6204,7 @@ __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const Sm
   if (n >= p.N) return;
   double zd[T::kRows];
 #pragma unroll
-  for (int m = 0; m < T::kRows; ++m) zd[m] = zsum[tid * T::kRows + m];
+  for (int m = 0; m < T::kRows; ++m) zd[m] = zsum[tid * T::kZsumStride + m];
   if (p.pieces > 1) {
 #pragma unroll
     for (int m = 0; m < T::kRows; ++m)

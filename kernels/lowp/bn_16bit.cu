@@ -40,9 +40,13 @@
 //     bn16_chain_eval's values) for bn_16bit_backward.cu
 //   kPlain (eval after the GEMMs, whose epilogue already wrote v):  v = out
 //   out = rnd(expf(v - max v) / sum expf(v - max v)): PyTorch's CUDA softmax on
-//   a 16-bit tensor (max and sum in float32, IEEE expf, the division rounded as
-//   IEEE's from one reciprocal a row (RowDivisor, row_divisor.cuh), rounded once
-//   to S).  Rows of N <= 16384 with 16-byte access keep v in registers
+//   a 16-bit tensor (max and sum in float32, rounded once to S).  The register and
+//   walk kernels with 16-bit S form it as exp(v - m) exp(m - M) / S from each thread's
+//   max m, one reduction of (max, sum) pairs a row, exp by ex2.approx and one
+//   reciprocal a row (about 2^-20 relative before the rounding to S: row_factor16's
+//   note); S = float (autocast) and the shared-memory kernels take IEEE expf and the
+//   division as IEEE's from one reciprocal a row (RowDivisor, row_divisor.cuh).
+//   Rows of N <= 16384 with 16-byte access keep v in registers
 //   (bn16_softmax_rows_reg_kernel: up to 4 groups of 8 per thread, all loads issued
 //   first; batches under 256 rows spread a row over up to 512 threads, one group
 //   each); kTrain and kEval rows of N <= 8192 in batches of >= 512 rows: bn16_softmax_rows_walk_kernel,
@@ -369,6 +373,71 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_kernel(const Ro
   }
 }
 
+// The row softmax's exponentials and normalisation for 16-bit storage (S = T: the
+// output is rounded to 11 or 8 significant bits), in one CTA reduction a row (the reg
+// and walk kernels; S = float keeps expf and two reductions, the float32 output needing
+// float32's accuracy).  Each thread takes its values' max m (NaN ignored; -inf for none),
+// e = exp(v - m) and s = sum e; the CTA combines the (m, s) pairs, each partial sum
+// rescaled by exp(m - M) to the larger max M (a butterfly over the lanes, then over
+// the warps: max, rescale, sum), and each value becomes e * exp(m - M) / S
+// (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax", its
+// parallel form).  One barrier a row where max-then-sum takes two; 5 instructions an
+// element where expf and the IEEE division took 13 (docs/perf.md v93).
+// Numerics: exp by ex2.approx.ftz of d * log2(e) (exp_ftz; d = v - m formed first, exact
+// or below exp's range; relative error about 2^-21 for |d| < 16, below 2^-17 down to
+// exp's underflow) and the reciprocal of S once a row (rcp.approx.ftz, 1 ulp):
+// about 2^-20 relative before the one rounding to T, against 2^-12 (float16) /
+// 2^-9 (bfloat16) for that rounding itself, so a result lands on the other side of
+// a rounding tie for about 2^-9 of the elements, each still within one unit of
+// the exact value.  exp below 2^-126 is flushed to zero (ex2.approx.ftz): a
+// bfloat16 output below 2^-126 (a subnormal, < 1.2e-38 after a row max of 1) is
+// 0 instead.  Special values as PyTorch's softmax: a NaN anywhere makes the row NaN
+// (through S); a row of -inf is NaN (S = 0, 0 * inf); +inf gives NaN (inf - inf).
+
+// exp(d) as 2^(d log2(e)): one multiply and MUFU.EX2 (PTX ISA, "ex2": ex2.approx.ftz.f32,
+// maximum relative error 2^-22 over its range; a result below 2^-126 flushed to +0).
+// __expf adds a range test and two predicated multiplies for subnormal results.
+__device__ __forceinline__ float exp_ftz(float d) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d * 1.4426950408889634f));
+  return r;
+}
+
+// exp(m - M) for a partial max m under the combined max M >= m; 0 for a part with no
+// value above -inf, so that it adds nothing (0 times its sum: 0, or NaN kept).
+__device__ __forceinline__ float rescale16(float m, float M) { return m == -INFINITY ? 0.f : exp_ftz(m - M); }
+
+// v <- exp(v - m) for this thread's values, m their max; returns their sum.
+template <int kV>
+__device__ __forceinline__ float row_exps16(float (&v)[kV], float m) {
+  const float base = m == -INFINITY ? 0.f : m;  // none above -inf: v - 0 is -inf (e = 0) or NaN
+  float s = 0.f;
+#pragma unroll
+  for (int e = 0; e < kV; ++e) {
+    v[e] = exp_ftz(v[e] - base);
+    s += v[e];
+  }
+  return s;
+}
+
+// The factor that takes this thread's e = exp(v - m) to its outputs, exp(m - M) / S, from
+// its (m, s) and every other thread's.  red (shared): blockDim.x / 32 float2, this
+// reduction's own until a barrier that every thread reaches after it (one buffer a row
+// parity in the walk).
+__device__ __forceinline__ float row_factor16(float m, float s, float2* red) {
+  const float warp_max = warp_butterfly<true>(m);
+  const float warp_sum = warp_butterfly<false>(s * rescale16(m, warp_max));
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (lane == 0) red[threadIdx.x / 32] = make_float2(warp_max, warp_sum);
+  __syncthreads();
+  const float2 q = lane < static_cast<int>(blockDim.x / 32) ? red[lane] : make_float2(-INFINITY, 0.f);
+  const float row_max = warp_butterfly<true>(q.x);
+  const float row_sum = warp_butterfly<false>(q.y * rescale16(q.x, row_max));
+  float r;  // 1 / row_sum to 1 ulp (PTX ISA, "rcp": rcp.approx.ftz.f32); row_sum >= 1 (the max's own term)
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(row_sum));
+  return rescale16(m, row_max) * r;
+}
+
 // Rows of at most kRegGroups * kRowThreads groups of 8 (N <= 16384): v kept
 // in registers, every group's load issued before any is used (one global
 // read, as kCached, without the shared-memory round trips).
@@ -378,7 +447,6 @@ constexpr int kSpreadRows = 256;  // fewer rows: each row over up to kRowThreads
 template <typename T, typename S, RowMode kMode>
 __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(const RowArgs p) {
   pdl_wait_then_release();
-  __shared__ float red_max[kRowThreads / 32], red_sum[kRowThreads / 32];  // block_reduce's, one each
   store_eval_coeff<S, kMode>(p);
   word_t<S>* row = static_cast<word_t<S>*>(p.out) + static_cast<size_t>(blockIdx.x) * p.N;
   const word_t<S>* in_row = static_cast<const word_t<S>*>(p.in) + static_cast<size_t>(blockIdx.x) * p.N;
@@ -399,24 +467,42 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
   for (int j = 0; j < kRegGroups; ++j)
 #pragma unroll
     for (int e = 0; e < kVec; ++e) thread_max = fmaxf(thread_max, v[j][e]);
-  const float row_max = block_reduce<true>(thread_max, red_max);
-  float thread_sum = 0.f;
+  if constexpr (!std::is_same_v<S, float>) {  // 16-bit storage: one reduction of (max, sum) pairs
+    __shared__ float2 red[kRowThreads / 32];
+    float thread_sum = 0.f;
 #pragma unroll
-  for (int j = 0; j < kRegGroups; ++j)
+    for (int j = 0; j < kRegGroups; ++j) thread_sum += row_exps16(v[j], thread_max);  // groups past N: -inf, e = 0
+    const float factor = row_factor16(thread_max, thread_sum, red);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) {
+    for (int j = 0; j < kRegGroups; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
-      v[j][e] = i < num_groups ? expf(v[j][e] - row_max) : 0.f;  // expf(v - max), reused below
-      thread_sum += v[j][e];
+      if (i < num_groups) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[j][e] *= factor;
+        store_group<S>(row + i * kVec, v[j]);
+      }
     }
-  const RowDivisor divide(block_reduce<false>(thread_sum, red_sum));
+  } else {  // float storage: expf, then the IEEE division (RowDivisor)
+    __shared__ float red_max[kRowThreads / 32], red_sum[kRowThreads / 32];  // block_reduce's, one each
+    const float row_max = block_reduce<true>(thread_max, red_max);
+    float thread_sum = 0.f;
 #pragma unroll
-  for (int j = 0; j < kRegGroups; ++j) {
-    const int i = threadIdx.x + j * blockDim.x;
-    if (i < num_groups) {
+    for (int j = 0; j < kRegGroups; ++j)
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) v[j][e] = divide(v[j][e]);
-      store_group<S>(row + i * kVec, v[j]);
+      for (int e = 0; e < kVec; ++e) {
+        const int i = threadIdx.x + j * blockDim.x;
+        v[j][e] = i < num_groups ? expf(v[j][e] - row_max) : 0.f;  // expf(v - max), reused below
+        thread_sum += v[j][e];
+      }
+    const RowDivisor divide(block_reduce<false>(thread_sum, red_sum));
+#pragma unroll
+    for (int j = 0; j < kRegGroups; ++j) {
+      const int i = threadIdx.x + j * blockDim.x;
+      if (i < num_groups) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[j][e] = divide(v[j][e]);
+        store_group<S>(row + i * kVec, v[j]);
+      }
     }
   }
 }
@@ -434,7 +520,9 @@ __global__ void __launch_bounds__(kRowThreads) bn16_softmax_rows_reg_kernel(cons
 // are its critical path).  Same thread <-> group mapping and reductions as one CTA per
 // row of this width, so the outputs do not depend on the walk.  With 16-bit storage the
 // product by the scale and the row's max run on T pairs (mul2_rn, max2: the same values;
-// 320-330 instructions a warp per row instead of 379-395, docs/perf.md v81).  sm_80+
+// 320-330 instructions a warp per row instead of 379-395, docs/perf.md v81), and the
+// softmax takes one reduction a row (row_factor16: 238 instructions and one barrier a row
+// in float16 training, v93).  sm_80+
 // (cp.async; the 16-bit kernels run from compute capability 8.0).
 constexpr int kWalkMaxThreads = 1024;
 constexpr int kWalkStages = 3;          // slots per thread: this row's group and the next two rows'
@@ -463,6 +551,10 @@ __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel
   constexpr int kChunks = kGroupChunks<S>;
   extern __shared__ uint4 walk_slots[];  // [stage][thread][chunk]
   __shared__ float red_max[kWalkMaxThreads / 32], red_sum[kWalkMaxThreads / 32];  // block_reduce's, one each
+  // row_factor16's, one a row parity: a row's buffer is written again two rows later, after
+  // the next row's barrier, which every thread reaches after reading it.
+  __shared__ float2 red_pair[2][kWalkMaxThreads / 32];
+  int parity = 0;
   const int i = threadIdx.x;  // this thread's group: columns 8 i .. 8 i + 7
   const bool active = i < p.N / kVec;
   store_eval_coeff<S, kMode>(p);
@@ -537,20 +629,31 @@ __global__ void __launch_bounds__(kWalkMaxThreads) bn16_softmax_rows_walk_kernel
       }
     }
     stage = stage == kWalkStages - 1 ? 0 : stage + 1;
-    const float row_max = block_reduce<true>(thread_max, red_max);
-    float thread_sum = 0.f;
-    if (active) {
+    if constexpr (kChunks == 1) {  // 16-bit storage: one reduction of (max, sum) pairs (row_factor16)
+      const float thread_sum = row_exps16(v, thread_max);  // past N (not active): v unset, the sum dropped
+      const float factor = row_factor16(thread_max, active ? thread_sum : 0.f, red_pair[parity]);
+      parity ^= 1;
+      if (active) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        v[e] = expf(v[e] - row_max);
-        thread_sum += v[e];
+        for (int e = 0; e < kVec; ++e) v[e] *= factor;
+        store_group<S>(row, v);
       }
-    }
-    const RowDivisor divide(block_reduce<false>(thread_sum, red_sum));
-    if (active) {
+    } else {  // float storage: expf, then the IEEE division (RowDivisor)
+      const float row_max = block_reduce<true>(thread_max, red_max);
+      float thread_sum = 0.f;
+      if (active) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = divide(v[e]);
-      store_group<S>(row, v);
+        for (int e = 0; e < kVec; ++e) {
+          v[e] = expf(v[e] - row_max);
+          thread_sum += v[e];
+        }
+      }
+      const RowDivisor divide(block_reduce<false>(thread_sum, red_sum));
+      if (active) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[e] = divide(v[e]);
+        store_group<S>(row, v);
+      }
     }
   }
   cp_async_wait<0>();

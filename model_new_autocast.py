@@ -14,7 +14,10 @@ so its outputs, running statistics and gradients are Model's.
 
 Entry points (model_new.py calls them): bind(engine), autocast_dtype(x), check(x,
 gemm, scale, bn, group), forward(x, gemm, scale, bn, scale_after_bn, dtype),
-path_name(x, gemm, scale, bn, grad); fused_gemm(...) is the decision, for tests.
+path_name(x, gemm, scale, bn, grad); and for the core's common-call lane
+(model_new._plain_call) X_DTYPES, route(dtype, training, grad, facts, switches) and
+run(route, dtype, training, grad, params, buffers, momentum, eps, scale_after_bn);
+fused_gemm(...) is the decision, for tests.
 This module imports nothing of the core: the core that loads it hands it its
 face (model_new.Engine, whose `lowp` is the 16-bit extra) through bind().
 """
@@ -34,6 +37,13 @@ _GET_AUTOCAST_DTYPE = hasattr(torch, "get_autocast_dtype")
 # Whether autocast is on for any device type: one call where the checks below take ~0.7 us of host time
 # per forward (torch 2.0 through 2.13 have it; where a torch lacks it, the checks run).
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+# The dtypes of x the fused routes take (autocast casts them to its dtype).
+X_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
+# The weight cache's kind of gemm.weight's cast (model_new._weight_parts), per autocast dtype: the
+# strings model_new_lowp.forward_autocast_grad makes, made once here (a dtype's str costs host time).
+_CAST_KIND = {dtype: f"cast_{dtype}" for dtype in (torch.float16, torch.bfloat16)}
 
 
 def autocast_dtype(x):
@@ -70,17 +80,26 @@ def fused_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None)
     switches = engine.switches() if switches is None else switches
     if engine.tracing():  # the extension calls cannot be recorded; Model's ops can (fullgraph=True works)
         return None
-    if (not x.is_cuda or x.shape[0] == 0 or dtype not in (torch.float16, torch.bfloat16)
-            or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not switches.autocast_fused
-            or engine.lowp is None or not engine.lowp.available()):
+    if not x.is_cuda or x.shape[0] == 0 or x.dtype not in X_DTYPES:
         return None
     tensors = (gemm.weight, gemm.bias, scale, bn.weight, bn.bias, bn.running_mean, bn.running_var)
     if any(t is None or t.dtype != torch.float32 for t in tensors):
         return None
-    facts = engine.device_facts(x.device) if facts is None else facts
+    return route(dtype, bn.training, grad, engine.device_facts(x.get_device()) if facts is None else facts,
+                 switches)
+
+
+def route(dtype, training, grad, facts, switches):
+    """fused_gemm's decision once the call itself qualifies (x, the module's tensors,
+    not tracing): the route, or None.  Also the core's common-call lane's
+    (model_new._plain_call, which checks the rest as fused_gemm does).  Pure in its
+    arguments: facts (DeviceFacts of x's GPU), switches (SWITCHES)."""
+    if (dtype not in (torch.float16, torch.bfloat16) or not switches.autocast_fused or engine.lowp is None
+            or not engine.lowp.available()):
+        return None
     if switches.portable or facts.capability != (9, 0) or not facts.sm90_gemm:
         return None
-    return "lowp_cublas" if grad and not bn.training else "lowp_sm90"
+    return "lowp_cublas" if grad and not training else "lowp_sm90"
 
 
 def path_name(x, gemm, scale, bn, grad):
@@ -114,9 +133,24 @@ def _model_forward(x, gemm, scale, bn, scale_after_bn):
 
 
 def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, route, grad=False):
-    """The fused autocast forward on fused_gemm's `route`: x cast to
-    dtype (autocast's cast of F.linear's input; no copy when x already is),
-    then one extension call (out float32).  The GEMM's weight operand is
+    """The fused autocast forward of the general path (forward): run()'s arguments read off
+    the module's containers."""
+    momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
+    buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+    scale = engine.per_feature_scale(scale, gemm.out_features, one_number=True)  # (1,): read in place
+    params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
+    return run(route, dtype, bn.training, grad, params, buffers, momentum, float(bn.eps), scale_after_bn)
+
+
+def run(route, dtype, training, grad, params, buffers, momentum, eps, scale_after_bn):
+    """The fused autocast forward on fused_gemm's `route` in `dtype`, for forward() and
+    the core's common-call lane (model_new._plain_call, _run_plan): params (x, gemm.weight,
+    gemm.bias, scale ((N,) or (1,)), bn.weight, bn.bias), x float32 or 16-bit, the rest
+    float32; buffers (running_mean, running_var, num_batches_tracked); momentum (< 0:
+    cumulative average) and eps as floats; training: batch statistics; grad: gradients
+    needed.  Returns out (M, N) float32.
+    Without gradients: x cast to dtype (autocast's cast of F.linear's input; no copy when
+    x already is), then one extension call.  The GEMM's weight operand is
     gemm.weight's cast to dtype from the weight cache (_weight_parts, kind
     "cast_<dtype>") where it holds one for the current weight; else, in
     training (BatchNorm in training mode: the weight is expected to change
@@ -129,19 +163,15 @@ def _fused_forward(x, gemm, scale, bn, scale_after_bn, dtype, route, grad=False)
     and cached at once.  Model casts the weight once per autocast region.  Training with
     gradients: model_new_lowp.forward_autocast_grad, whose backward needs the cast,
     takes it from the cache; eval with gradients the same call on lowp_cublas."""
-    momentum = -1.0 if bn.momentum is None else float(bn.momentum)  # < 0: cumulative average
-    buffers = (bn.running_mean, bn.running_var, bn.num_batches_tracked)
-    scale = engine.per_feature_scale(scale, gemm.out_features, one_number=True)  # (1,): read in place
     if grad:
-        params = (x, gemm.weight, gemm.bias, scale, bn.weight, bn.bias)
-        return engine.lowp.forward_autocast_grad(route, bn.training, params, buffers, momentum, float(bn.eps),
-                                                 scale_after_bn, dtype)
-    weight = engine.weight_parts(gemm.weight, split=lambda w: w.to(dtype), kind=f"cast_{dtype}",
-                                make="reused" if bn.training else True)
-    params = (x.to(dtype), gemm.weight if weight is None else weight, gemm.bias,
-              scale, bn.weight, bn.bias)
-    return engine.forward_call(engine.lowp.kernels(), route, scale_after_bn, bn.training, buffers, momentum,
-                               float(bn.eps), params)
+        return engine.lowp.forward_autocast_grad(route, training, params, buffers, momentum, eps, scale_after_bn,
+                                                 dtype)
+    x, weight = params[0], params[1]
+    cast = engine.weight_parts(weight, split=lambda w: w.to(dtype), kind=_CAST_KIND[dtype],
+                               make="reused" if training else True)
+    params = (x.to(dtype), weight if cast is None else cast) + tuple(params[2:])
+    return engine.forward_call(engine.lowp.kernels(), route, scale_after_bn, training, buffers, momentum, eps,
+                               params)
 
 
 def check(x, gemm, scale, bn, group):

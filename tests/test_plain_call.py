@@ -4,11 +4,17 @@ the plain CUDA call takes it, and it gives what fused_forward's general path giv
   - taken: float32, float16, bfloat16; both problems; train / eval; with and
     without gradients; a one-number scale (problem 84's).  Output, buffers and
     every gradient bit-equal to fused_forward on a copy with the same state.
+  - taken under torch.autocast (float16, bfloat16) for a float32 module with x
+    float32 or float16, where the fused route runs the call (the Plan named as
+    kernel_path names it): output, buffers and gradients bit-equal to
+    fused_forward's general path, two calls (the weight cache's cast made on
+    the second in training).
   - declined (None, nothing written) wherever the general path decides
     something the lane does not: optional state absent, a batch of 0 or of 1
-    row in training, autocast, x a tensor subclass or not on the module's GPU,
+    row in training, x a tensor subclass or not on the module's GPU,
     float64, a scale of two dims, a parametrized weight, a SyncBatchNorm,
-    SWITCHES.eager_ops.  The forward still gives Model's output there.
+    SWITCHES.eager_ops; under autocast a 16-bit module, SWITCHES.autocast_fused
+    off and a batch of 1 row in training.  The forward still gives Model's output there.
   - torch.func.functional_call's swapped tensors are what the lane reads.
 GPU only: the lane takes CUDA tensors alone (python -m pytest -q -k gpu tests/test_plain_call.py).
 """
@@ -135,12 +141,10 @@ def test_gpu_plain_call_declines(problem, case):
 
 @requires_cuda
 def test_gpu_plain_call_declines_modes():
-    """float64, autocast and SWITCHES.eager_ops go to the general path too."""
+    """float64 and SWITCHES.eager_ops go to the general path too."""
     _, new = make_pair(PROBLEMS["33"], 0, K, N, device="cuda")
     assert model_new._plain_call(new, _x(torch.float32)) is not None
     assert model_new._plain_call(copy.deepcopy(new).double(), _x(torch.float64)) is None
-    with torch.autocast("cuda", dtype=torch.float16):
-        assert model_new._plain_call(new, _x(torch.float32)) is None
     switches = model_new.SWITCHES
     try:
         model_new.SWITCHES = switches._replace(eager_ops=True)
@@ -169,3 +173,72 @@ def test_gpu_plain_call_reads_functional_call_swaps(dtype):
         other.scale.copy_(swap["scale"])
         assert torch.equal(out, _general(other, x))
         assert not torch.equal(out, new(x)) and torch.equal(new(x), _general(new, x))
+
+
+_AUTOCAST_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@requires_cuda
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dtype", _AUTOCAST_DTYPES, ids=str)
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+def test_gpu_plain_call_autocast_as_general_path(problem, dtype, training, grad, x_dtype):
+    """Under autocast a float32 module's common call takes the lane where the fused route runs
+    it (its Plan named as kernel_path names it, with the autocast dtype), else declines; the
+    forward gives fused_forward's output, buffers and gradients, bit for bit."""
+    if model_new._AUTOCAST is None:
+        pytest.skip("autocast needs model_new_autocast.py")
+    _, new = make_pair(PROBLEMS[problem], 0, K, N, device="cuda")
+    new.train(training)
+    other = copy.deepcopy(new)
+    x = _x(x_dtype)
+    with torch.autocast("cuda", dtype=dtype), torch.set_grad_enabled(grad):
+        call = model_new._plain_call(new, x)
+        path = new.kernel_path(x.clone().requires_grad_(grad))
+    if path.startswith("torch_ops"):  # not an sm_90 GPU, or SWITCHES.portable
+        assert call is None
+    else:
+        assert call is not None and call[0].name == path and call[0].mixed_dtype is dtype
+    assert all(torch.equal(v, _state(other)[k]) for k, v in _state(new).items())  # (the lane wrote nothing)
+    for _ in range(2):  # training: the second call finds the weight unchanged and caches its cast
+        with torch.autocast("cuda", dtype=dtype):
+            out, state, grads = _run(lambda m, x: m(x), new, x, grad)
+            out_ref, state_ref, grads_ref = _run(_general, other, x, grad)
+        assert out.dtype == torch.float32 and torch.equal(out, out_ref)
+        assert state.keys() == state_ref.keys() and all(torch.equal(v, state_ref[k]) for k, v in state.items())
+        assert len(grads) == len(grads_ref) and all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+        for m in (new, other):
+            m.zero_grad(set_to_none=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", ["module_16bit", "autocast_fused_off", "one_row_training"])
+def test_gpu_plain_call_autocast_declines(case):
+    """Under autocast the lane declines (None, nothing written) a 16-bit module (Model's ops run
+    it), SWITCHES.autocast_fused off, and a batch of one row in training (the general path raises
+    BatchNorm's ValueError, nothing written)."""
+    if model_new._AUTOCAST is None:
+        pytest.skip("autocast needs model_new_autocast.py")
+    _, new = make_pair(PROBLEMS["84"], 0, K, N, device="cuda")
+    x = _x(torch.float32, m=1 if case == "one_row_training" else M)
+    if case == "module_16bit":
+        new = new.half()
+    before = _state(new)
+    switches = model_new.SWITCHES
+    try:
+        if case == "autocast_fused_off":
+            model_new.SWITCHES = switches._replace(autocast_fused=False)
+        with torch.autocast("cuda", dtype=torch.float16), torch.no_grad():
+            assert model_new._plain_call(new, x) is None
+            assert all(torch.equal(v, before[k]) for k, v in _state(new).items())
+            if case == "one_row_training":
+                with pytest.raises(ValueError):
+                    new(x)
+                assert all(torch.equal(v, before[k]) for k, v in _state(new).items())
+            else:
+                assert new.kernel_path(x).startswith("torch_ops")
+                assert torch.isfinite(new(x)).all()
+    finally:
+        model_new.SWITCHES = switches

@@ -8263,7 +8263,7 @@ bool sm90_gemm_available(int64_t device) {
 }
 ''',
 }
-_EMBEDDED_ENGINE_SHA256 = '2c6bf4e5d7bc12febba5901a32d82a8a333d83d050f22e77a905d0daeb3cb2fe'
+_EMBEDDED_ENGINE_SHA256 = 'd80ba563e4e3b32cda89f9cfe3747b04a8bb3c26ba073cb4c84d5c7dfc85f0ab'
 
 
 def _kernel_dir():
@@ -8895,15 +8895,19 @@ Call.__doc__ = """What dispatch() reads off a call: x's device type ("cuda", "cp
 and dtype; M, N, K; training (batch statistics); grad (gradients needed);
 scale_after_bn (problem 84)."""
 
-Plan = collections.namedtuple("Plan", ["name", "gemm", "kernels", "training", "grad"])
-Plan.__doc__ = """A call's path, from dispatch():
+Plan = collections.namedtuple("Plan", ["name", "gemm", "kernels", "training", "grad", "mixed_dtype"],
+                              defaults=(None,))
+Plan.__doc__ = """A call's path, from dispatch() (or, under mixed precision, _plain_call's lane):
   name      <gemm>_<train|eval>[_grad]: what ModelNew.kernel_path returns
+            (<gemm>_autocast_<train|eval>[_grad] under mixed precision)
   gemm      the GEMM kernel: sm90_fp16x3, sm80_3xtf32, small_m_fp64, lowp_sm90,
             lowp_cublas, lowp_sm80, torch_ops, or empty (batch of 0)
   kernels   who runs it: "ext" (the float32 extension), "lowp" (the 16-bit
             extension), "torch" (the _torch_* functions), or None (empty)
   training  batch statistics (True) or running statistics
-  grad      gradients needed: the autograd path (saved tensors, backward)"""
+  grad      gradients needed: the autograd path (saved tensors, backward)
+  mixed_dtype  None, or the 16-bit dtype of mixed precision a float32 module's call runs
+            in (the 16-bit extension's float32-vector form, model_new_autocast.run)"""
 
 _DEVICE_FACTS = {}
 
@@ -9179,6 +9183,9 @@ def _run_plan(plan, params, buffers, momentum, eps, scale_after_bn):
     params (x, gemm.weight, gemm.bias, scale ((N,) or (1,)), bn.weight, bn.bias);
     buffers (running_mean, running_var, num_batches_tracked); momentum (< 0: cumulative
     average) and eps as floats.  Returns out (M, N)."""
+    if plan.mixed_dtype is not None:
+        return _AUTOCAST.run(plan.gemm, plan.mixed_dtype, plan.training, plan.grad, params, buffers, momentum, eps,
+                             scale_after_bn)
     if plan.kernels == "lowp":
         return _LOWP.forward(plan, params, buffers, momentum, eps, scale_after_bn)
     params = _per_feature(params, params[1].shape[0])
@@ -9202,13 +9209,17 @@ def _plain_call(module, x):
     gemm.weight's dtype and device, M >= 1 (>= 2 in training); module.gemm a
     LinearParams and module.bn a BatchNormState (not a SyncBatchNorm), every tensor
     present (bias, affine, running statistics; in training num_batches_tracked and
-    track_running_stats True); scale a parameter of shape (N,) or (1,); no mixed precision,
-    tracing, compiling or SWITCHES.eager_ops.  It reads what module_call and
-    _checked_params read, and accepts only calls they let through unchanged, so both paths
-    give the same plan and tensors.  Nothing is written."""
+    track_running_stats True); scale a parameter of shape (N,) or (1,); no tracing,
+    compiling or SWITCHES.eager_ops.  It reads what module_call and _checked_params read,
+    and accepts only calls they let through unchanged, so both paths give the same plan
+    and tensors.  Under mixed precision (on for x's device) the common
+    call is a float32 module's with x float32 or 16-bit, taken where
+    model_new_autocast's fused route runs it (the Plan's mixed_dtype: _mixed_plan).
+    Nothing is written."""
     if type(x) is not torch.Tensor or not x.is_cuda or torch.jit.is_tracing() or _use_ops():
         return None
-    if _AUTOCAST is not None and _AUTOCAST.autocast_dtype(x) is not None:
+    mixed = None if _AUTOCAST is None else _AUTOCAST.autocast_dtype(x)
+    if mixed is not None and _is_compiling():  # (Model's ops are what torch.compile records)
         return None
     if not _plain_fields(type(module), _FUSED_MODULE_FIELDS):
         return None
@@ -9237,16 +9248,46 @@ def _plain_call(module, x):
     n = w_shape[0]
     dtype, device = x.dtype, x.get_device()
     if (k != w_shape[1] or m < (2 if training else 1) or (s_shape[0] != n and s_shape[0] != 1)
-            or dtype is not weight.dtype or device != weight.get_device()
-            or (dtype is not torch.float32 and (dtype is torch.float64 or _cuda_dtype_problem(dtype) is not None))):
-        return None  # (float64 takes the torch-op route by fused_forward)
-    if _SYNC is None:
-        _warn_unsynchronized(bn)
+            or device != weight.get_device()):
+        return None
     params = (x, weight, bias, scale, bn_weight, bn_bias)
-    scale_after_bn = module.scale_after_bn
-    plan = _dispatch_memo(device, dtype, shape, n, training, _needs_grad(params), scale_after_bn)
+    if mixed is not None:  # model_new_autocast.fused_gemm's conditions on the tensors, then its route
+        f32 = torch.float32
+        if (dtype not in _AUTOCAST.X_DTYPES or weight.dtype is not f32 or bias.dtype is not f32
+                or scale.dtype is not f32 or bn_weight.dtype is not f32 or bn_bias.dtype is not f32
+                or mean.dtype is not f32 or var.dtype is not f32):
+            return None
+        plan = _mixed_plan(device, mixed, training, _needs_grad(params))
+        if plan is None:
+            return None
+    else:
+        if (dtype is not weight.dtype
+                or (dtype is not torch.float32 and (dtype is torch.float64 or _cuda_dtype_problem(dtype) is not None))):
+            return None  # (float64 takes the torch-op route by fused_forward)
+        if _SYNC is None:
+            _warn_unsynchronized(bn)
+        plan = _dispatch_memo(device, dtype, shape, n, training, _needs_grad(params), module.scale_after_bn)
     return (plan, params, (mean, var, tracked), -1.0 if momentum is None else float(momentum), float(eps),
-            scale_after_bn)
+            module.scale_after_bn)
+
+
+def _mixed_plan(device, dtype, training, grad):
+    """The lane's Plan of a float32 module's call under mixed precision in `dtype` (_plain_call,
+    which has checked the call's tensors as model_new_autocast.fused_gemm does) on the
+    GPU of index `device`: the fused route's Plan, named as kernel_path names it, or
+    None where Model's ops run the call (fused_forward's general path).  Memoized in
+    dispatch's memo under its own keys."""
+    switches = SWITCHES
+    key = ("mixed", device, dtype, training, grad, switches)
+    made = _PLANS.get(key, _MISSING)
+    if made is _MISSING:
+        gemm = _AUTOCAST.route(dtype, training, grad, device_facts(device), switches)
+        mode = ("train" if training else "eval") + ("_grad" if grad else "")
+        made = None if gemm is None else Plan(f"{gemm}_autocast_{mode}", gemm, "lowp", training, grad, dtype)
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = made
+    return made
 
 
 def kernel_path(x, gemm, scale, bn, scale_after_bn):

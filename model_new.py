@@ -1197,8 +1197,7 @@ def _weight_parts(weight, split=None, kind="fp16x3", make=True):
     and a later call that finds it unchanged makes the parts."""
     if not SWITCHES.weight_cache or not _WEIGHT_CACHE_SAFE or weight.is_inference():
         return None
-    if weight.is_cuda and (torch.cuda.is_current_stream_capturing()
-                           or torch.cuda.current_stream(weight.device) != torch.cuda.default_stream(weight.device)):
+    if weight.is_cuda and (torch.cuda.is_current_stream_capturing() or not _on_default_stream(weight.get_device())):
         return None
     key = (kind, weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), weight.device)
     wid = id(weight)
@@ -1220,6 +1219,21 @@ def _weight_parts(weight, split=None, kind="fp16x3", make=True):
     parts = None if make == "reused" and not seen else split(weight)
     _WEIGHT_PARTS[wid] = _WeightPartsEntry(weakref.ref(weight, drop), key, weight.untyped_storage(), parts)
     return parts
+
+
+# The current and the default stream of a CUDA device as (stream id, device index, device type), by the
+# functions torch.cuda.current_stream / default_stream call (every torch since 1.x; absent from CPU-only
+# builds): compared as tuples, without the Stream objects and device parsing (~5 us of host time a call
+# on the GPU hosts, the float32 and mixed-precision forwards' weight cache lookup: docs/perf.md v96).
+_STREAM_IDS = (getattr(torch._C, "_cuda_getCurrentStream", None), getattr(torch._C, "_cuda_getDefaultStream", None))
+
+
+def _on_default_stream(device_index):
+    """Work on CUDA device `device_index` goes to its default stream now."""
+    current, default = _STREAM_IDS
+    if current is None or default is None:
+        return torch.cuda.current_stream(device_index) == torch.cuda.default_stream(device_index)
+    return current(device_index) == default(device_index)
 
 
 def _drop_stepped_weights(optimizer, args, kwargs):

@@ -122,3 +122,14 @@ def test_a_base_tree_runs_its_own_python(tmp_path, monkeypatch, modules_removed)
     assert issubclass(classes["84"], base.FusedModule) and classes["33"] is base.ModelNew
     args = ab_kernels.parse_args(["--base-tree", str(tree)])
     assert args.base_tree == str(tree) and args.base is None and args.base_dir is None
+
+
+def test_autocast_option_needs_float32_models():
+    """--autocast times float32 models inside torch.autocast: another --dtype is refused."""
+    with pytest.raises(SystemExit):
+        ab_kernels.parse_args(["--base", "HEAD", "--autocast", "float16"])  # (--dtype defaults to float16)
+    args = ab_kernels.parse_args(["--base", "HEAD", "--dtype", "float32", "--autocast", "bfloat16"])
+    assert args.autocast == "bfloat16"
+    seen = []
+    ab_kernels.in_region(lambda x: seen.append(torch.is_autocast_cpu_enabled()), None)(0)
+    assert seen == [False]

@@ -8,6 +8,8 @@ revision's kernels/), each compiled into its own copy of model_new.py, timed sid
                                                              # problem 84's folder (git archive REV | tar -x -C DIR)
       --model 33|84|both  --dtype float32|float16|bfloat16  --mode train|eval|both
       --shape M,K,N (repeatable; default 1024,8192,8192)  --grad  --iters N  --warmup N  --rounds R  --seed S
+      --autocast float16|bfloat16  (with --dtype float32: each call of each side in its own
+                                    torch.autocast region, as bench.py --autocast times it)
 
 How: model_new.py is imported a second time under another module name with
 $FUSED_GEMM_BN_KERNEL_DIR set to the base folder for that import only (the core reads its
@@ -166,7 +168,30 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--autocast", choices=("float16", "bfloat16"), default=None,
+                   help="float32 models, every call in its own torch.autocast region of this dtype; in train mode "
+                        "each side's cached weight cast is dropped before its calls (bench.weight_cast_drop's rule)")
+    args = p.parse_args(argv)
+    if args.autocast is not None and args.dtype != "float32":
+        p.error("--autocast runs float32 models: it needs --dtype float32")
+    return args
+
+
+def region(dtype):
+    """torch.autocast("cuda", dtype), or no context for dtype None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cuda", dtype=dtype)
+
+
+def in_region(fn, dtype):
+    """fn with each call in its own torch.autocast("cuda", dtype) region (fn itself for dtype None)."""
+    if dtype is None:
+        return fn
+
+    def call(x):
+        with torch.autocast("cuda", dtype=dtype):
+            return fn(x)
+
+    return call
 
 
 def main(argv=None):
@@ -189,6 +214,7 @@ def main(argv=None):
             lowp["new"].sources() == lowp["base"].sources():
         print("note: both sides' 16-bit kernel sources (kernels/lowp/ and the headers they include) are identical")
     dtype = bench.DTYPES[args.dtype]
+    mixed = None if args.autocast is None else bench.DTYPES[args.autocast]
     shapes = args.shape or [(1024, 8192, 8192)]
     modes = ("train", "eval") if args.mode == "both" else (args.mode,)
     names = ("33", "84") if args.model == "both" else (args.model,)
@@ -204,19 +230,28 @@ def main(argv=None):
                 pair = {side: classes[side][name] for side in classes}
                 ref, new, base = build_pair(problem, pair, shape, mode, args.seed, dtype)
                 x = torch.randn(m, k, device=bench.DEVICE).to(dtype)
-                verdict = compare(ref, new, base, x, args.grad)
+                with region(mixed):
+                    verdict = compare(ref, new, base, x, args.grad)
                 inputs = [torch.rand(m, k, device=bench.DEVICE).to(dtype) for _ in range(bench.NUM_INPUTS)]
-                sides = {"eager": ref, "new": new, "base": base}
-                floor = bench.make_floor(m, k, n, dtype)
+                sides = {"eager": in_region(ref, mixed), "new": in_region(new, mixed), "base": in_region(base, mixed)}
+                prepare = None
+                if mixed is not None and mode == "train":  # (as after an optimizer step, each call)
+                    prepare = {s: lambda x: None for s in ("eager", "floor")}
+                    prepare.update({s: (lambda x, e=engines[s]: e.clear_weight_cache()) for s in engines})
+                floor = bench.make_floor(m, k, n, dtype if mixed is None else mixed)
                 if floor is not None:
                     sides["floor"] = floor
-                print(f"\nproblem {name} {args.dtype} {mode}{' with gradients' if args.grad else ''} {m}x{k}x{n}: "
-                      f"new path {new.kernel_path(x)}, base path {base.kernel_path(x)}; {verdict}")
+                with region(mixed):
+                    paths = new.kernel_path(x), base.kernel_path(x)
+                print(f"\nproblem {name} {args.dtype}{'' if mixed is None else ' autocast ' + args.autocast} {mode}"
+                      f"{' with gradients' if args.grad else ''} {m}x{k}x{n}: "
+                      f"new path {paths[0]}, base path {paths[1]}; {verdict}")
                 with torch.set_grad_enabled(args.grad):
                     for synchronized in (False, True):
                         per_round = {s: [] for s in sides}
                         for _ in range(args.rounds):
-                            t = bench.time_fn(sides, inputs, args.iters, args.warmup, synchronized=synchronized)
+                            t = bench.time_fn(sides, inputs, args.iters, args.warmup, prepare=prepare,
+                                              synchronized=synchronized)
                             for s, ts in t.items():
                                 per_round[s].append(statistics.median(ts) * 1e3)
                         med = {s: statistics.median(v) for s, v in per_round.items()}

@@ -241,7 +241,7 @@ def main(argv=None):
                 floor = bench.make_floor(m, k, n, dtype if mixed is None else mixed)
                 if floor is not None:
                     sides["floor"] = floor
-                with region(mixed):
+                with region(mixed), torch.set_grad_enabled(args.grad):  # (the paths timed below)
                     paths = new.kernel_path(x), base.kernel_path(x)
                 print(f"\nproblem {name} {args.dtype}{'' if mixed is None else ' autocast ' + args.autocast} {mode}"
                       f"{' with gradients' if args.grad else ''} {m}x{k}x{n}: "

@@ -188,7 +188,7 @@ def in_region(fn, dtype):
         return fn
 
     def call(x):
-        with torch.autocast("cuda", dtype=dtype):
+        with region(dtype):
             return fn(x)
 
     return call

@@ -15,8 +15,9 @@ so its outputs, running statistics and gradients are Model's.
 Entry points (model_new.py calls them): bind(engine), autocast_dtype(x), check(x,
 gemm, scale, bn, group), forward(x, gemm, scale, bn, scale_after_bn, dtype),
 path_name(x, gemm, scale, bn, grad); and for the core's common-call lane
-(model_new._plain_call) X_DTYPES, route(dtype, training, grad, facts, switches) and
-run(route, dtype, training, grad, params, buffers, momentum, eps, scale_after_bn);
+(model_new._plain_call) X_DTYPES, route(dtype, training, grad, facts, switches),
+plan_name(route, training, grad) and run(route, dtype, training, grad, params, buffers,
+momentum, eps, scale_after_bn);
 fused_gemm(...) is the decision, for tests.
 This module imports nothing of the core: the core that loads it hands it its
 face (model_new.Engine, whose `lowp` is the 16-bit extra) through bind().
@@ -41,9 +42,6 @@ _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 # The dtypes of x the fused routes take (autocast casts them to its dtype).
 X_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
-# The weight cache's kind of gemm.weight's cast (model_new._weight_parts), per autocast dtype: the
-# strings model_new_lowp.forward_autocast_grad makes, made once here (a dtype's str costs host time).
-_CAST_KIND = {dtype: f"cast_{dtype}" for dtype in (torch.float16, torch.bfloat16)}
 
 
 def autocast_dtype(x):
@@ -102,13 +100,18 @@ def route(dtype, training, grad, facts, switches):
     return "lowp_cublas" if grad and not training else "lowp_sm90"
 
 
-def path_name(x, gemm, scale, bn, grad):
-    """kernel_path's name under autocast: <route>_autocast_<train|eval>[_grad]
-    on the fused kernels (fused_gemm's route: lowp_sm90, or lowp_cublas for eval
-    with gradients), else torch_ops_autocast_<train|eval>[_grad]."""
-    fused = fused_gemm(x, gemm, scale, bn, autocast_dtype(x), grad)
-    return ((fused or "torch_ops") + "_autocast_" + ("train" if bn.training else "eval")
+def plan_name(route_name, training, grad):
+    """The name of an autocast call's path, as kernel_path gives it:
+    <route>_autocast_<train|eval>[_grad] on a fused route (lowp_sm90, or
+    lowp_cublas for eval with gradients), torch_ops_autocast_<train|eval>[_grad]
+    where route_name is None (Model's ops).  Also the core's lane's Plan name."""
+    return ((route_name or "torch_ops") + "_autocast_" + ("train" if training else "eval")
             + ("_grad" if grad else ""))
+
+
+def path_name(x, gemm, scale, bn, grad):
+    """kernel_path's name under autocast (plan_name of fused_gemm's route)."""
+    return plan_name(fused_gemm(x, gemm, scale, bn, autocast_dtype(x), grad), bn.training, grad)
 
 
 def _model_forward(x, gemm, scale, bn, scale_after_bn):
@@ -152,7 +155,7 @@ def run(route, dtype, training, grad, params, buffers, momentum, eps, scale_afte
     Without gradients: x cast to dtype (autocast's cast of F.linear's input; no copy when
     x already is), then one extension call.  The GEMM's weight operand is
     gemm.weight's cast to dtype from the weight cache (_weight_parts, kind
-    "cast_<dtype>") where it holds one for the current weight; else, in
+    model_new_lowp.CAST_KIND[dtype]) where it holds one for the current weight; else, in
     training (BatchNorm in training mode: the weight is expected to change
     between calls), the float32 gemm.weight itself, which the kernel rounds to
     dtype as it loads each tile (the values autocast's cast gives, with no
@@ -167,9 +170,9 @@ def run(route, dtype, training, grad, params, buffers, momentum, eps, scale_afte
         return engine.lowp.forward_autocast_grad(route, training, params, buffers, momentum, eps, scale_after_bn,
                                                  dtype)
     x, weight = params[0], params[1]
-    cast = engine.weight_parts(weight, split=lambda w: w.to(dtype), kind=_CAST_KIND[dtype],
+    cast = engine.weight_parts(weight, split=lambda w: w.to(dtype), kind=engine.lowp.CAST_KIND[dtype],
                                make="reused" if training else True)
-    params = (x.to(dtype), weight if cast is None else cast) + tuple(params[2:])
+    params = (x.to(dtype), weight if cast is None else cast) + params[2:]
     return engine.forward_call(engine.lowp.kernels(), route, scale_after_bn, training, buffers, momentum, eps,
                                params)
 

@@ -148,6 +148,11 @@ def forward(plan, params, buffers, momentum, eps, scale_after_bn):
     return engine.forward_call(ext, plan.gemm, scale_after_bn, plan.training, buffers, momentum, eps, params)
 
 
+# The weight cache's kind of gemm.weight's cast to a 16-bit dtype (model_new._weight_parts): "cast_<dtype>",
+# one string per dtype, shared by the autocast calls with and without gradients (a dtype's str costs host time).
+CAST_KIND = {dtype: f"cast_{dtype}" for dtype in (torch.float16, torch.bfloat16)}
+
+
 def forward_autocast_grad(gemm, training, params, buffers, momentum, eps, scale_after_bn, dtype):
     """A float32 module's forward with gradients under autocast in `dtype` on the
     route `gemm` (model_new_autocast.fused_gemm's: lowp_sm90 in training, lowp_cublas
@@ -157,7 +162,7 @@ def forward_autocast_grad(gemm, training, params, buffers, momentum, eps, scale_
     gradients; made here, detached, where the cache holds none); x is cast in the
     extension.  The gradients come back in the parameters' and x's dtypes."""
     weight = params[1]
-    cast = engine.weight_parts(weight, split=lambda w: w.detach().to(dtype), kind=f"cast_{dtype}")
+    cast = engine.weight_parts(weight, split=lambda w: w.detach().to(dtype), kind=CAST_KIND[dtype])
     cast = weight.detach().to(dtype) if cast is None else cast
     return kernels().forward_grad(gemm, training, *params, *buffers, momentum, eps, scale_after_bn, cast)
 

@@ -8195,7 +8195,7 @@ bool sm90_gemm_available(int64_t device) {
 }
 ''',
 }
-_EMBEDDED_ENGINE_SHA256 = '51dd2bbd8e2d2b63b9c9970cf9e93f4fedf500477107f438954087855f26cff6'
+_EMBEDDED_ENGINE_SHA256 = 'c589c7a589f27f12db5e2385642a3c00a4e1cff23a75689afaf0626e6726f4d2'
 
 
 def _kernel_dir():
@@ -8948,9 +8948,16 @@ def _dispatch_memo(device, dtype, shape, n, training, grad, scale_after_bn, fact
     if made is None:
         cuda = type(device) is int
         call = Call("cuda" if cuda else device, dtype, shape[0], n, shape[1], training, grad, scale_after_bn)
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        made = _PLANS[key] = plan(call, device_facts(device) if facts is None and cuda else facts, switches)
+        made = _memo_put(key, plan(call, device_facts(device) if facts is None and cuda else facts, switches))
+    return made
+
+
+def _memo_put(key, made):
+    """Puts a made Plan (or None: _mixed_plan) into dispatch's memo, which is cleared whole
+    when full; returns it."""
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[key] = made
     return made
 
 
@@ -9214,11 +9221,8 @@ def _mixed_plan(device, dtype, training, grad):
     made = _PLANS.get(key, _MISSING)
     if made is _MISSING:
         gemm = _AUTOCAST.route(dtype, training, grad, device_facts(device), switches)
-        mode = ("train" if training else "eval") + ("_grad" if grad else "")
-        made = None if gemm is None else Plan(f"{gemm}_autocast_{mode}", gemm, "lowp", training, grad, dtype)
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        _PLANS[key] = made
+        made = _memo_put(key, None if gemm is None else Plan(_AUTOCAST.plan_name(gemm, training, grad), gemm, "lowp",
+                                                             training, grad, dtype))
     return made
 
 

@@ -697,8 +697,8 @@ routes; nothing reads the environment per call:
                  path instead of the fused kernels (model_new_sync.py)
   autocast_fused False: under mixed precision ModelNew runs Model's own ops
                  instead of the fused 16-bit kernels (model_new_autocast.py)
-  lowp_gemm      "auto", or the Hopper 16-bit route every shape takes
-                 (model_new_lowp.hopper_gemm)
+  lowp_gemm      "auto", or the Hopper 16-bit route every shape takes (lowp_<name>;
+                 "small_m" where it takes the call: model_new_lowp.hopper_gemm)
   eager_ops      True: eager calls go through the fused_gemm_bn:: operators,
                  as under torch.compile (tests run the operators' autograd)
   small_m        "auto": small float32 batches take small_m_fp64 on Hopper where it
@@ -730,7 +730,7 @@ Plan.__doc__ = """A call's path, from dispatch() (or, under mixed precision, _pl
   name      <gemm>_<train|eval>[_grad]: what ModelNew.kernel_path returns
             (<gemm>_autocast_<train|eval>[_grad] under mixed precision)
   gemm      the GEMM kernel: sm90_fp16x3, sm80_3xtf32, small_m_fp64, lowp_sm90,
-            lowp_cublas, lowp_sm80, torch_ops, or empty (batch of 0)
+            lowp_cublas, lowp_small_m, lowp_sm80, torch_ops, or empty (batch of 0)
   kernels   who runs it: "ext" (the float32 extension), "lowp" (the 16-bit
             extension), "torch" (the _torch_* functions), or None (empty)
   training  batch statistics (True) or running statistics

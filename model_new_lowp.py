@@ -14,6 +14,9 @@ Routes (route(); README support matrix):
                kernels (lowp/bn_16bit_chain.cu, lowp/bn_16bit_strip.cu, lowp/bn_16bit.cu);
                Hopper where hopper_gemm says lowp_sm90 is slower, and eval with
                gradients on sm_80-89 (forward_eval_saved keeps z)
+  lowp_small_m Hopper, batches of at most SMALL_M_ROWS rows: the product by
+               lowp/small_m_16bit.cu (W read once, the same z as cuBLAS's up to the
+               order of float32 sums), then lowp_cublas's chain kernels
   lowp_sm80    sm_80-89: lowp/sm80_gemm_bn_16bit.cu (mma.sync)
 With gradients: the extension's forward_grad, one call that makes its autograd
 node in C++ (forward_train_saved / forward_eval_saved, then lowp/bn_16bit_backward.cu
@@ -79,6 +82,7 @@ def kernels():
 MIN_FILL = 0.9     # 256-row grids filling less of the SMs than this go to lowp_cublas
 STRIP_ROWS = 1024  # training batches up to this many rows: bn_16bit_strip.cu after cuBLAS ...
 SMALL_MNK = 1 << 33  # ... when M N K is at most this (17.2 GFLOP): lowp_cublas
+SMALL_M_ROWS = 8  # batches up to this many rows (in_features a multiple of 8): lowp_small_m
 
 
 def hopper_gemm(m, n, k, training, facts, switches):
@@ -87,9 +91,16 @@ def hopper_gemm(m, n, k, training, facts, switches):
     nn.Linear's own call, then the chain kernels of lowp/bn_16bit_chain.cu, or in
     training batches of at most 1024 rows lowp/bn_16bit_strip.cu's one kernel; problem
     84's 16-bit eval: one row softmax that applies BatchNorm, lowp/bn_16bit.cu), by
-    switches.lowp_gemm ("sm90" or "cublas": tests and tools run each), or for
-    "auto" by this rule, fitted to both routes' times over bench.py's sweep (H200,
-    both dtypes, problems and modes; docs/perf.md v31), where lowp_sm90 is slower:
+    switches.lowp_gemm ("sm90", "cublas" or "small_m": tests and tools run each; "small_m"
+    where it takes the call, else "cublas"), or for "auto" by this rule, fitted to the
+    routes' times over bench.py's sweep (H200, both dtypes, problems and modes; docs/perf.md
+    v31, v98):
+      - batches of at most SMALL_M_ROWS rows with in_features a multiple of 8:
+        lowp_small_m (docs/perf.md v98, K = N = 8192: the module 1.06-1.13x faster than
+        on lowp_cublas back to back in float16, 0.98-1.02x in bfloat16, and 1.15-1.57x
+        synchronized per call, cuBLAS's host path left out); at 12-16 rows its product
+        ran 3-6% slower than cuBLAS's back to back, so those stay on the rules below;
+    and where lowp_sm90 is slower:
       - lowp_sm90's 256-row tiles (its plan when they fill at least half of the
         SMs) filling less than MIN_FILL of them: one partial wave, where
         cuBLAS splits K (333 x 8192 x 5000: 0.58-0.77; 1000 x 3000 x 3000: 0.71-0.94);
@@ -107,8 +118,13 @@ def hopper_gemm(m, n, k, training, facts, switches):
     cuBLAS's route 1.01-1.08x its time without gradients; with them 0.99-1.01x back to
     back, 1.01-1.05x synchronized; docs/perf.md v72; training there since v62's grouped
     tile order)."""
+    small_m = m <= SMALL_M_ROWS and k % 8 == 0
+    if switches.lowp_gemm == "small_m":
+        return "lowp_small_m" if small_m else "lowp_cublas"
     if switches.lowp_gemm in ("sm90", "cublas"):
         return "lowp_" + switches.lowp_gemm
+    if small_m:
+        return "lowp_small_m"
     sms = facts.num_sms
     tiles_256 = -(-m // 256) * -(-n // 128)
     tiles_128 = -(-m // 128) * -(-n // 128)

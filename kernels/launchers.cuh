@@ -270,6 +270,15 @@ void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 cudaError_t lowp_sm90_gemm_bn(const LowpBatchNormArgs& bn, bool train, bool w_float32, const void* x, const void* w,
                               void* out, int M, int N, int K, float* part_mean, float* part_m2, void* z_out,
                               float* coeff_out, float* workspace, cudaStream_t stream);
+// The lowp_small_m route's product (lowp/small_m_16bit.cu; mma.sync, sm_80+): z = rnd(x w^T + bias)
+// (M, N) in dtype, as eager nn.Linear's product gives it, for M = 1 .. lowp_small_m_max_rows().  x (M, K)
+// and w (N, K) contiguous and 16-byte aligned, K % 8 == 0, else cudaErrorInvalidValue.  bias (N): dtype,
+// or float32 (bias_float32: rounded to dtype first, autocast's cast), or null.  workspace:
+// lowp_small_m_workspace_floats(M, N, K, num_sms) floats (null where that is 0); num_sms: the device's.
+int lowp_small_m_max_rows();
+int64_t lowp_small_m_workspace_floats(int M, int N, int K, int num_sms);
+cudaError_t lowp_small_m_linear(int dtype, bool bias_float32, const void* x, const void* w, const void* bias,
+                                void* z, float* workspace, int M, int N, int K, int num_sms, cudaStream_t stream);
 // Training statistics (coeff, (4, N) rows: lowp_coeff.cuh) and the running-statistics update (lowp/bn_16bit.cu);
 // float32_io: the BatchNorm parameters and running statistics (and below, out and scale) are float32.
 // bn: dtype, float32_io, bn_weight, bn_bias, running_mean, running_var (updated),

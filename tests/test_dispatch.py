@@ -150,6 +150,24 @@ CASES = [
      DEFAULT._replace(lowp_gemm="sm90"), "lowp_sm90_train"),
     ("hopper-bfloat16-forced-cublas", call(dtype=torch.bfloat16, problem=84), H200,
      DEFAULT._replace(lowp_gemm="cublas"), "lowp_cublas_train"),
+    # batches of at most SMALL_M_ROWS rows with K % 8 == 0: lowp_small_m's product (W read once), every
+    # mode; K % 8 != 0 and 9 rows keep the rule above; off Hopper lowp_sm80 as before
+    ("hopper-float16-small-m", call(m=8, k=8192, n=8192, dtype=torch.float16), H200, DEFAULT,
+     "lowp_small_m_train"),
+    ("hopper-bfloat16-small-m-84-eval-grad", call(m=1, k=1024, n=10, dtype=torch.bfloat16, problem=84,
+                                                   training=False, grad=True), H200, DEFAULT,
+     "lowp_small_m_eval_grad"),
+    ("hopper-float16-small-m-odd-k", call(m=4, k=36 + 1, n=64, dtype=torch.float16), H200, DEFAULT,
+     "lowp_cublas_train"),
+    ("hopper-float16-9-rows", call(m=9, k=8192, n=8192, dtype=torch.float16), H200, DEFAULT,
+     "lowp_cublas_train"),
+    ("hopper-float16-small-m-forced-sm90", call(m=8, k=8192, n=8192, dtype=torch.float16), H200,
+     DEFAULT._replace(lowp_gemm="sm90"), "lowp_sm90_train"),
+    ("hopper-float16-forced-small-m-large", call(dtype=torch.float16), H200, DEFAULT._replace(lowp_gemm="small_m"),
+     "lowp_cublas_train"),
+    ("hopper-float16-small-m-portable", call(m=8, k=8192, n=8192, dtype=torch.float16), H200, PORTABLE,
+     "lowp_sm80_train"),
+    ("a100-float16-small-m", call(m=8, k=8192, n=8192, dtype=torch.float16), A100, DEFAULT, "lowp_sm80_train"),
     ("cuda-float64", call(dtype=torch.float64), H200, DEFAULT, "torch_ops_train"),
     ("cuda-float64-eval-grad", call(dtype=torch.float64, training=False, grad=True), H200, DEFAULT,
      "torch_ops_eval_grad"),
@@ -168,7 +186,7 @@ def test_plan_table(case_call, facts, switches, expected):
     assert result.name == expected
     assert result.name.startswith(result.gemm)
     assert result.kernels == {"torch_ops": "torch", "lowp_sm80": "lowp", "lowp_sm90": "lowp", "lowp_cublas": "lowp",
-                              "empty": None}.get(result.gemm, "ext")
+                              "lowp_small_m": "lowp", "empty": None}.get(result.gemm, "ext")
 
 
 @pytest.mark.parametrize("dtype", [F32, torch.float16, torch.bfloat16])
@@ -244,12 +262,13 @@ def test_every_route_is_a_default():
     default = model_new.Switches(portable=False, weight_cache=True)
     seen = set()
     for facts in (H200, A100):
-        for m, k, n in [(1024, 8192, 8192), (333, 8192, 5000), (7, 4095, 513), (16384, 4096, 4096)]:
+        for m, k, n in [(1024, 8192, 8192), (333, 8192, 5000), (7, 4095, 513), (7, 4096, 512), (16384, 4096, 4096)]:
             for dtype in (F32, torch.float16):
                 for training, grad in [(True, False), (False, False), (True, True), (False, True)]:
                     seen.add(plan(call(m=m, k=k, n=n, dtype=dtype, training=training, grad=grad), facts,
                                   default).gemm)
-    assert seen == {"sm90_fp16x3", "sm80_3xtf32", "small_m_fp64", "lowp_sm90", "lowp_cublas", "lowp_sm80"}
+    assert seen == {"sm90_fp16x3", "sm80_3xtf32", "small_m_fp64", "lowp_sm90", "lowp_cublas", "lowp_small_m",
+                    "lowp_sm80"}
 
 
 # ---------------------------------------------------------------------------
@@ -265,12 +284,14 @@ LAUNCHES = {
     # after the library's product, no project GEMM kernel: the chain kernels, or problem 84
     # eval's row softmax with BatchNorm fused (bn16_softmax_rows_*)
     "lowp_cublas": ["bn16_"],
+    # the project's small-batch product (with K split, small_m_16bit_finish_kernel after it), then the chain
+    "lowp_small_m": ["bn16_", "small_m_16bit_kernel"],
     # the cp.async ring (small_m_fp64_kernel) or, on Hopper with 16-byte rows, the TMA ring
     # (small_m_fp64_tma_kernel); with K split, small_m_fp64_finish_kernel after it
     "small_m_fp64": ["small_m_fp64_"],
 }
 GEMM_KERNELS = ["sm90_gemm_fp16x3_bn_kernel", "sm80_gemm_3xtf32_bn_kernel", "sm80_gemm_bn_16bit_kernel",
-                "sm90_gemm_bn_16bit_kernel", "small_m_fp64_"]
+                "sm90_gemm_bn_16bit_kernel", "small_m_fp64_", "small_m_16bit_kernel"]
 
 
 GPU_CASES = [  # (problem, m, k, n, dtype, misaligned weight)
@@ -279,6 +300,8 @@ GPU_CASES = [  # (problem, m, k, n, dtype, misaligned weight)
     ("84", 64, 96, 80, torch.bfloat16, False),
     # small batches (small_m_fp64 on Hopper by default; the misaligned W takes its 4-byte copies)
     ("33", 4, 512, 384, F32, False), ("84", 7, 37, 515, F32, True),
+    # 16-bit small batches (lowp_small_m on Hopper by default; the misaligned W copied by the binding)
+    ("33", 4, 512, 384, torch.float16, False), ("84", 7, 96, 80, torch.bfloat16, True),
 ]
 
 

@@ -65,8 +65,10 @@ from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84  
 # (7, 4095, 513): a few rows, K odd: sm80_3xtf32's 16-row tile, split K, 4-byte w loads.
 # (4353, 72, 1100): 18 batch tiles of 256 rows, so lowp_sm90 (and sm90_fp16x3) take the grouped
 # tile order (docs/perf.md v62); N % 8 != 0, so lowp's 16-bit out has no tensor map.
+# (7, 4096, 512), (5, 520, 1000): 16-bit batches of at most 8 rows take lowp_small_m on Hopper (its
+# product with K split into pieces and the finish kernel; one piece, a partial last stage).
 SMALL_SHAPES = [(200, 264, 136), (130, 1028, 260), (33, 36, 20), (2305, 64, 136), (2048, 200, 2176),
-                (7, 4095, 513), (4353, 72, 1100)]
+                (7, 4095, 513), (4353, 72, 1100), (7, 4096, 512), (5, 520, 1000)]
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -91,16 +91,21 @@ namespace {
 namespace fgb = fused_gemm_bn;
 using namespace fgb::binding;  // check_training, current_stream, feature_vector, num_sms
 
-// The GEMM a call names.
-enum class Gemm { kSm80, kSm90, kCublas };
+// The GEMM a call names.  kCublas and kSmallM form the product z first (at::linear, or
+// small_m_16bit.cu's kernel at a few rows), then run the same chain kernels over it.
+enum class Gemm { kSm80, kSm90, kCublas, kSmallM };
 
 Gemm parse_gemm(const std::string& gemm) {
   if (gemm == "lowp_sm90") return Gemm::kSm90;
   if (gemm == "lowp_sm80") return Gemm::kSm80;
+  if (gemm == "lowp_small_m") return Gemm::kSmallM;
   TORCH_CHECK(gemm == "lowp_cublas", "fused_gemm_bn (16-bit): unknown GEMM kernel '", gemm,
-              "' (expected lowp_sm90, lowp_sm80 or lowp_cublas)");
+              "' (expected lowp_sm90, lowp_sm80, lowp_cublas or lowp_small_m)");
   return Gemm::kCublas;
 }
+
+// Whether the route forms the product z before the chain kernels (lowp_cublas, lowp_small_m).
+bool product_first(Gemm g) { return g == Gemm::kCublas || g == Gemm::kSmallM; }
 
 const char* gemm_kernel_name(Gemm g, bool train) {
   if (g == Gemm::kSm90) return train ? "sm90_gemm_bn_16bit_kernel (training)" : "sm90_gemm_bn_16bit_kernel (eval)";
@@ -125,11 +130,15 @@ struct Operands {
 
 // lowp_sm90: the TMA loads also need 16-byte aligned data (a misaligned x or weight is copied)
 // and K % 8 == 0 (otherwise both are copied with K zero-padded to a multiple of 8).
-// lowp_cublas: contiguous and 16-byte aligned too (copies otherwise), the layout eager's
+// lowp_cublas and lowp_small_m: contiguous and 16-byte aligned too (copies otherwise), the layout eager's
 // nn.Linear usually gets: cuBLAS picks its algorithm, hence its summation order, by the
 // operands' alignment, and a misaligned bfloat16 x was measured 3% of problem 33's outputs
 // past the 16-bit tests' tolerance against eager on the aligned x (130 x 264 x 200).
 Operands check_operands(const torch::Tensor& x, const torch::Tensor& weight, Gemm gemm) {
+  TORCH_CHECK(gemm != Gemm::kSmallM || (x.dim() == 2 && x.size(0) <= fgb::lowp_small_m_max_rows() &&
+                                        x.size(1) % 8 == 0),
+              "fused_gemm_bn (16-bit): lowp_small_m takes at most ", fgb::lowp_small_m_max_rows(),
+              " rows and in_features a multiple of 8, got x ", x.sizes());
   const bool sm90 = gemm == Gemm::kSm90, autocast_form = gemm != Gemm::kSm80;
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", x.device());
   TORCH_CHECK(x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kBFloat16,
@@ -242,6 +251,29 @@ torch::Tensor cublas_linear(const Operands& op, const BnTensors& t, bool float32
   return at::linear(op.x, w, b).contiguous();
 }
 
+// lowp_small_m's product (small_m_16bit.cu): the same z as cublas_linear's (its header says
+// where the bits may differ), W read once at the memory's rate.  The autocast form's float32
+// weight is cast first, as cublas_linear casts it; its float32 bias is rounded in the kernel.
+torch::Tensor small_m_linear(const Operands& op, const BnTensors& t, bool float32_io) {
+  const c10::ScalarType type = op.x.scalar_type();
+  const torch::Tensor w = op.w_float32 ? op.weight.to(type) : op.weight;
+  torch::Tensor z = torch::empty({op.M, op.N}, op.x.options());
+  const int sms = num_sms(op.x);
+  const int64_t workspace_floats = fgb::lowp_small_m_workspace_floats(op.M, op.N, op.K, sms);
+  const torch::Tensor workspace =
+      workspace_floats > 0 ? torch::empty({workspace_floats}, op.x.options().dtype(torch::kFloat32)) : torch::Tensor();
+  check_launch(fgb::lowp_small_m_linear(op.dtype, float32_io, op.x.data_ptr(), w.data_ptr(), t.bias.data_ptr(),
+                                        z.data_ptr(), workspace_floats > 0 ? workspace.data_ptr<float>() : nullptr,
+                                        op.M, op.N, op.K, sms, current_stream(op.x)),
+               "small_m_16bit_kernel");
+  return z;
+}
+
+// The product of a product-first route (lowp_cublas, lowp_small_m).
+torch::Tensor linear_product(Gemm gemm, const Operands& op, const BnTensors& t, bool float32_io) {
+  return gemm == Gemm::kSmallM ? small_m_linear(op, t, float32_io) : cublas_linear(op, t, float32_io);
+}
+
 // The GEMM launch of either fused kernel (the same arguments and outputs; not lowp_cublas).
 // coeff_out: lowp_sm90's eval with z_out only.
 cudaError_t launch_gemm(bool sm90, bool train, const Operands& op, torch::Tensor& out,
@@ -297,7 +329,7 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   const auto f32 = op.x.options().dtype(torch::kFloat32);
   TrainResult r;
   torch::Tensor z;  // lowp_cublas: the product, before the chain (launched before any allocation of this call)
-  if (gemm == Gemm::kCublas && N > 0) z = cublas_linear(op, t, float32_io);
+  if (product_first(gemm) && N > 0) z = linear_product(gemm, op, t, float32_io);
   r.coeff = torch::empty({4, N}, f32);
   // lowp_cublas without saved z and 16-bit out: the chain runs in place over z.
   const bool in_place = z.defined() && !saved && !float32_io;
@@ -311,7 +343,7 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   float* coeff = r.coeff.data_ptr<float>();
   const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, scale_stride,
                                             num_batches_tracked.data_ptr<int64_t>(), momentum, eps, scale_after_bn);
-  if (gemm == Gemm::kCublas && (!scale_after_bn || N <= kStripMaxFeatures84) &&
+  if (product_first(gemm) && (!scale_after_bn || N <= kStripMaxFeatures84) &&
       fgb::lowp_bn_strip_train_fits(M, N, z.data_ptr(), out.data_ptr())) {
     // One kernel for the statistics, the running statistics, coeff and (33) the output.
     if (momentum < 0) num_batches_tracked.add_(1);  // read by the kernel (momentum=None)
@@ -329,7 +361,7 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   torch::Tensor scratch = torch::empty({2 * part_floats}, f32);
   float* part_mean = scratch.data_ptr<float>();
   float* part_m2 = part_mean + part_floats;
-  if (gemm == Gemm::kCublas) {
+  if (product_first(gemm)) {
     check_launch(fgb::lowp_bn_chain_train(bn, z.data_ptr(), out.data_ptr(), M, N, part_mean, part_m2, stream),
                  gemm_kernel_name(gemm, true));
   } else {
@@ -364,8 +396,8 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
   const Operands op = check_operands(x_in, weight, gemm);
   const int M = op.M, N = op.N;
   const bool float32_io = check_bn_tensors(t, N, op.x, gemm, op.w_float32);
-  TORCH_CHECK(!saved || gemm == Gemm::kCublas || (gemm == Gemm::kSm90 && !float32_io),
-              "forward_eval_saved runs on lowp_cublas, or lowp_sm90 with 16-bit parameters (lowp_sm80's eval epilogue "
+  TORCH_CHECK(!saved || product_first(gemm) || (gemm == Gemm::kSm90 && !float32_io),
+              "forward_eval_saved runs on lowp_cublas or lowp_small_m, or lowp_sm90 with 16-bit parameters (lowp_sm80's eval epilogue "
               "keeps no Linear output)");
   TORCH_CHECK(!saved || !op.w_float32, "forward_eval_saved takes gemm.weight in x's dtype (", op.x.scalar_type(),
               "; the backward's products need it), got float32");
@@ -373,8 +405,8 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
   const cudaStream_t stream = current_stream(op.x);
   EvalResult r;
   const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, scale_stride, nullptr, 0.0, eps, scale_after_bn);
-  const bool cublas = gemm == Gemm::kCublas && M > 0 && N > 0;
-  const torch::Tensor z = cublas ? cublas_linear(op, t, float32_io) : torch::Tensor();  // launched first
+  const bool cublas = product_first(gemm) && M > 0 && N > 0;
+  const torch::Tensor z = cublas ? linear_product(gemm, op, t, float32_io) : torch::Tensor();  // launched first
   if (saved) r.coeff = torch::empty({4, N}, op.x.options().dtype(torch::kFloat32));
   if (cublas) {
     if (scale_after_bn && !float32_io) {  // 84: BatchNorm, scale and softmax in one pass over z

@@ -2567,6 +2567,15 @@ void lowp_sm90_workspace(int M, int N, int K, int64_t* floats, int* zero_ints);
 cudaError_t lowp_sm90_gemm_bn(const LowpBatchNormArgs& bn, bool train, bool w_float32, const void* x, const void* w,
                               void* out, int M, int N, int K, float* part_mean, float* part_m2, void* z_out,
                               float* coeff_out, float* workspace, cudaStream_t stream);
+// The lowp_small_m route's product (lowp/small_m_16bit.cu; mma.sync, sm_80+): z = rnd(x w^T + bias)
+// (M, N) in dtype, as eager nn.Linear's product gives it, for M = 1 .. lowp_small_m_max_rows().  x (M, K)
+// and w (N, K) contiguous and 16-byte aligned, K % 8 == 0, else cudaErrorInvalidValue.  bias (N): dtype,
+// or float32 (bias_float32: rounded to dtype first, autocast's cast), or null.  workspace:
+// lowp_small_m_workspace_floats(M, N, K, num_sms) floats (null where that is 0); num_sms: the device's.
+int lowp_small_m_max_rows();
+int64_t lowp_small_m_workspace_floats(int M, int N, int K, int num_sms);
+cudaError_t lowp_small_m_linear(int dtype, bool bias_float32, const void* x, const void* w, const void* bias,
+                                void* z, float* workspace, int M, int N, int K, int num_sms, cudaStream_t stream);
 // Training statistics (coeff, (4, N) rows: lowp_coeff.cuh) and the running-statistics update (lowp/bn_16bit.cu);
 // float32_io: the BatchNorm parameters and running statistics (and below, out and scale) are float32.
 // bn: dtype, float32_io, bn_weight, bn_bias, running_mean, running_var (updated),
@@ -8263,7 +8272,7 @@ bool sm90_gemm_available(int64_t device) {
 }
 ''',
 }
-_EMBEDDED_ENGINE_SHA256 = 'c589c7a589f27f12db5e2385642a3c00a4e1cff23a75689afaf0626e6726f4d2'
+_EMBEDDED_ENGINE_SHA256 = '68605ee9d24561e3d6a2417cf76405588f01850c5d5c4a2def47617164221a9c'
 
 
 def _kernel_dir():
@@ -8868,8 +8877,8 @@ routes; nothing reads the environment per call:
                  path instead of the fused kernels (model_new_sync.py)
   autocast_fused False: under mixed precision ModelNew runs Model's own ops
                  instead of the fused 16-bit kernels (model_new_autocast.py)
-  lowp_gemm      "auto", or the Hopper 16-bit route every shape takes
-                 (model_new_lowp.hopper_gemm)
+  lowp_gemm      "auto", or the Hopper 16-bit route every shape takes (lowp_<name>;
+                 "small_m" where it takes the call: model_new_lowp.hopper_gemm)
   eager_ops      True: eager calls go through the fused_gemm_bn:: operators,
                  as under torch.compile (tests run the operators' autograd)
   small_m        "auto": small float32 batches take small_m_fp64 on Hopper where it
@@ -8901,7 +8910,7 @@ Plan.__doc__ = """A call's path, from dispatch() (or, under mixed precision, _pl
   name      <gemm>_<train|eval>[_grad]: what ModelNew.kernel_path returns
             (<gemm>_autocast_<train|eval>[_grad] under mixed precision)
   gemm      the GEMM kernel: sm90_fp16x3, sm80_3xtf32, small_m_fp64, lowp_sm90,
-            lowp_cublas, lowp_sm80, torch_ops, or empty (batch of 0)
+            lowp_cublas, lowp_small_m, lowp_sm80, torch_ops, or empty (batch of 0)
   kernels   who runs it: "ext" (the float32 extension), "lowp" (the 16-bit
             extension), "torch" (the _torch_* functions), or None (empty)
   training  batch statistics (True) or running statistics

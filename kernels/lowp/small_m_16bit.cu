@@ -1,0 +1,276 @@
+// small_m_16bit.cu -- the 16-bit Linear at a few batch rows (M = 1 .. 8): z = rnd(x W^T +
+// bias) in x's dtype T (__half or __nv_bfloat16), W read once.  The product of the
+// lowp_small_m route (model_new_lowp.py): the same z as lowp_cublas's at::linear (float32
+// accumulation, the bias added in float32, one rounding), then the same chain kernels
+// (bn_16bit_chain.cu, bn_16bit_strip.cu, bn_16bit.cu).  mma.sync m16n8k16, cp.async: sm_80+.
+//
+// Why (H200, docs/perf.md v98): at a few rows the product is a read of W (N K 2 bytes:
+// 128 MB at N = K = 8192, 31.5 us as half a copy of its size).  This kernel takes 36-37 us
+// there at 1-8 rows; cuBLAS's float16 kernels 40-41 us (its bfloat16 ones 35.5-36.5), and
+// cuBLAS's host path (cublasLt through at::linear) adds ~20 us to a synchronized call.
+//
+// Formula (f(v) = float(v) of a 16-bit value; rnd = round to T, nearest even)
+//   acc[m, n] = sum_k f(x[m, k]) f(w[n, k])     exact products, float32 sums: per warp
+//                                               over its K slice on the tensor cores,
+//                                               then the CTA's K slices in slice order,
+//                                               then the K pieces in piece order
+//   z[m, n]   = rnd(acc[m, n] + f(bias[n]))     bias T, or float32 rounded to T first
+//                                               (bias_float32: autocast's cast of the
+//                                               bias, as lowp_cublas casts it); null: 0
+// Expected error: that of cuBLAS's 16-bit product (eager nn.Linear): the rounding to T
+// dominates; the float32 sums differ from cuBLAS's in order only (relative ~K 2^-24 at
+// worst against T's 2^-11 or 2^-8), so z is eager's z but where the float32 sum lies
+// within a few float32 ulps of a rounding boundary of T (0.95-0.98 of the elements equal;
+// the largest error against float64 at most eager's in every measured case).
+//
+// Tensors (row-major, contiguous, 16-byte aligned; K % 8 == 0, so rows are whole
+// 16-byte pieces: the binding copies a misaligned operand, the route needs K % 8 == 0)
+//   x (M, K) T; w (N, K) T, nn.Linear's layout; bias (N) T or float32, or null;
+//   z (M, N) T;  partials (pieces, M, N) float32 where K is split into pieces > 1
+//   (plan below), else unused.
+//
+// Work split
+//   CTA: BLOCK_N = 32 features (two 16-feature tiles: mma's A rows) x kRows = 8 batch
+//   rows (mma's B columns; rows past M zero-filled, never stored) x one K piece; 8 warps
+//   = 2 tiles x 4 K slices of each stage's BLOCK_K = 256 k (two 32-k chunks a warp).  The
+//   CTA takes its stages in a rotated order, from stage blockIdx.x % stages: every CTA
+//   reads all of x from L2, and in one order all of them ask for the same lines at once
+//   (a first version, in one order and reading x's last row in place of the rows past
+//   M, took 43 us for 1 row at 8192 x 8192; this one 36.6).  Each W element is
+//   read from DRAM once, by one CTA.  K is split into pieces only where the feature
+//   blocks leave SMs idle (fewer than the SMs), each piece at least kMinStagesPerPiece long.
+//   Ring: kStages stages of (BLOCK_N + kRows) rows x 512 bytes, each row padded to
+//   576 bytes (64 mod 128: a warp's 16-byte reads of 8 rows x 4 lanes a quarter are
+//   bank-conflict free), filled by 16-byte cp.async (one warp a row); k past K and rows
+//   past N and M zero-filled, not read (both operands: no Inf x 0); kStages - 1 stages
+//   in flight, one __syncthreads a stage; 92 KB, two CTAs an SM.
+//   Fragments: lane (g, t) reads 16 bytes of rows g and g + 8 of its W tile and of x's
+//   row g at k 8t .. 8t + 7 of a 32-k chunk; the chunk's two k16 steps take halves
+//   {0, 1 | 2, 3} and {4, 5 | 6, 7} as mma's k {2t, 2t + 1 | 2t + 8, 2t + 9}: the same
+//   permutation of k in A and B, so each product pairs x[m, k] with w[n, k].
+//   End: the 4 K slices' accumulators through shared memory, summed in slice order by
+//   one thread an output (feature fastest: 64-byte runs of z), then z (pieces == 1) or
+//   the piece's float32 sums to partials, and small_m_16bit_finish_kernel (a
+//   programmatic dependent launch, pdl.cuh) adds the pieces in piece order, the bias,
+//   and rounds.  No atomics: the same bits on every run.
+//
+// Sources: PTX ISA, "Warp Level Matrix Multiply-Accumulate Instructions" (mma.m16n8k16
+// fragments: lowp_mma.cuh), "cp.async" (cp_async.cuh).
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <algorithm>
+
+#include "cp_async.cuh"
+#include "device_facts.cuh"
+#include "launchers.cuh"
+#include "lowp_mma.cuh"
+#include "lowp_types.cuh"
+#include "pdl.cuh"
+
+namespace fused_gemm_bn {
+namespace lowp {
+namespace small_m {
+
+constexpr int BLOCK_N = 32;                // features per CTA
+constexpr int BLOCK_K = 256;               // k per stage: 512 bytes of a row
+constexpr int kRowBytes = 576;             // a stage row in shared memory: 512 + 64 bytes
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTiles = BLOCK_N / 16;       // 16-feature tiles (mma's M)
+constexpr int kWarpsK = kWarps / kTiles;   // K slices of a stage
+constexpr int kChunkK = 32;                // k a warp's 16-byte loads cover (4 lanes x 8)
+constexpr int kChunks = BLOCK_K / kWarpsK / kChunkK;  // chunks a warp a stage
+constexpr int kPiecesPerRow = BLOCK_K * 2 / 16;       // 16-byte copies a stage row
+constexpr int kRows = 8;                   // batch rows: one mma column block (M <= 8)
+constexpr int kStages = 4;
+constexpr int kStageRows = BLOCK_N + kRows;
+constexpr int kStageBytes = kStageRows * kRowBytes;
+constexpr int kSmemBytes = kStages * kStageBytes;  // 92 KB: two CTAs an SM
+static_assert(kStageRows * kPiecesPerRow % kThreads == 0, "a stage's copies are whole rounds of the CTA");
+static_assert(kWarpsK * kTiles * 4 * 32 * 4 <= kSmemBytes, "the K-slice reduction fits the ring");
+constexpr int kMinStagesPerPiece = 4;      // a K piece streams at least this many stages
+
+struct Args {
+  const uint16_t* x;
+  const uint16_t* w;
+  const void* bias;  // T, or float32 (bias_float32); null: 0
+  uint16_t* z;
+  float* partials;   // pieces > 1
+  int M, N, K;
+  int pieces, stages_per_piece;
+  bool bias_float32;
+};
+
+template <typename T>
+__device__ __forceinline__ float bias_of(const Args& a, int n) {
+  if (a.bias == nullptr) return 0.f;
+  return a.bias_float32 ? round16<T>(static_cast<const float*>(a.bias)[n])
+                        : load_float<T>(static_cast<const uint16_t*>(a.bias) + n);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) small_m_16bit_kernel(const Args a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int n0 = blockIdx.x * BLOCK_N, piece = blockIdx.y;
+  const int stages_total = (a.K + BLOCK_K - 1) / BLOCK_K;
+  const int stage_begin = piece * a.stages_per_piece;
+  const int num_stages = min(stages_total, stage_begin + a.stages_per_piece) - stage_begin;
+
+  // The CTA's stages in a rotated order, starting at stage blockIdx.x % num_stages, so that
+  // the CTAs streaming at once read different k of x (every CTA reads all of x from L2:
+  // in one order, every CTA would ask for the same lines at once).
+  const int rotation = num_stages > 0 ? static_cast<int>(blockIdx.x % num_stages) : 0;
+  // Stage s's copies: warp w takes rows w, w + 8, ...; a row's 32 lanes its 32 pieces.
+  // Rows past N (W) and M (x) and k past K are zero-filled, not read.
+  auto load_stage = [&](int slot, int s) {
+    uint8_t* stage = smem + slot * kStageBytes;
+    const int rotated = s + rotation < num_stages ? s + rotation : s + rotation - num_stages;
+    const int k = (stage_begin + rotated) * BLOCK_K + 8 * lane;
+#pragma unroll
+    for (int i = 0; i < kStageRows / kWarps; ++i) {
+      const int row = warp + kWarps * i;
+      const bool w_row = row < BLOCK_N;
+      const int r = w_row ? n0 + row : row - BLOCK_N;
+      const bool valid = k < a.K && r < (w_row ? a.N : a.M);
+      const uint16_t* src = (w_row ? a.w : a.x) + (valid ? static_cast<size_t>(r) * a.K + k : 0);
+      cp_async<16>(stage + row * kRowBytes + 16 * lane, src, valid);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_stages) load_stage(s, s);
+    cp_async_commit();
+  }
+
+  const int tile = warp % kTiles, slice = warp / kTiles;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+
+  for (int s = 0; s < num_stages; ++s) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage s landed for every thread; stage s - 1's slot read by every warp
+    if (s + kStages - 1 < num_stages) load_stage((s + kStages - 1) % kStages, s + kStages - 1);
+    cp_async_commit();
+    const uint8_t* stage = smem + (s % kStages) * kStageBytes;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int byte = ((slice * kChunks + c) * kChunkK) * 2 + 16 * t;
+      const uint4 w0 = *reinterpret_cast<const uint4*>(stage + (16 * tile + g) * kRowBytes + byte);
+      const uint4 w1 = *reinterpret_cast<const uint4*>(stage + (16 * tile + g + 8) * kRowBytes + byte);
+      const uint4 xb = *reinterpret_cast<const uint4*>(stage + (BLOCK_N + g) * kRowBytes + byte);
+      const uint32_t a0[4] = {w0.x, w1.x, w0.y, w1.y};
+      const uint32_t a1[4] = {w0.z, w1.z, w0.w, w1.w};
+      mma16816<T>(acc, a0, xb.x, xb.y);
+      mma16816<T>(acc, a1, xb.z, xb.w);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp done with the ring: it holds the K slices' sums now
+
+  // red[slice][tile][j][lane]: accumulator j of lane, as the fragment holds it.
+  float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) red[((slice * kTiles + tile) * 4 + j) * 32 + lane] = acc[j];
+  __syncthreads();
+
+  // One thread an output (feature f fastest, then batch row m), the slices in order.
+  for (int o = threadIdx.x; o < BLOCK_N * kRows; o += kThreads) {
+    const int f = o % BLOCK_N, m = o / BLOCK_N;
+    const int n = n0 + f;
+    if (n >= a.N || m >= a.M) continue;
+    const int ti = f / 16, fr = f % 16;
+    const int j = 2 * (fr / 8) + m % 2, src_lane = 4 * (fr % 8) + m / 2;
+    float sum = 0.f;
+#pragma unroll
+    for (int sl = 0; sl < kWarpsK; ++sl) sum += red[((sl * kTiles + ti) * 4 + j) * 32 + src_lane];
+    if (a.pieces == 1) {
+      a.z[static_cast<size_t>(m) * a.N + n] = to_bits<T>(sum + bias_of<T>(a, n));
+    } else {
+      a.partials[(static_cast<size_t>(piece) * a.M + m) * a.N + n] = sum;
+    }
+  }
+#endif
+}
+
+// pieces > 1: z = rnd(sum of the pieces in piece order + bias), one thread an element.
+template <typename T>
+__global__ void small_m_16bit_finish_kernel(const Args a) {
+  pdl_wait_then_release();
+  const int64_t total = static_cast<int64_t>(a.M) * a.N;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float sum = a.partials[i];
+    for (int p = 1; p < a.pieces; ++p) sum += a.partials[p * total + i];
+    a.z[i] = to_bits<T>(sum + bias_of<T>(a, static_cast<int>(i % a.N)));
+  }
+}
+
+// The plan of an M x N x K call on `num_sms` SMs: K pieces (1: none) and stages each.
+inline void plan(int M, int N, int K, int num_sms, int* pieces, int* stages_per_piece) {
+  const int n_blocks = (N + BLOCK_N - 1) / BLOCK_N;
+  const int stages = std::max(1, (K + BLOCK_K - 1) / BLOCK_K);
+  // Split K only where the feature blocks leave SMs idle, each piece at least
+  // kMinStagesPerPiece stages long.
+  int p = std::max(1, std::min(num_sms / n_blocks, stages / kMinStagesPerPiece));
+  const int per_piece = (stages + p - 1) / p;
+  *pieces = (stages + per_piece - 1) / per_piece;  // no empty piece
+  *stages_per_piece = per_piece;
+}
+
+template <typename T>
+static cudaError_t launch(const Args& a, cudaStream_t stream) {
+  auto kernel = small_m_16bit_kernel<T>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((a.N + BLOCK_N - 1) / BLOCK_N, a.pieces);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || a.pieces == 1) return err;
+  const int64_t total = static_cast<int64_t>(a.M) * a.N;
+  const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096));
+  return launch_kernel(small_m_16bit_finish_kernel<T>, blocks, 256, 0, stream, a);
+}
+
+}  // namespace small_m
+}  // namespace lowp
+}  // namespace fused_gemm_bn
+
+// ---------------------------------------------------------------------------
+// Host launchers (raw pointers; no torch types so nvcc compiles this file alone)
+// ---------------------------------------------------------------------------
+
+int fused_gemm_bn::lowp_small_m_max_rows() { return lowp::small_m::kRows; }
+
+int64_t fused_gemm_bn::lowp_small_m_workspace_floats(int M, int N, int K, int num_sms) {
+  int pieces = 1, per_piece = 1;
+  lowp::small_m::plan(M, N, K, num_sms, &pieces, &per_piece);
+  return pieces > 1 ? static_cast<int64_t>(pieces) * M * N : 0;
+}
+
+cudaError_t fused_gemm_bn::lowp_small_m_linear(int dtype, bool bias_float32, const void* x, const void* w,
+                                               const void* bias, void* z, float* workspace, int M, int N, int K,
+                                               int num_sms, cudaStream_t stream) {
+  using namespace fused_gemm_bn::lowp;
+  if (M == 0 || N == 0) return cudaSuccess;
+  if (M < 0 || M > small_m::kRows || N < 0 || K < 0 || K % 8 != 0 || num_sms < 1 ||
+      reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(w) % 16 != 0)
+    return cudaErrorInvalidValue;
+  small_m::Args a{};
+  a.x = static_cast<const uint16_t*>(x);
+  a.w = static_cast<const uint16_t*>(w);
+  a.bias = bias;
+  a.z = static_cast<uint16_t*>(z);
+  a.partials = workspace;
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  a.bias_float32 = bias_float32;
+  small_m::plan(M, N, K, num_sms, &a.pieces, &a.stages_per_piece);
+  if (a.pieces > 1 && workspace == nullptr) return cudaErrorInvalidValue;
+  return dispatch_dtype(dtype, [&](auto tag) { return small_m::launch<typename decltype(tag)::type>(a, stream); });
+}

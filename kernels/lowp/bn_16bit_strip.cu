@@ -26,6 +26,15 @@
 // kStripRowsPerThread = 8, the fewest that cover M; registers grow with kRows),
 // all loaded before any is used.  kStripGroups = 2: each row segment is one
 // 32-byte sector.  The slices' sums meet in shared memory (float64).
+// bn16_strip_train_rows (batches of at most kThreadRows = 8 rows): the same outputs, each
+//   thread owning one group of 8 features and every row of them, kRowsThreads threads a
+//   CTA, so no reduction crosses threads.  The slices above are nearly all empty there
+//   (512 CTAs at N = 8192, each with two block reductions over 128 slices): a 16-bit
+//   training call at 2-8 rows spent 10-14 us more than an eval call (docs/perf.md v98).
+//   Its float64 sums run over the rows in order, u then the squares (d d rounded, then
+//   added): for M <= 16 the slices' sums above add the same terms in the same order (their
+//   other terms are exact zeros), so the statistics are the same numbers by construction
+//   (the tests bound both against eager and float64; no GPU run compared the two forms).
 // Layout: z (M, N) T and out (M, N) S row-major contiguous (out may be z); vectors
 // (N) of S; coeff (4, N) float32.  Preconditions (lowp_bn_strip_train_fits): 2 <= M <=
 // kStripMaxRows, N % 8 == 0, z and out 16-byte aligned.  Memory-bound: one read of
@@ -51,6 +60,8 @@ constexpr int kStripRowsPerThread = 8;
 constexpr int kStripMaxRows = kStripSlices * kStripRowsPerThread;  // 1024
 constexpr int kFeatures = kStripGroups * kVec;                      // per CTA
 constexpr int kParts = kStripThreads / kFeatures;                   // partial sums per feature in the reduction
+constexpr int kThreadRows = 8;    // bn16_strip_train_rows: rows a thread holds, the batches it takes
+constexpr int kRowsThreads = 128;
 
 struct Args {
   const uint16_t* z;
@@ -127,6 +138,39 @@ struct SquaredDeviationPass {
   }
 };
 
+// The tail of both kernels: the group's 8 coefficients from mean64 and m2 (every thread of a
+// group computes the same values; `writer` stores them and the running statistics), then
+// (33) out = rnd_S(fma(w (u - mean), invstd, b)), bn16_apply's value, or (84, out apart from
+// z) out = u, for the thread's rows row0, row0 + row_step, ... below M.
+template <typename S, int kRows>
+__device__ __forceinline__ void finish_group(const Args& p, int f0, bool writer, const float (&v)[kRows][kVec],
+                                             const double (&mean64)[kVec], const double (&m2)[kVec], int row0,
+                                             int row_step) {
+  using St = Storage<S>;
+  using W = word_t<S>;
+  const float f = running_factor(p.momentum, p.num_batches_tracked);
+  float4 c[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j)
+    c[j] = train_coeff<S>(mean64[j], m2[j], p.M, f, p.eps, St::load(static_cast<const W*>(p.bn_weight) + f0 + j),
+                          St::load(static_cast<const W*>(p.bn_bias) + f0 + j),
+                          static_cast<W*>(p.running_mean) + f0 + j, static_cast<W*>(p.running_var) + f0 + j, writer);
+  if (writer) coeff_store8(p.coeff, p.N, f0, c);
+  const bool store_u = p.scale_after_bn && p.out != static_cast<const void*>(p.z);
+  if (p.scale_after_bn && !store_u) return;
+  W* out = static_cast<W*>(p.out);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = row0 + r * row_step;
+    if (row >= p.M) break;
+    float o[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)  // 33: bn16_apply's fma(w (u - mean), invstd, b); 84: u
+      o[j] = p.scale_after_bn ? v[r][j] : bn_affine(v[r][j], c[j]);
+    store_group<S>(out + static_cast<size_t>(row) * p.N + f0, o);
+  }
+}
+
 template <typename T, typename S, int kRows>
 __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const Args p) {
   using St = Storage<S>;
@@ -166,35 +210,54 @@ __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const A
   for_each_held(v, active, slice, p.M, SquaredDeviationPass{mean64, m2});
   slice_sums(m2, group, slice, red, part, total);
   if (!active) return;  // no barrier follows
+  finish_group<S>(p, f0, slice == 0, v, mean64, total, slice, kStripSlices);
+}
 
-  // Every thread of the group computes its 8 features' coefficients (the same
-  // values); slice 0 writes them and the running statistics.
-  const float f = running_factor(p.momentum, p.num_batches_tracked);
-  float4 c[kVec];
+// Batches of at most kThreadRows rows: one thread a group of 8 features, every row (header).
+template <typename T, typename S>
+__global__ void __launch_bounds__(kRowsThreads) bn16_strip_train_rows_kernel(const Args p) {
+  using St = Storage<S>;
+  using W = word_t<S>;
+  const int f0 = (blockIdx.x * kRowsThreads + threadIdx.x) * kVec;
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.momentum >= 0.f) *p.num_batches_tracked += 1;
+  if (f0 >= p.N) return;  // N % 8 == 0: the whole group is inside or outside
+  float v[kThreadRows][kVec];
 #pragma unroll
-  for (int j = 0; j < kVec; ++j)
-    c[j] = train_coeff<S>(mean64[j], total[j], p.M, f, p.eps, St::load(static_cast<const W*>(p.bn_weight) + f0 + j),
-                          St::load(static_cast<const W*>(p.bn_bias) + f0 + j),
-                          static_cast<W*>(p.running_mean) + f0 + j, static_cast<W*>(p.running_var) + f0 + j,
-                          slice == 0);
-  if (slice == 0) coeff_store8(p.coeff, p.N, f0, c);
-  const bool store_u = p.scale_after_bn && p.out != static_cast<const void*>(p.z);
-  if (p.scale_after_bn && !store_u) return;
-  W* out = static_cast<W*>(p.out);
+  for (int r = 0; r < kThreadRows; ++r)  // every load first
+    if (r < p.M) load_group<T>(p.z + static_cast<size_t>(r) * p.N + f0, v[r]);
+  float scale[kVec];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = slice + r * kStripSlices;
-    if (row >= p.M) break;
-    float o[kVec];
+  for (int j = 0; j < kVec; ++j) scale[j] = St::load(static_cast<const W*>(p.scale) + (f0 + j) * p.scale_stride);
+  double mean64[kVec], m2[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j)  // 33: bn16_apply's fma(w (u - mean), invstd, b); 84: u
-      o[j] = p.scale_after_bn ? v[r][j] : bn_affine(v[r][j], c[j]);
-    store_group<S>(out + static_cast<size_t>(row) * p.N + f0, o);
+  for (int j = 0; j < kVec; ++j) {
+    double sum = 0.0;
+#pragma unroll
+    for (int r = 0; r < kThreadRows; ++r) {
+      if (r >= p.M) break;
+      v[r][j] = train_u<S>(v[r][j], scale[j], p.scale_after_bn);
+      sum += v[r][j];
+    }
+    mean64[j] = sum / static_cast<double>(p.M);
+    double q = 0.0;
+#pragma unroll
+    for (int r = 0; r < kThreadRows; ++r) {
+      if (r >= p.M) break;
+      const double d = static_cast<double>(v[r][j]) - mean64[j];
+      q = __dadd_rn(q, __dmul_rn(d, d));  // d d rounded, then added: the slices' order (header)
+    }
+    m2[j] = q;
   }
+  finish_group<S>(p, f0, true, v, mean64, m2, 0, 1);
 }
 
 template <typename T, typename S>
 cudaError_t launch(const Args& p, cudaStream_t stream) {
+  if (p.M <= kThreadRows) {
+    const int groups = p.N / kVec;
+    bn16_strip_train_rows_kernel<T, S><<<(groups + kRowsThreads - 1) / kRowsThreads, kRowsThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
   const int blocks = (p.N + kFeatures - 1) / kFeatures;
   const int rows = (p.M + kStripSlices - 1) / kStripSlices;  // per thread: registers scale with it
   if (rows <= 1) {
@@ -212,6 +275,8 @@ cudaError_t launch(const Args& p, cudaStream_t stream) {
 }  // namespace strip
 }  // namespace lowp
 }  // namespace fused_gemm_bn
+
+int fused_gemm_bn::lowp_bn_strip_thread_rows() { return lowp::strip::kThreadRows; }
 
 bool fused_gemm_bn::lowp_bn_strip_train_fits(int M, int N, const void* z, const void* out) {
   const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };

@@ -42,6 +42,11 @@ product).  The 16-bit kernels of kernels/lowp/ all run in the forward calls
 except bn16_backward_kernel (the backward's), which memcheck, racecheck and
 synccheck cover with backward calls.
 
+racecheck and 16-bit dtypes with gradients: racecheck reports hazards inside cuBLAS's 16-bit
+Hopper products of the backward at a few rows (nvjet_sm90_hsh_64x8_64x16 / _tst_; 8 reports
+in docs/perf.md v98's run), with no project code involved; judge a run by the kernels its
+reports name.
+
 initcheck and float32: problem 84's backward at the 2305-row shape reports
 4440 uninitialized reads per backward call inside torch's own column-sum
 reduction (at::native::reduce_kernel), with no project code involved

@@ -329,10 +329,10 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   const cudaStream_t stream = current_stream(op.x);
   const auto f32 = op.x.options().dtype(torch::kFloat32);
   TrainResult r;
-  torch::Tensor z;  // lowp_cublas: the product, before the chain (launched before any allocation of this call)
+  torch::Tensor z;  // product_first: the product, before the chain (launched before any allocation of this call)
   if (product_first(gemm) && N > 0) z = linear_product(gemm, op, t, float32_io);
   r.coeff = torch::empty({4, N}, f32);
-  // lowp_cublas without saved z and 16-bit out: the chain runs in place over z.
+  // product_first without saved z and 16-bit out: the chain runs in place over z.
   const bool in_place = z.defined() && !saved && !float32_io;
   r.out = in_place ? z : torch::empty({M, N}, op.x.options().dtype(t.bias.scalar_type()));
   if (saved) r.z = z.defined() ? z : torch::empty({M, N}, op.x.options());
@@ -406,10 +406,10 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
   const cudaStream_t stream = current_stream(op.x);
   EvalResult r;
   const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, scale_stride, nullptr, 0.0, eps, scale_after_bn);
-  const bool cublas = product_first(gemm) && M > 0 && N > 0;
-  const torch::Tensor z = cublas ? linear_product(gemm, op, t, float32_io) : torch::Tensor();  // launched first
+  const bool z_first = product_first(gemm) && M > 0 && N > 0;
+  const torch::Tensor z = z_first ? linear_product(gemm, op, t, float32_io) : torch::Tensor();  // launched first
   if (saved) r.coeff = torch::empty({4, N}, op.x.options().dtype(torch::kFloat32));
-  if (cublas) {
+  if (z_first) {
     if (scale_after_bn && !float32_io) {  // 84: BatchNorm, scale and softmax in one pass over z
       r.out = saved ? torch::empty_like(z) : z;  // saved: z kept for the backward, out apart; else in place
       if (saved) r.z = z;

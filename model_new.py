@@ -701,9 +701,9 @@ routes; nothing reads the environment per call:
                  "small_m" where it takes the call: model_new_lowp.hopper_gemm)
   eager_ops      True: eager calls go through the fused_gemm_bn:: operators,
                  as under torch.compile (tests run the operators' autograd)
-  small_m        "auto": small float32 batches take small_m_fp64 on Hopper where it
-                 measured faster than sm90_fp16x3 (_small_m_gemm: the forward's z
-                 and the backward's grad_W); True
+  small_m        "auto": float32 batches of at most SMALL_M_MAX_ROWS rows take
+                 small_m_fp64 on Hopper in place of sm90_fp16x3 (_small_m_gemm: the
+                 forward's z and the backward's grad_W); True
                  (FUSED_GEMM_BN_SMALL_M=1): every float32 batch of at most
                  SMALL_M_MAX_ROWS rows on a full-rate FP64 GPU (the A100 too, not
                  measured there); False (FUSED_GEMM_BN_SMALL_M=0): never, so that every
@@ -772,27 +772,26 @@ def _float32_gemm(facts, switches):
 # The small-batch route (kernels/small_m_fp64.cu): float32 forwards of a few rows read W once,
 # with float64 products on the FP64 tensor cores (within 0.5 ulp of the correctly rounded z).
 SMALL_M_MAX_ROWS = 16
-# Where "auto" takes it on Hopper instead of sm90_fp16x3 (H200, docs/perf.md v43; module times
-# back to back): up to 12 rows at every measured shape (K x N 1024 x 1000, 4095 x 513,
-# 4096 x 4096, 8192 x 8192: 0.51-0.99x sm90_fp16x3's time), up to 16 rows where N K >= 2^26
-# (8192 x 8192: 0.71-0.78x; at 16 rows 4095 x 513 measured 1.10-1.15x, 4096 x 4096 0.98-1.02x).
-SMALL_M_AUTO_ROWS = 12
-SMALL_M_WIDE_NK = 1 << 26
+# "auto" takes it on Hopper instead of sm90_fp16x3 at every shape up to SMALL_M_MAX_ROWS rows:
+# faster at 1-12 rows everywhere measured and at 13-16 where N K >= 2^26 (H200, docs/perf.md
+# v43: 0.51-0.99x sm90_fp16x3's time), and at 13-16 rows of narrow shapes (4095 x 513: 1.10-1.15x
+# sm90_fp16x3's time there, still ahead of eager) the one route whose output error is at most half
+# of eager's: sm90_fp16x3's measured up to 3.6x eager's there, where eager runs cuBLAS's
+# gemmSN kernels (docs/perf.md v100, issue 50).
 # GPUs with full-rate FP64 (the route's DMMA): A100 (8.0), H100 / H200 (9.0); sm_86 / sm_89 run
 # FP64 at 1/64 of that and keep the tensor-core GEMM.
 _FULL_RATE_FP64 = ((8, 0), (9, 0))
 
 
-def _small_m_gemm(m, facts, switches, gemm, auto_faster):
+def _small_m_gemm(m, facts, switches, gemm):
     """Whether a float32 CUDA product of m rows (the forward's z, or the backward's
     grad_W) takes small_m_fp64 instead of `gemm` (the tensor-core kernel it would run):
     at most SMALL_M_MAX_ROWS rows, a full-rate FP64 GPU, and switches.small_m: True, or
-    "auto" where gemm is sm90_fp16x3 and `auto_faster` (measured faster at this shape:
-    plan()'s rows rule for the forward, every shape for grad_W, docs/perf.md v43, v58).
-    Eval with gradients takes its gemm_nt for z (docs/perf.md v57)."""
+    "auto" where gemm is sm90_fp16x3 (docs/perf.md v43, v58, v100).  Eval with gradients
+    takes its gemm_nt for z (docs/perf.md v57)."""
     if not switches.small_m or m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64:
         return False
-    return switches.small_m is True or (gemm == "sm90_fp16x3" and auto_faster)
+    return switches.small_m is True or gemm == "sm90_fp16x3"
 
 
 def plan(call, facts=None, switches=None):
@@ -814,8 +813,7 @@ def plan(call, facts=None, switches=None):
         gemm = _LOWP.route(call, facts, switches)
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     gemm = _float32_gemm(facts, switches)
-    if _small_m_gemm(call.m, facts, switches, gemm,
-                     call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK):
+    if _small_m_gemm(call.m, facts, switches, gemm):
         gemm = "small_m_fp64"
     return Plan(f"{gemm}_{mode}", gemm, "ext", call.training, call.grad)
 
@@ -880,7 +878,7 @@ def dispatch_gemm_tn(a, b, facts=None, switches=None):
         return gemm
     facts = device_facts(a.device) if facts is None else facts
     switches = SWITCHES if switches is None else switches
-    return "small_m_fp64" if _small_m_gemm(a.shape[0], facts, switches, gemm, True) else gemm
+    return "small_m_fp64" if _small_m_gemm(a.shape[0], facts, switches, gemm) else gemm
 
 
 def _kernels(plan_kernels):

@@ -5558,8 +5558,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   is permuted (fragment k index t + 4 i, or t for step i, is column 4 t + i),
 //   the same way for A and B.
 //   At the end the K slices are summed through shared memory in warp order, and
-//   either the epilogue runs (one thread per feature: the whole batch of a feature is
-//   in one thread, so the BatchNorm needs no second pass), or, with K split into
+//   either the epilogue runs (8 threads a feature, each holding kRows / 8 of its rows: the
+//   whole batch of a feature is in one warp's 8 lanes, so the BatchNorm's sums are one
+//   butterfly, no second pass), or, with K split into
 //   pieces (fewer feature blocks than SMs), each piece stores its float64 sums to
 //   the workspace and small_m_fp64_finish_kernel adds the pieces in piece order
 //   and runs the epilogue.  No atomics: the same bits on every run.
@@ -5595,6 +5596,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
 //   the same SMs fast or slow from launch to launch (by GPC, the likely cause: ~24 SMs 6-7 us
 //   ahead of the median, ~84 at it or up to 3.4 us behind); the kernel waits for the slowest,
 //   3-6 us past the median, then its epilogue (1.7 us; problem 84 3.9 us with the barrier).
+//   Since v100 the epilogue runs on 8 threads a feature (0.4-0.7 us off 16 rows' training on an
+//   H100, outputs bit-identical); on the H100 the module runs at 1.05-1.12x the W read at 1-16
+//   rows, K = N = 8192 (docs/perf.md v100).
 //
 // Preconditions: 1 <= M <= kSmallMMaxRows (16) (train: M >= 2), N >= 1, K >= 1;
 // bn.scale, bn.running_mean, bn.running_var not null (train: and num_batches_tracked);
@@ -5674,7 +5678,10 @@ struct SmallMTraits {
   static_assert(BLOCK_N == 64 && kChunksPerWarp >= 1 && kChunksPerWarp * kWarpsK * CHUNK_K == BLOCK_K,
                 "stage splits over warps");
   static_assert(smem_bytes(4) <= 227 * 1024, "4 stages fit sm_90's opt-in shared memory");
-  static_assert(BLOCK_N <= kNumThreads, "one thread per feature in the epilogue");
+  // The epilogue's threads a feature (small_m_feature_epilogue): the whole CTA, 8 a feature.
+  static constexpr int kEpilogueLanes = kNumThreads / BLOCK_N;
+  static_assert(kEpilogueLanes * BLOCK_N == kNumThreads && kRows % kEpilogueLanes == 0,
+                "the CTA's threads in groups of whole rows a feature");
 };
 
 struct SmallMArgs {
@@ -5794,18 +5801,38 @@ __device__ __forceinline__ void small_m_stage_vectors(const BatchNormArgs& bn, i
   cp_async_commit();
 }
 
-// The per-feature epilogue of feature n from its float64 sums zd[0 .. M): the formulas of
-// the file's header, each output rounded once.
-// Problem 84's v goes to v[m v_row_stride] (m < M), problem 33's out to p.out.
-template <int kRows, bool kEval>
-__device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, int n, const double (&zd)[kRows],
+// The sum of s over a group of kLanes consecutive lanes (kLanes a power of two <= 32), as a
+// butterfly: every lane of the group gets the same bits (a + b == b + a).  kLanes = 1: s.
+template <int kLanes>
+__device__ __forceinline__ double small_m_group_sum(double s) {
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
+}
+
+// The epilogue of feature n, the formulas of the file's header, each output rounded once,
+// over a group of kLanes consecutive lanes: lane j of the group holds the float64 sums zd[i]
+// of batch rows m = j + kLanes i (i < kRows / kLanes).  kLanes = 1: one thread a feature (the
+// finish kernel); the GEMM kernels' CTAs take SmallMTraits::kEpilogueLanes threads a feature, so the
+// per-row work (loads, sums, outputs) is spread over the CTA instead of one thread per feature
+// doing all kRows rows (docs/perf.md v100).  The mean and M2 sum a lane's rows in row order,
+// then the group's lanes by small_m_group_sum.  Every lane of the warp must call this (the
+// butterflies); `store`: the group's feature exists (n < N), else nothing is written.
+// Problem 84's v goes to v[m v_row_stride] (m < M), problem 33's out to p.out; lane 0 of the
+// group writes the feature's running statistics and stats.
+template <int kRows, int kLanes, bool kEval>
+__device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, int n, int lane_in_group, bool store,
+                                                         const double (&zd)[kRows / kLanes],
                                                          const SmallMFeatureVectors& vec, double* v,
                                                          size_t v_row_stride) {
+  constexpr int kHeld = kRows / kLanes;
+  static_assert(kRows % kLanes == 0 && (kLanes & (kLanes - 1)) == 0 && kLanes <= 32, "whole rows a lane");
   const int M = p.M, N = p.N;
   const BatchNormArgs& bn = p.bn;
   const double bias = vec.bias, gamma = vec.gamma, beta = vec.beta, s = vec.s;
   double a, c;     // out or v = a (z - shift) + c
   double shift;
+  double mean = 0.0, m2 = 0.0, var = 0.0;  // training
   if constexpr (kEval) {
     const double g = gamma / sqrt(vec.running_var + static_cast<double>(bn.eps));
     const double rm = vec.running_mean;
@@ -5813,19 +5840,44 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
     c = bn.scale_after_bn ? s * fma(bias - rm, g, beta) : fma(fma(s, bias, -rm), g, beta);
     shift = 0.0;
   } else {
-    double mean = 0.0;
+    double sum = 0.0;
 #pragma unroll
-    for (int m = 0; m < kRows; ++m)
-      if (m < M) mean += zd[m];
-    mean /= static_cast<double>(M);
-    double m2 = 0.0;
+    for (int i = 0; i < kHeld; ++i)
+      if (lane_in_group + kLanes * i < M) sum += zd[i];
+    mean = small_m_group_sum<kLanes>(sum) / static_cast<double>(M);
 #pragma unroll
-    for (int m = 0; m < kRows; ++m)
-      if (m < M) {
-        m2 = fma(zd[m] - mean, zd[m] - mean, m2);
-        if (p.z != nullptr) p.z[static_cast<size_t>(m) * N + n] = static_cast<float>(zd[m] - mean);
-      }
-    const double var = m2 / static_cast<double>(M);
+    for (int i = 0; i < kHeld; ++i)
+      if (lane_in_group + kLanes * i < M) m2 = fma(zd[i] - mean, zd[i] - mean, m2);
+    m2 = small_m_group_sum<kLanes>(m2);
+    var = m2 / static_cast<double>(M);
+    if (bn.scale_after_bn) {
+      const double g = gamma / sqrt(var + static_cast<double>(bn.eps));
+      a = s * g, c = s * beta;
+    } else {
+      a = s * gamma / sqrt(s * s * var + static_cast<double>(bn.eps));
+      c = beta;
+    }
+    shift = mean;
+  }
+  if (!store) return;
+#pragma unroll
+  for (int i = 0; i < kHeld; ++i) {
+    const int m = lane_in_group + kLanes * i;
+    if (m < M) {
+      const double y = fma(zd[i] - shift, a, c);
+      if (bn.scale_after_bn)
+        v[m * v_row_stride] = y;
+      else
+        p.out[static_cast<size_t>(m) * N + n] = static_cast<float>(y);
+    }
+  }
+  if constexpr (!kEval) {  // after the outputs: nothing on their path waits for these
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) {
+      const int m = lane_in_group + kLanes * i;
+      if (p.z != nullptr && m < M) p.z[static_cast<size_t>(m) * N + n] = static_cast<float>(zd[i] - mean);
+    }
+    if (lane_in_group != 0) return;
     if (p.stats != nullptr) {  // the backward's (z, mean_z), centred: z - mean_z rounded once, and 0
       p.stats[n] = static_cast<float>(mean - mean);  // NaN where the feature is (a non-finite W row)
       p.stats[N + n] = static_cast<float>(var);
@@ -5836,26 +5888,8 @@ __device__ __forceinline__ void small_m_feature_epilogue(const SmallMArgs& p, in
                                         : 1.0 / static_cast<double>(*p.num_batches_tracked + 1);
     bn.running_mean[n] = static_cast<float>((1.0 - f) * vec.running_mean + f * su * (mean + bias));
     bn.running_var[n] = static_cast<float>((1.0 - f) * vec.running_var + f * su * su * (m2 / static_cast<double>(M - 1)));
-    if (bn.scale_after_bn) {
-      const double g = gamma / sqrt(var + static_cast<double>(bn.eps));
-      a = s * g, c = s * beta;
-    } else {
-      a = s * gamma / sqrt(s * s * var + static_cast<double>(bn.eps));
-      c = beta;
-    }
-    shift = mean;
   }
-#pragma unroll
-  for (int m = 0; m < kRows; ++m)
-    if (m < M) {
-      const double y = fma(zd[m] - shift, a, c);
-      if (bn.scale_after_bn)
-        v[m * v_row_stride] = y;
-      else
-        p.out[static_cast<size_t>(m) * N + n] = static_cast<float>(y);
-    }
 }
-
 
 // The copies of one stage (k from k0) into ring buffer `stage`: W rows n0 .. n0 +
 // BLOCK_N (those < N), then x rows 0 .. M; k >= k_end zero-filled.
@@ -6042,13 +6076,15 @@ __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const Sma
   const int M = p.M, N = p.N;
   const int G = static_cast<int>(gridDim.x), q = static_cast<int>(blockIdx.x);
   const int count = min(T::BLOCK_N, N - c.n0);  // this CTA's features
-  if (c.tid < count) {
-    double zd[T::kRows];
+  {
+    constexpr int kLanes = T::kEpilogueLanes;
+    const int f = c.tid / kLanes, j = c.tid % kLanes;
+    double zd[T::kRows / kLanes];
 #pragma unroll
-    for (int m = 0; m < T::kRows; ++m) zd[m] = zsum[c.tid * T::kZsumStride + m];
-    small_m_feature_epilogue<T::kRows, kEval>(p, c.n0 + c.tid, zd,
-                                              small_m_staged_vectors<T::BLOCK_N>(p.bn, staged, c.tid),
-                                              ybuf + c.tid, T::BLOCK_N);
+    for (int i = 0; i < T::kRows / kLanes; ++i) zd[i] = zsum[f * T::kZsumStride + j + kLanes * i];
+    small_m_feature_epilogue<T::kRows, kLanes, kEval>(p, c.n0 + f, j, f < count, zd,
+                                                      small_m_staged_vectors<T::BLOCK_N>(p.bn, staged, f),
+                                                      ybuf + f, T::BLOCK_N);
   }
   __syncthreads();  // ybuf written
   FUSED_GEMM_BN_SMALL_M_PHASE(5);
@@ -6093,8 +6129,9 @@ __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const Sma
 // After the last stage, every warp done with the ring (the caller's __syncthreads): the
 // non-finite W flags folded in, the kWarpsK K slices summed through shared memory in
 // warp order (the ring becomes the reduction area), then either the cooperative tail
-// (the TMA kernel, where p.coop) or per feature (one thread each) the epilogue or, with K
-// split, the piece's float64 sums to the workspace.  `staged`: the TMA kernel's copies of the
+// (the TMA kernel, where p.coop) or the epilogue (kEpilogueLanes threads a feature) or, with
+// K split, the piece's float64 sums to the workspace.  `staged` is read across threads: the
+// caller's cp_async_wait precedes the reduction's barriers.  `staged`: the TMA kernel's copies of the
 // CTA's feature vectors (small_m_stage_vectors, landed), or null (read from global memory).
 // kTma: the TMA kernel (the only one whose p.coop may be set; the cp.async kernel's code has no tail).
 template <class T, bool kEval, bool kTma>
@@ -6143,21 +6180,24 @@ __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const Sm
     small_m_coop_tail<T, kEval>(p, c, zsum, staged, zsum + T::BLOCK_N * T::kZsumStride);
     return;
   }
-  if (tid >= T::BLOCK_N) return;
-  const int n = c.n0 + tid;
-  if (n >= p.N) return;
-  double zd[T::kRows];
-#pragma unroll
-  for (int m = 0; m < T::kRows; ++m) zd[m] = zsum[tid * T::kZsumStride + m];
-  if (p.pieces > 1) {
-#pragma unroll
-    for (int m = 0; m < T::kRows; ++m)
-      if (m < p.M) p.partials[(static_cast<size_t>(c.piece) * p.M + m) * p.N + n] = zd[m];
+  if (p.pieces > 1) {  // the piece's float64 sums to the workspace, feature fastest
+    for (int o = tid; o < T::BLOCK_N * T::kRows; o += T::kNumThreads) {
+      const int fl = o % T::BLOCK_N, m = o / T::BLOCK_N;
+      if (m < p.M && c.n0 + fl < p.N)
+        p.partials[(static_cast<size_t>(c.piece) * p.M + m) * p.N + c.n0 + fl] = zsum[fl * T::kZsumStride + m];
+    }
     return;
   }
-  const SmallMFeatureVectors vec =
-      staged != nullptr ? small_m_staged_vectors<T::BLOCK_N>(p.bn, staged, tid) : small_m_load_vectors(p.bn, n);
-  small_m_feature_epilogue<T::kRows, kEval>(p, n, zd, vec, p.v + n, static_cast<size_t>(p.N));
+  constexpr int kLanes = T::kEpilogueLanes;
+  const int f = tid / kLanes, j = tid % kLanes, n = c.n0 + f;
+  const bool store = n < p.N;
+  double zd[T::kRows / kLanes];
+#pragma unroll
+  for (int i = 0; i < T::kRows / kLanes; ++i) zd[i] = zsum[f * T::kZsumStride + j + kLanes * i];
+  const SmallMFeatureVectors vec = staged != nullptr ? small_m_staged_vectors<T::BLOCK_N>(p.bn, staged, f)
+                                   : store           ? small_m_load_vectors(p.bn, n)
+                                                     : SmallMFeatureVectors{};
+  small_m_feature_epilogue<T::kRows, kLanes, kEval>(p, n, j, store, zd, vec, p.v + n, static_cast<size_t>(p.N));
 }
 
 // The cp.async ring (any sm_80+ GPU).  grid (ceil(N / BLOCK_N), pieces), kNumThreads
@@ -6310,7 +6350,8 @@ __global__ void __launch_bounds__(256) small_m_fp64_finish_kernel(const SmallMAr
     if (m < p.M)
       for (int q = 0; q < p.pieces; ++q) zd[m] += p.partials[(static_cast<size_t>(q) * p.M + m) * p.N + n];
   }
-  small_m_feature_epilogue<kRows, kEval>(p, n, zd, small_m_load_vectors(p.bn, n), p.v + n, static_cast<size_t>(p.N));
+  small_m_feature_epilogue<kRows, 1, kEval>(p, n, 0, true, zd, small_m_load_vectors(p.bn, n), p.v + n,
+                                            static_cast<size_t>(p.N));
 }
 
 // Problem 84's row softmax in float64: out[m, :] = softmax(v[m, :]), one CTA of
@@ -8207,7 +8248,7 @@ bool sm90_gemm_available(int64_t device) {
 }
 ''',
 }
-_EMBEDDED_ENGINE_SHA256 = '68605ee9d24561e3d6a2417cf76405588f01850c5d5c4a2def47617164221a9c'
+_EMBEDDED_ENGINE_SHA256 = '20e1127d4af5bd9f9fbae166cd39dd798d3a6c85f0cfe68b0eb5a6555a2a22d3'
 
 
 def _kernel_dir():
@@ -8816,9 +8857,9 @@ routes; nothing reads the environment per call:
                  "small_m" where it takes the call: model_new_lowp.hopper_gemm)
   eager_ops      True: eager calls go through the fused_gemm_bn:: operators,
                  as under torch.compile (tests run the operators' autograd)
-  small_m        "auto": small float32 batches take small_m_fp64 on Hopper where it
-                 measured faster than sm90_fp16x3 (_small_m_gemm: the forward's z
-                 and the backward's grad_W); True
+  small_m        "auto": float32 batches of at most SMALL_M_MAX_ROWS rows take
+                 small_m_fp64 on Hopper in place of sm90_fp16x3 (_small_m_gemm: the
+                 forward's z and the backward's grad_W); True
                  (FUSED_GEMM_BN_SMALL_M=1): every float32 batch of at most
                  SMALL_M_MAX_ROWS rows on a full-rate FP64 GPU (the A100 too, not
                  measured there); False (FUSED_GEMM_BN_SMALL_M=0): never, so that every
@@ -8887,27 +8928,26 @@ def _float32_gemm(facts, switches):
 # The small-batch route (kernels/small_m_fp64.cu): float32 forwards of a few rows read W once,
 # with float64 products on the FP64 tensor cores (within 0.5 ulp of the correctly rounded z).
 SMALL_M_MAX_ROWS = 16
-# Where "auto" takes it on Hopper instead of sm90_fp16x3 (H200, docs/perf.md v43; module times
-# back to back): up to 12 rows at every measured shape (K x N 1024 x 1000, 4095 x 513,
-# 4096 x 4096, 8192 x 8192: 0.51-0.99x sm90_fp16x3's time), up to 16 rows where N K >= 2^26
-# (8192 x 8192: 0.71-0.78x; at 16 rows 4095 x 513 measured 1.10-1.15x, 4096 x 4096 0.98-1.02x).
-SMALL_M_AUTO_ROWS = 12
-SMALL_M_WIDE_NK = 1 << 26
+# "auto" takes it on Hopper instead of sm90_fp16x3 at every shape up to SMALL_M_MAX_ROWS rows:
+# faster at 1-12 rows everywhere measured and at 13-16 where N K >= 2^26 (H200, docs/perf.md
+# v43: 0.51-0.99x sm90_fp16x3's time), and at 13-16 rows of narrow shapes (4095 x 513: 1.10-1.15x
+# sm90_fp16x3's time there, still ahead of eager) the one route whose output error is at most half
+# of eager's: sm90_fp16x3's measured up to 3.6x eager's there, where eager runs cuBLAS's
+# gemmSN kernels (docs/perf.md v100, issue 50).
 # GPUs with full-rate FP64 (the route's DMMA): A100 (8.0), H100 / H200 (9.0); sm_86 / sm_89 run
 # FP64 at 1/64 of that and keep the tensor-core GEMM.
 _FULL_RATE_FP64 = ((8, 0), (9, 0))
 
 
-def _small_m_gemm(m, facts, switches, gemm, auto_faster):
+def _small_m_gemm(m, facts, switches, gemm):
     """Whether a float32 CUDA product of m rows (the forward's z, or the backward's
     grad_W) takes small_m_fp64 instead of `gemm` (the tensor-core kernel it would run):
     at most SMALL_M_MAX_ROWS rows, a full-rate FP64 GPU, and switches.small_m: True, or
-    "auto" where gemm is sm90_fp16x3 and `auto_faster` (measured faster at this shape:
-    plan()'s rows rule for the forward, every shape for grad_W, docs/perf.md v43, v58).
-    Eval with gradients takes its gemm_nt for z (docs/perf.md v57)."""
+    "auto" where gemm is sm90_fp16x3 (docs/perf.md v43, v58, v100).  Eval with gradients
+    takes its gemm_nt for z (docs/perf.md v57)."""
     if not switches.small_m or m > SMALL_M_MAX_ROWS or facts.capability not in _FULL_RATE_FP64:
         return False
-    return switches.small_m is True or (gemm == "sm90_fp16x3" and auto_faster)
+    return switches.small_m is True or gemm == "sm90_fp16x3"
 
 
 def plan(call, facts=None, switches=None):
@@ -8929,8 +8969,7 @@ def plan(call, facts=None, switches=None):
         gemm = _LOWP.route(call, facts, switches)
         return Plan(f"{gemm}_{mode}", gemm, "lowp", call.training, call.grad)
     gemm = _float32_gemm(facts, switches)
-    if _small_m_gemm(call.m, facts, switches, gemm,
-                     call.m <= SMALL_M_AUTO_ROWS or call.n * call.k >= SMALL_M_WIDE_NK):
+    if _small_m_gemm(call.m, facts, switches, gemm):
         gemm = "small_m_fp64"
     return Plan(f"{gemm}_{mode}", gemm, "ext", call.training, call.grad)
 
@@ -8995,7 +9034,7 @@ def dispatch_gemm_tn(a, b, facts=None, switches=None):
         return gemm
     facts = device_facts(a.device) if facts is None else facts
     switches = SWITCHES if switches is None else switches
-    return "small_m_fp64" if _small_m_gemm(a.shape[0], facts, switches, gemm, True) else gemm
+    return "small_m_fp64" if _small_m_gemm(a.shape[0], facts, switches, gemm) else gemm
 
 
 def _kernels(plan_kernels):

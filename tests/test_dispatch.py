@@ -47,12 +47,13 @@ CASES = [
     ("hopper-84-train", call(problem=84), H200, DEFAULT, "sm90_fp16x3_train"),
     ("hopper-84-eval", call(problem=84, training=False), H200, DEFAULT, "sm90_fp16x3_eval"),
     ("hopper-small", call(m=17, k=8, n=8), H200, DEFAULT, "sm90_fp16x3_train"),
-    # small batches on Hopper: small_m_fp64 (W read once, float64 products) where it measured faster,
-    # SMALL_M_AUTO_ROWS rows at every shape, SMALL_M_MAX_ROWS from N K = SMALL_M_WIDE_NK on
+    # small batches on Hopper: small_m_fp64 (W read once, float64 products) at every shape up to
+    # SMALL_M_MAX_ROWS rows
     ("small-m-auto-train", call(m=2, k=8, n=8), H200, DEFAULT, "small_m_fp64_train"),
     ("small-m-auto-8", call(m=8, k=4096, n=4096), H200, DEFAULT, "small_m_fp64_train"),
     ("small-m-auto-12-narrow", call(m=12, k=4095, n=513), H200, DEFAULT, "small_m_fp64_train"),
-    ("small-m-auto-13-narrow", call(m=13, k=4096, n=4096), H200, DEFAULT, "sm90_fp16x3_train"),
+    ("small-m-auto-13-narrow", call(m=13, k=4096, n=4096), H200, DEFAULT, "small_m_fp64_train"),
+    ("small-m-auto-16-narrow", call(m=16, k=4095, n=513, training=False), H200, DEFAULT, "small_m_fp64_eval"),
     ("small-m-auto-16-wide", call(m=16, k=8192, n=8192), H200, DEFAULT, "small_m_fp64_train"),
     ("small-m-auto-17", call(m=17, k=8192, n=8192), H200, DEFAULT, "sm90_fp16x3_train"),
     ("small-m-auto-eval-1", call(m=1, k=8192, n=8192, training=False), H200, DEFAULT, "small_m_fp64_eval"),
@@ -74,6 +75,8 @@ CASES = [
     ("small-m-eval-grad", call(m=4, k=64, n=64, training=False, grad=True), H200, DEFAULT,
      "small_m_fp64_eval_grad"),
     ("small-m-eval-grad-13", call(m=13, k=4096, n=4096, training=False, grad=True), H200, DEFAULT,
+     "small_m_fp64_eval_grad"),
+    ("small-m-eval-grad-17", call(m=17, k=4096, n=4096, training=False, grad=True), H200, DEFAULT,
      "sm90_fp16x3_eval_grad"),
     ("small-m-on-eval-grad", call(m=4, k=4096, n=4096, training=False, grad=True), H200, SMALL_M,
      "small_m_fp64_eval_grad"),
@@ -357,6 +360,6 @@ def test_gpu_kernel_path_names_the_launched_kernels(problem, m, k, n, dtype, mis
         assert plan_.gemm == "sm80_3xtf32"
         assert not any("sm90" in name for name in names), (path, gemm_names)
     on_hopper = torch.cuda.get_device_capability() == (9, 0)
-    if dtype == F32 and not portable and on_hopper:  # GPU_CASES' small batches are all below SMALL_M_WIDE_NK
-        small = m <= model_new.SMALL_M_AUTO_ROWS
+    if dtype == F32 and not portable and on_hopper:
+        small = m <= model_new.SMALL_M_MAX_ROWS
         assert plan_.gemm == ("small_m_fp64" if small else "sm90_fp16x3"), (path, m)

@@ -6208,9 +6208,9 @@ __device__ __forceinline__ void small_m_coop_tail(const SmallMArgs& p, const Sma
 // non-finite W flags folded in, the kWarpsK K slices summed through shared memory in
 // warp order (the ring becomes the reduction area), then either the cooperative tail
 // (the TMA kernel, where p.coop) or the epilogue (kEpilogueLanes threads a feature) or, with
-// K split, the piece's float64 sums to the workspace.  `staged` is read across threads: the
-// caller's cp_async_wait precedes the reduction's barriers.  `staged`: the TMA kernel's copies of the
-// CTA's feature vectors (small_m_stage_vectors, landed), or null (read from global memory).
+// K split, the piece's float64 sums to the workspace.  `staged`: the TMA kernel's copies of the
+// CTA's feature vectors (small_m_stage_vectors, landed), or null (read from global memory); each is
+// read by other threads than its copier, after the caller's cp_async_wait and the reduction's barriers.
 // kTma: the TMA kernel (the only one whose p.coop may be set; the cp.async kernel's code has no tail).
 template <class T, bool kEval, bool kTma>
 __device__ __forceinline__ void small_m_cta_finish(const SmallMArgs& p, const SmallMCta<T>& c, SmallMAccum<T>& a,

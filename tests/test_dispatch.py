@@ -287,10 +287,8 @@ LAUNCHES = {
     # after the library's product, no project GEMM kernel: the chain kernels, or problem 84
     # eval's row softmax with BatchNorm fused (bn16_softmax_rows_*)
     "lowp_cublas": ["bn16_"],
-    # the project's small-batch product: in one K piece with the BatchNorm in its epilogue
-    # (lowp_small_m_linear_bn; problem 84's row softmax after it), else with K split
-    # (small_m_16bit_finish_kernel after it) and the chain kernels
-    "lowp_small_m": ["small_m_16bit_kernel"],
+    # the project's small-batch product (with K split, small_m_16bit_finish_kernel after it), then the chain
+    "lowp_small_m": ["bn16_", "small_m_16bit_kernel"],
     # the cp.async ring (small_m_fp64_kernel) or, on Hopper with 16-byte rows, the TMA ring
     # (small_m_fp64_tma_kernel); with K split, small_m_fp64_finish_kernel after it
     "small_m_fp64": ["small_m_fp64_"],
@@ -358,9 +356,6 @@ def test_gpu_kernel_path_names_the_launched_kernels(problem, m, k, n, dtype, mis
         assert any(fragment in name for name in names), (path, fragment, sorted(set(names)))
     if not grad:  # exactly the forward's GEMM kernel (the backward's products take their own dispatch)
         assert all(expected[-1] in name for name in gemm_names), (path, gemm_names)
-    if plan_.gemm == "lowp_small_m" and problem == "33" and not grad:
-        # GPU_CASES' 16-bit small batches run in one K piece: the BatchNorm in the product's epilogue
-        assert not any("bn16_" in name for name in names), (path, sorted(set(names)))
     if portable and dtype == F32:
         assert plan_.gemm == "sm80_3xtf32"
         assert not any("sm90" in name for name in names), (path, gemm_names)

@@ -764,7 +764,7 @@ def test_cpu_lowp_sources_and_extension_name(tmp_path):
     changed = dict(sources, **{"bn_16bit.cu": sources["bn_16bit.cu"] + " "})
     assert model_new._extension_name(changed, flags, model_new._LOWP.PREFIX) != name
     model_new._write_headers(str(tmp_path), sources)
-    assert sorted(os.listdir(tmp_path)) == ["binding_checks.cuh", "block_reduce.cuh", "bn_16bit_strip.cuh", "bn_stats.cuh",
+    assert sorted(os.listdir(tmp_path)) == ["binding_checks.cuh", "block_reduce.cuh", "bn_stats.cuh",
                                             "cp_async.cuh", "device_facts.cuh", "heuristics_sm90.cuh", "launchers.cuh",
                                             "lowp_chain.cuh", "lowp_coeff.cuh", "lowp_mma.cuh", "lowp_types.cuh", "pdl.cuh",
                                             "row_divisor.cuh", "scale_terms.cuh", "sm90_gemm_tiles.cuh", "sm90_primitives.cuh",

@@ -53,14 +53,6 @@
 //   the piece's float32 sums to partials, and small_m_16bit_finish_kernel (a
 //   programmatic dependent launch, pdl.cuh) adds the pieces in piece order, the bias,
 //   and rounds.  No atomics: the same bits on every run.
-// BatchNorm in the epilogue (lowp_small_m_linear_bn, where lowp_small_m_fuses: one K piece, 16-bit
-// vectors, N % 8 == 0, Hopper): training, each CTA also keeps its z tile (kRows x BLOCK_N, 512
-// bytes) in shared memory after the reduction, and 4 of its threads run bn16_strip_train_rows's
-// group routine on it (strip::rows_group, bn_16bit_strip.cuh: the statistics, the running
-// statistics, coeff, problem 33's out), one group of 8 features each; eval (problem 33), each
-// thread applies bn16_chain_eval's step (eval_out, lowp_chain.cuh) to its output, the feature's
-// vectors read before the main loop.  The same bits as the product then the strip or chain
-// kernel, one launch and one pass over z fewer (docs/perf.md v101).
 //
 // Sources: PTX ISA, "Warp Level Matrix Multiply-Accumulate Instructions" (mma.m16n8k16
 // fragments: lowp_mma.cuh), "cp.async" (cp_async.cuh).
@@ -70,12 +62,9 @@
 
 #include <algorithm>
 
-#include "bn_16bit_strip.cuh"
 #include "cp_async.cuh"
 #include "device_facts.cuh"
 #include "launchers.cuh"
-#include "lowp_chain.cuh"
-#include "lowp_coeff.cuh"
 #include "lowp_mma.cuh"
 #include "lowp_types.cuh"
 #include "pdl.cuh"
@@ -100,17 +89,8 @@ constexpr int kStageRows = BLOCK_N + kRows;
 constexpr int kStageBytes = kStageRows * kRowBytes;
 constexpr int kSmemBytes = kStages * kStageBytes;  // 92 KB: two CTAs an SM
 static_assert(kStageRows * kPiecesPerRow % kThreads == 0, "a stage's copies are whole rounds of the CTA");
-constexpr int kReduceBytes = kWarpsK * kTiles * 4 * 32 * 4;  // the K slices' accumulators, then kTrain's z tile
-static_assert(kReduceBytes + BLOCK_N * kRows * 2 <= kSmemBytes && kReduceBytes % 16 == 0,
-              "the K-slice reduction and the z tile fit the ring");
+static_assert(kWarpsK * kTiles * 4 * 32 * 4 <= kSmemBytes, "the K-slice reduction fits the ring");
 constexpr int kMinStagesPerPiece = 4;      // a K piece streams at least this many stages
-static_assert(kRows <= strip::kThreadRows, "the training epilogue's groups hold every row");
-
-// What the kernel's end does with z (one K piece; lowp_small_m_linear_bn): kZ stores z alone;
-// kTrain also runs bn16_strip_train_rows's BatchNorm on the CTA's features (strip::rows_group
-// over z in shared memory); kEval (problem 33) stores bn16_chain_eval's out (and z where out is
-// not z).
-enum Epilogue : int { kZ = 0, kTrain = 1, kEval = 2 };
 
 struct Args {
   const uint16_t* x;
@@ -121,7 +101,6 @@ struct Args {
   int M, N, K;
   int pieces, stages_per_piece;
   bool bias_float32;
-  strip::Args bn;    // kTrain, kEval: z, out, the vectors (16-bit), coeff, eps; kTrain the rest
 };
 
 template <typename T>
@@ -131,34 +110,13 @@ __device__ __forceinline__ float bias_of(const Args& a, int n) {
                         : load_float<T>(static_cast<const uint16_t*>(a.bias) + n);
 }
 
-// kEval: feature n's bn16_chain_eval coefficients, read before the main loop (scale, bn.weight,
-// bn.bias, running_mean, invstd = rsqrtf(running_var + eps): bn16_chain_eval's values).
-struct EvalVectors {
-  float scale, w, b, rm, invstd;
-};
 template <typename T>
-__device__ __forceinline__ EvalVectors eval_vectors(const strip::Args& bn, int n) {
-  using St = Storage<T>;
-  const uint16_t* const vectors[5] = {static_cast<const uint16_t*>(bn.scale), static_cast<const uint16_t*>(bn.bn_weight),
-                                      static_cast<const uint16_t*>(bn.bn_bias),
-                                      static_cast<const uint16_t*>(bn.running_mean),
-                                      static_cast<const uint16_t*>(bn.running_var)};
-  return {St::load(vectors[0] + static_cast<size_t>(n) * bn.scale_stride), St::load(vectors[1] + n),
-          St::load(vectors[2] + n), St::load(vectors[3] + n), rsqrtf(St::load(vectors[4] + n) + bn.eps)};
-}
-
-template <typename T, int kEpi>
 __global__ void __launch_bounds__(kThreads, 2) small_m_16bit_kernel(const Args a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int n0 = blockIdx.x * BLOCK_N, piece = blockIdx.y;
-  static_assert(kEpi == kZ || BLOCK_N * kRows == kThreads, "kEval: one output a thread, its feature fixed");
-  EvalVectors ev{};
-  if constexpr (kEval == kEpi) {
-    if (n0 + static_cast<int>(threadIdx.x) % BLOCK_N < a.N) ev = eval_vectors<T>(a.bn, n0 + threadIdx.x % BLOCK_N);
-  }
   const int stages_total = (a.K + BLOCK_K - 1) / BLOCK_K;
   const int stage_begin = piece * a.stages_per_piece;
   const int num_stages = min(stages_total, stage_begin + a.stages_per_piece) - stage_begin;
@@ -221,7 +179,6 @@ __global__ void __launch_bounds__(kThreads, 2) small_m_16bit_kernel(const Args a
   __syncthreads();
 
   // One thread an output (feature f fastest, then batch row m), the slices in order.
-  uint16_t* zs = reinterpret_cast<uint16_t*>(smem + kReduceBytes);  // kTrain: the CTA's z, rows BLOCK_N apart
   for (int o = threadIdx.x; o < BLOCK_N * kRows; o += kThreads) {
     const int f = o % BLOCK_N, m = o / BLOCK_N;
     const int n = n0 + f;
@@ -232,29 +189,10 @@ __global__ void __launch_bounds__(kThreads, 2) small_m_16bit_kernel(const Args a
 #pragma unroll
     for (int sl = 0; sl < kWarpsK; ++sl) sum += red[((sl * kTiles + ti) * 4 + j) * 32 + src_lane];
     if (a.pieces == 1) {
-      const size_t at = static_cast<size_t>(m) * a.N + n;
-      const uint16_t zb = to_bits<T>(sum + bias_of<T>(a, n));
-      if (kEpi != kEval || a.z != a.bn.out) a.z[at] = zb;
-      if constexpr (kEpi == kTrain) zs[m * BLOCK_N + f] = zb;
-      if constexpr (kEpi == kEval) {  // bn16_chain_eval's out, and its coeff from the first row
-        const float v = eval_out<T, T>(Bits<T>::to_float(zb), ev.scale, ev.w, ev.b, ev.rm, ev.invstd, false);
-        static_cast<uint16_t*>(a.bn.out)[at] = to_bits<T>(v);
-        if (a.bn.coeff != nullptr && m == 0) coeff_store1(a.bn.coeff, a.N, n, make_float4(ev.rm, ev.invstd, ev.w, ev.b));
-      }
+      a.z[static_cast<size_t>(m) * a.N + n] = to_bits<T>(sum + bias_of<T>(a, n));
     } else {
       a.partials[(static_cast<size_t>(piece) * a.M + m) * a.N + n] = sum;
     }
-  }
-  if constexpr (kEpi == kTrain) {  // bn16_strip_train_rows on the CTA's features, one thread a group of 8
-#if __CUDA_ARCH__ >= 900
-    __syncthreads();  // zs written
-    if (blockIdx.x == 0 && threadIdx.x == 0 && a.bn.momentum >= 0.f) *a.bn.num_batches_tracked += 1;
-    const int f0 = n0 + strip::kVec * static_cast<int>(threadIdx.x);
-    if (threadIdx.x < BLOCK_N / strip::kVec && f0 < a.N)
-      strip::rows_group<T, T>(a.bn, f0, zs + strip::kVec * threadIdx.x, static_cast<size_t>(BLOCK_N));
-#else
-    __trap();  // sm_80-89: rows_group spills under the 2-CTA register cap; lowp_small_m_fuses never takes them
-#endif
   }
 #endif
 }
@@ -284,9 +222,9 @@ inline void plan(int M, int N, int K, int num_sms, int* pieces, int* stages_per_
   *stages_per_piece = per_piece;
 }
 
-template <typename T, int kEpi = kZ>
+template <typename T>
 static cudaError_t launch(const Args& a, cudaStream_t stream) {
-  auto kernel = small_m_16bit_kernel<T, kEpi>;
+  auto kernel = small_m_16bit_kernel<T>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid((a.N + BLOCK_N - 1) / BLOCK_N, a.pieces);
@@ -335,46 +273,4 @@ cudaError_t fused_gemm_bn::lowp_small_m_linear(int dtype, bool bias_float32, con
   small_m::plan(M, N, K, num_sms, &a.pieces, &a.stages_per_piece);
   if (a.pieces > 1 && workspace == nullptr) return cudaErrorInvalidValue;
   return dispatch_dtype(dtype, [&](auto tag) { return small_m::launch<typename decltype(tag)::type>(a, stream); });
-}
-
-bool fused_gemm_bn::lowp_small_m_fuses(bool train, int M, int N, int K, int num_sms, const LowpBatchNormArgs& bn) {
-  using namespace fused_gemm_bn::lowp;
-  if (bn.float32_io || M < (train ? 2 : 1) || M > small_m::kRows || N <= 0 || N % 8 != 0 || K <= 0 || K % 8 != 0 ||
-      num_sms < 1 || (!train && bn.scale_after_bn))
-    return false;
-  DeviceFacts facts;
-  if (current_device_facts(&facts) != cudaSuccess || facts.cc_major < 9) {  // the training epilogue's image (kernel)
-    cudaGetLastError();
-    return false;
-  }
-  int pieces = 1, per_piece = 1;
-  small_m::plan(M, N, K, num_sms, &pieces, &per_piece);
-  return pieces == 1;
-}
-
-cudaError_t fused_gemm_bn::lowp_small_m_linear_bn(const LowpBatchNormArgs& bn, bool train, const void* x,
-                                                  const void* w, void* z, void* out, float* coeff, int M, int N,
-                                                  int K, int num_sms, cudaStream_t stream) {
-  using namespace fused_gemm_bn::lowp;
-  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  if (!lowp_small_m_fuses(train, M, N, K, num_sms, bn) || !aligned(x) || !aligned(w) || !aligned(z) ||
-      !aligned(out) || (train && (coeff == nullptr || bn.num_batches_tracked == nullptr)))
-    return cudaErrorInvalidValue;
-  small_m::Args a{};
-  a.x = static_cast<const uint16_t*>(x);
-  a.w = static_cast<const uint16_t*>(w);
-  a.bias = bn.bias;
-  a.z = static_cast<uint16_t*>(z);
-  a.M = M;
-  a.N = N;
-  a.K = K;
-  a.bias_float32 = false;
-  small_m::plan(M, N, K, num_sms, &a.pieces, &a.stages_per_piece);
-  a.bn = strip::Args{static_cast<const uint16_t*>(z), out, bn.scale, bn.bn_weight, bn.bn_bias, bn.running_mean,
-                     bn.running_var, bn.num_batches_tracked, coeff, bn.momentum, bn.eps, bn.scale_after_bn, M, N,
-                     bn.scale_stride};
-  return dispatch_dtype(bn.dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    return train ? small_m::launch<T, small_m::kTrain>(a, stream) : small_m::launch<T, small_m::kEval>(a, stream);
-  });
 }

@@ -16,7 +16,8 @@ Routes (route(); README support matrix):
                gradients on sm_80-89 (forward_eval_saved keeps z)
   lowp_small_m Hopper, batches of at most SMALL_M_ROWS rows: the product by
                lowp/small_m_16bit.cu (W read once, the same z as cuBLAS's up to the
-               order of float32 sums), then lowp_cublas's chain kernels
+               order of float32 sums), with the BatchNorm in its epilogue where it runs
+               in one K piece, else followed by lowp_cublas's chain kernels
   lowp_sm80    sm_80-89: lowp/sm80_gemm_bn_16bit.cu (mma.sync)
 With gradients: the extension's forward_grad, one call that makes its autograd
 node in C++ (forward_train_saved / forward_eval_saved, then lowp/bn_16bit_backward.cu
@@ -82,7 +83,7 @@ def kernels():
 MIN_FILL = 0.9     # 256-row grids filling less of the SMs than this go to lowp_cublas
 STRIP_ROWS = 1024  # training batches up to this many rows: bn_16bit_strip.cu after cuBLAS ...
 SMALL_MNK = 1 << 33  # ... when M N K is at most this (17.2 GFLOP): lowp_cublas
-SMALL_M_ROWS = 8  # batches up to this many rows (in_features a multiple of 8): lowp_small_m
+SMALL_M_ROWS = 16  # batches up to this many rows (in_features a multiple of 8): lowp_small_m
 
 
 def hopper_gemm(m, n, k, training, facts, switches):
@@ -98,8 +99,11 @@ def hopper_gemm(m, n, k, training, facts, switches):
       - batches of at most SMALL_M_ROWS rows with in_features a multiple of 8:
         lowp_small_m (docs/perf.md v98, K = N = 8192: the module 1.06-1.13x faster than
         on lowp_cublas back to back in float16, 0.98-1.02x in bfloat16, and 1.15-1.57x
-        synchronized per call, cuBLAS's host path left out); at 12-16 rows its product
-        ran 3-6% slower than cuBLAS's back to back, so those stay on the rules below;
+        synchronized per call, cuBLAS's host path left out); at 9-16 rows its product
+        runs 3-6% slower than cuBLAS's back to back, and the module gains it back with
+        the BatchNorm in the product's epilogue (v101-v102: training 0.75-0.86 of
+        lowp_cublas's time, problem 33's eval 0.95-0.99) except in problem 84's eval
+        at 8192 x 8192 (1.02-1.06x back to back, 0.74-0.86x synchronized per call);
     and where lowp_sm90 is slower:
       - lowp_sm90's 256-row tiles (its plan when they fill at least half of the
         SMs) filling less than MIN_FILL of them: one partial wave, where

@@ -154,7 +154,7 @@ CASES = [
     ("hopper-bfloat16-forced-cublas", call(dtype=torch.bfloat16, problem=84), H200,
      DEFAULT._replace(lowp_gemm="cublas"), "lowp_cublas_train"),
     # batches of at most SMALL_M_ROWS rows with K % 8 == 0: lowp_small_m's product (W read once), every
-    # mode; K % 8 != 0 and 9 rows keep the rule above; off Hopper lowp_sm80 as before
+    # mode; K % 8 != 0 and 17 rows keep the rule above; off Hopper lowp_sm80 as before
     ("hopper-float16-small-m", call(m=8, k=8192, n=8192, dtype=torch.float16), H200, DEFAULT,
      "lowp_small_m_train"),
     ("hopper-bfloat16-small-m-84-eval-grad", call(m=1, k=1024, n=10, dtype=torch.bfloat16, problem=84,
@@ -162,7 +162,9 @@ CASES = [
      "lowp_small_m_eval_grad"),
     ("hopper-float16-small-m-odd-k", call(m=4, k=36 + 1, n=64, dtype=torch.float16), H200, DEFAULT,
      "lowp_cublas_train"),
-    ("hopper-float16-9-rows", call(m=9, k=8192, n=8192, dtype=torch.float16), H200, DEFAULT,
+    ("hopper-float16-16-rows", call(m=16, k=8192, n=8192, dtype=torch.float16, problem=84, training=False), H200,
+     DEFAULT, "lowp_small_m_eval"),
+    ("hopper-float16-17-rows", call(m=17, k=8192, n=8192, dtype=torch.float16), H200, DEFAULT,
      "lowp_cublas_train"),
     ("hopper-float16-small-m-forced-sm90", call(m=8, k=8192, n=8192, dtype=torch.float16), H200,
      DEFAULT._replace(lowp_gemm="sm90"), "lowp_sm90_train"),
@@ -287,8 +289,10 @@ LAUNCHES = {
     # after the library's product, no project GEMM kernel: the chain kernels, or problem 84
     # eval's row softmax with BatchNorm fused (bn16_softmax_rows_*)
     "lowp_cublas": ["bn16_"],
-    # the project's small-batch product (with K split, small_m_16bit_finish_kernel after it), then the chain
-    "lowp_small_m": ["bn16_", "small_m_16bit_kernel"],
+    # the project's small-batch product: in one K piece with the BatchNorm in its epilogue
+    # (lowp_small_m_linear_bn; problem 84's row softmax after it), else with K split
+    # (small_m_16bit_finish_kernel after it) and the chain kernels
+    "lowp_small_m": ["small_m_16bit_kernel"],
     # the cp.async ring (small_m_fp64_kernel) or, on Hopper with 16-byte rows, the TMA ring
     # (small_m_fp64_tma_kernel); with K split, small_m_fp64_finish_kernel after it
     "small_m_fp64": ["small_m_fp64_"],
@@ -305,6 +309,7 @@ GPU_CASES = [  # (problem, m, k, n, dtype, misaligned weight)
     ("33", 4, 512, 384, F32, False), ("84", 7, 37, 515, F32, True),
     # 16-bit small batches (lowp_small_m on Hopper by default; the misaligned W copied by the binding)
     ("33", 4, 512, 384, torch.float16, False), ("84", 7, 96, 80, torch.bfloat16, True),
+    ("33", 12, 512, 384, torch.float16, False),  # 9-16 rows: the 16-row CTA
 ]
 
 
@@ -356,6 +361,9 @@ def test_gpu_kernel_path_names_the_launched_kernels(problem, m, k, n, dtype, mis
         assert any(fragment in name for name in names), (path, fragment, sorted(set(names)))
     if not grad:  # exactly the forward's GEMM kernel (the backward's products take their own dispatch)
         assert all(expected[-1] in name for name in gemm_names), (path, gemm_names)
+    if plan_.gemm == "lowp_small_m" and problem == "33" and not grad:
+        # GPU_CASES' 16-bit small batches run in one K piece: the BatchNorm in the product's epilogue
+        assert not any("bn16_" in name for name in names), (path, sorted(set(names)))
     if portable and dtype == F32:
         assert plan_.gemm == "sm80_3xtf32"
         assert not any("sm90" in name for name in names), (path, gemm_names)

@@ -72,8 +72,10 @@ from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84  
 # tile order (docs/perf.md v62); N % 8 != 0, so lowp's 16-bit out has no tensor map.
 # (7, 4096, 512), (5, 520, 1000): 16-bit batches of at most 8 rows take lowp_small_m on Hopper (its
 # product with K split into pieces and the finish kernel; one piece, a partial last stage).
+# (6, 264, 8192): one K piece a CTA (256 feature blocks), so the 16-bit BatchNorm runs in the product's
+# epilogue (lowp_small_m_linear_bn; problem 84's eval keeps its row softmax); float32: small_m_fp64.
 SMALL_SHAPES = [(200, 264, 136), (130, 1028, 260), (33, 36, 20), (2305, 64, 136), (2048, 200, 2176),
-                (7, 4095, 513), (4353, 72, 1100), (7, 4096, 512), (5, 520, 1000)]
+                (7, 4095, 513), (4353, 72, 1100), (7, 4096, 512), (5, 520, 1000), (6, 264, 8192)]
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -329,6 +329,25 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   const cudaStream_t stream = current_stream(op.x);
   const auto f32 = op.x.options().dtype(torch::kFloat32);
   TrainResult r;
+  if (gemm == Gemm::kSmallM && N > 0 && !op.w_float32) {  // the strip's BatchNorm in the product's epilogue
+    const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, scale_stride,
+                                              num_batches_tracked.data_ptr<int64_t>(), momentum, eps, scale_after_bn);
+    const int sms = num_sms(op.x);
+    if (fgb::lowp_small_m_fuses(true, M, N, op.K, sms, bn)) {
+      const torch::Tensor z = torch::empty({M, N}, op.x.options());
+      r.coeff = torch::empty({4, N}, f32);
+      r.out = saved ? torch::empty_like(z) : z;  // 16-bit vectors here: out in z's dtype, in place unless z is kept
+      if (saved) r.z = z;
+      if (momentum < 0) num_batches_tracked.add_(1);  // read by the kernel (momentum=None)
+      check_launch(fgb::lowp_small_m_linear_bn(bn, true, op.x.data_ptr(), op.weight.data_ptr(), z.data_ptr(),
+                                               r.out.data_ptr(), r.coeff.data_ptr<float>(), M, N, op.K, sms, stream),
+                   "small_m_16bit_kernel (training, BatchNorm fused)");
+      if (scale_after_bn)
+        check_launch(fgb::lowp_softmax_rows(bn, r.out.data_ptr(), r.coeff.data_ptr<float>(), M, N, stream),
+                     "bn16_softmax_rows_kernel (training)");
+      return r;
+    }
+  }
   torch::Tensor z;  // product_first: the product, before the chain (launched before any allocation of this call)
   if (product_first(gemm) && N > 0) z = linear_product(gemm, op, t, float32_io);
   r.coeff = torch::empty({4, N}, f32);
@@ -406,6 +425,19 @@ EvalResult eval(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& weigh
   const cudaStream_t stream = current_stream(op.x);
   EvalResult r;
   const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, scale_stride, nullptr, 0.0, eps, scale_after_bn);
+  if (gemm == Gemm::kSmallM && M > 0 && N > 0 && !op.w_float32) {  // problem 33: the chain in the product's epilogue
+    const int sms = num_sms(op.x);
+    if (fgb::lowp_small_m_fuses(false, M, N, op.K, sms, bn)) {
+      const torch::Tensor z = torch::empty({M, N}, op.x.options());
+      r.out = saved ? torch::empty_like(z) : z;  // in place unless z is kept
+      if (saved) r.z = z, r.coeff = torch::empty({4, N}, op.x.options().dtype(torch::kFloat32));
+      check_launch(fgb::lowp_small_m_linear_bn(bn, false, op.x.data_ptr(), op.weight.data_ptr(), z.data_ptr(),
+                                               r.out.data_ptr(), saved ? r.coeff.data_ptr<float>() : nullptr, M, N,
+                                               op.K, sms, stream),
+                   "small_m_16bit_kernel (eval, BatchNorm fused)");
+      return r;
+    }
+  }
   const bool z_first = product_first(gemm) && M > 0 && N > 0;
   const torch::Tensor z = z_first ? linear_product(gemm, op, t, float32_io) : torch::Tensor();  // launched first
   if (saved) r.coeff = torch::empty({4, N}, op.x.options().dtype(torch::kFloat32));

@@ -35,6 +35,9 @@
 //   added): for M <= 16 the slices' sums above add the same terms in the same order (their
 //   other terms are exact zeros), so the statistics are the same numbers by construction
 //   (the tests bound both against eager and float64; no GPU run compared the two forms).
+//   Its per-thread routine is strip::rows_group (bn_16bit_strip.cuh); the small-batch product's
+//   epilogue (small_m_16bit.cu) runs its one-feature form, strip::rows_feature, on the same
+//   per-feature steps.
 // Layout: z (M, N) T and out (M, N) S row-major contiguous (out may be z); vectors
 // (N) of S; coeff (4, N) float32.  Preconditions (lowp_bn_strip_train_fits): 2 <= M <=
 // kStripMaxRows, N % 8 == 0, z and out 16-byte aligned.  Memory-bound: one read of
@@ -43,6 +46,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "bn_16bit_strip.cuh"
 #include "launchers.cuh"
 #include "lowp_chain.cuh"
 #include "lowp_coeff.cuh"
@@ -52,7 +56,6 @@ namespace fused_gemm_bn {
 namespace lowp {
 namespace strip {
 
-constexpr int kVec = 8;
 constexpr int kStripGroups = 2;
 constexpr int kStripThreads = 256;
 constexpr int kStripSlices = kStripThreads / kStripGroups;
@@ -60,24 +63,7 @@ constexpr int kStripRowsPerThread = 8;
 constexpr int kStripMaxRows = kStripSlices * kStripRowsPerThread;  // 1024
 constexpr int kFeatures = kStripGroups * kVec;                      // per CTA
 constexpr int kParts = kStripThreads / kFeatures;                   // partial sums per feature in the reduction
-constexpr int kThreadRows = 8;    // bn16_strip_train_rows: rows a thread holds, the batches it takes
 constexpr int kRowsThreads = 128;
-
-struct Args {
-  const uint16_t* z;
-  void* out;
-  const void* scale;
-  const void* bn_weight;
-  const void* bn_bias;
-  void* running_mean;
-  void* running_var;
-  int64_t* num_batches_tracked;
-  float* coeff;  // (4, N)
-  float momentum, eps;
-  bool scale_after_bn;
-  int M, N;
-  int scale_stride;  // 1, or 0: one number for every feature
-};
 
 // The CTA's sum over the slices of each feature's per-thread value v[j]
 // (thread: group g, slice s), returned to every thread for its group's features.
@@ -138,39 +124,6 @@ struct SquaredDeviationPass {
   }
 };
 
-// The tail of both kernels: the group's 8 coefficients from mean64 and m2 (every thread of a
-// group computes the same values; `writer` stores them and the running statistics), then
-// (33) out = rnd_S(fma(w (u - mean), invstd, b)), bn16_apply's value, or (84, out apart from
-// z) out = u, for the thread's rows row0, row0 + row_step, ... below M.
-template <typename S, int kRows>
-__device__ __forceinline__ void finish_group(const Args& p, int f0, bool writer, const float (&v)[kRows][kVec],
-                                             const double (&mean64)[kVec], const double (&m2)[kVec], int row0,
-                                             int row_step) {
-  using St = Storage<S>;
-  using W = word_t<S>;
-  const float f = running_factor(p.momentum, p.num_batches_tracked);
-  float4 c[kVec];
-#pragma unroll
-  for (int j = 0; j < kVec; ++j)
-    c[j] = train_coeff<S>(mean64[j], m2[j], p.M, f, p.eps, St::load(static_cast<const W*>(p.bn_weight) + f0 + j),
-                          St::load(static_cast<const W*>(p.bn_bias) + f0 + j),
-                          static_cast<W*>(p.running_mean) + f0 + j, static_cast<W*>(p.running_var) + f0 + j, writer);
-  if (writer) coeff_store8(p.coeff, p.N, f0, c);
-  const bool store_u = p.scale_after_bn && p.out != static_cast<const void*>(p.z);
-  if (p.scale_after_bn && !store_u) return;
-  W* out = static_cast<W*>(p.out);
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = row0 + r * row_step;
-    if (row >= p.M) break;
-    float o[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j)  // 33: bn16_apply's fma(w (u - mean), invstd, b); 84: u
-      o[j] = p.scale_after_bn ? v[r][j] : bn_affine(v[r][j], c[j]);
-    store_group<S>(out + static_cast<size_t>(row) * p.N + f0, o);
-  }
-}
-
 template <typename T, typename S, int kRows>
 __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const Args p) {
   using St = Storage<S>;
@@ -216,39 +169,10 @@ __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const A
 // Batches of at most kThreadRows rows: one thread a group of 8 features, every row (header).
 template <typename T, typename S>
 __global__ void __launch_bounds__(kRowsThreads) bn16_strip_train_rows_kernel(const Args p) {
-  using St = Storage<S>;
-  using W = word_t<S>;
   const int f0 = (blockIdx.x * kRowsThreads + threadIdx.x) * kVec;
   if (blockIdx.x == 0 && threadIdx.x == 0 && p.momentum >= 0.f) *p.num_batches_tracked += 1;
   if (f0 >= p.N) return;  // N % 8 == 0: the whole group is inside or outside
-  float v[kThreadRows][kVec];
-#pragma unroll
-  for (int r = 0; r < kThreadRows; ++r)  // every load first
-    if (r < p.M) load_group<T>(p.z + static_cast<size_t>(r) * p.N + f0, v[r]);
-  float scale[kVec];
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) scale[j] = St::load(static_cast<const W*>(p.scale) + (f0 + j) * p.scale_stride);
-  double mean64[kVec], m2[kVec];
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    double sum = 0.0;
-#pragma unroll
-    for (int r = 0; r < kThreadRows; ++r) {
-      if (r >= p.M) break;
-      v[r][j] = train_u<S>(v[r][j], scale[j], p.scale_after_bn);
-      sum += v[r][j];
-    }
-    mean64[j] = sum / static_cast<double>(p.M);
-    double q = 0.0;
-#pragma unroll
-    for (int r = 0; r < kThreadRows; ++r) {
-      if (r >= p.M) break;
-      const double d = static_cast<double>(v[r][j]) - mean64[j];
-      q = __dadd_rn(q, __dmul_rn(d, d));  // d d rounded, then added: the slices' order (header)
-    }
-    m2[j] = q;
-  }
-  finish_group<S>(p, f0, true, v, mean64, m2, 0, 1);
+  rows_group<T, S>(p, f0, p.z + f0, static_cast<size_t>(p.N));
 }
 
 template <typename T, typename S>

@@ -2576,6 +2576,16 @@ int lowp_small_m_max_rows();
 int64_t lowp_small_m_workspace_floats(int M, int N, int K, int num_sms);
 cudaError_t lowp_small_m_linear(int dtype, bool bias_float32, const void* x, const void* w, const void* bias,
                                 void* z, float* workspace, int M, int N, int K, int num_sms, cudaStream_t stream);
+// The same product with the BatchNorm after it in the kernel's epilogue, where lowp_small_m_fuses
+// (16-bit vectors, N % 8 == 0, the product in one K piece; training M >= 2; eval problem 33 only):
+// training, z and what lowp_bn_strip_train gives from it (out, coeff, the running statistics,
+// num_batches_tracked += 1 where momentum >= 0; momentum < 0: the caller adds 1 first); eval, z (where
+// out is not z) and lowp_bn_chain_eval's out and, where coeff is not null, its coeff.  The same bits as
+// lowp_small_m_linear then those launchers.  z, out 16-byte aligned (out may be z); bn: every field
+// the two launchers read, and bias.  Else cudaErrorInvalidValue, nothing launched.
+bool lowp_small_m_fuses(bool train, int M, int N, int K, int num_sms, const LowpBatchNormArgs& bn);
+cudaError_t lowp_small_m_linear_bn(const LowpBatchNormArgs& bn, bool train, const void* x, const void* w, void* z,
+                                   void* out, float* coeff, int M, int N, int K, int num_sms, cudaStream_t stream);
 // Training statistics (coeff, (4, N) rows: lowp_coeff.cuh) and the running-statistics update (lowp/bn_16bit.cu);
 // float32_io: the BatchNorm parameters and running statistics (and below, out and scale) are float32.
 // bn: dtype, float32_io, bn_weight, bn_bias, running_mean, running_var (updated),

@@ -779,10 +779,19 @@ def print_backward_table(problem, rows, check):
 
 
 def _git_revision():
+    """HEAD's short hash, with "+changes" where tracked files differ from it (a working tree, or a
+    copy whose .git is older than its files: the hash alone would name code that did not run);
+    None outside a git checkout."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
-        return out.stdout.strip() or None
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
+                             timeout=10)
+        rev = out.stdout.strip()
+        if not rev:
+            return None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, cwd=here, timeout=30)
+        return rev + ("+changes" if status.returncode != 0 or status.stdout.strip() else "")
     except Exception:
         return None
 

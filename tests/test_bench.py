@@ -231,3 +231,26 @@ def test_sweep_flow(cpu_bench, monkeypatch):
     # eager and ModelNew in both protocols; the floors back to back only
     assert cpu_bench == {"eager": 12, "ModelNew": 12, "floor": 6, "w_copy": 6}
     assert all(r["w_read_ms"] == 0.5 and r["sync_speedup_vs_eager"] == 2.0 for r in rows)
+
+
+@pytest.mark.parametrize("porcelain,returncode,expected", [("", 0, "abc1234"), (" M bench.py\n", 0, "abc1234+changes"),
+                                                           ("", 128, "abc1234+changes")])
+def test_git_revision_marks_changed_trees(monkeypatch, porcelain, returncode, expected):
+    """The printed revision names the code that ran: "+changes" where tracked files differ from
+    HEAD (or git status cannot tell), so a copy whose .git is older than its files is not taken
+    for HEAD's code."""
+    import subprocess
+
+    def run(cmd, **kwargs):
+        if cmd[:2] == ["git", "rev-parse"]:
+            return subprocess.CompletedProcess(cmd, 0, "abc1234\n", "")
+        return subprocess.CompletedProcess(cmd, returncode, porcelain, "")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    assert bench._git_revision() == expected
+
+
+def test_git_revision_outside_a_checkout(monkeypatch):
+    import subprocess
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kwargs: subprocess.CompletedProcess(cmd, 128, "", ""))
+    assert bench._git_revision() is None

@@ -2,9 +2,9 @@
 // the 16-bit Linear output z, a thread owning features and every row of them: rows_group, a
 // group of 8 features (bn_16bit_strip.cu's bn16_strip_train_rows, z read from global memory),
 // and rows_feature, one feature (the small-batch product's epilogue, small_m_16bit.cu, z read
-// from shared memory).  Both run feature_stats and the same coefficient and output steps, so
-// they give the same bits.  finish_group is also the tail of bn_16bit_strip.cu's
-// sliced kernel.  Device code only; the formulas are bn_16bit_strip.cu's header's.
+// from shared memory).  Both run the same per-feature steps (feature_stats's, written out in
+// rows_group) and the same coefficient and output steps, so they give the same bits.
+// finish_group is also the tail of bn_16bit_strip.cu's sliced kernel.  Device code only; the formulas are bn_16bit_strip.cu's header's.
 #pragma once
 
 #include <stdint.h>
@@ -98,8 +98,8 @@ __device__ __forceinline__ void feature_stats(Value v, int M, float scale, bool 
 }
 
 // The group of features f0 .. f0 + 7 (f0 % 8 == 0, f0 + 8 <= N) over rows 0 .. M - 1 (M <= kThreadRows)
-// in one thread: z's rows read from z_rows + r z_row_stride (16-byte aligned), then feature_stats
-// for each feature, and finish_group's outputs.
+// in one thread: z's rows read from z_rows + r z_row_stride (16-byte aligned), then feature_stats's
+// steps for each feature, and finish_group's outputs.
 template <typename T, typename S>
 __device__ __forceinline__ void rows_group(const Args& p, int f0, const uint16_t* z_rows, size_t z_row_stride) {
   using St = Storage<S>;
@@ -151,8 +151,9 @@ __device__ __forceinline__ void rows_feature(const Args& p, int n, const uint16_
 #pragma unroll
   for (int r = 0; r < kRows; ++r) v[r] = r < p.M ? load_float<T>(z_col + r * z_row_stride) : 0.f;
   double mean64, m2;
-  feature_stats<S, kRows>([&](int r) -> float& { return v[r]; }, p.M, St::load(static_cast<const W*>(p.scale) + static_cast<size_t>(n) * p.scale_stride),
-                   p.scale_after_bn, mean64, m2);
+  feature_stats<S, kRows>([&](int r) -> float& { return v[r]; }, p.M,
+                          St::load(static_cast<const W*>(p.scale) + static_cast<size_t>(n) * p.scale_stride),
+                          p.scale_after_bn, mean64, m2);
   const float f = running_factor(p.momentum, p.num_batches_tracked);
   const float4 c = train_coeff<S>(mean64, m2, p.M, f, p.eps, St::load(static_cast<const W*>(p.bn_weight) + n),
                                   St::load(static_cast<const W*>(p.bn_bias) + n), static_cast<W*>(p.running_mean) + n,

@@ -77,7 +77,6 @@
 
 #include "bn_16bit_strip.cuh"
 #include "cp_async.cuh"
-#include "device_facts.cuh"
 #include "launchers.cuh"
 #include "lowp_chain.cuh"
 #include "lowp_coeff.cuh"

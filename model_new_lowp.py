@@ -83,7 +83,7 @@ def kernels():
 MIN_FILL = 0.9     # 256-row grids filling less of the SMs than this go to lowp_cublas
 STRIP_ROWS = 1024  # training batches up to this many rows: bn_16bit_strip.cu after cuBLAS ...
 SMALL_MNK = 1 << 33  # ... when M N K is at most this (17.2 GFLOP): lowp_cublas
-SMALL_M_ROWS = 16  # batches up to this many rows (in_features a multiple of 8): lowp_small_m
+SMALL_M_ROWS = 32  # batches up to this many rows (in_features a multiple of 8): lowp_small_m
 
 
 def hopper_gemm(m, n, k, training, facts, switches):
@@ -104,6 +104,10 @@ def hopper_gemm(m, n, k, training, facts, switches):
         the BatchNorm in the product's epilogue (v101-v102: training 0.75-0.86 of
         lowp_cublas's time, problem 33's eval 0.95-0.99) except in problem 84's eval
         at 8192 x 8192 (1.02-1.06x back to back, 0.74-0.86x synchronized per call);
+        at 17-32 rows (v103-v104: 32 rows a CTA, 64 features where N / 64 CTAs fill
+        the SMs) training takes 0.69-0.91 of lowp_cublas's time back to back and
+        0.64-0.83 synchronized, eval 0.80-1.10 and 0.64-0.91, but where K is split
+        (29 x 8200 x 2080: 1.14-1.22x back to back, 0.73-0.83x synchronized);
     and where lowp_sm90 is slower:
       - lowp_sm90's 256-row tiles (its plan when they fill at least half of the
         SMs) filling less than MIN_FILL of them: one partial wave, where

@@ -154,7 +154,7 @@ CASES = [
     ("hopper-bfloat16-forced-cublas", call(dtype=torch.bfloat16, problem=84), H200,
      DEFAULT._replace(lowp_gemm="cublas"), "lowp_cublas_train"),
     # batches of at most SMALL_M_ROWS rows with K % 8 == 0: lowp_small_m's product (W read once), every
-    # mode; K % 8 != 0 and 17 rows keep the rule above; off Hopper lowp_sm80 as before
+    # mode; K % 8 != 0 and 33 rows keep the rule above; off Hopper lowp_sm80 as before
     ("hopper-float16-small-m", call(m=8, k=8192, n=8192, dtype=torch.float16), H200, DEFAULT,
      "lowp_small_m_train"),
     ("hopper-bfloat16-small-m-84-eval-grad", call(m=1, k=1024, n=10, dtype=torch.bfloat16, problem=84,
@@ -165,6 +165,10 @@ CASES = [
     ("hopper-float16-16-rows", call(m=16, k=8192, n=8192, dtype=torch.float16, problem=84, training=False), H200,
      DEFAULT, "lowp_small_m_eval"),
     ("hopper-float16-17-rows", call(m=17, k=8192, n=8192, dtype=torch.float16), H200, DEFAULT,
+     "lowp_small_m_train"),
+    ("hopper-bfloat16-32-rows", call(m=32, k=4096, n=4096, dtype=torch.bfloat16, problem=84), H200, DEFAULT,
+     "lowp_small_m_train"),
+    ("hopper-float16-33-rows", call(m=33, k=8192, n=8192, dtype=torch.float16), H200, DEFAULT,
      "lowp_cublas_train"),
     ("hopper-float16-small-m-forced-sm90", call(m=8, k=8192, n=8192, dtype=torch.float16), H200,
      DEFAULT._replace(lowp_gemm="sm90"), "lowp_sm90_train"),
@@ -310,6 +314,7 @@ GPU_CASES = [  # (problem, m, k, n, dtype, misaligned weight)
     # 16-bit small batches (lowp_small_m on Hopper by default; the misaligned W copied by the binding)
     ("33", 4, 512, 384, torch.float16, False), ("84", 7, 96, 80, torch.bfloat16, True),
     ("33", 12, 512, 384, torch.float16, False),  # 9-16 rows: the 16-row CTA
+    ("84", 24, 512, 384, torch.bfloat16, False),  # 17-32 rows: the 32-row CTA (32 features at this N)
 ]
 
 

@@ -314,14 +314,17 @@ def test_gpu_lowp_error_vs_float64(dtype_name, problem, mode, shape, full_precis
 # lowp_small_m (model_new_lowp.SMALL_M_ROWS; lowp/small_m_16bit.cu): (2, 8192, 8192) one K piece a CTA;
 # (7, 2048, 1500) and (8, 4104, 1300) K split into pieces (the finish kernel; a partial last stage; N a
 # tail of the 32-feature blocks); (1, 1024, 10000) eval only (training needs 2 rows); (16, 4096, 8192)
-# and (13, 8200, 2080) the 16-row CTA, in one K piece and split.  Each output has at least 10^4
+# and (13, 8200, 2080) the 16-row CTA, in one K piece and split; (17, 4096, 8192) and (32, 2048, 8192) the
+# 32-row CTA of 64 features (N / 64 CTAs fill the SMs), (24, 1024, 4096) and (29, 8200, 2080) the 32-row
+# CTA of 32 features, in one K piece and split (one pair of rows and sixteen in the BatchNorm's sums:
+# bn_16bit_strip.cuh's feature_stats).  Each output has at least 10^4
 # elements, which the error ratio's bound needs (test_gpu_lowp_error_vs_float64); the split shape at
 # 13 rows has 2.7 10^4: at 13 x 4104 x 1300 (1.7 10^4) one draw of problem 84's float16 training
 # measured 1.064x eager's error (9.56e-4 against 8.98e-4), the bound's noise where z differs from
 # eager's in the last bit of a few % of its elements and BatchNorm over 13 rows carries each such
 # difference into a whole column (docs/perf.md v102).
 SMALL_M_SHAPES = [(2, 8192, 8192), (7, 2048, 1500), (8, 4104, 1300), (1, 1024, 10000), (16, 4096, 8192),
-                  (13, 8200, 2080)]
+                  (13, 8200, 2080), (17, 4096, 8192), (32, 2048, 8192), (24, 1024, 4096), (29, 8200, 2080)]
 
 
 @requires_cuda

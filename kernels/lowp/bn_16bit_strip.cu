@@ -63,6 +63,7 @@ constexpr int kStripRowsPerThread = 8;
 constexpr int kStripMaxRows = kStripSlices * kStripRowsPerThread;  // 1024
 constexpr int kFeatures = kStripGroups * kVec;                      // per CTA
 constexpr int kParts = kStripThreads / kFeatures;                   // partial sums per feature in the reduction
+static_assert(kParts == kPairStride, "feature_stats (bn_16bit_strip.cuh) sums in slice_sums's order");
 constexpr int kRowsThreads = 128;
 
 // The CTA's sum over the slices of each feature's per-thread value v[j]

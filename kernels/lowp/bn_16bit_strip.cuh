@@ -1,4 +1,4 @@
-// bn_16bit_strip.cuh -- the training BatchNorm of a small batch (at most 8 or 16 rows) from
+// bn_16bit_strip.cuh -- the training BatchNorm of a small batch (at most 8 or 32 rows) from
 // the 16-bit Linear output z, a thread owning features and every row of them: rows_group, a
 // group of 8 features (bn_16bit_strip.cu's bn16_strip_train_rows, z read from global memory),
 // and rows_feature, one feature (the small-batch product's epilogue, small_m_16bit.cu, z read
@@ -19,6 +19,7 @@ namespace strip {
 
 constexpr int kVec = 8;          // features of a group (16-byte accesses of z and out)
 constexpr int kThreadRows = 8;   // rows_group: rows a thread holds, the batches it takes
+constexpr int kPairStride = 16;  // bn_16bit_strip.cu's kParts: its slices q, q + 16, ... meet first
 
 // z: the Linear output in global memory (M, N) T (out may be z: in place); vectors (N) of S;
 // coeff (4, N) float32.
@@ -71,28 +72,46 @@ __device__ __forceinline__ void finish_group(const Args& p, int f0, bool writer,
   }
 }
 
-// One feature's statistics over rows 0 .. M - 1 (M <= kRows) of v, z's values, which become
-// u = train_u(z): float64 sums over the rows in order, u then the squares (d d rounded, then
-// added: the sliced kernel's order, bn_16bit_strip.cu's header, whose sums at M <= 16 add these
-// terms in this order and exact zeros).
+// One feature's statistics over rows 0 .. M - 1 (M <= kRows <= 32) of v, z's values, which
+// become u = train_u(z): float64 sums, u then the squares (d d rounded, then added), in the
+// sliced kernel's order (bn_16bit_strip.cu's header: a slice a row there, the slices' sums
+// meeting in slice_sums, kParts = kPairStride apart, then in order): at M <= 16 the rows in
+// order; at M = 17 .. 32 the pairs (q, q + 16) summed first, then the 16 pairs in order.  The
+// sliced kernel's other terms are exact zeros, so both give the same numbers by construction.
 // v(r): row r's value, a float& (a register of the caller's, unrolled).
 template <typename S, int kRows, class Value>
 __device__ __forceinline__ void feature_stats(Value v, int M, float scale, bool scale_after_bn, double& mean64,
                                               double& m2) {
+  static_assert(kRows <= 2 * kPairStride, "at most two rows meet before the pairs' sum");
   double sum = 0.0;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     if (r >= M) break;
     v(r) = train_u<S>(v(r), scale, scale_after_bn);
-    sum += v(r);
+    if constexpr (kRows <= kPairStride) sum += v(r);
+  }
+  if constexpr (kRows > kPairStride) {
+#pragma unroll
+    for (int r = 0; r < kPairStride; ++r) {
+      if (r >= M) break;
+      sum += r + kPairStride < M ? static_cast<double>(v(r)) + static_cast<double>(v(r + kPairStride))
+                                 : static_cast<double>(v(r));
+    }
   }
   mean64 = sum / static_cast<double>(M);
   double q = 0.0;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (r >= M) break;
+  const auto square = [&](int r) {
     const double d = static_cast<double>(v(r)) - mean64;
-    q = __dadd_rn(q, __dmul_rn(d, d));
+    return __dmul_rn(d, d);
+  };
+#pragma unroll
+  for (int r = 0; r < (kRows <= kPairStride ? kRows : kPairStride); ++r) {
+    if (r >= M) break;
+    if constexpr (kRows <= kPairStride) {
+      q = __dadd_rn(q, square(r));
+    } else {
+      q = __dadd_rn(q, r + kPairStride < M ? __dadd_rn(square(r), square(r + kPairStride)) : square(r));
+    }
   }
   m2 = q;
 }
@@ -135,16 +154,15 @@ __device__ __forceinline__ void rows_group(const Args& p, int f0, const uint16_t
   finish_group<S>(p, f0, true, v, mean64, m2, 0, 1);
 }
 
-// Feature n alone over rows 0 .. M - 1 (M <= kRows, 16 at most) in one thread, z's values read
+// Feature n alone over rows 0 .. M - 1 (M <= kRows, 32 at most) in one thread, z's values read
 // from z_col + r z_row_stride (any memory): the statistics, running statistics, coeff and out
-// that rows_group (M <= 8) or the sliced kernel (M <= 16: header of feature_stats) gives feature
+// that rows_group (M <= 8) or the sliced kernel (M <= 32: header of feature_stats) gives feature
 // n, by the same operations (feature_stats, train_coeff, bn_affine).
 // It holds an eighth of rows_group's values: the small-batch product's epilogue runs it
 // (small_m_16bit.cu) under the two-CTA register cap of 128, where rows_group's stack frame
 // (the float64 division's slow path under register pressure) fails the CI's ptxas check.
 template <typename T, typename S, int kRows>
 __device__ __forceinline__ void rows_feature(const Args& p, int n, const uint16_t* z_col, int z_row_stride) {
-  static_assert(kRows <= 16, "the sliced kernel's order (feature_stats) holds to 16 rows");
   using St = Storage<S>;
   using W = word_t<S>;
   float v[kRows];

@@ -1,4 +1,4 @@
-// small_m_16bit.cu -- the 16-bit Linear at a few batch rows (M = 1 .. 16): z = rnd(x W^T +
+// small_m_16bit.cu -- the 16-bit Linear at a few batch rows (M = 1 .. 32): z = rnd(x W^T +
 // bias) in x's dtype T (__half or __nv_bfloat16), W read once.  The product of the
 // lowp_small_m route (model_new_lowp.py): the same z as lowp_cublas's at::linear (float32
 // accumulation, the bias added in float32, one rounding), with the BatchNorm in its epilogue
@@ -11,6 +11,9 @@
 // cuBLAS's host path (cublasLt through at::linear) adds ~20 us to a synchronized call.
 // At 9-16 rows (v102) it takes 37.4-38.7 us against cuBLAS's 36.1-36.4, and the module gains it
 // back where the BatchNorm runs in the epilogue (training 0.75-0.86 of lowp_cublas's time).
+// At 17-32 rows (v103-v104) the module's training calls take 0.78-0.91 of lowp_cublas's time back to
+// back and 0.67-0.82 synchronized at 8192 x 8192; its eval calls 1.03-1.10 back to back (the
+// product ~3 us behind cuBLAS's) and 0.84-0.89 synchronized.
 //
 // Formula (f(v) = float(v) of a 16-bit value; rnd = round to T, nearest even)
 //   acc[m, n] = sum_k f(x[m, k]) f(w[n, k])     exact products, float32 sums: per warp
@@ -34,9 +37,13 @@
 //
 // Work split
 //   CTA: BLOCK_N = 32 features (two 16-feature tiles: mma's A rows) x kRows = 8 batch
-//   rows (M <= 8) or 16 (M = 9 .. 16; two column blocks of 8, each W fragment feeding two
-//   mmas) (mma's B columns; rows past M zero-filled, never stored) x one K piece; 8 warps
-//   = 2 tiles x 4 K slices of each stage's BLOCK_K = 256 k (two 32-k chunks a warp).  The
+//   rows (M <= 8), 16 (M = 9 .. 16) or 32 (M = 17 .. 32; two or four column blocks of 8, each
+//   W fragment feeding two or four mmas) (mma's B columns; rows past M zero-filled, never
+//   stored) x one K piece; 8 warps = 2 tiles x 4 K slices of each stage's BLOCK_K = 256 k (two
+//   32-k chunks a warp).  At 32 rows, where N / 64 CTAs fill at least 0.9 of the SMs, BLOCK_N =
+//   64 (each warp two tiles; one CTA an SM): every CTA reads all of x from L2, and at 32 rows x
+//   is as many bytes as the CTA's W (x's L2 traffic per W byte is kRows / BLOCK_N); 64 features
+//   took 0.94-1.02 of 32 features' time at 8192 x 8192 (v104).  The
 //   CTA takes its stages in a rotated order, from stage blockIdx.x % stages: every CTA
 //   reads all of x from L2, and in one order all of them ask for the same lines at once
 //   (a first version, in one order and reading x's last row in place of the rows past
@@ -47,21 +54,25 @@
 //   576 bytes (64 mod 128: a warp's 16-byte reads of 8 rows x 4 lanes a quarter are
 //   bank-conflict free), filled by 16-byte cp.async (one warp a row); k past K and rows
 //   past N and M zero-filled, not read (both operands: no Inf x 0); kStages - 1 stages
-//   in flight, one __syncthreads a stage; 92 KB (8 rows) or 108 KB (16), two CTAs a Hopper SM
-//   (the 16-row ring exceeds sm_86/89's shared memory: the route runs on Hopper only).
+//   in flight, one __syncthreads a stage; 92 KB (8 rows) or 108 KB (16; 32 rows x 32 features
+//   with 3 stages), two CTAs a Hopper SM; 216 KB (32 x 64), one (the 16-row ring exceeds
+//   sm_86/89's shared memory, the 32 x 64 one sm_80's: the route runs on Hopper only).
 //   Fragments: lane (g, t) reads 16 bytes of rows g and g + 8 of its W tile and of x's
 //   row g at k 8t .. 8t + 7 of a 32-k chunk; the chunk's two k16 steps take halves
 //   {0, 1 | 2, 3} and {4, 5 | 6, 7} as mma's k {2t, 2t + 1 | 2t + 8, 2t + 9}: the same
 //   permutation of k in A and B, so each product pairs x[m, k] with w[n, k].
 //   End: the 4 K slices' accumulators through shared memory, summed in slice order by
-//   one thread an output (feature fastest: 64-byte runs of z), then z (pieces == 1) or
+//   one thread an output (feature fastest: 64- or 128-byte runs of z), then z (pieces == 1) or
 //   the piece's float32 sums to partials, and small_m_16bit_finish_kernel (a
 //   programmatic dependent launch, pdl.cuh) adds the pieces in piece order, the bias,
-//   and rounds.  No atomics: the same bits on every run.
+//   and rounds.  No atomics: the same bits on every run (of one plan: the stages' rotation
+//   orders each feature's float32 sums by its CTA's index, so another CTA shape may differ in
+//   the last bit, as cuBLAS's kernels do from each other).
 // BatchNorm in the epilogue (lowp_small_m_linear_bn, where lowp_small_m_fuses: one K piece, 16-bit
-// vectors, N % 8 == 0): training, each CTA also keeps its z tile (kRows x BLOCK_N, 512 bytes) in
-// shared memory after the reduction, and its first warp computes from it what bn16_strip_train_rows
-// gives (strip::rows_feature, bn_16bit_strip.cuh: the statistics, the running statistics, coeff,
+// vectors, N % 8 == 0): training, each CTA also keeps its z tile (kRows x BLOCK_N, 16-bit) in
+// shared memory after the reduction, and its first BLOCK_N threads compute from it what
+// bn16_strip_train_rows gives (strip::rows_feature, bn_16bit_strip.cuh: the statistics (at 17-32 rows
+// the sliced kernel's), the running statistics, coeff,
 // problem 33's out; 84's u where out is not z), one thread a feature; eval (problem 33), each
 // thread applies bn16_chain_eval's step (eval_out, lowp_chain.cuh) to its output, the feature's
 // vectors read before the main loop.  The same bits as the product then the strip or chain
@@ -88,35 +99,51 @@ namespace fused_gemm_bn {
 namespace lowp {
 namespace small_m {
 
-constexpr int BLOCK_N = 32;                // features per CTA
 constexpr int BLOCK_K = 256;               // k per stage: 512 bytes of a row
 constexpr int kRowBytes = 576;             // a stage row in shared memory: 512 + 64 bytes
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kTiles = BLOCK_N / 16;       // 16-feature tiles (mma's M)
-constexpr int kWarpsK = kWarps / kTiles;   // K slices of a stage
 constexpr int kChunkK = 32;                // k a warp's 16-byte loads cover (4 lanes x 8)
-constexpr int kChunks = BLOCK_K / kWarpsK / kChunkK;  // chunks a warp a stage
 constexpr int kPiecesPerRow = BLOCK_K * 2 / 16;       // 16-byte copies a stage row
-constexpr int kMaxRows = 16;               // batch rows: M <= 16
-constexpr int kStages = 4;
+constexpr int kMaxRows = 32;               // batch rows: M <= 32
 constexpr int kMinStagesPerPiece = 4;      // a K piece streams at least this many stages
-static_assert(BLOCK_N <= kThreads && kThreads % BLOCK_N == 0, "the epilogue: each thread's outputs of one feature");
+constexpr int kMaxSmemBytes = 227 * 1024;  // a Hopper CTA's dynamic shared memory
 
-// A CTA of kRows batch rows (8: M <= 8, one mma column block; 16: M = 9 .. 16, two): its ring
-// and the epilogue's shared memory.
-template <int kRows>
+// The CTA's batch rows for M rows: 8 (M <= 8), 16 (M <= 16) or 32.
+constexpr int cta_rows(int M) { return M <= 8 ? 8 : M <= 16 ? 16 : 32; }
+// Its features: 32, or at 32 rows 64 where N / 64 CTAs fill at least 0.9 of the SMs (one CTA an SM;
+// N = 8192: 0.94-1.02 of 32 features' time, docs/perf.md v104), else 32 (two CTAs an SM: at N = 4096
+// 64 features split K and leave the BatchNorm unfused: 0.97-1.28x the time).
+constexpr int cta_features(int rows, int N, int num_sms) {
+  return rows == 32 && 10 * ((N + 63) / 64) >= 9 * num_sms ? 64 : 32;
+}
+
+// A CTA of kRows batch rows (8: M <= 8, one mma column block; 16: M = 9 .. 16, two; 32: M = 17 ..
+// 32, four) and kBlockN features (32; 64 at 32 rows only): its warps' work, its ring and the
+// epilogue's shared memory.
+template <int kRows, int kBlockN>
 struct Shape {
-  static_assert(kRows == 8 || kRows == 16, "one or two mma column blocks of 8 rows");
-  static constexpr int kBlocks = kRows / 8;
+  static_assert(kRows == 8 || kRows == 16 || kRows == 32, "one, two or four mma column blocks of 8 rows");
+  static_assert(kBlockN == 32 || (kBlockN == 64 && kRows == 32), "32 features, or 64 at 32 rows");
+  static constexpr int BLOCK_N = kBlockN;
+  static constexpr int kBlocks = kRows / 8;            // mma column blocks (x's rows 8 nb .. 8 nb + 7)
+  static constexpr int kTiles = BLOCK_N / 16;          // 16-feature tiles (mma's M)
+  static constexpr int kWarpTiles = kTiles / 2;        // tiles a warp: each x fragment feeds them all
+  static constexpr int kWarpsN = kTiles / kWarpTiles;  // 2
+  static constexpr int kWarpsK = kWarps / kWarpsN;     // K slices of a stage: 4
+  static constexpr int kChunks = BLOCK_K / kWarpsK / kChunkK;  // chunks a warp a stage: 2
+  static constexpr int kStages = kRows == 32 && kBlockN == 32 ? 3 : 4;  // 32 x 32: 3, so that two CTAs fit an SM
   static constexpr int kStageRows = BLOCK_N + kRows;
   static constexpr int kStageBytes = kStageRows * kRowBytes;
-  static constexpr int kSmemBytes = kStages * kStageBytes;  // 92 KB (8 rows), 108 KB (16): two CTAs a Hopper SM
+  static constexpr int kSmemBytes = kStages * kStageBytes;  // 92 KB (8 rows), 108 KB (16; 32 x 32), 216 KB (32 x 64)
+  static constexpr int kCtasPerSm = kSmemBytes * 2 <= kMaxSmemBytes ? 2 : 1;  // on Hopper: two, but one for 32 x 64
   static constexpr int kReduceBytes = kWarpsK * kTiles * kBlocks * 4 * 32 * 4;  // the K slices' sums, then kTrain's z
   static_assert(kStageRows * kPiecesPerRow % kThreads == 0 && kStageRows % kWarps == 0,
                 "a stage's copies are whole rounds of the CTA");
   static_assert(kReduceBytes + BLOCK_N * kRows * 2 <= kSmemBytes && kReduceBytes % 16 == 0,
                 "the K-slice reduction and the z tile fit the ring");
+  static_assert(kSmemBytes <= kMaxSmemBytes, "the ring fits a Hopper CTA");
+  static_assert(BLOCK_N <= kThreads && kThreads % BLOCK_N == 0, "the epilogue: each thread's outputs of one feature");
 };
 
 // What the kernel's end does with z (one K piece; lowp_small_m_linear_bn): kZ stores z alone;
@@ -133,6 +160,7 @@ struct Args {
   float* partials;   // pieces > 1
   int M, N, K;
   int pieces, stages_per_piece;
+  int block_n;       // the CTA's features (plan)
   bool bias_float32;
   strip::Args bn;    // kTrain, kEval: z, out, the vectors (16-bit), coeff, eps; kTrain the rest
 };
@@ -160,9 +188,10 @@ __device__ __forceinline__ EvalVectors eval_vectors(const strip::Args& bn, int n
           St::load(vectors[2] + n), St::load(vectors[3] + n), rsqrtf(St::load(vectors[4] + n) + bn.eps)};
 }
 
-template <typename T, int kEpi, int kRows>
-__global__ void __launch_bounds__(kThreads, 2) small_m_16bit_kernel(const Args a) {
-  using Sh = Shape<kRows>;
+template <typename T, int kEpi, int kRows, int kBlockN>
+__global__ void __launch_bounds__(kThreads, Shape<kRows, kBlockN>::kCtasPerSm) small_m_16bit_kernel(const Args a) {
+  using Sh = Shape<kRows, kBlockN>;
+  constexpr int BLOCK_N = Sh::BLOCK_N;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -198,32 +227,37 @@ __global__ void __launch_bounds__(kThreads, 2) small_m_16bit_kernel(const Args a
   };
 
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < Sh::kStages - 1; ++s) {
     if (s < num_stages) load_stage(s, s);
     cp_async_commit();
   }
 
-  const int tile = warp % kTiles, slice = warp / kTiles;
-  float acc[Sh::kBlocks][4] = {};
+  // Warp: tiles kWarpTiles wn .. kWarpTiles (wn + 1) - 1 of the CTA's features, K slice `slice`.
+  const int wn = warp % Sh::kWarpsN, slice = warp / Sh::kWarpsN;
+  float acc[Sh::kWarpTiles][Sh::kBlocks][4] = {};
 
   for (int s = 0; s < num_stages; ++s) {
-    cp_async_wait<kStages - 2>();
+    cp_async_wait<Sh::kStages - 2>();
     __syncthreads();  // stage s landed for every thread; stage s - 1's slot read by every warp
-    if (s + kStages - 1 < num_stages) load_stage((s + kStages - 1) % kStages, s + kStages - 1);
+    if (s + Sh::kStages - 1 < num_stages) load_stage((s + Sh::kStages - 1) % Sh::kStages, s + Sh::kStages - 1);
     cp_async_commit();
-    const uint8_t* stage = smem + (s % kStages) * Sh::kStageBytes;
+    const uint8_t* stage = smem + (s % Sh::kStages) * Sh::kStageBytes;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int byte = ((slice * kChunks + c) * kChunkK) * 2 + 16 * t;
-      const uint4 w0 = *reinterpret_cast<const uint4*>(stage + (16 * tile + g) * kRowBytes + byte);
-      const uint4 w1 = *reinterpret_cast<const uint4*>(stage + (16 * tile + g + 8) * kRowBytes + byte);
-      const uint32_t a0[4] = {w0.x, w1.x, w0.y, w1.y};
-      const uint32_t a1[4] = {w0.z, w1.z, w0.w, w1.w};
+    for (int c = 0; c < Sh::kChunks; ++c) {
+      const int byte = ((slice * Sh::kChunks + c) * kChunkK) * 2 + 16 * t;
 #pragma unroll
-      for (int nb = 0; nb < Sh::kBlocks; ++nb) {  // x's rows 8 nb + g
-        const uint4 xb = *reinterpret_cast<const uint4*>(stage + (BLOCK_N + 8 * nb + g) * kRowBytes + byte);
-        mma16816<T>(acc[nb], a0, xb.x, xb.y);
-        mma16816<T>(acc[nb], a1, xb.z, xb.w);
+      for (int wt = 0; wt < Sh::kWarpTiles; ++wt) {
+        const int tile = Sh::kWarpTiles * wn + wt;
+        const uint4 w0 = *reinterpret_cast<const uint4*>(stage + (16 * tile + g) * kRowBytes + byte);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(stage + (16 * tile + g + 8) * kRowBytes + byte);
+        const uint32_t a0[4] = {w0.x, w1.x, w0.y, w1.y};
+        const uint32_t a1[4] = {w0.z, w1.z, w0.w, w1.w};
+#pragma unroll
+        for (int nb = 0; nb < Sh::kBlocks; ++nb) {  // x's rows 8 nb + g
+          const uint4 xb = *reinterpret_cast<const uint4*>(stage + (BLOCK_N + 8 * nb + g) * kRowBytes + byte);
+          mma16816<T>(acc[wt][nb], a0, xb.x, xb.y);
+          mma16816<T>(acc[wt][nb], a1, xb.z, xb.w);
+        }
       }
     }
   }
@@ -233,9 +267,13 @@ __global__ void __launch_bounds__(kThreads, 2) small_m_16bit_kernel(const Args a
   // red[slice][tile][nb][j][lane]: accumulator j of lane for column block nb, as the fragment holds it.
   float* red = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int nb = 0; nb < Sh::kBlocks; ++nb)
+  for (int wt = 0; wt < Sh::kWarpTiles; ++wt)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) red[(((slice * kTiles + tile) * Sh::kBlocks + nb) * 4 + j) * 32 + lane] = acc[nb][j];
+    for (int nb = 0; nb < Sh::kBlocks; ++nb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        red[(((slice * Sh::kTiles + Sh::kWarpTiles * wn + wt) * Sh::kBlocks + nb) * 4 + j) * 32 + lane] =
+            acc[wt][nb][j];
   __syncthreads();
 
   // One thread an output (feature f fastest, then batch row m), the slices in order.
@@ -248,7 +286,8 @@ __global__ void __launch_bounds__(kThreads, 2) small_m_16bit_kernel(const Args a
     const int j = 2 * (fr / 8) + mm % 2, src_lane = 4 * (fr % 8) + mm / 2;
     float sum = 0.f;
 #pragma unroll
-    for (int sl = 0; sl < kWarpsK; ++sl) sum += red[(((sl * kTiles + ti) * Sh::kBlocks + nb) * 4 + j) * 32 + src_lane];
+    for (int sl = 0; sl < Sh::kWarpsK; ++sl)
+      sum += red[(((sl * Sh::kTiles + ti) * Sh::kBlocks + nb) * 4 + j) * 32 + src_lane];
     if (a.pieces == 1) {
       const size_t at = static_cast<size_t>(m) * a.N + n;
       const uint16_t zb = to_bits<T>(sum + bias_of<T>(a, n));
@@ -285,9 +324,11 @@ __global__ void small_m_16bit_finish_kernel(const Args a) {
   }
 }
 
-// The plan of an M x N x K call on `num_sms` SMs: K pieces (1: none) and stages each.
-inline void plan(int M, int N, int K, int num_sms, int* pieces, int* stages_per_piece) {
-  const int n_blocks = (N + BLOCK_N - 1) / BLOCK_N;
+// The plan of an M x N x K call on `num_sms` SMs: the CTA's features, K pieces (1: none) and stages each.
+inline void plan(int M, int N, int K, int num_sms, int* pieces, int* stages_per_piece, int* block_n_out) {
+  const int block_n = cta_features(cta_rows(M), N, num_sms);
+  *block_n_out = block_n;
+  const int n_blocks = (N + block_n - 1) / block_n;
   const int stages = std::max(1, (K + BLOCK_K - 1) / BLOCK_K);
   // Split K only where the feature blocks leave SMs idle, each piece at least
   // kMinStagesPerPiece stages long.
@@ -297,21 +338,27 @@ inline void plan(int M, int N, int K, int num_sms, int* pieces, int* stages_per_
   *stages_per_piece = per_piece;
 }
 
-template <typename T, int kEpi, int kRows>
+template <typename T, int kEpi, int kRows, int kBlockN = 32>
 static cudaError_t launch_rows(const Args& a, cudaStream_t stream) {
-  auto kernel = small_m_16bit_kernel<T, kEpi, kRows>;
-  constexpr int smem_bytes = Shape<kRows>::kSmemBytes;
+  auto kernel = small_m_16bit_kernel<T, kEpi, kRows, kBlockN>;
+  constexpr int smem_bytes = Shape<kRows, kBlockN>::kSmemBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return err;
+  constexpr int BLOCK_N = kBlockN;
   const dim3 grid((a.N + BLOCK_N - 1) / BLOCK_N, a.pieces);
   kernel<<<grid, kThreads, smem_bytes, stream>>>(a);
   return cudaGetLastError();
 }
 
-// The product (and kEpi's epilogue) on the CTA shape of a.M rows, then with K split the finish kernel.
+// The product (and kEpi's epilogue) on the CTA shape of a.M rows and a.block_n features, then with K
+// split the finish kernel.
 template <typename T, int kEpi = kZ>
 static cudaError_t launch(const Args& a, cudaStream_t stream) {
-  cudaError_t err = a.M <= 8 ? launch_rows<T, kEpi, 8>(a, stream) : launch_rows<T, kEpi, 16>(a, stream);
+  const int rows = cta_rows(a.M);
+  cudaError_t err = rows == 8        ? launch_rows<T, kEpi, 8>(a, stream)
+                    : rows == 16     ? launch_rows<T, kEpi, 16>(a, stream)
+                    : a.block_n == 64 ? launch_rows<T, kEpi, 32, 64>(a, stream)
+                                      : launch_rows<T, kEpi, 32, 32>(a, stream);
   if (err != cudaSuccess || a.pieces == 1) return err;
   const int64_t total = static_cast<int64_t>(a.M) * a.N;
   const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096));
@@ -330,7 +377,8 @@ int fused_gemm_bn::lowp_small_m_max_rows() { return lowp::small_m::kMaxRows; }
 
 int64_t fused_gemm_bn::lowp_small_m_workspace_floats(int M, int N, int K, int num_sms) {
   int pieces = 1, per_piece = 1;
-  lowp::small_m::plan(M, N, K, num_sms, &pieces, &per_piece);
+  int block_n = 32;
+  lowp::small_m::plan(M, N, K, num_sms, &pieces, &per_piece, &block_n);
   return pieces > 1 ? static_cast<int64_t>(pieces) * M * N : 0;
 }
 
@@ -352,7 +400,7 @@ cudaError_t fused_gemm_bn::lowp_small_m_linear(int dtype, bool bias_float32, con
   a.N = N;
   a.K = K;
   a.bias_float32 = bias_float32;
-  small_m::plan(M, N, K, num_sms, &a.pieces, &a.stages_per_piece);
+  small_m::plan(M, N, K, num_sms, &a.pieces, &a.stages_per_piece, &a.block_n);
   if (a.pieces > 1 && workspace == nullptr) return cudaErrorInvalidValue;
   return dispatch_dtype(dtype, [&](auto tag) { return small_m::launch<typename decltype(tag)::type>(a, stream); });
 }
@@ -363,7 +411,8 @@ bool fused_gemm_bn::lowp_small_m_fuses(bool train, int M, int N, int K, int num_
       num_sms < 1 || (!train && bn.scale_after_bn))
     return false;
   int pieces = 1, per_piece = 1;
-  small_m::plan(M, N, K, num_sms, &pieces, &per_piece);
+  int block_n = 32;
+  small_m::plan(M, N, K, num_sms, &pieces, &per_piece, &block_n);
   return pieces == 1;
 }
 
@@ -384,7 +433,7 @@ cudaError_t fused_gemm_bn::lowp_small_m_linear_bn(const LowpBatchNormArgs& bn, b
   a.N = N;
   a.K = K;
   a.bias_float32 = false;
-  small_m::plan(M, N, K, num_sms, &a.pieces, &a.stages_per_piece);
+  small_m::plan(M, N, K, num_sms, &a.pieces, &a.stages_per_piece, &a.block_n);
   a.bn = strip::Args{static_cast<const uint16_t*>(z), out, bn.scale, bn.bn_weight, bn.bn_bias, bn.running_mean,
                      bn.running_var, bn.num_batches_tracked, coeff, bn.momentum, bn.eps, bn.scale_after_bn, M, N,
                      bn.scale_stride};

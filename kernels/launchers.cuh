@@ -313,9 +313,10 @@ cudaError_t lowp_bn_chain_eval(const LowpBatchNormArgs& bn, const void* z, void*
 // the kernel takes this call (M, N % 8, 16-byte alignment); the launcher returns
 // cudaErrorInvalidValue otherwise.  bn: every field but bias.
 bool lowp_bn_strip_train_fits(int M, int N, const void* z, const void* out);
-// Batches of at most this many rows take the strip kernel's form without cross-thread sums (one
-// thread a group of 8 features and every row), fast at any N (problem 84's limit does not apply).
-int lowp_bn_strip_thread_rows();
+// Batches of at most this many rows take the strip kernel's small-batch forms (at most 8 rows: one
+// thread a group of 8 features and every row; 9-128: 16 row slices), fast at any N (problem 84's
+// limit does not apply).
+int lowp_bn_strip_small_rows();
 cudaError_t lowp_bn_strip_train(const LowpBatchNormArgs& bn, const void* z, void* out, int M, int N, float* coeff,
                                 cudaStream_t stream);
 // Problem 33, training: BatchNorm of out in place (bn: dtype, float32_io).

@@ -125,8 +125,11 @@ KERNELBENCH_SHAPE = (1024, 8192, 8192)
 # (4353, 72, 1100) on 256-row tiles (18 batch tiles, the last one row deep; 9 feature tiles, so the
 # second group of 8 holds one) and (2200, 64, 136) on 128-row tiles (18 batch tiles, an N tail).
 GROUPED_SHAPES = [(4353, 72, 1100), (2200, 64, 136)]
+# Training on lowp_cublas takes bn_16bit_strip.cu's forms by rows (N % 8 == 0): (3, 8, 5) none (N % 8),
+# (12, 300, 1000) the mid form with a row a slice, (40, 64, 20000) and (100, 520, 1032) the mid form with
+# 3 and 7 rows a slice (1032: the last CTA's groups partly outside N), (130, 1024, 264) the sliced form.
 SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (64, 77, 129), (3, 8, 5), (130, 1024, 264), (2305, 72, 4100),
-          (40, 64, 20000)] + GROUPED_SHAPES
+          (40, 64, 20000), (12, 300, 1000), (100, 520, 1032)] + GROUPED_SHAPES
 ERROR_SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (130, 1024, 264), (2305, 72, 4100)]
 GRAD_SHAPES = [(257, 300, 1000), (130, 1024, 264)]
 NUM_CALLS = 3
@@ -413,7 +416,8 @@ def test_gpu_lowp_error_criterion_negative_control(dtype_name, full_precision_re
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
-@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (3, 8, 5)] + GROUPED_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (3, 8, 5), (100, 520, 1032)] + GROUPED_SHAPES,
+                         ids=shape_id)
 def test_gpu_lowp_every_output_element_written(shape, dtype_name, problem, mode, lowp_kernel):
     """As test_equivalence.py's float32 check: a probe call's output block is
     filled with NaN and freed; the next call makes the same allocations in the

@@ -74,8 +74,12 @@ from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84  
 # product with K split into pieces and the finish kernel; one piece, a partial last stage).
 # (6, 264, 8192): one K piece a CTA (256 feature blocks), so the 16-bit BatchNorm runs in the product's
 # epilogue (lowp_small_m_linear_bn; problem 84's eval keeps its row softmax); float32: small_m_fp64.
+# (12, 300, 1000), (40, 264, 1032): 16-bit training on lowp_cublas (K % 8 != 0; more rows than
+# lowp_small_m takes) runs bn_16bit_strip.cu's mid form, a row a slice and 3 rows a slice, the last
+# CTA's feature groups partly outside N at 1032.
 SMALL_SHAPES = [(200, 264, 136), (130, 1028, 260), (33, 36, 20), (2305, 64, 136), (2048, 200, 2176),
-                (7, 4095, 513), (4353, 72, 1100), (7, 4096, 512), (5, 520, 1000), (6, 264, 8192)]
+                (7, 4095, 513), (4353, 72, 1100), (7, 4096, 512), (5, 520, 1000), (6, 264, 8192),
+                (12, 300, 1000), (40, 264, 1032)]
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -311,7 +311,7 @@ struct TrainResult {
 // 84 at N <= 4096 0.85-0.96 of their time; at N >= 5000 1.02-1.05 (the strip kernel's
 // 2-4 CTAs per SM with their serial reductions cost more than the fold's launch
 // there); problem 33 (where it also replaces bn16_apply) 0.71-1.01 everywhere.  Batches of
-// at most lowp_bn_strip_thread_rows() rows take its form without cross-thread sums, at any N.
+// at most lowp_bn_strip_small_rows() rows take its small-batch forms, at any N.
 constexpr int kStripMaxFeatures84 = 4096;
 
 // The training forward of either problem.
@@ -363,7 +363,7 @@ TrainResult train(Gemm gemm, const torch::Tensor& x_in, const torch::Tensor& wei
   float* coeff = r.coeff.data_ptr<float>();
   const fgb::LowpBatchNormArgs bn = bn_args(op.dtype, float32_io, t, scale_stride,
                                             num_batches_tracked.data_ptr<int64_t>(), momentum, eps, scale_after_bn);
-  if (product_first(gemm) && (!scale_after_bn || N <= kStripMaxFeatures84 || M <= fgb::lowp_bn_strip_thread_rows()) &&
+  if (product_first(gemm) && (!scale_after_bn || N <= kStripMaxFeatures84 || M <= fgb::lowp_bn_strip_small_rows()) &&
       fgb::lowp_bn_strip_train_fits(M, N, z.data_ptr(), out.data_ptr())) {
     // One kernel for the statistics, the running statistics, coeff and (33) the output.
     if (momentum < 0) num_batches_tracked.add_(1);  // read by the kernel (momentum=None)

@@ -193,10 +193,13 @@ __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const A
   finish_group<S>(p, f0, slice == 0, v, mean64, total, slice, kStripSlices);
 }
 
-// The mid form's sum over its kMidSlices slices (thread: group g, slice s), in slice order from
-// 0.0, returned to every thread for its group's features: for M <= kStripSlices this is
+// The mid form's sum over its kMidSlices slices of each feature's per-thread value v[j] (thread:
+// group g, slice s), in slice order from 0.0, divided by `divisor` (M: the mean, 1: the sum
+// itself), returned to every thread for its group's features.  For M <= kStripSlices the sum is
 // slice_sums's value (its part[q] is the sum of slice q's rows here; its other terms are +0.0).
-__device__ __forceinline__ void mid_slice_sums(const double (&v)[kVec], int group, int slice,
+// One division a feature, by the 64 threads that sum (each thread dividing its 8 features gave
+// sm_80's kRows = 1 form a stack frame around ptxas's float64 division routine).
+__device__ __forceinline__ void mid_slice_sums(const double (&v)[kVec], int group, int slice, double divisor,
                                                double (&red)[kMidSlices][kMidFeatures], double (&tot)[kMidFeatures],
                                                double (&total)[kVec]) {
 #pragma unroll
@@ -206,7 +209,7 @@ __device__ __forceinline__ void mid_slice_sums(const double (&v)[kVec], int grou
     double s = 0.0;
 #pragma unroll
     for (int q = 0; q < kMidSlices; ++q) s += red[q][threadIdx.x];
-    tot[threadIdx.x] = s;
+    tot[threadIdx.x] = s / divisor;
   }
   __syncthreads();  // a second call writes red only after this barrier, and tot after its first
 #pragma unroll
@@ -241,16 +244,12 @@ __global__ void __launch_bounds__(kMidThreads) bn16_strip_train_mid_kernel(const
 #pragma unroll
   for (int j = 0; j < kVec; ++j) sum[j] = 0.0;
   for_each_held<kMidSlices>(v, active, slice, p.M, SumPass<S>{scale, p.scale_after_bn, sum});
-  double total[kVec];
-  mid_slice_sums(sum, group, slice, red, tot, total);
-  double mean64[kVec], m2[kVec];
+  double mean64[kVec], m2[kVec], total[kVec];
+  mid_slice_sums(sum, group, slice, static_cast<double>(p.M), red, tot, mean64);
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    mean64[j] = total[j] / static_cast<double>(p.M);
-    m2[j] = 0.0;
-  }
+  for (int j = 0; j < kVec; ++j) m2[j] = 0.0;
   for_each_held<kMidSlices>(v, active, slice, p.M, RoundedSquarePass{mean64, m2});
-  mid_slice_sums(m2, group, slice, red, tot, total);
+  mid_slice_sums(m2, group, slice, 1.0, red, tot, total);
   if (!active) return;  // no barrier follows
   finish_group<S>(p, f0, slice == 0, v, mean64, total, slice, kMidSlices);
 }

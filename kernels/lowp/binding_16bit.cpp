@@ -311,7 +311,9 @@ struct TrainResult {
 // 84 at N <= 4096 0.85-0.96 of their time; at N >= 5000 1.02-1.05 (the strip kernel's
 // 2-4 CTAs per SM with their serial reductions cost more than the fold's launch
 // there); problem 33 (where it also replaces bn16_apply) 0.71-1.01 everywhere.  Batches of
-// at most lowp_bn_strip_small_rows() rows take its small-batch forms, at any N.
+// at most lowp_bn_strip_small_rows() rows take its small-batch forms at any N: at 12-128 rows
+// x 8192 x 8192, problem 84's call takes 0.89-0.95 of its time on the chain + fold kernels back
+// to back, 0.88-0.96 synchronized (H200, float16 and bfloat16, docs/perf.md v106).
 constexpr int kStripMaxFeatures84 = 4096;
 
 // The training forward of either problem.

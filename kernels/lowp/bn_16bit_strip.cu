@@ -107,6 +107,23 @@ __device__ __forceinline__ void slice_sums(const double (&v)[kVec], int group, i
   __syncthreads();  // red and part are reused by the next call
 }
 
+// The thread's rows slice, slice + kRowStride, ... below M of its group's 8 features f0 .. f0 + 7
+// into v (every load first) and the group's scale; nothing where the group is outside the tensor.
+template <typename T, typename S, int kRowStride, int kRows>
+__device__ __forceinline__ void load_held(const Args& p, bool active, int slice, int f0, float (&v)[kRows][kVec],
+                                          float (&scale)[kVec]) {
+  using St = Storage<S>;
+  using W = word_t<S>;
+  if (!active) return;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = slice + r * kRowStride;
+    if (row < p.M) load_group<T>(p.z + static_cast<size_t>(row) * p.N + f0, v[r]);
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) scale[j] = St::load(static_cast<const W*>(p.scale) + (f0 + j) * p.scale_stride);
+}
+
 // pass(v[r][j], j) for each feature j of each row r = slice + r kRowStride that the thread
 // holds (the rows below M; none where its group is outside the tensor).
 template <int kRowStride, int kRows, class Pass>
@@ -153,8 +170,6 @@ struct RoundedSquarePass {
 
 template <typename T, typename S, int kRows>
 __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const Args p) {
-  using St = Storage<S>;
-  using W = word_t<S>;
   __shared__ double red[kStripSlices][kFeatures];
   __shared__ double part[kParts][kFeatures];
   const int group = threadIdx.x % kStripGroups, slice = threadIdx.x / kStripGroups;
@@ -164,20 +179,8 @@ __global__ void __launch_bounds__(kStripThreads) bn16_strip_train_kernel(const A
 
   float v[kRows][kVec];
   float scale[kVec];
-  if (active) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {  // every load first
-      const int row = slice + r * kStripSlices;
-      if (row < p.M) {
-        load_group<T>(p.z + static_cast<size_t>(row) * p.N + f0, v[r]);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) scale[j] = St::load(static_cast<const W*>(p.scale) + (f0 + j) * p.scale_stride);
-  }
-  double sum[kVec];
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) sum[j] = 0.0;
+  load_held<T, S, kStripSlices>(p, active, slice, f0, v, scale);
+  double sum[kVec] = {};
   for_each_held<kStripSlices>(v, active, slice, p.M, SumPass<S>{scale, p.scale_after_bn, sum});
   double total[kVec];
   slice_sums(sum, group, slice, red, part, total);
@@ -220,8 +223,6 @@ __device__ __forceinline__ void mid_slice_sums(const double (&v)[kVec], int grou
 // slice + kMidSlices, ... (kRows = 1, 2, 4 or 8 of them) of one group of 8 features (header).
 template <typename T, typename S, int kRows>
 __global__ void __launch_bounds__(kMidThreads) bn16_strip_train_mid_kernel(const Args p) {
-  using St = Storage<S>;
-  using W = word_t<S>;
   __shared__ double red[kMidSlices][kMidFeatures];
   __shared__ double tot[kMidFeatures];
   const int group = threadIdx.x % kMidGroups, slice = threadIdx.x / kMidGroups;
@@ -231,18 +232,8 @@ __global__ void __launch_bounds__(kMidThreads) bn16_strip_train_mid_kernel(const
 
   float v[kRows][kVec];
   float scale[kVec];
-  if (active) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {  // every load first
-      const int row = slice + r * kMidSlices;
-      if (row < p.M) load_group<T>(p.z + static_cast<size_t>(row) * p.N + f0, v[r]);
-    }
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) scale[j] = St::load(static_cast<const W*>(p.scale) + (f0 + j) * p.scale_stride);
-  }
-  double sum[kVec];
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) sum[j] = 0.0;
+  load_held<T, S, kMidSlices>(p, active, slice, f0, v, scale);
+  double sum[kVec] = {};
   for_each_held<kMidSlices>(v, active, slice, p.M, SumPass<S>{scale, p.scale_after_bn, sum});
   double mean64[kVec], m2[kVec], total[kVec];
   mid_slice_sums(sum, group, slice, static_cast<double>(p.M), red, tot, mean64);

@@ -101,13 +101,15 @@ def hopper_gemm(m, n, k, training, facts, switches):
         on lowp_cublas back to back in float16, 0.98-1.02x in bfloat16, and 1.15-1.57x
         synchronized per call, cuBLAS's host path left out); at 9-16 rows its product
         runs 3-6% slower than cuBLAS's back to back, and the module gains it back with
-        the BatchNorm in the product's epilogue (v101-v102: training 0.75-0.86 of
-        lowp_cublas's time, problem 33's eval 0.95-0.99) except in problem 84's eval
+        the BatchNorm in the product's epilogue (v101-v102: problem 33's eval 0.95-0.99
+        of lowp_cublas's time; training below) except in problem 84's eval
         at 8192 x 8192 (1.02-1.06x back to back, 0.74-0.86x synchronized per call);
         at 17-32 rows (v103-v104: 32 rows a CTA, 64 features where N / 64 CTAs fill
-        the SMs) training takes 0.69-0.91 of lowp_cublas's time back to back and
-        0.64-0.83 synchronized, eval 0.80-1.10 and 0.64-0.91, but where K is split
-        (29 x 8200 x 2080: 1.14-1.22x back to back, 0.73-0.83x synchronized);
+        the SMs) eval takes 0.80-1.10 of lowp_cublas's time back to back and
+        0.64-0.91 synchronized.  Training at 9-32 rows (v107, against lowp_cublas with
+        bn_16bit_strip.cu's mid form, v106, which took ~10 us off that route): 0.94-1.04
+        back to back at 8192 x 8192 and 4096 x 4096, 1.04-1.16 where K is split (13 and
+        29 x 8200 x 2080), and 0.62-0.89 synchronized per call everywhere, so it stays;
     and where lowp_sm90 is slower:
       - lowp_sm90's 256-row tiles (its plan when they fill at least half of the
         SMs) filling less than MIN_FILL of them: one partial wave, where

@@ -46,7 +46,7 @@
 //   term and in its order: a thread's float64 sum over its rows is slice_sums's part[q] (whose
 //   other terms are +0.0), the 16 sums meet in slice order from 0.0 (mid_slice_sums), and each
 //   square is rounded before it is added (the sliced form's fma(d, d, 0.0) of one row).  Measured
-//   bit-identical to the sliced form and 0.80-0.93x its time (docs/perf.md v105).
+//   bit-identical to the sliced form, 0.81-0.88x its time back to back (docs/perf.md v106).
 // Layout: z (M, N) T and out (M, N) S row-major contiguous (out may be z); vectors
 // (N) of S; coeff (4, N) float32.  Preconditions (lowp_bn_strip_train_fits): 2 <= M <=
 // kStripMaxRows, N % 8 == 0, z and out 16-byte aligned.  Memory-bound: one read of
@@ -54,6 +54,8 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "bn_16bit_strip.cuh"
 #include "launchers.cuh"
@@ -235,10 +237,8 @@ __global__ void __launch_bounds__(kMidThreads) bn16_strip_train_mid_kernel(const
   load_held<T, S, kMidSlices>(p, active, slice, f0, v, scale);
   double sum[kVec] = {};
   for_each_held<kMidSlices>(v, active, slice, p.M, SumPass<S>{scale, p.scale_after_bn, sum});
-  double mean64[kVec], m2[kVec], total[kVec];
+  double mean64[kVec], m2[kVec] = {}, total[kVec];
   mid_slice_sums(sum, group, slice, static_cast<double>(p.M), red, tot, mean64);
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) m2[j] = 0.0;
   for_each_held<kMidSlices>(v, active, slice, p.M, RoundedSquarePass{mean64, m2});
   mid_slice_sums(m2, group, slice, 1.0, red, tot, total);
   if (!active) return;  // no barrier follows
@@ -254,37 +254,37 @@ __global__ void __launch_bounds__(kRowsThreads) bn16_strip_train_rows_kernel(con
   rows_group<T, S>(p, f0, p.z + f0, static_cast<size_t>(p.N));
 }
 
+// f(std::integral_constant<int, kRows>{}) for the fewest rows a thread, 1, 2, 4 or kStripRowsPerThread, that
+// cover `rows` (the kernels' instantiations; their registers grow with kRows).
+template <class F>
+void with_thread_rows(int rows, F f) {
+  if (rows <= 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (rows <= 2) {
+    f(std::integral_constant<int, 2>{});
+  } else if (rows <= 4) {
+    f(std::integral_constant<int, 4>{});
+  } else {
+    f(std::integral_constant<int, kStripRowsPerThread>{});
+  }
+}
+static_assert(kMidMaxRows / kMidSlices == kStripRowsPerThread, "the mid form's rows a thread: with_thread_rows's");
+
 template <typename T, typename S>
 cudaError_t launch(const Args& p, cudaStream_t stream) {
   if (p.M <= kThreadRows) {
     const int groups = p.N / kVec;
     bn16_strip_train_rows_kernel<T, S><<<(groups + kRowsThreads - 1) / kRowsThreads, kRowsThreads, 0, stream>>>(p);
-    return cudaGetLastError();
-  }
-  if (p.M <= kMidMaxRows) {
-    const int blocks = (p.N + kMidFeatures - 1) / kMidFeatures;
-    const int rows = (p.M + kMidSlices - 1) / kMidSlices;  // per thread
-    if (rows <= 1) {
-      bn16_strip_train_mid_kernel<T, S, 1><<<blocks, kMidThreads, 0, stream>>>(p);
-    } else if (rows <= 2) {
-      bn16_strip_train_mid_kernel<T, S, 2><<<blocks, kMidThreads, 0, stream>>>(p);
-    } else if (rows <= 4) {
-      bn16_strip_train_mid_kernel<T, S, 4><<<blocks, kMidThreads, 0, stream>>>(p);
-    } else {
-      bn16_strip_train_mid_kernel<T, S, kThreadRows><<<blocks, kMidThreads, 0, stream>>>(p);
-    }
-    return cudaGetLastError();
-  }
-  const int blocks = (p.N + kFeatures - 1) / kFeatures;
-  const int rows = (p.M + kStripSlices - 1) / kStripSlices;  // per thread: registers scale with it
-  if (rows <= 1) {
-    bn16_strip_train_kernel<T, S, 1><<<blocks, kStripThreads, 0, stream>>>(p);
-  } else if (rows <= 2) {
-    bn16_strip_train_kernel<T, S, 2><<<blocks, kStripThreads, 0, stream>>>(p);
-  } else if (rows <= 4) {
-    bn16_strip_train_kernel<T, S, 4><<<blocks, kStripThreads, 0, stream>>>(p);
+  } else if (p.M <= kMidMaxRows) {
+    with_thread_rows((p.M + kMidSlices - 1) / kMidSlices, [&](auto rows) {
+      bn16_strip_train_mid_kernel<T, S, decltype(rows)::value>
+          <<<(p.N + kMidFeatures - 1) / kMidFeatures, kMidThreads, 0, stream>>>(p);
+    });
   } else {
-    bn16_strip_train_kernel<T, S, kStripRowsPerThread><<<blocks, kStripThreads, 0, stream>>>(p);
+    with_thread_rows((p.M + kStripSlices - 1) / kStripSlices, [&](auto rows) {
+      bn16_strip_train_kernel<T, S, decltype(rows)::value>
+          <<<(p.N + kFeatures - 1) / kFeatures, kStripThreads, 0, stream>>>(p);
+    });
   }
   return cudaGetLastError();
 }

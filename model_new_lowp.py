@@ -27,7 +27,9 @@ those names, whose backward is one operator, backward_16bit (the node's backward
 Entry points (model_new.py calls them): bind(engine), available(), kernels(),
 route(call, facts, switches), forward(...), and for the custom operators
 OPERATORS / SCHEMAS and the 16-bit branch of the shared forward_train_saved
-(setup_forward_train_saved, backward_forward_train_saved).  This module imports nothing of the core: the core that loads it
+(setup_forward_train_saved, backward_forward_train_saved); model_new_autocast reaches
+hopper_gemm, CAST_KIND and forward_autocast_grad through the core's face (Engine.lowp).
+This module imports nothing of the core: the core that loads it
 hands it its face (model_new.Engine) through bind().
 """
 import torch

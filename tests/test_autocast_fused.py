@@ -1,8 +1,9 @@
 """ModelNew under torch.autocast on the fused 16-bit kernels (issue 19; README
 "Mixed precision"): float32 modules inside torch.autocast("cuda", float16 or
-bfloat16) on Hopper run lowp_sm90's autocast form (kernel path
-lowp_sm90_autocast_<mode>[_grad]) and are compared with Model under the same
-autocast.  Names: M = batch, K = in_features, N = out_features; shapes (M, K, N).
+bfloat16) on Hopper run the 16-bit kernels' autocast form (kernel path
+<route>_autocast_<mode>[_grad]: without gradients the 16-bit modules' route for the
+shape, lowp_sm90, lowp_cublas or lowp_small_m; with them lowp_sm90 in training,
+lowp_cublas in eval) and are compared with Model under the same autocast.  Names: M = batch, K = in_features, N = out_features; shapes (M, K, N).
 
 GPU (all need an sm_90 GPU; names contain "gpu")
   - test_gpu_autocast_fused_matches_model [dtype, problem, mode, shape]: three
@@ -31,14 +32,19 @@ GPU (all need an sm_90 GPU; names contain "gpu")
     2 err(Model's gradient) + GRAD_FLOOR[dtype] against the float64 Model
     (test_gpu_lowp_grad_enabled's bound); gemm.bias's (exactly 0 in exact
     arithmetic in training) at most 2x Model's + 1e-3 in max norm.
-  - test_gpu_autocast_weight_rounded_in_kernel [dtype, problem, mode, shape]:
-    the extension's autocast form with the float32 gemm.weight (the kernel
-    rounds each tile to the 16-bit dtype as it loads it: the path of training
-    calls without a cached cast) against the same call with gemm.weight cast
-    first: out, running_mean, running_var and num_batches_tracked bit-equal
-    (the same 16-bit operands and the same float32 sums); shapes with K not a
-    multiple of the 64-wide k-block, K % 8 != 0 (zero-padded copies), small
-    batches (128-row tiles cut along K) and N not a multiple of 128.
+  - test_gpu_autocast_weight_rounded_in_kernel [gemm, dtype, problem, mode, shape]:
+    the extension's autocast form with the float32 gemm.weight (lowp_sm90: the
+    kernel rounds each tile to the 16-bit dtype as it loads it, the path of
+    training calls without a cached cast; lowp_cublas and lowp_small_m: the
+    extension casts it first, the path of calls that cannot cache the cast)
+    against the same call with gemm.weight cast first: out, running_mean,
+    running_var and num_batches_tracked bit-equal (the same 16-bit operands and
+    the same float32 sums); shapes with K not a multiple of the 64-wide k-block,
+    K % 8 != 0 (zero-padded copies), small batches (128-row tiles cut along K;
+    lowp_small_m's 8-, 16- and 32-row CTAs) and N not a multiple of 128.
+  - test_gpu_autocast_training_calls_reuse_the_cast, ..._product_first_calls_cache_the_cast:
+    repeated training-mode calls without gradients give the first call's bits,
+    whether the cast came from the cache or not.
   - test_gpu_autocast_fused_weight_update_seen: optimizer steps (their
     gradients from the fused training step) and an in-place write to
     gemm.weight between fused calls reach the next call (a stale cached cast
@@ -59,7 +65,10 @@ pytestmark = pytest.mark.usefixtures("full_precision_reductions")
 requires_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                    reason="needs an sm_90 GPU (lowp_sm90's autocast form)")
 
-SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (64, 72, 129), (3, 8, 5), (2305, 72, 4100)]
+# Routes without gradients (hopper_gemm): lowp_sm90 (KernelBench, 2305 rows), lowp_cublas (257 and 64 rows;
+# training: the strip's float32-vector form), lowp_small_m (3, 12 and 30 rows: its 8-, 16- and 32-row CTAs).
+SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (64, 72, 129), (3, 8, 5), (12, 264, 1000), (30, 520, 1032),
+          (2305, 72, 4100)]
 ERR_FACTOR, ERR_FLOOR = 1.05, 1e-6
 BUFFER_TOL = dict(atol=1e-3, rtol=1e-3)
 
@@ -89,10 +98,20 @@ def settle(ref, new, m, k, dtype):
     new.load_state_dict(ref.state_dict())
 
 
-def expected_path(new, grad):
-    """model_new_autocast.path_name's name on Hopper: eval with gradients on lowp_cublas, the rest on lowp_sm90."""
-    route = "lowp_cublas" if grad and not new.bn.training else "lowp_sm90"
-    return route + "_autocast_" + ("train" if new.bn.training else "eval") + ("_grad" if grad else "")
+def expected_path(new, x, grad):
+    """model_new_autocast.path_name's name on Hopper for x: with gradients lowp_sm90 in
+    training and lowp_cublas in eval; without them the 16-bit modules' route for the shape
+    (model_new_lowp.hopper_gemm, whose rule tests/test_dispatch.py checks)."""
+    import model_new
+
+    training = new.bn.training
+    if grad:
+        route = "lowp_sm90" if training else "lowp_cublas"
+    else:
+        (m, k), n = x.shape, new.gemm.weight.shape[0]
+        route = model_new.extra("model_new_lowp").hopper_gemm(m, n, k, training, model_new.device_facts(x.get_device()),
+                                                              model_new.SWITCHES)
+    return route + "_autocast_" + ("train" if training else "eval") + ("_grad" if grad else "")
 
 
 def assert_close_autocast(actual, expected, dtype, where):
@@ -126,7 +145,7 @@ def test_gpu_autocast_fused_matches_model(dtype_name, problem, mode, shape):
         x = float_input(step, m, k)
         x_before = x.clone()
         with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
-            assert new.kernel_path(x) == expected_path(new, False)
+            assert new.kernel_path(x) == expected_path(new, x, False)
             out_ref, out_new = ref(x), new(x)
         where = f"autocast {dtype_name} {problem} {mode} {shape} call {step}"
         assert out_new.shape == (m, n) and out_new.is_contiguous()
@@ -157,7 +176,7 @@ def test_gpu_autocast_fused_training_step(dtype_name, problem, mode, shape):
     x = float_input(2, m, k, seed=5)
     g = torch.randn(m, n, generator=torch.Generator().manual_seed(77)).to("cuda")
     with torch.autocast("cuda", dtype=dtype):
-        assert new.kernel_path(x.requires_grad_(True)) == expected_path(new, True)
+        assert new.kernel_path(x.requires_grad_(True)) == expected_path(new, x, True)
         out_ref, grads_ref = forward_backward(ref, x, g)
         out_new, grads_new = forward_backward(new, x, g)
     out64, grads64 = forward_backward(ref64, x.double(), g.double())
@@ -184,7 +203,7 @@ def _errors(problem, mode, shape, dtype, chain=None):
     with torch.no_grad():
         out64 = ref64(x.double())
         with torch.autocast("cuda", dtype=dtype):
-            assert new.kernel_path(x) == expected_path(new, False)
+            assert new.kernel_path(x) == expected_path(new, x, False)
             out_ref = ref(x)
             out_new = new(x) if chain is None else chain(ref, x)
     return rel_err(out_ref, out64), rel_err(out_new, out64)
@@ -194,7 +213,8 @@ def _errors(problem, mode, shape, dtype, chain=None):
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
-@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (2305, 72, 4100)], ids=shape_id)
+@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (12, 264, 1000), (2305, 72, 4100)],
+                         ids=shape_id)
 def test_gpu_autocast_fused_error_vs_float64(dtype_name, problem, mode, shape):
     err_eager, err_new = _errors(problem, mode, shape, DTYPES[dtype_name])
     print(f"\n[autocast error vs float64] {dtype_name} {problem} {mode} {shape}: eager {err_eager:.3e}, "
@@ -223,7 +243,7 @@ def test_gpu_autocast_fused_error_negative_control(dtype_name):
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
-@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (3, 8, 5)], ids=shape_id)
+@pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (3, 8, 5), (30, 520, 1032)], ids=shape_id)
 def test_gpu_autocast_fused_every_output_element_written(shape, dtype_name, problem, mode):
     """As test_gpu_lowp_every_output_element_written: a probe call's output
     block is filled with NaN and freed; the next call gets it back (asserted)."""
@@ -255,12 +275,17 @@ def test_gpu_autocast_fused_every_output_element_written(shape, dtype_name, prob
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("shape", [KERNELBENCH_SHAPE, (257, 300, 1000), (64, 72, 129), (2305, 1000, 264),
-                                   (130, 1024, 264), (3, 8, 5)], ids=shape_id)
-def test_gpu_autocast_weight_rounded_in_kernel(dtype_name, problem, mode, shape):
+                                   (130, 1024, 264), (3, 8, 5), (12, 264, 1000), (30, 520, 1032)], ids=shape_id)
+@pytest.mark.parametrize("gemm", ["lowp_sm90", "lowp_cublas", "lowp_small_m"])
+def test_gpu_autocast_weight_rounded_in_kernel(gemm, dtype_name, problem, mode, shape):
     import model_new
 
     dtype = DTYPES[dtype_name]
     m, k, n = shape
+    if gemm == "lowp_small_m" and (m > 32 or k % 8 != 0):
+        pytest.skip("lowp_small_m takes at most 32 rows and in_features a multiple of 8")
+    if gemm != "lowp_sm90" and m * k * n > (1 << 28):
+        pytest.skip("lowp_sm90's case at the KernelBench shape; the product-first routes at the small ones")
     _, new = autocast_pair(problem, k, n)
     kernels = model_new._LOWP.kernels()
     x16 = float_input(0, m, k).to(dtype)
@@ -272,13 +297,13 @@ def test_gpu_autocast_weight_rounded_in_kernel(dtype_name, problem, mode, shape)
     for weight in (w.to(dtype), w):
         buffers = [b.clone() for b in (new.bn.running_mean, new.bn.running_var, new.bn.num_batches_tracked)]
         if mode == "train":
-            out = kernels.forward_train("lowp_sm90", x16, weight, *vectors, *buffers, 0.1, 1e-5, sab)
+            out = kernels.forward_train(gemm, x16, weight, *vectors, *buffers, 0.1, 1e-5, sab)
         else:
-            out = kernels.forward_eval("lowp_sm90", x16, weight, *vectors, *buffers[:2], 1e-5, sab)
+            out = kernels.forward_eval(gemm, x16, weight, *vectors, *buffers[:2], 1e-5, sab)
         results.append((out, *buffers))
     assert results[1][0].dtype == torch.float32 and bool(torch.isfinite(results[1][0]).all())
     for name, a, b in zip(("out", "running_mean", "running_var", "num_batches_tracked"), *results):
-        assert torch.equal(a, b), f"{name}: the float32 weight rounded in the kernel differs from its cast"
+        assert torch.equal(a, b), f"{gemm} {name}: the float32 weight rounded in the extension differs from its cast"
     assert torch.equal(w, new.gemm.weight), "gemm.weight was modified"
 
 
@@ -299,9 +324,9 @@ def test_gpu_autocast_fused_weight_update_seen(problem):
         g = torch.randn(m, n, generator=torch.Generator().manual_seed(step)).to("cuda")
         with torch.autocast("cuda", dtype=dtype):
             with torch.no_grad():
-                assert new.kernel_path(x) == expected_path(new, False)
+                assert new.kernel_path(x) == expected_path(new, x, False)
                 assert_close_autocast(new(x), ref(x), dtype, f"step {step}")
-            assert new.kernel_path(x.requires_grad_(True)) == expected_path(new, True)
+            assert new.kernel_path(x.requires_grad_(True)) == expected_path(new, x, True)
             before = new.gemm.weight.detach().clone()
             opt_new.zero_grad()
             (new(x) * g).sum().backward()
@@ -336,7 +361,7 @@ def test_gpu_autocast_compile_fullgraph(problem):
         new.train(training)
         x = float_input(step, m, k)
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            assert new.kernel_path(x) == expected_path(new, grad=False)  # eager's path: the fused kernels
+            assert new.kernel_path(x) == expected_path(new, x, grad=False)  # eager's path: the fused kernels
             out_ref, out_new = ref(x), compiled(x)
         assert out_new.dtype == out_ref.dtype and torch.equal(out_new, out_ref), f"step {step}"
         for (name, a), b in zip(new.named_buffers(), ref.buffers()):
@@ -348,15 +373,15 @@ def test_gpu_autocast_compile_fullgraph(problem):
 @pytest.mark.parametrize("problem", ["33", "84"])
 def test_gpu_autocast_training_calls_reuse_the_cast(dtype_name, problem):
     """Training-mode calls without gradients in one autocast region (an
-    evaluation loop that keeps BatchNorm in training mode): the first call
-    rounds the float32 weight in the kernel, the second finds it unchanged and
+    evaluation loop that keeps BatchNorm in training mode) on lowp_sm90: the first
+    call rounds the float32 weight in the kernel, the second finds it unchanged and
     caches its cast, later calls read that cast; every call's output is the
     first's bit for bit (the same 16-bit operands), the buffers follow Model's,
     and an optimizer step drops the cast (the next call rounds in the kernel)."""
     import model_new
 
     dtype = DTYPES[dtype_name]
-    m, k, n = 257, 300, 1000
+    m, k, n = 1100, 264, 1000  # training past 1024 rows: lowp_sm90 (hopper_gemm)
     ref, new = autocast_pair(problem, k, n)
     x = float_input(0, m, k)
     model_new.clear_weight_cache()
@@ -374,4 +399,38 @@ def test_gpu_autocast_training_calls_reuse_the_cast(dtype_name, problem):
     new.gemm.weight.grad = torch.ones_like(new.gemm.weight)
     torch.optim.SGD(new.parameters(), lr=1e-3).step()
     assert entry() is None
+    model_new.clear_weight_cache()
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("problem", ["33", "84"])
+@pytest.mark.parametrize("shape", [(257, 300, 1000), (12, 264, 1000)], ids=shape_id)
+def test_gpu_autocast_product_first_calls_cache_the_cast(dtype_name, problem, shape, monkeypatch):
+    """Training-mode calls without gradients on lowp_cublas (257 rows) and lowp_small_m
+    (12 rows), which read a 16-bit weight: the first call makes and caches the cast,
+    later calls read it; with the weight cache switched off (the case of a CUDA graph
+    capture or a side stream) the extension casts the float32 weight in every call.
+    Every call's output is the first's bit for bit, the buffers follow Model's."""
+    import model_new
+
+    dtype = DTYPES[dtype_name]
+    m, k, n = shape
+    ref, new = autocast_pair(problem, k, n)
+    x = float_input(0, m, k)
+    model_new.clear_weight_cache()
+    entry = lambda: model_new._WEIGHT_PARTS.get(id(new.gemm.weight))  # noqa: E731
+    outs = []
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        route = "lowp_cublas" if m > 32 else "lowp_small_m"
+        for call in range(4):
+            if call == 2:
+                monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(weight_cache=False))
+            assert new.kernel_path(x) == route + "_autocast_train"
+            outs.append(new(x))
+            assert_close_autocast(outs[-1], ref(x), dtype, f"call {call}")
+            if call < 2:
+                assert entry() is not None and entry().parts is not None, f"call {call}: no cast cached"
+    assert all(torch.equal(o, outs[0]) for o in outs[1:]), "a call's bits depend on where its cast came from"
+    assert_buffers_close(new, ref, "four calls")
     model_new.clear_weight_cache()

@@ -8327,7 +8327,7 @@ bool sm90_gemm_available(int64_t device) {
 }
 ''',
 }
-_EMBEDDED_ENGINE_SHA256 = '20e1127d4af5bd9f9fbae166cd39dd798d3a6c85f0cfe68b0eb5a6555a2a22d3'
+_EMBEDDED_ENGINE_SHA256 = 'db3b70ec0e1da8a643eeda4df0d2baf2e7984e8b15f16b779463c8a864dcc34e'
 
 
 def _kernel_dir():
@@ -9326,7 +9326,7 @@ def _plain_call(module, x):
                 or scale.dtype is not f32 or bn_weight.dtype is not f32 or bn_bias.dtype is not f32
                 or mean.dtype is not f32 or var.dtype is not f32):
             return None
-        plan = _mixed_plan(device, mixed, training, _needs_grad(params))
+        plan = _mixed_plan(device, mixed, shape, n, training, _needs_grad(params))
         if plan is None:
             return None
     else:
@@ -9340,17 +9340,17 @@ def _plain_call(module, x):
             module.scale_after_bn)
 
 
-def _mixed_plan(device, dtype, training, grad):
+def _mixed_plan(device, dtype, shape, n, training, grad):
     """The lane's Plan of a float32 module's call under mixed precision in `dtype` (_plain_call,
     which has checked the call's tensors as model_new_autocast.fused_gemm does) on the
-    GPU of index `device`: the fused route's Plan, named as kernel_path names it, or
-    None where Model's ops run the call (fused_forward's general path).  Memoized in
-    dispatch's memo under its own keys."""
+    GPU of index `device`, x of `shape` (M, K), N = n: the fused route's Plan, named as
+    kernel_path names it, or None where Model's ops run the call (fused_forward's general
+    path).  Memoized in dispatch's memo under its own keys."""
     switches = SWITCHES
-    key = ("mixed", device, dtype, training, grad, switches)
+    key = ("mixed", device, dtype, shape, n, training, grad, switches)
     made = _PLANS.get(key, _MISSING)
     if made is _MISSING:
-        gemm = _AUTOCAST.route(dtype, training, grad, device_facts(device), switches)
+        gemm = _AUTOCAST.route(dtype, training, grad, device_facts(device), switches, shape[0], n, shape[1])
         made = _memo_put(key, None if gemm is None else Plan(_AUTOCAST.plan_name(gemm, training, grad), gemm, "lowp",
                                                              training, grad, dtype))
     return made

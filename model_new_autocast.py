@@ -5,11 +5,11 @@ the float32 kernels).
 Inside torch.autocast (CUDA or CPU) Model's nn.Linear runs in the autocast
 dtype and the ops after it follow torch's type promotion.  On Hopper ModelNew
 runs that function on the 16-bit extension's kernels in their autocast form
-(without gradients the 16-bit modules' routes, with them lowp_sm90 in training and
-lowp_cublas in eval; fused_gemm decides; kernels/lowp/binding_16bit.cpp): x cast to the autocast dtype as autocast casts
-it, gemm.weight's cast kept between calls (model_new._weight_parts), the GEMM in
-that dtype, everything after it in float32 with Model's rounding points, out
-float32.  Otherwise it calls Model's own ops in Model's order (_model_forward),
+(training on lowp_sm90; eval without gradients on the 16-bit modules' route for the
+shape, with them on lowp_cublas; fused_gemm decides; kernels/lowp/binding_16bit.cpp):
+x cast to the autocast dtype as autocast casts it, gemm.weight's cast kept between
+calls (model_new._weight_parts), the GEMM in that dtype, everything after it in
+float32 with Model's rounding points, out float32.  Otherwise it calls Model's own ops in Model's order (_model_forward),
 so its outputs, running statistics and gradients are Model's.
 
 Entry points (model_new.py calls them): bind(engine), autocast_dtype(x), check(x,
@@ -63,13 +63,13 @@ def autocast_dtype(x):
 
 def fused_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None):
     """The 16-bit route that runs this autocast call, or None (Model's ops run it):
-    without gradients the 16-bit modules' route for the shape (route(): lowp_small_m,
-    lowp_cublas or lowp_sm90); with gradients "lowp_sm90" in training (bn.training;
-    model_new_lowp.forward_autocast_grad, the fused forward and backward) and
-    "lowp_cublas" in eval (cuBLAS's product, then the chain kernel that also keeps z
-    and the running statistics' coefficients for the fused eval backward: lowp_sm90's
-    kEvalSaved epilogue has no float32-vector form).  Each needs a CUDA batch of at least one row, the autocast dtype float16 or bfloat16,
-    x float32 or 16-bit (cast as autocast casts it), every parameter and running
+    "lowp_sm90" in training (bn.training; with gradients model_new_lowp.forward_autocast_grad,
+    the fused forward and backward); in eval without gradients the 16-bit modules' route
+    for the shape (route(): lowp_small_m, lowp_cublas or lowp_sm90), with them
+    "lowp_cublas" (cuBLAS's product, then the chain kernel that also keeps z and the
+    running statistics' coefficients for the fused eval backward: lowp_sm90's kEvalSaved
+    epilogue has no float32-vector form).  Each needs a CUDA batch of at least one row,
+    the autocast dtype float16 or bfloat16, x float32 or 16-bit (cast as autocast casts it), every parameter and running
     statistic float32 (the module Model's autocast is made for), the 16-bit
     kernels present (model_new_lowp), not SWITCHES.autocast_fused off,
     dispatch's conditions for lowp_sm90 (compute capability 9.0, the sm_90a
@@ -93,18 +93,21 @@ def route(dtype, training, grad, facts, switches, m, n, k):
     not tracing): the route, or None.  Also the core's common-call lane's
     (model_new._plain_call, which checks the rest as fused_gemm does).  Pure in its
     arguments: facts (DeviceFacts of x's GPU), switches (SWITCHES), the product's
-    M, N, K.  Without gradients the 16-bit modules' rule (model_new_lowp.hopper_gemm:
+    M, N, K.  Eval without gradients: the 16-bit modules' rule (model_new_lowp.hopper_gemm:
     lowp_small_m at a few rows, lowp_cublas where cuBLAS's product wins, else
-    lowp_sm90; docs/perf.md v109); with gradients lowp_sm90 in training (the fused
-    step), lowp_cublas in eval."""
+    lowp_sm90; docs/perf.md v109).  Training: lowp_sm90, whose kernel rounds a float32
+    weight as it loads it where the weight changed since the last call (the product-first
+    routes would cast it first: 1.5-1.7x the call's time at 16-64 x 8192 x 8192, v109),
+    so a call's bits do not depend on whether the cast was cached.  Eval with gradients:
+    lowp_cublas."""
     if (dtype not in (torch.float16, torch.bfloat16) or not switches.autocast_fused or engine.lowp is None
             or not engine.lowp.available()):
         return None
     if switches.portable or facts.capability != (9, 0) or not facts.sm90_gemm:
         return None
-    if grad:
-        return "lowp_sm90" if training else "lowp_cublas"
-    return engine.lowp.hopper_gemm(m, n, k, training, facts, switches)
+    if training:
+        return "lowp_sm90"
+    return "lowp_cublas" if grad else engine.lowp.hopper_gemm(m, n, k, training, facts, switches)
 
 
 def plan_name(route_name, training, grad):
@@ -163,18 +166,19 @@ def run(route, dtype, training, grad, params, buffers, momentum, eps, scale_afte
     x already is), then one extension call.  The GEMM's weight operand is
     gemm.weight's cast to dtype from the weight cache (_weight_parts, kind
     model_new_lowp.CAST_KIND[dtype]):
-      - lowp_small_m and lowp_cublas (the product first) make the cast and cache it
-        where the cache holds none for the current weight; where nothing can be
-        cached (a CUDA graph being captured, a side stream, the cache switched off)
-        they take the float32 gemm.weight and the extension casts it, as autocast
-        casts it.  The same 16-bit operand either way, so the same bits;
-      - lowp_sm90 takes the float32 gemm.weight itself where the cache holds no cast,
-        and the kernel rounds it to dtype as it loads each tile (the values autocast's
-        cast gives, with no separate sweep over the weight; 1.19-1.27x the call time
-        with the cached cast, against ~1.5x for casting first: docs/perf.md v30).  In
-        eval it makes and caches the cast at once; in training (the weight is expected
-        to change between calls) when a later call finds the weight unchanged (a loop
-        of calls in training mode without an optimizer step).
+      - in eval the cast is made and cached at once where the cache holds none for the
+        current weight; where nothing can be cached (a CUDA graph being captured, a
+        side stream, the cache switched off) the call takes the float32 gemm.weight:
+        lowp_small_m and lowp_cublas (the product first) cast it in the extension, as
+        autocast casts it, and lowp_sm90 rounds it as below.  The same 16-bit operand
+        either way, so the same bits;
+      - lowp_sm90 in training takes the float32 gemm.weight itself where the cache holds
+        no cast, and the kernel rounds it to dtype as it loads each tile (the values
+        autocast's cast gives, with no separate sweep over the weight; 1.19-1.27x the call time
+        with the cached cast, against ~1.5x for casting first: docs/perf.md v30); the
+        weight is expected to change between training calls, so the cast is made and
+        cached only when a later call finds the weight unchanged (a loop of calls in
+        training mode without an optimizer step).
     Model casts the weight once per autocast region.  With gradients:
     model_new_lowp.forward_autocast_grad, whose backward needs the cast, takes it from
     the cache (lowp_sm90 in training, lowp_cublas in eval)."""
@@ -183,7 +187,7 @@ def run(route, dtype, training, grad, params, buffers, momentum, eps, scale_afte
                                                  dtype)
     x, weight = params[0], params[1]
     cast = engine.weight_parts(weight, split=lambda w: w.to(dtype), kind=engine.lowp.CAST_KIND[dtype],
-                               make="reused" if training and route == "lowp_sm90" else True)
+                               make="reused" if training else True)
     params = (x.to(dtype), weight if cast is None else cast) + params[2:]
     return engine.forward_call(engine.lowp.kernels(), route, scale_after_bn, training, buffers, momentum, eps,
                                params)

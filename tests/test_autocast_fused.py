@@ -1,9 +1,10 @@
 """ModelNew under torch.autocast on the fused 16-bit kernels (issue 19; README
 "Mixed precision"): float32 modules inside torch.autocast("cuda", float16 or
 bfloat16) on Hopper run the 16-bit kernels' autocast form (kernel path
-<route>_autocast_<mode>[_grad]: without gradients the 16-bit modules' route for the
-shape, lowp_sm90, lowp_cublas or lowp_small_m; with them lowp_sm90 in training,
-lowp_cublas in eval) and are compared with Model under the same autocast.  Names: M = batch, K = in_features, N = out_features; shapes (M, K, N).
+<route>_autocast_<mode>[_grad]: lowp_sm90 in training; in eval without gradients the
+16-bit modules' route for the shape, lowp_sm90, lowp_cublas or lowp_small_m, with
+them lowp_cublas) and are compared with Model under the same autocast.  Names:
+M = batch, K = in_features, N = out_features; shapes (M, K, N).
 
 GPU (all need an sm_90 GPU; names contain "gpu")
   - test_gpu_autocast_fused_matches_model [dtype, problem, mode, shape]: three
@@ -42,9 +43,10 @@ GPU (all need an sm_90 GPU; names contain "gpu")
     the same float32 sums); shapes with K not a multiple of the 64-wide k-block,
     K % 8 != 0 (zero-padded copies), small batches (128-row tiles cut along K;
     lowp_small_m's 8-, 16- and 32-row CTAs) and N not a multiple of 128.
-  - test_gpu_autocast_training_calls_reuse_the_cast, ..._product_first_calls_cache_the_cast:
-    repeated training-mode calls without gradients give the first call's bits,
-    whether the cast came from the cache or not.
+  - test_gpu_autocast_training_calls_reuse_the_cast (lowp_sm90, training) and
+    test_gpu_autocast_eval_product_first_same_bits_without_cache (lowp_cublas,
+    lowp_small_m, eval): repeated calls without gradients give the first call's
+    bits, whether the cast came from the cache or not.
   - test_gpu_autocast_fused_weight_update_seen: optimizer steps (their
     gradients from the fused training step) and an in-place write to
     gemm.weight between fused calls reach the next call (a stale cached cast
@@ -65,8 +67,8 @@ pytestmark = pytest.mark.usefixtures("full_precision_reductions")
 requires_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                    reason="needs an sm_90 GPU (lowp_sm90's autocast form)")
 
-# Routes without gradients (hopper_gemm): lowp_sm90 (KernelBench, 2305 rows), lowp_cublas (257 and 64 rows;
-# training: the strip's float32-vector form), lowp_small_m (3, 12 and 30 rows: its 8-, 16- and 32-row CTAs).
+# Eval routes without gradients (hopper_gemm): lowp_sm90 (KernelBench, 2305 rows), lowp_cublas (257 and 64
+# rows), lowp_small_m (3, 12 and 30 rows: its 8-, 16- and 32-row CTAs).  Training: lowp_sm90.
 SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (64, 72, 129), (3, 8, 5), (12, 264, 1000), (30, 520, 1032),
           (2305, 72, 4100)]
 ERR_FACTOR, ERR_FLOOR = 1.05, 1e-6
@@ -99,13 +101,13 @@ def settle(ref, new, m, k, dtype):
 
 
 def expected_path(new, x, grad):
-    """model_new_autocast.path_name's name on Hopper for x: with gradients lowp_sm90 in
-    training and lowp_cublas in eval; without them the 16-bit modules' route for the shape
+    """model_new_autocast.path_name's name on Hopper for x: lowp_sm90 in training; in eval
+    lowp_cublas with gradients, without them the 16-bit modules' route for the shape
     (model_new_lowp.hopper_gemm, whose rule tests/test_dispatch.py checks)."""
     import model_new
 
     training = new.bn.training
-    if grad:
+    if training or grad:
         route = "lowp_sm90" if training else "lowp_cublas"
     else:
         (m, k), n = x.shape, new.gemm.weight.shape[0]
@@ -381,7 +383,7 @@ def test_gpu_autocast_training_calls_reuse_the_cast(dtype_name, problem):
     import model_new
 
     dtype = DTYPES[dtype_name]
-    m, k, n = 1100, 264, 1000  # training past 1024 rows: lowp_sm90 (hopper_gemm)
+    m, k, n = 257, 300, 1000
     ref, new = autocast_pair(problem, k, n)
     x = float_input(0, m, k)
     model_new.clear_weight_cache()
@@ -406,17 +408,20 @@ def test_gpu_autocast_training_calls_reuse_the_cast(dtype_name, problem):
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("problem", ["33", "84"])
 @pytest.mark.parametrize("shape", [(257, 300, 1000), (12, 264, 1000)], ids=shape_id)
-def test_gpu_autocast_product_first_calls_cache_the_cast(dtype_name, problem, shape, monkeypatch):
-    """Training-mode calls without gradients on lowp_cublas (257 rows) and lowp_small_m
-    (12 rows), which read a 16-bit weight: the first call makes and caches the cast,
-    later calls read it; with the weight cache switched off (the case of a CUDA graph
-    capture or a side stream) the extension casts the float32 weight in every call.
-    Every call's output is the first's bit for bit, the buffers follow Model's."""
+def test_gpu_autocast_eval_product_first_same_bits_without_cache(dtype_name, problem, shape, monkeypatch):
+    """Eval calls without gradients on lowp_cublas (257 rows) and lowp_small_m (12 rows),
+    which read a 16-bit weight: the first call makes and caches the cast, the second reads
+    it; with the weight cache switched off (as in a CUDA graph capture or on a side stream)
+    the extension casts the float32 weight in every call.  Every call's output is the
+    first's bit for bit, and Model's within the 16-bit closeness."""
     import model_new
 
     dtype = DTYPES[dtype_name]
     m, k, n = shape
     ref, new = autocast_pair(problem, k, n)
+    settle(ref, new, m, k, dtype)
+    ref.eval()
+    new.eval()
     x = float_input(0, m, k)
     model_new.clear_weight_cache()
     entry = lambda: model_new._WEIGHT_PARTS.get(id(new.gemm.weight))  # noqa: E731
@@ -426,11 +431,11 @@ def test_gpu_autocast_product_first_calls_cache_the_cast(dtype_name, problem, sh
         for call in range(4):
             if call == 2:
                 monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(weight_cache=False))
-            assert new.kernel_path(x) == route + "_autocast_train"
+                model_new.clear_weight_cache()
+            assert new.kernel_path(x) == route + "_autocast_eval"
             outs.append(new(x))
             assert_close_autocast(outs[-1], ref(x), dtype, f"call {call}")
-            if call < 2:
-                assert entry() is not None and entry().parts is not None, f"call {call}: no cast cached"
+            cached = entry() is not None and entry().parts is not None
+            assert cached == (call < 2), f"call {call}: cast cached {cached}"
     assert all(torch.equal(o, outs[0]) for o in outs[1:]), "a call's bits depend on where its cast came from"
-    assert_buffers_close(new, ref, "four calls")
     model_new.clear_weight_cache()

@@ -164,9 +164,9 @@ AMPERE = model_new.DeviceFacts(capability=(8, 0), num_sms=108, sm90_gemm=False)
 @pytest.mark.parametrize("problem", BOTH)
 def test_cpu_autocast_fused_decision(problem):
     """model_new_autocast.fused_gemm: a float32 module on Hopper with float32 or 16-bit x
-    under float16 / bfloat16 autocast takes the fused kernels (here 16 rows, in_features
-    a multiple of 8, no gradients: lowp_small_m; training with gradients lowp_sm90, the
-    fused training step; eval with gradients lowp_cublas); Model's ops (None) off Hopper,
+    under float16 / bfloat16 autocast takes the fused kernels (training lowp_sm90, with
+    gradients the fused training step; eval at 16 rows with in_features a multiple of 8
+    lowp_small_m, with gradients lowp_cublas); Model's ops (None) off Hopper,
     with SWITCHES.portable or autocast_fused off, for a 16-bit module, for an empty
     batch, and for x of another dtype."""
     _, new = make_pair(problem, 0, K, N)
@@ -177,7 +177,7 @@ def test_cpu_autocast_fused_decision(problem):
 
     for x_dtype in (torch.float32, torch.float16, torch.bfloat16):
         for dtype in (torch.float16, torch.bfloat16):
-            assert decide(_FakeCudaInput(M, K, x_dtype), dtype) == "lowp_small_m"
+            assert decide(_FakeCudaInput(M, K, x_dtype), dtype) == "lowp_sm90"
     x = _FakeCudaInput(M, K, torch.float32)
     assert decide(x, facts=AMPERE) is None
     assert decide(x, grad=True) == "lowp_sm90"  # training: the fused step (model_new_lowp.forward_autocast_grad)
@@ -194,17 +194,16 @@ def test_cpu_autocast_fused_decision(problem):
     assert decide(x, module=new.to(torch.bfloat16)) is None
 
 
-@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_cpu_autocast_route_by_shape(training):
-    """model_new_autocast.route without gradients takes the 16-bit modules' route for the
-    shape (model_new_lowp.hopper_gemm, docs/perf.md v109): lowp_small_m at 1-32 rows with
-    in_features a multiple of 8, lowp_cublas at 257 x 300 x 1000 (training: cuBLAS's
-    product and the strip; eval: 128-row tiles on at most half the SMs), lowp_sm90 at the
-    KernelBench shape; SWITCHES.lowp_gemm forces a route as for the 16-bit modules.  With
-    gradients the shape does not matter: lowp_sm90 in training, lowp_cublas in eval."""
+def test_cpu_autocast_route_by_shape():
+    """model_new_autocast.route in eval without gradients takes the 16-bit modules' route
+    for the shape (model_new_lowp.hopper_gemm, docs/perf.md v109): lowp_small_m at 1-32
+    rows with in_features a multiple of 8, lowp_cublas at 33 x 8192 x 8192 and 257 x 300 x
+    1000 (128-row tiles on at most half the SMs), lowp_sm90 at the KernelBench shape;
+    SWITCHES.lowp_gemm forces a route as for the 16-bit modules.  Elsewhere the shape
+    does not matter: lowp_sm90 in training, lowp_cublas in eval with gradients."""
     on = model_new.SWITCHES._replace(portable=False, autocast_fused=True)
 
-    def route(m, k, n, grad=False, switches=on):
+    def route(m, k, n, grad=False, switches=on, training=False):
         return model_new_autocast.route(torch.float16, training, grad, HOPPER, switches, m, n, k)
 
     for m in (1, 8, 9, 16, 17, 32):
@@ -216,5 +215,8 @@ def test_cpu_autocast_route_by_shape(training):
     assert route(1024, 8192, 8192, switches=on._replace(lowp_gemm="cublas")) == "lowp_cublas"
     assert route(16, 8192, 8192, switches=on._replace(lowp_gemm="sm90")) == "lowp_sm90"
     for m, k, n in ((16, 8192, 8192), (257, 300, 1000), (1024, 8192, 8192)):
-        assert route(m, k, n, grad=True) == ("lowp_sm90" if training else "lowp_cublas")
-    assert model_new_autocast.route(torch.float16, training, False, AMPERE, on, 16, 8192, 8192) is None
+        assert route(m, k, n, grad=True) == "lowp_cublas"
+        for grad in (False, True):
+            assert route(m, k, n, grad=grad, training=True) == "lowp_sm90"
+            assert route(m, k, n, grad=grad, training=True, switches=on._replace(lowp_gemm="cublas")) == "lowp_sm90"
+    assert model_new_autocast.route(torch.float16, False, False, AMPERE, on, 16, 8192, 8192) is None

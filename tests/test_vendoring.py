@@ -24,7 +24,7 @@ sys.modules) over a copy of the repository's files in tmp_path:
     warning under torch.distributed names that file.
   - test_gpu_vendored_16bit_and_autocast: through a vendored copy, float16 and
     bfloat16 modules run the 16-bit kernels and match Model; under autocast the
-    fused 16-bit path runs (lowp_cublas_autocast_train at its shape) and matches Model under autocast.
+    fused 16-bit path runs (lowp_sm90_autocast_*) and matches Model under autocast.
   - test_gpu_two_differing_copies_16bit: the repository's core and a copy whose
     16-bit kernel sources differ (two 16-bit extensions in one process) both run
     problem 84's training softmax at 8192 features (the walking row kernel, whose
@@ -350,7 +350,7 @@ def test_gpu_vendored_16bit_and_autocast(tmp_path):
     for dtype in ("torch.float16", "torch.bfloat16"):
         assert got["paths"][dtype].startswith("lowp_"), got["paths"]
     if torch.cuda.get_device_capability() == (9, 0):
-        assert got["paths"]["autocast"] == "lowp_cublas_autocast_train", got["paths"]  # 256 x 512 x 384: hopper_gemm
+        assert got["paths"]["autocast"] == "lowp_sm90_autocast_train", got["paths"]
     for name, (err_new, err_eager) in got["errors"].items():
         print(f"[{name}] err ModelNew {err_new:.3e}, Model {err_eager:.3e}")
         assert err_new <= 1.05 * err_eager + 1e-6, (name, err_new, err_eager)

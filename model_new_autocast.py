@@ -5,12 +5,13 @@ the float32 kernels).
 Inside torch.autocast (CUDA or CPU) Model's nn.Linear runs in the autocast
 dtype and the ops after it follow torch's type promotion.  On Hopper ModelNew
 runs that function on the 16-bit extension's kernels in their autocast form
-(training on lowp_sm90; eval without gradients on the 16-bit modules' route for the
-shape, with them on lowp_cublas; fused_gemm decides; kernels/lowp/binding_16bit.cpp):
-x cast to the autocast dtype as autocast casts it, gemm.weight's cast kept between
-calls (model_new._weight_parts), the GEMM in that dtype, everything after it in
-float32 with Model's rounding points, out float32.  Otherwise it calls Model's own ops in Model's order (_model_forward),
-so its outputs, running statistics and gradients are Model's.
+(lowp_sm90; eval at a few rows without gradients lowp_small_m, eval with gradients
+lowp_cublas; fused_gemm decides; kernels/lowp/binding_16bit.cpp): x cast to the
+autocast dtype as autocast casts it, gemm.weight's cast kept between calls
+(model_new._weight_parts), the GEMM in that dtype, everything after it in float32
+with Model's rounding points, out float32.  Otherwise it calls Model's own ops in
+Model's order (_model_forward), so its outputs, running statistics and gradients
+are Model's.
 
 Entry points (model_new.py calls them): bind(engine), autocast_dtype(x), check(x,
 gemm, scale, bn, group), forward(x, gemm, scale, bn, scale_after_bn, dtype),
@@ -63,13 +64,14 @@ def autocast_dtype(x):
 
 def fused_gemm(x, gemm, scale, bn, dtype, grad=False, facts=None, switches=None):
     """The 16-bit route that runs this autocast call, or None (Model's ops run it):
-    "lowp_sm90" in training (bn.training; with gradients model_new_lowp.forward_autocast_grad,
-    the fused forward and backward); in eval without gradients the 16-bit modules' route
-    for the shape (route(): lowp_small_m, lowp_cublas or lowp_sm90), with them
-    "lowp_cublas" (cuBLAS's product, then the chain kernel that also keeps z and the
-    running statistics' coefficients for the fused eval backward: lowp_sm90's kEvalSaved
-    epilogue has no float32-vector form).  Each needs a CUDA batch of at least one row,
-    the autocast dtype float16 or bfloat16, x float32 or 16-bit (cast as autocast casts it), every parameter and running
+    "lowp_sm90" in training (bn.training; with gradients
+    model_new_lowp.forward_autocast_grad, the fused forward and backward); in eval
+    without gradients "lowp_small_m" at a few rows, else "lowp_sm90" (route()), with
+    gradients "lowp_cublas" (cuBLAS's product, then the chain kernel that also keeps z
+    and the running statistics' coefficients for the fused eval backward: lowp_sm90's
+    kEvalSaved epilogue has no float32-vector form).  Each needs a CUDA batch of at
+    least one row, the autocast dtype float16 or bfloat16, x float32 or 16-bit (cast as
+    autocast casts it), every parameter and running
     statistic float32 (the module Model's autocast is made for), the 16-bit
     kernels present (model_new_lowp), not SWITCHES.autocast_fused off,
     dispatch's conditions for lowp_sm90 (compute capability 9.0, the sm_90a
@@ -93,13 +95,16 @@ def route(dtype, training, grad, facts, switches, m, n, k):
     not tracing): the route, or None.  Also the core's common-call lane's
     (model_new._plain_call, which checks the rest as fused_gemm does).  Pure in its
     arguments: facts (DeviceFacts of x's GPU), switches (SWITCHES), the product's
-    M, N, K.  Eval without gradients: the 16-bit modules' rule (model_new_lowp.hopper_gemm:
-    lowp_small_m at a few rows, lowp_cublas where cuBLAS's product wins, else
-    lowp_sm90; docs/perf.md v109).  Training: lowp_sm90, whose kernel rounds a float32
-    weight as it loads it where the weight changed since the last call (the product-first
-    routes would cast it first: 1.5-1.7x the call's time at 16-64 x 8192 x 8192, v109),
-    so a call's bits do not depend on whether the cast was cached.  Eval with gradients:
-    lowp_cublas."""
+    M, N, K.  Eval without gradients: lowp_small_m where the 16-bit modules' rule takes it
+    (model_new_lowp.hopper_gemm: 1-32 rows, K % 8 == 0; docs/perf.md v109, H200, 8192 x
+    8192: 0.67-0.81x lowp_sm90's time back to back, 0.82-0.98x synchronized per call),
+    else lowp_sm90 (where that rule takes lowp_cublas, its autocast form, with the bias
+    cast and cuBLAS's host path, took 0.79-0.97x lowp_sm90's time back to back but
+    1.16-1.37x synchronized at 64-128 rows, v109).  Training: lowp_sm90, whose kernel
+    rounds a float32 weight as it loads it where the weight changed since the last call
+    (a product-first route casts it first: 1.5-1.7x the call's time at 16-64 x 8192 x
+    8192, v109), so a call's bits do not depend on whether the cast was cached.  Eval
+    with gradients: lowp_cublas."""
     if (dtype not in (torch.float16, torch.bfloat16) or not switches.autocast_fused or engine.lowp is None
             or not engine.lowp.available()):
         return None
@@ -107,7 +112,10 @@ def route(dtype, training, grad, facts, switches, m, n, k):
         return None
     if training:
         return "lowp_sm90"
-    return "lowp_cublas" if grad else engine.lowp.hopper_gemm(m, n, k, training, facts, switches)
+    if grad:
+        return "lowp_cublas"
+    small_m = engine.lowp.hopper_gemm(m, n, k, training, facts, switches) == "lowp_small_m"
+    return "lowp_small_m" if small_m else "lowp_sm90"
 
 
 def plan_name(route_name, training, grad):
@@ -169,8 +177,8 @@ def run(route, dtype, training, grad, params, buffers, momentum, eps, scale_afte
       - in eval the cast is made and cached at once where the cache holds none for the
         current weight; where nothing can be cached (a CUDA graph being captured, a
         side stream, the cache switched off) the call takes the float32 gemm.weight:
-        lowp_small_m and lowp_cublas (the product first) cast it in the extension, as
-        autocast casts it, and lowp_sm90 rounds it as below.  The same 16-bit operand
+        lowp_small_m (the product first) casts it in the extension, as autocast casts
+        it, and lowp_sm90 rounds it as below.  The same 16-bit operand
         either way, so the same bits;
       - lowp_sm90 in training takes the float32 gemm.weight itself where the cache holds
         no cast, and the kernel rounds it to dtype as it loads each tile (the values

@@ -1,10 +1,9 @@
 """ModelNew under torch.autocast on the fused 16-bit kernels (issue 19; README
 "Mixed precision"): float32 modules inside torch.autocast("cuda", float16 or
 bfloat16) on Hopper run the 16-bit kernels' autocast form (kernel path
-<route>_autocast_<mode>[_grad]: lowp_sm90 in training; in eval without gradients the
-16-bit modules' route for the shape, lowp_sm90, lowp_cublas or lowp_small_m, with
-them lowp_cublas) and are compared with Model under the same autocast.  Names:
-M = batch, K = in_features, N = out_features; shapes (M, K, N).
+<route>_autocast_<mode>[_grad]: lowp_sm90; in eval at a few rows without gradients
+lowp_small_m, in eval with gradients lowp_cublas) and are compared with Model under
+the same autocast.  Names: M = batch, K = in_features, N = out_features; shapes (M, K, N).
 
 GPU (all need an sm_90 GPU; names contain "gpu")
   - test_gpu_autocast_fused_matches_model [dtype, problem, mode, shape]: three
@@ -37,15 +36,16 @@ GPU (all need an sm_90 GPU; names contain "gpu")
     the extension's autocast form with the float32 gemm.weight (lowp_sm90: the
     kernel rounds each tile to the 16-bit dtype as it loads it, the path of
     training calls without a cached cast; lowp_cublas and lowp_small_m: the
-    extension casts it first, the path of calls that cannot cache the cast)
+    extension casts it first, lowp_small_m's path of eval calls that cannot cache
+    the cast)
     against the same call with gemm.weight cast first: out, running_mean,
     running_var and num_batches_tracked bit-equal (the same 16-bit operands and
     the same float32 sums); shapes with K not a multiple of the 64-wide k-block,
     K % 8 != 0 (zero-padded copies), small batches (128-row tiles cut along K;
     lowp_small_m's 8-, 16- and 32-row CTAs) and N not a multiple of 128.
   - test_gpu_autocast_training_calls_reuse_the_cast (lowp_sm90, training) and
-    test_gpu_autocast_eval_product_first_same_bits_without_cache (lowp_cublas,
-    lowp_small_m, eval): repeated calls without gradients give the first call's
+    test_gpu_autocast_eval_small_m_same_bits_without_cache (lowp_small_m, eval):
+    repeated calls without gradients give the first call's
     bits, whether the cast came from the cache or not.
   - test_gpu_autocast_fused_weight_update_seen: optimizer steps (their
     gradients from the fused training step) and an in-place write to
@@ -67,8 +67,7 @@ pytestmark = pytest.mark.usefixtures("full_precision_reductions")
 requires_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                    reason="needs an sm_90 GPU (lowp_sm90's autocast form)")
 
-# Eval routes without gradients (hopper_gemm): lowp_sm90 (KernelBench, 2305 rows), lowp_cublas (257 and 64
-# rows), lowp_small_m (3, 12 and 30 rows: its 8-, 16- and 32-row CTAs).  Training: lowp_sm90.
+# Eval without gradients: lowp_small_m at 3, 12 and 30 rows (its 8-, 16- and 32-row CTAs), else lowp_sm90.
 SHAPES = [KERNELBENCH_SHAPE, (257, 300, 1000), (64, 72, 129), (3, 8, 5), (12, 264, 1000), (30, 520, 1032),
           (2305, 72, 4100)]
 ERR_FACTOR, ERR_FLOOR = 1.05, 1e-6
@@ -102,8 +101,8 @@ def settle(ref, new, m, k, dtype):
 
 def expected_path(new, x, grad):
     """model_new_autocast.path_name's name on Hopper for x: lowp_sm90 in training; in eval
-    lowp_cublas with gradients, without them the 16-bit modules' route for the shape
-    (model_new_lowp.hopper_gemm, whose rule tests/test_dispatch.py checks)."""
+    lowp_cublas with gradients, without them lowp_small_m where the 16-bit modules' rule
+    takes it (model_new_lowp.hopper_gemm, which tests/test_dispatch.py checks), else lowp_sm90."""
     import model_new
 
     training = new.bn.training
@@ -113,6 +112,7 @@ def expected_path(new, x, grad):
         (m, k), n = x.shape, new.gemm.weight.shape[0]
         route = model_new.extra("model_new_lowp").hopper_gemm(m, n, k, training, model_new.device_facts(x.get_device()),
                                                               model_new.SWITCHES)
+        route = route if route == "lowp_small_m" else "lowp_sm90"
     return route + "_autocast_" + ("train" if training else "eval") + ("_grad" if grad else "")
 
 
@@ -407,10 +407,10 @@ def test_gpu_autocast_training_calls_reuse_the_cast(dtype_name, problem):
 @requires_sm90
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("problem", ["33", "84"])
-@pytest.mark.parametrize("shape", [(257, 300, 1000), (12, 264, 1000)], ids=shape_id)
-def test_gpu_autocast_eval_product_first_same_bits_without_cache(dtype_name, problem, shape, monkeypatch):
-    """Eval calls without gradients on lowp_cublas (257 rows) and lowp_small_m (12 rows),
-    which read a 16-bit weight: the first call makes and caches the cast, the second reads
+@pytest.mark.parametrize("shape", [(12, 264, 1000), (30, 520, 1032)], ids=shape_id)
+def test_gpu_autocast_eval_small_m_same_bits_without_cache(dtype_name, problem, shape, monkeypatch):
+    """Eval calls without gradients on lowp_small_m (its 16- and 32-row CTAs), which reads
+    a 16-bit weight: the first call makes and caches the cast, the second reads
     it; with the weight cache switched off (as in a CUDA graph capture or on a side stream)
     the extension casts the float32 weight in every call.  Every call's output is the
     first's bit for bit, and Model's within the 16-bit closeness."""
@@ -427,7 +427,7 @@ def test_gpu_autocast_eval_product_first_same_bits_without_cache(dtype_name, pro
     entry = lambda: model_new._WEIGHT_PARTS.get(id(new.gemm.weight))  # noqa: E731
     outs = []
     with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
-        route = "lowp_cublas" if m > 32 else "lowp_small_m"
+        route = "lowp_small_m"
         for call in range(4):
             if call == 2:
                 monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(weight_cache=False))

@@ -195,12 +195,12 @@ def test_cpu_autocast_fused_decision(problem):
 
 
 def test_cpu_autocast_route_by_shape():
-    """model_new_autocast.route in eval without gradients takes the 16-bit modules' route
-    for the shape (model_new_lowp.hopper_gemm, docs/perf.md v109): lowp_small_m at 1-32
-    rows with in_features a multiple of 8, lowp_cublas at 33 x 8192 x 8192 and 257 x 300 x
-    1000 (128-row tiles on at most half the SMs), lowp_sm90 at the KernelBench shape;
-    SWITCHES.lowp_gemm forces a route as for the 16-bit modules.  Elsewhere the shape
-    does not matter: lowp_sm90 in training, lowp_cublas in eval with gradients."""
+    """model_new_autocast.route in eval without gradients: lowp_small_m where the 16-bit
+    modules' rule takes it (model_new_lowp.hopper_gemm: 1-32 rows with in_features a
+    multiple of 8; not where SWITCHES.lowp_gemm forces another route), else lowp_sm90, also
+    where that rule takes lowp_cublas (33 x 8192 x 8192, 257 x 300 x 1000: docs/perf.md
+    v109).  Elsewhere the shape does not matter: lowp_sm90 in training, lowp_cublas in eval
+    with gradients."""
     on = model_new.SWITCHES._replace(portable=False, autocast_fused=True)
 
     def route(m, k, n, grad=False, switches=on, training=False):
@@ -208,12 +208,12 @@ def test_cpu_autocast_route_by_shape():
 
     for m in (1, 8, 9, 16, 17, 32):
         assert route(m, 8192, 8192) == "lowp_small_m", m
-    assert route(32, 300, 1000) == "lowp_cublas"  # in_features not a multiple of 8
-    assert route(33, 8192, 8192) == "lowp_cublas"
-    assert route(257, 300, 1000) == "lowp_cublas"
+    assert route(32, 300, 1000) == "lowp_sm90"  # in_features not a multiple of 8
+    for m, k, n in ((33, 8192, 8192), (257, 300, 1000)):  # the 16-bit modules' lowp_cublas
+        assert model_new.extra("model_new_lowp").hopper_gemm(m, n, k, False, HOPPER, on) == "lowp_cublas"
+        assert route(m, k, n) == "lowp_sm90"
     assert route(1024, 8192, 8192) == "lowp_sm90"
-    assert route(1024, 8192, 8192, switches=on._replace(lowp_gemm="cublas")) == "lowp_cublas"
-    assert route(16, 8192, 8192, switches=on._replace(lowp_gemm="sm90")) == "lowp_sm90"
+    assert route(16, 8192, 8192, switches=on._replace(lowp_gemm="cublas")) == "lowp_sm90"
     for m, k, n in ((16, 8192, 8192), (257, 300, 1000), (1024, 8192, 8192)):
         assert route(m, k, n, grad=True) == "lowp_cublas"
         for grad in (False, True):

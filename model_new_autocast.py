@@ -178,12 +178,12 @@ def run(route, dtype, training, grad, params, buffers, momentum, eps, scale_afte
         current weight; where nothing can be cached (a CUDA graph being captured, a
         side stream, the cache switched off) the call takes the float32 gemm.weight:
         lowp_small_m (the product first) casts it in the extension, as autocast casts
-        it, and lowp_sm90 rounds it as below.  The same 16-bit operand
-        either way, so the same bits;
+        it, and lowp_sm90 rounds it as below.  The same 16-bit operand either way, so
+        the same bits;
       - lowp_sm90 in training takes the float32 gemm.weight itself where the cache holds
         no cast, and the kernel rounds it to dtype as it loads each tile (the values
-        autocast's cast gives, with no separate sweep over the weight; 1.19-1.27x the call time
-        with the cached cast, against ~1.5x for casting first: docs/perf.md v30); the
+        autocast's cast gives, with no separate sweep over the weight; 1.19-1.27x the
+        call time with the cached cast, against ~1.5x for casting first: docs/perf.md v30); the
         weight is expected to change between training calls, so the cast is made and
         cached only when a later call finds the weight unchanged (a loop of calls in
         training mode without an optimizer step).

@@ -427,12 +427,11 @@ def test_gpu_autocast_eval_small_m_same_bits_without_cache(dtype_name, problem, 
     entry = lambda: model_new._WEIGHT_PARTS.get(id(new.gemm.weight))  # noqa: E731
     outs = []
     with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
-        route = "lowp_small_m"
         for call in range(4):
             if call == 2:
                 monkeypatch.setattr(model_new, "SWITCHES", model_new.SWITCHES._replace(weight_cache=False))
                 model_new.clear_weight_cache()
-            assert new.kernel_path(x) == route + "_autocast_eval"
+            assert new.kernel_path(x) == "lowp_small_m_autocast_eval"
             outs.append(new(x))
             assert_close_autocast(outs[-1], ref(x), dtype, f"call {call}")
             cached = entry() is not None and entry().parts is not None

@@ -8,8 +8,10 @@
 //
 // Build and run (repository root, an sm_90a GPU):
 //   nvcc -std=c++17 -O3 -I kernels -I kernels/lowp -arch=sm_90a tools/lowp_phase_times.cu \
-//     -o /tmp/lowp_phase_times && /tmp/lowp_phase_times [M K N] [train|eval] [33|84] [timed launches]
-//   (default 1024 8192 8192 train 33 31: the KernelBench shape, problem 33, float16)
+//     -o /tmp/lowp_phase_times && /tmp/lowp_phase_times [M K N] [train|eval] [33|84] [timed launches] [wf32]
+//   (default 1024 8192 8192 train 33 31: the KernelBench shape, problem 33, float16; wf32: the
+//   autocast form, w, the vectors and out float32, w rounded to float16 in the kernel (kWFloat))
+// Also printed: the W-read floor, half of a device-to-device cudaMemcpy of w's bytes (bench.py's).
 //
 // Phases (the kernel's FUSED_GEMM_BN_LOWP_PHASE points): 0 start, 1 the first stage landed
 // (the ring's fill), 2 the last k-block done (the mainloop), 3 the chain applied (with the
@@ -57,27 +59,34 @@ int main(int argc, char** argv) {
   if (argc >= 5) train = std::string(argv[4]) != "eval";
   const bool problem84 = argc >= 6 && std::string(argv[5]) == "84";  // Linear -> BatchNorm1d -> scale
   const int timed_launches = argc >= 7 ? std::max(1, std::atoi(argv[6])) : 31;  // 1: under compute-sanitizer
+  const bool wf32 = argc >= 8 && std::string(argv[7]) == "wf32";  // autocast form: float32 w, vectors, out
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device %s, %d SMs; %d x %d x %d, problem %s float16 %s\n", prop.name, prop.multiProcessorCount, M, K,
-              N, problem84 ? "84" : "33", train ? "train" : "eval");
+  std::printf("device %s, %d SMs; %d x %d x %d, problem %s float16 %s%s\n", prop.name, prop.multiProcessorCount, M,
+              K, N, problem84 ? "84" : "33", train ? "train" : "eval", wf32 ? ", float32 w (autocast form)" : "");
 
-  std::vector<__half> hx(static_cast<size_t>(M) * K), hw(static_cast<size_t>(N) * K), hvec(N);
-  const std::vector<__half> hones(N, __float2half(1.f)), hzeros(N, __float2half(0.f));
+  std::vector<__half> hx(static_cast<size_t>(M) * K);
   fill_uniform(hx, 1, -1.f, 1.f);
-  fill_uniform(hw, 2, -1.f / 64, 1.f / 64);
   __half* x = upload(hx);
-  __half* w = upload(hw);
-  fill_uniform(hvec, 3, -0.5f, 0.5f);
-  __half* bias = upload(hvec);
-  fill_uniform(hvec, 4, 0.5f, 1.5f);
-  __half* scale = upload(hvec);
-  __half* bn_weight = upload(hones);
-  __half* bn_bias = upload(hzeros);
-  __half* running_mean = upload(hzeros);
-  __half* running_var = upload(hones);
-  __half* out = nullptr;
-  CHECK(cudaMalloc(&out, static_cast<size_t>(M) * N * sizeof(__half)));
+  // w, the vectors and out: float16, or float32 (wf32); w's values are float16's either way.
+  const size_t elem = wf32 ? sizeof(float) : sizeof(__half);
+  auto upload_as = [&](uint32_t seed, float lo, float hi, size_t n) -> void* {
+    std::vector<__half> h(n);
+    fill_uniform(h, seed, lo, hi);
+    if (!wf32) return upload(h);
+    std::vector<float> f(n);
+    for (size_t i = 0; i < n; ++i) f[i] = __half2float(h[i]);
+    return upload(f);
+  };
+  void* w = upload_as(2, -1.f / 64, 1.f / 64, static_cast<size_t>(N) * K);
+  void* bias = upload_as(3, -0.5f, 0.5f, N);
+  void* scale = upload_as(4, 0.5f, 1.5f, N);
+  void* bn_weight = upload_as(5, 1.f, 1.f, N);
+  void* bn_bias = upload_as(6, 0.f, 0.f, N);
+  void* running_mean = upload_as(7, 0.f, 0.f, N);
+  void* running_var = upload_as(8, 1.f, 1.f, N);
+  void* out = nullptr;
+  CHECK(cudaMalloc(&out, static_cast<size_t>(M) * N * elem));
   const int stat_rows = (M + 127) / 128;
   float *part_mean = nullptr, *part_m2 = nullptr;
   CHECK(cudaMalloc(&part_mean, static_cast<size_t>(stat_rows) * N * sizeof(float)));
@@ -91,8 +100,9 @@ int main(int argc, char** argv) {
   float* workspace = nullptr;
   if (ws_floats > 0) CHECK(cudaMalloc(&workspace, ws_floats * sizeof(float)));
 
-  // dtype 0 (half), 16-bit vectors and out, the problem's order (84: scale after BatchNorm), momentum 0.1.
-  const fused_gemm_bn::LowpBatchNormArgs bn{0,   false, bias,  scale, bn_weight, bn_bias, running_mean, running_var,
+  // dtype 0 (half), 16-bit (or float32: wf32) vectors and out, the problem's order (84: scale after
+  // BatchNorm), momentum 0.1.
+  const fused_gemm_bn::LowpBatchNormArgs bn{0,   wf32,  bias,  scale, bn_weight, bn_bias, running_mean, running_var,
                                             nbt, 0.1f,  1e-5f, problem84, 1};
 
   constexpr int kMaxCtas = 1 << 16;
@@ -101,7 +111,7 @@ int main(int argc, char** argv) {
   auto launch = [&]() {
     if (workspace != nullptr && zero_ints > 0)
       CHECK(cudaMemset(reinterpret_cast<int*>(workspace + ws_floats) - zero_ints, 0, zero_ints * sizeof(int)));
-    CHECK(fused_gemm_bn::lowp_sm90_gemm_bn(bn, train, false, x, w, out, M, N, K, part_mean, part_m2, nullptr, nullptr,
+    CHECK(fused_gemm_bn::lowp_sm90_gemm_bn(bn, train, wf32, x, w, out, M, N, K, part_mean, part_m2, nullptr, nullptr,
                                            workspace, 0));
   };
   cudaEvent_t e0, e1;
@@ -122,12 +132,31 @@ int main(int argc, char** argv) {
   for (int i = 0; i < timed_launches; ++i) plain.push_back(timed_ms(nullptr));
   const double plain_ms = median(plain);
   const double plain_min_ms = *std::min_element(plain.begin(), plain.end());
+  // The W-read floor: half of a device-to-device copy of w's bytes, timed as the launches are.
+  double floor_ms = 0.0;
+  {
+    const size_t w_bytes = static_cast<size_t>(N) * K * elem;
+    void* w_copy = nullptr;
+    CHECK(cudaMalloc(&w_copy, w_bytes));
+    std::vector<double> copies;
+    for (int i = 0; i < 3 + timed_launches; ++i) {
+      CHECK(cudaEventRecord(e0));
+      CHECK(cudaMemcpyAsync(w_copy, w, w_bytes, cudaMemcpyDeviceToDevice));
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      float ms = 0.f;
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (i >= 3) copies.push_back(ms / 2);
+    }
+    floor_ms = median(copies);
+    CHECK(cudaFree(w_copy));
+  }
   // FNV-1a over out's bits (and training's part_mean / part_m2): equal across two builds of the
   // kernel means bit-identical results (the launches are deterministic).
   {
-    std::vector<__half> hout(static_cast<size_t>(M) * N);
-    CHECK(cudaMemcpy(hout.data(), out, hout.size() * sizeof(__half), cudaMemcpyDeviceToHost));
-    uint64_t h = fnv1a(hout.data(), hout.size() * sizeof(__half));
+    std::vector<unsigned char> hout(static_cast<size_t>(M) * N * elem);
+    CHECK(cudaMemcpy(hout.data(), out, hout.size(), cudaMemcpyDeviceToHost));
+    uint64_t h = fnv1a(hout.data(), hout.size());
     if (train) {
       std::vector<float> hp(static_cast<size_t>(stat_rows) * N);
       CHECK(cudaMemcpy(hp.data(), part_mean, hp.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -165,8 +194,9 @@ int main(int argc, char** argv) {
     if (t.clk[6] > t.clk[0]) ns_per_cycle.push_back(double(t.gt[6] - t.gt[0]) / double(t.clk[6] - t.clk[0]));
   const double npc = median(ns_per_cycle);
   std::printf("launch: %.1f us plain (median of %zu, min %.1f), %.1f us stamped (events); %zu CTAs; SM clock %.0f MHz "
-              "(globaltimer / clock64)\n",
-              plain_ms * 1e3, plain.size(), plain_min_ms * 1e3, stamped_ms * 1e3, ctas.size(), 1e3 / npc);
+              "(globaltimer / clock64); W-read floor %.1f us (%.2fx)\n",
+              plain_ms * 1e3, plain.size(), plain_min_ms * 1e3, stamped_ms * 1e3, ctas.size(), 1e3 / npc,
+              floor_ms * 1e3, plain_ms / floor_ms);
   const char* names[6] = {"fill (start -> first stage)", "mainloop (-> last k-block)", "chain (-> u or out)",
                           "statistics (-> written)", "store (-> TMA read done)", "end (-> exit point)"};
   const int sms = prop.multiProcessorCount;

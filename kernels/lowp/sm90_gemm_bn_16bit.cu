@@ -193,7 +193,20 @@ struct Args {
   // 4096 and 0.97-0.99 at 6144-8192 rows (H200, docs/perf.md v62); the outputs are
   // bit-identical (each tile's arithmetic and the statistics' order do not depend on it).
   bool grouped_order;
+  // Batch rows that x's TMA box brings per stage (128-row plans; 256-row plans: BLOCK_M):
+  // BLOCK_M, or M rounded up to 8 where the batch is one tile shorter than BLOCK_M
+  // (x_box_rows).  The tile's rows past it are zeroed once at the CTA's start and never
+  // written again, so the products are those of the zero-filled whole box, bit for bit.
+  int x_box_rows;
 };
+
+// x's box rows for an M-row batch on BLOCK_M-row tiles.  A box reaching past the
+// matrix is zero-filled by TMA, but the fill is not free: lowp_sm90's mainloop at
+// 8192 x 8192 took 44.9 us at 16 rows (112 rows of the box filled) against 33.3 at 128
+// (H200, tools/lowp_phase_times.cu, docs/perf.md v110), about 0.1 us a filled row.
+__host__ __device__ constexpr int x_box_rows(int M, int block_m) {
+  return M >= block_m ? block_m : (M + 7) / 8 * 8;
+}
 
 static_assert(Traits<128>::BLOCK_N == sm90::kTileN && Traits<256>::BLOCK_N == sm90::kTileN,
               "tile_coord counts feature tiles of kTileN");
@@ -554,6 +567,19 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
     }
     mbar_init_fence();
   }
+  // The x tile's rows past the box (a batch shorter than the tile), zeroed in every stage
+  // once: TMA writes only the box's rows, so these stay zero for the products.  The generic
+  // proxy's stores made visible to wgmma's reads (the async proxy) by the fence.
+  if (!TR::kPersistent && args.x_box_rows < TR::BLOCK_M) {
+    const int row_bytes = TR::BLOCK_K * 2;
+    const int chunks = (TR::BLOCK_M - args.x_box_rows) * row_bytes / 16;
+    for (int i = threadIdx.x; i < TR::kNumStages * chunks; i += blockDim.x) {
+      const int s = i / chunks, c = i % chunks;
+      *reinterpret_cast<uint4*>(smem + s * TR::STAGE_BYTES + TR::W_TILE_BYTES + args.x_box_rows * row_bytes + 16 * c) =
+          make_uint4(0u, 0u, 0u, 0u);
+    }
+    fence_proxy_async_shared();
+  }
   __syncthreads();
 
   if (warpgroup == TR::kNumConsumers) {
@@ -569,7 +595,8 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
           const int s = q % TR::kNumStages;
           mbar_wait(&empty_bar[s], ((q / TR::kNumStages) & 1) ^ 1);
           uint8_t* stage = smem + s * TR::STAGE_BYTES;
-          mbar_arrive_expect_tx(&full_bar[s], TR::STAGE_BYTES);
+          mbar_arrive_expect_tx(&full_bar[s], TR::kPersistent ? TR::STAGE_BYTES
+                                                              : TR::W_TILE_BYTES + args.x_box_rows * TR::BLOCK_K * 2);
           tma_load_2d(stage, &tmap_w, &full_bar[s], kb * TR::BLOCK_K, n0);
           if constexpr (kWFloat)  // float32 w: the k-block's second 32-wide box
             tma_load_2d(stage + TR::W_BOX_BYTES, &tmap_w, &full_bar[s], kb * TR::BLOCK_K + 32, n0);
@@ -624,6 +651,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
     constexpr int kBuf = decltype(buf_c)::value;
     const int s = q % TR::kNumStages;
     mbar_wait(&full_bar[s], (q / TR::kNumStages) & 1);
+    if (q == 0) FUSED_GEMM_BN_LOWP_PHASE(1);
     const uint8_t* stage = smem + s * TR::STAGE_BYTES;
     load_a(a_frag[kBuf], smem_u32(stage));
     fence_acc();
@@ -663,6 +691,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
       keep_alive(a_frag[0]);
       keep_alive(a_frag[1]);
       if (lane == 0) mbar_arrive(&empty_bar[(q - 1) % TR::kNumStages]);
+      FUSED_GEMM_BN_LOWP_PHASE(2);
     } else {
       for (int kb = seg.kb_begin; kb < seg.kb_end; ++kb, ++q) {
         const int s = q % TR::kNumStages;
@@ -720,9 +749,10 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
   using TR = Traits<kBlockM, kWFloat>;
   auto kernel = sm90_gemm_bn_16bit_kernel<T, S, kChain, kBlockM, kWFloat>;
   CUtensorMap tmap_w, tmap_x;
+  args.x_box_rows = TR::kPersistent ? TR::BLOCK_M : x_box_rows(args.M, TR::BLOCK_M);
   if (!sm90::make_tensor_map(&tmap_w, w, kWFloat ? sm90::TileDtype::kFloat32 : sm90::TileDtype::kWord16, args.N,
                              args.K, TR::BLOCK_N) ||
-      !sm90::make_tensor_map(&tmap_x, x, sm90::TileDtype::kWord16, args.M, args.K, TR::BLOCK_M))
+      !sm90::make_tensor_map(&tmap_x, x, sm90::TileDtype::kWord16, args.M, args.K, args.x_box_rows))
     return cudaErrorInvalidValue;
   CUtensorMap tmap_out = {};
   args.tma_store = sizeof(word_t<S>) == 2 && kBlockM == kBatchTile &&

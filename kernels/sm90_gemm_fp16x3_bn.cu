@@ -145,7 +145,13 @@ struct Fp16x3Traits {
 // 64 rows x 64 k, make_tensor_map_mn) instead of K-major (stored (rows, K)).
 // kGroupedOrder: the tile order (sm90_gemm_tiles.cuh, tile_coord).  kPersistent:
 // the grid's walk over the work units (for_each_segment; persistent_grid_pays).
-template <Epilogue kEpilogue, bool kWMn, bool kXMn, bool kGroupedOrder, bool kPersistent>
+// kShortX (K-major x, the forwards, a batch shorter than BLOCK_M): x's boxes bring
+// args.x_box_rows rows (M rounded up to 8), and the tile's rows past them are zeroed
+// once at the CTA's start, which TMA's zero fill of a box past the matrix did before:
+// the same products, bit for bit, without the fill's cost (about 0.1 us a filled row
+// over the 16-bit kernel's mainloop at 8192 x 8192, docs/perf.md v110).  A separate
+// instantiation, so the other kernels' code is unchanged.
+template <Epilogue kEpilogue, bool kWMn, bool kXMn, bool kGroupedOrder, bool kPersistent, bool kShortX = false>
 __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w_hi,
                                const __grid_constant__ CUtensorMap tmap_w_lo,
@@ -177,6 +183,18 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     }
     mbar_init_fence();
   }
+  if constexpr (kShortX) {  // x_hi's and x_lo's rows past the box, in every stage (generic-proxy
+                            // stores, fenced for wgmma's async-proxy reads)
+    static_assert(!kXMn, "K-major x boxes");
+    const int chunks = (T::BLOCK_M - args.x_box_rows) * 128 / 16;  // per part tile
+    for (int i = threadIdx.x; i < T::kNumStages * 2 * chunks; i += blockDim.x) {
+      const int tile = i / chunks, c = i % chunks;  // tile: stage * 2 + part
+      *reinterpret_cast<uint4*>(smem + (tile / 2) * T::STAGE_BYTES + 2 * T::W_PART_BYTES +
+                                (tile % 2) * T::X_PART_BYTES + args.x_box_rows * 128 + 16 * c) =
+          make_uint4(0u, 0u, 0u, 0u);
+    }
+    fence_proxy_async_shared();
+  }
   __syncthreads();
 
   if (warpgroup == T::kNumConsumers) {
@@ -196,7 +214,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
           const int s = q % T::kNumStages;
           mbar_wait(&empty_bar[s], ((q / T::kNumStages) & 1) ^ 1);
           uint8_t* stage = smem + s * T::STAGE_BYTES;
-          mbar_arrive_expect_tx(&full_bar[s], T::STAGE_BYTES);
+          mbar_arrive_expect_tx(&full_bar[s], kShortX ? 2 * T::W_PART_BYTES + 2 * args.x_box_rows * 128
+                                                      : T::STAGE_BYTES);
           const int k0 = kb * T::BLOCK_K;
           // One part tile: a K-major box of 128 rows, or two MN-major boxes of 64 rows.
           auto load_part = [&](uint8_t* dst, const CUtensorMap* map, int r0, auto mn_c) {
@@ -386,21 +405,32 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
       {sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, true, false>,
        sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, true, true>}};
   auto kernel = kernels[grouped][persistent];
+  // The forwards at a batch shorter than a tile: the kShortX kernels (one batch tile, so
+  // batch-fastest order).
+  constexpr bool kHasShortX = !kXMn && kEpilogue != Epilogue::kPlain;
+  const bool short_x = kHasShortX && args.M < T::BLOCK_M;
+  args.x_box_rows = short_x ? (args.M + 7) / 8 * 8 : T::BLOCK_M;
+  if constexpr (kHasShortX) {
+    if (short_x)
+      kernel = persistent ? sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, true, true>
+                          : sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false, true>;
+  }
   CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
   if (w.mn_major != kWMn || x.mn_major != kXMn ||
       !make_part_map(&tmap_w_hi, w.hi, kWMn, args.N, args.K, T::BLOCK_N) ||
       !make_part_map(&tmap_w_lo, w.lo, kWMn, args.N, args.K, T::BLOCK_N) ||
-      !make_part_map(&tmap_x_hi, x.hi, kXMn, args.M, args.K, T::BLOCK_M) ||
-      !make_part_map(&tmap_x_lo, x.lo, kXMn, args.M, args.K, T::BLOCK_M))
+      !make_part_map(&tmap_x_hi, x.hi, kXMn, args.M, args.K, args.x_box_rows) ||
+      !make_part_map(&tmap_x_lo, x.lo, kXMn, args.M, args.K, args.x_box_rows))
     return cudaErrorInvalidValue;
-  static bool smem_set[2][2][kMaxCachedDevices] = {};  // per instantiation (tile order, grid) and device
+  // Per instantiation (short x, tile order, grid) and device.
+  static bool smem_set[2][2][2][kMaxCachedDevices] = {};
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device >= kMaxCachedDevices || !smem_set[grouped][persistent][device]) {
+  if (device >= kMaxCachedDevices || !smem_set[short_x][grouped][persistent][device]) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
     if (err != cudaSuccess) return err;
-    if (device < kMaxCachedDevices) smem_set[grouped][persistent][device] = true;
+    if (device < kMaxCachedDevices) smem_set[short_x][grouped][persistent][device] = true;
   }
   DeviceFacts facts;
   err = current_device_facts(&facts);

@@ -67,6 +67,9 @@ struct Sm90GemmBnArgs {
   const float* w_inv_scale;
   const float* x_center;
   const float2* w_row_sum;
+  // Batch rows of x's K-major TMA boxes (the fp16x3 kernel's kShortX instantiations: M
+  // rounded up to 8 where the batch is shorter than a tile; else the tile's rows).
+  int x_box_rows;
 };
 
 // Tile order.  The grid's CTAs take tiles in index order, one CTA per SM, so

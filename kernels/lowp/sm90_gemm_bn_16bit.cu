@@ -61,6 +61,8 @@
 //   whose pieces meet in split_tile_hand_off: float32 partial sums, the last
 //   piece to arrive runs the epilogue).  Tiles walk the batch fastest, so the
 //   CTAs sharing a w tile run together and w streams from DRAM about once.
+//   At a batch shorter than the 128-row tile, x's box brings only the batch's rows (rounded
+//   up to 8) and the tile's other rows are zeroed once at the CTA's start (x_box_rows).
 //   kWFloat: the w tile is float32 (two 32-wide TMA boxes per k-block, 64 KB
 //   stages, 3 of them at BLOCK_M = 256) and the consumers issue the RS form
 //   (A from registers: float2 shared-memory loads, one cvt per pair, two

@@ -4410,7 +4410,9 @@ inline bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_c
 //   and w is read from DRAM about once; the remainder tiles are split along K.
 //   One CTA per unit, or, where tiles are short in k (persistent_grid_pays, heuristics_sm90.cuh),
 //   one CTA per SM looping over units blockIdx.x, + gridDim.x, ...: the
-//   producer's ring slot count q runs on across them.
+//   producer's ring slot count q runs on across them.  A forward whose batch is
+//   shorter than BLOCK_M runs the kShortX instantiation: x's boxes bring only the
+//   batch's rows (rounded up to 8), the rest of the x tiles zeroed once (below).
 //
 // Whether this kernel runs is model_new.py's dispatch decision (compute
 // capability 9.0 and sm90_gemm_available()); launchers given inputs outside

@@ -148,10 +148,8 @@ struct Fp16x3Traits {
 // kGroupedOrder: the tile order (sm90_gemm_tiles.cuh, tile_coord).  kPersistent:
 // the grid's walk over the work units (for_each_segment; persistent_grid_pays).
 // kShortX (K-major x, the forwards, a batch shorter than BLOCK_M): x's boxes bring
-// args.x_box_rows rows (M rounded up to 8), and the tile's rows past them are zeroed
-// once at the CTA's start, which TMA's zero fill of a box past the matrix did before:
-// the same products, bit for bit, without the fill's cost (about 0.1 us a filled row
-// over the 16-bit kernel's mainloop at 8192 x 8192, docs/perf.md v110).  A separate
+// args.x_box_rows rows and x_hi's and x_lo's rows past them are zeroed once at the CTA's
+// start (sm90_gemm_tiles.cuh, "Short x boxes"; docs/perf.md v110).  A separate
 // instantiation, so the other kernels' code is unchanged.
 template <Epilogue kEpilogue, bool kWMn, bool kXMn, bool kGroupedOrder, bool kPersistent, bool kShortX = false>
 __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
@@ -185,17 +183,10 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     }
     mbar_init_fence();
   }
-  if constexpr (kShortX) {  // x_hi's and x_lo's rows past the box, in every stage (generic-proxy
-                            // stores, fenced for wgmma's async-proxy reads)
+  if constexpr (kShortX) {
     static_assert(!kXMn, "K-major x boxes");
-    const int chunks = (T::BLOCK_M - args.x_box_rows) * 128 / 16;  // per part tile
-    for (int i = threadIdx.x; i < T::kNumStages * 2 * chunks; i += blockDim.x) {
-      const int tile = i / chunks, c = i % chunks;  // tile: stage * 2 + part
-      *reinterpret_cast<uint4*>(smem + (tile / 2) * T::STAGE_BYTES + 2 * T::W_PART_BYTES +
-                                (tile % 2) * T::X_PART_BYTES + args.x_box_rows * 128 + 16 * c) =
-          make_uint4(0u, 0u, 0u, 0u);
-    }
-    fence_proxy_async_shared();
+    zero_x_rows_past_box<T::kNumStages, T::STAGE_BYTES, 2 * T::W_PART_BYTES, 2, T::X_PART_BYTES, T::BLOCK_M>(
+        smem, args.x_box_rows);
   }
   __syncthreads();
 
@@ -411,7 +402,7 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   // batch-fastest order).
   constexpr bool kHasShortX = !kXMn && kEpilogue != Epilogue::kPlain;
   const bool short_x = kHasShortX && args.M < T::BLOCK_M;
-  args.x_box_rows = short_x ? (args.M + 7) / 8 * 8 : T::BLOCK_M;
+  args.x_box_rows = short_x ? x_box_rows(args.M, T::BLOCK_M) : T::BLOCK_M;
   if constexpr (kHasShortX) {
     if (short_x)
       kernel = persistent ? sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, true, true>

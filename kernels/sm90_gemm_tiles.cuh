@@ -152,6 +152,32 @@ __device__ __forceinline__ void for_each_segment(const StreamKPlan& p, int cta, 
   }
 }
 
+// Short x boxes (both sm_90a GEMMs).  A K-major x box reaching past the batch is
+// zero-filled by TMA, but that fill is not free: lowp_sm90's mainloop at 8192 x 8192 took
+// 44.9 us at 16 rows (112 rows of its 128-row box filled) against 33.3 at 128, about
+// 0.1 us a filled row (H200, docs/perf.md v110).  So where the batch is one tile shorter
+// than the tile, x's boxes bring x_box_rows rows (M rounded up to 8), and the rows of the
+// x tiles past them are zeroed once at the CTA's start (zero_x_rows_past_box) and never
+// written again: the products are those of the zero-filled whole box, bit for bit.
+__host__ __device__ constexpr int x_box_rows(int M, int block_m) { return M >= block_m ? block_m : (M + 7) / 8 * 8; }
+
+// Zeroes rows box_rows .. kTileRows - 1 (128 bytes each: one swizzle span) of each of the
+// kStages stages' kParts x tiles (at stage * kStageBytes + kXOffset + part * kPartBytes from
+// smem), all threads of the CTA striding by blockDim.x, then fences the generic proxy's
+// stores for wgmma's reads (the async proxy).  Before the CTA's first barrier wait.  box_rows
+// by reference to the kernel's argument: the callers' SASS is then the measured build's
+// (docs/perf.md v110), which took the argument where it is used.
+template <int kStages, int kStageBytes, int kXOffset, int kParts, int kPartBytes, int kTileRows>
+__device__ __forceinline__ void zero_x_rows_past_box(uint8_t* smem, const int& box_rows) {
+  const int chunks = (kTileRows - box_rows) * 128 / 16;  // 16-byte chunks per x tile
+  for (int i = threadIdx.x; i < kStages * kParts * chunks; i += blockDim.x) {
+    const int tile = i / chunks, c = i % chunks;  // tile: stage * kParts + part
+    *reinterpret_cast<uint4*>(smem + (tile / kParts) * kStageBytes + kXOffset + (tile % kParts) * kPartBytes +
+                              box_rows * 128 + 16 * c) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  fence_proxy_async_shared();
+}
+
 // Byte offset of element (row, col) of a 128-byte-swizzled K-major tile.
 __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
   return static_cast<uint32_t>(row * 128 + ((((col >> 2) ^ row) & 7) << 4) + (col & 3) * 4);

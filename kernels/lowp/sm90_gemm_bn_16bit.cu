@@ -195,20 +195,11 @@ struct Args {
   // 4096 and 0.97-0.99 at 6144-8192 rows (H200, docs/perf.md v62); the outputs are
   // bit-identical (each tile's arithmetic and the statistics' order do not depend on it).
   bool grouped_order;
-  // Batch rows that x's TMA box brings per stage (128-row plans; 256-row plans: BLOCK_M):
-  // BLOCK_M, or M rounded up to 8 where the batch is one tile shorter than BLOCK_M
-  // (x_box_rows).  The tile's rows past it are zeroed once at the CTA's start and never
-  // written again, so the products are those of the zero-filled whole box, bit for bit.
+  // Batch rows that x's TMA box brings per stage: sm90::x_box_rows on 128-row plans (the rest
+  // of a short batch's tile zeroed once: sm90_gemm_tiles.cuh, "Short x boxes"); BLOCK_M on
+  // 256-row plans.
   int x_box_rows;
 };
-
-// x's box rows for an M-row batch on BLOCK_M-row tiles.  A box reaching past the
-// matrix is zero-filled by TMA, but the fill is not free: lowp_sm90's mainloop at
-// 8192 x 8192 took 44.9 us at 16 rows (112 rows of the box filled) against 33.3 at 128
-// (H200, tools/lowp_phase_times.cu, docs/perf.md v110), about 0.1 us a filled row.
-__host__ __device__ constexpr int x_box_rows(int M, int block_m) {
-  return M >= block_m ? block_m : (M + 7) / 8 * 8;
-}
 
 static_assert(Traits<128>::BLOCK_N == sm90::kTileN && Traits<256>::BLOCK_N == sm90::kTileN,
               "tile_coord counts feature tiles of kTileN");
@@ -569,19 +560,10 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
     }
     mbar_init_fence();
   }
-  // The x tile's rows past the box (a batch shorter than the tile), zeroed in every stage
-  // once: TMA writes only the box's rows, so these stay zero for the products.  The generic
-  // proxy's stores made visible to wgmma's reads (the async proxy) by the fence.
-  if (!TR::kPersistent && args.x_box_rows < TR::BLOCK_M) {
-    const int row_bytes = TR::BLOCK_K * 2;
-    const int chunks = (TR::BLOCK_M - args.x_box_rows) * row_bytes / 16;
-    for (int i = threadIdx.x; i < TR::kNumStages * chunks; i += blockDim.x) {
-      const int s = i / chunks, c = i % chunks;
-      *reinterpret_cast<uint4*>(smem + s * TR::STAGE_BYTES + TR::W_TILE_BYTES + args.x_box_rows * row_bytes + 16 * c) =
-          make_uint4(0u, 0u, 0u, 0u);
-    }
-    fence_proxy_async_shared();
-  }
+  // A batch shorter than the tile: the x tile's rows past the box (sm90_gemm_tiles.cuh).
+  if (!TR::kPersistent && args.x_box_rows < TR::BLOCK_M)
+    zero_x_rows_past_box<TR::kNumStages, TR::STAGE_BYTES, TR::W_TILE_BYTES, 1, TR::X_TILE_BYTES, TR::BLOCK_M>(
+        smem, args.x_box_rows);
   __syncthreads();
 
   if (warpgroup == TR::kNumConsumers) {
@@ -751,7 +733,7 @@ static cudaError_t launch(Args args, const sm90::StreamKPlan& plan, const void* 
   using TR = Traits<kBlockM, kWFloat>;
   auto kernel = sm90_gemm_bn_16bit_kernel<T, S, kChain, kBlockM, kWFloat>;
   CUtensorMap tmap_w, tmap_x;
-  args.x_box_rows = TR::kPersistent ? TR::BLOCK_M : x_box_rows(args.M, TR::BLOCK_M);
+  args.x_box_rows = TR::kPersistent ? TR::BLOCK_M : sm90::x_box_rows(args.M, TR::BLOCK_M);
   if (!sm90::make_tensor_map(&tmap_w, w, kWFloat ? sm90::TileDtype::kFloat32 : sm90::TileDtype::kWord16, args.N,
                              args.K, TR::BLOCK_N) ||
       !sm90::make_tensor_map(&tmap_x, x, sm90::TileDtype::kWord16, args.M, args.K, args.x_box_rows))

@@ -4473,10 +4473,8 @@ struct Fp16x3Traits {
 // kGroupedOrder: the tile order (sm90_gemm_tiles.cuh, tile_coord).  kPersistent:
 // the grid's walk over the work units (for_each_segment; persistent_grid_pays).
 // kShortX (K-major x, the forwards, a batch shorter than BLOCK_M): x's boxes bring
-// args.x_box_rows rows (M rounded up to 8), and the tile's rows past them are zeroed
-// once at the CTA's start, which TMA's zero fill of a box past the matrix did before:
-// the same products, bit for bit, without the fill's cost (about 0.1 us a filled row
-// over the 16-bit kernel's mainloop at 8192 x 8192, docs/perf.md v110).  A separate
+// args.x_box_rows rows and x_hi's and x_lo's rows past them are zeroed once at the CTA's
+// start (sm90_gemm_tiles.cuh, "Short x boxes"; docs/perf.md v110).  A separate
 // instantiation, so the other kernels' code is unchanged.
 template <Epilogue kEpilogue, bool kWMn, bool kXMn, bool kGroupedOrder, bool kPersistent, bool kShortX = false>
 __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
@@ -4510,17 +4508,10 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     }
     mbar_init_fence();
   }
-  if constexpr (kShortX) {  // x_hi's and x_lo's rows past the box, in every stage (generic-proxy
-                            // stores, fenced for wgmma's async-proxy reads)
+  if constexpr (kShortX) {
     static_assert(!kXMn, "K-major x boxes");
-    const int chunks = (T::BLOCK_M - args.x_box_rows) * 128 / 16;  // per part tile
-    for (int i = threadIdx.x; i < T::kNumStages * 2 * chunks; i += blockDim.x) {
-      const int tile = i / chunks, c = i % chunks;  // tile: stage * 2 + part
-      *reinterpret_cast<uint4*>(smem + (tile / 2) * T::STAGE_BYTES + 2 * T::W_PART_BYTES +
-                                (tile % 2) * T::X_PART_BYTES + args.x_box_rows * 128 + 16 * c) =
-          make_uint4(0u, 0u, 0u, 0u);
-    }
-    fence_proxy_async_shared();
+    zero_x_rows_past_box<T::kNumStages, T::STAGE_BYTES, 2 * T::W_PART_BYTES, 2, T::X_PART_BYTES, T::BLOCK_M>(
+        smem, args.x_box_rows);
   }
   __syncthreads();
 
@@ -4736,7 +4727,7 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   // batch-fastest order).
   constexpr bool kHasShortX = !kXMn && kEpilogue != Epilogue::kPlain;
   const bool short_x = kHasShortX && args.M < T::BLOCK_M;
-  args.x_box_rows = short_x ? (args.M + 7) / 8 * 8 : T::BLOCK_M;
+  args.x_box_rows = short_x ? x_box_rows(args.M, T::BLOCK_M) : T::BLOCK_M;
   if constexpr (kHasShortX) {
     if (short_x)
       kernel = persistent ? sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, true, true>
@@ -5041,6 +5032,32 @@ __device__ __forceinline__ void for_each_segment(const StreamKPlan& p, int cta, 
   } else {
     for (int si = 0; si < num_segments; ++si) body(cta_segment(p, cta, si, num_k_blocks));
   }
+}
+
+// Short x boxes (both sm_90a GEMMs).  A K-major x box reaching past the batch is
+// zero-filled by TMA, but that fill is not free: lowp_sm90's mainloop at 8192 x 8192 took
+// 44.9 us at 16 rows (112 rows of its 128-row box filled) against 33.3 at 128, about
+// 0.1 us a filled row (H200, docs/perf.md v110).  So where the batch is one tile shorter
+// than the tile, x's boxes bring x_box_rows rows (M rounded up to 8), and the rows of the
+// x tiles past them are zeroed once at the CTA's start (zero_x_rows_past_box) and never
+// written again: the products are those of the zero-filled whole box, bit for bit.
+__host__ __device__ constexpr int x_box_rows(int M, int block_m) { return M >= block_m ? block_m : (M + 7) / 8 * 8; }
+
+// Zeroes rows box_rows .. kTileRows - 1 (128 bytes each: one swizzle span) of each of the
+// kStages stages' kParts x tiles (at stage * kStageBytes + kXOffset + part * kPartBytes from
+// smem), all threads of the CTA striding by blockDim.x, then fences the generic proxy's
+// stores for wgmma's reads (the async proxy).  Before the CTA's first barrier wait.  box_rows
+// by reference to the kernel's argument: the callers' SASS is then the measured build's
+// (docs/perf.md v110), which took the argument where it is used.
+template <int kStages, int kStageBytes, int kXOffset, int kParts, int kPartBytes, int kTileRows>
+__device__ __forceinline__ void zero_x_rows_past_box(uint8_t* smem, const int& box_rows) {
+  const int chunks = (kTileRows - box_rows) * 128 / 16;  // 16-byte chunks per x tile
+  for (int i = threadIdx.x; i < kStages * kParts * chunks; i += blockDim.x) {
+    const int tile = i / chunks, c = i % chunks;  // tile: stage * kParts + part
+    *reinterpret_cast<uint4*>(smem + (tile / kParts) * kStageBytes + kXOffset + (tile % kParts) * kPartBytes +
+                              box_rows * 128 + 16 * c) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  fence_proxy_async_shared();
 }
 
 // Byte offset of element (row, col) of a 128-byte-swizzled K-major tile.

@@ -4342,9 +4342,10 @@ inline bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_c
 //   and w is read from DRAM about once; the remainder tiles are split along K.
 //   One CTA per unit, or, where tiles are short in k (persistent_grid_pays, heuristics_sm90.cuh),
 //   one CTA per SM looping over units blockIdx.x, + gridDim.x, ...: the
-//   producer's ring slot count q runs on across them.  A forward whose batch is
-//   shorter than BLOCK_M runs the kShortX instantiation: x's boxes bring only the
-//   batch's rows (rounded up to 8), the rest of the x tiles zeroed once (below).
+//   producer's ring slot count q runs on across them.  A product with K-major x whose
+//   batch is shorter than BLOCK_M (the forwards, eval's z, the backward's grad x) runs the
+//   kShortX instantiation: x's boxes bring only the batch's rows (rounded up to 8), the
+//   rest of the x tiles zeroed once (below).
 //
 // Whether this kernel runs is model_new.py's dispatch decision (compute
 // capability 9.0 and sm90_gemm_available()); launchers given inputs outside
@@ -4404,7 +4405,7 @@ struct Fp16x3Traits {
 // 64 rows x 64 k, make_tensor_map_mn) instead of K-major (stored (rows, K)).
 // kGroupedOrder: the tile order (sm90_gemm_tiles.cuh, tile_coord).  kPersistent:
 // the grid's walk over the work units (for_each_segment; persistent_grid_pays).
-// kShortX (K-major x, the forwards, a batch shorter than BLOCK_M): x's boxes bring
+// kShortX (K-major x, a batch shorter than BLOCK_M): x's boxes bring
 // args.x_box_rows rows and x_hi's and x_lo's rows past them are zeroed once at the CTA's
 // start (sm90_gemm_tiles.cuh, "Short x boxes"; docs/perf.md v110).  A separate
 // instantiation, so the other kernels' code is unchanged.
@@ -4655,9 +4656,9 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
       {sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, true, false>,
        sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, true, true>}};
   auto kernel = kernels[grouped][persistent];
-  // The forwards at a batch shorter than a tile: the kShortX kernels (one batch tile, so
+  // K-major x at a batch shorter than a tile: the kShortX kernels (one batch tile, so
   // batch-fastest order).
-  constexpr bool kHasShortX = !kXMn && kEpilogue != Epilogue::kPlain;
+  constexpr bool kHasShortX = !kXMn;
   const bool short_x = kHasShortX && args.M < T::BLOCK_M;
   args.x_box_rows = short_x ? x_box_rows(args.M, T::BLOCK_M) : T::BLOCK_M;
   if constexpr (kHasShortX) {

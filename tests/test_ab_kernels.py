@@ -133,3 +133,28 @@ def test_autocast_option_needs_float32_models():
     seen = []
     ab_kernels.in_region(lambda x: seen.append(torch.is_autocast_cpu_enabled()), None)(0)
     assert seen == [False]
+
+
+def test_backward_option_times_steps_that_clear_their_gradients(monkeypatch):
+    """--backward implies --grad; as_steps' calls run forward + backward with one fixed g, and
+    each side's prepare clears x's and its model's gradients before running the side's own."""
+    args = ab_kernels.parse_args(["--base", "HEAD", "--dtype", "float32", "--backward"])
+    assert args.backward and args.grad
+    monkeypatch.setattr(ab_kernels.bench, "DEVICE", "cpu")
+    models = {s: torch.nn.Linear(3, 2) for s in ("eager", "new", "base")}
+    ran = []
+    steps, clears = ab_kernels.as_steps(dict(models), models, {"new": lambda x: ran.append("new")}, 4, 2,
+                                        torch.float32, seed=0)
+    x = torch.randn(4, 3, requires_grad=True)
+    for s in models:
+        steps[s](x)
+        assert x.grad is not None and models[s].weight.grad is not None
+        clears[s](x)
+        assert x.grad is None and models[s].weight.grad is None
+    assert ran == ["new"]
+    grads = []
+    for _ in range(2):  # one fixed g: the same gradient each call
+        steps["eager"](x)
+        grads.append(models["eager"].weight.grad.clone())
+        clears["eager"](x)
+    assert torch.equal(grads[0], grads[1])

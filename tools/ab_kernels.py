@@ -7,7 +7,8 @@ revision's kernels/), each compiled into its own copy of model_new.py, timed sid
     python tools/ab_kernels.py --base-tree DIR   [options]   # DIR holds model_new.py, its extras, kernels/ and
                                                              # problem 84's folder (git archive REV | tar -x -C DIR)
       --model 33|84|both  --dtype float32|float16|bfloat16  --mode train|eval|both
-      --shape M,K,N (repeatable; default 1024,8192,8192)  --grad  --iters N  --warmup N  --rounds R  --seed S
+      --shape M,K,N (repeatable; default 1024,8192,8192)  --grad  --backward  --iters N  --warmup N  --rounds R
+      --seed S
       --autocast float16|bfloat16  (with --dtype float32: each call of each side in its own
                                     torch.autocast region, as bench.py --autocast times it)
 
@@ -28,7 +29,9 @@ buffers and gradients compared bit for bit, else the largest difference and each
 error against a float64 reference are printed.  Then bench.time_fn's interleaved rounds
 (balanced orders, L2 flushed) of eager, the floor, new and base, in both protocols (back to
 back and synchronized per call), --rounds times: the medians per round, new / base and
-new / floor.  Needs a CUDA GPU (exit 2 without one).
+new / floor.  --backward times forward + backward instead (model(x).backward(g), x requiring
+grad, the gradients cleared before each call outside the timing, as bench.py --backward; the
+floor is bench.gemm_floor_step's three products).  Needs a CUDA GPU (exit 2 without one).
 """
 import argparse
 import contextlib
@@ -164,6 +167,8 @@ def parse_args(argv=None):
     p.add_argument("--mode", choices=("train", "eval", "both"), default="both")
     p.add_argument("--shape", type=bench.parse_shape, action="append", metavar="M,K,N")
     p.add_argument("--grad", action="store_true", help="forward with gradients, and a backward in the check")
+    p.add_argument("--backward", action="store_true",
+                   help="time forward + backward (model(x).backward(g), x requiring grad); implies --grad")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2)
@@ -174,6 +179,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.autocast is not None and args.dtype != "float32":
         p.error("--autocast runs float32 models: it needs --dtype float32")
+    args.grad = args.grad or args.backward
     return args
 
 
@@ -192,6 +198,24 @@ def in_region(fn, dtype):
             return fn(x)
 
     return call
+
+
+def as_steps(sides, models, prepare, m, n, dtype, seed):
+    """sides' forwards as forward + backward calls with one fixed g ~ N(0, 1) (m, n), and
+    prepare's per-call work (untimed) preceded by clearing x's and models[side]'s gradients."""
+    gen = torch.Generator(device=bench.DEVICE).manual_seed(seed + 1)
+    g = torch.randn(m, n, device=bench.DEVICE, generator=gen).to(dtype)
+    steps, clears = {}, {}
+    for s, fn in sides.items():
+        steps[s] = lambda x, fn=fn: fn(x).backward(g)
+
+        def clear(x, model=models[s], before=(prepare or {}).get(s)):
+            x.grad = None
+            model.zero_grad(set_to_none=True)
+            if before is not None:
+                before(x)
+        clears[s] = clear
+    return steps, clears
 
 
 def main(argv=None):
@@ -232,19 +256,27 @@ def main(argv=None):
                 x = torch.randn(m, k, device=bench.DEVICE).to(dtype)
                 with region(mixed):
                     verdict = compare(ref, new, base, x, args.grad)
-                inputs = [torch.rand(m, k, device=bench.DEVICE).to(dtype) for _ in range(bench.NUM_INPUTS)]
+                inputs = [torch.rand(m, k, device=bench.DEVICE).to(dtype).requires_grad_(args.backward)
+                          for _ in range(bench.NUM_INPUTS)]
                 sides = {"eager": in_region(ref, mixed), "new": in_region(new, mixed), "base": in_region(base, mixed)}
                 prepare = None
                 if mixed is not None and mode == "train":  # (as after an optimizer step, each call)
                     prepare = {s: lambda x: None for s in ("eager", "floor")}
                     prepare.update({s: (lambda x, e=engines[s]: e.clear_weight_cache()) for s in engines})
-                floor = bench.make_floor(m, k, n, dtype if mixed is None else mixed)
+                if args.backward:
+                    sides, prepare = as_steps(sides, {"eager": ref, "new": new, "base": base}, prepare, m, n,
+                                              dtype, args.seed)
+                floor = (bench.gemm_floor_step if args.backward else bench.make_floor)(
+                    m, k, n, dtype if mixed is None else mixed)
                 if floor is not None:
                     sides["floor"] = floor
+                    if prepare is not None:
+                        prepare["floor"] = lambda x: None
                 with region(mixed), torch.set_grad_enabled(args.grad):  # (the paths timed below)
                     paths = new.kernel_path(x), base.kernel_path(x)
                 print(f"\nproblem {name} {args.dtype}{'' if mixed is None else ' autocast ' + args.autocast} {mode}"
-                      f"{' with gradients' if args.grad else ''} {m}x{k}x{n}: "
+                      f"{' forward + backward' if args.backward else ' with gradients' if args.grad else ''} "
+                      f"{m}x{k}x{n}: "
                       f"new path {paths[0]}, base path {paths[1]}; {verdict}")
                 with torch.set_grad_enabled(args.grad):
                     for synchronized in (False, True):

@@ -4262,7 +4262,8 @@ inline bool vec16_ok(const float* w, int K) { return K % 4 == 0 && reinterpret_c
 //
 // Formula: z[m, n] = sum_k x[m, k] * w[n, k] (z = x @ W^T, no bias), then the
 // epilogues of sm90_gemm_tiles.cuh (kTrain: out = z and per-tile mean / M2;
-// kEval: out = a[n] z + c[n]; kPlain: out = z).
+// kEval: out = a[n] z + c[n]; kPlain: out = z, grad W's through the staged TMA
+// stores, store_tile_staged).
 //
 // Tensors (row-major, contiguous, 16-byte aligned; K here is the parts' row
 // length, a multiple of 8: TMA needs 16-byte global strides of the 16-bit parts.
@@ -4386,6 +4387,18 @@ struct Fp16x3Traits {
   static constexpr int X_PART_BYTES = BLOCK_M * BLOCK_K * 2;
   static constexpr int STAGE_BYTES = 2 * W_PART_BYTES + 2 * X_PART_BYTES;  // w_hi, w_lo, x_hi, x_lo
   static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;
+  // Whether an instantiation stores its tiles through store_tile_staged: grad W's
+  // product (kPlain, both operands MN-major), whose k is the batch, so that at small
+  // batches the tile's epilogue is most of its time (docs/perf.md v112).  The plain
+  // products with long k (grad x, eval's z) keep finish_tile's stores: with the staged
+  // path's code their mainloop measured slower (grad x at 1024 x 8192^2: 1.14x).
+  __host__ __device__ static constexpr bool staged_store(Epilogue e, bool w_mn, bool x_mn) {
+    return e == Epilogue::kPlain && w_mn && x_mn;
+  }
+  // The staged stores' buffers after the barriers, on a 1024-byte boundary (128-byte swizzle).
+  static constexpr int STAGING_OFFSET = kNumStages * STAGE_BYTES + 1024;
+  static constexpr int SMEM_BYTES_STAGED = STAGING_OFFSET + kStagingBytes + 1024;
+  static constexpr int smem_bytes(bool staged) { return staged ? SMEM_BYTES_STAGED : SMEM_BYTES; }
   static constexpr int MN_BOX_BYTES = kMnBoxRows * kMnBoxK * 2;  // one MN-major TMA box: 64 rows x 64 k
 
   static_assert(BLOCK_K * 2 == 128, "tiles are rows of one 128-byte swizzle span");
@@ -4396,6 +4409,8 @@ struct Fp16x3Traits {
                     kMnBoxRows == WGMMA_M && MN_BOX_BYTES == kMnBoxRows * 128,
                 "an MN-major part tile is two boxes: one per consumer warpgroup (w) or batch half (x)");
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
+  static_assert(2 * kNumStages * 8 <= 1024 && SMEM_BYTES_STAGED + 16 <= 232448,
+                "the barriers before the staging buffers; 227 KB of shared memory per block (the hand-off's static int too)");
   static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
                     kNumConsumers * 128 == kConsumerThreads,
                 "the tile of sm90_gemm_tiles.cuh (its epilogues and split-tile hand-off)");
@@ -4414,7 +4429,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w_hi,
                                const __grid_constant__ CUtensorMap tmap_w_lo,
                                const __grid_constant__ CUtensorMap tmap_x_hi,
-                               const __grid_constant__ CUtensorMap tmap_x_lo, const Sm90GemmBnArgs args) {
+                               const __grid_constant__ CUtensorMap tmap_x_lo, const Sm90GemmBnArgs args,
+                               const __grid_constant__ CUtensorMap tmap_out) {
 #if FUSED_GEMM_BN_SM90A
   using T = Fp16x3Traits;
   extern __shared__ uint8_t smem_raw[];
@@ -4624,6 +4640,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 
   const int ctid = threadIdx.x;  // 0 .. 255 over the consumer warpgroups
   int q = 0;
+  constexpr bool kStagedStore = T::staged_store(kEpilogue, kWMn, kXMn);
+  int store_round = 0;  // store_tile_staged's count
   for_each_segment<kPersistent>(args.plan, cta, num_segments, num_k_blocks, [&](const WorkSegment& seg) {
     const int n_blocks = seg.kb_end - seg.kb_begin;
     mainloop(q, n_blocks);
@@ -4631,8 +4649,19 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
       return;
     finish_product<kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
+    if constexpr (kStagedStore) {
+      if (args.out_staged) {
+        const TileCoord tc = tile_coord<kGroupedOrder>(seg.tile, m_tiles, args.N);
+        store_tile_staged(acc, &tmap_out, smem + T::STAGING_OFFSET, tc.m * T::BLOCK_M, tc.n * T::BLOCK_N,
+                          store_round);
+        return;
+      }
+    }
     finish_tile<kEpilogue, kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);
   });
+  if constexpr (kStagedStore) {
+    if (args.out_staged && threadIdx.x % 128 == 0) tma_store_wait_read<0>();  // shared memory outlives the reads
+  }
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the launcher never selects it elsewhere
 #endif
@@ -4666,7 +4695,12 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
       kernel = persistent ? sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, true, true>
                           : sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false, true>;
   }
-  CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
+  CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo, tmap_out{};
+  // out through staged TMA stores where the instantiation has them and TMA can address
+  // out (N % 4 == 0, 16-byte aligned); else finish_tile's scalar stores.
+  constexpr bool kStaged = T::staged_store(kEpilogue, kWMn, kXMn);
+  if constexpr (kStaged)
+    args.out_staged = make_tensor_map(&tmap_out, args.out, TileDtype::kFloat32, args.M, args.N, kStoreRows);
   if (w.mn_major != kWMn || x.mn_major != kXMn ||
       !make_part_map(&tmap_w_hi, w.hi, kWMn, args.N, args.K, T::BLOCK_N) ||
       !make_part_map(&tmap_w_lo, w.lo, kWMn, args.N, args.K, T::BLOCK_N) ||
@@ -4679,7 +4713,7 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (device >= kMaxCachedDevices || !smem_set[short_x][grouped][persistent][device]) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::smem_bytes(kStaged));
     if (err != cudaSuccess) return err;
     if (device < kMaxCachedDevices) smem_set[short_x][grouped][persistent][device] = true;
   }
@@ -4697,8 +4731,8 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;  // work units
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
   if (persistent && ctas > facts.num_sms) ctas = facts.num_sms;
-  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w_hi, tmap_w_lo, tmap_x_hi,
-                                                                                 tmap_x_lo, args);
+  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::smem_bytes(kStaged), stream>>>(
+      tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo, args, tmap_out);
   return cudaGetLastError();
 }
 
@@ -4747,7 +4781,7 @@ bool fused_gemm_bn::sm90_gemm_available() {
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-        major == 9 && minor == 0 && smem_optin >= Fp16x3Traits::SMEM_BYTES &&
+        major == 9 && minor == 0 && smem_optin >= Fp16x3Traits::SMEM_BYTES_STAGED &&
         // the sm_90a cubin reports binaryVersion 90; a build without it does not
         cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<sm90::Epilogue::kTrain, false, false, false, false>) ==
             cudaSuccess &&
@@ -4817,7 +4851,8 @@ cudaError_t fused_gemm_bn::sm90_gemm_fp16x3_plain(Fp16x3Parts x, Fp16x3Parts w, 
 // lowp/sm90_gemm_bn_16bit.cu uses the work split, the hand-off and the tensor
 // maps): the 128 x 128 output tile and its register layout, the grid's work
 // split (whole tiles and split tiles, StreamKPlan), the split-tile hand-off,
-// the BatchNorm epilogues (finish_tile), and the host's tensor maps.  The
+// the BatchNorm epilogues (finish_tile), the staged TMA stores of grad W's tiles
+// (store_tile_staged), and the host's tensor maps.  The
 // epilogue formulas are in bn_stats.cuh.
 //
 // Split tiles (a locality-preserving stream-K; StreamKPlan and its rule,
@@ -4885,6 +4920,9 @@ struct Sm90GemmBnArgs {
   // Batch rows of x's K-major TMA boxes (the fp16x3 kernel's kShortX instantiations: M
   // rounded up to 8 where the batch is shorter than a tile; else the tile's rows).
   int x_box_rows;
+  // out leaves through store_tile_staged (an instantiation that has it, out's tensor map
+  // made); else through finish_tile's scalar stores.
+  bool out_staged;
 };
 
 // Tile order.  The grid's CTAs take tiles in index order, one CTA per SM, so
@@ -5159,6 +5197,69 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kTileAccRegs], const Sm
   }
 }
 
+// Staged stores (the fp16x3 kernel's grad W instantiations: Fp16x3Traits::staged_store).
+// finish_tile's scalar stores (8 features x 4 rows a warp instruction) hold the consumers
+// until the tile's 64 KB have been issued; with one 64-k block per tile (grad W at a batch
+// of 24-64 rows, 8192 x 8192) a tile took about 4.5 us, about 1 of them the mainloop
+// (docs/perf.md v111).  Here each consumer warpgroup's 64 features x kTileM rows leave in
+// kTileM / kStoreRows rounds of two boxes, kStoreRows rows x 32 features (128 bytes, one
+// swizzle span) each, written to shared memory apart from the ring and stored by TMA
+// (rows >= M and features >= N clipped), so the stores drain while the next tile's
+// mainloop runs.  The rounds alternate between the warpgroup's two buffers; a buffer is
+// rewritten once the two stores that last read it have read it (wait_group.read 2: the
+// previous round's two may still be pending; PTX ISA 9.7.9.25.3).  The st.shared of one
+// warp instruction cover rows 2t + e (t = 0 .. 3) x 8 features: with the 128-byte swizzle
+// eight distinct 16-byte chunks, so no bank conflict.  `round` counts the warpgroup's
+// rounds over the CTA's tiles; the CTA waits for the last reads before it exits (the
+// kernel's tail), and the writes are ordered by the grid's end.  Barriers 2 and 3 (one
+// per warpgroup; 1 is split_tile_hand_off's): the warpgroup's index made warp-uniform
+// (__shfl_sync) and the id a register.  With a branch per warpgroup between two immediate
+// ids, ptxas moved the mainloop's descriptor arithmetic off the uniform datapath (46 R2UR
+// among its wgmmas; grad x and z at 1024 x 8192^2 then 1.18-1.2x slower).  Measured: grad
+// W 0.93-0.97x the scalar stores' time at 24-1024 rows (docs/perf.md v112).  initcheck
+// does not see TMA stores; the poisoned-output tests check every element is written.
+constexpr int kStoreRows = 32;
+constexpr int kStoreBoxBytes = kStoreRows * 128;                     // 32 rows x 32 fp32
+constexpr int kStagingBytes = (kConsumerThreads / 128) * 2 * 2 * kStoreBoxBytes;  // warpgroups x buffers x boxes
+
+__device__ __forceinline__ void store_tile_staged(const float (&acc)[kTileAccRegs], const CUtensorMap* tmap_out,
+                                                  uint8_t* staging, int m0, int n0, int& round) {
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);  // consumer threads 0 .. 255
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int t = lane % 4;
+  const bool elected = threadIdx.x % 128 == 0;
+  auto warpgroup_sync = [&]() { named_barrier_sync<128>(2 + warpgroup); };
+  // Feature 16 warp + lane / 4 + 8 h of the warpgroup's 64: box warp / 2, column
+  // 16 (warp % 2) + lane / 4 + 8 h of its 32.
+  const int col0 = 16 * (warp % 2) + lane / 4;
+  uint8_t* const buffers = staging + warpgroup * 2 * 2 * kStoreBoxBytes;
+#pragma unroll
+  for (int sub = 0; sub < kTileM / kStoreRows; ++sub) {
+    uint8_t* const buffer = buffers + ((round + sub) & 1) * 2 * kStoreBoxBytes;
+    if (elected) tma_store_wait_read<2>();
+    warpgroup_sync();
+    const uint32_t box = smem_u32(buffer + (warp / 2) * kStoreBoxBytes);
+#pragma unroll
+    for (int r = 0; r < kStoreRows / 8; ++r)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i = sub * (kStoreRows / 8) + r;
+          st_shared_f32(box + sw128_offset(8 * r + 2 * t + e, col0 + 8 * h), acc[4 * i + 2 * h + e]);
+        }
+    fence_proxy_async_shared();
+    warpgroup_sync();
+    if (elected) {
+      const int f0 = n0 + warpgroup * 64, b0 = m0 + sub * kStoreRows;
+      tma_store_2d(tmap_out, buffer, f0, b0);
+      tma_store_2d(tmap_out, buffer + kStoreBoxBytes, f0 + 32, b0);
+    }
+  }
+  round += kTileM / kStoreRows;
+}
+
 // ---------------------------------------------------------------------------
 // Host side: tensor maps, the split-tile plan, device facts
 // ---------------------------------------------------------------------------
@@ -5310,13 +5411,18 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, uint64_
       : "memory");
 }
 
-// ---- shared-memory loads --------------------------------------------------
+// ---- shared-memory loads and stores ---------------------------------------
 
 // Two float32 words at a shared-memory address (8-byte aligned).
 __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
   float2 v = make_float2(0.f, 0.f);
   FUSED_GEMM_BN_SM90A_ASM("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
   return v;
+}
+
+// One float32 word to a shared-memory address.
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+  FUSED_GEMM_BN_SM90A_ASM("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
 }
 
 // ---- registers per warpgroup role ----------------------------------------
@@ -5337,6 +5443,12 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 template <uint32_t kId, uint32_t kThreads>
 __device__ __forceinline__ void named_barrier_sync() {
   FUSED_GEMM_BN_SM90A_ASM("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
+
+// The same on hardware barrier `id`, a register operand (warp-uniform).
+template <uint32_t kThreads>
+__device__ __forceinline__ void named_barrier_sync(uint32_t id) {
+  FUSED_GEMM_BN_SM90A_ASM("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
 }
 
 // Atomic add at GPU scope with acquire-release semantics (PTX ISA: atom;
@@ -5398,15 +5510,11 @@ __device__ __forceinline__ void tma_store_2d(const void* tmap, const void* src, 
   FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 
-// Waits until this thread's committed TMA stores have read their shared memory.
+// Waits until at most the kPending most recent of this thread's committed TMA stores have
+// yet to read their shared memory (every older one has; 0: all have).
+template <int kPending>
 __device__ __forceinline__ void tma_store_wait_read() {
-  FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-
-// Waits until at most the most recent of this thread's committed TMA stores has yet to read
-// its shared memory (every older one has).
-__device__ __forceinline__ void tma_store_wait_read_pending1() {
-  FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+  FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 
 // ---- wgmma ----------------------------------------------------------------

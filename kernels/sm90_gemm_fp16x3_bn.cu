@@ -5,7 +5,8 @@
 //
 // Formula: z[m, n] = sum_k x[m, k] * w[n, k] (z = x @ W^T, no bias), then the
 // epilogues of sm90_gemm_tiles.cuh (kTrain: out = z and per-tile mean / M2;
-// kEval: out = a[n] z + c[n]; kPlain: out = z).
+// kEval: out = a[n] z + c[n]; kPlain: out = z, grad W's through the staged TMA
+// stores, store_tile_staged).
 //
 // Tensors (row-major, contiguous, 16-byte aligned; K here is the parts' row
 // length, a multiple of 8: TMA needs 16-byte global strides of the 16-bit parts.
@@ -129,6 +130,18 @@ struct Fp16x3Traits {
   static constexpr int X_PART_BYTES = BLOCK_M * BLOCK_K * 2;
   static constexpr int STAGE_BYTES = 2 * W_PART_BYTES + 2 * X_PART_BYTES;  // w_hi, w_lo, x_hi, x_lo
   static constexpr int SMEM_BYTES = kNumStages * STAGE_BYTES + 2 * kNumStages * 8 + 1024;
+  // Whether an instantiation stores its tiles through store_tile_staged: grad W's
+  // product (kPlain, both operands MN-major), whose k is the batch, so that at small
+  // batches the tile's epilogue is most of its time (docs/perf.md v112).  The plain
+  // products with long k (grad x, eval's z) keep finish_tile's stores: with the staged
+  // path's code their mainloop measured slower (grad x at 1024 x 8192^2: 1.14x).
+  __host__ __device__ static constexpr bool staged_store(Epilogue e, bool w_mn, bool x_mn) {
+    return e == Epilogue::kPlain && w_mn && x_mn;
+  }
+  // The staged stores' buffers after the barriers, on a 1024-byte boundary (128-byte swizzle).
+  static constexpr int STAGING_OFFSET = kNumStages * STAGE_BYTES + 1024;
+  static constexpr int SMEM_BYTES_STAGED = STAGING_OFFSET + kStagingBytes + 1024;
+  static constexpr int smem_bytes(bool staged) { return staged ? SMEM_BYTES_STAGED : SMEM_BYTES; }
   static constexpr int MN_BOX_BYTES = kMnBoxRows * kMnBoxK * 2;  // one MN-major TMA box: 64 rows x 64 k
 
   static_assert(BLOCK_K * 2 == 128, "tiles are rows of one 128-byte swizzle span");
@@ -139,6 +152,8 @@ struct Fp16x3Traits {
                     kMnBoxRows == WGMMA_M && MN_BOX_BYTES == kMnBoxRows * 128,
                 "an MN-major part tile is two boxes: one per consumer warpgroup (w) or batch half (x)");
   static_assert(kNumConsumers * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "register file");
+  static_assert(2 * kNumStages * 8 <= 1024 && SMEM_BYTES_STAGED + 16 <= 232448,
+                "the barriers before the staging buffers; 227 KB of shared memory per block (the hand-off's static int too)");
   static_assert(BLOCK_N == kTileN && BLOCK_M == kTileM && kAccRegs == kTileAccRegs &&
                     kNumConsumers * 128 == kConsumerThreads,
                 "the tile of sm90_gemm_tiles.cuh (its epilogues and split-tile hand-off)");
@@ -157,7 +172,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     sm90_gemm_fp16x3_bn_kernel(const __grid_constant__ CUtensorMap tmap_w_hi,
                                const __grid_constant__ CUtensorMap tmap_w_lo,
                                const __grid_constant__ CUtensorMap tmap_x_hi,
-                               const __grid_constant__ CUtensorMap tmap_x_lo, const Sm90GemmBnArgs args) {
+                               const __grid_constant__ CUtensorMap tmap_x_lo, const Sm90GemmBnArgs args,
+                               const __grid_constant__ CUtensorMap tmap_out) {
 #if FUSED_GEMM_BN_SM90A
   using T = Fp16x3Traits;
   extern __shared__ uint8_t smem_raw[];
@@ -367,6 +383,8 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
 
   const int ctid = threadIdx.x;  // 0 .. 255 over the consumer warpgroups
   int q = 0;
+  constexpr bool kStagedStore = T::staged_store(kEpilogue, kWMn, kXMn);
+  int store_round = 0;  // store_tile_staged's count
   for_each_segment<kPersistent>(args.plan, cta, num_segments, num_k_blocks, [&](const WorkSegment& seg) {
     const int n_blocks = seg.kb_end - seg.kb_begin;
     mainloop(q, n_blocks);
@@ -374,8 +392,19 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
       return;
     finish_product<kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
+    if constexpr (kStagedStore) {
+      if (args.out_staged) {
+        const TileCoord tc = tile_coord<kGroupedOrder>(seg.tile, m_tiles, args.N);
+        store_tile_staged(acc, &tmap_out, smem + T::STAGING_OFFSET, tc.m * T::BLOCK_M, tc.n * T::BLOCK_N,
+                          store_round);
+        return;
+      }
+    }
     finish_tile<kEpilogue, kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);
   });
+  if constexpr (kStagedStore) {
+    if (args.out_staged && threadIdx.x % 128 == 0) tma_store_wait_read<0>();  // shared memory outlives the reads
+  }
 #elif defined(__CUDA_ARCH__)
   __trap();  // this kernel exists only in sm_90a images; the launcher never selects it elsewhere
 #endif
@@ -409,7 +438,12 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
       kernel = persistent ? sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, true, true>
                           : sm90_gemm_fp16x3_bn_kernel<kEpilogue, kWMn, kXMn, false, false, true>;
   }
-  CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo;
+  CUtensorMap tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo, tmap_out{};
+  // out through staged TMA stores where the instantiation has them and TMA can address
+  // out (N % 4 == 0, 16-byte aligned); else finish_tile's scalar stores.
+  constexpr bool kStaged = T::staged_store(kEpilogue, kWMn, kXMn);
+  if constexpr (kStaged)
+    args.out_staged = make_tensor_map(&tmap_out, args.out, TileDtype::kFloat32, args.M, args.N, kStoreRows);
   if (w.mn_major != kWMn || x.mn_major != kXMn ||
       !make_part_map(&tmap_w_hi, w.hi, kWMn, args.N, args.K, T::BLOCK_N) ||
       !make_part_map(&tmap_w_lo, w.lo, kWMn, args.N, args.K, T::BLOCK_N) ||
@@ -422,7 +456,7 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (device >= kMaxCachedDevices || !smem_set[short_x][grouped][persistent][device]) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::SMEM_BYTES);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::smem_bytes(kStaged));
     if (err != cudaSuccess) return err;
     if (device < kMaxCachedDevices) smem_set[short_x][grouped][persistent][device] = true;
   }
@@ -440,8 +474,8 @@ static cudaError_t launch_fp16x3(Fp16x3Parts x, Fp16x3Parts w, Sm90GemmBnArgs ar
   long long ctas = static_cast<long long>(args.plan.sk_ctas) + args.plan.dp_tiles;  // work units
   if (ctas > INT32_MAX) return cudaErrorInvalidConfiguration;
   if (persistent && ctas > facts.num_sms) ctas = facts.num_sms;
-  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::SMEM_BYTES, stream>>>(tmap_w_hi, tmap_w_lo, tmap_x_hi,
-                                                                                 tmap_x_lo, args);
+  kernel<<<static_cast<unsigned>(ctas), T::kNumThreads, T::smem_bytes(kStaged), stream>>>(
+      tmap_w_hi, tmap_w_lo, tmap_x_hi, tmap_x_lo, args, tmap_out);
   return cudaGetLastError();
 }
 
@@ -490,7 +524,7 @@ bool fused_gemm_bn::sm90_gemm_available() {
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-        major == 9 && minor == 0 && smem_optin >= Fp16x3Traits::SMEM_BYTES &&
+        major == 9 && minor == 0 && smem_optin >= Fp16x3Traits::SMEM_BYTES_STAGED &&
         // the sm_90a cubin reports binaryVersion 90; a build without it does not
         cudaFuncGetAttributes(&attr, sm90_gemm_fp16x3_bn_kernel<sm90::Epilogue::kTrain, false, false, false, false>) ==
             cudaSuccess &&

@@ -2,7 +2,8 @@
 // lowp/sm90_gemm_bn_16bit.cu uses the work split, the hand-off and the tensor
 // maps): the 128 x 128 output tile and its register layout, the grid's work
 // split (whole tiles and split tiles, StreamKPlan), the split-tile hand-off,
-// the BatchNorm epilogues (finish_tile), and the host's tensor maps.  The
+// the BatchNorm epilogues (finish_tile), the staged TMA stores of grad W's tiles
+// (store_tile_staged), and the host's tensor maps.  The
 // epilogue formulas are in bn_stats.cuh.
 //
 // Split tiles (a locality-preserving stream-K; StreamKPlan and its rule,
@@ -70,6 +71,9 @@ struct Sm90GemmBnArgs {
   // Batch rows of x's K-major TMA boxes (the fp16x3 kernel's kShortX instantiations: M
   // rounded up to 8 where the batch is shorter than a tile; else the tile's rows).
   int x_box_rows;
+  // out leaves through store_tile_staged (an instantiation that has it, out's tensor map
+  // made); else through finish_tile's scalar stores.
+  bool out_staged;
 };
 
 // Tile order.  The grid's CTAs take tiles in index order, one CTA per SM, so
@@ -342,6 +346,69 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kTileAccRegs], const Sm
       if (f_base + 8 < N) out_row[f_base + 8] = acc[4 * i + 2 + e];
     }
   }
+}
+
+// Staged stores (the fp16x3 kernel's grad W instantiations: Fp16x3Traits::staged_store).
+// finish_tile's scalar stores (8 features x 4 rows a warp instruction) hold the consumers
+// until the tile's 64 KB have been issued; with one 64-k block per tile (grad W at a batch
+// of 24-64 rows, 8192 x 8192) a tile took about 4.5 us, about 1 of them the mainloop
+// (docs/perf.md v111).  Here each consumer warpgroup's 64 features x kTileM rows leave in
+// kTileM / kStoreRows rounds of two boxes, kStoreRows rows x 32 features (128 bytes, one
+// swizzle span) each, written to shared memory apart from the ring and stored by TMA
+// (rows >= M and features >= N clipped), so the stores drain while the next tile's
+// mainloop runs.  The rounds alternate between the warpgroup's two buffers; a buffer is
+// rewritten once the two stores that last read it have read it (wait_group.read 2: the
+// previous round's two may still be pending; PTX ISA 9.7.9.25.3).  The st.shared of one
+// warp instruction cover rows 2t + e (t = 0 .. 3) x 8 features: with the 128-byte swizzle
+// eight distinct 16-byte chunks, so no bank conflict.  `round` counts the warpgroup's
+// rounds over the CTA's tiles; the CTA waits for the last reads before it exits (the
+// kernel's tail), and the writes are ordered by the grid's end.  Barriers 2 and 3 (one
+// per warpgroup; 1 is split_tile_hand_off's): the warpgroup's index made warp-uniform
+// (__shfl_sync) and the id a register.  With a branch per warpgroup between two immediate
+// ids, ptxas moved the mainloop's descriptor arithmetic off the uniform datapath (46 R2UR
+// among its wgmmas; grad x and z at 1024 x 8192^2 then 1.18-1.2x slower).  Measured: grad
+// W 0.93-0.97x the scalar stores' time at 24-1024 rows (docs/perf.md v112).  initcheck
+// does not see TMA stores; the poisoned-output tests check every element is written.
+constexpr int kStoreRows = 32;
+constexpr int kStoreBoxBytes = kStoreRows * 128;                     // 32 rows x 32 fp32
+constexpr int kStagingBytes = (kConsumerThreads / 128) * 2 * 2 * kStoreBoxBytes;  // warpgroups x buffers x boxes
+
+__device__ __forceinline__ void store_tile_staged(const float (&acc)[kTileAccRegs], const CUtensorMap* tmap_out,
+                                                  uint8_t* staging, int m0, int n0, int& round) {
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);  // consumer threads 0 .. 255
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int t = lane % 4;
+  const bool elected = threadIdx.x % 128 == 0;
+  auto warpgroup_sync = [&]() { named_barrier_sync<128>(2 + warpgroup); };
+  // Feature 16 warp + lane / 4 + 8 h of the warpgroup's 64: box warp / 2, column
+  // 16 (warp % 2) + lane / 4 + 8 h of its 32.
+  const int col0 = 16 * (warp % 2) + lane / 4;
+  uint8_t* const buffers = staging + warpgroup * 2 * 2 * kStoreBoxBytes;
+#pragma unroll
+  for (int sub = 0; sub < kTileM / kStoreRows; ++sub) {
+    uint8_t* const buffer = buffers + ((round + sub) & 1) * 2 * kStoreBoxBytes;
+    if (elected) tma_store_wait_read<2>();
+    warpgroup_sync();
+    const uint32_t box = smem_u32(buffer + (warp / 2) * kStoreBoxBytes);
+#pragma unroll
+    for (int r = 0; r < kStoreRows / 8; ++r)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i = sub * (kStoreRows / 8) + r;
+          st_shared_f32(box + sw128_offset(8 * r + 2 * t + e, col0 + 8 * h), acc[4 * i + 2 * h + e]);
+        }
+    fence_proxy_async_shared();
+    warpgroup_sync();
+    if (elected) {
+      const int f0 = n0 + warpgroup * 64, b0 = m0 + sub * kStoreRows;
+      tma_store_2d(tmap_out, buffer, f0, b0);
+      tma_store_2d(tmap_out, buffer + kStoreBoxBytes, f0 + 32, b0);
+    }
+  }
+  round += kTileM / kStoreRows;
 }
 
 // ---------------------------------------------------------------------------

@@ -92,13 +92,18 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, uint64_
       : "memory");
 }
 
-// ---- shared-memory loads --------------------------------------------------
+// ---- shared-memory loads and stores ---------------------------------------
 
 // Two float32 words at a shared-memory address (8-byte aligned).
 __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
   float2 v = make_float2(0.f, 0.f);
   FUSED_GEMM_BN_SM90A_ASM("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
   return v;
+}
+
+// One float32 word to a shared-memory address.
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+  FUSED_GEMM_BN_SM90A_ASM("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
 }
 
 // ---- registers per warpgroup role ----------------------------------------
@@ -119,6 +124,12 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 template <uint32_t kId, uint32_t kThreads>
 __device__ __forceinline__ void named_barrier_sync() {
   FUSED_GEMM_BN_SM90A_ASM("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
+
+// The same on hardware barrier `id`, a register operand (warp-uniform).
+template <uint32_t kThreads>
+__device__ __forceinline__ void named_barrier_sync(uint32_t id) {
+  FUSED_GEMM_BN_SM90A_ASM("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
 }
 
 // Atomic add at GPU scope with acquire-release semantics (PTX ISA: atom;
@@ -180,15 +191,11 @@ __device__ __forceinline__ void tma_store_2d(const void* tmap, const void* src, 
   FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 
-// Waits until this thread's committed TMA stores have read their shared memory.
+// Waits until at most the kPending most recent of this thread's committed TMA stores have
+// yet to read their shared memory (every older one has; 0: all have).
+template <int kPending>
 __device__ __forceinline__ void tma_store_wait_read() {
-  FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-
-// Waits until at most the most recent of this thread's committed TMA stores has yet to read
-// its shared memory (every older one has).
-__device__ __forceinline__ void tma_store_wait_read_pending1() {
-  FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+  FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 
 // ---- wgmma ----------------------------------------------------------------

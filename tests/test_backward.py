@@ -48,7 +48,8 @@ GPU (skipped without CUDA; float32; TF32 off for the eager references)
     both printed; gemm.bias in training exactly zero (the float64 oracle's is
     rounding noise, asserted)
   - test_gpu_forward_train_saved_contract, test_gpu_forward_train_saved_small_m_centred,
-    test_gpu_gemm_nt_any_strides,
+    test_gpu_gemm_nt_any_strides, test_gpu_plain_products_write_every_element (outputs in
+    NaN-poisoned memory),
     test_gpu_bn_backward_train_contract, test_gpu_softmax_rows_backward: the
     extension functions against float64, with the same 2x-eager criterion
   - test_gpu_ops_path_matches_function_path, test_gpu_opcheck,
@@ -888,6 +889,46 @@ def test_gpu_gemm_nn_tn(m, n, k, layout, fp32_matmul):
             assert len(names) == len(expected) + (0 if contiguous else 1), names  # + a's row copy otherwise
             for fragment in expected:
                 assert any(fragment in n_ for n_ in names), (fragment, names)
+
+
+# (m, n, k) of a (m, n), b (n, k), c (m, k), d (m, k): outputs a b (m, k), a^T c (n, k) and d b^T (m, n) whose
+# rows are a multiple of 4 floats (the fp16x3 kernel's staged TMA stores; tiles partial in
+# rows and columns) or not (its per-element stores): (40, 96, 102) gemm_nn's and gemm_tn's,
+# (257, 130, 1028) gemm_nt's.
+WRITE_EVERY_ELEMENT_SHAPES = [(33, 136, 520), (40, 96, 102), (257, 130, 1028), (130, 1028, 136), (24, 8192, 4096)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("m,n,k", WRITE_EVERY_ELEMENT_SHAPES)
+def test_gpu_plain_products_write_every_element(m, n, k, fp32_matmul):
+    """gemm_nn, gemm_tn and gemm_nt write every element of their output: each runs once,
+    its output is filled with NaN and freed, and the next call's output reuses that block
+    (asserted: else the check would be vacuous), holds no NaN and is within
+    test_gpu_gemm_nn_tn's bar of float64."""
+    gen = torch.Generator().manual_seed(31)
+    a = torch.randn(m, n, generator=gen).cuda()
+    b = torch.randn(n, k, generator=gen).cuda()
+    c = torch.randn(m, k, generator=gen).cuda()
+    d = torch.randn(m, k, generator=gen).cuda()
+    gemm_nn = model_new.dispatch_gemm_nt(a, b.t())
+    gemm_tn = model_new.dispatch_gemm_tn(a, c)
+    gemm_nt = model_new.dispatch_gemm_nt(d, b)
+    for name, run, ref64, eager in [
+            ("gemm_nn", lambda: model_new._ext.gemm_nn(gemm_nn, a, b, None), a.double() @ b.double(), a @ b),
+            ("gemm_tn", lambda: model_new._ext.gemm_tn(gemm_tn, a, c), a.double().t() @ c.double(), a.t() @ c),
+            ("gemm_nt", lambda: model_new._ext.gemm_nt(gemm_nt, d, b, None), d.double() @ b.double().t(), d @ b.t())]:
+        poison = run()
+        poison.fill_(float("nan"))
+        poisoned_ptr = poison.data_ptr()
+        del poison
+        out = run()
+        torch.cuda.synchronize()
+        assert out.data_ptr() == poisoned_ptr, f"{name}: the output did not reuse the poisoned block"
+        unwritten = int(torch.isnan(out).sum())
+        assert unwritten == 0, f"{name}: {unwritten} of {out.numel()} output elements not written"
+        err_new, err_eager = rel_err(out, ref64), rel_err(eager, ref64)
+        print(f"\n[{name}] ({m},{n},{k}) out {tuple(out.shape)}: err {err_new:.2e}, torch fp32 {err_eager:.2e}")
+        assert err_new <= 2 * err_eager + GRAD_FLOOR, name
 
 
 @requires_cuda

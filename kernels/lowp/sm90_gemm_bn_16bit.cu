@@ -311,7 +311,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[64 * kBlockM /
 #pragma unroll
   for (int sub = 0; sub < kBlockM / kStoreRows; ++sub, ++round) {
     uint8_t* box = buffers + (round & 1) * (kStoreRows * 128);
-    if (elected) sm90::tma_store_wait_read_pending1();
+    if (elected) sm90::tma_store_wait_read<1>();
     warpgroup_sync();
 #pragma unroll
     for (int i = sub * kGroupsPerBox; i < (sub + 1) * kGroupsPerBox; i += 2) {
@@ -709,7 +709,7 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
     tile_epilogue<T, S, kChain, kBlockM>(acc, fv, args, m_tile, m0, n0, &tmap_out, &tmap_z, staging, store_round);
   });
   if constexpr (TR::kPersistent) {
-    if (threadIdx.x % 128 == 0) tma_store_wait_read();  // the last boxes read before shared memory goes
+    if (threadIdx.x % 128 == 0) tma_store_wait_read<0>();  // the last boxes read before shared memory goes
   }
   FUSED_GEMM_BN_LOWP_PHASE(6);
 #elif defined(__CUDA_ARCH__)

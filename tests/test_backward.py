@@ -891,10 +891,10 @@ def test_gpu_gemm_nn_tn(m, n, k, layout, fp32_matmul):
                 assert any(fragment in n_ for n_ in names), (fragment, names)
 
 
-# (m, n, k) of a (m, n), b (n, k), c (m, k), d (m, k): outputs a b (m, k), a^T c (n, k) and d b^T (m, n) whose
-# rows are a multiple of 4 floats (the fp16x3 kernel's staged TMA stores; tiles partial in
-# rows and columns) or not (its per-element stores): (40, 96, 102) gemm_nn's and gemm_tn's,
-# (257, 130, 1028) gemm_nt's.
+# (m, n, k) of a (m, n), b (n, k), c (m, k), d (m, k): outputs a b (m, k), a^T c (n, k) and
+# d b^T (m, n), whose rows are a multiple of 4 floats (grad W's staged TMA stores; tiles
+# partial in rows and columns) or not (per-element stores: gemm_nn's and gemm_tn's at
+# (40, 96, 102), gemm_nt's at (257, 130, 1028)).
 WRITE_EVERY_ELEMENT_SHAPES = [(33, 136, 520), (40, 96, 102), (257, 130, 1028), (130, 1028, 136), (24, 8192, 4096)]
 
 

@@ -387,11 +387,14 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
   int store_round = 0;  // store_tile_staged's count
   for_each_segment<kPersistent>(args.plan, cta, num_segments, num_k_blocks, [&](const WorkSegment& seg) {
     const int n_blocks = seg.kb_end - seg.kb_begin;
+    // Grad W's scales loaded ahead of the products, off the tile's serial chain (v113).
+    TileScales scales;
+    if constexpr (kStagedStore) scales = load_tile_scales<kGroupedOrder>(args, seg.tile, m_tiles, w_row, t);
     mainloop(q, n_blocks);
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
       return;
-    finish_product<kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
+    finish_product<kGroupedOrder, kStagedStore>(acc, args, seg.tile, m_tiles, w_row, t, scales);  // scales, centre
     if constexpr (kStagedStore) {
       if (args.out_staged) {
         const TileCoord tc = tile_coord<kGroupedOrder>(seg.tile, m_tiles, args.N);

@@ -289,23 +289,18 @@ __device__ __forceinline__ void store_tile(const float (&acc)[64 * kBlockM / 128
 // the CTA's tiles (out's and z's alike); a buffer is rewritten once the store that
 // last read it has read it (cp.async.bulk.wait_group.read 1, PTX ISA 9.7.9.25.3).  The
 // writes themselves are ordered by the grid's end; the CTA waits for the last reads
-// before it exits (the kernel's tail).
+// before it exits (the kernel's tail).  Barriers 3 and 4, one per warpgroup, the id a
+// register from the warp-uniform warpgroup index (see the kernel's `warpgroup`).
 template <typename S, int kBlockM>
 __device__ __forceinline__ void store_tile_tma(const float (&acc)[64 * kBlockM / 128], const CUtensorMap* tmap,
                                                uint8_t* staging, int m0, int n0, int& round) {
   constexpr int kGroupsPerBox = kStoreRows / 8;
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);  // warp-uniform
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   const bool elected = threadIdx.x % 128 == 0;
   uint8_t* buffers = staging + warpgroup * (2 * kStoreRows * 128);
-  auto warpgroup_sync = [&]() {
-    if (warpgroup == 0) {
-      sm90::named_barrier_sync<3, 128>();
-    } else {
-      sm90::named_barrier_sync<4, 128>();
-    }
-  };
+  auto warpgroup_sync = [&]() { sm90::named_barrier_sync<128>(3 + warpgroup); };
   const int j = lane / 8;
   const int chunk = 2 * warp + j % 2;
 #pragma unroll
@@ -545,7 +540,11 @@ __global__ void __launch_bounds__(Traits<kBlockM, kWFloat>::kNumThreads, 1)
 
   const int m_tiles = (args.M + TR::BLOCK_M - 1) / TR::BLOCK_M;
   const int num_k_blocks = (args.K + TR::BLOCK_K - 1) / TR::BLOCK_K;
-  const int warpgroup = threadIdx.x / 128;
+  // Warp-uniform (__shfl_sync), so the mainloop's wgmma descriptors, which add the
+  // warpgroup's W rows, stay on the uniform datapath: from threadIdx.x / 128, ptxas
+  // built them in vector registers (6 R2UR among the wgmmas; 0.986-0.999x the time at
+  // 1024 x 8192^2 and 16384 x 4096^2 without them, docs/perf.md v113).
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const int cta = static_cast<int>(blockIdx.x);
   const int num_segments = cta_num_segments(args.plan, cta);
   FUSED_GEMM_BN_LOWP_PHASE(0);

@@ -4712,11 +4712,14 @@ __global__ void __launch_bounds__(Fp16x3Traits::kNumThreads, 1)
   int store_round = 0;  // store_tile_staged's count
   for_each_segment<kPersistent>(args.plan, cta, num_segments, num_k_blocks, [&](const WorkSegment& seg) {
     const int n_blocks = seg.kb_end - seg.kb_begin;
+    // Grad W's scales loaded ahead of the products, off the tile's serial chain (v113).
+    TileScales scales;
+    if constexpr (kStagedStore) scales = load_tile_scales<kGroupedOrder>(args, seg.tile, m_tiles, w_row, t);
     mainloop(q, n_blocks);
     q += n_blocks;
     if (seg.piece >= 0 && !split_tile_hand_off(acc, args.plan, args.partials, args.tile_arrivals, seg, ctid))
       return;
-    finish_product<kGroupedOrder>(acc, args, seg.tile, m_tiles, w_row, t);  // scales, centre's share
+    finish_product<kGroupedOrder, kStagedStore>(acc, args, seg.tile, m_tiles, w_row, t, scales);  // scales, centre
     if constexpr (kStagedStore) {
       if (args.out_staged) {
         const TileCoord tc = tile_coord<kGroupedOrder>(seg.tile, m_tiles, args.N);
@@ -5156,28 +5159,73 @@ __device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], 
 // operands' power-of-two row scales, two exact multiplies; 2^-e_n = 1 where
 // args.w_inv_scale is null) + c_m (hi_n + lo_n) where x was centred
 // (args.x_center not null; centring.cuh): two fmas, one rounding of z beyond
-// the tiny lo product.  Rows past M or N hold zeros and stay zero.
+// the tiny lo product.  Rows past M or N hold zeros and stay zero.  The scales
+// (the thread's 2 features' 2^-e_n and row sums, its kTileAccRegs / 2 rows' 2^-e_m)
+// are loaded here, after the products, or by load_tile_scales before them (grad W's
+// staged instantiations, where a tile is one or two k-blocks at a small batch and the
+// loads after the products were a long-scoreboard stall of both warpgroups each tile:
+// 0.95x grad W's time at 24-128 x 8192^2, docs/perf.md v113); the rows' centres (x
+// centred) are loaded here either way.
+struct TileScales {
+  float w_inv[2];
+  float2 w_sum[2];
+  float x_inv[kTileAccRegs / 2];  // row 8 i + 2 t + e at 2 i + e
+};
+
+// Features f0 and f0 + 8: 2^-e_n (1 where w is unscaled, 0 past N) and the row sums (x centred).
+__device__ __forceinline__ void load_w_scales(const Sm90GemmBnArgs& args, int f0, bool centred, float (&w_inv)[2],
+                                              float2 (&w_sum)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int f = f0 + 8 * h;
+    w_inv[h] = f < args.N ? (args.w_inv_scale != nullptr ? __ldg(args.w_inv_scale + f) : 1.f) : 0.f;
+    w_sum[h] = centred && f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
+  }
+}
+
 template <bool kGroupedOrder>
+__device__ __forceinline__ TileScales load_tile_scales(const Sm90GemmBnArgs& args, int tile, int m_tiles, int w_row,
+                                                       int t) {
+  const TileCoord tc = tile_coord<kGroupedOrder>(tile, m_tiles, args.N);
+  const int m0 = tc.m * kTileM, n0 = tc.n * kTileN;
+  const bool centred = args.x_center != nullptr;
+  TileScales s;
+  load_w_scales(args, n0 + w_row, centred, s.w_inv, s.w_sum);
+#pragma unroll
+  for (int i = 0; i < kTileAccRegs / 4; ++i)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int b = m0 + 8 * i + 2 * t + e;
+      s.x_inv[2 * i + e] = b < args.M ? __ldg(args.x_inv_scale + b) : 0.f;
+    }
+  return s;
+}
+
+// kPreloaded: the scales come from `pre` (load_tile_scales, before the products); else
+// they are loaded here.
+template <bool kGroupedOrder, bool kPreloaded = false>
 __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const Sm90GemmBnArgs& args, int tile,
-                                               int m_tiles, int w_row, int t) {
+                                               int m_tiles, int w_row, int t, const TileScales& pre = TileScales{}) {
   const TileCoord tc = tile_coord<kGroupedOrder>(tile, m_tiles, args.N);
   const int m0 = tc.m * kTileM, n0 = tc.n * kTileN;
   const bool centred = args.x_center != nullptr;
   float w_inv[2];
   float2 w_sum[2];
+  if constexpr (kPreloaded) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int f = n0 + w_row + 8 * h;
-    // No w scales (an operand used as stored, unscaled): 1.
-    w_inv[h] = f < args.N ? (args.w_inv_scale != nullptr ? __ldg(args.w_inv_scale + f) : 1.f) : 0.f;
-    w_sum[h] = centred && f < args.N ? __ldg(args.w_row_sum + f) : make_float2(0.f, 0.f);
+    for (int h = 0; h < 2; ++h) {
+      w_inv[h] = pre.w_inv[h];
+      w_sum[h] = pre.w_sum[h];
+    }
+  } else {
+    load_w_scales(args, n0 + w_row, centred, w_inv, w_sum);
   }
 #pragma unroll
   for (int i = 0; i < kTileAccRegs / 4; ++i)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int b = m0 + 8 * i + 2 * t + e;
-      const float inv = b < args.M ? __ldg(args.x_inv_scale + b) : 0.f;
+      const float inv = kPreloaded ? pre.x_inv[2 * i + e] : b < args.M ? __ldg(args.x_inv_scale + b) : 0.f;
       const float c = centred && b < args.M ? __ldg(args.x_center + b) : 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

@@ -5096,8 +5096,9 @@ __device__ __forceinline__ bool split_tile_hand_off(float (&acc)[kTileAccRegs], 
 // are loaded here, after the products, or by load_tile_scales before them (grad W's
 // staged instantiations, where a tile is one or two k-blocks at a small batch and the
 // loads after the products were a long-scoreboard stall of both warpgroups each tile:
-// 0.95x grad W's time at 24-128 x 8192^2, docs/perf.md v113); the rows' centres (x
-// centred) are loaded here either way.
+// 0.95x grad W's time at 24-128 x 8192^2, docs/perf.md v113; that form also skips the
+// centring fmas where x is not centred: 0.85-0.91x more at 24-128 rows, v114); the rows'
+// centres (x centred) are loaded here either way.
 struct TileScales {
   float w_inv[2];
   float2 w_sum[2];
@@ -5144,6 +5145,20 @@ __device__ __forceinline__ void finish_product(float (&acc)[kTileAccRegs], const
   float w_inv[2];
   float2 w_sum[2];
   if constexpr (kPreloaded) {
+    if (!centred) {
+      // x not centred (grad W's operands never are): only the scales, without the two
+      // fmas that would add c_m (hi_n + lo_n) = +0 (128 instructions a thread a tile).
+#pragma unroll
+      for (int i = 0; i < kTileAccRegs / 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float& z = acc[4 * i + 2 * h + e];
+            z = (z * pre.w_inv[h]) * pre.x_inv[2 * i + e];
+          }
+      return;
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       w_inv[h] = pre.w_inv[h];

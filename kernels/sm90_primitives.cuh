@@ -1,8 +1,9 @@
 // sm90_primitives.cuh -- thin PTX wrappers for the Hopper kernels
 // (sm90_gemm_fp16x3_bn.cu; lowp/sm90_wgmma_16bit.cuh, lowp/sm90_gemm_bn_16bit.cu;
-// small_m_fp64.cu's TMA ring): mbarriers, TMA tile loads, named barriers and
-// the GPU-scope atomic of the split-tile hand-off, wgmma shared-memory
-// descriptors and the fp16 wgmma form the fp16x3 GEMM issues (A from registers).
+// small_m_fp64.cu's TMA ring): mbarriers, TMA tile loads and stores (and the
+// staged-store round both GEMMs' epilogues run), named barriers and the GPU-scope
+// atomic of the split-tile hand-off, wgmma shared-memory descriptors and the fp16
+// wgmma form the fp16x3 GEMM issues (A from registers).
 //
 // Every wrapper compiles to nothing unless the pass targets sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL; FUSED_GEMM_BN_SM90A_ASM): wgmma and setmaxnreg
@@ -196,6 +197,25 @@ __device__ __forceinline__ void tma_store_2d(const void* tmap, const void* src, 
 template <int kPending>
 __device__ __forceinline__ void tma_store_wait_read() {
   FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
+// One round of a warpgroup's staged TMA store (both sm_90a GEMMs' epilogues:
+// store_tile_staged, lowp's store_tile_tma): the elected thread waits until at most
+// kPendingStores of its stores have yet to read shared memory (the buffer about to be
+// written is free), the warpgroup meets at hardware barrier `barrier_id` (a register
+// from a warp-uniform warpgroup index: an immediate chosen by a branch cost fp16x3's
+// mainloop its uniform datapath, docs/perf.md v112), every thread runs write() into
+// the buffer, fences its writes for the async proxy and meets the warpgroup again, and
+// the elected thread runs store() (the TMA stores of the buffer).  v115 measured one
+// barrier a round (the wait moved before the second) slower past one k-block a tile.
+template <int kPendingStores, typename Write, typename Store>
+__device__ __forceinline__ void staged_store_round(bool elected, uint32_t barrier_id, Write&& write, Store&& store) {
+  if (elected) tma_store_wait_read<kPendingStores>();
+  named_barrier_sync<128>(barrier_id);
+  write();
+  fence_proxy_async_shared();
+  named_barrier_sync<128>(barrier_id);
+  if (elected) store();
 }
 
 // ---- wgmma ----------------------------------------------------------------

@@ -289,8 +289,10 @@ __device__ __forceinline__ void store_tile(const float (&acc)[64 * kBlockM / 128
 // the CTA's tiles (out's and z's alike); a buffer is rewritten once the store that
 // last read it has read it (cp.async.bulk.wait_group.read 1, PTX ISA 9.7.9.25.3).  The
 // writes themselves are ordered by the grid's end; the CTA waits for the last reads
-// before it exits (the kernel's tail).  Barriers 3 and 4, one per warpgroup, the id a
-// register from the warp-uniform warpgroup index (see the kernel's `warpgroup`).
+// before it exits (the kernel's tail).  Each box is one sm90::staged_store_round
+// (sm90_primitives.cuh, shared with fp16x3's store_tile_staged) on barrier 3 or 4, one
+// per warpgroup, the id a register from the warp-uniform warpgroup index (see the
+// kernel's `warpgroup`).
 template <typename S, int kBlockM>
 __device__ __forceinline__ void store_tile_tma(const float (&acc)[64 * kBlockM / 128], const CUtensorMap* tmap,
                                                uint8_t* staging, int m0, int n0, int& round) {
@@ -300,28 +302,27 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[64 * kBlockM /
   const int lane = threadIdx.x % 32;
   const bool elected = threadIdx.x % 128 == 0;
   uint8_t* buffers = staging + warpgroup * (2 * kStoreRows * 128);
-  auto warpgroup_sync = [&]() { sm90::named_barrier_sync<128>(3 + warpgroup); };
   const int j = lane / 8;
   const int chunk = 2 * warp + j % 2;
 #pragma unroll
   for (int sub = 0; sub < kBlockM / kStoreRows; ++sub, ++round) {
     uint8_t* box = buffers + (round & 1) * (kStoreRows * 128);
-    if (elected) sm90::tma_store_wait_read<1>();
-    warpgroup_sync();
+    sm90::staged_store_round<1>(
+        elected, 3 + warpgroup,
+        [&]() {
 #pragma unroll
-    for (int i = sub * kGroupsPerBox; i < (sub + 1) * kGroupsPerBox; i += 2) {
-      uint32_t r[4];
+          for (int i = sub * kGroupsPerBox; i < (sub + 1) * kGroupsPerBox; i += 2) {
+            uint32_t r[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int base = 4 * (i + q / 2) + 2 * (q % 2);
-        r[q] = pack2(to_bits<S>(acc[base]), to_bits<S>(acc[base + 1]));
-      }
-      const int row = 8 * (i - sub * kGroupsPerBox + j / 2) + lane % 8;
-      sm90::stmatrix_x4_trans(r, sm90::smem_u32(box) + row * 128 + ((chunk ^ (row % 8)) << 4));
-    }
-    sm90::fence_proxy_async_shared();
-    warpgroup_sync();
-    if (elected) sm90::tma_store_2d(tmap, box, n0 + warpgroup * 64, m0 + sub * kStoreRows);
+            for (int q = 0; q < 4; ++q) {
+              const int base = 4 * (i + q / 2) + 2 * (q % 2);
+              r[q] = pack2(to_bits<S>(acc[base]), to_bits<S>(acc[base + 1]));
+            }
+            const int row = 8 * (i - sub * kGroupsPerBox + j / 2) + lane % 8;
+            sm90::stmatrix_x4_trans(r, sm90::smem_u32(box) + row * 128 + ((chunk ^ (row % 8)) << 4));
+          }
+        },
+        [&]() { sm90::tma_store_2d(tmap, box, n0 + warpgroup * 64, m0 + sub * kStoreRows); });
   }
 }
 

@@ -5342,8 +5342,9 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kTileAccRegs], const Sm
 // warp instruction cover rows 2t + e (t = 0 .. 3) x 8 features: with the 128-byte swizzle
 // eight distinct 16-byte chunks, so no bank conflict.  `round` counts the warpgroup's
 // rounds over the CTA's tiles; the CTA waits for the last reads before it exits (the
-// kernel's tail), and the writes are ordered by the grid's end.  Barriers 2 and 3 (one
-// per warpgroup; 1 is split_tile_hand_off's): the warpgroup's index made warp-uniform
+// kernel's tail), and the writes are ordered by the grid's end.  Each round is
+// staged_store_round (sm90_primitives.cuh, shared with lowp's store_tile_tma).  Barriers
+// 2 and 3 (one per warpgroup; 1 is split_tile_hand_off's): the warpgroup's index made warp-uniform
 // (__shfl_sync) and the id a register.  With a branch per warpgroup between two immediate
 // ids, ptxas moved the mainloop's descriptor arithmetic off the uniform datapath (46 R2UR
 // among its wgmmas; grad x and z at 1024 x 8192^2 then 1.18-1.2x slower).  Measured: grad
@@ -5360,7 +5361,6 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[kTileAccReg
   const int lane = threadIdx.x % 32;
   const int t = lane % 4;
   const bool elected = threadIdx.x % 128 == 0;
-  auto warpgroup_sync = [&]() { named_barrier_sync<128>(2 + warpgroup); };
   // Feature 16 warp + lane / 4 + 8 h of the warpgroup's 64: box warp / 2, column
   // 16 (warp % 2) + lane / 4 + 8 h of its 32.
   const int col0 = 16 * (warp % 2) + lane / 4;
@@ -5368,25 +5368,25 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[kTileAccReg
 #pragma unroll
   for (int sub = 0; sub < kTileM / kStoreRows; ++sub) {
     uint8_t* const buffer = buffers + ((round + sub) & 1) * 2 * kStoreBoxBytes;
-    if (elected) tma_store_wait_read<2>();
-    warpgroup_sync();
-    const uint32_t box = smem_u32(buffer + (warp / 2) * kStoreBoxBytes);
+    staged_store_round<2>(
+        elected, 2 + warpgroup,
+        [&]() {
+          const uint32_t box = smem_u32(buffer + (warp / 2) * kStoreBoxBytes);
 #pragma unroll
-    for (int r = 0; r < kStoreRows / 8; ++r)
+          for (int r = 0; r < kStoreRows / 8; ++r)
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
+            for (int e = 0; e < 2; ++e)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int i = sub * (kStoreRows / 8) + r;
-          st_shared_f32(box + sw128_offset(8 * r + 2 * t + e, col0 + 8 * h), acc[4 * i + 2 * h + e]);
-        }
-    fence_proxy_async_shared();
-    warpgroup_sync();
-    if (elected) {
-      const int f0 = n0 + warpgroup * 64, b0 = m0 + sub * kStoreRows;
-      tma_store_2d(tmap_out, buffer, f0, b0);
-      tma_store_2d(tmap_out, buffer + kStoreBoxBytes, f0 + 32, b0);
-    }
+              for (int h = 0; h < 2; ++h) {
+                const int i = sub * (kStoreRows / 8) + r;
+                st_shared_f32(box + sw128_offset(8 * r + 2 * t + e, col0 + 8 * h), acc[4 * i + 2 * h + e]);
+              }
+        },
+        [&]() {
+          const int f0 = n0 + warpgroup * 64, b0 = m0 + sub * kStoreRows;
+          tma_store_2d(tmap_out, buffer, f0, b0);
+          tma_store_2d(tmap_out, buffer + kStoreBoxBytes, f0 + 32, b0);
+        });
   }
   round += kTileM / kStoreRows;
 }
@@ -5450,9 +5450,10 @@ static long long partial_floats(const StreamKPlan& p) {
 ''',
     'sm90_primitives.cuh': r'''// sm90_primitives.cuh -- thin PTX wrappers for the Hopper kernels
 // (sm90_gemm_fp16x3_bn.cu; lowp/sm90_wgmma_16bit.cuh, lowp/sm90_gemm_bn_16bit.cu;
-// small_m_fp64.cu's TMA ring): mbarriers, TMA tile loads, named barriers and
-// the GPU-scope atomic of the split-tile hand-off, wgmma shared-memory
-// descriptors and the fp16 wgmma form the fp16x3 GEMM issues (A from registers).
+// small_m_fp64.cu's TMA ring): mbarriers, TMA tile loads and stores (and the
+// staged-store round both GEMMs' epilogues run), named barriers and the GPU-scope
+// atomic of the split-tile hand-off, wgmma shared-memory descriptors and the fp16
+// wgmma form the fp16x3 GEMM issues (A from registers).
 //
 // Every wrapper compiles to nothing unless the pass targets sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL; FUSED_GEMM_BN_SM90A_ASM): wgmma and setmaxnreg
@@ -5646,6 +5647,25 @@ __device__ __forceinline__ void tma_store_2d(const void* tmap, const void* src, 
 template <int kPending>
 __device__ __forceinline__ void tma_store_wait_read() {
   FUSED_GEMM_BN_SM90A_ASM("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
+// One round of a warpgroup's staged TMA store (both sm_90a GEMMs' epilogues:
+// store_tile_staged, lowp's store_tile_tma): the elected thread waits until at most
+// kPendingStores of its stores have yet to read shared memory (the buffer about to be
+// written is free), the warpgroup meets at hardware barrier `barrier_id` (a register
+// from a warp-uniform warpgroup index: an immediate chosen by a branch cost fp16x3's
+// mainloop its uniform datapath, docs/perf.md v112), every thread runs write() into
+// the buffer, fences its writes for the async proxy and meets the warpgroup again, and
+// the elected thread runs store() (the TMA stores of the buffer).  v115 measured one
+// barrier a round (the wait moved before the second) slower past one k-block a tile.
+template <int kPendingStores, typename Write, typename Store>
+__device__ __forceinline__ void staged_store_round(bool elected, uint32_t barrier_id, Write&& write, Store&& store) {
+  if (elected) tma_store_wait_read<kPendingStores>();
+  named_barrier_sync<128>(barrier_id);
+  write();
+  fence_proxy_async_shared();
+  named_barrier_sync<128>(barrier_id);
+  if (elected) store();
 }
 
 // ---- wgmma ----------------------------------------------------------------

@@ -73,6 +73,7 @@
 #include <stdint.h>
 
 #include "bn_stats.cuh"
+#include "cp_async.cuh"
 #include "heuristics_common.cuh"
 #include "launchers.cuh"
 #include "pdl.cuh"
@@ -158,16 +159,27 @@ __device__ __forceinline__ void add_sums(const float (&gv)[kRows], const float (
   }
 }
 
+// Feature j's BatchNorm vectors as finish_feature reads them: scale, bn.weight,
+// the batch variance, bn.bias (0 where bn.bias is not given).
+struct FeatureVectors {
+  float s, gamma, var, beta;
+};
+
+__device__ __forceinline__ FeatureVectors feature_vectors(const BnBackwardArgs& p, int j) {
+  return {p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride], p.bn.bn_weight[j], p.stats[p.N + j],
+          p.bn.bn_bias != nullptr ? p.bn.bn_bias[j] : 0.f};
+}
+
 // Feature j, once its sums are known: the coefficients of dz = a (g - c1 - (z
 // - mu) c2) from the sums dz needs (T1, T2 over `count` rows: every process's
 // in the synchronized backward), and the parameter gradients from this
 // process's S1, S2 (problem 33's dscale only where kScaleFromSums: the
 // synchronized backward sums it in pass 2).
 template <bool kScaleFromSums>
-__device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, double S1, double S2, double T1,
-                                               double T2, double count, double& a, double& c1, double& c2) {
-  const double s = p.bn.scale[static_cast<size_t>(j) * p.bn.scale_stride], gamma = p.bn.bn_weight[j];
-  const double var = p.stats[p.N + j];
+__device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, const FeatureVectors& v, double S1,
+                                               double S2, double T1, double T2, double count, double& a, double& c1,
+                                               double& c2) {
+  const double s = v.s, gamma = v.gamma, var = v.var;
   const double s2_var = p.bn.scale_after_bn ? var : s * s * var;
   const double sigma2 = s2_var + static_cast<double>(p.bn.eps);
   const double sigma = sqrt(sigma2);
@@ -177,8 +189,7 @@ __device__ __forceinline__ void finish_feature(const BnBackwardArgs& p, int j, d
   if (p.bn.scale_after_bn) {
     p.dbeta[j] = static_cast<float>(s * S1);
     p.dgamma[j] = static_cast<float>(s * S2 / sigma);
-    const double beta = p.bn.bn_bias != nullptr ? static_cast<double>(p.bn.bn_bias[j]) : 0.0;
-    write_dscale(p, j, gamma * S2 / sigma + beta * S1);
+    write_dscale(p, j, gamma * S2 / sigma + static_cast<double>(v.beta) * S1);
   } else {
     p.dbeta[j] = static_cast<float>(S1);
     p.dgamma[j] = static_cast<float>(s * S2 / sigma);
@@ -230,8 +241,8 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
       const double T1 = kMode == BwdMode::kGrad ? p.total_sums[j] : S1;
       const double T2 = kMode == BwdMode::kGrad ? p.total_sums[p.N + j] : S2;
       const double count = kMode == BwdMode::kGrad ? fmax(*p.merged_count, 1.0) : p.count;
-      finish_feature<kMode == BwdMode::kFull>(p, j, S1, S2, T1, T2, count, coef[0][lane], coef[1][lane],
-                                               coef[2][lane]);
+      finish_feature<kMode == BwdMode::kFull>(p, j, feature_vectors(p, j), S1, S2, T1, T2, count, coef[0][lane],
+                                               coef[1][lane], coef[2][lane]);
     }
   }
   if constexpr (kMode == BwdMode::kSums) return;
@@ -274,11 +285,16 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
 // kFull for batches of at most kResMaxRows rows: the strip of kResCols features
 // is read once and held in registers between the passes (512 threads, 32 row
 // groups of 16 features; each thread keeps its kResRows rows of g and z, 64
-// floats, all loads issued before the first use; 119 registers, one CTA per
+// floats, all loads issued before the first use; 118 registers, one CTA per
 // SM).  The two-pass kernel above re-reads the strip for pass 2, from DRAM once
 // the strips in flight outgrow L2 (at 1024 x 8192 all 256 CTAs are resident:
 // 64 MB); this one moves g and z once.  Same formulas (finish_feature); S1 and
 // S2 are summed per row group, then over the 32 groups in order, in float64.
+// The strip's FeatureVectors come into shared memory by cp.async beside its
+// loads and the groups' sums are read back in one unrolled run, so the serial
+// section between the two barriers (group 0 alone) waits on no global load:
+// with the vectors loaded there, after the sums, it took 12-22% of the kernel
+// (1024 x 8192 on an H200: 44.0 -> 38.8 us, the same bits; docs/perf.md v119).
 constexpr int kResCols = 16;                          // features per CTA (64 bytes of a row)
 constexpr int kResThreads = 512;
 constexpr int kResRowGroups = kResThreads / kResCols;  // 32
@@ -290,10 +306,23 @@ __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(co
   pdl_wait_then_release();
   __shared__ double red[2][kResRowGroups][kResCols];
   __shared__ double coef[3][kResCols];
+  __shared__ float vecs[4][kResCols];  // FeatureVectors
   const int c = threadIdx.x % kResCols, group = threadIdx.x / kResCols;
   const int j = blockIdx.x * kResCols + c;
   const bool valid = j < p.N;
   const float mu = valid ? p.stats[j] : 0.f;
+  // The strip's FeatureVectors (s, gamma, var, beta) into shared memory as the
+  // strip's own loads are issued, so that finish_feature does not wait for them
+  // after the sums (zero past N and for a missing bn.bias).
+  if (group == 0) {
+    const int jc = valid ? j : 0;
+    const bool beta = valid && p.bn.bn_bias != nullptr;
+    cp_async<4>(&vecs[0][c], p.bn.scale + static_cast<size_t>(jc) * p.bn.scale_stride, valid);
+    cp_async<4>(&vecs[1][c], p.bn.bn_weight + jc, valid);
+    cp_async<4>(&vecs[2][c], p.stats + p.N + jc, valid);
+    cp_async<4>(&vecs[3][c], beta ? p.bn.bn_bias + jc : p.stats, beta);
+    cp_async_commit();
+  }
   // This thread's rows: group + i kResRowGroups for i < rows (M * N < 2^31: int
   // offsets).  Every load is issued (rows past M and features past N read row
   // M - 1 / feature N - 1 again) and masked afterwards: g = 0, z = mu.
@@ -317,15 +346,17 @@ __global__ void __launch_bounds__(kResThreads, 1) bn_backward_resident_kernel(co
   add_sums(gv, zv, mu, s1, s2);
   red[0][group][c] = s1;
   red[1][group][c] = s2;
+  cp_async_wait<0>();  // vecs (group 0's copies)
   __syncthreads();
   if (group == 0 && valid) {
     double S1 = 0.0, S2 = 0.0;
-#pragma unroll 1
+#pragma unroll
     for (int w = 0; w < kResRowGroups; ++w) {
       S1 += red[0][w][c];
       S2 += red[1][w][c];
     }
-    finish_feature<true>(p, j, S1, S2, S1, S2, p.count, coef[0][c], coef[1][c], coef[2][c]);
+    const FeatureVectors v{vecs[0][c], vecs[1][c], vecs[2][c], vecs[3][c]};
+    finish_feature<true>(p, j, v, S1, S2, S1, S2, p.count, coef[0][c], coef[1][c], coef[2][c]);
   }
   __syncthreads();
   if (!valid) return;

@@ -79,9 +79,12 @@ from level2_84_gemm_batchnorm_scaling_softmax import model_new as model_new_84  
 # CTA's feature groups partly outside N at 1032.
 # (40, 2048, 1096): float32 grad W on sm90_fp16x3 in 144 tiles of one k-block, so CTAs of the persistent
 # grid walk two tiles (the staged stores' buffers reused across tiles).
+# (800, 64, 2200), (300, 72, 130): the float32 training backward's resident strip kernel
+# (bn_backward.cu; no other shape here takes it), its last strip partly outside N, rows past M
+# masked, its vectors' cp.async copies zero-filled past N.
 SMALL_SHAPES = [(200, 264, 136), (130, 1028, 260), (33, 36, 20), (2305, 64, 136), (2048, 200, 2176),
                 (7, 4095, 513), (4353, 72, 1100), (7, 4096, 512), (5, 520, 1000), (6, 264, 8192),
-                (12, 300, 1000), (40, 264, 1032), (40, 2048, 1096)]
+                (12, 300, 1000), (40, 264, 1032), (40, 2048, 1096), (800, 64, 2200), (300, 72, 130)]
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

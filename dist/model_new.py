@@ -776,9 +776,9 @@ __global__ void __launch_bounds__(kBwdCols* kBwdWarps) bn_backward_train_kernel(
 // S2 are summed per row group, then over the 32 groups in order, in float64.
 // The strip's FeatureVectors come into shared memory by cp.async beside its
 // loads and the groups' sums are read back in one unrolled run, so the serial
-// section between the two barriers (group 0 alone) waits on no global load:
-// with the vectors loaded there, after the sums, it took 12-22% of the kernel
-// (1024 x 8192 on an H200: 44.0 -> 38.8 us, the same bits; docs/perf.md v119).
+// section between the two barriers (group 0 alone) waits on no global load
+// (H200, the same bits: 1024 x 8192 44.8 -> 39.2 us, 768 x 8192 37.7 -> 33.2
+// against the vectors loaded there, after the sums; docs/perf.md v119).
 constexpr int kResCols = 16;                          // features per CTA (64 bytes of a row)
 constexpr int kResThreads = 512;
 constexpr int kResRowGroups = kResThreads / kResCols;  // 32
